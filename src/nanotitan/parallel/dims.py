@@ -1,0 +1,133 @@
+"""ParallelDims: a rank's (dp, pp, ep) coordinates, its neighbours, and the process groups of DESIGN §3.
+
+rank = (dp_rank * PP + pp_rank) * EP + ep_rank  — ep fastest, then pp, then dp — so the world is an
+`arange(world).view(DP, PP, EP)` grid and every group is a slice of it:
+- EP group          fixed (dp, pp), varies ep   — token all-to-all inside one stage of one replica
+- PP group          fixed (dp, ep), varies pp   — activations between stages
+- expert-DP group   fixed (pp, ep), varies dp   — all-reduce of expert gradients
+- non-expert-DP     fixed pp, varies (dp, ep)   — all-reduce of replicated gradients
+The coordinate maths is pure (no process groups) so it can be tested exhaustively;
+`build_groups()` makes every group once, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    pp: int
+    ep: int
+    rank: int = 0
+    groups: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name, v in (("dp", self.dp), ("pp", self.pp), ("ep", self.ep)):
+            if v < 1:
+                raise ValueError(f"parallel.{name}={v} must be >= 1 (--parallel.{name})")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank {self.rank} outside world dp*pp*ep = {self.dp}*{self.pp}*{self.ep} = {self.world_size}")
+
+    # --- coordinates ---------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.ep
+
+    def grid(self) -> torch.Tensor:
+        return torch.arange(self.world_size).view(self.dp, self.pp, self.ep)
+
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        r = self.rank if rank is None else rank
+        return r // (self.pp * self.ep), (r // self.ep) % self.pp, r % self.ep
+
+    def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.ep + ep_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords()[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords()[1]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coords()[2]
+
+    @property
+    def is_pp_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pp_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_pp_rank(self) -> int | None:
+        """Global rank of the previous stage (same dp, ep), None on the first stage."""
+        d, p, e = self.coords()
+        return None if p == 0 else self.rank_of(d, p - 1, e)
+
+    @property
+    def next_pp_rank(self) -> int | None:
+        d, p, e = self.coords()
+        return None if p == self.pp - 1 else self.rank_of(d, p + 1, e)
+
+    @property
+    def data_rank(self) -> int:
+        """Which shard of the global batch this rank reads: DP and EP read disjoint data, PP does not."""
+        return self.dp_rank * self.ep + self.ep_rank
+
+    @property
+    def data_world(self) -> int:
+        return self.dp * self.ep
+
+    # --- group membership (global ranks, sorted) ----------------------------------------------
+    def all_group_ranks(self, kind: str) -> list[list[int]]:
+        """Every group of one kind, as lists of global ranks, in a fixed order."""
+        g = self.grid()
+        if kind == "ep":
+            return [g[d, p, :].tolist() for d in range(self.dp) for p in range(self.pp)]
+        if kind == "pp":
+            return [g[d, :, e].tolist() for d in range(self.dp) for e in range(self.ep)]
+        if kind == "expert_dp":
+            return [g[:, p, e].tolist() for p in range(self.pp) for e in range(self.ep)]
+        if kind == "non_expert_dp":
+            return [g[:, p, :].reshape(-1).tolist() for p in range(self.pp)]
+        raise ValueError(f"unknown group kind {kind!r}")
+
+    def group_ranks(self, kind: str) -> list[int]:
+        """The global ranks of this rank's group of `kind`."""
+        (ranks,) = [r for r in self.all_group_ranks(kind) if self.rank in r]
+        return ranks
+
+    # --- process groups --------------------------------------------------------------------
+    def group(self, kind: str):
+        """This rank's ProcessGroup of `kind` (None when the group is just this rank)."""
+        return self.groups.get(kind)
+
+    def build_groups(self, timeout_s: float = 300.0, backend: str | None = None) -> "ParallelDims":
+        """Create every group of every kind, same order on all ranks (new_group is collective)."""
+        assert dist.is_initialized()
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"world size {dist.get_world_size()} != dp*pp*ep = {self.dp}*{self.pp}*{self.ep} "
+                f"(set --parallel.dp/pp/ep so their product is the world size)")
+        for kind in ("ep", "pp", "expert_dp", "non_expert_dp"):
+            for ranks in self.all_group_ranks(kind):
+                pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
+                if self.rank in ranks:
+                    self.groups[kind] = pg if len(ranks) > 1 else None
+        return self
+
+    def __str__(self) -> str:
+        d, p, e = self.coords()
+        return f"rank {self.rank} (dp {d}/{self.dp}, pp {p}/{self.pp}, ep {e}/{self.ep})"
