@@ -117,6 +117,7 @@ class Transformer(nn.Module):
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
+        self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         if spec.has_token_embed:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
@@ -161,12 +162,16 @@ class Transformer(nn.Module):
             x = inp
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
-        for block in self.layers.values():
+        for key, block in self.layers.items():
             if self.activation_checkpointing and self.training:
                 x, aux = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x, aux = block(x, rope)
             aux_sum = aux_sum + aux
+            if block.is_moe:  # read here, not in the MoE: a checkpoint recompute must not count twice
+                load = self.expert_load.get(key)
+                counts = block.moe.last_counts_E
+                self.expert_load[key] = counts if load is None else load + counts
         if not spec.has_head:
             return x, aux_sum
         logits = self.head(self.norm(x))

@@ -1,0 +1,253 @@
+"""Pipeline-parallel step time, bubble and activation memory on the MID model (BASELINES), PP=2, M=8, m=2.
+
+    python benchmarks/bench_pp.py [--repeats 7] [--splits 2,2 3,1] [--json out.json]
+
+Launches 2 gloo processes (1 thread each) and compares, interleaved round by round so machine noise
+hits every variant alike:
+- one process: the full model, gradient accumulation over the same 8 microbatches (the other rank idles);
+- ours:  `pipeline_forward_backward` with schedule 1f1b and gpipe, for each layer split;
+- torch: `torch.distributed.pipelining` Schedule1F1B / ScheduleGPipe on the same stages and microbatches.
+A step is zero_grad + forward/backward of all 8 microbatches + fused AdamW step; its time is the max over
+the two ranks after a barrier. Reported: min/median step time, ratios of medians, measured bubble
+(time blocked in P2P ÷ time in the schedule, per stage) vs (PP-1)/(M+PP-1), and peak activation memory
+per stage: the peak over the step of the bytes of distinct tensor storages that autograd holds saved for
+backward (a saved_tensors_hooks pack/unpack pair counts each storage once while any saved reference to
+it is alive; parameters are excluded). torch's schedules here backpropagate the CE only (their stages
+return one tensor), ours CE + aux: a slight advantage to torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.pp import pipeline_forward_backward, theoretical_bubble
+
+PP, M, MB, SEQ, VOCAB, D = 2, 8, 2, 128, 4096, 256
+SEED, AUX_WEIGHT = 0, 0.01 / 4
+
+
+def mid_cfg(pp: int, split: list[int] | None) -> Config:
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
+                        max_seq_len=SEQ)
+    return Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(split or [])))
+
+
+class SavedActivationBytes:
+    """Live bytes of distinct storages saved for backward (parameters excluded), and their peak."""
+
+    class _Handle:
+        def __init__(self, owner, t):
+            self.owner, self.t, self.key = owner, t, t.untyped_storage().data_ptr()
+            refs, nbytes = owner.live.get(self.key, (0, t.untyped_storage().nbytes()))
+            if refs == 0:
+                owner.cur += nbytes
+                owner.peak = max(owner.peak, owner.cur)
+            owner.live[self.key] = (refs + 1, nbytes)
+
+        def __del__(self):
+            refs, nbytes = self.owner.live[self.key]
+            if refs == 1:
+                del self.owner.live[self.key]
+                self.owner.cur -= nbytes
+            else:
+                self.owner.live[self.key] = (refs - 1, nbytes)
+
+    def __init__(self, params):
+        self.param_keys = {p.untyped_storage().data_ptr() for p in params}
+        self.live, self.cur, self.peak = {}, 0, 0
+
+    def hooks(self):
+        pack = lambda t: t if t.untyped_storage().data_ptr() in self.param_keys else self._Handle(self, t)
+        unpack = lambda h: h.t if isinstance(h, self._Handle) else h
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class LogitsStage(nn.Module):
+    """torch.distributed.pipelining wants one tensor out of a stage: hidden states, or logits on the last."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)[0]
+
+
+def ce_loss(logits, targets):
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _worker(rank, world, port, args, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    try:
+        q.put((rank, _bench(rank, world, args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _bench(rank, world, args):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    dims = ParallelDims(1, world, 1, rank).build_groups()
+    g = torch.Generator().manual_seed(0)
+    x_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
+    y_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
+    xs, ys = list(x_BS.split(MB)), list(y_BS.split(MB))
+    steps = {}  # variant name -> callable running one step on this rank
+    stats_of = {}  # variant name -> last StepStats (ours)
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    # one process: full model on rank 0, rank 1 idles at the barrier
+    if rank == 0:
+        full = Transformer(mid_cfg(1, None).model, None, SEED)
+        opt_full = adamw(full)
+
+        def single():
+            opt_full.zero_grad(set_to_none=True)
+            for x, y in zip(xs, ys):
+                ce, aux = full(x, y)
+                ((ce + AUX_WEIGHT * aux) / M).backward()
+            opt_full.step()
+        steps["single"] = single
+    else:
+        steps["single"] = lambda: None
+
+    for split in args.splits:
+        cfg = mid_cfg(PP, split)
+        spec = build_shard_spec(cfg, dims.pp_rank, 0)
+        tag = ",".join(map(str, split))
+        for schedule in ("1f1b", "gpipe"):
+            model = Transformer(cfg.model, spec, SEED)
+            opt = adamw(model)
+
+            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}[{tag}]"):
+                opt.zero_grad(set_to_none=True)
+                stats_of[name] = pipeline_forward_backward(
+                    model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
+                    before_backward=None, act_shape=(MB, SEQ, D), dtype=torch.float32, device="cpu")
+                opt.step()
+            steps[f"ours_{schedule}[{tag}]"] = ours
+
+            tmodel = Transformer(cfg.model, spec, SEED)
+            topt = adamw(tmodel)
+            example = (x_BS[:MB],) if dims.is_pp_first_stage else (torch.zeros(MB, SEQ, D, requires_grad=True),)
+            stage = PipelineStage(LogitsStage(tmodel), dims.pp_rank, PP, torch.device("cpu"), input_args=example,
+                                  group=dims.group("pp"))
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            sched = cls(stage, n_microbatches=M, loss_fn=ce_loss)
+
+            def torch_step(sched=sched, topt=topt):
+                topt.zero_grad(set_to_none=True)
+                if dims.is_pp_first_stage:
+                    sched.step(x_BS)
+                else:
+                    sched.step(target=y_BS, losses=[])
+                topt.step()
+            steps[f"torch_{schedule}[{tag}]"] = torch_step
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return dt.item()
+
+    for name, fn in steps.items():  # warm-up: allocator, gloo pairs, torch's stage shape inference
+        for _ in range(2):
+            timed(fn)
+    times = {name: [] for name in steps}
+    bubbles = {name: [] for name in steps if name.startswith("ours")}
+    for _ in range(args.repeats):
+        for name, fn in steps.items():
+            times[name].append(timed(fn))
+            if name in bubbles:
+                bubbles[name].append(stats_of[name].bubble)
+
+    # peak saved-activation bytes per stage, ours 1F1B vs GPipe (untimed steps)
+    cfg = mid_cfg(PP, args.splits[0])
+    peak = {}
+    for schedule in ("1f1b", "gpipe"):
+        model = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+        meter = SavedActivationBytes(model.parameters())
+        with meter.hooks():
+            pipeline_forward_backward(model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT,
+                                      loss_scale=1.0 / M, before_backward=None, act_shape=(MB, SEQ, D),
+                                      dtype=torch.float32, device="cpu")
+        assert meter.cur == 0, f"{meter.cur} saved bytes still alive after the step"
+        peak[schedule] = meter.peak
+    return dict(times=times, bubbles=bubbles, peak=peak)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--splits", nargs="+", default=["2,2", "3,1"], help="layers per stage, e.g. 2,2 3,1")
+    ap.add_argument("--json", default="", help="also write the raw results here")
+    args = ap.parse_args()
+    args.splits = [[int(n) for n in s.split(",")] for s in args.splits]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, PP, port, args, q)) for r in range(PP)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+
+    times = res[0]["times"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"MID model, PP={PP}, M={M}, m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats "
+          f"(step = zero_grad + fwd/bwd + fused AdamW)")
+    print(f"{'variant':<22}{'min s':>8}{'median s':>10}{'speedup vs 1 proc':>19}")
+    for k in times:
+        print(f"{k:<22}{min(times[k]):>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>19.2f}")
+    theo = theoretical_bubble(PP, M)
+    print(f"\ntheoretical bubble (PP-1)/(M+PP-1) = {theo:.3f}")
+    for k in res[0]["bubbles"]:
+        per_stage = [statistics.median(res[r]["bubbles"][k]) for r in range(PP)]
+        mean = sum(per_stage) / PP
+        print(f"measured bubble {k:<18} per stage {[round(b, 3) for b in per_stage]}  mean {mean:.3f} "
+              f"= {mean / theo:.2f} x theoretical")
+    for split in args.splits:
+        tag = ",".join(map(str, split))
+        print(f"split {tag}: ours 1F1B / torch Schedule1F1B = {med[f'ours_1f1b[{tag}]'] / med[f'torch_1f1b[{tag}]']:.2f}"
+              f", ours GPipe / torch ScheduleGPipe = {med[f'ours_gpipe[{tag}]'] / med[f'torch_gpipe[{tag}]']:.2f}")
+    split0 = ",".join(map(str, args.splits[0]))
+    for r in range(PP):
+        pk = res[r]["peak"]
+        print(f"stage {r} [{split0}] peak saved activations: 1F1B {pk['1f1b'] / 2**20:.1f} MiB, "
+              f"GPipe {pk['gpipe'] / 2**20:.1f} MiB ({pk['1f1b'] / pk['gpipe']:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(r): res[r] for r in res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

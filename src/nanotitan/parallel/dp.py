@@ -1,0 +1,205 @@
+"""Data parallelism: the bucketed gradient Reducer (seed, DP section), its naive oracle, and torch DDP.
+
+Contract of every implementation here: after `finish()`, each parameter's `.grad` equals
+`scale * SUM over the group of the local .grad` (group None = this rank alone: only the scale).
+The trainer passes `scale = 1/(DP*EP)` and the parameter's group (non-expert-DP for replicated
+params, expert-DP for expert shards), which gives DESIGN §4's averages.
+
+How the Reducer gets communication out of the way of compute:
+- Gradient-as-bucket-view: each param's `.grad` is a view into one flat buffer per bucket,
+  allocated once. Autograd accumulates into an existing `.grad` in place, so microbatches
+  accumulate straight into the buffer and the all-reduce needs no copy in or out.
+- Buckets are filled in reverse registration order (roughly the order backward produces
+  gradients). A post-accumulate-grad hook marks each param ready on the final microbatch; a
+  bucket's async all-reduce starts as soon as it is full and every earlier bucket has started,
+  so all ranks issue collectives in the same order even if one rank's params finish in another.
+- The scale is applied to the flat buffer just before its all-reduce (one pass over memory that
+  the collective is about to read anyway), never in a separate pass after the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import comm
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor  # the one buffer the grads of `params` are views into
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]  # views[i] is params[i].grad
+    pending: int = 0  # params not yet ready in this step's final microbatch
+    work: comm.TimedWork | None = None
+    launched: bool = False
+    names: list[str] = field(default_factory=list)
+
+
+class Reducer:
+    """Bucketed, overlapped SUM all-reduce of gradients over `group`, scaled by `scale`.
+
+    Per step: `prepare(sync=False)` before each non-final microbatch's backward,
+    `prepare(sync=True)` before the final one, then `finish()`; `zero_grad()` before the next step
+    (it replaces `optimizer.zero_grad()`, which must not set grads to None).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float):
+        if bucket_mb <= 0:
+            raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0 (--parallel.bucket_mb)")
+        self.group, self.scale = group, float(scale)
+        self.buckets: list[_Bucket] = []
+        self._sync = False
+        self._next_launch = 0  # index of the first bucket whose all-reduce has not started
+        cap = bucket_mb * 2**20
+        plan: list[list[tuple[str, nn.Parameter]]] = []
+        size = 0
+        for name, p in reversed([(n, p) for n, p in named_params if p.requires_grad]):
+            nbytes = p.numel() * p.element_size()
+            same_kind = plan and (plan[-1][0][1].dtype, plan[-1][0][1].device) == (p.dtype, p.device)
+            if not plan or not same_kind or size + nbytes > cap:
+                plan.append([])
+                size = 0
+            plan[-1].append((name, p))
+            size += nbytes
+        for entries in plan:
+            self.buckets.append(self._make_bucket(entries))
+        for bi, b in enumerate(self.buckets):
+            for pi, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(self._make_hook(bi, pi))
+
+    @staticmethod
+    def _make_bucket(entries: list[tuple[str, nn.Parameter]]) -> _Bucket:
+        p0 = entries[0][1]
+        flat = torch.zeros(sum(p.numel() for _, p in entries), dtype=p0.dtype, device=p0.device)
+        b = _Bucket(flat=flat, params=[p for _, p in entries], views=[], names=[n for n, _ in entries])
+        offset = 0
+        for _, p in entries:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is not None:  # keep what was accumulated before the Reducer existed
+                view.copy_(p.grad)
+            p.grad = view
+            b.views.append(view)
+            offset += p.numel()
+        return b
+
+    def _make_hook(self, bi: int, pi: int):
+        b = self.buckets[bi]
+        name = b.names[pi]
+
+        def hook(p: nn.Parameter) -> None:
+            if not self._sync:
+                return  # gradient accumulation: keep summing locally, no communication
+            if b.launched:
+                raise RuntimeError(
+                    f"{name} received a gradient after its bucket's all-reduce started: the final "
+                    f"microbatch must run a single backward (combine losses before .backward())")
+            b.pending -= 1
+            if b.pending == 0:
+                self._launch_ready()
+
+        return hook
+
+    # --- per step ------------------------------------------------------------------------------
+    def prepare(self, sync: bool) -> None:
+        """Call before each microbatch's backward; sync=True only for the step's final microbatch."""
+        assert not any(b.work for b in self.buckets), "finish() was not called after the last sync backward"
+        self._bind_views()
+        self._sync = sync
+        if sync:
+            self._next_launch = 0
+            for b in self.buckets:
+                b.pending, b.launched = len(b.params), False
+
+    def _launch_ready(self) -> None:
+        """Start every bucket that is full, in bucket order, stopping at the first one that is not."""
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if self.scale != 1.0:
+            b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
+        if self.group is not None:
+            b.work = comm.all_reduce(b.flat, group=self.group, axis="dp", async_op=True)
+        b.launched = True
+
+    def finish(self) -> None:
+        """Launch what is left (params that got no gradient are reduced as zeros), wait for all."""
+        if not self._sync:
+            raise RuntimeError("Reducer.finish() without prepare(sync=True) before the final backward")
+        for b in self.buckets[self._next_launch:]:
+            b.pending = 0
+        self._launch_ready()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+        self._sync = False
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the flat buffers (grads stay bound to them; never None)."""
+        for b in self.buckets:
+            b.flat.zero_()
+        self._bind_views()
+
+    @torch.no_grad()
+    def _bind_views(self) -> None:
+        """Re-point any .grad that was replaced (e.g. optimizer.zero_grad(set_to_none=True)) at its view,
+        keeping its value (None = zero). A bound .grad is accumulated in place by autograd; an unbound
+        one would be replaced by a fresh tensor and escape the bucket."""
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                g = p.grad
+                if g is None:
+                    view.zero_()
+                    p.grad = view
+                elif g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+                    p.grad = view
+
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (for logs and tests)."""
+        return [list(b.names) for b in self.buckets]
+
+
+class DataParallelNaive:
+    """Oracle: after the whole backward, one blocking all-reduce per parameter (picotron's naive DP)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, scale: float):
+        self.params = [p for _, p in named_params if p.requires_grad]
+        self.group, self.scale = group, scale
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.group is not None:
+                comm.all_reduce(p.grad, group=self.group, axis="dp")
+            p.grad.mul_(self.scale)
+
+
+def wrap_ddp(model: nn.Module, group, bucket_mb: float) -> nn.Module:
+    """torch DDP over `group` with the same bucket size, for side-by-side measurement (dp_impl="torch_ddp").
+
+    DDP averages over its group, i.e. scale = 1/group size: this matches our Reducer only when the
+    group is the whole data world (ep == 1). Use `no_sync(model)` on non-final microbatches, and
+    drop the DDP module before destroy_process_group (BASELINES: SIGABRT at exit otherwise).
+    With group None (one rank) the model is returned unwrapped.
+    """
+    if group is None:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
+                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+def no_sync(model: nn.Module):
+    """DDP's no_sync() for a wrapped model, a no-op context otherwise."""
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()

@@ -1,0 +1,181 @@
+"""Measure this machine for the planner (`nanotitan plan --measure`) and count live tensor bytes.
+
+- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count, fused-AdamW memory throughput, and
+  all-reduce / all-to-all / P2P bandwidth and latency over real gloo between 2 spawned local
+  processes; writes a JSON profile that `--hardware FILE` reads.
+- `TensorBytesMeter`: peak bytes of tensors allocated by torch ops while it is active. Peak RSS on
+  CPU is noisy (allocator caching, glibc arenas, shared pages), so the planner's memory model is
+  checked against this exact count instead: every op output's storage is added when it first
+  appears and removed when its storage is freed.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import statistics
+import time
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .hardware import GiB, Hardware, Link, save_hardware
+from .parallel import comm
+
+
+class TensorBytesMeter(TorchDispatchMode):
+    """`with TensorBytesMeter(known=tensors) as m: ...` then m.peak / m.current (bytes).
+    Storages of `known` tensors (parameters, inputs) are never counted, so their views are not either."""
+
+    def __init__(self, known: list[torch.Tensor] = ()):
+        super().__init__()
+        self.skip = {t.untyped_storage().data_ptr() for t in known}
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key in self.live or key in self.skip or s.nbytes() == 0:
+                continue
+            self.live[key] = s.nbytes()
+            self.current += s.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(s, self._free, key)  # storages keep their Python object: fires when freed
+        return out
+
+
+# --- compute --------------------------------------------------------------------------------------
+def gemm_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """Best-of fp32 n x n matmul FLOP/s on `threads` threads (best: the machine is shared)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return 2 * n**3 / min(times)
+    finally:
+        torch.set_num_threads(old)
+
+
+def adamw_bytes_per_s(n_params: int = 2_000_000, repeats: int = 5) -> float:
+    """Effective memory bandwidth of a fused fp32 AdamW step (28 bytes touched per parameter)."""
+    p = torch.nn.Parameter(torch.randn(n_params))
+    p.grad = torch.randn(n_params)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    opt.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return 28 * n_params / statistics.median(times)
+
+
+# --- communication (2 local gloo ranks) -----------------------------------------------------------
+def _timed(fn, repeats: int) -> float:
+    fn()
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _comm_worker(rank: int, world: int, port: int, nbytes: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + gloo, no model yet
+        big, small = torch.zeros(nbytes // 4), torch.zeros(1)
+        out = {"rss": rss}
+        for name, t in (("bw", big), ("lat", small)):
+            reps = 5 if name == "bw" else 50
+            out[f"ar_{name}"] = _timed(lambda: comm.all_reduce(t, axis="dp"), reps)
+            recv = torch.empty_like(t if t.numel() % world == 0 else torch.zeros(world))
+            send = t if t.numel() % world == 0 else torch.zeros(world)
+            out[f"a2a_{name}"] = _timed(lambda: comm.all_to_all_single(recv, send, axis="ep"), reps)
+
+            def ping_pong(t=t):  # half a round trip = one send/recv
+                if rank == 0:
+                    comm.send(t, 1, axis="pp")
+                    comm.recv(t, 1, axis="pp")
+                elif rank == 1:
+                    comm.recv(t, 0, axis="pp")
+                    comm.send(t, 0, axis="pp")
+            out[f"p2p_{name}"] = _timed(ping_pong, reps) / 2
+        if rank == 0:
+            q.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(nbytes: int = 16 * 2**20, timeout: float = 120.0) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_comm_worker, args=(r, 2, port, nbytes, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out = q.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    n, g = nbytes, 2
+    out["allreduce_bw"] = 2 * (g - 1) / g * n / max(out["ar_bw"] - 2 * (g - 1) * out["ar_lat"], 1e-9)
+    out["a2a_bw"] = (g - 1) / g * n / max(out["a2a_bw"] - out["a2a_lat"], 1e-9)
+    out["p2p_bw"] = n / max(out["p2p_bw"] - out["p2p_lat"], 1e-9)
+    return out
+
+
+def measure_hardware(out_path: str) -> Hardware:
+    """Profile this machine (CPU + gloo) and write it to out_path as JSON."""
+    cores = os.cpu_count() or 1
+    threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32) if t < cores})
+    by_threads = {t: gemm_flops(t) for t in threads}
+    c = measure_comm()
+    lat = statistics.median([c["ar_lat"] / 2, c["a2a_lat"], c["p2p_lat"]])
+    intra = Link(c["allreduce_bw"], c["a2a_bw"], c["p2p_bw"], lat)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hw = Hardware(name=f"measured-{socket.gethostname()}", peak_flops_bf16=by_threads[1], peak_flops_fp32=by_threads[1],
+                  compute_efficiency=0.5, gemm_half_rows=16, mem_bytes=float(mem),
+                  mem_reserved_bytes=float(c["rss"]), mem_bw=adamw_bytes_per_s(), devices_per_node=max(64, cores),
+                  intra=intra, inter=Link.uniform(0.1e9, 500e-6), dp_overlap=0.0, cores_per_node=cores,
+                  gemm_flops_by_threads=by_threads, layer_overhead_s=0.3e-3,
+                  source=f"nanotitan plan --measure, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}; "
+                         f"compute_efficiency/layer_overhead are defaults until calibrated")
+    save_hardware(hw, out_path)
+    return hw
+
+
+if __name__ == "__main__":
+    import sys
+
+    hw = measure_hardware(sys.argv[1] if len(sys.argv) > 1 else "hardware.json")
+    print(hw, f"mem {hw.mem_bytes / GiB:.1f} GiB")

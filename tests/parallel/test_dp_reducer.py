@@ -1,0 +1,203 @@
+"""The bucketed Reducer must give the same gradients as one all-reduce per parameter (DataParallelNaive).
+
+Covered on real gloo processes: bucket sizes from one param per bucket to one bucket for all, several
+microbatches per step (no dp communication before the final one), params with no gradient (never
+used, used only on one rank, used only in a non-final microbatch), scale != 1/world, grads that stay
+views of the flat buffers, bitwise-identical replicas after AdamW, torch DDP as a second reference,
+and the parameter broadcast / replica check of parallel/init.py.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanotitan.config import ModelConfig
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel.comm import COMM
+from nanotitan.parallel.dp import DataParallelNaive, Reducer, no_sync, wrap_ddp
+from nanotitan.parallel.init import broadcast_params, check_replicas
+from tests.mp import run_ranks
+
+TINY = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, ffn_dim=32, num_experts=4, top_k=2,
+                   max_seq_len=16)
+ONE_PER_BUCKET, ONE_BUCKET = 1e-9, 1000.0
+
+
+class TinyNet(nn.Module):
+    """A few Linears plus params that get no gradient: `rank0_only` (used only on rank 0), `first_mb`
+    (used only in microbatch 0) and `dead` (never used; registered last, so it sits in the FIRST bucket
+    in reverse order and holds back every launch until finish())."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.rank0_only, self.first_mb = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.dead = nn.Parameter(torch.randn(5))
+
+    def forward(self, x, rank: int, mb: int):
+        h = torch.tanh(self.inp(x))
+        h = h + torch.tanh(self.mid(h))
+        if rank == 0:
+            h = h + self.rank0_only(h)
+        if mb == 0:
+            h = h + self.first_mb(h)
+        return self.out(h).pow(2).mean()
+
+
+def _build(kind: str) -> nn.Module:
+    return Transformer(TINY, seed=0) if kind == "transformer" else TinyNet()
+
+
+def _loss(model, kind: str, rank: int, step: int, mb: int, M: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + mb)
+    if kind == "transformer":
+        tok = torch.randint(0, TINY.vocab_size, (2, 9), generator=g)
+        ce, aux = model(tok[:, :-1], tok[:, 1:])
+        return (ce + 0.01 * aux) / M
+    return model(torch.randn(3, 8, generator=g), rank, mb) / M
+
+
+def _flat_numpy(model: nn.Module):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def _reducer_vs_naive(rank, world):
+    group = dist.group.WORLD
+    cases = [("transformer", ONE_PER_BUCKET, 3, 1.0 / world), ("transformer", ONE_BUCKET, 1, 0.37),
+             ("transformer", 0.002, 2, 0.37), ("tinynet", ONE_PER_BUCKET, 3, 0.37), ("tinynet", ONE_BUCKET, 2, 1.0 / world)]
+    for kind, bucket_mb, M, scale in cases:
+        a, b = _build(kind), _build(kind)
+        reducer = Reducer(list(a.named_parameters()), group, bucket_mb, scale)
+        naive = DataParallelNaive(list(b.named_parameters()), group, scale)
+        n_buckets, n_params = len(reducer.buckets), len(list(a.parameters()))
+        if bucket_mb == ONE_PER_BUCKET:
+            assert n_buckets == n_params
+        if bucket_mb == ONE_BUCKET:
+            assert n_buckets == 1
+        ptrs = [p.grad.data_ptr() for p in a.parameters()]
+        opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+        for step in range(2):
+            reducer.zero_grad()
+            b.zero_grad(set_to_none=True)
+            COMM.reset()
+            for mb in range(M):
+                reducer.prepare(sync=mb == M - 1)
+                _loss(a, kind, rank, step, mb, M).backward()
+                _loss(b, kind, rank, step, mb, M).backward()
+                if mb < M - 1:
+                    assert COMM.calls["dp"] == 0, "dp communication before the final microbatch"
+            if kind == "transformer":
+                # every param got its grad: all buckets must have launched during backward (overlap)
+                assert COMM.calls["dp"] == n_buckets, (COMM.calls["dp"], n_buckets)
+            else:
+                assert COMM.calls["dp"] == 0  # `dead` is in bucket 0: nothing may jump ahead of it
+            reducer.finish()
+            assert COMM.calls["dp"] == n_buckets
+            naive.finish()
+            for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+                torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-6, msg=f"{kind} {name}")
+            assert [p.grad.data_ptr() for p in a.parameters()] == ptrs, "grads must stay bucket views"
+            if kind == "tinynet":
+                assert torch.count_nonzero(a.dead.grad) == 0 and torch.count_nonzero(a.rank0_only.weight.grad) > 0
+            opt_a.step()
+            opt_b.step()
+        assert check_replicas(list(a.named_parameters()), group)
+    return _flat_numpy(a)  # numpy pickles by value; a tensor would travel as a shared-memory handle
+
+
+def _ddp_and_init(rank, world):
+    group = dist.group.WORLD
+    # torch DDP (averages over the group) against our Reducer with scale 1/world, M=2.
+    a, b = _build("transformer"), _build("transformer")
+    reducer = Reducer(list(a.named_parameters()), group, 0.01, 1.0 / world)
+    ddp = wrap_ddp(b, group, 0.01)
+    M = 2
+    for mb in range(M):
+        reducer.prepare(sync=mb == M - 1)
+        _loss(a, "transformer", rank, 0, mb, M).backward()
+        with no_sync(ddp) if mb < M - 1 else torch.enable_grad():
+            tok = torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 * rank + mb))
+            ce, aux = ddp(tok[:, :-1], tok[:, 1:])
+            ((ce + 0.01 * aux) / M).backward()
+    reducer.finish()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-6, msg=f"ddp {name}")
+    del ddp  # before the process group goes (BASELINES: SIGABRT at exit otherwise)
+
+    # broadcast_params: rank-dependent values become rank 0's; check_replicas sees the difference.
+    torch.manual_seed(rank)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    named = list(net.named_parameters())
+    before = check_replicas(named, group)
+    broadcast_params(named, src_global_rank=0, group=group)
+    after = check_replicas(named, group)
+    with torch.no_grad():
+        if rank == world - 1:
+            net[1].bias[0] = torch.nextafter(net[1].bias[0], torch.tensor(1.0))  # one ulp on one rank
+    perturbed = check_replicas(named, group)
+    return before, after, perturbed, _flat_numpy(net)
+
+
+def _world2(rank, world):
+    return _reducer_vs_naive(rank, world), _ddp_and_init(rank, world)  # one launch: start-up dominates
+
+
+def test_reducer_matches_naive_world4():
+    flat = run_ranks(_reducer_vs_naive, 4, timeout=90)
+    for other in flat[1:]:
+        assert np.array_equal(flat[0], other), "replicas differ after the optimizer step"
+
+
+def test_reducer_ddp_and_init_world2():
+    out = run_ranks(_world2, 2, timeout=90)
+    assert np.array_equal(out[0][0], out[1][0]), "replicas differ after the optimizer step"
+    init = [o[1] for o in out]
+    assert [o[0] for o in init] == [False, False]  # rank-seeded params differ before the broadcast
+    assert [o[1] for o in init] == [True, True]
+    assert [o[2] for o in init] == [False, False]  # one ulp on one rank: every rank gets the same verdict
+    assert not np.array_equal(init[0][3], init[1][3]) and np.array_equal(init[0][3][:-3], init[1][3][:-3])
+
+
+def test_single_rank_scales_and_accumulates_in_place():
+    """group None: no communication, grads = scale * local sum over microbatches, in the flat buffer."""
+    a, b = _build("tinynet"), _build("tinynet")
+    reducer = Reducer(list(a.named_parameters()), None, bucket_mb=0.001, scale=0.25)
+    ptrs = [p.grad.data_ptr() for p in a.parameters()]
+    COMM.reset()
+    for step in range(2):
+        reducer.zero_grad()
+        b.zero_grad(set_to_none=True)
+        for mb in range(3):
+            reducer.prepare(sync=mb == 2)
+            _loss(a, "tinynet", 0, step, mb, 3).backward()
+            _loss(b, "tinynet", 0, step, mb, 3).backward()
+        reducer.finish()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            expect = torch.zeros_like(pa) if pb.grad is None else 0.25 * pb.grad
+            torch.testing.assert_close(pa.grad, expect, atol=0, rtol=0)
+        assert [p.grad.data_ptr() for p in a.parameters()] == ptrs
+    assert COMM.calls["dp"] == 0
+
+
+def test_grads_reset_to_none_are_rebound():
+    """optimizer.zero_grad(set_to_none=True) by mistake: prepare() binds the grads to the bucket again (as zeros)."""
+    a = _build("tinynet")
+    reducer = Reducer(list(a.named_parameters()), None, bucket_mb=1.0, scale=1.0)
+    ptr = a.out.weight.grad.data_ptr()
+    a.zero_grad(set_to_none=True)
+    reducer.prepare(sync=True)
+    _loss(a, "tinynet", 0, 0, 0, 1).backward()
+    reducer.finish()
+    assert a.out.weight.grad.data_ptr() == ptr and torch.count_nonzero(a.out.weight.grad) > 0
+    assert reducer.buckets[0].flat.abs().sum() > 0
+
+
+def test_finish_without_sync_fails():
+    reducer = Reducer(list(_build("tinynet").named_parameters()), None, bucket_mb=1.0, scale=1.0)
+    reducer.prepare(sync=False)
+    with pytest.raises(RuntimeError, match="prepare\\(sync=True\\)"):
+        reducer.finish()

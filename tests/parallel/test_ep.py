@@ -1,0 +1,237 @@
+"""EP dispatch must give the same outputs and gradients as the whole MoE layer on one process.
+
+Each rank builds the full MoE (the reference) on the tokens of every rank, and its EP shard (router
+copied, experts [ep_rank*L, (ep_rank+1)*L)) on its own tokens. The loss is a sum over all tokens of
+<y, g> (g fixed per token), so the conventions are clean: input grads match per rank, an owner's expert
+grads match the reference slice, and router grads summed over the EP group match the reference.
+All cases of one EP size share one process launch (start-up dominates on 2 cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.model.moe import ExpertFFN, LocalDispatcher, MoE
+from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel import comm
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.ep import EPDispatcher, apply_ep, inverse_permutation, source_to_expert_major
+from tests.mp import run_ranks
+
+D, F_HID = 16, 24
+
+
+# --- vectorised permutation vs the seed's loop ------------------------------------------------
+def naive_source_to_expert_major(recv_PL: list[list[int]]) -> list[int]:
+    """The seed's layout change, one row at a time: for each local expert, the rows of each source."""
+    P, L = len(recv_PL), len(recv_PL[0])
+    start = {}
+    off = 0
+    for p in range(P):
+        for l in range(L):
+            start[p, l] = off
+            off += recv_PL[p][l]
+    return [start[p, l] + i for l in range(L) for p in range(P) for i in range(recv_PL[p][l])]
+
+
+def test_source_to_expert_major_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 1), (2, 1), (2, 4), (4, 2), (4, 8), (3, 5)]
+    for P, L in shapes:
+        for trial in range(20):
+            recv_PL = torch.randint(0, 6, (P, L), generator=g)
+            if trial % 4 == 0:  # whole sources / experts empty
+                recv_PL[torch.randint(0, P, (1,), generator=g)] = 0
+                recv_PL[:, torch.randint(0, L, (1,), generator=g)] = 0
+            if trial == 1:
+                recv_PL.zero_()
+            total = int(recv_PL.sum())
+            perm = source_to_expert_major(recv_PL, total)
+            assert perm.tolist() == naive_source_to_expert_major(recv_PL.tolist()), (P, L, recv_PL.tolist())
+            inv = inverse_permutation(perm)
+            assert torch.equal(perm[inv], torch.arange(total))
+
+
+# --- multi-rank equivalence -------------------------------------------------------------------
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference's scale (>= 1)."""
+    if a.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+
+def _full_moe(E: int, K: int, seed: int) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(D, F_HID, E, K, norm_topk=True, expert_start=0, expert_end=E)
+    with torch.no_grad():  # O(1) outputs so a 1e-6 tolerance means something
+        moe.router.weight.normal_(0, 0.5)
+        for p in moe.experts.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _shard(full: MoE, ep_rank: int, P: int) -> MoE:
+    E, L = full.num_experts, full.num_experts // P
+    moe = MoE(D, F_HID, E, full.top_k, full.norm_topk, ep_rank * L, (ep_rank + 1) * L)
+    with torch.no_grad():
+        moe.router.weight.copy_(full.router.weight)
+        for name in ("W_gate", "W_val", "W_out"):
+            getattr(moe.experts, name).copy_(getattr(full.experts, name)[ep_rank * L:(ep_rank + 1) * L])
+    return moe
+
+
+def _tokens(scenario: str, P: int, E: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if scenario == "random":
+        return [torch.randn(12 + 5 * p, D, generator=g) for p in range(P)]
+    # imbalanced: every token is near one direction v; the last rank has no tokens at all
+    v = torch.randn(D, generator=g)
+    v = v / v.norm()
+    return [v + 0.1 * torch.randn(0 if p == P - 1 else 20 + 3 * p, D, generator=g) for p in range(P)]
+
+
+def _moe_case(rank: int, P: int, group, E: int, K: int, scenario: str, seed: int) -> dict:
+    full = _full_moe(E, K, seed)
+    xs = _tokens(scenario, P, E, seed + 1)
+    if scenario == "imbalanced":  # expert 0 wins every token, expert E-1 loses every token
+        v = xs[0][0] / xs[0][0].norm()
+        with torch.no_grad():
+            full.router.weight[0] = 6 * v
+            full.router.weight[E - 1] = -6 * v
+    gs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 7 + p)) for p, x in enumerate(xs)]
+
+    # reference: one process, all tokens
+    x_ref = torch.cat(xs).requires_grad_(True)
+    y_ref, _ = full(x_ref.unsqueeze(0))
+    (y_ref.squeeze(0) * torch.cat(gs)).sum().backward()
+    counts_ref = full.last_counts_E
+
+    # EP shard, this rank's tokens
+    moe = _shard(full, rank, P)
+    moe.dispatcher = EPDispatcher(group, P, rank)
+    x = xs[rank].clone().requires_grad_(True)
+    y, _ = moe(x.unsqueeze(0))
+    (y.squeeze(0) * gs[rank]).sum().backward()
+
+    lo = sum(t.shape[0] for t in xs[:rank])
+    L = E // P
+    router_grad = moe.router.weight.grad.clone()
+    comm.all_reduce(router_grad, group=group, axis="other")
+    errs = {
+        "y": _close(y.squeeze(0), y_ref.squeeze(0)[lo:lo + x.shape[0]].detach()),
+        "x_grad": _close(x.grad, x_ref.grad[lo:lo + x.shape[0]]),
+        "router_grad": _close(router_grad, full.router.weight.grad),
+    }
+    for name in ("W_gate", "W_val", "W_out"):
+        errs[name + "_grad"] = _close(getattr(moe.experts, name).grad,
+                                      getattr(full.experts, name).grad[rank * L:(rank + 1) * L])
+    return {"errs": errs, "counts_ref": counts_ref.tolist(), "T": x.shape[0]}
+
+
+def _self_only_case(rank: int, P: int, group, E: int, K: int, seed: int) -> dict:
+    """Dispatcher alone, explicit routing: every rank sends all its assignments to its own experts
+    (nothing crosses the group), and rank 0 has no tokens."""
+    torch.manual_seed(seed)
+    full = ExpertFFN(E, D, F_HID)
+    for p in full.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    L = E // P
+    g = torch.Generator().manual_seed(seed + 1)
+    Ts = [0] + [10 + p for p in range(1, P)]
+    xs = [torch.randn(T, D, generator=g) for T in Ts]
+    ids = [torch.stack([torch.randperm(L, generator=g)[:K] + p * L for _ in range(T)]) if T else
+           torch.zeros(0, K, dtype=torch.long) for p, T in enumerate(Ts)]
+    ws = [torch.rand(T, K, generator=g) for T in Ts]
+
+    x_ref = torch.cat(xs).requires_grad_(True)
+    y_ref = LocalDispatcher()(x_ref, torch.cat(ids), torch.cat(ws), full, E)
+    y_ref.sum().backward()
+
+    shard = ExpertFFN(L, D, F_HID)
+    with torch.no_grad():
+        for name in ("W_gate", "W_val", "W_out"):
+            getattr(shard, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
+    x = xs[rank].clone().requires_grad_(True)
+    y = EPDispatcher(group, P, rank)(x, ids[rank], ws[rank], shard, E)
+    y.sum().backward()
+    lo = sum(Ts[:rank])
+    errs = {"y": _close(y, y_ref[lo:lo + Ts[rank]].detach()), "x_grad": _close(x.grad, x_ref.grad[lo:lo + Ts[rank]])}
+    for name in ("W_gate", "W_val", "W_out"):
+        errs[name + "_grad"] = _close(getattr(shard, name).grad, getattr(full, name).grad[rank * L:(rank + 1) * L])
+    return {"errs": errs}
+
+
+def _cases(P: int) -> list[tuple]:
+    cases = [("moe", E, K, "random") for E in (4, 8) for K in (1, 2)]
+    cases += [("moe", E, 2, "imbalanced") for E in (4, 8)]
+    cases += [("moe", 4, 1, "imbalanced"), ("moe", 4, 4, "random")]  # top_k = E once
+    cases += [("self_only", 8, 1, None)]
+    return cases
+
+
+def _tiny_cfg(ep: int) -> Config:
+    model = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, ffn_dim=24, num_experts=4, top_k=2,
+                        moe_every=1, max_seq_len=16)
+    return Config(model=model, parallel=ParallelConfig(ep=ep))
+
+
+def _apply_ep_case(rank: int, P: int) -> dict:
+    """apply_ep on a Transformer shard: logits on this rank's sequences equal the full model's, and the
+    summed loss backward gives the owner the full model's expert-gradient slice."""
+    cfg = _tiny_cfg(P)
+    dims = ParallelDims(1, 1, P, rank=rank).build_groups(timeout_s=60)
+    full = Transformer(cfg.model, seed=3)
+    shard = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), seed=3), dims)
+    assert all(isinstance(m.dispatcher, EPDispatcher) for m in shard.moe_layers())
+    toks = torch.randint(0, 64, (2 * P, 8), generator=torch.Generator().manual_seed(5))
+    logits_ref, _ = full(toks)
+    logits_ref.sum().backward()
+    logits, _ = shard(toks[2 * rank:2 * rank + 2])
+    logits.sum().backward()
+    L = 4 // P
+    errs = {"logits": _close(logits, logits_ref[2 * rank:2 * rank + 2].detach())}
+    ref = dict(full.named_parameters())
+    for name, p in shard.named_parameters():
+        if ".experts." in name:
+            errs[name] = _close(p.grad, ref[name].grad[rank * L:(rank + 1) * L])
+    return {"errs": errs}
+
+
+def _rank_main(rank: int, world: int) -> dict:
+    group = dist.new_group(list(range(world)))
+    out = {("apply_ep", 4, 2, None): _apply_ep_case(rank, world)}
+    for i, (kind, E, K, scenario) in enumerate(_cases(world)):
+        if kind == "moe":
+            out[(kind, E, K, scenario)] = _moe_case(rank, world, group, E, K, scenario, seed=100 + i)
+        else:
+            out[(kind, E, K, scenario)] = _self_only_case(rank, world, group, E, K, seed=100 + i)
+    return out
+
+
+def test_apply_ep_is_noop_at_ep1_and_rejects_wrong_shard():
+    cfg = _tiny_cfg(1)
+    model = Transformer(cfg.model, seed=0)
+    apply_ep(model, ParallelDims(1, 1, 1))
+    assert all(isinstance(m.dispatcher, LocalDispatcher) for m in model.moe_layers())
+    # a full (unsharded) model cannot take the EP dispatcher of ep=2
+    with pytest.raises(ValueError, match="build_shard_spec"):
+        apply_ep(model, ParallelDims(1, 1, 2, rank=1))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_dispatch_matches_single_process_moe(ep):
+    results = run_ranks(_rank_main, world=ep, timeout=80)
+    for case in [("apply_ep", 4, 2, None)] + _cases(ep):
+        for rank, res in enumerate(results):
+            for what, err in res[case]["errs"].items():
+                assert err <= 1e-6, f"ep={ep} case={case} rank={rank}: {what} differs by {err:.2e}"
+        if case[3] == "imbalanced":  # the scenario really is imbalanced
+            counts = results[0][case]["counts_ref"]
+            E, K = case[1], case[2]
+            T = sum(r[case]["T"] for r in results)
+            assert counts[0] == T and counts[E - 1] == 0 and results[-1][case]["T"] == 0, counts

@@ -1,0 +1,191 @@
+"""Pipeline schedules: every stage's gradients and the step's loss equal one process accumulating
+gradients over the same M microbatches (GPipe and 1F1B, PP=2 and 4, any M, with and without
+activation checkpointing, uneven layer splits, and over 10 AdamW steps with global-norm clipping).
+
+Each launch runs many cases (process start-up dominates on 2 cores); every rank also builds the full
+model and computes the single-process reference itself, then compares its own stage by parameter name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel import comm
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.pp import pipeline_forward_backward, theoretical_bubble
+from tests.mp import run_ranks
+
+SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
+AUX_WEIGHT = 0.3  # large, so a missing or doubled aux term shows in the gradients
+
+
+def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[int] | None = None) -> Config:
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=64, num_experts=4,
+                        top_k=2, max_seq_len=SEQ)
+    return Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(pp_layers or [])))
+
+
+def microbatches(M: int, step: int = 0):
+    g = torch.Generator().manual_seed(1000 + step)
+    xs = [torch.randint(0, VOCAB, (M_SEQ, SEQ), generator=g) for _ in range(M)]
+    ys = [(3 * x + 1) % VOCAB for x in xs]  # a learnable map, so training visibly lowers the loss
+    return xs, ys
+
+
+def reference_step(model, xs, ys):
+    """One process, gradient accumulation: backward loss_scale * (ce + aux_weight * aux) per microbatch."""
+    M, ce_sum, aux_sum = len(xs), 0.0, 0.0
+    for x, y in zip(xs, ys):
+        ce, aux = model(x, y)
+        ((1.0 / M) * (ce + AUX_WEIGHT * aux)).backward()
+        ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + aux.item()
+    return ce_sum, aux_sum
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def stage_step(model, dims, xs, ys, schedule):
+    flags = []
+    stats = pipeline_forward_backward(
+        model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / len(xs),
+        before_backward=flags.append, act_shape=(M_SEQ, SEQ, D), dtype=torch.float32, device="cpu")
+    return stats, flags
+
+
+def _grad_cases(rank, world, cases):
+    """For each (n_layers, pp_layers, schedule, M, ckpt): worst relative grad error of this stage vs the reference."""
+    dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
+    out = []
+    for n_layers, pp_layers, schedule, M, ckpt in cases:
+        cfg = tiny_cfg(world, n_layers, pp_layers)
+        xs, ys = microbatches(M)
+        full = Transformer(cfg.model, None, SEED)
+        ref_ce, ref_aux = reference_step(full, xs, ys)
+        ref_grads = {n: p.grad for n, p in full.named_parameters()}
+
+        stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+        stage.activation_checkpointing = ckpt
+        stats, flags = stage_step(stage, dims, xs, ys, schedule)
+        worst = max(rel_err(p.grad, ref_grads[n]) for n, p in stage.named_parameters())
+        aux_total = stats.aux_sum.clone()
+        comm.all_reduce(aux_total, group=dims.group("pp"), axis="other")
+        ce = stats.ce_sum.item() if dims.is_pp_last_stage else None
+        out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt), worst=worst, flags=flags,
+                        ce=ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
+                        n_params=sum(1 for _ in stage.parameters()), bubble=stats.bubble,
+                        timing_ok=abs(stats.wall_s - stats.p2p_wait_s - stats.compute_s) < 1e-9))
+    return out
+
+
+def _check_grad_results(results, world):
+    for rank, per_case in enumerate(results):
+        for r in per_case:
+            case, M = r["case"], r["case"][3]
+            where = f"pp_rank {rank}/{world} case (n_layers, pp_layers, schedule, M, ckpt)={case}"
+            assert r["n_params"] > 0, where
+            assert r["worst"] <= 1e-5, f"{where}: grad rel err {r['worst']:.2e}"
+            # the reducer's hook: one call per backward, is_last only on the final one
+            assert len(r["flags"]) == M and r["flags"][-1] and sum(r["flags"]) == 1, f"{where}: {r['flags']}"
+            assert math.isclose(r["aux"], r["ref_aux"], rel_tol=1e-5), f"{where}: aux {r['aux']} vs {r['ref_aux']}"
+            if rank == world - 1:
+                assert math.isclose(r["ce"], r["ref_ce"], rel_tol=1e-5), f"{where}: ce {r['ce']} vs {r['ref_ce']}"
+            else:
+                assert r["ce"] is None
+            assert r["timing_ok"] and 0.0 <= r["bubble"] < 1.0, where
+
+
+def test_pp2_gradients_match_single_process():
+    """PP=2: GPipe and 1F1B, M in {1, 2, 4}, with/without checkpointing, plus 3 layers split 2+1 and 1+2."""
+    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b") for M in (1, 2, 4) for ck in (False, True)]
+    cases += [(3, pl, s, 3, False) for pl in (None, [1, 2]) for s in ("gpipe", "1f1b")]
+    _check_grad_results(run_ranks(_grad_cases, 2, (cases,), timeout=90), 2)
+
+
+def test_pp4_gradients_match_single_process():
+    """PP=4 (one layer per stage): GPipe and 1F1B, M in {1, 4, 8} (M < PP must not hang), with/without checkpointing."""
+    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b") for M in (1, 4, 8) for ck in (False, True)]
+    _check_grad_results(run_ranks(_grad_cases, 4, (cases,), timeout=110), 4)
+
+
+def _clip_(params, local_sq: torch.Tensor, group, max_norm: float) -> float:
+    """Global-norm clipping across stages: squared norms summed over the PP group, then sqrt."""
+    comm.all_reduce(local_sq, group=group, axis="other")
+    norm = local_sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return norm.item()
+
+
+def _train_steps(rank, world, schedule, steps, M, clip):
+    """Train `steps` AdamW steps both pipelined (this stage) and single-process (reference, full model)."""
+    dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
+    cfg = tiny_cfg(world)
+    full = Transformer(cfg.model, None, SEED)
+    stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+    opt_ref = torch.optim.AdamW(full.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
+    log = []
+    for step in range(steps):
+        xs, ys = microbatches(M, step)
+        opt_ref.zero_grad(set_to_none=True)
+        ref_ce, ref_aux = reference_step(full, xs, ys)
+        ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), clip).item()
+        opt_ref.step()
+
+        opt.zero_grad(set_to_none=True)
+        stats, _ = stage_step(stage, dims, xs, ys, schedule)
+        sq = torch.stack([p.grad.pow(2).sum() for p in stage.parameters()]).sum()
+        norm = _clip_(list(stage.parameters()), sq, dims.group("pp"), clip)
+        opt.step()
+        # the step's loss: last stage's CE plus the aux of every stage
+        parts = torch.stack([stats.ce_sum if dims.is_pp_last_stage else torch.zeros(()), stats.aux_sum])
+        comm.all_reduce(parts, group=dims.group("pp"), axis="other")
+        loss = (parts[0] + AUX_WEIGHT * parts[1]).item() / M
+        log.append((loss, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
+    ref_params = dict(full.named_parameters())
+    worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in stage.named_parameters())
+    return dict(log=log, worst_param=worst_param)
+
+
+def test_pp2_ten_adamw_steps_match_single_process():
+    """PP=2, 10 AdamW steps with global-norm clipping: per-step loss and final params equal the single process."""
+    for schedule in ("1f1b", "gpipe"):
+        results = run_ranks(_train_steps, 2, (schedule, 10, 4, 0.1), timeout=90)
+        for rank, r in enumerate(results):
+            for step, (loss, ref_loss, norm, ref_norm) in enumerate(r["log"]):
+                assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"{schedule} step {step}: {loss} vs {ref_loss}"
+                assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"{schedule} step {step}: {norm} vs {ref_norm}"
+            assert any(n > 0.1 for *_, n, _ in r["log"]), "clipping never engaged: lower the clip"
+            assert r["worst_param"] <= 1e-5, f"{schedule} rank {rank}: param rel err {r['worst_param']:.2e}"
+        losses = [lg[0] for lg in results[0]["log"]]
+        assert losses[-1] < losses[0], f"{schedule}: loss did not go down: {losses}"
+
+
+def test_pp1_is_gradient_accumulation():
+    """With pp == 1 (no process group) both schedules are plain gradient accumulation."""
+    cfg = tiny_cfg(1)
+    xs, ys = microbatches(3)
+    full = Transformer(cfg.model, None, SEED)
+    ref_ce, _ = reference_step(full, xs, ys)
+    for schedule in ("gpipe", "1f1b"):
+        model = Transformer(cfg.model, None, SEED)
+        stats, flags = stage_step(model, ParallelDims(1, 1, 1), xs, ys, schedule)
+        assert flags == [False, False, True]
+        assert math.isclose(stats.ce_sum.item(), ref_ce, rel_tol=1e-6)
+        for n, p in model.named_parameters():
+            assert rel_err(p.grad, dict(full.named_parameters())[n].grad) <= 1e-6, n
+        assert stats.p2p_wait_s == 0.0
+
+
+def test_theoretical_bubble():
+    assert theoretical_bubble(1, 8) == 0.0
+    assert math.isclose(theoretical_bubble(2, 8), 1 / 9)
+    assert math.isclose(theoretical_bubble(4, 1), 3 / 4)

@@ -1,0 +1,229 @@
+"""Checkpoints are layout-independent: state saved in any (dp, pp, ep) layout loads into any other and
+equals, exactly, the single-process full model carried through the same updates; saves are atomic
+(a crash never leaves a checkpoint that looks complete), pruned to keep_last, and a checkpoint that
+does not fit the model fails with one line naming the tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanotitan import checkpoint as ckpt
+from nanotitan.config import Config, validate
+from nanotitan.model.spec import ModelShardSpec, build_shard_spec
+from nanotitan.model.transformer import Transformer, is_expert_param
+from nanotitan.parallel.dims import ParallelDims
+from tests.mp import run_ranks
+
+SEED = 7
+SAVE_KS = (1, 2)  # the saved state has taken two optimizer steps with these gradient keys
+
+
+def tiny_cfg(layout=(1, 1, 1), **model) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.ffn_dim, m.num_experts, m.top_k = 256, 32, 4, 4, 64, 4, 2
+    for k, v in model.items():
+        setattr(m, k, v)
+    cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep = layout
+    cfg.train.seed = SEED
+    validate(cfg)
+    return cfg
+
+
+def build(cfg: Config, spec: ModelShardSpec):
+    model = Transformer(cfg.model, spec, SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt
+
+
+def _grad(shape, name: str, expert_id: int, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"grad/{name}/{expert_id}/{k}".encode()))
+    return torch.randn(shape, generator=g)
+
+
+def perturb(model: Transformer, opt, ks) -> None:
+    """Optimizer steps whose gradients depend only on (global name, global expert id, k): every
+    layout reaches the same global state as the full model."""
+    for k in ks:
+        for name, p in model.named_parameters():
+            if is_expert_param(name):
+                start = model.spec.expert_start
+                p.grad = torch.stack([_grad(p.shape[1:], name, start + l, k) for l in range(p.shape[0])])
+            else:
+                p.grad = _grad(p.shape, name, -1, k)
+        opt.step()
+
+
+def mismatches(cfg: Config, model: Transformer, opt) -> list[str]:
+    """Compare a shard's params and AdamW state with the full model after SAVE_KS, by plain slicing."""
+    full, full_opt = build(cfg, ModelShardSpec.full(cfg.model))
+    perturb(full, full_opt, SAVE_KS)
+    ref = dict(full.named_parameters())
+    e0, e1 = model.spec.expert_start, model.spec.expert_end
+    bad = []
+    for name, p in model.named_parameters():
+        rp = ref[name]
+        pairs = [("param", p, rp)] + [(k, opt.state[p][k], full_opt.state[rp][k]) for k in ("exp_avg", "exp_avg_sq")]
+        for what, got, want in pairs:
+            want = want[e0:e1] if is_expert_param(name) else want
+            if not torch.equal(got, want):
+                bad.append(f"{name} {what}: max diff {(got - want).abs().max().item():.3g}")
+        st, rst = opt.state[p]["step"], full_opt.state[rp]["step"]
+        if not (torch.equal(st, rst) and st.dtype == rst.dtype and st.device == rst.device):
+            bad.append(f"{name} step {st!r} != {rst!r}")
+    return bad
+
+
+# --- rank functions (module level: spawned processes import them) ----------------------------------
+
+def _chain_rank(rank, world, layout, run_dir, load_step, save_step, pre_step):
+    """Build this layout's shard; either perturb it (first link) or load step `load_step` (optionally
+    into an optimizer that has already stepped, whose state must be overwritten); then save."""
+    dims = ParallelDims(*layout, rank).build_groups()
+    cfg = tiny_cfg(layout)
+    model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
+    bad, extra = [], None
+    if load_step is None:
+        perturb(model, opt, SAVE_KS)
+    else:
+        if pre_step:
+            perturb(model, opt, (99,))
+        extra = ckpt.load_checkpoint(ckpt.checkpoint_dir(run_dir) / f"step_{load_step}", model, opt, dims)
+        bad = mismatches(cfg, model, opt)
+    path = None
+    if save_step is not None:
+        path = str(ckpt.save_checkpoint(run_dir, save_step, model, opt, dims, cfg,
+                                        {"samples_consumed": 32 * save_step}, keep_last=0))
+    return bad, extra, path
+
+
+def _crash_rank(rank, world, run_dir):
+    """Save step 1, then die on rank 0 after step 2's data is written but before it is committed."""
+    layout = (1, 1, 2)
+    dims = ParallelDims(*layout, rank).build_groups()
+    cfg = tiny_cfg(layout)
+    model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
+    perturb(model, opt, SAVE_KS)
+    ckpt.save_checkpoint(run_dir, 1, model, opt, dims, cfg, {"samples_consumed": 32}, keep_last=2)
+    if rank == 0:
+        ckpt._fsync_dir = lambda p: os._exit(9)  # first call is just before the rename
+    ckpt.save_checkpoint(run_dir, 2, model, opt, dims, cfg, {"samples_consumed": 64}, keep_last=2)
+
+
+def _resume_rank(rank, world, run_dir):
+    """Resume from the newest complete checkpoint, then save 2, 3, 4 with keep_last=2."""
+    layout = (1, 1, 2)
+    dims = ParallelDims(*layout, rank).build_groups()
+    cfg = tiny_cfg(layout)
+    model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
+    extra = ckpt.load_checkpoint(ckpt.resolve_resume("auto", run_dir), model, opt, dims)
+    bad = mismatches(cfg, model, opt)
+    for step in (2, 3, 4):
+        ckpt.save_checkpoint(run_dir, step, model, opt, dims, cfg, {"samples_consumed": 32 * step}, keep_last=2)
+    return bad, extra
+
+
+def _mismatch_rank(rank, world, path):
+    """Load a (4 layers, vocab 256) checkpoint into models that do not fit it; return the errors."""
+    layout = (1, 2, 1)
+    dims = ParallelDims(*layout, rank).build_groups()
+    errors = []
+    for model_over in ({"vocab_size": 320}, {"n_layers": 6}, {"n_layers": 3}):
+        cfg = tiny_cfg(layout, **model_over)
+        model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
+        try:
+            ckpt.load_checkpoint(path, model, opt, dims)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+# --- tests -------------------------------------------------------------------------------------------
+
+# Each link loads the previous link's checkpoint in a new layout, checks it against the full model and
+# saves it again: (2,2,2)->(1,2,2), (1,2,2)->(2,2,1), (2,2,1)->(1,1,1), (1,1,1)->(2,1,2) in 5 launches.
+# (Same layout, (1,1,2)->(1,1,2), is test_interrupted_save_keeps_previous_and_prunes' resume.)
+CHAIN = [(2, 2, 2), (1, 2, 2), (2, 2, 1), (1, 1, 1), (2, 1, 2)]
+
+
+def _world(layout) -> int:
+    return layout[0] * layout[1] * layout[2]
+
+
+def test_reshard_chain_equals_full_model(tmp_path):
+    """Saved in one layout, loaded in another: every param and AdamW moment/step equals the full model's."""
+    state_bytes = []
+    for i, layout in enumerate(CHAIN):
+        load_step = i if i > 0 else None
+        save_step = i + 1 if i + 1 < len(CHAIN) else None
+        results = run_ranks(_chain_rank, _world(layout), (layout, str(tmp_path), load_step, save_step, i == 2),
+                            timeout=90)
+        for rank, (bad, extra, _) in enumerate(results):
+            assert bad == [], f"{CHAIN[i - 1]}->{layout} rank {rank}: {bad[:5]}"
+            if load_step is not None:
+                assert extra == {"samples_consumed": 32 * load_step, "step": load_step}
+        if save_step is None:
+            continue
+        path = Path(results[0][2])
+        assert {r[2] for r in results} == {str(path)} and path.name == f"step_{save_step}"
+        assert (path / ckpt.COMPLETE).is_file() and (path / "config.toml").is_file()
+        # Replicated keys are written once: the shard files hold exactly the bytes the metadata points
+        # at (a second copy written by a DP/EP replica would be unreferenced bytes)...
+        meta = ckpt.FileSystemReader(path).read_metadata()
+        written = sum(f.stat().st_size for f in path.glob("*.distcp"))
+        assert written == sum(s.length for s in meta.storage_data.values())
+        # ... and the model/optimizer bytes are the same in every layout (8 ranks write what 1 writes).
+        state_bytes.append(sum(s.length for i, s in meta.storage_data.items() if not i.fqn.startswith("rng.")))
+    assert len(set(state_bytes)) == 1, state_bytes
+
+
+def test_interrupted_save_keeps_previous_and_prunes(tmp_path):
+    """A save killed before its commit leaves the previous checkpoint the newest complete one; the next
+    run resumes from it, overwrites the stale tmp dir and keep_last prunes old checkpoints."""
+    with pytest.raises(RuntimeError, match="died|failed"):
+        run_ranks(_crash_rank, 2, (str(tmp_path),), timeout=60)
+    root = ckpt.checkpoint_dir(tmp_path)
+    assert (root / "step_2.tmp").is_dir() and not (root / "step_2").exists()
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_1"
+    results = run_ranks(_resume_rank, 2, (str(tmp_path),), timeout=60)
+    for bad, extra in results:
+        assert bad == [] and extra == {"samples_consumed": 32, "step": 1}
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_4"
+    state = json.loads((root / "step_4" / ckpt.STATE_FILE).read_text())
+    assert state["step"] == 4 and state["extra"] == {"samples_consumed": 128}
+
+
+def test_latest_ignores_incomplete(tmp_path):
+    """Only directories named step_N with a COMPLETE marker count; the highest N wins."""
+    root = ckpt.checkpoint_dir(tmp_path)
+    assert ckpt.latest_checkpoint(tmp_path) is None and ckpt.resolve_resume("auto", tmp_path) is None
+    for name, complete in (("step_5", True), ("step_12", True), ("step_30", False), ("step_40.tmp", True)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / ckpt.COMPLETE).write_text("")
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_12"
+    assert ckpt.resolve_resume("", tmp_path) is None
+    assert ckpt.resolve_resume(str(root / "step_5"), "elsewhere") == root / "step_5"
+    assert ckpt.resolve_resume(str(tmp_path), "elsewhere") == root / "step_12"
+    with pytest.raises(ValueError, match="train.resume"):
+        ckpt.resolve_resume(str(root / "step_30"), tmp_path)
+
+
+def test_mismatch_names_the_tensor(tmp_path):
+    """A checkpoint that does not fit the config fails on every rank with one line naming the tensor."""
+    ((_, _, path),) = run_ranks(_chain_rank, 1, ((1, 1, 1), str(tmp_path), None, 1, False), timeout=60)
+    per_rank = run_ranks(_mismatch_rank, 2, (path,), timeout=60)
+    (vocab0, more0, fewer0), (vocab1, more1, fewer1) = per_rank
+    assert "'model.tok_emb.weight' has shape [256, 32] but this model's is [320, 32]" in vocab0
+    assert "'model.head.weight' has shape [256, 32]" in vocab1
+    assert "no tensor 'model.layers.4." in more1 and "see rank 1's error" in more0  # rank 0 fits, still stops
+    assert fewer0 == fewer1 and "has 4 layers but model.n_layers=3" in fewer0
+    assert all("\n" not in e and e for r in per_rank for e in r)

