@@ -179,11 +179,13 @@ def _bench(rank, world, args):
             timed(fn)
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in steps if name.startswith("ours")}
+    computes = {name: [] for name in bubbles}
     for _ in range(args.repeats):
         for name, fn in steps.items():
             times[name].append(timed(fn))
             if name in bubbles:
                 bubbles[name].append(stats_of[name].bubble)
+                computes[name].append(stats_of[name].compute_s)
 
     # peak saved-activation bytes per stage, ours 1F1B vs GPipe (untimed steps)
     cfg = mid_cfg(PP, args.splits[0])
@@ -197,7 +199,7 @@ def _bench(rank, world, args):
                                       dtype=torch.float32, device="cpu")
         assert meter.cur == 0, f"{meter.cur} saved bytes still alive after the step"
         peak[schedule] = meter.peak
-    return dict(times=times, bubbles=bubbles, peak=peak)
+    return dict(times=times, bubbles=bubbles, computes=computes, peak=peak)
 
 
 def main():
@@ -224,20 +226,24 @@ def main():
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"MID model, PP={PP}, M={M}, m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats "
           f"(step = zero_grad + fwd/bwd + fused AdamW)")
-    print(f"{'variant':<22}{'min s':>8}{'median s':>10}{'speedup vs 1 proc':>19}")
+    mn = {k: min(v) for k, v in times.items()}
+    print(f"{'variant':<22}{'min s':>8}{'median s':>10}{'speedup (min)':>15}{'speedup (median)':>18}")
     for k in times:
-        print(f"{k:<22}{min(times[k]):>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>19.2f}")
+        print(f"{k:<22}{mn[k]:>8.3f}{med[k]:>10.3f}{mn['single'] / mn[k]:>15.2f}{med['single'] / med[k]:>18.2f}")
     theo = theoretical_bubble(PP, M)
     print(f"\ntheoretical bubble (PP-1)/(M+PP-1) = {theo:.3f}")
     for k in res[0]["bubbles"]:
         per_stage = [statistics.median(res[r]["bubbles"][k]) for r in range(PP)]
+        compute = [statistics.median(res[r]["computes"][k]) for r in range(PP)]
         mean = sum(per_stage) / PP
         print(f"measured bubble {k:<18} per stage {[round(b, 3) for b in per_stage]}  mean {mean:.3f} "
-              f"= {mean / theo:.2f} x theoretical")
+              f"= {mean / theo:.2f} x theoretical; compute s per stage {[round(c, 3) for c in compute]}")
     for split in args.splits:
         tag = ",".join(map(str, split))
-        print(f"split {tag}: ours 1F1B / torch Schedule1F1B = {med[f'ours_1f1b[{tag}]'] / med[f'torch_1f1b[{tag}]']:.2f}"
-              f", ours GPipe / torch ScheduleGPipe = {med[f'ours_gpipe[{tag}]'] / med[f'torch_gpipe[{tag}]']:.2f}")
+        for sched, cls in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
+            ours, ref = f"ours_{sched}[{tag}]", f"torch_{sched}[{tag}]"
+            print(f"split {tag}: ours {sched} / torch {cls}: min {mn[ours] / mn[ref]:.2f}, "
+                  f"median {med[ours] / med[ref]:.2f}")
     split0 = ",".join(map(str, args.splits[0]))
     for r in range(PP):
         pk = res[r]["peak"]

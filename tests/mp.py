@@ -9,6 +9,7 @@ its traceback; a run past `timeout` kills every rank and fails instead of hangin
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -32,7 +33,8 @@ def _worker(rank, world, port, fn, args, q, pg_timeout):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world, *args)
-        q.put((rank, "ok", out))
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        q.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, "err", traceback.format_exc()))
     finally:
@@ -69,7 +71,7 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeo
                 else:
                     continue
             if status == "ok":
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"--- rank {rank} ---\n{out}")
                 break  # one failure: stop everyone

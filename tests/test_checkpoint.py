@@ -134,7 +134,7 @@ def _mismatch_rank(rank, world, path):
     layout = (1, 2, 1)
     dims = ParallelDims(*layout, rank).build_groups()
     errors = []
-    for model_over in ({"vocab_size": 320}, {"n_layers": 6}, {"n_layers": 3}):
+    for model_over in ({"vocab_size": 320}, {"n_layers": 6}, {"n_layers": 3}, {"pos_emb": "learned"}):
         cfg = tiny_cfg(layout, **model_over)
         model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
         try:
@@ -221,9 +221,11 @@ def test_mismatch_names_the_tensor(tmp_path):
     """A checkpoint that does not fit the config fails on every rank with one line naming the tensor."""
     ((_, _, path),) = run_ranks(_chain_rank, 1, ((1, 1, 1), str(tmp_path), None, 1, False), timeout=60)
     per_rank = run_ranks(_mismatch_rank, 2, (path,), timeout=60)
-    (vocab0, more0, fewer0), (vocab1, more1, fewer1) = per_rank
+    (vocab0, more0, fewer0, pos0), (vocab1, more1, fewer1, pos1) = per_rank
     assert "'model.tok_emb.weight' has shape [256, 32] but this model's is [320, 32]" in vocab0
     assert "'model.head.weight' has shape [256, 32]" in vocab1
-    assert "no tensor 'model.layers.4." in more1 and "see rank 1's error" in more0  # rank 0 fits, still stops
+    assert "no tensor 'model.layers.4." in more1 and "has 4 layers but model.n_layers=6" in more0
     assert fewer0 == fewer1 and "has 4 layers but model.n_layers=3" in fewer0
+    # Only stage 0 owns the learned position table; stage 1 fits but must stop too (not hang in load).
+    assert "no tensor 'model.pos_emb.weight'" in pos0 and "see rank 0's error" in pos1
     assert all("\n" not in e and e for r in per_rank for e in r)

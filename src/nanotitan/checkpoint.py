@@ -287,7 +287,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
-    err = _check_counts(path, model, meta) or _check_fits(path, model, live, meta)
+    err = _check_fits(path, model, live, meta) or _check_counts(path, model, meta)
     bad = _any_rank(bool(err))
     if bad >= 0:
         raise ValueError(err or f"checkpoint {path} does not fit this model (see rank {bad}'s error)")

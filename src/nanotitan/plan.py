@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import statistics
 import sys
@@ -78,13 +79,21 @@ class ModelShape:
         return dense + 6 * D * self.dense_hidden, 0.0
 
     def layer_act_elems(self, i: int) -> float:
-        """Elements autograd keeps per token for layer i's backward (see docs/planner.md for the list)."""
+        """Elements autograd keeps per token for layer i's backward (listed in docs/planner.md;
+        4-byte units, int64 indices count 2)."""
         D, F, K, E = self.d_model, self.ffn_dim, self.top_k, self.num_experts
-        attn = 7 * D + self.n_heads + 1  # norm in, normed, q, k, v, SDPA out (+ logsumexp), o_proj in
+        norm = 3 * D + 1  # RMSNorm keeps its input, 1/rms and the unweighted normalised x; the next linear its output
+        attn = norm + 4 * D + self.n_heads  # q, k (after RoPE), v, SDPA output (o_proj reads it as a view) + logsumexp
         if self.is_moe(i):
-            # norm in, normed, router logits+probs, per assignment: gathered x, expert out, 4 SwiGLU F-vectors
-            return attn + 2 * D + 2 * E + 3 * K + K * (2 * D + 4 * F) + self.n_shared_experts * (4 * F + D)
-        return attn + 2 * D + 4 * self.dense_hidden
+            # router probs, top-k weights/ids and the expert-major order; per assignment: gathered x,
+            # 4 SwiGLU F-vectors, expert output and weighted output in combine
+            return attn + norm + E + 8 * K + K * (3 * D + 4 * F) + self.n_shared_experts * 4 * F
+        return attn + norm + 4 * self.dense_hidden
+
+    def layer_bwd_elems(self, i: int) -> float:
+        """Extra elements per token alive while layer i runs backward (gradients of its intermediates)."""
+        D, K = self.d_model, self.top_k
+        return (3 * K * D + 2 * D) if self.is_moe(i) else (2 * self.dense_hidden + 2 * D)
 
     def total_params(self) -> int:
         n = self.vocab * self.d_model * 2 + self.d_model + self.pos_table * self.d_model
@@ -138,6 +147,7 @@ class PlanOptions:
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
     global_batch: int = 0  # 0 = cfg.global_batch
     nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
+    ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
     shape_extra: dict = field(default_factory=dict)  # ModelShape fields our config cannot express
 
 
@@ -150,11 +160,16 @@ class Prediction:
     mem_limit: float
     fits: bool
     costs: dict[str, float]  # seconds per step on the critical path, by cause
-    mem_parts: dict[str, float]  # bytes of the heaviest stage, by cause
+    mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
 
     @property
     def peak_mem(self) -> float:
         return max(self.mem_by_stage)
+
+    @property
+    def mem_parts(self) -> dict[str, float]:
+        """Bytes by cause of the heaviest stage."""
+        return self.mem_parts_by_stage[self.mem_by_stage.index(self.peak_mem)]
 
     @property
     def dominant(self) -> str:
@@ -237,6 +252,53 @@ def _gemm_eff(hw: Hardware, rows: float) -> float:
     return hw.compute_efficiency * rows / (rows + hw.gemm_half_rows)
 
 
+@dataclass(frozen=True)
+class StageSummary:
+    """What one rank of pipeline stage s owns and does per token (elements / FLOPs)."""
+
+    n_ne: int  # non-expert params (replicated over the non-expert-DP group)
+    n_ex: int  # this rank's expert params (E/EP experts of each MoE layer)
+    f_dense: float  # forward FLOPs per token outside routed experts
+    f_expert: float  # forward FLOPs per token in routed experts
+    act: float  # activation elements kept per token of one microbatch
+    act_layer_max: float  # extra elements per token while the largest layer runs backward
+    head_act: float  # part of `act` that belongs to the head (freed before the layers' backward)
+    n_moe: int
+    n_layers: int
+    first: bool
+    last: bool
+
+
+def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | None = None,
+                    activation_checkpointing: bool = False) -> list[StageSummary]:
+    """Per-stage parameter, FLOP and activation counts; layers split as `model.spec.layer_bounds` does."""
+    pp, D, V = layout.pp, shape.d_model, shape.vocab
+    e_local = shape.num_experts // layout.ep
+    out = []
+    for s in range(pp):
+        lo, hi = layer_bounds(shape.n_layers, pp, s, pp_layers if pp_layers and len(pp_layers) == pp else None)
+        first, last = s == 0, s == pp - 1
+        n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
+        n_ex, f_dense, f_expert, act, act_layer_max, n_moe = 0, 0.0, 0.0, 0.0, 0.0, 0
+        for i in range(lo, hi):
+            ne, one_expert = shape.layer_params(i)
+            n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
+            fd, fe = shape.layer_fwd_flops(i)
+            f_dense, f_expert = f_dense + fd, f_expert + fe
+            a = shape.layer_act_elems(i)
+            act += D if activation_checkpointing else a  # checkpointing keeps only each block's input
+            # backward of one layer: its gradients' working set, plus its recomputed activations under AC
+            act_layer_max = max(act_layer_max, shape.layer_bwd_elems(i) + (a if activation_checkpointing else 0.0))
+            n_moe += shape.is_moe(i)
+        head_act = 3 * D + 1 + V if last else 0  # final norm (as in a layer), log-softmax output
+        if last:
+            f_dense += 2 * D * V
+            act += head_act
+        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, hi - lo,
+                                first, last))
+    return out
+
+
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
             shape: ModelShape | None = None) -> Prediction:
     """Predict per-rank peak memory of every stage and the step time of `layout` (docs/planner.md)."""
@@ -264,26 +326,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ne_link, _ = link("non_expert_dp")
     ex_link, _ = link("expert_dp")
 
-    stages = []
-    for s in range(pp):
-        lo, hi = layer_bounds(shape.n_layers, pp, s, cfg.parallel.pp_layers if len(cfg.parallel.pp_layers) == pp else None)
-        first, last = s == 0, s == pp - 1
-        n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
-        n_ex, f_dense, f_expert, act, act_layer_max, n_moe = 0, 0.0, 0.0, 0.0, 0.0, 0
-        for i in range(lo, hi):
-            ne, one_expert = shape.layer_params(i)
-            n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
-            fd, fe = shape.layer_fwd_flops(i)
-            f_dense, f_expert = f_dense + fd, f_expert + fe
-            a = shape.layer_act_elems(i)
-            act += D if ac else a  # checkpointing keeps only each block's input
-            act_layer_max = max(act_layer_max, a)
-            n_moe += shape.is_moe(i)
-        if last:
-            f_dense += 2 * D * V
-            act += 2 * D + V  # final norm in/out, log-softmax output
-        stages.append(dict(n_ne=n_ne, n_ex=n_ex, f_dense=f_dense, f_expert=f_expert, act=act,
-                           act_layer_max=act_layer_max, n_moe=n_moe, n_layers=hi - lo, first=first, last=last))
+    stages = [dataclasses.asdict(st) for st in stage_summaries(shape, layout, cfg.parallel.pp_layers, ac)]
 
     # Memory of a rank of each stage.
     ne_group, ex_group = dp * ep, dp
@@ -292,8 +335,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         n_local = st["n_ne"] + st["n_ex"]
         opt_params = (st["n_ne"] / ne_group + st["n_ex"] / ex_group) if opts.zero1 else n_local
         in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - s))
-        transient = [T * V * 4 if st["last"] else 0.0,  # logits gradient next to the kept log-softmax (fp32 CE)
-                     T * st["act_layer_max"] * prec.act if ac else 0.0,  # one block recomputed in backward
+        transient = [2 * T * V * 4 if st["last"] else 0.0,  # gradients of log-softmax and logits (fp32 CE)
+                     # one block's backward (and its recompute under AC); the head's activations are freed by then
+                     T * (st["act_layer_max"] - st["head_act"]) * prec.act,
                      2 * T * K * D * prec.act if ep > 1 and st["n_moe"] else 0.0,  # all-to-all send + recv
                      2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
         parts = {"params": n_local * prec.param, "grads": n_local * prec.grad,
@@ -317,6 +361,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         sends = (0 if st["last"] else 1) + (0 if st["first"] else 1)
         p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
         over = st["n_layers"] * hw.layer_overhead_s
+        a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
         t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
         t_bwd.append(t_b)
     totals = [sum(x.values()) for x in t_stage]
@@ -342,9 +387,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     step = t_pipe + exposed_dp + t_opt
     B = dp * ep * M * m
     limit = hw.mem_per_rank(ranks_on_node)
-    heavy = max(range(pp), key=mem_by_stage.__getitem__)
     return Prediction(layout, step, B * S / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      parts_by_stage[heavy])
+                      parts_by_stage)
 
 
 def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
@@ -484,6 +528,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--precision", default="", choices=["", *PRECISIONS], help="state/activation bytes (default: train.dtype)")
     ap.add_argument("--zero1", action="store_true", help="shard master weights + moments over DP (not in the trainer yet)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
+    ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
     ap.add_argument("--dense-ffn", type=int, default=0, help="hidden size of dense FFN layers (default model.ffn_dim)")
     ap.add_argument("--shared-experts", type=int, default=0, help="always-on experts per MoE layer")
@@ -503,7 +548,7 @@ def main(argv: list[str]) -> int:
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
                                    ("n_shared_experts", args.shared_experts)) if v}
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
-        opts = PlanOptions(args.precision, args.zero1, ac, args.global_batch, args.nodes, extra)
+        opts = PlanOptions(args.precision, args.zero1, ac, args.global_batch, args.nodes, args.ep_overlap, extra)
         preds = plan(cfg, args.gpus, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

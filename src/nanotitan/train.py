@@ -124,10 +124,9 @@ class Trainer:
             self.ddp = wrap_ddp(self.model, dims.group("non_expert_dp"), p.bucket_mb)
             self.reducers = []
         else:
-            self.reducers = [r for r in (
-                Reducer(self.replicated_params, dims.group("non_expert_dp"), p.bucket_mb, scale),
-                Reducer(self.expert_params, dims.group("expert_dp"), p.bucket_mb, scale),
-            ) if r.num_params]
+            self.reducers = [Reducer(params, dims.group(kind), p.bucket_mb, scale)
+                             for params, kind in ((self.replicated_params, "non_expert_dp"),
+                                                  (self.expert_params, "expert_dp")) if params]
         self.optimizer = build_optimizer(self.model, cfg, self.device)
 
         # --- bookkeeping ----------------------------------------------------------------------------
@@ -301,7 +300,7 @@ class Trainer:
             # --- log: loss is the mean over all DP*EP*M microbatches (CE from the last stage) ---------
             is_log = (step + 1) % cfg.run.log_every == 0 or step == t.steps - 1 or step == self.start_step
             if is_log:
-                vals = torch.stack([ce_sum if dims.is_pp_last_stage else torch.zeros_like(ce_sum), aux_sum])
+                vals = torch.stack([ce_sum if ce_sum is not None else torch.zeros_like(aux_sum), aux_sum])
                 if self.world > 1:
                     comm.all_reduce(vals, axis="other")
                 n_mb = self.M * dims.data_world

@@ -33,7 +33,8 @@ def test_batch_depends_only_on_seed_step_and_shape(token_file):
     b = IndexedBatches(token_file, "uint16", S, seed=3)
     assert torch.equal(a.global_batch(5, 8)[0], b.global_batch(5, 8)[0])
     assert not torch.equal(a.global_batch(5, 8)[0], a.global_batch(6, 8)[0])
-    assert not torch.equal(a.global_batch(5, 8)[0], IndexedBatches(token_file, "uint16", S, seed=4).global_batch(5, 8)[0])
+    other_seed = IndexedBatches(token_file, "uint16", S, seed=4)
+    assert not torch.equal(a.global_batch(5, 8)[0], other_seed.global_batch(5, 8)[0])
 
 
 def test_resuming_at_step_t_gives_the_batches_of_an_uninterrupted_run(token_file):

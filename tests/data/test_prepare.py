@@ -8,12 +8,12 @@ import sys
 import time
 
 import numpy as np
-import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from nanotitan.config import DataConfig
 from nanotitan.data import prepare as prepare_mod
-from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data, prepared_dir, token_dtype
+from nanotitan.data.prepare import (load_meta, load_tokenizer, prepare_data, prepared_dir, split_by_document,
+                                     token_dtype)
 from nanotitan.data.tokenizer import EOT
 from tests.data.test_sources import make_docs, write_txt
 
@@ -130,3 +130,14 @@ def test_concurrent_prepares_build_once_and_agree(tmp_path):
     assert len(entries) == 2 and entries[1] == entries[0] + ".lock"  # no temp dirs left behind
     meta = json.loads((tmp_path / "cache" / "prepared" / entries[0] / "meta.json").read_text())
     assert meta["train_docs"] + meta["val_docs"] == 40
+
+
+def test_val_split_depends_on_content_not_order():
+    shas = [f"{i:02x}" * 20 for i in range(0, 200, 10)]  # 20 documents, sorted hashes
+    lengths = list(range(100, 120))
+    val = split_by_document(shas, lengths, 0.1)
+    assert val == split_by_document(shas[::-1], lengths[::-1], 0.1)
+    val_tokens = sum(n for h, n in zip(shas, lengths) if h in val)
+    assert val == set(shas[:len(val)]) and 0.1 * sum(lengths) <= val_tokens < 0.1 * sum(lengths) + 120
+    assert split_by_document(shas[:2], [10, 10_000], 0.01) == {shas[0]}  # always one doc each side
+    assert split_by_document([shas[0], shas[0], shas[1]], [5, 5, 100], 0.01) == {shas[0]}  # copies stay together

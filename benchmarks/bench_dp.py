@@ -1,0 +1,147 @@
+"""DP=2 on CPU/gloo: our Reducer vs torch DDP vs one process vs two independent processes, in one run.
+
+    python benchmarks/bench_dp.py [--rounds 3] [--steps 12] [--bucket-mb 25] [--sweep 4,100]
+
+Model: BASELINES' MID (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
+8x128 random tokens per rank per step, M=1, AdamW(fused=True), 1 thread per rank. Modes run in
+interleaved rounds (the machine is shared and noisy, so ratios are taken within the run):
+  single       one process alone
+  reducer      DP=2, nanotitan Reducer (scale 1/2, --bucket-mb)
+  ddp          DP=2, torch DistributedDataParallel at the same bucket size
+  independent  two processes, no communication (control: what 2 cores give without comm)
+Reports per-step time min/median (rank 0; DP ranks are in lockstep), Reducer/DDP, and scaling
+efficiency = tokens/s at DP=2 / (2 x tokens/s of one process) = median(single) / median(dp2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanotitan.config import ModelConfig
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel.comm import COMM
+from nanotitan.parallel.dp import Reducer, wrap_ddp
+
+MID = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
+                  max_seq_len=128)
+BATCH, SEQ = 8, 128
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, port: int, q):
+    torch.set_num_threads(1)
+    comm_world = mode in ("reducer", "ddp")
+    if comm_world:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    model = Transformer(MID, seed=0)
+    group = dist.group.WORLD if comm_world else None
+    reducer = None
+    if mode == "reducer":
+        reducer = Reducer(list(model.named_parameters()), group, bucket_mb, scale=1.0 / world)
+    elif mode == "ddp":
+        model = wrap_ddp(model, group, bucket_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
+    times, wait_s = [], []
+    for step in range(warmup + steps):
+        tok = data[step % len(data)]
+        COMM.reset()
+        t0 = time.perf_counter()
+        if reducer is not None:
+            reducer.zero_grad()
+            reducer.prepare(sync=True)
+        else:
+            opt.zero_grad(set_to_none=False)
+        loss, aux = model(tok[:, :-1], tok[:, 1:])
+        (loss + 0.01 * aux).backward()
+        if reducer is not None:
+            reducer.finish()
+        opt.step()
+        dt = time.perf_counter() - t0
+        if step >= warmup:
+            times.append(dt)
+            wait_s.append(COMM.wait_s["dp"])
+    if mode == "ddp":
+        del model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
+    if comm_world:
+        dist.barrier()
+        dist.destroy_process_group()
+    q.put((rank, times, wait_s))
+
+
+def run_mode(mode: str, bucket_mb: float, steps: int, warmup: int) -> dict:
+    world = 1 if mode == "single" else 2
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, mode, bucket_mb, steps, warmup, port, q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in range(world):
+        rank, times, wait_s = q.get(timeout=900)
+        out[rank] = (times, wait_s)
+    for p in procs:
+        p.join(timeout=30)
+    times0 = out[0][0]
+    # independent processes are not in lockstep: charge each step the slower of the two
+    times = [max(ts) for ts in zip(*(out[r][0] for r in range(world)))] if mode == "independent" else times0
+    return {"times": times, "dp_wait": out[0][1]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--sweep", default="", help="extra Reducer bucket sizes (MB), comma-separated, e.g. 4,100")
+    args = ap.parse_args()
+    modes = [("single", args.bucket_mb), ("reducer", args.bucket_mb), ("ddp", args.bucket_mb),
+             ("independent", args.bucket_mb)]
+    modes += [("reducer", float(b)) for b in args.sweep.split(",") if b]
+    results: dict[tuple, list[float]] = {m: [] for m in modes}
+    waits: dict[tuple, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in modes:
+            res = run_mode(m[0], m[1], args.steps, args.warmup)
+            results[m] += res["times"]
+            waits[m] += res["dp_wait"]
+            print(f"round {r} {m[0]:<11} bucket {m[1]:>5g} MB  median {statistics.median(res['times'])*1e3:7.1f} ms",
+                  flush=True)
+    tokens = BATCH * SEQ
+    med = {m: statistics.median(v) for m, v in results.items()}
+    single = med[modes[0]]
+    print(f"\nMID model, {tokens} tokens/rank/step, AdamW(fused), 1 thread/rank, "
+          f"{args.rounds} rounds x {args.steps} steps")
+    print(f"{'mode':<12}{'bucket MB':>10}{'min ms':>9}{'median ms':>11}{'tok/s total':>13}{'efficiency':>12}"
+          f"{'dp wait ms':>12}")
+    for m, v in results.items():
+        n = 1 if m[0] == "single" else 2
+        eff = single / med[m] if n == 2 else 1.0
+        print(f"{m[0]:<12}{m[1]:>10g}{min(v)*1e3:>9.1f}{med[m]*1e3:>11.1f}{n*tokens/med[m]:>13.0f}{eff:>12.3f}"
+              f"{statistics.median(waits[m])*1e3:>12.1f}")
+    ratio = med[("reducer", args.bucket_mb)] / med[("ddp", args.bucket_mb)]
+    print(f"\nReducer/DDP step time (median): {ratio:.3f}   "
+          f"Reducer/DDP (min): {min(results[('reducer', args.bucket_mb)]) / min(results[('ddp', args.bucket_mb)]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
