@@ -166,10 +166,14 @@ def _bench(rank, world, args):
                 topt.step()
             steps[f"torch_{schedule}[{tag}]"] = torch_step
 
-    def timed(fn) -> float:
+    cpu = {name: [] for name in steps}  # this rank's CPU seconds per step (immune to waiting for a core)
+
+    def timed(fn, name=None) -> float:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
+        if name is not None:
+            cpu[name].append(time.process_time() - c0)
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return dt.item()
@@ -180,9 +184,10 @@ def _bench(rank, world, args):
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in steps if name.startswith("ours")}
     computes = {name: [] for name in bubbles}
+    load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
         for name, fn in steps.items():
-            times[name].append(timed(fn))
+            times[name].append(timed(fn, name))
             if name in bubbles:
                 bubbles[name].append(stats_of[name].bubble)
                 computes[name].append(stats_of[name].compute_s)
@@ -199,7 +204,8 @@ def _bench(rank, world, args):
                                       dtype=torch.float32, device="cpu")
         assert meter.cur == 0, f"{meter.cur} saved bytes still alive after the step"
         peak[schedule] = meter.peak
-    return dict(times=times, bubbles=bubbles, computes=computes, peak=peak)
+    return dict(times=times, cpu=cpu, bubbles=bubbles, computes=computes, peak=peak,
+                load=(load_before, os.getloadavg()[0]))
 
 
 def main():
@@ -225,11 +231,20 @@ def main():
     times = res[0]["times"]
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"MID model, PP={PP}, M={M}, m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats "
-          f"(step = zero_grad + fwd/bwd + fused AdamW)")
+          f"(step = zero_grad + fwd/bwd + fused AdamW); 1-min load average {res[0]['load'][0]:.1f} -> "
+          f"{res[0]['load'][1]:.1f} on {os.cpu_count()} cores")
     mn = {k: min(v) for k, v in times.items()}
     print(f"{'variant':<22}{'min s':>8}{'median s':>10}{'speedup (min)':>15}{'speedup (median)':>18}")
     for k in times:
         print(f"{k:<22}{mn[k]:>8.3f}{med[k]:>10.3f}{mn['single'] / mn[k]:>15.2f}{med['single'] / med[k]:>18.2f}")
+    # CPU seconds per stage (median): how the work splits, whatever else competes for the cores
+    cpu_single = statistics.median(res[0]["cpu"]["single"])
+    print(f"\nCPU s per step: single {cpu_single:.3f}")
+    for k in times:
+        if k != "single":
+            per = [statistics.median(res[r]["cpu"][k]) for r in range(PP)]
+            print(f"CPU s per step {k:<18} per stage {[round(c, 3) for c in per]}  "
+                  f"single / max stage = {cpu_single / max(per):.2f}")
     theo = theoretical_bubble(PP, M)
     print(f"\ntheoretical bubble (PP-1)/(M+PP-1) = {theo:.3f}")
     for k in res[0]["bubbles"]:

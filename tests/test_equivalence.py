@@ -14,14 +14,14 @@ from nanotitan.config import load_config
 from nanotitan.model.transformer import is_expert_param
 from tests.mp import run_ranks
 
-B, m, STEPS = 16, 2, 10
+B, m, STEPS, LR = 16, 2, 10, 3e-3
 
 
 def base_args(corpus_dir, run_dir) -> list[str]:
     return ["--data.source", str(corpus_dir), "--data.vocab_size", "300",
             "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "4",
             "--model.num_experts", "4", "--model.top_k", "2", "--model.aux_coef", "0.05",
-            "--train.steps", str(STEPS), "--train.lr", "3e-3", "--train.warmup_steps", "2", "--train.seq_len", "16",
+            "--train.steps", str(STEPS), "--train.lr", str(LR), "--train.warmup_steps", "2", "--train.seq_len", "16",
             "--train.micro_batch", str(m), "--train.grad_clip", "0.5", "--train.eval_every", "0",
             "--train.sample_tokens", "0", "--train.threads", "1",
             "--run.dir", str(run_dir), "--run.log_every", "1", "--run.progress", "false",
@@ -72,7 +72,10 @@ def check_case(name, ranks: list[dict], ref: dict):
             want = ref["params"][pname][0]
             if expert_start is not None:
                 want = want[expert_start:expert_start + t.shape[0]]
-            torch.testing.assert_close(t, want, rtol=1e-4, atol=2e-6, msg=lambda s: f"{name}: {pname} {s}")
+            # AdamW normalises each coordinate's update, so a coordinate whose gradient is ~0 turns float
+            # reassociation into up to ~lr-sized moves: atol is 1e-3 of the largest possible movement (lr*steps).
+            torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-3 * LR * STEPS,
+                                       msg=lambda s: f"{name}: {pname} {s}")
     # replicas of the same shard are bitwise identical
     by_shard = {}
     for r in ranks:

@@ -15,7 +15,7 @@ from nanotitan.config import Config, ConfigError, validate
 from nanotitan.hardware import BUILTIN, get_hardware, load_hardware, save_hardware
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
-from nanotitan.plan import (Layout, _placement, ModelShape, PlanOptions, calibrate, enumerate_layouts, layout_config, main,
+from nanotitan.plan import (Layout, _placement, ModelShape, PlanOptions, calibrate, format_calibration, enumerate_layouts, layout_config, main,
                             plan, predict, recommend, spearman, stage_summaries)
 from nanotitan.plan_measure import TensorBytesMeter
 
@@ -242,7 +242,8 @@ def test_calibrate_reports_errors_and_rank_correlation():
     res = calibrate(rows, cfg, CPU)
     assert res["median_abs_err_step"] == pytest.approx(1 - 1 / 1.1)
     assert res["median_abs_err_mem"] == pytest.approx(0.05)
-    assert res["spearman_rho"] == pytest.approx(1.0)
+    assert res["spearman_rho"] == pytest.approx(1.0) and res["median_time_ratio"] == pytest.approx(1.1)
+    assert "Spearman rho" in format_calibration(res) and len(res["rows"]) == 4
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
 

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .config import Config, ConfigError, load_config, validate
 from .hardware import GiB, Hardware, detect_hardware, get_hardware
@@ -326,23 +326,23 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ne_link, _ = link("non_expert_dp")
     ex_link, _ = link("expert_dp")
 
-    stages = [dataclasses.asdict(st) for st in stage_summaries(shape, layout, cfg.parallel.pp_layers, ac)]
+    stages = stage_summaries(shape, layout, cfg.parallel.pp_layers, ac)
 
     # Memory of a rank of each stage.
     ne_group, ex_group = dp * ep, dp
     mem_by_stage, parts_by_stage = [], []
     for s, st in enumerate(stages):
-        n_local = st["n_ne"] + st["n_ex"]
-        opt_params = (st["n_ne"] / ne_group + st["n_ex"] / ex_group) if opts.zero1 else n_local
+        n_local = st.n_ne + st.n_ex
+        opt_params = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else n_local
         in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - s))
-        transient = [2 * T * V * 4 if st["last"] else 0.0,  # gradients of log-softmax and logits (fp32 CE)
+        transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute under AC); the head's activations are freed by then
-                     T * (st["act_layer_max"] - st["head_act"]) * prec.act,
-                     2 * T * K * D * prec.act if ep > 1 and st["n_moe"] else 0.0,  # all-to-all send + recv
+                     T * (st.act_layer_max - st.head_act) * prec.act,
+                     2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
                      2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
         parts = {"params": n_local * prec.param, "grads": n_local * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
-                 "activations": in_flight * T * st["act"] * prec.act, "buffers": max(transient),
+                 "activations": in_flight * T * st.act * prec.act, "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
         parts_by_stage.append(parts)
@@ -350,17 +350,17 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     # Time of one microbatch (forward + backward) on each stage.
     t_stage, t_bwd = [], []
     for s, st in enumerate(stages):
-        t_f = T * (st["f_dense"] / (peak * eff_dense) + st["f_expert"] / (peak * eff_expert))
+        t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
         # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
         # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange.
-        a2a = st["n_moe"] * (4 * a2a_one + 5 * (ep - 1) * ep_link.latency_s) if ep > 1 else 0.0
-        sends = (0 if st["last"] else 1) + (0 if st["first"] else 1)
+        a2a = st.n_moe * (4 * a2a_one + 5 * (ep - 1) * ep_link.latency_s) if ep > 1 else 0.0
+        sends = (0 if st.last else 1) + (0 if st.first else 1)
         p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
-        over = st["n_layers"] * hw.layer_overhead_s
+        over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
         t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
         t_bwd.append(t_b)
@@ -373,10 +373,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     exposed_dp, t_opt = 0.0, 0.0
     mean_bwd = sum(t_bwd) / pp
     for s, st in enumerate(stages):
-        t_ar = (_ring_allreduce_s(st["n_ne"] * prec.grad, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
-                + _ring_allreduce_s(st["n_ex"] * prec.grad, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
+        t_ar = (_ring_allreduce_s(st.n_ne * prec.grad, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                + _ring_allreduce_s(st.n_ex * prec.grad, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
         exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd))
-        n_opt = (st["n_ne"] / ne_group + st["n_ex"] / ex_group) if opts.zero1 else st["n_ne"] + st["n_ex"]
+        n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else st.n_ne + st.n_ex
         # AdamW reads param, grad, master, moments and writes param, master, moments.
         t_opt = max(t_opt, n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
 
@@ -409,7 +409,8 @@ def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
     """(dp, pp, ep, schedule, microbatches, micro_batch) of the fastest layout that fits memory."""
     preds = plan(cfg, world, hardware, opts)
     if not preds:
-        raise ConfigError(f"no layout of {world} ranks keeps global batch {cfg.global_batch} with "
+        B = (opts and opts.global_batch) or cfg.global_batch
+        raise ConfigError(f"no layout of {world} ranks keeps global batch {B} with "
                           f"{cfg.model.num_experts} experts and {cfg.model.n_layers} layers "
                           f"(change --parallel.microbatches/--train.micro_batch or the world size)")
     if not preds[0].fits:
@@ -428,7 +429,8 @@ def reason(preds: list[Prediction]) -> str:
     line = (f"fastest layout that fits: {best.tokens_per_sec:,.0f} tok/s, {best.peak_mem / GiB:.2f} of "
             f"{best.mem_limit / GiB:.1f} GiB per rank, dominant cost {best.dominant}")
     faster_oom = [p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec]
-    nxt = next((p for p in preds[1:] if p.fits and p.layout.short() != best.layout.short()), None)
+    same = lambda a, b: dataclasses.replace(a, schedule="") == dataclasses.replace(b, schedule="")
+    nxt = next((p for p in preds[1:] if p.fits and not same(p.layout, best.layout)), None)  # not its other schedule
     if nxt:
         line += f"; next {nxt.layout.short()} is {100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec):.0f}% slower ({nxt.dominant})"
     if faster_oom:
@@ -464,7 +466,9 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
 
     A row has dp, pp, ep, schedule, M (or microbatches), m (or micro_batch), step_time_s and
     peak_mem_bytes (one number = the max over ranks, or a list indexed by global rank).
-    Returns {"rows": [...], "median_abs_err_step", "median_abs_err_mem", "spearman_rho"}.
+    Returns {"rows": [...], "median_abs_err_step", "median_abs_err_mem", "spearman_rho",
+    "median_time_ratio"}; the last (measured / predicted step time) is the factor to fold into the
+    profile's compute_efficiency when the machine runs uniformly slower or faster than its profile.
     """
     hw = get_hardware(hardware) if hardware else detect_hardware()
     opts = opts or PlanOptions()
@@ -488,7 +492,9 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
                 median_abs_err_step=statistics.median(abs(x["step_err"]) for x in rows) if rows else float("nan"),
                 median_abs_err_mem=statistics.median(abs(x["mem_err"]) for x in rows) if rows else float("nan"),
                 spearman_rho=spearman([x["pred_step_s"] for x in rows], [x["meas_step_s"] for x in rows])
-                if len(rows) > 1 else float("nan"))
+                if len(rows) > 1 else float("nan"),
+                median_time_ratio=statistics.median(x["meas_step_s"] / x["pred_step_s"] for x in rows)
+                if rows else float("nan"))
 
 
 def format_calibration(result: dict) -> str:
@@ -499,7 +505,8 @@ def format_calibration(result: dict) -> str:
                      f"{100 * r['step_err']:+.0f}% | {r['pred_mem'] / 2**20:.0f} | {r['meas_mem'] / 2**20:.0f} | "
                      f"{100 * r['mem_err']:.0f}% | {r['dominant']} |")
     lines.append(f"\nmedian |error|: step {100 * result['median_abs_err_step']:.1f}%, memory "
-                 f"{100 * result['median_abs_err_mem']:.1f}%; Spearman rho (step time) {result['spearman_rho']:.2f}")
+                 f"{100 * result['median_abs_err_mem']:.1f}%; Spearman rho (step time) {result['spearman_rho']:.2f}; "
+                 f"measured/predicted step time {result['median_time_ratio']:.2f}")
     return "\n".join(lines)
 
 
