@@ -11,6 +11,9 @@ interleaved rounds (the machine is shared and noisy, so ratios are taken within 
   independent  two processes, no communication (control: what 2 cores give without comm)
 Reports per-step time min/median (rank 0; DP ranks are in lockstep), Reducer/DDP, and scaling
 efficiency = tokens/s at DP=2 / (2 x tokens/s of one process) = median(single) / median(dp2).
+Also reported: rank 0's process CPU time per step (all its threads, gloo's included) relative to the
+single process — the CPU cost of communication, which is what competes with compute on 2 cores and is
+far less sensitive than wall time to other jobs on a shared machine.
 """
 
 from __future__ import annotations
@@ -58,11 +61,11 @@ def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warm
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
-    times, wait_s = [], []
+    times, wait_s, cpu_s = [], [], []
     for step in range(warmup + steps):
         tok = data[step % len(data)]
         COMM.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if reducer is not None:
             reducer.zero_grad()
             reducer.prepare(sync=True)
@@ -73,16 +76,17 @@ def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warm
         if reducer is not None:
             reducer.finish()
         opt.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0  # process time: all threads, gloo's too
         if step >= warmup:
             times.append(dt)
+            cpu_s.append(dc)
             wait_s.append(COMM.wait_s["dp"])
     if mode == "ddp":
         del model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
     if comm_world:
         dist.barrier()
         dist.destroy_process_group()
-    q.put((rank, times, wait_s))
+    q.put((rank, times, wait_s, cpu_s))
 
 
 def run_mode(mode: str, bucket_mb: float, steps: int, warmup: int) -> dict:
@@ -96,14 +100,14 @@ def run_mode(mode: str, bucket_mb: float, steps: int, warmup: int) -> dict:
         p.start()
     out = {}
     for _ in range(world):
-        rank, times, wait_s = q.get(timeout=900)
-        out[rank] = (times, wait_s)
+        rank, times, wait_s, cpu_s = q.get(timeout=900)
+        out[rank] = (times, wait_s, cpu_s)
     for p in procs:
         p.join(timeout=30)
     times0 = out[0][0]
     # independent processes are not in lockstep: charge each step the slower of the two
     times = [max(ts) for ts in zip(*(out[r][0] for r in range(world)))] if mode == "independent" else times0
-    return {"times": times, "dp_wait": out[0][1]}
+    return {"times": times, "dp_wait": out[0][1], "cpu": out[0][2]}
 
 
 def main():
@@ -119,11 +123,13 @@ def main():
     modes += [("reducer", float(b)) for b in args.sweep.split(",") if b]
     results: dict[tuple, list[float]] = {m: [] for m in modes}
     waits: dict[tuple, list[float]] = {m: [] for m in modes}
+    cpus: dict[tuple, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes:
             res = run_mode(m[0], m[1], args.steps, args.warmup)
             results[m] += res["times"]
             waits[m] += res["dp_wait"]
+            cpus[m] += res["cpu"]
             print(f"round {r} {m[0]:<11} bucket {m[1]:>5g} MB  median {statistics.median(res['times'])*1e3:7.1f} ms",
                   flush=True)
     tokens = BATCH * SEQ
@@ -132,12 +138,13 @@ def main():
     print(f"\nMID model, {tokens} tokens/rank/step, AdamW(fused), 1 thread/rank, "
           f"{args.rounds} rounds x {args.steps} steps")
     print(f"{'mode':<12}{'bucket MB':>10}{'min ms':>9}{'median ms':>11}{'tok/s total':>13}{'efficiency':>12}"
-          f"{'dp wait ms':>12}")
+          f"{'dp wait ms':>12}{'cpu ms':>9}{'cpu/single':>12}")
     for m, v in results.items():
         n = 1 if m[0] == "single" else 2
         eff = single / med[m] if n == 2 else 1.0
         print(f"{m[0]:<12}{m[1]:>10g}{min(v)*1e3:>9.1f}{med[m]*1e3:>11.1f}{n*tokens/med[m]:>13.0f}{eff:>12.3f}"
-              f"{statistics.median(waits[m])*1e3:>12.1f}")
+              f"{statistics.median(waits[m])*1e3:>12.1f}{statistics.median(cpus[m])*1e3:>9.1f}"
+              f"{statistics.median(cpus[m]) / statistics.median(cpus[modes[0]]):>12.3f}")
     ratio = med[("reducer", args.bucket_mb)] / med[("ddp", args.bucket_mb)]
     print(f"\nReducer/DDP step time (median): {ratio:.3f}   "
           f"Reducer/DDP (min): {min(results[('reducer', args.bucket_mb)]) / min(results[('ddp', args.bucket_mb)]):.3f}")

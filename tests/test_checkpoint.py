@@ -110,6 +110,7 @@ def _crash_rank(rank, world, run_dir):
     cfg = tiny_cfg(layout)
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
     perturb(model, opt, SAVE_KS)
+    torch.manual_seed(1000 + rank)  # the per-rank CPU RNG state that step 1 records
     ckpt.save_checkpoint(run_dir, 1, model, opt, dims, cfg, {"samples_consumed": 32}, keep_last=2)
     if rank == 0:
         ckpt._fsync_dir = lambda p: os._exit(9)  # first call is just before the rename
@@ -124,6 +125,8 @@ def _resume_rank(rank, world, run_dir):
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
     extra = ckpt.load_checkpoint(ckpt.resolve_resume("auto", run_dir), model, opt, dims)
     bad = mismatches(cfg, model, opt)
+    if not torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1000 + rank))):
+        bad.append(f"rank {rank}: CPU RNG state not restored in the same layout")
     for step in (2, 3, 4):
         ckpt.save_checkpoint(run_dir, step, model, opt, dims, cfg, {"samples_consumed": 32 * step}, keep_last=2)
     return bad, extra

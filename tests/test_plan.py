@@ -15,8 +15,9 @@ from nanotitan.config import Config, ConfigError, validate
 from nanotitan.hardware import BUILTIN, get_hardware, load_hardware, save_hardware
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
-from nanotitan.plan import (Layout, _placement, ModelShape, PlanOptions, calibrate, format_calibration, enumerate_layouts, layout_config, main,
-                            plan, predict, recommend, spearman, stage_summaries)
+from nanotitan.plan import (Layout, ModelShape, PlanOptions, _placement, calibrate, enumerate_layouts,
+                            format_calibration, layout_config, main, plan, predict, recommend, spearman,
+                            stage_summaries)
 from nanotitan.plan_measure import TensorBytesMeter
 
 CPU = get_hardware("cpu-gloo")

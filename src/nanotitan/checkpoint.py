@@ -184,7 +184,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     state = keyed_tensors(model, optimizer)
     state[_rng_key(rank)] = torch.get_rng_state()
-    dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
     _barrier()  # every rank's shards and rank 0's .metadata are written
 
     if rank == 0:
@@ -300,7 +300,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     same_layout = dims is None or (saved_layout == {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep})
     if same_layout and _rng_key(rank) in meta:  # a rank's RNG stream means nothing in another layout
         stage[_rng_key(rank)] = torch.empty_like(torch.get_rng_state())
-    dcp.load(stage, storage_reader=FileSystemReader(path))
+    dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
 
     with torch.no_grad():
         for k, t in live.items():

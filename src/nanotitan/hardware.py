@@ -130,10 +130,11 @@ BUILTIN: dict[str, Hardware] = {
     # This project's CPU machines (BASELINES.md, Nov 2026): 2 cores, 24 GiB; fp32 GEMM 2048^2 ~142 GFLOP/s on
     # 1 thread, ~270 on 2; gloo all-reduce of 60 MB over 2 ranks ~50 ms (~1.2 GB/s bus bandwidth).
     # Gloo runs on the same cores as compute, so it cannot hide behind backward (dp_overlap 0).
+    # All-to-all: one MID MoE layer at EP=2 spent ~14 ms in 4 all-to-alls of ~1 MB per rank -> ~0.3 GB/s.
     # A step reaches ~50% of GEMM peak (MID with fused AdamW: 52% MFU). All ranks are local (one node).
     "cpu-gloo": Hardware("cpu-gloo", 142e9, 142e9, compute_efficiency=0.5, gemm_half_rows=16,
                          mem_bytes=24 * GiB, mem_reserved_bytes=0.35 * GiB, mem_bw=19 * GB, devices_per_node=64,
-                         intra=Link(1.2 * GB, 1.0 * GB, 1.5 * GB, 100e-6), inter=Link.uniform(0.1 * GB, 500e-6),
+                         intra=Link(1.2 * GB, 0.3 * GB, 1.5 * GB, 100e-6), inter=Link.uniform(0.1 * GB, 500e-6),
                          dp_overlap=0.0, cores_per_node=2, gemm_flops_by_threads={1: 142e9, 2: 270e9},
                          layer_overhead_s=0.3e-3, source="BASELINES.md (2-core CPU, torch 2.13, gloo)"),
 }

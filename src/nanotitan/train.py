@@ -298,7 +298,10 @@ class Trainer:
             step_time = time.perf_counter() - t0
 
             # --- log: loss is the mean over all DP*EP*M microbatches (CE from the last stage) ---------
-            is_log = (step + 1) % cfg.run.log_every == 0 or step == t.steps - 1 or step == self.start_step
+            # --- periodic eval on the val split (its loss goes into this step's record) ----------------
+            is_eval = t.eval_every and (step + 1) % t.eval_every == 0
+            val = self.evaluate() if is_eval else None
+            is_log = (step + 1) % cfg.run.log_every == 0 or step == t.steps - 1 or step == self.start_step or is_eval
             if is_log:
                 vals = torch.stack([ce_sum if ce_sum is not None else torch.zeros_like(aux_sum), aux_sum])
                 if self.world > 1:
@@ -324,6 +327,8 @@ class Trainer:
                     record["bubble_measured"] = stats.p2p_wait_s / busy if busy > 0 else 0.0
                     record["bubble_theory"] = (dims.pp - 1) / (self.M + dims.pp - 1)
                 record.update(self.expert_load_stats())
+                if val is not None:
+                    record["val_loss"] = val
                 self.writer.write(record)
                 history.append(record)
                 last_record = record
@@ -331,12 +336,7 @@ class Trainer:
             else:
                 progress.update(step + 1 - self.start_step, None)
 
-            # --- eval / checkpoint / stop --------------------------------------------------------------
-            if t.eval_every and (step + 1) % t.eval_every == 0:
-                val = self.evaluate()
-                self.writer.write({"step": step + 1, "val_loss": val})
-                self.log(f"step {step + 1}: val loss {val:.4f}")
-                last_record["val_loss"] = val
+            # --- checkpoint / stop -----------------------------------------------------------------------
             stop = self._should_stop()
             if t.ckpt_every and (step + 1) % t.ckpt_every == 0 or (stop and t.ckpt_on_signal):
                 self.save(step + 1)

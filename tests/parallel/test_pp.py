@@ -124,48 +124,53 @@ def _clip_(params, local_sq: torch.Tensor, group, max_norm: float) -> float:
     return norm.item()
 
 
-def _train_steps(rank, world, schedule, steps, M, clip):
-    """Train `steps` AdamW steps both pipelined (this stage) and single-process (reference, full model)."""
+def _train_steps(rank, world, schedules, steps, M, clip):
+    """Per schedule, train `steps` AdamW steps pipelined (this stage) and single-process (full model)."""
     dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
     cfg = tiny_cfg(world)
-    full = Transformer(cfg.model, None, SEED)
-    stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
-    opt_ref = torch.optim.AdamW(full.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
-    log = []
-    for step in range(steps):
-        xs, ys = microbatches(M, step)
-        opt_ref.zero_grad(set_to_none=True)
-        ref_ce, ref_aux = reference_step(full, xs, ys)
-        ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), clip).item()
-        opt_ref.step()
+    out = {}
+    for schedule in schedules:
+        full = Transformer(cfg.model, None, SEED)
+        stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+        opt_ref = torch.optim.AdamW(full.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
+        log = []
+        for step in range(steps):
+            xs, ys = microbatches(M, step)
+            opt_ref.zero_grad(set_to_none=True)
+            ref_ce, ref_aux = reference_step(full, xs, ys)
+            ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), clip).item()
+            opt_ref.step()
 
-        opt.zero_grad(set_to_none=True)
-        stats, _ = stage_step(stage, dims, xs, ys, schedule)
-        sq = torch.stack([p.grad.pow(2).sum() for p in stage.parameters()]).sum()
-        norm = _clip_(list(stage.parameters()), sq, dims.group("pp"), clip)
-        opt.step()
-        # the step's loss: last stage's CE plus the aux of every stage
-        parts = torch.stack([stats.ce_sum if dims.is_pp_last_stage else torch.zeros(()), stats.aux_sum])
-        comm.all_reduce(parts, group=dims.group("pp"), axis="other")
-        loss = (parts[0] + AUX_WEIGHT * parts[1]).item() / M
-        log.append((loss, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
-    ref_params = dict(full.named_parameters())
-    worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in stage.named_parameters())
-    return dict(log=log, worst_param=worst_param)
+            opt.zero_grad(set_to_none=True)
+            stats, _ = stage_step(stage, dims, xs, ys, schedule)
+            sq = torch.stack([p.grad.pow(2).sum() for p in stage.parameters()]).sum()
+            norm = _clip_(list(stage.parameters()), sq, dims.group("pp"), clip)
+            opt.step()
+            # the step's loss: last stage's CE plus the aux of every stage
+            parts = torch.stack([stats.ce_sum if dims.is_pp_last_stage else torch.zeros(()), stats.aux_sum])
+            comm.all_reduce(parts, group=dims.group("pp"), axis="other")
+            loss = (parts[0] + AUX_WEIGHT * parts[1]).item() / M
+            log.append((loss, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
+        ref_params = dict(full.named_parameters())
+        worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in stage.named_parameters())
+        out[schedule] = dict(log=log, worst_param=worst_param)
+    return out
 
 
 def test_pp2_ten_adamw_steps_match_single_process():
     """PP=2, 10 AdamW steps with global-norm clipping: per-step loss and final params equal the single process."""
-    for schedule in ("1f1b", "gpipe"):
-        results = run_ranks(_train_steps, 2, (schedule, 10, 4, 0.1), timeout=90)
-        for rank, r in enumerate(results):
+    schedules = ("1f1b", "gpipe")
+    results = run_ranks(_train_steps, 2, (schedules, 10, 4, 0.1), timeout=100)
+    for schedule in schedules:
+        for rank, per_schedule in enumerate(results):
+            r = per_schedule[schedule]
             for step, (loss, ref_loss, norm, ref_norm) in enumerate(r["log"]):
                 assert math.isclose(loss, ref_loss, rel_tol=1e-5), f"{schedule} step {step}: {loss} vs {ref_loss}"
                 assert math.isclose(norm, ref_norm, rel_tol=1e-5), f"{schedule} step {step}: {norm} vs {ref_norm}"
             assert any(n > 0.1 for *_, n, _ in r["log"]), "clipping never engaged: lower the clip"
             assert r["worst_param"] <= 1e-5, f"{schedule} rank {rank}: param rel err {r['worst_param']:.2e}"
-        losses = [lg[0] for lg in results[0]["log"]]
+        losses = [lg[0] for lg in results[0][schedule]["log"]]
         assert losses[-1] < losses[0], f"{schedule}: loss did not go down: {losses}"
 
 
