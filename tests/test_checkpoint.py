@@ -124,9 +124,8 @@ def _resume_rank(rank, world, run_dir):
     cfg = tiny_cfg(layout)
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
     extra = ckpt.load_checkpoint(ckpt.resolve_resume("auto", run_dir), model, opt, dims)
-    bad = mismatches(cfg, model, opt)
-    if not torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1000 + rank))):
-        bad.append(f"rank {rank}: CPU RNG state not restored in the same layout")
+    rng_ok = torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1000 + rank)))
+    bad = mismatches(cfg, model, opt) + ([] if rng_ok else [f"rank {rank}: CPU RNG not restored in the same layout"])
     for step in (2, 3, 4):
         ckpt.save_checkpoint(run_dir, step, model, opt, dims, cfg, {"samples_consumed": 32 * step}, keep_last=2)
     return bad, extra

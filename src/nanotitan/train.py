@@ -26,7 +26,8 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, to_toml, validate
 from .data.indexed import IndexedBatches
-from .data.prepare import load_meta, prepare_data
+from .data.prepare import load_meta, load_tokenizer, prepare_data
+from .data.streaming import make_streaming_loader
 from .metrics import MetricsWriter, device_peak_flops, fmt_bytes, peak_mem_bytes
 from .model.spec import build_shard_spec
 from .model.transformer import Transformer, flops_per_token, is_expert_param, num_moe_layers
@@ -89,15 +90,20 @@ class Trainer:
         if meta["vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
                               "(--model.vocab_size 0 takes the tokenizer's size)")
+        self.dims = ParallelDims(p.dp, p.pp, p.ep, rank=self.rank)  # coordinates only; groups below
         self.train_data = IndexedBatches(self.data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
         self.val_data = IndexedBatches(self.data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
+        self.stream = None
+        if cfg.data.loader == "streaming":  # the seed's PackedTokenDataset: HF streaming, split by data rank
+            self.stream = iter(make_streaming_loader(cfg, load_tokenizer(self.data_dir), self.dims.data_rank,
+                                                     self.dims.data_world, p.microbatches * t.micro_batch,
+                                                     prepared=self.data_dir))
 
         # --- process groups (every group built once, same order on every rank) --------------------
         if self.world > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s),
                                     device_id=self.device if self.device.type == "cuda" else None)
-        self.dims = ParallelDims(p.dp, p.pp, p.ep, rank=self.rank)
         if self.world > 1:
             self.dims.build_groups(timeout_s=p.timeout_s)
         dims = self.dims
@@ -180,15 +186,18 @@ class Trainer:
                                     {"step": step, "samples": step * self.B}, self.cfg.train.keep_last)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
-    def microbatches(self, data: IndexedBatches, step: int, B: int, b: int):
-        x, y = data.rank_batch(step, B, self.dims.data_rank, b)
+    def microbatches(self, x: torch.Tensor, y: torch.Tensor):
+        """This data rank's b rows -> M microbatches of m sequences."""
         x, y = x.to(self.device), y.to(self.device)
         return list(x.split(self.m)), list(y.split(self.m))
 
     # ------------------------------------------------------------------------------------------------
     def forward_backward(self, step: int):
         """Forward and backward of this rank's M microbatches; the only place that knows about PP."""
-        xs, ys = self.microbatches(self.train_data, step, self.B, self.b)
+        if self.stream is not None:
+            xs, ys = self.microbatches(*next(self.stream))
+        else:  # rows [r*b, (r+1)*b) of global step `step`'s batch, a pure function of (seed, step)
+            xs, ys = self.microbatches(*self.train_data.rank_batch(step, self.B, self.dims.data_rank, self.b))
         cfg = self.cfg
         amp = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.train.dtype == "bf16" and self.device.type == "cuda"
                else contextlib.nullcontext())
@@ -221,8 +230,8 @@ class Trainer:
         self.model.eval()
         t, dims = self.cfg.train, self.dims
         total = torch.zeros((), device=self.device)
-        for i in range(t.eval_batches):
-            xs, ys = self.microbatches(self.val_data, i, self.B, self.b)
+        for xb, yb in self.val_data.eval_batches(t.eval_batches, self.B, dims.data_rank, self.b):
+            xs, ys = self.microbatches(xb, yb)
             for x, y in zip(xs, ys):
                 if dims.is_pp_first_stage:
                     inp = x
