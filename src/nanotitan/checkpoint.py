@@ -128,6 +128,10 @@ def _any_rank(flag: bool) -> int:
     return int(bad[0]) if bad else -1
 
 
+def _layout(dims: ParallelDims | None) -> dict:
+    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep} if dims else {"dp": 1, "pp": 1, "ep": 1}
+
+
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -173,6 +177,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     rank = _rank()
+    layout = _layout(dims)
     t0 = time.perf_counter()
 
     # A tmp dir left by a crashed save of the same step must go before anyone writes into it.
@@ -189,7 +194,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     if rank == 0:
         _write_text(tmp / "config.toml", to_toml(cfg))
-        layout = {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep} if dims else {"dp": 1, "pp": 1, "ep": 1}
         _write_text(tmp / STATE_FILE, json.dumps({
             "format": FORMAT_VERSION, "step": step, "extra": json.loads(extra_json), "layout": layout,
             "world_size": dist.get_world_size() if _dist() else 1, "torch": torch.__version__,
@@ -245,7 +249,7 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 
 # --- load -----------------------------------------------------------------------------------------
 
-def _check_fits(path: Path, model: torch.nn.Module, want: dict[str, torch.Tensor], meta: dict) -> str:
+def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
     """'' if every key this rank needs is in the checkpoint with the same shape, else one line."""
     hint = f"compare {path / 'config.toml'} with this run's config"
     for key, t in want.items():
@@ -287,7 +291,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
-    err = _check_fits(path, model, live, meta) or _check_counts(path, model, meta)
+    err = _check_fits(path, live, meta) or _check_counts(path, model, meta)
     bad = _any_rank(bool(err))
     if bad >= 0:
         raise ValueError(err or f"checkpoint {path} does not fit this model (see rank {bad}'s error)")
@@ -296,9 +300,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # tensors: handles CUDA params and Adam's `step` (CPU float, or float32 on device when fused).
     stage = {k: torch.empty(t.shape, dtype=meta[k].properties.dtype) for k, t in live.items()}
     rank = _rank()
-    saved_layout = info["layout"]
-    same_layout = dims is None or (saved_layout == {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep})
-    if same_layout and _rng_key(rank) in meta:  # a rank's RNG stream means nothing in another layout
+    layout = _layout(dims)
+    if info["layout"] == layout and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
         stage[_rng_key(rank)] = torch.empty_like(torch.get_rng_state())
     dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
 

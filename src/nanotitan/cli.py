@@ -60,6 +60,12 @@ def cmd_train(argv: list[str]) -> int:
         from .data.prepare import prepare_data
 
         prepare_data(cfg.data)
+        if cfg.train.device != "cuda" and not cfg.train.peak_flops:
+            import os
+
+            from .metrics import cpu_peak_flops
+
+            cpu_peak_flops(cfg.train.threads or max(1, (os.cpu_count() or 1) // cfg.world_size))  # cached
         code = launch_local(cfg.world_size, argv, cfg.train.max_restarts)
     else:
         from .train import run

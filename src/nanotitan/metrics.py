@@ -21,7 +21,7 @@ GPU_PEAKS = {
 }
 
 
-def measure_cpu_gemm_flops(threads: int, n: int = 1024, reps: int = 6) -> float:
+def measure_cpu_gemm_flops(threads: int, n: int = 2048, reps: int = 5) -> float:
     """Best-of-reps fp32 GEMM throughput of this process at its thread count (FLOP/s)."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -36,6 +36,26 @@ def measure_cpu_gemm_flops(threads: int, n: int = 1024, reps: int = 6) -> float:
     return 2 * n**3 / best
 
 
+def cpu_peak_flops(threads: int) -> float:
+    """Measured GEMM peak at `threads`, cached per machine: ranks that share the cores would measure each
+    other, so the launcher measures once before starting them and every rank reads the figure."""
+    from .data.sources import cache_root
+    from .config import DataConfig
+
+    path = cache_root(DataConfig()) / f"gemm_peak_{os.uname().nodename}.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if str(threads) not in cached:
+        cached[str(threads)] = measure_cpu_gemm_flops(threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached))
+        tmp.replace(path)
+    return float(cached[str(threads)])
+
+
 def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -43,7 +63,7 @@ def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
             if key in name:
                 return peaks["bf16" if dtype == "bf16" else "fp32"]
         return GPU_PEAKS["A100"]["bf16" if dtype == "bf16" else "fp32"]
-    return measure_cpu_gemm_flops(threads)
+    return cpu_peak_flops(threads)
 
 
 def peak_mem_bytes(device: torch.device) -> int:
