@@ -17,7 +17,7 @@ from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.parallel.pp import pipeline_forward_backward, theoretical_bubble
+from nanotitan.parallel.pp import pipeline_forward, pipeline_forward_backward, theoretical_bubble
 from tests.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
@@ -77,8 +77,12 @@ def _grad_cases(rank, world, cases):
         aux_total = stats.aux_sum.clone()
         comm.all_reduce(aux_total, group=dims.group("pp"), axis="other")
         ce = stats.ce_sum.item() if dims.is_pp_last_stage else None
+        # forward-only (evaluation) pass of the same microbatches gives the same CE
+        eval_ce, _ = pipeline_forward(stage, dims, xs, ys, act_shape=(M_SEQ, SEQ, D), dtype=torch.float32,
+                                      device="cpu")
+        eval_ce = eval_ce.item() if dims.is_pp_last_stage else None
         out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt), worst=worst, flags=flags,
-                        ce=ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
+                        ce=ce, eval_ce=eval_ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
                         n_params=sum(1 for _ in stage.parameters()), bubble=stats.bubble,
                         timing_ok=abs(stats.wall_s - stats.p2p_wait_s - stats.compute_s) < 1e-9))
     return out
@@ -96,8 +100,9 @@ def _check_grad_results(results, world):
             assert math.isclose(r["aux"], r["ref_aux"], rel_tol=1e-5), f"{where}: aux {r['aux']} vs {r['ref_aux']}"
             if rank == world - 1:
                 assert math.isclose(r["ce"], r["ref_ce"], rel_tol=1e-5), f"{where}: ce {r['ce']} vs {r['ref_ce']}"
+                assert math.isclose(r["eval_ce"], r["ref_ce"], rel_tol=1e-5), f"{where}: eval ce {r['eval_ce']}"
             else:
-                assert r["ce"] is None
+                assert r["ce"] is None and r["eval_ce"] is None
             assert r["timing_ok"] and 0.0 <= r["bubble"] < 1.0, where
 
 

@@ -200,3 +200,34 @@ def pipeline_forward_backward(
     wait = comms.reset_wait()
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, num_microbatches=M,
                      wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait)
+
+
+@torch.no_grad()
+def pipeline_forward(
+    model: torch.nn.Module,
+    dims: ParallelDims,
+    xs: list[torch.Tensor],
+    ys: list[torch.Tensor],
+    *,
+    act_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Forward-only pass of M microbatches through the pipeline (evaluation): returns (ce_sum, aux_sum),
+    ce_sum the sum of the microbatches' mean CE on the last stage (None elsewhere), aux_sum this stage's
+    summed aux losses. Every rank of the PP group calls it with the same M."""
+    comms = _stage_comms(dims, act_shape, dtype, device)
+    ce_sum, aux_sum = None, torch.zeros((), device=device)
+    for i in range(len(xs)):
+        buf = comms.recv_forward()
+        inp = xs[i].to(device, non_blocking=True) if dims.is_pp_first_stage else buf
+        targets = ys[i].to(device, non_blocking=True) if dims.is_pp_last_stage else None
+        out, aux = model(inp, targets)
+        aux_sum = aux_sum + aux
+        if dims.is_pp_last_stage:
+            ce_sum = out if ce_sum is None else ce_sum + out
+        else:
+            comms.send_forward(out)
+        comms.release(buf)  # no graph holds it: reuse for the next microbatch
+    comms.reset_wait()
+    return ce_sum, aux_sum
