@@ -38,16 +38,24 @@ def cmd_train(argv: list[str]) -> int:
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
     if cfg.parallel.auto:
-        from .plan import recommend
-
+        # The planner picks the layout for this world at the same global batch; under an elastic torchrun
+        # restart with a new world size it re-plans, and resume reshards the checkpoint onto the new layout.
         import os
-        world = int(os.environ.get("WORLD_SIZE", cfg.world_size))
-        dp, pp, ep, schedule, M, m = recommend(cfg, world, None)
+
+        from .plan import PlanOptions, recommend
+
+        world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.world or cfg.world_size
+        B = cfg.train.global_batch or cfg.global_batch
+        # m stays as configured: the balance loss is per microbatch, so only the same (B, m) trains the same model.
+        dp, pp, ep, schedule, M, m = recommend(cfg, world, None,
+                                               PlanOptions(global_batch=B, micro_batch=cfg.train.micro_batch))
         overrides = overrides + ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
                                  "--parallel.schedule", schedule, "--parallel.microbatches", str(M),
-                                 "--train.micro_batch", str(m), "--parallel.auto", "false"]
+                                 "--train.micro_batch", str(m), "--train.global_batch", str(B),
+                                 "--parallel.auto", "false"]
         cfg = load_config(path, overrides)
-        print(f"planner: dp={dp} pp={pp} ep={ep} schedule={schedule} M={M} m={m} for world {world}", flush=True)
+        print(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} {schedule} M={M} m={m}",
+              flush=True)
         argv = ([f"--config={path}"] if path else []) + overrides
 
     if under_torchrun():

@@ -62,6 +62,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
     micro_batch: int = 4  # m: sequences per microbatch
+    global_batch: int = 0  # B sequences per step; 0 = dp*ep*microbatches*micro_batch (kept fixed by --parallel.auto)
     seq_len: int = 128  # S
     eval_every: int = 100  # 0 disables periodic eval
     eval_batches: int = 4
@@ -91,7 +92,8 @@ class ParallelConfig:
     dp_impl: Literal["nanotitan", "torch_ddp"] = "nanotitan"
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
-    auto: bool = False  # choose dp/pp/ep with the planner
+    auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
+    world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
 
 
 @dataclass(kw_only=True)
@@ -284,6 +286,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl nanotitan")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
+    _check(t.global_batch >= 0, f"train.global_batch={t.global_batch} must be >= 0 (--train.global_batch)")
+    _check(not t.global_batch or p.auto or t.global_batch == cfg.global_batch,
+           f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.global_batch} "
+           "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
+    _check(p.world >= 0, f"parallel.world={p.world} must be >= 0 (--parallel.world)")
     if world_size is not None:
         _check(world_size == cfg.world_size,
                f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "

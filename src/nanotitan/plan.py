@@ -146,6 +146,7 @@ class PlanOptions:
     zero1: bool = False  # shard master+moments over each param's DP group (the trainer does not implement it yet)
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
     global_batch: int = 0  # 0 = cfg.global_batch
+    micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
     nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
     ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
     shape_extra: dict = field(default_factory=dict)  # ModelShape fields our config cannot express
@@ -399,7 +400,9 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     if opts.nodes and world % opts.nodes:
         raise ConfigError(f"--gpus {world} must be a multiple of --nodes {opts.nodes}")
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
-    preds = [predict(cfg, lay, hw, opts, shape) for lay in enumerate_layouts(cfg, world, opts.global_batch)]
+    layouts = [lay for lay in enumerate_layouts(cfg, world, opts.global_batch)
+               if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
+    preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     return preds
 

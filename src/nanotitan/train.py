@@ -172,7 +172,7 @@ class Trainer:
         self.stop_requested = True
 
     def resume(self, where: str):
-        path = ckpt.latest_checkpoint(self.run_dir) if where == "auto" else Path(where)
+        path = ckpt.resolve_resume(where, self.run_dir)  # "auto", a step dir or a run dir (its newest)
         if path is None:
             self.log("train.resume=auto: no complete checkpoint yet, starting from step 0")
             return

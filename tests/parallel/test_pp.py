@@ -84,6 +84,7 @@ def _grad_cases(rank, world, cases):
         out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt), worst=worst, flags=flags,
                         ce=ce, eval_ce=eval_ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
                         n_params=sum(1 for _ in stage.parameters()), bubble=stats.bubble,
+                        in_flight=stats.max_in_flight,
                         timing_ok=abs(stats.wall_s - stats.p2p_wait_s - stats.compute_s) < 1e-9))
     return out
 
@@ -104,6 +105,9 @@ def _check_grad_results(results, world):
             else:
                 assert r["ce"] is None and r["eval_ce"] is None
             assert r["timing_ok"] and 0.0 <= r["bubble"] < 1.0, where
+            # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p
+            want = M if case[2] == "gpipe" else min(world - rank, M)
+            assert r["in_flight"] == want, f"{where}: {r['in_flight']} microbatches in flight, expected {want}"
 
 
 def test_pp2_gradients_match_single_process():
@@ -192,7 +196,7 @@ def test_pp1_is_gradient_accumulation():
         assert math.isclose(stats.ce_sum.item(), ref_ce, rel_tol=1e-6)
         for n, p in model.named_parameters():
             assert rel_err(p.grad, dict(full.named_parameters())[n].grad) <= 1e-6, n
-        assert stats.p2p_wait_s == 0.0
+        assert stats.p2p_wait_s == 0.0 and stats.max_in_flight == 1
 
 
 def test_theoretical_bubble():

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from . import comm
 
 
-def _sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of all `grads` in fp32, with foreach kernels (no per-tensor host sync)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads, 2)
     return torch.linalg.vector_norm(torch.stack(norms).float()).pow(2)
 
@@ -30,7 +30,8 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
     rep_grads = [p.grad for p in replicated_params if p.grad is not None]
-    rep_sq, exp_sq = _sq_norm(rep_grads), _sq_norm(exp_grads)
+    device = next((g.device for g in rep_grads + exp_grads), torch.device("cpu"))  # NCCL needs it on GPU
+    rep_sq, exp_sq = _sq_norm(rep_grads, device), _sq_norm(exp_grads, device)
     if ep_group is not None:
         # One scalar all-reduce over EP: every EP rank holds the same replicated grads, so only
         # ep rank 0 contributes them (x + 0 + ... = x exactly); expert shards all add up.

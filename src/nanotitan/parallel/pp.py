@@ -48,6 +48,7 @@ class StepStats:
     wall_s: float  # the whole call
     p2p_wait_s: float  # time blocked in pipeline send/recv (idle: the bubble, plus transfer time)
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
+    max_in_flight: int  # most microbatches whose activations this stage held at once (GPipe M, 1F1B PP - p)
 
     @property
     def bubble(self) -> float:
@@ -84,6 +85,7 @@ class _StageRunner:
         self.pending: dict[int, tuple] = {}  # microbatch -> (recv buffer, input leaf, objective tensors)
         self.ce_sum = None
         self.aux_sum = None
+        self.max_in_flight = 0
 
     def forward(self, i: int, recv_buf: torch.Tensor | None) -> torch.Tensor | None:
         """Run microbatch i; returns the activation to send on (None on the last stage)."""
@@ -99,11 +101,15 @@ class _StageRunner:
         if self.last:
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             loss = self.loss_scale * out if aux_term is None else self.loss_scale * out + aux_term
-            self.pending[i] = (recv_buf, inp, [loss], [None])
+            self._hold(i, (recv_buf, inp, [loss], [None]))
             return None
         outs, grads = ([out], [None]) if aux_term is None else ([out, aux_term], [None, None])
-        self.pending[i] = (recv_buf, inp, outs, grads)
+        self._hold(i, (recv_buf, inp, outs, grads))
         return out
+
+    def _hold(self, i: int, state: tuple) -> None:
+        self.pending[i] = state
+        self.max_in_flight = max(self.max_in_flight, len(self.pending))
 
     def backward(self, i: int, grad_buf: torch.Tensor | None, is_last: bool) -> torch.Tensor | None:
         """Backward of microbatch i given the gradient of its output; returns the input gradient to send back."""
@@ -199,7 +205,7 @@ def pipeline_forward_backward(
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, num_microbatches=M,
-                     wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait)
+                     wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait, max_in_flight=run.max_in_flight)
 
 
 @torch.no_grad()
