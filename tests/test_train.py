@@ -114,3 +114,27 @@ def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
     assert all(a.returncode == 0 for a in agents), "\n".join(outs)
     recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, corpus_dir):
+    """train.ckpt_on_signal: SIGTERM to the job -> every rank finishes its step, they agree to stop, save."""
+    from nanotitan.checkpoint import latest_checkpoint
+
+    p = _launch(["--parallel.dp", "2", "--train.steps", "100000", "--run.log_every", "1",
+                 "--train.ckpt_on_signal", "true", "--train.ckpt_at_end", "false"], tmp_path, corpus_dir,
+                start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and p.poll() is None, "job never started training"
+        time.sleep(0.2)
+    os.kill(p.pid, signal.SIGTERM)
+    try:
+        out, _ = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    ck = latest_checkpoint(tmp_path / "run")
+    assert ck is not None, out
+    assert "stop requested (SIGTERM)" in out
+    assert int(ck.name.split("_")[1]) >= 3
