@@ -37,7 +37,7 @@ from .parallel.dims import ParallelDims
 from .parallel.dp import Reducer, wrap_ddp
 from .parallel.ep import apply_ep
 from .parallel.init import broadcast_params, check_replicas
-from .parallel.pp import pipeline_forward_backward
+from .parallel.pp import pipeline_forward, pipeline_forward_backward
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -232,17 +232,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for xb, yb in self.val_data.eval_batches(t.eval_batches, self.B, dims.data_rank, self.b):
             xs, ys = self.microbatches(xb, yb)
-            for x, y in zip(xs, ys):
-                if dims.is_pp_first_stage:
-                    inp = x
-                else:
-                    inp = torch.empty(self.m, self.S, self.cfg.model.d_model, device=self.device)
-                    comm.recv(inp, dims.prev_pp_rank, dims.group("pp"))
-                out, _ = self.model(inp, y if dims.is_pp_last_stage else None)
-                if dims.is_pp_last_stage:
-                    total += out
-                else:
-                    comm.send(out, dims.next_pp_rank, dims.group("pp"))
+            ce_sum, _ = pipeline_forward(self.model, dims, xs, ys, act_shape=(self.m, self.S, self.cfg.model.d_model),
+                                         dtype=torch.float32, device=self.device)
+            if ce_sum is not None:  # last stage
+                total += ce_sum
         self.model.train()
         self.model.expert_load.clear()
         if self.world > 1:
