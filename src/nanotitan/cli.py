@@ -73,7 +73,8 @@ def cmd_train(argv: list[str]) -> int:
 
             from .metrics import cpu_peak_flops
 
-            cpu_peak_flops(cfg.train.threads or max(1, (os.cpu_count() or 1) // cfg.world_size))  # cached
+            threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+            os.environ["NANOTITAN_CPU_PEAK_FLOPS"] = str(cpu_peak_flops(threads))  # measured before ranks start
         code = launch_local(cfg.world_size, argv, cfg.train.max_restarts)
     else:
         from .train import run

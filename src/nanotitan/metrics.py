@@ -37,23 +37,12 @@ def measure_cpu_gemm_flops(threads: int, n: int = 2048, reps: int = 5) -> float:
 
 
 def cpu_peak_flops(threads: int) -> float:
-    """Measured GEMM peak at `threads`, cached per machine: ranks that share the cores would measure each
-    other, so the launcher measures once before starting them and every rank reads the figure."""
-    from .data.sources import cache_root
-    from .config import DataConfig
-
-    path = cache_root(DataConfig()) / f"gemm_peak_{os.uname().nodename}.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if str(threads) not in cached:
-        cached[str(threads)] = measure_cpu_gemm_flops(threads)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached))
-        tmp.replace(path)
-    return float(cached[str(threads)])
+    """Measured fp32 GEMM peak at `threads`. Ranks that share the cores would measure each other, so the
+    launcher measures once before starting them and hands the figure down in NANOTITAN_CPU_PEAK_FLOPS."""
+    env = os.environ.get("NANOTITAN_CPU_PEAK_FLOPS")
+    if env:
+        return float(env)
+    return measure_cpu_gemm_flops(threads)
 
 
 def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
@@ -77,14 +66,14 @@ def peak_mem_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """metrics.jsonl + TensorBoard on global rank 0; a no-op elsewhere."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, append: bool = False):
         self.enabled = enabled
         self.tb = None
         if not enabled:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.f = open(self.path, "a")
+        self.f = open(self.path, "a" if append else "w")  # a resumed run continues the same file
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

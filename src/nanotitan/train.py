@@ -148,7 +148,7 @@ class Trainer:
         self.peak_flops_total = peak_rank * (self.world if self.device.type == "cuda" else ranks_sharing)
         self.flops_per_token = flops_per_token(cfg.model, self.S)
         self.run_dir = Path(cfg.run.dir)
-        self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard)
+        self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume))
         self.start_step = 0
         self.stop_requested = False
         if t.ckpt_on_signal:
