@@ -21,23 +21,22 @@ from pathlib import Path
 from .config import load_config
 
 
-def layouts_for(world: int, n_layers: int, num_experts: int, global_batch: int) -> list[tuple[int, int, int]]:
+def layouts_for(world: int, n_layers: int, num_experts: int, global_batch: int,
+                micro_batch: int = 1) -> list[tuple[int, int, int]]:
     out = []
     for dp, pp, ep in itertools.product(range(1, world + 1), repeat=3):
-        if dp * pp * ep != world or num_experts % ep or pp > n_layers or global_batch % (dp * ep):
+        if dp * pp * ep != world or num_experts % ep or pp > n_layers or global_batch % (dp * ep * micro_batch):
             continue
         out.append((dp, pp, ep))
     return out
 
 
-def microbatching(b: int, pp: int) -> tuple[int, int]:
-    """(M, m) for b sequences per data rank: with PP, as many microbatches as fill the pipe twice."""
-    if pp == 1:
-        return 1, b
-    for M in (4 * pp, 2 * pp, pp, 2, 1):
-        if b % M == 0:
-            return M, b // M
-    return 1, b
+def microbatching(b: int, m: int) -> tuple[int, int]:
+    """(M, m) for b sequences per data rank at a fixed micro-batch size m. Fixing m (not M) keeps every
+    layout on the same maths: the MoE balance loss is per microbatch, so equal (B, m) = equal losses."""
+    if b % m:
+        raise ValueError(f"micro-batch {m} must divide the {b} sequences per data rank (--micro-batch)")
+    return b // m, m
 
 
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float) -> dict:
@@ -77,6 +76,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--window", type=int, nargs=2, default=None, help="average steps (a, b]; default last 2/3")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--micro-batch", type=int, default=2, help="m, the same for every layout")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -89,8 +89,8 @@ def main(argv: list[str]) -> int:
     B = cfg.global_batch
     all_rows, curves = [], {}
     for n in args.gpus:
-        for dp, pp, ep in layouts_for(n, cfg.model.n_layers, cfg.model.num_experts, B):
-            M, m = microbatching(B // (dp * ep), pp)
+        for dp, pp, ep in layouts_for(n, cfg.model.n_layers, cfg.model.num_experts, B, args.micro_batch):
+            M, m = microbatching(B // (dp * ep), args.micro_batch)
             name = f"N{n}_dp{dp}_pp{pp}_ep{ep}"
             print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
             res = run_layout(dp, pp, ep, args.schedule, M, m, args.steps, out / "runs" / name, base, args.timeout)
@@ -128,7 +128,7 @@ def write_markdown(path: Path, rows, window, B, S, args, overrides, max_rel):
     mib = 1024 * 1024
     lines = [f"# Layouts at equal tokens per step ({B} x {S} tokens)", "",
              f"Command: `nanotitan bench layouts --gpus {' '.join(map(str, args.gpus))} --steps {args.steps} "
-             f"--config {args.config} {' '.join(overrides)}`".rstrip() + "",
+             f"--micro-batch {args.micro_batch} --config {args.config} {' '.join(overrides)}`".rstrip() + "",
              "", f"Medians over steps ({window[0]}, {window[1]}]. Memory = peak RSS per rank (CPU). "
              f"Waits are seconds per step blocked in each kind of communication. "
              f"Max relative loss difference between layouts at equal steps: {max_rel:.2e}.", "",
