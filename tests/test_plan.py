@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 
@@ -12,11 +13,11 @@ import pytest
 import torch
 
 from nanotitan.config import Config, ConfigError, validate
-from nanotitan.hardware import BUILTIN, get_hardware, load_hardware, save_hardware
+from nanotitan.hardware import BUILTIN, Link, get_hardware, load_hardware, save_hardware
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.plan import (Layout, ModelShape, PlanOptions, _placement, calibrate, enumerate_layouts,
-                            format_calibration, layout_config, main, plan, predict, recommend, spearman,
+                            fit_profile, format_calibration, layout_config, main, plan, predict, recommend, spearman,
                             stage_summaries)
 from nanotitan.plan_measure import TensorBytesMeter
 
@@ -216,6 +217,8 @@ def test_measured_profile_is_a_loadable_hardware_file(tmp_path):
     hw = measure_hardware(str(tmp_path / "hw.json"))
     assert load_hardware(tmp_path / "hw.json") == hw
     assert hw.gemm_flops_by_threads[1] > 1e9 and hw.intra.allreduce_bw > 1e7 and hw.intra.latency_s < 0.1
+    # the reserve is a rank's RSS after the trainer's imports and gloo init: well above bare torch (~150 MiB)
+    assert hw.cores_per_node == len(os.sched_getaffinity(0)) and hw.mem_reserved_bytes > 200 * 2**20
     assert recommend(tiny(m=8), 2, str(tmp_path / "hw.json"))
 
 
@@ -224,7 +227,8 @@ def test_pipeline_bubble_matches_the_textbook_fraction():
     cfg = tiny(n_layers=8, m=8)
     cfg.model.vocab_size = cfg.data.vocab_size = 260
     cfg.model.ffn_dim = 2048  # the head is ~2% of a layer
-    hw = dataclasses.replace(CPU, layer_overhead_s=0.0, mem_bw=1e30)
+    hw = dataclasses.replace(CPU, layer_overhead_s=0.0, mem_bw=1e30, p2p_call_s=0.0, step_overhead_s=0.0,
+                             cores_per_node=8)  # a core per rank: no time-sharing, the bubble is idle time
     for pp, M in [(2, 4), (4, 8), (8, 8)]:
         p = predict(cfg, Layout(1, pp, 1, "1f1b", M, 8 // M), hw)
         pipe = p.step_time_s - p.costs["optimizer"] - p.costs["dp_allreduce"]
@@ -258,8 +262,73 @@ def test_hardware_profiles_roundtrip_and_errors(tmp_path):
     assert get_hardware("H100") is BUILTIN["h100-sxm"]
     with pytest.raises(ValueError, match="--hardware"):
         get_hardware("tpu-v9")
-    # CPU ranks share the cores: 4 ranks on 2 cores get half a core each
-    assert CPU.peak_flops("fp32", 4) == pytest.approx(CPU.gemm_flops_by_threads[1] / 2)
+    # CPU ranks split the cores (at least one thread each); more ranks than cores time-share them
+    assert CPU.peak_flops("fp32", 1) == CPU.gemm_flops_by_threads[2] and CPU.peak_flops("fp32", 4) == CPU.gemm_flops_by_threads[1]
+    assert CPU.shares_cores(4) and not CPU.shares_cores(2) and not BUILTIN["h100-sxm"].shares_cores(64)
+
+
+def _no_overheads(hw, **kw):
+    """Compute only: free communication, no host overheads, an instant optimizer."""
+    return dataclasses.replace(hw, layer_overhead_s=0.0, a2a_call_s=0.0, p2p_call_s=0.0, step_overhead_s=0.0,
+                               mem_bw=1e30, intra=Link.uniform(1e30, 0.0), **kw)
+
+
+def test_cpu_ranks_beyond_the_cores_time_share_them():
+    """With more ranks than cores, a pipeline bubble is not lost (the idle stage's core runs another rank):
+    the step is the node's total CPU work / cores. With a core per rank the dedicated model (bubble) holds,
+    and GPU profiles never share."""
+    cfg = tiny(n_layers=4, m=8)
+    hw = _no_overheads(CPU)
+    dp4 = predict(cfg, Layout(4, 1, 1, "1f1b", 1, 2), hw)
+    pp4 = predict(cfg, Layout(1, 4, 1, "1f1b", 4, 2), hw)
+    one = predict(cfg, Layout(1, 1, 1, "1f1b", 4, 2), dataclasses.replace(hw, cores_per_node=1))  # one core
+    # one rank with one thread does all the work; 4 ranks on 2 cores do it in half the time, whatever the layout
+    assert pp4.step_time_s == pytest.approx(one.step_time_s / 2, rel=0.02) and pp4.costs["bubble"] == 0.0
+    assert dp4.step_time_s == pytest.approx(pp4.step_time_s, rel=0.02)
+    assert sum(pp4.costs.values()) == pytest.approx(pp4.step_time_s)
+    dedicated = predict(cfg, Layout(1, 4, 1, "1f1b", 4, 2), dataclasses.replace(hw, cores_per_node=4))
+    # 4 cores: no sharing, the bubble is idle time: slower than perfect division of the work by 4 cores
+    assert dedicated.costs["bubble"] > 0 and one.step_time_s / 4 * 1.3 < dedicated.step_time_s < pp4.step_time_s
+    # replicated per-rank work (the all-reduce and optimizer of every DP replica) is CPU work too
+    dp_cost = predict(cfg, Layout(4, 1, 1, "1f1b", 1, 2), dataclasses.replace(hw, step_overhead_s=0.01))
+    assert dp_cost.step_time_s == pytest.approx(dp4.step_time_s + 4 * 0.01 / 2)
+    gpu = get_hardware("h100-sxm")
+    assert predict(cfg, Layout(1, 4, 1, "1f1b", 4, 2), gpu).costs["bubble"] > 0
+
+
+def test_fit_recovers_known_constants(tmp_path):
+    """Rows generated from known constants (step time and RSS per rank) are fitted back from a wrong start,
+    by fit_profile and by `nanotitan plan --calibrate`; calibrate then reports ~0 error and rho 1."""
+    cfg = tiny(n_layers=4, m=8)
+    truth = dataclasses.replace(CPU, compute_efficiency=0.35, a2a_call_s=2e-3, p2p_call_s=0.4e-3,
+                                step_overhead_s=6e-3, mem_reserved_bytes=300 * 2**20)
+    start = dataclasses.replace(CPU, compute_efficiency=0.6, a2a_call_s=0.1e-3, p2p_call_s=2e-3,
+                                step_overhead_s=0.5e-3, mem_reserved_bytes=200 * 2**20)
+    rows = []
+    for world in (2, 4, 8):
+        for lay in enumerate_layouts(cfg, world):
+            if lay.micro_batch == 2 and lay.schedule == "1f1b":
+                p = predict(layout_config(cfg, lay), lay, truth)
+                rows.append(dict(world=world, dp=lay.dp, pp=lay.pp, ep=lay.ep, schedule=lay.schedule,
+                                 M=lay.microbatches, m=lay.micro_batch, step_time_s=p.step_time_s,
+                                 peak_mem_bytes=[p.mem_by_stage[(g // lay.ep) % lay.pp] for g in range(world)]))
+    assert len(rows) >= 10
+    fitted = fit_profile(rows, cfg, start)
+    for k in ("compute_efficiency", "a2a_call_s", "p2p_call_s", "step_overhead_s", "mem_reserved_bytes"):
+        assert getattr(fitted, k) == pytest.approx(getattr(truth, k), rel=0.03), k
+    res = calibrate(rows, cfg, fitted)
+    assert res["median_abs_err_step"] < 0.01 and res["median_abs_err_mem"] < 0.01 and res["spearman_rho"] > 0.99
+    # the CLI: bench-layouts JSON in, calibrated profile out
+    (tmp_path / "layouts.json").write_text(json.dumps({"rows": [dict(r, peak_mem_per_rank=r.pop("peak_mem_bytes"))
+                                                                for r in rows]}))
+    save_hardware(start, tmp_path / "start.json")
+    cfg_args = ["--model.d_model", "64", "--model.n_heads", "4", "--model.ffn_dim", "128", "--model.n_layers", "4",
+                "--model.num_experts", "4", "--model.max_seq_len", "64", "--data.vocab_size", "512",
+                "--train.seq_len", "64", "--train.micro_batch", "8"]
+    assert main(["--calibrate", str(tmp_path / "layouts.json"), "--hardware", str(tmp_path / "start.json"),
+                 "--out", str(tmp_path / "cal.json"), *cfg_args]) == 0
+    assert load_hardware(tmp_path / "cal.json").a2a_call_s == pytest.approx(truth.a2a_call_s, rel=0.03)
+    assert main(["--calibrate", str(tmp_path / "layouts.json"), *cfg_args]) == 2  # needs --hardware and --out
 
 
 def test_cli_prints_ranked_table_and_recommendation(tmp_path, capsys):

@@ -54,16 +54,27 @@ class Hardware:
     cores_per_node: int = 0  # CPU only: local ranks share these cores and the node's memory (0 = one device per rank)
     gemm_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured fp32 GEMM FLOP/s
     layer_overhead_s: float = 0.0  # per layer per microbatch (fwd+bwd): launches, Python, dispatch bookkeeping
+    # Fixed host costs per call / per step beyond bandwidth and link latency (0 on GPU profiles; on CPU+gloo
+    # fitted by `nanotitan plan --calibrate`): an all-to-all call (wrapper, split-size host sync, packing),
+    # a P2P send or recv, and one rank's per-step work outside microbatches (zero_grad, clipping, logging).
+    a2a_call_s: float = 0.0
+    p2p_call_s: float = 0.0
+    step_overhead_s: float = 0.0
     source: str = ""  # where the figures come from
 
     def peak_flops(self, dtype: str, ranks_on_node: int = 1) -> float:
-        """Peak FLOP/s one rank gets; on a CPU node the local ranks split the cores."""
+        """FLOP/s of one rank while it runs. A CPU node's cores are split among its ranks (at least one
+        thread each); ranks that outnumber the cores time-share them, which `plan.predict` models as a
+        bound on the node's total CPU work, not as a slower rank."""
         if not self.cores_per_node:
             return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
         threads = max(1, self.cores_per_node // ranks_on_node)
         known = sorted(t for t in self.gemm_flops_by_threads if t <= threads) or [min(self.gemm_flops_by_threads)]
-        flops = self.gemm_flops_by_threads[known[-1]] * threads / known[-1]  # linear past the largest measured
-        return flops * min(1.0, self.cores_per_node / ranks_on_node)  # oversubscribed: time-share the cores
+        return self.gemm_flops_by_threads[known[-1]] * threads / known[-1]  # linear past the largest measured
+
+    def shares_cores(self, ranks_on_node: int) -> bool:
+        """CPU node with more ranks than cores: ranks time-share the cores."""
+        return bool(self.cores_per_node) and ranks_on_node > self.cores_per_node
 
     def mem_per_rank(self, ranks_on_node: int) -> float:
         """Memory one rank may use: its device, or its share of a CPU node."""
@@ -127,16 +138,21 @@ BUILTIN: dict[str, Hardware] = {
                         mem_bytes=12 * GB, mem_reserved_bytes=1.0 * GiB, mem_bw=360 * GB, devices_per_node=8,
                         intra=Link(10 * GB, 8 * GB, 10 * GB, 20e-6), inter=Link.uniform(1.1 * GB, 50e-6),
                         dp_overlap=0.9, layer_overhead_s=50e-6, source="NVIDIA GA106 spec (RTX 3060 12GB)"),
-    # This project's CPU machines (BASELINES.md, Nov 2026): 2 cores, 24 GiB; fp32 GEMM 2048^2 ~142 GFLOP/s on
-    # 1 thread, ~270 on 2; gloo all-reduce of 60 MB over 2 ranks ~50 ms (~1.2 GB/s bus bandwidth).
-    # Gloo runs on the same cores as compute, so it cannot hide behind backward (dp_overlap 0).
-    # All-to-all: one MID MoE layer at EP=2 spent ~14 ms in 4 all-to-alls of ~1 MB per rank -> ~0.3 GB/s.
-    # A step reaches ~50% of GEMM peak (MID with fused AdamW: 52% MFU). All ranks are local (one node).
-    "cpu-gloo": Hardware("cpu-gloo", 142e9, 142e9, compute_efficiency=0.5, gemm_half_rows=16,
-                         mem_bytes=24 * GiB, mem_reserved_bytes=0.35 * GiB, mem_bw=19 * GB, devices_per_node=64,
-                         intra=Link(1.2 * GB, 0.3 * GB, 1.5 * GB, 100e-6), inter=Link.uniform(0.1 * GB, 500e-6),
-                         dp_overlap=0.0, cores_per_node=2, gemm_flops_by_threads={1: 142e9, 2: 270e9},
-                         layer_overhead_s=0.3e-3, source="BASELINES.md (2-core CPU, torch 2.13, gloo)"),
+    # This project's CPU machines, calibrated (docs/calibration.md): 2 cores, 24 GiB. `nanotitan plan --measure`
+    # (quiet machine): fp32 GEMM 1024^2 115 GFLOP/s on 1 thread, 222 on 2 (BASELINES.md: ~142/270 at 2048^2);
+    # gloo all-reduce 1.5 GB/s bus bandwidth, all-to-all 1.9 GB/s, send/recv 3.7 GB/s, 54 us per call.
+    # `nanotitan plan --calibrate` on 17 measured layouts (N = 2, 4, 8): a step reaches 59% of GEMM peak;
+    # an EP all-to-all costs ~0.8 ms of host time beyond its bytes (split-size host sync, packing, autograd),
+    # a P2P send or recv ~0.6 ms, a rank's per-step work outside microbatches ~3 ms; a rank's RSS before its
+    # model's tensors ~436 MiB (torch, gloo, DCP, data, allocator). Gloo runs on the same cores as compute,
+    # so it cannot hide behind backward (dp_overlap 0). All ranks are local (one node).
+    "cpu-gloo": Hardware("cpu-gloo", 115e9, 115e9, compute_efficiency=0.59, gemm_half_rows=16,
+                         mem_bytes=24 * GiB, mem_reserved_bytes=436 * 2**20, mem_bw=19 * GB, devices_per_node=64,
+                         intra=Link(1.5 * GB, 1.9 * GB, 3.7 * GB, 54e-6), inter=Link.uniform(0.1 * GB, 500e-6),
+                         dp_overlap=0.0, cores_per_node=2, gemm_flops_by_threads={1: 115e9, 2: 222e9},
+                         layer_overhead_s=0.3e-3, a2a_call_s=0.8e-3, p2p_call_s=0.6e-3, step_overhead_s=3e-3,
+                         source="nanotitan plan --measure + --calibrate on the project's 2-core CPU machine "
+                                "(docs/calibration.md), torch 2.13, gloo"),
 }
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "3090": "rtx3090", "3060": "rtx3060", "cpu": "cpu-gloo",
            "h800-sxm": "h800", "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-3060": "rtx3060"}
@@ -172,8 +188,14 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
 
 
 def detect_hardware() -> Hardware:
-    """The profile of the device this process would train on: the CUDA GPU by name, else cpu-gloo."""
+    """The profile of the device this process would train on: the file or name in $NANOTITAN_HARDWARE
+    (a calibrated profile of this machine), else the CUDA GPU by name, else cpu-gloo."""
+    import os
+
     import torch
+
+    if os.environ.get("NANOTITAN_HARDWARE"):
+        return get_hardware(os.environ["NANOTITAN_HARDWARE"])
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0).lower().replace(" ", "")

@@ -4,6 +4,8 @@
 world N that keeps the config's global batch B = dp*ep*M*m and passes `config.validate`, predicts
 per-rank memory and step time with the analytic model below, and prints a ranked table with a
 recommendation. `recommend()` is what `nanotitan train --parallel.auto true` calls.
+`nanotitan plan --calibrate LAYOUTS_JSON --hardware PROFILE --out NEW` fits a profile's free constants to
+what `nanotitan bench layouts` measured (`fit_profile`); `calibrate` reports prediction errors.
 The method, every formula and its assumptions are written up in docs/planner.md.
 
 Shapes: V vocab, D d_model, F expert hidden, Fd dense FFN hidden, E experts, K top_k, S seq_len,
@@ -15,13 +17,15 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .config import Config, ConfigError, load_config, validate
-from .hardware import GiB, Hardware, detect_hardware, get_hardware
+from .hardware import GiB, Hardware, detect_hardware, get_hardware, save_hardware
 from .model.spec import layer_bounds
 
 
@@ -348,7 +352,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         mem_by_stage.append(sum(parts.values()))
         parts_by_stage.append(parts)
 
-    # Time of one microbatch (forward + backward) on each stage.
+    # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
     t_stage, t_bwd = [], []
     for s, st in enumerate(stages):
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
@@ -357,10 +361,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
-        # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange.
-        a2a = st.n_moe * (4 * a2a_one + 5 * (ep - 1) * ep_link.latency_s) if ep > 1 else 0.0
+        # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
+        a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
         sends = (0 if st.last else 1) + (0 if st.first else 1)
-        p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
+        p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
         over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
         t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
@@ -371,7 +375,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
 
     # DP all-reduce: overlaps the last microbatch's backward (dp_overlap of it), and stage s finishes
     # that backward s stage-backwards before stage 0 does, so it has that much idle slack too.
-    exposed_dp, t_opt = 0.0, 0.0
+    exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
     for s, st in enumerate(stages):
         t_ar = (_ring_allreduce_s(st.n_ne * prec.grad, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
@@ -379,13 +383,32 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd))
         n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else st.n_ne + st.n_ex
         # AdamW reads param, grad, master, moments and writes param, master, moments.
-        t_opt = max(t_opt, n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
+        t_opt_by_stage.append(n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
+        t_opt = max(t_opt, t_opt_by_stage[-1])
+        t_ar_by_stage.append(t_ar)
 
     costs = {k: M * v for k, v in t_stage[slow].items()}
     costs["bubble"] = t_pipe - M * totals[slow]
+    costs["overhead"] += hw.step_overhead_s
     costs["dp_allreduce"] = exposed_dp
     costs["optimizer"] = t_opt
-    step = t_pipe + exposed_dp + t_opt
+    step = t_pipe + exposed_dp + t_opt + hw.step_overhead_s
+
+    if hw.shares_cores(ranks_on_node):
+        # More ranks than cores: a rank idling in the bubble or waiting on a peer lends its core to another
+        # rank, so the step is bounded below by the node's CPU work / its cores; communication on gloo is
+        # CPU work too (copies, the host sync). The critical path above stays a bound as well.
+        work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")}
+        for s in range(pp):  # dp*ep ranks run each stage; every rank does its M microbatches and its step
+            for k, v in t_stage[s].items():
+                work[k] += dp * ep * M * v
+            work["overhead"] += dp * ep * hw.step_overhead_s
+            work["dp_allreduce"] += dp * ep * t_ar_by_stage[s]
+            work["optimizer"] += dp * ep * t_opt_by_stage[s]
+        cpus = nodes * hw.cores_per_node
+        if sum(work.values()) / cpus > step:
+            costs = {k: v / cpus for k, v in work.items()} | {"bubble": 0.0}
+            step = sum(costs.values())
     B = dp * ep * M * m
     limit = hw.mem_per_rank(ranks_on_node)
     return Prediction(layout, step, B * S / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
@@ -477,9 +500,8 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
     opts = opts or PlanOptions()
     rows = []
     for r in measured_rows:
-        lay = Layout(int(r["dp"]), int(r["pp"]), int(r["ep"]), r.get("schedule", cfg.parallel.schedule),
-                     int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
-        pred = predict(cfg, lay, hw, opts)
+        lay = _layout_of(r, cfg)
+        pred = predict(layout_config(cfg, lay), lay, hw, opts)
         mem = r["peak_mem_bytes"]
         if isinstance(mem, (list, tuple)):  # per global rank: compare each with its stage's prediction
             pred_mem = [pred.mem_by_stage[(g // lay.ep) % lay.pp] for g in range(len(mem))]
@@ -498,6 +520,96 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
                 if len(rows) > 1 else float("nan"),
                 median_time_ratio=statistics.median(x["meas_step_s"] / x["pred_step_s"] for x in rows)
                 if rows else float("nan"))
+
+
+def _layout_of(r: dict, cfg: Config) -> Layout:
+    sched = r.get("schedule", cfg.parallel.schedule)
+    return Layout(int(r["dp"]), int(r["pp"]), int(r["ep"]), cfg.parallel.schedule if sched in ("-", "") else sched,
+                  int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
+
+
+def _nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> list[float]:
+    """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants)."""
+    n = len(x0)
+    pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    vals = [f(x) for x in pts]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] < 1e-12:
+            break
+        c = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+        towards = lambda a: [cj + a * (w - cj) for cj, w in zip(c, pts[-1])]
+        r = towards(-1.0)
+        fr = f(r)
+        if fr < vals[0]:
+            e = towards(-2.0)
+            fe = f(e)
+            pts[-1], vals[-1] = (e, fe) if fe < fr else (r, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = r, fr
+        else:
+            k = towards(0.5)
+            fk = f(k)
+            if fk < vals[-1]:
+                pts[-1], vals[-1] = k, fk
+            else:  # shrink towards the best point
+                pts = [pts[0]] + [[a + 0.5 * (b - a) for a, b in zip(pts[0], q)] for q in pts[1:]]
+                vals = [vals[0]] + [f(q) for q in pts[1:]]
+    return pts[min(range(n + 1), key=vals.__getitem__)]
+
+
+# The time model's free constants on a CPU+gloo machine, and where a fit starts when the profile has 0.
+FIT_TIME_FIELDS = {"compute_efficiency": 0.5, "a2a_call_s": 1e-4, "p2p_call_s": 1e-4, "step_overhead_s": 1e-3}
+
+
+def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware,
+                opts: PlanOptions | None = None, fields: dict[str, float] | None = None) -> Hardware:
+    """The profile with its free time constants fitted to measured step times, and its per-rank memory
+    reserve fitted to measured peak memory (rows as `calibrate` takes them).
+
+    Time: minimise the sum over rows of log(predicted / measured)^2 over the log of each constant in
+    `fields` (all positive), so every row weighs by its relative error. Memory: the reserve becomes the
+    median over ranks of (measured peak - predicted tensor bytes): what a process holds besides the model's
+    tensors (interpreter, torch, gloo, checkpoint imports, data, allocator slack)."""
+    hw = get_hardware(hardware)
+    opts = opts or PlanOptions()
+    fields = FIT_TIME_FIELDS if fields is None else fields
+    lays = [_layout_of(r, cfg) for r in measured_rows]
+    cfgs = [layout_config(cfg, lay) for lay in lays]
+    shape = ModelShape.from_config(cfg, **opts.shape_extra)
+    meas = [float(r["step_time_s"]) for r in measured_rows]
+    x0 = [math.log(getattr(hw, k) or v) for k, v in fields.items()]
+
+    def with_x(x):
+        return dataclasses.replace(hw, **{k: math.exp(v) for k, v in zip(fields, x)})
+
+    def loss(x):
+        h = with_x(x)
+        return sum(math.log(predict(c, lay, h, opts, shape).step_time_s / y) ** 2
+                   for c, lay, y in zip(cfgs, lays, meas))
+
+    hw = with_x(_nelder_mead(loss, x0)) if fields else hw
+    extra = []
+    for r, c, lay in zip(measured_rows, cfgs, lays):
+        pred = predict(c, lay, hw, opts, shape)
+        mem = r["peak_mem_bytes"]
+        if isinstance(mem, (list, tuple)):  # per global rank: its stage's prediction
+            pairs = [(x, pred.mem_by_stage[(g // lay.ep) % lay.pp]) for g, x in enumerate(mem)]
+        else:  # the max over ranks: the heaviest stage
+            pairs = [(mem, pred.peak_mem)]
+        extra += [float(x) - (t - hw.mem_reserved_bytes) for x, t in pairs]
+    fitted = ", ".join(f"{k} {getattr(hw, k):.3g}" for k in fields)
+    return dataclasses.replace(hw, mem_reserved_bytes=statistics.median(extra), name=f"{hw.name}-calibrated",
+                               source=f"{hw.source}; calibrated on {len(measured_rows)} measured layouts "
+                                      f"({fitted}, reserve {statistics.median(extra) / 2**20:.0f} MiB)")
+
+
+def calibration_rows(path: str) -> list[dict]:
+    """The rows of a `nanotitan bench layouts` JSON, with peak memory per global rank as `calibrate` takes it."""
+    data = json.loads(Path(path).read_text())
+    return [dict(r, peak_mem_bytes=r.get("peak_mem_per_rank", r.get("peak_mem_bytes", r.get("peak_mem_max"))))
+            for r in data["rows"]]
 
 
 def format_calibration(result: dict) -> str:
@@ -532,9 +644,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nodes", type=int, default=0, help="nodes the N ranks fill in order (default: by the profile)")
     ap.add_argument("--hardware", default="auto", help="built-in profile name or a JSON profile file (auto: detect)")
     ap.add_argument("--measure", action="store_true", help="measure this machine and write a profile to --out")
-    ap.add_argument("--out", default="", help="with --measure: profile JSON path; else: also write the table there")
+    ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",
+                    help="fit --hardware's time constants and memory reserve to `nanotitan bench layouts` output "
+                         "(with its --config) and write the calibrated profile to --out")
+    ap.add_argument("--out", default="", help="with --measure/--calibrate: profile JSON path; else: also write the table there")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
+    ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
     ap.add_argument("--precision", default="", choices=["", *PRECISIONS], help="state/activation bytes (default: train.dtype)")
     ap.add_argument("--zero1", action="store_true", help="shard master weights + moments over DP (not in the trainer yet)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
@@ -549,7 +665,18 @@ def main(argv: list[str]) -> int:
 
             out = args.out or "hardware.json"
             hw = measure_hardware(out)
-            print(f"wrote {out}: {hw.name}, GEMM {hw.gemm_flops_by_threads}, all-reduce {hw.intra.allreduce_bw / 1e9:.2f} GB/s")
+            print(f"wrote {out}: {hw.name}, GEMM {hw.gemm_flops_by_threads}, all-reduce {hw.intra.allreduce_bw / 1e9:.2f} "
+                  f"GB/s, reserve {hw.mem_reserved_bytes / 2**20:.0f} MiB")
+            return 0
+        if args.calibrate:
+            if args.hardware == "auto" or not args.out:
+                raise ConfigError("--calibrate needs --hardware PROFILE (the profile to fit) and --out NEW_PROFILE")
+            cfg = load_config(args.config, overrides)  # the config `bench layouts` ran
+            rows = calibration_rows(args.calibrate)
+            hw = fit_profile(rows, cfg, args.hardware)
+            save_hardware(hw, args.out)
+            res = calibrate(rows, cfg, hw)
+            print(f"wrote {args.out}: {hw.source}\n\n{format_calibration(res)}")
             return 0
         if not args.gpus:
             raise ConfigError("nanotitan plan needs --gpus N (the world size to plan for)")
@@ -558,7 +685,9 @@ def main(argv: list[str]) -> int:
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
                                    ("n_shared_experts", args.shared_experts)) if v}
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
-        opts = PlanOptions(args.precision, args.zero1, ac, args.global_batch, args.nodes, args.ep_overlap, extra)
+        opts = PlanOptions(precision=args.precision, zero1=args.zero1, activation_checkpointing=ac,
+                           global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
+                           ep_overlap=args.ep_overlap, shape_extra=extra)
         preds = plan(cfg, args.gpus, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """Measure this machine for the planner (`nanotitan plan --measure`) and count live tensor bytes.
 
-- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count, fused-AdamW memory throughput, and
+- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count, fused-AdamW memory throughput,
   all-reduce / all-to-all / P2P bandwidth and latency over real gloo between 2 spawned local
-  processes; writes a JSON profile that `--hardware FILE` reads.
+  processes, the node's core count, and the RSS of a rank before its model exists (the trainer's
+  imports + a gloo group); writes a JSON profile that `--hardware FILE` reads.
 - `TensorBytesMeter`: peak bytes of tensors allocated by torch ops while it is active. Peak RSS on
   CPU is noisy (allocator caching, glibc arenas, shared pages), so the planner's memory model is
   checked against this exact count instead: every op output's storage is added when it first
@@ -11,7 +12,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import queue
 import resource
 import socket
 import statistics
@@ -105,9 +108,15 @@ def _timed(fn, repeats: int) -> float:
 def _comm_worker(rank: int, world: int, port: int, nbytes: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # What a training rank holds before it builds its model: the trainer's imports (data, metrics, DCP)
+    # and an initialised gloo group. The planner adds the model's tensors on top of this.
+    for module in ("torch.distributed.checkpoint", "nanotitan.train"):
+        importlib.import_module(module)
+
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + gloo, no model yet
+        dist.barrier()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS so far, no model yet
         big, small = torch.zeros(nbytes // 4), torch.zeros(1)
         out = {"rss": rss}
         for name, t in (("bw", big), ("lat", small)):
@@ -141,7 +150,16 @@ def measure_comm(nbytes: int = 16 * 2**20, timeout: float = 120.0) -> dict:
     for p in procs:
         p.start()
     try:
-        out = q.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # a worker that dies (an import error, a port clash) ends the wait at once
+            try:
+                out = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"gloo measurement failed (worker exit codes {failed}, or no result "
+                                       f"within {timeout:.0f} s); see the traceback above") from None
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -156,7 +174,7 @@ def measure_comm(nbytes: int = 16 * 2**20, timeout: float = 120.0) -> dict:
 
 def measure_hardware(out_path: str) -> Hardware:
     """Profile this machine (CPU + gloo) and write it to out_path as JSON."""
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # usable cores
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32) if t < cores})
     by_threads = {t: gemm_flops(t) for t in threads}
     c = measure_comm()
@@ -169,7 +187,8 @@ def measure_hardware(out_path: str) -> Hardware:
                   intra=intra, inter=Link.uniform(0.1e9, 500e-6), dp_overlap=0.0, cores_per_node=cores,
                   gemm_flops_by_threads=by_threads, layer_overhead_s=0.3e-3,
                   source=f"nanotitan plan --measure, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}; "
-                         f"compute_efficiency/layer_overhead are defaults until calibrated")
+                         f"compute_efficiency, layer_overhead and call costs are defaults until "
+                         f"`nanotitan plan --calibrate`")
     save_hardware(hw, out_path)
     return hw
 
