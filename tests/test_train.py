@@ -58,6 +58,13 @@ def _launch(args, tmp_path, corpus_dir, env_extra=None, **kw):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
+def _kill_all(p, tmp_path):
+    """Leave no rank behind, whatever the test saw (torchrun puts workers in sessions of their own)."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-9", "-f", f"nanotitan.cli train .*{tmp_path}/"], check=False)
+
+
 def test_launcher_runs_ranks_and_prefixes_output(tmp_path, corpus_dir):
     p = _launch(["--parallel.dp", "2", "--train.steps", "4", "--run.log_every", "1", "--parallel.check_replicas",
                  "true"], tmp_path, corpus_dir)
@@ -75,19 +82,18 @@ def test_launcher_fails_fast_when_a_rank_dies(tmp_path, corpus_dir):
                 start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.stat().st_size > 0):
-        assert time.monotonic() < deadline and p.poll() is None, "job never started training"
-        time.sleep(0.5)
-    workers = subprocess.run(["pgrep", "-f", f"nanotitan.cli train .*{tmp_path}/run"], capture_output=True,
-                             text=True).stdout.split()
-    workers = [int(w) for w in workers if int(w) != p.pid]
-    assert workers, "no worker processes found"
-    os.kill(max(workers), signal.SIGKILL)
     try:
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < deadline and p.poll() is None, "job never started training"
+            time.sleep(0.5)
+        workers = subprocess.run(["pgrep", "-f", f"nanotitan.cli train .*{tmp_path}/run"], capture_output=True,
+                                 text=True).stdout.split()
+        workers = [int(w) for w in workers if int(w) != p.pid]
+        assert workers, "no worker processes found"
+        os.kill(max(workers), signal.SIGKILL)
         out, _ = p.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise
+    finally:
+        _kill_all(p, tmp_path)
     assert p.returncode != 0
     assert "training failed" in out
 
@@ -125,15 +131,14 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, corpus_dir):
                 start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and p.poll() is None, "job never started training"
-        time.sleep(0.2)
-    os.kill(p.pid, signal.SIGTERM)
     try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and p.poll() is None, "job never started training"
+            time.sleep(0.2)
+        os.kill(p.pid, signal.SIGTERM)
         out, _ = p.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise
+    finally:
+        _kill_all(p, tmp_path)
     ck = latest_checkpoint(tmp_path / "run")
     assert ck is not None, out
     assert "stop requested (SIGTERM)" in out

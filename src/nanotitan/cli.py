@@ -61,6 +61,8 @@ def cmd_train(argv: list[str]) -> int:
     if under_torchrun():
         from .train import run
 
+        _die_with_parent()
+
         run(cfg)
         return 0
     if cfg.world_size > 1:
@@ -90,6 +92,17 @@ def cmd_train(argv: list[str]) -> int:
         except ConfigError as e:
             print(f"(no sample: {e})")
     return code
+
+
+def _die_with_parent() -> None:
+    """A rank must not outlive its torchrun agent (killed agent -> orphans training forever): ask Linux for
+    SIGKILL when the parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def cmd_data(argv: list[str]) -> int:

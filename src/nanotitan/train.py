@@ -69,6 +69,22 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
 
 
+def init_distributed(backend: str, rank: int, world: int, timeout: timedelta, device: torch.device) -> None:
+    """init_process_group on torchrun's store, with every key namespaced by the restart attempt.
+
+    After a rank dies and torchrun restarts the group, the new ranks would otherwise find the addresses
+    their dead predecessors published and gloo would try to connect to closed ports (seen here: "Connection
+    refused" two seconds into the restart, or a hang in new_group).
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"nanotitan/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -101,9 +117,8 @@ class Trainer:
 
         # --- process groups (every group built once, same order on every rank) --------------------
         if self.world > 1 and not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s),
-                                    device_id=self.device if self.device.type == "cuda" else None)
+            init_distributed("nccl" if self.device.type == "cuda" else "gloo", self.rank, self.world,
+                             timedelta(seconds=p.timeout_s), self.device)
         if self.world > 1:
             self.dims.build_groups(timeout_s=p.timeout_s)
         dims = self.dims
