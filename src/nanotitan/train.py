@@ -105,7 +105,7 @@ class Trainer:
         meta = load_meta(self.data_dir)
         if meta["vocab_size"] > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
-                              "(--model.vocab_size 0 takes the tokenizer's size)")
+                              f"(--model.vocab_size {meta['vocab_size']})")
         self.dims = ParallelDims(p.dp, p.pp, p.ep, rank=self.rank)  # coordinates only; groups below
         self.train_data = IndexedBatches(self.data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
         self.val_data = IndexedBatches(self.data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nanotitan.config import ModelConfig
 from nanotitan.model.transformer import Transformer
