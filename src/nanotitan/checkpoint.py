@@ -18,11 +18,13 @@ and `COMPLETE`. Atomicity: ranks write `step_N.tmp/`, then rank 0 renames it and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -98,6 +100,15 @@ def _rng_key(rank: int) -> str:
 
 
 # --- small helpers --------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it runs without a process group; in one process that is the intent."""
+    with warnings.catch_warnings():
+        if not _dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -189,7 +200,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     state = keyed_tensors(model, optimizer)
     state[_rng_key(rank)] = torch.get_rng_state()
-    dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
     _barrier()  # every rank's shards and rank 0's .metadata are written
 
     if rank == 0:
@@ -303,7 +315,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     layout = _layout(dims)
     if info["layout"] == layout and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
         stage[_rng_key(rank)] = torch.empty_like(torch.get_rng_state())
-    dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
+    with _quiet_single_process():
+        dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
 
     with torch.no_grad():
         for k, t in live.items():

@@ -68,7 +68,7 @@ class TrainConfig:
     eval_batches: int = 4
     activation_checkpointing: bool = False
     ckpt_every: int = 0  # 0 = only at the end (when ckpt_at_end)
-    ckpt_at_end: bool = False
+    ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2
     resume: str = ""  # "", "auto" or a checkpoint path
     ckpt_on_signal: bool = False

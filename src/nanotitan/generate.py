@@ -6,7 +6,6 @@ loads here as one `Transformer`.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -23,9 +22,7 @@ def load_full_model(cfg: Config, run_dir: Path) -> Transformer:
     if path is None:
         raise ConfigError(f"no complete checkpoint under {run_dir} (train with --train.ckpt_at_end true)")
     model = Transformer(cfg.model, seed=cfg.train.seed)
-    with warnings.catch_warnings():  # DCP notes that it loads without a process group: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
+    ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
     return model.eval()
 
 
