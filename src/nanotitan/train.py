@@ -158,9 +158,10 @@ class Trainer:
         self.n_moe = num_moe_layers(cfg.model)
         self.aux_weight = cfg.model.aux_coef / max(1, self.n_moe)
         peak_rank = t.peak_flops or device_peak_flops(self.device, t.dtype, threads)
-        # Ranks beyond the cores share them: the machine's peak is what bounds MFU on CPU.
-        ranks_sharing = 1 if self.device.type == "cuda" else max(1, min(self.world, (os.cpu_count() or 1) // threads))
-        self.peak_flops_total = peak_rank * (self.world if self.device.type == "cuda" else ranks_sharing)
+        # On CPU, ranks beyond the cores share them: the machine's peak, not world x a rank's, bounds MFU.
+        ranks_at_peak = (self.world if self.device.type == "cuda"
+                         else max(1, min(self.world, (os.cpu_count() or 1) // threads)))
+        self.peak_flops_total = peak_rank * ranks_at_peak
         self.flops_per_token = flops_per_token(cfg.model, self.S)
         self.run_dir = Path(cfg.run.dir)
         self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume))
