@@ -29,9 +29,9 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_dp.py
-	$(PY) benchmarks/bench_pp.py
-	$(PY) benchmarks/bench_ep.py
+	$(VENV)/bin/nanotitan bench dp
+	$(VENV)/bin/nanotitan bench pp
+	$(VENV)/bin/nanotitan bench ep
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

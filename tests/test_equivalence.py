@@ -39,11 +39,10 @@ def train_once(args: list[str]) -> dict:
 
     trainer = Trainer(load_config(None, args))
     res = trainer.train()
-    spec = trainer.spec
+    spec = trainer.shard.spec
     params = {n: (p.detach().clone(), spec.expert_start if is_expert_param(n) else None)
               for n, p in trainer.model.named_parameters()}
-    if trainer.ddp is not None:
-        trainer.ddp = None
+    trainer.shard.close()  # drop a DDP wrapper before the process group goes
     return {"losses": [r["loss"] for r in res["history"]], "params": params, "coords": trainer.dims.coords()}
 
 

@@ -10,7 +10,6 @@ Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU);
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import subprocess
@@ -18,25 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-from .config import load_config
+from .config import Config, load_config
+from .plan import Layout, enumerate_layouts
 
 
-def layouts_for(world: int, n_layers: int, num_experts: int, global_batch: int,
-                micro_batch: int = 1) -> list[tuple[int, int, int]]:
-    out = []
-    for dp, pp, ep in itertools.product(range(1, world + 1), repeat=3):
-        if dp * pp * ep != world or num_experts % ep or pp > n_layers or global_batch % (dp * ep * micro_batch):
-            continue
-        out.append((dp, pp, ep))
-    return out
-
-
-def microbatching(b: int, m: int) -> tuple[int, int]:
-    """(M, m) for b sequences per data rank at a fixed micro-batch size m. Fixing m (not M) keeps every
-    layout on the same maths: the MoE balance loss is per microbatch, so equal (B, m) = equal losses."""
-    if b % m:
-        raise ValueError(f"micro-batch {m} must divide the {b} sequences per data rank (--micro-batch)")
-    return b // m, m
+def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:
+    """The planner's layouts of `world` ranks (`plan.enumerate_layouts`) at one micro-batch size m and one
+    schedule, by (dp, pp, ep). Fixing m (not M) keeps every layout on the same maths: the MoE balance loss is
+    per microbatch, so equal (B, m) = equal losses."""
+    lays = [lay for lay in enumerate_layouts(cfg, world)
+            if lay.micro_batch == micro_batch and (lay.pp == 1 or lay.schedule == schedule)]
+    return sorted(lays, key=lambda lay: (lay.dp, lay.pp, lay.ep))
 
 
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float) -> dict:
@@ -89,8 +80,8 @@ def main(argv: list[str]) -> int:
     B = cfg.global_batch
     all_rows, curves = [], {}
     for n in args.gpus:
-        for dp, pp, ep in layouts_for(n, cfg.model.n_layers, cfg.model.num_experts, B, args.micro_batch):
-            M, m = microbatching(B // (dp * ep), args.micro_batch)
+        for lay in layouts_for(cfg, n, args.micro_batch, args.schedule):
+            dp, pp, ep, M, m = lay.dp, lay.pp, lay.ep, lay.microbatches, lay.micro_batch
             name = f"N{n}_dp{dp}_pp{pp}_ep{ep}"
             print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
             res = run_layout(dp, pp, ep, args.schedule, M, m, args.steps, out / "runs" / name, base, args.timeout)

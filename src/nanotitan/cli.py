@@ -2,7 +2,8 @@
 
     nanotitan train [--config FILE] [--section.key VALUE ...]
     nanotitan data prepare [--config FILE] [--data.source ...]
-    nanotitan generate --run.dir DIR [--prompt TEXT] [--tokens N]
+    nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--tokens N]
+    nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16]
     nanotitan bench {dp,pp,ep,layouts} [...]
     nanotitan plan --config FILE --gpus N [...]
 """
@@ -33,7 +34,12 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from .launch import launch_local, under_torchrun
+    """Train a model: `nanotitan train [--config FILE] [--section.key VALUE ...]`.
+
+    With no torchrun around it, starts parallel.dp*pp*ep local ranks itself; under torchrun (any number of
+    nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
+    Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
+    from .launch import launch_local, slurm_rendezvous, under_torchrun
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
@@ -65,6 +71,8 @@ def cmd_train(argv: list[str]) -> int:
 
         run(cfg)
         return 0
+    rdzv = slurm_rendezvous(cfg.world_size)  # under srun: this process is its node's agent, None otherwise
+    nproc = rdzv.nproc_per_node if rdzv else cfg.world_size  # ranks on this machine
     if cfg.world_size > 1:
         # Prepare the data once here so the ranks find it cached.
         from .data.prepare import prepare_data
@@ -75,15 +83,15 @@ def cmd_train(argv: list[str]) -> int:
 
             from .metrics import cpu_peak_flops
 
-            threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // cfg.world_size)
+            threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc)
             os.environ["NANOTITAN_CPU_PEAK_FLOPS"] = str(cpu_peak_flops(threads))  # measured before ranks start
-        code = launch_local(cfg.world_size, argv, cfg.train.max_restarts)
+        code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv)
     else:
         from .train import run
 
         run(cfg)
         code = 0
-    if code == 0 and cfg.train.sample_tokens > 0:
+    if code == 0 and cfg.train.sample_tokens > 0 and (rdzv is None or rdzv.node_rank == 0):
         from .generate import generate_from_run
 
         try:
@@ -106,6 +114,10 @@ def _die_with_parent() -> None:
 
 
 def cmd_data(argv: list[str]) -> int:
+    """Prepare a corpus: `nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]`.
+
+    Trains (or loads) the tokenizer and writes the tokenized train/val files to the cache; `nanotitan train`
+    prepares on first use too, so this is only needed to do it ahead of a job."""
     if not argv or argv[0] != "prepare":
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
     from .data.prepare import load_meta, prepare_data
@@ -123,32 +135,66 @@ def cmd_generate(argv: list[str]) -> int:
 
     from .generate import generate_from_run
 
-    ap = argparse.ArgumentParser(prog="nanotitan generate")
-    ap.add_argument("--run.dir", dest="run_dir", required=True)
-    ap.add_argument("--prompt", default="\n")
-    ap.add_argument("--tokens", type=int, default=200)
+    ap = argparse.ArgumentParser(prog="nanotitan generate", description="Sample text from a run's newest checkpoint.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run.dir", dest="run_dir", help="the run directory of `nanotitan train`")
+    src.add_argument("--init.from_hf", dest="from_hf", help="a transformers checkpoint dir (docs/hf.md)")
+    ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    ap.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
     args = ap.parse_args(argv)
+    if args.from_hf:  # the imported weights, sampled with the imported tokenizer
+        from tokenizers import Tokenizer
+
+        from .generate import sample
+        from .hf import load_pretrained
+
+        cfg, model = load_pretrained(args.from_hf)
+        print(sample(model, Tokenizer.from_file(cfg.data.tokenizer), args.prompt, args.tokens, seed=cfg.train.seed))
+        return 0
     print(generate_from_run(args.run_dir, args.prompt, args.tokens))
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    import argparse
+
+    from .hf import DTYPES, export_checkpoint
+
+    ap = argparse.ArgumentParser(prog="nanotitan export", description="Write a run's checkpoint (any layout) as a "
+                                 "transformers checkpoint dir: config.json, safetensors, tokenizer (docs/hf.md).")
+    ap.add_argument("--run.dir", dest="run_dir", required=True, help="the run directory of `nanotitan train`")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="tensor dtype on disk (default: fp32)")
+    args = ap.parse_args(argv)
+    out = export_checkpoint(args.run_dir, args.out, args.step, args.dtype)
+    print(f"exported {args.run_dir} to {out}")
+    return 0
+
+
 def cmd_bench(argv: list[str]) -> int:
+    """Benchmarks: `nanotitan bench {dp,pp,ep,layouts} [...]`.
+
+        dp       our bucketed Reducer vs torch DDP vs one process (nanotitan/bench/dp.py)
+        pp       pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
+        ep       one MoE layer under EP against its controls (nanotitan/bench/ep.py)
+        layouts  every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
+
+    `nanotitan bench NAME --help` for its options."""
     if not argv:
         raise ConfigError("usage: nanotitan bench {dp,pp,ep,layouts} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
-        from .bench_layouts import main as layouts_main
-
-        return layouts_main(rest)
-    import runpy
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / f"bench_{what}.py"
-    if not script.exists():
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep or layouts; run from a source checkout)")
-    sys.argv = [str(script), *rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+        from .bench_layouts import main as bench_main
+    elif what == "dp":
+        from .bench.dp import main as bench_main
+    elif what == "pp":
+        from .bench.pp import main as bench_main
+    elif what == "ep":
+        from .bench.ep import main as bench_main
+    else:
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep or layouts)")
+    return bench_main(rest)
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -157,16 +203,51 @@ def cmd_plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "bench": cmd_bench, "plan": cmd_plan}
+COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
+            "plan": cmd_plan}
+
+
+HELP = ("-h", "--help")
+CONFIG_COMMANDS = ("train", "data")  # they read --config FILE and --section.key overrides
+
+
+def usage() -> str:
+    """`nanotitan --help`: the usage lines above and every registered command."""
+    return (f"{USAGE.strip()}\n\ncommands: {', '.join(COMMANDS)}\n"
+            "`nanotitan COMMAND --help` shows a command's options.")
+
+
+def command_help(name: str) -> str | None:
+    """`nanotitan NAME --help`: the command's docstring, plus every config key for the commands that read the
+    config. None for a command without a docstring: it answers --help itself (argparse)."""
+    import inspect
+
+    doc = inspect.getdoc(COMMANDS[name])
+    if doc is None:
+        return None
+    if name in CONFIG_COMMANDS:
+        from .config_help import config_help
+
+        doc += "\n\n" + config_help()
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(USAGE)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in HELP:
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"nanotitan: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    # `bench layouts --help` is the sub-command's own; train and data take --help anywhere among overrides.
+    wants_help = (bool(rest) and rest[0] in HELP) or (name in CONFIG_COMMANDS and any(a in HELP for a in rest))
+    if wants_help and (text := command_help(name)) is not None:
+        print(text)
+        return 0
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[name](rest)
     except ConfigError as e:
         print(f"nanotitan: config error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -21,20 +23,30 @@ class ConfigError(ValueError):
 @dataclass(kw_only=True)
 class ModelConfig:
     vocab_size: int = 0  # 0 = take it from data.vocab_size (the tokenizer's size)
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    d_model: int = 128  # width of the residual stream (hidden size D)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention heads (must divide d_model)
+    n_kv_heads: int = 0  # key/value heads of grouped-query attention (0 = n_heads; must divide n_heads)
+    head_dim: int = 0  # width of one attention head (0 = d_model / n_heads; Qwen3-MoE sets it)
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k: per head (Qwen3-MoE) or over the whole projection (OLMoE)
+    attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     ffn_dim: int = 256  # hidden size of each SwiGLU expert (and of the dense FFN)
-    num_experts: int = 4
-    top_k: int = 2
+    num_experts: int = 4  # experts per MoE layer (parallel.ep must divide it)
+    top_k: int = 2  # experts each token is routed to
     moe_every: int = 1  # MoE FFN in every k-th layer (layer i is MoE if i % moe_every == 0), dense SwiGLU otherwise
+    first_k_dense: int = 0  # the first k layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)
+    dense_layers: list[int] = field(default_factory=list)  # indices of layers that are dense whatever moe_every says (Qwen's mlp_only_layers)
+    dense_ffn_dim: int = 0  # hidden size of the dense SwiGLU layers (0 = ffn_dim)
+    shared_experts: int = 0  # always-on experts per MoE layer, replicated like attention weights (Qwen2-MoE: 1)
+    shared_ffn_dim: int = 0  # hidden size of each shared expert (0 = ffn_dim)
+    shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w) per token (Qwen2-MoE)
     norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral does)
     aux_coef: float = 0.01  # Switch/GShard load-balancing loss coefficient
-    pos_emb: Literal["rope", "learned"] = "rope"
-    rope_theta: float = 10000.0
+    pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
+    rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of weight matrices
 
 
 @dataclass(kw_only=True)
@@ -43,8 +55,8 @@ class DataConfig:
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
-    loader: Literal["indexed", "streaming"] = "indexed"
-    val_fraction: float = 0.05
+    loader: Literal["indexed", "streaming"] = "indexed"  # indexed: by global index, resumable; streaming: HF
+    val_fraction: float = 0.05  # share of the corpus held out for val_loss
     max_docs: int = 0  # cap on documents read from a streaming/hub source when preparing (0 = all)
     cache_dir: str = ""  # where prepared corpora live (default: ~/.cache/nanotitan)
     shuffle_buffer: int = 10_000  # streaming loader's shuffle buffer
@@ -52,29 +64,30 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    steps: int = 300
-    seed: int = 1337
-    lr: float = 3e-3
+    steps: int = 300  # optimizer steps to train
+    seed: int = 1337  # seeds the init (by global parameter name) and the data order
+    lr: float = 3e-3  # peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 30  # steps of linear LR warmup
+    weight_decay: float = 0.1  # AdamW decay, on matrices only
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     micro_batch: int = 4  # m: sequences per microbatch
     global_batch: int = 0  # B sequences per step; 0 = dp*ep*microbatches*micro_batch (kept fixed by --parallel.auto)
-    seq_len: int = 128  # S
-    eval_every: int = 100  # 0 disables periodic eval
-    eval_batches: int = 4
-    activation_checkpointing: bool = False
+    seq_len: int = 128  # S: tokens per sequence
+    eval_every: int = 100  # steps between val_loss evals (0 disables periodic eval)
+    eval_batches: int = 4  # global batches of the val split per eval
+    activation_checkpointing: bool = False  # recompute each block in backward instead of keeping its activations
     ckpt_every: int = 0  # 0 = only at the end (when ckpt_at_end)
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
-    keep_last: int = 2
+    keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     resume: str = ""  # "", "auto" or a checkpoint path
-    ckpt_on_signal: bool = False
-    max_restarts: int = 0
+    verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (false: sizes only; loads pre-manifest checkpoints)
+    ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
+    max_restarts: int = 0  # torchrun restarts of the whole job after a rank fails
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on CUDA
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
@@ -82,14 +95,15 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    dp: int = 1
-    pp: int = 1
-    ep: int = 1
+    dp: int = 1  # data-parallel replicas
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     microbatches: int = 1  # M per data rank per step
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline schedule (used when pp > 1)
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage (empty = as even as possible)
-    bucket_mb: float = 25.0
-    dp_impl: Literal["nanotitan", "torch_ddp"] = "nanotitan"
+    bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
+    dp_impl: Literal["nanotitan", "torch_ddp"] = "nanotitan"  # our Reducer, or torch DDP (pure DP only)
+    zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
@@ -98,10 +112,19 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    dir: str = "runs/default"
-    log_every: int = 10
-    tensorboard: bool = True
+    dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
+    overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (false: it refuses to start)
+    log_every: int = 10  # steps between records in metrics.jsonl
+    tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0
+    profile_steps: str = ""  # "A-B": torch.profiler traces of steps A..B to run.dir/profile (empty = off)
+    wandb: bool = False  # also log metrics and the config to Weights & Biases (pip install 'nanotitan[wandb]')
+    wandb_project: str = "nanotitan"  # W&B project of the run (with run.wandb)
+
+
+@dataclass(kw_only=True)
+class InitConfig:
+    from_hf: str = ""  # transformers checkpoint dir (config.json + safetensors + tokenizer.json): model config, tokenizer and weights come from it (docs/hf.md)
 
 
 @dataclass(kw_only=True)
@@ -111,6 +134,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     @property
     def data_world(self) -> int:
@@ -134,64 +158,76 @@ def _section_types(section_cls) -> dict[str, object]:
     return {f.name: hints[f.name] for f in fields(section_cls)}
 
 
-def _coerce(value, typ, name: str):
-    """Coerce a TOML value or CLI string to the field's declared type, or raise ConfigError."""
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def _coerce(value, typ, name: str, where: str | None = None):
+    """The value as the field's declared type, or a one-line ConfigError.
+
+    where=None: a CLI override, a string by nature, parsed here ("1e-3" -> 0.001). Otherwise `where` is the
+    TOML file the value came from: TOML values are typed, so a string where a number belongs (lr = "0.001")
+    is refused, and the message names the file and key instead of a flag.
+    """
+    from_cli = where is None
+
+    def bad(expected: str, example: str, hint: str = "") -> ConfigError:
+        if from_cli:
+            return ConfigError(f"{name} must be {expected}, got {value!r} (--{name} {example})")
+        return ConfigError(f"{where}: {name} must be {expected}, got {value!r}{hint}")
+
     origin = typing.get_origin(typ)
     if origin is Literal:
         choices = typing.get_args(typ)
         if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {list(choices)} (--{name})")
+            raise ConfigError(f"{name}={value!r} is not one of {list(choices)} (--{name})" if from_cli
+                              else f"{where}: {name}={value!r} is not one of {list(choices)}")
         return value
     if origin is list:
         (inner,) = typing.get_args(typ)
-        if isinstance(value, str):
-            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if from_cli and isinstance(value, str):
+            value = [v.strip() for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list, got {value!r} (--{name} 1,2,3)")
-        return [_coerce(v.strip() if isinstance(v, str) else v, inner, name) for v in value]
+            raise bad("a list", "1,2,3")
+        return [_coerce(v, inner, name, where) for v in value]
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{name} must be true or false, got {value!r} (--{name} true)")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name} must be an integer, got {value!r} (--{name} N)")
-        if isinstance(value, int):
-            return value
+        if from_cli and isinstance(value, str) and value.lower() in TRUE + FALSE:
+            return value.lower() in TRUE
+        raise bad("true or false", "true")
+    if typ is int or typ is float:
+        expected, example = ("an integer", "N") if typ is int else ("a number", "X")
+        if isinstance(value, (int, float) if typ is float else int) and not isinstance(value, bool):
+            return typ(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                parsed = typ(value)
             except ValueError:
-                pass
-        raise ConfigError(f"{name} must be an integer, got {value!r} (--{name} N)")
-    if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name} must be a number, got {value!r} (--{name} X)")
+                parsed = None
+            if parsed is not None and from_cli:
+                return parsed
+            if parsed is not None:
+                raise bad(expected, example, f" (drop the quotes: {name.split('.', 1)[1]} = {value.strip()})")
+        raise bad(expected, example)
     if typ is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{name} must be a string, got {value!r}")
+        raise bad("a string", "TEXT")
     raise AssertionError(f"unsupported config type {typ} for {name}")
 
 
-def _apply(cfg: Config, section: str, key: str, value) -> None:
+def _apply(cfg: Config, section: str, key: str, value, where: str | None = None) -> None:
+    """cfg.section.key = value; `where` is the TOML file the value came from (None: a CLI override)."""
+    at = f"{where}: " if where else ""
     if section not in SECTIONS:
-        raise ConfigError(f"unknown config section [{section}] (valid: {', '.join(SECTIONS)})")
+        raise ConfigError(f"{at}unknown config section [{section}] (valid: {', '.join(SECTIONS)})")
     sec = getattr(cfg, section)
     types = _section_types(type(sec))
     if key not in types:
         raise ConfigError(
-            f"unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
+            f"{at}unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
         )
-    setattr(sec, key, _coerce(value, types[key], f"{section}.{key}"))
+    setattr(sec, key, _coerce(value, types[key], f"{section}.{key}", where))
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
@@ -215,24 +251,38 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides, then validate()."""
+    """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file."""
     cfg = Config()
+    from_file: set[str] = set()  # "section.key" set by the file and not overridden on the command line
     if path:
         p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist (--config PATH)")
+        if not p.is_file():
+            raise ConfigError(f"config file {p} {'is not a file' if p.exists() else 'does not exist'} (--config PATH)")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         for section, body in data.items():
             if not isinstance(body, dict):
-                raise ConfigError(f"top-level key {section!r} in {p} must be a [section] table")
+                raise ConfigError(f"{p}: top-level key {section!r} must be a [section] table")
             for key, value in body.items():
-                _apply(cfg, section, key, value)
+                _apply(cfg, section, key, value, where=str(p))
+                from_file.add(f"{section}.{key}")
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
-    validate(cfg)
+        from_file.discard(f"{section}.{key}")
+    if cfg.init.from_hf:  # model config and tokenizer come from a transformers checkpoint (hf.py)
+        from .hf import apply_init_config
+
+        apply_init_config(cfg, explicit=from_file | {f"{s}.{k}" for s, k, _ in parse_overrides(overrides or [])})
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        if any(re.search(rf"(?<![\w.]){re.escape(k)}\b", str(e)) for k in from_file):
+            raise ConfigError(f"{path}: {e}") from None  # the flag it names still overrides the file
+        raise
     return cfg
 
 
@@ -241,39 +291,101 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _file_in_the_way(run_dir: str) -> Path | None:
+    """The existing file (not directory) on the path to run_dir, which could then never be created."""
+    p = Path(run_dir)
+    for q in (p, *p.parents):
+        if q.exists():
+            return None if q.is_dir() else q
+    return None
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix."""
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
-    if m.vocab_size == 0:
+    # Floats are finite everywhere: nan slips through every comparison below, and inf trains NaN (lr inf).
+    for section in SECTIONS:
+        for f in fields(getattr(cfg, section)):
+            v = getattr(getattr(cfg, section), f.name)
+            _check(not isinstance(v, float) or math.isfinite(v),
+                   f"{section}.{f.name}={v} must be a finite number (--{section}.{f.name})")
+    _check(d.vocab_size >= 260, f"data.vocab_size={d.vocab_size} must be >= 260 for byte-level BPE (--data.vocab_size)")
+    _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} too large (--data.vocab_size)")
+    if m.vocab_size == 0:  # after data.vocab_size's checks, so a bad one is named as such
         m.vocab_size = d.vocab_size
     for name, v in [("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
                     ("model.ffn_dim", m.ffn_dim), ("model.num_experts", m.num_experts), ("model.top_k", m.top_k),
                     ("model.moe_every", m.moe_every), ("model.vocab_size", m.vocab_size),
+                    ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
                     ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
-    _check(t.steps >= 0, f"train.steps={t.steps} must be >= 0 (--train.steps)")
-    _check(m.d_model % m.n_heads == 0,
-           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads)")
-    _check(m.pos_emb != "rope" or (m.d_model // m.n_heads) % 2 == 0,
-           f"rope needs an even head dim, got d_model/n_heads={m.d_model // m.n_heads} (--model.pos_emb learned)")
+    for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
+                    ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
+                    ("train.global_batch", t.global_batch), ("train.eval_every", t.eval_every),
+                    ("train.eval_batches", t.eval_batches), ("train.ckpt_every", t.ckpt_every),
+                    ("train.keep_last", t.keep_last), ("train.max_restarts", t.max_restarts),
+                    ("train.threads", t.threads), ("train.peak_flops", t.peak_flops),
+                    ("train.sample_tokens", t.sample_tokens), ("model.aux_coef", m.aux_coef),
+                    ("data.max_docs", d.max_docs), ("parallel.world", p.world)]:
+        _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
+    for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
+                    ("model.init_std", m.init_std), ("parallel.bucket_mb", p.bucket_mb)]:
+        _check(v > 0, f"{name}={v} must be > 0 (--{name})")
+    for name, v in [("train.beta1", t.beta1), ("train.beta2", t.beta2)]:
+        _check(0.0 <= v < 1.0, f"{name}={v} must be in [0, 1) (--{name})")
+    _check(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (--train.seed)")
+    if cfg.run.profile_steps:
+        from .profiling import parse_steps
+
+        parse_steps(cfg.run.profile_steps, t.steps)  # "A-B" inside 1..train.steps, or one line naming the fix
+    if cfg.run.wandb:
+        import importlib.util
+
+        _check(importlib.util.find_spec("wandb") is not None,
+               "run.wandb=true needs the wandb package: pip install 'nanotitan[wandb]' (or --run.wandb false)")
+    _check(t.eval_every == 0 or t.eval_batches >= 1,
+           f"train.eval_batches=0 with train.eval_every={t.eval_every}: eval needs >= 1 batch "
+           "(--train.eval_batches 4, or --train.eval_every 0 to disable eval)")
+    _check(0 < p.timeout_s <= 1e9,
+           f"parallel.timeout_s={p.timeout_s} must be in (0, 1e9] seconds (--parallel.timeout_s)")
+    for name, v in [("data.source", d.source), ("data.text_field", d.text_field), ("run.dir", cfg.run.dir)]:
+        _check(v.strip() != "", f"{name} must not be empty (--{name})")
+    blocker = _file_in_the_way(cfg.run.dir)
+    _check(blocker is None, f"run.dir={cfg.run.dir!r} cannot be created: {blocker} is a file, not a directory "
+                            "(--run.dir DIR)")
+    for name, v in [("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim),
+                    ("model.first_k_dense", m.first_k_dense), ("model.dense_ffn_dim", m.dense_ffn_dim),
+                    ("model.shared_experts", m.shared_experts), ("model.shared_ffn_dim", m.shared_ffn_dim)]:
+        _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
+    _check(m.head_dim > 0 or m.d_model % m.n_heads == 0,
+           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
+    head_dim = m.head_dim or m.d_model // m.n_heads
+    _check(m.pos_emb != "rope" or head_dim % 2 == 0,
+           f"rope needs an even head dim, got {head_dim} (--model.head_dim, or --model.pos_emb learned)")
+    _check(m.n_heads % (m.n_kv_heads or m.n_heads) == 0,
+           f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (--model.n_kv_heads, 0 = n_heads)")
+    _check(all(0 <= i < m.n_layers for i in m.dense_layers),
+           f"model.dense_layers={m.dense_layers} must be layer indices in [0, {m.n_layers}) (--model.dense_layers 0,2)")
+    _check(m.first_k_dense <= m.n_layers,
+           f"model.first_k_dense={m.first_k_dense} exceeds model.n_layers={m.n_layers} (--model.first_k_dense)")
+    _check(not m.shared_expert_gate or m.shared_experts > 0,
+           "model.shared_expert_gate=true gates nothing without shared experts (--model.shared_experts 1)")
     _check(m.top_k <= m.num_experts,
            f"model.top_k={m.top_k} must be <= model.num_experts={m.num_experts} (--model.top_k)")
-    _check(m.aux_coef >= 0, f"model.aux_coef={m.aux_coef} must be >= 0 (--model.aux_coef)")
-    _check(m.pos_emb != "learned" or t.seq_len <= m.max_seq_len,
-           f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len} (--model.max_seq_len)")
-    _check(d.vocab_size >= 260, f"data.vocab_size={d.vocab_size} must be >= 260 for byte-level BPE (--data.vocab_size)")
-    _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} too large (--data.vocab_size)")
+    # Both position schemes are tables of max_seq_len rows (learned embeddings, or the rope cos/sin cache).
+    _check(t.seq_len <= m.max_seq_len,
+           f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}, the size of the {m.pos_emb} "
+           f"position table (--model.max_seq_len {t.seq_len})")
+    _check(bool(d.tokenizer) or m.vocab_size >= d.vocab_size,
+           f"model.vocab_size={m.vocab_size} < data.vocab_size={d.vocab_size}, the trained BPE's size "
+           "(--model.vocab_size 0 takes the data's)")
     _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
-    _check(t.lr > 0, f"train.lr={t.lr} must be > 0 (--train.lr)")
-    _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0 (--train.warmup_steps)")
-    _check(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables; --train.grad_clip)")
+    _check(0.0 <= t.min_lr_ratio <= 1.0,
+           f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
     _check(t.resume in ("", "auto") or Path(t.resume).exists(),
            f"train.resume={t.resume!r}: no such checkpoint (use 'auto' or an existing path; --train.resume)")
-    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be > 0 (--parallel.bucket_mb)")
-    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be > 0 (--parallel.timeout_s)")
     _check(m.num_experts % p.ep == 0,
            f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} (--parallel.ep)")
     _check(p.pp <= m.n_layers,
@@ -284,13 +396,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                f"model.n_layers={m.n_layers} (--parallel.pp_layers 2,2)")
     _check(p.dp_impl == "nanotitan" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl nanotitan")
+    _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
+    _check(p.zero == 0 or p.dp_impl == "nanotitan",
+           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl nanotitan or --parallel.zero 0)")
+    _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
+           f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard (--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
-    _check(t.global_batch >= 0, f"train.global_batch={t.global_batch} must be >= 0 (--train.global_batch)")
     _check(not t.global_batch or p.auto or t.global_batch == cfg.global_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.global_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
-    _check(p.world >= 0, f"parallel.world={p.world} must be >= 0 (--parallel.world)")
     if world_size is not None:
         _check(world_size == cfg.world_size,
                f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "

@@ -11,12 +11,18 @@ Conventions:
   (a ring all-reduce of n bytes over g ranks takes 2(g-1)/g * n / allreduce_bw); `a2a_bw` is what
   one device sends per second in an all-to-all; `p2p_bw` is one send/recv pair.
 - Ranks fill nodes in order: rank r lives on node r // devices_per_node.
+
+`detect_hardware()` picks the profile of the device this process would train on: a profile given
+explicitly, else the CUDA GPU by name, else a generic CPU node built from this host's cores and memory
+(`cpu_profile`). The calibrated `cpu-gloo` profile describes one 2-core machine: it is used only by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,8 +70,7 @@ class Hardware:
 
     def peak_flops(self, dtype: str, ranks_on_node: int = 1) -> float:
         """FLOP/s of one rank while it runs. A CPU node's cores are split among its ranks (at least one
-        thread each); ranks that outnumber the cores time-share them, which `plan.predict` models as a
-        bound on the node's total CPU work, not as a slower rank."""
+        thread each); ranks that outnumber the cores time-share them (`time_shared`)."""
         if not self.cores_per_node:
             return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
         threads = max(1, self.cores_per_node // ranks_on_node)
@@ -75,6 +80,23 @@ class Hardware:
     def shares_cores(self, ranks_on_node: int) -> bool:
         """CPU node with more ranks than cores: ranks time-share the cores."""
         return bool(self.cores_per_node) and ranks_on_node > self.cores_per_node
+
+    def time_shared(self, step_s: float, costs: dict[str, float], work: dict[str, float], nodes: int,
+                    ranks_on_node: int) -> tuple[float, dict[str, float]]:
+        """(step seconds, seconds by cause) once ranks that outnumber a CPU node's cores time-share them.
+
+        `step_s`/`costs` are the critical path of ranks that own their device; `work` is the CPU seconds
+        of every rank together, by cause. A rank idling in a pipeline bubble or waiting on a peer lends its
+        core to another rank, so the step is also bounded below by the nodes' work / their cores; gloo's
+        communication is CPU work too (copies, the host sync). Devices that are not shared (GPUs, a core per
+        rank) keep the critical path."""
+        if not self.shares_cores(ranks_on_node):
+            return step_s, costs
+        cpus = nodes * self.cores_per_node
+        if sum(work.values()) / cpus <= step_s:
+            return step_s, costs
+        shared = {k: v / cpus for k, v in work.items()} | {"bubble": 0.0}
+        return sum(shared.values()), shared
 
     def mem_per_rank(self, ranks_on_node: int) -> float:
         """Memory one rank may use: its device, or its share of a CPU node."""
@@ -138,7 +160,8 @@ BUILTIN: dict[str, Hardware] = {
                         mem_bytes=12 * GB, mem_reserved_bytes=1.0 * GiB, mem_bw=360 * GB, devices_per_node=8,
                         intra=Link(10 * GB, 8 * GB, 10 * GB, 20e-6), inter=Link.uniform(1.1 * GB, 50e-6),
                         dp_overlap=0.9, layer_overhead_s=50e-6, source="NVIDIA GA106 spec (RTX 3060 12GB)"),
-    # This project's CPU machines, calibrated (docs/calibration.md): 2 cores, 24 GiB. `nanotitan plan --measure`
+    # This project's CPU machine, calibrated (docs/calibration.md): 2 cores, 24 GiB; used by name only (another
+    # host gets `cpu_profile` of its own cores and memory, which borrows these figures). `nanotitan plan --measure`
     # (quiet machine): fp32 GEMM 1024^2 115 GFLOP/s on 1 thread, 222 on 2 (BASELINES.md: ~142/270 at 2048^2);
     # gloo all-reduce 1.5 GB/s bus bandwidth, all-to-all 1.9 GB/s, send/recv 3.7 GB/s, 54 us per call.
     # `nanotitan plan --calibrate` on 17 measured layouts (N = 2, 4, 8): a step reaches 59% of GEMM peak;
@@ -156,6 +179,12 @@ BUILTIN: dict[str, Hardware] = {
 }
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "3090": "rtx3090", "3060": "rtx3060", "cpu": "cpu-gloo",
            "h800-sxm": "h800", "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-3060": "rtx3060"}
+# torch.cuda.get_device_name() substring -> built-in profile (first match wins).
+GPU_NAMES = {"H800": "h800", "H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb", "3090": "rtx3090",
+             "3060": "rtx3060"}
+# Dense datasheet peaks (FLOP/s) by device-name substring: what MFU divides by (metrics.device_peak_flops).
+GPU_PEAKS = {key: {"bf16": BUILTIN[p].peak_flops_bf16, "fp32": BUILTIN[p].peak_flops_fp32}
+             for key, p in GPU_NAMES.items()}
 
 
 def save_hardware(hw: Hardware, path: str | Path) -> None:
@@ -187,21 +216,66 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
                      f"(--hardware NAME|FILE)")
 
 
-def detect_hardware() -> Hardware:
-    """The profile of the device this process would train on: the file or name in $NANOTITAN_HARDWARE
-    (a calibrated profile of this machine), else the CUDA GPU by name, else cpu-gloo."""
-    import os
-
+def measure_cpu_gemm_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-repeats fp32 n x n matmul FLOP/s on `threads` threads (best: the machine may be shared).
+    The MFU peak on CPU (metrics) and `nanotitan plan --measure` both use this."""
     import torch
 
-    if os.environ.get("NANOTITAN_HARDWARE"):
-        return get_hardware(os.environ["NANOTITAN_HARDWARE"])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best
+    finally:
+        torch.set_num_threads(old)
 
+
+def host_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> float:
+    """Physical memory of this host: MemTotal of /proc/meminfo, else the page count (macOS)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_profile(cores: int, mem_bytes: float) -> Hardware:
+    """A CPU node nobody has measured: its own cores and memory; per-core GEMM rate, memory bandwidth,
+    gloo link figures and the host costs of our code (per call, per step, the per-rank reserve) are
+    nominal, taken from the calibrated `cpu-gloo` machine. `nanotitan plan --measure` (+ `--calibrate`)
+    writes this host's own figures."""
+    ref = BUILTIN["cpu-gloo"]
+    per_core = ref.gemm_flops_by_threads[1]
+    return dataclasses.replace(ref, name=f"cpu-{cores}core", cores_per_node=cores, mem_bytes=float(mem_bytes),
+                               gemm_flops_by_threads={1: per_core}, devices_per_node=max(ref.devices_per_node, cores),
+                               source=f"detected: {cores} cores, {mem_bytes / GiB:.1f} GiB; GEMM {per_core / 1e9:.0f} "
+                                      f"GFLOP/s per core and gloo/host costs nominal (cpu-gloo's)")
+
+
+def detect_hardware(profile: str | Hardware | None = None) -> Hardware:
+    """The profile of the device this process would train on: `profile` (a built-in name or a JSON file),
+    else the one in $NANOTITAN_HARDWARE, else the CUDA GPU by name, else a generic profile of this CPU host
+    (`cpu_profile` of its cores and memory). A calibrated profile is used only when named."""
+    import torch
+
+    profile = profile or os.environ.get("NANOTITAN_HARDWARE")
+    if profile:
+        return get_hardware(profile)
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower().replace(" ", "")
-        for key, needle in (("h800", "h800"), ("h200", "h200"), ("h100-sxm", "h100"), ("a100-80gb", "a100"),
-                            ("rtx3090", "3090"), ("rtx3060", "3060")):
-            if needle in name:
-                return BUILTIN[key]
-        return BUILTIN["a100-80gb"]  # unknown GPU: a middle-of-the-road datacenter profile
-    return BUILTIN["cpu-gloo"]
+        name = torch.cuda.get_device_name(0).upper()
+        # an unknown GPU gets a middle-of-the-road datacenter profile
+        return BUILTIN[next((p for needle, p in GPU_NAMES.items() if needle in name), "a100-80gb")]
+    return cpu_profile(host_cores(), host_memory_bytes())

@@ -6,34 +6,12 @@ import json
 import os
 import resource
 import sys
-import time
+import threading
 from pathlib import Path
 
 import torch
 
-# Datasheet dense peaks (FLOP/s) per GPU for MFU when train.peak_flops is 0.
-GPU_PEAKS = {
-    "H100": {"bf16": 989e12, "fp32": 67e12},  # H100 SXM datasheet (dense)
-    "H200": {"bf16": 989e12, "fp32": 67e12},  # same GH100 die as H100 SXM
-    "H800": {"bf16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp32": 19.5e12},  # A100 datasheet (dense, non-TF32 fp32)
-    "3090": {"bf16": 71e12, "fp32": 35.6e12},  # GA102 datasheet (dense tensor bf16)
-}
-
-
-def measure_cpu_gemm_flops(threads: int, n: int = 2048, reps: int = 5) -> float:
-    """Best-of-reps fp32 GEMM throughput of this process at its thread count (FLOP/s)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    torch.set_num_threads(old)
-    return 2 * n**3 / best
+from .hardware import GPU_PEAKS, measure_cpu_gemm_flops  # datasheet peaks (MFU when train.peak_flops is 0)
 
 
 def cpu_peak_flops(threads: int) -> float:
@@ -55,6 +33,14 @@ def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
     return cpu_peak_flops(threads)
 
 
+def job_peak_flops(device: torch.device, dtype: str, threads: int, world: int, per_rank: float = 0.0) -> float:
+    """The FLOP/s that bound the job's MFU: per-rank peak (given, or measured/datasheet) times the ranks that can
+    run at it at once. On CPU, ranks beyond the cores share them, so the machine's peak bounds MFU."""
+    per_rank = per_rank or device_peak_flops(device, dtype, threads)
+    ranks_at_peak = world if device.type == "cuda" else max(1, min(world, (os.cpu_count() or 1) // threads))
+    return per_rank * ranks_at_peak
+
+
 def peak_mem_bytes(device: torch.device) -> int:
     """CUDA max allocated, or this process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -64,11 +50,12 @@ def peak_mem_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """metrics.jsonl + TensorBoard on global rank 0; a no-op elsewhere."""
+    """metrics.jsonl + TensorBoard (+ Weights & Biases with `wandb_project`) on global rank 0; a no-op elsewhere."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, append: bool = False):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, append: bool = False,
+                 wandb_project: str = "", config: dict | None = None):
         self.enabled = enabled
-        self.tb = None
+        self.tb = self.wandb = None
         if not enabled:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -81,6 +68,8 @@ class MetricsWriter:
                 self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
             except ImportError:  # tensorboard is a dependency, but never fail a run over it
                 self.tb = None
+        if wandb_project:
+            self.wandb = open_wandb(wandb_project, run_dir, config or {})
 
     def write(self, record: dict):
         if not self.enabled:
@@ -92,12 +81,35 @@ class MetricsWriter:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])  # the same record, lists (expert_load) as JSON
 
     def close(self):
         if self.enabled:
             self.f.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def open_wandb(project: str, run_dir: str, config: dict):
+    """A W&B run named after the run dir, with the resolved config; None (and one line saying how to enable
+    it) when the package or a login is missing. Files go to $WANDB_DIR, else the run dir."""
+    try:
+        import wandb
+    except ImportError:
+        print("nanotitan: run.wandb=true but the wandb package is missing: pip install 'nanotitan[wandb]' "
+              "(logging to metrics.jsonl only)", file=sys.stderr, flush=True)
+        return None
+    try:
+        return wandb.init(project=project, name=Path(run_dir).name, config=config,
+                          dir=os.environ.get("WANDB_DIR", run_dir))
+    except Exception as e:  # noqa: BLE001 - no login, no network: W&B is optional, the run goes on
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"nanotitan: W&B disabled ({first}): run `wandb login`, or set WANDB_MODE=offline and "
+              "`wandb sync` later (logging to metrics.jsonl only)", file=sys.stderr, flush=True)
+        return None
 
 
 def fmt_bytes(n: float) -> str:
@@ -106,3 +118,94 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+# --- memory that means something per layout: live tensors, not the process's RSS ------------------------------
+def _storages_bytes(tensors, seen: set) -> int:
+    """Bytes of the distinct storages behind `tensors` that are not in `seen` yet (then added to it)."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.device))
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def live_tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes this rank holds in parameters, gradients and optimizer state, each storage counted once (the
+    Reducer's gradients are views of flat bucket buffers: the buffers are what is allocated)."""
+    seen: set = set()
+    params = list(model.parameters())
+    param_bytes = _storages_bytes(params, seen)
+    grad_bytes = _storages_bytes([p.grad for p in params if p.grad is not None], seen)
+    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
+             if torch.is_tensor(v)]
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optim_bytes": _storages_bytes(state, seen)}
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for backward (the activations a schedule holds), live and peak.
+
+        meter = SavedActivations(model)        # the model's parameters are not activations: not counted
+        with meter:                            # around forward and backward of a step
+            ...
+        meter.peak_bytes; meter.reset_peak()   # per step
+
+    A `saved_tensors_hooks` pair wraps each saved tensor in a handle that counts its storage while autograd
+    holds it (once per storage, however many ops save it); backward frees the handles as it consumes them.
+    Under activation checkpointing, what a block recomputes during its own backward is not counted.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self.params = set()
+        _storages_bytes(model.parameters() if model is not None else [], self.params)
+        self.live: dict = {}  # storage key -> [handles alive, bytes]
+        self.bytes = self.peak_bytes = 0
+        self.lock = threading.Lock()  # CUDA backward frees handles on autograd's device threads
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def reset_peak(self):
+        self.peak_bytes = self.bytes
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), str(t.device))
+        if key in self.params:
+            return t
+        return _SavedTensor(self, t, key, storage.nbytes())
+
+    def _add(self, key, nbytes: int, sign: int):
+        with self.lock:
+            entry = self.live.setdefault(key, [0, nbytes])
+            entry[0] += sign
+            if entry[0] == 0:
+                del self.live[key]
+                self.bytes -= entry[1]
+            elif entry[0] == 1 and sign > 0:
+                self.bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+
+class _SavedTensor:
+    """What autograd stores instead of a saved tensor: the tensor, counted until autograd drops it."""
+    __slots__ = ("meter", "t", "key", "nbytes")
+
+    def __init__(self, meter: SavedActivations, t: torch.Tensor, key, nbytes: int):
+        self.meter, self.t, self.key, self.nbytes = meter, t, key, nbytes
+        meter._add(key, nbytes, +1)
+
+    def __del__(self):
+        self.meter._add(self.key, self.nbytes, -1)
+
+
+def _unpack_saved(saved):
+    return saved.t if isinstance(saved, _SavedTensor) else saved

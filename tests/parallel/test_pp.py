@@ -17,7 +17,10 @@ from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel import step as S
+from nanotitan.parallel.parallelize import parallelize
 from nanotitan.parallel.pp import pipeline_forward, pipeline_forward_backward, theoretical_bubble
+from nanotitan.parallel.pp_comms import StageComms
 from tests.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
@@ -27,7 +30,9 @@ AUX_WEIGHT = 0.3  # large, so a missing or doubled aux term shows in the gradien
 def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[int] | None = None) -> Config:
     model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=64, num_experts=4,
                         top_k=2, max_seq_len=SEQ)
-    return Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(pp_layers or [])))
+    cfg = Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(pp_layers or [])))
+    cfg.train.seed = SEED
+    return cfg
 
 
 def microbatches(M: int, step: int = 0):
@@ -53,10 +58,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def stage_step(model, dims, xs, ys, schedule):
     flags = []
-    stats = pipeline_forward_backward(
-        model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / len(xs),
-        before_backward=flags.append, act_shape=(M_SEQ, SEQ, D), dtype=torch.float32, device="cpu")
-    return stats, flags
+    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT,
+                                      loss_scale=1.0 / len(xs), before_backward=flags.append)
+    return stats, flags, comms
 
 
 def _grad_cases(rank, world, cases):
@@ -72,20 +77,21 @@ def _grad_cases(rank, world, cases):
 
         stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
         stage.activation_checkpointing = ckpt
-        stats, flags = stage_step(stage, dims, xs, ys, schedule)
+        comm.COMM.reset()
+        stats, flags, comms = stage_step(stage, dims, xs, ys, schedule)
+        pp_wait = comm.COMM.wait_s["pp"]  # the same blocked time, timed inside the communication layer
         worst = max(rel_err(p.grad, ref_grads[n]) for n, p in stage.named_parameters())
         aux_total = stats.aux_sum.clone()
         comm.all_reduce(aux_total, group=dims.group("pp"), axis="other")
         ce = stats.ce_sum.item() if dims.is_pp_last_stage else None
         # forward-only (evaluation) pass of the same microbatches gives the same CE
-        eval_ce, _ = pipeline_forward(stage, dims, xs, ys, act_shape=(M_SEQ, SEQ, D), dtype=torch.float32,
-                                      device="cpu")
+        eval_ce, _ = pipeline_forward(stage, dims, xs, ys, comms=comms)
         eval_ce = eval_ce.item() if dims.is_pp_last_stage else None
         out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt), worst=worst, flags=flags,
                         ce=ce, eval_ce=eval_ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
                         n_params=sum(1 for _ in stage.parameters()), bubble=stats.bubble,
                         in_flight=stats.max_in_flight,
-                        timing_ok=abs(stats.wall_s - stats.p2p_wait_s - stats.compute_s) < 1e-9))
+                        wait=stats.p2p_wait_s, pp_wait=pp_wait, compute=stats.compute_s, wall=stats.wall_s))
     return out
 
 
@@ -104,7 +110,11 @@ def _check_grad_results(results, world):
                 assert math.isclose(r["eval_ce"], r["ref_ce"], rel_tol=1e-5), f"{where}: eval ce {r['eval_ce']}"
             else:
                 assert r["ce"] is None and r["eval_ce"] is None
-            assert r["timing_ok"] and 0.0 <= r["bubble"] < 1.0, where
+            # Every stage blocks on its neighbour at least once; the schedule's own wait clock brackets the
+            # communication layer's (it times the same calls from outside), and compute is what is left.
+            assert 0.0 < r["pp_wait"] <= r["wait"] + 1e-6, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
+            assert r["wait"] <= 1.2 * r["pp_wait"] + 2e-3, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
+            assert 0.0 < r["compute"] < r["wall"] and 0.0 < r["bubble"] < 1.0, where
             # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p
             want = M if case[2] == "gpipe" else min(world - rank, M)
             assert r["in_flight"] == want, f"{where}: {r['in_flight']} microbatches in flight, expected {want}"
@@ -123,26 +133,16 @@ def test_pp4_gradients_match_single_process():
     _check_grad_results(run_ranks(_grad_cases, 4, (cases,), timeout=110), 4)
 
 
-def _clip_(params, local_sq: torch.Tensor, group, max_norm: float) -> float:
-    """Global-norm clipping across stages: squared norms summed over the PP group, then sqrt."""
-    comm.all_reduce(local_sq, group=group, axis="other")
-    norm = local_sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
-    return norm.item()
-
-
 def _train_steps(rank, world, schedules, steps, M, clip):
-    """Per schedule, train `steps` AdamW steps pipelined (this stage) and single-process (full model)."""
+    """Per schedule, `steps` AdamW steps through parallel/step.py (this stage) and single-process (full model)."""
     dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
     cfg = tiny_cfg(world)
     out = {}
     for schedule in schedules:
         full = Transformer(cfg.model, None, SEED)
-        stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+        shard = parallelize(cfg, dims, torch.device("cpu"))
         opt_ref = torch.optim.AdamW(full.parameters(), lr=1e-2, weight_decay=0.1)
-        opt = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = torch.optim.AdamW(shard.model.parameters(), lr=1e-2, weight_decay=0.1)
         log = []
         for step in range(steps):
             xs, ys = microbatches(M, step)
@@ -151,18 +151,16 @@ def _train_steps(rank, world, schedules, steps, M, clip):
             ref_norm = torch.nn.utils.clip_grad_norm_(full.parameters(), clip).item()
             opt_ref.step()
 
-            opt.zero_grad(set_to_none=True)
-            stats, _ = stage_step(stage, dims, xs, ys, schedule)
-            sq = torch.stack([p.grad.pow(2).sum() for p in stage.parameters()]).sum()
-            norm = _clip_(list(stage.parameters()), sq, dims.group("pp"), clip)
+            stats = S.forward_backward(shard, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT,
+                                       device=torch.device("cpu"))
+            S.finish_grads(shard)
+            norm = S.clip_grads(shard, clip).item()
             opt.step()
-            # the step's loss: last stage's CE plus the aux of every stage
-            parts = torch.stack([stats.ce_sum if dims.is_pp_last_stage else torch.zeros(()), stats.aux_sum])
-            comm.all_reduce(parts, group=dims.group("pp"), axis="other")
-            loss = (parts[0] + AUX_WEIGHT * parts[1]).item() / M
-            log.append((loss, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
+            S.zero_grads(shard, opt)
+            ce, aux = S.reduce_losses(shard, stats, AUX_WEIGHT, M)
+            log.append((ce + aux, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
         ref_params = dict(full.named_parameters())
-        worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in stage.named_parameters())
+        worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in shard.model.named_parameters())
         out[schedule] = dict(log=log, worst_param=worst_param)
     return out
 
@@ -191,7 +189,7 @@ def test_pp1_is_gradient_accumulation():
     ref_ce, _ = reference_step(full, xs, ys)
     for schedule in ("gpipe", "1f1b"):
         model = Transformer(cfg.model, None, SEED)
-        stats, flags = stage_step(model, ParallelDims(1, 1, 1), xs, ys, schedule)
+        stats, flags, _ = stage_step(model, ParallelDims(1, 1, 1), xs, ys, schedule)
         assert flags == [False, False, True]
         assert math.isclose(stats.ce_sum.item(), ref_ce, rel_tol=1e-6)
         for n, p in model.named_parameters():

@@ -107,7 +107,11 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Path:
     out = prepared_dir(cfg)
     if (out / "meta.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission
+        raise DataError(f"cannot create the data cache {out.parent} ({e.strerror}); "
+                        f"point --data.cache_dir (or $NANOTITAN_CACHE) at a writable directory") from None
     with _file_lock(out.with_name(out.name + ".lock"), log):
         if (out / "meta.json").exists():  # another process finished while we waited
             return out

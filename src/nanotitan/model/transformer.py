@@ -1,9 +1,12 @@
 """Decoder-only MoE transformer, built from a ModelShardSpec (full model or one stage/expert shard).
 
-Shapes: B batch, S sequence, D d_model, H heads, Dh head dim, V vocab.
+Shapes: B batch, S sequence, D d_model, H heads, Hkv key/value heads, Dh head dim, V vocab.
 Architecture (pos_emb="rope"): Mixtral's — RMSNorm pre-norm, RoPE attention without biases,
 SwiGLU experts, softmax top-k router, untied head. pos_emb="learned" is the seed's absolute table
-(owned by stage 0 like the token embedding).
+(owned by stage 0 like the token embedding). Options for the other published MoE families (hf.py maps
+them): grouped-query attention (n_kv_heads), head_dim, q/k RMSNorm per head (Qwen3-MoE) or over the
+whole projection (OLMoE), q/k/v biases (Qwen2-MoE), shared experts with a sigmoid gate (Qwen2-MoE),
+dense layers by index.
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from .moe import MoE
+from .moe import MoE, SwiGLU
 from .spec import ModelShardSpec
 
 
@@ -48,40 +51,44 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def head_dim(cfg: ModelConfig) -> int:
+    return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_kv_heads or cfg.n_heads
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        D = cfg.d_model
-        self.n_heads = cfg.n_heads
-        self.q_proj = nn.Linear(D, D, bias=False)
-        self.k_proj = nn.Linear(D, D, bias=False)
-        self.v_proj = nn.Linear(D, D, bias=False)
-        self.o_proj = nn.Linear(D, D, bias=False)
+        D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
+        self.n_heads, self.n_kv_heads, self.head_dim, self.qk_norm = H, Hkv, Dh, cfg.qk_norm
+        self.q_proj = nn.Linear(D, H * Dh, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        if cfg.qk_norm == "head":  # Qwen3-MoE: one Dh-wide norm shared by every head
+            self.q_norm, self.k_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: over the whole q (H*Dh) and k (Hkv*Dh) projections
+            self.q_norm, self.k_norm = RMSNorm(H * Dh, cfg.norm_eps), RMSNorm(Hkv * Dh, cfg.norm_eps)
 
     def forward(self, x, rope):
-        B, S, D = x.shape
-        H = self.n_heads
-        q = self.q_proj(x).view(B, S, H, D // H).transpose(1, 2)  # (B, H, S, Dh)
-        k = self.k_proj(x).view(B, S, H, D // H).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, H, D // H).transpose(1, 2)
+        B, S, _ = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, S, H*Dh), (B, S, Hkv*Dh) x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(B, S, H, Dh), k.view(B, S, Hkv, Dh), v.view(B, S, Hkv, Dh)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, S, Dh)
         if rope is not None:
             cos, sin = rope[0][:S], rope[1][:S]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, D))
-
-
-class DenseFFN(nn.Module):
-    """SwiGLU MLP for non-MoE layers (moe_every > 1)."""
-
-    def __init__(self, d_model: int, ffn_dim: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, ffn_dim, bias=False)
-        self.up_proj = nn.Linear(d_model, ffn_dim, bias=False)
-        self.down_proj = nn.Linear(ffn_dim, d_model, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # GQA: query head h reads key/value head h // (H / Hkv), as HF's repeat_kv.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))
 
 
 class Block(nn.Module):
@@ -90,12 +97,13 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.is_moe = layer_idx % cfg.moe_every == 0
+        self.is_moe = is_moe_layer(cfg, layer_idx)
         if self.is_moe:
             self.moe = MoE(cfg.d_model, cfg.ffn_dim, cfg.num_experts, cfg.top_k, cfg.norm_topk,
-                           spec.expert_start, spec.expert_end)
+                           spec.expert_start, spec.expert_end, shared_ffn_dim=shared_hidden(cfg),
+                           shared_gate=cfg.shared_expert_gate)
         else:
-            self.mlp = DenseFFN(cfg.d_model, cfg.ffn_dim)
+            self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
     def forward(self, x, rope):
         x = x + self.attn(self.attn_norm(x), rope)
@@ -129,7 +137,7 @@ class Transformer(nn.Module):
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope = None
         if cfg.pos_emb == "rope":
-            cos, sin = rope_cache(max(cfg.max_seq_len, 1), cfg.d_model // cfg.n_heads, cfg.rope_theta)
+            cos, sin = rope_cache(max(cfg.max_seq_len, 1), head_dim(cfg), cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed)
@@ -142,6 +150,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):
+                p.zero_()
                 continue
             std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "W_out")) else cfg.init_std
             if ".experts." in name:
@@ -204,8 +215,20 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
+def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
+    """The one rule for which layers hold an MoE FFN (the rest are dense SwiGLU): every moe_every-th layer,
+    except the first first_k_dense (DeepSeek) and those listed in dense_layers (Qwen's mlp_only_layers)."""
+    return (layer_idx % cfg.moe_every == 0 and layer_idx >= cfg.first_k_dense
+            and layer_idx not in cfg.dense_layers)
+
+
+def shared_hidden(cfg: ModelConfig) -> int:
+    """Hidden size of the one SwiGLU that holds all shared experts of an MoE layer (0: none)."""
+    return cfg.shared_experts * (cfg.shared_ffn_dim or cfg.ffn_dim)
+
+
 def num_moe_layers(cfg: ModelConfig) -> int:
-    return sum(1 for i in range(cfg.n_layers) if i % cfg.moe_every == 0)
+    return sum(1 for i in range(cfg.n_layers) if is_moe_layer(cfg, i))
 
 
 def _normal(shape, std: float, seed: int, name: str, expert_id: int) -> torch.Tensor:
@@ -215,12 +238,14 @@ def _normal(shape, std: float, seed: int, name: str, expert_id: int) -> torch.Te
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 12 * L * D * S for attention
-    scores, counting top_k experts and the router per MoE layer (MID model of BASELINES: ~33 MFLOP)."""
-    D, Fh, L = cfg.d_model, cfg.ffn_dim, cfg.n_layers
+    """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 12 * L * S * H * Dh for attention
+    scores, counting top_k experts, the router, shared experts and their gate per MoE layer, and GQA's
+    narrower k/v projections (MID model of BASELINES: ~33 MFLOP). Biases and norms are not matmuls."""
+    D, L, H, Dh = cfg.d_model, cfg.n_layers, cfg.n_heads, head_dim(cfg)
     n_moe = num_moe_layers(cfg)
-    attn = 4 * D * D
-    moe_active = cfg.top_k * 3 * D * Fh + D * cfg.num_experts
-    dense = 3 * D * Fh
+    attn = 2 * D * H * Dh + 2 * D * kv_heads(cfg) * Dh  # q, o and k, v
+    shared = 3 * D * shared_hidden(cfg) + (D if cfg.shared_experts and cfg.shared_expert_gate else 0)
+    moe_active = cfg.top_k * 3 * D * cfg.ffn_dim + D * cfg.num_experts + shared
+    dense = 3 * D * (cfg.dense_ffn_dim or cfg.ffn_dim)
     n_active = L * attn + n_moe * moe_active + (L - n_moe) * dense + D * cfg.vocab_size
-    return 6 * n_active + 12 * L * seq_len * D
+    return 6 * n_active + 12 * L * seq_len * H * Dh

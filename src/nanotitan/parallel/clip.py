@@ -6,6 +6,10 @@ model (DESIGN §4, seed "Gradient clipping"):
   within a stage they are identical on every EP/DP rank after the Reducer, so counted once;
 - expert shards: disjoint over EP and over PP -> summed over EP and PP;
 - never summed over DP: replicas hold identical gradients after the all-reduce.
+Sharded DP (parallel.zero >= 1) leaves each rank a slice instead: the shard grads of ZeRO-1/2 and the
+local shards of FSDP2's DTensor grads are disjoint over the non-expert-DP group (replicated params are
+sharded over it; expert shards over expert-DP, and they differ over EP anyway), so their squared norms
+are summed over that group, then over PP.
 Call it after `Reducer.finish()`. Every rank ends with the same norm and scales by the same factor.
 """
 
@@ -25,12 +29,22 @@ def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms).float()).pow(2)
 
 
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor grad's local shard (FSDP2; scaling it in place scales the DTensor), else the tensor."""
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
 @torch.no_grad()
-def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group) -> torch.Tensor:
-    """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor)."""
+def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group,
+                    shard_params=(), shard_group=None) -> torch.Tensor:
+    """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor).
+
+    expert_params / replicated_params: full grads as the Reducer leaves them (summed over EP, counted
+    once). shard_params: sharded grads, disjoint over `shard_group` (the non-expert-DP group)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
     rep_grads = [p.grad for p in replicated_params if p.grad is not None]
-    device = next((g.device for g in rep_grads + exp_grads), torch.device("cpu"))  # NCCL needs it on GPU
+    shard_grads = [_local(p.grad) for p in shard_params if p.grad is not None]
+    device = next((g.device for g in rep_grads + exp_grads + shard_grads), torch.device("cpu"))  # NCCL: GPU
     rep_sq, exp_sq = _sq_norm(rep_grads, device), _sq_norm(exp_grads, device)
     if ep_group is not None:
         # One scalar all-reduce over EP: every EP rank holds the same replicated grads, so only
@@ -40,13 +54,18 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     total_sq = (rep_sq + exp_sq).reshape(1)
     if ep_group is not None:
         comm.all_reduce(total_sq, group=ep_group, axis="other")
+    if shard_params or shard_group is not None:  # every rank of the group enters the all-reduce
+        shard_sq = _sq_norm(shard_grads, device).reshape(1)
+        if shard_group is not None:
+            comm.all_reduce(shard_sq, group=shard_group, axis="other")
+        total_sq = total_sq + shard_sq
     if pp_group is not None:
         comm.all_reduce(total_sq, group=pp_group, axis="other")
     total_norm = total_sq.sqrt().reshape(())
     if max_norm > 0:
         # Always multiply (by 1.0 when under the limit) instead of branching on a host-synced value.
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-        grads = rep_grads + exp_grads
+        grads = rep_grads + exp_grads + shard_grads
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total_norm

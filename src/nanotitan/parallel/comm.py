@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 AXES = ("dp", "ep", "pp", "other")
 
@@ -48,6 +49,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _label(axis: str, op: str) -> record_function:
+    """Names the call in profiler traces by axis, e.g. "EP all-to-all" (profiling.py sums time per label)."""
+    return record_function(f"{axis.upper()} {op}")
+
+
 class TimedWork:
     """Wraps an async Work so that its wait() is charged to an axis."""
 
@@ -56,46 +62,53 @@ class TimedWork:
 
     def wait(self):
         t0 = time.perf_counter()
-        self.work.wait()
+        with _label(self.axis, "wait"):
+            self.work.wait()
         COMM.record(self.axis, 0, time.perf_counter() - t0, calls=0)
 
 
 def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
     t0 = time.perf_counter()
-    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    with _label(axis, "all-reduce"):
+        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
     return TimedWork(work, axis) if async_op else None
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
     t0 = time.perf_counter()
-    dist.broadcast(t, src=src, group=group)
+    with _label(axis, "broadcast"):
+        dist.broadcast(t, src=src, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, group=None,
                       axis: str = "ep"):
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+    with _label(axis, "all-to-all"):
+        dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
-    dist.send(t.contiguous(), dst=dst, group=group)
+    with _label(axis, "send"):
+        dist.send(t.contiguous(), dst=dst, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
-    dist.recv(t, src=src, group=group)
+    with _label(axis, "recv"):
+        dist.recv(t, src=src, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def batch_isend_irecv(ops: list, axis: str = "pp"):
     """Issue paired P2P ops together and wait for all of them (no blocking pair can deadlock)."""
     t0 = time.perf_counter()
-    works = dist.batch_isend_irecv(ops)
-    for w in works:
-        w.wait()
+    with _label(axis, "send/recv"):
+        works = dist.batch_isend_irecv(ops)
+        for w in works:
+            w.wait()
     COMM.record(axis, sum(_nbytes(op.tensor) for op in ops), time.perf_counter() - t0, calls=len(ops))

@@ -12,14 +12,19 @@ The coordinate maths is pure (no process groups) so it can be tested exhaustivel
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
+GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp"]
+GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)
 
-@dataclass(frozen=True)
+
+@dataclass
 class ParallelDims:
     dp: int
     pp: int
@@ -91,7 +96,7 @@ class ParallelDims:
         return self.dp * self.ep
 
     # --- group membership (global ranks, sorted) ----------------------------------------------
-    def all_group_ranks(self, kind: str) -> list[list[int]]:
+    def all_group_ranks(self, kind: GroupKind) -> list[list[int]]:
         """Every group of one kind, as lists of global ranks, in a fixed order."""
         g = self.grid()
         if kind == "ep":
@@ -104,14 +109,17 @@ class ParallelDims:
             return [g[:, p, :].reshape(-1).tolist() for p in range(self.pp)]
         raise ValueError(f"unknown group kind {kind!r}")
 
-    def group_ranks(self, kind: str) -> list[int]:
+    def group_ranks(self, kind: GroupKind) -> list[int]:
         """The global ranks of this rank's group of `kind`."""
         (ranks,) = [r for r in self.all_group_ranks(kind) if self.rank in r]
         return ranks
 
     # --- process groups --------------------------------------------------------------------
-    def group(self, kind: str):
-        """This rank's ProcessGroup of `kind` (None when the group is just this rank)."""
+    def group(self, kind: GroupKind):
+        """This rank's ProcessGroup of `kind` (None when the group is just this rank, or before
+        build_groups on a world of one). An unknown kind raises: None would silently mean "no communication"."""
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"unknown group kind {kind!r} (one of {', '.join(GROUP_KINDS)})")
         return self.groups.get(kind)
 
     def build_groups(self, timeout_s: float = 300.0, backend: str | None = None) -> "ParallelDims":
@@ -121,13 +129,25 @@ class ParallelDims:
             raise ValueError(
                 f"world size {dist.get_world_size()} != dp*pp*ep = {self.dp}*{self.pp}*{self.ep} "
                 f"(set --parallel.dp/pp/ep so their product is the world size)")
-        for kind in ("ep", "pp", "expert_dp", "non_expert_dp"):
+        for kind in GROUP_KINDS:
             for ranks in self.all_group_ranks(kind):
                 pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
                 if self.rank in ranks:
                     self.groups[kind] = pg if len(ranks) > 1 else None
         return self
 
-    def __str__(self) -> str:
-        d, p, e = self.coords()
-        return f"rank {self.rank} (dp {d}/{self.dp}, pp {p}/{self.pp}, ep {e}/{self.ep})"
+
+def init_distributed(backend: str, rank: int, world: int, timeout: timedelta, device: torch.device) -> None:
+    """init_process_group on torchrun's store, with every key namespaced by the restart attempt.
+
+    After a rank dies and torchrun restarts the group, the new ranks would otherwise find the addresses
+    their dead predecessors published and gloo would try to connect to closed ports (seen here: "Connection
+    refused" two seconds into the restart, or a hang in new_group).
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"nanotitan/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)

@@ -44,7 +44,6 @@ class StepStats:
     """What one step of `pipeline_forward_backward` measured on this rank."""
     ce_sum: torch.Tensor | None  # sum over microbatches of mean CE (detached); last stage only, else None
     aux_sum: torch.Tensor  # sum over microbatches of this stage's MoE aux losses (detached, unweighted)
-    num_microbatches: int
     wall_s: float  # the whole call
     p2p_wait_s: float  # time blocked in pipeline send/recv (idle: the bubble, plus transfer time)
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
@@ -59,18 +58,6 @@ class StepStats:
 def theoretical_bubble(pp: int, num_microbatches: int) -> float:
     """Idle fraction of a GPipe/1F1B pipeline with equal stages and free communication: (PP-1)/(M+PP-1)."""
     return (pp - 1) / (num_microbatches + pp - 1)
-
-
-# Each comms instance owns reusable receive buffers, kept across steps. The key holds the group object
-# itself (not its id), so a group destroyed and rebuilt later can never be mistaken for the old one.
-_COMMS: dict[tuple, StageComms] = {}
-
-
-def _stage_comms(dims: ParallelDims, act_shape, dtype, device) -> StageComms:
-    key = (dims.rank, dims.prev_pp_rank, dims.next_pp_rank, dims.group("pp"), tuple(act_shape), dtype, str(device))
-    if key not in _COMMS:
-        _COMMS[key] = StageComms(dims, act_shape, dtype, device)
-    return _COMMS[key]
 
 
 class _StageRunner:
@@ -167,21 +154,20 @@ def pipeline_forward_backward(
     xs: list[torch.Tensor],
     ys: list[torch.Tensor],
     *,
+    comms: StageComms,
     schedule: Literal["gpipe", "1f1b"],
     aux_weight: float,
     loss_scale: float,
     before_backward: Callable[[bool], None] | None,
-    act_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device | str,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
     xs: the M token microbatches (m, S) (read on the first stage); ys: the M target microbatches
-    (read on the last stage); M = len(xs). act_shape (m, S, D) and dtype describe the activations
-    exchanged between stages. before_backward(is_last) is called right before each microbatch's
-    backward; is_last is True exactly once, for this stage's final backward of the step (the DP
-    reducer starts its gradient communication then). Every rank of the step calls this.
+    (read on the last stage); M = len(xs). `comms` is this stage's P2P endpoints (activation shape
+    (m, S, D), dtype, device; the caller keeps it across steps so its buffers are reused).
+    before_backward(is_last) is called right before each microbatch's backward; is_last is True
+    exactly once, for this stage's final backward of the step (the DP reducer starts its gradient
+    communication then). Every rank of the step calls this.
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -193,9 +179,8 @@ def pipeline_forward_backward(
         raise ValueError(f"parallel.schedule={schedule!r} must be 'gpipe' or '1f1b' (--parallel.schedule)")
 
     t0 = time.perf_counter()
-    comms = _stage_comms(dims, act_shape, dtype, device)
     comms.reset_wait()
-    run = _StageRunner(model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device)
+    run = _StageRunner(model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device)
     if schedule == "gpipe" and dims.pp > 1:
         _gpipe(run, comms, M)
     else:  # 1f1b; with pp == 1 it is plain gradient accumulation, whatever the schedule
@@ -204,8 +189,7 @@ def pipeline_forward_backward(
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
-    return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, num_microbatches=M,
-                     wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait, max_in_flight=run.max_in_flight)
+    return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait, max_in_flight=run.max_in_flight)
 
 
 @torch.no_grad()
@@ -215,14 +199,12 @@ def pipeline_forward(
     xs: list[torch.Tensor],
     ys: list[torch.Tensor],
     *,
-    act_shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device | str,
+    comms: StageComms,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Forward-only pass of M microbatches through the pipeline (evaluation): returns (ce_sum, aux_sum),
     ce_sum the sum of the microbatches' mean CE on the last stage (None elsewhere), aux_sum this stage's
     summed aux losses. Every rank of the PP group calls it with the same M."""
-    comms = _stage_comms(dims, act_shape, dtype, device)
+    device = comms.device
     ce_sum, aux_sum = None, torch.zeros((), device=device)
     for i in range(len(xs)):
         buf = comms.recv_forward()

@@ -1,6 +1,7 @@
-"""DP=2 on CPU/gloo: our Reducer vs torch DDP vs one process vs two independent processes, in one run.
+"""`nanotitan bench dp`: DP=2 on CPU/gloo, our Reducer vs torch DDP vs one process vs two independent
+processes, in one run.
 
-    python benchmarks/bench_dp.py [--rounds 3] [--steps 12] [--bucket-mb 25] [--sweep 4,100]
+    nanotitan bench dp [--rounds 3] [--steps 12] [--bucket-mb 25] [--sweep 4,100]
 
 Model: BASELINES' MID (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
 8x128 random tokens per rank per step, M=1, AdamW(fused=True), 1 thread per rank. Modes run in
@@ -19,38 +20,26 @@ far less sensitive than wall time to other jobs on a shared machine.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from nanotitan.config import ModelConfig
-from nanotitan.model.transformer import Transformer
-from nanotitan.parallel.comm import COMM
-from nanotitan.parallel.dp import Reducer, wrap_ddp
+from ..config import ModelConfig
+from ..model.transformer import Transformer
+from ..parallel.comm import COMM
+from ..parallel.dp import Reducer, wrap_ddp
+from ..spawn import run_ranks
 
 MID = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
                   max_seq_len=128)
 BATCH, SEQ = 8, 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, port: int, q):
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int):
+    # every mode runs under a process group (run_ranks makes one); only reducer and ddp communicate
     comm_world = mode in ("reducer", "ddp")
-    if comm_world:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     model = Transformer(MID, seed=0)
     group = dist.group.WORLD if comm_world else None
     reducer = None
@@ -83,41 +72,28 @@ def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warm
             wait_s.append(COMM.wait_s["dp"])
     if mode == "ddp":
         del model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
-    if comm_world:
         dist.barrier()
-        dist.destroy_process_group()
-    q.put((rank, times, wait_s, cpu_s))
+    return times, wait_s, cpu_s
 
 
 def run_mode(mode: str, bucket_mb: float, steps: int, warmup: int) -> dict:
     world = 1 if mode == "single" else 2
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, mode, bucket_mb, steps, warmup, port, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    for _ in range(world):
-        rank, times, wait_s, cpu_s = q.get(timeout=900)
-        out[rank] = (times, wait_s, cpu_s)
-    for p in procs:
-        p.join(timeout=30)
+    out = run_ranks(_worker, world, (mode, bucket_mb, steps, warmup), timeout=900, pg_timeout=300)
     times0 = out[0][0]
     # independent processes are not in lockstep: charge each step the slower of the two
     times = [max(ts) for ts in zip(*(out[r][0] for r in range(world)))] if mode == "independent" else times0
     return {"times": times, "dp_wait": out[0][1], "cpu": out[0][2]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanotitan bench dp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode (default 3)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per mode and round (default 12)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="Reducer and DDP bucket size (default 25)")
     ap.add_argument("--sweep", default="", help="extra Reducer bucket sizes (MB), comma-separated, e.g. 4,100")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     modes = [("single", args.bucket_mb), ("reducer", args.bucket_mb), ("ddp", args.bucket_mb),
              ("independent", args.bucket_mb)]
     modes += [("reducer", float(b)) for b in args.sweep.split(",") if b]
@@ -148,7 +124,4 @@ def main():
     ratio = med[("reducer", args.bucket_mb)] / med[("ddp", args.bucket_mb)]
     print(f"\nReducer/DDP step time (median): {ratio:.3f}   "
           f"Reducer/DDP (min): {min(results[('reducer', args.bucket_mb)]) / min(results[('ddp', args.bucket_mb)]):.3f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

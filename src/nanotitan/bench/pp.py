@@ -1,6 +1,7 @@
-"""Pipeline-parallel step time, bubble and activation memory on the MID model (BASELINES), PP=2, M=8, m=2.
+"""`nanotitan bench pp`: pipeline-parallel step time, bubble and activation memory on the MID model
+(BASELINES), PP=2, M=8, m=2.
 
-    python benchmarks/bench_pp.py [--repeats 7] [--splits 2,2 3,1] [--json out.json]
+    nanotitan bench pp [--repeats 7] [--splits 2,2 3,1] [--json out.json]
 
 Launches 2 gloo processes (1 thread each) and compares, interleaved round by round so machine noise
 hits every variant alike:
@@ -21,23 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanotitan.config import Config, ModelConfig, ParallelConfig
-from nanotitan.model.spec import build_shard_spec
-from nanotitan.model.transformer import Transformer
-from nanotitan.parallel.dims import ParallelDims
-from nanotitan.parallel.pp import pipeline_forward_backward, theoretical_bubble
+from ..config import Config, ModelConfig, ParallelConfig
+from ..model.spec import build_shard_spec
+from ..model.transformer import Transformer
+from ..parallel.dims import ParallelDims
+from ..parallel.pp import pipeline_forward_backward, theoretical_bubble
+from ..parallel.pp_comms import StageComms
+from ..spawn import run_ranks
 
 PP, M, MB, SEQ, VOCAB, D = 2, 8, 2, 128, 4096, 256
 SEED, AUX_WEIGHT = 0, 0.01 / 4
@@ -94,16 +93,6 @@ def ce_loss(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _worker(rank, world, port, args, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    try:
-        q.put((rank, _bench(rank, world, args)))
-    finally:
-        dist.destroy_process_group()
-
-
 def _bench(rank, world, args):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -112,6 +101,7 @@ def _bench(rank, world, args):
     x_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
     y_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
     xs, ys = list(x_BS.split(MB)), list(y_BS.split(MB))
+    comms = StageComms(dims, (MB, SEQ, D), torch.float32, torch.device("cpu"))  # ours: kept across steps
     steps = {}  # variant name -> callable running one step on this rank
     stats_of = {}  # variant name -> last StepStats (ours)
 
@@ -144,8 +134,8 @@ def _bench(rank, world, args):
             def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}[{tag}]"):
                 opt.zero_grad(set_to_none=True)
                 stats_of[name] = pipeline_forward_backward(
-                    model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
-                    before_backward=None, act_shape=(MB, SEQ, D), dtype=torch.float32, device="cpu")
+                    model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
+                    before_backward=None)
                 opt.step()
             steps[f"ours_{schedule}[{tag}]"] = ours
 
@@ -199,34 +189,24 @@ def _bench(rank, world, args):
         model = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
         meter = SavedActivationBytes(model.parameters())
         with meter.hooks():
-            pipeline_forward_backward(model, dims, xs, ys, schedule=schedule, aux_weight=AUX_WEIGHT,
-                                      loss_scale=1.0 / M, before_backward=None, act_shape=(MB, SEQ, D),
-                                      dtype=torch.float32, device="cpu")
+            pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT,
+                                      loss_scale=1.0 / M, before_backward=None)
         assert meter.cur == 0, f"{meter.cur} saved bytes still alive after the step"
         peak[schedule] = meter.peak
     return dict(times=times, cpu=cpu, bubbles=bubbles, computes=computes, peak=peak,
                 load=(load_before, os.getloadavg()[0]))
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanotitan bench pp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per variant, interleaved (default 7)")
     ap.add_argument("--splits", nargs="+", default=["2,2", "3,1"], help="layers per stage, e.g. 2,2 3,1")
     ap.add_argument("--json", default="", help="also write the raw results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.splits = [[int(n) for n in s.split(",")] for s in args.splits]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, PP, port, args, q)) for r in range(PP)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    res = dict(enumerate(run_ranks(_bench, PP, (args,), timeout=1800, pg_timeout=600)))
 
     times = res[0]["times"]
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -274,7 +254,3 @@ def main():
         with open(args.json, "w") as f:
             json.dump({str(r): res[r] for r in res}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

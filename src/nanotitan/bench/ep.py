@@ -1,4 +1,6 @@
-"""One MoE layer fwd+bwd under EP, against its controls. Run: `python benchmarks/bench_ep.py [--iters N --rounds R]`.
+"""`nanotitan bench ep`: one MoE layer fwd+bwd under EP, against its controls.
+
+    nanotitan bench ep [--iters 10] [--rounds 3] [--warmup 3] [--worlds 1,2,4]
 
 Shapes: BASELINES "MID" MoE layer — d_model 256, 8 SwiGLU experts of hidden 512, top-2, 1,024 tokens
 per rank (8 x 128), fp32, 1 thread per rank, gloo. Every rank keeps 1,024 tokens, so EP=P does P
@@ -18,22 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from seed_ep_naive import SeedEPDispatcher, seed_pack, seed_permute  # noqa: E402
-
-from nanotitan.model.moe import LocalDispatcher, MoE, pack_expert_major  # noqa: E402
-from nanotitan.parallel import comm  # noqa: E402
-from nanotitan.parallel.ep import EPDispatcher, source_to_expert_major  # noqa: E402
+from ..model.moe import LocalDispatcher, MoE, pack_expert_major
+from ..parallel import comm
+from ..parallel.ep import EPDispatcher, source_to_expert_major
+from ..spawn import run_ranks
+from .seed_ep_naive import SeedEPDispatcher, seed_pack, seed_permute
 
 D, E, F_HID, K, B, S = 256, 8, 512, 2, 8, 128
 
@@ -115,10 +112,8 @@ def pack_microbench(reps: int) -> dict:
     return out
 
 
-def rank_main(rank: int, world: int, port: int, args, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+def rank_main(rank: int, world: int, args) -> tuple[dict, dict]:
+    """This rank's per-mode (walls, waits) and, per mode, the experts-alone time (+ the pack microbench)."""
     group = dist.new_group(list(range(world))) if world > 1 else None
     torch.manual_seed(1000 + rank)  # each rank its own tokens
     x = torch.randn(B, S, D)
@@ -141,24 +136,12 @@ def rank_main(rank: int, world: int, port: int, args, q) -> None:
     extra = {m: expert_compute_s(moe, world) for m, (moe, _) in modes.items()}
     if world == 1:
         extra["pack"] = pack_microbench(args.iters * args.rounds)
-    q.put((rank, res, extra))
-    dist.destroy_process_group()
+    return res, extra
 
 
 def launch(world: int, args) -> tuple[list, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=1800) for _ in range(world)]
-    for p in procs:
-        p.join()
-    got.sort(key=lambda t: t[0])
-    return [r for _, r, _ in got], got[0][2]
+    got = run_ranks(rank_main, world, (args,), timeout=1800, pg_timeout=300)
+    return [res for res, _ in got], got[0][1]
 
 
 def summarise(per_rank: list[dict], mode: str) -> dict:
@@ -168,13 +151,14 @@ def summarise(per_rank: list[dict], mode: str) -> dict:
             "a2a_med_ms": 1e3 * statistics.median(waits)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--worlds", default="1,2,4")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanotitan bench ep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=10, help="timed iterations per mode and round (default 10)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode (default 3)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per mode first (default 3)")
+    ap.add_argument("--worlds", default="1,2,4", help="process counts to launch, comma-separated")
+    args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, {os.cpu_count()} cpus, MoE layer D={D} E={E} F={F_HID} top-{K}, "
           f"{B * S} tokens/rank, fp32, 1 thread/rank, {args.rounds}x{args.iters} iters")
     table = {}
@@ -201,7 +185,4 @@ def main() -> None:
         (o_min, o_med), (s_min, s_med) = table["pack"]["ours"], table["pack"]["seed"]
         print(f"pack+permute, 1,024 tokens top-2: ours {1e3 * o_min:.3f}/{1e3 * o_med:.3f} ms, seed loops "
               f"{1e3 * s_min:.2f}/{1e3 * s_med:.2f} ms (min/median): ours is {s_med / o_med:.0f}x faster")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanotitan.model.moe import ExpertFFN, combine
-from nanotitan.parallel import comm
-from nanotitan.parallel.ep import all_to_all_rows
+from ..model.moe import ExpertFFN, combine
+from ..parallel import comm
+from ..parallel.ep import all_to_all_rows
 
 
 def seed_pack(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int):

@@ -1,9 +1,9 @@
 """Measure this machine for the planner (`nanotitan plan --measure`) and count live tensor bytes.
 
-- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count, fused-AdamW memory throughput,
-  all-reduce / all-to-all / P2P bandwidth and latency over real gloo between 2 spawned local
-  processes, the node's core count, and the RSS of a rank before its model exists (the trainer's
-  imports + a gloo group); writes a JSON profile that `--hardware FILE` reads.
+- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count (`hardware.measure_cpu_gemm_flops`),
+  fused-AdamW memory throughput, all-reduce / all-to-all / P2P bandwidth and latency over real gloo
+  between 2 spawned local processes, the node's cores and memory, and the RSS of a rank before its
+  model exists (the trainer's imports + a gloo group); writes a JSON profile that `--hardware FILE` reads.
 - `TensorBytesMeter`: peak bytes of tensors allocated by torch ops while it is active. Peak RSS on
   CPU is noisy (allocator caching, glibc arenas, shared pages), so the planner's memory model is
   checked against this exact count instead: every op output's storage is added when it first
@@ -13,23 +13,20 @@
 from __future__ import annotations
 
 import importlib
-import os
-import queue
 import resource
 import socket
 import statistics
 import time
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .hardware import GiB, Hardware, Link, save_hardware
-from .parallel import comm
+from ..hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
+from ..parallel import comm
+from ..spawn import run_ranks
 
 
 class TensorBytesMeter(TorchDispatchMode):
@@ -62,23 +59,6 @@ class TensorBytesMeter(TorchDispatchMode):
 
 
 # --- compute --------------------------------------------------------------------------------------
-def gemm_flops(threads: int, n: int = 1024, repeats: int = 5) -> float:
-    """Best-of fp32 n x n matmul FLOP/s on `threads` threads (best: the machine is shared)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b  # warm up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-        return 2 * n**3 / min(times)
-    finally:
-        torch.set_num_threads(old)
-
-
 def adamw_bytes_per_s(n_params: int = 2_000_000, repeats: int = 5) -> float:
     """Effective memory bandwidth of a fused fp32 AdamW step (28 bytes touched per parameter)."""
     p = torch.nn.Parameter(torch.randn(n_params))
@@ -105,66 +85,35 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _comm_worker(rank: int, world: int, port: int, nbytes: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _comm_worker(rank: int, world: int, nbytes: int) -> dict:
     # What a training rank holds before it builds its model: the trainer's imports (data, metrics, DCP)
-    # and an initialised gloo group. The planner adds the model's tensors on top of this.
+    # and an initialised gloo group (spawn.run_ranks made it). The planner adds the model's tensors on top.
     for module in ("torch.distributed.checkpoint", "nanotitan.train"):
         importlib.import_module(module)
+    dist.barrier()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS so far, no model yet
+    big, small = torch.zeros(nbytes // 4), torch.zeros(1)
+    out = {"rss": rss}
+    for name, t in (("bw", big), ("lat", small)):
+        reps = 5 if name == "bw" else 50
+        out[f"ar_{name}"] = _timed(lambda: comm.all_reduce(t, axis="dp"), reps)
+        recv = torch.empty_like(t if t.numel() % world == 0 else torch.zeros(world))
+        send = t if t.numel() % world == 0 else torch.zeros(world)
+        out[f"a2a_{name}"] = _timed(lambda: comm.all_to_all_single(recv, send, axis="ep"), reps)
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        dist.barrier()
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS so far, no model yet
-        big, small = torch.zeros(nbytes // 4), torch.zeros(1)
-        out = {"rss": rss}
-        for name, t in (("bw", big), ("lat", small)):
-            reps = 5 if name == "bw" else 50
-            out[f"ar_{name}"] = _timed(lambda: comm.all_reduce(t, axis="dp"), reps)
-            recv = torch.empty_like(t if t.numel() % world == 0 else torch.zeros(world))
-            send = t if t.numel() % world == 0 else torch.zeros(world)
-            out[f"a2a_{name}"] = _timed(lambda: comm.all_to_all_single(recv, send, axis="ep"), reps)
-
-            def ping_pong(t=t):  # half a round trip = one send/recv
-                if rank == 0:
-                    comm.send(t, 1, axis="pp")
-                    comm.recv(t, 1, axis="pp")
-                elif rank == 1:
-                    comm.recv(t, 0, axis="pp")
-                    comm.send(t, 0, axis="pp")
-            out[f"p2p_{name}"] = _timed(ping_pong, reps) / 2
-        if rank == 0:
-            q.put(out)
-    finally:
-        dist.destroy_process_group()
+        def ping_pong(t=t):  # half a round trip = one send/recv
+            if rank == 0:
+                comm.send(t, 1, axis="pp")
+                comm.recv(t, 1, axis="pp")
+            elif rank == 1:
+                comm.recv(t, 0, axis="pp")
+                comm.send(t, 0, axis="pp")
+        out[f"p2p_{name}"] = _timed(ping_pong, reps) / 2
+    return out
 
 
 def measure_comm(nbytes: int = 16 * 2**20, timeout: float = 120.0) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_comm_worker, args=(r, 2, port, nbytes, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.monotonic() + timeout
-        while True:  # a worker that dies (an import error, a port clash) ends the wait at once
-            try:
-                out = q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"gloo measurement failed (worker exit codes {failed}, or no result "
-                                       f"within {timeout:.0f} s); see the traceback above") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    out = run_ranks(_comm_worker, 2, (nbytes,), timeout=timeout)[0]
     n, g = nbytes, 2
     out["allreduce_bw"] = 2 * (g - 1) / g * n / max(out["ar_bw"] - 2 * (g - 1) * out["ar_lat"], 1e-9)
     out["a2a_bw"] = (g - 1) / g * n / max(out["a2a_bw"] - out["a2a_lat"], 1e-9)
@@ -174,15 +123,14 @@ def measure_comm(nbytes: int = 16 * 2**20, timeout: float = 120.0) -> dict:
 
 def measure_hardware(out_path: str) -> Hardware:
     """Profile this machine (CPU + gloo) and write it to out_path as JSON."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # usable cores
+    cores = host_cores()
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32) if t < cores})
-    by_threads = {t: gemm_flops(t) for t in threads}
+    by_threads = {t: measure_cpu_gemm_flops(t, n=1024) for t in threads}
     c = measure_comm()
     lat = statistics.median([c["ar_lat"] / 2, c["a2a_lat"], c["p2p_lat"]])
     intra = Link(c["allreduce_bw"], c["a2a_bw"], c["p2p_bw"], lat)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     hw = Hardware(name=f"measured-{socket.gethostname()}", peak_flops_bf16=by_threads[1], peak_flops_fp32=by_threads[1],
-                  compute_efficiency=0.5, gemm_half_rows=16, mem_bytes=float(mem),
+                  compute_efficiency=0.5, gemm_half_rows=16, mem_bytes=host_memory_bytes(),
                   mem_reserved_bytes=float(c["rss"]), mem_bw=adamw_bytes_per_s(), devices_per_node=max(64, cores),
                   intra=intra, inter=Link.uniform(0.1e9, 500e-6), dp_overlap=0.0, cores_per_node=cores,
                   gemm_flops_by_threads=by_threads, layer_overhead_s=0.3e-3,

@@ -1,0 +1,28 @@
+"""Layout planner: predict memory and step time of every DP x PP x EP layout, rank them, pick one.
+
+`nanotitan plan --config FILE --gpus N` enumerates every layout (dp, pp, ep, schedule, M, m) of
+world N that keeps the config's global batch B = dp*ep*M*m and passes `config.validate`, predicts
+per-rank memory and step time with an analytic model, and prints a ranked table with a
+recommendation. `recommend()` is what `nanotitan train --parallel.auto true` calls.
+`nanotitan plan --calibrate LAYOUTS_JSON --hardware PROFILE --out NEW` fits a profile's free constants to
+what `nanotitan bench layouts` measured (`fit_profile`); `calibrate` reports prediction errors.
+The method, every formula and its assumptions are written up in docs/planner.md.
+
+    shape.py      the model and layout as counts: ModelShape, Layout, Precision, stage summaries
+    cost.py       predict(): memory per stage and step time of one layout
+    search.py     enumerate_layouts, plan, recommend, reason, format_table
+    calibrate.py  calibrate, fit_profile (Nelder-Mead), spearman, calibration rows
+    measure.py    `--measure` (this machine's profile) and TensorBytesMeter (imports torch.distributed)
+    cli.py        main(argv): `nanotitan plan`
+"""
+
+from .calibrate import FIT_TIME_FIELDS, calibrate, calibration_rows, fit_profile, format_calibration, spearman
+from .cli import main
+from .cost import PlanOptions, Prediction, predict
+from .search import enumerate_layouts, format_table, plan, reason, recommend
+from .shape import PRECISIONS, Layout, ModelShape, Precision, StageSummary, layout_config, stage_summaries
+
+__all__ = ["FIT_TIME_FIELDS", "PRECISIONS", "Layout", "ModelShape", "PlanOptions", "Precision", "Prediction",
+           "StageSummary", "calibrate", "calibration_rows", "enumerate_layouts", "fit_profile", "format_calibration",
+           "format_table", "layout_config", "main", "plan", "predict", "reason", "recommend", "spearman",
+           "stage_summaries"]

@@ -1,0 +1,186 @@
+"""The cost model: predicted peak memory of a rank of every pipeline stage and the step time of one layout.
+
+Every formula and its assumptions are written up in docs/planner.md (§2 memory, §3 time). Shapes: V vocab,
+D d_model, K top_k, E experts, S seq_len, T = m*S tokens of one microbatch on one rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from ..config import Config
+from ..hardware import Hardware
+from ..parallel.dims import ParallelDims
+from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
+
+
+@dataclass
+class PlanOptions:
+    precision: str = ""  # "" = from train.dtype (fp32 or bf16-autocast)
+    zero1: bool = False  # shard master+moments over each param's DP group (the trainer does not implement it yet)
+    activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
+    global_batch: int = 0  # 0 = cfg.global_batch
+    micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
+    nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
+    ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
+    shape_extra: dict = field(default_factory=dict)  # ModelShape fields our config cannot express
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time_s: float
+    tokens_per_sec: float
+    mem_by_stage: list[float]  # predicted peak bytes of a rank of each pipeline stage
+    mem_limit: float
+    fits: bool
+    costs: dict[str, float]  # seconds per step on the critical path, by cause
+    mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
+
+    @property
+    def peak_mem(self) -> float:
+        return max(self.mem_by_stage)
+
+    @property
+    def mem_parts(self) -> dict[str, float]:
+        """Bytes by cause of the heaviest stage."""
+        return self.mem_parts_by_stage[self.mem_by_stage.index(self.peak_mem)]
+
+    @property
+    def dominant(self) -> str:
+        name = max(self.costs, key=self.costs.get)
+        return f"{name} {100 * self.costs[name] / self.step_time_s:.0f}%"
+
+
+# --- where groups sit ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)  # pure, and called for every prediction of a calibration fit
+def _placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
+    """(crosses nodes, fraction of a member's peers on other nodes) for the worst group of `kind`
+    at stage 0 of replica 0 and of the last replica/stage (ranks fill nodes in order)."""
+    worst = (False, 0.0)
+    for rank in (0, layout.dp * layout.pp * layout.ep - 1):
+        ranks = ParallelDims(layout.dp, layout.pp, layout.ep, rank).group_ranks(kind)
+        if len(ranks) < 2:
+            continue
+        nodes = [r // per_node for r in ranks]
+        off = max(sum(n != me for n in nodes) / (len(ranks) - 1) for me in set(nodes))
+        worst = max(worst, (len(set(nodes)) > 1, off))
+    return worst
+
+
+# --- cost model ----------------------------------------------------------------------------------
+def _ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
+    """Ring all-reduce: 2(g-1)/g of the buffer crosses each link, 2(g-1) latency steps."""
+    return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
+
+
+def _gemm_eff(hw: Hardware, rows: float) -> float:
+    return hw.compute_efficiency * rows / (rows + hw.gemm_half_rows)
+
+
+def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
+            shape: ModelShape | None = None) -> Prediction:
+    """Predict per-rank peak memory of every stage and the step time of `layout` (docs/planner.md)."""
+    opts = opts or PlanOptions()
+    shape = shape or ModelShape.from_config(cfg, **opts.shape_extra)
+    prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
+    ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
+    dp, pp, ep, M, m = layout.dp, layout.pp, layout.ep, layout.microbatches, layout.micro_batch
+    world = dp * pp * ep
+    nodes = opts.nodes or math.ceil(world / hw.devices_per_node)
+    per_node = math.ceil(world / nodes)
+    ranks_on_node = min(world, per_node)
+    D, S, V, K, E = shape.d_model, shape.seq_len, shape.vocab, shape.top_k, shape.num_experts
+    T = m * S  # tokens of one microbatch on one rank
+    e_local = E // ep
+    peak = hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node)
+    eff_dense, eff_expert = _gemm_eff(hw, T), _gemm_eff(hw, T * K / max(e_local, 1))  # expert GEMM rows grow with EP
+
+    def link(kind):
+        crosses, off = _placement(layout, kind, per_node)
+        return (hw.inter if crosses else hw.intra), off
+
+    ep_link, ep_off = link("ep")
+    pp_link, _ = link("pp")
+    ne_link, _ = link("non_expert_dp")
+    ex_link, _ = link("expert_dp")
+
+    stages = stage_summaries(shape, layout, cfg.parallel.pp_layers, ac)
+
+    # Memory of a rank of each stage.
+    ne_group, ex_group = dp * ep, dp
+    mem_by_stage, parts_by_stage = [], []
+    for s, st in enumerate(stages):
+        n_local = st.n_ne + st.n_ex
+        opt_params = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else n_local
+        in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - s))
+        transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
+                     # one block's backward (and its recompute under AC); the head's activations are freed by then
+                     T * (st.act_layer_max - st.head_act) * prec.act,
+                     2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
+                     2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
+        parts = {"params": n_local * prec.param, "grads": n_local * prec.grad,
+                 "optimizer": opt_params * (prec.master + prec.moments),
+                 "activations": in_flight * T * st.act * prec.act, "buffers": max(transient),
+                 "reserved": hw.mem_reserved_bytes}
+        mem_by_stage.append(sum(parts.values()))
+        parts_by_stage.append(parts)
+
+    # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
+    t_stage, t_bwd = [], []
+    for s, st in enumerate(stages):
+        t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
+        t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
+        # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
+        # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
+        a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
+        a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
+        # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
+        a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
+        sends = (0 if st.last else 1) + (0 if st.first else 1)
+        p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
+        over = st.n_layers * hw.layer_overhead_s
+        a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
+        t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
+        t_bwd.append(t_b)
+    totals = [sum(x.values()) for x in t_stage]
+    slow = max(range(pp), key=totals.__getitem__)
+    t_pipe = (M - 1) * totals[slow] + sum(totals)  # fill + drain through every stage, M-1 more at the slowest
+
+    # DP all-reduce: overlaps the last microbatch's backward (dp_overlap of it), and stage s finishes
+    # that backward s stage-backwards before stage 0 does, so it has that much idle slack too.
+    exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
+    mean_bwd = sum(t_bwd) / pp
+    for s, st in enumerate(stages):
+        t_ar = (_ring_allreduce_s(st.n_ne * prec.grad, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                + _ring_allreduce_s(st.n_ex * prec.grad, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
+        exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd))
+        n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else st.n_ne + st.n_ex
+        # AdamW reads param, grad, master, moments and writes param, master, moments.
+        t_opt_by_stage.append(n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
+        t_opt = max(t_opt, t_opt_by_stage[-1])
+        t_ar_by_stage.append(t_ar)
+
+    costs = {k: M * v for k, v in t_stage[slow].items()}
+    costs["bubble"] = t_pipe - M * totals[slow]
+    costs["overhead"] += hw.step_overhead_s
+    costs["dp_allreduce"] = exposed_dp
+    costs["optimizer"] = t_opt
+    step = t_pipe + exposed_dp + t_opt + hw.step_overhead_s
+
+    # Every rank's CPU-seconds by cause (dp*ep ranks run each stage, each its M microbatches and its step):
+    # where ranks time-share a CPU node's cores, this work / the cores bounds the step too (Hardware.time_shared).
+    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")}
+    for s in range(pp):
+        for k, v in t_stage[s].items():
+            work[k] += dp * ep * M * v
+        work["overhead"] += dp * ep * hw.step_overhead_s
+        work["dp_allreduce"] += dp * ep * t_ar_by_stage[s]
+        work["optimizer"] += dp * ep * t_opt_by_stage[s]
+    step, costs = hw.time_shared(step, costs, work, nodes, ranks_on_node)
+    B = dp * ep * M * m
+    limit = hw.mem_per_rank(ranks_on_node)
+    return Prediction(layout, step, B * S / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
+                      parts_by_stage)

@@ -1,0 +1,186 @@
+"""The model and the layout as the planner sees them: parameter, FLOP and activation counts by formula,
+a layout (dp, pp, ep, schedule, M, m), bytes per training state, and what one rank of each stage holds.
+
+Shapes: V vocab, D d_model, F expert hidden, Fd dense FFN hidden, E experts, K top_k, S seq_len.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from ..config import Config
+from ..model.spec import layer_bounds
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter and FLOP counts by formula (checked against real `Transformer` shards in tests).
+    The last three fields describe models our Transformer cannot build (DeepSeek-V3): they are
+    0 for every nanoTitan config."""
+
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int  # expert hidden size (and the dense FFN's, unless dense_ffn_dim)
+    num_experts: int
+    top_k: int
+    moe_every: int
+    seq_len: int
+    pos_table: int = 0  # rows of a learned position table on stage 0 (0 with rope)
+    dense_ffn_dim: int = 0  # hidden size of the dense FFN layers (0 = ffn_dim)
+    first_dense: int = 0  # the first k layers are dense (DeepSeek-V3: 3)
+    n_shared_experts: int = 0  # always-on experts per MoE layer, replicated like non-expert params
+
+    @staticmethod
+    def from_config(cfg: Config, **extra) -> "ModelShape":
+        m = cfg.model
+        return ModelShape(vocab=m.vocab_size or cfg.data.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
+                          n_heads=m.n_heads, ffn_dim=m.ffn_dim, num_experts=m.num_experts, top_k=m.top_k,
+                          moe_every=m.moe_every, seq_len=cfg.train.seq_len,
+                          pos_table=m.max_seq_len if m.pos_emb == "learned" else 0, **extra)
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_dense and i % self.moe_every == 0
+
+    @property
+    def dense_hidden(self) -> int:
+        return self.dense_ffn_dim or self.ffn_dim
+
+    def layer_params(self, i: int) -> tuple[int, int]:
+        """(non-expert params, params of ONE routed expert) of layer i."""
+        D, F = self.d_model, self.ffn_dim
+        common = 4 * D * D + 2 * D  # q,k,v,o + two RMSNorm weights
+        if self.is_moe(i):
+            return common + D * self.num_experts + self.n_shared_experts * 3 * D * F, 3 * D * F
+        return common + 3 * D * self.dense_hidden, 0
+
+    def layer_fwd_flops(self, i: int) -> tuple[float, float]:
+        """Forward FLOPs per token of layer i: (dense part, routed-expert part).
+        Matches model.transformer.flops_per_token: attention scores count 4*S*D (not halved for causal)."""
+        D, F, S = self.d_model, self.ffn_dim, self.seq_len
+        dense = 8 * D * D + 4 * S * D
+        if self.is_moe(i):
+            return dense + 2 * D * self.num_experts + 6 * D * F * self.n_shared_experts, 6 * D * F * self.top_k
+        return dense + 6 * D * self.dense_hidden, 0.0
+
+    def layer_act_elems(self, i: int) -> float:
+        """Elements autograd keeps per token for layer i's backward (listed in docs/planner.md;
+        4-byte units, int64 indices count 2)."""
+        D, F, K, E = self.d_model, self.ffn_dim, self.top_k, self.num_experts
+        norm = 3 * D + 1  # RMSNorm keeps its input, 1/rms and the unweighted normalised x; the next linear its output
+        attn = norm + 4 * D + self.n_heads  # q, k (after RoPE), v, SDPA output (o_proj reads it as a view) + logsumexp
+        if self.is_moe(i):
+            # router probs, top-k weights/ids and the expert-major order; per assignment: gathered x,
+            # 4 SwiGLU F-vectors, expert output and weighted output in combine
+            return attn + norm + E + 8 * K + K * (3 * D + 4 * F) + self.n_shared_experts * 4 * F
+        return attn + norm + 4 * self.dense_hidden
+
+    def layer_bwd_elems(self, i: int) -> float:
+        """Extra elements per token alive while layer i runs backward (gradients of its intermediates)."""
+        D, K = self.d_model, self.top_k
+        return (3 * K * D + 2 * D) if self.is_moe(i) else (2 * self.dense_hidden + 2 * D)
+
+    def total_params(self) -> int:
+        n = self.vocab * self.d_model * 2 + self.d_model + self.pos_table * self.d_model
+        for i in range(self.n_layers):
+            ne, ex = self.layer_params(i)
+            n += ne + ex * self.num_experts
+        return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    ep: int
+    schedule: str
+    microbatches: int  # M
+    micro_batch: int  # m
+
+    def short(self) -> str:
+        return (f"dp{self.dp} pp{self.pp} ep{self.ep} {self.schedule if self.pp > 1 else '-'} "
+                f"M{self.microbatches} m{self.micro_batch}")
+
+    def as_tuple(self) -> tuple[int, int, int, str, int, int]:
+        return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each training state, and per activation element."""
+
+    param: int
+    grad: int
+    master: int  # fp32 master copy when params are kept in bf16 (0 = params are the master)
+    moments: int  # AdamW's two moments together
+    act: int
+
+
+PRECISIONS = {
+    "fp32": Precision(4, 4, 0, 8, 4),  # our trainer, train.dtype=fp32
+    "bf16-autocast": Precision(4, 4, 0, 8, 2),  # our trainer, train.dtype=bf16: fp32 states, bf16 activations
+    "bf16-master": Precision(2, 4, 4, 8, 2),  # Megatron-style: bf16 params, fp32 grads/master/moments
+    # DeepSeek-V3 report sec. 3.3.3: bf16 moments, fp32 master weights and gradients.
+    "bf16-master-bf16-moments": Precision(2, 4, 4, 4, 2),
+}
+
+
+def layout_config(cfg: Config, layout: Layout) -> Config:
+    """A copy of cfg running `layout` (pp_layers kept only when it still matches pp)."""
+    c = copy.deepcopy(cfg)
+    p = c.parallel
+    p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
+    c.train.micro_batch = layout.micro_batch
+    if len(p.pp_layers) != layout.pp:
+        p.pp_layers = []
+    p.auto = False
+    return c
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """What one rank of pipeline stage s owns and does per token (elements / FLOPs)."""
+
+    n_ne: int  # non-expert params (replicated over the non-expert-DP group)
+    n_ex: int  # this rank's expert params (E/EP experts of each MoE layer)
+    f_dense: float  # forward FLOPs per token outside routed experts
+    f_expert: float  # forward FLOPs per token in routed experts
+    act: float  # activation elements kept per token of one microbatch
+    act_layer_max: float  # extra elements per token while the largest layer runs backward
+    head_act: float  # part of `act` that belongs to the head (freed before the layers' backward)
+    n_moe: int
+    n_layers: int
+    first: bool
+    last: bool
+
+
+def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | None = None,
+                    activation_checkpointing: bool = False) -> list[StageSummary]:
+    """Per-stage parameter, FLOP and activation counts; layers split as `model.spec.layer_bounds` does."""
+    pp, D, V = layout.pp, shape.d_model, shape.vocab
+    e_local = shape.num_experts // layout.ep
+    out = []
+    for s in range(pp):
+        lo, hi = layer_bounds(shape.n_layers, pp, s, pp_layers if pp_layers and len(pp_layers) == pp else None)
+        first, last = s == 0, s == pp - 1
+        n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
+        n_ex, f_dense, f_expert, act, act_layer_max, n_moe = 0, 0.0, 0.0, 0.0, 0.0, 0
+        for i in range(lo, hi):
+            ne, one_expert = shape.layer_params(i)
+            n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
+            fd, fe = shape.layer_fwd_flops(i)
+            f_dense, f_expert = f_dense + fd, f_expert + fe
+            a = shape.layer_act_elems(i)
+            act += D if activation_checkpointing else a  # checkpointing keeps only each block's input
+            # backward of one layer: its gradients' working set, plus its recomputed activations under AC
+            act_layer_max = max(act_layer_max, shape.layer_bwd_elems(i) + (a if activation_checkpointing else 0.0))
+            n_moe += shape.is_moe(i)
+        head_act = 3 * D + 1 + V if last else 0  # final norm (as in a layer), log-softmax output
+        if last:
+            f_dense += 2 * D * V
+            act += head_act
+        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, hi - lo,
+                                first, last))
+    return out

@@ -1,0 +1,229 @@
+"""ZeRO-1/2 (`ShardedReducer`) must train what the replicated Reducer trains, and what one process trains.
+
+On real gloo processes (2 and 4 ranks), each case runs the same 3 steps three ways: the Reducer with a
+full AdamW, the ShardedReducer with AdamW on the shard params, and a single process accumulating every
+rank's microbatches (computed on each rank). Clipping uses the product's clip_grad_norm_. Checked: the
+shard grad is this rank's slice of the Reducer's averaged gradient; no dp traffic before the final
+microbatch and every bucket launched during backward; the global norm; params after the all-gather
+(bitwise equal to the Reducer's at 2 ranks without clipping, on the transformer whose tensors are whole
+SIMD vectors: sums of two are exact and nothing else differs); replicas bitwise identical; optimizer/gradient bytes per rank 1/N of replicated; the
+per-parameter optimizer state of `sharded_optim_state_to_full` equal to the replicated optimizer's, and
+back. A second part checks the norm of sharded grads (ZeRO shards, EP and PP) against torch on the
+whole model in one process.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanotitan.parallel.clip import clip_grad_norm_
+from nanotitan.parallel.comm import COMM
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.dp import (Reducer, ShardedReducer, full_optim_state_to_sharded,
+                                   sharded_optim_state_to_full, state_bytes)
+from tests.mp import run_ranks
+from tests.parallel.test_dp_reducer import _build, _loss
+
+LR, WD, STEPS = 1e-2, 0.1, 3
+
+
+def _adamw(groups):
+    return torch.optim.AdamW(groups, lr=LR, fused=True)
+
+
+def _decay_groups(model: nn.Module):
+    """The trainer's rule (train.build_optimizer): decay on matrices only."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _close(a, b, msg):
+    # AdamW normalises each coordinate's update, so float reassociation in a ~0 gradient can move a
+    # coordinate by up to ~lr: atol is 1e-3 of the largest possible movement (as tests/test_equivalence.py).
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * LR * STEPS, msg=msg)
+
+
+def _one_case(rank, world, kind, zero, bucket_mb, M, max_norm):
+    group = dist.group.WORLD
+    name = f"{kind} zero={zero} bucket={bucket_mb} M={M} clip={max_norm} world={world}"
+    a, b, c = _build(kind), _build(kind), _build(kind)  # Reducer, ShardedReducer, one process
+    ra = Reducer(list(a.named_parameters()), group, bucket_mb, 1.0 / world)
+    rb = ShardedReducer(list(b.named_parameters()), group, bucket_mb, 1.0 / world, zero)
+    oa, ob, oc = _adamw(_decay_groups(a)), _adamw(rb.param_groups(WD)), _adamw(_decay_groups(c))
+    assert [len(g["params"]) for g in ob.param_groups] == [sum(x.decay for x in rb.buckets),
+                                                           sum(not x.decay for x in rb.buckets)]
+    for step in range(STEPS):
+        COMM.reset()
+        for mb in range(M):
+            ra.prepare(sync=mb == M - 1)
+            _loss(a, kind, rank, step, mb, M).backward()
+            rb.prepare(sync=mb == M - 1)
+            _loss(b, kind, rank, step, mb, M).backward()
+            if mb < M - 1:
+                assert COMM.calls["dp"] == 0, f"{name}: dp communication before the final microbatch"
+        if kind == "transformer":  # every param got a grad: every bucket launched during backward
+            assert COMM.calls["dp"] == len(ra.buckets) + len(rb.buckets), name
+        ra.finish()
+        rb.finish()
+        for r in range(world):  # the single process: every rank's microbatches, mean over world * M
+            for mb in range(M):
+                (_loss(c, kind, r, step, mb, M) / world).backward()
+        # the shard grad is this rank's slice of the averaged gradient (padding: zeros)
+        for bkt in rb.buckets:
+            full = torch.cat([dict(a.named_parameters())[n].grad.reshape(-1) for n in bkt.names])
+            full = torch.cat([full, full.new_zeros(bkt.padded - full.numel())])
+            S = bkt.padded // world
+            torch.testing.assert_close(bkt.shard.grad, full[rank * S:(rank + 1) * S], rtol=1e-6, atol=1e-7,
+                                       msg=f"{name}: shard grad of {bkt.names}")
+            if zero == 2:
+                assert all(p.grad is None for p in bkt.params), f"{name}: zero 2 kept full grads after finish"
+        if step == 0:
+            sa, sb = state_bytes(a, oa, [ra]), state_bytes(b, ob, [rb])
+            if zero == 2:  # grads: 1/N plus padding (< 16 fp32 per rank and bucket)
+                assert sb["grad_bytes"] <= sa["grad_bytes"] / world + 64 * len(rb.buckets), (name, sa, sb)
+        norm_a = clip_grad_norm_([], list(a.parameters()), max_norm, None, None)
+        norm_b = clip_grad_norm_([], [], max_norm, None, None, rb.shard_params, group)
+        norm_c = clip_grad_norm_([], list(c.parameters()), max_norm, None, None)
+        torch.testing.assert_close(norm_b, norm_a, rtol=1e-6, atol=0, msg=f"{name}: norm")
+        torch.testing.assert_close(norm_b, norm_c, rtol=1e-5, atol=0, msg=f"{name}: norm vs one process")
+        oa.step()
+        ob.step()
+        oc.step()
+        rb.gather_params()
+        for (pname, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+            if world == 2 and max_norm == 0 and kind == "transformer":
+                # x + y is exact in any order and AdamW is elementwise. (Only where every tensor is a whole
+                # number of SIMD vectors: fused AdamW's scalar tail may round differently from its vector body.)
+                assert torch.equal(pa, pb), f"{name}: {pname} differs from the Reducer's (step {step})"
+            _close(pb, pa, f"{name}: {pname} vs Reducer, step {step}")
+            _close(pb, pc, f"{name}: {pname} vs one process, step {step}")
+        ra.zero_grad()
+        rb.zero_grad()
+        oc.zero_grad()
+
+    # optimizer state: 1/N per rank; in per-parameter form it is the replicated optimizer's state
+    sa, sb = state_bytes(a, oa, [ra]), state_bytes(b, ob, [rb])
+    assert sb["optim_bytes"] <= sa["optim_bytes"] / world + (2 * 64 + 4) * len(rb.buckets), (name, sa, sb)
+    full = sharded_optim_state_to_full([rb], ob)
+    for pname, pa in a.named_parameters():
+        st = oa.state[pa]
+        assert set(full[pname]) == set(st), name
+        for k in st:
+            tol = dict(rtol=0, atol=0) if k == "step" else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(full[pname][k], st[k], **tol, msg=f"{name}: optim {pname}.{k}")
+    before = {k: v.clone() for bkt in rb.buckets for k, v in ob.state[bkt.shard].items() if v.dim()}
+    for bkt in rb.buckets:
+        for v in ob.state[bkt.shard].values():
+            v.zero_()
+    full_optim_state_to_sharded([rb], ob, full)
+    after = {k: v for bkt in rb.buckets for k, v in ob.state[bkt.shard].items() if v.dim()}
+    assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: state round trip"
+    assert all(float(ob.state[bkt.shard]["step"]) == STEPS for bkt in rb.buckets), name
+    return torch.cat([p.detach().reshape(-1) for p in b.parameters()]).numpy()
+
+
+CASES = [("transformer", 1, 0.002, 2, 0.5), ("transformer", 2, 0.002, 2, 0.0), ("tinynet", 1, 1000.0, 3, 0.0),
+         ("tinynet", 2, 1e-9, 2, 0.5)]
+
+
+def _zero_ranks(rank, world):
+    return [_one_case(rank, world, *case) for case in CASES]
+
+
+# --- clipping over sharded gradients -----------------------------------------------------------------
+
+def _full_grads(kind: str, pp_rank: int, ep_rank: int) -> list[torch.Tensor]:
+    out = []
+    for j, n in enumerate((15, 7)):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{pp_rank}/{ep_rank}/{j}".encode()))
+        out.append(torch.randn(n, generator=g) * (3.0 if kind == "expert" else 1.0))
+    return out
+
+
+def _slice(grads: list[torch.Tensor], n_slices: int, i: int) -> nn.Parameter:
+    """One rank's slice of the flat, padded concatenation of `grads` (what a ShardedReducer bucket holds)."""
+    flat = torch.cat(grads)
+    S = -(-flat.numel() // n_slices)
+    flat = torch.cat([flat, flat.new_zeros(S * n_slices - flat.numel())])
+    p = nn.Parameter(torch.zeros(S))
+    p.grad = flat[i * S:(i + 1) * S].clone()
+    return p
+
+
+def _sharded_clip_ranks(rank, world):
+    out = []
+    for dp, pp, ep in [(2, 1, 2), (2, 2, 1), (1, 2, 2), (4, 1, 1)]:
+        dims = ParallelDims(dp, pp, ep, rank=rank).build_groups()
+        d, p, e = dims.coords()
+        for max_norm in (1.0, 0.0):
+            # replicated params of stage p sharded over non-expert-DP (dp*ep ranks), experts of (p, e) over dp
+            rep = _slice(_full_grads("rep", p, 0), dp * ep, d * ep + e)
+            exp = _slice(_full_grads("expert", p, e), dp, d)
+            norm = clip_grad_norm_([], [], max_norm, dims.group("pp"), None, [rep, exp], dims.group("non_expert_dp"))
+            full = [nn.Parameter(torch.zeros(1)) for _ in range(2 * pp + 2 * pp * ep)]
+            grads = [g for s in range(pp) for g in _full_grads("rep", s, 0)]
+            grads += [g for s in range(pp) for x in range(ep) for g in _full_grads("expert", s, x)]
+            for q, g in zip(full, grads):
+                q.data, q.grad = torch.zeros_like(g), g.clone()
+            ref = torch.nn.utils.clip_grad_norm_(full, max_norm if max_norm else float("inf"))
+            torch.testing.assert_close(norm, ref, rtol=1e-6, atol=0)
+            clipped = [q.grad for q in full]
+            ref_rep = _slice(clipped[2 * p:2 * p + 2], dp * ep, d * ep + e)
+            k = 2 * pp + 2 * (p * ep + e)
+            ref_exp = _slice(clipped[k:k + 2], dp, d)
+            torch.testing.assert_close(rep.grad, ref_rep.grad, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(exp.grad, ref_exp.grad, rtol=1e-6, atol=1e-7)
+            if max_norm:
+                assert norm > max_norm  # the case really clips
+            out.append(float(norm))
+    return out
+
+
+def _world4(rank, world):
+    return _zero_ranks(rank, world), _sharded_clip_ranks(rank, world)  # one launch: start-up dominates
+
+
+def test_zero_matches_reducer_and_one_process_world2():
+    flat = run_ranks(_zero_ranks, 2, timeout=120)
+    for i in range(len(CASES)):
+        assert np.array_equal(flat[0][i], flat[1][i]), f"{CASES[i]}: replicas differ after the all-gather"
+
+
+def test_zero_and_sharded_clip_world4():
+    out = run_ranks(_world4, 4, timeout=180)
+    for i in range(len(CASES)):
+        assert all(np.array_equal(out[0][0][i], o[0][i]) for o in out), f"{CASES[i]}: replicas differ"
+    norms = [o[1] for o in out]
+    assert all(n == norms[0] for n in norms), "ranks disagree on the global norm"
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_single_rank_shard_is_whole_bucket(zero):
+    """group None: the shard is the whole bucket; scale only, no communication, the same AdamW update."""
+    a, b = _build("tinynet"), _build("tinynet")
+    ra, rb = Reducer(list(a.named_parameters()), None, 0.001, 0.25), \
+        ShardedReducer(list(b.named_parameters()), None, 0.001, 0.25, zero)
+    oa, ob = _adamw(_decay_groups(a)), _adamw(rb.param_groups(WD))
+    COMM.reset()
+    for step in range(2):
+        for r, m in ((ra, a), (rb, b)):
+            r.prepare(sync=True)
+            _loss(m, "tinynet", 0, step, 0, 1).backward()
+            r.finish()
+        oa.step()
+        ob.step()
+        rb.gather_params()
+        ra.zero_grad()
+        rb.zero_grad()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb)
+    assert COMM.calls["dp"] == 0
+
+
+def test_rejects_zero_3():
+    with pytest.raises(ValueError, match="zero 3 is fsdp.py"):
+        ShardedReducer(list(_build("tinynet").named_parameters()), None, 1.0, 1.0, zero=3)
