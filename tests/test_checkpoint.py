@@ -218,8 +218,8 @@ def test_latest_ignores_incomplete(tmp_path):
     assert ckpt.resolve_resume(str(root / "step_5"), "elsewhere", verify=False) == root / "step_5"
     lines = []
     assert ckpt.resolve_resume(str(tmp_path), "elsewhere", verify=False, log=lines.append) == root / "step_12"
-    assert lines == ["resume: skipped step_40.tmp: unfinished save; step_30: incomplete (no COMPLETE marker: "
-                     "its save did not finish); using step_12"]
+    assert lines == [("resume: skipped step_40.tmp: unfinished save; step_30: incomplete (no COMPLETE marker: "
+                      "its save did not finish); using step_12")]
     with pytest.raises(ckpt.CheckpointError, match="train.resume"):
         ckpt.resolve_resume(str(root / "step_30"), tmp_path)
 

@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -195,9 +194,9 @@ def test_single_process_verification_and_pruning(saved_run, tmp_path):
     (root / "step_45").mkdir()  # no COMPLETE
     lines = []
     assert ckpt.resolve_resume("auto", copy, log=lines.append) == root / "step_30"
-    assert lines == ["resume: skipped step_50.tmp: unfinished save; step_45: incomplete (no COMPLETE marker: its "
-                     "save did not finish); step_40: shard __1_0.distcp fails its checksum (xxh3_64; damaged); "
-                     "using step_30"]
+    assert lines == [("resume: skipped step_50.tmp: unfinished save; step_45: incomplete (no COMPLETE marker: its "
+                      "save did not finish); step_40: shard __1_0.distcp fails its checksum (xxh3_64; damaged); "
+                      "using step_30")]
     with pytest.raises(ckpt.CheckpointError, match=r"cannot resume from .*step_45: incomplete"):
         ckpt.resolve_resume(str(root / "step_45"), copy)
     with pytest.raises(ckpt.CheckpointError, match="neither a checkpoint nor a run dir"):
@@ -215,6 +214,12 @@ def test_single_process_verification_and_pruning(saved_run, tmp_path):
     ckpt.save_checkpoint(copy, 25, model, opt, None, cfg, {"samples_consumed": 25}, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_20", "step_25"]
     assert ckpt.resolve_resume("auto", copy) == root / "step_25"
+    # inf (not only NaN) in a parameter: refused in one process too, and nothing changes on disk
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("inf")
+    with pytest.raises(ckpt.NonFiniteStateError, match="refusing to save step 26: model.head.weight holds NaN/inf"):
+        ckpt.save_checkpoint(copy, 26, model, opt, None, cfg, {}, keep_last=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_20", "step_25"]
 
 
 # --- the run dir ------------------------------------------------------------------------------------
@@ -241,6 +246,9 @@ def test_lock_refuses_live_holder_and_takes_over_dead_one(tmp_path):
         assert f"took over the lock of {tmp_path} from pid {holder.pid}" in line and "a process that is gone" in line
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert not (tmp_path / ".lock").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(rundir.RunDirError, match=r"run.dir=.*/file/run cannot be created: Not a directory"):
+        rundir.RunDirLock(tmp_path / "file" / "run").acquire()
 
 
 def test_lock_reused_pid_other_host_and_same_job(tmp_path, monkeypatch):
@@ -278,8 +286,8 @@ def test_fresh_run_refuses_old_checkpoints_unless_resume_or_overwrite(tmp_path, 
     monkeypatch.delenv("RANK", raising=False)
     lines = []
     with rundir.owned_run_dir(tmp_path, "", True, log=lines.append):
-        assert lines == [f"run.overwrite=true: deleted 2 checkpoint dirs of an earlier run in {tmp_path} "
-                         "(step_10..step_20)"]
+        assert lines == [(f"run.overwrite=true: deleted 2 checkpoint dirs of an earlier run in {tmp_path} "
+                          "(step_10..step_20)")]
         assert not list(root.iterdir()) and (tmp_path / ".lock").is_file()
         # a rank started by this launcher finds the lock is its launcher's and does nothing
         with rundir.owned_run_dir(tmp_path, "", False):

@@ -197,6 +197,9 @@ def _split_fused(t: dict) -> dict:
     (["--model.attn_bias", "true"], "model.attn_bias without model.shared_experts"),
     (["--model.qk_norm", "head", "--model.attn_bias", "true"], "model.attn_bias with qk_norm=head"),
     (["--model.qk_norm", "full", "--model.shared_experts", "1"], "model.shared_experts with qk_norm=full"),
+    (["--model.router_score", "sigmoid"], "model.router_score=sigmoid"),
+    (["--model.routed_scale", "2.5"], "model.routed_scale=2.5"),
+    (["--model.bias_update_rate", "0.001"], "model.bias_update_rate=0.001"),
 ])
 def test_unrepresentable_options_fail_in_one_line(args, needle, tmp_path):
     cfg = load_config(None, SMALL + args)
@@ -344,7 +347,8 @@ def test_layout_222_loads_slices_trains_like_one_process_and_exports(hf_dirs, co
         spec = r["shards"]["qwen2_moe"][0]
         for n, p in r["init"].items():
             want = imp[n][spec.expert_start:spec.expert_end] if is_expert_param(n) else imp[n]
-            assert torch.equal(p, want), f"rank {r['coords']}: {n} is not the imported weight"
+            same = torch.equal(p, want)
+            assert same, f"rank {r['coords']}: {n} is not the imported weight (parallelize must load_into_shard)"
 
     # ... and its 5 steps equal one process accumulating the same 4 microbatches
     from nanotitan.train import Trainer

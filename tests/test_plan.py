@@ -43,7 +43,7 @@ def tiny(n_layers=4, moe_every=1, pos_emb="rope", ep=1, dp=1, M=1, m=8, num_expe
 def test_enumeration_is_exactly_the_valid_layouts():
     """Every (dp, pp, ep, schedule, M, m) with dp*pp*ep = N, dp*ep*M*m = B that validate accepts, and nothing else."""
     for cfg, world in [(tiny(n_layers=3, m=12), 6), (tiny(m=8), 8), (tiny(n_layers=2, num_experts=2, m=6), 4)]:
-        B = cfg.global_batch
+        B = cfg.layout_batch
         brute = set()
         for dp, pp, ep, M, m in itertools.product(range(1, world + 1), repeat=5):
             if dp * pp * ep != world or dp * ep * M * m != B:
@@ -382,7 +382,7 @@ def test_fit_recovers_known_constants(tmp_path):
 
 def test_cli_prints_ranked_table_and_recommendation(tmp_path, capsys):
     out = tmp_path / "plan.md"
-    rc = main(["--gpus", "4", "--hardware", "cpu-gloo", "--out", str(out), "--model.d_model", "64",
+    rc = main(["--ranks", "4", "--hardware", "cpu-gloo", "--out", str(out), "--model.d_model", "64",
                "--model.n_heads", "4", "--model.ffn_dim", "128", "--data.vocab_size", "512", "--train.micro_batch", "8"])
     text = capsys.readouterr().out
     assert rc == 0 and "Recommended:" in text and "| # | dp | pp | ep |" in text and out.read_text().strip() == text.strip()

@@ -99,6 +99,8 @@ def test_two_slurm_nodes_on_loopback_train_like_one_process(tmp_path, corpus_dir
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in nodes), "\n".join(outs)
+    # rank 0 (the one that logs) ran on one node only: a standalone launch on each node would run it twice
+    assert sorted("[rank0]:" in out for out in outs) == [False, True], outs
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(two) == [1, 2, 3, 4] and sorted(one) == sorted(two)
     for step in one:

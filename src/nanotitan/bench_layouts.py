@@ -1,7 +1,7 @@
 """`nanotitan bench layouts`: the seed's experiment — every DP x PP x EP layout of N ranks at the same
 tokens per step, averaged over a window after warm-up, as a markdown table and PNG plots.
 
-    nanotitan bench layouts --gpus 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
+    nanotitan bench layouts --ranks 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
 
 Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU); results land in
 `docs/experiments/layouts_N{n}.md`, `throughput_memory.png`, `loss_curves.png` and `layouts.json`.
@@ -47,14 +47,30 @@ def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list
             "wall_s": time.perf_counter() - t0}
 
 
+# What each rank keeps (summary.json's ranks[]): live parameters, gradients, optimizer state, and the peak of the
+# activations saved for backward. Process RSS (peak_mem_bytes on CPU) is reported beside them, never mixed in.
+TENSOR_KEYS = {"param_bytes": "parameters", "grad_bytes": "gradients", "optim_bytes": "optimizer state",
+               "act_peak_bytes": "saved activations (peak)"}
+
+
+def tensor_bytes(rank_row: dict) -> int | None:
+    """Parameters + gradients + optimizer state + peak saved activations of one rank (None: not recorded)."""
+    if not all(k in rank_row for k in TENSOR_KEYS):
+        return None
+    return sum(rank_row[k] for k in TENSOR_KEYS)
+
+
 def summarise(res: dict, window: tuple[int, int]) -> dict:
     recs = [r for r in res["records"] if window[0] < r["step"] <= window[1]] or res["records"][-5:]
     med = lambda k: statistics.median(r[k] for r in recs)  # noqa: E731
     ranks = res["ranks"]
+    tensors = [tensor_bytes(r) for r in ranks]
     return {
         "tokens_per_sec": med("tokens_per_sec"), "step_time_s": med("step_time_s"), "mfu": med("mfu"),
         "peak_mem_max": max(r["peak_mem_bytes"] for r in ranks),
         "peak_mem_min": min(r["peak_mem_bytes"] for r in ranks),
+        "tensor_mem_max": max(tensors) if None not in tensors else None,
+        "tensor_mem_per_rank": [{k: r.get(k) for k in TENSOR_KEYS} for r in ranks],
         **{f"{a}_wait_s": statistics.median(r[f"comm_{a}_wait_s"] for r in recs) for a in ("dp", "ep", "pp")},
         "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
         "final_loss": res["records"][-1]["loss"],
@@ -63,7 +79,8 @@ def summarise(res: dict, window: tuple[int, int]) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="nanotitan bench layouts")
-    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ranks", "--gpus", dest="ranks", type=int, nargs="+", default=[2, 4],
+                    help="world sizes to run (--gpus is the old name)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--window", type=int, nargs=2, default=None, help="average steps (a, b]; default last 2/3")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
@@ -77,9 +94,9 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     window = tuple(args.window) if args.window else (args.steps // 3, args.steps)
-    B = cfg.global_batch
+    B = cfg.layout_batch
     all_rows, curves = [], {}
-    for n in args.gpus:
+    for n in args.ranks:
         for lay in layouts_for(cfg, n, args.micro_batch, args.schedule):
             dp, pp, ep, M, m = lay.dp, lay.pp, lay.ep, lay.microbatches, lay.micro_batch
             name = f"N{n}_dp{dp}_pp{pp}_ep{ep}"
@@ -120,21 +137,25 @@ def _max_rel_diff(curves: dict, max_step: int | None = None) -> float:
 def write_markdown(path: Path, rows, window, B, S, args, overrides, max_rel):
     mib = 1024 * 1024
     lines = [f"# Layouts at equal tokens per step ({B} x {S} tokens)", "",
-             f"Command: `nanotitan bench layouts --gpus {' '.join(map(str, args.gpus))} --steps {args.steps} "
+             f"Command: `nanotitan bench layouts --ranks {' '.join(map(str, args.ranks))} --steps {args.steps} "
              f"--micro-batch {args.micro_batch} --config {args.config} {' '.join(overrides)}`".rstrip() + "",
-             "", f"Medians over steps ({window[0]}, {window[1]}]. Memory = peak RSS per rank (CPU). "
+             "", f"Medians over steps ({window[0]}, {window[1]}]. Tensor memory per rank = live parameters + "
+             "gradients + optimizer state + peak saved activations (the rank that holds the most; the split per rank "
+             "is drawn in `throughput_memory.png`); RSS = the process's peak resident memory (mostly the Python/torch "
+             "runtime on CPU), shown apart. "
              f"Waits are milliseconds per step blocked in each kind of communication (rank 0). "
              f"Max relative loss difference between layouts at equal steps: {max_rel[0]:.1e} over steps 1-10, "
              f"{max_rel[1]:.1e} over all steps (top-k routing near-ties flip under float reassociation and the "
              f"trajectories drift apart once the LR peaks; one layout at 1 vs 2 threads drifts the same way, 2e-4 "
              f"by step 40). Loss curves: `loss_curves.png`; throughput and memory: `throughput_memory.png`.", "",
-             "| N | dp | pp | ep | sched | M x m | tokens/s | step ms | MFU | peak mem/rank MiB (max) | "
-             "DP wait ms | EP wait ms | PP wait ms | bubble | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | dp | pp | ep | sched | M x m | tokens/s | step ms | MFU | tensor mem/rank MiB (max) | "
+             "RSS/rank MiB (max) | DP wait ms | EP wait ms | PP wait ms | bubble | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bub = f"{r['bubble']:.2f}" if r["bubble"] is not None else "-"
+        tensor = f"{r['tensor_mem_max'] / mib:.2f}" if r.get("tensor_mem_max") is not None else "-"
         lines.append(f"| {r['world']} | {r['dp']} | {r['pp']} | {r['ep']} | {r['schedule']} | {r['M']} x {r['m']} | "
-                     f"{r['tokens_per_sec']:.0f} | {r['step_time_s'] * 1e3:.0f} | {100 * r['mfu']:.1f}% | "
+                     f"{r['tokens_per_sec']:.0f} | {r['step_time_s'] * 1e3:.0f} | {100 * r['mfu']:.1f}% | {tensor} | "
                      f"{r['peak_mem_max'] / mib:.0f} | {r['dp_wait_s'] * 1e3:.0f} | {r['ep_wait_s'] * 1e3:.0f} | "
                      f"{r['pp_wait_s'] * 1e3:.0f} | {bub} | {r['final_loss']:.4f} |")
     path.write_text("\n".join(lines) + "\n")
@@ -147,14 +168,12 @@ def plot(out: Path, rows, curves):
     import matplotlib.pyplot as plt
 
     labels = [f"N{r['world']} {r['dp']}/{r['pp']}/{r['ep']}" for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(8, len(rows) * 0.9), 4.5))
+    n_bars = sum(len(r["peak_mem_per_rank"]) for r in rows)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(9, 0.3 * n_bars + 2), 8.5))
     a1.bar(labels, [r["tokens_per_sec"] for r in rows], color="tab:blue")
     a1.set_title("throughput (tokens/s)")
-    a2.bar(labels, [r["peak_mem_max"] / 2**20 for r in rows], color="tab:orange")
-    a2.set_title("peak memory per rank, max (MiB)")
-    for a in (a1, a2):
-        a.tick_params(axis="x", rotation=60)
-        a.set_xlabel("N dp/pp/ep")
+    a1.tick_params(axis="x", rotation=30)
+    plot_memory(a2, rows, labels)
     fig.tight_layout()
     fig.savefig(out / "throughput_memory.png", dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -166,3 +185,29 @@ def plot(out: Path, rows, curves):
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png", dpi=110)
+
+
+def plot_memory(ax, rows, labels):
+    """One stacked bar per rank, grouped by layout: parameters, gradients, optimizer state and peak saved
+    activations — what the layout keeps on each rank. Falls back to RSS when the run did not record tensors."""
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    x, centers = 0.0, []
+    for row in rows:
+        ranks = row.get("tensor_mem_per_rank") or [{}] * len(row["peak_mem_per_rank"])
+        xs = [x + i for i in range(len(ranks))]
+        if all(None not in r.values() and r for r in ranks):
+            bottom = [0.0] * len(ranks)
+            for (key, name), color in zip(TENSOR_KEYS.items(), colors):
+                h = [r[key] / 2**20 for r in ranks]
+                ax.bar(xs, h, bottom=bottom, width=0.8, color=color, label=name if row is rows[0] else None)
+                bottom = [b + v for b, v in zip(bottom, h)]
+        else:
+            ax.bar(xs, [m / 2**20 for m in row["peak_mem_per_rank"]], width=0.8, color="tab:gray",
+                   label="peak RSS (no tensor figures)" if row is rows[0] else None)
+        centers.append((xs[0] + xs[-1]) / 2)
+        x += len(ranks) + 1.5  # a gap between layouts
+    ax.set_xticks(centers, labels, rotation=30)
+    ax.set_xlabel("N dp/pp/ep (one bar per rank, in rank order)")
+    ax.set_ylabel("MiB")
+    ax.set_title("memory each rank keeps: live tensors and peak saved activations (RSS: see layouts.md)")
+    ax.legend(fontsize=8)

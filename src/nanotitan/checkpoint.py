@@ -30,8 +30,8 @@ import shutil
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -184,7 +184,7 @@ def _layout(dims: ParallelDims | None) -> dict:
 
 
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:  # the bytes the manifest hashes, whatever the locale
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -417,7 +417,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     try:
         with _quiet_single_process():
             meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
-    except Exception as e:  # DCP agrees failures itself: every rank raises
+    except Exception as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"saving {tmp} failed: {_first_line(e)}") from None
     # Only the files the metadata points at (a rank whose keys were all deduped may leave an empty one).
     shards = sorted({s.relative_path for s in meta.storage_data.values()})
@@ -531,13 +531,13 @@ def resolve_resume(resume: str, run_dir: str | Path, verify: bool = True,
         raise CheckpointError(f"train.resume={resume!r} is neither a checkpoint nor a run dir with checkpoints "
                               "(--train.resume auto|PATH)")
     path, skipped, damaged = _newest_verified(run_dir, verify)
-    if skipped:
-        log(f"resume: skipped {'; '.join(skipped)}; " + (f"using {path.name}" if path else "no checkpoint left"))
     if path is None and (damaged or resume != "auto"):
         raise CheckpointError(f"no checkpoint under {checkpoint_dir(run_dir)} verifies"
                               + (f" ({'; '.join(skipped)})" if skipped else "")
                               + ": remove the damaged ones, resume from another with --train.resume PATH, "
                               "or start over with --run.overwrite true")
+    if skipped:
+        log(f"resume: skipped {'; '.join(skipped)}; " + (f"using {path.name}" if path else "none left: fresh start"))
     return path
 
 
@@ -573,13 +573,13 @@ def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
 def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
     """(state.json, DCP metadata, error) of a checkpoint: one line naming the file, never a traceback."""
     try:
-        info = json.loads((path / STATE_FILE).read_text())
+        info = json.loads((path / STATE_FILE).read_bytes())
         int(info["step"]), info["extra"], info["layout"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, None, f"checkpoint {path / STATE_FILE} is unreadable ({_first_line(e)})"
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:  # pickle raises anything on garbage
+    except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything
         return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({_first_line(e)})"
     return info, meta, ""
 
@@ -615,7 +615,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     try:
         with _quiet_single_process():
             dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
-    except Exception as e:  # DCP agrees failures itself: every rank raises
+    except Exception as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {_first_line(e)}") from None
 
     with torch.no_grad():

@@ -5,11 +5,13 @@
     nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--tokens N]
     nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16]
     nanotitan bench {dp,pp,ep,layouts} [...]
-    nanotitan plan --config FILE --gpus N [...]
+    nanotitan plan --config FILE --ranks N [...]
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 
 from .config import ConfigError, load_config
@@ -51,7 +53,7 @@ def cmd_train(argv: list[str]) -> int:
         from .plan import PlanOptions, recommend
 
         world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.world or cfg.world_size
-        B = cfg.train.global_batch or cfg.global_batch
+        B = cfg.train.global_batch or cfg.layout_batch
         # m stays as configured: the balance loss is per microbatch, so only the same (B, m) trains the same model.
         dp, pp, ep, schedule, M, m = recommend(cfg, world, None,
                                                PlanOptions(global_batch=B, micro_batch=cfg.train.micro_batch))
@@ -64,15 +66,34 @@ def cmd_train(argv: list[str]) -> int:
               flush=True)
         argv = ([f"--config={path}"] if path else []) + overrides
 
+    from .rundir import owned_run_dir
+
     if under_torchrun():
         from .train import run
 
-        _die_with_parent()
+        from .launch import rank_failed, start_rank
 
-        run(cfg)
+        _die_with_parent()
+        start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
+        try:
+            with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
+                run(cfg)
+        except BaseException as e:
+            rank_failed(e)  # its one line, for the launcher to show once
+            raise
         return 0
     rdzv = slurm_rendezvous(cfg.world_size)  # under srun: this process is its node's agent, None otherwise
     nproc = rdzv.nproc_per_node if rdzv else cfg.world_size  # ranks on this machine
+    # One job owns the run dir (a lock for its whole life, no fresh run over old checkpoints): this process,
+    # or the first node's agent under Slurm; the ranks it starts are told through the environment.
+    with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if rdzv is None or rdzv.node_rank == 0 \
+            else contextlib.nullcontext():
+        return _launch_and_sample(cfg, argv, nproc, rdzv)
+
+
+def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
+    from .launch import launch_local
+
     if cfg.world_size > 1:
         # Prepare the data once here so the ranks find it cached.
         from .data.prepare import prepare_data
@@ -81,15 +102,27 @@ def cmd_train(argv: list[str]) -> int:
         if cfg.train.device != "cuda" and not cfg.train.peak_flops:
             import os
 
-            from .metrics import cpu_peak_flops
+            from .metrics import cpu_peak_env, cpu_peak_flops
 
             threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc)
-            os.environ["NANOTITAN_CPU_PEAK_FLOPS"] = str(cpu_peak_flops(threads))  # measured before ranks start
-        code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv)
+            dtype = cfg.train.dtype  # the peak of the dtype the GEMMs run in (bf16 under mixed precision)
+            os.environ[cpu_peak_env(dtype)] = str(cpu_peak_flops(threads, dtype))  # measured before ranks start
+        code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv, run_dir=cfg.run.dir,
+                            ckpt_on_signal=cfg.train.ckpt_on_signal)
     else:
+        import signal
+
+        from .launch import stop_line
         from .train import run
 
-        run(cfg)
+        try:
+            stopped = run(cfg)["stopped"]
+        except KeyboardInterrupt:  # Ctrl-C: one line naming the newest complete checkpoint, no traceback
+            print(f"nanotitan: {stop_line(signal.SIGINT, cfg.run.dir, argv)}", file=sys.stderr)
+            return 130
+        if stopped:  # SIGTERM with train.ckpt_on_signal: saved, say where and how to go on
+            print(f"nanotitan: {stop_line(signal.SIGTERM, cfg.run.dir, argv, saved=True)}", file=sys.stderr)
+            return 143
         code = 0
     if code == 0 and cfg.train.sample_tokens > 0 and (rdzv is None or rdzv.node_rank == 0):
         from .generate import generate_from_run
@@ -246,11 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help and (text := command_help(name)) is not None:
         print(text)
         return 0
+    from .errors import TrainingError
+
     try:
         return COMMANDS[name](rest)
     except ConfigError as e:
         print(f"nanotitan: config error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:  # every rank agrees on it: one line each, no traceback
+        where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+        print(f"nanotitan: {where}{e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

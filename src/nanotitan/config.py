@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -42,6 +44,12 @@ class ModelConfig:
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w) per token (Qwen2-MoE)
     norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral does)
     aux_coef: float = 0.01  # Switch/GShard load-balancing loss coefficient
+    aux_scope: Literal["micro", "sequence"] = "micro"  # balance loss over each microbatch, or per sequence then averaged (DeepSeek-V3)
+    z_loss_coef: float = 0.0  # router z-loss coefficient: mean squared logsumexp of the router logits (ST-MoE; 1e-3 there)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    routed_scale: float = 1.0  # multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: per-step bias step gamma toward equal expert load (DeepSeek-V3: 1e-3; 0 = off)
+    capacity_factor: float = 0.0  # tokens an expert takes per microbatch, as a multiple of m*S*top_k/num_experts (0 = dropless)
     pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
@@ -83,12 +91,14 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     resume: str = ""  # "", "auto" or a checkpoint path
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop (exit 1, nothing saved) or skip that update on every rank
+    max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
     verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (false: sizes only; loads pre-manifest checkpoints)
     ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
     max_restarts: int = 0  # torchrun restarts of the whole job after a rank fails
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast on CUDA
+    dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (CPU or CUDA), fp32 params/grads/optimizer, bf16 PP/EP traffic (docs/precision.md)
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
 
@@ -102,8 +112,9 @@ class ParallelConfig:
     schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline schedule (used when pp > 1)
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage (empty = as even as possible)
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
-    dp_impl: Literal["nanotitan", "torch_ddp"] = "nanotitan"  # our Reducer, or torch DDP (pure DP only)
+    dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (pure DP only; "nanotitan" = old name of bucketed)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
@@ -141,8 +152,8 @@ class Config:
         return self.parallel.dp * self.parallel.ep
 
     @property
-    def global_batch(self) -> int:
-        """B = DP * EP * M * m sequences per step."""
+    def layout_batch(self) -> int:
+        """B = DP * EP * M * m sequences per step, as the layout implies (train.global_batch pins it)."""
         return self.data_world * self.parallel.microbatches * self.train.micro_batch
 
     @property
@@ -227,7 +238,15 @@ def _apply(cfg: Config, section: str, key: str, value, where: str | None = None)
         raise ConfigError(
             f"{at}unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
         )
+    if (section, key) in _RENAMED_VALUES and value in _RENAMED_VALUES[section, key]:
+        old, value = value, _RENAMED_VALUES[section, key][value]
+        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+            print(f"nanotitan: {section}.{key}={old} is deprecated; use {value}", file=sys.stderr)
     setattr(sec, key, _coerce(value, types[key], f"{section}.{key}", where))
+
+
+# Old values kept as aliases: (section, key) -> {old: new}.
+_RENAMED_VALUES = {("parallel", "dp_impl"): {"nanotitan": "bucketed"}}
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
@@ -319,7 +338,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                     ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
-                    ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every)]:
+                    ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
+                    ("train.max_skips", t.max_skips)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
     for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
                     ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
@@ -328,9 +348,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                     ("train.keep_last", t.keep_last), ("train.max_restarts", t.max_restarts),
                     ("train.threads", t.threads), ("train.peak_flops", t.peak_flops),
                     ("train.sample_tokens", t.sample_tokens), ("model.aux_coef", m.aux_coef),
+                    ("model.z_loss_coef", m.z_loss_coef), ("model.bias_update_rate", m.bias_update_rate),
+                    ("model.capacity_factor", m.capacity_factor),
                     ("data.max_docs", d.max_docs), ("parallel.world", p.world)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
     for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
+                    ("model.routed_scale", m.routed_scale),
                     ("model.init_std", m.init_std), ("parallel.bucket_mb", p.bucket_mb)]:
         _check(v > 0, f"{name}={v} must be > 0 (--{name})")
     for name, v in [("train.beta1", t.beta1), ("train.beta2", t.beta2)]:
@@ -394,17 +417,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(len(p.pp_layers) == p.pp and all(n >= 1 for n in p.pp_layers) and sum(p.pp_layers) == m.n_layers,
                f"parallel.pp_layers={p.pp_layers} must list {p.pp} positive counts summing to "
                f"model.n_layers={m.n_layers} (--parallel.pp_layers 2,2)")
-    _check(p.dp_impl == "nanotitan" or (p.pp == 1 and p.ep == 1),
-           "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl nanotitan")
+    _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
+           "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
-    _check(p.zero == 0 or p.dp_impl == "nanotitan",
-           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl nanotitan or --parallel.zero 0)")
+    _check(p.zero == 0 or p.dp_impl == "bucketed",
+           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl bucketed or --parallel.zero 0)")
+    _check(p.zero < 3 or not p.check_replicas,
+           "parallel.check_replicas compares replicas, and zero 3 keeps none (--parallel.check_replicas false or --parallel.zero 2)")
+    _check(p.reduce_dtype == "fp32" or (p.dp_impl == "bucketed" and p.zero < 3),
+           f"parallel.reduce_dtype=bf16 is implemented by the bucketed Reducer (zero 0-2), not by "
+           f"{'torch DDP' if p.dp_impl == 'torch_ddp' else 'zero 3'} (--parallel.reduce_dtype fp32)")
     _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
            f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard (--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
-    _check(not t.global_batch or p.auto or t.global_batch == cfg.global_batch,
-           f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.global_batch} "
+    _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
+           f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
     if world_size is not None:
         _check(world_size == cfg.world_size,
@@ -433,11 +461,3 @@ def to_toml(cfg: Config) -> str:
             lines.append(f"{k} = {s}")
         lines.append("")
     return "\n".join(lines)
-
-
-def from_dict(d: dict) -> Config:
-    cfg = Config()
-    for section, body in d.items():
-        for k, v in body.items():
-            _apply(cfg, section, k, v)
-    return cfg

@@ -59,6 +59,7 @@ class Hardware:
     dp_overlap: float  # fraction of the last backward that can hide DP all-reduce (0: comm competes for the cores)
     cores_per_node: int = 0  # CPU only: local ranks share these cores and the node's memory (0 = one device per rank)
     gemm_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured fp32 GEMM FLOP/s
+    gemm_bf16_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured bf16 GEMM FLOP/s (empty: unmeasured, the fp32 table stands in)
     layer_overhead_s: float = 0.0  # per layer per microbatch (fwd+bwd): launches, Python, dispatch bookkeeping
     # Fixed host costs per call / per step beyond bandwidth and link latency (0 on GPU profiles; on CPU+gloo
     # fitted by `nanotitan plan --calibrate`): an all-to-all call (wrapper, split-size host sync, packing),
@@ -74,8 +75,10 @@ class Hardware:
         if not self.cores_per_node:
             return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
         threads = max(1, self.cores_per_node // ranks_on_node)
-        known = sorted(t for t in self.gemm_flops_by_threads if t <= threads) or [min(self.gemm_flops_by_threads)]
-        return self.gemm_flops_by_threads[known[-1]] * threads / known[-1]  # linear past the largest measured
+        table = self.gemm_bf16_flops_by_threads if dtype == "bf16" and self.gemm_bf16_flops_by_threads \
+            else self.gemm_flops_by_threads
+        known = sorted(t for t in table if t <= threads) or [min(table)]
+        return table[known[-1]] * threads / known[-1]  # linear past the largest measured
 
     def shares_cores(self, ranks_on_node: int) -> bool:
         """CPU node with more ranks than cores: ranks time-share the cores."""
@@ -195,7 +198,8 @@ def load_hardware(path: str | Path) -> Hardware:
     d = json.loads(Path(path).read_text())
     try:
         d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
-        d["gemm_flops_by_threads"] = {int(k): float(v) for k, v in d.get("gemm_flops_by_threads", {}).items()}
+        for key in ("gemm_flops_by_threads", "gemm_bf16_flops_by_threads"):  # JSON keys are strings
+            d[key] = {int(k): float(v) for k, v in d.get(key, {}).items()}
         return Hardware(**d)
     except (KeyError, TypeError) as e:
         raise ValueError(f"hardware profile {path} is not a nanotitan profile ({e}); "
@@ -216,15 +220,18 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
                      f"(--hardware NAME|FILE)")
 
 
-def measure_cpu_gemm_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-repeats fp32 n x n matmul FLOP/s on `threads` threads (best: the machine may be shared).
-    The MFU peak on CPU (metrics) and `nanotitan plan --measure` both use this."""
+def measure_cpu_gemm_flops(threads: int, n: int = 2048, repeats: int = 5, dtype: str = "fp32") -> float:
+    """Best-of-repeats n x n matmul FLOP/s on `threads` threads (best: the machine may be shared), in `dtype`
+    ("fp32", or "bf16": bf16 inputs and output, fp32 accumulation, the GEMM autocast runs; AMX or AVX512-BF16
+    make it several times the fp32 rate, a CPU without them emulates it slower). The MFU peak on CPU
+    (metrics) and `nanotitan plan --measure` both use this."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
         a @ b  # warm up
         best = float("inf")
         for _ in range(repeats):

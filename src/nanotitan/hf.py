@@ -23,14 +23,13 @@ import contextlib
 import json
 import re
 import shutil
-import tomllib
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import Config, ConfigError, ModelConfig, from_dict, validate
+from .config import Config, ConfigError, ModelConfig, load_config, validate
 from .model.spec import ModelShardSpec
 from .model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
 
@@ -116,7 +115,8 @@ def config_from_hf(hf_dir: str | Path) -> dict:
                top_k=hf["num_experts_per_tok"], pos_emb="rope", rope_theta=theta,
                max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
                moe_every=1, first_k_dense=0, dense_layers=[], dense_ffn_dim=0, qk_norm="none", attn_bias=False,
-               shared_experts=0, shared_ffn_dim=0, shared_expert_gate=False, norm_topk=True)
+               shared_experts=0, shared_ffn_dim=0, shared_expert_gate=False, norm_topk=True,
+               router_score="softmax", routed_scale=1.0)  # the four families' router
     # transformers renames the expert count per family and per version (attribute_map): read either.
     out["num_experts"] = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
     if family == "mixtral":
@@ -173,6 +173,12 @@ def hf_config(m: ModelConfig, eos_token_id: int | None = None, dtype: str = "fp3
             raise ConfigError(f"cannot export {option}: {why} (supported: {', '.join(ARCHITECTURES)}; docs/hf.md)")
 
     refuse(m.pos_emb != "rope", "model.pos_emb=learned", "every supported family uses rotary embeddings")
+    refuse(m.router_score != "softmax", f"model.router_score={m.router_score}",
+           "every supported family routes with a softmax")
+    refuse(m.routed_scale != 1.0, f"model.routed_scale={m.routed_scale}",
+           "no supported family scales the routed experts")
+    refuse(m.bias_update_rate > 0, f"model.bias_update_rate={m.bias_update_rate}",
+           "no supported family has the aux-loss-free routing bias")
     dense = [i for i in range(m.n_layers) if not is_moe_layer(m, i)]
     if m.qk_norm == "full":
         family = "olmoe"
@@ -422,9 +428,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
             raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
     # The checkpoint's own config, as saved: every model key is already resolved, so init.from_hf's
     # directory need not exist any more.
-    cfg = from_dict(tomllib.loads((path / "config.toml").read_text()))
-    cfg.init.from_hf = ""
-    validate(cfg)
+    cfg = load_config(path / "config.toml", ["--init.from_hf="])
     hf_config(cfg.model)  # an unexportable option fails before the weights are read
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))

@@ -11,16 +11,28 @@ whole group (ranks then resume from the newest complete checkpoint when `train.r
   node of the step's node list as endpoint, port MASTER_PORT (or one derived from the job id, the same on
   every node), the job id as rendezvous id. So `srun --nodes 2 --ntasks-per-node 1 nanotitan train ...` is the
   whole recipe (examples/slurm.sbatch).
+
+Failures and stops (docs/reliability.md): the console shows rank output on stdout; each rank's full output
+(stderr, tracebacks) goes to RUN_DIR/logs/rank_N.log (`start_rank`). When ranks fail the launcher prints ONE
+line: a stall named by rank and axis from the ranks' comm records (`parallel/stall.py`), else the first
+failing rank's error (`rank_failed` hands it over in torchrun's error file). SIGINT stops every rank at
+once (exit 130); SIGTERM with train.ckpt_on_signal lets every rank finish its step and save (exit 143); the
+line names the newest complete checkpoint and how to resume.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
+import shlex
+import signal
 import sys
+import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import ConfigError
 
@@ -110,23 +122,179 @@ def slurm_rendezvous(world_size: int, env=os.environ) -> Rendezvous | None:
                       endpoint=f"{nodes[0]}:{port}", run_id=f"nanotitan-{job}-{env['SLURM_STEP_ID']}")
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rendezvous | None = None) -> int:
+LOG_ENV = "NANOTITAN_LOG_DIR"  # set by the launcher for its ranks: where rank_N.log and the comm records go
+SHUTDOWN_S = 3  # after a failure or SIGINT, ranks still alive this long are killed (a SIGSTOPped one never exits)
+
+
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rendezvous | None = None,
+                 run_dir: str = "run", ckpt_on_signal: bool = False) -> int:
     """Run `nanotitan train <argv>` on `nproc` ranks of this machine (standalone), or as one node of
-    `rdzv`; returns the exit code (0 = all ranks ok)."""
+    `rdzv`; returns the exit code (0 = all ranks ok, 130/143 = stopped by SIGINT/SIGTERM) after printing
+    one line for a failure or a stop."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    log_dir = (Path(run_dir) / "logs").absolute()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*log_dir.glob("comm_rank_*.ring"), *log_dir.glob("stall_rank_*.json")]:  # an earlier job's
+        old.unlink(missing_ok=True)
+    os.environ[LOG_ENV] = str(log_dir)
+    world = nproc * (rdzv.nnodes if rdzv else 1)
     where = ["--standalone", f"--nproc-per-node={nproc}"] if rdzv is None else rdzv.torchrun_args()
+    # torchrun's agent turns SIGINT (and SIGTERM) into SignalException: it passes the signal to the ranks and
+    # kills what is left after SHUTDOWN_S. With ckpt_on_signal, SIGTERM is ours: forwarded to the ranks, which
+    # finish their step, save and exit 0 while the agent keeps watching them.
+    signals = "SIGINT,SIGHUP,SIGQUIT" + ("" if ckpt_on_signal else ",SIGTERM")
     args = get_args_parser().parse_args([
-        *where, f"--max-restarts={max_restarts}",
-        "--tee=3", "--monitor-interval=0.5", "-m", "nanotitan.cli", "train", *argv,
+        *where, f"--max-restarts={max_restarts}", "--tee=1", "--monitor-interval=0.5",
+        f"--signals-to-handle={signals}", f"--shutdown-timeout={SHUTDOWN_S}",
+        "-m", "nanotitan.cli", "train", *argv,
     ])
+    got: list[int] = []
+    if ckpt_on_signal:
+        def on_sigterm(signum, frame):
+            got.append(signum)
+            _signal_ranks(signum)
+        old_handler = signal.signal(signal.SIGTERM, on_sigterm)
+    started = time.time()
     try:
         run(args)
+    except SignalException as e:
+        print(f"nanotitan: {stop_line(e.sigval, run_dir, argv)}", file=sys.stderr)
+        return 128 + e.sigval
+    except KeyboardInterrupt:  # before the agent took over SIGINT
+        print(f"nanotitan: {stop_line(signal.SIGINT, run_dir, argv)}", file=sys.stderr)
+        return 130
     except ChildFailedError as e:
-        failures = ", ".join(f"rank {r}: exit {f.exitcode}" for r, f in sorted(e.failures.items()))
-        print(f"nanotitan: training failed ({failures}); the other ranks were stopped", file=sys.stderr)
-        return 1
+        line, code = failure_line(e, log_dir, world, started)
+        if got:
+            line = f"{stop_line(got[0], run_dir, argv, saved=False)}; while stopping: {line}"
+            code = 128 + got[0]
+        print(f"nanotitan: {line}", file=sys.stderr)
+        return code
+    finally:
+        if ckpt_on_signal:
+            signal.signal(signal.SIGTERM, old_handler)
+    if got:
+        print(f"nanotitan: {stop_line(got[0], run_dir, argv, saved=True)}", file=sys.stderr)
+        return 128 + got[0]
     return 0
+
+
+def _signal_ranks(signum: int) -> None:
+    """Pass a signal to this process's child processes (torchrun starts each rank in a session of its own,
+    so a terminal's or a scheduler's signal to us does not reach them)."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == me:
+                os.kill(int(stat.parent.name), signum)
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+
+
+def stop_line(signum: int, run_dir: str, argv: list[str], saved: bool = False) -> str:
+    """The line for a job stopped by a signal: which, the newest complete checkpoint, how to resume."""
+    from .checkpoint import latest_checkpoint
+
+    name = signal.Signals(signum).name
+    ck = latest_checkpoint(run_dir)
+    what = f"stopped by {name}" if signum == signal.SIGTERM else f"interrupted ({name})"
+    if ck is None:
+        return f"{what}; no complete checkpoint in {run_dir} yet (a new run starts from step 0)"
+    rest = [a for a in argv if not a.startswith("--train.resume")]
+    if "--train.resume" in argv:  # drop its value too
+        i = argv.index("--train.resume")
+        rest = argv[:i] + argv[i + 2:]
+    how = shlex.join(["nanotitan", "train", *rest, "--train.resume", "auto"])
+    return f"{what}; {'saved' if saved else 'newest complete checkpoint'} {ck}; resume with: {how}"
+
+
+def failure_line(e, log_dir: Path, world: int, started: float) -> tuple[str, int]:
+    """(one line, exit code) for ranks that failed: a stall named from the comm records, else the error of
+    the rank that failed first (a rank killed by a signal first: its peers' errors follow from its death)."""
+    from .parallel.stall import diagnose
+
+    stalled = diagnose(log_dir, world, since=started)
+    if stalled:
+        return f"{stalled} (see {log_dir}/rank_N.log)", 1
+
+    def order(item):
+        rank, f = item
+        reported = f.error_file_data.get("time") if isinstance(f.error_file_data, dict) else None
+        return (reported is not None, reported or f.timestamp, rank)
+
+    rank, f = min(e.failures.items(), key=order)
+    data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+    if "time" not in data:  # no line from the rank: it died without reporting
+        how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
+        return f"training failed: rank {rank} {how}; the other ranks were stopped (log: {log_dir}/rank_{rank}.log)", 1
+    if data.get("kind") in ("config", "training"):  # one line every rank agreed on: no rank, no log needed
+        return f.message, 2 if data["kind"] == "config" else 1
+    return f"training failed on rank {rank}: {f.message} (log: {log_dir}/rank_{rank}.log)", 1
+
+
+# --- inside a rank -----------------------------------------------------------------------------------
+
+class _Tee:
+    """sys.stdout of a rank: the console (through torchrun's prefixing tail) and the rank's log."""
+
+    def __init__(self, stream, log):
+        self._stream, self._log = stream, log
+
+    def write(self, text):
+        self._log.write(text)
+        return self._stream.write(text)
+
+    def flush(self):
+        self._log.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ... of the console stream
+        return getattr(self._stream, name)
+
+
+def start_rank(run_dir: str, timeout_s: float) -> None:
+    """In a rank under torchrun: back the stall record by RUN_DIR/logs/comm_rank_N.ring and, when our launcher
+    started this rank, send its output to RUN_DIR/logs/rank_N.log (stderr only there, stdout also to the console)."""
+    import faulthandler
+
+    from .parallel.stall import RECORD
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    log_dir = Path(os.environ.get(LOG_ENV) or Path(run_dir) / "logs")
+    RECORD.open(log_dir, rank, world, timeout_s)
+    if not os.environ.get(LOG_ENV):  # an outside torchrun owns the output
+        return
+    log = open(log_dir / f"rank_{rank}.log", "a", buffering=1)
+    log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}/{world} pid {os.getpid()} attempt "
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: {shlex.join(sys.argv)}\n")
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 2)  # everything on stderr, C++ included
+    sys.stdout = _Tee(sys.stdout, log)
+    faulthandler.enable()  # a crash in C leaves its Python stack in the log
+
+
+def rank_failed(e: BaseException) -> None:
+    """In a rank that is failing: its one line for the launcher, in torchrun's error file."""
+    from .errors import TrainingError
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = str(e).strip().splitlines()
+    if isinstance(e, ConfigError):
+        kind, line = "config", f"config error: {e}"
+    elif isinstance(e, TrainingError):
+        kind, line = "training", str(e)
+    else:
+        kind, line = "error", f"{type(e).__name__}: {text[0] if text else ''}"
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time()), "time": time.time(), "kind": kind}, f)
+    except OSError:
+        pass

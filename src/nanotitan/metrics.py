@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -14,13 +15,19 @@ import torch
 from .hardware import GPU_PEAKS, measure_cpu_gemm_flops  # datasheet peaks (MFU when train.peak_flops is 0)
 
 
-def cpu_peak_flops(threads: int) -> float:
-    """Measured fp32 GEMM peak at `threads`. Ranks that share the cores would measure each other, so the
-    launcher measures once before starting them and hands the figure down in NANOTITAN_CPU_PEAK_FLOPS."""
-    env = os.environ.get("NANOTITAN_CPU_PEAK_FLOPS")
+def cpu_peak_env(dtype: str) -> str:
+    """The variable that carries the launcher's measured CPU GEMM peak of `dtype` to the ranks."""
+    return "NANOTITAN_CPU_PEAK_FLOPS" + ("_BF16" if dtype == "bf16" else "")
+
+
+def cpu_peak_flops(threads: int, dtype: str = "fp32") -> float:
+    """Measured GEMM peak at `threads` in the compute dtype (bf16 under mixed precision). Ranks that share the
+    cores would measure each other, so the launcher measures once before starting them and hands the figure
+    down in `cpu_peak_env(dtype)` (one variable per dtype: an fp32 figure never bounds a bf16 run)."""
+    env = os.environ.get(cpu_peak_env(dtype))
     if env:
         return float(env)
-    return measure_cpu_gemm_flops(threads)
+    return measure_cpu_gemm_flops(threads, dtype=dtype)
 
 
 def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
@@ -30,7 +37,7 @@ def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
             if key in name:
                 return peaks["bf16" if dtype == "bf16" else "fp32"]
         return GPU_PEAKS["A100"]["bf16" if dtype == "bf16" else "fp32"]
-    return cpu_peak_flops(threads)
+    return cpu_peak_flops(threads, dtype)
 
 
 def job_peak_flops(device: torch.device, dtype: str, threads: int, world: int, per_rank: float = 0.0) -> float:
@@ -47,6 +54,17 @@ def peak_mem_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def finite_or_none(x):
+    """The record with every non-finite float replaced by None (JSON null), recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_or_none(v) for v in x]
+    return x
 
 
 class MetricsWriter:
@@ -74,15 +92,22 @@ class MetricsWriter:
     def write(self, record: dict):
         if not self.enabled:
             return
-        self.f.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite float (a diverged loss) is written as null, never as a bare NaN token.
+        self.f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
         self.f.flush()
         if self.tb is not None:
             step = record["step"]
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])  # the same record, lists (expert_load) as JSON
+
+    def event(self, event: dict):
+        """A line that is not a step record (e.g. {"event": "restart", ...}): metrics.jsonl only."""
+        if self.enabled:
+            self.f.write(json.dumps(finite_or_none(event), allow_nan=False) + "\n")
+            self.f.flush()
 
     def close(self):
         if self.enabled:
@@ -181,7 +206,9 @@ class SavedActivations:
         key = (storage.data_ptr(), str(t.device))
         if key in self.params:
             return t
-        return _SavedTensor(self, t, key, storage.nbytes())
+        # detach(): an op's saved output would otherwise hold its own grad_fn, a cycle gc cannot see (a node
+        # that backward never runs, e.g. an unused z-loss, would then never free its tensors)
+        return _SavedTensor(self, t.detach(), key, storage.nbytes())
 
     def _add(self, key, nbytes: int, sign: int):
         with self.lock:

@@ -8,6 +8,7 @@ and writes `summary.json`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -40,19 +41,51 @@ def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float,
 
 
 def expert_load_stats(model: Transformer, world_size: int, device: torch.device) -> dict:
-    """Tokens per expert per MoE layer since the last call, summed over every data rank (then reset)."""
+    """The router's record since the last call, over every data rank and microbatch (then reset): tokens per expert
+    per MoE layer (`expert_load`, what the router chose, drops included) and each layer's max/mean of it
+    (`expert_max_mean`; `expert_imbalance` is the worst layer), the balance loss and z-loss unweighted and averaged
+    over MoE layers and microbatches, the share of assignments dropped by capacity (`dropped_frac`, when
+    model.capacity_factor > 0) and the router biases after this step (`router_bias`, when model.bias_update_rate
+    > 0). One SUM all-reduce over the world (each layer lives on one stage; data ranks add up), one MAX for biases."""
     cfg = model.cfg
-    load = torch.zeros(cfg.n_layers, cfg.num_experts, device=device)
+    E = cfg.num_experts
+    rows = torch.zeros(cfg.n_layers, E + 5, device=device, dtype=torch.float64)  # load | MoE.last_router_stats
     for key, counts in model.expert_load.items():
-        load[int(key)] = counts.float()
+        rows[int(key), :E] = counts.double()
+    for key, sums in model.router_stats.items():
+        rows[int(key), E:] = sums.double()
     model.expert_load.clear()
+    model.router_stats.clear()
     if dist.is_initialized() and world_size > 1:
-        comm.all_reduce(load, axis="other")  # each layer lives on one stage; data ranks add up
-    moe_rows = load[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]]
-    imbalance = moe_rows.max(dim=1).values / moe_rows.mean(dim=1).clamp_min(1e-9)
-    lo, hi, worst = torch.stack([moe_rows.min(), moe_rows.max(), imbalance.max()]).tolist()
-    return {"expert_load": moe_rows.long().tolist(), "expert_load_min": int(lo), "expert_load_max": int(hi),
-            "expert_imbalance": round(worst, 4)}
+        comm.all_reduce(rows, axis="other")
+    moe_rows = rows[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]]
+    load, sums = moe_rows[:, :E], moe_rows[:, E:].sum(dim=0)  # sums: [balance, z, dropped, assignments, calls]
+    max_mean = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
+    calls = sums[4].clamp_min(1)
+    head = torch.stack([load.min(), load.max(), max_mean.max(), sums[0] / calls, sums[1] / calls,
+                        sums[2] / sums[3].clamp_min(1)])
+    (lo, hi, worst, balance, z_loss, dropped), per_layer = head.tolist(), max_mean.tolist()
+    out = {"expert_load": load.long().tolist(), "expert_load_min": int(lo), "expert_load_max": int(hi),
+           "expert_imbalance": round(worst, 4), "expert_max_mean": [round(v, 4) for v in per_layer],
+           "balance_loss": balance, "z_loss": z_loss}
+    if cfg.capacity_factor:
+        out["dropped_frac"] = dropped
+    if cfg.bias_update_rate:
+        out["router_bias"] = router_biases(model, world_size, device)
+    return out
+
+
+def router_biases(model: Transformer, world_size: int, device: torch.device) -> list[list[float]]:
+    """Every MoE layer's router bias, gathered from the stage that holds it (a MAX over the world: every replica of a
+    layer holds the same bias, the other stages -inf)."""
+    cfg = model.cfg
+    bias = torch.full((cfg.n_layers, cfg.num_experts), -math.inf, device=device)
+    for key, block in model.layers.items():
+        if block.is_moe:
+            bias[int(key)] = block.moe.router_bias
+    if dist.is_initialized() and world_size > 1:
+        comm.all_reduce(bias, op=dist.ReduceOp.MAX, axis="other")
+    return bias[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]].tolist()
 
 
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,

@@ -65,7 +65,9 @@ def _alive(holder: dict) -> bool | None:
 
 
 def _describe(h: dict) -> str:
-    return f"pid {h.get('pid')} on {h.get('host')} since {h.get('started')} ({h.get('cmd', '?')})"
+    cmd = str(h.get("cmd", "?"))
+    cmd = cmd if len(cmd) <= 100 else f"{cmd[:45]} ... {cmd[-50:]}"
+    return f"pid {h.get('pid')} on {h.get('host')} since {h.get('started')} ({cmd})"
 
 
 class RunDirLock:
@@ -77,7 +79,8 @@ class RunDirLock:
         self.path = self.run_dir / LOCK_FILE
         self.info = {"pid": os.getpid(), "host": socket.gethostname(),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "proc_start": _proc_start(os.getpid()),
-                     "job": os.environ.get("TORCHELASTIC_RUN_ID", ""), "cmd": " ".join(sys.argv)[-160:]}
+                     "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                     "cmd": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:2000]}
         self.held = False
 
     def __enter__(self) -> str:

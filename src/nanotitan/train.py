@@ -27,6 +27,7 @@ from .config import Config, ConfigError, to_toml, validate
 from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
+from .errors import TrainingError
 from .metrics import MetricsWriter, job_peak_flops
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import comm, step as S
@@ -44,12 +45,10 @@ def lr_at(step: int, cfg: Config) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW; decay on matrices only. Fused: ~3x faster than the default on CPU (BASELINES)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(shard, cfg: Config) -> torch.optim.AdamW:
+    """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
+    matrices only. Fused: ~3x faster than the default on CPU (BASELINES)."""
+    groups = shard.param_groups(cfg.train.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
 
 
@@ -75,7 +74,7 @@ class Trainer:
                               f"(--model.vocab_size {meta['vocab_size']})")
         self.dims = dims = ParallelDims(p.dp, p.pp, p.ep, rank=self.rank)
         self.M, self.m = p.microbatches, t.micro_batch
-        self.b, self.B = self.M * self.m, cfg.global_batch  # sequences per data rank / per step
+        self.b, self.B = self.M * self.m, cfg.layout_batch  # sequences per data rank / per step
         self.train_data = IndexedBatches(data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
         self.val_data = IndexedBatches(data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
         self.stream = None
@@ -93,11 +92,11 @@ class Trainer:
         # --- this rank's shard, identical replicas, gradient sync; then the optimizer over the shard -----
         self.shard = parallelize(cfg, dims, self.device)
         self.model = self.shard.model
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.shard, cfg)
 
         # --- bookkeeping ---------------------------------------------------------------------------------
         self.tokens_per_step = self.B * t.seq_len
-        self.aux_weight = cfg.model.aux_coef / max(1, num_moe_layers(cfg.model))
+        self.aux_weight = 1.0 / max(1, num_moe_layers(cfg.model))  # layer mean; each MoE layer weights its own terms
         self.peak_flops = job_peak_flops(self.device, t.dtype, self.threads, self.world, t.peak_flops)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.run_dir = Path(cfg.run.dir)
@@ -105,11 +104,14 @@ class Trainer:
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
         if t.resume:
             self.resume(t.resume)
+        if self.is_main:  # only once a resume has succeeded: a failed one leaves the old config in place
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            if attempt > 0:  # replayed steps after a restart can be told apart in metrics.jsonl
+                self.writer.event({"event": "restart", "attempt": attempt, "from_step": self.start_step})
         self.log(f"layout dp={p.dp} pp={p.pp} ep={p.ep} | B={self.B} seqs = dp*ep*M*m = "
                  f"{dims.data_world}*{self.M}*{self.m} | {self.tokens_per_step} tokens/step | "
                  f"params on rank 0: {self.shard.num_params() / 1e6:.2f}M | "
@@ -123,11 +125,13 @@ class Trainer:
         self.stop_requested = True
 
     def resume(self, where: str):
-        path = ckpt.resolve_resume(where, self.run_dir)  # "auto", a step dir or a run dir (its newest)
+        verify = self.cfg.train.verify_ckpt
+        # "auto", a step dir or a run dir: the newest checkpoint that verifies (skipped newer ones are named)
+        path = ckpt.resolve_resume(where, self.run_dir, verify=verify, log=self.log)
         if path is None:
             self.log("train.resume=auto: no complete checkpoint yet, starting from step 0")
             return
-        self.start_step = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.dims)["step"])
+        self.start_step = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.dims, verify)["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
 
     def save(self, step: int):
@@ -144,7 +148,7 @@ class Trainer:
         return S.split_microbatches(x, y, self.m, self.device)
 
     def train_step(self, step: int):
-        """One optimizer step; returns (stats, grad norm, lr)."""
+        """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks."""
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
@@ -157,10 +161,14 @@ class Trainer:
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         S.finish_grads(self.shard)
         grad_norm = S.clip_grads(self.shard, cfg.train.grad_clip)
-        # The update, then gradients zeroed (kept bound to the Reducer's flat buckets).
-        self.optimizer.step()
+        # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
+        nonfinite, stop = S.agree_on_step(self.shard, stats, grad_norm, self.stop_requested, self.device)
+        # The update (none for a non-finite step), then gradients zeroed (kept bound to the Reducer's buckets).
+        if not nonfinite:
+            self.optimizer.step()
         S.zero_grads(self.shard, self.optimizer)
-        return stats, grad_norm, lr
+        S.update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
+        return stats, grad_norm, lr, nonfinite, stop
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -171,11 +179,24 @@ class Trainer:
             assert self.shard.check_replicas(), "replicas differ after the initial broadcast"
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
-        step = self.start_step
+        step, skipped, in_a_row = self.start_step, 0, 0
         for step in range(self.start_step, t.steps):
             t0 = time.perf_counter()
-            stats, grad_norm, lr = self.train_step(step)
+            stats, grad_norm, lr, nonfinite, stop = self.train_step(step)
             step_time = time.perf_counter() - t0
+            failure = None
+            if nonfinite:  # no update was made on any rank; stop (after logging it), or skip up to max_skips in a row
+                skipped, in_a_row = skipped + 1, in_a_row + 1
+                if t.on_nonfinite == "stop" or in_a_row > t.max_skips:
+                    ce, aux = S.reduce_losses(self.shard, stats, self.aux_weight, self.M)
+                    why = "" if t.on_nonfinite == "stop" else f" ({in_a_row} in a row > train.max_skips={t.max_skips})"
+                    failure = TrainingError(
+                        f"step {step + 1}: non-finite loss {ce + aux:.4g} / grad norm {float(grad_norm):.4g}{why}; "
+                        f"stopped without saving it (lower --train.lr, or --train.on_nonfinite skip)")
+                else:
+                    self.log(f"step {step + 1}: non-finite loss or grad norm, update skipped on every rank")
+            else:
+                in_a_row = 0
 
             # --- eval on fixed val batches; log: losses are means over all DP*EP*M microbatches -----------
             is_eval = t.eval_every and (step + 1) % t.eval_every == 0
@@ -183,7 +204,7 @@ class Trainer:
                                                                     self.b), self.m, self.device, t.dtype) \
                 if is_eval else None
             record = None
-            if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or is_eval:
+            if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or is_eval or nonfinite:
                 ce_loss, aux_loss = S.reduce_losses(self.shard, stats, self.aux_weight, self.M)
                 cstats = comm.COMM.snapshot_and_reset()
                 for a in comm.AXES:
@@ -194,18 +215,23 @@ class Trainer:
                     peak_flops=self.peak_flops, device=self.device, dims=self.dims, M=self.M,
                     schedule=cfg.parallel.schedule, stats=stats, comm_stats=cstats)
                 record.update(report.expert_load_stats(self.model, self.world, self.device))
+                record.update(skipped=nonfinite, skipped_steps=skipped)
                 if val is not None:
                     record["val_loss"] = val
                 self.writer.write(record)
                 history.append(record)
                 last = record
             progress.update(step + 1 - self.start_step, record)
+            if failure is not None:
+                progress.close()
+                self.writer.close()
+                raise failure
 
             # --- checkpoint / stop ---------------------------------------------------------------------------
-            stop = self._should_stop()
             if t.ckpt_every and (step + 1) % t.ckpt_every == 0 or (stop and t.ckpt_on_signal):
                 self.save(step + 1)
             if stop:
+                self.stop_requested = True
                 self.log(f"stop requested (SIGTERM) at step {step + 1}")
                 break
         progress.close()
@@ -216,26 +242,23 @@ class Trainer:
         self.writer.close()
         return {"history": history, "summary": summary}
 
-    def _should_stop(self) -> bool:
-        """SIGTERM on any rank stops every rank after the same step (agreed by one MAX all-reduce)."""
-        if not self.cfg.train.ckpt_on_signal:
-            return False
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)  # NCCL needs a device tensor
-        if self.world > 1:
-            comm.all_reduce(flag, op=dist.ReduceOp.MAX, axis="other")
-        self.stop_requested = bool(flag.item())
-        return self.stop_requested
-
-    def close(self):
+    def close(self, failed: bool = False):
+        """Tear down. After a failure no collective runs: a peer may be dead or stopped, and a barrier would
+        cost another parallel.timeout_s before this rank can exit and the launcher can name the cause."""
         self.shard.close()
         if dist.is_initialized():
-            dist.barrier()
+            if not failed:
+                dist.barrier()
             dist.destroy_process_group()
 
 
 def run(cfg: Config) -> dict:
+    """Train; the result says whether a signal stopped it early ("stopped", after its checkpoint)."""
     trainer = Trainer(cfg)
     try:
-        return trainer.train()
-    finally:
-        trainer.close()
+        out = trainer.train()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
+    return {**out, "stopped": trainer.stop_requested}

@@ -91,7 +91,17 @@ def test_moe_matches_naive_reference(num_experts, top_k, skew):
     ref = naive_moe(moe, x.detach().view(-1, 16))
     torch.testing.assert_close(y.view(-1, 16), ref, rtol=1e-5, atol=1e-6)
     (y.square().sum() + aux).backward()  # experts with zero tokens still get a (zero) gradient
-    assert moe.experts.W_gate.grad is not None
+    idle = (moe.last_counts_E == 0).nonzero().flatten().tolist()
+    # busy experts learn (expert 1 under skew may be picked with a weight that underflows to 0)
+    busy = [e for e in (moe.last_counts_E > 0).nonzero().flatten().tolist() if not (skew and e == 1)]
+    if skew and top_k < num_experts:
+        assert 1 in idle
+    for W in (moe.experts.W_gate, moe.experts.W_val, moe.experts.W_out):
+        assert W.grad is not None
+        for e in idle:  # an expert that saw no token has an exactly zero gradient row
+            assert torch.count_nonzero(W.grad[e]) == 0, e
+        for e in busy:
+            assert torch.count_nonzero(W.grad[e]) > 0, e
 
 
 def test_pack_expert_major_matches_loop():

@@ -19,9 +19,10 @@ TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24"
         "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]
 # Every option at once, the way Qwen2-MoE (biases, gated shared expert, dense layers) and Qwen3-MoE
 # (per-head norms, wide heads) combine them, plus DeepSeek's first_k_dense.
-ALL_OPTIONS = ["--model.n_kv_heads", "2", "--model.head_dim", "12", "--model.qk_norm", "head", "--model.attn_bias", "true",
-               "--model.shared_experts", "2", "--model.shared_ffn_dim", "20", "--model.shared_expert_gate", "true",
-               "--model.first_k_dense", "1", "--model.dense_layers", "3", "--model.dense_ffn_dim", "40"]
+ALL_OPTIONS = ["--model.n_kv_heads", "2", "--model.head_dim", "12", "--model.qk_norm", "head",
+               "--model.attn_bias", "true", "--model.shared_experts", "2", "--model.shared_ffn_dim", "20",
+               "--model.shared_expert_gate", "true", "--model.first_k_dense", "1", "--model.dense_layers", "3",
+               "--model.dense_ffn_dim", "40"]
 
 
 def _randomise(module, seed=0):

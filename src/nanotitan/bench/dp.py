@@ -2,6 +2,7 @@
 processes, in one run.
 
     nanotitan bench dp [--rounds 3] [--steps 12] [--bucket-mb 25] [--sweep 4,100]
+    nanotitan bench dp --zero [--zero-worlds 2,4] [--rounds 2] [--steps 6]   (sharded DP: zero 0/1/2/3 vs DDP)
 
 Model: BASELINES' MID (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
 8x128 random tokens per rank per step, M=1, AdamW(fused=True), 1 thread per rank. Modes run in
@@ -93,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="Reducer and DDP bucket size (default 25)")
     ap.add_argument("--sweep", default="", help="extra Reducer bucket sizes (MB), comma-separated, e.g. 4,100")
+    ap.add_argument("--zero", action="store_true",
+                    help="instead: sharded DP, zero 0/1/2/3 and torch DDP side by side (step time, bytes per rank)")
+    ap.add_argument("--zero-worlds", default="2,4", help="DP sizes for --zero (default 2,4)")
     args = ap.parse_args(argv)
+    if args.zero:
+        return zero_main(args)
     modes = [("single", args.bucket_mb), ("reducer", args.bucket_mb), ("ddp", args.bucket_mb),
              ("independent", args.bucket_mb)]
     modes += [("reducer", float(b)) for b in args.sweep.split(",") if b]
@@ -124,4 +130,103 @@ def main(argv: list[str] | None = None) -> int:
     ratio = med[("reducer", args.bucket_mb)] / med[("ddp", args.bucket_mb)]
     print(f"\nReducer/DDP step time (median): {ratio:.3f}   "
           f"Reducer/DDP (min): {min(results[('reducer', args.bucket_mb)]) / min(results[('ddp', args.bucket_mb)]):.3f}")
+    return 0
+
+
+# --- sharded DP: zero 0/1/2/3 and torch DDP at DP=2 and DP=4 (nanotitan bench dp --zero) -------------------
+
+ZERO_MODES = ("zero0", "zero1", "zero2", "zero3", "ddp")
+PHASES = ("forward", "backward", "optimizer", "gather")
+
+
+def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int):
+    """One DP=world run of `mode`: step times, per-phase times, and the live bytes at the optimizer step."""
+    from ..parallel.dims import ParallelDims
+    from ..parallel.dp import ShardedReducer, state_bytes
+    from ..parallel.fsdp import FSDPSync, apply_fsdp, param_groups
+
+    group = dist.group.WORLD
+    model = Transformer(MID, seed=0)
+    syncs, step_model, groups = [], model, None
+    if mode == "zero0":
+        syncs = [Reducer(list(model.named_parameters()), group, bucket_mb, scale=1.0 / world)]
+    elif mode in ("zero1", "zero2"):
+        syncs = [ShardedReducer(list(model.named_parameters()), group, bucket_mb, 1.0 / world, int(mode[-1]))]
+        groups = syncs[0].param_groups(0.1)
+    elif mode == "zero3":
+        apply_fsdp(model, ParallelDims(world, 1, 1, rank=rank).build_groups())
+        syncs, groups = [FSDPSync(model)], param_groups(model, 0.1)
+    else:
+        step_model = wrap_ddp(model, group, bucket_mb)
+    if groups is None:
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
+    times, phases, nbytes = [], {k: [] for k in PHASES}, None
+    for step in range(warmup + steps):
+        tok = data[step % len(data)]
+        t0 = time.perf_counter()
+        for s in syncs:
+            s.prepare(sync=True)
+        loss, aux = step_model(tok[:, :-1], tok[:, 1:])
+        t1 = time.perf_counter()
+        (loss + 0.01 * aux).backward()
+        for s in syncs:
+            s.finish()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if step == warmup:  # live state at the optimizer step: params, grads (full or shards), AdamW moments
+            nbytes = state_bytes(model, opt, syncs)
+        for s in syncs:
+            if hasattr(s, "gather_params"):
+                s.gather_params()
+        if mode == "ddp":
+            opt.zero_grad(set_to_none=False)
+        for s in syncs:
+            s.zero_grad()
+        t4 = time.perf_counter()
+        if step >= warmup:
+            times.append(t4 - t0)
+            for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[k].append(dt)
+    if mode == "ddp":
+        del step_model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
+    dist.barrier()
+    return times, phases, nbytes
+
+
+def zero_main(args) -> int:
+    """Interleaved rounds of every (world, mode); step time ratios to zero 0 of the same world."""
+    worlds = [int(w) for w in args.zero_worlds.split(",") if w]
+    runs = [(w, m) for w in worlds for m in ZERO_MODES]
+    times = {r: [] for r in runs}
+    phases = {r: {k: [] for k in PHASES} for r in runs}
+    nbytes = {}
+    for rnd in range(args.rounds):
+        for world, mode in runs:
+            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup), timeout=1800,
+                            pg_timeout=600)
+            times[world, mode] += out[0][0]  # DP ranks are in lockstep: rank 0's clock
+            for k in PHASES:
+                phases[world, mode][k] += out[0][1][k]
+            nbytes[world, mode] = [o[2] for o in out]
+            print(f"round {rnd} DP={world} {mode:<6} median {statistics.median(out[0][0]) * 1e3:7.1f} ms", flush=True)
+    print(f"\nMID model, {BATCH}x{SEQ} tokens/rank/step, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, "
+          f"{args.rounds} rounds x {args.steps} steps; bytes: rank 0 at the optimizer step (max over ranks)")
+    print(f"{'DP':>3} {'mode':<6}{'min ms':>9}{'median ms':>11}{'/zero0':>8}"
+          + "".join(f"{k + ' ms':>13}" for k in PHASES)
+          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
+    for world, mode in runs:
+        med = statistics.median(times[world, mode])
+        base = statistics.median(times[world, "zero0"])
+        b = {k: max(r[k] for r in nbytes[world, mode]) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
+        b0 = {k: max(r[k] for r in nbytes[world, "zero0"]) for k in b}
+        print(f"{world:>3} {mode:<6}{min(times[world, mode]) * 1e3:>9.1f}{med * 1e3:>11.1f}{med / base:>8.3f}"
+              + "".join(f"{statistics.median(phases[world, mode][k]) * 1e3:>13.1f}" for k in PHASES)
+              + f"{b['param_bytes'] / 2**20:>10.1f}{b['grad_bytes'] / 2**20:>9.1f}{b['optim_bytes'] / 2**20:>10.1f}"
+              + f"{b['optim_bytes'] / b0['optim_bytes']:>10.3f}{b['grad_bytes'] / b0['grad_bytes']:>9.3f}"
+              + f"{b['param_bytes'] / b0['param_bytes']:>10.3f}")
     return 0

@@ -1,14 +1,27 @@
-"""Mixture-of-experts FFN: fp32 router, top-k, SwiGLU experts stored contiguously, dropless.
+"""Mixture-of-experts FFN: fp32 router, top-k, SwiGLU experts stored contiguously, dropless by default.
 
 Shape legend: T tokens, D d_model, E experts (global), L local experts, K top_k, F expert hidden,
-N assignments (T*K) packed expert-major.
+N assignments (T*K) packed expert-major, B sequences of S tokens.
 
 The layer never asks for a rank: it is handed a dispatcher (`LocalDispatcher` here, the
 all-to-all one from `parallel/ep.py` under EP) that moves packed assignments to the experts'
-owners and back. Same maths as Mixtral (softmax router, top-k, renormalised weights, SwiGLU).
+owners and back. Default maths: Mixtral's (softmax router, top-k, renormalised weights, SwiGLU).
+
+Load management (docs/moe.md), each a pure function of this microbatch's tokens, so every layout agrees:
+- scores: softmax (Mixtral) or sigmoid (DeepSeek-V3); weights are the selected scores, renormalised when
+  norm_topk, times routed_scale.
+- router_bias (aux-loss-free balancing, DeepSeek-V3): added to the scores for *selection only*; a buffer,
+  never a parameter, nudged once per optimizer step from the step's global counts (`update_bias`).
+- balance loss (Switch/GShard; per sequence with aux_scope="sequence", DeepSeek-V3) and router z-loss
+  (ST-MoE), returned already weighted by their coefficients.
+- capacity_factor > 0: each expert keeps at most ceil(cf * T*K / E) of this microbatch's assignments,
+  highest routing weight first, ties to the lower token index. A dropped assignment gets expert id E
+  ("no expert"): it sorts after every real one and is never dispatched (the residual carries the token).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -53,13 +66,30 @@ def pack_expert_major(expert_ids_TK: torch.Tensor, num_experts: int):
 
     Returns (order_N, token_idx_N, counts_E): assignment `order[n]` (flat index t*K+k) is the
     n-th in expert-major order, it belongs to token `token_idx[n]`, and expert e owns
-    `counts_E[e]` consecutive rows.
+    `counts_E[e]` consecutive rows. Dropped assignments (id == num_experts) come last, after
+    sum(counts_E) rows: callers dispatch only that prefix.
     """
     flat_ids_N = expert_ids_TK.reshape(-1)
     order_N = torch.argsort(flat_ids_N, stable=True)  # stable: token order kept within an expert
     token_idx_N = order_N // expert_ids_TK.shape[1]
-    counts_E = torch.bincount(flat_ids_N, minlength=num_experts)
+    counts_E = torch.bincount(flat_ids_N, minlength=num_experts + 1)[:num_experts]  # bin E: dropped
     return order_N, token_idx_N, counts_E
+
+
+def capacity_keep(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
+                  capacity: int) -> torch.Tensor:
+    """keep_TK: True for the `capacity` assignments of each expert with the highest weight, ties to the lower
+    token index (two stable sorts, no loop), so the same assignments survive whatever the layout."""
+    ids_N, w_N = expert_ids_TK.reshape(-1), weights_TK.reshape(-1)
+    by_weight_N = torch.argsort(w_N, descending=True, stable=True)  # stable: equal weights keep index t*K+k order
+    by_expert_N = by_weight_N[torch.argsort(ids_N[by_weight_N], stable=True)]  # expert-major, best first
+    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    start_E = counts_E.cumsum(0) - counts_E
+    sorted_ids_N = ids_N[by_expert_N]
+    rank_N = torch.arange(ids_N.numel(), device=ids_N.device) - start_E[sorted_ids_N]  # place in its expert's queue
+    keep_N = torch.empty_like(ids_N, dtype=torch.bool)
+    keep_N[by_expert_N] = rank_N < capacity
+    return keep_N.view_as(expert_ids_TK)
 
 
 class LocalDispatcher:
@@ -67,8 +97,11 @@ class LocalDispatcher:
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        counts = counts_E.tolist()  # one host sync per layer call, not per expert
+        N = sum(counts)  # dropped assignments sort last: never computed
+        order_N, token_idx_N = order_N[:N], token_idx_N[:N]
         x_ND = x_TD.index_select(0, token_idx_N)
-        y_ND = experts(x_ND, counts_E.tolist())  # one host sync per layer call, not per expert
+        y_ND = experts(x_ND, counts)
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, x_TD.shape[0])
 
@@ -86,11 +119,26 @@ class MoE(nn.Module):
     are one SwiGLU of hidden n*F (SwiGLU is a sum over hidden units, so that is the same function). They
     are replicated like attention weights, never sharded over EP: their names must not contain ".experts."
     (`is_expert_param`). `shared_gate` scales their output by sigmoid(x @ w) per token (Qwen2-MoE).
+
+    Router options (module docstring; defaults: Mixtral's softmax router with the plain Switch loss):
+    score "softmax" | "sigmoid", routed_scale, bias_update_rate (> 0 adds `router_bias`), aux_coef,
+    aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless).
     """
 
     def __init__(self, d_model: int, ffn_dim: int, num_experts: int, top_k: int, norm_topk: bool,
-                 expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False):
+                 expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
+                 score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
+                 aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
+                 capacity_factor: float = 0.0):
         super().__init__()
+        assert score in ("softmax", "sigmoid") and aux_scope in ("micro", "sequence"), (score, aux_scope)
+        self.score, self.routed_scale, self.bias_update_rate = score, routed_scale, bias_update_rate
+        self.aux_coef, self.aux_scope, self.z_loss_coef = aux_coef, aux_scope, z_loss_coef
+        self.capacity_factor = capacity_factor
+        # Replicated and checkpointed like a weight, but a buffer: the optimizer never sees it (update_bias moves it).
+        self.register_buffer("router_bias", torch.zeros(num_experts) if bias_update_rate > 0 else None)
+        # [balance loss, z-loss, dropped assignments, assignments, 1] of the last forward (stats, detached)
+        self.last_router_stats: torch.Tensor | None = None
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
         self.router = nn.Linear(d_model, num_experts, bias=False)  # scores against all E experts
@@ -100,22 +148,64 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
         self.last_counts_E: torch.Tensor | None = None  # tokens per expert of the last forward (stats)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (y (B, S, D), load-balancing loss of this layer on these tokens)."""
-        B, S, D = x_BSD.shape
-        x_TD = x_BSD.reshape(B * S, D)
-        # Router in fp32 (stable softmax under bf16 autocast).
+    def route(self, x_TD: torch.Tensor, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert_ids_TK, weights_TK, aux) for T = B*S tokens: ids are E where capacity dropped the assignment;
+        aux = aux_coef * balance + z_loss_coef * z, a constant zero when both coefficients are 0."""
+        T, K, E = x_TD.shape[0], self.top_k, self.num_experts
+        # Router in fp32 (stable softmax/sigmoid under bf16 autocast).
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-            probs_TE = logits_TE.softmax(dim=-1)
-        weights_TK, expert_ids_TK = probs_TE.topk(self.top_k, dim=-1)
+            scores_TE = logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
+        # Select on score + bias (the bias steers selection only), weight by the selected scores (DeepSeek-V3).
+        select_TE = scores_TE if self.router_bias is None else scores_TE + self.router_bias
+        expert_ids_TK = select_TE.topk(K, dim=-1).indices
+        weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.norm_topk:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        # Switch/GShard balance loss: E * sum_e f_e * P_e, f_e = share of the T*K assignments to e.
-        counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=self.num_experts)
-        f_E = counts_E.to(probs_TE.dtype) / expert_ids_TK.numel()
-        aux = self.num_experts * (f_E * probs_TE.mean(dim=0)).sum()
-        self.last_counts_E = counts_E.detach()
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)  # sigmoids may underflow
+        if self.routed_scale != 1.0:
+            weights_TK = weights_TK * self.routed_scale
+
+        # Switch/GShard balance loss E * sum_e f_e * P_e, f_e = share of the assignments to e, P_e = mean router
+        # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
+        counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=E)
+        probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        if self.aux_scope == "micro":
+            f_E = counts_E.to(probs_TE.dtype) / (T * K)
+            balance = E * (f_E * probs_TE.mean(dim=0)).sum()
+        else:  # DeepSeek-V3's sequence-wise loss: the same per sequence, averaged over the B sequences
+            ones = probs_TE.new_ones(B, S * K)
+            f_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), ones) / (S * K)
+            balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
+        z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
+        aux = logits_TE.new_zeros(())
+        if self.aux_coef:
+            aux = aux + self.aux_coef * balance
+        if self.z_loss_coef:
+            aux = aux + self.z_loss_coef * z_loss
+
+        # Capacity before dispatch: the dropped assignments never leave this rank.
+        dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        if self.capacity_factor:
+            keep_TK = capacity_keep(expert_ids_TK, weights_TK, E, math.ceil(self.capacity_factor * T * K / E))
+            expert_ids_TK = expert_ids_TK.masked_fill(~keep_TK, E)
+            dropped = keep_TK.numel() - keep_TK.sum()
+        self.last_counts_E = counts_E.detach()  # what the router asked for (drops included)
+        self.last_router_stats = torch.stack([balance.detach(), z_loss.detach(), dropped.to(balance.dtype),
+                                              balance.new_tensor(T * K), balance.new_tensor(1.0)])
+        return expert_ids_TK, weights_TK, aux
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3; Wang et al. 2024): bias_e += rate * sign(mean load - load_e), with
+        counts_E the optimizer step's GLOBAL tokens per expert (every data rank, every microbatch)."""
+        load_E = counts_E.to(self.router_bias.dtype)
+        self.router_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (y (B, S, D), this layer's weighted router loss on these tokens (see `route`))."""
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        expert_ids_TK, weights_TK, aux = self.route(x_TD, B, S)
         y_TD = self.dispatcher(x_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)
         if self.shared_expert is not None:  # every token, on this rank: no dispatch
             shared_TD = self.shared_expert(x_TD)

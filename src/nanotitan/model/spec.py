@@ -23,10 +23,6 @@ class ModelShardSpec:
     has_head: bool  # final norm + LM head + loss
 
     @property
-    def num_local_experts(self) -> int:
-        return self.expert_end - self.expert_start
-
-    @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_end)
 

@@ -101,7 +101,10 @@ class Block(nn.Module):
         if self.is_moe:
             self.moe = MoE(cfg.d_model, cfg.ffn_dim, cfg.num_experts, cfg.top_k, cfg.norm_topk,
                            spec.expert_start, spec.expert_end, shared_ffn_dim=shared_hidden(cfg),
-                           shared_gate=cfg.shared_expert_gate)
+                           shared_gate=cfg.shared_expert_gate, score=cfg.router_score,
+                           routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
+                           aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
+                           capacity_factor=cfg.capacity_factor)
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
@@ -118,7 +121,8 @@ class Transformer(nn.Module):
     """One shard of the model: forward(inp, targets) with inp tokens (B, S) on the first stage,
     hidden states (B, S, D) elsewhere. Returns (out, aux_sum): out is the hidden state, or the
     mean cross-entropy when targets are given on the last stage, or logits without targets;
-    aux_sum is the sum of this shard's MoE balance losses."""
+    aux_sum is the sum of this shard's MoE router losses, each already weighted by its coefficients
+    (aux_coef * balance + z_loss_coef * z per layer: the trainer only averages over layers and microbatches)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0):
         super().__init__()
@@ -126,6 +130,10 @@ class Transformer(nn.Module):
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
+        # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
+        # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
+        self.router_stats: dict[str, torch.Tensor] = {}
+        self.step_load: dict[str, torch.Tensor] = {}
         if spec.has_token_embed:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
@@ -183,6 +191,10 @@ class Transformer(nn.Module):
                 load = self.expert_load.get(key)
                 counts = block.moe.last_counts_E
                 self.expert_load[key] = counts if load is None else load + counts
+                if self.training:
+                    _accumulate(self.router_stats, key, block.moe.last_router_stats)
+                    if block.moe.router_bias is not None:
+                        _accumulate(self.step_load, key, counts)
         if not spec.has_head:
             return x, aux_sum
         logits = self.head(self.norm(x))
@@ -209,6 +221,10 @@ class Transformer(nn.Module):
             nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = value if key not in sums else sums[key] + value
 
 
 def is_expert_param(name: str) -> bool:

@@ -1,5 +1,8 @@
 """One thin layer for every collective and P2P, recording calls, bytes and wait time per axis.
 
+Every call first checks that a CPU tensor is not headed for an NCCL group (`check_device`), and is entered
+in this rank's stall record (`stall.RECORD`: axis, op, sequence number, peers, shapes, times) so that a hang
+names the rank that stopped and the call every other rank waits in.
 Axes: "dp" (gradient all-reduce), "ep" (token all-to-all), "pp" (activation send/recv),
 "other" (broadcasts, norms, metrics). Wait time is the wall time the calling thread spent blocked:
 the whole call for blocking ops, the `wait()` for async ones. `COMM.snapshot_and_reset()` gives the
@@ -14,6 +17,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from .stall import RECORD
 
 AXES = ("dp", "ep", "pp", "other")
 
@@ -49,6 +54,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Backends that take CPU tensors. NCCL takes only CUDA tensors: a CPU one fails deep inside NCCL, or hangs.
+_CPU_BACKENDS = ("gloo", "mpi")
+
+
+def check_device(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Refuse a CPU tensor on a collective whose backend cannot take it (a GPU job's NCCL groups), naming it.
+    A mixed backend ("cpu:gloo,cuda:nccl") takes both. Only CPU tensors pay for the backend lookup."""
+    if t.device.type == "cpu":
+        backend = str(dist.get_backend(group))
+        if not any(b in backend for b in _CPU_BACKENDS):
+            raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {backend} collective: "
+                               f"allocate it on the job's device (NCCL groups take CUDA tensors only)")
+    return t
+
+
 def _label(axis: str, op: str) -> record_function:
     """Names the call in profiler traces by axis, e.g. "EP all-to-all" (profiling.py sums time per label)."""
     return record_function(f"{axis.upper()} {op}")
@@ -57,57 +77,73 @@ def _label(axis: str, op: str) -> record_function:
 class TimedWork:
     """Wraps an async Work so that its wait() is charged to an axis."""
 
-    def __init__(self, work, axis: str):
-        self.work, self.axis = work, axis
+    def __init__(self, work, axis: str, ticket: int = 0):
+        self.work, self.axis, self.ticket = work, axis, ticket  # ticket: its stall-record entry (0: none)
 
     def wait(self):
         t0 = time.perf_counter()
         with _label(self.axis, "wait"):
-            self.work.wait()
+            try:
+                self.work.wait()
+            except BaseException as e:
+                if self.ticket:
+                    RECORD.fail(self.ticket, e)
+                raise
+        if self.ticket:
+            RECORD.leave(self.ticket)
         COMM.record(self.axis, 0, time.perf_counter() - t0, calls=0)
 
 
 def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
+    check_device(t, group)
     t0 = time.perf_counter()
-    with _label(axis, "all-reduce"):
+    with _label(axis, "all-reduce"), RECORD.call(axis, "all-reduce", (t,), group, done=not async_op) as ticket:
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
-    return TimedWork(work, axis) if async_op else None
+    return TimedWork(work, axis, ticket) if async_op else None
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
+    check_device(t, group)
     t0 = time.perf_counter()
-    with _label(axis, "broadcast"):
+    with _label(axis, "broadcast"), RECORD.call(axis, "broadcast", (t,), group):
         dist.broadcast(t, src=src, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, group=None,
                       axis: str = "ep"):
+    check_device(out, group)
+    check_device(inp, group)
     t0 = time.perf_counter()
-    with _label(axis, "all-to-all"):
+    with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group):
         dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
+    check_device(t, group)
     t0 = time.perf_counter()
-    with _label(axis, "send"):
+    with _label(axis, "send"), RECORD.call(axis, "send", (t,), peers=f"to {dst}"):
         dist.send(t.contiguous(), dst=dst, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
+    check_device(t, group)
     t0 = time.perf_counter()
-    with _label(axis, "recv"):
+    with _label(axis, "recv"), RECORD.call(axis, "recv", (t,), peers=f"from {src}"):
         dist.recv(t, src=src, group=group)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
 def batch_isend_irecv(ops: list, axis: str = "pp"):
     """Issue paired P2P ops together and wait for all of them (no blocking pair can deadlock)."""
+    for op in ops:
+        check_device(op.tensor, op.group)
     t0 = time.perf_counter()
-    with _label(axis, "send/recv"):
+    peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
+    with _label(axis, "send/recv"), RECORD.call(axis, "send/recv", [op.tensor for op in ops], peers=peers):
         works = dist.batch_isend_irecv(ops)
         for w in works:
             w.wait()

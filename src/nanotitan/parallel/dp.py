@@ -15,6 +15,8 @@ How the Reducer gets communication out of the way of compute:
   so all ranks issue collectives in the same order even if one rank's params finish in another.
 - The scale is applied to the flat buffer just before its all-reduce (one pass over memory that
   the collective is about to read anyway), never in a separate pass after the wait.
+- `reduce_dtype` (parallel.reduce_dtype=bf16): the scaled fp32 bucket is narrowed to a bf16 copy, that copy
+  is reduced (half the bytes; the sum rounds to bf16) and widened back into the fp32 bucket at wait().
 """
 
 from __future__ import annotations
@@ -74,10 +76,12 @@ class Reducer:
     (it replaces `optimizer.zero_grad()`, which must not set grads to None).
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float,
+                 reduce_dtype: torch.dtype | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0 (--parallel.bucket_mb)")
         self.group, self.scale = group, float(scale)
+        self.reduce_dtype = reduce_dtype  # None: reduce in the gradients' own dtype (fp32)
         self.buckets: list[_Bucket] = []
         self._sync = False
         self._next_launch = 0  # index of the first bucket whose all-reduce has not started
@@ -143,7 +147,10 @@ class Reducer:
     def _launch(self, b: _Bucket) -> None:
         if self.scale != 1.0:
             b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
-        if self.group is not None:
+        if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
+            low = b.flat.to(self.reduce_dtype)
+            b.work = _CopyBack(comm.all_reduce(low, group=self.group, axis="dp", async_op=True), low, b.flat)
+        elif self.group is not None:
             b.work = comm.all_reduce(b.flat, group=self.group, axis="dp", async_op=True)
         b.launched = True
 
@@ -181,10 +188,6 @@ class Reducer:
                 elif g.data_ptr() != view.data_ptr():
                     view.copy_(g)
                     p.grad = view
-
-    def bucket_names(self) -> list[list[str]]:
-        """Parameter names per bucket, in launch order (for logs and tests)."""
-        return [list(b.names) for b in self.buckets]
 
 
 @dataclass
@@ -228,13 +231,13 @@ class ShardedReducer(Reducer):
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float,
-                 zero: int):
+                 zero: int, reduce_dtype: torch.dtype | None = None):
         if zero not in (1, 2):
             raise ValueError(f"ShardedReducer implements parallel.zero 1 and 2, got {zero} (zero 3 is fsdp.py)")
         self.zero = zero
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        super().__init__(named_params, group, bucket_mb, scale)
+        super().__init__(named_params, group, bucket_mb, scale, reduce_dtype)
 
     @staticmethod
     def _bucket_kind(p: nn.Parameter) -> tuple:
@@ -285,7 +288,11 @@ class ShardedReducer(Reducer):
     def _launch(self, b: _ShardBucket) -> None:
         if self.scale != 1.0:
             b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
-        if self.group is not None:
+        if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
+            low = b.flat.to(self.reduce_dtype)  # parallel.reduce_dtype: reduce a narrowed copy, widen the slice
+            out = low.new_empty(b.shard_grad.shape)
+            b.work = _CopyBack(reduce_scatter(out, low, self.group), out, b.shard_grad)
+        elif self.group is not None:
             # zero 1: in place (the output is this rank's slice of the input, as NCCL allows)
             b.work = reduce_scatter(b.shard_grad, b.flat, self.group)
         elif self.zero == 2:
@@ -339,8 +346,20 @@ class ShardedReducer(Reducer):
         self.wait_gather()
 
 
+class _CopyBack:
+    """An async collective on a narrowed copy (parallel.reduce_dtype): wait() widens the result into `dst`."""
+
+    def __init__(self, work: comm.TimedWork, low: torch.Tensor, dst: torch.Tensor):
+        self.work, self.low, self.dst = work, low, dst
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.dst.copy_(self.low)
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
     """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group`, accounted on axis dp."""
+    comm.check_device(inp, group)
     t0 = time.perf_counter()
     work = _REDUCE_SCATTER(out, inp, group=group, async_op=True)
     comm.COMM.record("dp", inp.numel() * inp.element_size(), time.perf_counter() - t0)
@@ -349,6 +368,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWor
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
     """Async all-gather of every rank's `inp` into `out` (N times its size) over `group`, axis dp."""
+    comm.check_device(out, group)
     t0 = time.perf_counter()
     work = _ALL_GATHER(out, inp, group=group, async_op=True)
     comm.COMM.record("dp", out.numel() * out.element_size(), time.perf_counter() - t0)

@@ -9,13 +9,17 @@ One layer call (seed, "Dispatch, expert computation and combine"):
      [p*L, (p+1)*L), expert-major is also destination-major: the all-to-all send order.
   2. exchange the per-destination counts send_PL -> recv_PL with one small all-to-all, and read both
      matrices to the host in ONE `.tolist()` (the only host sync: split sizes must be Python ints).
-  3. payload all-to-all with uneven splits; received rows are source-major (p, then l).
+  3. payload all-to-all with uneven splits, in the compute dtype (bf16 under autocast: half the bytes);
+     received rows are source-major (p, then l).
   4. permute source-major -> expert-major (vectorised, `source_to_expert_major`), run the L experts,
      undo the permutation, and send every row back with the splits swapped.
   5. `combine`: weight each output by its router weight and sum the K outputs of each token.
 Backward is the same path reversed: `_AllToAll.backward` is the all-to-all with the splits swapped.
 Every collective goes through `parallel.comm` on axis "ep", so its time and bytes are accounted.
-Dropless: every assignment reaches its expert, so EP computes exactly what one process would.
+Dropless by default: every assignment reaches its expert, so EP computes exactly what one process would.
+With a capacity factor the router has already dropped assignments (expert id E, model/moe.py) on the
+source rank, per source microbatch, before step 1: they are never packed into a send, and each rank's
+drops are the ones one process would make on the same microbatch.
 """
 
 from __future__ import annotations
@@ -96,9 +100,8 @@ class EPDispatcher:
             f"experts hold {experts.W_gate.shape[0]} experts; expected num_experts/ep = {num_experts}/{P}")
         T, D = x_TD.shape
 
-        # 1. pack expert-major == destination-major
+        # 1. pack expert-major == destination-major (assignments dropped by capacity sort last: never sent)
         order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        x_ND = x_TD.index_select(0, token_idx_N)
 
         # 2. counts: send_PL[p, l] = my assignments for expert p*L+l; recv_PL[p, l] = rank p's for my expert l
         send_PL = counts_E.view(P, L)
@@ -107,7 +110,14 @@ class EPDispatcher:
         in_splits = [sum(row) for row in send_host]
         out_splits = [sum(row) for row in recv_host]
         counts_L = [sum(col) for col in zip(*recv_host)]
-        R = sum(out_splits)
+        R, N = sum(out_splits), sum(in_splits)
+        order_N, token_idx_N = order_N[:N], token_idx_N[:N]  # the kept prefix
+        x_ND = x_TD.index_select(0, token_idx_N)
+        # Under autocast the experts' GEMMs read x in the compute dtype anyway, so casting before the
+        # dispatch changes no value and halves the bytes on the wire (bf16); the combine trip (expert
+        # outputs) and both backward trips are already in it. fp32 runs skip this.
+        if torch.is_autocast_enabled(x_ND.device.type):
+            x_ND = x_ND.to(torch.get_autocast_dtype(x_ND.device.type))
 
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
         x_RD = self._a2a(x_ND, out_splits, in_splits)

@@ -29,9 +29,10 @@ run their microbatches in the same order and their all-to-alls pair up.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, ContextManager, Literal
 
 import torch
 
@@ -63,8 +64,8 @@ def theoretical_bubble(pp: int, num_microbatches: int) -> float:
 class _StageRunner:
     """Forward/backward of one microbatch on this stage, keeping what the backward needs."""
 
-    def __init__(self, model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device):
-        self.model, self.comms = model, comms
+    def __init__(self, model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast):
+        self.model, self.comms, self.autocast = model, comms, autocast
         self.first, self.last = dims.is_pp_first_stage, dims.is_pp_last_stage
         self.xs, self.ys, self.device = xs, ys, device
         self.aux_weight, self.loss_scale = aux_weight, loss_scale
@@ -79,9 +80,12 @@ class _StageRunner:
         if self.first:
             inp = self.xs[i].to(self.device, non_blocking=True)
         else:
-            inp = recv_buf.detach().requires_grad_()  # a leaf on the pooled buffer: its .grad goes back
+            # A leaf on the pooled buffer: its .grad goes back. A bf16 wire is widened to fp32 (a copy) so the
+            # residual stream stays fp32 as in one process; the gradient is narrowed again when sent back.
+            inp = recv_buf.detach().float().requires_grad_()
         targets = self.ys[i].to(self.device, non_blocking=True) if self.last else None
-        out, aux = self.model(inp, targets)
+        with self.autocast():  # mixed precision for the forward only; backward runs outside it
+            out, aux = self.model(inp, targets)
         self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
         # aux is a constant zero when the stage has no MoE layer: nothing to backpropagate.
         aux_term = self.loss_scale * self.aux_weight * aux if aux.requires_grad and self.aux_weight else None
@@ -159,6 +163,7 @@ def pipeline_forward_backward(
     aux_weight: float,
     loss_scale: float,
     before_backward: Callable[[bool], None] | None,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -167,7 +172,8 @@ def pipeline_forward_backward(
     (m, S, D), dtype, device; the caller keeps it across steps so its buffers are reused).
     before_backward(is_last) is called right before each microbatch's backward; is_last is True
     exactly once, for this stage's final backward of the step (the DP reducer starts its gradient
-    communication then). Every rank of the step calls this.
+    communication then). `autocast()` is entered around each microbatch's forward (bf16 mixed precision),
+    never around a backward. Every rank of the step calls this.
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -180,7 +186,7 @@ def pipeline_forward_backward(
 
     t0 = time.perf_counter()
     comms.reset_wait()
-    run = _StageRunner(model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device)
+    run = _StageRunner(model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast)
     if schedule == "gpipe" and dims.pp > 1:
         _gpipe(run, comms, M)
     else:  # 1f1b; with pp == 1 it is plain gradient accumulation, whatever the schedule
@@ -208,7 +214,7 @@ def pipeline_forward(
     ce_sum, aux_sum = None, torch.zeros((), device=device)
     for i in range(len(xs)):
         buf = comms.recv_forward()
-        inp = xs[i].to(device, non_blocking=True) if dims.is_pp_first_stage else buf
+        inp = xs[i].to(device, non_blocking=True) if dims.is_pp_first_stage else buf.float()  # fp32 residual
         targets = ys[i].to(device, non_blocking=True) if dims.is_pp_last_stage else None
         out, aux = model(inp, targets)
         aux_sum = aux_sum + aux

@@ -1,6 +1,8 @@
 """Point-to-point traffic between neighbouring pipeline stages: activations forward, their gradients back.
 
-Every message is one `[m, S, D]` tensor (DESIGN, seed "Communications across ranks"). The receiver must
+Every message is one `[m, S, D]` tensor (DESIGN, seed "Communications across ranks") in the compute dtype:
+under bf16 mixed precision the sender narrows the fp32 activation (or gradient) to bf16, half the bytes,
+and the receiving stage widens it again (pp.py). The receiver must
 own a buffer of that shape and dtype before the message arrives; `StageComms` keeps a pool of them so
 a step allocates only as many as are in flight at once (GPipe: M inputs, 1F1B: at most PP - p), and
 reuses them across microbatches and steps.

@@ -7,6 +7,7 @@
     zero_grads        ready for the next step
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
     reduce_losses     the step's CE and balance loss, averaged over all DP*EP*M microbatches
+    update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
 Loss normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
 sums over the parameter's group. The stage's P2P endpoints (`StageComms`, with their reusable receive
@@ -16,6 +17,7 @@ buffers) live on the ModelShard, one per activation shape, built here on first u
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -28,20 +30,28 @@ from .pp import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp_comms import StageComms
 
 
+def compute_dtype(dtype: str) -> torch.dtype:
+    """The dtype of the forward's GEMMs, and of what travels between ranks (PP activations, EP payloads)."""
+    return torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
 def autocast(device: torch.device, dtype: str):
-    """bf16 autocast for the forward on CUDA; fp32 otherwise."""
-    if dtype == "bf16" and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast (CPU or CUDA) for a forward; a no-op for fp32. Enter it around forwards only: the AMP docs
+    advise running the backward outside it (autograd already replays each op in its forward's dtype).
+    Parameters, gradients and optimizer state stay fp32; the router and the cross-entropy opt out (fp32)."""
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device) -> StageComms:
-    """This stage's P2P endpoints for microbatches shaped like xs[0] (m, S): activations (m, S, D) in fp32."""
+def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device, dtype: str = "fp32") -> StageComms:
+    """This stage's P2P endpoints for microbatches shaped like xs[0] (m, S): activations (m, S, D) and their
+    gradients travel in the compute dtype (bf16 halves the bytes; each stage's residual stream stays fp32)."""
     m, S = xs[0].shape
-    act_shape = (m, S, shard.model.cfg.d_model)
-    key = (act_shape, torch.float32, str(device))
+    act_shape, wire = (m, S, shard.model.cfg.d_model), compute_dtype(dtype)
+    key = (act_shape, wire, str(device))
     if key not in shard.comms:
-        shard.comms[key] = StageComms(shard.dims, act_shape, torch.float32, device)
+        shard.comms[key] = StageComms(shard.dims, act_shape, wire, device)
     return shard.comms[key]
 
 
@@ -56,26 +66,27 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
     """Forwards and backwards of this rank's M microbatches, gradients accumulated into .grad and their
     sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches."""
     M = len(xs)
-    with autocast(device, dtype):
-        if shard.ddp is not None:
-            return _ddp_forward_backward(shard, xs, ys, aux_weight)
+    forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
+    if shard.ddp is not None:
+        return _ddp_forward_backward(shard, xs, ys, aux_weight, forward_ctx)
 
-        def before_backward(is_last: bool):
-            for r in shard.reducers:
-                r.prepare(sync=is_last)
+    def before_backward(is_last: bool):
+        for r in shard.reducers:
+            r.prepare(sync=is_last)
 
-        return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device),
-                                         schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
-                                         before_backward=before_backward)
+    return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
+                                     schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
+                                     before_backward=before_backward, autocast=forward_ctx)
 
 
-def _ddp_forward_backward(shard: ModelShard, xs, ys, aux_weight: float) -> StepStats:
+def _ddp_forward_backward(shard: ModelShard, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
     """torch DDP baseline (pure DP): no_sync on all but the last microbatch."""
     t0, M = time.perf_counter(), len(xs)
     ce_sum = aux_sum = None
     for i, (x, y) in enumerate(zip(xs, ys)):
         with contextlib.nullcontext() if i == M - 1 else shard.ddp.no_sync():
-            ce, aux = shard.ddp(x, y)
+            with forward_ctx():
+                ce, aux = shard.ddp(x, y)
             ((ce + aux_weight * aux) / M).backward()
         ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
         aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
@@ -92,17 +103,63 @@ def finish_grads(shard: ModelShard) -> None:
 def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
     """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank."""
     dims = shard.dims
+    if shard.zero:
+        # Sharded grads are disjoint over non-expert-DP; experts FSDP left whole (zero 3, dp == 1) over EP.
+        whole = [p for _, p in shard.unsharded]
+        return clip_grad_norm_(whole, [], max_norm, dims.group("pp"), dims.group("ep") if whole else None,
+                               shard.shard_params(), dims.group("non_expert_dp"))
     return clip_grad_norm_([p for _, p in shard.expert_params], [p for _, p in shard.replicated_params],
                            max_norm, dims.group("pp"), dims.group("ep"))
 
 
 def zero_grads(shard: ModelShard, optimizer: torch.optim.Optimizer) -> None:
-    """Zero the gradients for the next step (the Reducer keeps .grad bound to its flat buckets)."""
+    """After the optimizer step: ready for the next step. Zero the gradients (the Reducer keeps .grad bound
+    to its flat buckets); at zero 1/2 first all-gather the updated shards, so every rank holds the full
+    params again (for the next forward, eval, checkpoints)."""
+    if shard.zero in (1, 2):
+        for r in shard.reducers:
+            r.start_gather()  # every bucket's all-gather in flight at once, then wait for all
+        for r in shard.reducers:
+            r.wait_gather()
     if shard.reducers:
         for r in shard.reducers:
             r.zero_grad()
     else:
         optimizer.zero_grad(set_to_none=False)
+
+
+def agree_on_step(shard: ModelShard, stats: StepStats, grad_norm: torch.Tensor, stop_requested: bool,
+                  device: torch.device) -> tuple[bool, bool]:
+    """(non-finite, stop) agreed by every rank before the update: the step's loss or global grad norm is NaN/inf
+    on any rank, or any rank was asked to stop. One 2-float MAX all-reduce and one host sync per step, so every
+    rank skips, stops or steps alike and none is left waiting inside a collective."""
+    local_loss = stats.aux_sum if stats.ce_sum is None else stats.ce_sum + stats.aux_sum
+    bad = ~(torch.isfinite(grad_norm.reshape(())) & torch.isfinite(local_loss.reshape(())))
+    flags = torch.stack([bad.float(), torch.tensor(float(stop_requested), device=device)])
+    if dist.is_initialized() and shard.dims.world_size > 1:
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX, axis="other")
+    nonfinite, stop = flags.tolist()
+    return nonfinite > 0, stop > 0
+
+
+def update_router_bias(shard: ModelShard, apply: bool = True) -> None:
+    """Once per optimizer step (after it): every MoE layer with a router bias moves it by gamma * sign(mean load -
+    load), load = its tokens per expert over the whole step. Summed over the non-expert-DP group (the dp x ep ranks
+    of this stage: every data rank of its layers, all M microbatches each), so every replica applies the same
+    update, and every layout the single process's. Activation-checkpoint recomputes are not counted (the model
+    counts in its outer forward). A stage without such layers does nothing (nor do its group peers).
+    apply=False (a skipped step, agreed by every rank) only drops the step's counts."""
+    model = shard.model
+    keys = [k for k, b in model.layers.items() if b.is_moe and b.moe.router_bias is not None]
+    if not keys:
+        return
+    counts = torch.stack([model.step_load.pop(k) for k in keys])  # (MoE layers of this stage, E), int64: exact
+    if not apply:
+        return
+    if dist.is_initialized() and shard.dims.data_world > 1:
+        comm.all_reduce(counts, group=shard.dims.group("non_expert_dp"), axis="other")
+    for k, counts_E in zip(keys, counts):
+        model.layers[k].moe.update_bias(counts_E)
 
 
 def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int) -> tuple[float, float]:
@@ -128,7 +185,7 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
     with autocast(device, dtype):
         for xb, yb in batches:
             xs, ys = split_microbatches(xb, yb, m, device)
-            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device))
+            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype))
             if ce_sum is not None:  # last stage
                 total += ce_sum
             n += len(xs)

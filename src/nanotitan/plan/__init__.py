@@ -1,6 +1,6 @@
 """Layout planner: predict memory and step time of every DP x PP x EP layout, rank them, pick one.
 
-`nanotitan plan --config FILE --gpus N` enumerates every layout (dp, pp, ep, schedule, M, m) of
+`nanotitan plan --config FILE --ranks N` enumerates every layout (dp, pp, ep, schedule, M, m) of
 world N that keeps the config's global batch B = dp*ep*M*m and passes `config.validate`, predicts
 per-rank memory and step time with an analytic model, and prints a ranked table with a
 recommendation. `recommend()` is what `nanotitan train --parallel.auto true` calls.

@@ -18,7 +18,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
                                  "DP x PP x EP layout, rank them, pick one.")
     ap.add_argument("--config", help="TOML config (model, train.seq_len, global batch = dp*ep*M*m)")
-    ap.add_argument("--gpus", type=int, help="world size N to plan for (ranks on CPU)")
+    ap.add_argument("--ranks", "--gpus", dest="ranks", type=int,
+                    help="world size N to plan for: GPUs, or processes on CPU (--gpus is the old name)")
     ap.add_argument("--nodes", type=int, default=0, help="nodes the N ranks fill in order (default: by the profile)")
     ap.add_argument("--hardware", default="auto", help="built-in profile name or a JSON profile file (auto: detect)")
     ap.add_argument("--measure", action="store_true", help="measure this machine and write a profile to --out")
@@ -56,8 +57,8 @@ def main(argv: list[str]) -> int:
             res = calibrate(rows, cfg, hw)
             print(f"wrote {args.out}: {hw.source}\n\n{format_calibration(res)}")
             return 0
-        if not args.gpus:
-            raise ConfigError("nanotitan plan needs --gpus N (the world size to plan for)")
+        if not args.ranks:
+            raise ConfigError("nanotitan plan needs --ranks N (the world size to plan for)")
         cfg = load_config(args.config, overrides)
         hw = detect_hardware(None if args.hardware == "auto" else args.hardware)
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
@@ -66,16 +67,16 @@ def main(argv: list[str]) -> int:
         opts = PlanOptions(precision=args.precision, zero1=args.zero1, activation_checkpointing=ac,
                            global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
                            ep_overlap=args.ep_overlap, shape_extra=extra)
-        preds = plan(cfg, args.gpus, hw, opts)
+        preds = plan(cfg, args.ranks, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not preds:
-        print(f"error: no valid layout of {args.gpus} ranks for this config and global batch", file=sys.stderr)
+        print(f"error: no valid layout of {args.ranks} ranks for this config and global batch", file=sys.stderr)
         return 2
     shape = ModelShape.from_config(cfg, **extra)
-    B = opts.global_batch or cfg.global_batch
-    head = (f"{shape.total_params() / 1e9:.3g}B params, {B} x {shape.seq_len} tokens/step on {args.gpus} x {hw.name} "
+    B = opts.global_batch or cfg.layout_batch
+    head = (f"{shape.total_params() / 1e9:.3g}B params, {B} x {shape.seq_len} tokens/step on {args.ranks} x {hw.name} "
             f"({len(preds)} layouts, {sum(p.fits for p in preds)} fit)")
     best = preds[0].layout
     rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "

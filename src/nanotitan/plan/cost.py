@@ -21,7 +21,7 @@ class PlanOptions:
     precision: str = ""  # "" = from train.dtype (fp32 or bf16-autocast)
     zero1: bool = False  # shard master+moments over each param's DP group (the trainer does not implement it yet)
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
-    global_batch: int = 0  # 0 = cfg.global_batch
+    global_batch: int = 0  # 0 = cfg.layout_batch
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
     nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
     ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
@@ -153,9 +153,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     # that backward s stage-backwards before stage 0 does, so it has that much idle slack too.
     exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
+    red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
     for s, st in enumerate(stages):
-        t_ar = (_ring_allreduce_s(st.n_ne * prec.grad, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
-                + _ring_allreduce_s(st.n_ex * prec.grad, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
+        t_ar = (_ring_allreduce_s(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                + _ring_allreduce_s(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
         exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd))
         n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else st.n_ne + st.n_ex
         # AdamW reads param, grad, master, moments and writes param, master, moments.

@@ -1,6 +1,6 @@
 """Measure this machine for the planner (`nanotitan plan --measure`) and count live tensor bytes.
 
-- `measure_hardware(out)`: fp32 GEMM FLOP/s per thread count (`hardware.measure_cpu_gemm_flops`),
+- `measure_hardware(out)`: fp32 and bf16 GEMM FLOP/s per thread count (`hardware.measure_cpu_gemm_flops`),
   fused-AdamW memory throughput, all-reduce / all-to-all / P2P bandwidth and latency over real gloo
   between 2 spawned local processes, the node's cores and memory, and the RSS of a rank before its
   model exists (the trainer's imports + a gloo group); writes a JSON profile that `--hardware FILE` reads.
@@ -126,14 +126,17 @@ def measure_hardware(out_path: str) -> Hardware:
     cores = host_cores()
     threads = sorted({1, cores} | {t for t in (2, 4, 8, 16, 32) if t < cores})
     by_threads = {t: measure_cpu_gemm_flops(t, n=1024) for t in threads}
+    bf16_by_threads = {t: measure_cpu_gemm_flops(t, n=1024, dtype="bf16") for t in threads}
     c = measure_comm()
     lat = statistics.median([c["ar_lat"] / 2, c["a2a_lat"], c["p2p_lat"]])
     intra = Link(c["allreduce_bw"], c["a2a_bw"], c["p2p_bw"], lat)
-    hw = Hardware(name=f"measured-{socket.gethostname()}", peak_flops_bf16=by_threads[1], peak_flops_fp32=by_threads[1],
+    hw = Hardware(name=f"measured-{socket.gethostname()}", peak_flops_bf16=bf16_by_threads[1],
+                  peak_flops_fp32=by_threads[1],
                   compute_efficiency=0.5, gemm_half_rows=16, mem_bytes=host_memory_bytes(),
                   mem_reserved_bytes=float(c["rss"]), mem_bw=adamw_bytes_per_s(), devices_per_node=max(64, cores),
                   intra=intra, inter=Link.uniform(0.1e9, 500e-6), dp_overlap=0.0, cores_per_node=cores,
-                  gemm_flops_by_threads=by_threads, layer_overhead_s=0.3e-3,
+                  gemm_flops_by_threads=by_threads, gemm_bf16_flops_by_threads=bf16_by_threads,
+                  layer_overhead_s=0.3e-3,
                   source=f"nanotitan plan --measure, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}; "
                          f"compute_efficiency, layer_overhead and call costs are defaults until "
                          f"`nanotitan plan --calibrate`")

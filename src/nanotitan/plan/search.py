@@ -20,7 +20,7 @@ def divisors(n: int) -> list[int]:
 
 def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0) -> list[Layout]:
     """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; both schedules when pp > 1."""
-    B = global_batch or cfg.global_batch
+    B = global_batch or cfg.layout_batch
     out = []
     for pp in divisors(world):
         for ep in divisors(world // pp):
@@ -45,7 +45,7 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     opts = opts or PlanOptions()
     hw = detect_hardware(hardware)
     if opts.nodes and world % opts.nodes:
-        raise ConfigError(f"--gpus {world} must be a multiple of --nodes {opts.nodes}")
+        raise ConfigError(f"--ranks {world} must be a multiple of --nodes {opts.nodes}")
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     layouts = [lay for lay in enumerate_layouts(cfg, world, opts.global_batch)
                if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
@@ -59,7 +59,7 @@ def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
     """(dp, pp, ep, schedule, microbatches, micro_batch) of the fastest layout that fits memory."""
     preds = plan(cfg, world, hardware, opts)
     if not preds:
-        B = (opts and opts.global_batch) or cfg.global_batch
+        B = (opts and opts.global_batch) or cfg.layout_batch
         raise ConfigError(f"no layout of {world} ranks keeps global batch {B} with "
                           f"{cfg.model.num_experts} experts and {cfg.model.n_layers} layers "
                           f"(change --parallel.microbatches/--train.micro_batch or the world size)")
