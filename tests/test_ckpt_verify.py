@@ -10,7 +10,7 @@ Contracts (issue 12, items 2 and 3, and the checkpoint half of item 1):
 - RunDirLock refuses a second live job naming it, takes over a dead holder's lock saying so;
   check_fresh refuses a fresh run over old checkpoints unless resume or overwrite.
 
-Cost: two 2-rank launches (~6 s each on 2 idle cores) plus in-process checks (~2 s).
+Cost: one 2-rank launch (~8 s on 2 idle cores) plus in-process checks (~2 s).
 """
 
 from __future__ import annotations
@@ -36,49 +36,54 @@ from tests.test_checkpoint import SAVE_KS, build, perturb, tiny_cfg
 LAYOUT = (1, 1, 2)  # EP=2: each rank writes its own experts, so each shard is checked by one rank only
 
 
-def _shard(rank, world, run_dir, nan_key):
-    """Save steps 10..40 (keep_last 0); then put NaN into one tensor of rank 1 and try step 50 with
-    keep_last=1. Returns each rank's refusal line and its state at step 40 (for the load check)."""
+def _ranks(rank, world, tmp, nan_key):
+    """One launch for everything multi-rank (start-up is most of the cost):
+    1. save steps 20, 30, 40; put NaN into one tensor of rank 1 and try step 50 with keep_last=1;
+    2. rank 0 makes damaged copies of the run (step_40 damaged, step_30 intact), barrier;
+    3. on each copy: resume PATH (step_40) and resume auto; load what auto chose in the first copy only
+       (the loads are the same); then load_checkpoint on a damaged path directly.
+    Returns (refusal line, state at step 40, [(status, name or error, extra, log lines)], fallback state,
+    direct-load error)."""
+    run = Path(tmp) / "run"
     dims = ParallelDims(*LAYOUT, rank).build_groups()
     cfg = tiny_cfg(LAYOUT)
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
     perturb(model, opt, SAVE_KS)
-    for step in (10, 20, 30, 40):
-        ckpt.save_checkpoint(run_dir, step, model, opt, dims, cfg, {"samples_consumed": step}, keep_last=0)
+    for step in (20, 30, 40):
+        ckpt.save_checkpoint(run, step, model, opt, dims, cfg, {"samples_consumed": step}, keep_last=0)
     saved = {k: v.clone() for k, v in ckpt.keyed_tensors(model, opt).items()}
     if rank == 1:
         ckpt.keyed_tensors(model, opt)[nan_key].view(-1)[3] = float("nan")
     try:
-        ckpt.save_checkpoint(run_dir, 50, model, opt, dims, cfg, {"samples_consumed": 50}, keep_last=1)
+        ckpt.save_checkpoint(run, 50, model, opt, dims, cfg, {"samples_consumed": 50}, keep_last=1)
         refusal = ""
     except ckpt.NonFiniteStateError as e:
         refusal = str(e)
-    return refusal, saved
 
-
-def _load_cases(rank, world, cases):
-    """For each (run_dir, path_or_auto): resolve_resume, then load what it chose; collect lines/errors."""
-    dims = ParallelDims(*LAYOUT, rank).build_groups()
-    cfg = tiny_cfg(LAYOUT)
-    out = []
-    for run_dir, where in cases:
-        lines = []
-        model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
-        try:
-            path = ckpt.resolve_resume(where, run_dir, log=lines.append)
-            extra = ckpt.load_checkpoint(path, model, opt, dims)
-            state = {k: v.clone() for k, v in ckpt.keyed_tensors(model, opt).items()}
-            out.append(("ok", path.name, extra, lines, state))
-        except ckpt.CheckpointError as e:
-            out.append(("error", str(e), None, lines, None))
-    # load_checkpoint itself (no resolve_resume first) refuses a damaged checkpoint as well
-    model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
-    try:
-        ckpt.load_checkpoint(Path(cases[0][0]) / "checkpoints" / "step_40", model, opt, dims)
-        out.append(("ok",))
+    if rank == 0:
+        _make_damaged_copies(run, Path(tmp))
+    torch.distributed.barrier()
+    results, fallback = [], None
+    for name in [*_damages(), "both"]:
+        copy = Path(tmp) / name
+        for where in ([str(copy / "checkpoints" / "step_40")] if name != "both" else []) + ["auto"]:
+            lines = []
+            try:
+                path = ckpt.resolve_resume(where, copy, log=lines.append)
+                extra = None
+                if fallback is None:
+                    model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
+                    extra = ckpt.load_checkpoint(path, model, opt, dims)
+                    fallback = {k: v.clone() for k, v in ckpt.keyed_tensors(model, opt).items()}
+                results.append(("ok", path.name, extra, lines))
+            except ckpt.CheckpointError as e:
+                results.append(("error", str(e), None, lines))
+    try:  # load_checkpoint itself (no resolve_resume first) refuses a damaged checkpoint as well
+        ckpt.load_checkpoint(Path(tmp) / "overwrite4k" / "checkpoints" / "step_40", model, opt, dims)
+        direct = ""
     except ckpt.CheckpointError as e:
-        out.append(("error", str(e)))
-    return out
+        direct = str(e)
+    return refusal, saved, results, fallback, direct
 
 
 def _overwrite_mid(path: Path, n: int = 4096) -> None:
@@ -109,25 +114,34 @@ def _damages():
     }
 
 
+def _make_damaged_copies(run: Path, tmp: Path) -> None:
+    """tmp/<damage>/checkpoints/{step_30, step_40 damaged}; tmp/both: step_30 damaged as well."""
+    for name, (target, damage, _) in _damages().items():
+        for step in (30, 40):
+            shutil.copytree(ckpt.checkpoint_dir(run) / f"step_{step}", tmp / name / "checkpoints" / f"step_{step}")
+        damage(tmp / name / "checkpoints" / "step_40" / target)
+    shutil.copytree(tmp / "overwrite4k", tmp / "both")
+    _overwrite_mid(tmp / "both" / "checkpoints" / "step_30" / "__0_0.distcp")
+
+
+NAN_KEY = "optim.layers.1.moe.experts.W_gate.3.exp_avg_sq"  # expert 3 lives on rank 1 (EP=2 of 4)
+
+
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory):
-    """One 2-rank launch: checkpoints 10..40 and a refused NaN save of step 50."""
-    run = tmp_path_factory.mktemp("run")
-    nan_key = "optim.layers.1.moe.experts.W_gate.3.exp_avg_sq"  # expert 3 lives on rank 1 (EP=2 of 4)
-    results = run_ranks(_shard, 2, (str(run), nan_key), timeout=90)
-    return run, nan_key, results
+def launched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckv")
+    return tmp, run_ranks(_ranks, 2, (str(tmp), NAN_KEY), timeout=120)
 
 
-def test_nonfinite_save_refused_on_every_rank(saved_run):
+def test_nonfinite_save_refused_on_every_rank(launched):
     """NaN in one rank's optimizer state: both ranks refuse step 50 before writing; step_40 and older stay."""
-    run, nan_key, results = saved_run
-    (line0, _), (line1, _) = results
-    assert f"refusing to save step 50: {nan_key} holds NaN/inf on rank 1" in line1
+    tmp, ((line0, *_), (line1, *_)) = launched
+    assert f"refusing to save step 50: {NAN_KEY} holds NaN/inf on rank 1" in line1
     assert "refusing to save step 50: rank 1 holds NaN/inf state" in line0
     for line in (line0, line1):
         assert "nothing was written" in line and line.endswith("step_40") and "\n" not in line
-    root = ckpt.checkpoint_dir(run)
-    assert sorted(p.name for p in root.iterdir()) == ["step_10", "step_20", "step_30", "step_40"]
+    root = ckpt.checkpoint_dir(tmp / "run")
+    assert sorted(p.name for p in root.iterdir()) == ["step_20", "step_30", "step_40"]
     manifest = json.loads((root / "step_40" / ckpt.MANIFEST).read_text())["files"]
     assert set(manifest) == {".metadata", "__0_0.distcp", "__1_0.distcp", "config.toml", "state.json"}
     for name, entry in manifest.items():
@@ -135,56 +149,36 @@ def test_nonfinite_save_refused_on_every_rank(saved_run):
         assert ckpt._hash_file(root / "step_40" / name)[1] == entry["xxh3_64"]
 
 
-def test_damaged_checkpoints_are_named_and_skipped(saved_run, tmp_path):
+def test_damaged_checkpoints_are_named_and_skipped(launched):
     """Each damage to step_40: `resume PATH` fails naming the file, `resume auto` falls back to step_30
     with one line saying why, on both ranks alike; the fallback loads exactly the saved state."""
-    run, _, results = saved_run
-    saved = [s for _, s in results]
-    cases, expect = [], []
-    for name, (target, damage, needle) in _damages().items():
-        copy = tmp_path / name
-        (copy / "checkpoints").mkdir(parents=True)
-        for step in (30, 40):
-            shutil.copytree(ckpt.checkpoint_dir(run) / f"step_{step}", copy / "checkpoints" / f"step_{step}")
-        damage(copy / "checkpoints" / "step_40" / target)
-        cases += [(str(copy), str(copy / "checkpoints" / "step_40")), (str(copy), "auto")]
-        expect.append(needle)
-    # both checkpoints damaged: auto refuses to restart from scratch, naming both
-    both = tmp_path / "both"
-    shutil.copytree(tmp_path / "overwrite4k", both)
-    _overwrite_mid(both / "checkpoints" / "step_30" / "__0_0.distcp")
-    cases.append((str(both), "auto"))
-    # the first case's dir is also the target of the plain load_checkpoint call
-    per_rank = run_ranks(_load_cases, 2, (cases,), timeout=90)
-
-    r0, r1 = per_rank
-    for i, needle in enumerate(expect):
+    _, per_rank = launched
+    (_, saved0, r0, fallback0, direct0), (_, saved1, r1, fallback1, direct1) = per_rank
+    assert [c[:3] for c in r0] == [c[:3] for c in r1]  # the same decisions, in the same words, on both ranks
+    for i, (target, _, needle) in enumerate(_damages().values()):
         by_path, by_auto = r0[2 * i], r0[2 * i + 1]
         assert by_path[0] == "error" and needle in by_path[1] and "\n" not in by_path[1], (needle, by_path[1])
         assert by_path[1].startswith("cannot resume from ") and "step_40" in by_path[1]
-        status, name, extra, lines, state = by_auto
-        assert (status, name, extra) == ("ok", "step_30", {"samples_consumed": 30, "step": 30}), by_auto[:3]
+        status, name, _, lines = by_auto
+        assert (status, name) == ("ok", "step_30"), by_auto
         assert len(lines) == 1 and needle in lines[0] and lines[0].endswith("using step_30"), lines
         assert lines[0].startswith("resume: skipped step_40: ")
-        # the other rank reached the same decisions, with the same words
-        assert [c[:3] for c in r1[2 * i:2 * i + 2]] == [c[:3] for c in (by_path, by_auto)]
     # the fallback's state equals what the saving ranks held (step 30 == step 40: no update in between)
-    for rank, rows in enumerate(per_rank):
-        state = rows[1][4]
-        assert all(torch.equal(state[k], saved[rank][k]) for k in state if not k.startswith("rng."))
-    status, line, *_ = r0[-2]
+    assert r0[1][2] == {"samples_consumed": 30, "step": 30}
+    for saved, fallback in ((saved0, fallback0), (saved1, fallback1)):
+        assert fallback.keys() == saved.keys() and all(torch.equal(fallback[k], saved[k]) for k in saved)
+    status, line, _, _ = r0[-1]
     assert status == "error" and "no checkpoint under" in line and "step_40: shard __1_0.distcp fails" in line
-    assert "step_30: shard __0_0.distcp fails its checksum" in line and r1[-2][1] == line
-    assert r0[-1] == r1[-1] and r0[-1][0] == "error" and "cannot load checkpoint" in r0[-1][1]
-    assert "__1_0.distcp fails its checksum" in r0[-1][1]
+    assert "step_30: shard __0_0.distcp fails its checksum" in line
+    assert direct0 == direct1 and direct0.startswith("cannot load checkpoint ")
+    assert "__1_0.distcp fails its checksum" in direct0
 
 
-def test_single_process_verification_and_pruning(saved_run, tmp_path):
+def test_single_process_verification_and_pruning(launched, tmp_path):
     """Without a process group one process checks every file; keep_last never drops the newest good one,
     and a checkpoint newer than the one just saved (a left timeline) goes."""
-    run, _, _ = saved_run
     copy = tmp_path / "run"
-    shutil.copytree(run, copy)
+    shutil.copytree(launched[0] / "run", copy)
     root = ckpt.checkpoint_dir(copy)
     assert ckpt.verify_checkpoint(root / "step_40") == ""
     _overwrite_mid(root / "step_40" / "__1_0.distcp")

@@ -6,11 +6,13 @@ DP2 x PP2 x EP2 each train 10 steps on real gloo processes at the reference's gl
 single process: losses to 1e-5 relative per step, final parameters (each rank against its slice), replicas
 bitwise, and the router biases after 10 steps bitwise equal to the reference's on every rank (the update is
 from the step's global counts: all data ranks, all microbatches, each layer on its own stage). The records
-(tokens per expert, dropped fraction, bias) must match too. Two launches (2 and 8 ranks).
+(tokens per expert, dropped fraction, bias) must match too. Two launches (2 and 8 ranks); their run dirs
+also feed `nanotitan plot`.
 """
 
 import torch
 
+from nanotitan import cli
 from nanotitan.config import load_config
 from nanotitan.model.transformer import is_expert_param
 from tests.mp import run_ranks
@@ -62,3 +64,12 @@ def test_router_options_every_layout(corpus_dir, tmp_path):
     _check(2, [(2, 1, 1, "1f1b", ("--train.activation_checkpointing", "true")), (1, 1, 2),
                (1, 2, 1, "gpipe"), (1, 2, 1, "1f1b")], corpus_dir, tmp_path / "w2", ref, timeout=300)
     _check(8, [(2, 2, 2, "1f1b")], corpus_dir, tmp_path / "w8", ref, timeout=300)
+
+    # `nanotitan plot` on two of these runs (no launch of its own): every picture written, a bad dir refused.
+    out = tmp_path / "plots"
+    assert cli.main(["plot", str(tmp_path / "ref"), str(tmp_path / "w8" / "8_0"), "--out", str(out)]) == 0
+    names = {"loss.png", "throughput.png", "expert_load_ref.png", "expert_load_8_0.png"}
+    assert {p.name for p in out.iterdir()} == names
+    for name in names:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(["plot", str(tmp_path)]) == 2  # no metrics.jsonl there

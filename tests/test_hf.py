@@ -235,6 +235,10 @@ def test_init_from_hf_sets_validates_and_refuses(hf_dirs, tmp_path):
     (scaled / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="rope_type='yarn'"):
         load_config(None, ["--init.from_hf", str(scaled)])
+    del conf["rope_parameters"], conf["moe_intermediate_size"]
+    (scaled / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match="config.json has no 'moe_intermediate_size'"):
+        load_config(None, ["--init.from_hf", str(scaled)])
 
 
 def test_export_cli_from_checkpoint_fp32_and_bf16(tokenizer, tmp_path):

@@ -24,6 +24,13 @@ def test_live_tensor_bytes_counts_each_storage_once():
     opt.step()
     # exp_avg and exp_avg_sq per parameter, plus a float32 `step` per parameter tensor
     assert live_tensor_bytes(model, opt)["optim_bytes"] == 2 * 4 * n + 4 * len(params)
+    # ZeRO-style: the optimizer updates a flat shard of its own (its master copy counts as optimizer state)
+    shard = torch.zeros(10, requires_grad=True)
+    shard.grad = torch.zeros(10)
+    zero = torch.optim.AdamW([shard])
+    zero.step()
+    assert live_tensor_bytes(model, zero) == {"param_bytes": 4 * n, "grad_bytes": 4 * n + 40,
+                                              "optim_bytes": 40 + 2 * 40 + 4}
 
 
 def test_saved_activations_of_a_linear_relu():

@@ -89,3 +89,44 @@ def test_collectives_carry_their_axis_label(tmp_path):
         for label in expected:
             assert label in table
         assert "DP " in table.split("communication")[1] and "EP " in table and "PP " in table
+
+
+def test_real_two_stage_run_profiles_every_rank_logs_to_wandb_and_reports_tensor_memory(tmp_path, corpus_dir):
+    """One `nanotitan train` job, PP=2 (1F1B, M=4), steps 2-3 profiled, W&B offline: a trace and a table per
+    rank with the PP labels, the W&B run holding every record of metrics.jsonl, and summary.json's ranks
+    holding each stage's live tensor bytes (its own parameters, fp32, AdamW's two moments and steps)."""
+    import os
+    import subprocess
+    import sys
+
+    from nanotitan.model.spec import build_shard_spec
+    from nanotitan.model.transformer import Transformer
+    from tests.test_wandb import _items, _wandb_records
+
+    run_dir, wandb_dir = tmp_path / "run", tmp_path / "wandb_home"
+    wandb_dir.mkdir()
+    args = [*TINY, "--data.source", str(corpus_dir), "--train.seq_len", "16", "--train.micro_batch", "2",
+            "--parallel.pp", "2", "--parallel.microbatches", "4", "--train.steps", "4", "--run.log_every", "1",
+            "--run.profile_steps", "2-3", "--run.wandb", "true", "--run.dir", str(run_dir),
+            "--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0",
+            "--train.eval_every", "0", "--train.ckpt_at_end", "false"]
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(wandb_dir),
+               WANDB_CONFIG_DIR=str(wandb_dir), WANDB_CACHE_DIR=str(wandb_dir), WANDB_DATA_DIR=str(wandb_dir))
+    r = subprocess.run([sys.executable, "-m", "nanotitan.cli", "train", *args], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = load_config(None, args)
+    for rank in (0, 1):
+        names = _trace_names(run_dir / "profile" / f"rank_{rank}.json")
+        assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
+        assert "PP send/recv" in names or {"PP send", "PP recv"} & names, sorted(n for n in names if n[:3] == "PP ")
+        assert f"[rank{rank}]:profile of rank {rank}, steps 2-3" in r.stdout
+    jsonl = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_file,) = (wandb_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history = [_items(x.history.item) for x in _wandb_records(run_file) if x.WhichOneof("record_type") == "history"]
+    assert [{k: h[k] for k in line} for h, line in zip(history, jsonl)] == jsonl and len(history) == 4
+    for rank, row in enumerate(json.loads((run_dir / "summary.json").read_text())["ranks"]):
+        stage = Transformer(cfg.model, build_shard_spec(cfg, pp_rank=rank), seed=0)
+        n, tensors = sum(q.numel() for q in stage.parameters()), len(list(stage.parameters()))
+        assert (row["param_bytes"], row["grad_bytes"], row["optim_bytes"]) == (4 * n, 4 * n, 8 * n + 4 * tensors)
+        assert 0 < row["act_peak_bytes"] < row["peak_mem_bytes"]

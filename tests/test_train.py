@@ -142,3 +142,40 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, corpus_dir):
     assert ck is not None, out
     assert "stop requested (SIGTERM)" in out
     assert int(ck.name.split("_")[1]) >= 3
+
+
+def test_eval_steps_log_the_training_expert_load(tmp_path, corpus_dir):
+    """Bug (issue 12): evaluate() cleared the expert-load counts before the step's record read them, so eval
+    steps logged all-zero loads. Every record's load must count exactly the trained assignments since the last
+    record: per MoE layer, B*S*top_k per step."""
+    from nanotitan.train import run
+
+    cfg = load_config(None, [*TINY, "--data.source", str(corpus_dir), "--train.steps", "6", "--train.eval_every",
+                             "2", "--train.eval_batches", "1", "--run.log_every", "2", "--run.dir", str(tmp_path)])
+    hist = run(cfg)["history"]
+    assert [r["step"] for r in hist] == [1, 2, 4, 6] and all("val_loss" in r for r in hist[1:])
+    per_step = cfg.layout_batch * cfg.train.seq_len * cfg.model.top_k
+    for r, steps in zip(hist, [1, 1, 2, 2]):
+        assert [sum(layer) for layer in r["expert_load"]] == [per_step * steps] * cfg.model.n_layers, r["step"]
+
+
+def test_nonfinite_step_is_skipped_or_stops_without_saving(tmp_path, corpus_dir):
+    """train.on_nonfinite: skip drops the update on every rank and counts it; stop raises one line naming the
+    step and writes no checkpoint; metrics.jsonl stays strict JSON (NaN -> null)."""
+    from nanotitan.errors import TrainingError
+    from nanotitan.train import run
+
+    base = [*TINY, "--data.source", str(corpus_dir), "--train.steps", "8", "--train.eval_every", "0",
+            "--train.lr", "1e6", "--train.warmup_steps", "0", "--run.log_every", "1"]
+    with pytest.raises(TrainingError, match=r"^step \d+: non-finite loss .* grad norm nan; stopped without saving"):
+        run(load_config(None, [*base, "--run.dir", str(tmp_path / "stop")]))
+    assert not (tmp_path / "stop" / "checkpoints").exists()
+    lines = (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for line in lines]
+    assert recs[-1]["grad_norm"] is None and recs[-1]["skipped"]
+
+    with pytest.raises(TrainingError, match=r"3 in a row > train.max_skips=2"):
+        run(load_config(None, [*base, "--run.dir", str(tmp_path / "skip"), "--train.on_nonfinite", "skip",
+                               "--train.max_skips", "2"]))
+    recs = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in recs if r["skipped"]] == [1, 2, 3]

@@ -6,6 +6,7 @@
     nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16]
     nanotitan bench {dp,pp,ep,layouts} [...]
     nanotitan plan --config FILE --ranks N [...]
+    nanotitan plot RUN_DIR [RUN_DIR ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def cmd_train(argv: list[str]) -> int:
     With no torchrun around it, starts parallel.dp*pp*ep local ranks itself; under torchrun (any number of
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
-    from .launch import launch_local, slurm_rendezvous, under_torchrun
+    from .launch import slurm_rendezvous, under_torchrun
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
@@ -236,8 +237,14 @@ def cmd_plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+def cmd_plot(argv: list[str]) -> int:
+    from .plot import main as plot_main
+
+    return plot_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
-            "plan": cmd_plan}
+            "plan": cmd_plan, "plot": cmd_plot}
 
 
 HELP = ("-h", "--help")

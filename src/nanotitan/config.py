@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -109,8 +110,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     microbatches: int = 1  # M per data rank per step
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # pipeline schedule (used when pp > 1)
-    pp_layers: list[int] = field(default_factory=list)  # explicit layers per stage (empty = as even as possible)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (used when pp > 1; docs/pp.md)
+    virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (Megatron's virtual pipeline stages)
+    pp_layers: list[int] | Literal["auto"] = field(default_factory=list)  # layers per stage (per chunk when interleaved): a list, "auto" (balanced by the planner's costs), or empty = as even as possible
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
     dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (pure DP only; "nanotitan" = old name of bucketed)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
@@ -187,6 +189,14 @@ def _coerce(value, typ, name: str, where: str | None = None):
         return ConfigError(f"{where}: {name} must be {expected}, got {value!r}{hint}")
 
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # list[int] | Literal["auto"]: a later member, else the first
+        members = typing.get_args(typ)
+        for member in members[1:]:
+            try:
+                return _coerce(value, member, name, where)
+            except ConfigError:
+                pass
+        return _coerce(value, members[0], name, where)
     if origin is Literal:
         choices = typing.get_args(typ)
         if value not in choices:
@@ -413,10 +423,28 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} (--parallel.ep)")
     _check(p.pp <= m.n_layers,
            f"parallel.pp={p.pp} stages need at least as many layers, model.n_layers={m.n_layers} (--parallel.pp)")
-    if p.pp_layers:
-        _check(len(p.pp_layers) == p.pp and all(n >= 1 for n in p.pp_layers) and sum(p.pp_layers) == m.n_layers,
-               f"parallel.pp_layers={p.pp_layers} must list {p.pp} positive counts summing to "
-               f"model.n_layers={m.n_layers} (--parallel.pp_layers 2,2)")
+    _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (--parallel.virtual_stages)")
+    _check(p.virtual_stages == 1 or p.schedule == "interleaved",
+           f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved (or --parallel.virtual_stages 1)")
+    interleaved = p.pp > 1 and p.schedule == "interleaved"
+    n_chunks = p.pp * (p.virtual_stages if interleaved else 1)
+    if interleaved:
+        _check(n_chunks <= m.n_layers,
+               f"parallel.pp*virtual_stages={p.pp}*{p.virtual_stages} chunks need at least as many layers, "
+               f"model.n_layers={m.n_layers} (--parallel.virtual_stages)")
+        # Megatron's interleaved schedule runs the microbatches in groups of pp through each chunk in turn.
+        _check(p.auto or p.microbatches % p.pp == 0,
+               f"parallel.schedule=interleaved needs parallel.microbatches={p.microbatches} to be a multiple of "
+               f"parallel.pp={p.pp} (--parallel.microbatches {p.pp * max(1, -(-p.microbatches // p.pp))})")
+    if p.pp_layers and p.pp_layers != "auto":
+        _check(len(p.pp_layers) == n_chunks and all(n >= 1 for n in p.pp_layers) and sum(p.pp_layers) == m.n_layers,
+               f"parallel.pp_layers={p.pp_layers} must list {n_chunks} positive counts summing to "
+               f"model.n_layers={m.n_layers} (--parallel.pp_layers {','.join(['1'] * n_chunks)}, or auto)")
+    # FSDP2 reduce-scatters a block's gradients when its input gradient is done (before zb1's deferred weight
+    # gradients) and all-gathers on the root module's forward (which the interleaved chunks never call).
+    _check(p.zero < 3 or p.pp == 1 or p.schedule in ("gpipe", "1f1b"),
+           f"parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not {p.schedule} "
+           "(--parallel.zero 2, or --parallel.schedule 1f1b)")
     _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")

@@ -18,7 +18,7 @@ from .parallel.dims import ParallelDims
 
 
 def load_full_model(cfg: Config, run_dir: Path) -> Transformer:
-    path = ckpt.latest_checkpoint(run_dir)
+    path = ckpt.resolve_resume("auto", run_dir, verify=cfg.train.verify_ckpt)  # newest that verifies
     if path is None:
         raise ConfigError(f"no complete checkpoint under {run_dir} (train with --train.ckpt_at_end true)")
     model = Transformer(cfg.model, seed=cfg.train.seed)

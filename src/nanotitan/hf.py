@@ -99,7 +99,14 @@ def config_from_hf(hf_dir: str | Path) -> dict:
     """{ModelConfig key: value} for every architecture key, from DIR's config.json. Anything our model cannot
     compute exactly (rope scaling, sliding windows, clipped qkv, ...) fails in one line naming it."""
     family, hf = read_hf_config(hf_dir)
+    try:
+        return _model_keys(hf_dir, family, hf)
+    except KeyError as e:
+        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json has no {e.args[0]!r}, which "
+                          f"{FAMILY_ARCH[family]} needs") from None
 
+
+def _model_keys(hf_dir, family: str, hf: dict) -> dict:
     def refuse(bad: bool, what: str) -> None:
         if bad:
             raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {FAMILY_ARCH[family]} with {what} is not supported")

@@ -153,6 +153,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rende
         f"--signals-to-handle={signals}", f"--shutdown-timeout={SHUTDOWN_S}",
         "-m", "nanotitan.cli", "train", *argv,
     ])
+    _quiet_agent()
     got: list[int] = []
     if ckpt_on_signal:
         def on_sigterm(signum, frame):
@@ -182,6 +183,21 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rende
         print(f"nanotitan: {stop_line(got[0], run_dir, argv, saved=True)}", file=sys.stderr)
         return 128 + got[0]
     return 0
+
+
+def _quiet_agent() -> None:
+    """The agent's own log lines ("Sending process N closing signal", "failed (exitcode: 1)") would bury the
+    one line we print (LOGLEVEL=INFO brings them back). And torch 2.13's agent stops a failed group with a
+    fixed 30 s grace, not --shutdown-timeout: a SIGSTOPped rank would hold the job that long."""
+    import logging
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    if "LOGLEVEL" not in os.environ:
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    LocalElasticAgent._stop_workers = lambda self, group: self._shutdown(timeout=self._shutdown_timeout)
 
 
 def _signal_ranks(signum: int) -> None:
@@ -277,6 +293,7 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
     os.dup2(log.fileno(), 2)  # everything on stderr, C++ included
     sys.stdout = _Tee(sys.stdout, log)
     faulthandler.enable()  # a crash in C leaves its Python stack in the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, into the log
 
 
 def rank_failed(e: BaseException) -> None:

@@ -160,14 +160,15 @@ def _storages_bytes(tensors, seen: set) -> int:
 
 def live_tensor_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Bytes this rank holds in parameters, gradients and optimizer state, each storage counted once (the
-    Reducer's gradients are views of flat bucket buffers: the buffers are what is allocated)."""
+    Reducer's gradients are views of flat bucket buffers: the buffers are what is allocated). Tensors the
+    optimizer updates that are not the model's parameters (ZeRO's flat shards) count as optimizer state."""
     seen: set = set()
     params = list(model.parameters())
+    own = [q for g in optimizer.param_groups for q in g["params"]] if optimizer is not None else []
+    state = [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)] if own else []
     param_bytes = _storages_bytes(params, seen)
-    grad_bytes = _storages_bytes([p.grad for p in params if p.grad is not None], seen)
-    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
-             if torch.is_tensor(v)]
-    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optim_bytes": _storages_bytes(state, seen)}
+    grad_bytes = _storages_bytes([q.grad for q in params + own if q.grad is not None], seen)
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optim_bytes": _storages_bytes(own + state, seen)}
 
 
 class SavedActivations:

@@ -1,6 +1,7 @@
 """Pipeline schedules: every stage's gradients and the step's loss equal one process accumulating
-gradients over the same M microbatches (GPipe and 1F1B, PP=2 and 4, any M, with and without
-activation checkpointing, uneven layer splits, and over 10 AdamW steps with global-norm clipping).
+gradients over the same M microbatches (GPipe, 1F1B, zb1 and interleaved with V = 2, 3, PP=2 and 4, any M
+the schedule runs, with and without activation checkpointing, uneven layer splits, and over 10 AdamW steps
+with global-norm clipping).
 
 Each launch runs many cases (process start-up dominates on 2 cores); every rank also builds the full
 model and computes the single-process reference itself, then compares its own stage by parameter name.
@@ -13,13 +14,14 @@ import math
 import torch
 
 from nanotitan.config import Config, ModelConfig, ParallelConfig
-from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.spec import build_chunk_specs
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel import step as S
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.parallel.pp import pipeline_forward, pipeline_forward_backward, theoretical_bubble
+from nanotitan.parallel.pp_chunks import StageChunks
 from nanotitan.parallel.pp_comms import StageComms
 from tests.mp import run_ranks
 
@@ -27,12 +29,22 @@ SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
 AUX_WEIGHT = 0.3  # large, so a missing or doubled aux term shows in the gradients
 
 
-def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[int] | None = None) -> Config:
+def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[int] | None = None, schedule: str = "1f1b",
+             virtual_stages: int = 1) -> Config:
     model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=64, num_experts=4,
                         top_k=2, max_seq_len=SEQ)
-    cfg = Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(pp_layers or [])))
+    cfg = Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(pp_layers or []), schedule=schedule,
+                                                      virtual_stages=virtual_stages))
     cfg.train.seed = SEED
     return cfg
+
+
+def stage_model(cfg: Config, pp_rank: int, ckpt: bool = False):
+    """This rank's stage: one Transformer, or its V chunks (interleaved) joined under their global names."""
+    chunks = [Transformer(cfg.model, spec, SEED) for spec in build_chunk_specs(cfg, pp_rank, 0)]
+    model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
+    model.activation_checkpointing = ckpt
+    return model
 
 
 def microbatches(M: int, step: int = 0):
@@ -65,18 +77,18 @@ def stage_step(model, dims, xs, ys, schedule):
 
 
 def _grad_cases(rank, world, cases):
-    """For each (n_layers, pp_layers, schedule, M, ckpt): worst relative grad error of this stage vs the reference."""
+    """For each (n_layers, pp_layers, schedule, M, ckpt[, V]): worst relative grad error of this stage vs the
+    reference."""
     dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
     out = []
-    for n_layers, pp_layers, schedule, M, ckpt in cases:
-        cfg = tiny_cfg(world, n_layers, pp_layers)
+    for n_layers, pp_layers, schedule, M, ckpt, *V in cases:
+        cfg = tiny_cfg(world, n_layers, pp_layers, schedule, *V)
         xs, ys = microbatches(M)
         full = Transformer(cfg.model, None, SEED)
         ref_ce, ref_aux = reference_step(full, xs, ys)
         ref_grads = {n: p.grad for n, p in full.named_parameters()}
 
-        stage = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
-        stage.activation_checkpointing = ckpt
+        stage = stage_model(cfg, dims.pp_rank, ckpt)
         comm.COMM.reset()
         stats, flags, comms = stage_step(stage, dims, xs, ys, schedule)
         pp_wait = comm.COMM.wait_s["pp"]  # the same blocked time, timed inside the communication layer
@@ -87,7 +99,7 @@ def _grad_cases(rank, world, cases):
         # forward-only (evaluation) pass of the same microbatches gives the same CE
         eval_ce, _ = pipeline_forward(stage, dims, xs, ys, comms=comms)
         eval_ce = eval_ce.item() if dims.is_pp_last_stage else None
-        out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt), worst=worst, flags=flags,
+        out.append(dict(case=(n_layers, pp_layers, schedule, M, ckpt, *V), worst=worst, flags=flags,
                         ce=ce, eval_ce=eval_ce, ref_ce=ref_ce, aux=aux_total.item(), ref_aux=ref_aux,
                         n_params=sum(1 for _ in stage.parameters()), bubble=stats.bubble,
                         in_flight=stats.max_in_flight,
@@ -95,15 +107,27 @@ def _grad_cases(rank, world, cases):
     return out
 
 
+def expected_in_flight(schedule: str, world: int, rank: int, M: int, V: int = 1) -> int:
+    """Most microbatches a stage holds activations for (chunk-microbatches under interleaved)."""
+    if schedule == "gpipe":
+        return M
+    if schedule == "interleaved":  # Megatron's warmup + 1
+        return M * V if M == world else min(M * V, (world - rank - 1) * 2 + (V - 1) * world + 1)
+    if schedule == "zb1":  # 1F1B's warmup + 1, plus the rank's deferred W's: PP on every stage
+        return min(M, world)
+    return min(world - rank, M)
+
+
 def _check_grad_results(results, world):
     for rank, per_case in enumerate(results):
         for r in per_case:
             case, M = r["case"], r["case"][3]
-            where = f"pp_rank {rank}/{world} case (n_layers, pp_layers, schedule, M, ckpt)={case}"
+            V = case[5] if len(case) > 5 else 1
+            where = f"pp_rank {rank}/{world} case (n_layers, pp_layers, schedule, M, ckpt[, V])={case}"
             assert r["n_params"] > 0, where
             assert r["worst"] <= 1e-5, f"{where}: grad rel err {r['worst']:.2e}"
-            # the reducer's hook: one call per backward, is_last only on the final one
-            assert len(r["flags"]) == M and r["flags"][-1] and sum(r["flags"]) == 1, f"{where}: {r['flags']}"
+            # the reducer's hook: one call per backward (zb1: per W), is_last only on the final one
+            assert len(r["flags"]) == M * V and r["flags"][-1] and sum(r["flags"]) == 1, f"{where}: {r['flags']}"
             assert math.isclose(r["aux"], r["ref_aux"], rel_tol=1e-5), f"{where}: aux {r['aux']} vs {r['ref_aux']}"
             if rank == world - 1:
                 assert math.isclose(r["ce"], r["ref_ce"], rel_tol=1e-5), f"{where}: ce {r['ce']} vs {r['ref_ce']}"
@@ -115,21 +139,26 @@ def _check_grad_results(results, world):
             assert 0.0 < r["pp_wait"] <= r["wait"] + 1e-6, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
             assert r["wait"] <= 1.2 * r["pp_wait"] + 2e-3, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
             assert 0.0 < r["compute"] < r["wall"] and 0.0 < r["bubble"] < 1.0, where
-            # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p
-            want = M if case[2] == "gpipe" else min(world - rank, M)
+            # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p, zb1 at most PP
+            want = expected_in_flight(case[2], world, rank, M, V)
             assert r["in_flight"] == want, f"{where}: {r['in_flight']} microbatches in flight, expected {want}"
 
 
 def test_pp2_gradients_match_single_process():
-    """PP=2: GPipe and 1F1B, M in {1, 2, 4}, with/without checkpointing, plus 3 layers split 2+1 and 1+2."""
-    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b") for M in (1, 2, 4) for ck in (False, True)]
-    cases += [(3, pl, s, 3, False) for pl in (None, [1, 2]) for s in ("gpipe", "1f1b")]
+    """PP=2: GPipe, 1F1B and zb1, M in {1, 2, 4}, with/without checkpointing, plus 3 layers split 2+1 and 1+2;
+    interleaved V=2 (M in {2, 4, 6}) with/without checkpointing, V=3 on 6 layers, and an uneven chunk split."""
+    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b", "zb1") for M in (1, 2, 4) for ck in (False, True)]
+    cases += [(3, pl, s, 3, False) for pl in (None, [1, 2]) for s in ("gpipe", "1f1b", "zb1")]
+    cases += [(4, None, "interleaved", M, ck, 2) for M in (2, 4, 6) for ck in (False, True)]
+    cases += [(6, None, "interleaved", 4, False, 3), (5, [2, 1, 1, 1], "interleaved", 2, False, 2)]
     _check_grad_results(run_ranks(_grad_cases, 2, (cases,), timeout=90), 2)
 
 
 def test_pp4_gradients_match_single_process():
-    """PP=4 (one layer per stage): GPipe and 1F1B, M in {1, 4, 8} (M < PP must not hang), with/without checkpointing."""
-    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b") for M in (1, 4, 8) for ck in (False, True)]
+    """PP=4 (one layer per stage): GPipe, 1F1B and zb1, M in {1, 4, 8} (M < PP must not hang), with/without
+    checkpointing; interleaved V=2 on 8 layers (one per chunk), M in {4, 8} (M == PP: all-warmup)."""
+    cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b", "zb1") for M in (1, 4, 8) for ck in (False, True)]
+    cases += [(8, None, "interleaved", M, ck, 2) for M in (4, 8) for ck in (False, True)]
     _check_grad_results(run_ranks(_grad_cases, 4, (cases,), timeout=110), 4)
 
 

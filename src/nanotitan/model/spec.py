@@ -34,26 +34,55 @@ class ModelShardSpec:
 def layer_bounds(n_layers: int, pp: int, pp_rank: int, pp_layers: list[int] | None = None) -> tuple[int, int]:
     """Consecutive layer range of stage `pp_rank`: an explicit split, or as even as possible
     (earlier stages take the remainder; the last stage also carries the head, so it is lighter in layers)."""
-    if pp_layers:
-        counts = list(pp_layers)
-    else:
-        base, rem = divmod(n_layers, pp)
-        counts = [base + (1 if s < rem else 0) for s in range(pp)]
+    counts = list(pp_layers) if pp_layers else even_counts(n_layers, pp)
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]
 
 
-def build_shard_spec(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> ModelShardSpec:
+def even_counts(n_layers: int, chunks: int) -> list[int]:
+    base, rem = divmod(n_layers, chunks)
+    return [base + (1 if c < rem else 0) for c in range(chunks)]
+
+
+def virtual_stages(cfg: Config) -> int:
+    """Model chunks per pipeline rank: parallel.virtual_stages under the interleaved schedule, else 1."""
+    p = cfg.parallel
+    return p.virtual_stages if p.pp > 1 and p.schedule == "interleaved" else 1
+
+
+def chunk_layer_counts(cfg: Config) -> list[int]:
+    """Layers of each of the PP*V model chunks, in pipeline order: parallel.pp_layers as given, "auto" (balanced by
+    the planner's per-layer costs, embedding and head/CE included: plan/cost.py), or as even as possible."""
+    p, n_chunks = cfg.parallel, cfg.parallel.pp * virtual_stages(cfg)
+    if p.pp_layers == "auto":
+        from ..plan.cost import balanced_layer_counts  # lazy: the planner imports this module
+
+        return balanced_layer_counts(cfg, n_chunks)
+    return list(p.pp_layers) if p.pp_layers else even_counts(cfg.model.n_layers, n_chunks)
+
+
+def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[ModelShardSpec]:
+    """The specs of this rank's V model chunks (Megatron's virtual pipeline stages): chunk v is global chunk
+    v*PP + pp_rank, so each rank holds every PP-th slice of the layers; global chunk 0 owns the embeddings,
+    global chunk PP*V-1 the head. With V = 1 the one spec is the rank's pipeline stage."""
     p, m = cfg.parallel, cfg.model
-    first, last = pp_rank == 0, pp_rank == p.pp - 1
-    layer_start, layer_end = layer_bounds(m.n_layers, p.pp, pp_rank, p.pp_layers)
-    e_local = m.num_experts // p.ep
-    return ModelShardSpec(
-        has_token_embed=first,
-        has_pos_embed=first and m.pos_emb == "learned",
-        layer_start=layer_start,
-        layer_end=layer_end,
-        expert_start=ep_rank * e_local,
-        expert_end=(ep_rank + 1) * e_local,
-        has_head=last,
-    )
+    counts = chunk_layer_counts(cfg)
+    n_chunks, e_local = len(counts), m.num_experts // p.ep
+    specs = []
+    for c in range(pp_rank, n_chunks, p.pp):
+        start = sum(counts[:c])
+        specs.append(ModelShardSpec(
+            has_token_embed=c == 0,
+            has_pos_embed=c == 0 and m.pos_emb == "learned",
+            layer_start=start,
+            layer_end=start + counts[c],
+            expert_start=ep_rank * e_local,
+            expert_end=(ep_rank + 1) * e_local,
+            has_head=c == n_chunks - 1,
+        ))
+    return specs
+
+
+def build_shard_spec(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> ModelShardSpec:
+    """The spec of this rank's pipeline stage (its first model chunk when the schedule is interleaved)."""
+    return build_chunk_specs(cfg, pp_rank, ep_rank)[0]

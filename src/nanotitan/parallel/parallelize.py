@@ -23,13 +23,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..model.spec import ModelShardSpec, build_shard_spec
+from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.transformer import Transformer, is_expert_param
 from .dims import ParallelDims
 from . import fsdp
 from .dp import (Reducer, ShardedReducer, full_optim_state_to_sharded, sharded_optim_state_to_full, state_bytes,
                  wrap_ddp)
 from .ep import apply_ep
+from .pp_chunks import StageChunks
 from .init import broadcast_params, check_replicas
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -38,7 +39,7 @@ NamedParams = list[tuple[str, nn.Parameter]]
 @dataclass
 class ModelShard:
     """What a rank trains: its model shard, how its parameters split by gradient group, and their sync."""
-    model: Transformer  # the shard itself (never the DDP wrapper: checkpoints and stats read it)
+    model: Transformer | StageChunks  # the shard itself (never the DDP wrapper: checkpoints and stats read it)
     spec: ModelShardSpec
     dims: ParallelDims
     expert_params: NamedParams  # disjoint over EP (and PP); synced over the expert-DP group
@@ -122,8 +123,11 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelShard:
     """Build this rank's shard of the model, make its replicas identical and attach its gradient sync.
     `dims` must have its groups built when the world has more than one rank."""
-    spec = build_shard_spec(cfg, dims.pp_rank, dims.ep_rank)
-    model = Transformer(cfg.model, spec, seed=cfg.train.seed).to(device)
+    # One model chunk per virtual pipeline stage (V > 1 only under the interleaved schedule): V chunks are
+    # joined in a StageChunks whose parameters keep their global names (pp_chunks.py).
+    specs = build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)
+    chunks = [Transformer(cfg.model, s, seed=cfg.train.seed).to(device) for s in specs]
+    spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     apply_ep(model, dims)
     named = list(model.named_parameters())

@@ -1,19 +1,21 @@
-"""Pipeline parallelism: one training step's forwards and backwards over M microbatches (GPipe or 1F1B).
+"""Pipeline parallelism: one training step's forwards and backwards over M microbatches (GPipe, 1F1B,
+interleaved 1F1B, zero-bubble ZB-H1).
 
-Each rank holds one stage (`Transformer(cfg.model, build_shard_spec(cfg, pp_rank, ep_rank), seed)`):
-stage 0 takes token microbatches `(m, S)`, later stages receive hidden states `(m, S, D)` from the
-previous stage and send the gradient of that input back (pp_comms.py). The last stage computes the
-loss. Per microbatch, the objective a stage backpropagates is
+Each rank holds one stage (`Transformer(cfg.model, build_shard_spec(cfg, pp_rank, ep_rank), seed)`), or under
+the interleaved schedule V model chunks (`StageChunks`, pp_chunks.py): global chunk c = v*PP + pp_rank.
+The first chunk takes token microbatches `(m, S)`, later ones receive hidden states `(m, S, D)` from the
+previous chunk and send the gradient of that input back (pp_comms.py). The last chunk computes the loss.
+Per microbatch, the objective a chunk backpropagates is
 
-    last stage:   loss_scale * (ce + aux_weight * aux_sum)
-    other stages: loss_scale * aux_weight * aux_sum   +   <received output gradient, output>
+    last chunk:   loss_scale * (ce + aux_weight * aux_sum)
+    other chunks: loss_scale * aux_weight * aux_sum   +   <received output gradient, output>
 
-so every stage's own MoE balance loss is part of its backward (the trainer passes
-loss_scale = 1/M and aux_weight = aux_coef / n_moe_layers_total, DESIGN §4). Summed over stages this
-is exactly the single-process gradient of  sum_i loss_scale * (ce_i + aux_weight * aux_i).
+so every chunk's own MoE router losses are part of its own backward (the trainer passes loss_scale = 1/M
+and aux_weight = 1 / n_moe_layers_total, DESIGN §4). Summed over chunks this is exactly the single-process
+gradient of  sum_i loss_scale * (ce_i + aux_weight * aux_i), whatever the order the schedule runs them in.
 
 Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megatron-LM's
-`forward_backward_pipelining_without_interleaving`):
+`forward_backward_pipelining_without_interleaving` / `_with_interleaving`; Qi et al. 2023):
 - gpipe: all M forwards, then all M backwards in reverse order; holds M microbatches' activations.
 - 1f1b:  stage p runs `warmup = min(PP - p - 1, M)` forwards, then alternates one forward / one
          backward (M - warmup times; the output send and the gradient receive are one paired P2P),
@@ -21,14 +23,26 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          (The seed's sketch warms up PP - p forwards, which starts the steady phase one microbatch late
          and needs special cases at its boundaries; Megatron's count makes every phase a plain loop and
          is correct for any M >= 1, including M < PP.)
-With pp == 1 both reduce to plain gradient accumulation (forward, backward, next microbatch).
+- zb1:   1F1B's forwards, backwards and P2P, but each backward is only B, the input gradient the previous
+         stage waits for (pp_split.py); the weight gradients W are deferred: stage p keeps p of them pending
+         through the steady phase (torch's ScheduleInterleavedZeroBubble with one chunk) and runs them while
+         its gradient sends are in flight, i.e. in the cooldown's idle time. Bubble (PP-1)(F+B-W) instead of
+         1F1B's (PP-1)(F+B+W); every stage holds at most PP microbatches (F done, W not yet), 1F1B's peak.
+- interleaved: Megatron's interleaved 1F1B over V chunks per rank: virtual step k runs chunk
+         (k mod PV) div PP forward (chunks in reverse order backward) on microbatch (k div PV)*PP + k mod PP,
+         warmup (PP - p - 1)*2 + (V-1)*PP steps, every step one batched exchange on the ring. M must be a
+         multiple of PP. Bubble (PP-1)/(V*M) of the ideal step instead of (PP-1)/M.
+With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
 
-Order is a pure function of (schedule, PP, pp_rank, M), so the ranks of one EP group (same pp_rank)
-run their microbatches in the same order and their all-to-alls pair up.
+The order is a pure function of (schedule, PP, pp_rank, M, V), so the ranks of one EP group (same pp_rank)
+run their microbatches in the same order and their all-to-alls pair up: in forwards and in backwards (B under
+zb1; W runs none, pp_split.py, except the recompute of activation checkpointing, which W runs at the same
+place on every rank).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass
@@ -38,6 +52,7 @@ import torch
 
 from .dims import ParallelDims
 from .pp_comms import StageComms
+from .pp_split import backward_input, backward_weight
 
 
 @dataclass
@@ -56,73 +71,150 @@ class StepStats:
         return self.p2p_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def theoretical_bubble(pp: int, num_microbatches: int) -> float:
-    """Idle fraction of a GPipe/1F1B pipeline with equal stages and free communication: (PP-1)/(M+PP-1)."""
-    return (pp - 1) / (num_microbatches + pp - 1)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+
+
+def theoretical_bubble(pp: int, num_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline step with equal stages and free communication. GPipe/1F1B: (PP-1)/(M+PP-1).
+    Interleaved: each of the PP-1 fill/drain slots is one chunk (1/V of a stage) long: (PP-1)/(V*M+PP-1).
+    zb1 (ZB-H1) with F, B and W of equal length: (PP-1)(F+B-W) idle against M(F+B+W) busy: (PP-1)/(3M+PP-1)."""
+    if pp == 1:
+        return 0.0
+    units = {"interleaved": virtual_stages * num_microbatches, "zb1": 3 * num_microbatches}
+    return (pp - 1) / (units.get(schedule, num_microbatches) + pp - 1)
 
 
 class _StageRunner:
-    """Forward/backward of one microbatch on this stage, keeping what the backward needs."""
+    """Forward/backward of one microbatch on one of this rank's chunks, keeping what the backward needs."""
 
-    def __init__(self, model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast):
-        self.model, self.comms, self.autocast = model, comms, autocast
-        self.first, self.last = dims.is_pp_first_stage, dims.is_pp_last_stage
+    def __init__(self, chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast,
+                 split=False, timeline=None):
+        self.chunks, self.comms, self.autocast = chunks, comms, autocast
+        V = len(chunks)
+        # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
+        self.first = [dims.is_pp_first_stage and v == 0 for v in range(V)]
+        self.last = [dims.is_pp_last_stage and v == V - 1 for v in range(V)]
         self.xs, self.ys, self.device = xs, ys, device
         self.aux_weight, self.loss_scale = aux_weight, loss_scale
         self.before_backward = before_backward
-        self.pending: dict[int, tuple] = {}  # microbatch -> (recv buffer, input leaf, objective tensors)
+        self.split, self.timeline = split, timeline
+        self.pending: dict[tuple[int, int], tuple] = {}  # (chunk, microbatch) -> what its backward needs
+        self.weights: dict[int, object] = {}  # zb1: microbatch -> its deferred W (pp_split.PendingWeights)
+        self.w_done = 0  # zb1: W's run so far (in microbatch order)
+        self.n_weights = len(xs)
+        self.training = True  # False: forwards only (evaluation), nothing kept for a backward
         self.ce_sum = None
         self.aux_sum = None
         self.max_in_flight = 0
+        # zb1 on the first chunk: B differentiates w.r.t. the embedding outputs (the tokens have no gradient).
+        self._emb_out: list[torch.Tensor] = []
+        self._hooks = []
+        if split and self.first[0]:
+            for name in ("tok_emb", "pos_emb"):
+                if hasattr(chunks[0], name):
+                    self._hooks.append(getattr(chunks[0], name).register_forward_hook(
+                        lambda _m, _i, out: self._emb_out.append(out)))
 
-    def forward(self, i: int, recv_buf: torch.Tensor | None) -> torch.Tensor | None:
-        """Run microbatch i; returns the activation to send on (None on the last stage)."""
-        if self.first:
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _event(self, kind: str, v: int, i: int, t0: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((kind, v, i, t0, time.perf_counter()))
+
+    def in_flight(self) -> int:
+        return len(self.pending) + len(self.weights)
+
+    def forward(self, v: int, i: int, recv_buf: torch.Tensor | None) -> torch.Tensor | None:
+        """Run microbatch i through chunk v; returns the activation to send on (None on the last chunk)."""
+        t0 = time.perf_counter()
+        first, last = self.first[v], self.last[v]
+        if first:
             inp = self.xs[i].to(self.device, non_blocking=True)
         else:
             # A leaf on the pooled buffer: its .grad goes back. A bf16 wire is widened to fp32 (a copy) so the
             # residual stream stays fp32 as in one process; the gradient is narrowed again when sent back.
-            inp = recv_buf.detach().float().requires_grad_()
-        targets = self.ys[i].to(self.device, non_blocking=True) if self.last else None
+            inp = recv_buf.detach().float().requires_grad_(self.training)
+        targets = self.ys[i].to(self.device, non_blocking=True) if last else None
+        self._emb_out.clear()
         with self.autocast():  # mixed precision for the forward only; backward runs outside it
-            out, aux = self.model(inp, targets)
+            out, aux = self.chunks[v](inp, targets)
         self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
-        # aux is a constant zero when the stage has no MoE layer: nothing to backpropagate.
+        # aux is a constant zero when the chunk has no MoE layer: nothing to backpropagate.
         aux_term = self.loss_scale * self.aux_weight * aux if aux.requires_grad and self.aux_weight else None
-        if self.last:
+        if not self.training:
+            if last:
+                self.ce_sum = out if self.ce_sum is None else self.ce_sum + out
+            self.comms.release(recv_buf)  # no graph holds it
+            self._event("F", v, i, t0)
+            return None if last else out
+        diff_inputs = list(self._emb_out) if first else [inp]  # what B differentiates (zb1)
+        if last:
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             loss = self.loss_scale * out if aux_term is None else self.loss_scale * out + aux_term
-            self._hold(i, (recv_buf, inp, [loss], [None]))
-            return None
-        outs, grads = ([out], [None]) if aux_term is None else ([out, aux_term], [None, None])
-        self._hold(i, (recv_buf, inp, outs, grads))
-        return out
+            state, send = (recv_buf, inp, diff_inputs, [loss], [None]), None
+        else:
+            outs, grads = ([out], [None]) if aux_term is None else ([out, aux_term], [None, None])
+            state, send = (recv_buf, inp, diff_inputs, outs, grads), out
+        self.pending[v, i] = state
+        self.max_in_flight = max(self.max_in_flight, self.in_flight())
+        self._event("F", v, i, t0)
+        return send
 
-    def _hold(self, i: int, state: tuple) -> None:
-        self.pending[i] = state
-        self.max_in_flight = max(self.max_in_flight, len(self.pending))
-
-    def backward(self, i: int, grad_buf: torch.Tensor | None, is_last: bool) -> torch.Tensor | None:
-        """Backward of microbatch i given the gradient of its output; returns the input gradient to send back."""
-        recv_buf, inp, outs, grads = self.pending.pop(i)
-        if not self.last:
+    def _take(self, v: int, i: int, grad_buf: torch.Tensor | None):
+        recv_buf, inp, diff_inputs, outs, grads = self.pending.pop((v, i))
+        if not self.last[v]:
             grads[0] = grad_buf.to(outs[0].dtype)
+        return recv_buf, inp, diff_inputs, outs, grads
+
+    def backward(self, v: int, i: int, grad_buf: torch.Tensor | None, is_last: bool) -> torch.Tensor | None:
+        """Backward of microbatch i through chunk v given its output gradient; returns the input gradient to send."""
+        t0 = time.perf_counter()
+        recv_buf, inp, _, outs, grads = self._take(v, i, grad_buf)
         if self.before_backward is not None:
             self.before_backward(is_last)
         torch.autograd.backward(outs, grads)
-        grad_in = None if self.first else inp.grad
+        grad_in = None if self.first[v] else inp.grad
         # The graph is freed, so nothing reads these buffers any more: reuse them.
         self.comms.release(recv_buf)
         self.comms.release(grad_buf)
+        self._event("B", v, i, t0)
         return grad_in
+
+    def backward_input(self, i: int, grad_buf: torch.Tensor | None) -> torch.Tensor | None:
+        """zb1's B of microbatch i (one chunk): the input gradient only; its W waits in self.weights."""
+        t0 = time.perf_counter()
+        recv_buf, inp, diff_inputs, outs, grads = self._take(0, i, grad_buf)
+        params = [p for p in self.chunks[0].parameters() if p.requires_grad]
+        grads_in, self.weights[i] = backward_input(outs, grads, diff_inputs, params,
+                                                   checkpointed=self.chunks[0].activation_checkpointing)
+        # The received input and output gradient stay until W: the first layer saved the input for its weight
+        # gradient, and a captured gradient may be the received buffer itself.
+        self.weights[i].buffers = [recv_buf, grad_buf]
+        self._event("B", 0, i, t0)
+        return None if self.first[0] else grads_in[0]
+
+    def weights_until(self, n: int) -> None:
+        """zb1: run the deferred W's of microbatches w_done .. n-1, in order."""
+        while self.w_done < min(n, self.n_weights):
+            i, t0 = self.w_done, time.perf_counter()
+            pending = self.weights.pop(i)
+            if self.before_backward is not None:
+                self.before_backward(i == self.n_weights - 1)  # the final W delivers every param's last term
+            backward_weight(pending)
+            for buf in pending.buffers:
+                self.comms.release(buf)
+            self.w_done += 1
+            self._event("W", 0, i, t0)
 
 
 def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
     for i in range(M):
-        out = run.forward(i, comms.recv_forward())
+        out = run.forward(0, i, comms.recv_forward())
         comms.send_forward(out)
     for i in reversed(range(M)):
-        grad_in = run.backward(i, comms.recv_backward(), is_last=i == 0)
+        grad_in = run.backward(0, i, comms.recv_backward(), is_last=i == 0)
         comms.send_backward(grad_in)
 
 
@@ -132,15 +224,15 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
 
     # Warmup: forwards only.
     for i in range(warmup):
-        out = run.forward(i, comms.recv_forward())
+        out = run.forward(0, i, comms.recv_forward())
         comms.send_forward(out)
 
     # Steady state: forward microbatch warmup+j, then backward microbatch j.
     recv_buf = comms.recv_forward() if steady > 0 else None
     for j in range(steady):
-        out = run.forward(warmup + j, recv_buf)
+        out = run.forward(0, warmup + j, recv_buf)
         grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
-        grad_in = run.backward(j, grad_buf, is_last=j == M - 1)
+        grad_in = run.backward(0, j, grad_buf, is_last=j == M - 1)
         if j == steady - 1:
             comms.send_backward(grad_in)  # no further forward to receive
         else:
@@ -148,8 +240,126 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
 
     # Cooldown: drain the backwards of the warmup forwards.
     for j in range(steady, M):
-        grad_in = run.backward(j, comms.recv_backward(), is_last=j == M - 1)
+        grad_in = run.backward(0, j, comms.recv_backward(), is_last=j == M - 1)
         comms.send_backward(grad_in)
+
+
+def _zb1(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int) -> None:
+    """ZB-H1: 1F1B's F and B (and P2P), each W deferred until pp_rank later B's have run, then run while
+    the B's input gradient is on its way (the cooldown's idle time on the early stages)."""
+    warmup = min(pp - pp_rank - 1, M)
+    steady = M - warmup
+
+    def due(j: int):  # after B_j: every W but the last pp_rank (the later stages' B's come back sooner)
+        return lambda: run.weights_until(j + 1 - pp_rank)
+
+    for i in range(warmup):
+        out = run.forward(0, i, comms.recv_forward())
+        comms.send_forward(out)
+
+    recv_buf = comms.recv_forward() if steady > 0 else None
+    for j in range(steady):
+        out = run.forward(0, warmup + j, recv_buf)
+        grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
+        grad_in = run.backward_input(j, grad_buf)
+        if j == steady - 1:
+            comms.send_backward(grad_in, during=due(j))
+        else:
+            recv_buf = comms.send_backward_recv_forward(grad_in, during=due(j))
+
+    for j in range(steady, M):
+        grad_in = run.backward_input(j, comms.recv_backward())
+        comms.send_backward(grad_in, during=due(j))
+    run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
+
+
+def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, V: int,
+                 forward_only: bool = False) -> None:
+    """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_interleaving`, without its P2P/compute
+    overlap), step for step: the same chunk order, warmup, and send/receive flags, so each round's batched
+    exchange on the ring is matched by the neighbours' (pp_comms.exchange). forward_only: the warmup loop
+    over every virtual step (evaluation)."""
+    total = M * V
+    first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (pp * V)) // pp
+        return c if forward else V - 1 - c
+
+    def microbatch(k: int) -> int:  # per chunk, forwards and backwards both take microbatches in order
+        return (k // (pp * V)) * pp + k % pp
+
+    inputs = [collections.deque() for _ in range(V)]  # received inputs per chunk, FIFO
+    grads = [collections.deque() for _ in range(V)]  # received output gradients per chunk, FIFO
+
+    def forward(k: int):
+        v = chunk(k, True)
+        return run.forward(v, microbatch(k), None if run.first[v] else inputs[v].popleft())
+
+    def backward(k: int):
+        v = chunk(k, False)
+        return run.backward(v, microbatch(k), None if run.last[v] else grads[v].popleft(), is_last=k == total - 1)
+
+    all_warmup = forward_only or M == pp
+    warmup = total if all_warmup else min((pp - pp_rank - 1) * 2 + (V - 1) * pp, total)
+    remaining = total - warmup
+
+    # Warmup: forwards; the last one also receives the first output gradient.
+    if not first_rank:
+        inputs[0].append(comms.exchange(None, None, True, False)[0])
+    for k in range(warmup):
+        out = forward(k)
+        next_v = chunk(k + 1, True)
+        recv_prev = not (first_rank and next_v == 0) and k != total - 1
+        recv_next = k == warmup - 1 and not all_warmup and not last_rank
+        in_buf, grad_buf = comms.exchange(out, None, recv_prev, recv_next)
+        if recv_prev:
+            inputs[next_v].append(in_buf)
+        if recv_next:
+            grads[V - 1].append(grad_buf)
+
+    # Steady: forward k + warmup, backward k, one exchange.
+    for k in range(remaining):
+        fk = k + warmup
+        out = forward(fk)
+        grad_in = backward(k)
+        # What the next forward and backward take: on the first rank the input comes round from the last
+        # rank's previous chunk (none for chunk 0), on the last rank the gradient from the first's next chunk.
+        if first_rank:
+            next_v = chunk(fk - (pp - 1), True)
+            recv_prev, next_v = next_v != V - 1, next_v + 1
+        else:
+            next_v, recv_prev = chunk(fk + 1, True), True
+        if last_rank:
+            next_b = chunk(k - (pp - 1), False)
+            recv_next, next_b = next_b != 0, next_b - 1
+        else:
+            next_b, recv_next = chunk(k + 1, False), True
+        if k == remaining - 1:
+            recv_prev = False
+        in_buf, grad_buf = comms.exchange(out, grad_in, recv_prev, recv_next)
+        if recv_prev:
+            inputs[next_v].append(in_buf)
+        if recv_next:
+            grads[next_b].append(grad_buf)
+
+    if forward_only:
+        return
+    # Cooldown: the remaining backwards.
+    if all_warmup and not last_rank:
+        grads[V - 1].append(comms.exchange(None, None, False, True)[1])
+    for k in range(remaining, total):
+        grad_in = backward(k)
+        next_b = chunk(k + 1, False)
+        recv_next = not (last_rank and next_b == V - 1) and k != total - 1
+        _, grad_buf = comms.exchange(None, grad_in, False, recv_next)
+        if recv_next:
+            grads[next_b].append(grad_buf)
+
+
+def stage_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model chunks a rank runs: a StageChunks' chunks, or the one stage model."""
+    return list(getattr(model, "chunks", [model]))
 
 
 def pipeline_forward_backward(
@@ -159,21 +369,26 @@ def pipeline_forward_backward(
     ys: list[torch.Tensor],
     *,
     comms: StageComms,
-    schedule: Literal["gpipe", "1f1b"],
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"],
     aux_weight: float,
     loss_scale: float,
     before_backward: Callable[[bool], None] | None,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    timeline: list | None = None,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
+    model: the stage (a Transformer), or under the interleaved schedule a StageChunks of V chunks.
     xs: the M token microbatches (m, S) (read on the first stage); ys: the M target microbatches
     (read on the last stage); M = len(xs). `comms` is this stage's P2P endpoints (activation shape
     (m, S, D), dtype, device; the caller keeps it across steps so its buffers are reused).
-    before_backward(is_last) is called right before each microbatch's backward; is_last is True
-    exactly once, for this stage's final backward of the step (the DP reducer starts its gradient
-    communication then). `autocast()` is entered around each microbatch's forward (bf16 mixed precision),
-    never around a backward. Every rank of the step calls this.
+    before_backward(is_last) is called right before each microbatch's backward (zb1: before each W, where
+    the weight gradients accumulate); is_last is True exactly once, for this stage's final one of the step
+    (the DP reducer starts its gradient communication then; under interleaved the final backward is chunk
+    0's, so the other chunks' buckets are reduced by the reducer's finish()). `autocast()` is entered around
+    each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
+    this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
+    and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -181,21 +396,42 @@ def pipeline_forward_backward(
         raise ValueError("pipeline_forward_backward needs at least one microbatch (--parallel.microbatches)")
     if dims.is_pp_last_stage and len(ys) != M:
         raise ValueError(f"got {len(xs)} input microbatches but {len(ys)} target microbatches")
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"parallel.schedule={schedule!r} must be 'gpipe' or '1f1b' (--parallel.schedule)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={schedule!r} must be one of {list(SCHEDULES)} (--parallel.schedule)")
+    chunks = stage_chunks(model)
+    V = len(chunks)
+    if V > 1 and (schedule != "interleaved" or dims.pp == 1):
+        raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
+    if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
+        raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
+                         f"parallel.pp={dims.pp} (--parallel.microbatches)")
 
     t0 = time.perf_counter()
     comms.reset_wait()
-    run = _StageRunner(model, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast)
-    if schedule == "gpipe" and dims.pp > 1:
-        _gpipe(run, comms, M)
-    else:  # 1f1b; with pp == 1 it is plain gradient accumulation, whatever the schedule
-        _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank)
-    assert not run.pending, f"microbatches {sorted(run.pending)} never ran their backward"
+    comms.timeline = timeline
+    split = schedule == "zb1" and dims.pp > 1
+    run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
+                       split=split, timeline=timeline)
+    try:
+        if dims.pp == 1:  # plain gradient accumulation, whatever the schedule
+            _one_f_one_b(run, comms, M, 1, 0)
+        elif schedule == "gpipe":
+            _gpipe(run, comms, M)
+        elif schedule == "1f1b":
+            _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank)
+        elif schedule == "zb1":
+            _zb1(run, comms, M, dims.pp, dims.pp_rank)
+        else:
+            _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
+    finally:
+        run.close()
+        comms.timeline = None
+    assert not run.pending and not run.weights, f"microbatches {sorted(run.pending)} never ran their backward"
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
-    return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait, max_in_flight=run.max_in_flight)
+    return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
+                     max_in_flight=run.max_in_flight)
 
 
 @torch.no_grad()
@@ -211,6 +447,14 @@ def pipeline_forward(
     ce_sum the sum of the microbatches' mean CE on the last stage (None elsewhere), aux_sum this stage's
     summed aux losses. Every rank of the PP group calls it with the same M."""
     device = comms.device
+    chunks = stage_chunks(model)
+    if len(chunks) > 1:  # the interleaved schedule's order, forwards only
+        run = _StageRunner(chunks, dims, comms, xs, ys, 0.0, 1.0, None, device, contextlib.nullcontext)
+        run.training = False
+        _interleaved(run, comms, len(xs), dims.pp, dims.pp_rank, len(chunks), forward_only=True)
+        comms.reset_wait()
+        zero = torch.zeros((), device=device)
+        return run.ce_sum, run.aux_sum if run.aux_sum is not None else zero
     ce_sum, aux_sum = None, torch.zeros((), device=device)
     for i in range(len(xs)):
         buf = comms.recv_forward()

@@ -15,17 +15,26 @@ Neighbours are GLOBAL ranks (`ParallelDims.prev_pp_rank/next_pp_rank`), the grou
 group; torch's P2P API takes global ranks together with the group.
 The paired calls (`send_forward_recv_backward`, `send_backward_recv_forward`) issue both directions in
 one `batch_isend_irecv`, so two neighbours that both send before they receive cannot deadlock.
+
+The interleaved schedule runs on a ring (`exchange`): the last rank's chunk v feeds the first rank's chunk v+1,
+so the first rank receives activations from, and sends gradients to, the last. With PP=2 both neighbours are
+the same rank; every rank lists its ops activations first, then gradients, so each direction's messages are
+matched in the same order at both ends (NCCL matches point-to-point messages between two ranks by order).
+zb1 passes `during`: local work (deferred weight gradients) that runs while a send is in flight, so the
+wait it would otherwise spend blocked is spent computing; only the time blocked counts as wait.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from . import comm
 from .dims import ParallelDims
+from .stall import RECORD
 
 
 class StageComms:
@@ -35,10 +44,14 @@ class StageComms:
 
     def __init__(self, dims: ParallelDims, act_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.prev, self.next = dims.prev_pp_rank, dims.next_pp_rank
+        d, p, e = dims.coords()  # the ring of the interleaved schedule: last -> first for the next chunk
+        self.ring_prev = dims.rank_of(d, (p - 1) % dims.pp, e) if dims.pp > 1 else None
+        self.ring_next = dims.rank_of(d, (p + 1) % dims.pp, e) if dims.pp > 1 else None
         self.group = dims.group("pp")
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self._free: list[torch.Tensor] = []  # receive buffers not holding a live message
         self.wait_s = 0.0  # blocked time since the last `reset_wait()`
+        self.timeline: list | None = None  # when a list: ("wait", -1, -1, start, end) per blocked interval
 
     # --- receive buffers -------------------------------------------------------------------------
     def acquire(self) -> torch.Tensor:
@@ -62,8 +75,13 @@ class StageComms:
     def _timed(self, fn, *args):
         t0 = time.perf_counter()
         out = fn(*args)
-        self.wait_s += time.perf_counter() - t0
+        self._waited(t0, time.perf_counter())
         return out
+
+    def _waited(self, t0: float, t1: float) -> None:
+        self.wait_s += t1 - t0
+        if self.timeline is not None:
+            self.timeline.append(("wait", -1, -1, t0, t1))
 
     # --- one direction -------------------------------------------------------------------------
     def send_forward(self, out: torch.Tensor) -> None:
@@ -77,9 +95,12 @@ class StageComms:
         self._timed(comm.recv, buf, self.prev, self.group)
         return buf
 
-    def send_backward(self, grad_in: torch.Tensor) -> None:
+    def send_backward(self, grad_in: torch.Tensor, during: Callable[[], None] | None = None) -> None:
         if self.prev is not None:
-            self._timed(comm.send, self._check(grad_in, "send_backward"), self.prev, self.group)
+            ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev, self.group)]
+            self._batch(ops, during)
+        elif during is not None:
+            during()
 
     def recv_backward(self) -> torch.Tensor | None:
         if self.next is None:
@@ -99,12 +120,58 @@ class StageComms:
         self._timed(comm.batch_isend_irecv, ops)
         return buf
 
-    def send_backward_recv_forward(self, grad_in: torch.Tensor) -> torch.Tensor | None:
+    def send_backward_recv_forward(self, grad_in: torch.Tensor,
+                                   during: Callable[[], None] | None = None) -> torch.Tensor | None:
         """Send an input gradient to the previous stage and receive the next microbatch's input."""
         if self.prev is None:
+            if during is not None:
+                during()
             return None
         buf = self.acquire()
         ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev, self.group),
                dist.P2POp(dist.irecv, buf, self.prev, self.group)]
-        self._timed(comm.batch_isend_irecv, ops)
+        self._batch(ops, during)
         return buf
+
+    # --- the ring of the interleaved schedule ----------------------------------------------------
+    def exchange(self, out: torch.Tensor | None, grad_in: torch.Tensor | None, recv_forward: bool,
+                 recv_backward: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One round of the interleaved schedule, in one batch: send `out` to the next rank and `grad_in` to the
+        previous one (None: nothing to send), receive an input from the previous rank and an output gradient
+        from the next (when asked). Returns (input buffer, gradient buffer), None where nothing was received."""
+        ops, in_buf, grad_buf = [], None, None
+        if out is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(out, "send_forward"), self.ring_next, self.group))
+        if recv_forward:
+            in_buf = self.acquire()
+            ops.append(dist.P2POp(dist.irecv, in_buf, self.ring_prev, self.group))
+        if grad_in is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.ring_prev, self.group))
+        if recv_backward:
+            grad_buf = self.acquire()
+            ops.append(dist.P2POp(dist.irecv, grad_buf, self.ring_next, self.group))
+        if ops:
+            self._batch(ops)
+        return in_buf, grad_buf
+
+    def _batch(self, ops: list, during: Callable[[], None] | None = None) -> None:
+        """Issue ops together and wait for all; `during()` runs while they are in flight (its time is not wait)."""
+        if during is None:
+            self._timed(comm.batch_isend_irecv, ops)
+            return
+        # comm.batch_isend_irecv without its wait: post, run the local work, then wait (charged to axis pp).
+        for op in ops:
+            comm.check_device(op.tensor, op.group)
+        t0 = time.perf_counter()
+        peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
+        with RECORD.call("pp", "send/recv", [op.tensor for op in ops], peers=peers, done=False) as ticket:
+            works = dist.batch_isend_irecv(ops)
+        posted = time.perf_counter()
+        comm.COMM.record("pp", sum(op.tensor.numel() * op.tensor.element_size() for op in ops), posted - t0,
+                         calls=len(ops))
+        self._waited(t0, posted)
+        during()
+        t1 = time.perf_counter()
+        for i, w in enumerate(works):
+            comm.TimedWork(w, "pp", ticket if i == len(works) - 1 else 0).wait()
+        self._waited(t1, time.perf_counter())
