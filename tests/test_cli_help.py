@@ -31,7 +31,7 @@ def test_config_help_lists_every_key_with_type_default_and_meaning(argv, capsys)
     command line, gives the field's real default, and the type names the field's type or its choices."""
     code, out = _help(argv, capsys)
     assert code == 0
-    lines = {m.group(1): m for m in re.finditer(r"^\s+--(\w+\.\w+) (\S+) \((.*)\)\s+— (.*)$", out, re.M)}
+    lines = {m.group(1): m for m in re.finditer(r"^\s+--(\w+\.\w+) (\S+) \((.*)\)\s+— (.*)$", out, re.MULTILINE)}
     for section, cls in _sections().items():
         assert f"[{section}]" in out
         hints, defaults = typing.get_type_hints(cls), cls()

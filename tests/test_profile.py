@@ -113,7 +113,7 @@ def test_real_two_stage_run_profiles_every_rank_logs_to_wandb_and_reports_tensor
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(wandb_dir),
                WANDB_CONFIG_DIR=str(wandb_dir), WANDB_CACHE_DIR=str(wandb_dir), WANDB_DATA_DIR=str(wandb_dir))
     r = subprocess.run([sys.executable, "-m", "nanotitan.cli", "train", *args], env=env, capture_output=True,
-                       text=True, timeout=240)
+                       text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     cfg = load_config(None, args)
     for rank in (0, 1):

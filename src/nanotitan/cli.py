@@ -72,7 +72,7 @@ def cmd_train(argv: list[str]) -> int:
     if under_torchrun():
         from .train import run
 
-        from .launch import rank_failed, start_rank
+        from .launch import fail_rank, start_rank
 
         _die_with_parent()
         start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
@@ -80,8 +80,7 @@ def cmd_train(argv: list[str]) -> int:
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
                 run(cfg)
         except BaseException as e:
-            rank_failed(e)  # its one line, for the launcher to show once
-            raise
+            fail_rank(e)  # its one line for the launcher to show once; exits now, without a slow teardown
         return 0
     rdzv = slurm_rendezvous(cfg.world_size)  # under srun: this process is its node's agent, None otherwise
     nproc = rdzv.nproc_per_node if rdzv else cfg.world_size  # ranks on this machine

@@ -187,17 +187,23 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rende
 
 def _quiet_agent() -> None:
     """The agent's own log lines ("Sending process N closing signal", "failed (exitcode: 1)") would bury the
-    one line we print (LOGLEVEL=INFO brings them back). And torch 2.13's agent stops a failed group with a
-    fixed 30 s grace, not --shutdown-timeout: a SIGSTOPped rank would hold the job that long."""
+    one line we print (LOGLEVEL=INFO brings them back). And torch 2.13's agent stops the ranks left after a
+    failure with a fixed 30 s grace (`SubprocessContext._poll` calls `close()` with its default), not
+    --shutdown-timeout: a SIGSTOPped rank, which cannot act on SIGTERM, would hold the job that long."""
     import logging
 
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
 
     if "LOGLEVEL" not in os.environ:
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
-    LocalElasticAgent._stop_workers = lambda self, group: self._shutdown(timeout=self._shutdown_timeout)
+    close = PContext.close
+    if not getattr(close, "grace_capped", False):
+        def close_soon(self, death_sig=None, timeout: int = SHUTDOWN_S) -> None:
+            close(self, death_sig, min(timeout, SHUTDOWN_S))
+        close_soon.grace_capped = True
+        PContext.close = close_soon
 
 
 def _signal_ranks(signum: int) -> None:
@@ -296,22 +302,36 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, into the log
 
 
-def rank_failed(e: BaseException) -> None:
-    """In a rank that is failing: its one line for the launcher, in torchrun's error file."""
+def fail_rank(e: BaseException) -> None:
+    """In a rank that is failing: hand its one line to the launcher (torchrun's error file), write it (or the
+    traceback) to stderr, and exit at once. A failed rank has nothing left to flush (metrics are written
+    line by line, checkpoints are atomic), while the interpreter's teardown (a full GC of a heap holding
+    torch, datasets, ...) took 10+ s on a loaded machine, all of it before the launcher can act."""
+    import traceback
+
     from .errors import TrainingError
 
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
+    if isinstance(e, SystemExit):
+        raise e
     text = str(e).strip().splitlines()
     if isinstance(e, ConfigError):
-        kind, line = "config", f"config error: {e}"
+        kind, line, code = "config", f"config error: {e}", 2
     elif isinstance(e, TrainingError):
-        kind, line = "training", str(e)
+        kind, line, code = "training", str(e), 1
+    elif isinstance(e, KeyboardInterrupt):
+        kind, line, code = "error", "interrupted (SIGINT)", 130
     else:
-        kind, line = "error", f"{type(e).__name__}: {text[0] if text else ''}"
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time()), "time": time.time(), "kind": kind}, f)
-    except OSError:
-        pass
+        kind, line, code = "error", f"{type(e).__name__}: {text[0] if text else ''}", 1
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time()), "time": time.time(), "kind": kind}, f)
+        except OSError:
+            pass
+    if kind == "error" and code == 1:
+        traceback.print_exception(e)
+    print(f"nanotitan: rank {os.environ.get('RANK', '?')}: {line}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -225,7 +225,7 @@ class SavedActivations:
 
 class _SavedTensor:
     """What autograd stores instead of a saved tensor: the tensor, counted until autograd drops it."""
-    __slots__ = ("meter", "t", "key", "nbytes")
+    __slots__ = ("key", "meter", "nbytes", "t")
 
     def __init__(self, meter: SavedActivations, t: torch.Tensor, key, nbytes: int):
         self.meter, self.t, self.key, self.nbytes = meter, t, key, nbytes

@@ -5,6 +5,8 @@
     expert_load_<run>.png    per run: one heatmap per MoE layer, expert x logged step, colour = tokens routed to
                              the expert / mean over experts (1 = balanced), and each layer's max/mean in its title
 
+It also prints a markdown table, one row per run: final val loss, and over the last `--last` records the mean
+max/mean expert load per MoE layer (log every step for per-step figures), the dropped fraction and balance loss.
 A run is named by its directory. Restarted runs log replayed steps again; the last record of a step wins.
 """
 
@@ -103,6 +105,24 @@ def plot_expert_load(records: list[dict], name: str, path: Path, plt) -> Path | 
     return _save(fig, path, tight=False)
 
 
+def summary_table(run_dirs: list[Path], last: int = 50) -> str:
+    """Markdown: per run, the final val loss and, averaged over its last `last` records, each MoE layer's max/mean
+    expert load, the dropped fraction (when recorded) and the unweighted balance loss."""
+    rows = ["| run | val loss | max/mean load per MoE layer | dropped | balance loss |", "|---|---|---|---|---|"]
+    for d in run_dirs:
+        recs = read_records(d)
+        tail = [r for r in recs if r.get("expert_max_mean")][-last:]
+        val = [r["val_loss"] for r in recs if r.get("val_loss") is not None]
+        per_layer = [sum(col) / len(col) for col in zip(*(r["expert_max_mean"] for r in tail))] if tail else []
+        drops = [r["dropped_frac"] for r in tail if "dropped_frac" in r]
+        bal = [r["balance_loss"] for r in tail if "balance_loss" in r]
+        rows.append(f"| {_name(d, run_dirs)} | {val[-1]:.4f} | " if val else f"| {_name(d, run_dirs)} | - | ")
+        rows[-1] += (" / ".join(f"{v:.2f}" for v in per_layer) or "-") + " | "
+        rows[-1] += (f"{100 * sum(drops) / len(drops):.2f}%" if drops else "-") + " | "
+        rows[-1] += (f"{sum(bal) / len(bal):.4f}" if bal else "-") + " |"
+    return "\n".join(rows)
+
+
 def _name(d: Path, all_dirs: list[Path]) -> str:
     """The directory name, or the path relative to the common parent when names repeat."""
     names = [p.name for p in all_dirs]
@@ -131,8 +151,10 @@ def main(argv: list[str]) -> int:
                                  "tokens/s and MFU, expert load heatmaps per MoE layer.")
     ap.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories of `nanotitan train`")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: FIRST_RUN_DIR/plots)")
+    ap.add_argument("--last", type=int, default=50, help="records the summary table averages over (default: 50)")
     args = ap.parse_args(argv)
     out = args.out or args.run_dirs[0] / "plots"
     for path in plot_runs(args.run_dirs, out):
         print(path)
+    print(summary_table(args.run_dirs, args.last))
     return 0

@@ -137,7 +137,8 @@ def _check_grad_results(results, world):
             # Every stage blocks on its neighbour at least once; the schedule's own wait clock brackets the
             # communication layer's (it times the same calls from outside), and compute is what is left.
             assert 0.0 < r["pp_wait"] <= r["wait"] + 1e-6, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
-            assert r["wait"] <= 1.2 * r["pp_wait"] + 2e-3, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
+            # (slack for the rank being descheduled between the two clocks on oversubscribed cores)
+            assert r["wait"] <= 1.2 * r["pp_wait"] + 0.05 * r["wall"] + 2e-3, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
             assert 0.0 < r["compute"] < r["wall"] and 0.0 < r["bubble"] < 1.0, where
             # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p, zb1 at most PP
             want = expected_in_flight(case[2], world, rank, M, V)
@@ -165,9 +166,9 @@ def test_pp4_gradients_match_single_process():
 def _train_steps(rank, world, schedules, steps, M, clip):
     """Per schedule, `steps` AdamW steps through parallel/step.py (this stage) and single-process (full model)."""
     dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
-    cfg = tiny_cfg(world)
     out = {}
     for schedule in schedules:
+        cfg = tiny_cfg(world, schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
         full = Transformer(cfg.model, None, SEED)
         shard = parallelize(cfg, dims, torch.device("cpu"))
         opt_ref = torch.optim.AdamW(full.parameters(), lr=1e-2, weight_decay=0.1)
@@ -195,8 +196,9 @@ def _train_steps(rank, world, schedules, steps, M, clip):
 
 
 def test_pp2_ten_adamw_steps_match_single_process():
-    """PP=2, 10 AdamW steps with global-norm clipping: per-step loss and final params equal the single process."""
-    schedules = ("1f1b", "gpipe")
+    """PP=2, 10 AdamW steps with global-norm clipping through parallelize/step (the Reducer's hooks, zb1's
+    weight gradients in W, interleaved's StageChunks): per-step loss and final params equal the single process."""
+    schedules = ("1f1b", "gpipe", "zb1", "interleaved")
     results = run_ranks(_train_steps, 2, (schedules, 10, 4, 0.1), timeout=100)
     for schedule in schedules:
         for rank, per_schedule in enumerate(results):
@@ -211,12 +213,12 @@ def test_pp2_ten_adamw_steps_match_single_process():
 
 
 def test_pp1_is_gradient_accumulation():
-    """With pp == 1 (no process group) both schedules are plain gradient accumulation."""
+    """With pp == 1 (no process group) every schedule is plain gradient accumulation."""
     cfg = tiny_cfg(1)
     xs, ys = microbatches(3)
     full = Transformer(cfg.model, None, SEED)
     ref_ce, _ = reference_step(full, xs, ys)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb1", "interleaved"):
         model = Transformer(cfg.model, None, SEED)
         stats, flags, _ = stage_step(model, ParallelDims(1, 1, 1), xs, ys, schedule)
         assert flags == [False, False, True]
@@ -230,3 +232,23 @@ def test_theoretical_bubble():
     assert theoretical_bubble(1, 8) == 0.0
     assert math.isclose(theoretical_bubble(2, 8), 1 / 9)
     assert math.isclose(theoretical_bubble(4, 1), 3 / 4)
+    assert math.isclose(theoretical_bubble(2, 8, "interleaved", 2), 1 / 17)  # fill/drain in chunks of 1/V
+    assert math.isclose(theoretical_bubble(2, 8, "zb1"), 1 / 25)  # (PP-1)(F+B-W) over M(F+B+W), F=B=W
+
+
+def test_schedule_errors_name_the_fix():
+    """Interleaved needs M a multiple of PP and chunks for V > 1; a wrong schedule name is refused."""
+    import pytest
+
+    cfg = tiny_cfg(1)
+    model = Transformer(cfg.model, None, SEED)
+    xs, ys = microbatches(2)
+    comms = StageComms(ParallelDims(1, 1, 1), (M_SEQ, SEQ, D), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        pipeline_forward_backward(model, ParallelDims(1, 1, 1), xs, ys, comms=comms, schedule="zb2",
+                                  aux_weight=0.0, loss_scale=0.5, before_backward=None)
+    chunks = StageChunks([Transformer(cfg.model, s, SEED) for s in build_chunk_specs(tiny_cfg(2, 4, None,
+                                                                                             "interleaved", 2), 0)])
+    with pytest.raises(ValueError, match="need parallel.schedule=interleaved with pp > 1"):
+        pipeline_forward_backward(chunks, ParallelDims(1, 1, 1), xs, ys, comms=comms, schedule="interleaved",
+                                  aux_weight=0.0, loss_scale=0.5, before_backward=None)

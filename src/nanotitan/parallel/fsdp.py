@@ -48,6 +48,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
             fully_shard(experts, mesh=expert_mesh, reshard_after_forward=False,
                         shard_placement_fn=lambda p, d=dim: Shard(d))
             experts.set_gradient_divide_factor(float(dims.data_world))
+            # A factor other than the mesh size needs PREMUL_SUM, which gloo lacks: SUM, then scale.
+            experts.set_force_sum_reduction_for_comms(True)
         elif block.is_moe:
             unsharded += list(block.moe.experts.parameters())
         fully_shard(block, mesh=mesh, reshard_after_forward=False, ignored_params=set(unsharded) or None)

@@ -127,6 +127,11 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
     # joined in a StageChunks whose parameters keep their global names (pp_chunks.py).
     specs = build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)
     chunks = [Transformer(cfg.model, s, seed=cfg.train.seed).to(device) for s in specs]
+    if cfg.init.from_hf:  # imported weights: each chunk reads only its own slice (hf.py); a resume overwrites them
+        from ..hf import load_into_shard
+
+        for chunk in chunks:
+            load_into_shard(chunk, cfg.init.from_hf)
     spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     apply_ep(model, dims)

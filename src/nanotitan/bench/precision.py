@@ -1,0 +1,143 @@
+"""bf16 mixed precision vs fp32 on one CPU thread: step time side by side, and where the non-GEMM time goes.
+
+    python -m nanotitan.bench.precision [--rounds 8] [--profile-steps 3] [--d-model 256]
+
+Model: BASELINES' MID (d_model 256, 4 layers, 8 experts of 512, top-2, vocab 4096), 8x128 random tokens
+per step, one process, 1 thread, the product's step (`parallel.step.forward_backward`, finish, fused AdamW).
+Two shards with the same init, one per dtype, step in alternating order (the machine is shared: only
+ratios taken within one run mean anything); reports min/median step time per dtype and bf16 / fp32, in
+wall time and in this process's CPU time (one thread: CPU time is the compute, and it does not grow when
+other jobs take the core away, which wall time does). Then torch.profiler over a few steps of each, one
+profile per step and the minimum per operator over them (a descheduled op inflates one step, not all):
+self time by category (GEMM, dtype casts, attention, elementwise, MoE routing/permutation, optimizer,
+other) and the top operators of the bf16 step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from ..config import load_config
+from ..parallel import step as S
+from ..parallel.dims import ParallelDims
+from ..parallel.parallelize import parallelize
+
+MID_ARGS = ["--model.vocab_size", "4096", "--data.vocab_size", "4096", "--model.d_model", "256",
+            "--model.n_layers", "4", "--model.n_heads", "4", "--model.ffn_dim", "512", "--model.num_experts", "8",
+            "--model.top_k", "2", "--train.seq_len", "128", "--train.micro_batch", "8", "--model.max_seq_len", "128"]
+CPU = torch.device("cpu")
+
+# Operator name -> category (first match wins); self time, so a matmul's cast of its input counts as a cast.
+CATEGORIES = [
+    ("GEMM", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn", "mkldnn")),
+    ("cast", ("aten::copy_", "aten::_to_copy", "aten::to")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+    ("MoE routing/permutation", ("aten::index", "aten::argsort", "aten::sort", "aten::topk", "aten::bincount",
+                                 "aten::repeat_interleave", "aten::scatter", "aten::gather", "aten::embedding")),
+    ("optimizer", ("adamw", "_fused_adam", "aten::_foreach")),
+    ("softmax/CE/norm", ("softmax", "nll_loss", "cross_entropy", "rms_norm", "aten::_fused_rms")),
+    ("elementwise", ("aten::mul", "aten::add", "aten::silu", "aten::sigmoid", "aten::div", "aten::sub",
+                     "aten::neg", "aten::cat", "aten::sum", "aten::mean", "aten::pow", "aten::sqrt", "aten::rsqrt",
+                     "aten::fill_", "aten::zero_", "aten::clamp", "aten::where", "aten::exp")),
+]
+
+
+def category(op: str) -> str:
+    for name, keys in CATEGORIES:
+        if any(k in op for k in keys):
+            return name
+    return "other"
+
+
+class Run:
+    """One shard of the model for one dtype, its optimizer and its fixed batches."""
+
+    def __init__(self, dtype: str, d_model: int):
+        cfg = load_config(None, MID_ARGS + ["--model.d_model", str(d_model), "--train.dtype", dtype])
+        self.dtype, self.cfg = dtype, cfg
+        self.shard = parallelize(cfg, ParallelDims(1, 1, 1, rank=0), CPU)
+        self.opt = torch.optim.AdamW(self.shard.model.parameters(), lr=1e-4, fused=True)
+        g = torch.Generator().manual_seed(0)
+        tok = torch.randint(0, cfg.model.vocab_size, (8, 129), generator=g)
+        self.xs, self.ys = [tok[:, :-1]], [tok[:, 1:]]
+
+    def step(self) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) of one optimizer step."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        S.forward_backward(self.shard, self.xs, self.ys, schedule="1f1b", aux_weight=0.01 / 4, device=CPU,
+                           dtype=self.dtype)
+        S.finish_grads(self.shard)
+        self.opt.step()
+        S.zero_grads(self.shard, self.opt)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
+def profile(run: Run, steps: int) -> dict[str, float]:
+    """Self seconds per operator in one step: the minimum over `steps` separately profiled steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    best: dict[str, float] = {}
+    for _ in range(steps):
+        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+            run.step()
+        for e in prof.key_averages():
+            best[e.key] = min(best.get(e.key, float("inf")), e.self_cpu_time_total / 1e6)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanotitan.bench.precision", description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8, help="timed steps per dtype, alternating (default 8)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per dtype (0: no profile)")
+    ap.add_argument("--d-model", type=int, default=256)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    runs = {dt: Run(dt, args.d_model) for dt in ("fp32", "bf16")}
+    wall, cpu = defaultdict(list), defaultdict(list)
+    for i in range(args.warmup + args.rounds):
+        order = ("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")
+        for dt in order:
+            w, c = runs[dt].step()
+            if i >= args.warmup:
+                wall[dt].append(w)
+                cpu[dt].append(c)
+    tokens = 8 * 128
+    print(f"MID (d_model {args.d_model}), 1 thread, {tokens} tokens/step, {args.rounds} alternating steps per dtype")
+    for dt in ("fp32", "bf16"):
+        print(f"  {dt}: wall min {min(wall[dt]) * 1e3:.1f} / median {statistics.median(wall[dt]) * 1e3:.1f} ms, "
+              f"CPU min {min(cpu[dt]) * 1e3:.1f} / median {statistics.median(cpu[dt]) * 1e3:.1f} ms")
+    for what, ts in (("wall", wall), ("CPU", cpu)):
+        print(f"  bf16 / fp32 ({what}): median {statistics.median(ts['bf16']) / statistics.median(ts['fp32']):.2f}, "
+              f"min {min(ts['bf16']) / min(ts['fp32']):.2f}")
+    if not args.profile_steps:
+        return 0
+    prof = {dt: profile(runs[dt], args.profile_steps) for dt in ("fp32", "bf16")}
+    cats = {dt: defaultdict(float) for dt in prof}
+    for dt, ops in prof.items():
+        for op, s in ops.items():
+            if op.startswith("ProfilerStep") or op.startswith("autograd::engine"):
+                continue
+            cats[dt][category(op)] += s
+    names = [c for c, _ in CATEGORIES] + ["other"]
+    print(f"\nself ms per step by category (torch.profiler, min over {args.profile_steps} profiled steps per op):")
+    print(f"  {'category':<26}{'fp32':>9}{'bf16':>9}")
+    for c in names:
+        print(f"  {c:<26}{cats['fp32'][c] * 1e3:>9.1f}{cats['bf16'][c] * 1e3:>9.1f}")
+    print(f"  {'total':<26}{sum(cats['fp32'].values()) * 1e3:>9.1f}{sum(cats['bf16'].values()) * 1e3:>9.1f}")
+    print("\ntop bf16 operators by self CPU ms per step (fp32 beside):")
+    for op, s in sorted(prof["bf16"].items(), key=lambda kv: -kv[1])[:15]:
+        if op.startswith("ProfilerStep"):
+            continue
+        print(f"  {op:<44}{prof['fp32'].get(op, 0.0) * 1e3:>8.1f}{s * 1e3:>8.1f}   [{category(op)}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
