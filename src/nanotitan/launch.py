@@ -123,7 +123,7 @@ def slurm_rendezvous(world_size: int, env=os.environ) -> Rendezvous | None:
 
 
 LOG_ENV = "NANOTITAN_LOG_DIR"  # set by the launcher for its ranks: where rank_N.log and the comm records go
-SHUTDOWN_S = 3  # after a failure or SIGINT, ranks still alive this long are killed (a SIGSTOPped one never exits)
+SHUTDOWN_S = 1  # after a failure or SIGINT, ranks still alive this long are killed (a SIGSTOPped one never exits)
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rendezvous | None = None,

@@ -71,6 +71,75 @@ def _placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
 
 
 # --- cost model ----------------------------------------------------------------------------------
+def _in_flight(schedule: str, pp: int, s: int, M: int, V: int) -> float:
+    """Microbatches whose activations stage s holds at its peak, in units of a whole stage's microbatch."""
+    if schedule == "gpipe":
+        return M
+    if schedule == "zb1":  # W deferred: every stage up to PP (1F1B's stage 0)
+        return min(M, pp)
+    if schedule == "interleaved":  # Megatron's warmup + 1 chunk-microbatches, each 1/V of the stage
+        return (M * V if M == pp else min(M * V, 2 * (pp - s - 1) + (V - 1) * pp + 1)) / V
+    return min(M, pp - s)
+
+
+def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None,
+                          activation_checkpointing: bool | None = None) -> list[int]:
+    """Layers per pipeline chunk (pp * virtual stages of them, each >= 1) minimising the slowest chunk's time per
+    microbatch, as this cost model times a stage: each layer's dense and expert GEMM FLOPs at the hardware's
+    efficiency for their row counts, forward + 2x backward (+ recompute under AC), plus the per-layer overhead;
+    the first chunk also pays for the embedding (its per-layer overhead), the last for the final norm, head
+    and cross-entropy. A pure function of the config, so every rank computes the same split. hw defaults to
+    the built-in profile of the job's device kind (cpu-gloo, or an H100 with CUDA)."""
+    import torch
+
+    from ..hardware import get_hardware
+
+    if hw is None:
+        gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+        hw = get_hardware("h100" if gpu else "cpu")
+    ac = cfg.train.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    shape = ModelShape.from_config(cfg)
+    T = cfg.train.micro_batch * shape.seq_len
+    e_local = max(1, shape.num_experts // cfg.parallel.ep)
+    peak = hw.peak_flops("bf16" if cfg.train.dtype == "bf16" else "fp32")
+    eff_dense, eff_expert = _gemm_eff(hw, T), _gemm_eff(hw, T * shape.top_k / e_local)
+    passes = 4 if ac else 3
+
+    def seconds(f_dense: float, f_expert: float) -> float:
+        return passes * T * (f_dense / (peak * eff_dense) + f_expert / (peak * eff_expert)) + hw.layer_overhead_s
+
+    layer = [seconds(*shape.layer_fwd_flops(i)) for i in range(shape.n_layers)]
+    embed = hw.layer_overhead_s
+    head = seconds(2 * shape.d_model * shape.vocab, 0.0)
+    n, K = shape.n_layers, n_chunks
+    prefix = [0.0]
+    for t in layer:
+        prefix.append(prefix[-1] + t)
+
+    def chunk_cost(c: int, lo: int, hi: int) -> float:
+        return prefix[hi] - prefix[lo] + (embed if c == 0 else 0.0) + (head if c == K - 1 else 0.0)
+
+    # best[c][i]: the least possible slowest chunk when chunks 0..c hold layers [0, i); cut[c][i] its last start.
+    INF = float("inf")
+    best = [[INF] * (n + 1) for _ in range(K)]
+    cut = [[0] * (n + 1) for _ in range(K)]
+    for i in range(1, n + 1):
+        best[0][i] = chunk_cost(0, 0, i)
+    for c in range(1, K):
+        for i in range(c + 1, n + 1):
+            for j in range(c, i):
+                v = max(best[c - 1][j], chunk_cost(c, j, i))
+                if v < best[c][i] - 1e-12:
+                    best[c][i], cut[c][i] = v, j
+    counts, i = [], n
+    for c in range(K - 1, 0, -1):
+        j = cut[c][i]
+        counts.append(i - j)
+        i = j
+    counts.append(i)
+    return counts[::-1]
+
+
 def _ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
     """Ring all-reduce: 2(g-1)/g of the buffer crosses each link, 2(g-1) latency steps."""
     return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
@@ -107,7 +176,11 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ne_link, _ = link("non_expert_dp")
     ex_link, _ = link("expert_dp")
 
-    stages = stage_summaries(shape, layout, cfg.parallel.pp_layers, ac)
+    V = cfg.parallel.virtual_stages if layout.schedule == "interleaved" and pp > 1 else 1
+    counts = cfg.parallel.pp_layers
+    if counts == "auto":
+        counts = balanced_layer_counts(cfg, pp * V, hw, ac)
+    stages = stage_summaries(shape, layout, counts, ac, V)
 
     # Memory of a rank of each stage.
     ne_group, ex_group = dp * ep, dp
@@ -115,7 +188,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     for s, st in enumerate(stages):
         n_local = st.n_ne + st.n_ex
         opt_params = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else n_local
-        in_flight = 1 if pp == 1 else (M if layout.schedule == "gpipe" else min(M, pp - s))
+        in_flight = 1 if pp == 1 else _in_flight(layout.schedule, pp, s, M, V)
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute under AC); the head's activations are freed by then
                      T * (st.act_layer_max - st.head_act) * prec.act,
@@ -133,13 +206,15 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     for s, st in enumerate(stages):
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
+        if ac and layout.schedule == "zb1" and pp > 1:
+            t_b += t_f  # zb1's W recomputes the checkpointed blocks once more (parallel/pp_split.py)
         # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
         # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
         a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
-        sends = (0 if st.last else 1) + (0 if st.first else 1)
+        sends = ((0 if st.last else 1) + (0 if st.first else 1)) if V == 1 else 2 * V - 1  # interleaved: V hops each way
         p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
         over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
@@ -147,7 +222,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         t_bwd.append(t_b)
     totals = [sum(x.values()) for x in t_stage]
     slow = max(range(pp), key=totals.__getitem__)
-    t_pipe = (M - 1) * totals[slow] + sum(totals)  # fill + drain through every stage, M-1 more at the slowest
+    # Fill + drain through every other stage, M at the slowest. Interleaved fills and drains in chunks (1/V of
+    # a stage); zb1's fill/drain slot is F+B-W of a stage, 1/3 of F+B+W with backward = 2x forward, B = W.
+    drain = {"interleaved": 1 / V, "zb1": 1 / 3}.get(layout.schedule, 1.0) if pp > 1 else 1.0
+    t_pipe = M * totals[slow] + drain * (sum(totals) - totals[slow])
 
     # DP all-reduce: overlaps the last microbatch's backward (dp_overlap of it), and stage s finishes
     # that backward s stage-backwards before stage 0 does, so it has that much idle slack too.

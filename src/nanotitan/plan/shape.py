@@ -10,7 +10,7 @@ import copy
 from dataclasses import dataclass
 
 from ..config import Config
-from ..model.spec import layer_bounds
+from ..model.spec import even_counts, layer_bounds
 
 
 @dataclass(frozen=True)
@@ -32,17 +32,23 @@ class ModelShape:
     dense_ffn_dim: int = 0  # hidden size of the dense FFN layers (0 = ffn_dim)
     first_dense: int = 0  # the first k layers are dense (DeepSeek-V3: 3)
     n_shared_experts: int = 0  # always-on experts per MoE layer, replicated like non-expert params
+    dense_layers: tuple[int, ...] = ()  # layers dense whatever moe_every says (Qwen's mlp_only_layers)
 
     @staticmethod
     def from_config(cfg: Config, **extra) -> "ModelShape":
         m = cfg.model
+        # The model's own dense-layer rules and widths (a shared expert of another width counts by its size).
+        from_model = dict(first_dense=m.first_k_dense, dense_layers=tuple(m.dense_layers),
+                          dense_ffn_dim=m.dense_ffn_dim,
+                          n_shared_experts=round(m.shared_experts * (m.shared_ffn_dim or m.ffn_dim) / m.ffn_dim))
         return ModelShape(vocab=m.vocab_size or cfg.data.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                           n_heads=m.n_heads, ffn_dim=m.ffn_dim, num_experts=m.num_experts, top_k=m.top_k,
                           moe_every=m.moe_every, seq_len=cfg.train.seq_len,
-                          pos_table=m.max_seq_len if m.pos_emb == "learned" else 0, **extra)
+                          pos_table=m.max_seq_len if m.pos_emb == "learned" else 0, **{**from_model, **extra})
 
     def is_moe(self, i: int) -> bool:
-        return i >= self.first_dense and i % self.moe_every == 0
+        """Same rule as model.transformer.is_moe_layer (moe_every, first k dense, listed dense layers)."""
+        return i >= self.first_dense and i % self.moe_every == 0 and i not in self.dense_layers
 
     @property
     def dense_hidden(self) -> int:
@@ -128,12 +134,15 @@ PRECISIONS = {
 
 
 def layout_config(cfg: Config, layout: Layout) -> Config:
-    """A copy of cfg running `layout` (pp_layers kept only when it still matches pp)."""
+    """A copy of cfg running `layout` (pp_layers kept only when it still matches pp, or is "auto"; virtual stages
+    only under the interleaved schedule)."""
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
     c.train.micro_batch = layout.micro_batch
-    if len(p.pp_layers) != layout.pp:
+    if layout.schedule != "interleaved":
+        p.virtual_stages = 1
+    if p.pp_layers != "auto" and len(p.pp_layers) != layout.pp * p.virtual_stages:
         p.pp_layers = []
     p.auto = False
     return c
@@ -157,17 +166,21 @@ class StageSummary:
 
 
 def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | None = None,
-                    activation_checkpointing: bool = False) -> list[StageSummary]:
-    """Per-stage parameter, FLOP and activation counts; layers split as `model.spec.layer_bounds` does."""
+                    activation_checkpointing: bool = False, virtual_stages: int = 1) -> list[StageSummary]:
+    """Per-stage (per pipeline rank) parameter, FLOP and activation counts; layers split as `model.spec` does:
+    pp_layers are the layers of each of the pp*virtual_stages chunks (even when not given), rank s holding
+    chunks s, s+pp, ... (interleaved schedule)."""
     pp, D, V = layout.pp, shape.d_model, shape.vocab
     e_local = shape.num_experts // layout.ep
+    n_chunks = pp * virtual_stages
+    counts = list(pp_layers) if pp_layers and len(pp_layers) == n_chunks else even_counts(shape.n_layers, n_chunks)
     out = []
     for s in range(pp):
-        lo, hi = layer_bounds(shape.n_layers, pp, s, pp_layers if pp_layers and len(pp_layers) == pp else None)
+        layers = [i for c in range(s, n_chunks, pp) for i in range(*layer_bounds(shape.n_layers, n_chunks, c, counts))]
         first, last = s == 0, s == pp - 1
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe = 0, 0.0, 0.0, 0.0, 0.0, 0
-        for i in range(lo, hi):
+        for i in layers:
             ne, one_expert = shape.layer_params(i)
             n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
             fd, fe = shape.layer_fwd_flops(i)
@@ -181,6 +194,6 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | No
         if last:
             f_dense += 2 * D * V
             act += head_act
-        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, hi - lo,
+        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, len(layers),
                                 first, last))
     return out
