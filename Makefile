@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 	$(VENV)/bin/nanotitan bench dp
 	$(VENV)/bin/nanotitan bench pp
 	$(VENV)/bin/nanotitan bench ep
+
+# On a CUDA machine: NCCL equivalence (fp32, bf16) and MFU of MID/default, one table (docs/precision.md).
+# Skips cleanly without CUDA.
+gpu-check: $(STAMP)
+	PYTHON=$(PY) scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -52,10 +52,10 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 rows = [json.loads(l) for l in (out / "rows.jsonl").read_text().splitlines()] if (out / "rows.jsonl").exists() else []
-lines = [f"{'check':<18} {'dtype':<5} {'GPUs':>4}  {'layout':<22} {'result':<40} ok"]
+lines = [f"{'check':<18} {'dtype':<5} {'GPUs':>4}  {'layout':<28} {'result':<40} ok"]
 for r in rows:
     res = f"max rel loss dev {r['max_rel_dev']:.2e} (bound {r['bound']:.1e})"
-    lines.append(f"{r['check']:<18} {r['dtype']:<5} {r['gpus']:>4}  {r['layout']:<22} {res:<40} {'yes' if r['ok'] else 'NO'}")
+    lines.append(f"{r['check']:<18} {r['dtype']:<5} {r['gpus']:>4}  {r['layout']:<28} {res:<40} {'yes' if r['ok'] else 'NO'}")
 if not rows:
     lines.append("NCCL equivalence   (no rows: see pytest.log)")
 for model in ("mid", "default"):
@@ -63,11 +63,11 @@ for model in ("mid", "default"):
         f = out / f"mfu_{model}_{dtype}" / "metrics.jsonl"
         recs = [r for r in map(json.loads, f.read_text().splitlines()) if r.get("step", 0) >= 10] if f.exists() else []
         if not recs:
-            lines.append(f"{'MFU':<18} {dtype:<5} {1:>4}  {model:<22} {'(run failed)':<40} NO")
+            lines.append(f"{'MFU':<18} {dtype:<5} {1:>4}  {model:<28} {'(run failed)':<40} NO")
             continue
         mfu = statistics.median(r["mfu"] for r in recs)
         tok = statistics.median(r["tokens_per_sec"] for r in recs)
-        lines.append(f"{'MFU':<18} {dtype:<5} {1:>4}  {model:<22} {f'{100 * mfu:.2f}% MFU, {tok:,.0f} tok/s':<40} yes")
+        lines.append(f"{'MFU':<18} {dtype:<5} {1:>4}  {model:<28} {f'{100 * mfu:.2f}% MFU, {tok:,.0f} tok/s':<40} yes")
 print("\n".join(lines))
 EOF
 echo "gpu-check: $([ $status -eq 0 ] && echo passed || echo FAILED) (details in $OUT)"

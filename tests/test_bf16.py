@@ -206,7 +206,8 @@ def test_planner_reduce_bytes_follow_reduce_dtype():
 
 @pytest.mark.parametrize("args, field", [
     (["--parallel.reduce_dtype", "bf16", "--parallel.dp", "2", "--parallel.dp_impl", "torch_ddp"], "parallel.reduce_dtype"),
-    (["--parallel.reduce_dtype", "bf16", "--parallel.dp", "2", "--parallel.zero", "3"], "parallel.reduce_dtype"),
+    (["--parallel.reduce_dtype", "bf16", "--parallel.dp", "2", "--parallel.zero", "3", "--train.ckpt_at_end", "false"],
+     "parallel.reduce_dtype"),
     (["--parallel.reduce_dtype", "fp16"], "parallel.reduce_dtype"),
     (["--train.dtype", "fp16"], "train.dtype"),
 ])

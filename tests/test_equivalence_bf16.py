@@ -106,8 +106,10 @@ def test_world8_bf16(corpus_dir, tmp_path, bf16_reference):
         ranks = [results[r][i] for r in range(world)]
         rank0 = ranks[0]
         dev = max_rel_dev(_losses(rank0), ref)
-        assert dev <= bf16_bound(), f"{case[:4]}: loss deviates {dev:.2e} > bound {bf16_bound():.2e}"
         val_dev = abs(_val(rank0) - _val(bf16_reference)) / _val(bf16_reference)
+        print(f"bf16 {case[:4]} {' '.join(case[4][-2:]) if 'zero' in ' '.join(case[4]) else ''}: max rel loss "
+              f"deviation {dev:.2e}, val {val_dev:.2e} (bound {bf16_bound():.2e})")  # docs/precision.md: pytest -s
+        assert dev <= bf16_bound(), f"{case[:4]}: loss deviates {dev:.2e} > bound {bf16_bound():.2e}"
         assert val_dev <= bf16_bound(), f"{case[:4]}: val loss deviates {val_dev:.2e}"
         # Rank 0 is stage 0 of 2: per step it sends M activations and receives M gradients, (m, S, D) each,
         # 2 bytes an element; the eval step adds one forward send per eval microbatch.

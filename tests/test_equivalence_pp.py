@@ -46,19 +46,21 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
 
 
 def test_world2_interleaved_zb1(corpus_dir, tmp_path, reference):
-    """PP2: interleaved V=2 and zb1, each also with activation checkpointing (zb1's W then recomputes), and
-    zb1 with the cost-balanced split (pp_layers auto)."""
+    """PP2: interleaved V=2, zb1, zb1 with activation checkpointing (its W recomputes the blocks), zb1 with the
+    cost-balanced split (pp_layers auto)."""
     ac = ("--train.activation_checkpointing", "true")
-    cases = [(1, 2, 1, "interleaved", V2), (1, 2, 1, "interleaved", V2 + ac),
-             (1, 2, 1, "zb1", ()), (1, 2, 1, "zb1", ac), (1, 2, 1, "zb1", ("--parallel.pp_layers", "auto"))]
+    cases = [(1, 2, 1, "interleaved", V2), (1, 2, 1, "zb1", ()), (1, 2, 1, "zb1", ac),
+             (1, 2, 1, "zb1", ("--parallel.pp_layers", "auto"))]
     _matrix(2, cases, corpus_dir, tmp_path, {"4": reference}, timeout=300)
 
 
 def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_layers):
     """PP4 (interleaved on 8 layers), DP2·PP2 and PP2·EP2: both schedules (the Reducer's buckets see zb1's
-    weight gradients arrive in W; EP's all-to-alls pair up in forward and B)."""
+    weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 with sharded DP too
+    (zb1 with ZeRO-2, interleaved with ZeRO-1: the ShardedReducer's reduce-scatters follow the same protocol)."""
     cases = [(1, 4, 1, "interleaved", V2 + L8), (1, 4, 1, "zb1", ()),
              (2, 2, 1, "interleaved", V2), (2, 2, 1, "zb1", ()),
+             (2, 2, 1, "zb1", ("--parallel.zero", "2")), (2, 2, 1, "interleaved", V2 + ("--parallel.zero", "1")),
              (1, 2, 2, "interleaved", V2), (1, 2, 2, "zb1", ())]
     _matrix(4, cases, corpus_dir, tmp_path, {"4": reference, "8": reference_8_layers}, timeout=420)
 

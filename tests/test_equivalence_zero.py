@@ -1,12 +1,16 @@
 """Sharded DP keeps the equivalence rule (DESIGN §4): every zero level trains what one process trains.
 
 parallel.zero 1, 2 (ShardedReducer) and 3 (FSDP2) x DP2, DP4, DP2*EP2, DP2*PP2 and DP2*PP2*EP2 (both
-schedules) run the real trainer on real gloo processes for 10 steps with clipping and are held to
+schedules: PP_CELLS run in the default tier, PP_CELLS_SLOW complete the product in the slow tier) run
+the real trainer on real gloo processes for 10 steps with clipping and are held to
 tests/test_equivalence.py's bar against its single-process reference: losses per step to fp32 relative
 1e-5, final parameters (each rank's full params: after the all-gather at zero 1/2, gathered from the
-shards at zero 3), replicas bitwise identical. Activation checkpointing rides along in two cases.
-One launch per world size runs all of its cases.
+shards at zero 3), replicas bitwise identical. Activation checkpointing and periodic eval (a forward
+between steps: FSDP's params stay gathered until the next final backward) ride along in two cases.
+One launch per world size runs all of its cases. Default tier: 3 launches, 19 trainer runs.
 """
+
+import pytest
 
 from nanotitan.config import load_config
 from nanotitan.model.transformer import is_expert_param
@@ -33,18 +37,26 @@ def _run(rank, world, cases, corpus_dir, run_root):
             for i, case in enumerate(cases)]
 
 
-def _cases(layouts, ac_zero=None):
-    out = []
-    for zero in (1, 2, 3):
-        for dp, pp, ep, schedule in layouts:
-            extra = ("--parallel.zero", str(zero), *NO_CKPT)
-            out.append((dp, pp, ep, schedule, extra))
-    if ac_zero is not None:
-        dp, pp, ep, schedule = layouts[-1]
-        for zero in ac_zero:
-            out.append((dp, pp, ep, schedule, ("--parallel.zero", str(zero), "--train.activation_checkpointing",
-                                               "true", *NO_CKPT)))
+def _cases(cells, ac=None):
+    """(dp, pp, ep, schedule, zero) cells -> trainer cases; `ac`: one more cell with activation checkpointing
+    and an eval every 4 steps."""
+    out = [(dp, pp, ep, schedule, ("--parallel.zero", str(zero), *NO_CKPT)) for dp, pp, ep, schedule, zero in cells]
+    if ac is not None:
+        dp, pp, ep, schedule, zero = ac
+        out.append((dp, pp, ep, schedule, ("--parallel.zero", str(zero), "--train.activation_checkpointing", "true",
+                                           "--train.eval_every", "4", *NO_CKPT)))
     return out
+
+
+def _every_zero(dp, pp, ep, schedule):
+    return [(dp, pp, ep, schedule, zero) for zero in (1, 2, 3)]
+
+
+# With PP, zero 1/2 meet the schedule only through prepare(sync) before each backward (the Reducer's own
+# path, tested in both schedules by test_equivalence.py); zero 3 (FSDP's gradient-sync and reshard flags)
+# runs both schedules in the default tier, and the full product runs in the slow tier.
+PP_CELLS = [("gpipe", 1), ("1f1b", 2), ("gpipe", 3), ("1f1b", 3)]
+PP_CELLS_SLOW = [("1f1b", 1), ("gpipe", 2)]
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, reference, timeout):
@@ -54,13 +66,22 @@ def _matrix(world, cases, corpus_dir, tmp_path, reference, timeout):
 
 
 def test_zero_world2(corpus_dir, tmp_path, reference):
-    _matrix(2, _cases([(2, 1, 1, "1f1b")], ac_zero=(3,)), corpus_dir, tmp_path, reference, timeout=300)
+    _matrix(2, _cases(_every_zero(2, 1, 1, "1f1b"), ac=(2, 1, 1, "1f1b", 3)), corpus_dir, tmp_path, reference,
+            timeout=300)
 
 
 def test_zero_world4(corpus_dir, tmp_path, reference):
-    layouts = [(4, 1, 1, "1f1b"), (2, 1, 2, "1f1b"), (2, 2, 1, "gpipe"), (2, 2, 1, "1f1b")]
-    _matrix(4, _cases(layouts, ac_zero=(2,)), corpus_dir, tmp_path, reference, timeout=600)
+    cells = _every_zero(4, 1, 1, "1f1b") + _every_zero(2, 1, 2, "1f1b") + [(2, 2, 1, s, z) for s, z in PP_CELLS]
+    _matrix(4, _cases(cells, ac=(2, 2, 1, "1f1b", 2)), corpus_dir, tmp_path, reference, timeout=600)
 
 
 def test_zero_world8(corpus_dir, tmp_path, reference):
-    _matrix(8, _cases([(2, 2, 2, "gpipe"), (2, 2, 2, "1f1b")]), corpus_dir, tmp_path, reference, timeout=600)
+    _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS]), corpus_dir, tmp_path, reference, timeout=600)
+
+
+@pytest.mark.slow
+def test_zero_pp_slow_tier(corpus_dir, tmp_path, reference):
+    _matrix(4, _cases([(2, 2, 1, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w4", reference,
+            timeout=600)
+    _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w8", reference,
+            timeout=600)

@@ -62,6 +62,9 @@ def test_records_and_config_reach_wandb_offline(tmp_path, wandb_env, monkeypatch
         writer.write({"step": step, "loss": 7.0 - step / 8, "lr": 1e-3 * step, "schedule": "1f1b",
                       "expert_load": [[step, 2], [3, 4]], "comm_ep_bytes": 1024 * step})
     writer.close()
+    import wandb
+
+    wandb.teardown()  # finish() can return before W&B's service has flushed the run file; the process exit would
     jsonl = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (run_file,) = (wandb_env / "wandb").glob("offline-run-*/run-*.wandb")
     records = list(_wandb_records(run_file))

@@ -4,7 +4,8 @@ tokens per step, averaged over a window after warm-up, as a markdown table and P
     nanotitan bench layouts --ranks 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
 
 Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU); results land in
-`docs/experiments/layouts_N{n}.md`, `throughput_memory.png`, `loss_curves.png` and `layouts.json`.
+`docs/experiments/layouts.md`, `memory.md`, `throughput_memory.png`, `memory_per_rank.png`,
+`loss_curves.png` and `layouts.json`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def main(argv: list[str]) -> int:
                                                   "global_batch": B, "seq_len": cfg.train.seq_len}, indent=1))
     max_rel = (_max_rel_diff(curves, 10), _max_rel_diff(curves))
     write_markdown(out / "layouts.md", all_rows, window, B, cfg.train.seq_len, args, overrides, max_rel)
+    write_memory_markdown(out / "memory.md", all_rows, B, cfg.train.seq_len, args, overrides)
     plot(out, all_rows, curves)
     print(f"[bench layouts] max relative loss difference across layouts: {max_rel[0]:.2e} over steps 1-10, "
           f"{max_rel[1]:.2e} over all steps")
@@ -161,6 +163,27 @@ def write_markdown(path: Path, rows, window, B, S, args, overrides, max_rel):
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_memory_markdown(path: Path, rows, B, S, args, overrides):
+    """What each rank of each layout keeps, in MiB: the figures of `memory_per_rank.png`, and RSS beside them."""
+    mib = 2**20
+    lines = [f"# Memory per rank of every layout ({B} x {S} tokens per step)", "",
+             f"Command: `nanotitan bench layouts --ranks {' '.join(map(str, args.ranks))} --steps {args.steps} "
+             f"--micro-batch {args.micro_batch} --config {args.config} {' '.join(overrides)}`".rstrip(), "",
+             "Live tensors at the end of the run (each storage once) and the peak bytes autograd saved for backward "
+             "in a step; RSS is the process's peak resident memory (on CPU mostly the Python/torch runtime). "
+             "Picture: `memory_per_rank.png`.", "",
+             "| N | dp/pp/ep | sched | M x m | rank | params | grads | optimizer | activations (peak) | tensors | RSS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for rank, (t, rss) in enumerate(zip(r.get("tensor_mem_per_rank") or [], r["peak_mem_per_rank"])):
+            if None in t.values():
+                continue
+            cells = [f"{t[k] / mib:.2f}" for k in TENSOR_KEYS] + [f"{sum(t.values()) / mib:.2f}", f"{rss / mib:.0f}"]
+            lines.append(f"| {r['world']} | {r['dp']}/{r['pp']}/{r['ep']} | {r['schedule']} | {r['M']} x {r['m']} | "
+                         f"{rank} | " + " | ".join(cells) + " |")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def plot(out: Path, rows, curves):
     import matplotlib
 
@@ -168,14 +191,18 @@ def plot(out: Path, rows, curves):
     import matplotlib.pyplot as plt
 
     labels = [f"N{r['world']} {r['dp']}/{r['pp']}/{r['ep']}" for r in rows]
-    n_bars = sum(len(r["peak_mem_per_rank"]) for r in rows)
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(9, 0.3 * n_bars + 2), 8.5))
+    width = max(9, 0.18 * sum(len(r["peak_mem_per_rank"]) for r in rows) + 2)
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(width, 8.5))
     a1.bar(labels, [r["tokens_per_sec"] for r in rows], color="tab:blue")
     a1.set_title("throughput (tokens/s)")
     a1.tick_params(axis="x", rotation=30)
     plot_memory(a2, rows, labels)
     fig.tight_layout()
     fig.savefig(out / "throughput_memory.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(width, 4.5))  # the memory panel alone
+    plot_memory(ax, rows, labels)
+    fig.tight_layout()
+    fig.savefig(out / "memory_per_rank.png", dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in curves.items():
         ax.plot([s for s, _ in pts], [l for _, l in pts], label=name, linewidth=1)
@@ -209,5 +236,5 @@ def plot_memory(ax, rows, labels):
     ax.set_xticks(centers, labels, rotation=30)
     ax.set_xlabel("N dp/pp/ep (one bar per rank, in rank order)")
     ax.set_ylabel("MiB")
-    ax.set_title("memory each rank keeps: live tensors and peak saved activations (RSS: see layouts.md)")
-    ax.legend(fontsize=8)
+    ax.set_title("memory each rank keeps: live tensors and peak saved activations (RSS apart: memory.md)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -108,18 +108,22 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(140, Console().width))  # 11 columns: rich's 80 off a terminal would fold them
     t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}")
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
               f"{100 * last['mfu']:.1f}%", f"{last['step_time_s'] * 1000:.0f} ms")
     console.print(t)
-    r = Table(title="per rank (wait = time blocked in communication, whole run)")
-    for col in ("rank", "(dp, pp, ep)", "peak mem", "DP all-reduce", "EP all-to-all", "PP send/recv", "other"):
+    r = Table(title="per rank: live tensors, peak saved activations, peak memory (RSS on CPU), and seconds blocked "
+                    "in communication over the run")
+    for col in ("rank", "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "peak mem", "DP wait", "EP wait",
+                "PP wait", "other"):
         r.add_column(col)
     for row in rows:
-        r.add_row(str(row["rank"]), str(tuple(row["coords"])), fmt_bytes(row["peak_mem_bytes"]),
+        tensors = [fmt_bytes(row[k]) if k in row else "-"
+                   for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes")]
+        r.add_row(str(row["rank"]), str(tuple(row["coords"])), *tensors, fmt_bytes(row["peak_mem_bytes"]),
                   f"{row['wait_dp_s']:.2f} s", f"{row['wait_ep_s']:.2f} s", f"{row['wait_pp_s']:.2f} s",
                   f"{row['wait_other_s']:.2f} s")
     console.print(r)
@@ -153,3 +157,40 @@ class Progress:
     def close(self):
         if self.enabled:
             self.bar.stop()
+
+
+class StepLogger:
+    """Builds the step records of a run, writes them (metrics.jsonl, TensorBoard, W&B: global rank 0 only)
+    and keeps them, with the run's per-axis communication waits for the summary. `log` is collective:
+    every rank calls it on the same steps (it reduces the losses and the expert loads)."""
+
+    def __init__(self, writer, shard, device: torch.device, *, M: int, schedule: str, tokens_per_step: int,
+                 flops_per_token: float, peak_flops: float, aux_weight: float):
+        self.writer, self.shard, self.device = writer, shard, device
+        self.M, self.schedule, self.aux_weight = M, schedule, aux_weight
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.history: list[dict] = []
+        self.wait_totals = {a: 0.0 for a in comm.AXES}
+        comm.COMM.reset()
+
+    @property
+    def last(self) -> dict:
+        return self.history[-1] if self.history else {}
+
+    def log(self, step: int, stats: StepStats, grad_norm: float, lr: float, step_time: float, **extra) -> dict:
+        from .parallel.step import reduce_losses
+
+        ce_loss, aux_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M)
+        cstats = comm.COMM.snapshot_and_reset()
+        for a in comm.AXES:
+            self.wait_totals[a] += cstats[f"comm_{a}_wait_s"]
+        dims = self.shard.dims
+        record = step_record(step=step, ce_loss=ce_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr,
+                             step_time=step_time, tokens_per_step=self.tokens_per_step,
+                             flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, device=self.device,
+                             dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats)
+        record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
+        record.update({k: v for k, v in extra.items() if v is not None})
+        self.writer.write(record)
+        self.history.append(record)
+        return record

@@ -23,16 +23,17 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import report
-from .config import Config, ConfigError, to_toml, validate
+from .config import Config, ConfigError, to_dict, to_toml, validate
 from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
 from .errors import TrainingError
-from .metrics import MetricsWriter, job_peak_flops
+from .metrics import MetricsWriter, SavedActivations, job_peak_flops, live_tensor_bytes
 from .model.transformer import flops_per_token, num_moe_layers
-from .parallel import comm, step as S
+from .parallel import step as S
 from .parallel.dims import ParallelDims, init_distributed
 from .parallel.parallelize import parallelize, pick_device
+from .profiling import StepProfiler
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -50,6 +51,28 @@ def build_optimizer(shard, cfg: Config) -> torch.optim.AdamW:
     matrices only. Fused: ~3x faster than the default on CPU (BASELINES)."""
     groups = shard.param_groups(cfg.train.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
+
+
+class NonFiniteGuard:
+    """train.on_nonfinite: "stop" at the first non-finite step, "skip" up to max_skips in a row. Every rank sees the
+    same agreed flag, so every rank takes the same decision."""
+
+    def __init__(self, policy: str, max_skips: int):
+        self.policy, self.max_skips = policy, max_skips
+        self.skipped, self.in_a_row = 0, 0
+
+    def check(self, step: int, nonfinite: bool, log) -> str | None:
+        """None to go on; else why to stop (the step made no update on any rank)."""
+        if not nonfinite:
+            self.in_a_row = 0
+            return None
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        if self.policy == "stop":
+            return f"step {step}: non-finite loss or grad norm"
+        if self.in_a_row > self.max_skips:
+            return f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > train.max_skips={self.max_skips})"
+        log(f"step {step}: non-finite loss or grad norm, update skipped on every rank")
+        return None
 
 
 class Trainer:
@@ -100,7 +123,11 @@ class Trainer:
         self.peak_flops = job_peak_flops(self.device, t.dtype, self.threads, self.world, t.peak_flops)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
         self.run_dir = Path(cfg.run.dir)
-        self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume))
+        self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume),
+                                    wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=to_dict(cfg))
+        self.profiler = StepProfiler(cfg.run.profile_steps, self.rank, self.run_dir, self.device)
+        self.saved_acts = SavedActivations(self.model)  # bytes autograd keeps for backward: peak per step
+        self.act_peak_bytes = 0
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -156,8 +183,11 @@ class Trainer:
             g["lr"] = lr
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.batch(step)
-        stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
-                                   device=self.device, dtype=cfg.train.dtype)
+        self.saved_acts.reset_peak()
+        with self.saved_acts:
+            stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule,
+                                       aux_weight=self.aux_weight, device=self.device, dtype=cfg.train.dtype)
+        self.act_peak_bytes = max(self.act_peak_bytes, self.saved_acts.peak_bytes)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         S.finish_grads(self.shard)
         grad_norm = S.clip_grads(self.shard, cfg.train.grad_clip)
@@ -172,60 +202,37 @@ class Trainer:
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        history, last = [], {}
-        comm.COMM.reset()
-        wait_totals = {a: 0.0 for a in comm.AXES}
+        logger = report.StepLogger(self.writer, self.shard, self.device, M=self.M, schedule=cfg.parallel.schedule,
+                                   tokens_per_step=self.tokens_per_step, flops_per_token=self.flops_per_token,
+                                   peak_flops=self.peak_flops, aux_weight=self.aux_weight)
+        guard = NonFiniteGuard(t.on_nonfinite, t.max_skips)
         if cfg.parallel.check_replicas and self.world > 1:
             assert self.shard.check_replicas(), "replicas differ after the initial broadcast"
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
-        step, skipped, in_a_row = self.start_step, 0, 0
+        step = self.start_step
         for step in range(self.start_step, t.steps):
+            self.profiler.step_begin(step + 1)
             t0 = time.perf_counter()
             stats, grad_norm, lr, nonfinite, stop = self.train_step(step)
             step_time = time.perf_counter() - t0
-            failure = None
-            if nonfinite:  # no update was made on any rank; stop (after logging it), or skip up to max_skips in a row
-                skipped, in_a_row = skipped + 1, in_a_row + 1
-                if t.on_nonfinite == "stop" or in_a_row > t.max_skips:
-                    ce, aux = S.reduce_losses(self.shard, stats, self.aux_weight, self.M)
-                    why = "" if t.on_nonfinite == "stop" else f" ({in_a_row} in a row > train.max_skips={t.max_skips})"
-                    failure = TrainingError(
-                        f"step {step + 1}: non-finite loss {ce + aux:.4g} / grad norm {float(grad_norm):.4g}{why}; "
-                        f"stopped without saving it (lower --train.lr, or --train.on_nonfinite skip)")
-                else:
-                    self.log(f"step {step + 1}: non-finite loss or grad norm, update skipped on every rank")
-            else:
-                in_a_row = 0
+            self.profiler.step_end(step + 1)
+            failure = guard.check(step + 1, nonfinite, self.log)  # skip (no rank updated) or stop, after logging
 
             # --- eval on fixed val batches; log: losses are means over all DP*EP*M microbatches -----------
-            is_eval = t.eval_every and (step + 1) % t.eval_every == 0
-            val = S.evaluate(self.shard, self.val_data.eval_batches(t.eval_batches, self.B, self.dims.data_rank,
-                                                                    self.b), self.m, self.device, t.dtype) \
-                if is_eval else None
+            val = self.evaluate() if t.eval_every and (step + 1) % t.eval_every == 0 else None
             record = None
-            if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or is_eval or nonfinite:
-                ce_loss, aux_loss = S.reduce_losses(self.shard, stats, self.aux_weight, self.M)
-                cstats = comm.COMM.snapshot_and_reset()
-                for a in comm.AXES:
-                    wait_totals[a] += cstats[f"comm_{a}_wait_s"]
-                record = report.step_record(
-                    step=step + 1, ce_loss=ce_loss, aux_loss=aux_loss, grad_norm=float(grad_norm), lr=lr,
-                    step_time=step_time, tokens_per_step=self.tokens_per_step, flops_per_token=self.flops_per_token,
-                    peak_flops=self.peak_flops, device=self.device, dims=self.dims, M=self.M,
-                    schedule=cfg.parallel.schedule, stats=stats, comm_stats=cstats)
-                record.update(report.expert_load_stats(self.model, self.world, self.device))
-                record.update(skipped=nonfinite, skipped_steps=skipped)
-                if val is not None:
-                    record["val_loss"] = val
-                self.writer.write(record)
-                history.append(record)
-                last = record
+            if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or val is not None \
+                    or nonfinite:
+                record = logger.log(step + 1, stats, float(grad_norm), lr, step_time, val_loss=val,
+                                    skipped=nonfinite, skipped_steps=guard.skipped,
+                                    act_peak_bytes=self.saved_acts.peak_bytes)
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()
                 self.writer.close()
-                raise failure
+                raise TrainingError(f"{failure} (loss {record['loss']:.4g}, grad norm {record['grad_norm']:.4g}); "
+                                    "stopped without saving it (lower --train.lr, or --train.on_nonfinite skip)")
 
             # --- checkpoint / stop ---------------------------------------------------------------------------
             if t.ckpt_every and (step + 1) % t.ckpt_every == 0 or (stop and t.ckpt_on_signal):
@@ -238,9 +245,19 @@ class Trainer:
         final_step = step + 1 if t.steps > self.start_step else self.start_step
         if t.ckpt_at_end and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
             self.save(final_step)
-        summary = report.gather_summary(last, self.rank, self.dims, self.device, wait_totals, self.run_dir)
+        profile = self.profiler.close()
+        if profile:
+            print(profile, flush=True)  # every rank its own table (torchrun prefixes the lines with [rankN]:)
+        mem = {**live_tensor_bytes(self.model, self.optimizer), "act_peak_bytes": self.act_peak_bytes}
+        summary = report.gather_summary(logger.last, self.rank, self.dims, self.device, logger.wait_totals,
+                                        self.run_dir, mem)
         self.writer.close()
-        return {"history": history, "summary": summary}
+        return {"history": logger.history, "summary": summary}
+
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        batches = self.val_data.eval_batches(t.eval_batches, self.B, self.dims.data_rank, self.b)
+        return S.evaluate(self.shard, batches, self.m, self.device, t.dtype)
 
     def close(self, failed: bool = False):
         """Tear down. After a failure no collective runs: a peer may be dead or stopped, and a barrier would

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotitan.checkpoint import keyed_tensors
+from nanotitan.checkpoint import keyed_tensors, load_checkpoint, save_checkpoint
 from nanotitan.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer
@@ -184,6 +184,19 @@ def test_activation_checkpointing_counts_once_and_bias_is_checkpointed():
     assert all(torch.equal(model.step_load[k], loads[1][k]) for k in loads[1])
     keys = keyed_tensors(model, None)
     assert "model.layers.0.moe.router_bias" in keys and "model.layers.1.moe.router_bias" in keys
+
+
+def test_bias_survives_a_checkpoint(tmp_path):
+    cfg = load_config(None, TINY + ["--run.dir", str(tmp_path)])
+    model = Transformer(cfg.model, seed=3)
+    for moe in model.moe_layers():
+        moe.update_bias(torch.randint(0, 50, (4,)))
+        moe.update_bias(torch.randint(0, 50, (4,)))
+    path = save_checkpoint(tmp_path, 1, model, None, None, cfg)
+    fresh = Transformer(cfg.model, seed=3)
+    load_checkpoint(path, fresh, None, None)
+    for a, b in zip(model.moe_layers(), fresh.moe_layers()):
+        assert a.router_bias.abs().sum() > 0 and torch.equal(a.router_bias, b.router_bias)
 
 
 @pytest.mark.parametrize("args,msg", [

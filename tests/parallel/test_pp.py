@@ -252,3 +252,117 @@ def test_schedule_errors_name_the_fix():
     with pytest.raises(ValueError, match="need parallel.schedule=interleaved with pp > 1"):
         pipeline_forward_backward(chunks, ParallelDims(1, 1, 1), xs, ys, comms=comms, schedule="interleaved",
                                   aux_weight=0.0, loss_scale=0.5, before_backward=None)
+
+
+def _ep_in_w(rank, world, cases):
+    """PP2 x EP2 under zb1: the EP all-to-alls each W runs (and the grads against the single process)."""
+    import nanotitan.parallel.pp as P
+    from nanotitan.parallel.ep import apply_ep
+
+    dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)
+    backward_weight, in_w = P.backward_weight, []
+
+    def counting(pending):  # the EP calls made inside each W
+        before = comm.COMM.calls["ep"]
+        backward_weight(pending)
+        in_w.append(comm.COMM.calls["ep"] - before)
+
+    P.backward_weight = counting
+    out = []
+    try:
+        for ckpt in cases:
+            cfg = tiny_cfg(2, schedule="zb1")
+            cfg.parallel.ep = 2
+            xs, ys = microbatches(4)
+            full = Transformer(cfg.model, None, SEED)
+            reference_step(full, xs, ys)
+            ref = dict(full.named_parameters())
+            chunks = [Transformer(cfg.model, s, SEED) for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
+            (stage,) = chunks
+            stage.activation_checkpointing = ckpt
+            apply_ep(stage, dims)
+            in_w.clear()
+            comm.COMM.reset()
+            stage_step(stage, dims, xs, ys, "zb1")
+            worst = 0.0
+            for n, p in stage.named_parameters():
+                want = ref[n].grad
+                if ".experts." in n:  # this rank's experts see both EP ranks' (identical) tokens: EP x the
+                    want = 2 * want[stage.spec.expert_start:stage.spec.expert_end]  # grad (the Reducer's 1/EP)
+                worst = max(worst, rel_err(p.grad, want))
+            out.append(dict(ckpt=ckpt, in_w=list(in_w), total=comm.COMM.calls["ep"], worst=worst))
+    finally:
+        P.backward_weight = backward_weight
+    return out
+
+
+def test_zb1_runs_no_ep_all_to_all_in_w():
+    """PP2 x EP2, zb1: no W runs an EP all-to-all (they are all in forwards and B's), and grads match one process;
+    with activation checkpointing each W recomputes its blocks' forwards, dispatch and combine included, the
+    same number on every rank of the EP group (so they pair up)."""
+    results = run_ranks(_ep_in_w, 4, ([False, True],), timeout=120)
+    for rank, per_case in enumerate(results):
+        plain, ckpt = per_case
+        assert plain["worst"] <= 1e-5 and ckpt["worst"] <= 1e-5, (rank, plain["worst"], ckpt["worst"])
+        assert len(plain["in_w"]) == 4 and plain["total"] > 0 and not any(plain["in_w"]), (rank, plain)
+        assert all(n > 0 for n in ckpt["in_w"]), (rank, ckpt)
+    for pp_rank in range(2):
+        a, b = results[2 * pp_rank][1]["in_w"], results[2 * pp_rank + 1][1]["in_w"]
+        assert a == b, f"EP ranks of stage {pp_rank} ran different all-to-alls in W: {a} vs {b}"
+
+
+def test_config_and_split_for_the_new_schedules():
+    """One-line errors for what the schedules cannot run; interleaved chunk ownership; pp_layers auto balances."""
+    import pytest
+
+    from nanotitan.config import ConfigError, load_config
+    from nanotitan.model.spec import chunk_layer_counts
+
+    bad = [(["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
+             "--parallel.microbatches", "3"], "needs parallel.microbatches=3 to be a multiple of parallel.pp=2"),
+           (["--parallel.virtual_stages", "2"], "parallel.virtual_stages=2 needs --parallel.schedule interleaved"),
+           (["--parallel.pp", "4", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
+             "--parallel.microbatches", "4"], "chunks need at least as many layers, model.n_layers=4"),
+           (["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
+             "--parallel.microbatches", "2", "--parallel.pp_layers", "3,1"], "must list 4 positive counts"),
+           (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "3", "--parallel.schedule", "zb1"],
+            "parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not zb1")]
+    for args, msg in bad:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, args)
+        assert msg in str(e.value) and "\n" not in str(e.value), (args, str(e.value))
+
+    # interleaved: rank p holds global chunks p and p + PP; the embedding on chunk 0, the head on the last
+    cfg = tiny_cfg(2, 8, None, "interleaved", 2)
+    specs = [build_chunk_specs(cfg, r) for r in range(2)]
+    assert [[(s.layer_start, s.layer_end) for s in specs[r]] for r in range(2)] == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    assert [s.has_token_embed for s in specs[0]] == [True, False] and [s.has_head for s in specs[1]] == [False, True]
+
+    # auto: a head as heavy as several layers (vocab 16384, d 32) leaves the last stage fewer layers than even
+    heavy = load_config(None, ["--parallel.pp", "2", "--parallel.pp_layers", "auto", "--model.n_layers", "8",
+                               "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "64",
+                               "--data.vocab_size", "16384", "--train.device", "cpu"])
+    counts = chunk_layer_counts(heavy)
+    assert sum(counts) == 8 and counts[1] < counts[0], counts
+    heavy.parallel.pp_layers = []
+    assert chunk_layer_counts(heavy) == [4, 4]
+
+
+def test_planner_models_the_new_schedules():
+    """The planner's bubble and memory per schedule: zb1's fill/drain is a third of 1F1B's and it holds PP
+    microbatches on every stage (1F1B's stage-0 peak); interleaved's fill/drain is 1/V of 1F1B's."""
+    from nanotitan.hardware import get_hardware
+    from nanotitan.plan import Layout, layout_config, predict
+
+    cfg = tiny_cfg(4, 8)
+    cfg.model.aux_coef = 0.0
+    cfg.parallel.virtual_stages = 2
+    hw = get_hardware("cpu")
+    pred = {s: predict(layout_config(cfg, Layout(1, 4, 1, s, 8, 2)), Layout(1, 4, 1, s, 8, 2), hw)
+            for s in ("1f1b", "zb1", "interleaved")}
+    b = {s: p.costs["bubble"] for s, p in pred.items()}
+    assert math.isclose(b["zb1"], b["1f1b"] / 3, rel_tol=1e-6) and math.isclose(b["interleaved"], b["1f1b"] / 2,
+                                                                                  rel_tol=0.05), b
+    act = {s: [parts["activations"] for parts in p.mem_parts_by_stage] for s, p in pred.items()}
+    assert act["zb1"][0] == act["1f1b"][0] and all(a >= act["1f1b"][0] * 0.99 for a in act["zb1"][:3]), act
+    assert act["1f1b"][3] < act["zb1"][3]

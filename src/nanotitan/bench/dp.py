@@ -164,10 +164,10 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
-    times, phases, nbytes = [], {k: [] for k in PHASES}, None
+    times, cpu, phases, nbytes = [], [], {k: [] for k in PHASES}, None
     for step in range(warmup + steps):
         tok = data[step % len(data)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in syncs:
             s.prepare(sync=True)
         loss, aux = step_model(tok[:, :-1], tok[:, 1:])
@@ -190,12 +190,13 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
         t4 = time.perf_counter()
         if step >= warmup:
             times.append(t4 - t0)
+            cpu.append(time.process_time() - c0)  # all threads of the rank, gloo's included
             for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(dt)
     if mode == "ddp":
         del step_model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
     dist.barrier()
-    return times, phases, nbytes
+    return times, phases, nbytes, cpu
 
 
 def zero_main(args) -> int:
@@ -203,6 +204,7 @@ def zero_main(args) -> int:
     worlds = [int(w) for w in args.zero_worlds.split(",") if w]
     runs = [(w, m) for w in worlds for m in ZERO_MODES]
     times = {r: [] for r in runs}
+    cpus = {r: [] for r in runs}
     phases = {r: {k: [] for k in PHASES} for r in runs}
     nbytes = {}
     for rnd in range(args.rounds):
@@ -210,13 +212,14 @@ def zero_main(args) -> int:
             out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup), timeout=1800,
                             pg_timeout=600)
             times[world, mode] += out[0][0]  # DP ranks are in lockstep: rank 0's clock
+            cpus[world, mode] += out[0][3]
             for k in PHASES:
                 phases[world, mode][k] += out[0][1][k]
             nbytes[world, mode] = [o[2] for o in out]
             print(f"round {rnd} DP={world} {mode:<6} median {statistics.median(out[0][0]) * 1e3:7.1f} ms", flush=True)
     print(f"\nMID model, {BATCH}x{SEQ} tokens/rank/step, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, "
           f"{args.rounds} rounds x {args.steps} steps; bytes: rank 0 at the optimizer step (max over ranks)")
-    print(f"{'DP':>3} {'mode':<6}{'min ms':>9}{'median ms':>11}{'/zero0':>8}"
+    print(f"{'DP':>3} {'mode':<6}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"
           + "".join(f"{k + ' ms':>13}" for k in PHASES)
           + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
     for world, mode in runs:
@@ -224,7 +227,9 @@ def zero_main(args) -> int:
         base = statistics.median(times[world, "zero0"])
         b = {k: max(r[k] for r in nbytes[world, mode]) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
         b0 = {k: max(r[k] for r in nbytes[world, "zero0"]) for k in b}
+        cpu, cpu0 = statistics.median(cpus[world, mode]), statistics.median(cpus[world, "zero0"])
         print(f"{world:>3} {mode:<6}{min(times[world, mode]) * 1e3:>9.1f}{med * 1e3:>11.1f}{med / base:>8.3f}"
+              f"{cpu * 1e3:>8.0f}{cpu / cpu0:>8.3f}"
               + "".join(f"{statistics.median(phases[world, mode][k]) * 1e3:>13.1f}" for k in PHASES)
               + f"{b['param_bytes'] / 2**20:>10.1f}{b['grad_bytes'] / 2**20:>9.1f}{b['optim_bytes'] / 2**20:>10.1f}"
               + f"{b['optim_bytes'] / b0['optim_bytes']:>10.3f}{b['grad_bytes'] / b0['grad_bytes']:>9.3f}"

@@ -1,20 +1,24 @@
-"""`nanotitan bench pp`: pipeline-parallel step time, bubble and activation memory on the MID model
-(BASELINES), PP=2, M=8, m=2.
+"""`nanotitan bench pp`: pipeline schedules side by side -- step time, bubble, activation memory, timelines --
+on the MID model (BASELINES), PP=2, M=8, m=2.
 
-    nanotitan bench pp [--repeats 7] [--splits 2,2 3,1] [--json out.json]
+    nanotitan bench pp [--repeats 5] [--layers 4] [--split even|auto|2,2] [--schedules ...] [--json out.json]
+                       [--timeline docs/pp_timeline.png]
 
-Launches 2 gloo processes (1 thread each) and compares, interleaved round by round so machine noise
-hits every variant alike:
-- one process: the full model, gradient accumulation over the same 8 microbatches (the other rank idles);
-- ours:  `pipeline_forward_backward` with schedule 1f1b and gpipe, for each layer split;
-- torch: `torch.distributed.pipelining` Schedule1F1B / ScheduleGPipe on the same stages and microbatches.
-A step is zero_grad + forward/backward of all 8 microbatches + fused AdamW step; its time is the max over
-the two ranks after a barrier. Reported: min/median step time, ratios of medians, measured bubble
-(time blocked in P2P ÷ time in the schedule, per stage) vs (PP-1)/(M+PP-1), and peak activation memory
-per stage: the peak over the step of the bytes of distinct tensor storages that autograd holds saved for
-backward (a saved_tensors_hooks pack/unpack pair counts each storage once while any saved reference to
-it is alive; parameters are excluded). torch's schedules here backpropagate the CE only (their stages
-return one tensor), ours CE + aux: a slight advantage to torch.
+Launches 2 gloo processes (1 thread each) and runs, interleaved round by round so machine noise hits every
+variant alike:
+- single: the full model, gradient accumulation over the same 8 microbatches (the other rank idles);
+- ours:  `pipeline_forward_backward` with gpipe, 1f1b, zb1 (one chunk per rank) and interleaved (V=2 chunks
+         per rank, one layer each on 4 layers);
+- torch: `torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble (the same one
+         stage per rank as zb1) and ScheduleInterleaved1F1B (the same V=2 chunks as ours), on the same modules.
+A step is zero_grad + forward/backward of all 8 microbatches + fused AdamW step; its time is the max over the
+two ranks after a barrier. Reported per variant: min/median step time and the ratios of medians; CPU seconds
+per stage (`time.process_time`, which does not depend on whether the rank got a core); the measured bubble:
+ours `StepStats.p2p_wait_s / wall_s` per stage, and for every variant the idle fraction 1 - CPU s / step time
+per stage (a rank blocked in gloo sleeps); the peak saved activations per stage (the bytes of distinct
+storages autograd holds for a pending backward, parameters excluded); and for ours a timeline of one step
+(per rank: F, B, W, blocked P2P) drawn with matplotlib. torch's stages return one tensor, so they
+backpropagate the CE only, ours CE + the MoE balance loss: a slight advantage to torch.
 """
 
 from __future__ import annotations
@@ -31,21 +35,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Config, ModelConfig, ParallelConfig
-from ..model.spec import build_shard_spec
+from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import Transformer
 from ..parallel.dims import ParallelDims
 from ..parallel.pp import pipeline_forward_backward, theoretical_bubble
+from ..parallel.pp_chunks import StageChunks
 from ..parallel.pp_comms import StageComms
 from ..spawn import run_ranks
 
-PP, M, MB, SEQ, VOCAB, D = 2, 8, 2, 128, 4096, 256
+PP, M, MB, SEQ, VOCAB, D, V = 2, 8, 2, 128, 4096, 256, 2
 SEED, AUX_WEIGHT = 0, 0.01 / 4
+OURS = ("gpipe", "1f1b", "zb1", "interleaved")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1": "ScheduleInterleavedZeroBubble",
+         "interleaved": "ScheduleInterleaved1F1B"}  # torch's counterpart of each of ours, on the same stages
 
 
-def mid_cfg(pp: int, split: list[int] | None) -> Config:
-    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
-                        max_seq_len=SEQ)
-    return Config(model=model, parallel=ParallelConfig(pp=pp, pp_layers=list(split or [])))
+def mid_cfg(n_layers: int, split, schedule: str = "1f1b") -> Config:
+    """The MID model on PP stages; split "even", "auto" or a list of layers per stage (V=1 schedules only)."""
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=512, num_experts=8,
+                        top_k=2, max_seq_len=SEQ)
+    pp_layers = split if split == "auto" else ([] if split == "even" or schedule == "interleaved" else list(split))
+    cfg = Config(model=model, parallel=ParallelConfig(pp=PP, schedule=schedule, pp_layers=pp_layers,
+                                                      virtual_stages=V if schedule == "interleaved" else 1))
+    cfg.train.device, cfg.train.micro_batch, cfg.train.seq_len = "cpu", MB, SEQ
+    return cfg
+
+
+def chunk_models(cfg: Config, pp_rank: int) -> list[Transformer]:
+    return [Transformer(cfg.model, spec, SEED) for spec in build_chunk_specs(cfg, pp_rank, 0)]
 
 
 class SavedActivationBytes:
@@ -53,7 +70,9 @@ class SavedActivationBytes:
 
     class _Handle:
         def __init__(self, owner, t):
-            self.owner, self.t, self.key = owner, t, t.untyped_storage().data_ptr()
+            # Hold it detached: a saved output holding its own grad_fn would be a cycle through C++ that keeps
+            # the graph (and this count) alive after autograd drops it.
+            self.owner, self.t, self.key = owner, t.detach(), t.untyped_storage().data_ptr()
             refs, nbytes = owner.live.get(self.key, (0, t.untyped_storage().nbytes()))
             if refs == 0:
                 owner.cur += nbytes
@@ -94,7 +113,7 @@ def ce_loss(logits, targets):
 
 
 def _bench(rank, world, args):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
     dims = ParallelDims(1, world, 1, rank).build_groups()
     g = torch.Generator().manual_seed(0)
@@ -102,16 +121,15 @@ def _bench(rank, world, args):
     y_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
     xs, ys = list(x_BS.split(MB)), list(y_BS.split(MB))
     comms = StageComms(dims, (MB, SEQ, D), torch.float32, torch.device("cpu"))  # ours: kept across steps
-    steps = {}  # variant name -> callable running one step on this rank
-    stats_of = {}  # variant name -> last StepStats (ours)
+    steps, models = {}, {}  # variant -> one step on this rank; variant -> the modules it trains
+    stats_of = {}  # ours: variant -> last StepStats
 
-    def adamw(model):
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
-    # one process: full model on rank 0, rank 1 idles at the barrier
-    if rank == 0:
-        full = Transformer(mid_cfg(1, None).model, None, SEED)
-        opt_full = adamw(full)
+    if rank == 0:  # one process: full model on rank 0, rank 1 idles at the barrier
+        full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
+        opt_full = adamw(full.parameters())
 
         def single():
             opt_full.zero_grad(set_to_none=True)
@@ -119,33 +137,38 @@ def _bench(rank, world, args):
                 ce, aux = full(x, y)
                 ((ce + AUX_WEIGHT * aux) / M).backward()
             opt_full.step()
-        steps["single"] = single
+        steps["single"], models["single"] = single, [full]
     else:
-        steps["single"] = lambda: None
+        steps["single"], models["single"] = (lambda: None), []
 
-    for split in args.splits:
-        cfg = mid_cfg(PP, split)
-        spec = build_shard_spec(cfg, dims.pp_rank, 0)
-        tag = ",".join(map(str, split))
-        for schedule in ("1f1b", "gpipe"):
-            model = Transformer(cfg.model, spec, SEED)
-            opt = adamw(model)
+    for schedule in args.schedules:
+        cfg = mid_cfg(args.layers, args.split, schedule)
+        if f"ours_{schedule}" in args.variants:
+            chunks = chunk_models(cfg, dims.pp_rank)
+            model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
+            opt = adamw(model.parameters())
 
-            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}[{tag}]"):
+            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}", timeline=None):
                 opt.zero_grad(set_to_none=True)
                 stats_of[name] = pipeline_forward_backward(
                     model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
-                    before_backward=None)
+                    before_backward=None, timeline=timeline)
                 opt.step()
-            steps[f"ours_{schedule}[{tag}]"] = ours
+            steps[f"ours_{schedule}"], models[f"ours_{schedule}"] = ours, chunks
 
-            tmodel = Transformer(cfg.model, spec, SEED)
-            topt = adamw(tmodel)
-            example = (x_BS[:MB],) if dims.is_pp_first_stage else (torch.zeros(MB, SEQ, D, requires_grad=True),)
-            stage = PipelineStage(LogitsStage(tmodel), dims.pp_rank, PP, torch.device("cpu"), input_args=example,
-                                  group=dims.group("pp"))
-            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            sched = cls(stage, n_microbatches=M, loss_fn=ce_loss)
+        if f"torch_{schedule}" in args.variants:
+            tchunks = chunk_models(cfg, dims.pp_rank)
+            n_stages = PP * len(tchunks)
+            stages = []
+            for v, chunk in enumerate(tchunks):
+                c = v * PP + dims.pp_rank
+                example = (x_BS[:MB],) if c == 0 else (torch.zeros(MB, SEQ, D, requires_grad=True),)
+                stages.append(pipelining.PipelineStage(LogitsStage(chunk), c, n_stages, torch.device("cpu"),
+                                                       input_args=example, group=dims.group("pp")))
+            cls = getattr(pipelining, TORCH[schedule])
+            sched = cls(stages[0], n_microbatches=M, loss_fn=ce_loss) if schedule in ("gpipe", "1f1b") \
+                else cls(stages, n_microbatches=M, loss_fn=ce_loss)
+            topt = adamw([p for c in tchunks for p in c.parameters()])
 
             def torch_step(sched=sched, topt=topt):
                 topt.zero_grad(set_to_none=True)
@@ -154,7 +177,7 @@ def _bench(rank, world, args):
                 else:
                     sched.step(target=y_BS, losses=[])
                 topt.step()
-            steps[f"torch_{schedule}[{tag}]"] = torch_step
+            steps[f"torch_{schedule}"], models[f"torch_{schedule}"] = torch_step, tchunks
 
     cpu = {name: [] for name in steps}  # this rank's CPU seconds per step (immune to waiting for a core)
 
@@ -173,83 +196,123 @@ def _bench(rank, world, args):
             timed(fn)
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in steps if name.startswith("ours")}
-    computes = {name: [] for name in bubbles}
     load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
         for name, fn in steps.items():
             times[name].append(timed(fn, name))
             if name in bubbles:
                 bubbles[name].append(stats_of[name].bubble)
-                computes[name].append(stats_of[name].compute_s)
 
-    # peak saved-activation bytes per stage, ours 1F1B vs GPipe (untimed steps)
-    cfg = mid_cfg(PP, args.splits[0])
-    peak = {}
-    for schedule in ("1f1b", "gpipe"):
-        model = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
-        meter = SavedActivationBytes(model.parameters())
+    # Peak saved-activation bytes per stage (untimed steps), and one step's timeline of each of ours.
+    peak, timelines = {}, {}
+    for name, fn in steps.items():
+        if name == "single":
+            continue
+        meter = SavedActivationBytes([p for m in models[name] for p in m.parameters()])
         with meter.hooks():
-            pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT,
-                                      loss_scale=1.0 / M, before_backward=None)
-        assert meter.cur == 0, f"{meter.cur} saved bytes still alive after the step"
-        peak[schedule] = meter.peak
-    return dict(times=times, cpu=cpu, bubbles=bubbles, computes=computes, peak=peak,
+            timed(fn)
+        assert name.startswith("torch") or meter.cur == 0, f"{name}: {meter.cur} saved bytes alive after the step"
+        peak[name] = meter.peak
+    for name in (n for n in steps if n.startswith("ours")):
+        timelines[name] = []
+        dist.barrier()
+        steps[name](timeline=timelines[name])
+    counts = chunk_layer_counts(mid_cfg(args.layers, args.split, "1f1b"))
+    return dict(times=times, cpu=cpu, bubbles=bubbles, peak=peak, timelines=timelines, counts=counts,
                 load=(load_before, os.getloadavg()[0]))
+
+
+def draw_timelines(res: dict, path: str) -> None:
+    """One panel per schedule of ours: a row per rank, F / B / W bars and blocked P2P, over one step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res[0]["timelines"])
+    colors = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "wait": "#c44e52"}
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.3 + 1.1 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        t0 = min(ev[3] for r in res for ev in res[r]["timelines"][name])
+        end = max(ev[4] for r in res for ev in res[r]["timelines"][name]) - t0
+        for r in res:
+            for kind, v, i, a, b in res[r]["timelines"][name]:
+                y = PP - 1 - r
+                h = 0.35 if kind == "wait" else 0.8
+                ax.broken_barh([(a - t0, b - a)], (y - h / 2, h), facecolors=colors[kind],
+                               edgecolors="white" if kind != "wait" else "none", linewidth=0.3)
+                if kind != "wait" and (b - a) > end / 70:
+                    ax.text((a + b) / 2 - t0, y, f"{i}" if v < 1 else f"{i}'", ha="center", va="center",
+                            fontsize=6, color="white")
+        ax.set_yticks(range(PP), [f"rank {PP - 1 - y}" for y in range(PP)])
+        ax.set_xlim(0, end)
+        ax.set_title(f"ours {name.removeprefix('ours_')}: one step, {end * 1000:.0f} ms", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds since the step started (F forward, B backward / input gradient, "
+                           "W weight gradient, red: blocked in P2P; ' = second chunk)")
+    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()]
+    fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=130)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nanotitan bench pp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=7, help="timed steps per variant, interleaved (default 7)")
-    ap.add_argument("--splits", nargs="+", default=["2,2", "3,1"], help="layers per stage, e.g. 2,2 3,1")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per variant, interleaved (default 5)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the MID model (default 4)")
+    ap.add_argument("--split", default="even", help="layers per stage for gpipe/1f1b/zb1: even, auto or e.g. 3,1")
+    ap.add_argument("--schedules", nargs="+", default=list(OURS), choices=OURS)
+    ap.add_argument("--only", choices=["ours", "torch"], default=None, help="run only ours or only torch's")
     ap.add_argument("--json", default="", help="also write the raw results here")
+    ap.add_argument("--timeline", default="", help="draw ours' one-step timelines into this PNG")
     args = ap.parse_args(argv)
-    args.splits = [[int(n) for n in s.split(",")] for s in args.splits]
+    if args.split not in ("even", "auto"):
+        args.split = [int(n) for n in args.split.split(",")]
+    args.variants = {f"{who}_{s}" for s in args.schedules for who in ("ours", "torch") if args.only in (None, who)}
 
-    res = dict(enumerate(run_ranks(_bench, PP, (args,), timeout=1800, pg_timeout=600)))
+    res = dict(enumerate(run_ranks(_bench, PP, (args,), timeout=3600, pg_timeout=900)))
 
     times = res[0]["times"]
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"MID model, PP={PP}, M={M}, m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats "
-          f"(step = zero_grad + fwd/bwd + fused AdamW); 1-min load average {res[0]['load'][0]:.1f} -> "
-          f"{res[0]['load'][1]:.1f} on {os.cpu_count()} cores")
     mn = {k: min(v) for k, v in times.items()}
-    print(f"{'variant':<22}{'min s':>8}{'median s':>10}{'speedup (min)':>15}{'speedup (median)':>18}")
+    cpu = {k: [statistics.median(res[r]["cpu"][k]) for r in range(PP)] for k in times}
+    print(f"MID model ({args.layers} layers, split {res[0]['counts']} for one chunk per rank), PP={PP}, M={M}, "
+          f"m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats (step = zero_grad + fwd/bwd + fused AdamW); "
+          f"1-min load average {res[0]['load'][0]:.1f} -> {res[0]['load'][1]:.1f} on {os.cpu_count()} cores")
+    print(f"{'variant':<20}{'min s':>8}{'median s':>10}{'x single (med)':>16}{'CPU s per stage':>22}"
+          f"{'idle per stage':>18}{'peak act MiB':>16}")
     for k in times:
-        print(f"{k:<22}{mn[k]:>8.3f}{med[k]:>10.3f}{mn['single'] / mn[k]:>15.2f}{med['single'] / med[k]:>18.2f}")
-    # CPU seconds per stage (median): how the work splits, whatever else competes for the cores
-    cpu_single = statistics.median(res[0]["cpu"]["single"])
-    print(f"\nCPU s per step: single {cpu_single:.3f}")
+        idle = "" if k == "single" else str([round(1 - c / med[k], 2) for c in cpu[k]])
+        pk = "" if k == "single" else str([round(res[r]["peak"][k] / 2**20, 1) for r in range(PP)])
+        cp = str([round(c, 3) for c in cpu[k]]) if k != "single" else f"{cpu[k][0]:.3f}"
+        print(f"{k:<20}{mn[k]:>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>16.2f}{cp:>22}{idle:>18}{pk:>16}")
+    cpu_single = cpu["single"][0]
+    print(f"\nsingle CPU s / slowest stage's CPU s (the balance bound on the speed-up):")
     for k in times:
         if k != "single":
-            per = [statistics.median(res[r]["cpu"][k]) for r in range(PP)]
-            print(f"CPU s per step {k:<18} per stage {[round(c, 3) for c in per]}  "
-                  f"single / max stage = {cpu_single / max(per):.2f}")
-    theo = theoretical_bubble(PP, M)
-    print(f"\ntheoretical bubble (PP-1)/(M+PP-1) = {theo:.3f}")
+            print(f"  {k:<20}{cpu_single / max(cpu[k]):.2f}")
+    print("\nmeasured bubble of ours (time blocked in P2P / time in the schedule; median per stage, mean):")
     for k in res[0]["bubbles"]:
+        sched = k.removeprefix("ours_")
+        theo = theoretical_bubble(PP, M, sched, V)
         per_stage = [statistics.median(res[r]["bubbles"][k]) for r in range(PP)]
-        compute = [statistics.median(res[r]["computes"][k]) for r in range(PP)]
         mean = sum(per_stage) / PP
-        print(f"measured bubble {k:<18} median per stage {[round(b, 3) for b in per_stage]}  mean {mean:.3f} "
-              f"= {mean / theo:.2f} x theoretical; compute s per stage {[round(c, 3) for c in compute]}")
-        # the fastest step is the one least disturbed by other processes competing for the cores
-        fastest = times[k].index(mn[k])
-        per_stage = [res[r]["bubbles"][k][fastest] for r in range(PP)]
-        mean = sum(per_stage) / PP
-        print(f"{'':16}{'':<18} fastest step per stage {[round(b, 3) for b in per_stage]}  mean {mean:.3f} "
-              f"= {mean / theo:.2f} x theoretical")
-    for split in args.splits:
-        tag = ",".join(map(str, split))
-        for sched, cls in (("1f1b", "Schedule1F1B"), ("gpipe", "ScheduleGPipe")):
-            ours, ref = f"ours_{sched}[{tag}]", f"torch_{sched}[{tag}]"
-            print(f"split {tag}: ours {sched} / torch {cls}: min {mn[ours] / mn[ref]:.2f}, "
-                  f"median {med[ours] / med[ref]:.2f}")
-    split0 = ",".join(map(str, args.splits[0]))
-    for r in range(PP):
-        pk = res[r]["peak"]
-        print(f"stage {r} [{split0}] peak saved activations: 1F1B {pk['1f1b'] / 2**20:.1f} MiB, "
-              f"GPipe {pk['gpipe'] / 2**20:.1f} MiB ({pk['1f1b'] / pk['gpipe']:.2f}x)")
+        print(f"  {k:<20}{[round(b, 3) for b in per_stage]}  mean {mean:.3f}; theoretical {theo:.3f}; "
+              f"1F1B's theoretical {theoretical_bubble(PP, M):.3f}")
+    print("\nours / torch's on the same stages (median step time):")
+    for s in args.schedules:
+        if f"ours_{s}" in med and f"torch_{s}" in med:
+            print(f"  {s:<12} / {TORCH[s]:<30} {med[f'ours_{s}'] / med[f'torch_{s}']:.2f}")
+    ours = {k: v for k, v in med.items() if k.startswith("ours")}
+    theirs = {k: v for k, v in med.items() if k.startswith("torch")}
+    if ours and theirs:
+        best, tbest = min(ours, key=ours.get), min(theirs, key=theirs.get)
+        print(f"best of ours {best} / torch's best {tbest}: {ours[best] / theirs[tbest]:.2f}")
+        if "torch_1f1b" in med:
+            print(f"best of ours {best} / torch Schedule1F1B: {ours[best] / med['torch_1f1b']:.2f}")
+    if args.timeline:
+        draw_timelines(res, args.timeline)
+        print(f"timelines: {args.timeline}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({str(r): res[r] for r in res}, f, indent=1)

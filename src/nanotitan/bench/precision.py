@@ -1,6 +1,7 @@
 """bf16 mixed precision vs fp32 on one CPU thread: step time side by side, and where the non-GEMM time goes.
 
     python -m nanotitan.bench.precision [--rounds 8] [--profile-steps 3] [--d-model 256]
+    python -m nanotitan.bench.precision --wire      (bytes on the wire per axis, fp32 vs bf16, 2 gloo ranks)
 
 Model: BASELINES' MID (d_model 256, 4 layers, 8 experts of 512, top-2, vocab 4096), 8x128 random tokens
 per step, one process, 1 thread, the product's step (`parallel.step.forward_backward`, finish, fused AdamW).
@@ -11,6 +12,11 @@ other jobs take the core away, which wall time does). Then torch.profiler over a
 profile per step and the minimum per operator over them (a descheduled op inflates one step, not all):
 self time by category (GEMM, dtype casts, attention, elementwise, MoE routing/permutation, optimizer,
 other) and the top operators of the bf16 step.
+
+--wire: the communication accounting (parallel/comm.py) of one MID microbatch on each axis, 2 ranks: PP (one
+activation (8, 128, 256) forward and its gradient back, StageComms), EP (one MoE layer's dispatch and combine,
+forward and backward, 1,024 tokens per rank, the same routing in both dtypes), DP (one Reducer all-reduce of
+the MID model's gradients, parallel.reduce_dtype fp32 vs bf16).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from ..config import load_config
 from ..parallel import step as S
@@ -91,13 +98,73 @@ def profile(run: Run, steps: int) -> dict[str, float]:
     return best
 
 
+def _wire_worker(rank: int, world: int) -> dict:
+    from ..model.moe import ExpertFFN
+    from ..model.transformer import Transformer
+    from ..parallel import comm
+    from ..parallel.dp import Reducer
+    from ..parallel.ep import EPDispatcher
+    from ..parallel.pp_comms import StageComms
+
+    cfg = load_config(None, MID_ARGS)
+    D, F, E, K, T = cfg.model.d_model, cfg.model.ffn_dim, cfg.model.num_experts, cfg.model.top_k, 8 * 128
+    dims = ParallelDims(1, 2, 1, rank=rank).build_groups()
+    g = torch.Generator().manual_seed(rank)
+    act = torch.randn(8, 128, D, generator=g)
+    x_TD, ids_TK = torch.randn(T, D, generator=g), torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g)
+    experts = ExpertFFN(E // world, D, F)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    model = Transformer(cfg.model, seed=0)
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        wire = S.compute_dtype(dtype)
+        comm.COMM.reset()
+        sc = StageComms(dims, tuple(act.shape), wire, CPU)  # PP: activation forward, its gradient back
+        if dims.is_pp_first_stage:
+            sc.send_forward(act)
+            sc.recv_backward()
+        else:
+            sc.recv_forward()
+            sc.send_backward(act)
+        x = x_TD.clone().requires_grad_()  # EP: one MoE layer, forward under autocast, backward outside
+        with S.autocast(CPU, dtype):
+            y = EPDispatcher(dist.group.WORLD, world, rank)(x, ids_TK, w_TK, experts, E)
+        y.float().sum().backward()
+        red = Reducer(list(model.named_parameters()), dist.group.WORLD, 25, 0.5,
+                      reduce_dtype=torch.bfloat16 if dtype == "bf16" else None)
+        red.prepare(sync=True)
+        sum(p.sum() for p in model.parameters()).backward()
+        red.finish()
+        out[dtype] = {a: comm.COMM.bytes[a] for a in ("pp", "ep", "dp")}
+    return out
+
+
+def wire(out: dict) -> None:
+    print("bytes on the wire per rank (rank 0), MID shapes, 2 gloo ranks, parallel/comm.py accounting:")
+    print(f"  {'axis':<6}{'what':<58}{'fp32':>12}{'bf16':>12}{'ratio':>8}")
+    what = {"pp": "one (8,128,256) activation out, its gradient back",
+            "ep": "1 MoE layer fwd+bwd, 1,024 tokens, incl. 64 B of int64 counts",
+            "dp": "all-reduce of the MID gradients (reduce_dtype)"}
+    for a in ("pp", "ep", "dp"):
+        f32, b16 = out["fp32"][a], out["bf16"][a]
+        print(f"  {a:<6}{what[a]:<58}{f32:>12,}{b16:>12,}{b16 / f32:>8.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanotitan.bench.precision", description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="timed steps per dtype, alternating (default 8)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per dtype (0: no profile)")
     ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--wire", action="store_true", help="bytes per axis, fp32 vs bf16, on 2 gloo ranks")
     args = ap.parse_args(argv)
+    if args.wire:
+        from ..spawn import run_ranks
+
+        wire(run_ranks(_wire_worker, 2, timeout=300)[0])
+        return 0
     torch.set_num_threads(1)
     runs = {dt: Run(dt, args.d_model) for dt in ("fp32", "bf16")}
     wall, cpu = defaultdict(list), defaultdict(list)
@@ -126,16 +193,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cats[dt][category(op)] += s
     names = [c for c, _ in CATEGORIES] + ["other"]
-    print(f"\nself ms per step by category (torch.profiler, min over {args.profile_steps} profiled steps per op):")
-    print(f"  {'category':<26}{'fp32':>9}{'bf16':>9}")
+    # The profiler clocks wall time, which a shared machine inflates; its shares are what we keep, scaled to the
+    # median CPU time of a step.
+    total = {dt: sum(cats[dt].values()) for dt in cats}
+    step_ms = {dt: statistics.median(cpu[dt]) * 1e3 for dt in cats}
+    print(f"\nwhere a step goes: share of profiled self time (min over {args.profile_steps} profiled steps per op), "
+          f"and that share of the median CPU step in ms")
+    print(f"  {'category':<26}{'fp32 %':>8}{'ms':>8}{'bf16 %':>9}{'ms':>8}")
     for c in names:
-        print(f"  {c:<26}{cats['fp32'][c] * 1e3:>9.1f}{cats['bf16'][c] * 1e3:>9.1f}")
-    print(f"  {'total':<26}{sum(cats['fp32'].values()) * 1e3:>9.1f}{sum(cats['bf16'].values()) * 1e3:>9.1f}")
-    print("\ntop bf16 operators by self CPU ms per step (fp32 beside):")
-    for op, s in sorted(prof["bf16"].items(), key=lambda kv: -kv[1])[:15]:
+        f32, b16 = cats["fp32"][c] / total["fp32"], cats["bf16"][c] / total["bf16"]
+        print(f"  {c:<26}{100 * f32:>8.1f}{f32 * step_ms['fp32']:>8.1f}{100 * b16:>9.1f}{b16 * step_ms['bf16']:>8.1f}")
+    print(f"  {'step (CPU, median)':<26}{'':>8}{step_ms['fp32']:>8.1f}{'':>9}{step_ms['bf16']:>8.1f}")
+    print("\ntop bf16 operators, % of profiled self time (fp32 beside):")
+    for op, s in sorted(prof["bf16"].items(), key=lambda kv: -kv[1])[:16]:
         if op.startswith("ProfilerStep"):
             continue
-        print(f"  {op:<44}{prof['fp32'].get(op, 0.0) * 1e3:>8.1f}{s * 1e3:>8.1f}   [{category(op)}]")
+        print(f"  {op[:52]:<54}{100 * prof['fp32'].get(op, 0.0) / total['fp32']:>6.1f}{100 * s / total['bf16']:>7.1f}"
+              f"   [{category(op)}]")
     return 0
 
 

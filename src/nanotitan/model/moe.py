@@ -191,7 +191,7 @@ class MoE(nn.Module):
             dropped = keep_TK.numel() - keep_TK.sum()
         self.last_counts_E = counts_E.detach()  # what the router asked for (drops included)
         self.last_router_stats = torch.stack([balance.detach(), z_loss.detach(), dropped.to(balance.dtype),
-                                              balance.new_tensor(T * K), balance.new_tensor(1.0)])
+                                              balance.new_full((), T * K), balance.new_ones(())])  # no H2D copy
         return expert_ids_TK, weights_TK, aux
 
     @torch.no_grad()

@@ -63,7 +63,8 @@ class StepStats:
     wall_s: float  # the whole call
     p2p_wait_s: float  # time blocked in pipeline send/recv (idle: the bubble, plus transfer time)
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
-    max_in_flight: int  # most microbatches whose activations this stage held at once (GPipe M, 1F1B PP - p)
+    max_in_flight: int  # most microbatches whose activations this stage held at once (GPipe M, 1F1B PP - p,
+    #                     zb1 PP: F to W; interleaved: chunk-microbatches)
 
     @property
     def bubble(self) -> float:
@@ -118,6 +119,7 @@ class _StageRunner:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+        self._emb_out.clear()
 
     def _event(self, kind: str, v: int, i: int, t0: float) -> None:
         if self.timeline is not None:
@@ -261,6 +263,7 @@ def _zb1(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int) ->
     for j in range(steady):
         out = run.forward(0, warmup + j, recv_buf)
         grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
+        out = None  # B retains the graph for W: no reference here may outlive that W
         grad_in = run.backward_input(j, grad_buf)
         if j == steady - 1:
             comms.send_backward(grad_in, during=due(j))

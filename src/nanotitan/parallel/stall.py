@@ -16,8 +16,11 @@ RUN_DIR/logs/stall_rank_N.json: the rank's last entries and the error, for a hum
     rank 1 stalled: ranks 0,2,3 wait in EP all-to-all #532 (layer 2, backward); rank 1 last entered
     PP recv #530 (from rank 0) and is silent for 11 s (stopped or hung)
 
-Cost: two `struct.pack_into` into the mapped page per call (~3 us; docs/reliability.md), nothing else.
-Without `open_record` (tests, benchmarks) the ring is a plain bytearray and there is no thread.
+Cost: two `struct.pack_into` into the mapped page per call (~2 us; docs/reliability.md), nothing else.
+Without `CommRecord.open` (in-process tests, benchmarks) the ring is a plain bytearray and there is no thread.
+
+Fault injection (tests/test_faults.py): NANOTITAN_STOP_AT="RANK:AXIS:OP:SEQ" (OP may be empty: any op) makes
+that rank SIGSTOP itself on entering that call, so a test can stall a chosen axis at a chosen point.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class CommRecord:
         self._axis_seq: dict[str, int] = {}
         self._group_ranks: dict = {}
         self._stop = threading.Event()
+        self._stop_at: tuple | None = None
 
     def open(self, log_dir: str | Path, rank: int, world: int, timeout_s: float) -> None:
         """Back the ring by RUN_DIR/logs/comm_rank_N.ring (readable by the launcher) and start the heartbeat."""
@@ -138,6 +142,9 @@ class CommRecord:
         now = time.time()
         _HEADER.pack_into(self._buf, 0, _MAGIC, SLOTS, rank, os.getpid(), world, float(timeout_s), now, now, 0)
         self._count, self._axis_seq = 0, {}
+        stop_at = os.environ.get("NANOTITAN_STOP_AT", "").split(":")
+        self._stop_at = (stop_at[1], stop_at[2], int(stop_at[3])) \
+            if len(stop_at) == 4 and stop_at[0] == str(rank) else None
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, args=(self._stop, self._buf), daemon=True,
                          name="nanotitan-heartbeat").start()
@@ -175,6 +182,11 @@ class CommRecord:
                         (peers if peers is not None else self._peers(group)).encode(), shapes.encode(),
                         ctx.encode())
         struct.pack_into("<Q", self._buf, _COUNT_OFF, self._count)
+        if self._stop_at is not None and self._stop_at[0] == axis and self._stop_at[1] in ("", op) \
+                and self._stop_at[2] == seq:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGSTOP)  # fault injection (module docstring)
         return self._count
 
     def leave(self, ticket: int, state: int = DONE) -> None:
@@ -280,11 +292,13 @@ def diagnose(log_dir: str | Path, world: int, since: float = 0.0) -> str | None:
               if ring["heartbeat"] < last_beat - max(2.0, 0.2 * timeout)}
     waiting = {}
     for r, ring in rings.items():
-        last = ring["entries"][-1] if ring["entries"] else None
-        if r in silent or last is None or last["state"] == "done":
+        if r in silent:
             continue
-        if (last["end"] or ring["heartbeat"]) - last["start"] >= 0.5 * timeout:
-            waiting[r] = last
+        # The call it is blocked in: the oldest one not done. Async all-reduces of later buckets may have been
+        # issued after it (and the timeout may surface in one of their waits), but a group runs them in order.
+        blocked = next((e for e in ring["entries"] if e["state"] != "done"), None)
+        if blocked and (blocked["end"] or ring["heartbeat"]) - blocked["start"] >= 0.5 * timeout:
+            waiting[r] = blocked
     if not waiting:
         return None
     stalled = sorted(set(silent) | (set(range(world)) - set(rings)))
