@@ -74,7 +74,7 @@ def test_comm_refuses_cpu_tensor_on_nccl(monkeypatch):
         "all_gather": lambda: dp.all_gather(torch.zeros(8), t, None),
     }
     monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(RuntimeError, match="reached a nccl collective"):
             call()
     for backend in ("gloo", "cpu:gloo,cuda:nccl"):

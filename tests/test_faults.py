@@ -372,7 +372,7 @@ def test_kill9_during_a_save(tmp_path, corpus_dir, baseline):
     try:
         deadline = time.monotonic() + 180
         while seen is None and p.poll() is None and time.monotonic() < deadline:
-            if root.is_dir():
+            if (root / "step_3" / "COMPLETE").exists():  # a save after the third: one to fall back to
                 seen = next((d.name for d in os.scandir(root) if d.name.endswith(".tmp")), None)
             if seen is None:
                 time.sleep(0.001)
@@ -387,7 +387,9 @@ def test_kill9_during_a_save(tmp_path, corpus_dir, baseline):
     code, out, secs = train(corpus_dir, run, *SINGLE, "--train.steps", str(target), "--train.ckpt_every", "1",
                             "--train.resume", "auto")
     assert code == 0, out[-3000:]
-    resumed = int(re.search(r"resumed from \S+step_(\d+) at step", out).group(1))
+    m = re.search(r"resumed from \S+step_(\d+) at step", out)
+    assert m, out[-3000:]
+    resumed = int(m.group(1))
     assert resumed in (killed_at - 1, killed_at), (resumed, killed_at)  # the save finished, or it did not
     continues(run, curve, range(resumed + 1, target + 1))
     assert not list(root.glob("*.tmp")), list(root.iterdir())

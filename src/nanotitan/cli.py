@@ -217,16 +217,17 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench {dp,pp,ep,layouts} [...]`.
+    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts} [...]`.
 
-        dp       our bucketed Reducer vs torch DDP vs one process (nanotitan/bench/dp.py)
-        pp       pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
-        ep       one MoE layer under EP against its controls (nanotitan/bench/ep.py)
-        layouts  every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
+        dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
+        pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
+        ep         one MoE layer under EP against its controls (nanotitan/bench/ep.py)
+        precision  bf16 vs fp32: bytes on the wire per axis, step time and where it goes (bench/precision.py)
+        layouts    every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
 
     `nanotitan bench NAME --help` for its options."""
     if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,layouts} [...]")
+        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
         from .bench_layouts import main as bench_main
@@ -236,8 +237,10 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.pp import main as bench_main
     elif what == "ep":
         from .bench.ep import main as bench_main
+    elif what == "precision":
+        from .bench.precision import main as bench_main
     else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep or layouts)")
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision or layouts)")
     return bench_main(rest)
 
 

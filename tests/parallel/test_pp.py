@@ -157,10 +157,18 @@ def test_pp2_gradients_match_single_process():
 
 def test_pp4_gradients_match_single_process():
     """PP=4 (one layer per stage): GPipe, 1F1B and zb1, M in {1, 4, 8} (M < PP must not hang), with/without
-    checkpointing; interleaved V=2 on 8 layers (one per chunk), M in {4, 8} (M == PP: all-warmup)."""
+    checkpointing; interleaved V=2 on 8 layers (one per chunk), M in {4, 8} (M == PP: all-warmup). Then, in the
+    same processes, PP2 x EP2 under zb1: no EP all-to-all in any W (`_check_ep_in_w`)."""
     cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b", "zb1") for M in (1, 4, 8) for ck in (False, True)]
     cases += [(8, None, "interleaved", M, ck, 2) for M in (4, 8) for ck in (False, True)]
-    _check_grad_results(run_ranks(_grad_cases, 4, (cases,), timeout=110), 4)
+    results = run_ranks(_pp4_then_ep_in_w, 4, (cases, [False, True]), timeout=180)
+    _check_grad_results([r[0] for r in results], 4)
+    _check_ep_in_w([r[1] for r in results])
+
+
+def _pp4_then_ep_in_w(rank, world, cases, ep_cases):
+    """The PP=4 cases, then the PP2 x EP2 zb1 cases of `_ep_in_w`, in one launch (start-up dominates)."""
+    return _grad_cases(rank, world, cases), _ep_in_w(rank, world, ep_cases)
 
 
 def _train_steps(rank, world, schedules, steps, M, clip):
@@ -259,7 +267,7 @@ def _ep_in_w(rank, world, cases):
     import nanotitan.parallel.pp as P
     from nanotitan.parallel.ep import apply_ep
 
-    dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)
+    dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)  # new groups over the same 4 processes
     backward_weight, in_w = P.backward_weight, []
 
     def counting(pending):  # the EP calls made inside each W
@@ -296,11 +304,11 @@ def _ep_in_w(rank, world, cases):
     return out
 
 
-def test_zb1_runs_no_ep_all_to_all_in_w():
-    """PP2 x EP2, zb1: no W runs an EP all-to-all (they are all in forwards and B's), and grads match one process;
-    with activation checkpointing each W recomputes its blocks' forwards, dispatch and combine included, the
-    same number on every rank of the EP group (so they pair up)."""
-    results = run_ranks(_ep_in_w, 4, ([False, True],), timeout=120)
+def _check_ep_in_w(results):
+    """PP2 x EP2, zb1 (run by test_pp4_gradients_match_single_process): no W runs an EP all-to-all (they are all
+    in forwards and B's), and grads match one process; with activation checkpointing each W recomputes its
+    blocks' forwards, dispatch and combine included, the same number on every rank of the EP group (so they
+    pair up)."""
     for rank, per_case in enumerate(results):
         plain, ckpt = per_case
         assert plain["worst"] <= 1e-5 and ckpt["worst"] <= 1e-5, (rank, plain["worst"], ckpt["worst"])

@@ -153,7 +153,7 @@ def wire(out: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanotitan.bench.precision", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="nanotitan bench precision", description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="timed steps per dtype, alternating (default 8)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per dtype (0: no profile)")
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cats = {dt: defaultdict(float) for dt in prof}
     for dt, ops in prof.items():
         for op, s in ops.items():
-            if op.startswith("ProfilerStep") or op.startswith("autograd::engine"):
+            if op.startswith(("ProfilerStep", "autograd::engine")):
                 continue
             cats[dt][category(op)] += s
     names = [c for c, _ in CATEGORIES] + ["other"]

@@ -81,7 +81,8 @@ class ModelShard:
         """({param name: tensor}, {param name: {state key: tensor}}) in the replicated, per-parameter form
         whatever the zero level, for checkpoints. Zero 0: the live tensors; zero 1/2: the live params and
         the optimizer state all-gathered (fresh tensors); zero 3: all-gathered params and state.
-        Collective at zero >= 1. An optimizer that has not stepped gets its zero state first."""
+        Collective at zero >= 1. At zero >= 1 an optimizer that has not stepped gets its zero state first;
+        at zero 0 the caller creates it (checkpoint._ensure_adam_state)."""
         if self.zero == 3:
             return fsdp.full_state(self.model, optimizer)
         model_state = dict(self.model.named_parameters())
@@ -149,6 +150,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
 
     p = cfg.parallel
     scale = 1.0 / dims.data_world
+    reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bf16" else None  # None: reduce in the gradients' fp32
     by_group = [(params, kind) for params, kind in ((shard.replicated_params, "non_expert_dp"),
                                                     (shard.expert_params, "expert_dp")) if params]
     shard.zero = p.zero
@@ -163,8 +165,9 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
         if shard.unsharded:
             shard.reducers.append(Reducer(shard.unsharded, None, p.bucket_mb, scale))
     elif p.zero:
-        shard.reducers = [ShardedReducer(params, dims.group(kind), p.bucket_mb, scale, p.zero)
+        shard.reducers = [ShardedReducer(params, dims.group(kind), p.bucket_mb, scale, p.zero, reduce_dtype)
                           for params, kind in by_group]
     else:
-        shard.reducers = [Reducer(params, dims.group(kind), p.bucket_mb, scale) for params, kind in by_group]
+        shard.reducers = [Reducer(params, dims.group(kind), p.bucket_mb, scale, reduce_dtype)
+                          for params, kind in by_group]
     return shard

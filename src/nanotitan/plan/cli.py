@@ -15,8 +15,12 @@ from .shape import PRECISIONS, ModelShape
 
 
 def main(argv: list[str]) -> int:
+    from ..config_help import config_help
+
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
-                                 "DP x PP x EP layout, rank them, pick one.")
+                                 "DP x PP x EP layout, rank them, pick one. Config keys (--section.key VALUE) "
+                                 "describe the model and batch.", epilog=config_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML config (model, train.seq_len, global batch = dp*ep*M*m)")
     ap.add_argument("--ranks", "--gpus", dest="ranks", type=int,
                     help="world size N to plan for: GPUs, or processes on CPU (--gpus is the old name)")
