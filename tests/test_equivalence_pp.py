@@ -17,6 +17,7 @@ from tests.mp import run_ranks
 
 V2 = ("--parallel.virtual_stages", "2")
 L8 = ("--model.n_layers", "8")
+ZERO = ("--train.ckpt_at_end", "false")  # sharded DP does not checkpoint (yet): config.validate refuses it
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,11 @@ def test_world2_interleaved_zb1(corpus_dir, tmp_path, reference):
 
 def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_layers):
     """PP4 (interleaved on 8 layers), DP2·PP2 and PP2·EP2: both schedules (the Reducer's buckets see zb1's
-    weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 with sharded DP too
-    (zb1 with ZeRO-2, interleaved with ZeRO-1: the ShardedReducer's reduce-scatters follow the same protocol)."""
+    weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 zb1 with ZeRO-2 too (the
+    ShardedReducer's reduce-scatters follow the Reducer's protocol, so its buckets also fill in W)."""
     cases = [(1, 4, 1, "interleaved", V2 + L8), (1, 4, 1, "zb1", ()),
              (2, 2, 1, "interleaved", V2), (2, 2, 1, "zb1", ()),
-             (2, 2, 1, "zb1", ("--parallel.zero", "2")), (2, 2, 1, "interleaved", V2 + ("--parallel.zero", "1")),
+             (2, 2, 1, "zb1", ZERO + ("--parallel.zero", "2")),
              (1, 2, 2, "interleaved", V2), (1, 2, 2, "zb1", ())]
     _matrix(4, cases, corpus_dir, tmp_path, {"4": reference, "8": reference_8_layers}, timeout=420)
 

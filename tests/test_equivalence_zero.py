@@ -38,9 +38,10 @@ def _run(rank, world, cases, corpus_dir, run_root):
 
 
 def _cases(cells, ac=None):
-    """(dp, pp, ep, schedule, zero) cells -> trainer cases; `ac`: one more cell with activation checkpointing
-    and an eval every 4 steps."""
-    out = [(dp, pp, ep, schedule, ("--parallel.zero", str(zero), *NO_CKPT)) for dp, pp, ep, schedule, zero in cells]
+    """(dp, pp, ep, schedule, zero, *extra args) cells -> trainer cases; `ac`: one more cell with activation
+    checkpointing and an eval every 4 steps."""
+    out = [(dp, pp, ep, schedule, ("--parallel.zero", str(zero), *NO_CKPT, *extra))
+           for dp, pp, ep, schedule, zero, *extra in cells]
     if ac is not None:
         dp, pp, ep, schedule, zero = ac
         out.append((dp, pp, ep, schedule, ("--parallel.zero", str(zero), "--train.activation_checkpointing", "true",
@@ -81,7 +82,9 @@ def test_zero_world8(corpus_dir, tmp_path, reference):
 
 @pytest.mark.slow
 def test_zero_pp_slow_tier(corpus_dir, tmp_path, reference):
-    _matrix(4, _cases([(2, 2, 1, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w4", reference,
-            timeout=600)
+    """The rest of the product, and zero 1/2 under the interleaved and zb1 schedules (zero 3 refuses them)."""
+    cells = [(2, 2, 1, s, z) for s, z in PP_CELLS_SLOW]
+    cells += [(2, 2, 1, "interleaved", 1, "--parallel.virtual_stages", "2"), (2, 2, 1, "zb1", 2)]
+    _matrix(4, _cases(cells), corpus_dir, tmp_path / "w4", reference, timeout=600)
     _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w8", reference,
             timeout=600)

@@ -70,16 +70,15 @@ def cmd_train(argv: list[str]) -> int:
     from .rundir import owned_run_dir
 
     if under_torchrun():
-        from .train import run
-
         from .launch import fail_rank, start_rank
+        from .train import run
 
         _die_with_parent()
         start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
         try:
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
                 run(cfg)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
             fail_rank(e)  # its one line for the launcher to show once; exits now, without a slow teardown
         _exit_soon()
         return 0

@@ -292,7 +292,7 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
     RECORD.open(log_dir, rank, world, timeout_s)
     if not os.environ.get(LOG_ENV):  # an outside torchrun owns the output
         return
-    log = open(log_dir / f"rank_{rank}.log", "a", buffering=1)
+    log = open(log_dir / f"rank_{rank}.log", "a", buffering=1)  # noqa: SIM115 - open for the rank's life
     log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}/{world} pid {os.getpid()} attempt "
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: {shlex.join(sys.argv)}\n")
     sys.stderr.flush()

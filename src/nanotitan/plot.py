@@ -1,6 +1,7 @@
 """`nanotitan plot RUN_DIR [RUN_DIR ...] [--out DIR]`: pictures of runs from their metrics.jsonl.
 
-    loss.png                 train loss (solid) and val loss (markers) over steps, every run overlaid
+    loss.png                 train loss (running mean over ~1/30 of the run, raw underneath) and val loss
+                             (markers) over steps, every run overlaid
     throughput.png           tokens/s and MFU over steps, every run overlaid
     expert_load_<run>.png    per run: one heatmap per MoE layer, expert x logged step, colour = tokens routed to
                              the expert / mean over experts (1 = balanced), and each layer's max/mean in its title
@@ -51,7 +52,11 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (name, recs), color in zip(runs.items(), _colors(len(runs))):
-        ax.plot(*_series(recs, "loss"), color=color, linewidth=1, label=f"{name} train")
+        steps, loss = _series(recs, "loss")
+        window = max(1, len(loss) // 30)  # per-step losses are noisy: a faint raw curve under a running mean
+        if window > 1:
+            ax.plot(steps, loss, color=color, linewidth=0.5, alpha=0.25)
+        ax.plot(steps, _running_mean(loss, window), color=color, linewidth=1.2, label=f"{name} train")
         steps, val = _series(recs, "val_loss")
         if steps:
             ax.plot(steps, val, "o--", color=color, markersize=4, linewidth=1, label=f"{name} val")
@@ -121,6 +126,14 @@ def summary_table(run_dirs: list[Path], last: int = 50) -> str:
         rows[-1] += (f"{100 * sum(drops) / len(drops):.2f}%" if drops else "-") + " | "
         rows[-1] += (f"{sum(bal) / len(bal):.4f}" if bal else "-") + " |"
     return "\n".join(rows)
+
+
+def _running_mean(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
 
 
 def _name(d: Path, all_dirs: list[Path]) -> str:

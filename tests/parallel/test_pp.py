@@ -138,7 +138,8 @@ def _check_grad_results(results, world):
             # communication layer's (it times the same calls from outside), and compute is what is left.
             assert 0.0 < r["pp_wait"] <= r["wait"] + 1e-6, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
             # (slack for the rank being descheduled between the two clocks on oversubscribed cores)
-            assert r["wait"] <= 1.2 * r["pp_wait"] + 0.05 * r["wall"] + 2e-3, f"{where}: waits {r['pp_wait']} vs {r['wait']}"
+            assert r["wait"] <= 1.2 * r["pp_wait"] + 0.05 * r["wall"] + 2e-3, \
+                f"{where}: waits {r['pp_wait']} vs {r['wait']}"
             assert 0.0 < r["compute"] < r["wall"] and 0.0 < r["bubble"] < 1.0, where
             # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p, zb1 at most PP
             want = expected_in_flight(case[2], world, rank, M, V)

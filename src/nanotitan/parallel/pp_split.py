@@ -56,7 +56,7 @@ class PendingWeights:
     """What W needs: the groups with their captured gradients. Holds the graph (the activations) until W."""
     groups: list[_Group]
     checkpointed: bool
-    buffers: list = field(default_factory=list)  # P2P receive buffers the graph may still read (pp.py frees them after W)
+    buffers: list = field(default_factory=list)  # P2P buffers the graph may still read (pp.py frees them after W)
 
 
 def _walk(roots: list[Node], input_nodes: set[Node]) -> tuple[list[Node], dict[Node, bool]]:

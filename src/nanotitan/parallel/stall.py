@@ -123,6 +123,8 @@ class CommRecord:
         self._group_ranks: dict = {}
         self._stop = threading.Event()
         self._stop_at: tuple | None = None
+        now = time.time()
+        _HEADER.pack_into(self._buf, 0, _MAGIC, SLOTS, 0, os.getpid(), 1, 0.0, now, now, 0)
 
     def open(self, log_dir: str | Path, rank: int, world: int, timeout_s: float) -> None:
         """Back the ring by RUN_DIR/logs/comm_rank_N.ring (readable by the launcher) and start the heartbeat."""

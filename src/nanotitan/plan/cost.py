@@ -214,7 +214,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
         a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
-        sends = ((0 if st.last else 1) + (0 if st.first else 1)) if V == 1 else 2 * V - 1  # interleaved: V hops each way
+        # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
+        sends = ((0 if st.last else 1) + (0 if st.first else 1)) if V == 1 else 2 * V - 1
         p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
         over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
