@@ -3,6 +3,7 @@ every key of every section with its type, its default and a meaning (the field's
 
 import dataclasses
 import re
+import types
 import typing
 from typing import Literal
 
@@ -43,6 +44,8 @@ def test_config_help_lists_every_key_with_type_default_and_meaning(argv, capsys)
             typ = hints[f.name]
             if typing.get_origin(typ) is Literal:
                 assert set(typ_text.strip("{}").split(",")) == set(typing.get_args(typ)), key
+            elif typing.get_origin(typ) in (typing.Union, types.UnionType):  # one part per member, e.g. list[int]|{auto}
+                assert len(typ_text.split("|")) == len(typing.get_args(typ)), key
             else:
                 assert typ_text == getattr(typ, "__name__", None) or typ_text == str(typ).replace("typing.", ""), key
             shown = default_text[1:-1] if default_text.startswith('"') else default_text

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import io
 import tokenize
+import types
 import typing
 from typing import Literal
 
@@ -48,6 +49,8 @@ def type_name(typ) -> str:
         return "{" + ",".join(str(c) for c in typing.get_args(typ)) + "}"
     if origin is list:
         return f"list[{type_name(typing.get_args(typ)[0])}]"
+    if origin in (typing.Union, types.UnionType):  # e.g. pp_layers: list[int] | "auto"
+        return "|".join(type_name(a) for a in typing.get_args(typ))
     return getattr(typ, "__name__", str(typ))
 
 

@@ -23,7 +23,8 @@ from .parallel.pp import StepStats, theoretical_bubble
 
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,
                 tokens_per_step: int, flops_per_token: float, peak_flops: float, device: torch.device,
-                dims: ParallelDims, M: int, schedule: str, stats: StepStats, comm_stats: dict) -> dict:
+                dims: ParallelDims, M: int, schedule: str, stats: StepStats, comm_stats: dict,
+                virtual_stages: int = 1) -> dict:
     """One line of metrics.jsonl (step is 1-based: the number of optimizer steps taken)."""
     tok_s = tokens_per_step / step_time
     record = {
@@ -36,7 +37,7 @@ def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float,
     if dims.pp > 1:
         busy = stats.compute_s + stats.p2p_wait_s
         record["bubble_measured"] = stats.p2p_wait_s / busy if busy > 0 else 0.0
-        record["bubble_theory"] = theoretical_bubble(dims.pp, M)
+        record["bubble_theory"] = theoretical_bubble(dims.pp, M, schedule, virtual_stages)
     return record
 
 
@@ -165,9 +166,9 @@ class StepLogger:
     every rank calls it on the same steps (it reduces the losses and the expert loads)."""
 
     def __init__(self, writer, shard, device: torch.device, *, M: int, schedule: str, tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float, aux_weight: float):
+                 flops_per_token: float, peak_flops: float, aux_weight: float, virtual_stages: int = 1):
         self.writer, self.shard, self.device = writer, shard, device
-        self.M, self.schedule, self.aux_weight = M, schedule, aux_weight
+        self.M, self.schedule, self.aux_weight, self.virtual_stages = M, schedule, aux_weight, virtual_stages
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
         self.history: list[dict] = []
         self.wait_totals = {a: 0.0 for a in comm.AXES}
@@ -188,7 +189,8 @@ class StepLogger:
         record = step_record(step=step, ce_loss=ce_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr,
                              step_time=step_time, tokens_per_step=self.tokens_per_step,
                              flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, device=self.device,
-                             dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats)
+                             dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats,
+                             virtual_stages=self.virtual_stages)
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)

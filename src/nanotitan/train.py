@@ -204,7 +204,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         logger = report.StepLogger(self.writer, self.shard, self.device, M=self.M, schedule=cfg.parallel.schedule,
                                    tokens_per_step=self.tokens_per_step, flops_per_token=self.flops_per_token,
-                                   peak_flops=self.peak_flops, aux_weight=self.aux_weight)
+                                   peak_flops=self.peak_flops, aux_weight=self.aux_weight,
+                                   virtual_stages=cfg.parallel.virtual_stages)
         guard = NonFiniteGuard(t.on_nonfinite, t.max_skips)
         if cfg.parallel.check_replicas and self.world > 1:
             assert self.shard.check_replicas(), "replicas differ after the initial broadcast"
