@@ -176,7 +176,8 @@ class MoE(nn.Module):
             ones = probs_TE.new_ones(B, S * K)
             f_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), ones) / (S * K)
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
-        z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
+            z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
         aux = logits_TE.new_zeros(())
         if self.aux_coef:
             aux = aux + self.aux_coef * balance

@@ -176,11 +176,11 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ne_link, _ = link("non_expert_dp")
     ex_link, _ = link("expert_dp")
 
-    V = cfg.parallel.virtual_stages if layout.schedule == "interleaved" and pp > 1 else 1
+    n_virt = cfg.parallel.virtual_stages if layout.schedule == "interleaved" and pp > 1 else 1
     counts = cfg.parallel.pp_layers
     if counts == "auto":
-        counts = balanced_layer_counts(cfg, pp * V, hw, ac)
-    stages = stage_summaries(shape, layout, counts, ac, V)
+        counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
+    stages = stage_summaries(shape, layout, counts, ac, n_virt)
 
     # Memory of a rank of each stage.
     ne_group, ex_group = dp * ep, dp
@@ -188,7 +188,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     for s, st in enumerate(stages):
         n_local = st.n_ne + st.n_ex
         opt_params = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else n_local
-        in_flight = 1 if pp == 1 else _in_flight(layout.schedule, pp, s, M, V)
+        in_flight = 1 if pp == 1 else _in_flight(layout.schedule, pp, s, M, n_virt)
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute under AC); the head's activations are freed by then
                      T * (st.act_layer_max - st.head_act) * prec.act,
@@ -215,7 +215,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
         a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
-        sends = ((0 if st.last else 1) + (0 if st.first else 1)) if V == 1 else 2 * V - 1
+        sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
         p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
         over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
@@ -225,7 +225,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     slow = max(range(pp), key=totals.__getitem__)
     # Fill + drain through every other stage, M at the slowest. Interleaved fills and drains in chunks (1/V of
     # a stage); zb1's fill/drain slot is F+B-W of a stage, 1/3 of F+B+W with backward = 2x forward, B = W.
-    drain = {"interleaved": 1 / V, "zb1": 1 / 3}.get(layout.schedule, 1.0) if pp > 1 else 1.0
+    drain = {"interleaved": 1 / n_virt, "zb1": 1 / 3}.get(layout.schedule, 1.0) if pp > 1 else 1.0
     t_pipe = M * totals[slow] + drain * (sum(totals) - totals[slow])
 
     # DP all-reduce: overlaps the last microbatch's backward (dp_overlap of it), and stage s finishes
