@@ -150,6 +150,7 @@ def _storages_bytes(tensors, seen: set) -> int:
     """Bytes of the distinct storages behind `tensors` that are not in `seen` yet (then added to it)."""
     total = 0
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
         storage = t.untyped_storage()
         key = (storage.data_ptr(), str(t.device))
         if key not in seen:

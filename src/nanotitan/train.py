@@ -30,7 +30,7 @@ from .data.streaming import make_streaming_loader
 from .errors import TrainingError
 from .metrics import MetricsWriter, SavedActivations, job_peak_flops, live_tensor_bytes
 from .model.transformer import flops_per_token, num_moe_layers
-from .parallel import step as S
+from .parallel import stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
 from .parallel.parallelize import parallelize, pick_device
 from .profiling import StepProfiler
@@ -115,6 +115,7 @@ class Trainer:
         # --- this rank's shard, identical replicas, gradient sync; then the optimizer over the shard -----
         self.shard = parallelize(cfg, dims, self.device)
         self.model = self.shard.model
+        stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)
 
         # --- bookkeeping ---------------------------------------------------------------------------------
