@@ -84,12 +84,20 @@ def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  shard=None) -> dict[str, torch.Tensor]:
     """{global key: tensor view} for everything this rank owns (params, then optimizer state).
 
     Expert tensors are split into per-expert views `t[l]` keyed by global id expert_start + l.
-    The views alias the live tensors (used for saving; loading goes through staging buffers).
+    The views alias the live tensors at zero 0 (used for saving; loading goes through staging buffers).
+    With a `shard` (parallelize.ModelShard) at zero >= 1 they alias `shard.full_state`'s replicated form
+    instead (collective): the keys, and so the files, do not depend on the zero level.
     """
+    return _keyed(model, optimizer, shard)[0]
+
+
+def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> tuple[dict, tuple | None]:
+    """(keyed_tensors, the (model_state, optim_state) of `shard.full_state` at zero >= 1, else None)."""
     expert_start = model.spec.expert_start
     out: dict[str, torch.Tensor] = {}
 
@@ -100,6 +108,22 @@ def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = t[l]
         else:
             out[f"{prefix}.{name}{suffix}"] = t
+
+    if shard is not None and shard.zero > 0:
+        if optimizer is not None:  # torch's own init (zero 3) skips an optimizer whose params have .grad
+            _ensure_adam_state(optimizer)  # (a Reducer's bucket views): its state would go missing
+        model_state, optim_state = shard.full_state(optimizer)
+        # full_state holds the parameters (and at zero 3 the buffers); persistent buffers (router_bias)
+        # are never sharded, so the live ones are what a replicated run would save.
+        model_state = {**model_state, **{n: t for n, t in model.state_dict(keep_vars=True).items()
+                                         if n not in model_state}}
+        for name, t in model_state.items():
+            put("model", name, t)
+        for name, st in optim_state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    put("optim", name, v, f".{k}")
+        return out, (model_state, optim_state)
 
     for name, t in model.state_dict(keep_vars=True).items():
         put("model", name, t)
@@ -112,7 +136,7 @@ def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
                 for k, v in optimizer.state[p].items():
                     if torch.is_tensor(v):
                         put("optim", name_of[id(p)], v, f".{k}")
-    return out
+    return out, None
 
 
 def _rng_key(rank: int) -> str:
@@ -374,9 +398,11 @@ def _first_nonfinite(state: dict[str, torch.Tensor]) -> str:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, dims: ParallelDims | None, cfg: Config,
-                    extra: dict | None = None, keep_last: int = 0) -> Path:
+                    extra: dict | None = None, keep_last: int = 0, shard=None) -> Path:
     """Collective (every rank calls it): write RUN_DIR/checkpoints/step_<step>/ atomically, with a
     manifest of checksums, and prune to the newest `keep_last` complete checkpoints (0 keeps all).
+    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the state is saved in its
+    replicated form (`ModelShard.full_state`), so any zero level and layout can load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
     returns it with "step" added. When this returns on any rank the checkpoint is complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
@@ -392,7 +418,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     # Nothing non-finite is ever written: a NaN checkpoint would be resumed into, and would rotate
     # the last good one out (issue 12). Agreed, so every rank raises and none waits in the save.
-    state = keyed_tensors(model, optimizer)
+    state = keyed_tensors(model, optimizer, shard)
     key = _first_nonfinite(state)
     bad = _any_rank(bool(key))
     if bad >= 0:
@@ -585,17 +611,19 @@ def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    dims: ParallelDims | None, verify: bool = True) -> dict:
+                    dims: ParallelDims | None, verify: bool = True, shard=None) -> dict:
     """Collective: load a checkpoint saved in any layout into this rank's current shard (its layers,
     its expert ids) and its optimizer (state created if it has not stepped). Returns the saved
     `extra` dict with "step" added. Before reading any tensor, on every rank alike: the checkpoint is
     verified against its manifest (`verify=False`: sizes only) and checked to fit the model; either
-    failure raises CheckpointError (a ValueError) with one line naming the file or the tensor."""
+    failure raises CheckpointError (a ValueError) with one line naming the file or the tensor.
+    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the replicated form is read and
+    each rank keeps its part (`ModelShard.load_full_state`)."""
     path = Path(path)
     reason = verify_checkpoint(path, checksums=verify)
     if reason:
         raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
-    live = keyed_tensors(model, optimizer)
+    live, full = _keyed(model, optimizer, shard)
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
@@ -621,6 +649,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     with torch.no_grad():
         for k, t in live.items():
             t.copy_(stage[k])
+    if full is not None:  # zero >= 1: the full tensors were staged; each rank keeps its slice (collective)
+        pass  # MUTATION
     if _rng_key(rank) in stage:
         torch.set_rng_state(stage[_rng_key(rank)])
     _barrier()

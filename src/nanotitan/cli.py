@@ -56,14 +56,15 @@ def cmd_train(argv: list[str]) -> int:
         world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.world or cfg.world_size
         B = cfg.train.global_batch or cfg.layout_batch
         # m stays as configured: the balance loss is per microbatch, so only the same (B, m) trains the same model.
-        dp, pp, ep, schedule, M, m = recommend(cfg, world, None,
-                                               PlanOptions(global_batch=B, micro_batch=cfg.train.micro_batch))
+        # parallel.zero > 0 is kept as asked; 0 lets the planner shard DP state when memory binds.
+        dp, pp, ep, schedule, M, m, zero = recommend(cfg, world, None, PlanOptions(
+            global_batch=B, micro_batch=cfg.train.micro_batch, zero=cfg.parallel.zero or None))
         overrides = overrides + ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
                                  "--parallel.schedule", schedule, "--parallel.microbatches", str(M),
                                  "--train.micro_batch", str(m), "--train.global_batch", str(B),
-                                 "--parallel.auto", "false"]
+                                 "--parallel.zero", str(zero), "--parallel.auto", "false"]
         cfg = load_config(path, overrides)
-        print(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} {schedule} M={M} m={m}",
+        print(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} {schedule} M={M} m={m} zero={zero}",
               flush=True)
         argv = ([f"--config={path}"] if path else []) + overrides
 

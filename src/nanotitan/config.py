@@ -450,9 +450,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
     _check(p.zero == 0 or p.dp_impl == "bucketed",
            f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl bucketed or --parallel.zero 0)")
-    # TEMPORARY (issue 13 item 3): until checkpoint.py reads and writes through ModelShard.full_state.
-    _check(p.zero == 0 or not (t.ckpt_at_end or t.ckpt_every or t.resume or t.ckpt_on_signal),
-           f"parallel.zero={p.zero} cannot checkpoint yet (--train.ckpt_at_end false, no ckpt_every/resume/ckpt_on_signal)")
     _check(p.zero < 3 or not p.check_replicas,
            "parallel.check_replicas compares replicas, and zero 3 keeps none (--parallel.check_replicas false or --parallel.zero 2)")
     _check(p.reduce_dtype == "fp32" or (p.dp_impl == "bucketed" and p.zero < 3),

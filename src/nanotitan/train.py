@@ -159,13 +159,15 @@ class Trainer:
         if path is None:
             self.log("train.resume=auto: no complete checkpoint yet, starting from step 0")
             return
-        self.start_step = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.dims, verify)["step"])
+        self.start_step = int(ckpt.load_checkpoint(path, self.model, self.optimizer, self.dims, verify,
+                                                  shard=self.shard)["step"])
         self.log(f"resumed from {path} at step {self.start_step}")
 
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
-                                    {"step": step, "samples": step * self.B}, self.cfg.train.keep_last)
+                                    {"step": step, "samples": step * self.B}, self.cfg.train.keep_last,
+                                    shard=self.shard)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
     def batch(self, step: int):

@@ -35,7 +35,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
     ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
     ap.add_argument("--precision", default="", choices=["", *PRECISIONS], help="state/activation bytes (default: train.dtype)")
-    ap.add_argument("--zero1", action="store_true", help="shard master weights + moments over DP (not in the trainer yet)")
+    ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="plan only this parallel.zero level (default: every level a layout allows)")
+    ap.add_argument("--zero1", action="store_true", help="same as --zero 1 (old name)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
                                    ("n_shared_experts", args.shared_experts)) if v}
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
-        opts = PlanOptions(precision=args.precision, zero1=args.zero1, activation_checkpointing=ac,
+        opts = PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, activation_checkpointing=ac,
                            global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
                            ep_overlap=args.ep_overlap, shape_extra=extra)
         preds = plan(cfg, args.ranks, hw, opts)
@@ -85,7 +87,7 @@ def main(argv: list[str]) -> int:
     best = preds[0].layout
     rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "
            f"--parallel.ep {best.ep} --parallel.schedule {best.schedule} --parallel.microbatches {best.microbatches} "
-           f"--train.micro_batch {best.micro_batch}")
+           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero}")
     text = f"{head}\n\n{format_table(preds, args.top)}\n\n{rec}\n"
     print(text)
     if args.out:

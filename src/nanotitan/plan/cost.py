@@ -19,7 +19,8 @@ from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
 @dataclass
 class PlanOptions:
     precision: str = ""  # "" = from train.dtype (fp32 or bf16-autocast)
-    zero1: bool = False  # shard master+moments over each param's DP group (the trainer does not implement it yet)
+    zero: int | None = None  # parallel.zero level(s) to plan: None = every level the layout allows (0..3)
+    zero1: bool = False  # old alias of zero=1 (`nanotitan plan --zero1`)
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
     global_batch: int = 0  # 0 = cfg.layout_batch
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
@@ -38,6 +39,13 @@ class Prediction:
     fits: bool
     costs: dict[str, float]  # seconds per step on the critical path, by cause
     mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
+
+    @property
+    def state_bytes(self) -> dict[str, float]:
+        """Predicted live param/grad/optimizer bytes of a rank of the heaviest stage between steps: what
+        `metrics.live_tensor_bytes` measures (`param_bytes`, `grad_bytes`, `optim_bytes` in summary.json)."""
+        parts = self.mem_parts
+        return {"param_bytes": parts["params"], "grad_bytes": parts["grads"], "optim_bytes": parts["optimizer"]}
 
     @property
     def peak_mem(self) -> float:
@@ -145,6 +153,17 @@ def _ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
     return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
 
 
+def _ring_half_s(nbytes: float, g: int, bw: float, lat: float) -> float:
+    """Ring reduce-scatter or all-gather of a `nbytes` buffer: half a ring all-reduce (NCCL's all-reduce is one
+    of each)."""
+    return 0.5 * _ring_allreduce_s(nbytes, g, bw, lat)
+
+
+def zero_level(layout: Layout, opts: PlanOptions) -> int:
+    """The layout's zero level; a zero-0 layout under PlanOptions(zero=Z) or the old zero1=True predicts at Z."""
+    return layout.zero or (opts.zero if opts.zero is not None else (1 if opts.zero1 else 0))
+
+
 def _gemm_eff(hw: Hardware, rows: float) -> float:
     return hw.compute_efficiency * rows / (rows + hw.gemm_half_rows)
 
@@ -182,27 +201,40 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
     stages = stage_summaries(shape, layout, counts, ac, n_virt)
 
-    # Memory of a rank of each stage.
+    # Memory of a rank of each stage. Sharded DP (docs/dp.md): replicated params shard over the non-expert-DP
+    # group (dp*ep ranks), expert shards over expert-DP (dp ranks); padding (< 16*N elements a bucket) ignored.
+    zero = zero_level(layout, opts)
     ne_group, ex_group = dp * ep, dp
     mem_by_stage, parts_by_stage = [], []
     for s, st in enumerate(stages):
         n_local = st.n_ne + st.n_ex
-        opt_params = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else n_local
+        n_shard = st.n_ne / ne_group + st.n_ex / ex_group
+        n_fsdp = st.n_ne + (st.n_ex if ex_group > 1 else 0)  # zero 3: what FSDP shards (dp == 1: not the experts)
+        opt_params = n_shard if zero >= 1 else n_local
         in_flight = 1 if pp == 1 else _in_flight(layout.schedule, pp, s, M, n_virt)
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute under AC); the head's activations are freed by then
                      T * (st.act_layer_max - st.head_act) * prec.act,
                      2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
                      2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
-        parts = {"params": n_local * prec.param, "grads": n_local * prec.grad,
+        # Between steps a rank keeps params/grads/optimizer; during backward zero 2 also has the full gradient
+        # buckets (allocated at the step's first backward, freed by finish()), and zero 3 (reshard_after_forward
+        # =False) the gathered params from the first forward to the final backward and the unsharded grads that
+        # accumulate over microbatches (with M = 1 one module's at a time): so only zero 1 lowers the peak.
+        grad_params = n_shard if zero >= 2 else n_local
+        parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
+                 "grads": grad_params * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
+                 "grad_buckets": (n_local if zero == 2 else n_local if zero == 3 and M > 1
+                                  else n_local / max(st.n_layers, 1) if zero == 3 else 0.0) * prec.grad,
+                 "gathered_params": n_fsdp * prec.param if zero == 3 else 0.0,
                  "activations": in_flight * T * st.act * prec.act, "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
         parts_by_stage.append(parts)
 
     # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
-    t_stage, t_bwd = [], []
+    t_stage, t_bwd, t_fwd = [], [], []
     for s, st in enumerate(stages):
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
@@ -221,6 +253,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
         t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
         t_bwd.append(t_b)
+        t_fwd.append(t_f)
     totals = [sum(x.values()) for x in t_stage]
     slow = max(range(pp), key=totals.__getitem__)
     # Fill + drain through every other stage, M at the slowest. Interleaved fills and drains in chunks (1/V of
@@ -228,16 +261,25 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     drain = {"interleaved": 1 / n_virt, "zb1": 1 / 3}.get(layout.schedule, 1.0) if pp > 1 else 1.0
     t_pipe = M * totals[slow] + drain * (sum(totals) - totals[slow])
 
-    # DP all-reduce: overlaps the last microbatch's backward (dp_overlap of it), and stage s finishes
-    # that backward s stage-backwards before stage 0 does, so it has that much idle slack too.
+    # DP gradient sync (zero 0: all-reduce; zero >= 1: reduce-scatter): overlaps the last microbatch's backward
+    # (dp_overlap of it), and stage s finishes that backward s stage-backwards before stage 0 does, so it has
+    # that much idle slack too. Zero 1/2 then all-gather the updated params, waited at the end of the step
+    # (exposed); zero 3 all-gathers each module's params once at the step's first forward (prefetched: hidden
+    # behind dp_overlap of that forward).
     exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
     red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
+    sync = _ring_half_s if zero else _ring_allreduce_s
     for s, st in enumerate(stages):
-        t_ar = (_ring_allreduce_s(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
-                + _ring_allreduce_s(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
-        exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd))
-        n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if opts.zero1 else st.n_ne + st.n_ex
+        t_ar = (sync(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                + sync(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
+        t_ag = 0.0 if not zero else (_ring_half_s(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                                     + _ring_half_s(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw,
+                                                    ex_link.latency_s))
+        ag_exposed = max(0.0, t_ag - hw.dp_overlap * t_fwd[s]) if zero == 3 else t_ag
+        exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd) + ag_exposed)
+        t_ar += t_ag
+        n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if zero else st.n_ne + st.n_ex
         # AdamW reads param, grad, master, moments and writes param, master, moments.
         t_opt_by_stage.append(n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
         t_opt = max(t_opt, t_opt_by_stage[-1])

@@ -1,12 +1,15 @@
 """Search: every valid layout of a world size, predicted and ranked; the recommendation and why.
 
-A layout (dp, pp, ep, schedule, M, m) of world N keeps the global batch B = dp*ep*M*m and passes
-`config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory.
+A layout (dp, pp, ep, schedule, M, m, zero) of world N keeps the global batch B = dp*ep*M*m and passes
+`config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
+recommendation is the lowest zero level within ZERO_SLACK of the fastest fitting layout, so sharded DP is
+chosen only when memory binds (or it is clearly faster).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from ..config import Config, ConfigError, validate
 from ..hardware import GiB, Hardware, detect_hardware
@@ -18,8 +21,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0) -> list[Layout]:
-    """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; both schedules when pp > 1."""
+ZERO_SLACK = 0.03  # a sharded-DP layout must beat the best lower zero level by more than this to be recommended
+
+
+def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,)) -> list[Layout]:
+    """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; both schedules when pp > 1;
+    each of the `zeros` levels that it accepts there (zero > 0 needs dp*ep > 1; zero 3 not with interleaved/zb1)."""
     B = global_batch or cfg.layout_batch
     out = []
     for pp in divisors(world):
@@ -29,12 +36,13 @@ def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0) -> list[La
                 continue
             b = B // (dp * ep)
             for M in divisors(b):
-                for schedule in (("gpipe", "1f1b") if pp > 1 else (cfg.parallel.schedule,)):
-                    layout = Layout(dp, pp, ep, schedule, M, b // M)
+                for schedule, zero in itertools.product(("gpipe", "1f1b") if pp > 1 else (cfg.parallel.schedule,),
+                                                        zeros):
+                    layout = Layout(dp, pp, ep, schedule, M, b // M, zero)
                     try:
                         validate(layout_config(cfg, layout), world_size=world)
                     except ConfigError:
-                        continue  # ep does not divide the experts, pp > layers, torch_ddp with pp/ep...
+                        continue  # ep does not divide the experts, pp > layers, torch_ddp with pp/ep, zero at dp*ep=1...
                     out.append(layout)
     return out
 
@@ -47,16 +55,23 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     if opts.nodes and world % opts.nodes:
         raise ConfigError(f"--ranks {world} must be a multiple of --nodes {opts.nodes}")
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
-    layouts = [lay for lay in enumerate_layouts(cfg, world, opts.global_batch)
+    zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
+    layouts = [lay for lay in enumerate_layouts(cfg, world, opts.global_batch, zeros)
                if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
     preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
+    if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
+        near = [p for p in preds if p.fits and p.tokens_per_sec >= (1 - ZERO_SLACK) * preds[0].tokens_per_sec]
+        pick = min(near, key=lambda p: p.layout.zero)  # min keeps the fastest of that level (list is sorted)
+        preds.remove(pick)
+        preds.insert(0, pick)
     return preds
 
 
 def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
-              opts: PlanOptions | None = None) -> tuple[int, int, int, str, int, int]:
-    """(dp, pp, ep, schedule, microbatches, micro_batch) of the fastest layout that fits memory."""
+              opts: PlanOptions | None = None) -> tuple[int, int, int, str, int, int, int]:
+    """(dp, pp, ep, schedule, microbatches, micro_batch, zero) of the fastest layout that fits memory, at the
+    lowest zero level within ZERO_SLACK of it."""
     preds = plan(cfg, world, hardware, opts)
     if not preds:
         B = (opts and opts.global_batch) or cfg.layout_batch
@@ -79,21 +94,33 @@ def reason(preds: list[Prediction]) -> str:
     line = (f"fastest layout that fits: {best.tokens_per_sec:,.0f} tok/s, {best.peak_mem / GiB:.2f} of "
             f"{best.mem_limit / GiB:.1f} GiB per rank, dominant cost {best.dominant}")
     faster_oom = [p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec]
-    same = lambda a, b: dataclasses.replace(a, schedule="") == dataclasses.replace(b, schedule="")
-    nxt = next((p for p in preds[1:] if p.fits and not same(p.layout, best.layout)), None)  # not its other schedule
+    same = lambda a, b: dataclasses.replace(a, schedule="", zero=0) == dataclasses.replace(b, schedule="", zero=0)
+    # not its other schedule or zero level
+    nxt = next((p for p in preds[1:] if p.fits and not same(p.layout, best.layout)), None)
     if nxt:
-        line += f"; next {nxt.layout.short()} is {100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec):.0f}% slower ({nxt.dominant})"
+        d = 100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec)
+        line += (f"; next {nxt.layout.short()} is {d:.0f}% slower ({nxt.dominant})" if d >= 0 else
+                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower zero level is preferred by")
     if faster_oom:
         line += f"; {faster_oom[0].layout.short()} would be faster but needs {faster_oom[0].peak_mem / GiB:.1f} GiB"
+    if best.layout.zero:
+        lower = [p for p in preds if p.layout.zero < best.layout.zero]
+        fit = [p for p in lower if p.fits]
+        if not fit and lower:
+            p = min(lower, key=lambda q: q.peak_mem)
+            line += (f"; zero {best.layout.zero} needed to fit: the smallest below it ({p.layout.short()}) needs "
+                     f"{p.peak_mem / GiB:.1f} GiB")
+        elif fit:
+            line += f"; {100 * (best.tokens_per_sec / fit[0].tokens_per_sec - 1):.0f}% faster than zero {fit[0].layout.zero} ({fit[0].layout.short()})"
     return line
 
 
 def format_table(preds: list[Prediction], top: int) -> str:
-    lines = ["| # | dp | pp | ep | schedule | M | m | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| # | dp | pp | ep | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
         lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
-                     f"{L.micro_batch} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
+                     f"{L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

@@ -104,13 +104,14 @@ class Layout:
     schedule: str
     microbatches: int  # M
     micro_batch: int  # m
+    zero: int = 0  # parallel.zero: 0 replicated DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
 
     def short(self) -> str:
         return (f"dp{self.dp} pp{self.pp} ep{self.ep} {self.schedule if self.pp > 1 else '-'} "
-                f"M{self.microbatches} m{self.micro_batch}")
+                f"M{self.microbatches} m{self.micro_batch}" + (f" z{self.zero}" if self.zero else ""))
 
-    def as_tuple(self) -> tuple[int, int, int, str, int, int]:
-        return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch
+    def as_tuple(self) -> tuple[int, int, int, str, int, int, int]:
+        return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch, self.zero
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
+    p.zero = layout.zero
     c.train.micro_batch = layout.micro_batch
     if layout.schedule != "interleaved":
         p.virtual_stages = 1
