@@ -650,7 +650,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         for k, t in live.items():
             t.copy_(stage[k])
     if full is not None:  # zero >= 1: the full tensors were staged; each rank keeps its slice (collective)
-        pass  # MUTATION
+        shard.load_full_state(optimizer, *full)
     if _rng_key(rank) in stage:
         torch.set_rng_state(stage[_rng_key(rank)])
     _barrier()

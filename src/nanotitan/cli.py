@@ -85,6 +85,12 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     rdzv = slurm_rendezvous(cfg.world_size)  # under srun: this process is its node's agent, None otherwise
     nproc = rdzv.nproc_per_node if rdzv else cfg.world_size  # ranks on this machine
+    if cfg.world_size > 1:
+        # Prepare the data once here, before the run dir is touched, so the ranks find it cached (and bad data
+        # fails in one line with nothing started or created).
+        from .data.prepare import prepare_data
+
+        prepare_data(cfg.data)
     # One job owns the run dir (a lock for its whole life, no fresh run over old checkpoints): this process,
     # or the first node's agent under Slurm; the ranks it starts are told through the environment.
     with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if rdzv is None or rdzv.node_rank == 0 \
@@ -98,10 +104,6 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
     from .launch import launch_local
 
     if cfg.world_size > 1:
-        # Prepare the data once here so the ranks find it cached.
-        from .data.prepare import prepare_data
-
-        prepare_data(cfg.data)
         if cfg.train.device != "cuda" and not cfg.train.peak_flops:
             import os
 
