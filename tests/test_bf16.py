@@ -70,8 +70,8 @@ def test_comm_refuses_cpu_tensor_on_nccl(monkeypatch):
         "recv": lambda: comm.recv(t, 1),
         # P2POp needs a process group to be built; the check reads only .tensor and .group
         "batch_isend_irecv": lambda: comm.batch_isend_irecv([types.SimpleNamespace(tensor=t, group=None)]),
-        "reduce_scatter": lambda: dp.reduce_scatter(torch.zeros(2), t, None),
-        "all_gather": lambda: dp.all_gather(torch.zeros(8), t, None),
+        "reduce_scatter": lambda: comm.reduce_scatter(torch.zeros(2), t, None),
+        "all_gather": lambda: comm.all_gather(torch.zeros(8), t, None),
     }
     monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
     for call in calls.values():

@@ -103,6 +103,31 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
     return TimedWork(work, axis, ticket) if async_op else None
 
 
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
+    """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group` (ZeRO-1/2 gradients)."""
+    check_device(inp, group)
+    t0 = time.perf_counter()
+    with _label(axis, "reduce-scatter"), RECORD.call(axis, "reduce-scatter", (inp,), group, done=False) as ticket:
+        work = _REDUCE_SCATTER(out, inp, group=group, async_op=True)
+    COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
+    return TimedWork(work, axis, ticket)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
+    """Async all-gather of every rank's `inp` into `out` (N times its size) over `group` (ZeRO-1/2 params)."""
+    check_device(out, group)
+    t0 = time.perf_counter()
+    with _label(axis, "all-gather"), RECORD.call(axis, "all-gather", (out,), group, done=False) as ticket:
+        work = _ALL_GATHER(out, inp, group=group, async_op=True)
+    COMM.record(axis, _nbytes(out), time.perf_counter() - t0)
+    return TimedWork(work, axis, ticket)
+
+
+# torch 2.13 renamed these (the old names warn); torch 2.6 only has the old ones.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
     check_device(t, group)
     t0 = time.perf_counter()

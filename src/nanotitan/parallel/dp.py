@@ -22,7 +22,6 @@ How the Reducer gets communication out of the way of compute:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -291,10 +290,10 @@ class ShardedReducer(Reducer):
         if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
             low = b.flat.to(self.reduce_dtype)  # parallel.reduce_dtype: reduce a narrowed copy, widen the slice
             out = low.new_empty(b.shard_grad.shape)
-            b.work = _CopyBack(reduce_scatter(out, low, self.group), out, b.shard_grad)
+            b.work = _CopyBack(comm.reduce_scatter(out, low, self.group), out, b.shard_grad)
         elif self.group is not None:
             # zero 1: in place (the output is this rank's slice of the input, as NCCL allows)
-            b.work = reduce_scatter(b.shard_grad, b.flat, self.group)
+            b.work = comm.reduce_scatter(b.shard_grad, b.flat, self.group)
         elif self.zero == 2:
             b.shard_grad.copy_(b.flat)
         b.launched = True
@@ -332,7 +331,7 @@ class ShardedReducer(Reducer):
         if self.group is None:
             return  # one rank: the shard is the whole buffer, already updated
         for b in self.buckets:
-            b.gather = all_gather(b.pflat, b.shard.detach(), self.group)
+            b.gather = comm.all_gather(b.pflat, b.shard.detach(), self.group)
 
     def wait_gather(self) -> None:
         for b in self.buckets:
@@ -357,27 +356,6 @@ class _CopyBack:
         self.dst.copy_(self.low)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
-    """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group`, accounted on axis dp."""
-    comm.check_device(inp, group)
-    t0 = time.perf_counter()
-    work = _REDUCE_SCATTER(out, inp, group=group, async_op=True)
-    comm.COMM.record("dp", inp.numel() * inp.element_size(), time.perf_counter() - t0)
-    return comm.TimedWork(work, "dp")
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
-    """Async all-gather of every rank's `inp` into `out` (N times its size) over `group`, axis dp."""
-    comm.check_device(out, group)
-    t0 = time.perf_counter()
-    work = _ALL_GATHER(out, inp, group=group, async_op=True)
-    comm.COMM.record("dp", out.numel() * out.element_size(), time.perf_counter() - t0)
-    return comm.TimedWork(work, "dp")
-
-
-# torch 2.13 renamed these (the old names warn); torch 2.6 only has the old ones.
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class DataParallelNaive:
@@ -472,7 +450,7 @@ def sharded_optim_state_to_full(reducers: list, optimizer: torch.optim.Optimizer
                     continue
                 full = v.new_empty(b.padded)
                 if r.group is not None:
-                    all_gather(full, v, r.group).wait()
+                    comm.all_gather(full, v, r.group).wait()
                 else:
                     full.copy_(v)
                 for name, p, o in zip(b.names, b.params, b.offsets):
