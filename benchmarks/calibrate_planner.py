@@ -4,6 +4,7 @@ prediction errors in sample and out of sample, with Spearman's rho of the rankin
     nanotitan plan --measure --out docs/experiments/cpu_profile.json     # this machine's profile
     nanotitan bench layouts --gpus 2 4 8 --steps 40 --window 10 40 --micro-batch 2 --config configs/bench.toml
     python benchmarks/calibrate_planner.py                               # -> docs/calibration.md + calibrated profile
+    python benchmarks/calibrate_planner.py --new-schedules docs/experiments/layouts_schedules.json  # table only
 
 Three fits, all by `plan.fit_profile` (least squares on log(predicted/measured) step time; memory reserve =
 median of measured RSS minus predicted tensor bytes):
@@ -14,6 +15,7 @@ median of measured RSS minus predicted tensor bytes):
 """
 
 import argparse
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -40,6 +42,22 @@ def leave_one_out(rows: list[dict], cfg, profile) -> dict:
                 median_time_ratio=statistics.median(x["meas_step_s"] / x["pred_step_s"] for x in out))
 
 
+def new_schedules(rows: list[dict], cfg, profile) -> dict:
+    """Rows under schedules the profile was not fitted on (zb1, interleaved), predicted by that profile as it is:
+    each row with its own virtual_stages (cfg.parallel.virtual_stages, which layout_config keeps for interleaved)."""
+    out = []
+    for r in rows:
+        c = copy.deepcopy(cfg)
+        c.parallel.virtual_stages = int(r.get("virtual_stages", 1))
+        out += [dict(x, layout=x["layout"] + (f" V{c.parallel.virtual_stages}" if r["schedule"] == "interleaved"
+                                               else "")) for x in calibrate([r], c, profile)["rows"]]
+    return dict(rows=out, median_abs_err_step=statistics.median(abs(x["step_err"]) for x in out),
+                median_abs_err_mem=statistics.median(abs(x["mem_err"]) for x in out),
+                spearman_rho=spearman([x["pred_step_s"] for x in out], [x["meas_step_s"] for x in out])
+                if len(out) > 1 else float("nan"),
+                median_time_ratio=statistics.median(x["meas_step_s"] / x["pred_step_s"] for x in out))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="docs/experiments/layouts.json")
@@ -47,8 +65,14 @@ def main() -> int:
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/calibration.md")
     ap.add_argument("--profile-out", default="docs/experiments/cpu_profile_calibrated.json")
+    ap.add_argument("--new-schedules", default=None, metavar="LAYOUTS_JSON",
+                    help="only print the table of these rows predicted by --profile-out as it is (no refit, no writes)")
     args = ap.parse_args()
     cfg = load_config(args.config)
+    if args.new_schedules:
+        print(format_calibration(new_schedules(calibration_rows(args.new_schedules), cfg,
+                                               get_hardware(args.profile_out))))
+        return 0
     rows = calibration_rows(args.layouts)
     base = get_hardware(args.profile)
     small = min(r["world"] for r in rows)

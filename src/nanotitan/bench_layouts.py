@@ -2,10 +2,13 @@
 tokens per step, averaged over a window after warm-up, as a markdown table and PNG plots.
 
     nanotitan bench layouts --ranks 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
+    nanotitan bench layouts --ranks 2 4 --schedules zb1 interleaved --virtual-stages 2 --pp-only --tag schedules
 
 Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU); results land in
 `docs/experiments/layouts.md`, `memory.md`, `throughput_memory.png`, `memory_per_rank.png`,
-`loss_curves.png` and `layouts.json`.
+`loss_curves.png` and `layouts.json` (`--tag T` names them `layouts_T.json`, ...). `--schedules` runs the
+PP layouts under each schedule in turn (pp = 1 layouts once); a layout a schedule cannot run (interleaved needs
+M % pp == 0 and n_layers >= pp * V) is skipped with a printed line.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from .config import Config, load_config
-from .plan import Layout, enumerate_layouts
+from .config import Config, ConfigError, load_config, validate
+from .plan import Layout, enumerate_layouts, layout_config
 
 
 def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:
@@ -31,10 +34,30 @@ def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> lis
     return sorted(lays, key=lambda lay: (lay.dp, lay.pp, lay.ep))
 
 
-def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float) -> dict:
+def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -> tuple[list[Layout], list[str]]:
+    """`layouts_for` under any schedule: the enumerator knows gpipe/1f1b only, so zb1/interleaved take the 1F1B
+    layouts' (dp, pp, ep, M, m) and keep those config.validate accepts (cfg.parallel.virtual_stages = V).
+    Returns (layouts, why each skipped one cannot run)."""
+    if schedule in ("gpipe", "1f1b"):
+        return layouts_for(cfg, world, micro_batch, schedule), []
+    keep, skipped = [], []
+    for lay in layouts_for(cfg, world, micro_batch, "1f1b"):
+        lay = Layout(lay.dp, lay.pp, lay.ep, schedule if lay.pp > 1 else lay.schedule, lay.microbatches,
+                     lay.micro_batch, lay.zero)
+        try:
+            validate(layout_config(cfg, lay), world_size=world)
+            keep.append(lay)
+        except ConfigError as e:
+            skipped.append(f"N{world}_dp{lay.dp}_pp{lay.pp}_ep{lay.ep} {schedule}: {e}")
+    return keep, skipped
+
+
+def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
+               virtual_stages: int = 1) -> dict:
+    vpp = ["--parallel.virtual_stages", str(virtual_stages)] if schedule == "interleaved" and pp > 1 else []
     args = [sys.executable, "-m", "nanotitan.cli", "train", *base_args,
             "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
-            "--parallel.schedule", schedule, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
+            "--parallel.schedule", schedule, *vpp, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
             "--train.steps", str(steps), "--run.dir", str(run_dir), "--run.log_every", "1",
             "--run.progress", "false", "--run.tensorboard", "false", "--train.eval_every", "0",
             "--train.sample_tokens", "0", "--train.ckpt_at_end", "false"]
@@ -85,40 +108,57 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--window", type=int, nargs=2, default=None, help="average steps (a, b]; default last 2/3")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedules", nargs="+", default=None, choices=["1f1b", "gpipe", "zb1", "interleaved"],
+                    help="PP layouts under each of these schedules in turn (default: --schedule alone)")
+    ap.add_argument("--virtual-stages", type=int, default=2, help="V, model chunks per rank under interleaved")
+    ap.add_argument("--pp-only", action="store_true", help="only the layouts with pp > 1")
+    ap.add_argument("--tag", default="", help="write layouts_TAG.json, layouts_TAG.md, ... beside the defaults")
     ap.add_argument("--micro-batch", type=int, default=2, help="m, the same for every layout")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments")
     ap.add_argument("--timeout", type=float, default=1800)
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
+    schedules = args.schedules or [args.schedule]
+    if "interleaved" in schedules:
+        cfg.parallel.virtual_stages = args.virtual_stages  # what schedule_layouts validates against
     base = [f"--config={args.config}", *overrides]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{args.tag}" if args.tag else ""
     window = tuple(args.window) if args.window else (args.steps // 3, args.steps)
     B = cfg.layout_batch
     all_rows, curves = [], {}
     for n in args.ranks:
-        for lay in layouts_for(cfg, n, args.micro_batch, args.schedule):
+        todo = []
+        for i, sched in enumerate(schedules):
+            lays, skipped = schedule_layouts(cfg, n, args.micro_batch, sched)
+            for why in skipped:
+                print(f"[bench layouts] skip {why}", flush=True)
+            todo += [(sched, lay) for lay in lays if lay.pp > 1 or (i == 0 and not args.pp_only)]  # pp=1 once
+        for sched, lay in todo:
             dp, pp, ep, M, m = lay.dp, lay.pp, lay.ep, lay.microbatches, lay.micro_batch
-            name = f"N{n}_dp{dp}_pp{pp}_ep{ep}"
+            V = args.virtual_stages if sched == "interleaved" and pp > 1 else 1
+            name = f"N{n}_dp{dp}_pp{pp}_ep{ep}" + (f"_{sched}" if args.schedules and pp > 1 else "")
             print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
-            res = run_layout(dp, pp, ep, args.schedule, M, m, args.steps, out / "runs" / name, base, args.timeout)
-            row = {"world": n, "dp": dp, "pp": pp, "ep": ep, "schedule": args.schedule if pp > 1 else "-",
+            res = run_layout(dp, pp, ep, sched, M, m, args.steps, out / "runs" / name, base, args.timeout, V)
+            row = {"world": n, "dp": dp, "pp": pp, "ep": ep, "schedule": sched if pp > 1 else "-",
+                   **({"virtual_stages": V} if V > 1 else {}),
                    "M": M, "m": m, **summarise(res, window), "peak_mem_per_rank": [r["peak_mem_bytes"] for r in
                                                                                     res["ranks"]]}
             all_rows.append(row)
             curves[name] = [(r["step"], r["loss"]) for r in res["records"]]
             print(f"   {row['tokens_per_sec']:.0f} tok/s, step {row['step_time_s'] * 1e3:.0f} ms, "
                   f"loss {row['final_loss']:.4f}", flush=True)
-    (out / "layouts.json").write_text(json.dumps({"rows": all_rows, "curves": curves, "window": window,
-                                                  "global_batch": B, "seq_len": cfg.train.seq_len}, indent=1))
+    (out / f"layouts{tag}.json").write_text(json.dumps({"rows": all_rows, "curves": curves, "window": window,
+                                                        "global_batch": B, "seq_len": cfg.train.seq_len}, indent=1))
     max_rel = (_max_rel_diff(curves, 10), _max_rel_diff(curves))
-    write_markdown(out / "layouts.md", all_rows, window, B, cfg.train.seq_len, args, overrides, max_rel)
-    write_memory_markdown(out / "memory.md", all_rows, B, cfg.train.seq_len, args, overrides)
-    plot(out, all_rows, curves)
+    write_markdown(out / f"layouts{tag}.md", all_rows, window, B, cfg.train.seq_len, args, overrides, max_rel)
+    write_memory_markdown(out / f"memory{tag}.md", all_rows, B, cfg.train.seq_len, args, overrides)
+    plot(out, all_rows, curves, tag)
     print(f"[bench layouts] max relative loss difference across layouts: {max_rel[0]:.2e} over steps 1-10, "
           f"{max_rel[1]:.2e} over all steps")
-    print(f"[bench layouts] wrote {out / 'layouts.md'}")
+    print(f"[bench layouts] wrote {out / f'layouts{tag}.md'}")
     return 0
 
 
@@ -140,7 +180,8 @@ def write_markdown(path: Path, rows, window, B, S, args, overrides, max_rel):
     mib = 1024 * 1024
     lines = [f"# Layouts at equal tokens per step ({B} x {S} tokens)", "",
              f"Command: `nanotitan bench layouts --ranks {' '.join(map(str, args.ranks))} --steps {args.steps} "
-             f"--micro-batch {args.micro_batch} --config {args.config} {' '.join(overrides)}`".rstrip() + "",
+             f"--micro-batch {args.micro_batch}{_schedule_flags(args)} --config {args.config} "
+             f"{' '.join(overrides)}`".rstrip() + "",
              "", f"Medians over steps ({window[0]}, {window[1]}]. Tensor memory per rank = live parameters + "
              "gradients + optimizer state + peak saved activations (the rank that holds the most; the split per rank "
              "is drawn in `throughput_memory.png`); RSS = the process's peak resident memory (mostly the Python/torch "
@@ -168,7 +209,8 @@ def write_memory_markdown(path: Path, rows, B, S, args, overrides):
     mib = 2**20
     lines = [f"# Memory per rank of every layout ({B} x {S} tokens per step)", "",
              f"Command: `nanotitan bench layouts --ranks {' '.join(map(str, args.ranks))} --steps {args.steps} "
-             f"--micro-batch {args.micro_batch} --config {args.config} {' '.join(overrides)}`".rstrip(), "",
+             f"--micro-batch {args.micro_batch}{_schedule_flags(args)} --config {args.config} "
+             f"{' '.join(overrides)}`".rstrip(), "",
              "Live tensors at the end of the run (each storage once) and the peak bytes autograd saved for backward "
              "in a step; RSS is the process's peak resident memory (on CPU mostly the Python/torch runtime). "
              "Picture: `memory_per_rank.png`.", "",
@@ -184,7 +226,15 @@ def write_memory_markdown(path: Path, rows, B, S, args, overrides):
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(out: Path, rows, curves):
+def _schedule_flags(args) -> str:
+    """The schedule flags of the command line ("" for the default run, so its markdown is unchanged)."""
+    if not args.schedules:
+        return ""
+    v = f" --virtual-stages {args.virtual_stages}" if "interleaved" in args.schedules else ""
+    return f" --schedules {' '.join(args.schedules)}{v}" + (" --pp-only" if args.pp_only else "")
+
+
+def plot(out: Path, rows, curves, tag: str = ""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,11 +248,11 @@ def plot(out: Path, rows, curves):
     a1.tick_params(axis="x", rotation=30)
     plot_memory(a2, rows, labels)
     fig.tight_layout()
-    fig.savefig(out / "throughput_memory.png", dpi=110)
+    fig.savefig(out / f"throughput_memory{tag}.png", dpi=110)
     fig, ax = plt.subplots(figsize=(width, 4.5))  # the memory panel alone
     plot_memory(ax, rows, labels)
     fig.tight_layout()
-    fig.savefig(out / "memory_per_rank.png", dpi=110)
+    fig.savefig(out / f"memory_per_rank{tag}.png", dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in curves.items():
         ax.plot([s for s, _ in pts], [l for _, l in pts], label=name, linewidth=1)
@@ -211,7 +261,7 @@ def plot(out: Path, rows, curves):
     ax.set_title("loss curves of all layouts (same global batch)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=110)
+    fig.savefig(out / f"loss_curves{tag}.png", dpi=110)
 
 
 def plot_memory(ax, rows, labels):

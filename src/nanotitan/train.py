@@ -195,7 +195,8 @@ class Trainer:
         S.finish_grads(self.shard)
         grad_norm = S.clip_grads(self.shard, cfg.train.grad_clip)
         # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
-        nonfinite, stop = S.agree_on_step(self.shard, stats, grad_norm, self.stop_requested, self.device)
+        nonfinite, stop = S.agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
+                                          signals=cfg.train.ckpt_on_signal)
         # The update (none for a non-finite step), then gradients zeroed (kept bound to the Reducer's buckets).
         if not nonfinite:
             self.optimizer.step()
