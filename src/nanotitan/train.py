@@ -11,6 +11,7 @@ user sees (the record, the summary table, the progress bar) in report.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -186,8 +187,10 @@ class Trainer:
             g["lr"] = lr
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.batch(step)
-        self.saved_acts.reset_peak()
-        with self.saved_acts:
+        # The saved-activation meter (a Python hook per saved tensor) runs on the steps that are logged only.
+        if metered := (step + 1) % cfg.run.log_every == 0 or step == self.start_step:
+            self.saved_acts.reset_peak()
+        with self.saved_acts if metered else contextlib.nullcontext():
             stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule,
                                        aux_weight=self.aux_weight, device=self.device, dtype=cfg.train.dtype)
         self.act_peak_bytes = max(self.act_peak_bytes, self.saved_acts.peak_bytes)
