@@ -12,7 +12,7 @@ One launch per world size runs every case of that size.
 import pytest
 import torch
 
-from tests.test_equivalence import base_args, check_case, layout_args, train_once
+from tests.test_equivalence import _run_cases, base_args, check_case, layout_args, train_once
 from tests.mp import run_ranks
 
 V2 = ("--parallel.virtual_stages", "2")
@@ -31,11 +31,6 @@ def reference(corpus_dir, tmp_path_factory):
 def reference_8_layers(corpus_dir, tmp_path_factory):
     torch.set_num_threads(1)
     return train_once(base_args(corpus_dir, tmp_path_factory.mktemp("ref8")) + layout_args(1, 1, 1, "1f1b", L8))
-
-
-def _run_cases(rank, world, cases, corpus_dir, run_root):
-    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
-            for i, case in enumerate(cases)]
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
