@@ -161,7 +161,7 @@ TOML_BAD = [
     ('[run]\ntensorboard = "false"\n', "{p}: run.tensorboard must be true or false, got 'false'"),
     ('[parallel]\npp = 2\npp_layers = "2,2"\n', "{p}: parallel.pp_layers must be a list, got '2,2'"),
     ('[parallel]\npp = 2\npp_layers = [2, "2"]\n',
-     "{p}: parallel.pp_layers must be an integer, got '2' (drop the quotes: pp_layers = 2)"),
+     "{p}: parallel.pp_layers must be a number, got '2' (drop the quotes: pp_layers = 2)"),
     ('[data]\nsource = 5\n', "{p}: data.source must be a string, got 5"),
     ('[model]\npos_emb = "alibi"\n', "{p}: model.pos_emb='alibi' is not one of ['rope', 'learned']"),
     ('lr = 0.1\n', "{p}: top-level key 'lr' must be a [section] table"),

@@ -43,21 +43,23 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
 
 def test_world2_interleaved_zb1(corpus_dir, tmp_path, reference):
     """PP2: interleaved V=2, zb1, zb1 with activation checkpointing (its W recomputes the blocks), zb1 with the
-    cost-balanced split (pp_layers auto)."""
+    cost-balanced split (pp_layers auto) and with a half-layer cut (block 2's attention on stage 0, its MoE on 1)."""
     ac = ("--train.activation_checkpointing", "true")
     cases = [(1, 2, 1, "interleaved", V2), (1, 2, 1, "zb1", ()), (1, 2, 1, "zb1", ac),
-             (1, 2, 1, "zb1", ("--parallel.pp_layers", "auto"))]
+             (1, 2, 1, "zb1", ("--parallel.pp_layers", "auto")), (1, 2, 1, "zb1", ("--parallel.pp_layers", "2.5,1.5"))]
     _matrix(2, cases, corpus_dir, tmp_path, {"4": reference}, timeout=300)
 
 
 def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_layers):
     """PP4 (interleaved on 8 layers), DP2·PP2 and PP2·EP2: both schedules (the Reducer's buckets see zb1's
     weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 zb1 with ZeRO-2 too (the
-    ShardedReducer's reduce-scatters follow the Reducer's protocol, so its buckets also fill in W)."""
+    ShardedReducer's reduce-scatters follow the Reducer's protocol, so its buckets also fill in W); PP2·EP2 with a
+    half-layer cut 1.5+2.5 (block 1's MoE, with its all-to-alls, opens stage 1)."""
     cases = [(1, 4, 1, "interleaved", V2 + L8), (1, 4, 1, "zb1", ()),
              (2, 2, 1, "interleaved", V2), (2, 2, 1, "zb1", ()),
              (2, 2, 1, "zb1", ZERO + ("--parallel.zero", "2")),
-             (1, 2, 2, "interleaved", V2), (1, 2, 2, "zb1", ())]
+             (1, 2, 2, "interleaved", V2), (1, 2, 2, "zb1", ()),
+             (1, 2, 2, "1f1b", ("--parallel.pp_layers", "1.5,2.5"))]
     _matrix(4, cases, corpus_dir, tmp_path, {"4": reference, "8": reference_8_layers}, timeout=420)
 
 

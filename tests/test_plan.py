@@ -50,7 +50,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
         for dp, pp, ep, M, m in itertools.product(range(1, world + 1), repeat=5):
             if dp * pp * ep != world or dp * ep * M * m != B:
                 continue
-            for schedule in (("gpipe", "1f1b") if pp > 1 else ("1f1b",)):
+            for schedule in (("gpipe", "1f1b", "zb1") if pp > 1 else ("1f1b",)):
                 lay = Layout(dp, pp, ep, schedule, M, m)
                 if M > B or m > B:
                     continue

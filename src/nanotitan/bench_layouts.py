@@ -35,8 +35,8 @@ def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> lis
 
 
 def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -> tuple[list[Layout], list[str]]:
-    """`layouts_for` under any schedule: the enumerator knows gpipe/1f1b only, so zb1/interleaved take the 1F1B
-    layouts' (dp, pp, ep, M, m) and keep those config.validate accepts (cfg.parallel.virtual_stages = V).
+    """`layouts_for` under any schedule: zb1/interleaved take the 1F1B layouts' (dp, pp, ep, M, m) and keep those
+    config.validate accepts (cfg.parallel.virtual_stages = V), so that the table names each one skipped.
     Returns (layouts, why each skipped one cannot run)."""
     if schedule in ("gpipe", "1f1b"):
         return layouts_for(cfg, world, micro_batch, schedule), []

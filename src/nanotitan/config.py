@@ -112,7 +112,7 @@ class ParallelConfig:
     microbatches: int = 1  # M per data rank per step
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (used when pp > 1; docs/pp.md)
     virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (Megatron's virtual pipeline stages)
-    pp_layers: list[int] | Literal["auto"] = field(default_factory=list)  # layers per stage (per chunk when interleaved): a list, "auto" (balanced by the planner's costs), or empty = as even as possible
+    pp_layers: list[float] | Literal["auto"] = field(default_factory=list)  # layers per stage (per chunk when interleaved): a list (x.5 cuts a block between its attention and its FFN), "auto" (balanced by the planner's costs, half-layer cuts included), or empty = as even as possible
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
     dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (pure DP only; "nanotitan" = old name of bucketed)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
@@ -302,6 +302,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
         from_file.discard(f"{section}.{key}")
+    if isinstance(cfg.parallel.pp_layers, list):  # layer counts read as floats (halves allowed): 2, not 2.0
+        cfg.parallel.pp_layers = [int(n) if float(n).is_integer() else n for n in cfg.parallel.pp_layers]
     if cfg.init.from_hf:  # model config and tokenizer come from a transformers checkpoint (hf.py)
         from .hf import apply_init_config
 
@@ -437,9 +439,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                f"parallel.schedule=interleaved needs parallel.microbatches={p.microbatches} to be a multiple of "
                f"parallel.pp={p.pp} (--parallel.microbatches {p.pp * max(1, -(-p.microbatches // p.pp))})")
     if p.pp_layers and p.pp_layers != "auto":
-        _check(len(p.pp_layers) == n_chunks and all(n >= 1 for n in p.pp_layers) and sum(p.pp_layers) == m.n_layers,
-               f"parallel.pp_layers={p.pp_layers} must list {n_chunks} positive counts summing to "
-               f"model.n_layers={m.n_layers} (--parallel.pp_layers {','.join(['1'] * n_chunks)}, or auto)")
+        _check(len(p.pp_layers) == n_chunks and all(n >= 0.5 and float(2 * n).is_integer() for n in p.pp_layers)
+               and sum(p.pp_layers) == m.n_layers,
+               f"parallel.pp_layers={p.pp_layers} must list {n_chunks} counts, each a positive multiple of 0.5 "
+               f"(x.5 cuts a block between its attention and its FFN), summing to model.n_layers={m.n_layers} "
+               f"(--parallel.pp_layers {','.join(['1'] * n_chunks)}, or auto)")
     # FSDP2 reduce-scatters a block's gradients when its input gradient is done (before zb1's deferred weight
     # gradients) and all-gathers on the root module's forward (which the interleaved chunks never call).
     _check(p.zero < 3 or p.pp == 1 or p.schedule in ("gpipe", "1f1b"),

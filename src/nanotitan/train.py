@@ -219,11 +219,14 @@ class Trainer:
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
         step = self.start_step
+        # A record's step time is the mean over the steps since the previous record, so the one metered step
+        # of each interval (saved activations) and any one-off stall are averaged in, not reported alone.
+        interval_s, interval_steps = 0.0, 0
         for step in range(self.start_step, t.steps):
             self.profiler.step_begin(step + 1)
             t0 = time.perf_counter()
             stats, grad_norm, lr, nonfinite, stop = self.train_step(step)
-            step_time = time.perf_counter() - t0
+            interval_s, interval_steps = interval_s + time.perf_counter() - t0, interval_steps + 1
             self.profiler.step_end(step + 1)
             failure = guard.check(step + 1, nonfinite, self.log)  # skip (no rank updated) or stop, after logging
 
@@ -232,9 +235,10 @@ class Trainer:
             record = None
             if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or val is not None \
                     or nonfinite:
-                record = logger.log(step + 1, stats, float(grad_norm), lr, step_time, val_loss=val,
+                record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
                                     skipped=nonfinite, skipped_steps=guard.skipped,
                                     act_peak_bytes=self.saved_acts.peak_bytes)
+                interval_s, interval_steps = 0.0, 0
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()

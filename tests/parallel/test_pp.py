@@ -29,7 +29,7 @@ SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
 AUX_WEIGHT = 0.3  # large, so a missing or doubled aux term shows in the gradients
 
 
-def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[int] | None = None, schedule: str = "1f1b",
+def tiny_cfg(pp: int, n_layers: int = 4, pp_layers: list[float] | None = None, schedule: str = "1f1b",
              virtual_stages: int = 1) -> Config:
     model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=64, num_experts=4,
                         top_k=2, max_seq_len=SEQ)
@@ -151,12 +151,16 @@ def _check_grad_results(results, world):
 
 def test_pp2_gradients_match_single_process():
     """PP=2: GPipe, 1F1B and zb1, M in {1, 2, 4}, with/without checkpointing, plus 3 layers split 2+1 and 1+2;
-    interleaved V=2 (M in {2, 4, 6}) with/without checkpointing, V=3 on 6 layers, and an uneven chunk split."""
+    interleaved V=2 (M in {2, 4, 6}) with/without checkpointing, V=3 on 6 layers, and an uneven chunk split;
+    half-layer cuts under every schedule (2.5+1.5 with/without checkpointing, 0.5+2.5, chunks 1,1.5,0.5,1)."""
     cases = [(4, None, s, M, ck) for s in ("gpipe", "1f1b", "zb1") for M in (1, 2, 4) for ck in (False, True)]
     cases += [(3, pl, s, 3, False) for pl in (None, [1, 2]) for s in ("gpipe", "1f1b", "zb1")]
     cases += [(4, None, "interleaved", M, ck, 2) for M in (2, 4, 6) for ck in (False, True)]
     cases += [(6, None, "interleaved", 4, False, 3), (5, [2, 1, 1, 1], "interleaved", 2, False, 2)]
-    _check_grad_results(run_ranks(_grad_cases, 2, (cases,), timeout=90), 2)
+    # half-layer cuts (a block's attention on one stage, its MoE on the next): both directions, a lone half
+    cases += [(4, [2.5, 1.5], s, 4, ck) for s in ("gpipe", "1f1b", "zb1") for ck in (False, True)]
+    cases += [(3, [0.5, 2.5], "zb1", 3, False), (4, [1, 1.5, 0.5, 1], "interleaved", 4, True, 2)]
+    _check_grad_results(run_ranks(_grad_cases, 2, (cases,), timeout=120), 2)
 
 
 def test_pp4_gradients_match_single_process():
@@ -312,12 +316,13 @@ def _check_ep_in_w(results):
     """PP2 x EP2, zb1 (run by test_pp4_gradients_match_single_process): no W runs an EP all-to-all (they are all
     in forwards and B's), and grads match one process; with activation checkpointing each W recomputes its
     blocks' forwards, dispatch and combine included, the same number on every rank of the EP group (so they
-    pair up)."""
+    pair up). Ranks 0, 1 are stage 0, which runs no W: the first stage's zb1 is 1F1B (nothing waits for its B)."""
     for rank, per_case in enumerate(results):
         plain, ckpt = per_case
+        n_w = 0 if rank < 2 else 4
         assert plain["worst"] <= 1e-5 and ckpt["worst"] <= 1e-5, (rank, plain["worst"], ckpt["worst"])
-        assert len(plain["in_w"]) == 4 and plain["total"] > 0 and not any(plain["in_w"]), (rank, plain)
-        assert all(n > 0 for n in ckpt["in_w"]), (rank, ckpt)
+        assert len(plain["in_w"]) == n_w and plain["total"] > 0 and not any(plain["in_w"]), (rank, plain)
+        assert len(ckpt["in_w"]) == n_w and all(n > 0 for n in ckpt["in_w"]), (rank, ckpt)
     for pp_rank in range(2):
         a, b = results[2 * pp_rank][1]["in_w"], results[2 * pp_rank + 1][1]["in_w"]
         assert a == b, f"EP ranks of stage {pp_rank} ran different all-to-alls in W: {a} vs {b}"
@@ -336,7 +341,9 @@ def test_config_and_split_for_the_new_schedules():
            (["--parallel.pp", "4", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
              "--parallel.microbatches", "4"], "chunks need at least as many layers, model.n_layers=4"),
            (["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
-             "--parallel.microbatches", "2", "--parallel.pp_layers", "3,1"], "must list 4 positive counts"),
+             "--parallel.microbatches", "2", "--parallel.pp_layers", "3,1"], "must list 4 counts"),
+           (["--parallel.pp", "2", "--parallel.pp_layers", "2.25,1.75"], "each a positive multiple of 0.5"),
+           (["--parallel.pp", "2", "--parallel.pp_layers", "4,0"], "each a positive multiple of 0.5"),
            (["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.zero", "3", "--parallel.schedule", "zb1"],
             "parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not zb1")]
     for args, msg in bad:
@@ -358,6 +365,24 @@ def test_config_and_split_for_the_new_schedules():
     assert sum(counts) == 8 and counts[1] < counts[0], counts
     heavy.parallel.pp_layers = []
     assert chunk_layer_counts(heavy) == [4, 4]
+
+    # half-layer cuts: 2.5 + 1.5 puts block 2's attention on stage 0 and its MoE on stage 1, under one name
+    half = load_config(None, ["--parallel.pp", "2", "--parallel.pp_layers", "2.5,1.5"])
+    assert half.parallel.pp_layers == [2.5, 1.5]
+    s0, s1 = (build_chunk_specs(half, r)[0] for r in range(2))
+    assert (s0.layer_start, s0.layer_end, s0.last_attn_only, s1.layer_start, s1.layer_end, s1.first_ffn_only) == \
+        (0, 3, True, 2, 4, True)
+    assert s0.block_parts(2) == (True, False) and s1.block_parts(2) == (False, True) and s1.block_parts(3) == (True, True)
+    # auto on the MID model of the benchmark (head + CE ~ half a block): the cut falls inside block 2 (and 3)
+    from nanotitan.bench.pp import mid_cfg
+
+    assert chunk_layer_counts(mid_cfg(4, "auto")) == [2.5, 1.5]
+    assert chunk_layer_counts(mid_cfg(6, "auto")) == [3.5, 2.5]
+    # the tiny test model (head ~ nothing): whole layers when they balance, a half cut when they cannot
+    for n_layers, want in ((4, [2, 2]), (3, [1.5, 1.5])):
+        tiny = tiny_cfg(2, n_layers)
+        tiny.parallel.pp_layers = "auto"
+        assert chunk_layer_counts(tiny) == want, (n_layers, chunk_layer_counts(tiny))
 
 
 def test_planner_models_the_new_schedules():

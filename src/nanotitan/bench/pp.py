@@ -1,7 +1,7 @@
 """`nanotitan bench pp`: pipeline schedules side by side -- step time, bubble, activation memory, timelines --
 on the MID model (BASELINES), PP=2, M=8, m=2.
 
-    nanotitan bench pp [--repeats 5] [--layers 4] [--split even|auto|2,2] [--schedules ...] [--json out.json]
+    nanotitan bench pp [--repeats 5] [--layers 4] [--splits even auto] [--schedules ...] [--json out.json]
                        [--timeline docs/pp_timeline.png]
 
 Launches 2 gloo processes (1 thread each) and runs, interleaved round by round so machine noise hits every
@@ -10,7 +10,10 @@ variant alike:
 - ours:  `pipeline_forward_backward` with gpipe, 1f1b, zb1 (one chunk per rank) and interleaved (V=2 chunks
          per rank, one layer each on 4 layers);
 - torch: `torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble (the same one
-         stage per rank as zb1) and ScheduleInterleaved1F1B (the same V=2 chunks as ours), on the same modules.
+         stage per rank as zb1) and ScheduleInterleaved1F1B (the same V=2 chunks as ours), on the same modules;
+- each of them per split in --splits: "even" (whole layers, as evenly as possible: what torchtitan and torch's
+  own splitting give), "auto" (`parallel.pp_layers auto`: balanced by the planner's costs, cuts between a
+  block's attention and its MoE allowed; variant names end in "@auto"), or an explicit list such as 2.5,1.5.
 A step is zero_grad + forward/backward of all 8 microbatches + fused AdamW step; its time is the max over the
 two ranks after a barrier. Reported per variant: min/median step time and the ratios of medians; CPU seconds
 per stage (`time.process_time`, which does not depend on whether the rank got a core); the measured bubble:
@@ -51,7 +54,8 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb1": "ScheduleInter
 
 
 def mid_cfg(n_layers: int, split, schedule: str = "1f1b") -> Config:
-    """The MID model on PP stages; split "even", "auto" or a list of layers per stage (V=1 schedules only)."""
+    """The MID model on PP stages; split "even", "auto" or a list of layers per stage (V=1 schedules only; the
+    interleaved schedule takes "auto" or its even chunks)."""
     model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=512, num_experts=8,
                         top_k=2, max_seq_len=SEQ)
     pp_layers = split if split == "auto" else ([] if split == "even" or schedule == "interleaved" else list(split))
@@ -141,22 +145,23 @@ def _bench(rank, world, args):
     else:
         steps["single"], models["single"] = (lambda: None), []
 
-    for schedule in args.schedules:
-        cfg = mid_cfg(args.layers, args.split, schedule)
-        if f"ours_{schedule}" in args.variants:
+    for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
+        cfg = mid_cfg(args.layers, split, schedule)
+        tag = "" if split == "even" else f"@{split if split == 'auto' else ','.join(map(str, split))}"
+        if f"ours_{schedule}{tag}" in args.variants:
             chunks = chunk_models(cfg, dims.pp_rank)
             model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
             opt = adamw(model.parameters())
 
-            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}", timeline=None):
+            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}{tag}", timeline=None):
                 opt.zero_grad(set_to_none=True)
                 stats_of[name] = pipeline_forward_backward(
                     model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
                     before_backward=None, timeline=timeline)
                 opt.step()
-            steps[f"ours_{schedule}"], models[f"ours_{schedule}"] = ours, chunks
+            steps[f"ours_{schedule}{tag}"], models[f"ours_{schedule}{tag}"] = ours, chunks
 
-        if f"torch_{schedule}" in args.variants:
+        if f"torch_{schedule}{tag}" in args.variants:
             tchunks = chunk_models(cfg, dims.pp_rank)
             n_stages = PP * len(tchunks)
             stages = []
@@ -177,7 +182,7 @@ def _bench(rank, world, args):
                 else:
                     sched.step(target=y_BS, losses=[])
                 topt.step()
-            steps[f"torch_{schedule}"], models[f"torch_{schedule}"] = torch_step, tchunks
+            steps[f"torch_{schedule}{tag}"], models[f"torch_{schedule}{tag}"] = torch_step, tchunks
 
     cpu = {name: [] for name in steps}  # this rank's CPU seconds per step (immune to waiting for a core)
 
@@ -218,7 +223,7 @@ def _bench(rank, world, args):
         for tl in timelines[name]:
             dist.barrier()
             steps[name](timeline=tl)
-    counts = chunk_layer_counts(mid_cfg(args.layers, args.split, "1f1b"))
+    counts = {str(sp): chunk_layer_counts(mid_cfg(args.layers, sp, "1f1b")) for sp in args.splits}
     return dict(times=times, cpu=cpu, bubbles=bubbles, peak=peak, timelines=timelines, counts=counts,
                 load=(load_before, os.getloadavg()[0]))
 
@@ -266,15 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per variant, interleaved (default 5)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the MID model (default 4)")
-    ap.add_argument("--split", default="even", help="layers per stage for gpipe/1f1b/zb1: even, auto or e.g. 3,1")
+    ap.add_argument("--splits", nargs="+", default=["even", "auto"],
+                    help="stage splits, each run by every schedule: even, auto, or layers per stage such as 2.5,1.5 "
+                         "(gpipe/1f1b/zb1 only; default: even auto)")
     ap.add_argument("--schedules", nargs="+", default=list(OURS), choices=OURS)
     ap.add_argument("--only", choices=["ours", "torch"], default=None, help="run only ours or only torch's")
     ap.add_argument("--json", default="", help="also write the raw results here")
     ap.add_argument("--timeline", default="", help="draw ours' one-step timelines into this PNG")
     args = ap.parse_args(argv)
-    if args.split not in ("even", "auto"):
-        args.split = [int(n) for n in args.split.split(",")]
-    args.variants = {f"{who}_{s}" for s in args.schedules for who in ("ours", "torch") if args.only in (None, who)}
+    args.splits = [sp if sp in ("even", "auto") else [float(n) for n in sp.split(",")] for sp in args.splits]
+    tags = ["" if sp == "even" else f"@{sp if sp == 'auto' else ','.join(map(str, sp))}" for sp in args.splits]
+    args.variants = {f"{who}_{s}{tag}" for s in args.schedules for tag in tags for who in ("ours", "torch")
+                     if args.only in (None, who) and not (s == "interleaved" and tag not in ("", "@auto"))}
 
     res = dict(enumerate(run_ranks(_bench, PP, (args,), timeout=3600, pg_timeout=900)))
 
@@ -282,40 +290,45 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     mn = {k: min(v) for k, v in times.items()}
     cpu = {k: [statistics.median(res[r]["cpu"][k]) for r in range(PP)] for k in times}
-    print(f"MID model ({args.layers} layers, split {res[0]['counts']} for one chunk per rank), PP={PP}, M={M}, "
+    print(f"MID model ({args.layers} layers; layers per stage by split, one chunk per rank: {res[0]['counts']}), "
+          f"PP={PP}, M={M}, "
           f"m={MB}, seq {SEQ}, 1 thread/rank, {args.repeats} repeats (step = zero_grad + fwd/bwd + fused AdamW); "
           f"1-min load average {res[0]['load'][0]:.1f} -> {res[0]['load'][1]:.1f} on {os.cpu_count()} cores")
-    print(f"{'variant':<20}{'min s':>8}{'median s':>10}{'x single (med)':>16}{'CPU s per stage':>22}"
+    print(f"{'variant':<24}{'min s':>8}{'median s':>10}{'x single (med)':>16}{'CPU s per stage':>22}"
           f"{'idle per stage':>18}{'peak act MiB':>16}")
     for k in times:
         idle = "" if k == "single" else str([round(1 - c / med[k], 2) for c in cpu[k]])
         pk = "" if k == "single" else str([round(res[r]["peak"][k] / 2**20, 1) for r in range(PP)])
         cp = str([round(c, 3) for c in cpu[k]]) if k != "single" else f"{cpu[k][0]:.3f}"
-        print(f"{k:<20}{mn[k]:>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>16.2f}{cp:>22}{idle:>18}{pk:>16}")
+        print(f"{k:<24}{mn[k]:>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>16.2f}{cp:>22}{idle:>18}{pk:>16}")
     cpu_single = cpu["single"][0]
     print("\nsingle CPU s / slowest stage's CPU s (the balance bound on the speed-up):")
     for k in times:
         if k != "single":
-            print(f"  {k:<20}{cpu_single / max(cpu[k]):.2f}")
+            print(f"  {k:<24}{cpu_single / max(cpu[k]):.2f}")
     print("\nmeasured bubble of ours (time blocked in P2P / time in the schedule; median per stage, mean):")
     for k in res[0]["bubbles"]:
-        sched = k.removeprefix("ours_")
+        sched = k.removeprefix("ours_").partition("@")[0]
         theo = theoretical_bubble(PP, M, sched, V)
         per_stage = [statistics.median(res[r]["bubbles"][k]) for r in range(PP)]
         mean = sum(per_stage) / PP
-        print(f"  {k:<20}{[round(b, 3) for b in per_stage]}  mean {mean:.3f}; theoretical {theo:.3f}; "
+        print(f"  {k:<24}{[round(b, 3) for b in per_stage]}  mean {mean:.3f}; theoretical {theo:.3f}; "
               f"1F1B's theoretical {theoretical_bubble(PP, M):.3f}")
     print("\nours / torch's on the same stages (median step time):")
-    for s in args.schedules:
-        if f"ours_{s}" in med and f"torch_{s}" in med:
-            print(f"  {s:<12} / {TORCH[s]:<30} {med[f'ours_{s}'] / med[f'torch_{s}']:.2f}")
+    for k in (k for k in med if k.startswith("ours_") and "torch_" + k[5:] in med):
+        sched, _, split = k[5:].partition("@")
+        print(f"  {k[5:]:<18} / {TORCH[sched] + ('@' + split if split else ''):<36} {med[k] / med['torch_' + k[5:]]:.2f}")
     ours = {k: v for k, v in med.items() if k.startswith("ours")}
     theirs = {k: v for k, v in med.items() if k.startswith("torch")}
     if ours and theirs:
         best, tbest = min(ours, key=ours.get), min(theirs, key=theirs.get)
         print(f"best of ours {best} / torch's best {tbest}: {ours[best] / theirs[tbest]:.2f}")
+        even = {k: v for k, v in theirs.items() if "@" not in k}
+        if even and len(even) < len(theirs):
+            teven = min(even, key=even.get)
+            print(f"best of ours {best} / torch's best on whole-layer stages {teven}: {ours[best] / even[teven]:.2f}")
         if "torch_1f1b" in med:
-            print(f"best of ours {best} / torch Schedule1F1B: {ours[best] / med['torch_1f1b']:.2f}")
+            print(f"best of ours {best} / torch Schedule1F1B (whole-layer stages): {ours[best] / med['torch_1f1b']:.2f}")
     if args.timeline:
         draw_timelines(res, args.timeline)
         print(f"timelines: {args.timeline}")

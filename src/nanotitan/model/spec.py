@@ -3,10 +3,17 @@
 The same model code builds the full model (`ModelShardSpec.full(cfg)`) and any pipeline-stage /
 expert shard; parameters keep their global names (layer keys are global layer indices) so a
 shard's state is a slice of the full model's.
+
+Stage boundaries may fall inside a block, between its attention and its FFN/MoE half: layer counts are then
+multiples of 0.5 (`parallel.pp_layers 2.5,1.5`; `auto` picks them when they balance better). Attention is
+about a fifth of an MoE block's time, so half-layer cuts let two stages carry a head worth half a layer
+evenly (docs/pp.md). A split block keeps its global name on both sides: `layers.2.attn.*` on one stage,
+`layers.2.moe.*` on the next.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import Config, ModelConfig
@@ -21,22 +28,42 @@ class ModelShardSpec:
     expert_start: int  # first global expert id owned in every MoE layer
     expert_end: int
     has_head: bool  # final norm + LM head + loss
+    first_ffn_only: bool = False  # block layer_start runs its FFN half only (its attention is on the chunk before)
+    last_attn_only: bool = False  # block layer_end-1 runs its attention half only (its FFN is on the chunk after)
 
     @property
     def layers(self) -> range:
+        """Global indices of the blocks this shard runs, wholly or one half."""
         return range(self.layer_start, self.layer_end)
+
+    def block_parts(self, i: int) -> tuple[bool, bool]:
+        """(attention, FFN) halves of block i that this shard owns."""
+        return (not (self.first_ffn_only and i == self.layer_start),
+                not (self.last_attn_only and i == self.layer_end - 1))
 
     @staticmethod
     def full(cfg: ModelConfig) -> "ModelShardSpec":
         return ModelShardSpec(True, cfg.pos_emb == "learned", 0, cfg.n_layers, 0, cfg.num_experts, True)
 
 
-def layer_bounds(n_layers: int, pp: int, pp_rank: int, pp_layers: list[int] | None = None) -> tuple[int, int]:
-    """Consecutive layer range of stage `pp_rank`: an explicit split, or as even as possible
-    (earlier stages take the remainder; the last stage also carries the head, so it is lighter in layers)."""
+def layer_bounds(n_layers: int, pp: int, pp_rank: int, pp_layers: list[float] | None = None) -> tuple[float, float]:
+    """Consecutive layer range [start, end) of stage `pp_rank`: an explicit split, or as even as possible
+    (earlier stages take the remainder; the last stage also carries the head, so it is lighter in layers).
+    A bound x.5 cuts block x between its attention and its FFN."""
     counts = list(pp_layers) if pp_layers else even_counts(n_layers, pp)
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]
+
+
+def block_halves(start: float, end: float) -> list[tuple[int, bool, bool]]:
+    """(block index, owns attention, owns FFN) of every block touched by the layer range [start, end)."""
+    lo, hi = 2 * start, 2 * end  # in half-blocks: 2i is block i's attention, 2i+1 its FFN
+    return [(i, lo <= 2 * i < hi, lo <= 2 * i + 1 < hi) for i in range(int(start), math.ceil(end))]
+
+
+def tidy_counts(counts) -> list[float]:
+    """Layer counts as ints where whole (2 rather than 2.0), halves as floats."""
+    return [int(c) if float(c).is_integer() else float(c) for c in counts]
 
 
 def even_counts(n_layers: int, chunks: int) -> list[int]:
@@ -50,15 +77,16 @@ def virtual_stages(cfg: Config) -> int:
     return p.virtual_stages if p.pp > 1 and p.schedule == "interleaved" else 1
 
 
-def chunk_layer_counts(cfg: Config) -> list[int]:
-    """Layers of each of the PP*V model chunks, in pipeline order: parallel.pp_layers as given, "auto" (balanced by
-    the planner's per-layer costs, embedding and head/CE included: plan/cost.py), or as even as possible."""
+def chunk_layer_counts(cfg: Config) -> list[float]:
+    """Layers of each of the PP*V model chunks, in pipeline order (multiples of 0.5: module docstring):
+    parallel.pp_layers as given, "auto" (balanced by the planner's per-layer costs, embedding and head/CE
+    included: plan/cost.py), or as even as possible (whole layers)."""
     p, n_chunks = cfg.parallel, cfg.parallel.pp * virtual_stages(cfg)
     if p.pp_layers == "auto":
         from ..plan.cost import balanced_layer_counts  # lazy: the planner imports this module
 
         return balanced_layer_counts(cfg, n_chunks)
-    return list(p.pp_layers) if p.pp_layers else even_counts(cfg.model.n_layers, n_chunks)
+    return tidy_counts(p.pp_layers) if p.pp_layers else even_counts(cfg.model.n_layers, n_chunks)
 
 
 def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[ModelShardSpec]:
@@ -71,14 +99,17 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
     specs = []
     for c in range(pp_rank, n_chunks, p.pp):
         start = sum(counts[:c])
+        end = start + counts[c]
         specs.append(ModelShardSpec(
             has_token_embed=c == 0,
             has_pos_embed=c == 0 and m.pos_emb == "learned",
-            layer_start=start,
-            layer_end=start + counts[c],
+            layer_start=int(start),
+            layer_end=math.ceil(end),
             expert_start=ep_rank * e_local,
             expert_end=(ep_rank + 1) * e_local,
             has_head=c == n_chunks - 1,
+            first_ffn_only=not float(start).is_integer(),
+            last_attn_only=not float(end).is_integer(),
         ))
     return specs
 

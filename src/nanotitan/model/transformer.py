@@ -92,12 +92,18 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (MoE or dense). A pipeline cut may fall between
+    the halves (model/spec.py): the block then holds, and runs, only the half its shard owns."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.is_moe = is_moe_layer(cfg, layer_idx)
+        self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
+        if self.has_attn:
+            self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.attn = Attention(cfg)
+        self.is_moe = self.has_ffn and is_moe_layer(cfg, layer_idx)
+        if self.has_ffn:
+            self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if self.is_moe:
             self.moe = MoE(cfg.d_model, cfg.ffn_dim, cfg.num_experts, cfg.top_k, cfg.norm_topk,
                            spec.expert_start, spec.expert_end, shared_ffn_dim=shared_hidden(cfg),
@@ -105,16 +111,17 @@ class Block(nn.Module):
                            routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
                            aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
                            capacity_factor=cfg.capacity_factor)
-        else:
+        elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
     def forward(self, x, rope):
-        x = x + self.attn(self.attn_norm(x), rope)
+        if self.has_attn:
+            x = x + self.attn(self.attn_norm(x), rope)
         if self.is_moe:
             y, aux = self.moe(self.ffn_norm(x))
-        else:
-            y, aux = self.mlp(self.ffn_norm(x)), x.new_zeros((), dtype=torch.float32)
-        return x + y, aux
+            return x + y, aux
+        aux = x.new_zeros((), dtype=torch.float32)
+        return (x + self.mlp(self.ffn_norm(x)) if self.has_ffn else x), aux
 
 
 class Transformer(nn.Module):

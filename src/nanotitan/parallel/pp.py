@@ -412,7 +412,9 @@ def pipeline_forward_backward(
     t0 = time.perf_counter()
     comms.reset_wait()
     comms.timeline = timeline
-    split = schedule == "zb1" and dims.pp > 1
+    # zb1's first stage sends no input gradient, so nothing waits for its B, and it defers no W (pp_rank 0): each W
+    # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
+    split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
                        split=split, timeline=timeline)
     try:
@@ -420,7 +422,7 @@ def pipeline_forward_backward(
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":
             _gpipe(run, comms, M)
-        elif schedule == "1f1b":
+        elif schedule == "1f1b" or (schedule == "zb1" and not split):
             _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank)
         elif schedule == "zb1":
             _zb1(run, comms, M, dims.pp, dims.pp_rank)

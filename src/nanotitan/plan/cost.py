@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..hardware import Hardware
+from ..model.spec import tidy_counts
 from ..parallel.dims import ParallelDims
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
 
@@ -90,14 +91,21 @@ def _in_flight(schedule: str, pp: int, s: int, M: int, V: int) -> float:
     return min(M, pp - s)
 
 
+# zb1's split backward (B, then W as one autograd call per parameter group) costs this much more than one
+# backward: measured 4-8% of a stage's CPU time on the MID model (docs/pp.md), about 9% of its backward.
+ZB1_SPLIT_COST = 0.09
+
+
 def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None,
-                          activation_checkpointing: bool | None = None) -> list[int]:
-    """Layers per pipeline chunk (pp * virtual stages of them, each >= 1) minimising the slowest chunk's time per
+                          activation_checkpointing: bool | None = None) -> list[float]:
+    """Layers per pipeline chunk (pp * virtual stages of them) minimising the slowest chunk's time per
     microbatch, as this cost model times a stage: each layer's dense and expert GEMM FLOPs at the hardware's
     efficiency for their row counts, forward + 2x backward (+ recompute under AC), plus the per-layer overhead;
     the first chunk also pays for the embedding (its per-layer overhead), the last for the final norm, head
-    and cross-entropy. A pure function of the config, so every rank computes the same split. hw defaults to
-    the built-in profile of the job's device kind (cpu-gloo, or an H100 with CUDA)."""
+    and cross-entropy. Cuts may fall between a block's attention and its FFN (counts in multiples of 0.5,
+    model/spec.py): the units are half-blocks, each chunk gets at least one, and on a tie a whole-layer cut
+    wins. A pure function of the config, so every rank computes the same split. hw defaults to the built-in
+    profile of the job's device kind (cpu-gloo, or an H100 with CUDA)."""
     import torch
 
     from ..hardware import get_hardware
@@ -113,21 +121,25 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None
     eff_dense, eff_expert = _gemm_eff(hw, T), _gemm_eff(hw, T * shape.top_k / e_local)
     passes = 4 if ac else 3
 
-    def seconds(f_dense: float, f_expert: float) -> float:
-        return passes * T * (f_dense / (peak * eff_dense) + f_expert / (peak * eff_expert)) + hw.layer_overhead_s
+    def seconds(f_dense: float, f_expert: float) -> float:  # one half-block: half the per-layer overhead
+        return passes * T * (f_dense / (peak * eff_dense) + f_expert / (peak * eff_expert)) + hw.layer_overhead_s / 2
 
-    layer = [seconds(*shape.layer_fwd_flops(i)) for i in range(shape.n_layers)]
+    halves = []  # unit 2i: block i's attention, 2i+1: its FFN
+    for i in range(shape.n_layers):
+        f_dense, f_expert = shape.layer_fwd_flops(i)
+        f_attn = shape.attn_part(i)["f_dense"]
+        halves += [seconds(f_attn, 0.0), seconds(f_dense - f_attn, f_expert)]
     embed = hw.layer_overhead_s
-    head = seconds(2 * shape.d_model * shape.vocab, 0.0)
-    n, K = shape.n_layers, n_chunks
+    head = seconds(2 * shape.d_model * shape.vocab, 0.0) + hw.layer_overhead_s / 2
+    n, K = len(halves), n_chunks
     prefix = [0.0]
-    for t in layer:
+    for t in halves:
         prefix.append(prefix[-1] + t)
 
     def chunk_cost(c: int, lo: int, hi: int) -> float:
         return prefix[hi] - prefix[lo] + (embed if c == 0 else 0.0) + (head if c == K - 1 else 0.0)
 
-    # best[c][i]: the least possible slowest chunk when chunks 0..c hold layers [0, i); cut[c][i] its last start.
+    # best[c][i]: the least possible slowest chunk when chunks 0..c hold units [0, i); cut[c][i] its last start.
     INF = float("inf")
     best = [[INF] * (n + 1) for _ in range(K)]
     cut = [[0] * (n + 1) for _ in range(K)]
@@ -135,17 +147,17 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None
         best[0][i] = chunk_cost(0, 0, i)
     for c in range(1, K):
         for i in range(c + 1, n + 1):
-            for j in range(c, i):
+            for j in sorted(range(c, i), key=lambda j: j % 2):  # whole-layer cuts first: they win ties
                 v = max(best[c - 1][j], chunk_cost(c, j, i))
-                if v < best[c][i] - 1e-12:
+                if v < best[c][i] * (1 - 1e-9):
                     best[c][i], cut[c][i] = v, j
     counts, i = [], n
     for c in range(K - 1, 0, -1):
         j = cut[c][i]
-        counts.append(i - j)
+        counts.append((i - j) / 2)
         i = j
-    counts.append(i)
-    return counts[::-1]
+    counts.append(i / 2)
+    return tidy_counts(counts[::-1])
 
 
 def _ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
@@ -238,8 +250,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     for s, st in enumerate(stages):
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
-        if ac and layout.schedule == "zb1" and pp > 1:
-            t_b += t_f  # zb1's W recomputes the checkpointed blocks once more (parallel/pp_split.py)
+        if layout.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp.py)
+            t_b += t_f if ac else 0.0  # W recomputes the checkpointed blocks once more (parallel/pp_split.py)
+            t_b *= 1 + ZB1_SPLIT_COST
         # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
         # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep

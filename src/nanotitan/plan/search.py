@@ -24,10 +24,14 @@ def divisors(n: int) -> list[int]:
 ZERO_SLACK = 0.03  # a sharded-DP layout must beat the best lower zero level by more than this to be recommended
 
 
-def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,)) -> list[Layout]:
-    """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; both schedules when pp > 1;
+def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
+                      schedules: tuple[str, ...] | None = None) -> list[Layout]:
+    """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; when pp > 1 each of
+    `schedules` (default gpipe, 1f1b, zb1, and interleaved when cfg.parallel.virtual_stages > 1: V is the config's);
     each of the `zeros` levels that it accepts there (zero > 0 needs dp*ep > 1; zero 3 not with interleaved/zb1)."""
     B = global_batch or cfg.layout_batch
+    if schedules is None:
+        schedules = ("gpipe", "1f1b", "zb1") + (("interleaved",) if cfg.parallel.virtual_stages > 1 else ())
     out = []
     for pp in divisors(world):
         for ep in divisors(world // pp):
@@ -36,8 +40,7 @@ def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tup
                 continue
             b = B // (dp * ep)
             for M in divisors(b):
-                for schedule, zero in itertools.product(("gpipe", "1f1b") if pp > 1 else (cfg.parallel.schedule,),
-                                                        zeros):
+                for schedule, zero in itertools.product(schedules if pp > 1 else (cfg.parallel.schedule,), zeros):
                     layout = Layout(dp, pp, ep, schedule, M, b // M, zero)
                     try:
                         validate(layout_config(cfg, layout), world_size=world)

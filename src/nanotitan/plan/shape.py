@@ -10,7 +10,7 @@ import copy
 from dataclasses import dataclass
 
 from ..config import Config
-from ..model.spec import even_counts, layer_bounds
+from ..model.spec import block_halves, even_counts, layer_bounds
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,13 @@ class ModelShape:
         if self.is_moe(i):
             return dense + 2 * D * self.num_experts + 6 * D * F * self.n_shared_experts, 6 * D * F * self.top_k
         return dense + 6 * D * self.dense_hidden, 0.0
+
+    def attn_part(self, i: int) -> dict:
+        """Layer i's attention half (a pipeline cut may fall after it, model/spec.py): non-expert params, dense
+        forward FLOPs per token, activation and backward elements per token; the FFN half is the rest."""
+        D = self.d_model
+        return dict(params=4 * D * D + D, f_dense=8 * D * D + 4 * self.seq_len * D,
+                    act=3 * D + 1 + 4 * D + self.n_heads, bwd=2 * D)
 
     def layer_act_elems(self, i: int) -> float:
         """Elements autograd keeps per token for layer i's backward (listed in docs/planner.md;
@@ -162,12 +169,12 @@ class StageSummary:
     act_layer_max: float  # extra elements per token while the largest layer runs backward
     head_act: float  # part of `act` that belongs to the head (freed before the layers' backward)
     n_moe: int
-    n_layers: int
+    n_layers: float  # a half of a split block counts 0.5
     first: bool
     last: bool
 
 
-def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | None = None,
+def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | None = None,
                     activation_checkpointing: bool = False, virtual_stages: int = 1) -> list[StageSummary]:
     """Per-stage (per pipeline rank) parameter, FLOP and activation counts; layers split as `model.spec` does:
     pp_layers are the layers of each of the pp*virtual_stages chunks (even when not given), rank s holding
@@ -178,24 +185,33 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[int] | No
     counts = list(pp_layers) if pp_layers and len(pp_layers) == n_chunks else even_counts(shape.n_layers, n_chunks)
     out = []
     for s in range(pp):
-        layers = [i for c in range(s, n_chunks, pp) for i in range(*layer_bounds(shape.n_layers, n_chunks, c, counts))]
+        # (block, owns attention, owns FFN) of every block the rank's chunks touch (a .5 bound splits one)
+        blocks = [b for c in range(s, n_chunks, pp)
+                  for b in block_halves(*layer_bounds(shape.n_layers, n_chunks, c, counts))]
         first, last = s == 0, s == pp - 1
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
-        n_ex, f_dense, f_expert, act, act_layer_max, n_moe = 0, 0.0, 0.0, 0.0, 0.0, 0
-        for i in layers:
+        n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
+        for i, has_attn, has_ffn in blocks:
             ne, one_expert = shape.layer_params(i)
-            n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
             fd, fe = shape.layer_fwd_flops(i)
+            a, bwd = shape.layer_act_elems(i), shape.layer_bwd_elems(i)
+            if not (has_attn and has_ffn):  # one half of a split block
+                attn = shape.attn_part(i)
+                if has_attn:
+                    ne, one_expert, fd, fe, a, bwd = attn["params"], 0, attn["f_dense"], 0.0, attn["act"], attn["bwd"]
+                else:
+                    ne, fd, a = ne - attn["params"], fd - attn["f_dense"], a - attn["act"]
+            n_ne, n_ex = n_ne + ne, n_ex + one_expert * e_local
             f_dense, f_expert = f_dense + fd, f_expert + fe
-            a = shape.layer_act_elems(i)
             act += D if activation_checkpointing else a  # checkpointing keeps only each block's input
             # backward of one layer: its gradients' working set, plus its recomputed activations under AC
-            act_layer_max = max(act_layer_max, shape.layer_bwd_elems(i) + (a if activation_checkpointing else 0.0))
-            n_moe += shape.is_moe(i)
+            act_layer_max = max(act_layer_max, bwd + (a if activation_checkpointing else 0.0))
+            n_moe += shape.is_moe(i) and has_ffn
+            n_layers += (has_attn + has_ffn) / 2
         head_act = 3 * D + 1 + V if last else 0  # final norm (as in a layer), log-softmax output
         if last:
             f_dense += 2 * D * V
             act += head_act
-        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, len(layers),
+        out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
                                 first, last))
     return out
