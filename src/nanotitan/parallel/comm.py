@@ -105,21 +105,22 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
     """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group` (ZeRO-1/2 gradients)."""
-    check_device(inp, group)
-    t0 = time.perf_counter()
-    with _label(axis, "reduce-scatter"), RECORD.call(axis, "reduce-scatter", (inp,), group, done=False) as ticket:
-        work = _REDUCE_SCATTER(out, inp, group=group, async_op=True)
-    COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
-    return TimedWork(work, axis, ticket)
+    return _async_sharded("reduce-scatter", _REDUCE_SCATTER, out, inp, inp, group, axis)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
     """Async all-gather of every rank's `inp` into `out` (N times its size) over `group` (ZeRO-1/2 params)."""
-    check_device(out, group)
+    return _async_sharded("all-gather", _ALL_GATHER, out, inp, out, group, axis)
+
+
+def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torch.Tensor, group,
+                   axis: str) -> TimedWork:
+    """Launch fn(out, inp) asynchronously; `full` (the unsharded side) is what is checked, recorded and counted."""
+    check_device(full, group)
     t0 = time.perf_counter()
-    with _label(axis, "all-gather"), RECORD.call(axis, "all-gather", (out,), group, done=False) as ticket:
-        work = _ALL_GATHER(out, inp, group=group, async_op=True)
-    COMM.record(axis, _nbytes(out), time.perf_counter() - t0)
+    with _label(axis, op), RECORD.call(axis, op, (full,), group, done=False) as ticket:
+        work = fn(out, inp, group=group, async_op=True)
+    COMM.record(axis, _nbytes(full), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket)
 
 

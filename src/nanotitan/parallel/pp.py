@@ -220,9 +220,17 @@ def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
         comms.send_backward(grad_in)
 
 
-def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int) -> None:
+def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False) -> None:
+    """1F1B; with `split`, ZB-H1 (zb1 on the stages after the first): the same F and B (and P2P), each backward
+    only B, and each W deferred until pp_rank later B's have run, then run while the B's input gradient is on its
+    way (the cooldown's idle time on the early stages)."""
     warmup = min(pp - pp_rank - 1, M)  # forwards in flight before this stage's first gradient can arrive
     steady = M - warmup
+
+    def backward(j: int, grad_buf):  # -> (input gradient, the W's now due: run during its send)
+        if not split:
+            return run.backward(0, j, grad_buf, is_last=j == M - 1), None
+        return run.backward_input(j, grad_buf), lambda: run.weights_until(j + 1 - pp_rank)
 
     # Warmup: forwards only.
     for i in range(warmup):
@@ -234,46 +242,20 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
     for j in range(steady):
         out = run.forward(0, warmup + j, recv_buf)
         grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
-        grad_in = run.backward(0, j, grad_buf, is_last=j == M - 1)
+        out = None  # zb1's B retains the graph for W: no reference here may outlive that W
+        grad_in, due = backward(j, grad_buf)
         if j == steady - 1:
-            comms.send_backward(grad_in)  # no further forward to receive
+            comms.send_backward(grad_in, during=due)  # no further forward to receive
         else:
-            recv_buf = comms.send_backward_recv_forward(grad_in) if grad_in is not None else comms.recv_forward()
+            recv_buf = comms.send_backward_recv_forward(grad_in, during=due) if grad_in is not None \
+                else comms.recv_forward()
 
     # Cooldown: drain the backwards of the warmup forwards.
     for j in range(steady, M):
-        grad_in = run.backward(0, j, comms.recv_backward(), is_last=j == M - 1)
-        comms.send_backward(grad_in)
-
-
-def _zb1(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int) -> None:
-    """ZB-H1: 1F1B's F and B (and P2P), each W deferred until pp_rank later B's have run, then run while
-    the B's input gradient is on its way (the cooldown's idle time on the early stages)."""
-    warmup = min(pp - pp_rank - 1, M)
-    steady = M - warmup
-
-    def due(j: int):  # after B_j: every W but the last pp_rank (the later stages' B's come back sooner)
-        return lambda: run.weights_until(j + 1 - pp_rank)
-
-    for i in range(warmup):
-        out = run.forward(0, i, comms.recv_forward())
-        comms.send_forward(out)
-
-    recv_buf = comms.recv_forward() if steady > 0 else None
-    for j in range(steady):
-        out = run.forward(0, warmup + j, recv_buf)
-        grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
-        out = None  # B retains the graph for W: no reference here may outlive that W
-        grad_in = run.backward_input(j, grad_buf)
-        if j == steady - 1:
-            comms.send_backward(grad_in, during=due(j))
-        else:
-            recv_buf = comms.send_backward_recv_forward(grad_in, during=due(j))
-
-    for j in range(steady, M):
-        grad_in = run.backward_input(j, comms.recv_backward())
-        comms.send_backward(grad_in, during=due(j))
-    run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
+        grad_in, due = backward(j, comms.recv_backward())
+        comms.send_backward(grad_in, during=due)
+    if split:
+        run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
 
 
 def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, V: int,
@@ -422,10 +404,8 @@ def pipeline_forward_backward(
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":
             _gpipe(run, comms, M)
-        elif schedule == "1f1b" or (schedule == "zb1" and not split):
-            _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank)
-        elif schedule == "zb1":
-            _zb1(run, comms, M, dims.pp, dims.pp_rank)
+        elif schedule in ("1f1b", "zb1"):
+            _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank, split=split)
         else:
             _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
     finally:
