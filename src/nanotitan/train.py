@@ -30,6 +30,7 @@ from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
 from .errors import TrainingError
 from .metrics import MetricsWriter, SavedActivations, job_peak_flops, live_tensor_bytes
+from .model.spec import chunk_layer_counts
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
@@ -141,7 +142,9 @@ class Trainer:
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             if attempt > 0:  # replayed steps after a restart can be told apart in metrics.jsonl
                 self.writer.event({"event": "restart", "attempt": attempt, "from_step": self.start_step})
-        self.log(f"layout dp={p.dp} pp={p.pp} ep={p.ep} | B={self.B} seqs = dp*ep*M*m = "
+        per = "chunk" if p.schedule == "interleaved" else "stage"
+        split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""  # auto's result, halves shown
+        self.log(f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} | B={self.B} seqs = dp*ep*M*m = "
                  f"{dims.data_world}*{self.M}*{self.m} | {self.tokens_per_step} tokens/step | "
                  f"params on rank 0: {self.shard.num_params() / 1e6:.2f}M | "
                  f"peak {self.peak_flops / 1e9:.0f} GFLOP/s | threads/rank {self.threads}")
