@@ -31,7 +31,8 @@ def tiny_cfg(layout=(1, 1, 1), **model) -> Config:
     cfg.data.vocab_size = 260  # the smallest BPE: no data here, but a model must cover the tokenizer's ids
     for k, v in model.items():
         setattr(m, k, v)
-    cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep = layout
+    cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep = layout[:3]
+    cfg.parallel.pp_layers = list(layout[3]) if len(layout) > 3 else []  # e.g. (2.5, 1.5): a half-layer cut
     cfg.train.seed = SEED
     validate(cfg)
     return cfg
@@ -86,7 +87,7 @@ def mismatches(cfg: Config, model: Transformer, opt) -> list[str]:
 def _chain_rank(rank, world, layout, run_dir, load_step, save_step, pre_step):
     """Build this layout's shard; either perturb it (first link) or load step `load_step` (optionally
     into an optimizer that has already stepped, whose state must be overwritten); then save."""
-    dims = ParallelDims(*layout, rank).build_groups()
+    dims = ParallelDims(*layout[:3], rank).build_groups()
     cfg = tiny_cfg(layout)
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
     bad, extra = [], None
@@ -153,7 +154,9 @@ def _mismatch_rank(rank, world, path):
 # Each link loads the previous link's checkpoint in a new layout, checks it against the full model and
 # saves it again: (2,2,2)->(1,2,2), (1,2,2)->(2,2,1), (2,2,1)->(1,1,1), (1,1,1)->(2,1,2) in 5 launches.
 # (Same layout, (1,1,2)->(1,1,2), is test_interrupted_save_keeps_previous_and_prunes' resume.)
-CHAIN = [(2, 2, 2), (1, 2, 2), (2, 2, 1), (1, 1, 1), (2, 1, 2)]
+# (dp, pp, ep[, layers per stage]): the first two links cut block 2 (then block 1) between attention and MoE,
+# so one block's tensors come from two stages' files and go back to two (other) stages, then to whole layers.
+CHAIN = [(2, 2, 2, (2.5, 1.5)), (1, 2, 2, (1.5, 2.5)), (2, 2, 1), (1, 1, 1), (2, 1, 2)]
 
 
 def _world(layout) -> int:

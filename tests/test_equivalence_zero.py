@@ -82,9 +82,11 @@ def test_zero_world8(corpus_dir, tmp_path, reference):
 
 @pytest.mark.slow
 def test_zero_pp_slow_tier(corpus_dir, tmp_path, reference):
-    """The rest of the product, and zero 1/2 under the interleaved and zb1 schedules (zero 3 refuses them)."""
+    """The rest of the product, zero 1/2 under the interleaved and zb1 schedules (zero 3 refuses them), and zero 3
+    with a half-layer cut (FSDP2 wraps each block: here block 2's attention half and its MoE half separately)."""
     cells = [(2, 2, 1, s, z) for s, z in PP_CELLS_SLOW]
-    cells += [(2, 2, 1, "interleaved", 1, "--parallel.virtual_stages", "2"), (2, 2, 1, "zb1", 2)]
+    cells += [(2, 2, 1, "interleaved", 1, "--parallel.virtual_stages", "2"), (2, 2, 1, "zb1", 2),
+              (2, 2, 1, "1f1b", 3, "--parallel.pp_layers", "2.5,1.5")]  # FSDP2 on half blocks
     _matrix(4, _cases(cells), corpus_dir, tmp_path / "w4", reference, timeout=600)
     _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w8", reference,
             timeout=600)
