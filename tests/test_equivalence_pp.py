@@ -64,6 +64,8 @@ def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_lay
 
 
 def test_world8_interleaved_zb1(corpus_dir, tmp_path, reference):
-    """DP2·PP2·EP2 (M=2: interleaved runs every forward in its warmup)."""
-    cases = [(2, 2, 2, "interleaved", V2), (2, 2, 2, "zb1", ())]
+    """DP2·PP2·EP2 (M=2: interleaved runs every forward in its warmup), and zb1 cut at 2.5,1.5 (what
+    `pp_layers auto` gives the default job: block 2's MoE, with its all-to-alls, opens stage 1)."""
+    cases = [(2, 2, 2, "interleaved", V2), (2, 2, 2, "zb1", ()),
+             (2, 2, 2, "zb1", ("--parallel.pp_layers", "2.5,1.5"))]
     _matrix(8, cases, corpus_dir, tmp_path, {"4": reference}, timeout=420)
