@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\nours / torch's on the same stages (median step time):")
     for k in (k for k in med if k.startswith("ours_") and "torch_" + k[5:] in med):
         sched, _, split = k[5:].partition("@")
-        print(f"  {k[5:]:<18} / {TORCH[sched] + ('@' + split if split else ''):<36} {med[k] / med['torch_' + k[5:]]:.2f}")
+        theirs_name = TORCH[sched] + ("@" + split if split else "")
+        print(f"  {k[5:]:<18} / {theirs_name:<36} {med[k] / med['torch_' + k[5:]]:.2f}")
     ours = {k: v for k, v in med.items() if k.startswith("ours")}
     theirs = {k: v for k, v in med.items() if k.startswith("torch")}
     if ours and theirs:
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             teven = min(even, key=even.get)
             print(f"best of ours {best} / torch's best on whole-layer stages {teven}: {ours[best] / even[teven]:.2f}")
         if "torch_1f1b" in med:
-            print(f"best of ours {best} / torch Schedule1F1B (whole-layer stages): {ours[best] / med['torch_1f1b']:.2f}")
+            print(f"best of ours {best} / torch Schedule1F1B (whole-layer stages): "
+                  f"{ours[best] / med['torch_1f1b']:.2f}")
     if args.timeline:
         draw_timelines(res, args.timeline)
         print(f"timelines: {args.timeline}")
