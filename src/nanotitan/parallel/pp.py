@@ -303,11 +303,13 @@ def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
         if recv_next:
             grads[V - 1].append(grad_buf)
 
-    # Steady: forward k + warmup, backward k, one exchange.
+    # Steady: forward k + warmup, backward k. Megatron's round, split in its two halves and overlapped
+    # (overlap_p2p_comm): the forward's send/receive is posted at once and waited for only before the next
+    # forward, so it travels while the backward computes, and the backward's likewise. Every op is posted in
+    # the same order as the one-batch round (activations, then gradients), so neighbours still match them.
+    pending_f = pending_b = None
     for k in range(remaining):
         fk = k + warmup
-        out = forward(fk)
-        grad_in = backward(k)
         # What the next forward and backward take: on the first rank the input comes round from the last
         # rank's previous chunk (none for chunk 0), on the last rank the gradient from the first's next chunk.
         if first_rank:
@@ -322,24 +324,37 @@ def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
             next_b, recv_next = chunk(k + 1, False), True
         if k == remaining - 1:
             recv_prev = False
-        in_buf, grad_buf = comms.exchange(out, grad_in, recv_prev, recv_next)
+        _wait(pending_f)  # this forward's input
+        out = forward(fk)
+        in_buf, _, pending_f = comms.post_exchange(out, None, recv_prev, False)
         if recv_prev:
-            inputs[next_v].append(in_buf)
+            inputs[next_v].append(in_buf)  # read only after pending_f.wait()
+        _wait(pending_b)  # this backward's output gradient
+        grad_in = backward(k)
+        _, grad_buf, pending_b = comms.post_exchange(None, grad_in, False, recv_next)
         if recv_next:
             grads[next_b].append(grad_buf)
+    _wait(pending_f)
 
     if forward_only:
         return
-    # Cooldown: the remaining backwards.
+    # Cooldown: the remaining backwards, each one's exchange overlapped with the next backward's wait.
     if all_warmup and not last_rank:
         grads[V - 1].append(comms.exchange(None, None, False, True)[1])
     for k in range(remaining, total):
+        _wait(pending_b)
         grad_in = backward(k)
         next_b = chunk(k + 1, False)
         recv_next = not (last_rank and next_b == V - 1) and k != total - 1
-        _, grad_buf = comms.exchange(None, grad_in, False, recv_next)
+        _, grad_buf, pending_b = comms.post_exchange(None, grad_in, False, recv_next)
         if recv_next:
             grads[next_b].append(grad_buf)
+    _wait(pending_b)
+
+
+def _wait(posted) -> None:
+    if posted is not None:
+        posted.wait()
 
 
 def stage_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:

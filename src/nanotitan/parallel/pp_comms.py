@@ -139,6 +139,13 @@ class StageComms:
         """One round of the interleaved schedule, in one batch: send `out` to the next rank and `grad_in` to the
         previous one (None: nothing to send), receive an input from the previous rank and an output gradient
         from the next (when asked). Returns (input buffer, gradient buffer), None where nothing was received."""
+        ops, in_buf, grad_buf = self._exchange_ops(out, grad_in, recv_forward, recv_backward)
+        if ops:
+            self._batch(ops)
+        return in_buf, grad_buf
+
+    def _exchange_ops(self, out, grad_in, recv_forward: bool, recv_backward: bool) -> tuple[list, object, object]:
+        """The P2P ops of one interleaved round (activations first, then gradients) and the receive buffers."""
         ops, in_buf, grad_buf = [], None, None
         if out is not None:
             ops.append(dist.P2POp(dist.isend, self._check(out, "send_forward"), self.ring_next, self.group))
@@ -150,16 +157,27 @@ class StageComms:
         if recv_backward:
             grad_buf = self.acquire()
             ops.append(dist.P2POp(dist.irecv, grad_buf, self.ring_next, self.group))
-        if ops:
-            self._batch(ops)
-        return in_buf, grad_buf
+        return ops, in_buf, grad_buf
+
+    def post_exchange(self, out: torch.Tensor | None, grad_in: torch.Tensor | None, recv_forward: bool,
+                      recv_backward: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, _Posted | None]:
+        """`exchange` without its wait: the ops are posted, and the returned handle's `wait()` (before anything
+        reads the received buffers) completes them. The interleaved schedule overlaps each round's traffic with
+        its next compute this way (Megatron's overlap_p2p_comm)."""
+        ops, in_buf, grad_buf = self._exchange_ops(out, grad_in, recv_forward, recv_backward)
+        return in_buf, grad_buf, (self._post(ops) if ops else None)
 
     def _batch(self, ops: list, during: Callable[[], None] | None = None) -> None:
         """Issue ops together and wait for all; `during()` runs while they are in flight (its time is not wait)."""
         if during is None:
             self._timed(comm.batch_isend_irecv, ops)
             return
-        # comm.batch_isend_irecv without its wait: post, run the local work, then wait (charged to axis pp).
+        posted = self._post(ops)
+        during()
+        posted.wait()
+
+    def _post(self, ops: list) -> _Posted:
+        """comm.batch_isend_irecv without its wait: post now, `wait()` later (charged to axis pp)."""
         for op in ops:
             comm.check_device(op.tensor, op.group)
         t0 = time.perf_counter()
@@ -170,8 +188,19 @@ class StageComms:
         comm.COMM.record("pp", sum(op.tensor.numel() * op.tensor.element_size() for op in ops), posted - t0,
                          calls=len(ops))
         self._waited(t0, posted)
-        during()
-        t1 = time.perf_counter()
-        for i, w in enumerate(works):
-            comm.TimedWork(w, "pp", ticket if i == len(works) - 1 else 0).wait()
-        self._waited(t1, time.perf_counter())
+        return _Posted(self, works, ticket, [op.tensor for op in ops])
+
+
+class _Posted:
+    """Posted P2P ops: `wait()` completes them, counting the blocked time as this stage's wait. Holds the
+    tensors until then (a send's source must outlive it)."""
+
+    def __init__(self, comms: StageComms, works: list, ticket: int, tensors: list[torch.Tensor]):
+        self.comms, self.works, self.ticket, self.tensors = comms, works, ticket, tensors
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        for i, w in enumerate(self.works):
+            comm.TimedWork(w, "pp", self.ticket if i == len(self.works) - 1 else 0).wait()
+        self.comms._waited(t0, time.perf_counter())
+        self.works, self.tensors = [], []
