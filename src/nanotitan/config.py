@@ -303,7 +303,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply(cfg, section, key, value)
         from_file.discard(f"{section}.{key}")
     if isinstance(cfg.parallel.pp_layers, list):  # layer counts read as floats (halves allowed): 2, not 2.0
-        cfg.parallel.pp_layers = [int(n) if float(n).is_integer() else n for n in cfg.parallel.pp_layers]
+        cfg.parallel.pp_layers = tidy_counts(cfg.parallel.pp_layers)
     if cfg.init.from_hf:  # model config and tokenizer come from a transformers checkpoint (hf.py)
         from .hf import apply_init_config
 
@@ -315,6 +315,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: {e}") from None  # the flag it names still overrides the file
         raise
     return cfg
+
+
+def tidy_counts(counts) -> list[float]:
+    """Layer counts (parallel.pp_layers) as ints where whole (2 rather than 2.0), halves as floats."""
+    return [int(c) if float(c).is_integer() else float(c) for c in counts]
 
 
 def _check(cond: bool, msg: str) -> None:

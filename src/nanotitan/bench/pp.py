@@ -65,6 +65,11 @@ def mid_cfg(n_layers: int, split, schedule: str = "1f1b") -> Config:
     return cfg
 
 
+def split_tag(split) -> str:
+    """The suffix of a variant's name for its split: "" (even), "@auto", "@2.5,1.5"."""
+    return "" if split == "even" else f"@{split if split == 'auto' else ','.join(map(str, split))}"
+
+
 def chunk_models(cfg: Config, pp_rank: int) -> list[Transformer]:
     return [Transformer(cfg.model, spec, SEED) for spec in build_chunk_specs(cfg, pp_rank, 0)]
 
@@ -147,7 +152,7 @@ def _bench(rank, world, args):
 
     for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
         cfg = mid_cfg(args.layers, split, schedule)
-        tag = "" if split == "even" else f"@{split if split == 'auto' else ','.join(map(str, split))}"
+        tag = split_tag(split)
         if f"ours_{schedule}{tag}" in args.variants:
             chunks = chunk_models(cfg, dims.pp_rank)
             model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline", default="", help="draw ours' one-step timelines into this PNG")
     args = ap.parse_args(argv)
     args.splits = [sp if sp in ("even", "auto") else [float(n) for n in sp.split(",")] for sp in args.splits]
-    tags = ["" if sp == "even" else f"@{sp if sp == 'auto' else ','.join(map(str, sp))}" for sp in args.splits]
+    tags = [split_tag(sp) for sp in args.splits]
     args.variants = {f"{who}_{s}{tag}" for s in args.schedules for tag in tags for who in ("ours", "torch")
                      if args.only in (None, who) and not (s == "interleaved" and tag not in ("", "@auto"))}
 

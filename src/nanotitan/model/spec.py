@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import Config, ModelConfig
+from ..config import Config, ModelConfig, tidy_counts
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,6 @@ def block_halves(start: float, end: float) -> list[tuple[int, bool, bool]]:
     return [(i, lo <= 2 * i < hi, lo <= 2 * i + 1 < hi) for i in range(int(start), math.ceil(end))]
 
 
-def tidy_counts(counts) -> list[float]:
-    """Layer counts as ints where whole (2 rather than 2.0), halves as floats."""
-    return [int(c) if float(c).is_integer() else float(c) for c in counts]
-
-
 def even_counts(n_layers: int, chunks: int) -> list[int]:
     base, rem = divmod(n_layers, chunks)
     return [base + (1 if c < rem else 0) for c in range(chunks)]
@@ -99,17 +94,17 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
     specs = []
     for c in range(pp_rank, n_chunks, p.pp):
         start = sum(counts[:c])
-        end = start + counts[c]
+        blocks = block_halves(start, start + counts[c])  # (block, owns attention, owns FFN), as the planner counts
         specs.append(ModelShardSpec(
             has_token_embed=c == 0,
             has_pos_embed=c == 0 and m.pos_emb == "learned",
-            layer_start=int(start),
-            layer_end=math.ceil(end),
+            layer_start=blocks[0][0],
+            layer_end=blocks[-1][0] + 1,
             expert_start=ep_rank * e_local,
             expert_end=(ep_rank + 1) * e_local,
             has_head=c == n_chunks - 1,
-            first_ffn_only=not float(start).is_integer(),
-            last_attn_only=not float(end).is_integer(),
+            first_ffn_only=not blocks[0][1],
+            last_attn_only=not blocks[-1][2],
         ))
     return specs
 

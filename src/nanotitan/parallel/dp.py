@@ -356,8 +356,6 @@ class _CopyBack:
         self.dst.copy_(self.low)
 
 
-
-
 class DataParallelNaive:
     """Oracle: after the whole backward, one blocking all-reduce per parameter (picotron's naive DP)."""
 

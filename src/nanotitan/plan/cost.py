@@ -10,9 +10,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..config import Config
+from ..config import Config, tidy_counts
 from ..hardware import Hardware
-from ..model.spec import tidy_counts
 from ..parallel.dims import ParallelDims
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
 
@@ -237,7 +236,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
                  "grads": grad_params * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
-                 "grad_buckets": (n_local if zero == 2 else n_local if zero == 3 and M > 1
+                 "grad_buckets": (n_local if zero == 2 or (zero == 3 and M > 1)
                                   else n_local / max(st.n_layers, 1) if zero == 3 else 0.0) * prec.grad,
                  "gathered_params": n_fsdp * prec.param if zero == 3 else 0.0,
                  "activations": in_flight * T * st.act * prec.act, "buffers": max(transient),
