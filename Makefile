@@ -3,18 +3,27 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup train test test-fast bench gpu-check clean
+.PHONY: setup setup-test train test test-fast bench gpu-check clean
 
+# What the main job imports, nothing more: `make train` on a fresh clone does not wait for the test extras
+# (transformers, wandb and their dependencies: issue 27).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The tested CPU build first: a range admitting 2.14+ would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
+# The suite adds its extras (pytest, and the oracles of tests/test_hf.py and tests/test_wandb.py).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(TEST_STAMP)
+
 setup: $(STAMP)
+setup-test: $(TEST_STAMP)
 
 # Main job: the default MoE on the default corpus (Shakespeare), multi-process layout, summary + sample.
 train: $(STAMP)
@@ -22,10 +31,10 @@ train: $(STAMP)
 	$(VENV)/bin/nanotitan train --config configs/default.toml $(ARGS)
 
 # The whole test suite (what CI runs).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -rs --durations=15 $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench: $(STAMP)
@@ -35,7 +44,7 @@ bench: $(STAMP)
 
 # On a CUDA machine: NCCL equivalence (fp32, bf16) and MFU of MID/default, one table (docs/precision.md).
 # Skips cleanly without CUDA.
-gpu-check: $(STAMP)
+gpu-check: $(TEST_STAMP)
 	PYTHON=$(PY) scripts/gpu_check.sh
 
 clean:

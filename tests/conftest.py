@@ -1,7 +1,8 @@
-"""Shared fixtures: a small offline text corpus and an isolated data cache."""
+"""Shared fixtures: a small offline text corpus and an isolated data cache; and whether PyPI is reachable."""
 
 import os
 import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ def make_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 1500, seed: i
             lines.append(line[0].upper() + line[1:] + rng.choice(".,;!?"))
         (root / f"doc{d:03d}.txt").write_text("\n".join(lines) + "\n")
     return root
+
+
+def pypi_reachable() -> bool:
+    """Whether a TCP connection to PyPI opens: a test that downloads skips only when it does not (a failed
+    download with the network up is a failure)."""
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,12 @@
 """The multi-rank test harness is the package's own: `run_ranks(fn, world, args=(...), timeout=...)` runs
-fn(rank, world, *args) on `world` gloo processes (see nanotitan/spawn.py)."""
+fn(rank, world, *args) on `world` gloo processes (see nanotitan/spawn.py). `train_once` is what every rank of
+an equivalence test runs: the real trainer, end to end."""
 
 import socket
 
 from nanotitan.spawn import run_ranks
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["run_ranks", "free_port", "train_once"]
 
 
 def free_port() -> int:
@@ -13,3 +14,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def train_once(args: list[str]) -> dict:
+    """Train with `nanotitan train`'s Trainer on CLI-style args. Returns "records" (the logged step records:
+    rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert
+    index for an expert shard, else None)} at any zero level (gathered from FSDP's shards at zero 3), its MoE
+    layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep) "coords"."""
+    from nanotitan.config import load_config
+    from nanotitan.model.transformer import is_expert_param
+    from nanotitan.train import Trainer
+
+    trainer = Trainer(load_config(None, args))
+    try:
+        records = trainer.train()["history"]
+        full, _ = trainer.shard.sync.full_state(None)  # collective at zero >= 1: every rank calls it
+        start = trainer.shard.spec.expert_start
+        params = {n: (t.detach().clone(), start if is_expert_param(n) else None) for n, t in full.items()}
+        biases = {k: b.moe.router_bias.clone() for k, b in trainer.model.layers.items()
+                  if b.is_moe and b.moe.router_bias is not None}  # model.bias_update_rate > 0 only
+    finally:
+        trainer.shard.close()  # drop a DDP wrapper before the process group goes
+    return {"records": records, "losses": [r["loss"] for r in records], "params": params, "biases": biases,
+            "coords": trainer.dims.coords()}

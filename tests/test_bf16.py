@@ -19,11 +19,12 @@ from nanotitan import metrics
 from nanotitan.config import ConfigError, load_config
 from nanotitan.hardware import BUILTIN, load_hardware, save_hardware
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher
-from nanotitan.parallel import comm, dp
+from nanotitan.parallel import comm, dp, zero
 from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher
 from nanotitan.parallel.parallelize import parallelize
+from nanotitan.resolve import resolve
 from tests.mp import run_ranks
 
 TINY = ["--data.vocab_size", "300", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48",
@@ -35,7 +36,7 @@ def test_bf16_forward_only_autocast_fp32_state():
     """bf16: GEMMs of the forward in bf16, every backward op outside autocast, params/grads/AdamW state fp32,
     and the loss (CE and balance loss) in fp32."""
     torch.manual_seed(0)
-    cfg = load_config(None, TINY + ["--train.dtype", "bf16"])
+    cfg = resolve(load_config(None, TINY + ["--train.dtype", "bf16"]))
     shard = parallelize(cfg, ParallelDims(1, 1, 1, rank=0), torch.device("cpu"))
     model = shard.model
     seen = {"fwd": [], "bwd": []}
@@ -131,7 +132,7 @@ def _wire_and_reduce(rank, world):
         for rdt in (None, torch.bfloat16):
             p = torch.nn.Parameter(torch.zeros(n))
             red = (dp.Reducer([("w", p)], dist.group.WORLD, 25, scale, reduce_dtype=rdt) if kind == "reducer" else
-                   dp.ShardedReducer([("w", p)], dist.group.WORLD, 25, scale, zero=int(kind[-1]), reduce_dtype=rdt))
+                   zero.ShardedReducer([("w", p)], dist.group.WORLD, 25, scale, zero=int(kind[-1]), reduce_dtype=rdt))
             comm.COMM.reset()
             red.prepare(sync=True)
             (p * grads[rank]).sum().backward()

@@ -142,10 +142,11 @@ def test_rope_sequence_up_to_max_seq_len_runs_and_one_more_is_refused():
     import torch
 
     from nanotitan.model.transformer import Transformer
+    from nanotitan.resolve import resolve
 
     args = ["--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_dim", "32",
             "--model.num_experts", "2", "--data.vocab_size", "300", "--model.max_seq_len", "16"]
-    cfg = load_config(None, args + ["--train.seq_len", "16"])
+    cfg = resolve(load_config(None, args + ["--train.seq_len", "16"]))  # model.vocab_size 0 -> the data's 300
     logits, _ = Transformer(cfg.model).forward(torch.zeros(1, 16, dtype=torch.long))
     assert logits.shape == (1, 16, 300)
     with pytest.raises(ConfigError, match=r"^train.seq_len=17 exceeds model.max_seq_len=16, the size of the rope"):

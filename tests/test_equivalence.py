@@ -10,9 +10,7 @@ world size runs several layouts one after another.
 import pytest
 import torch
 
-from nanotitan.config import load_config
-from nanotitan.model.transformer import is_expert_param
-from tests.mp import run_ranks
+from tests.mp import run_ranks, train_once
 
 B, m, STEPS, LR = 16, 2, 10, 3e-3
 
@@ -32,18 +30,6 @@ def layout_args(dp, pp, ep, schedule="1f1b", extra=()) -> list[str]:
     M = B // (dp * ep * m)
     return ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
             "--parallel.microbatches", str(M), "--parallel.schedule", schedule, *extra]
-
-
-def train_once(args: list[str]) -> dict:
-    from nanotitan.train import Trainer
-
-    trainer = Trainer(load_config(None, args))
-    res = trainer.train()
-    spec = trainer.shard.spec
-    params = {n: (p.detach().clone(), spec.expert_start if is_expert_param(n) else None)
-              for n, p in trainer.model.named_parameters()}
-    trainer.shard.close()  # drop a DDP wrapper before the process group goes
-    return {"losses": [r["loss"] for r in res["history"]], "params": params, "coords": trainer.dims.coords()}
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):

@@ -32,9 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan.config import load_config
-from nanotitan.model.transformer import is_expert_param
-from tests.mp import run_ranks
+from tests.mp import run_ranks, train_once
 from tests.test_equivalence import B, base_args, layout_args
 
 S, D, m = 16, 32, 2  # base_args' seq_len, d_model, micro_batch
@@ -52,23 +50,6 @@ def max_rel_dev(losses: list[float], ref: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
 
 
-def train_records(args: list[str]) -> dict:
-    """Run the real trainer; rank 0's records, this rank's full params (any zero level) and coordinates."""
-    from nanotitan.train import Trainer
-
-    trainer = Trainer(load_config(None, args))
-    res = trainer.train()
-    full, _ = trainer.shard.full_state(None)
-    start = trainer.shard.spec.expert_start
-    params = {n: (t.detach().clone(), start if is_expert_param(n) else None) for n, t in full.items()}
-    trainer.shard.close()
-    return {"records": res["history"], "params": params, "coords": trainer.dims.coords()}
-
-
-def _losses(out: dict) -> list[float]:
-    return [r["loss"] for r in out["records"]]
-
-
 def _val(out: dict) -> float:
     return next(r["val_loss"] for r in out["records"] if "val_loss" in r)
 
@@ -78,19 +59,19 @@ def bf16_reference(corpus_dir, tmp_path_factory):
     """One process, bf16, accumulating over all B/m = 8 microbatches (with the final eval)."""
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("ref_bf16")
-    return train_records(base_args(corpus_dir, run) + layout_args(1, 1, 1) + ["--train.dtype", "bf16", *EVAL])
+    return train_once(base_args(corpus_dir, run) + layout_args(1, 1, 1) + ["--train.dtype", "bf16", *EVAL])
 
 
 def test_bf16_bound_fails_a_real_difference(corpus_dir, tmp_path, bf16_reference):
     """The bound is tight enough to fail: the same run with 1% more learning rate leaves it."""
-    ref = _losses(bf16_reference)
-    out = train_records(base_args(corpus_dir, tmp_path) + layout_args(1, 1, 1) +
+    ref = bf16_reference["losses"]
+    out = train_once(base_args(corpus_dir, tmp_path) + layout_args(1, 1, 1) +
                         ["--train.dtype", "bf16", *EVAL, "--train.lr", "0.00303"])
-    assert max_rel_dev(_losses(out), ref) > 2 * bf16_bound()
+    assert max_rel_dev(out["losses"], ref) > 2 * bf16_bound()
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):
-    return [train_records(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
+    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
             for i, case in enumerate(cases)]
 
 
@@ -102,11 +83,11 @@ def test_world8_bf16(corpus_dir, tmp_path, bf16_reference):
     world = 8
     results = run_ranks(_run_cases, world, args=(cases, str(corpus_dir), str(tmp_path)), timeout=400,
                         pg_timeout=120)
-    ref = _losses(bf16_reference)
+    ref = bf16_reference["losses"]
     for i, case in enumerate(cases):
         ranks = [results[r][i] for r in range(world)]
         rank0 = ranks[0]
-        dev = max_rel_dev(_losses(rank0), ref)
+        dev = max_rel_dev(rank0["losses"], ref)
         val_dev = abs(_val(rank0) - _val(bf16_reference)) / _val(bf16_reference)
         print(f"bf16 {case[:4]} {' '.join(case[4][2:])}: max rel loss "
               f"deviation {dev:.2e}, val {val_dev:.2e} (bound {bf16_bound():.2e})")  # docs/precision.md: pytest -s

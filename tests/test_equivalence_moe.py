@@ -13,9 +13,7 @@ also feed `nanotitan plot`.
 import torch
 
 from nanotitan import cli
-from nanotitan.config import load_config
-from nanotitan.model.transformer import is_expert_param
-from tests.mp import run_ranks
+from tests.mp import run_ranks, train_once
 from tests.test_equivalence import base_args, check_case, layout_args
 
 OPTIONS = ["--model.router_score", "sigmoid", "--model.routed_scale", "1.5", "--model.bias_update_rate", "0.01",
@@ -23,23 +21,13 @@ OPTIONS = ["--model.router_score", "sigmoid", "--model.routed_scale", "1.5", "--
 RECORD_KEYS = ("expert_load", "dropped_frac", "router_bias")
 
 
-def train_once(args: list[str]) -> dict:
-    from nanotitan.train import Trainer
-
-    trainer = Trainer(load_config(None, args + OPTIONS))
-    res = trainer.train()
-    spec = trainer.shard.spec
-    params = {n: (p.detach().clone(), spec.expert_start if is_expert_param(n) else None)
-              for n, p in trainer.model.named_parameters()}
-    biases = {k: b.moe.router_bias.clone() for k, b in trainer.model.layers.items() if b.is_moe}
-    trainer.shard.close()
-    return {"losses": [r["loss"] for r in res["history"]], "params": params, "coords": trainer.dims.coords(),
-            "biases": biases, "records": [{k: r[k] for k in RECORD_KEYS} for r in res["history"]]}
-
-
 def _run_cases(rank, world, cases, corpus_dir, run_root):
-    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
+    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case) + OPTIONS)
             for i, case in enumerate(cases)]
+
+
+def _records(out: dict) -> list[dict]:
+    return [{k: r[k] for k in RECORD_KEYS} for r in out["records"]]
 
 
 def _check(world, cases, corpus_dir, tmp_path, ref, timeout):
@@ -52,12 +40,12 @@ def _check(world, cases, corpus_dir, tmp_path, ref, timeout):
             for key, bias in r["biases"].items():
                 assert torch.equal(bias, ref["biases"][key]), f"{case} rank {r['coords']}: layer {key} bias " \
                                                               f"{bias.tolist()} vs {ref['biases'][key].tolist()}"
-        assert ranks[0]["records"] == ref["records"], f"{case}: load / dropped / bias records differ"
+        assert _records(ranks[0]) == _records(ref), f"{case}: load / dropped / bias records differ"
 
 
 def test_router_options_every_layout(corpus_dir, tmp_path):
     torch.set_num_threads(1)
-    ref = train_once(base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1))
+    ref = train_once(base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1) + OPTIONS)
     # The options must be live, or the comparison proves nothing: the biases moved, assignments dropped.
     assert all(any(any(rec["router_bias"][layer]) for rec in ref["records"]) for layer in range(len(ref["biases"])))
     assert all(r["dropped_frac"] > 0 for r in ref["records"])

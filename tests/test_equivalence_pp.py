@@ -12,8 +12,8 @@ One launch per world size runs every case of that size.
 import pytest
 import torch
 
-from tests.test_equivalence import _run_cases, base_args, check_case, layout_args, train_once
-from tests.mp import run_ranks
+from tests.mp import run_ranks, train_once
+from tests.test_equivalence import _run_cases, base_args, check_case, layout_args
 
 V2 = ("--parallel.virtual_stages", "2")
 L8 = ("--model.n_layers", "8")

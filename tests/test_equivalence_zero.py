@@ -12,28 +12,14 @@ One launch per world size runs all of its cases. Default tier: 3 launches, 19 tr
 
 import pytest
 
-from nanotitan.config import load_config
-from nanotitan.model.transformer import is_expert_param
-from tests.mp import run_ranks
+from tests.mp import run_ranks, train_once
 from tests.test_equivalence import base_args, check_case, layout_args, reference  # noqa: F401 (fixture)
 
 NO_CKPT = ("--train.ckpt_at_end", "false")
 
 
-def train_zero(args: list[str]) -> dict:
-    """tests/test_equivalence.train_once, reading the full params whatever the zero level."""
-    from nanotitan.train import Trainer
-
-    trainer = Trainer(load_config(None, args))
-    res = trainer.train()
-    full, _ = trainer.shard.full_state(None)  # zero 3: all-gathered from the DTensor shards
-    start = trainer.shard.spec.expert_start
-    params = {n: (t.detach().clone(), start if is_expert_param(n) else None) for n, t in full.items()}
-    return {"losses": [r["loss"] for r in res["history"]], "params": params, "coords": trainer.dims.coords()}
-
-
 def _run(rank, world, cases, corpus_dir, run_root):
-    return [train_zero(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
+    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
             for i, case in enumerate(cases)]
 
 

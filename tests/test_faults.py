@@ -51,11 +51,19 @@ def _cmd(corpus_dir, run_dir, args) -> list[str]:
             "--run.dir", str(run_dir), *args]
 
 
-def train(corpus_dir, run_dir, *args, timeout=240) -> tuple[int, str, float]:
-    """Run a job to its end: (exit code, stdout+stderr, seconds)."""
+def train(corpus_dir, run_dir, *args, timeout=240, preexec=None) -> tuple[int, str, float]:
+    """Run a job to its end: (exit code, stdout+stderr, seconds). `preexec` runs in the child before exec (limits)."""
     t0 = time.monotonic()
-    r = subprocess.run(_cmd(corpus_dir, run_dir, args), capture_output=True, text=True, timeout=timeout, check=False)
+    r = subprocess.run(_cmd(corpus_dir, run_dir, args), capture_output=True, text=True, timeout=timeout, check=False,
+                       preexec_fn=preexec)
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
+
+
+def strict_lines(run_dir) -> list[dict]:
+    """Every line of metrics.jsonl, each strict JSON, and the file ends with a newline (no torn line left)."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), repr(text[-200:])
+    return [json.loads(line, parse_constant=_no_nan) for line in text.splitlines()]
 
 
 def start(corpus_dir, run_dir, *args, env: dict | None = None) -> subprocess.Popen:
@@ -232,6 +240,45 @@ def _fresh_run_over_checkpoints(tmp, corpus):
     return []
 
 
+def _sysfs_refuses() -> bool:
+    """sysfs refuses new files and dirs even to root: a real permission fault that leaves nothing to clean up."""
+    try:
+        os.close(os.open("/sys/kernel/.nanotitan-probe", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return True
+    os.unlink("/sys/kernel/.nanotitan-probe")
+    return False
+
+
+def _prepared(tmp, corpus):
+    """The job's data prepared into a cache of its own (the shared one must stay good), and its directory."""
+    from nanotitan.config import DataConfig
+    from nanotitan.data.prepare import load_meta, prepare_data
+
+    out = prepare_data(DataConfig(source=str(corpus), vocab_size=300, cache_dir=str(tmp / "cache")), log=lambda s: None)
+    return out, load_meta(out)
+
+
+def _id_past_vocab(tmp, corpus):
+    import numpy as np
+
+    out, meta = _prepared(tmp, corpus)
+    tokens = np.memmap(out / "train.bin", dtype=meta["dtype"], mode="r+")
+    tokens[1001] = 65535
+    tokens.flush()
+    return ["--data.cache_dir", str(tmp / "cache")]
+
+
+def _ids_swapped(tmp, corpus):
+    import numpy as np
+
+    out, meta = _prepared(tmp, corpus)
+    tokens = np.memmap(out / "val.bin", dtype=meta["dtype"], mode="r+")
+    tokens[7] = (int(tokens[7]) + 1) % meta["vocab_size"]  # still a valid id: only the checksum can tell
+    tokens.flush()
+    return ["--data.cache_dir", str(tmp / "cache")]
+
+
 _HOLDERS: list[subprocess.Popen] = []
 
 CHEAP = [  # (fault, setup -> extra args, exit code, the one line, seconds)
@@ -248,12 +295,27 @@ CHEAP = [  # (fault, setup -> extra args, exit code, the one line, seconds)
     ("second job into a locked run dir", _locked_run_dir, 2, r"run dir \S+ is in use by pid \d+ on ", 20),
     ("fresh run into a dir with checkpoints", _fresh_run_over_checkpoints, 2,
      r"holds checkpoints of an earlier run \(step_4\).*--train\.resume auto.*--run\.overwrite true", 20),
+    ("run dir without write permission", lambda t, c: ["--run.dir", "/sys/kernel"], 2,
+     r"run\.dir=/sys/kernel is not writable: cannot create /sys/kernel/\.lock \(Permission denied \(EACCES\)\); "
+     r"choose a writable --run\.dir$", 20),
+    ("data cache that cannot be created", lambda t, c: ["--data.cache_dir", "/sys/kernel/nanotitan-cache"], 2,
+     r"cannot create the data cache /sys/kernel/nanotitan-cache/prepared \(Operation not permitted\); point "
+     r"--data\.cache_dir \(or \$NANOTITAN_CACHE\) at a writable directory$", 60),
+    ("prepared data with an id past the vocabulary", _id_past_vocab, 2,
+     r"prepared data \S+/train\.bin is damaged: token id 65535 at offset 1001 \(tokens\) is >= the tokenizer's "
+     r"vocab_size 300; re-prepare it: delete \S+ and run `nanotitan data prepare` \(or `nanotitan train`\) with the "
+     r"same --data options$", 60),
+    ("prepared data with ids changed inside the vocabulary", _ids_swapped, 2,
+     r"prepared data \S+/val\.bin is damaged: tokens from offset 0 to \d+ fail their checksum \(xxh3_64 of "
+     r"meta\.json\); re-prepare it: delete ", 60),
 ]
 
 
 @pytest.mark.parametrize("fault,setup,code,pattern,bound", CHEAP, ids=[c[0] for c in CHEAP])
 def test_fails_before_ranks_start(fault, setup, code, pattern, bound, tmp_path, corpus_dir):
     run = tmp_path / "run"
+    if "/sys/kernel" in pattern and not _sysfs_refuses():
+        pytest.skip("this machine lets us write into /sys/kernel: no permission fault to meet")
     try:
         got, out, secs = train(corpus_dir, run, *DP2, *setup(tmp_path, corpus_dir))
     finally:
@@ -267,6 +329,9 @@ def test_fails_before_ranks_start(fault, setup, code, pattern, bound, tmp_path, 
     assert not (run / "logs").exists(), "a rank started"
     if fault == "fresh run into a dir with checkpoints":  # the old run's checkpoint is untouched
         assert (run / "checkpoints" / "step_4" / "COMPLETE").exists()
+    if fault.startswith("prepared data"):  # refused as found: nothing rewritten, no rank ever drew a batch
+        bad = re.search(r"delete (\S+) and run", out).group(1)
+        assert Path(bad).is_dir() and not list(tmp_path.glob("run/metrics.jsonl"))
     report(fault, got, out, secs, "nothing written")
 
 
@@ -317,8 +382,8 @@ def test_resume_path_on_damaged_checkpoint(tmp_path, corpus_dir, baseline):
     ck = copy_newest(base_run, run)
     _overwrite_4k(ck)
     code, out, secs = train(corpus_dir, run, *DP2, "--train.steps", str(BASE_STEPS), "--train.resume", str(ck))
-    assert code == 2, out[-3000:]
-    one_line(out, rf"^nanotitan: config error: cannot resume from \S+step_{BASE_STEPS}: shard __0_0\.distcp "
+    assert code == 3, out[-3000:]  # a damaged checkpoint is not a config error (docs/reliability.md)
+    one_line(out, rf"^nanotitan: checkpoint error: cannot resume from \S+step_{BASE_STEPS}: shard __0_0\.distcp "
                   r"fails its checksum")
     assert not (run / "metrics.jsonl").exists() or not losses(run)
     assert secs < 120, secs
@@ -346,6 +411,137 @@ def test_stale_lock_is_taken_over(tmp_path, corpus_dir, baseline):
            "yes: resumed, lock released at exit")
 
 
+# --- storage faults: a save that cannot be written ends in one line, the newest good checkpoint kept -----
+
+FSIZE_LIMIT = 512 << 10  # bytes per file: above metrics.jsonl and the logs of a short run, below a shard (~1 MB)
+STORAGE = (r"; [\d.]+ (B|KiB|MiB|GiB|TiB) free on \S+/checkpoints{removed}; newest good checkpoint: "
+           r"(?P<kept>\S+/step_\d+) \(make room or choose another --run\.dir, then continue with --train\.resume auto\)$")
+
+
+def _file_size_limit():
+    """In the job's processes (inherited by its ranks): a write past FSIZE_LIMIT fails with EFBIG, which is what a
+    quota or a full disk does to a writer (Python ignores SIGXFSZ, so the write returns the error)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
+
+
+def _storage_row(fault, run, code, out, secs, baseline_curve, corpus_dir, m) -> None:
+    """What every storage fault must keep: no partial save, the named checkpoint verifies and is the newest, and a
+    plain `resume auto` afterwards continues the loss curve from it."""
+    kept = newest_is_good(run)
+    assert str(kept) == m.group("kept") and kept.name == f"step_{BASE_STEPS - 2}"
+    assert not list((run / "checkpoints").glob("*.tmp")), list((run / "checkpoints").iterdir())
+    strict_lines(run)
+    code2, out2, _ = train(corpus_dir, run, *DP2, "--train.steps", str(BASE_STEPS), "--train.ckpt_every", "2",
+                           "--train.resume", "auto")
+    assert code2 == 0, out2[-3000:]
+    continues(run, baseline_curve, [BASE_STEPS - 1, BASE_STEPS])
+    assert newest_is_good(run).name == f"step_{BASE_STEPS}"
+    report(fault, code, out, secs, f"yes: {kept.name} verifies, resume auto continues the curve")
+
+
+def test_disk_full_during_a_save(tmp_path, corpus_dir, baseline):
+    """Two ranks whose files may not grow past 512 KiB (RLIMIT_FSIZE: EFBIG, a real failed write) save step 40:
+    exit 4 with one line naming the write, the free space, the removed partial save and step_38, kept."""
+    base_run, curve = baseline
+    run = tmp_path / "run"
+    shutil.rmtree(copy_newest(base_run, run))  # step_38 only: steps 39 and 40 train, then the save of 40 fails
+    code, out, secs = train(corpus_dir, run, *DP2, "--train.steps", str(BASE_STEPS), "--train.ckpt_every", "2",
+                            "--train.resume", "auto", preexec=_file_size_limit)
+    assert code == 4, out[-3000:]
+    m = one_line(out, rf"^nanotitan: storage error: saving step {BASE_STEPS}: writing \S+/step_{BASE_STEPS}\.tmp "
+                      r"failed: File too large \(EFBIG\)"
+                      + STORAGE.format(removed=rf"; removed the partial step_{BASE_STEPS}\.tmp"))
+    assert secs < 120, secs
+    _storage_row("disk full during a save (RLIMIT_FSIZE, 2 ranks)", run, code, out, secs, curve, corpus_dir, m)
+
+
+def test_save_that_cannot_fit_is_refused_before_writing(tmp_path, corpus_dir, baseline):
+    """The previous checkpoint is larger than the free space (a sparse file pads step_38 past statvfs's real free
+    bytes; no block is used): the save of step 40 is refused before anything is written, exit 4."""
+    base_run, curve = baseline
+    run = tmp_path / "run"
+    shutil.rmtree(copy_newest(base_run, run))
+    pad = run / "checkpoints" / f"step_{BASE_STEPS - 2}" / "padding"
+    pad.touch()
+    os.truncate(pad, shutil.disk_usage(run).free + (1 << 30))
+    try:
+        code, out, secs = train(corpus_dir, run, *DP2, "--train.steps", str(BASE_STEPS), "--train.ckpt_every", "2",
+                                "--train.resume", "auto")
+    finally:
+        size = pad.stat().st_size
+        pad.unlink()  # "make room"
+    assert code == 4, out[-3000:]
+    m = one_line(out, rf"^nanotitan: storage error: saving step {BASE_STEPS}: refused before writing: "
+                      rf"step_{BASE_STEPS - 2} took [\d.]+ (GiB|TiB) and there is less free; nothing was written"
+                      + STORAGE.format(removed=""))
+    assert size > shutil.disk_usage(run).free
+    assert secs < 120, secs
+    _storage_row("save that cannot fit (free-space check, 2 ranks)", run, code, out, secs, curve, corpus_dir, m)
+
+
+# --- crash residue: a torn metrics line, a save that never finished ---------------------------------------
+
+def test_torn_metrics_line_is_dropped_on_resume(tmp_path, corpus_dir, baseline):
+    """A crash mid-write left half a JSON line: `nanotitan plot` still reads the run, and resume auto drops the
+    torn line with one warning, so metrics.jsonl is strict JSON lines again and the curve continues."""
+    base_run, curve = baseline
+    run = tmp_path / "run"
+    shutil.rmtree(copy_newest(base_run, run))
+    lines = (base_run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= BASE_STEPS - 2]
+    torn = lines[len(kept)][: len(lines[len(kept)]) // 2]
+    (run / "metrics.jsonl").write_text("".join(kept) + torn)
+    r = subprocess.run([sys.executable, "-m", "nanotitan.cli", "plot", str(run)], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0 and (run / "plots" / "loss.png").is_file(), r.stdout + r.stderr
+    code, out, secs = train(corpus_dir, run, *SINGLE, "--train.steps", str(BASE_STEPS), "--train.resume", "auto")
+    assert code == 0, out[-3000:]
+    warned = [ln for ln in out.splitlines() if "dropped a torn" in ln]
+    assert warned == [f"warning: {run}/metrics.jsonl: dropped a torn last line ({len(torn.encode())} bytes, from a "
+                      "crash mid-write); the file is strict JSON lines again"], warned
+    recs = strict_lines(run)
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, BASE_STEPS + 1))
+    continues(run, curve, range(1, BASE_STEPS + 1))
+    report("torn last line of metrics.jsonl, resume auto", code, warned[0], secs,
+           "yes: strict JSON lines again, curve continues; plot read it before")
+
+
+def test_unwritable_plot_output_is_refused(tmp_path, baseline):
+    if not _sysfs_refuses():
+        pytest.skip("this machine lets us write into /sys/kernel: no permission fault to meet")
+    base_run, _ = baseline
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "nanotitan.cli", "plot", str(base_run), "--out", "/sys/kernel/plots"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    secs = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    one_line(r.stdout + r.stderr, r"^nanotitan: config error: --out=/sys/kernel/plots is not writable \(in "
+                                  r"/sys/kernel\): Permission denied \(EACCES\); choose another --out$")
+    report("plot into an unwritable --out", r.returncode, r.stderr, secs, "nothing written")
+
+
+def test_stale_tmp_save_is_removed_at_start(tmp_path, corpus_dir, baseline):
+    """A step_N.tmp left by a job killed mid-save is removed when the next job takes the run dir, with a line;
+    resume auto uses the newest complete checkpoint and the curve continues."""
+    base_run, curve = baseline
+    run = tmp_path / "run"
+    shutil.rmtree(copy_newest(base_run, run))
+    stale = run / "checkpoints" / f"step_{BASE_STEPS - 1}.tmp"
+    shutil.copytree(run / "checkpoints" / f"step_{BASE_STEPS - 2}", stale)
+    (stale / "__0_0.distcp").write_bytes(b"half a shard")
+    (stale / "COMPLETE").unlink()
+    code, out, secs = train(corpus_dir, run, *SINGLE, "--train.steps", str(BASE_STEPS), "--train.resume", "auto")
+    assert code == 0, out[-3000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("removed ")]
+    assert line == [f"removed step_{BASE_STEPS - 1}.tmp from {run}/checkpoints: unfinished save of an earlier job "
+                    "that stopped mid-save"], out[-2000:]
+    assert not stale.exists()
+    continues(run, curve, [BASE_STEPS - 1, BASE_STEPS])
+    report("stale step_N.tmp at start", code, line[0], secs, "yes: removed, resumed from the newest complete one")
+
+
 # --- faults in a running job -----------------------------------------------------------------------
 
 def test_divergence_stops_without_saving_nonfinite(tmp_path, corpus_dir):
@@ -359,9 +555,9 @@ def test_divergence_stops_without_saving_nonfinite(tmp_path, corpus_dir):
     assert recs and recs[-1]["step"] == bad and max(r["step"] for r in recs) == bad
     cks = sorted(int(d.name.split("_")[1]) for d in (run / "checkpoints").glob("step_*")) \
         if (run / "checkpoints").exists() else []
-    assert all(s < bad for s in cks), (cks, bad)
-    if cks:
-        newest_is_good(run)
+    # the steps before the divergence were finite and saved (ckpt_every 1): the newest is the one before it
+    assert cks and cks[-1] == bad - 1 and all(s < bad for s in cks), (cks, bad)
+    newest_is_good(run)
     assert secs < 120, secs
     report("divergence (lr 1e6, 2 ranks)", code, out, secs, f"yes: {len(cks)} finite checkpoints, strict JSON")
 

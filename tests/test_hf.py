@@ -15,9 +15,10 @@ import torch
 from safetensors import safe_open
 
 from nanotitan import cli, hf
-from nanotitan.config import ConfigError, load_config
+from nanotitan.config import ConfigError, ModelConfig, load_config
 from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.dims import ParallelDims
+from nanotitan.resolve import resolve
 from tests.mp import run_ranks
 
 V_TOK, V_MODEL = 300, 320  # tokenizer size, and a padded model vocab as real checkpoints have
@@ -211,7 +212,8 @@ def test_unrepresentable_options_fail_in_one_line(args, needle, tmp_path):
 
 def test_init_from_hf_sets_validates_and_refuses(hf_dirs, tmp_path):
     d = hf_dirs["qwen2_moe"]
-    cfg = load_config(None, ["--init.from_hf", str(d), "--train.seq_len", "16", "--model.n_layers", "3"])
+    assert load_config(None, ["--init.from_hf", str(d)]).model == ModelConfig()  # read as written: resolve maps it
+    cfg = resolve(load_config(None, ["--init.from_hf", str(d), "--train.seq_len", "16", "--model.n_layers", "3"]))
     m = cfg.model
     assert (m.n_layers, m.n_kv_heads, m.dense_layers, m.dense_ffn_dim, m.shared_ffn_dim, m.attn_bias,
             m.shared_expert_gate, m.norm_topk, m.vocab_size) == (3, 2, [1], 40, 20, True, True, False, V_MODEL)
@@ -220,25 +222,25 @@ def test_init_from_hf_sets_validates_and_refuses(hf_dirs, tmp_path):
                          (["--data.tokenizer", str(tmp_path / "t.json")], "data.tokenizer="),
                          (["--model.qk_norm", "head"], "model.qk_norm=head conflicts")]:
         with pytest.raises(ConfigError, match=needle.replace("[", r"\[")) as e:
-            load_config(None, ["--init.from_hf", str(d), "--train.seq_len", "16", *args])
+            resolve(load_config(None, ["--init.from_hf", str(d), "--train.seq_len", "16", *args]))
         assert "\n" not in str(e.value)
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(ConfigError, match="not supported .supported: MixtralForCausalLM, Qwen2MoeForCausalLM, "
                                           "Qwen3MoeForCausalLM, OlmoeForCausalLM"):
-        load_config(None, ["--init.from_hf", str(llama)])
+        resolve(load_config(None, ["--init.from_hf", str(llama)]))
     scaled = tmp_path / "scaled"
     scaled.mkdir()
     conf = json.loads((d / "config.json").read_text())
     conf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     (scaled / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="rope_type='yarn'"):
-        load_config(None, ["--init.from_hf", str(scaled)])
+        resolve(load_config(None, ["--init.from_hf", str(scaled)]))
     del conf["rope_parameters"], conf["moe_intermediate_size"]
     (scaled / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match="config.json has no 'moe_intermediate_size'"):
-        load_config(None, ["--init.from_hf", str(scaled)])
+        resolve(load_config(None, ["--init.from_hf", str(scaled)]))
 
 
 def test_export_cli_from_checkpoint_fp32_and_bf16(tokenizer, tmp_path):
@@ -260,6 +262,25 @@ def test_export_cli_from_checkpoint_fp32_and_bf16(tokenizer, tmp_path):
         got, _ = model.eval()(X)
     _assert_logits_close(got, _hf_logits(tmp_path / "fp32", X))
     assert cli.main(["export", "--run.dir", str(run), "--step", "3", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_checkpoint_of_an_imported_model_exports_after_its_hf_dir_is_gone(hf_dirs, tmp_path):
+    """A checkpoint's config.toml is the resolved config (model keys from init.from_hf's config.json), so export
+    reads it as it is: the directory it was imported from may be gone, and nothing reads it again."""
+    import shutil
+
+    from nanotitan import checkpoint as ckpt
+
+    src, run = tmp_path / "imported", tmp_path / "run"
+    shutil.copytree(hf_dirs["qwen2_moe"], src)
+    cfg = resolve(load_config(None, ["--init.from_hf", str(src), "--train.seq_len", "16", "--run.dir", str(run)]))
+    model = Transformer(cfg.model, seed=3)
+    hf.load_into_shard(model, src)
+    ckpt.save_checkpoint(run, 1, model, None, None, cfg)
+    shutil.rmtree(src)
+    out = hf.export_checkpoint(run, tmp_path / "out")
+    assert _tensors(out).keys() == _tensors(hf_dirs["qwen2_moe"]).keys()
+    assert json.loads((out / "config.json").read_text())["shared_expert_intermediate_size"] == 20
 
 
 def test_generate_cli_samples_with_the_imported_tokenizer(hf_dirs, capsys):
@@ -298,7 +319,7 @@ def _rank_222(rank, world, dirs: dict, train_args: list[str]):
     dims = ParallelDims(2, 2, 2, rank=rank)
     out = {"coords": dims.coords(), "shards": {}}
     for name, d in dirs.items():
-        cfg = load_config(None, ["--init.from_hf", d, "--train.seq_len", "16"] + LAYOUT_222)
+        cfg = resolve(load_config(None, ["--init.from_hf", d, "--train.seq_len", "16"] + LAYOUT_222))
         spec = build_shard_spec(cfg, dims.pp_rank, dims.ep_rank)
         model = Transformer(cfg.model, spec, seed=cfg.train.seed)
         read = hf.load_into_shard(model, d)

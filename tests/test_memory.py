@@ -5,6 +5,7 @@ import torch
 
 from nanotitan.config import load_config
 from nanotitan.metrics import SavedActivations, live_tensor_bytes
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
         "--model.num_experts", "4", "--data.vocab_size", "300"]
@@ -56,7 +57,7 @@ def _moe_step(xs: torch.Tensor, interleave: bool, checkpointing: bool = False, m
     from nanotitan.model.spec import build_shard_spec
     from nanotitan.model.transformer import Transformer
 
-    cfg = load_config(None, TINY)
+    cfg = resolve(load_config(None, TINY))
     model = Transformer(cfg.model, build_shard_spec(cfg), seed=0)
     model.activation_checkpointing = checkpointing
     meter = SavedActivations(model)

@@ -4,6 +4,7 @@ calibration maths, host detection, and the CLI."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -21,8 +22,9 @@ from nanotitan.hardware import BUILTIN, GiB, Link, detect_hardware, get_hardware
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.plan import (FIT_TIME_FIELDS, Layout, ModelShape, PlanOptions, calibrate, calibration_rows,
-                            enumerate_layouts, fit_profile, format_calibration, layout_config, main, plan, predict,
+                            enumerate_layouts, fit_profile, format_calibration, layout_config, plan, predict,
                             recommend, spearman, stage_summaries)
+from nanotitan.plan.cli import main
 from nanotitan.plan.cost import _placement
 from nanotitan.plan.search import ZERO_SLACK
 from tests.mp import run_ranks
@@ -128,53 +130,67 @@ def test_zero1_shards_optimizer_state_over_each_params_dp_group():
     assert z["params"] == plain["params"] == 2 * (st.n_ne + st.n_ex)
 
 
-def _measured_stage_bytes(cfg: Config, lay: Layout, stage: int) -> int:
-    """Peak bytes of one rank of `stage` over a full training step (its schedule's microbatches in flight),
-    counted from torch's op outputs: parameters + grads + AdamW state + the step's live tensors."""
-    torch.manual_seed(0)
-    c = layout_config(cfg, lay)
-    spec = build_shard_spec(c, stage, 0)
-    model = Transformer(c.model, spec, seed=0)
-    model.activation_checkpointing = c.train.activation_checkpointing
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    m, S, D, M = lay.micro_batch, c.train.seq_len, c.model.d_model, lay.microbatches
-    in_flight = 1 if lay.pp == 1 else (M if lay.schedule == "gpipe" else min(M, lay.pp - stage))
-
-    def step():
-        for start in range(0, M, in_flight):  # the schedule's peak: in_flight forwards kept, then their backwards
-            outs = []
-            for _ in range(min(in_flight, M - start)):
-                x = torch.randint(0, 512, (m, S)) if spec.has_token_embed else torch.randn(m, S, D, requires_grad=True)
-                outs.append(model(x, torch.randint(0, 512, (m, S)) if spec.has_head else None))
-            for out, aux in outs:
-                if spec.has_head:
-                    (out / M + 0.01 * aux).backward()
-                else:
-                    out.backward(torch.randn_like(out))
-            del outs
-        opt.step()
-
-    step()  # grads and AdamW moments now exist, as in every later step
-    states = list(model.parameters()) + [p.grad for p in model.parameters()] + \
-        [v for st in opt.state.values() for v in st.values()]
-    base = sum(t.untyped_storage().nbytes() for t in states)
-    with TensorBytesMeter(states + list(model.buffers())) as meter:
-        step()
-    return base + meter.peak
+# --- the memory model against real training steps ------------------------------------------------
+PEAK_CASES = [(Layout(1, 1, 1, "1f1b", 2, 4), False), (Layout(1, 2, 1, "gpipe", 3, 2), False),
+              (Layout(1, 4, 1, "1f1b", 4, 2), False), (Layout(1, 2, 1, "1f1b", 3, 2), True)]
 
 
-@pytest.mark.parametrize("lay,ac", [(Layout(1, 1, 1, "1f1b", 2, 4), False), (Layout(1, 2, 1, "gpipe", 3, 2), False),
-                                    (Layout(1, 4, 1, "1f1b", 4, 2), False), (Layout(1, 2, 1, "1f1b", 3, 2), True)])
-def test_memory_model_matches_measured_tensor_bytes(lay, ac):
-    """Predicted per-stage peak (minus the runtime reserve) within 8% of the tensor bytes a real step allocates."""
-    torch.set_num_threads(1)
+def _peak_cfg(lay: Layout, ac: bool) -> Config:
     cfg = tiny(moe_every=2 if lay.pp == 4 else 1)
     cfg.train.activation_checkpointing = ac
-    pred = predict(layout_config(cfg, lay), lay, CPU)
-    for s in range(lay.pp):
-        measured = _measured_stage_bytes(cfg, lay, s)
-        predicted = pred.mem_by_stage[s] - CPU.mem_reserved_bytes
-        assert abs(predicted / measured - 1) < 0.08, (lay, s, predicted, measured)
+    return layout_config(cfg, lay)
+
+
+def _runnable(cfg: Config, corpus_dir, run_dir) -> Config:
+    """A copy of a planner config that the trainer runs: the test corpus, its own run dir, nothing but steps."""
+    c = copy.deepcopy(cfg)
+    c.data.source, c.run.dir = str(corpus_dir), str(run_dir)
+    c.train.steps, c.train.threads, c.train.eval_every, c.train.sample_tokens = 2, 1, 0, 0
+    c.run.progress = c.run.tensorboard = False
+    return c
+
+
+def _real_steps(rank, world, cases: list[tuple[Config, bool]]) -> list[dict]:
+    """Per (config, peak): this rank's live param/grad/optim bytes after one Trainer.train_step (the product's
+    whole step: forward/backward, gradient sync, clipping, the finite-step agreement, AdamW, all-gather,
+    zero_grad, router bias), and with `peak` the peak tensor bytes over the next step: those states plus every
+    tensor the step allocates, counted from torch's op outputs."""
+    from nanotitan.metrics import live_tensor_bytes
+    from nanotitan.train import Trainer
+
+    out = []
+    for cfg, peak in cases:
+        trainer = Trainer(cfg)
+        try:
+            trainer.train_step(0)  # gradients and AdamW moments now exist, as in every later step
+            model, opt = trainer.model, trainer.optimizer
+            row = live_tensor_bytes(model, opt)
+            if peak:
+                states = [*model.parameters(), *model.buffers(), *(q.grad for q in model.parameters()),
+                          *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
+                with TensorBytesMeter(states) as meter:
+                    trainer.train_step(1)
+                row["peak"] = sum(row.values()) + meter.peak
+            out.append(row)
+        finally:
+            trainer.shard.close()
+    return out
+
+
+def test_memory_model_matches_measured_tensor_bytes(corpus_dir, tmp_path):
+    """Predicted per-stage peak (minus the runtime reserve) within 8% of the tensor bytes a real
+    Trainer.train_step allocates on that stage's rank (its schedule's microbatches in flight); one launch per
+    world size."""
+    for world in sorted({lay.pp for lay, _ in PEAK_CASES}):
+        cases = [(lay, ac) for lay, ac in PEAK_CASES if lay.pp == world]
+        cfgs = [(_runnable(_peak_cfg(lay, ac), corpus_dir, tmp_path / f"{lay.short()}_{ac}"), True)
+                for lay, ac in cases]
+        measured = run_ranks(_real_steps, world, (cfgs,), timeout=300)
+        for i, (lay, ac) in enumerate(cases):
+            pred = predict(_peak_cfg(lay, ac), lay, CPU)
+            for s in range(lay.pp):  # dp = ep = 1: rank s is stage s
+                predicted, got = pred.mem_by_stage[s] - CPU.mem_reserved_bytes, measured[s][i]["peak"]
+                assert got > 0 and abs(predicted / got - 1) < 0.08, (lay.short(), ac, s, predicted, got)
 
 
 def test_recommendation_validates_and_fits():
@@ -407,44 +423,19 @@ def _zero_cfg(lay: Layout) -> Config:
     return c
 
 
-def _live_bytes_ranks(rank, world):
-    """Per ZERO_CASES layout: this rank's live param/grad/optim bytes after one real training step
-    (forward/backward, gradient sync, AdamW, all-gather and zero_grad), as the trainer measures them."""
-    from nanotitan.metrics import live_tensor_bytes
-    from nanotitan.parallel.dims import ParallelDims
-    from nanotitan.parallel.parallelize import parallelize
-    from nanotitan.parallel.step import finish_grads, forward_backward, split_microbatches, zero_grads
-    from nanotitan.train import build_optimizer
-
-    out = []
-    for lay in ZERO_CASES:
-        cfg = _zero_cfg(lay)
-        dims = ParallelDims(lay.dp, lay.pp, lay.ep, rank=rank).build_groups()
-        shard = parallelize(cfg, dims, torch.device("cpu"))
-        opt = build_optimizer(shard, cfg)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randint(0, 512, (lay.microbatches * lay.micro_batch, cfg.train.seq_len), generator=g)
-        xs, ys = split_microbatches(x, x.roll(-1, 1), lay.micro_batch, torch.device("cpu"))
-        forward_backward(shard, xs, ys, schedule=lay.schedule, aux_weight=0.01, device=torch.device("cpu"))
-        finish_grads(shard)
-        opt.step()
-        zero_grads(shard, opt)
-        out.append(live_tensor_bytes(shard.model, opt))
-        shard.close()
-    return out
-
-
-def test_zero_memory_model_matches_live_bytes_of_real_shards():
-    """Planner param/grad/optim bytes per rank at zero 0-3 = a real 2-rank shard's live tensor bytes within 5%
-    (DP2 at every level; DP1*EP2, where only the replicated params have a group to shard over, at 1 and 2)."""
-    measured = run_ranks(_live_bytes_ranks, 2, timeout=150)
+def test_zero_memory_model_matches_live_bytes_of_real_shards(corpus_dir, tmp_path):
+    """Planner param/grad/optim bytes per rank at zero 0-3 = a real 2-rank shard's live tensor bytes after one
+    Trainer.train_step, within 5% (DP2 at every level; DP1*EP2, where only the replicated params have a group to
+    shard over, at 1 and 2)."""
+    cases = [(_runnable(_zero_cfg(lay), corpus_dir, tmp_path / lay.short()), False) for lay in ZERO_CASES]
+    measured = run_ranks(_real_steps, 2, (cases,), timeout=300)
     for i, lay in enumerate(ZERO_CASES):
         cfg = _zero_cfg(lay)
         want = predict(cfg, lay, CPU).state_bytes
         for key, pred in want.items():
             for r in range(2):
                 got = measured[r][i][key]
-                assert abs(pred / got - 1) <= 0.05, (lay.short(), key, r, pred, got)
+                assert got > 0 and abs(pred / got - 1) <= 0.05, (lay.short(), key, r, pred, got)
     # the levels shard what they say: optimizer from zero 1, gradients from 2, params at 3 (DP2: ~1/2)
     z = [measured[0][i] for i in range(4)]
     assert z[1]["optim_bytes"] < 0.55 * z[0]["optim_bytes"] and z[1]["grad_bytes"] == z[0]["grad_bytes"]

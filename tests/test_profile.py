@@ -9,6 +9,7 @@ import torch
 
 from nanotitan.config import ConfigError, load_config
 from nanotitan.profiling import StepProfiler, parse_steps
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
         "--model.num_experts", "4", "--data.vocab_size", "300"]
@@ -34,7 +35,7 @@ def test_traces_exactly_the_chosen_steps_of_a_training_loop(tmp_path):
     from nanotitan.model.transformer import Transformer
 
     torch.manual_seed(0)
-    cfg = load_config(None, TINY)
+    cfg = resolve(load_config(None, TINY))
     model = Transformer(cfg.model, build_shard_spec(cfg), seed=0)
     opt = torch.optim.AdamW(model.parameters())
     prof = StepProfiler("2-3", rank=0, run_dir=tmp_path, device=torch.device("cpu"))
@@ -74,6 +75,13 @@ def _labelled_collectives(rank, world, run_dir):
         comm.send(t, dst=1)
     else:
         comm.recv(t, src=0)
+    # the interleaved schedule's posted ring exchange (waited for later, after compute) goes through comm too
+    from nanotitan.parallel.dims import ParallelDims
+    from nanotitan.parallel.pp_comms import StageComms
+
+    comms = StageComms(ParallelDims(1, 2, 1, rank).build_groups(), (1000,), torch.float32, "cpu")
+    _, _, posted = comms.post_exchange(t if rank == 0 else None, t if rank == 1 else None, rank == 1, rank == 0)
+    posted.wait()
     prof.step_end(1)
     return prof.close()
 
@@ -84,7 +92,8 @@ def test_collectives_carry_their_axis_label(tmp_path):
     tables = run_ranks(_labelled_collectives, world=2, args=(tmp_path,), timeout=120)
     for rank, table in enumerate(tables):
         names = _trace_names(tmp_path / "profile" / f"rank_{rank}.json")
-        expected = {"DP all-reduce", "DP wait", "EP all-to-all", "PP send" if rank == 0 else "PP recv"}
+        expected = {"DP all-reduce", "DP wait", "EP all-to-all", "PP send" if rank == 0 else "PP recv",
+                    "PP send/recv", "PP wait"}
         assert expected <= names, names & {n for n in names if n and n[:3] in ("DP ", "EP ", "PP ")}
         for label in expected:
             assert label in table
@@ -115,7 +124,7 @@ def test_real_two_stage_run_profiles_every_rank_logs_to_wandb_and_reports_tensor
     r = subprocess.run([sys.executable, "-m", "nanotitan.cli", "train", *args], env=env, capture_output=True,
                        text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    cfg = load_config(None, args)
+    cfg = resolve(load_config(None, args))
     for rank in (0, 1):
         names = _trace_names(run_dir / "profile" / f"rank_{rank}.json")
         assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names

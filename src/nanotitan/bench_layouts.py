@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, load_config, validate
+from .parallel import pp as pp_schedules
 from .plan import Layout, enumerate_layouts, layout_config
+from .resolve import resolve_model
 
 
 def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:
@@ -54,7 +56,8 @@ def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -
 
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
                virtual_stages: int = 1) -> dict:
-    vpp = ["--parallel.virtual_stages", str(virtual_stages)] if schedule == "interleaved" and pp > 1 else []
+    V = pp_schedules.virtual_stages(schedule, pp, virtual_stages)
+    vpp = ["--parallel.virtual_stages", str(V)] if V > 1 else []
     args = [sys.executable, "-m", "nanotitan.cli", "train", *base_args,
             "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
             "--parallel.schedule", schedule, *vpp, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
@@ -118,7 +121,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="docs/experiments")
     ap.add_argument("--timeout", type=float, default=1800)
     args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(args.config, overrides)
+    cfg = resolve_model(load_config(args.config, overrides))  # the model the layouts run (init.from_hf's)
     schedules = args.schedules or [args.schedule]
     if "interleaved" in schedules:
         cfg.parallel.virtual_stages = args.virtual_stages  # what schedule_layouts validates against
@@ -138,7 +141,7 @@ def main(argv: list[str]) -> int:
             todo += [(sched, lay) for lay in lays if lay.pp > 1 or (i == 0 and not args.pp_only)]  # pp=1 once
         for sched, lay in todo:
             dp, pp, ep, M, m = lay.dp, lay.pp, lay.ep, lay.microbatches, lay.micro_batch
-            V = args.virtual_stages if sched == "interleaved" and pp > 1 else 1
+            V = pp_schedules.virtual_stages(sched, pp, args.virtual_stages)
             name = f"N{n}_dp{dp}_pp{pp}_ep{ep}" + (f"_{sched}" if args.schedules and pp > 1 else "")
             print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
             res = run_layout(dp, pp, ep, sched, M, m, args.steps, out / "runs" / name, base, args.timeout, V)

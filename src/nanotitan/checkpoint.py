@@ -38,11 +38,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from .config import Config, ConfigError, to_toml
+from .config import Config, to_toml
+from .errors import CheckpointError, StorageError, first_line, os_reason
 from .model.transformer import is_expert_param
 from .parallel import comm
 from .parallel.dims import ParallelDims
+from .parallel.sync import ensure_adam_state, replicated_full_state
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "state.json"
@@ -55,34 +58,11 @@ _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names ra
 _CHUNK = 8 << 20
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be trusted or written: one line naming the file (or tensor) and the way out."""
-
-
 class NonFiniteStateError(CheckpointError):
     """save_checkpoint refused: some model or optimizer tensor holds NaN/inf. Nothing was written."""
 
 
 # --- keyed state: what this rank owns, under global names ---------------------------------------
-
-def _ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create zero Adam(W) state for params that have none yet, exactly as Adam's lazy init would
-    (zero moments, step 0; `step` is a float32 tensor on the param's device when fused/capturable,
-    else on CPU), so an optimizer that has not stepped can be saved or loaded into."""
-    for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            st = optimizer.state[p]
-            if st:
-                continue
-            st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                          else torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64
-                                            else torch.float32))
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
 
 def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   shard=None) -> dict[str, torch.Tensor]:
@@ -90,14 +70,15 @@ def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
     Expert tensors are split into per-expert views `t[l]` keyed by global id expert_start + l.
     The views alias the live tensors at zero 0 (used for saving; loading goes through staging buffers).
-    With a `shard` (parallelize.ModelShard) at zero >= 1 they alias `shard.full_state`'s replicated form
+    With a `shard` (parallelize.ModelShard) at zero >= 1 they alias `shard.sync.full_state`'s replicated form
     instead (collective): the keys, and so the files, do not depend on the zero level.
     """
     return _keyed(model, optimizer, shard)[0]
 
 
-def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> tuple[dict, tuple | None]:
-    """(keyed_tensors, the (model_state, optim_state) of `shard.full_state` at zero >= 1, else None)."""
+def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> tuple[dict, tuple]:
+    """(keyed_tensors, (the GradSync or None, model_state, optim_state)): the checkpoint form of the state
+    (`GradSync.full_state`; the live tensors when params are whole), keyed by global name."""
     expert_start = model.spec.expert_start
     out: dict[str, torch.Tensor] = {}
 
@@ -109,34 +90,21 @@ def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shar
         else:
             out[f"{prefix}.{name}{suffix}"] = t
 
-    if shard is not None and shard.zero > 0:
-        if optimizer is not None:  # torch's own init (zero 3) skips an optimizer whose params have .grad
-            _ensure_adam_state(optimizer)  # (a Reducer's bucket views): its state would go missing
-        model_state, optim_state = shard.full_state(optimizer)
-        # full_state holds the parameters (and at zero 3 the buffers); persistent buffers (router_bias)
-        # are never sharded, so the live ones are what a replicated run would save.
-        model_state = {**model_state, **{n: t for n, t in model.state_dict(keep_vars=True).items()
-                                         if n not in model_state}}
-        for name, t in model_state.items():
-            put("model", name, t)
-        for name, st in optim_state.items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    put("optim", name, v, f".{k}")
-        return out, (model_state, optim_state)
-
-    for name, t in model.state_dict(keep_vars=True).items():
-        put("model", name, t)
+    sync = shard.sync if shard is not None else None
     if optimizer is not None:
-        _ensure_adam_state(optimizer)
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                assert id(p) in name_of, "optimizer holds a tensor that is not a parameter of the model"
-                for k, v in optimizer.state[p].items():
-                    if torch.is_tensor(v):
-                        put("optim", name_of[id(p)], v, f".{k}")
-    return out, None
+        ensure_adam_state(optimizer)
+    model_state, optim_state = sync.full_state(optimizer) if sync else replicated_full_state(model, optimizer)
+    # full_state holds the parameters (and at zero 3 the buffers); persistent buffers (router_bias) are never
+    # sharded, so the live ones are what a replicated run would save.
+    live = model.state_dict(keep_vars=True)
+    model_state = {**{n: model_state.get(n, t) for n, t in live.items()}, **model_state}
+    for name, t in model_state.items():
+        put("model", name, t)
+    for name, st in optim_state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                put("optim", name, v, f".{k}")
+    return out, (sync, model_state, optim_state)
 
 
 def _rng_key(rank: int) -> str:
@@ -220,11 +188,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -402,11 +365,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     """Collective (every rank calls it): write RUN_DIR/checkpoints/step_<step>/ atomically, with a
     manifest of checksums, and prune to the newest `keep_last` complete checkpoints (0 keeps all).
     `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the state is saved in its
-    replicated form (`ModelShard.full_state`), so any zero level and layout can load it.
+    replicated form (`GradSync.full_state`), so any zero level and layout can load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
     returns it with "step" added. When this returns on any rank the checkpoint is complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
-    state holds NaN/inf; CheckpointError on every rank if any rank fails to write. Returns the path."""
+    state holds NaN/inf; StorageError on every rank if the save cannot fit (checked against the newest
+    checkpoint's size before writing) or any rank fails to write (no space, quota, permission): the partial
+    save is removed and the line names the newest good checkpoint. Returns the path."""
     try:  # fail on every rank alike, before any collective: every rank gets the same extra
         extra_json = json.dumps(dict(extra or {}), allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -427,27 +392,36 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         raise NonFiniteStateError(f"refusing to save step {step}: {what}; nothing was written, the newest "
                                   f"checkpoint stays {kept or 'none'}")
 
-    # A tmp dir left by a crashed save of the same step must go before anyone writes into it.
+    # A save that cannot fit is refused before it starts: the previous one's size is known (issue 27). Then a
+    # tmp dir left by a crashed save of the same step must go before anyone writes into it.
     err = ""
     if rank == 0:
+        err = _no_room(run_dir, step)
         try:
-            if tmp.exists():
+            if not err and tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            if not err:
+                tmp.mkdir(parents=True)
         except OSError as e:
-            err = f"cannot create {tmp}: {e.strerror}"
+            err = storage_line(run_dir, f"saving step {step}: cannot create {tmp}: {os_reason(e)}")
     if err := _agree(err, f"saving step {step}"):
-        raise CheckpointError(err)
+        raise StorageError(err)
 
     state[_rng_key(rank)] = torch.get_rng_state()
     try:
         with _quiet_single_process():
             meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
-    except Exception as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
-        raise CheckpointError(f"saving {tmp} failed: {_first_line(e)}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
+        # (DCP's CheckpointException is a BaseException: `except Exception` alone let torch's traceback through)
+        if why := _write_failure(e):
+            raise _failed_save(run_dir, step, f"writing {tmp} failed: {why}", tmp) from None
+        raise CheckpointError(f"saving {tmp} failed: {first_line(_cause(e))}") from None
     # Only the files the metadata points at (a rank whose keys were all deduped may leave an empty one).
     shards = sorted({s.relative_path for s in meta.storage_data.values()})
-    manifest = _hash_shards(tmp, shards + [DCP_METADATA])  # collective: all shards and .metadata are written
+    try:
+        manifest = _hash_shards(tmp, shards + [DCP_METADATA])  # collective: all shards and .metadata are written
+    except CheckpointError as e:  # a shard that cannot be read back: lost to a full or failing disk
+        raise _failed_save(run_dir, step, str(e), tmp) from None
 
     err = ""
     if rank == 0:
@@ -470,10 +444,96 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
             _fsync_dir(root)
             _prune(run_dir, keep_last, step)
         except OSError as e:
-            err = f"saving step {step} failed on rank 0: {_first_line(e)}"
+            err = f"writing {Path(e.filename or tmp)} failed: {os_reason(e)}"
     if err := _agree(err, f"saving step {step}"):  # nobody moves on (or exits) before the checkpoint is complete
-        raise CheckpointError(err)
+        raise _failed_save(run_dir, step, err, tmp)
     return final
+
+
+# --- save failures: one line with what failed, where, the free space and what is kept --------------------
+
+# torch.save's zip writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos ..." or
+# "PytorchStreamWriter failed writing file ...", without an errno.
+_ZIP_WRITE_FAILED = ("inline_container", "PytorchStreamWriter failed")
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which holds one per failed rank)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return next(iter(e.failures.values()))[0]
+    return e
+
+
+def _write_failure(e: BaseException) -> str:
+    """Why a write failed, when `e` (or what caused it) is one: lack of space, quota, permission, a read-only
+    or failing file system; '' for anything else (a bug, not the disk)."""
+    exc = _cause(e)
+    while exc is not None:
+        if isinstance(exc, OSError):
+            return os_reason(exc)
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _ZIP_WRITE_FAILED):
+            return f"{first_line(exc)} (torch's writer could not grow the file: disk full?)"
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path` (statvfs f_bavail)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def storage_line(run_dir: str | Path, what: str, removed: Path | None = None) -> str:
+    """The one line of a write into a run dir that failed or cannot fit: `what`, the free space (this rank's
+    view of the disk), the partial save `removed`, the newest good checkpoint and the way on."""
+    root = checkpoint_dir(run_dir)
+    from .metrics import fmt_bytes
+
+    try:
+        free = f"{fmt_bytes(_free_bytes(root))} free on {root}"
+    except OSError as e:
+        free = f"free space on {root} unknown ({os_reason(e)})"
+    kept = latest_checkpoint(run_dir)
+    removed = f"; removed the partial {removed.name}" if removed is not None else ""
+    return (f"{what}; {free}{removed}; newest good checkpoint: {kept or 'none yet'} "
+            f"(make room or choose another --run.dir, then continue with --train.resume auto)")
+
+
+def _no_room(run_dir: str | Path, step: int) -> str:
+    """'' when the file system has room for another checkpoint as large as the newest one, else the line
+    refusing the save (nothing written). The first save has nothing to go by: a failure then is caught as
+    it happens."""
+    prev = latest_checkpoint(run_dir)
+    if prev is None:
+        return ""
+    try:
+        need, free = _dir_bytes(prev), _free_bytes(checkpoint_dir(run_dir))
+    except OSError:
+        return ""  # cannot tell: let the write itself decide
+    if free >= need:
+        return ""
+    from .metrics import fmt_bytes
+
+    return storage_line(run_dir, f"saving step {step}: refused before writing: {prev.name} took {fmt_bytes(need)} "
+                                 "and there is less free; nothing was written")
+
+
+def _failed_save(run_dir: str | Path, step: int, what: str, tmp: Path) -> StorageError:
+    """Collective, after every rank saw the save fail: rank 0 removes the partial save (the tmp dir, and the
+    step dir if the rename happened but COMPLETE was not written), every rank waits for that, and each gets
+    the same one-line StorageError. What verified before is untouched."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.is_dir() and not (final / COMPLETE).exists():
+            shutil.rmtree(final, ignore_errors=True)
+    _barrier()
+    return StorageError(storage_line(run_dir, f"saving step {step}: {what}", tmp))
 
 
 def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
@@ -602,11 +662,11 @@ def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
         info = json.loads((path / STATE_FILE).read_bytes())
         int(info["step"]), info["extra"], info["layout"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return None, None, f"checkpoint {path / STATE_FILE} is unreadable ({_first_line(e)})"
+        return None, None, f"checkpoint {path / STATE_FILE} is unreadable ({first_line(e)})"
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything
-        return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({_first_line(e)})"
+        return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({first_line(e)})"
     return info, meta, ""
 
 
@@ -618,7 +678,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     verified against its manifest (`verify=False`: sizes only) and checked to fit the model; either
     failure raises CheckpointError (a ValueError) with one line naming the file or the tensor.
     `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the replicated form is read and
-    each rank keeps its part (`ModelShard.load_full_state`)."""
+    each rank keeps its part (`GradSync.load_full_state`)."""
     path = Path(path)
     reason = verify_checkpoint(path, checksums=verify)
     if reason:
@@ -643,14 +703,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     try:
         with _quiet_single_process():
             dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
-    except Exception as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
-        raise CheckpointError(f"reading checkpoint {path} failed: {_first_line(e)}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
+        raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
 
     with torch.no_grad():
         for k, t in live.items():
             t.copy_(stage[k])
-    if full is not None:  # zero >= 1: the full tensors were staged; each rank keeps its slice (collective)
-        shard.load_full_state(optimizer, *full)
+    sync, model_state, optim_state = full
+    if sync is not None:  # each rank keeps its part of the full tensors just read (collective at zero >= 1)
+        sync.load_full_state(optimizer, model_state, optim_state)
     if _rng_key(rank) in stage:
         torch.set_rng_state(stage[_rng_key(rank)])
     _barrier()

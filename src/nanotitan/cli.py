@@ -43,30 +43,20 @@ def cmd_train(argv: list[str]) -> int:
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .launch import slurm_rendezvous, under_torchrun
+    from .resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
-    if cfg.parallel.auto:
-        # The planner picks the layout for this world at the same global batch; under an elastic torchrun
-        # restart with a new world size it re-plans, and resume reshards the checkpoint onto the new layout.
-        import os
+    if cfg.parallel.emulate:  # a profile that does not exist fails here, before any rank starts
+        from .parallel.emulate import profile
 
-        from .plan import PlanOptions, recommend
-
-        world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.parallel.world or cfg.world_size
-        B = cfg.train.global_batch or cfg.layout_batch
-        # m stays as configured: the balance loss is per microbatch, so only the same (B, m) trains the same model.
-        # parallel.zero > 0 is kept as asked; 0 lets the planner shard DP state when memory binds.
-        dp, pp, ep, schedule, M, m, zero = recommend(cfg, world, None, PlanOptions(
-            global_batch=B, micro_batch=cfg.train.micro_batch, zero=cfg.parallel.zero or None))
-        overrides = overrides + ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
-                                 "--parallel.schedule", schedule, "--parallel.microbatches", str(M),
-                                 "--train.micro_batch", str(m), "--train.global_batch", str(B),
-                                 "--parallel.zero", str(zero), "--parallel.auto", "false"]
-        cfg = load_config(path, overrides)
-        print(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} {schedule} M={M} m={m} zero={zero}",
-              flush=True)
-        argv = ([f"--config={path}"] if path else []) + overrides
+        profile(cfg)
+    # The job's config, concrete (resolve.py): under parallel.auto the planner's layout for this world (under
+    # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it).
+    planned = cfg.parallel.auto
+    cfg = resolve(cfg, log=lambda line: print(line, flush=True))
+    if planned:  # the ranks this process starts run the planned layout instead of planning again
+        argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
     from .rundir import owned_run_dir
 
@@ -103,15 +93,8 @@ def cmd_train(argv: list[str]) -> int:
 def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
     from .launch import launch_local
 
+    _cpu_peak_before_ranks(cfg, nproc)
     if cfg.world_size > 1:
-        if cfg.train.device != "cuda" and not cfg.train.peak_flops:
-            import os
-
-            from .metrics import cpu_peak_env, cpu_peak_flops
-
-            threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc)
-            dtype = cfg.train.dtype  # the peak of the dtype the GEMMs run in (bf16 under mixed precision)
-            os.environ[cpu_peak_env(dtype)] = str(cpu_peak_flops(threads, dtype))  # measured before ranks start
         code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv, run_dir=cfg.run.dir,
                             ckpt_on_signal=cfg.train.ckpt_on_signal)
     else:
@@ -130,14 +113,33 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
             return 143
         code = 0
     if code == 0 and cfg.train.sample_tokens > 0 and (rdzv is None or rdzv.node_rank == 0):
+        from .errors import CheckpointError
         from .generate import generate_from_run
 
         try:
             text = generate_from_run(cfg.run.dir, "\n", cfg.train.sample_tokens)
             print("\n--- sample from the trained model ---\n" + text.strip() + "\n-------------------------------------")
-        except ConfigError as e:
+        except (ConfigError, CheckpointError) as e:
             print(f"(no sample: {e})")
     return code
+
+
+def _cpu_peak_before_ranks(cfg, nproc: int) -> None:
+    """CPU training: a bf16 run on a CPU without native bf16 is told so in one line (with both measured rates),
+    and the GEMM peak that bounds MFU is measured here once (bounded, cached) and handed to the ranks, which
+    would otherwise measure each other on the shared cores. One process measures its own (cached) peak."""
+    import torch
+
+    from .metrics import bf16_advice, cpu_peak_env, cpu_peak_flops
+
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        return
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc)
+    dtype = cfg.train.dtype  # the peak of the dtype the GEMMs run in (bf16 under mixed precision)
+    if dtype == "bf16" and (line := bf16_advice(threads)):
+        print(line, file=sys.stderr, flush=True)
+    if cfg.world_size > 1 and not cfg.train.peak_flops:
+        os.environ[cpu_peak_env(dtype)] = str(cpu_peak_flops(threads, dtype))  # measured before ranks start
 
 
 def _exit_soon() -> None:
@@ -168,8 +170,10 @@ def cmd_data(argv: list[str]) -> int:
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
     from .data.prepare import load_meta, prepare_data
 
+    from .resolve import resolve_model
+
     path, overrides = _split_config(argv[1:])
-    cfg = load_config(path, overrides)
+    cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer
     out = prepare_data(cfg.data)
     meta = load_meta(out)
     print(f"prepared {out}: {meta}")
@@ -195,6 +199,9 @@ def cmd_generate(argv: list[str]) -> int:
         from .hf import load_pretrained
 
         cfg, model = load_pretrained(args.from_hf)
+        if not cfg.data.tokenizer:  # load_pretrained needs none; encoding the prompt does
+            raise ConfigError(f"init.from_hf={args.from_hf!r} has no tokenizer.json to encode the prompt with (save "
+                              "the model's fast tokenizer there: tokenizer.save_pretrained(DIR))")
         print(sample(model, Tokenizer.from_file(cfg.data.tokenizer), args.prompt, args.tokens, seed=cfg.train.seed))
         return 0
     print(generate_from_run(args.run_dir, args.prompt, args.tokens))
@@ -213,23 +220,26 @@ def cmd_export(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="tensor dtype on disk (default: fp32)")
     args = ap.parse_args(argv)
-    out = export_checkpoint(args.run_dir, args.out, args.step, args.dtype)
+    from .rundir import writable_dir
+
+    out = export_checkpoint(args.run_dir, writable_dir(args.out, "--out"), args.step, args.dtype)
     print(f"exported {args.run_dir} to {out}")
     return 0
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts} [...]`.
+    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate} [...]`.
 
         dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
         pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
         ep         one MoE layer under EP against its controls (nanotitan/bench/ep.py)
         precision  bf16 vs fp32: bytes on the wire per axis, step time and where it goes (bench/precision.py)
         layouts    every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
+        emulate    the network emulator's measured vs modelled communication per layout and axis (bench/emulate.py)
 
     `nanotitan bench NAME --help` for its options."""
     if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts} [...]")
+        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
         from .bench_layouts import main as bench_main
@@ -241,13 +251,15 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.ep import main as bench_main
     elif what == "precision":
         from .bench.precision import main as bench_main
+    elif what == "emulate":
+        from .bench.emulate import main as bench_main
     else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision or layouts)")
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts or emulate)")
     return bench_main(rest)
 
 
 def cmd_plan(argv: list[str]) -> int:
-    from .plan import main as plan_main
+    from .plan.cli import main as plan_main
 
     return plan_main(argv)
 
@@ -301,17 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help and (text := command_help(name)) is not None:
         print(text)
         return 0
-    from .errors import TrainingError
+    from .errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError
 
     try:
         return COMMANDS[name](rest)
     except ConfigError as e:
         print(f"nanotitan: config error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:  # every rank agrees on it: one line each, no traceback
+    except (TrainingError, CheckpointError, StorageError) as e:  # every rank agrees on it: one line, no traceback
         where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
-        print(f"nanotitan: {where}{e}", file=sys.stderr)
-        return 1
+        print(f"nanotitan: {where}{LABELS[e.kind]}{e}", file=sys.stderr)
+        return EXIT_CODES[e.kind]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
+A leaf: nothing of the package is imported here, so every layer can read the config. What is written ("auto",
+model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
+
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
 """
@@ -116,11 +119,16 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
     dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (pure DP only; "nanotitan" = old name of bucketed)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
+    zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
+    zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
     world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
+    emulate: str = ""  # network emulation (docs/emulate.md): hold every collective and P2P to the links of this hardware profile (h100-sxm, h800, ... or a profile JSON file); empty = off
+    emulate_node_size: int = 0  # ranks per emulated node, filled in rank order (0 = the profile's devices_per_node)
+    emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (0 = this CPU's GEMM peak / the profile's peak, in train.dtype)
 
 
 @dataclass(kw_only=True)
@@ -148,6 +156,12 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    # Where the values stand, not values (so asdict, to_toml and == ignore these two): the keys the user set
+    # in the file or on the command line, as "section.key" (None: a Config built in code, not by load_config),
+    # which tells resolve.py which model keys init.from_hf may fill and which it must refuse to change; and
+    # whether resolve.py has made every value concrete (the copy it returns).
+    explicit: typing.ClassVar[frozenset[str] | None] = None
+    resolved: typing.ClassVar[bool] = False
 
     @property
     def data_world(self) -> int:
@@ -280,7 +294,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file."""
+    """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file.
+
+    The config as written: "auto" values, model.vocab_size 0 and init.from_hf are left for resolve.py, which
+    turns them into the concrete config a job runs (and validates that one)."""
     cfg = Config()
     from_file: set[str] = set()  # "section.key" set by the file and not overridden on the command line
     if path:
@@ -304,10 +321,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         from_file.discard(f"{section}.{key}")
     if isinstance(cfg.parallel.pp_layers, list):  # layer counts read as floats (halves allowed): 2, not 2.0
         cfg.parallel.pp_layers = tidy_counts(cfg.parallel.pp_layers)
-    if cfg.init.from_hf:  # model config and tokenizer come from a transformers checkpoint (hf.py)
-        from .hf import apply_init_config
-
-        apply_init_config(cfg, explicit=from_file | {f"{s}.{k}" for s, k, _ in parse_overrides(overrides or [])})
+    cfg.explicit = frozenset(from_file | {f"{s}.{k}" for s, k, _ in parse_overrides(overrides or [])})
+    if cfg.init.from_hf:
+        # The model keys are init.from_hf's, known once resolve.py has read its config.json: checked there.
+        return cfg
     try:
         validate(cfg)
     except ConfigError as e:
@@ -315,6 +332,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: {e}") from None  # the flag it names still overrides the file
         raise
     return cfg
+
+
+def parse_steps(spec: str, steps: int | None = None) -> tuple[int, int] | None:
+    """run.profile_steps: 'A-B' (or 'A') -> (A, B), 1-based and inclusive; '' -> None (profiling off)."""
+    if not spec:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", spec)
+    first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if not m or not 1 <= first <= last:
+        raise ConfigError(f"run.profile_steps={spec!r} must be A-B with 1 <= A <= B (--run.profile_steps 5-7)")
+    if steps is not None and last > steps:
+        raise ConfigError(f"run.profile_steps={spec!r} ends after train.steps={steps} (--run.profile_steps "
+                          f"{min(first, steps)}-{steps})")
+    return first, last
 
 
 def tidy_counts(counts) -> list[float]:
@@ -337,7 +368,8 @@ def _file_in_the_way(run_dir: str) -> Path | None:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Every impossible value fails here, with one line naming the field and the fix."""
+    """Every impossible value fails here, with one line naming the field and the fix. Reads, never writes: what
+    is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     # Floats are finite everywhere: nan slips through every comparison below, and inf trains NaN (lr inf).
     for section in SECTIONS:
@@ -347,11 +379,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                    f"{section}.{f.name}={v} must be a finite number (--{section}.{f.name})")
     _check(d.vocab_size >= 260, f"data.vocab_size={d.vocab_size} must be >= 260 for byte-level BPE (--data.vocab_size)")
     _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} too large (--data.vocab_size)")
-    if m.vocab_size == 0:  # after data.vocab_size's checks, so a bad one is named as such
-        m.vocab_size = d.vocab_size
+    _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (--model.vocab_size, 0 = data.vocab_size)")
     for name, v in [("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
                     ("model.ffn_dim", m.ffn_dim), ("model.num_experts", m.num_experts), ("model.top_k", m.top_k),
-                    ("model.moe_every", m.moe_every), ("model.vocab_size", m.vocab_size),
+                    ("model.moe_every", m.moe_every),
                     ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
@@ -367,7 +398,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                     ("train.sample_tokens", t.sample_tokens), ("model.aux_coef", m.aux_coef),
                     ("model.z_loss_coef", m.z_loss_coef), ("model.bias_update_rate", m.bias_update_rate),
                     ("model.capacity_factor", m.capacity_factor),
-                    ("data.max_docs", d.max_docs), ("parallel.world", p.world)]:
+                    ("data.max_docs", d.max_docs), ("parallel.world", p.world),
+                    ("parallel.emulate_node_size", p.emulate_node_size), ("parallel.emulate_dilation", p.emulate_dilation)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
     for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.routed_scale", m.routed_scale),
@@ -377,8 +409,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(0.0 <= v < 1.0, f"{name}={v} must be in [0, 1) (--{name})")
     _check(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (--train.seed)")
     if cfg.run.profile_steps:
-        from .profiling import parse_steps
-
         parse_steps(cfg.run.profile_steps, t.steps)  # "A-B" inside 1..train.steps, or one line naming the fix
     if cfg.run.wandb:
         import importlib.util
@@ -418,7 +448,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(t.seq_len <= m.max_seq_len,
            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}, the size of the {m.pos_emb} "
            f"position table (--model.max_seq_len {t.seq_len})")
-    _check(bool(d.tokenizer) or m.vocab_size >= d.vocab_size,
+    _check(m.vocab_size == 0 or bool(d.tokenizer) or m.vocab_size >= d.vocab_size,
            f"model.vocab_size={m.vocab_size} < data.vocab_size={d.vocab_size}, the trained BPE's size "
            "(--model.vocab_size 0 takes the data's)")
     _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
@@ -457,6 +487,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
+    _check(p.zero_accumulate in ("auto", "shard", "full"),
+           f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")
+    _check(p.zero3_reshard in ("auto", "always", "never"),
+           f"parallel.zero3_reshard={p.zero3_reshard!r} must be auto, always or never (--parallel.zero3_reshard)")
     _check(p.zero == 0 or p.dp_impl == "bucketed",
            f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl bucketed or --parallel.zero 0)")
     _check(p.zero < 3 or not p.check_replicas,
@@ -468,6 +502,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard (--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
+    _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
+           "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "
+           "(--parallel.emulate h100-sxm, or leave them 0)")
     _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")

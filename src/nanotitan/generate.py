@@ -15,6 +15,7 @@ from .config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
 from .model.transformer import Transformer
 from .parallel.dims import ParallelDims
+from .resolve import resolve_model
 
 
 def load_full_model(cfg: Config, run_dir: Path) -> Transformer:
@@ -35,7 +36,8 @@ def sample(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, seed
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, overrides: list[str] | None = None) -> str:
     cfg_path = Path(run_dir) / "config.toml"
-    cfg = load_config(cfg_path if cfg_path.exists() else None, overrides)
+    # The run's config.toml is the resolved config it trained with; without one, the defaults, resolved here.
+    cfg = load_config(cfg_path, overrides) if cfg_path.exists() else resolve_model(load_config(None, overrides))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = load_full_model(cfg, Path(run_dir))
     tokenizer = load_tokenizer(prepare_data(cfg.data))

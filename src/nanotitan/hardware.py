@@ -43,6 +43,18 @@ class Link:
         return Link(bw, bw, bw, latency_s)
 
 
+def ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
+    """Ring all-reduce: 2(g-1)/g of the buffer crosses each link, 2(g-1) latency steps. The planner prices the DP
+    sync with it and the network emulator (parallel/emulate.py) holds every all-reduce to it."""
+    return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
+
+
+def ring_half_s(nbytes: float, g: int, bw: float, lat: float) -> float:
+    """Ring reduce-scatter or all-gather of a `nbytes` buffer: half a ring all-reduce (NCCL's all-reduce is one
+    of each)."""
+    return 0.5 * ring_allreduce_s(nbytes, g, bw, lat)
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -220,27 +232,116 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
                      f"(--hardware NAME|FILE)")
 
 
-def measure_cpu_gemm_flops(threads: int, n: int = 2048, repeats: int = 5, dtype: str = "fp32") -> float:
+PEAK_BUDGET_S = 1.0  # per measurement: a bf16 launch measures bf16 and fp32 at most, so <= ~2 s before ranks start
+MAX_GEMM_N = 2048  # the size the first waves measured at (BASELINES.md): growth stops here
+PEAK_CACHE = "hardware/gemm_peak.json"  # under the cache root: measured once per machine, dtype, threads, torch
+
+
+def measure_cpu_gemm_flops(threads: int, n: int = 0, repeats: int = 5, dtype: str = "fp32",
+                           budget_s: float = PEAK_BUDGET_S) -> float:
     """Best-of-repeats n x n matmul FLOP/s on `threads` threads (best: the machine may be shared), in `dtype`
     ("fp32", or "bf16": bf16 inputs and output, fp32 accumulation, the GEMM autocast runs; AMX or AVX512-BF16
-    make it several times the fp32 rate, a CPU without them emulates it slower). The MFU peak on CPU
-    (metrics) and `nanotitan plan --measure` both use this."""
+    make it several times the fp32 rate, a CPU without them emulates it ~50-70x slower than fp32).
+
+    Bounded by `budget_s`: with n=0 the size grows from 128 by doubling up to MAX_GEMM_N while the next size
+    (8x the work) still fits the time left, then repeats run while time is left. A fixed 2048^2 bf16 GEMM took
+    ~14 s per call on a CPU without native bf16 (issue 27: six minutes per launch); grown, it stops at 256^2.
+    A fixed `n` (`nanotitan plan --measure`) is timed at least once, repeats within the budget.
+    The MFU peak on CPU (metrics, through `cached_cpu_gemm_flops`) and `nanotitan plan --measure` use this."""
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    deadline = time.perf_counter() + budget_s
+
+    def once(a, b) -> float:
+        t0 = time.perf_counter()
+        a @ b
+        return time.perf_counter() - t0
+
     try:
-        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        a @ b  # warm up
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-        return 2 * n**3 / best
+        size = n or 128
+        while True:
+            a, b = torch.randn(size, size, dtype=dt), torch.randn(size, size, dtype=dt)
+            if size == (n or 128):
+                a @ b  # warm up the thread pool (the growth steps warm the larger sizes)
+            best = once(a, b)
+            # the next size costs ~8x: grow only while a call there, and one repeat, fit the time left
+            if n or size >= MAX_GEMM_N or 2 * 8 * best > deadline - time.perf_counter():
+                break
+            size *= 2
+        for _ in range(repeats - 1):
+            if time.perf_counter() + best > deadline:
+                break
+            best = min(best, once(a, b))
+        return 2 * size**3 / best
     finally:
         torch.set_num_threads(old)
+
+
+def cache_root() -> Path:
+    """$NANOTITAN_CACHE, else ~/.cache/nanotitan (data.cache_dir overrides it for prepared data)."""
+    return Path(os.environ.get("NANOTITAN_CACHE") or "~/.cache/nanotitan").expanduser()
+
+
+def _machine_key(dtype: str, threads: int) -> str:
+    """What a GEMM rate depends on: this host and its CPU model, the dtype, the threads, the torch build."""
+    import platform
+
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    return f"{platform.node()}|{model}|{dtype}|{threads} threads|torch {torch.__version__}"
+
+
+def cached_cpu_gemm_flops(threads: int, dtype: str = "fp32", cache_dir: str | Path | None = None) -> float:
+    """`measure_cpu_gemm_flops` (bounded), measured once per machine, dtype, threads and torch version and kept
+    in CACHE/hardware/gemm_peak.json (`cache_dir`, else `cache_root()`). A cache that cannot be read or written
+    costs a measurement, never a failure."""
+    path = Path(cache_dir or cache_root()) / PEAK_CACHE
+    key = _machine_key(dtype, threads)
+    try:
+        table = json.loads(path.read_text())
+        if isinstance(table, dict) and isinstance(table.get(key), (int, float)) and table[key] > 0:
+            return float(table[key])
+    except (OSError, ValueError):
+        table = {}
+    table = table if isinstance(table, dict) else {}
+    flops = measure_cpu_gemm_flops(threads, dtype=dtype)
+    try:  # write-then-rename: ranks or launches measuring at once never read half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**table, key: flops}, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return flops
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 /proc/cpuinfo flags; aarch64 lists "bf16" under Features
+
+
+def cpu_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 GEMMs natively (AMX-BF16 or AVX512-BF16 on x86, the BF16 extension on
+    aarch64), from /proc/cpuinfo; None where there is none to read (macOS: unknown, say nothing)."""
+    text = _cpuinfo(cpuinfo)
+    flags = set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return None
+    return bool(flags & {*NATIVE_BF16_FLAGS, "bf16"})
 
 
 def host_cores() -> int:
@@ -259,23 +360,32 @@ def host_memory_bytes(meminfo: str = "/proc/meminfo") -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def cpu_profile(cores: int, mem_bytes: float) -> Hardware:
+def cpu_profile(cores: int, mem_bytes: float, dtype: str = "fp32") -> Hardware:
     """A CPU node nobody has measured: its own cores and memory; per-core GEMM rate, memory bandwidth,
     gloo link figures and the host costs of our code (per call, per step, the per-rank reserve) are
-    nominal, taken from the calibrated `cpu-gloo` machine. `nanotitan plan --measure` (+ `--calibrate`)
-    writes this host's own figures."""
+    nominal, taken from the calibrated `cpu-gloo` machine. For a bf16 plan the bf16 rate is that nominal
+    fp32 rate times this host's measured bf16/fp32 GEMM ratio (1 thread, bounded and cached:
+    `cached_cpu_gemm_flops`), so a CPU without native bf16 is planned at its ~1/60 of fp32, and one with AMX
+    at its several times. `nanotitan plan --measure` (+ `--calibrate`) writes this host's own figures."""
     ref = BUILTIN["cpu-gloo"]
     per_core = ref.gemm_flops_by_threads[1]
+    bf16, note = {}, ""  # empty: the fp32 table stands in (Hardware.peak_flops)
+    if dtype == "bf16":
+        ratio = cached_cpu_gemm_flops(1, "bf16") / cached_cpu_gemm_flops(1, "fp32")
+        bf16, note = {1: per_core * ratio}, f"; bf16 {ratio:.2g} x fp32 (measured here)"
     return dataclasses.replace(ref, name=f"cpu-{cores}core", cores_per_node=cores, mem_bytes=float(mem_bytes),
-                               gemm_flops_by_threads={1: per_core}, devices_per_node=max(ref.devices_per_node, cores),
+                               gemm_flops_by_threads={1: per_core}, gemm_bf16_flops_by_threads=bf16,
+                               peak_flops_bf16=bf16.get(1, ref.peak_flops_bf16),
+                               devices_per_node=max(ref.devices_per_node, cores),
                                source=f"detected: {cores} cores, {mem_bytes / GiB:.1f} GiB; GEMM {per_core / 1e9:.0f} "
-                                      f"GFLOP/s per core and gloo/host costs nominal (cpu-gloo's)")
+                                      f"GFLOP/s per core and gloo/host costs nominal (cpu-gloo's){note}")
 
 
-def detect_hardware(profile: str | Hardware | None = None) -> Hardware:
+def detect_hardware(profile: str | Hardware | None = None, dtype: str = "fp32") -> Hardware:
     """The profile of the device this process would train on: `profile` (a built-in name or a JSON file),
     else the one in $NANOTITAN_HARDWARE, else the CUDA GPU by name, else a generic profile of this CPU host
-    (`cpu_profile` of its cores and memory). A calibrated profile is used only when named."""
+    (`cpu_profile` of its cores and memory; `dtype` "bf16" measures its bf16 rate). A calibrated profile is
+    used only when named."""
     import torch
 
     profile = profile or os.environ.get("NANOTITAN_HARDWARE")
@@ -285,4 +395,4 @@ def detect_hardware(profile: str | Hardware | None = None) -> Hardware:
         name = torch.cuda.get_device_name(0).upper()
         # an unknown GPU gets a middle-of-the-road datacenter profile
         return BUILTIN[next((p for needle, p in GPU_NAMES.items() if needle in name), "a100-80gb")]
-    return cpu_profile(host_cores(), host_memory_bytes())
+    return cpu_profile(host_cores(), host_memory_bytes(), dtype)

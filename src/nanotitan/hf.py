@@ -1,7 +1,7 @@
 """Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints in and out (docs/hf.md).
 
-    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies
-    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR
+    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (hf_config.py)
+    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (hf_config.py)
     load_into_shard(model, DIR)                    this shard's slice only: its layers, its experts
     load_pretrained(DIR) -> (Config, Transformer)  one process, eval-ready
     save_pretrained(model, cfg, DIR, dtype=...)    config.json + model.safetensors (+ shards and index)
@@ -30,12 +30,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import Config, ConfigError, ModelConfig, load_config, validate
+from .hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
 from .model.spec import ModelShardSpec
 from .model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
 
-ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
-FAMILY_ARCH = {f: a for a, f in ARCHITECTURES.items()}
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size: larger exports are split (+ index)
 EXPERT_WEIGHTS = ("W_gate", "W_val", "W_out")  # ours, in the order of HF's (gate, up, down)
@@ -68,109 +66,7 @@ def hf_expert_name(family: str, layer: int, expert: int, which: int) -> str:
     return f"model.layers.{layer}.{_moe_block(family)}.experts.{expert}.{proj}.weight"
 
 
-# --- config ---------------------------------------------------------------------------------------
-
-def read_hf_config(hf_dir: str | Path) -> tuple[str, dict]:
-    """(family, config.json as a dict); fails in one line for a missing file or another architecture."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"init.from_hf={str(hf_dir)!r} has no config.json (a directory written by "
-                          "transformers' save_pretrained or `nanotitan export`)")
-    hf = json.loads(path.read_text())
-    archs = hf.get("architectures") or []
-    family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if family is None and hf.get("model_type") in FAMILY_ARCH:
-        family = hf["model_type"]
-    if family is None:
-        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: architecture {archs or hf.get('model_type')} is not "
-                          f"supported (supported: {', '.join(ARCHITECTURES)})")
-    return family, hf
-
-
-def _rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta), params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-
-
-def config_from_hf(hf_dir: str | Path) -> dict:
-    """{ModelConfig key: value} for every architecture key, from DIR's config.json. Anything our model cannot
-    compute exactly (rope scaling, sliding windows, clipped qkv, ...) fails in one line naming it."""
-    family, hf = read_hf_config(hf_dir)
-    try:
-        return _model_keys(hf_dir, family, hf)
-    except KeyError as e:
-        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json has no {e.args[0]!r}, which "
-                          f"{FAMILY_ARCH[family]} needs") from None
-
-
-def _model_keys(hf_dir, family: str, hf: dict) -> dict:
-    def refuse(bad: bool, what: str) -> None:
-        if bad:
-            raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {FAMILY_ARCH[family]} with {what} is not supported")
-
-    D, H, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
-    theta, rope_type = _rope(hf)
-    refuse(rope_type != "default", f"rope_type={rope_type!r} (rope scaling)")
-    refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r}")
-    refuse(bool(hf.get("sliding_window")) and hf.get("use_sliding_window", True),
-           f"sliding_window={hf.get('sliding_window')}")
-    out = dict(vocab_size=hf["vocab_size"], d_model=D, n_layers=L, n_heads=H,
-               n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or D // H,
-               top_k=hf["num_experts_per_tok"], pos_emb="rope", rope_theta=theta,
-               max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
-               moe_every=1, first_k_dense=0, dense_layers=[], dense_ffn_dim=0, qk_norm="none", attn_bias=False,
-               shared_experts=0, shared_ffn_dim=0, shared_expert_gate=False, norm_topk=True,
-               router_score="softmax", routed_scale=1.0)  # the four families' router
-    # transformers renames the expert count per family and per version (attribute_map): read either.
-    out["num_experts"] = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
-    if family == "mixtral":
-        out.update(ffn_dim=hf["intermediate_size"])
-    elif family in ("qwen2_moe", "qwen3_moe"):
-        step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
-        dense = [i for i in range(L) if i in only or (i + 1) % step != 0]  # HF: MoE iff not the above
-        out.update(ffn_dim=hf["moe_intermediate_size"], dense_layers=dense,
-                   dense_ffn_dim=hf["intermediate_size"] if dense else 0, norm_topk=hf.get("norm_topk_prob", False))
-        if family == "qwen2_moe":
-            shared = hf.get("shared_expert_intermediate_size", 0)
-            out.update(attn_bias=hf.get("qkv_bias", True), shared_experts=1 if shared else 0,
-                       shared_ffn_dim=shared, shared_expert_gate=bool(shared))
-        else:
-            refuse(hf.get("attention_bias", False), "attention_bias=true (a bias on o_proj too)")
-            out.update(qk_norm="head")
-    else:  # olmoe
-        refuse(hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')}")
-        refuse(hf.get("attention_bias", False), "attention_bias=true (a bias on o_proj too)")
-        refuse(out["head_dim"] * H != D, f"head_dim={out['head_dim']} != hidden_size/num_attention_heads")
-        out.update(ffn_dim=hf["intermediate_size"], qk_norm="full",
-                   norm_topk=hf.get("norm_topk_prob", False))
-    return out
-
-
-def apply_init_config(cfg: Config, explicit: set[str] | None = None) -> None:
-    """init.from_hf: the model config comes from DIR's config.json and the tokenizer is DIR's tokenizer.json
-    (data.tokenizer), so data preparation encodes with it. A model key the user set (`explicit`, as
-    "model.key"; None: every key that differs from its default) to another value fails in one line."""
-    hf_dir = Path(cfg.init.from_hf).expanduser()
-    default = ModelConfig()
-    for key, value in config_from_hf(hf_dir).items():
-        mine = getattr(cfg.model, key)
-        was_set = f"model.{key}" in explicit if explicit is not None else mine != getattr(default, key)
-        if was_set and mine != value:
-            raise ConfigError(f"model.{key}={mine} conflicts with init.from_hf={str(hf_dir)!r}, whose config.json "
-                              f"gives {value} (drop --model.{key})")
-        setattr(cfg.model, key, value)
-    tok = hf_dir / "tokenizer.json"
-    if not tok.is_file():
-        raise ConfigError(f"init.from_hf={str(hf_dir)!r} has no tokenizer.json (save the model's fast tokenizer "
-                          "there: tokenizer.save_pretrained(DIR))")
-    if cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser().resolve() != tok.resolve():
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} conflicts with init.from_hf, whose tokenizer is "
-                          f"{tok} (drop --data.tokenizer)")
-    cfg.data.tokenizer = str(tok.resolve())
-
+# --- config out ---------------------------------------------------------------------------------
 
 def hf_config(m: ModelConfig, eos_token_id: int | None = None, dtype: str = "fp32") -> dict:
     """Our model config -> config.json of the one family that computes the same function; an option no
@@ -325,11 +221,15 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
 
 
 def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
-    """(config, full model in eval mode) of a transformers checkpoint dir, in one process."""
+    """(config, full model in eval mode) of a transformers checkpoint dir, in one process. Like transformers'
+    from_pretrained for a model, it needs no tokenizer: cfg.data.tokenizer is DIR's tokenizer.json, or "" when
+    DIR has none."""
     cfg = Config()
     cfg.init.from_hf = str(hf_dir)
-    apply_init_config(cfg)
+    apply_init_config(cfg, need_tokenizer=False)
     cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)  # training keys only have to be valid
+    if not cfg.data.tokenizer:  # no tokenizer to size: the data keys only have to fit the model
+        cfg.data.vocab_size = min(cfg.data.vocab_size, cfg.model.vocab_size)
     validate(cfg)
     model = Transformer(cfg.model, seed=cfg.train.seed)
     load_into_shard(model, hf_dir)
@@ -433,9 +333,9 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
         path = ckpt.checkpoint_dir(run) / f"step_{step}"
         if not (path / ckpt.COMPLETE).is_file():
             raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
-    # The checkpoint's own config, as saved: every model key is already resolved, so init.from_hf's
-    # directory need not exist any more.
-    cfg = load_config(path / "config.toml", ["--init.from_hf="])
+    # The checkpoint's own config, as saved: resolved (resolve.py) before it was written, so it is used as it
+    # is, and init.from_hf's directory need not exist any more.
+    cfg = load_config(path / "config.toml")
     hf_config(cfg.model)  # an unexportable option fails before the weights are read
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))

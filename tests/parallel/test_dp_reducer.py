@@ -13,12 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanotitan.config import ModelConfig
+from nanotitan.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import COMM
-from nanotitan.parallel.dp import DataParallelNaive, Reducer, no_sync, wrap_ddp
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.dp import Reducer
 from nanotitan.parallel.init import broadcast_params, check_replicas
+from nanotitan.parallel.parallelize import parallelize
+from nanotitan.parallel.step import finish_grads, forward_backward, split_microbatches
 from tests.mp import run_ranks
+from tests.parallel.oracle import DataParallelNaive
 
 TINY = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, ffn_dim=32, num_experts=4, top_k=2,
                    max_seq_len=16)
@@ -110,22 +114,21 @@ def _reducer_vs_naive(rank, world):
 
 def _ddp_and_init(rank, world):
     group = dist.group.WORLD
-    # torch DDP (averages over the group) against our Reducer with scale 1/world, M=2.
-    a, b = _build("transformer"), _build("transformer")
-    reducer = Reducer(list(a.named_parameters()), group, 0.01, 1.0 / world)
-    ddp = wrap_ddp(b, group, 0.01)
-    M = 2
-    for mb in range(M):
-        reducer.prepare(sync=mb == M - 1)
-        _loss(a, "transformer", rank, 0, mb, M).backward()
-        with no_sync(ddp) if mb < M - 1 else torch.enable_grad():
-            tok = torch.randint(0, TINY.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1000 * rank + mb))
-            ce, aux = ddp(tok[:, :-1], tok[:, 1:])
-            ((ce + 0.01 * aux) / M).backward()
-    reducer.finish()
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-6, msg=f"ddp {name}")
-    del ddp  # before the process group goes (BASELINES: SIGABRT at exit otherwise)
+    # torch DDP (averages over the group) against our bucketed Reducer (scale 1/world), M=2: each through the
+    # product's own step (parallel/step.py: DDP's no_sync loop, the Reducer's hooks in the final backward).
+    dims = ParallelDims(world, 1, 1, rank).build_groups()
+    tok = torch.randint(0, TINY.vocab_size, (4, 9), generator=torch.Generator().manual_seed(1000 * rank))
+    xs, ys = split_microbatches(tok[:, :-1], tok[:, 1:], 2, torch.device("cpu"))
+    grads = {}
+    for impl in ("bucketed", "torch_ddp"):
+        shard = parallelize(Config(model=TINY, parallel=ParallelConfig(dp=world, dp_impl=impl, bucket_mb=0.01)),
+                            dims, torch.device("cpu"))
+        forward_backward(shard, xs, ys, schedule="1f1b", aux_weight=0.01, device=torch.device("cpu"))
+        finish_grads(shard)
+        grads[impl] = {n: p.grad.clone() for n, p in shard.model.named_parameters()}
+        shard.close()  # drops the DDP wrapper before the process group goes (SIGABRT at exit otherwise)
+    for name, want in grads["bucketed"].items():
+        torch.testing.assert_close(grads["torch_ddp"][name], want, atol=1e-6, rtol=1e-6, msg=f"ddp {name}")
 
     # broadcast_params: rank-dependent values become rank 0's; check_replicas sees the difference.
     torch.manual_seed(rank)

@@ -20,7 +20,8 @@ from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel import step as S
 from nanotitan.parallel.parallelize import parallelize
-from nanotitan.parallel.pp import pipeline_forward, pipeline_forward_backward, theoretical_bubble
+from nanotitan.parallel.pp import (in_flight, pipeline_forward, pipeline_forward_backward, theoretical_bubble,
+                                   virtual_stages, warmup)
 from nanotitan.parallel.pp_chunks import StageChunks
 from nanotitan.parallel.pp_comms import StageComms
 from tests.mp import run_ranks
@@ -109,17 +110,6 @@ def _grad_cases(rank, world, cases):
     return out
 
 
-def expected_in_flight(schedule: str, world: int, rank: int, M: int, V: int = 1) -> int:
-    """Most microbatches a stage holds activations for (chunk-microbatches under interleaved)."""
-    if schedule == "gpipe":
-        return M
-    if schedule == "interleaved":  # Megatron's warmup + 1
-        return M * V if M == world else min(M * V, (world - rank - 1) * 2 + (V - 1) * world + 1)
-    if schedule == "zb1":  # 1F1B's warmup + 1, plus the rank's deferred W's: PP on every stage
-        return min(M, world)
-    return min(world - rank, M)
-
-
 def _check_grad_results(results, world):
     for rank, per_case in enumerate(results):
         for r in per_case:
@@ -144,8 +134,8 @@ def _check_grad_results(results, world):
             messages = 2 * M * (2 * V - (rank == 0) - (rank == world - 1))
             assert r["pp_bytes"] == messages * M_SEQ * SEQ * D * 4, f"{where}: {r['pp_bytes']} bytes"
             assert 0.0 < r["compute"] < r["wall"] and 0.0 < r["bubble"] < 1.0, where
-            # activation memory: GPipe holds all M microbatches, 1F1B at most PP - p, zb1 at most PP
-            want = expected_in_flight(case[2], world, rank, M, V)
+            # activation memory: what the schedule's own fact (the planner's too) says this stage holds
+            want = in_flight(case[2], world, rank, M, V)
             assert r["in_flight"] == want, f"{where}: {r['in_flight']} microbatches in flight, expected {want}"
 
 
@@ -202,7 +192,7 @@ def _train_steps(rank, world, schedules, steps, M, clip):
             S.finish_grads(shard)
             norm = S.clip_grads(shard, clip).item()
             opt.step()
-            S.zero_grads(shard, opt)
+            S.after_update(shard)
             ce, aux = S.reduce_losses(shard, stats, AUX_WEIGHT, M)
             log.append((ce + aux, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
         ref_params = dict(full.named_parameters())
@@ -242,6 +232,24 @@ def test_pp1_is_gradient_accumulation():
         for n, p in model.named_parameters():
             assert rel_err(p.grad, dict(full.named_parameters())[n].grad) <= 1e-6, n
         assert stats.p2p_wait_s == 0.0 and stats.max_in_flight == 1
+
+
+def test_schedule_facts_match_the_papers():
+    """Warmup, in-flight and chunk counts as literal numbers, not a second copy of the formula: 1F1B PP=4 M=8
+    holds 4, 3, 2, 1 microbatches (Narayanan et al. 2021, fig. 4); GPipe all M; zb1 PP on every stage (Qi et al.
+    2023, ZB-H1); Megatron-LM's interleaved schedule with PP=2 V=2 M=4 warms up 4 and 2 chunk-forwards, and
+    with M == PP runs every forward first."""
+    assert [warmup("1f1b", 4, p, 8) for p in range(4)] == [3, 2, 1, 0]
+    assert [in_flight("1f1b", 4, p, 8) for p in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, p, 2) for p in range(4)] == [2, 2, 2, 1]  # M < PP: never more than M
+    assert [in_flight("gpipe", 4, p, 8) for p in range(4)] == [8] * 4
+    assert [in_flight("zb1", 4, p, 8) for p in range(4)] == [4] * 4
+    assert [warmup("interleaved", 2, p, 4, 2) for p in range(2)] == [4, 2]
+    assert [in_flight("interleaved", 2, p, 4, 2) for p in range(2)] == [5, 3]
+    assert [warmup("interleaved", 2, p, 2, 2) for p in range(2)] == [4, 4]  # M == PP: all warmup
+    assert all(in_flight(s, 1, 0, 8, 2) == 1 for s in ("gpipe", "1f1b", "zb1", "interleaved"))  # accumulation
+    assert (virtual_stages("interleaved", 2, 3), virtual_stages("interleaved", 1, 3), virtual_stages("1f1b", 2, 3)) \
+        == (3, 1, 1)
 
 
 def test_theoretical_bubble():
@@ -334,6 +342,7 @@ def test_config_and_split_for_the_new_schedules():
 
     from nanotitan.config import ConfigError, load_config
     from nanotitan.model.spec import chunk_layer_counts
+    from nanotitan.resolve import auto_layer_counts, resolve
 
     bad = [(["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
              "--parallel.microbatches", "3"], "needs parallel.microbatches=3 to be a multiple of parallel.pp=2"),
@@ -361,7 +370,7 @@ def test_config_and_split_for_the_new_schedules():
     heavy = load_config(None, ["--parallel.pp", "2", "--parallel.pp_layers", "auto", "--model.n_layers", "8",
                                "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "64",
                                "--data.vocab_size", "16384", "--train.device", "cpu"])
-    counts = chunk_layer_counts(heavy)
+    counts = chunk_layer_counts(resolve(heavy))  # the split resolve() gives every rank of the job
     assert sum(counts) == 8 and counts[1] < counts[0], counts
     heavy.parallel.pp_layers = []
     assert chunk_layer_counts(heavy) == [4, 4]
@@ -382,7 +391,7 @@ def test_config_and_split_for_the_new_schedules():
     for n_layers, want in ((4, [2, 2]), (3, [1.5, 1.5])):
         tiny = tiny_cfg(2, n_layers)
         tiny.parallel.pp_layers = "auto"
-        assert chunk_layer_counts(tiny) == want, (n_layers, chunk_layer_counts(tiny))
+        assert auto_layer_counts(tiny) == want, (n_layers, auto_layer_counts(tiny))
 
 
 def test_planner_models_the_new_schedules():

@@ -141,60 +141,48 @@ PHASES = ("forward", "backward", "optimizer", "gather")
 
 def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int):
     """One DP=world run of `mode`: step times, per-phase times, and the live bytes at the optimizer step."""
+    from ..metrics import live_tensor_bytes
     from ..parallel.dims import ParallelDims
-    from ..parallel.dp import ShardedReducer, state_bytes
-    from ..parallel.fsdp import FSDPSync, apply_fsdp, param_groups
+    from ..parallel.fsdp import FSDPSync
+    from ..parallel.sync import ReplicatedSync, TorchDDPSync
+    from ..parallel.zero import ZeroSync
 
-    group = dist.group.WORLD
     model = Transformer(MID, seed=0)
-    syncs, step_model, groups = [], model, None
-    if mode == "zero0":
-        syncs = [Reducer(list(model.named_parameters()), group, bucket_mb, scale=1.0 / world)]
-    elif mode in ("zero1", "zero2"):
-        syncs = [ShardedReducer(list(model.named_parameters()), group, bucket_mb, 1.0 / world, int(mode[-1]))]
-        groups = syncs[0].param_groups(0.1)
-    elif mode == "zero3":
-        apply_fsdp(model, ParallelDims(world, 1, 1, rank=rank).build_groups())
-        syncs, groups = [FSDPSync(model)], param_groups(model, 0.1)
-    else:
-        step_model = wrap_ddp(model, group, bucket_mb)
-    if groups is None:
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    # the production GradSync flavours (what parallelize picks), all params replicated over the DP=world group
+    args = (model, ParallelDims(world, 1, 1, rank=rank).build_groups(), [], list(model.named_parameters()))
+    sync = {"zero0": lambda: ReplicatedSync(*args, bucket_mb, 1.0 / world),
+            "zero1": lambda: ZeroSync(*args, bucket_mb, 1.0 / world, 1),
+            "zero2": lambda: ZeroSync(*args, bucket_mb, 1.0 / world, 2),
+            "zero3": lambda: FSDPSync(*args, bucket_mb, 1.0 / world),
+            "ddp": lambda: TorchDDPSync(*args, bucket_mb)}[mode]()
+    step_model = sync.ddp if mode == "ddp" else model
+    opt = torch.optim.AdamW(sync.param_groups(0.1), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
     times, cpu, phases, nbytes = [], [], {k: [] for k in PHASES}, None
     for step in range(warmup + steps):
         tok = data[step % len(data)]
         t0, c0 = time.perf_counter(), time.process_time()
-        for s in syncs:
-            s.prepare(sync=True)
+        sync.prepare(sync=True)
         loss, aux = step_model(tok[:, :-1], tok[:, 1:])
         t1 = time.perf_counter()
         (loss + 0.01 * aux).backward()
-        for s in syncs:
-            s.finish()
+        sync.finish()
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
         if step == warmup:  # live state at the optimizer step: params, grads (full or shards), AdamW moments
-            nbytes = state_bytes(model, opt, syncs)
-        for s in syncs:
-            if hasattr(s, "gather_params"):
-                s.gather_params()
-        if mode == "ddp":
-            opt.zero_grad(set_to_none=False)
-        for s in syncs:
-            s.zero_grad()
+            nbytes = live_tensor_bytes(model, opt)
+        sync.after_step()
+        sync.zero_grad()
         t4 = time.perf_counter()
         if step >= warmup:
             times.append(t4 - t0)
             cpu.append(time.process_time() - c0)  # all threads of the rank, gloo's included
             for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(dt)
-    if mode == "ddp":
-        del step_model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
+    del step_model
+    sync.close()  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
     dist.barrier()
     return times, phases, nbytes, cpu
 

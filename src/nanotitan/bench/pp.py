@@ -41,9 +41,10 @@ from ..config import Config, ModelConfig, ParallelConfig
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import Transformer
 from ..parallel.dims import ParallelDims
-from ..parallel.pp import pipeline_forward_backward, theoretical_bubble
+from ..parallel.pp import pipeline_forward_backward, theoretical_bubble, virtual_stages
 from ..parallel.pp_chunks import StageChunks
 from ..parallel.pp_comms import StageComms
+from ..resolve import auto_layer_counts
 from ..spawn import run_ranks
 
 PP, M, MB, SEQ, VOCAB, D, V = 2, 8, 2, 128, 4096, 256, 2
@@ -60,8 +61,10 @@ def mid_cfg(n_layers: int, split, schedule: str = "1f1b") -> Config:
                         top_k=2, max_seq_len=SEQ)
     pp_layers = split if split == "auto" else ([] if split == "even" or schedule == "interleaved" else list(split))
     cfg = Config(model=model, parallel=ParallelConfig(pp=PP, schedule=schedule, pp_layers=pp_layers,
-                                                      virtual_stages=V if schedule == "interleaved" else 1))
+                                                      virtual_stages=virtual_stages(schedule, PP, V)))
     cfg.train.device, cfg.train.micro_batch, cfg.train.seq_len = "cpu", MB, SEQ
+    if split == "auto":  # the split a job of this config runs (resolve.py)
+        cfg.parallel.pp_layers = auto_layer_counts(cfg)
     return cfg
 
 

@@ -80,7 +80,7 @@ class Run:
                            dtype=self.dtype)
         S.finish_grads(self.shard)
         self.opt.step()
-        S.zero_grads(self.shard, self.opt)
+        S.after_update(self.shard)
         return time.perf_counter() - t0, time.process_time() - c0
 
 

@@ -3,19 +3,27 @@
     CACHE/prepared/<name>-<key>/
         train.bin  val.bin   token ids, np.uint16 (vocab <= 65535) or np.uint32; every document followed by EOT
         tokenizer.json       the BPE trained on the corpus (or a copy of data.tokenizer)
-        meta.json            source, tokenizer, vocab_size, dtype, token/document counts, eot_id, val_sha1
+        meta.json            source, tokenizer, vocab_size, dtype, token/document counts, eot_id, val_sha1,
+                             files: per token file its bytes, max_token_id and an xxh3-64 per 4 MiB block
 
 The key hashes everything that changes the bytes (source identity, tokenizer, vocab_size, text_field,
 max_docs, val_fraction). Several ranks may call `prepare_data` at once, before any process group
 exists: an fcntl lock lets one prepare while the others wait, and the result appears atomically
 (temp dir + rename), so a reader never sees half a directory.
+
+Opening prepared data verifies it (`verify_prepared`): sizes, every id below the vocabulary (a vectorised max per
+block) and each block's checksum, so a damaged or mismatched file is refused in one line naming the file, the
+first bad offset and how to re-prepare, never an IndexError per rank or a device assert mid-run (issue 27).
+Directories prepared before the checksums were recorded get the id check only.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -26,14 +34,21 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from tokenizers import Tokenizer
 
 from nanotitan.config import DataConfig
 from nanotitan.data.sources import DataError, cache_root, iter_documents, source_fingerprint
 from nanotitan.data.tokenizer import eot_id, load_tokenizer_file, train_bpe
+from nanotitan.errors import StorageError, first_line, os_reason
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # part of the cache key: bumping it re-prepares every corpus (the checksums were added without)
 ENCODE_BATCH = 256  # documents per encode_batch call (the Rust side parallelises within a batch)
+BLOCK_BYTES = 4 << 20  # checksum granularity: a damaged file is named with its first bad 4 MiB block
+VERIFIED_ENV = "NANOTITAN_DATA_VERIFIED"  # set once a process verified a prepared dir: the ranks it starts skip it
+SPLITS = ("train", "val")
+UNWRITABLE = "point --data.cache_dir (or $NANOTITAN_CACHE) at a writable directory"
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that did not fit: a storage fault, not bad input
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -90,7 +105,11 @@ def load_tokenizer(prepared: str | Path) -> Tokenizer:
 
 @contextmanager
 def _file_lock(path: Path, log: Callable[[str], None]):
-    with open(path, "a+") as fh:
+    try:
+        fh = open(path, "a+")  # noqa: SIM115 - closed by the with below
+    except OSError as e:  # the cache exists but cannot be written (permission, read-only file system)
+        raise DataError(f"cannot write the data cache {path.parent} ({os_reason(e)}); {UNWRITABLE}") from None
+    with fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -103,27 +122,115 @@ def _file_lock(path: Path, log: Callable[[str], None]):
 
 
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Path:
-    """Tokenized train/val token files for data.source, built once and cached; returns their directory."""
+    """Tokenized train/val token files for data.source, built once and cached; returns their directory, verified
+    (`verify_prepared`) when it was prepared earlier."""
     out = prepared_dir(cfg)
     if (out / "meta.json").exists():
+        verify_prepared(out)
         return out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission
-        raise DataError(f"cannot create the data cache {out.parent} ({e.strerror}); "
-                        f"point --data.cache_dir (or $NANOTITAN_CACHE) at a writable directory") from None
+        raise DataError(f"cannot create the data cache {out.parent} ({e.strerror}); {UNWRITABLE}") from None
     with _file_lock(out.with_name(out.name + ".lock"), log):
         if (out / "meta.json").exists():  # another process finished while we waited
+            verify_prepared(out)
             return out
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        except OSError as e:
+            raise DataError(f"cannot write the data cache {out.parent} ({os_reason(e)}); {UNWRITABLE}") from None
         try:
             _prepare_into(cfg, tmp, log)
             tmp.rename(out)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno not in FULL:
+                raise
+            free = shutil.disk_usage(out.parent).free / 2**20
+            raise StorageError(f"preparing {out} failed writing {e.filename or tmp}: {os_reason(e)}; "
+                               f"{free:.1f} MiB free on {out.parent}; removed the partial {tmp.name} (make room, "
+                               f"or {UNWRITABLE})") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+def _blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, bytes) of each `block_bytes` block of a file, in order."""
+    with open(path, "rb") as f:
+        offset = 0
+        while chunk := f.read(block_bytes):
+            yield offset, chunk
+            offset += len(chunk)
+
+
+def token_file_facts(path: Path, dtype: np.dtype) -> dict:
+    """What `verify_prepared` checks a token file against: its size, its largest token id and an xxh3-64 per
+    BLOCK_BYTES block (xxh3 reads at several GB/s; a max over a block's ids is vectorised)."""
+    hashes, top = [], -1
+    for _, chunk in _blocks(path, BLOCK_BYTES):
+        hashes.append(xxhash.xxh3_64_hexdigest(chunk))
+        top = max(top, int(np.frombuffer(chunk, dtype).max()))
+    return {"bytes": path.stat().st_size, "max_token_id": top, "block_bytes": BLOCK_BYTES, "xxh3_64": hashes}
+
+
+def _verified_mark(prepared: Path) -> str:
+    """Identifies the token files as they are now: a write since (damage, a re-prepare) changes it."""
+    stats = [(prepared / f"{split}.bin").stat() for split in SPLITS]
+    return f"{prepared}|" + "|".join(f"{st.st_size}:{st.st_mtime_ns}" for st in stats)
+
+
+def verify_prepared(prepared: str | Path) -> None:
+    """Refuse damaged or mismatched prepared data with one DataError line naming the file, the first bad offset
+    and how to re-prepare. Checks each token file's size against meta.json, every id against the tokenizer's
+    vocab_size (which the trainer checks against model.vocab_size), and, when meta.json recorded them, each
+    block's xxh3-64. A process that verified a dir marks it in VERIFIED_ENV, so the ranks a launcher starts
+    afterwards (same files, unchanged) do not read them again."""
+    prepared = Path(prepared)
+    redo = (f"re-prepare it: delete {prepared} and run `nanotitan data prepare` (or `nanotitan train`) with the same "
+            "--data options")
+    try:
+        meta = load_meta(prepared)
+        np.dtype(meta["dtype"]), int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"prepared data {prepared / 'meta.json'} is unreadable ({first_line(e)}); {redo}") from None
+    try:
+        if os.environ.get(VERIFIED_ENV) == _verified_mark(prepared):
+            return
+    except OSError:
+        pass  # a file is missing: the checks below name it
+    dtype, vocab = np.dtype(meta["dtype"]), int(meta["vocab_size"])
+    for split in SPLITS:
+        path = prepared / f"{split}.bin"
+        facts = meta.get("files", {}).get(path.name, {})
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise DataError(f"prepared data {path} cannot be read ({os_reason(e)}); {redo}") from None
+        want = facts.get("bytes", meta.get(f"{split}_tokens", 0) * dtype.itemsize)
+        if size != want:
+            raise DataError(f"prepared data {path} is {size} bytes, meta.json says {want} (truncated or replaced: "
+                            f"first bad offset {min(size, want) // dtype.itemsize} tokens); {redo}")
+        if facts.get("max_token_id", -1) >= vocab:
+            raise DataError(f"prepared data {path} holds token id {facts['max_token_id']} but its tokenizer has "
+                            f"{vocab} tokens (meta.json disagrees with itself); {redo}")
+        block_bytes = int(facts.get("block_bytes", BLOCK_BYTES))
+        hashes = facts.get("xxh3_64", [])
+        for i, (offset, chunk) in enumerate(_blocks(path, block_bytes)):
+            ids = np.frombuffer(chunk, dtype)
+            if ids.size and int(ids.max()) >= vocab:
+                j = int(np.argmax(ids >= vocab))
+                raise DataError(f"prepared data {path} is damaged: token id {int(ids[j])} at offset "
+                                f"{offset // dtype.itemsize + j} (tokens) is >= the tokenizer's vocab_size {vocab}; "
+                                f"{redo}")
+            if i < len(hashes) and xxhash.xxh3_64_hexdigest(chunk) != hashes[i]:
+                raise DataError(f"prepared data {path} is damaged: tokens from offset {offset // dtype.itemsize} "
+                                f"to {(offset + len(chunk)) // dtype.itemsize} fail their checksum (xxh3_64 of "
+                                f"meta.json); {redo}")
+    os.environ[VERIFIED_ENV] = _verified_mark(prepared)
 
 
 def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -166,11 +273,12 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
                   "val": [d for d, h in zip(docs, shas) if h in val_sha1]}
         split_by = "documents"
 
-    counts = {}
-    for split in ("train", "val"):
+    counts, files = {}, {}
+    for split in SPLITS:
         tokens = np.concatenate(chunks[split])
         tokens.tofile(tmp / f"{split}.bin")
         counts[split] = int(tokens.size)
+        files[f"{split}.bin"] = token_file_facts(tmp / f"{split}.bin", dtype)  # read back: what was written
     meta = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
@@ -187,6 +295,7 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         "split_by": split_by,
         "val_fraction": cfg.val_fraction,
         "val_sha1": sorted(val_sha1),  # the streaming loader skips these documents
+        "files": files,  # verify_prepared checks every open against these
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"data: {len(docs)} documents -> {counts['train']:,} train + {counts['val']:,} val tokens ({dtype.name}) "

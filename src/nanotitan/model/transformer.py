@@ -133,6 +133,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0):
         super().__init__()
+        assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False

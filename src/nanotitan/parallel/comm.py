@@ -7,6 +7,8 @@ Axes: "dp" (gradient all-reduce), "ep" (token all-to-all), "pp" (activation send
 "other" (broadcasts, norms, metrics). Wait time is the wall time the calling thread spent blocked:
 the whole call for blocking ops, the `wait()` for async ones. `COMM.snapshot_and_reset()` gives the
 per-step figures that go to metrics.jsonl.
+With parallel.emulate (emulate.py) every call is also held until a modelled link would have delivered it: inside
+its profiler label, before a blocking call returns or in an async one's wait(), so the wait columns include it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from . import emulate
 from .stall import RECORD
 
 AXES = ("dp", "ep", "pp", "other")
@@ -55,7 +58,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # Backends that take CPU tensors. NCCL takes only CUDA tensors: a CPU one fails deep inside NCCL, or hangs.
-_CPU_BACKENDS = ("gloo", "mpi")
+# "fake" (torch's FakeProcessGroup) moves nothing: `nanotitan plan --dry-run` builds ranks on it.
+_CPU_BACKENDS = ("gloo", "mpi", "fake")
 
 
 def check_device(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -77,14 +81,16 @@ def _label(axis: str, op: str) -> record_function:
 class TimedWork:
     """Wraps an async Work so that its wait() is charged to an axis."""
 
-    def __init__(self, work, axis: str, ticket: int = 0):
+    def __init__(self, work, axis: str, ticket: int = 0, done_by: float = 0.0):
         self.work, self.axis, self.ticket = work, axis, ticket  # ticket: its stall-record entry (0: none)
+        self.done_by = done_by  # parallel.emulate: when the modelled link delivers it (0.0: not emulated)
 
     def wait(self):
         t0 = time.perf_counter()
         with _label(self.axis, "wait"):
             try:
                 self.work.wait()
+                emulate.hold(self.done_by)
             except BaseException as e:
                 if self.ticket:
                     RECORD.fail(self.ticket, e)
@@ -99,8 +105,10 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
     t0 = time.perf_counter()
     with _label(axis, "all-reduce"), RECORD.call(axis, "all-reduce", (t,), group, done=not async_op) as ticket:
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        done_by = emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
+        emulate.hold(0.0 if async_op else done_by)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
-    return TimedWork(work, axis, ticket) if async_op else None
+    return TimedWork(work, axis, ticket, done_by) if async_op else None
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
@@ -121,7 +129,7 @@ def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torc
     with _label(axis, op), RECORD.call(axis, op, (full,), group, done=False) as ticket:
         work = fn(out, inp, group=group, async_op=True)
     COMM.record(axis, _nbytes(full), time.perf_counter() - t0)
-    return TimedWork(work, axis, ticket)
+    return TimedWork(work, axis, ticket, emulate.collective(t0, axis, op, _nbytes(full), group))
 
 
 # torch 2.13 renamed these (the old names warn); torch 2.6 only has the old ones.
@@ -134,6 +142,7 @@ def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
     t0 = time.perf_counter()
     with _label(axis, "broadcast"), RECORD.call(axis, "broadcast", (t,), group):
         dist.broadcast(t, src=src, group=group)
+        emulate.hold(emulate.collective(t0, axis, "broadcast", _nbytes(t), group))
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
@@ -144,6 +153,8 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     t0 = time.perf_counter()
     with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group):
         dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+        emulate.hold(emulate.all_to_all(t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits,
+                                        out_splits, group))
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
 
 
@@ -152,6 +163,7 @@ def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
     with _label(axis, "send"), RECORD.call(axis, "send", (t,), peers=f"to {dst}"):
         dist.send(t.contiguous(), dst=dst, group=group)
+        emulate.hold(emulate.p2p(t0, axis, [(dst, _nbytes(t), True)]))
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
@@ -160,17 +172,36 @@ def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
     with _label(axis, "recv"), RECORD.call(axis, "recv", (t,), peers=f"from {src}"):
         dist.recv(t, src=src, group=group)
+        emulate.hold(emulate.p2p(t0, axis, [(src, _nbytes(t), False)]))
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
-def batch_isend_irecv(ops: list, axis: str = "pp"):
-    """Issue paired P2P ops together and wait for all of them (no blocking pair can deadlock)."""
+def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
+    """Issue paired P2P ops together and wait for all of them (no blocking pair can deadlock). async_op: post
+    them and return a TimedWork whose wait() completes them all (the caller computes meanwhile); the caller
+    keeps the tensors alive until then."""
     for op in ops:
         check_device(op.tensor, op.group)
     t0 = time.perf_counter()
     peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
-    with _label(axis, "send/recv"), RECORD.call(axis, "send/recv", [op.tensor for op in ops], peers=peers):
+    with _label(axis, "send/recv"), RECORD.call(axis, "send/recv", [op.tensor for op in ops], peers=peers,
+                                                done=not async_op) as ticket:
         works = dist.batch_isend_irecv(ops)
-        for w in works:
-            w.wait()
+        if not async_op:
+            for w in works:
+                w.wait()
+        done_by = emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
+        emulate.hold(0.0 if async_op else done_by)
     COMM.record(axis, sum(_nbytes(op.tensor) for op in ops), time.perf_counter() - t0, calls=len(ops))
+    return TimedWork(_AllOf(works), axis, ticket, done_by) if async_op else None
+
+
+class _AllOf:
+    """The Works of one batch_isend_irecv, waited for as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()

@@ -97,16 +97,17 @@ class ParallelDims:
 
     # --- group membership (global ranks, sorted) ----------------------------------------------
     def all_group_ranks(self, kind: GroupKind) -> list[list[int]]:
-        """Every group of one kind, as lists of global ranks, in a fixed order."""
-        g = self.grid()
+        """Every group of one kind, as lists of global ranks, in a fixed order: slices of `grid()`, in plain ints
+        (no tensor: `nanotitan plan --dry-run` asks while a FakeTensorMode turns every new tensor into a fake)."""
+        D, P, E, r = range(self.dp), range(self.pp), range(self.ep), self.rank_of
         if kind == "ep":
-            return [g[d, p, :].tolist() for d in range(self.dp) for p in range(self.pp)]
+            return [[r(d, p, e) for e in E] for d in D for p in P]
         if kind == "pp":
-            return [g[d, :, e].tolist() for d in range(self.dp) for e in range(self.ep)]
+            return [[r(d, p, e) for p in P] for d in D for e in E]
         if kind == "expert_dp":
-            return [g[:, p, e].tolist() for p in range(self.pp) for e in range(self.ep)]
+            return [[r(d, p, e) for d in D] for p in P for e in E]
         if kind == "non_expert_dp":
-            return [g[:, p, :].reshape(-1).tolist() for p in range(self.pp)]
+            return [[r(d, p, e) for d in D for e in E] for p in P]
         raise ValueError(f"unknown group kind {kind!r}")
 
     def group_ranks(self, kind: GroupKind) -> list[int]:

@@ -7,14 +7,18 @@ of a ParallelDims group, so FSDP reduces each gradient over exactly the ranks ou
 - the expert-DP group (dp ranks) for each MoE layer's `experts` (disjoint over EP, replicated over DP).
   Their grads are summed over it and divided by dp*ep, not by its size dp (the seed's division by EP):
   `set_gradient_divide_factor(dp*ep)`. With dp == 1 there is nothing to shard them over: FSDP ignores
-  them and the caller syncs them with a Reducer (group None, scale 1/(dp*ep)), as at zero 0.
+  them and `FSDPSync` syncs them with a Reducer (group None, scale 1/(dp*ep)), as at zero 0.
 
-Once per step, not per microbatch (our PP schedules and gradient accumulation run M forwards and
-backwards per step): `reshard_after_forward=False` keeps the all-gathered params through the step, and
-`FSDPSync.prepare(sync)` (the Reducer's protocol) tells FSDP before each backward whether it is the
-step's final one: only then does it reduce-scatter and reshard. So per step: one all-gather per module at
-the first forward, one reduce-scatter per module during the final backward, full params live from the
-first forward to the end of the final backward, and between steps 1/N of params, grads and state.
+What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs/dp.md "Peak memory"):
+- parallel.zero3_reshard: "always" frees a module's gathered params after its forward and after its backward
+  (FSDP2's `reshard_after_forward=True`): full params exist only around one module's forward or backward, for
+  2M all-gathers per module per step. "never" keeps them from the step's first forward to the end of its final
+  backward: one all-gather per module per step.
+- parallel.zero_accumulate: "shard" reduce-scatters every microbatch's gradients into the sharded grads (FSDP2
+  adds each into the last), so no full gradient outlives its module's backward: M reduce-scatters per module.
+  "full" accumulates unsharded gradients over the step and reduce-scatters once, in the final backward.
+`FSDPSync.prepare(sync)` (the Reducer's protocol, called before each microbatch's backward) sets FSDP's flags
+accordingly. Between steps a rank holds 1/N of params, grads and state either way.
 """
 
 from __future__ import annotations
@@ -22,14 +26,18 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
+from .clip import clip_grad_norm_
 from .dims import ParallelDims
+from .dp import Reducer
+from .sync import GradSync
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
-    """Shard this stage's Transformer in place (experts, then blocks, then the root).
+def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
+    """Shard this stage's Transformer in place (experts, then blocks, then the root); `reshard_after_forward`
+    frees each module's gathered params after its forward (parallel.zero3_reshard=always).
 
     Returns the params FSDP leaves alone (the experts when dp == 1), for a Reducer to sync."""
     group = dims.group("non_expert_dp")
@@ -45,15 +53,16 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims) -> list[nn.Parameter]:
             experts = block.moe.experts
             # Shard(0) splits the local experts; with fewer local experts than DP ranks, split D instead.
             dim = 0 if experts.W_gate.shape[0] % expert_mesh.size() == 0 else 1
-            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=False,
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=lambda p, d=dim: Shard(d))
             experts.set_gradient_divide_factor(float(dims.data_world))
             # A factor other than the mesh size needs PREMUL_SUM, which gloo lacks: SUM, then scale.
             experts.set_force_sum_reduction_for_comms(True)
         elif block.is_moe:
             unsharded += list(block.moe.experts.parameters())
-        fully_shard(block, mesh=mesh, reshard_after_forward=False, ignored_params=set(unsharded) or None)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=set(unsharded) or None)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=set(unsharded) or None)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
     return unsharded
@@ -70,37 +79,70 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0} for (decay, _), ps in groups.items()]
 
 
-class FSDPSync:
-    """The Reducer's per-step protocol for a model sharded by `apply_fsdp`.
+class FSDPSync(GradSync):
+    """zero 3: the model sharded by `apply_fsdp`, with the Reducer's per-step protocol.
 
-    `prepare(sync)` before each microbatch's backward: only the final one (sync=True) reduce-scatters
-    and reshards; `finish()` has nothing to wait for (FSDP waits for its reduce-scatters at the end of
-    the final backward); `zero_grad()` zeroes the sharded grads in place (FSDP adds the next step's
-    reduce-scatter into them: 0 + g is exact), so like zero 2 a rank keeps 1/N of the gradients between
-    steps. The optimizer steps the model's params, which are DTensor shards.
+    `prepare(sync)` before each microbatch's backward: with accumulate "full" only the final one (sync=True)
+    reduce-scatters, with "shard" every one; with reshard "never" only the final one frees the gathered params,
+    with "always" every one (and every forward). `finish()` waits only for the Reducer of experts FSDP left
+    whole (dp == 1; FSDP waits for its own reduce-scatters at the end of a backward it was told is the last);
+    `zero_grad()` zeroes the sharded grads in place (FSDP adds the next reduce-scatter into them: 0 + g is
+    exact), so like zero 2 a rank keeps 1/N of the gradients between steps. The optimizer steps the model's
+    params, which are DTensor shards.
     """
 
-    def __init__(self, model: FSDPModule):
-        self.model = model
+    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
+                 accumulate: str = "full", reshard: str = "never"):
+        super().__init__(model, dims, expert_params, replicated_params)
+        if accumulate not in ("shard", "full") or reshard not in ("always", "never"):
+            raise ValueError(f"FSDPSync takes accumulate shard|full and reshard always|never, got {accumulate!r}, "
+                             f"{reshard!r} (sync.zero_memory_choices resolves auto)")
+        self.every_backward, self.reshard = accumulate == "shard", reshard == "always"
+        left = {id(q) for q in apply_fsdp(model, dims, reshard_after_forward=self.reshard)}
+        # fully_shard replaced the model's params by DTensor shards; the caller's lists (ModelShard's too) must
+        # name those, in place: a reference to an original would keep a full copy of it alive all run.
+        current = dict(model.named_parameters())
+        for named in (expert_params, replicated_params):
+            named[:] = [(n, current[n]) for n, _ in named]
+        self.unsharded = [(n, q) for n, q in expert_params if id(q) in left]
+        # experts with no expert-DP group to shard over: scaled by 1/(dp*ep), as at zero 0
+        self.reducer = Reducer(self.unsharded, None, bucket_mb, scale) if self.unsharded else None
 
     def prepare(self, sync: bool) -> None:
-        self.model.set_requires_gradient_sync(sync)
-        self.model.set_reshard_after_backward(sync)
-        self.model.set_is_last_backward(sync)
+        # A backward that reduce-scatters is "last" to FSDP: it waits for (and frees) its reduce-scatter buffers.
+        self.model.set_requires_gradient_sync(sync or self.every_backward)
+        self.model.set_reshard_after_backward(sync or self.reshard)
+        self.model.set_is_last_backward(sync or self.every_backward)
+        if self.reducer is not None:
+            self.reducer.prepare(sync)
 
     def finish(self) -> None:
-        pass
+        if self.reducer is not None:
+            self.reducer.finish()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.zero_()
+        if self.reducer is not None:
+            self.reducer.zero_grad()
 
-    @property
-    def shard_params(self) -> list[nn.Parameter]:
-        """The DTensor params (what the optimizer steps and the clip counts as shards)."""
-        return [p for p in self.model.parameters() if hasattr(p, "to_local")]
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return param_groups(self.model, weight_decay)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """DTensor shards are disjoint over non-expert-DP; experts FSDP left whole (dp == 1) differ over EP."""
+        whole = [q for _, q in self.unsharded]
+        shards = [q for q in self.model.parameters() if hasattr(q, "to_local")]
+        return clip_grad_norm_(whole, [], max_norm, self.dims.group("pp"), self.dims.group("ep") if whole else None,
+                               shards, self.dims.group("non_expert_dp"))
+
+    def full_state(self, optimizer):
+        return full_state(self.model, optimizer)
+
+    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
+        load_full_state(self.model, optimizer, model_state, optim_state if optimizer is not None else None)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:

@@ -30,9 +30,13 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          1F1B's (PP-1)(F+B+W); every stage holds at most PP microbatches (F done, W not yet), 1F1B's peak.
 - interleaved: Megatron's interleaved 1F1B over V chunks per rank: virtual step k runs chunk
          (k mod PV) div PP forward (chunks in reverse order backward) on microbatch (k div PV)*PP + k mod PP,
-         warmup (PP - p - 1)*2 + (V-1)*PP steps, every step one batched exchange on the ring. M must be a
-         multiple of PP. Bubble (PP-1)/(V*M) of the ideal step instead of (PP-1)/M.
+         warmup (PP - p - 1)*2 + (V-1)*PP steps, each one batched exchange on the ring; then every steady
+         step posts two exchanges, its forward's and its backward's, and waits for each only before the
+         compute that reads it, so the transfers overlap compute (Megatron's overlap_p2p_comm); the cooldown
+         overlaps likewise. M must be a multiple of PP. Bubble (PP-1)/(V*M) of the ideal step, not (PP-1)/M.
 With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
+`virtual_stages`, `warmup` and `in_flight` below state these counts once: the schedules, the planner
+(plan/cost.py) and the tests all ask them.
 
 The order is a pure function of (schedule, PP, pp_rank, M, V), so the ranks of one EP group (same pp_rank)
 run their microbatches in the same order and their all-to-alls pair up: in forwards and in backwards (B under
@@ -63,8 +67,8 @@ class StepStats:
     wall_s: float  # the whole call
     p2p_wait_s: float  # time blocked in pipeline send/recv (idle: the bubble, plus transfer time)
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
-    max_in_flight: int  # most microbatches whose activations this stage held at once (GPipe M, 1F1B PP - p,
-    #                     zb1 PP: F to W; interleaved: chunk-microbatches)
+    max_in_flight: int  # most microbatches whose activations this stage held at once (`in_flight` predicts it:
+    #                     GPipe M, 1F1B min(M, PP - p), zb1 min(M, PP): F to W; interleaved: chunk-microbatches)
 
     @property
     def bubble(self) -> float:
@@ -73,6 +77,33 @@ class StepStats:
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+
+
+# --- facts of the schedules (the planner and the tests ask these functions, never a copy) --------------
+def virtual_stages(schedule: str, pp: int, V: int) -> int:
+    """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1,
+    else 1 (every other schedule, and any schedule without a pipeline, runs one chunk)."""
+    return V if schedule == "interleaved" and pp > 1 else 1
+
+
+def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
+    """Forwards stage pp_rank runs before its first backward (chunk-forwards under interleaved, out of M*V)."""
+    if pp == 1:
+        return 0  # plain gradient accumulation: each forward is followed by its backward
+    if schedule == "gpipe":
+        return M
+    if schedule == "interleaved":  # Megatron: with M == PP every forward comes first ("all warmup")
+        return M * V if M == pp else min((pp - pp_rank - 1) * 2 + (V - 1) * pp, M * V)
+    return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
+
+
+def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
+    """Most microbatches whose activations stage pp_rank holds at once (chunk-microbatches under interleaved):
+    the warmup's forwards plus the steady phase's one. zb1 also holds pp_rank deferred W's (F done, W not yet),
+    which makes it min(M, PP) on every stage."""
+    if schedule == "zb1" and pp > 1:
+        return min(M, pp)
+    return min(warmup(schedule, pp, pp_rank, M, V) + 1, M * virtual_stages(schedule, pp, V))
 
 
 def theoretical_bubble(pp: int, num_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
@@ -224,8 +255,8 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
     """1F1B; with `split`, ZB-H1 (zb1 on the stages after the first): the same F and B (and P2P), each backward
     only B, and each W deferred until pp_rank later B's have run, then run while the B's input gradient is on its
     way (the cooldown's idle time on the early stages)."""
-    warmup = min(pp - pp_rank - 1, M)  # forwards in flight before this stage's first gradient can arrive
-    steady = M - warmup
+    n_warmup = warmup("1f1b", pp, pp_rank, M)  # forwards in flight before this stage's first gradient can arrive
+    steady = M - n_warmup
 
     def backward(j: int, grad_buf):  # -> (input gradient, the W's now due: run during its send)
         if not split:
@@ -233,14 +264,14 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
         return run.backward_input(j, grad_buf), lambda: run.weights_until(j + 1 - pp_rank)
 
     # Warmup: forwards only.
-    for i in range(warmup):
+    for i in range(n_warmup):
         out = run.forward(0, i, comms.recv_forward())
         comms.send_forward(out)
 
-    # Steady state: forward microbatch warmup+j, then backward microbatch j.
+    # Steady state: forward microbatch n_warmup+j, then backward microbatch j.
     recv_buf = comms.recv_forward() if steady > 0 else None
     for j in range(steady):
-        out = run.forward(0, warmup + j, recv_buf)
+        out = run.forward(0, n_warmup + j, recv_buf)
         grad_buf = comms.send_forward_recv_backward(out) if out is not None else None
         out = None  # zb1's B retains the graph for W: no reference here may outlive that W
         grad_in, due = backward(j, grad_buf)
@@ -260,10 +291,11 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
 
 def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, V: int,
                  forward_only: bool = False) -> None:
-    """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_interleaving`, without its P2P/compute
-    overlap), step for step: the same chunk order, warmup, and send/receive flags, so each round's batched
-    exchange on the ring is matched by the neighbours' (pp_comms.exchange). forward_only: the warmup loop
-    over every virtual step (evaluation)."""
+    """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_interleaving` with overlap_p2p_comm),
+    step for step: the same chunk order, warmup, and send/receive flags, so every exchange on the ring is
+    matched by the neighbours' (pp_comms.exchange / post_exchange). Warmup steps exchange once, blocking;
+    steady steps post two exchanges (forward's, then backward's) and cooldown steps one, each waited for just
+    before the compute that reads it. forward_only: the warmup loop over every virtual step (evaluation)."""
     total = M * V
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1
 
@@ -285,31 +317,31 @@ def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
         v = chunk(k, False)
         return run.backward(v, microbatch(k), None if run.last[v] else grads[v].popleft(), is_last=k == total - 1)
 
-    all_warmup = forward_only or M == pp
-    warmup = total if all_warmup else min((pp - pp_rank - 1) * 2 + (V - 1) * pp, total)
-    remaining = total - warmup
+    n_warmup = total if forward_only else warmup("interleaved", pp, pp_rank, M, V)
+    all_warmup = n_warmup == total  # no steady phase (M == PP, or evaluation): every forward comes first
+    remaining = total - n_warmup
 
     # Warmup: forwards; the last one also receives the first output gradient.
     if not first_rank:
         inputs[0].append(comms.exchange(None, None, True, False)[0])
-    for k in range(warmup):
+    for k in range(n_warmup):
         out = forward(k)
         next_v = chunk(k + 1, True)
         recv_prev = not (first_rank and next_v == 0) and k != total - 1
-        recv_next = k == warmup - 1 and not all_warmup and not last_rank
+        recv_next = k == n_warmup - 1 and not all_warmup and not last_rank
         in_buf, grad_buf = comms.exchange(out, None, recv_prev, recv_next)
         if recv_prev:
             inputs[next_v].append(in_buf)
         if recv_next:
             grads[V - 1].append(grad_buf)
 
-    # Steady: forward k + warmup, backward k. Megatron's round, split in its two halves and overlapped
+    # Steady: forward k + n_warmup, backward k. Megatron's round, split in its two halves and overlapped
     # (overlap_p2p_comm): the forward's send/receive is posted at once and waited for only before the next
     # forward, so it travels while the backward computes, and the backward's likewise. Every op is posted in
     # the same order as the one-batch round (activations, then gradients), so neighbours still match them.
     pending_f = pending_b = None
     for k in range(remaining):
-        fk = k + warmup
+        fk = k + n_warmup
         # What the next forward and backward take: on the first rank the input comes round from the last
         # rank's previous chunk (none for chunk 0), on the last rank the gradient from the first's next chunk.
         if first_rank:

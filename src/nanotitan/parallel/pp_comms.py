@@ -4,19 +4,21 @@ Every message is one `[m, S, D]` tensor (DESIGN, seed "Communications across ran
 under bf16 mixed precision the sender narrows the fp32 activation (or gradient) to bf16, half the bytes,
 and the receiving stage widens it again (pp.py). The receiver must
 own a buffer of that shape and dtype before the message arrives; `StageComms` keeps a pool of them so
-a step allocates only as many as are in flight at once (GPipe: M inputs, 1F1B: at most PP - p), and
-reuses them across microbatches and steps.
+a step allocates only as many as it holds at once (an input per microbatch in flight, `pp.in_flight`, plus
+the output gradients not yet backpropagated; zb1 keeps both until W), and reuses them across microbatches
+and steps.
 
-All traffic goes through `nanotitan.parallel.comm` on axis "pp", which records calls, bytes and the
-time the calling thread spent blocked. `StageComms.wait_s` additionally accumulates that blocked time
-for the schedule's own bubble measurement.
+All traffic goes through `nanotitan.parallel.comm` on axis "pp" (blocking calls, and the interleaved
+schedule's posted ones alike), which records calls, bytes and the time the calling thread spent blocked,
+labels each call for the profiler and enters it in the stall record. `StageComms.wait_s` additionally
+accumulates that blocked time for the schedule's own bubble measurement.
 
 Neighbours are GLOBAL ranks (`ParallelDims.prev_pp_rank/next_pp_rank`), the group is this rank's PP
 group; torch's P2P API takes global ranks together with the group.
 The paired calls (`send_forward_recv_backward`, `send_backward_recv_forward`) issue both directions in
 one `batch_isend_irecv`, so two neighbours that both send before they receive cannot deadlock.
 
-The interleaved schedule runs on a ring (`exchange`): the last rank's chunk v feeds the first rank's chunk v+1,
+The interleaved schedule runs on a ring (`exchange`, `post_exchange`): the last rank's chunk v feeds the first rank's chunk v+1,
 so the first rank receives activations from, and sends gradients to, the last. With PP=2 both neighbours are
 the same rank; every rank lists its ops activations first, then gradients, so each direction's messages are
 matched in the same order at both ends (NCCL matches point-to-point messages between two ranks by order).
@@ -34,7 +36,6 @@ import torch.distributed as dist
 
 from . import comm
 from .dims import ParallelDims
-from .stall import RECORD
 
 
 class StageComms:
@@ -136,9 +137,10 @@ class StageComms:
     # --- the ring of the interleaved schedule ----------------------------------------------------
     def exchange(self, out: torch.Tensor | None, grad_in: torch.Tensor | None, recv_forward: bool,
                  recv_backward: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One round of the interleaved schedule, in one batch: send `out` to the next rank and `grad_in` to the
-        previous one (None: nothing to send), receive an input from the previous rank and an output gradient
-        from the next (when asked). Returns (input buffer, gradient buffer), None where nothing was received."""
+        """One exchange on the ring of the interleaved schedule, in one batch, waited for: send `out` to the next
+        rank and `grad_in` to the previous one (None: nothing to send), receive an input from the previous rank
+        and an output gradient from the next (when asked). Returns (input buffer, gradient buffer), None where
+        nothing was received."""
         ops, in_buf, grad_buf = self._exchange_ops(out, grad_in, recv_forward, recv_backward)
         if ops:
             self._batch(ops)
@@ -178,29 +180,21 @@ class StageComms:
 
     def _post(self, ops: list) -> _Posted:
         """comm.batch_isend_irecv without its wait: post now, `wait()` later (charged to axis pp)."""
-        for op in ops:
-            comm.check_device(op.tensor, op.group)
         t0 = time.perf_counter()
-        peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
-        with RECORD.call("pp", "send/recv", [op.tensor for op in ops], peers=peers, done=False) as ticket:
-            works = dist.batch_isend_irecv(ops)
-        posted = time.perf_counter()
-        comm.COMM.record("pp", sum(op.tensor.numel() * op.tensor.element_size() for op in ops), posted - t0,
-                         calls=len(ops))
-        self._waited(t0, posted)
-        return _Posted(self, works, ticket, [op.tensor for op in ops])
+        work = comm.batch_isend_irecv(ops, async_op=True)
+        self._waited(t0, time.perf_counter())
+        return _Posted(self, work, [op.tensor for op in ops])
 
 
 class _Posted:
     """Posted P2P ops: `wait()` completes them, counting the blocked time as this stage's wait. Holds the
     tensors until then (a send's source must outlive it)."""
 
-    def __init__(self, comms: StageComms, works: list, ticket: int, tensors: list[torch.Tensor]):
-        self.comms, self.works, self.ticket, self.tensors = comms, works, ticket, tensors
+    def __init__(self, comms: StageComms, work: comm.TimedWork, tensors: list[torch.Tensor]):
+        self.comms, self.work, self.tensors = comms, work, tensors
 
     def wait(self) -> None:
         t0 = time.perf_counter()
-        for i, w in enumerate(self.works):
-            comm.TimedWork(w, "pp", self.ticket if i == len(self.works) - 1 else 0).wait()
+        self.work.wait()
         self.comms._waited(t0, time.perf_counter())
-        self.works, self.tensors = [], []
+        self.work, self.tensors = None, []

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import first_line
+
 SLOTS = 64
 HEARTBEAT_S = 0.5
 IN_FLIGHT, DONE, FAILED = 0, 1, 2
@@ -200,9 +202,8 @@ class CommRecord:
         self.leave(ticket, FAILED)
         if self.log_dir is None:
             return
-        text = str(error).strip().splitlines()
-        info = {"rank": self.rank, "pid": os.getpid(), "time": time.time(),
-                "error": f"{type(error).__name__}: {text[0] if text else ''}", "entries": self.entries()[-16:]}
+        info = {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "error": first_line(error),
+                "entries": self.entries()[-16:]}
         with contextlib.suppress(OSError):
             tmp = dump_path(self.log_dir, self.rank).with_suffix(".tmp")
             tmp.write_text(json.dumps(info, indent=1))

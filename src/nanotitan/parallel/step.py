@@ -1,15 +1,17 @@
-"""One training step's mechanics on one rank, for any layout: the only place that branches on PP or DDP.
+"""One training step's mechanics on one rank, for any layout.
 
-    forward_backward  M microbatches through this rank's stage (pipeline schedule; plain gradient
-                      accumulation when pp == 1), the gradient sync launched during the final backward
-    finish_grads      wait for the gradient sync: .grad holds the averaged gradients
+    forward_backward  M microbatches through this rank's stage (a pipeline schedule, pp.py: plain gradient
+                      accumulation when pp == 1; torch DDP's own loop), the gradient sync launched during
+                      the final backward
+    finish_grads      wait for the gradient sync: .grad (or the ZeRO shards) hold the averaged gradients
     clip_grads        global-norm clipping over the whole model (PP stages and EP shards counted once)
-    zero_grads        ready for the next step
+    after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
     reduce_losses     the step's CE and balance loss, averaged over all DP*EP*M microbatches
     update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
-Loss normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
+What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp.py's. Loss
+normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
 sums over the parameter's group. The stage's P2P endpoints (`StageComms`, with their reusable receive
 buffers) live on the ModelShard, one per activation shape, built here on first use.
 """
@@ -24,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .clip import clip_grad_norm_
 from .parallelize import ModelShard
 from .pp import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp_comms import StageComms
+from .sync import TorchDDPSync
 
 
 def compute_dtype(dtype: str) -> torch.dtype:
@@ -67,26 +69,21 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
     sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches."""
     M = len(xs)
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
-    if shard.ddp is not None:
-        return _ddp_forward_backward(shard, xs, ys, aux_weight, forward_ctx)
-
-    def before_backward(is_last: bool):
-        for r in shard.reducers:
-            r.prepare(sync=is_last)
-
+    if isinstance(shard.sync, TorchDDPSync):  # DDP decides in each forward whether its backward syncs
+        return _ddp_forward_backward(shard.sync.ddp, xs, ys, aux_weight, forward_ctx)
     return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
                                      schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
-                                     before_backward=before_backward, autocast=forward_ctx)
+                                     before_backward=shard.sync.prepare, autocast=forward_ctx)
 
 
-def _ddp_forward_backward(shard: ModelShard, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
+def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
     """torch DDP baseline (pure DP): no_sync on all but the last microbatch."""
     t0, M = time.perf_counter(), len(xs)
     ce_sum = aux_sum = None
     for i, (x, y) in enumerate(zip(xs, ys)):
-        with contextlib.nullcontext() if i == M - 1 else shard.ddp.no_sync():
+        with contextlib.nullcontext() if i == M - 1 else ddp.no_sync():
             with forward_ctx():
-                ce, aux = shard.ddp(x, y)
+                ce, aux = ddp(x, y)
             ((ce + aux_weight * aux) / M).backward()
         ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
         aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
@@ -96,36 +93,20 @@ def _ddp_forward_backward(shard: ModelShard, xs, ys, aux_weight: float, forward_
 
 def finish_grads(shard: ModelShard) -> None:
     """Wait for the gradient sync (DDP finished inside its last backward)."""
-    for r in shard.reducers:
-        r.finish()
+    shard.sync.finish()
 
 
 def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
     """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank."""
-    dims = shard.dims
-    if shard.zero:
-        # Sharded grads are disjoint over non-expert-DP; experts FSDP left whole (zero 3, dp == 1) over EP.
-        whole = [p for _, p in shard.unsharded]
-        return clip_grad_norm_(whole, [], max_norm, dims.group("pp"), dims.group("ep") if whole else None,
-                               shard.shard_params(), dims.group("non_expert_dp"))
-    return clip_grad_norm_([p for _, p in shard.expert_params], [p for _, p in shard.replicated_params],
-                           max_norm, dims.group("pp"), dims.group("ep"))
+    return shard.sync.clip(max_norm)
 
 
-def zero_grads(shard: ModelShard, optimizer: torch.optim.Optimizer) -> None:
-    """After the optimizer step: ready for the next step. Zero the gradients (the Reducer keeps .grad bound
-    to its flat buckets); at zero 1/2 first all-gather the updated shards, so every rank holds the full
-    params again (for the next forward, eval, checkpoints)."""
-    if shard.zero in (1, 2):
-        for r in shard.reducers:
-            r.start_gather()  # every bucket's all-gather in flight at once, then wait for all
-        for r in shard.reducers:
-            r.wait_gather()
-    if shard.reducers:
-        for r in shard.reducers:
-            r.zero_grad()
-    else:
-        optimizer.zero_grad(set_to_none=False)
+def after_update(shard: ModelShard) -> None:
+    """After the optimizer step (or a skipped one): at zero 1/2 all-gather the updated shards, so every rank
+    holds the full params again (next forward, eval, checkpoints); then zero the gradients, kept bound to
+    their buffers (the Reducer's flat buckets, FSDP's sharded grads)."""
+    shard.sync.after_step()
+    shard.sync.zero_grad()
 
 
 def agree_on_step(shard: ModelShard, grad_norm: torch.Tensor, stop_requested: bool, device: torch.device,

@@ -13,16 +13,16 @@ The method, every formula and its assumptions are written up in docs/planner.md.
     search.py     enumerate_layouts, plan, recommend, reason, format_table
     calibrate.py  calibrate, fit_profile (Nelder-Mead), spearman, calibration rows
     measure.py    `--measure` (this machine's profile) and TensorBytesMeter (imports torch.distributed)
-    cli.py        main(argv): `nanotitan plan`
+    cli.py        main(argv): `nanotitan plan`, an entry point like nanotitan/cli.py: it resolves the config
+                  (resolve.py, which asks this package), so the package itself does not import it
 """
 
 from .calibrate import FIT_TIME_FIELDS, calibrate, calibration_rows, fit_profile, format_calibration, spearman
-from .cli import main
 from .cost import PlanOptions, Prediction, predict
 from .search import enumerate_layouts, format_table, plan, reason, recommend
 from .shape import PRECISIONS, Layout, ModelShape, Precision, StageSummary, layout_config, stage_summaries
 
 __all__ = ["FIT_TIME_FIELDS", "PRECISIONS", "Layout", "ModelShape", "PlanOptions", "Precision", "Prediction",
            "StageSummary", "calibrate", "calibration_rows", "enumerate_layouts", "fit_profile", "format_calibration",
-           "format_table", "layout_config", "main", "plan", "predict", "reason", "recommend", "spearman",
+           "format_table", "layout_config", "plan", "predict", "reason", "recommend", "spearman",
            "stage_summaries"]

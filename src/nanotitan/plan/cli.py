@@ -8,6 +8,7 @@ import sys
 
 from ..config import ConfigError, load_config
 from ..hardware import detect_hardware, save_hardware
+from ..resolve import resolve_model
 from .calibrate import calibrate, calibration_rows, fit_profile, format_calibration
 from .cost import PlanOptions
 from .search import format_table, plan, reason
@@ -27,6 +28,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nodes", type=int, default=0, help="nodes the N ranks fill in order (default: by the profile)")
     ap.add_argument("--hardware", default="auto", help="built-in profile name or a JSON profile file (auto: detect)")
     ap.add_argument("--measure", action="store_true", help="measure this machine and write a profile to --out")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build every distinct rank of the config's layout at --ranks N with the real code on fake "
+                         "tensors and a fake process group; report each rank's bytes against the planner's")
+    ap.add_argument("--json", default="", metavar="FILE", help="with --dry-run: every rank's bytes as JSON")
     ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",
                     help="fit --hardware's time constants and memory reserve to `nanotitan bench layouts` output "
                          "(with its --config) and write the calibrated profile to --out")
@@ -56,7 +61,7 @@ def main(argv: list[str]) -> int:
         if args.calibrate:
             if args.hardware == "auto" or not args.out:
                 raise ConfigError("--calibrate needs --hardware PROFILE (the profile to fit) and --out NEW_PROFILE")
-            cfg = load_config(args.config, overrides)  # the config `bench layouts` ran
+            cfg = resolve_model(load_config(args.config, overrides))  # the config `bench layouts` ran
             rows = calibration_rows(args.calibrate)
             hw = fit_profile(rows, cfg, args.hardware)
             save_hardware(hw, args.out)
@@ -65,8 +70,11 @@ def main(argv: list[str]) -> int:
             return 0
         if not args.ranks:
             raise ConfigError("nanotitan plan needs --ranks N (the world size to plan for)")
-        cfg = load_config(args.config, overrides)
-        hw = detect_hardware(None if args.hardware == "auto" else args.hardware)
+        if args.dry_run:
+            return _dry_run(args, overrides)
+        cfg = resolve_model(load_config(args.config, overrides))  # the model (init.from_hf's); the layout is ours
+        hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
+                             dtype="bf16" if (args.precision or cfg.train.dtype).startswith("bf16") else "fp32")
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
                                    ("n_shared_experts", args.shared_experts)) if v}
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
@@ -93,6 +101,40 @@ def main(argv: list[str]) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    return 0
+
+
+def _dry_run(args, overrides: list[str]) -> int:
+    """`--dry-run`: the config's own layout at --ranks N, every distinct rank built (plan/dryrun.py)."""
+    import json
+
+    from ..resolve import resolve
+    from .dryrun import compare_with_planner, dry_run, format_comparison
+
+    cfg = resolve(load_config(args.config, overrides), world=args.ranks)  # as a launch at N ranks resolves it
+    p = cfg.parallel
+    hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
+                         dtype="bf16" if cfg.train.dtype == "bf16" else "fp32")
+    print(f"dry run: dp={p.dp} pp={p.pp} ep={p.ep} {p.schedule} M={p.microbatches} m={cfg.train.micro_batch} "
+          f"zero={p.zero} on {args.ranks} ranks (fake process group, fake tensors)", flush=True)
+    run = dry_run(cfg, args.ranks, log=lambda line: print(line, flush=True))
+    opts = PlanOptions(nodes=args.nodes)
+    print(f"\n{len(run.classes)} distinct ranks of {args.ranks} built in {run.seconds:.1f} s. Bytes per rank, from the "
+          f"code / the planner ({hw.name}, {cfg.train.dtype}):\n")
+    print(format_comparison(compare_with_planner(run, hw, opts)))
+    nodes = args.nodes or -(-args.ranks // hw.devices_per_node)
+    limit = hw.mem_per_rank(min(args.ranks, -(-args.ranks // nodes)))
+    over = run.first_over(limit, hw.mem_reserved_bytes)
+    if over is None:
+        print(f"\nevery rank fits: peak + {hw.mem_reserved_bytes / 2**30:.1f} GiB reserved <= {limit / 2**30:.1f} GiB")
+    else:
+        print(f"\nrank {over['rank']} {tuple(over['coords'])} is the first over {hw.name}'s memory: "
+              f"{over['peak_bytes'] / 2**30:.2f} GiB peak + {hw.mem_reserved_bytes / 2**30:.1f} GiB reserved > "
+              f"{limit / 2**30:.1f} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": run.rows()}, f)
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import Config, tidy_counts
-from ..hardware import Hardware
+from ..hardware import Hardware, ring_allreduce_s as _ring_allreduce_s, ring_half_s as _ring_half_s
+from ..parallel import pp as pp_schedules
 from ..parallel.dims import ParallelDims
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
 
@@ -79,23 +80,12 @@ def _placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
 
 
 # --- cost model ----------------------------------------------------------------------------------
-def _in_flight(schedule: str, pp: int, s: int, M: int, V: int) -> float:
-    """Microbatches whose activations stage s holds at its peak, in units of a whole stage's microbatch."""
-    if schedule == "gpipe":
-        return M
-    if schedule == "zb1":  # W deferred: every stage up to PP (1F1B's stage 0)
-        return min(M, pp)
-    if schedule == "interleaved":  # Megatron's warmup + 1 chunk-microbatches, each 1/V of the stage
-        return (M * V if M == pp else min(M * V, 2 * (pp - s - 1) + (V - 1) * pp + 1)) / V
-    return min(M, pp - s)
-
-
 # zb1's split backward (B, then W as one autograd call per parameter group) costs this much more than one
 # backward: measured 4-8% of a stage's CPU time on the MID model (docs/pp.md), about 9% of its backward.
 ZB1_SPLIT_COST = 0.09
 
 
-def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None,
+def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
                           activation_checkpointing: bool | None = None) -> list[float]:
     """Layers per pipeline chunk (pp * virtual stages of them) minimising the slowest chunk's time per
     microbatch, as this cost model times a stage: each layer's dense and expert GEMM FLOPs at the hardware's
@@ -103,15 +93,8 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None
     the first chunk also pays for the embedding (its per-layer overhead), the last for the final norm, head
     and cross-entropy. Cuts may fall between a block's attention and its FFN (counts in multiples of 0.5,
     model/spec.py): the units are half-blocks, each chunk gets at least one, and on a tie a whole-layer cut
-    wins. A pure function of the config, so every rank computes the same split. hw defaults to the built-in
-    profile of the job's device kind (cpu-gloo, or an H100 with CUDA)."""
-    import torch
-
-    from ..hardware import get_hardware
-
-    if hw is None:
-        gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-        hw = get_hardware("h100" if gpu else "cpu")
+    wins. A pure function of the config and `hw`, so every rank computes the same split (resolve.py passes
+    the built-in profile of the job's device kind)."""
     ac = cfg.train.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     shape = ModelShape.from_config(cfg)
     T = cfg.train.micro_batch * shape.seq_len
@@ -159,17 +142,6 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware | None = None
     return tidy_counts(counts[::-1])
 
 
-def _ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
-    """Ring all-reduce: 2(g-1)/g of the buffer crosses each link, 2(g-1) latency steps."""
-    return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
-
-
-def _ring_half_s(nbytes: float, g: int, bw: float, lat: float) -> float:
-    """Ring reduce-scatter or all-gather of a `nbytes` buffer: half a ring all-reduce (NCCL's all-reduce is one
-    of each)."""
-    return 0.5 * _ring_allreduce_s(nbytes, g, bw, lat)
-
-
 def zero_level(layout: Layout, opts: PlanOptions) -> int:
     """The layout's zero level; a zero-0 layout under PlanOptions(zero=Z) or the old zero1=True predicts at Z."""
     return layout.zero or (opts.zero if opts.zero is not None else (1 if opts.zero1 else 0))
@@ -206,7 +178,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ne_link, _ = link("non_expert_dp")
     ex_link, _ = link("expert_dp")
 
-    n_virt = cfg.parallel.virtual_stages if layout.schedule == "interleaved" and pp > 1 else 1
+    n_virt = pp_schedules.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
@@ -222,7 +194,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         n_shard = st.n_ne / ne_group + st.n_ex / ex_group
         n_fsdp = st.n_ne + (st.n_ex if ex_group > 1 else 0)  # zero 3: what FSDP shards (dp == 1: not the experts)
         opt_params = n_shard if zero >= 1 else n_local
-        in_flight = 1 if pp == 1 else _in_flight(layout.schedule, pp, s, M, n_virt)
+        # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
+        in_flight = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt) / n_virt
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute under AC); the head's activations are freed by then
                      T * (st.act_layer_max - st.head_act) * prec.act,

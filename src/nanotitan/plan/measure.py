@@ -25,17 +25,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
+from ..metrics import storage_key
 from ..parallel import comm
 from ..spawn import run_ranks
 
 
 class TensorBytesMeter(TorchDispatchMode):
     """`with TensorBytesMeter(known=tensors) as m: ...` then m.peak / m.current (bytes).
-    Storages of `known` tensors (parameters, inputs) are never counted, so their views are not either."""
+    Storages of `known` tensors (parameters, inputs) are never counted, so their views are not either.
+    Storages are told apart by identity (`metrics.storage_key`), so fake and meta tensors count too (plan/dryrun.py)."""
 
     def __init__(self, known: list[torch.Tensor] = ()):
         super().__init__()
-        self.skip = {t.untyped_storage().data_ptr() for t in known}
+        self.skip = {storage_key(t.untyped_storage()) for t in known}
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
 
@@ -45,10 +47,10 @@ class TensorBytesMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor):
                 continue
             s = t.untyped_storage()
-            key = s.data_ptr()
+            key = storage_key(s)
             if key in self.live or key in self.skip or s.nbytes() == 0:
                 continue
             self.live[key] = s.nbytes()

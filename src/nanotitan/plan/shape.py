@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..model.spec import block_halves, even_counts, layer_bounds
+from ..parallel import pp as pp_schedules
 
 
 @dataclass(frozen=True)
@@ -143,14 +144,13 @@ PRECISIONS = {
 
 def layout_config(cfg: Config, layout: Layout) -> Config:
     """A copy of cfg running `layout` (pp_layers kept only when it still matches pp, or is "auto"; virtual stages
-    only under the interleaved schedule)."""
+    only where the layout runs more than one chunk per rank: interleaved with pp > 1)."""
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
     p.zero = layout.zero
     c.train.micro_batch = layout.micro_batch
-    if layout.schedule != "interleaved":
-        p.virtual_stages = 1
+    p.virtual_stages = pp_schedules.virtual_stages(layout.schedule, layout.pp, p.virtual_stages)
     if p.pp_layers != "auto" and len(p.pp_layers) != layout.pp * p.virtual_stages:
         p.pp_layers = []
     p.auto = False

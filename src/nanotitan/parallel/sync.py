@@ -1,0 +1,197 @@
+"""The gradient-sync protocol: everything that depends on how data parallelism is done, behind one object.
+
+A rank's `GradSync` owns, for its flavour of DP:
+
+    prepare(sync)            before each microbatch's backward; sync=True before the step's final one
+    finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards
+    param_groups(wd)         the AdamW groups over what this rank updates (params, or its 1/N shards)
+    clip(max_norm)           global-norm clipping over exactly what this rank holds (each element once)
+    after_step()             after the optimizer step: the full params again on every rank (ZeRO-1/2)
+    zero_grad()              ready for the next step (gradients stay bound to their buffers)
+    full_state(opt)          checkpoint form: ({name: tensor}, {name: {state key: tensor}}), replicated
+    load_full_state(opt, m, o)  its inverse: each rank keeps its part of tensors read in that form
+    close()                  before the process groups go
+
+Flavours (`parallel/parallelize.py` is the one place that picks one):
+
+    ReplicatedSync  zero 0: our bucketed, overlapped Reducer (dp.py), one per gradient group
+    TorchDDPSync    torch DDP over the non-expert-DP group (a baseline for pure DP; its own forward)
+    ZeroSync        zero 1/2: ShardedReducers (zero.py)
+    FSDPSync        zero 3: FSDP2 (fsdp.py)
+
+Every flavour leaves the same averages: replicated params averaged over the non-expert-DP group, expert
+shards summed over expert-DP and divided by DP*EP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .clip import clip_grad_norm_
+from .dims import ParallelDims
+from .dp import Reducer, wrap_ddp
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict | None = None) -> dict:
+    """`optimizer.state[p]`, created first if empty exactly as Adam(W)'s lazy init would (zero moments, step 0;
+    `step` a float32 tensor on the param's device when fused/capturable, else a CPU scalar of the default
+    float dtype; max_exp_avg_sq with amsgrad), so an optimizer that has not stepped can be saved or loaded.
+    The one place that knows Adam's state layout; `group` is p's param group (looked up if not given)."""
+    state = optimizer.state[p]
+    if state:
+        return state
+    group = group or next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    fp64 = torch.get_default_dtype() == torch.float64 and not group.get("fused")  # torch's _get_scalar_dtype
+    step_dtype = torch.float64 if fp64 else torch.float32
+    state["step"] = torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu")
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every param of the optimizer gets its state (`adam_state`). torch's own state-dict init (zero 3) skips an
+    optimizer whose params have a .grad, so the checkpoint path creates it here for every flavour alike."""
+    for g in optimizer.param_groups:
+        for q in g["params"]:
+            adam_state(optimizer, q, g)
+
+
+def replicated_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """The checkpoint form of a model whose params are whole on this rank: the live tensors themselves
+    (loading copies into them, so there is nothing to scatter afterwards)."""
+    model_state = dict(model.named_parameters())
+    if optimizer is None:
+        return model_state, {}
+    name_of = {id(q): n for n, q in model_state.items()}
+    optim_state = {}
+    for g in optimizer.param_groups:
+        for q in g["params"]:
+            assert id(q) in name_of, "optimizer holds a tensor that is not a parameter of the model"
+            optim_state[name_of[id(q)]] = adam_state(optimizer, q, g)
+    return model_state, optim_state
+
+
+def decay_groups(params, weight_decay: float) -> list[dict]:
+    """AdamW groups with weight decay on matrices only (the trainer's rule)."""
+    params = list(params)
+    return [{"params": [q for q in params if q.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+
+
+class GradSync:
+    """The protocol (see the module docstring), with the defaults of a flavour whose params are whole."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, expert_params: NamedParams,
+                 replicated_params: NamedParams):
+        self.model, self.dims = model, dims
+        self.expert_params, self.replicated_params = expert_params, replicated_params
+
+    def prepare(self, sync: bool) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return decay_groups(self.model.parameters(), weight_decay)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py)."""
+        return clip_grad_norm_([p for _, p in self.expert_params], [p for _, p in self.replicated_params],
+                               max_norm, self.dims.group("pp"), self.dims.group("ep"))
+
+    def after_step(self) -> None:
+        pass
+
+    def full_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+        return replicated_full_state(self.model, optimizer)
+
+    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
+        pass  # full_state returned the live tensors: the checkpoint was read straight into them
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicatedSync(GradSync):
+    """zero 0: one bucketed Reducer per gradient group (replicated params over non-expert-DP, expert shards
+    over expert-DP), each launching its all-reduces during the final backward."""
+
+    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__(model, dims, expert_params, replicated_params)
+        self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype)
+                         for params, kind in gradient_groups(expert_params, replicated_params)]
+
+    def prepare(self, sync: bool) -> None:
+        for r in self.reducers:
+            r.prepare(sync)
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+
+    def zero_grad(self) -> None:
+        for r in self.reducers:
+            r.zero_grad()
+
+
+class TorchDDPSync(GradSync):
+    """torch DDP over the non-expert-DP group: a baseline for pure DP (config refuses it with PP or EP, where
+    DDP's average over its group is not DESIGN §4's). DDP decides in each *forward* whether the backward
+    syncs (`no_sync()`), so it needs its own microbatch loop (step.py); prepare/finish have nothing to do."""
+
+    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float):
+        super().__init__(model, dims, expert_params, replicated_params)
+        self.ddp = wrap_ddp(model, dims.group("non_expert_dp"), bucket_mb)
+
+    def prepare(self, sync: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass  # DDP waited for its all-reduces at the end of the final backward
+
+    def zero_grad(self) -> None:
+        for q in self.model.parameters():
+            if q.grad is not None:
+                q.grad.zero_()  # never None: DDP's gradient-as-bucket-view keeps them bound
+
+    def close(self) -> None:
+        self.ddp = None  # DDP must go before the process group (BASELINES: SIGABRT at exit otherwise)
+
+
+def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "auto",
+                        reshard: str = "auto") -> tuple[str, str]:
+    """(parallel.zero_accumulate, parallel.zero3_reshard) with "auto" made concrete: the one rule, for the trainer
+    (parallelize.py) and the planner (plan/cost.py) alike. Measured in docs/dp.md ("Peak memory").
+
+    zero3_reshard auto: "always" without PP; with PP "never", as torchtitan: its schedules run several microbatches'
+    forwards before their backwards, so re-gathering per microbatch costs 2M all-gathers of the stage per step.
+    zero_accumulate auto: "shard", except zero 2 under the interleaved schedule (each chunk's backward would
+    reduce-scatter every bucket of the rank, V times the traffic) and zero 3 that keeps its params gathered
+    ("never": a rank has room for the stage's full params all step, so it keeps its full gradients too and
+    reduce-scatters once per step, as torch.distributed.pipelining does)."""
+    if reshard == "auto":
+        reshard = "always" if pp == 1 else "never"
+    if accumulate == "auto":
+        if zero == 2:
+            accumulate = "full" if pp > 1 and schedule == "interleaved" else "shard"
+        else:
+            accumulate = "full" if zero < 2 or reshard == "never" else "shard"
+    return accumulate, reshard
+
+
+def gradient_groups(expert_params: NamedParams, replicated_params: NamedParams) -> list[tuple[NamedParams, str]]:
+    """(params, the ParallelDims group their gradients are reduced over), skipping an empty side."""
+    return [(params, kind) for params, kind in ((replicated_params, "non_expert_dp"), (expert_params, "expert_dp"))
+            if params]

@@ -1,0 +1,366 @@
+"""ZeRO-1/2: the Reducer's buckets, reduce-scattered instead of all-reduced, each rank updating 1/N of them.
+
+`ShardedReducer` is the mechanism (one per gradient group), `ZeroSync` the GradSync flavour over them
+(sync.py), and `sharded_optim_state_to_full` / `full_optim_state_to_sharded` convert the optimizer state
+between this rank's flat slices and the per-parameter form checkpoints hold (docs/dp.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from .clip import clip_grad_norm_
+from .dp import Reducer, _Bucket, _CopyBack
+from .sync import GradSync, adam_state, gradient_groups
+
+
+@dataclass
+class _ShardBucket(_Bucket):
+    """A Reducer bucket whose params, gradients and optimizer state are split into `world` equal slices."""
+    offsets: list[int] = field(default_factory=list)  # params[i] occupies [offsets[i], offsets[i] + numel)
+    padded: int = 0  # numel rounded up to a multiple of 16 * the group size
+    decay: bool = True  # matrices (weight decay) or vectors (none): one optimizer group per bucket
+    pflat: torch.Tensor | None = None  # the params' storage: every param's .data is a view into it
+    shard: nn.Parameter | None = None  # this rank's slice of pflat: what the optimizer steps
+    shard_grad: torch.Tensor | None = None  # its reduced gradient (zero 1: a slice of flat; zero 2: its own)
+    gather: comm.TimedWork | None = None
+
+
+# Each rank's slice is a multiple of 16 elements (64 bytes for fp32: a cache line, one AVX-512 vector), so
+# vectorised kernels such as fused AdamW never run a scalar tail over a slice they would not run over the
+# whole tensors.
+_SHARD_ALIGN = 16
+
+# zero 2 "shard": reduce-scatters in flight while backward goes on. Launching one more waits for the oldest, so
+# at most this many full bucket buffers wait on the wire, beside the one backward is filling.
+_IN_FLIGHT = 1
+
+
+class ShardedReducer(Reducer):
+    """ZeRO-1/2 over `group`: the Reducer's buckets and per-step protocol, but each bucket is
+    reduce-scattered (not all-reduced) and each rank updates only its 1/N slice of every bucket.
+
+    Per step, as the Reducer: `prepare(sync)` before each microbatch's backward, `finish()` after the
+    last; then clip `shard_params` (their .grad is this rank's slice of `scale * SUM over group`), step
+    an optimizer built on `param_groups()`, `gather_params()` (the full params again on every rank),
+    `zero_grad()`. Between finish() and the next step only the shard grads mean anything.
+
+    Layout: each bucket holds params of one dtype and one weight-decay kind (decay on matrices only, as
+    the trainer's AdamW), in a flat param buffer padded to a multiple of 16 * N; the model's params are views
+    into it, and the shard param is a view of this rank's slice [r*S, (r+1)*S). An elementwise optimizer
+    (AdamW) gives exactly the same update on a slice as on the whole tensor; padding stays zero.
+
+    zero=1: gradients accumulate over microbatches in the full flat buffer (gradient-as-bucket-view);
+            the final backward reduce-scatters each bucket in place, so the shard grad is a slice of it.
+    zero=2, accumulate="shard" (parallel.zero_accumulate): no full gradient outlives its bucket. Every
+            backward, not only the final one, counts its params ready and reduce-scatters each bucket as soon as
+            it is full (same launch rule), adding the result into a persistent 1/N shard grad; a bucket's full
+            buffer is allocated when backward delivers its first gradient (a tensor hook, before autograd
+            accumulates into .grad) and freed when its reduce-scatter has landed, at most `_IN_FLIGHT` of them
+            in flight. M reduce-scatters per bucket per step instead of one (docs/dp.md).
+    zero=2, accumulate="full": gradients accumulate over the step's microbatches in full buffers as at zero 1;
+            the final backward reduce-scatters them into the shard grad and finish() frees them (the next
+            step's first prepare() allocates them again). One reduce-scatter per bucket per step.
+    Either way, between steps (clip, optimizer, checkpoint, eval) a rank holds 1/N of the gradients.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float,
+                 zero: int, reduce_dtype: torch.dtype | None = None, accumulate: str = "shard"):
+        if zero not in (1, 2):
+            raise ValueError(f"ShardedReducer implements parallel.zero 1 and 2, got {zero} (zero 3 is fsdp.py)")
+        if accumulate not in ("shard", "full"):
+            raise ValueError(f"parallel.zero_accumulate={accumulate!r} must be shard or full (--parallel.zero_accumulate)")
+        self.zero = zero
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        # zero 2 "shard": reduce-scatter on every backward into the shard accumulator (zero 1 keeps full grads)
+        self.every_backward = zero == 2 and accumulate == "shard"
+        self._armed = False  # every_backward: a backward is under way since the last prepare()
+        self._in_flight: list[tuple] = []  # every_backward: (work, output, input kept alive, bucket), oldest first
+        super().__init__(named_params, group, bucket_mb, scale, reduce_dtype)
+        if self.every_backward:
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_hook(self._make_alloc_hook(b))
+
+    @staticmethod
+    def _bucket_kind(p: nn.Parameter) -> tuple:
+        return p.dtype, p.device, p.dim() >= 2
+
+    @torch.no_grad()
+    def _make_bucket(self, entries: list[tuple[str, nn.Parameter]]) -> _ShardBucket:
+        params = [p for _, p in entries]
+        p0, N = params[0], self.world
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // (N * _SHARD_ALIGN)) * N * _SHARD_ALIGN
+        S = padded // N
+        b = _ShardBucket(flat=None, params=params, views=[], names=[n for n, _ in entries], padded=padded,
+                         decay=p0.dim() >= 2, pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
+        offset = 0
+        for p in params:
+            b.offsets.append(offset)
+            view = b.pflat[offset:offset + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view  # the model now reads and writes its weights in the bucket
+            offset += p.numel()
+        b.shard = nn.Parameter(b.pflat[self.rank * S:(self.rank + 1) * S])
+        if not self.every_backward or any(p.grad is not None for p in params):
+            self._alloc_grads(b)  # keeps a .grad accumulated before the reducer existed
+        b.shard_grad = b.flat[self.rank * S:(self.rank + 1) * S] if self.zero == 1 else b.pflat.new_zeros(S)
+        b.shard.grad = b.shard_grad
+        return b
+
+    @torch.no_grad()
+    def _alloc_grads(self, b: _ShardBucket) -> None:
+        """The full gradient buffer of a bucket, zeroed, with every param's .grad a view into it."""
+        p0 = b.params[0]
+        b.flat = torch.zeros(b.padded, dtype=p0.dtype, device=p0.device)
+        b.views = [b.flat[o:o + p.numel()].view_as(p) for o, p in zip(b.offsets, b.params)]
+        for p, view in zip(b.params, b.views):
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+
+    # --- per step ------------------------------------------------------------------------------
+    def _bind_views(self) -> None:
+        for b in self.buckets:
+            # zero 2 "full": the buffers finish() freed. "shard": only to take in a gradient that escaped the
+            # bucket (set from outside); backward's first gradient allocates the buffer otherwise.
+            if b.flat is None and (not self.every_backward or any(p.grad is not None for p in b.params)):
+                self._alloc_grads(b)
+            if b.shard.grad is None or b.shard.grad.data_ptr() != b.shard_grad.data_ptr():
+                b.shard.grad = b.shard_grad  # e.g. optimizer.zero_grad(set_to_none=True)
+        super()._bind_views()
+
+    def _make_alloc_hook(self, b: _ShardBucket):
+        def alloc(grad: torch.Tensor) -> None:
+            if b.flat is None:  # the bucket's first gradient of this backward: accumulate it into a zeroed buffer
+                self._alloc_grads(b)
+        return alloc
+
+    def _make_hook(self, bi: int, pi: int):
+        if not self.every_backward:
+            return super()._make_hook(bi, pi)
+        b = self.buckets[bi]
+        name = b.names[pi]
+
+        def hook(p: nn.Parameter) -> None:
+            if not self._armed:
+                return  # a backward outside the protocol: its gradient waits in the buffer for the next one
+            if b.launched:
+                raise RuntimeError(f"{name} received a gradient after its bucket's reduce-scatter started: each "
+                                   f"microbatch must run a single backward (combine losses before .backward())")
+            b.pending -= 1
+            if b.pending == 0:
+                self._launch_ready()
+
+        return hook
+
+    def prepare(self, sync: bool) -> None:
+        if not self.every_backward:
+            return super().prepare(sync)
+        if self._armed:
+            self._launch_rest()  # the previous backward's buckets, in order: the same collectives on every rank
+        self._bind_views()
+        self._sync, self._armed, self._next_launch = sync, True, 0
+        for b in self.buckets:
+            b.pending, b.launched = len(b.params), False
+
+    def _launch_rest(self) -> None:
+        """Launch every bucket this backward has not: those with a param that got no gradient here (an
+        unused expert; under interleaved, another chunk's) are reduced with what they hold, zeros if nothing."""
+        for b in self.buckets[self._next_launch:]:
+            if b.flat is None:
+                self._alloc_grads(b)
+            b.pending = 0
+        self._launch_ready()
+
+    def _launch(self, b: _ShardBucket) -> None:
+        if self.every_backward:
+            return self._launch_into_shard(b)
+        if self.scale != 1.0:
+            b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
+        if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
+            low = b.flat.to(self.reduce_dtype)  # parallel.reduce_dtype: reduce a narrowed copy, widen the slice
+            out = low.new_empty(b.shard_grad.shape)
+            b.work = _CopyBack(comm.reduce_scatter(out, low, self.group), out, b.shard_grad)
+        elif self.group is not None:
+            # zero 1: in place (the output is this rank's slice of the input, as NCCL allows)
+            b.work = comm.reduce_scatter(b.shard_grad, b.flat, self.group)
+        elif self.zero == 2:
+            b.shard_grad.copy_(b.flat)
+        b.launched = True
+
+    def _launch_into_shard(self, b: _ShardBucket) -> None:
+        """zero 2 "shard": reduce-scatter this backward's bucket, to be added into the shard grad when it lands;
+        the params let go of the full buffer at once (the collective keeps it alive until then)."""
+        if self.scale != 1.0:
+            b.flat.mul_(self.scale)
+        if self.group is None:
+            b.shard_grad.add_(b.flat)
+        else:
+            src = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
+            out = src.new_empty(b.shard_grad.shape)
+            self._in_flight.append((comm.reduce_scatter(out, src, self.group), out, src, b))
+        for p in b.params:
+            p.grad = None
+        b.flat, b.views, b.launched = None, [], True
+        while len(self._in_flight) > _IN_FLIGHT:
+            self._land(self._in_flight.pop(0))
+
+    @staticmethod
+    def _land(entry: tuple) -> None:
+        work, out, _, b = entry
+        work.wait()
+        b.shard_grad.add_(out)  # microbatch by microbatch, in launch order (bf16: widened by the add)
+
+    def finish(self) -> None:
+        if self.every_backward:
+            if not self._sync:
+                raise RuntimeError("ShardedReducer.finish() without prepare(sync=True) before the final backward")
+            self._launch_rest()
+            while self._in_flight:
+                self._land(self._in_flight.pop(0))
+            self._sync = self._armed = False
+            return
+        super().finish()
+        if self.zero == 2:
+            for b in self.buckets:  # the reduced slice is in shard_grad: drop the full buffer
+                for p in b.params:
+                    p.grad = None
+                b.flat, b.views = None, []
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            if b.flat is not None:
+                b.flat.zero_()  # zero 1: shard_grad is a slice of it
+            if self.zero == 2:
+                b.shard_grad.zero_()
+        if self.zero == 1:
+            self._bind_views()
+
+    # --- optimizer side ---------------------------------------------------------------------------
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        return [b.shard for b in self.buckets]
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups over the shard params: decay on matrices only (the trainer's rule)."""
+        return [{"params": [b.shard for b in self.buckets if b.decay], "weight_decay": weight_decay},
+                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}]
+
+    def start_gather(self) -> None:
+        """After the optimizer step: all-gather every bucket's updated slices (async, in place)."""
+        if self.group is None:
+            return  # one rank: the shard is the whole buffer, already updated
+        for b in self.buckets:
+            b.gather = comm.all_gather(b.pflat, b.shard.detach(), self.group)
+
+    def wait_gather(self) -> None:
+        for b in self.buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather = None
+
+    def gather_params(self) -> None:
+        """Every rank's params are the full updated params again."""
+        self.start_gather()
+        self.wait_gather()
+
+
+@torch.no_grad()
+def sharded_optim_state_to_full(reducers: list, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """{param name: {state key: tensor}} for every param of these sharded reducers, as a replicated
+    optimizer would hold it: each bucket's state slices are all-gathered over its group and cut per param
+    (fresh tensors; a scalar such as AdamW's `step` is shared by every param of the bucket).
+    Collective over each reducer's group; an optimizer that has not stepped yet gives zero moments, step 0."""
+    out: dict[str, dict] = {}
+    for r in reducers:
+        for b in r.buckets:
+            state = adam_state(optimizer, b.shard)
+            for key in sorted(state):  # same collective order on every rank
+                v = state[key]
+                if v.dim() == 0:
+                    for name in b.names:
+                        out.setdefault(name, {})[key] = v.detach().clone()
+                    continue
+                full = v.new_empty(b.padded)
+                if r.group is not None:
+                    comm.all_gather(full, v, r.group).wait()
+                else:
+                    full.copy_(v)
+                for name, p, o in zip(b.names, b.params, b.offsets):
+                    out.setdefault(name, {})[key] = full[o:o + p.numel()].view_as(p)
+    return out
+
+
+@torch.no_grad()
+def full_optim_state_to_sharded(reducers: list, optimizer: torch.optim.Optimizer, full: dict[str, dict]) -> None:
+    """Inverse of `sharded_optim_state_to_full`: copy this rank's slice of every bucket out of the
+    per-param state `full` (e.g. read from a checkpoint written at any zero level) into the optimizer."""
+    for r in reducers:
+        for b in r.buckets:
+            state = adam_state(optimizer, b.shard)
+            S = b.padded // r.world
+            for key, v in state.items():
+                if v.dim() == 0:
+                    v.copy_(full[b.names[0]][key])
+                    continue
+                flat = v.new_zeros(b.padded)
+                for name, p, o in zip(b.names, b.params, b.offsets):
+                    flat[o:o + p.numel()].copy_(full[name][key].reshape(-1))
+                v.copy_(flat[r.rank * S:(r.rank + 1) * S])
+
+
+class ZeroSync(GradSync):
+    """zero 1/2: one ShardedReducer per gradient group. The optimizer steps the shard params; their gradients
+    are disjoint slices over the non-expert-DP group (replicated params are sharded over it, expert shards
+    over expert-DP and differ over EP anyway), which is what clipping sums."""
+
+    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float, zero: int,
+                 reduce_dtype: torch.dtype | None = None, accumulate: str = "shard"):
+        super().__init__(model, dims, expert_params, replicated_params)
+        self.reducers = [ShardedReducer(params, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
+                         for params, kind in gradient_groups(expert_params, replicated_params)]
+
+    def prepare(self, sync: bool) -> None:
+        for r in self.reducers:
+            r.prepare(sync)
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+
+    def zero_grad(self) -> None:
+        for r in self.reducers:
+            r.zero_grad()
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        groups = [r.param_groups(weight_decay) for r in self.reducers]
+        return [{"params": [q for g in groups for q in g[i]["params"]], "weight_decay": groups[0][i]["weight_decay"]}
+                for i in range(2)]
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        shards = [q for r in self.reducers for q in r.shard_params]
+        return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None, shards, self.dims.group("non_expert_dp"))
+
+    def after_step(self) -> None:
+        for r in self.reducers:
+            r.start_gather()  # every bucket's all-gather in flight at once, then wait for all
+        for r in self.reducers:
+            r.wait_gather()
+
+    def full_state(self, optimizer):
+        """The live params (whole on every rank between steps) and the optimizer state all-gathered (collective)."""
+        model_state = dict(self.model.named_parameters())
+        return model_state, (sharded_optim_state_to_full(self.reducers, optimizer) if optimizer is not None else {})
+
+    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
+        if optimizer is not None:  # the params were read in place; the state is cut into this rank's slices
+            full_optim_state_to_sharded(self.reducers, optimizer, optim_state)

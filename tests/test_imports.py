@@ -1,0 +1,137 @@
+"""The package's import graph, read from the source: every import statement, function-level ones included.
+
+Contracts: no import cycle anywhere in src/nanotitan (DESIGN §2); config.py, which every layer reads, imports
+nothing of the package but errors.py and hf_config.py (pure config mapping); model/ never imports parallel/ or
+plan/, data/ never imports model/ or parallel/.
+
+An edge A -> B means that running A's code can import B: `import`/`from ... import` anywhere in A (relative
+imports resolved, `from pkg import mod` naming the submodule), plus the `__init__` of every package on B's path
+that is not one of A's own (Python runs `plan/__init__.py`, which imports the whole planner, before `plan.cost`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = "nanotitan"
+
+
+def _modules(src: Path = SRC) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of the package (a package is its __init__.py)."""
+    out = {}
+    for path in sorted((src / PKG).rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _targets(module: str, is_pkg: bool, node: ast.AST, known: set[str]) -> list[str]:
+    """The package modules one import statement names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == PKG]
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:  # relative: from the importer's package, one level up per extra dot
+        base = module.split(".") if is_pkg else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        target = ".".join(base + (node.module.split(".") if node.module else []))
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != PKG:
+        return []
+    # `from pkg import mod` imports the submodule; `from mod import name` the module
+    subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+    return subs + ([target] if len(subs) < len(node.names) else [])
+
+
+def import_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """{module: modules its code can import} (module docstring), self-edges dropped."""
+    mods = _modules(src)
+    known = set(mods)
+    graph: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        own = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)}  # itself and its parents
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(module, is_pkg, node, known):
+                    parts = t.split(".")
+                    # the target and every package __init__ on its way (a module's own packages already run)
+                    edges |= {p for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                              if p in known and p not in own}
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan): each one is a knot of cycles."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycle():
+    """No module can reach itself through imports, function-level ones included."""
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_config_is_a_leaf():
+    """config.py imports only errors.py and the pure HF config mapping, so anything can read the config."""
+    assert import_graph()[f"{PKG}.config"] <= {f"{PKG}.errors", f"{PKG}.hf_config"}
+    assert import_graph()[f"{PKG}.hf_config"] <= {f"{PKG}.errors", f"{PKG}.config"}
+
+
+def test_layers_import_downward_only():
+    """model/ never imports parallel/ or plan/ (a shard spec receives counts); data/ never imports model/ or parallel/."""
+    graph = import_graph()
+    for module, edges in graph.items():
+        if module.startswith(f"{PKG}.model"):
+            assert not {e for e in edges if e.startswith((f"{PKG}.parallel", f"{PKG}.plan"))}, module
+        if module.startswith(f"{PKG}.data"):
+            assert not {e for e in edges if e.startswith((f"{PKG}.model", f"{PKG}.parallel"))}, module
+
+
+def test_scanner_sees_function_level_and_package_imports(tmp_path):
+    """The scanner itself: a cycle closed only by a function-level relative import through a package __init__
+    is found, and `from . import mod` names the submodule."""
+    pkg = tmp_path / PKG
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .sub.c import g\n")
+    (pkg / "sub" / "__init__.py").write_text("from .d import h\n")
+    (pkg / "sub" / "c.py").write_text("X = 1\n")
+    (pkg / "sub" / "d.py").write_text("def h():\n    import nanotitan.a\n")
+    graph = import_graph(tmp_path)
+    assert graph[f"{PKG}.a"] == {f"{PKG}.b"}
+    assert graph[f"{PKG}.b"] == {f"{PKG}.sub", f"{PKG}.sub.c"}
+    assert cycles(graph) == [[f"{PKG}.a", f"{PKG}.b", f"{PKG}.sub", f"{PKG}.sub.d"]]

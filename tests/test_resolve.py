@@ -1,0 +1,95 @@
+"""resolve.py: the config as written becomes the config a job runs, once, above model/ and parallel/.
+
+Contracts: load_config and validate leave "auto" and derived values as written (validate mutates nothing);
+resolve() returns a concrete copy (model.vocab_size, pp_layers counts, virtual stages, the planner's layout)
+and hands a resolved config back untouched; shard specs read the counts and never ask the planner; the auto
+split depends on the hardware resolve passes, not on whether CUDA is visible inside the cost model.
+"""
+
+import pytest
+import torch
+
+from nanotitan import resolve as R
+from nanotitan.config import Config, ConfigError, ParallelConfig, load_config, to_dict, validate
+from nanotitan.hardware import get_hardware
+from nanotitan.model.spec import build_chunk_specs, chunk_layer_counts
+from nanotitan.plan.cost import balanced_layer_counts
+
+# A head as heavy as several layers (vocab 16384, d 32): pp_layers auto gives the last stage fewer layers.
+HEAVY = ["--parallel.pp", "2", "--parallel.pp_layers", "auto", "--model.n_layers", "8", "--model.d_model", "32",
+         "--model.n_heads", "4", "--model.ffn_dim", "64", "--data.vocab_size", "16384", "--train.device", "cpu"]
+
+
+def test_validate_mutates_nothing_and_load_config_keeps_what_was_written():
+    cfg = load_config(None, HEAVY)
+    before = to_dict(cfg)
+    validate(cfg)
+    assert to_dict(cfg) == before
+    assert cfg.model.vocab_size == 0 and cfg.parallel.pp_layers == "auto" and not cfg.resolved
+
+
+def test_resolve_returns_a_concrete_copy_once():
+    cfg = load_config(None, HEAVY)
+    r = R.resolve(cfg)
+    assert r is not cfg and r.resolved and not cfg.resolved and cfg.parallel.pp_layers == "auto"
+    assert r.model.vocab_size == 16384
+    counts = r.parallel.pp_layers
+    assert sum(counts) == 8 and counts[1] < counts[0], counts
+    assert r.explicit == cfg.explicit  # which keys the user set travels with the copy
+    assert R.resolve(r) is r and R.resolve_model(r) is r  # a job's config is resolved once
+
+
+def test_specs_read_the_counts_and_never_ask_the_planner(monkeypatch):
+    r = R.resolve(load_config(None, HEAVY))
+
+    def planner(*args, **kwargs):
+        raise AssertionError("a shard spec asked the planner: pp_layers is resolved once, in resolve.py")
+
+    monkeypatch.setattr(R, "balanced_layer_counts", planner)
+    specs = [build_chunk_specs(r, pp_rank)[0] for pp_rank in range(2)]
+    assert specs[0].layer_start == 0 and specs[1].layer_end == 8 and chunk_layer_counts(r) == r.parallel.pp_layers
+    with pytest.raises(AssertionError, match="resolve the config"):
+        chunk_layer_counts(load_config(None, HEAVY))  # an unresolved "auto" is refused, not balanced here
+
+
+def test_auto_split_depends_on_the_hardware_passed_not_on_visible_cuda(monkeypatch):
+    """resolve picks the device kind's profile (train.device, or auto: CUDA visible or not) and the cost model
+    balances on the profile it is given: with CUDA visible, a CPU profile passed in still gives the CPU split."""
+    cfg = load_config(None, HEAVY + ["--train.device", "auto"])
+    shape = R.resolve_model(cfg)
+    cpu, h100 = (balanced_layer_counts(shape, 2, get_hardware(n)) for n in ("cpu", "h100"))
+    assert cpu != h100  # the head weighs differently on each, so the profile shows in the split
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert R.resolve(cfg).parallel.pp_layers == h100
+    assert R.resolve(cfg, hardware=get_hardware("cpu")).parallel.pp_layers == cpu
+    assert R.resolve(load_config(None, HEAVY)).parallel.pp_layers == cpu  # train.device=cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert R.resolve(cfg).parallel.pp_layers == cpu
+
+
+def test_virtual_stages_resolve_to_the_chunks_a_rank_runs():
+    one = Config(parallel=ParallelConfig(pp=1, schedule="interleaved", virtual_stages=2))
+    assert R.resolve(one).parallel.virtual_stages == 1  # no pipeline: one chunk, whatever V says
+    two = Config(parallel=ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2, microbatches=2))
+    assert R.resolve(two).parallel.virtual_stages == 2 and len(build_chunk_specs(R.resolve(two), 0)) == 2
+    with pytest.raises(ConfigError, match="needs --parallel.schedule interleaved"):  # refused, not dropped
+        R.resolve(Config(parallel=ParallelConfig(pp=2, virtual_stages=2)))
+
+
+def test_parallel_auto_plans_once_and_its_flags_reproduce_the_layout(monkeypatch):
+    args = ["--parallel.auto", "true", "--train.global_batch", "8", "--train.micro_batch", "2",
+            "--model.n_layers", "2", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "64"]
+    lines = []
+    r = R.resolve(load_config(None, args), world=2, log=lines.append)
+    p = r.parallel
+    assert p.dp * p.pp * p.ep == 2 and not p.auto and r.train.global_batch == r.layout_batch == 8
+    assert r.train.micro_batch == 2 and lines and lines[0].startswith("planner: world 2, global batch 8")
+
+    def planner(*args, **kwargs):
+        raise AssertionError("a rank planned again")
+
+    monkeypatch.setattr(R, "recommend", planner)
+    again = R.resolve(load_config(None, args + R.planned_flags(r)), world=2)  # what the launched ranks run
+    assert again.parallel == r.parallel and again.train == r.train
+    with pytest.raises(ConfigError, match="world size 3 != parallel.dp"):
+        R.resolve(load_config(None, args + R.planned_flags(r)), world=3)
