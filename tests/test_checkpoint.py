@@ -144,7 +144,7 @@ def _mismatch_rank(rank, world, path):
         try:
             ckpt.load_checkpoint(path, model, opt, dims)
             errors.append("")
-        except ValueError as e:
+        except ckpt.CheckpointError as e:
             errors.append(str(e))
     return errors
 

@@ -1,13 +1,17 @@
 """Sharded DP keeps the equivalence rule (DESIGN §4): every zero level trains what one process trains.
 
-parallel.zero 1, 2 (ShardedReducer) and 3 (FSDP2) x DP2, DP4, DP2*EP2, DP2*PP2 and DP2*PP2*EP2 (both
-schedules: PP_CELLS run in the default tier, PP_CELLS_SLOW complete the product in the slow tier) run
-the real trainer on real gloo processes for 10 steps with clipping and are held to
-tests/test_equivalence.py's bar against its single-process reference: losses per step to fp32 relative
-1e-5, final parameters (each rank's full params: after the all-gather at zero 1/2, gathered from the
-shards at zero 3), replicas bitwise identical. Activation checkpointing and periodic eval (a forward
-between steps: FSDP's params stay gathered until the next final backward) ride along in two cases.
-One launch per world size runs all of its cases. Default tier: 3 launches, 19 trainer runs.
+parallel.zero 1, 2 (ShardedReducer) and 3 (FSDP2) x DP2, DP4, DP2*EP2, DP2*PP2 and DP2*PP2*EP2 run the real
+trainer on real gloo processes for 10 steps with clipping and are held to tests/test_equivalence.py's bar
+against its single-process reference: losses per step to fp32 relative 1e-5, final parameters (each rank's full
+params: after the all-gather at zero 1/2, gathered from the shards at zero 3), replicas bitwise identical.
+
+Both memory behaviours of zero 2 and 3 (docs/dp.md "Peak memory") are rows: `auto` gives zero 2 "shard"
+(a reduce-scatter per bucket per microbatch, added into the shard) and zero 3 without PP "always" + "shard"
+(params re-gathered around each module's forward and backward, gradients reduce-scattered per microbatch); under
+PP zero 3's auto is "never" + "full", so its "always" + "shard" rows are explicit, as are zero 2 "full" and zero 3
+"never" without PP. Zero 2 "shard" runs 1F1B, gpipe and zb1 (W delivers each microbatch's weight gradients);
+zero 3 refuses zb1 and interleaved (config.validate). Activation checkpointing and periodic eval (a forward
+between steps) ride along in two cases. One launch per world size runs all of its cases.
 """
 
 import pytest
@@ -16,6 +20,10 @@ from tests.mp import run_ranks, train_once
 from tests.test_equivalence import base_args, check_case, layout_args, reference  # noqa: F401 (fixture)
 
 NO_CKPT = ("--train.ckpt_at_end", "false")
+FULL = ("--parallel.zero_accumulate", "full")  # zero 2/3: full gradients over the step, one reduce-scatter
+SHARD = ("--parallel.zero_accumulate", "shard")
+NEVER = ("--parallel.zero3_reshard", "never")  # zero 3: params gathered from the first forward to the last backward
+ALWAYS = ("--parallel.zero3_reshard", "always")
 
 
 def _run(rank, world, cases, corpus_dir, run_root):
@@ -39,11 +47,11 @@ def _every_zero(dp, pp, ep, schedule):
     return [(dp, pp, ep, schedule, zero) for zero in (1, 2, 3)]
 
 
-# With PP, zero 1/2 meet the schedule only through prepare(sync) before each backward (the Reducer's own
-# path, tested in both schedules by test_equivalence.py); zero 3 (FSDP's gradient-sync and reshard flags)
-# runs both schedules in the default tier, and the full product runs in the slow tier.
-PP_CELLS = [("gpipe", 1), ("1f1b", 2), ("gpipe", 3), ("1f1b", 3)]
-PP_CELLS_SLOW = [("1f1b", 1), ("gpipe", 2)]
+# With PP, zero 1/2 meet the schedule only through prepare(sync) before each backward (zb1: before each W);
+# zero 3 through FSDP's gradient-sync and reshard flags. The default tier runs each zero level's new memory
+# behaviour under 1F1B, zero 2 under zb1, and zero 3's PP default ("never" + "full") under gpipe and 1F1B.
+PP_CELLS = [("gpipe", 1), ("1f1b", 2), ("zb1", 2), ("gpipe", 3), ("1f1b", 3), ("1f1b", 3, *ALWAYS, *SHARD)]
+PP_CELLS_SLOW = [("1f1b", 1), ("gpipe", 2), ("1f1b", 2, *FULL), ("gpipe", 3, *ALWAYS, *SHARD)]
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, reference, timeout):
@@ -53,26 +61,29 @@ def _matrix(world, cases, corpus_dir, tmp_path, reference, timeout):
 
 
 def test_zero_world2(corpus_dir, tmp_path, reference):
-    _matrix(2, _cases(_every_zero(2, 1, 1, "1f1b"), ac=(2, 1, 1, "1f1b", 3)), corpus_dir, tmp_path, reference,
-            timeout=300)
+    cells = _every_zero(2, 1, 1, "1f1b") + [(2, 1, 1, "1f1b", 2, *FULL), (2, 1, 1, "1f1b", 3, *NEVER)]
+    _matrix(2, _cases(cells, ac=(2, 1, 1, "1f1b", 3)), corpus_dir, tmp_path, reference, timeout=400)
 
 
 def test_zero_world4(corpus_dir, tmp_path, reference):
-    cells = _every_zero(4, 1, 1, "1f1b") + _every_zero(2, 1, 2, "1f1b") + [(2, 2, 1, s, z) for s, z in PP_CELLS]
-    _matrix(4, _cases(cells, ac=(2, 2, 1, "1f1b", 2)), corpus_dir, tmp_path, reference, timeout=600)
+    cells = _every_zero(4, 1, 1, "1f1b") + _every_zero(2, 1, 2, "1f1b") + [(2, 2, 1, *c) for c in PP_CELLS]
+    _matrix(4, _cases(cells, ac=(2, 2, 1, "1f1b", 2)), corpus_dir, tmp_path, reference, timeout=900)
 
 
 def test_zero_world8(corpus_dir, tmp_path, reference):
-    _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS]), corpus_dir, tmp_path, reference, timeout=600)
+    cells = [(2, 2, 2, *c) for c in PP_CELLS if c[0] != "gpipe"]
+    _matrix(8, _cases(cells), corpus_dir, tmp_path, reference, timeout=900)
 
 
 @pytest.mark.slow
 def test_zero_pp_slow_tier(corpus_dir, tmp_path, reference):
-    """The rest of the product, zero 1/2 under the interleaved and zb1 schedules (zero 3 refuses them), and zero 3
-    with a half-layer cut (FSDP2 wraps each block: here block 2's attention half and its MoE half separately)."""
-    cells = [(2, 2, 1, s, z) for s, z in PP_CELLS_SLOW]
-    cells += [(2, 2, 1, "interleaved", 1, "--parallel.virtual_stages", "2"), (2, 2, 1, "zb1", 2),
+    """The rest of the product: zero 1 under interleaved, zero 2 "shard" under interleaved (explicit: auto is
+    "full" there), the gpipe cells at DP2*PP2*EP2, and zero 3 with a half-layer cut (FSDP2 wraps each block:
+    here block 2's attention half and its MoE half separately)."""
+    cells = [(2, 2, 1, *c) for c in PP_CELLS_SLOW]
+    cells += [(2, 2, 1, "interleaved", 1, "--parallel.virtual_stages", "2"),
+              (2, 2, 1, "interleaved", 2, "--parallel.virtual_stages", "2", *SHARD),
               (2, 2, 1, "1f1b", 3, "--parallel.pp_layers", "2.5,1.5")]  # FSDP2 on half blocks
-    _matrix(4, _cases(cells), corpus_dir, tmp_path / "w4", reference, timeout=600)
-    _matrix(8, _cases([(2, 2, 2, s, z) for s, z in PP_CELLS_SLOW]), corpus_dir, tmp_path / "w8", reference,
-            timeout=600)
+    _matrix(4, _cases(cells), corpus_dir, tmp_path / "w4", reference, timeout=900)
+    cells8 = [(2, 2, 2, *c) for c in PP_CELLS + PP_CELLS_SLOW if c[0] == "gpipe"]
+    _matrix(8, _cases(cells8), corpus_dir, tmp_path / "w8", reference, timeout=900)

@@ -85,3 +85,66 @@ def test_saved_activation_peak_follows_the_schedule_and_leaves_gradients_alone()
     assert 0.9 * sum(singles) < all_first <= sum(singles)  # all four held at once (shared buffers counted once)
     assert interleaved == max(singles)  # one at a time
     assert ckpt < all_first / 2  # checkpointing keeps the block inputs only
+
+
+# --- the high-water mark of every live tensor during a step (metrics.PeakTensorBytes) -------------------------
+
+def test_step_peak_counts_storages_created_resized_and_freed():
+    """On CPU: what was live on entry, plus each storage an op creates until it is freed, each storage once (a view
+    adds nothing), and storage resizes (how FSDP2 frees and re-gathers its unsharded params) both ways."""
+    from nanotitan.metrics import PeakTensorBytes
+
+    before = torch.zeros(1000)  # 4000 bytes live on entry (among whatever else this process holds)
+    meter = PeakTensorBytes(torch.device("cpu"))
+    with meter:
+        start = meter.live()
+        assert start == meter.start and start >= 4000
+        a = torch.ones(2000)  # +8000
+        view = a[10:]  # the same storage: +0
+        b = a * 2  # +8000: the peak so far, start + 16000
+        assert meter.live() == start + 16000
+        del a, view, b  # -16000
+        before.untyped_storage().resize_(0)  # -4000: the entry's storage, freed by a resize
+        assert meter.live() == start - 4000
+        before.untyped_storage().resize_(12000)  # +12000
+        c = torch.empty(5000)  # +20000: the peak, start + 28000
+        del c
+        assert meter.live() == start + 8000
+    assert meter.peak == start + 28000
+
+
+def test_step_peak_sees_through_the_autograd_engine():
+    """Gradients autograd creates and the activations it saves are counted; what backward frees leaves the count."""
+    from nanotitan.metrics import PeakTensorBytes
+
+    lin = torch.nn.Linear(256, 256, bias=False)
+    x = torch.randn(64, 256)
+    meter = PeakTensorBytes(torch.device("cpu"))
+    with meter:
+        y = lin(x).relu()  # +64 KiB output of the matmul (saved? relu saves its output: the same storage)
+        y.sum().backward()  # + the weight's gradient (256 KiB) and transient gradients of y
+        after = meter.live()
+    assert after - meter.start == 64 * 256 * 4 + 256 * 256 * 4  # y (alive) + lin.weight.grad (alive)
+    assert meter.peak >= after + 64 * 256 * 4  # dL/dy existed during backward
+
+
+def test_trainer_reports_the_step_peak(corpus_dir, tmp_path):
+    """Every record carries the high-water mark of its metered step (max over ranks), summary.json each rank's
+    run maximum beside its steady state; the peak holds the state, the saved activations and more at once."""
+    import json
+
+    from nanotitan.train import run
+
+    args = TINY + ["--data.source", str(corpus_dir), "--run.dir", str(tmp_path), "--train.steps", "4",
+                   "--run.log_every", "2", "--train.seq_len", "16", "--train.micro_batch", "2",
+                   "--parallel.microbatches", "2", "--run.progress", "false", "--run.tensorboard", "false",
+                   "--train.sample_tokens", "0", "--train.ckpt_at_end", "false", "--train.eval_every", "0"]
+    run(load_config(None, args))
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (row,) = json.loads((tmp_path / "summary.json").read_text())["ranks"]
+    assert [r["step"] for r in recs] == [1, 2, 4] and all(r["peak_tensor_bytes"] > 0 for r in recs)
+    assert row["peak_tensor_bytes"] == max(r["peak_tensor_bytes"] for r in recs)
+    steady = row["param_bytes"] + row["grad_bytes"] + row["optim_bytes"]
+    # AdamW's moments exist from step 2 on; the activations' peak is the run's (routing varies a little per step)
+    assert row["peak_tensor_bytes"] >= steady + 0.9 * row["act_peak_bytes"], row
+    assert row["peak_tensor_bytes"] < 4 * (steady + row["act_peak_bytes"]), row  # a count, not RSS

@@ -56,6 +56,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _ENTRY = re.compile(r"^step_(\d+)(\.tmp)?$")  # a checkpoint dir, or a save that never finished
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names rank r's files __r_<k>.distcp
 _CHUNK = 8 << 20
+_LINE_BYTES = 4096  # an agreed error line, broadcast from the rank that has it
 
 
 class NonFiniteStateError(CheckpointError):
@@ -166,9 +167,19 @@ def _any_rank(flag: bool) -> int:
 
 
 def _agree(err: str, what: str) -> str:
-    """'' when no rank has an error; else this rank's own line, or one pointing at the first failing rank."""
+    """Collective: '' when no rank has an error; else the first failing rank's own line, on every rank (the
+    launcher shows the line of whichever rank reports first, so each must say what happened)."""
     bad = _any_rank(bool(err))
-    return "" if bad < 0 else (err or f"{what} failed on rank {bad} (see its error)")
+    if bad < 0 or not _dist():
+        return "" if bad < 0 else err
+    buf = torch.zeros(_LINE_BYTES, dtype=torch.uint8)
+    if _rank() == bad:
+        raw = err.encode()[:_LINE_BYTES]
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = buf.to(_device())
+    comm.broadcast(buf, src=bad)
+    line = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return line or f"{what} failed on rank {bad} (see its error)"
 
 
 def _layout(dims: ParallelDims | None) -> dict:
@@ -676,7 +687,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     its expert ids) and its optimizer (state created if it has not stepped). Returns the saved
     `extra` dict with "step" added. Before reading any tensor, on every rank alike: the checkpoint is
     verified against its manifest (`verify=False`: sizes only) and checked to fit the model; either
-    failure raises CheckpointError (a ValueError) with one line naming the file or the tensor.
+    failure raises CheckpointError (exit 3, errors.py) with one line naming the file or the tensor.
     `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the replicated form is read and
     each rank keeps its part (`GradSync.load_full_state`)."""
     path = Path(path)

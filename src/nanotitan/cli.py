@@ -51,6 +51,12 @@ def cmd_train(argv: list[str]) -> int:
         from .parallel.emulate import profile
 
         profile(cfg)
+    if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic.py)
+        from .elastic import run_agent
+
+        code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
+        _exit_soon()
+        return code
     # The job's config, concrete (resolve.py): under parallel.auto the planner's layout for this world (under
     # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it).
     planned = cfg.parallel.auto
@@ -68,6 +74,8 @@ def cmd_train(argv: list[str]) -> int:
         start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
         try:
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
+                if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic_rank.py)
+                    from .elastic_rank import run_rank as run
                 run(cfg)
         except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
             fail_rank(e)  # its one line for the launcher to show once; exits now, without a slow teardown

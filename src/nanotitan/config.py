@@ -149,6 +149,17 @@ class InitConfig:
 
 
 @dataclass(kw_only=True)
+class ElasticConfig:
+    """`nanotitan train --elastic.*`: this process is its node's agent in a job whose nodes may join and leave
+    (docs/elastic.md); torchrun's meanings. Off while endpoint is empty."""
+    nodes: str = ""  # "MIN:MAX" (or "N"): the job runs while at least MIN nodes are up and takes up to MAX
+    nproc_per_node: int = 1  # ranks each node starts
+    endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
+    id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
+    join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -156,6 +167,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     # Where the values stand, not values (so asdict, to_toml and == ignore these two): the keys the user set
     # in the file or on the command line, as "section.key" (None: a Config built in code, not by load_config),
     # which tells resolve.py which model keys init.from_hf may fill and which it must refuse to change; and
@@ -508,10 +520,38 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
+    _check_elastic(cfg)
     if world_size is not None:
         _check(world_size == cfg.world_size,
                f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "
                f"(set --parallel.dp/--parallel.pp/--parallel.ep so their product is {world_size})")
+
+
+def elastic_nodes(spec: str) -> tuple[int, int]:
+    """elastic.nodes "MIN:MAX" or "N" -> (MIN, MAX)."""
+    lo, _, hi = spec.partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"elastic.nodes={spec!r} must be MIN:MAX or N (--elastic.nodes 2:4)") from None
+    _check(1 <= lo_n <= hi_n, f"elastic.nodes={spec!r} needs 1 <= MIN <= MAX (--elastic.nodes 2:4)")
+    return lo_n, hi_n
+
+
+def _check_elastic(cfg: Config) -> None:
+    e = cfg.elastic
+    _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
+    _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
+    if not (e.endpoint or e.nodes):
+        return
+    _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "
+           "--elastic.endpoint HOST:PORT (node 0's address)")
+    elastic_nodes(e.nodes)
+    host, _, port = e.endpoint.rpartition(":")
+    _check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+           f"elastic.endpoint={e.endpoint!r} must be HOST:PORT (--elastic.endpoint node0:29500)")
+    _check(bool(re.fullmatch(r"[\w.-]+", e.id)), f"elastic.id={e.id!r} must be letters, digits, . _ - (--elastic.id)")
+    _check(cfg.data.loader == "indexed", "an elastic job resumes by step: --data.loader indexed")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -350,6 +350,12 @@ class PeakTensorBytes:
         else:
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
 
+    def live(self) -> int:
+        """Bytes live right now (inside the `with`)."""
+        if self._counter is not None:
+            return self._counter.current
+        return int(torch.cuda.memory_allocated(self.device))
+
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 

@@ -89,6 +89,15 @@ def router_biases(model: Transformer, world_size: int, device: torch.device) -> 
     return bias[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]].tolist()
 
 
+def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
+    """`value` maximised over every rank: one all-reduce (the rank with the highest peak decides what fits)."""
+    if not (dist.is_initialized() and dims.world_size > 1):
+        return value
+    t = torch.tensor([float(value)], device=device, dtype=torch.float64)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, axis="other")
+    return int(t.item())
+
+
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
                    run_dir: Path, extra: dict | None = None) -> dict:
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
@@ -109,21 +118,21 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(140, Console().width))  # 11 columns: rich's 80 off a terminal would fold them
+    console = Console(width=max(150, Console().width))  # 12 columns: rich's 80 off a terminal would fold them
     t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}")
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
               f"{100 * last['mfu']:.1f}%", f"{last['step_time_s'] * 1000:.0f} ms")
     console.print(t)
-    r = Table(title="per rank: live tensors, peak saved activations, peak memory (RSS on CPU), and seconds blocked "
-                    "in communication over the run")
-    for col in ("rank", "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "peak mem", "DP wait", "EP wait",
-                "PP wait", "other"):
+    r = Table(title="per rank: live tensors between steps, peak saved activations, peak of all live tensors during a "
+                    "step, peak memory (RSS on CPU), and seconds blocked in communication over the run")
+    for col in ("rank", "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak", "peak mem", "DP wait",
+                "EP wait", "PP wait", "other"):
         r.add_column(col)
     for row in rows:
         tensors = [fmt_bytes(row[k]) if k in row else "-"
-                   for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes")]
+                   for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes", "peak_tensor_bytes")]
         r.add_row(str(row["rank"]), str(tuple(row["coords"])), *tensors, fmt_bytes(row["peak_mem_bytes"]),
                   f"{row['wait_dp_s']:.2f} s", f"{row['wait_ep_s']:.2f} s", f"{row['wait_pp_s']:.2f} s",
                   f"{row['wait_other_s']:.2f} s")

@@ -29,7 +29,7 @@ from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
 from .errors import TrainingError
-from .metrics import MetricsWriter, SavedActivations, job_peak_flops, live_tensor_bytes
+from .metrics import MetricsWriter, PeakTensorBytes, SavedActivations, job_peak_flops, live_tensor_bytes
 from .model.spec import chunk_layer_counts
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import emulate, stall, step as S
@@ -135,6 +135,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.run.profile_steps, self.rank, self.run_dir, self.device)
         self.saved_acts = SavedActivations(self.model)  # bytes autograd keeps for backward: peak per step
         self.act_peak_bytes = 0
+        self.step_peak = PeakTensorBytes(self.device)  # every live tensor's bytes over a step: its high-water mark
+        self.peak_tensor_bytes = self.interval_peak_bytes = 0  # over the run, and since the last record
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -188,7 +190,19 @@ class Trainer:
         return S.split_microbatches(x, y, self.m, self.device)
 
     def train_step(self, step: int):
-        """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks."""
+        """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
+        Logged steps are metered: the bytes autograd saves for backward, and the high-water mark of every live
+        tensor over the whole step (metrics.PeakTensorBytes); both cost a Python call per tensor or op."""
+        cfg = self.cfg
+        metered = (step + 1) % cfg.run.log_every == 0 or step in (self.start_step, cfg.train.steps - 1)
+        with self.step_peak if metered else contextlib.nullcontext():
+            out = self._step(step, metered)
+        if metered:
+            self.interval_peak_bytes = max(self.interval_peak_bytes, self.step_peak.peak)
+            self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
+        return out
+
+    def _step(self, step: int, metered: bool):
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
@@ -196,8 +210,7 @@ class Trainer:
             g["lr"] = lr
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.batch(step)
-        # The saved-activation meter (a Python hook per saved tensor) runs on the steps that are logged only.
-        if metered := (step + 1) % cfg.run.log_every == 0 or step == self.start_step:
+        if metered:
             self.saved_acts.reset_peak()
         with self.saved_acts if metered else contextlib.nullcontext():
             stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule,
@@ -246,8 +259,10 @@ class Trainer:
                     or nonfinite:
                 record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
                                     skipped=nonfinite, skipped_steps=guard.skipped,
-                                    act_peak_bytes=self.saved_acts.peak_bytes)
-                interval_s, interval_steps = 0.0, 0
+                                    act_peak_bytes=self.saved_acts.peak_bytes,
+                                    peak_tensor_bytes=report.max_over_ranks(self.interval_peak_bytes, self.dims,
+                                                                            self.device) or None)
+                interval_s, interval_steps, self.interval_peak_bytes = 0.0, 0, 0
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()
@@ -269,7 +284,8 @@ class Trainer:
         profile = self.profiler.close()
         if profile:
             print(profile, flush=True)  # every rank its own table (torchrun prefixes the lines with [rankN]:)
-        mem = {**live_tensor_bytes(self.model, self.optimizer), "act_peak_bytes": self.act_peak_bytes}
+        mem = {**live_tensor_bytes(self.model, self.optimizer), "act_peak_bytes": self.act_peak_bytes,
+               "peak_tensor_bytes": self.peak_tensor_bytes}
         summary = report.gather_summary(logger.last, self.rank, self.dims, self.device, logger.wait_totals,
                                         self.run_dir, mem)
         self.writer.close()

@@ -2,7 +2,8 @@
 processes, in one run.
 
     nanotitan bench dp [--rounds 3] [--steps 12] [--bucket-mb 25] [--sweep 4,100]
-    nanotitan bench dp --zero [--zero-worlds 2,4] [--rounds 2] [--steps 6]   (sharded DP: zero 0/1/2/3 vs DDP)
+    nanotitan bench dp --zero [--zero-worlds 2,4] [--zero-modes zero0,zero1,...] [--microbatches 1] [--rounds 2]
+                              [--steps 6]   (sharded DP: zero 0/1/2/3 vs DDP, step time and peak bytes per rank)
 
 Model: BASELINES' MID (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
 8x128 random tokens per rank per step, M=1, AdamW(fused=True), 1 thread per rank. Modes run in
@@ -21,6 +22,7 @@ far less sensitive than wall time to other jobs on a shared machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero", action="store_true",
                     help="instead: sharded DP, zero 0/1/2/3 and torch DDP side by side (step time, bytes per rank)")
     ap.add_argument("--zero-worlds", default="2,4", help="DP sizes for --zero (default 2,4)")
+    ap.add_argument("--zero-modes", default=",".join(ZERO_MODES),
+                    help=f"modes for --zero, comma-separated (default all: {','.join(ZERO_MODES)})")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="--zero: microbatches per step, the same 8 sequences per rank split M ways (default 1)")
     args = ap.parse_args(argv)
     if args.zero:
         return zero_main(args)
@@ -135,13 +141,18 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- sharded DP: zero 0/1/2/3 and torch DDP at DP=2 and DP=4 (nanotitan bench dp --zero) -------------------
 
-ZERO_MODES = ("zero0", "zero1", "zero2", "zero3", "ddp")
+# mode -> (zero level, parallel.zero_accumulate, parallel.zero3_reshard); "zero2" and "zero3" are what `auto`
+# gives without PP, the "/full" and "/never" modes the other choice of each (docs/dp.md "Peak memory")
+ZERO_MODES = {"zero0": (0, "full", "never"), "zero1": (1, "full", "never"), "zero2": (2, "shard", "never"),
+              "zero2/full": (2, "full", "never"), "zero3": (3, "shard", "always"),
+              "zero3/never": (3, "full", "never"), "ddp": (0, "full", "never")}
 PHASES = ("forward", "backward", "optimizer", "gather")
 
 
-def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int):
-    """One DP=world run of `mode`: step times, per-phase times, and the live bytes at the optimizer step."""
-    from ..metrics import live_tensor_bytes
+def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int):
+    """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
+    the optimizer step, and the high-water mark of live tensor bytes over one more (untimed) step."""
+    from ..metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
     from ..parallel.fsdp import FSDPSync
     from ..parallel.sync import ReplicatedSync, TorchDDPSync
@@ -150,76 +161,109 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     model = Transformer(MID, seed=0)
     # the production GradSync flavours (what parallelize picks), all params replicated over the DP=world group
     args = (model, ParallelDims(world, 1, 1, rank=rank).build_groups(), [], list(model.named_parameters()))
-    sync = {"zero0": lambda: ReplicatedSync(*args, bucket_mb, 1.0 / world),
-            "zero1": lambda: ZeroSync(*args, bucket_mb, 1.0 / world, 1),
-            "zero2": lambda: ZeroSync(*args, bucket_mb, 1.0 / world, 2),
-            "zero3": lambda: FSDPSync(*args, bucket_mb, 1.0 / world),
-            "ddp": lambda: TorchDDPSync(*args, bucket_mb)}[mode]()
+    zero, accumulate, reshard = ZERO_MODES[mode]
+    if mode == "ddp":
+        sync = TorchDDPSync(*args, bucket_mb)
+    elif zero == 0:
+        sync = ReplicatedSync(*args, bucket_mb, 1.0 / world)
+    elif zero in (1, 2):
+        sync = ZeroSync(*args, bucket_mb, 1.0 / world, zero, accumulate=accumulate)
+    else:
+        sync = FSDPSync(*args, bucket_mb, 1.0 / world, accumulate, reshard)
+    del args  # FSDPSync re-pointed its lists at the DTensor shards; nothing else may hold the full params
     step_model = sync.ddp if mode == "ddp" else model
     opt = torch.optim.AdamW(sync.param_groups(0.1), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(4)]
+    data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g).chunk(M) for _ in range(4)]
+    meter, acts = PeakTensorBytes(torch.device("cpu")), SavedActivations(model)
     times, cpu, phases, nbytes = [], [], {k: [] for k in PHASES}, None
-    for step in range(warmup + steps):
-        tok = data[step % len(data)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        sync.prepare(sync=True)
-        loss, aux = step_model(tok[:, :-1], tok[:, 1:])
-        t1 = time.perf_counter()
-        (loss + 0.01 * aux).backward()
-        sync.finish()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if step == warmup:  # live state at the optimizer step: params, grads (full or shards), AdamW moments
-            nbytes = live_tensor_bytes(model, opt)
-        sync.after_step()
-        sync.zero_grad()
-        t4 = time.perf_counter()
-        if step >= warmup:
+    for step in range(warmup + steps + 1):
+        metered = step == warmup + steps  # one more step, untimed, under the meters (a Python call per op)
+        with meter if metered else contextlib.nullcontext(), acts if metered else contextlib.nullcontext():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fwd = bwd = 0.0
+            for i, tok in enumerate(data[step % len(data)]):
+                last = i == M - 1
+                ta = time.perf_counter()
+                sync.prepare(sync=last)
+                with contextlib.nullcontext() if mode != "ddp" or last else step_model.no_sync():
+                    loss, aux = step_model(tok[:, :-1], tok[:, 1:])
+                    tb = time.perf_counter()
+                    ((loss + 0.01 * aux) / M).backward()
+                fwd, bwd = fwd + tb - ta, bwd + time.perf_counter() - tb
+            t1 = time.perf_counter()
+            sync.finish()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if step == warmup:  # live state at the optimizer step: params, grads (full or shards), AdamW moments
+                nbytes = live_tensor_bytes(model, opt)
+            sync.after_step()
+            sync.zero_grad()
+            t4 = time.perf_counter()
+        if warmup <= step < warmup + steps:
             times.append(t4 - t0)
             cpu.append(time.process_time() - c0)  # all threads of the rank, gloo's included
-            for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for k, dt in zip(PHASES, (fwd, bwd + t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(dt)
+    nbytes["peak_tensor_bytes"], nbytes["act_peak_bytes"] = meter.peak, acts.peak_bytes
     del step_model
     sync.close()  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
     dist.barrier()
     return times, phases, nbytes, cpu
 
 
+BYTE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_tensor_bytes")
+
+
 def zero_main(args) -> int:
-    """Interleaved rounds of every (world, mode); step time ratios to zero 0 of the same world."""
+    """Interleaved rounds of every (world, mode); step time and peak ratios to zero 0 of the same world."""
     worlds = [int(w) for w in args.zero_worlds.split(",") if w]
-    runs = [(w, m) for w in worlds for m in ZERO_MODES]
+    modes = [m for m in args.zero_modes.split(",") if m]
+    unknown = [m for m in modes if m not in ZERO_MODES]
+    if unknown or "zero0" not in modes:
+        raise SystemExit(f"--zero-modes {args.zero_modes}: each of {list(ZERO_MODES)}, zero0 among them "
+                         "(the ratios' base)")
+    runs = [(w, m) for w in worlds for m in modes]
     times = {r: [] for r in runs}
     cpus = {r: [] for r in runs}
     phases = {r: {k: [] for k in PHASES} for r in runs}
     nbytes = {}
     for rnd in range(args.rounds):
         for world, mode in runs:
-            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup), timeout=1800,
-                            pg_timeout=600)
+            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches),
+                            timeout=1800, pg_timeout=600)
             times[world, mode] += out[0][0]  # DP ranks are in lockstep: rank 0's clock
             cpus[world, mode] += out[0][3]
             for k in PHASES:
                 phases[world, mode][k] += out[0][1][k]
             nbytes[world, mode] = [o[2] for o in out]
-            print(f"round {rnd} DP={world} {mode:<6} median {statistics.median(out[0][0]) * 1e3:7.1f} ms", flush=True)
-    print(f"\nMID model, {BATCH}x{SEQ} tokens/rank/step, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, "
-          f"{args.rounds} rounds x {args.steps} steps; bytes: rank 0 at the optimizer step (max over ranks)")
-    print(f"{'DP':>3} {'mode':<6}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"
+            print(f"round {rnd} DP={world} {mode:<11} median {statistics.median(out[0][0]) * 1e3:7.1f} ms  "
+                  f"peak {max(o[2]['peak_tensor_bytes'] for o in out) / 2**20:.1f} MB", flush=True)
+    n_params = sum(p.numel() for p in Transformer(MID, seed=0).parameters())
+    acts = {w: max(r["act_peak_bytes"] for r in nbytes[w, "zero0"]) for w in worlds}
+    print(f"\nMID model ({n_params / 1e6:.2f}M params), {BATCH}x{SEQ} tokens/rank/step in M={args.microbatches} "
+          f"microbatches, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, {args.rounds} rounds x "
+          f"{args.steps} steps. Bytes: max over ranks; param/grad/optim live at the optimizer step; peak = high-water "
+          "mark of all live tensors over a whole step (metrics.PeakTensorBytes); B/param = peak / params; "
+          "-acts = (peak - zero 0's peak saved activations, "
+          + ", ".join(f"DP={w}: {a / 2**20:.1f} MB" for w, a in acts.items()) + ") / params")
+    print(f"{'DP':>3} {'mode':<12}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"
           + "".join(f"{k + ' ms':>13}" for k in PHASES)
-          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
+          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'peak MB':>9}{'B/param':>9}{'-acts':>7}{'peak/z0':>9}"
+          + f"{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
     for world, mode in runs:
         med = statistics.median(times[world, mode])
         base = statistics.median(times[world, "zero0"])
-        b = {k: max(r[k] for r in nbytes[world, mode]) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
-        b0 = {k: max(r[k] for r in nbytes[world, "zero0"]) for k in b}
+        b = {k: max(r[k] for r in nbytes[world, mode]) for k in BYTE_KEYS}
+        b0 = {k: max(r[k] for r in nbytes[world, "zero0"]) for k in BYTE_KEYS}
         cpu, cpu0 = statistics.median(cpus[world, mode]), statistics.median(cpus[world, "zero0"])
-        print(f"{world:>3} {mode:<6}{min(times[world, mode]) * 1e3:>9.1f}{med * 1e3:>11.1f}{med / base:>8.3f}"
+        print(f"{world:>3} {mode:<12}{min(times[world, mode]) * 1e3:>9.1f}{med * 1e3:>11.1f}{med / base:>8.3f}"
               f"{cpu * 1e3:>8.0f}{cpu / cpu0:>8.3f}"
               + "".join(f"{statistics.median(phases[world, mode][k]) * 1e3:>13.1f}" for k in PHASES)
-              + f"{b['param_bytes'] / 2**20:>10.1f}{b['grad_bytes'] / 2**20:>9.1f}{b['optim_bytes'] / 2**20:>10.1f}"
+              + "".join(f"{b[k] / 2**20:>{w}.1f}" for k, w in zip(BYTE_KEYS, (10, 9, 10, 9)))
+              + f"{b['peak_tensor_bytes'] / n_params:>9.2f}{(b['peak_tensor_bytes'] - acts[world]) / n_params:>7.2f}"
+              + f"{b['peak_tensor_bytes'] / b0['peak_tensor_bytes']:>9.3f}"
               + f"{b['optim_bytes'] / b0['optim_bytes']:>10.3f}{b['grad_bytes'] / b0['grad_bytes']:>9.3f}"
               + f"{b['param_bytes'] / b0['param_bytes']:>10.3f}")
     return 0

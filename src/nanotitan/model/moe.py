@@ -27,15 +27,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import wgrad
+from .wgrad import Linear
+
 
 class SwiGLU(nn.Module):
     """One always-on SwiGLU MLP: the dense FFN of non-MoE layers, and the shared experts of an MoE layer."""
 
     def __init__(self, d_model: int, ffn_dim: int):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, ffn_dim, bias=False)
-        self.up_proj = nn.Linear(d_model, ffn_dim, bias=False)
-        self.down_proj = nn.Linear(ffn_dim, d_model, bias=False)
+        self.gate_proj = Linear(d_model, ffn_dim, bias=False)
+        self.up_proj = Linear(d_model, ffn_dim, bias=False)
+        self.down_proj = Linear(ffn_dim, d_model, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -43,6 +46,7 @@ class SwiGLU(nn.Module):
 
 class ExpertFFN(nn.Module):
     """L SwiGLU experts as three stacked weights: W_gate, W_val [L, D, F], W_out [L, F, D]."""
+    wgrad_store: wgrad.WeightGradStore | None = None  # set: weight gradients deferrable (model/wgrad.py)
 
     def __init__(self, num_local: int, d_model: int, ffn_dim: int):
         super().__init__()
@@ -52,6 +56,8 @@ class ExpertFFN(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
         """x_ND holds counts_L[l] rows for local expert l, contiguous and in order."""
+        if self.wgrad_store is not None and torch.is_grad_enabled():  # the same GEMMs, backward by hand
+            return wgrad.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.wgrad_store)
         # Split the weights once per call (backward is one stack), never W[e] in the loop:
         # indexing allocates a full-size zero gradient per expert (BASELINES: ~45% of backward).
         gates, vals, outs = self.W_gate.unbind(0), self.W_val.unbind(0), self.W_out.unbind(0)
@@ -141,11 +147,11 @@ class MoE(nn.Module):
         self.last_router_stats: torch.Tensor | None = None
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
-        self.router = nn.Linear(d_model, num_experts, bias=False)  # scores against all E experts
+        self.router = Linear(d_model, num_experts, bias=False)  # scores against all E experts
         self.experts = ExpertFFN(expert_end - expert_start, d_model, ffn_dim)
         self.dispatcher = LocalDispatcher()
         self.shared_expert = SwiGLU(d_model, shared_ffn_dim) if shared_ffn_dim else None
-        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
+        self.shared_expert_gate = Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
         self.last_counts_E: torch.Tensor | None = None  # tokens per expert of the last forward (stats)
 
     def route(self, x_TD: torch.Tensor, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,7 +160,9 @@ class MoE(nn.Module):
         T, K, E = x_TD.shape[0], self.top_k, self.num_experts
         # Router in fp32 (stable softmax/sigmoid under bf16 autocast).
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+            w = self.router.weight  # fp32 params: .float() would be the same tensor, kept so a deferred grad lands
+            logits_TE = wgrad.linear(x_TD.float(), w if w.dtype == torch.float32 else w.float(), None,
+                                     self.router.wgrad_store)
             scores_TE = logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
         # Select on score + bias (the bias steers selection only), weight by the selected scores (DeepSeek-V3).
         select_TE = scores_TE if self.router_bias is None else scores_TE + self.router_bias

@@ -24,18 +24,22 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from . import wgrad
 from .moe import MoE, SwiGLU
+from .wgrad import Linear
 from .spec import ModelShardSpec
 
 
 class RMSNorm(nn.Module):
+    wgrad_store: wgrad.WeightGradStore | None = None  # set: the weight's gradient lands in W (model/wgrad.py)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), wgrad.tap(self.weight, self.wgrad_store), self.eps)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +68,10 @@ class Attention(nn.Module):
         super().__init__()
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim, self.qk_norm = H, Hkv, Dh, cfg.qk_norm
-        self.q_proj = nn.Linear(D, H * Dh, bias=cfg.attn_bias)
-        self.k_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attn_bias)
-        self.v_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attn_bias)
-        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        self.q_proj = Linear(D, H * Dh, bias=cfg.attn_bias)
+        self.k_proj = Linear(D, Hkv * Dh, bias=cfg.attn_bias)
+        self.v_proj = Linear(D, Hkv * Dh, bias=cfg.attn_bias)
+        self.o_proj = Linear(H * Dh, D, bias=False)
         if cfg.qk_norm == "head":  # Qwen3-MoE: one Dh-wide norm shared by every head
             self.q_norm, self.k_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
         elif cfg.qk_norm == "full":  # OLMoE: over the whole q (H*Dh) and k (Hkv*Dh) projections
@@ -137,6 +141,7 @@ class Transformer(nn.Module):
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
+        self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
@@ -150,7 +155,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec) for i in spec.layers})
         if spec.has_head:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope = None
         if cfg.pos_emb == "rope":
             cos, sin = rope_cache(max(cfg.max_seq_len, 1), head_dim(cfg), cfg.rope_theta)
@@ -179,12 +184,17 @@ class Transformer(nn.Module):
                 p.copy_(_normal(p.shape, std, seed, name, -1))
 
     # --- forward -----------------------------------------------------------------------------
+    def _embed(self, table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+        if self.wgrad_store is None:
+            return table(idx)
+        return F.embedding(idx, wgrad.tap(table.weight, self.wgrad_store))  # nn.Embedding's defaults
+
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):
         spec = self.spec
         if spec.has_token_embed:
-            x = self.tok_emb(inp)
+            x = self._embed(self.tok_emb, inp)
             if spec.has_pos_embed:
-                x = x + self.pos_emb(torch.arange(inp.shape[1], device=inp.device))
+                x = x + self._embed(self.pos_emb, torch.arange(inp.shape[1], device=inp.device))
         else:
             x = inp
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ..model.wgrad import accumulate_into, set_grad_sink
 from . import comm
 
 
@@ -88,7 +89,9 @@ class Reducer:
             self.buckets.append(self._make_bucket(entries))
         for bi, b in enumerate(self.buckets):
             for pi, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(self._make_hook(bi, pi))
+                hook = self._make_hook(bi, pi)
+                p.register_post_accumulate_grad_hook(hook)
+                set_grad_sink(p, self._make_sink(b, hook))  # a deferred weight gradient (model/wgrad.py) lands here
 
     @staticmethod
     def _bucket_kind(p: nn.Parameter) -> tuple:
@@ -125,6 +128,20 @@ class Reducer:
                 self._launch_ready()
 
         return hook
+
+    def _make_sink(self, b: _Bucket, hook):
+        """A gradient term computed outside autograd (zb1's deferred weight GEMMs, model/wgrad.py): accumulate it
+        as AccumulateGrad would, then count the param ready as the post-accumulate hook would."""
+
+        def sink(p: nn.Parameter, g: torch.Tensor) -> None:
+            self._before_accumulate(b)
+            accumulate_into(p, g)
+            hook(p)
+
+        return sink
+
+    def _before_accumulate(self, b: _Bucket) -> None:
+        pass  # the bucket's views are bound since prepare()
 
     # --- per step ------------------------------------------------------------------------------
     def prepare(self, sync: bool) -> None:

@@ -24,7 +24,8 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          and needs special cases at its boundaries; Megatron's count makes every phase a plain loop and
          is correct for any M >= 1, including M < PP.)
 - zb1:   1F1B's forwards, backwards and P2P, but each backward is only B, the input gradient the previous
-         stage waits for (pp_split.py); the weight gradients W are deferred: stage p keeps p of them pending
+         stage waits for, with every weight-gradient GEMM deferred into a WeightGradStore (model/wgrad.py); those
+         weight gradients W run later: stage p keeps p of them pending
          through the steady phase (torch's ScheduleInterleavedZeroBubble with one chunk) and runs them while
          its gradient sends are in flight, i.e. in the cooldown's idle time. Bubble (PP-1)(F+B-W) instead of
          1F1B's (PP-1)(F+B+W); every stage holds at most PP microbatches (F done, W not yet), 1F1B's peak.
@@ -40,8 +41,7 @@ With pp == 1 every schedule is plain gradient accumulation (forward, backward, n
 
 The order is a pure function of (schedule, PP, pp_rank, M, V), so the ranks of one EP group (same pp_rank)
 run their microbatches in the same order and their all-to-alls pair up: in forwards and in backwards (B under
-zb1; W runs none, pp_split.py, except the recompute of activation checkpointing, which W runs at the same
-place on every rank).
+zb1, recompute of activation checkpointing included; W is GEMMs only, it runs none).
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ from typing import Callable, ContextManager, Literal
 
 import torch
 
+from ..model.wgrad import WeightGradStore, attach
 from .dims import ParallelDims
 from .pp_comms import StageComms
-from .pp_split import backward_input, backward_weight
+
+run_weights = WeightGradStore.run  # zb1's W: one microbatch's deferred weight-gradient GEMMs (tests count in it)
 
 
 @dataclass
@@ -131,26 +133,22 @@ class _StageRunner:
         self.before_backward = before_backward
         self.split, self.timeline = split, timeline
         self.pending: dict[tuple[int, int], tuple] = {}  # (chunk, microbatch) -> what its backward needs
-        self.weights: dict[int, object] = {}  # zb1: microbatch -> its deferred W (pp_split.PendingWeights)
+        self.weights: dict[int, tuple] = {}  # zb1: microbatch -> (its deferred W, the P2P buffers W may read)
+        # zb1: B defers every weight gradient into this store (model/wgrad.py); W runs them. Attached to the chunk
+        # for this step only, so every other schedule (and evaluation) runs plain autograd.
+        self.store = WeightGradStore() if split else None
+        if split:
+            attach(chunks[0], self.store)
         self.w_done = 0  # zb1: W's run so far (in microbatch order)
         self.n_weights = len(xs)
         self.training = True  # False: forwards only (evaluation), nothing kept for a backward
         self.ce_sum = None
         self.aux_sum = None
         self.max_in_flight = 0
-        # zb1 on the first chunk: B differentiates w.r.t. the embedding outputs (the tokens have no gradient).
-        self._emb_out: list[torch.Tensor] = []
-        self._hooks = []
-        if split and self.first[0]:
-            for name in ("tok_emb", "pos_emb"):
-                if hasattr(chunks[0], name):
-                    self._hooks.append(getattr(chunks[0], name).register_forward_hook(
-                        lambda _m, _i, out: self._emb_out.append(out)))
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._emb_out.clear()
+        if self.store is not None:
+            attach(self.chunks[0], None)
 
     def _event(self, kind: str, v: int, i: int, t0: float) -> None:
         if self.timeline is not None:
@@ -170,7 +168,6 @@ class _StageRunner:
             # residual stream stays fp32 as in one process; the gradient is narrowed again when sent back.
             inp = recv_buf.detach().float().requires_grad_(self.training)
         targets = self.ys[i].to(self.device, non_blocking=True) if last else None
-        self._emb_out.clear()
         with self.autocast():  # mixed precision for the forward only; backward runs outside it
             out, aux = self.chunks[v](inp, targets)
         self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
@@ -182,29 +179,28 @@ class _StageRunner:
             self.comms.release(recv_buf)  # no graph holds it
             self._event("F", v, i, t0)
             return None if last else out
-        diff_inputs = list(self._emb_out) if first else [inp]  # what B differentiates (zb1)
         if last:
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             loss = self.loss_scale * out if aux_term is None else self.loss_scale * out + aux_term
-            state, send = (recv_buf, inp, diff_inputs, [loss], [None]), None
+            state, send = (recv_buf, inp, [loss], [None]), None
         else:
             outs, grads = ([out], [None]) if aux_term is None else ([out, aux_term], [None, None])
-            state, send = (recv_buf, inp, diff_inputs, outs, grads), out
+            state, send = (recv_buf, inp, outs, grads), out
         self.pending[v, i] = state
         self.max_in_flight = max(self.max_in_flight, self.in_flight())
         self._event("F", v, i, t0)
         return send
 
     def _take(self, v: int, i: int, grad_buf: torch.Tensor | None):
-        recv_buf, inp, diff_inputs, outs, grads = self.pending.pop((v, i))
+        recv_buf, inp, outs, grads = self.pending.pop((v, i))
         if not self.last[v]:
             grads[0] = grad_buf.to(outs[0].dtype)
-        return recv_buf, inp, diff_inputs, outs, grads
+        return recv_buf, inp, outs, grads
 
     def backward(self, v: int, i: int, grad_buf: torch.Tensor | None, is_last: bool) -> torch.Tensor | None:
         """Backward of microbatch i through chunk v given its output gradient; returns the input gradient to send."""
         t0 = time.perf_counter()
-        recv_buf, inp, _, outs, grads = self._take(v, i, grad_buf)
+        recv_buf, inp, outs, grads = self._take(v, i, grad_buf)
         if self.before_backward is not None:
             self.before_backward(is_last)
         torch.autograd.backward(outs, grads)
@@ -216,27 +212,28 @@ class _StageRunner:
         return grad_in
 
     def backward_input(self, i: int, grad_buf: torch.Tensor | None) -> torch.Tensor | None:
-        """zb1's B of microbatch i (one chunk): the input gradient only; its W waits in self.weights."""
+        """zb1's B of microbatch i (one chunk): one autograd backward that computes the input gradient and defers
+        every weight-gradient GEMM (and every other parameter's gradient) into the store; its W waits in
+        self.weights. No .grad changes, so the gradient syncs see nothing until W."""
         t0 = time.perf_counter()
-        recv_buf, inp, diff_inputs, outs, grads = self._take(0, i, grad_buf)
-        params = [p for p in self.chunks[0].parameters() if p.requires_grad]
-        grads_in, self.weights[i] = backward_input(outs, grads, diff_inputs, params,
-                                                   checkpointed=self.chunks[0].activation_checkpointing)
-        # The received input and output gradient stay until W: the first layer saved the input for its weight
-        # gradient, and a captured gradient may be the received buffer itself.
-        self.weights[i].buffers = [recv_buf, grad_buf]
+        recv_buf, inp, outs, grads = self._take(0, i, grad_buf)
+        with self.store.deferring():
+            torch.autograd.backward(outs, grads)
+        # The received input and output gradient stay until W: a deferred GEMM may read either (the received
+        # activation is the first norm's input; the output gradient passes the residual adds unchanged).
+        self.weights[i] = (self.store.take(), [recv_buf, grad_buf])
         self._event("B", 0, i, t0)
-        return None if self.first[0] else grads_in[0]
+        return None if self.first[0] else inp.grad
 
     def weights_until(self, n: int) -> None:
         """zb1: run the deferred W's of microbatches w_done .. n-1, in order."""
         while self.w_done < min(n, self.n_weights):
             i, t0 = self.w_done, time.perf_counter()
-            pending = self.weights.pop(i)
+            work, buffers = self.weights.pop(i)
             if self.before_backward is not None:
                 self.before_backward(i == self.n_weights - 1)  # the final W delivers every param's last term
-            backward_weight(pending)
-            for buf in pending.buffers:
+            run_weights(work)  # each term lands through its gradient sync's sink (dp.py, zero.py): ready counted
+            for buf in buffers:
                 self.comms.release(buf)
             self.w_done += 1
             self._event("W", 0, i, t0)

@@ -123,15 +123,10 @@ class GradSync:
         pass
 
 
-class ReplicatedSync(GradSync):
-    """zero 0: one bucketed Reducer per gradient group (replicated params over non-expert-DP, expert shards
-    over expert-DP), each launching its all-reduces during the final backward."""
-
-    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
-                 reduce_dtype: torch.dtype | None = None):
-        super().__init__(model, dims, expert_params, replicated_params)
-        self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype)
-                         for params, kind in gradient_groups(expert_params, replicated_params)]
+class BucketedSync(GradSync):
+    """A flavour whose work is one bucketed reducer per gradient group (`self.reducers`, built by the subclass:
+    Reducers at zero 0, ShardedReducers at zero 1/2), each following the Reducer's per-step protocol."""
+    reducers: list
 
     def prepare(self, sync: bool) -> None:
         for r in self.reducers:
@@ -144,6 +139,17 @@ class ReplicatedSync(GradSync):
     def zero_grad(self) -> None:
         for r in self.reducers:
             r.zero_grad()
+
+
+class ReplicatedSync(BucketedSync):
+    """zero 0: one bucketed Reducer per gradient group (replicated params over non-expert-DP, expert shards
+    over expert-DP), each launching its all-reduces during the final backward."""
+
+    def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__(model, dims, expert_params, replicated_params)
+        self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype)
+                         for params, kind in gradient_groups(expert_params, replicated_params)]
 
 
 class TorchDDPSync(GradSync):

@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import comm
 from .clip import clip_grad_norm_
 from .dp import Reducer, _Bucket, _CopyBack
-from .sync import GradSync, adam_state, gradient_groups
+from .sync import BucketedSync, adam_state, gradient_groups
 
 
 @dataclass
@@ -142,6 +142,10 @@ class ShardedReducer(Reducer):
             if b.flat is None:  # the bucket's first gradient of this backward: accumulate it into a zeroed buffer
                 self._alloc_grads(b)
         return alloc
+
+    def _before_accumulate(self, b: _ShardBucket) -> None:
+        if self.every_backward and b.flat is None:  # what the alloc hook does for an autograd gradient
+            self._alloc_grads(b)
 
     def _make_hook(self, bi: int, pi: int):
         if not self.every_backward:
@@ -318,7 +322,7 @@ def full_optim_state_to_sharded(reducers: list, optimizer: torch.optim.Optimizer
                 v.copy_(flat[r.rank * S:(r.rank + 1) * S])
 
 
-class ZeroSync(GradSync):
+class ZeroSync(BucketedSync):
     """zero 1/2: one ShardedReducer per gradient group. The optimizer steps the shard params; their gradients
     are disjoint slices over the non-expert-DP group (replicated params are sharded over it, expert shards
     over expert-DP and differ over EP anyway), which is what clipping sums."""
@@ -328,18 +332,6 @@ class ZeroSync(GradSync):
         super().__init__(model, dims, expert_params, replicated_params)
         self.reducers = [ShardedReducer(params, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
                          for params, kind in gradient_groups(expert_params, replicated_params)]
-
-    def prepare(self, sync: bool) -> None:
-        for r in self.reducers:
-            r.prepare(sync)
-
-    def finish(self) -> None:
-        for r in self.reducers:
-            r.finish()
-
-    def zero_grad(self) -> None:
-        for r in self.reducers:
-            r.zero_grad()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         groups = [r.param_groups(weight_decay) for r in self.reducers]

@@ -182,7 +182,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
-    stages = stage_summaries(shape, layout, counts, ac, n_virt)
+    stages = stage_summaries(shape, layout, counts, ac, n_virt, prec)
 
     # Memory of a rank of each stage. Sharded DP (docs/dp.md): replicated params shard over the non-expert-DP
     # group (dp*ep ranks), expert shards over expert-DP (dp ranks); padding (< 16*N elements a bucket) ignored.
@@ -197,8 +197,12 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
         in_flight = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt) / n_virt
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
-                     # one block's backward (and its recompute under AC); the head's activations are freed by then
-                     T * (st.act_layer_max - st.head_act) * prec.act,
+                     # one block's backward (and its recompute, weight copies included, under AC); the head's
+                     # activations are freed by then
+                     T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes,
+                     # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
+                     # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
+                     st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0),
                      2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
                      2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
         # Between steps a rank keeps params/grads/optimizer; during backward zero 2 also has the full gradient
@@ -212,7 +216,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                  "grad_buckets": (n_local if zero == 2 or (zero == 3 and M > 1)
                                   else n_local / max(st.n_layers, 1) if zero == 3 else 0.0) * prec.grad,
                  "gathered_params": n_fsdp * prec.param if zero == 3 else 0.0,
-                 "activations": in_flight * T * st.act * prec.act, "buffers": max(transient),
+                 "activations": in_flight * (T * st.act_bytes + st.cast_bytes), "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
         parts_by_stage.append(parts)

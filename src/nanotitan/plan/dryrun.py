@@ -17,12 +17,15 @@ A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors afte
 measures them: `metrics.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
 microbatches = the one-microbatch step's peak + (in_flight - 1) x the bytes one microbatch keeps from its forward to
 its backward, in_flight being what the schedule holds at once (`parallel.pp.in_flight`: M under GPipe, PP - s under
-1F1B). The interleaved schedule runs its real M microbatches instead (M must be a multiple of PP there).
+1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
+weight gradients that keep part of a microbatch, do not compose that simply).
 
 Which ranks are distinct: a rank's bytes depend on its pipeline stage and, at zero 3, on its place in its FSDP
-groups (FSDP2 gives the last ranks of a group smaller or empty chunks of a dimension that does not divide); never
-on its ep_rank (config requires ep | num_experts, and routing here is balanced) nor its dp_rank otherwise (zero 1/2
-pad every bucket to equal slices). One rank per (stage, zero-3 chunk sizes) is built; the others get its row.
+groups: FSDP2 pads every rank's parameter and gradient shard to the same size, but AdamW's state follows the
+unpadded chunk, which is short or empty on the last ranks of a group when a dimension does not divide (a router's 4
+rows over 8 ranks). Never on its ep_rank (config requires ep | num_experts, and routing here is balanced), nor its
+dp_rank otherwise (zero 1/2 pad every bucket to equal slices). One rank per (stage, zero-3 chunk sizes) is built;
+the others get its row.
 
 Fake tensors have no values, so the two data-dependent steps of routing are answered as perfectly balanced, the
 planner's assumption: `bincount` returns `minlength` bins and reading counts to the host gives every expert
@@ -149,8 +152,8 @@ def _held(shard, optimizer) -> list[torch.Tensor]:
 
 
 def _kept(meter: TensorBytesMeter, module: torch.nn.Module) -> int:
-    """Bytes allocated since the step began and alive when the stage's forward returns, less the parameters it
-    gathered (zero 3 all-gathers them at the first forward and keeps them through the step: not per microbatch)."""
+    """Bytes allocated since the step began and alive now, less the parameters the module gathered (zero 3
+    all-gathers them at the first forward and keeps them through the step)."""
     gathered = {storage_key(q.untyped_storage()) for q in module.parameters()}
     return meter.current - sum(meter.live.get(k, 0) for k in gathered)
 
@@ -173,8 +176,10 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
 
     p, t = cfg.parallel, cfg.train
     dims = ParallelDims(p.dp, p.pp, p.ep, rank)
-    interleaved = pp_schedules.virtual_stages(p.schedule, p.pp, p.virtual_stages) > 1
-    M = p.microbatches if interleaved else 1  # interleaved runs its whole step (module docstring)
+    # gpipe and 1f1b hold whole microbatches from forward to backward: one is run and the rest composed; interleaved
+    # (chunk-microbatches, M a multiple of PP) and zb1 (a deferred W keeps part of one) run their whole step
+    whole = p.pp > 1 and p.schedule in ("interleaved", "zb1")
+    M = p.microbatches if whole else 1
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         dims.build_groups(timeout_s=p.timeout_s)
@@ -188,23 +193,31 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             xs = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
             ys = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
             meter = TensorBytesMeter(held)
-            after_forward = []  # what the microbatch keeps from its forward to its backward (`_kept`)
-            hook = shard.model.register_forward_hook(lambda module, *_: after_forward.append(_kept(meter, module)))
+            # What the microbatch keeps from its forward to its backward: the meter's count when its backward is
+            # about to start (the sync's prepare() is called then), less the parameters gathered (zero 3 keeps them
+            # through the step, not per microbatch) and the output gradient just received (a transient: its wire
+            # buffer, and under bf16 its fp32 widening). Not at the forward's end: autocast's cache of bf16 weight
+            # copies lives until its region closes.
+            wire = S.compute_dtype(t.dtype).itemsize
+            grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * t.seq_len * cfg.model.d_model
+                                                        * (wire + (4 if wire != 4 else 0)))
+            before_backward, prepare = [], shard.sync.prepare
+            shard.sync.prepare = lambda sync: (before_backward.append(_kept(meter, shard.model) - grad_buf),
+                                               prepare(sync))[1]
             with meter:
-                S.forward_backward(shard, xs, ys, schedule=p.schedule, aux_weight=1.0 / max(1, num_moe_layers(cfg.model)),
-                                   device=CPU, dtype=t.dtype)
+                S.forward_backward(shard, xs, ys, schedule=p.schedule, device=CPU, dtype=t.dtype,
+                                   aux_weight=1.0 / max(1, num_moe_layers(cfg.model)))
                 S.finish_grads(shard)
                 S.clip_grads(shard, t.grad_clip)
                 optimizer.step()
                 S.after_update(shard)
-            hook.remove()
             state = live_tensor_bytes(shard.model, optimizer)
             base = _bytes(held)
             shard.close()
     finally:
         dist.destroy_process_group()
-    kept = after_forward[0] if after_forward and not interleaved else 0
-    in_flight = 1 if interleaved or p.pp == 1 else pp_schedules.in_flight(p.schedule, p.pp, dims.pp_rank, p.microbatches)
+    kept = before_backward[0] if before_backward and not whole else 0
+    in_flight = 1 if whole or p.pp == 1 else pp_schedules.in_flight(p.schedule, p.pp, dims.pp_rank, p.microbatches)
     step_peak = base + meter.peak
     return RankBytes(rank, dims.coords(), state["param_bytes"], state["grad_bytes"], state["optim_bytes"],
                      step_peak + (in_flight - 1) * kept, step_peak, kept, in_flight)
@@ -319,5 +332,6 @@ def format_comparison(rows: list[dict]) -> str:
     for r in rows:
         cells = [f"{r[k] / scale:.2f} / {r['planned_' + k] / scale:.2f}" for k in FIELDS]
         worst = max((r[f"gap_{k}"] for k in FIELDS), key=abs)
-        lines.append(f"| {r['stage']} | {r['rank']} ({r['ranks']}) | " + " | ".join(cells) + f" | {100 * worst:+.1f}% |")
+        lines.append(f"| {r['stage']} | {r['rank']} ({r['ranks']}) | " + " | ".join(cells)
+                     + f" | {100 * worst:+.1f}% |")
     return "\n".join(lines)

@@ -96,6 +96,47 @@ class ModelShape:
         D, K = self.d_model, self.top_k
         return (3 * K * D + 2 * D) if self.is_moe(i) else (2 * self.dense_hidden + 2 * D)
 
+    def half_bytes(self, i: int, part: str, prec: "Precision", ep: int = 1) -> tuple[float, float, float, float]:
+        """Layer i's attention ("attn") or FFN ("ffn") half in bytes: (kept per token for backward, extra per token
+        while it runs backward, weights its forward copies and keeps for backward, the part of those copies autocast
+        also caches until the microbatch's forward ends). Plain precisions: the element counts above at prec.act
+        bytes each, no copies. Under bf16 autocast (our trainer's train.dtype=bf16, listed with saved_tensors_hooks
+        and checked by `nanotitan plan --dry-run`) the residual stream, the norms, the router and the log-softmax
+        stay fp32; a linear keeps the bf16 copy of its input (one per linear: q, k and v each cast the normalised x)
+        and of its weight, re-made at every forward (so per microbatch in flight). Autocast caches the copies of
+        parameters (not of the experts' unbound slices) for the whole forward, checkpointed blocks included."""
+        D, F, K, E, H = self.d_model, self.ffn_dim, self.top_k, self.num_experts, self.n_heads
+        moe = self.is_moe(i)
+        if not prec.autocast:
+            attn = self.attn_part(i)
+            if part == "attn":
+                return attn["act"] * prec.act, attn["bwd"] * prec.act, 0.0, 0.0
+            return (self.layer_act_elems(i) - attn["act"]) * prec.act, self.layer_bwd_elems(i) * prec.act, 0.0, 0.0
+        half = prec.act
+        if part == "attn":
+            # norm input + 1/rms (fp32), the logsumexp (fp32); bf16: 3 input casts, SDPA's q, k, v and its output
+            return 4 * (2 * D + 1 + H) + half * 7 * D, 4 * 2 * D, half * 4 * D * D, half * 4 * D * D
+        if moe:
+            n_sh = self.n_shared_experts
+            # fp32: the norm (its output feeds the fp32 router), router probs, top-k sums and weights; int64: ids,
+            # expert-major order, token index. Per assignment (bf16): the expert input (cast once before an EP
+            # dispatch, once per matmul without EP), 4 SwiGLU F-vectors, expert output, weighted output, weight.
+            x_in = 1 if ep > 1 else 2
+            kept = (4 * (3 * D + 1 + E + 2 + K) + 8 * 3 * K + half * K * (x_in * D + 4 * F + 2 * D + 1)
+                    + (half * (2 * D + 4 * n_sh * F) if n_sh else 0.0))
+            shared = n_sh * 3 * D * F  # the router stays fp32: no copy
+            return kept, half * 3 * K * D + 4 * 2 * D, half * (E // ep * 3 * D * F + shared), half * shared
+        Fd = self.dense_hidden
+        copies = half * 3 * D * Fd
+        return 4 * (2 * D + 1) + half * (2 * D + 4 * Fd), half * 2 * Fd + 4 * 2 * D, copies, copies
+
+    def head_bytes(self, prec: "Precision") -> tuple[float, float]:
+        """The head (final norm, LM head, log-softmax): (bytes kept per token, weight bytes its forward copies)."""
+        D, V = self.d_model, self.vocab
+        if not prec.autocast:
+            return (3 * D + 1 + V) * prec.act, 0.0
+        return 4 * (2 * D + 1 + V) + prec.act * D, prec.act * V * D  # fp32 norm and log-softmax; bf16 input cast
+
     def total_params(self) -> int:
         n = self.vocab * self.d_model * 2 + self.d_model + self.pos_table * self.d_model
         for i in range(self.n_layers):
@@ -131,11 +172,12 @@ class Precision:
     master: int  # fp32 master copy when params are kept in bf16 (0 = params are the master)
     moments: int  # AdamW's two moments together
     act: int
+    autocast: bool = False  # fp32 params computed under bf16 autocast: mixed-dtype activations (ModelShape.half_bytes)
 
 
 PRECISIONS = {
     "fp32": Precision(4, 4, 0, 8, 4),  # our trainer, train.dtype=fp32
-    "bf16-autocast": Precision(4, 4, 0, 8, 2),  # our trainer, train.dtype=bf16: fp32 states, bf16 activations
+    "bf16-autocast": Precision(4, 4, 0, 8, 2, autocast=True),  # our trainer, train.dtype=bf16: fp32 states
     "bf16-master": Precision(2, 4, 4, 8, 2),  # Megatron-style: bf16 params, fp32 grads/master/moments
     # DeepSeek-V3 report sec. 3.3.3: bf16 moments, fp32 master weights and gradients.
     "bf16-master-bf16-moments": Precision(2, 4, 4, 4, 2),
@@ -172,13 +214,25 @@ class StageSummary:
     n_layers: float  # a half of a split block counts 0.5
     first: bool
     last: bool
+    # the same in bytes at the precision stage_summaries was given (mixed dtypes under autocast), and the bf16
+    # weight copies autocast keeps: per microbatch in flight (`cast`), or the largest block's while it recomputes
+    # and runs backward under activation checkpointing (`cast_layer_max`)
+    act_bytes: float = 0.0
+    act_layer_max_bytes: float = 0.0
+    head_act_bytes: float = 0.0
+    cast_bytes: float = 0.0
+    cast_layer_max_bytes: float = 0.0
+    cast_cache_bytes: float = 0.0  # checkpointed blocks' cached weight copies, alive until a forward's end
 
 
 def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | None = None,
-                    activation_checkpointing: bool = False, virtual_stages: int = 1) -> list[StageSummary]:
+                    activation_checkpointing: bool = False, virtual_stages: int = 1,
+                    prec: Precision | None = None) -> list[StageSummary]:
     """Per-stage (per pipeline rank) parameter, FLOP and activation counts; layers split as `model.spec` does:
     pp_layers are the layers of each of the pp*virtual_stages chunks (even when not given), rank s holding
-    chunks s, s+pp, ... (interleaved schedule)."""
+    chunks s, s+pp, ... (interleaved schedule). The *_bytes fields are at `prec` (default fp32)."""
+    prec = prec or PRECISIONS["fp32"]
+    ac = activation_checkpointing
     pp, D, V = layout.pp, shape.d_model, shape.vocab
     e_local = shape.num_experts // layout.ep
     n_chunks = pp * virtual_stages
@@ -191,7 +245,17 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         first, last = s == 0, s == pp - 1
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
+        act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
         for i, has_attn, has_ffn in blocks:
+            halves = [shape.half_bytes(i, part, prec, layout.ep) for part, own in (("attn", has_attn),
+                                                                                  ("ffn", has_ffn)) if own]
+            kept_b, bwd_b, copies = sum(h[0] for h in halves), max(h[1] for h in halves), sum(h[2] for h in halves)
+            cache_b += sum(h[3] for h in halves) if ac else 0.0  # without AC they are the copies kept anyway
+            # checkpointing keeps each block's input (the fp32 residual stream under autocast) and re-makes the
+            # rest, weight copies included, one block at a time in its backward
+            act_b += (4 if prec.autocast else prec.act) * D if ac else kept_b
+            layer_max_b = max(layer_max_b, bwd_b + (kept_b if ac else 0.0))
+            cast_b, cast_max_b = (cast_b, max(cast_max_b, copies)) if ac else (cast_b + copies, cast_max_b)
             ne, one_expert = shape.layer_params(i)
             fd, fe = shape.layer_fwd_flops(i)
             a, bwd = shape.layer_act_elems(i), shape.layer_bwd_elems(i)
@@ -209,9 +273,16 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             n_moe += shape.is_moe(i) and has_ffn
             n_layers += (has_attn + has_ffn) / 2
         head_act = 3 * D + 1 + V if last else 0  # final norm (as in a layer), log-softmax output
+        # each of the rank's chunks holds its output until the gradient comes back (fp32 residual stream under
+        # autocast), and under autocast also the bf16 wire buffer its input arrived in (pp.py widens a copy)
+        chunks = list(range(s, n_chunks, pp))
+        act_b += (4 if prec.autocast else prec.act) * D * sum(c != n_chunks - 1 for c in chunks)
+        act_b += (prec.act * D * sum(c != 0 for c in chunks)) if prec.autocast else 0.0
+        head_b, head_cast = shape.head_bytes(prec) if last else (0.0, 0.0)
         if last:
             f_dense += 2 * D * V
             act += head_act
+            act_b, cast_b = act_b + head_b, cast_b + head_cast  # the head is never checkpointed
         out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
-                                first, last))
+                                first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b))
     return out

@@ -1,0 +1,91 @@
+"""One rank of an elastic generation (elastic.py starts it): the Trainer, plus what the agents need to know.
+
+Each generation is a fixed world with a fixed layout. Its ranks are `nanotitan train` processes started by the
+node agents with the planned layout and `--train.resume auto`, so they load the newest checkpoint resharded onto
+that layout (checkpoint.py). What this adds to the plain Trainer, all through the job's store on node 0:
+
+- rank 0 polls `gen/G/stop` at each step boundary and turns it into the Trainer's stop request. agree_on_step's
+  MAX all-reduce (train.ckpt_on_signal, which the agent sets) gives every rank the same verdict, so every rank
+  finishes the step in flight, saves, and exits 0: the next generation continues from the next step.
+- rank 0 publishes the last completed step (`gen/G/step`: the steps a failure loses are counted against it),
+  the timings of its start after the first step (`gen/G/up`: the pause's parts), the stop's save (`gen/G/saved`)
+  and how the generation ended (`gen/G/result`: finished or stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .config import Config
+from .train import Trainer
+
+RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "spawned"} as JSON
+
+
+def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
+    """A client of node 0's store, with this job's keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"nanotitan/elastic/{job}", store)
+
+
+class ElasticTrainer(Trainer):
+    """The Trainer with a step-boundary poll (rank 0) and timings of its start; the training is the Trainer's."""
+
+    def __init__(self, cfg: Config, store, gen: int, started: float):
+        self.store, self.gen, self.started, self.entered = store, gen, started, time.time()
+        self.load_s = self.save_s = 0.0
+        super().__init__(cfg)
+        self.built = time.time()
+
+    def resume(self, where: str):
+        t0 = time.perf_counter()
+        super().resume(where)
+        self.load_s = time.perf_counter() - t0
+
+    def save(self, step: int):
+        t0 = time.perf_counter()
+        super().save(step)
+        self.save_s = time.perf_counter() - t0
+        if self.is_main and self.stop_requested:
+            self.store.set(f"gen/{self.gen}/saved", json.dumps({"step": step, "save_s": self.save_s, "t": time.time()}))
+
+    def train_step(self, step: int):
+        if self.is_main and self.store.check([f"gen/{self.gen}/stop"]):
+            self.stop_requested = True  # the whole world stops after this step: agree_on_step all-reduces it
+        out = super().train_step(step)
+        if self.is_main:
+            self.store.set(f"gen/{self.gen}/step", str(step + 1))
+            if step == self.start_step:
+                self.store.set(f"gen/{self.gen}/up", json.dumps({
+                    "start_step": self.start_step, "layout": layout_line(self.cfg), "started": self.started,
+                    "entered": self.entered, "built": self.built, "load_s": self.load_s, "up": time.time()}))
+        return out
+
+
+def layout_line(cfg: Config) -> str:
+    p = cfg.parallel
+    return f"dp={p.dp} pp={p.pp} ep={p.ep} M={p.microbatches} m={cfg.train.micro_batch} zero={p.zero}"
+
+
+def run_rank(cfg: Config) -> dict:
+    """train.run for a rank of an elastic generation: trains until the end or the coordinator's stop."""
+    info = json.loads(os.environ[RANK_ENV])
+    store = job_store(info["endpoint"], info["id"], cfg.parallel.timeout_s)
+    trainer = ElasticTrainer(cfg, store, info["gen"], info["spawned"])
+    try:
+        out = trainer.train()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
+    if trainer.is_main:
+        store.set(f"gen/{info['gen']}/result", "stopped" if trainer.stop_requested else "finished")
+    return {**out, "stopped": trainer.stop_requested}

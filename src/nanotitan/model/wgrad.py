@@ -1,0 +1,270 @@
+"""Deferred weight gradients: the input gradient now, the weight-gradient GEMMs later (zero-bubble pipelines'
+B / W split, Qi et al. 2023; Megatron-LM's `WeightGradStore`).
+
+A layer that can defer computes its own backward (`_Linear`, `_Experts` below): the input gradient always at
+once, and the weight gradient either at once (returned to autograd as usual) or, while its `WeightGradStore` is
+`deferring`, as a closure put in the store, holding the tensors the GEMM reads (layer input, output gradient).
+Parameters that are not GEMM weights (norm weights, embedding tables) pass through `_Tap`, which keeps the
+gradient autograd computed and accumulates it later, so after a deferred backward no parameter's .grad has
+changed: every term lands when the store's closures run (pipeline schedule's W, parallel/pp.py).
+
+Landing a term: `accumulate(p, g)` does what autograd's AccumulateGrad does (`p.grad = g` when None, else an
+in-place add), or, when a gradient sync registered a sink for p (`set_grad_sink`: the DP Reducer, ZeRO-1/2's
+ShardedReducer), calls the sink, which adds the term into its bucket and counts p ready -- the hook autograd's
+post-accumulate-grad would have fired. model/ never imports parallel/ (DESIGN §2): the sync hands the sink in.
+
+Exactness: the backward functions are the ones autograd's nodes run for F.linear / mm / silu / mul / unbind
+(`mm_mat1_backward`, `mm_mat2_backward`, `silu_backward`, `stack`), on the same saved tensors, so input and
+weight gradients are bitwise those of plain autograd (tests/model/test_wgrad.py). Deferral changes when a
+weight-gradient GEMM runs, never what it computes.
+
+Activation checkpointing: everything a backward needs is saved with `save_for_backward`, so a checkpointed
+block recomputes it as usual in B; the closures keep what B unpacked, so W never recomputes a block (nor
+runs its EP all-to-alls).
+
+The path is on only where a store is attached (`attach`): a module without one runs plain F.linear etc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+_SINKS = WeakIdKeyDictionary()  # param -> its gradient sync's sink (by identity: tensors compare elementwise)
+
+
+def set_grad_sink(p: torch.Tensor, sink: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+    """sink(p, g) lands each deferred gradient term g of p (None: plain accumulation into p.grad)."""
+    if sink is None:
+        _SINKS.pop(p, None)
+    else:
+        _SINKS[p] = sink
+
+
+@torch.no_grad()
+def accumulate_into(p: torch.Tensor, g: torch.Tensor) -> None:
+    """AccumulateGrad's step: the first term becomes .grad, later ones are added in place."""
+    g = g.to(p.dtype)
+    if p.grad is None:
+        p.grad = g if g.is_contiguous() else g.contiguous()
+    else:
+        p.grad.add_(g)
+
+
+def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    sink = _SINKS.get(p)
+    if sink is None:
+        accumulate_into(p, g)
+    else:
+        sink(p, g)
+
+
+class WeightGradStore:
+    """The weight-gradient work a deferred backward left behind, in the order it produced it.
+
+        with store.deferring():   backward (B): input gradients only; closures queue up
+        work = store.take()       this microbatch's W, to run whenever the schedule likes
+        WeightGradStore.run(work) W: the GEMMs, every term accumulated (sinks: the gradient syncs count it ready)
+    """
+
+    def __init__(self):
+        self.active = False
+        self._queue: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def deferring(self):
+        assert not self.active, "nested deferring()"
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._queue.append(fn)
+
+    def take(self) -> list[Callable[[], None]]:
+        work, self._queue = self._queue, []
+        return work
+
+    @staticmethod
+    def run(work: list[Callable[[], None]]) -> None:
+        with torch.no_grad():
+            for fn in work:
+                fn()
+        work.clear()  # frees what the closures held (activations, output gradients)
+
+
+def attach(model: nn.Module, store: WeightGradStore | None) -> None:
+    """Route every deferrable layer of `model` through `store` (None: back to plain autograd)."""
+    for m in model.modules():
+        if hasattr(m, "wgrad_store"):
+            m.wgrad_store = store
+
+
+def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    # Autocast casts floating inputs of a GEMM to its dtype; the cast's backward widens the gradient back.
+    return t if t is None or dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear(x, W, b) with the weight (and bias) gradient deferrable. Autograd runs F.linear on a (.., Din)
+    input as one mm on its (-1, Din) view with W.t(), column-major: grad x = g @ W, grad W = g^T @ x (the
+    column-major branch of mm_mat2_backward), grad b = g summed over rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        dt = _autocast_dtype(x)
+        xc, wc, bc = _cast(x, dt), _cast(weight, dt), _cast(bias, dt)
+        ctx.save_for_backward(xc, wc)
+        ctx.store, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = store, x.dtype, weight.dtype, bias is not None
+        return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, wc = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        x2 = xc.reshape(-1, xc.shape[-1])
+        grad_x = g2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+
+        def weight_grads():
+            gw = g2.t().mm(x2).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+            gb = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            return gw, gb
+
+        store = ctx.store
+        if store is None or not store.active:
+            gw, gb = weight_grads()
+            return grad_x, gw, gb, None
+        params = ctx.params
+
+        def later():
+            gw, gb = weight_grads()
+            if gw is not None:
+                accumulate(params[0], gw)
+            if gb is not None:
+                accumulate(params[1], gb)
+
+        store.put(later)
+        return grad_x, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           store: WeightGradStore | None) -> torch.Tensor:
+    """F.linear, through the store when one is attached (and a backward may follow)."""
+    if store is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    return _apply_with_params(_Linear, (weight, bias), x, weight, bias, store)
+
+
+def _apply_with_params(fn, params, *args):
+    """fn.apply(*args), with the parameters reachable from its backward (ctx.params) for deferred accumulation.
+    Autograd's ctx cannot be reached before apply returns, so the params ride on the output's grad_fn."""
+    out = fn.apply(*args)
+    if out.grad_fn is not None:
+        out.grad_fn.params = params
+    return out
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a parameter whose gradient autograd computes as usual (a norm weight, an embedding table):
+    while the store defers, the gradient is kept and accumulated in W instead of reaching AccumulateGrad now."""
+
+    @staticmethod
+    def forward(ctx, p, store):
+        ctx.store = store
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        store = ctx.store
+        if not store.active:
+            return grad, None
+        p = ctx.params[0]
+        store.put(lambda: accumulate(p, grad))
+        return None, None
+
+
+def tap(p: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
+    if store is None or not torch.is_grad_enabled():
+        return p
+    return _apply_with_params(_Tap, (p,), p, store)
+
+
+class _Experts(torch.autograd.Function):
+    """model.moe.ExpertFFN's forward (L SwiGLU experts on contiguous row groups) with its weight gradients
+    deferrable. Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it:
+    dh = dy @ wo^T, da = dh * hv, dhv = dh * a, dhg = silu_backward(da, hg), dx = dhg @ wg^T + dhv @ wv^T;
+    weights: wo: h^T @ dy, wv: x^T @ dhv, wg: x^T @ dhg, stacked over experts (unbind's backward)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, W_gate, W_val, W_out, counts_L, store):
+        dt = _autocast_dtype(x_ND)
+        x, wg, wv, wo = (_cast(t, dt) for t in (x_ND, W_gate, W_val, W_out))
+        saved, ys = [], []  # per expert what autograd's nodes would save: hg (silu), a and hv (mul), h (mm)
+        for x_l, wg_l, wv_l, wo_l in zip(x.split(counts_L), wg.unbind(0), wv.unbind(0), wo.unbind(0)):
+            hg, hv = x_l @ wg_l, x_l @ wv_l
+            a = F.silu(hg)
+            h = a * hv
+            saved += [hg, hv, a, h]
+            ys.append(h @ wo_l)
+        ctx.save_for_backward(x, wg, wv, wo, *saved)
+        ctx.counts, ctx.store, ctx.x_dtype, ctx.w_dtype = counts_L, store, x_ND.dtype, W_gate.dtype
+        return torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wg, wv, wo, *saved = ctx.saved_tensors
+        counts = ctx.counts
+        dxs, terms = [], []  # terms[l] = (x_l, h_l, dy_l, dhg, dhv): what expert l's weight GEMMs read
+        for l, (x_l, dy_l) in enumerate(zip(x.split(counts), dy.split(counts))):
+            hg, hv, a, h_l = saved[4 * l:4 * l + 4]
+            dh = dy_l.mm(wo[l].t())
+            da, dhv = dh * hv, dh * a
+            dhg = torch.ops.aten.silu_backward(da, hg)
+            # Each GEMM's cast widens its own term (autocast casts x once per GEMM): add them in x's dtype.
+            dxs.append(dhg.mm(wg[l].t()).to(ctx.x_dtype) + dhv.mm(wv[l].t()).to(ctx.x_dtype))
+            terms.append((x_l, h_l, dy_l, dhg, dhv))
+        dx = torch.cat(dxs) if dxs else dy.new_zeros(0, x.shape[1], dtype=ctx.x_dtype)
+        w_dtype = ctx.w_dtype
+
+        def weight_grads():
+            gwg = torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in terms]).to(w_dtype)
+            gwv = torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in terms]).to(w_dtype)
+            gwo = torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in terms]).to(w_dtype)
+            return gwg, gwv, gwo
+
+        store = ctx.store
+        if store is None or not store.active:
+            return (dx, *weight_grads(), None, None)
+        params = ctx.params
+
+        def later():
+            for p, g in zip(params, weight_grads()):
+                accumulate(p, g)
+
+        store.put(later)
+        return dx, None, None, None, None, None
+
+
+def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
+            counts_L: list[int], store: WeightGradStore) -> torch.Tensor:
+    return _apply_with_params(_Experts, (W_gate, W_val, W_out), x_ND, W_gate, W_val, W_out, counts_L, store)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight gradient a `WeightGradStore` can defer (`attach`); plain nn.Linear without one."""
+    wgrad_store: WeightGradStore | None = None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.wgrad_store)

@@ -1,0 +1,121 @@
+"""Deferred weight gradients (model/wgrad.py): with a store attached, the input gradient and every weight gradient
+are bitwise autograd's, whether computed at once or deferred and run later; a deferred backward leaves every
+.grad untouched, and the gradient sinks see each term once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanotitan.config import ModelConfig
+from nanotitan.model import wgrad
+from nanotitan.model.spec import ModelShardSpec
+from nanotitan.model.transformer import Transformer
+
+SEED = 3
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=97, d_model=32, n_layers=3, n_heads=4, ffn_dim=48, num_experts=4, top_k=2,
+                max_seq_len=16, aux_coef=0.1)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+CASES = {
+    "mixtral": {},
+    "qwen2": dict(attn_bias=True, shared_experts=1, shared_expert_gate=True, z_loss_coef=1e-3, moe_every=2),
+    "qwen3_capacity": dict(qk_norm="head", n_kv_heads=2, capacity_factor=1.0, router_score="sigmoid",
+                           pos_emb="learned"),
+}
+
+
+def _middle_stage(cfg: ModelConfig) -> ModelShardSpec:
+    """Layers 1.. with the head: the input is a hidden state, as on a later pipeline stage."""
+    full = ModelShardSpec.full(cfg)
+    return ModelShardSpec(**{**full.__dict__, "layer_start": 1, "has_token_embed": False, "has_pos_embed": False})
+
+
+def _run(cfg, spec, inp, tgt, mode: str, ckpt: bool, bf16: bool = False):
+    """Gradients after one backward of ce + aux: mode plain (no store), now (store, not deferring), later (deferred,
+    then run). Returns (input grad or None, {name: grad}, .grad values right after the deferred backward)."""
+    model = Transformer(cfg, spec, SEED)
+    model.activation_checkpointing = ckpt
+    store = wgrad.WeightGradStore() if mode != "plain" else None
+    wgrad.attach(model, store)
+    x = inp.clone().requires_grad_(True) if inp.is_floating_point() else inp
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the trainer's mixed precision
+        ce, aux = model(x, tgt)
+    loss = ce + 0.3 * aux
+    after_b = None
+    if mode == "later":
+        with store.deferring():
+            loss.backward()
+        after_b = [p.grad for p in model.parameters()]
+        work = store.take()
+        assert work, "nothing was deferred"
+        wgrad.WeightGradStore.run(work)
+    else:
+        loss.backward()
+    return (x.grad if inp.is_floating_point() else None), {n: p.grad for n, p in model.named_parameters()}, after_b
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ["mixtral_bf16"])
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_deferred_grads_equal_autograds(name, ckpt, first):
+    bf16 = name.endswith("_bf16")
+    cfg = _cfg(**CASES[name.removesuffix("_bf16")])
+    g = torch.Generator().manual_seed(1)
+    tgt = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    if first:
+        spec, inp = ModelShardSpec.full(cfg), torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    else:
+        spec, inp = _middle_stage(cfg), torch.randn(2, 16, cfg.d_model, generator=g)
+    ref_in, ref, _ = _run(cfg, spec, inp, tgt, "plain", ckpt, bf16)
+    for mode in ("now", "later"):
+        got_in, got, after_b = _run(cfg, spec, inp, tgt, mode, ckpt, bf16)
+        if ref_in is not None:
+            assert torch.equal(got_in, ref_in), f"{mode}: input gradient differs"
+        assert got.keys() == ref.keys()
+        for n in ref:
+            assert ref[n] is not None, n
+            assert torch.equal(got[n], ref[n]), f"{name} ckpt={ckpt} {mode}: {n} differs by " \
+                                                f"{(got[n] - ref[n]).abs().max().item():.3e}"
+        if mode == "later":
+            assert all(gr is None for gr in after_b), "a deferred backward accumulated a weight gradient"
+
+
+def test_sinks_take_every_term_once():
+    """A registered sink receives each deferred term instead of .grad (the gradient syncs' entry point); two
+    microbatches deferred and run in order accumulate as two plain backwards do."""
+    cfg = _cfg()
+    spec = _middle_stage(cfg)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 16, cfg.d_model, generator=g) for _ in range(2)]
+    ys = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2)]
+    ref = Transformer(cfg, spec, SEED)
+    for x, y in zip(xs, ys):
+        ce, aux = ref(x, y)
+        (ce + aux).backward()
+
+    model = Transformer(cfg, spec, SEED)
+    store = wgrad.WeightGradStore()
+    wgrad.attach(model, store)
+    seen: dict[str, int] = {}
+    names = {p: n for n, p in model.named_parameters()}
+    for p in model.parameters():
+        wgrad.set_grad_sink(p, lambda p, gr: (seen.__setitem__(names[p], seen.get(names[p], 0) + 1),
+                                              wgrad.accumulate_into(p, gr)))
+    works = []
+    for x, y in zip(xs, ys):
+        ce, aux = model(x.requires_grad_(True), y)
+        with store.deferring():
+            (ce + aux).backward()
+        works.append(store.take())
+    assert all(p.grad is None for p in model.parameters())
+    for work in works:
+        wgrad.WeightGradStore.run(work)
+    assert seen == {n: 2 for n in names.values()}, seen
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, dict(ref.named_parameters())[n].grad), n

@@ -1,0 +1,151 @@
+"""`nanotitan plan --dry-run` (plan/dryrun.py): every distinct rank of an N-rank layout built by the real code on
+fake tensors and a fake process group — fast at N = 512, the same bytes as a real rank, errors in one line."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from nanotitan.config import ConfigError, load_config
+from nanotitan.hardware import get_hardware
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.plan import cli as plan_cli
+from nanotitan.plan.dryrun import FIELDS, compare_with_planner, dry_run
+from tests.mp import run_ranks
+from tests.test_equivalence import base_args, layout_args
+
+MIXTRAL = ("--model.vocab_size 32000 --data.vocab_size 32000 --model.d_model 4096 --model.n_layers 32 "
+           "--model.n_heads 32 --model.ffn_dim 14336 --model.num_experts 8 --model.top_k 2 --train.seq_len 4096 "
+           "--model.max_seq_len 4096 --train.dtype bf16 --train.activation_checkpointing true").split()
+
+
+def test_dry_run_of_512_ranks_of_a_mixtral_shaped_layout_takes_under_a_minute():
+    """docs/plans/mixtral-8x7b-h100.md's zero-0 layout on 512 H100s (dp 32 x pp 2 x ep 8, 1F1B, M 4, m 1): every
+    rank's row, the planner's state bytes exactly and its peak within 2% on both stages."""
+    cfg = load_config(None, MIXTRAL + ["--parallel.dp", "32", "--parallel.pp", "2", "--parallel.ep", "8",
+                                       "--parallel.microbatches", "4", "--train.micro_batch", "1"])
+    t0 = time.perf_counter()
+    run = dry_run(cfg, 512)
+    took = time.perf_counter() - t0
+    assert took < 60, f"dry run of 512 ranks took {took:.0f} s"
+    rows = run.rows()
+    assert [r["rank"] for r in rows] == list(range(512))
+    assert all(tuple(r["coords"]) == ParallelDims(32, 2, 8, r["rank"]).coords() for r in rows)
+    assert len(run.classes) == 2  # one per stage: ep_rank and dp_rank change no byte at zero 0
+    for c in compare_with_planner(run, get_hardware("h100-sxm")):
+        for k in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert c[k] == pytest.approx(c[f"planned_{k}"], rel=1e-9), (c["stage"], k)
+        assert abs(c["gap_peak_bytes"]) < 0.02, (c["stage"], c["peak_bytes"], c["planned_peak_bytes"])
+    # 16 fp32 layers of Mixtral's width per rank: 15 GiB of parameters, more than the 8B-parameter stage's bf16 copy
+    assert rows[0]["param_bytes"] > 15 * 2**30
+
+
+def _real_rank(rank, world, cases, corpus_dir, run_root):
+    """Per case: this rank's live bytes after 2 real steps, and the tensor peak of the second step (a
+    TensorBytesMeter around it, everything the rank held before counted as its base)."""
+    from nanotitan.plan.dryrun import _bytes, _held
+    from nanotitan.plan.measure import TensorBytesMeter
+    from nanotitan.metrics import live_tensor_bytes
+    from nanotitan.train import Trainer
+
+    out = []
+    for i, case in enumerate(cases):
+        cfg = load_config(None, base_args(corpus_dir, f"{run_root}/{i}") + layout_args(*case))
+        trainer = Trainer(cfg)
+        trainer.train_step(0)
+        held = _held(trainer.shard, trainer.optimizer)
+        with TensorBytesMeter(held) as meter:
+            trainer.train_step(1)
+        out.append({**live_tensor_bytes(trainer.model, trainer.optimizer), "peak_bytes": _bytes(held) + meter.peak,
+                    "cfg": trainer.cfg})
+        trainer.close()
+    return out
+
+
+def test_dry_run_matches_the_live_bytes_of_real_ranks(corpus_dir, tmp_path):
+    """The same config run for real on 4 gloo ranks (d_model 32; PP, EP and ZeRO-1 layouts): every rank's live
+    param/grad/optim bytes equal the dry run's; without EP (routing imbalance moves expert rows between EP ranks,
+    the dry run routes evenly) its step's tensor peak is within 5%."""
+    cases = [(2, 2, 1, "1f1b"), (1, 2, 2, "gpipe", ("--train.activation_checkpointing", "true")),
+             (2, 1, 2, "1f1b", ("--parallel.zero", "1", "--train.dtype", "bf16"))]
+    real = run_ranks(_real_rank, 4, args=(cases, str(corpus_dir), str(tmp_path)), timeout=400, pg_timeout=120)
+    for i, case in enumerate(cases):
+        run = dry_run(real[0][i]["cfg"], 4)  # the config the trainer ran, resolved
+        for row in run.rows():
+            mine = real[row["rank"]][i]
+            for k in ("param_bytes", "grad_bytes", "optim_bytes"):
+                assert row[k] == mine[k], (case, row["rank"], k, row[k], mine[k])
+            if case[2] == 1:
+                assert row["peak_bytes"] == pytest.approx(mine["peak_bytes"], rel=0.05), (case, row["rank"])
+
+
+def test_layout_errors_fail_in_one_line_before_any_rank_is_built(monkeypatch):
+    import nanotitan.plan.dryrun as dryrun
+
+    def never(*a, **k):
+        raise AssertionError("a rank was built for a layout that cannot run")
+
+    monkeypatch.setattr(dryrun, "measure_rank", never)
+    small = ["--model.num_experts", "4", "--model.n_layers", "4", "--model.vocab_size", "512",
+             "--data.vocab_size", "512"]
+    empty_stage = load_config(None, small + ["--parallel.pp", "3"])
+    empty_stage.parallel.pp_layers = [3, 0, 1]  # as a config built in code could say
+    for cfg, world, message in (
+            (load_config(None, small + ["--parallel.dp", "2", "--parallel.ep", "2"]), 8,
+             r"world size 8 != parallel.dp\*pp\*ep"),
+            (empty_stage, 3, r"parallel.pp_layers=\[3, 0, 1\]")):
+        t0 = time.perf_counter()
+        with pytest.raises(ConfigError, match=message) as e:
+            dry_run(cfg, world)
+        assert "\n" not in str(e.value) and time.perf_counter() - t0 < 5
+    # groups that do not divide, and more stages than layers, are refused when the config is read, as for a launch
+    with pytest.raises(ConfigError, match="parallel.ep=3 must divide model.num_experts=4"):
+        load_config(None, small + ["--parallel.ep", "3"])
+    with pytest.raises(ConfigError, match="parallel.pp=8 stages need at least as many layers"):
+        load_config(None, small + ["--parallel.pp", "8"])
+
+
+def test_zero3_ranks_split_by_the_chunks_fsdp_gives_them():
+    """8 data ranks, zero 3: a router's 4 rows over a group of 8 land on ranks 0-3 only. FSDP2 pads every shard to
+    the same size, but AdamW's two moments follow the real chunk: two kinds of rank, built separately, whose optimizer
+    state differs by exactly one router row per layer per moment (and that is what each kind's rank 0 and 4 hold)."""
+    from nanotitan.plan.dryrun import measure_rank
+    from nanotitan.resolve import resolve
+
+    cfg = resolve(load_config(None, ["--model.d_model", "64", "--model.n_heads", "4", "--model.ffn_dim", "96",
+                                     "--model.n_layers", "2", "--model.num_experts", "4", "--model.vocab_size", "512",
+                                     "--data.vocab_size", "512", "--train.seq_len", "32", "--parallel.dp", "8",
+                                     "--parallel.zero", "3", "--train.micro_batch", "2"]), world=8)
+    run = dry_run(cfg, 8)
+    assert sorted(sorted(c.same) for c in run.classes) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = run.rows()
+    assert rows[0]["param_bytes"] == rows[4]["param_bytes"]  # padded alike
+    assert rows[0]["optim_bytes"] - rows[4]["optim_bytes"] == 2 * 2 * 64 * 4  # 2 moments x 2 layers x a row of 64
+    last = measure_rank(cfg, 7, 8)  # a rank the dry run did not build holds what its kind's row says
+    assert [getattr(last, k) for k in FIELDS] == [rows[7][k] for k in FIELDS]
+
+
+def test_cli_writes_every_rank_and_names_the_first_over_memory(tmp_path, capsys):
+    import dataclasses
+
+    from nanotitan.hardware import save_hardware
+
+    out = tmp_path / "ranks.json"
+    args = ["--dry-run", "--ranks", "4", "--parallel.pp", "2", "--parallel.ep", "2", "--parallel.microbatches", "2",
+            "--train.micro_batch", "2", "--model.n_layers", "2", "--model.d_model", "64", "--model.n_heads", "4",
+            "--model.ffn_dim", "96", "--model.vocab_size", "512", "--data.vocab_size", "512", "--train.seq_len", "32",
+            "--json", str(out)]
+    assert plan_cli.main(args + ["--hardware", "rtx3060"]) == 0
+    rows = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    assert all(set(r) == {"rank", "coords", *FIELDS} for r in rows)
+    assert "every rank fits" in capsys.readouterr().out
+    # a device with room for the lighter stage only: the first rank of the heavier stage is named
+    light, heavy = sorted({r["peak_bytes"] for r in rows})
+    tiny = tmp_path / "tiny.json"
+    save_hardware(dataclasses.replace(get_hardware("rtx3060"), mem_bytes=(light + heavy) / 2, mem_reserved_bytes=0.0),
+                  tiny)
+    assert plan_cli.main(args + ["--hardware", str(tiny)]) == 0
+    first = min(r["rank"] for r in rows if r["peak_bytes"] == heavy)
+    assert f"rank {first} " in capsys.readouterr().out.split("is the first over")[0].splitlines()[-1]
