@@ -1,9 +1,10 @@
 """Re-layout on the fly (issue 24) with loopback "nodes": each node is one `nanotitan train --elastic.*` command.
 
 Two nodes start (world 2: dp=2), a third joins at about step 10 (world 3: pp=3), the second gets a SIGTERM notice
-at about step 30 (world 2 again), and the job finishes. Planned changes lose nothing: every step is logged once,
-and every loss and the final parameters equal an uninterrupted single-process run at the same global batch
-(the equivalence rule, DESIGN §4)."""
+at about step 30 (world 2 again), the third's ranks are killed (-9) at about step 50, and the job finishes at 70.
+Planned changes lose nothing; the kill loses at most K = elastic.snapshot_every steps, replayed from the newest
+snapshot. Every logged loss (replays included) and the final parameters equal an uninterrupted single-process run
+at the same global batch (the equivalence rule, DESIGN §4)."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch
 from tests.mp import free_port
 from tests.test_equivalence import LR, B, base_args, layout_args
 
-STEPS = 60
+STEPS, K = 70, 5
 AGENT_TIMEOUT_S = 400
 
 
@@ -32,6 +34,16 @@ def _records(run) -> list[dict]:
     if not path.exists():
         return []
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def _kill_ranks(agent: subprocess.Popen) -> None:
+    """kill -9 every child process of an agent (its ranks), leaving the agent itself alive."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
 
 
 def _changes(run) -> list[dict]:
@@ -51,7 +63,7 @@ def _await(what: str, cond, agents, logs, timeout_s: float = 240.0) -> None:
 
 
 @pytest.mark.slow
-def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
+def test_join_notice_and_kill(corpus_dir, tmp_path):
     from nanotitan.config import load_config
     from nanotitan.train import Trainer
 
@@ -60,7 +72,8 @@ def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
         "--train.steps", str(STEPS), "--train.global_batch", str(B), "--parallel.auto", "true",
         "--parallel.timeout_s", "60", "--elastic.nodes", "2:3", "--elastic.nproc_per_node", "1",
         "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "relayout",
-        "--elastic.join_timeout_s", "120"]
+        "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
+        "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
     files = [open(p, "w") for p in logs]
     agents: list[subprocess.Popen] = []
@@ -73,6 +86,9 @@ def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
         _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs)
         _await("step 30", lambda: len(_records(run)) >= 30, agents, logs)
         agents[1].send_signal(signal.SIGTERM)  # a preemption notice to node 1's agent
+        _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
+        _await("step 50", lambda: _records(run)[-1]["step"] >= 50, agents[:1] + agents[2:], logs)
+        _kill_ranks(agents[2])  # node 2 loses its ranks; its agent stays
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
@@ -87,9 +103,12 @@ def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
 
     # Two changes, each to the planner's layout for its world, nothing lost.
     changes = _changes(run)
-    assert [(c["event"], c["nodes"], c["steps_lost"]) for c in changes] == [("join", [2, 3], 0), ("notice", [3, 2], 0)], out
-    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1", "dp=2 pp=1 ep=1"], changes
-    assert 10 <= changes[0]["step"] < changes[1]["step"] < STEPS, changes
+    assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("notice", [3, 2]), ("failure", [2, 2])], out
+    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1", "dp=2 pp=1 ep=1", "dp=2 pp=1 ep=1"], changes
+    assert 10 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < STEPS, changes
+    lost = changes[2]["steps_lost"]
+    assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes
+    assert changes[2]["step"] % K == 0, changes  # resumed from a snapshot
 
     # Every step logged once, each loss the single process's.
     torch.set_num_threads(1)
@@ -97,7 +116,8 @@ def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
                               + ["--train.steps", str(STEPS)]))
     full = {r["step"]: r["loss"] for r in ref.train()["history"]}
     steps = [r["step"] for r in _records(run)]
-    assert steps == list(range(1, STEPS + 1)), steps
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
+    assert len(steps) - STEPS <= lost, steps  # only the lost steps were run twice
     for r in _records(run):
         assert abs(r["loss"] - full[r["step"]]) <= 1e-5 * abs(full[r["step"]]), (r["step"], r["loss"], full[r["step"]])
 
@@ -108,3 +128,67 @@ def test_join_and_notice_lose_nothing(corpus_dir, tmp_path):
     want = dict(ref.model.named_parameters())
     for name, t in final.model.named_parameters():
         torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {s}")
+
+
+# --- bad cases, decided by node 0's coordinator (one process, a real store, no ranks) ---------------------------
+
+def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nanotitan.config import load_config
+    from nanotitan.elastic import Coordinator, job_hash
+
+    cfg = load_config(None, base_args(corpus_dir, run_dir) + [
+        "--train.global_batch", str(B), "--parallel.auto", "true", "--elastic.nodes", nodes,
+        "--elastic.endpoint", "127.0.0.1:1", "--elastic.id", "bad", "--elastic.snapshot_dir", str(run_dir / "shm"),
+        *extra])
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = dist.PrefixStore("nanotitan/elastic/bad", raw)
+    return Coordinator(cfg, store, job_hash(cfg)), store, raw
+
+
+def _register(store, node: int, hash_: str) -> None:
+    assert store.add("joined", 1) - 1 == node
+    store.set(f"beat/{node}", str(time.time()))
+    store.set(f"node/{node}", json.dumps({"host": "h", "pid": 0, "hash": hash_}))
+
+
+def test_world_without_layout_leaves_a_spare_and_a_different_joiner_is_refused(corpus_dir, tmp_path, capsys):
+    """5 ranks admit no layout at batch 16 (4 experts, 4 layers): the newest node waits as a spare and the job
+    starts on 4; a node with another code or config hash is refused in one line."""
+    coord, store, _raw = _coordinator(corpus_dir, tmp_path, "1:8")
+    for node in range(5):
+        _register(store, node, coord.hash)
+    _register(store, 5, "0" * 16)
+    coord.since -= 1e6  # whatever the clock, the first generation is due now
+    coord.tick()
+    plan = json.loads(store.get("gen/1"))
+    assert plan["members"] == [0, 1, 2, 3] and plan["layout"].startswith("dp=4 pp=1 ep=1"), plan
+    out = capsys.readouterr().out
+    assert "world 5 admits no layout (no layout of 5 ranks" in out and "node 4 waits as a spare" in out, out
+    assert "node 5 (h) runs different code or config" in store.get("refused/5").decode()
+
+
+def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, capsys):
+    """The next generation resumes from the newest checkpoint that verifies, snapshots and run dir alike."""
+    import shutil
+
+    from nanotitan.config import load_config
+    from nanotitan.elastic_rank import snapshot_root
+    from nanotitan.train import Trainer
+
+    torch.set_num_threads(1)
+    Trainer(load_config(None, base_args(corpus_dir, tmp_path / "src") + layout_args(1, 1, 1)
+                        + ["--train.steps", "4", "--train.ckpt_every", "2"])).train()
+    coord, _store, _raw = _coordinator(corpus_dir, tmp_path / "run", "1")
+    snaps = snapshot_root(coord.cfg) / "checkpoints"
+    shutil.copytree(tmp_path / "src" / "checkpoints", snaps)
+    shard = next((snaps / "step_4").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    shard.write_bytes(bytes(data))
+    assert coord._newest_checkpoint() == snaps / "step_2"
+    out = capsys.readouterr().out
+    assert "skipped step_4" in out and "checksum" in out, out

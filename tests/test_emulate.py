@@ -159,3 +159,31 @@ def test_emulated_layouts_train_the_same_model(corpus_dir, tmp_path, reference):
     for i, axes in ((0, ("dp", "ep")), (2, ("ep", "pp")), (3, ("dp", "pp")), (4, ("dp", "ep"))):
         for axis in axes:
             assert all(results[r][i]["modelled"].get(axis, 0) > 0 for r in range(4)), (cases[i], axis)
+
+
+@pytest.mark.slow
+def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_dir, tmp_path):
+    """configs/bench.toml's model on 4 ranks, one NVLink node vs nodes of 2 over 100 Gb/s (docs/emulate.md), both at
+    dilation 1.7e-3 (the 2-core machine's fp32 rate against an H100's): pure DP all-reduces over every link, so it
+    wins on NVLink and loses across the slow network to dp1 pp2 ep2, whose EP groups stay inside a node there. The
+    planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too."""
+    from nanotitan.bench_layouts import emulated_predictions, run_layout, summarise
+
+    data = ["--data.source", str(corpus_dir), "--train.seed", "3"]
+    order = {}
+    for name, topology, size in (("nvlink", "h100-sxm", "8"), ("100g", "configs/emulate/h100-100g.json", "2")):
+        emu = ["--parallel.emulate", topology, "--parallel.emulate_node_size", size,
+               "--parallel.emulate_dilation", "1.7e-3"]
+        base = ["--config=configs/bench.toml", *data, *emu]
+        rows = []
+        for dp, pp, ep, M in ((4, 1, 1, 2), (1, 2, 2, 4)):
+            res = run_layout(dp, pp, ep, "1f1b", M, 2, 6, tmp_path / f"{name}_{dp}{pp}{ep}", base, timeout=600)
+            rows.append({"dp": dp, "pp": pp, "ep": ep, "schedule": "1f1b" if pp > 1 else "-", "M": M, "m": 2,
+                         **summarise(res, (2, 6)), "peak_mem_per_rank": [r["peak_mem_bytes"] for r in res["ranks"]]})
+        cfg = load_config("configs/bench.toml", data + emu)
+        pred = emulated_predictions(rows, cfg, emulate.link_model(cfg), "cpu-gloo")["rows"]
+        order[name] = ([r["pred_step_s"] for r in pred], [r["meas_step_s"] for r in pred])
+    (p_dp, p_ep), (m_dp, m_ep) = order["nvlink"]
+    assert p_dp < p_ep and m_dp < m_ep, f"NVLink: predicted {order['nvlink'][0]}, measured {order['nvlink'][1]}"
+    (p_dp, p_ep), (m_dp, m_ep) = order["100g"]
+    assert p_dp > p_ep and m_dp > m_ep, f"100 Gb/s: predicted {order['100g'][0]}, measured {order['100g'][1]}"

@@ -60,22 +60,26 @@ def _matrix(world, cases, corpus_dir, tmp_path, reference, timeout):
         check_case(f"{case}", [results[r][i] for r in range(world)], reference)
 
 
+@pytest.mark.timeout(450)
 def test_zero_world2(corpus_dir, tmp_path, reference):
     cells = _every_zero(2, 1, 1, "1f1b") + [(2, 1, 1, "1f1b", 2, *FULL), (2, 1, 1, "1f1b", 3, *NEVER)]
     _matrix(2, _cases(cells, ac=(2, 1, 1, "1f1b", 3)), corpus_dir, tmp_path, reference, timeout=400)
 
 
+@pytest.mark.timeout(950)
 def test_zero_world4(corpus_dir, tmp_path, reference):
     cells = _every_zero(4, 1, 1, "1f1b") + _every_zero(2, 1, 2, "1f1b") + [(2, 2, 1, *c) for c in PP_CELLS]
     _matrix(4, _cases(cells, ac=(2, 2, 1, "1f1b", 2)), corpus_dir, tmp_path, reference, timeout=900)
 
 
+@pytest.mark.timeout(950)
 def test_zero_world8(corpus_dir, tmp_path, reference):
     cells = [(2, 2, 2, *c) for c in PP_CELLS if c[0] != "gpipe"]
     _matrix(8, _cases(cells), corpus_dir, tmp_path, reference, timeout=900)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1850)
 def test_zero_pp_slow_tier(corpus_dir, tmp_path, reference):
     """The rest of the product: zero 1 under interleaved, zero 2 "shard" under interleaved (explicit: auto is
     "full" there), the gpipe cells at DP2*PP2*EP2, and zero 3 with a half-layer cut (FSDP2 wraps each block:

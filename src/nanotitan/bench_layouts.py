@@ -3,12 +3,18 @@ tokens per step, averaged over a window after warm-up, as a markdown table and P
 
     nanotitan bench layouts --ranks 2 4 --steps 60 --window 20 60 [--config FILE] [overrides...]
     nanotitan bench layouts --ranks 2 4 --schedules zb1 interleaved --virtual-stages 2 --pp-only --tag schedules
+    nanotitan bench layouts --ranks 8 --parallel.emulate h100-sxm --parallel.emulate_node_size 8 --tag nvlink
 
 Each layout runs as its own `nanotitan train` job (real processes, gloo on CPU); results land in
 `docs/experiments/layouts.md`, `memory.md`, `throughput_memory.png`, `memory_per_rank.png`,
 `loss_curves.png` and `layouts.json` (`--tag T` names them `layouts_T.json`, ...). `--schedules` runs the
 PP layouts under each schedule in turn (pp = 1 layouts once); a layout a schedule cannot run (interleaved needs
 M % pp == 0 and n_layers >= pp * V) is skipped with a printed line.
+
+Under an emulated network (`--parallel.emulate PROFILE`, docs/emulate.md) every layout runs with the same dilation
+(the automatic one is computed once here and passed on), and the markdown adds the planner's predictions for the
+emulated cluster, uncalibrated: the CPU profile (`--hardware`) for compute, the profile's links dilated for
+communication (`emulate.LinkModel.dilated`), measured against predicted step time and rank.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, load_config, validate
+from .parallel import emulate
 from .parallel import pp as pp_schedules
 from .plan import Layout, enumerate_layouts, layout_config
 from .resolve import resolve_model
@@ -120,8 +127,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--hardware", default="auto", help="with --parallel.emulate: the CPU profile the planner "
+                    "predicts compute with (auto: this host's)")
     args, overrides = ap.parse_known_args(argv)
     cfg = resolve_model(load_config(args.config, overrides))  # the model the layouts run (init.from_hf's)
+    links = emulate.link_model(cfg, threads=cfg.train.threads or 1)  # parallel.emulate (None: off)
+    if links is not None and not cfg.parallel.emulate_dilation:  # one dilation for every layout, and on record
+        overrides = overrides + ["--parallel.emulate_dilation", repr(links.dilation)]
+        print(f"[bench layouts] {links.describe()}", flush=True)
     schedules = args.schedules or [args.schedule]
     if "interleaved" in schedules:
         cfg.parallel.virtual_stages = args.virtual_stages  # what schedule_layouts validates against
@@ -153,16 +166,54 @@ def main(argv: list[str]) -> int:
             curves[name] = [(r["step"], r["loss"]) for r in res["records"]]
             print(f"   {row['tokens_per_sec']:.0f} tok/s, step {row['step_time_s'] * 1e3:.0f} ms, "
                   f"loss {row['final_loss']:.4f}", flush=True)
+    predicted = emulated_predictions(all_rows, cfg, links, args.hardware) if links is not None else None
+    emulated = {"profile": cfg.parallel.emulate, "node_size": links.node_size, "dilation": links.dilation,
+                "predicted": predicted} if links is not None else None
     (out / f"layouts{tag}.json").write_text(json.dumps({"rows": all_rows, "curves": curves, "window": window,
-                                                        "global_batch": B, "seq_len": cfg.train.seq_len}, indent=1))
+                                                        "global_batch": B, "seq_len": cfg.train.seq_len,
+                                                        **({"emulate": emulated} if emulated else {})}, indent=1))
     max_rel = (_max_rel_diff(curves, 10), _max_rel_diff(curves))
     write_markdown(out / f"layouts{tag}.md", all_rows, window, B, cfg.train.seq_len, args, overrides, max_rel)
+    if predicted is not None:
+        with open(out / f"layouts{tag}.md", "a") as f:
+            f.write("\n" + format_predictions(predicted, links) + "\n")
+        print(format_predictions(predicted, links), flush=True)
     write_memory_markdown(out / f"memory{tag}.md", all_rows, B, cfg.train.seq_len, args, overrides)
     plot(out, all_rows, curves, tag)
     print(f"[bench layouts] max relative loss difference across layouts: {max_rel[0]:.2e} over steps 1-10, "
           f"{max_rel[1]:.2e} over all steps")
     print(f"[bench layouts] wrote {out / f'layouts{tag}.md'}")
     return 0
+
+
+def emulated_predictions(rows: list[dict], cfg: Config, links: emulate.LinkModel, hardware: str) -> dict:
+    """The planner's step time for each measured row on the emulated cluster, uncalibrated: this CPU's profile for
+    compute (its time-shared cores included), the emulated links for communication, groups crossing the emulated
+    nodes, and link time as waiting rather than CPU work (PlanOptions.links_idle). `plan.calibrate`'s result."""
+    from .hardware import detect_hardware
+    from .plan import PlanOptions, calibrate
+
+    hw = links.dilated(detect_hardware(None if hardware == "auto" else hardware))
+    measured = [dict(r, peak_mem_bytes=r["peak_mem_per_rank"]) for r in rows]
+    return calibrate(measured, cfg, hw, PlanOptions(link_node_size=links.node_size, links_idle=True))
+
+
+def format_predictions(res: dict, links: emulate.LinkModel) -> str:
+    """Measured against predicted step time, with both rankings (1 = fastest), as markdown."""
+    rows = res["rows"]
+    rank = {k: {id(r): i + 1 for i, r in enumerate(sorted(rows, key=lambda r: r[k]))}
+            for k in ("pred_step_s", "meas_step_s")}
+    lines = [f"## The planner on the emulated cluster ({links.hardware.name}, nodes of {links.node_size} ranks, "
+             f"dilation {links.dilation:.3g}; uncalibrated)", "",
+             "| layout | predicted step ms | measured step ms | error | predicted rank | measured rank | "
+             "predicted dominant |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {1e3 * r['pred_step_s']:.0f} | {1e3 * r['meas_step_s']:.0f} | "
+                     f"{100 * r['step_err']:+.0f}% | {rank['pred_step_s'][id(r)]} | {rank['meas_step_s'][id(r)]} | "
+                     f"{r['dominant']} |")
+    lines.append(f"\nmedian |error| of step time {100 * res['median_abs_err_step']:.1f}%; Spearman rho "
+                 f"{res['spearman_rho']:.2f}")
+    return "\n".join(lines)
 
 
 def _max_rel_diff(curves: dict, max_step: int | None = None) -> float:

@@ -157,6 +157,8 @@ class ElasticConfig:
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
+    snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir; a failure loses <= K steps (0 = off)
+    snapshot_dir: str = "/dev/shm"  # where snapshots live: memory that outlives the ranks (shared by the nodes; docs/elastic.md)
 
 
 @dataclass(kw_only=True)
@@ -542,6 +544,7 @@ def _check_elastic(cfg: Config) -> None:
     e = cfg.elastic
     _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
     _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
+    _check(e.snapshot_every >= 0, f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
     if not (e.endpoint or e.nodes):
         return
     _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "

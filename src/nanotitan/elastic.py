@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,17 +53,27 @@ from datetime import timedelta
 from pathlib import Path
 
 from .config import Config, ConfigError, elastic_nodes, to_toml
-from .elastic_rank import RANK_ENV, layout_line
+from .elastic_rank import RANK_ENV, layout_line, snapshot_root
+from .errors import CheckpointError
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
 BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
 
 
 def job_hash(cfg: Config) -> str:
-    """The code of the package and the config as loaded: every node must run the same."""
+    """The code and the config as loaded: every node must run the same. The code is the git commit when the
+    package runs from a checkout (uncommitted edits are not seen), else the bytes of its files (an install)."""
     h = hashlib.sha256(to_toml(cfg).encode())
-    for f in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(f.read_bytes())
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        commit = None
+    if commit is not None and commit.returncode == 0:
+        h.update(commit.stdout.strip().encode())
+    else:
+        for f in sorted(here.rglob("*.py")):
+            h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -210,7 +221,11 @@ class Coordinator:
         self.waiting = [n for n in self.waiting if n not in candidates and n not in self.leaving]
         self.layout = layout_line(c)
         self.gen += 1
-        resume = self.cfg.train.resume if self.gen == 1 else "auto"
+        if self.gen == 1 and self.cfg.train.resume != "auto":  # the first generation starts as the user asked
+            shutil.rmtree(snapshot_root(self.cfg), ignore_errors=True)  # an earlier run's, never to be resumed
+            resume = self.cfg.train.resume
+        else:
+            resume = str(self._newest_checkpoint() or "auto")
         self.store.set(f"gen/{self.gen}", json.dumps({"members": self.members, "flags": self.planned_flags(c),
                                                        "layout": self.layout, "resume": resume}))
         self.store.add("gen", 1)
@@ -258,13 +273,29 @@ class Coordinator:
     def _saved(self, g: int) -> dict | None:
         return json.loads(self.store.get(f"gen/{g}/saved")) if g and self.store.check([f"gen/{g}/saved"]) else None
 
-    def _resume_hint(self) -> str:
-        from .checkpoint import latest_checkpoint
+    def _newest_checkpoint(self) -> Path | None:
+        """The newest checkpoint that verifies, of the run dir's and the snapshots (a damaged one is named and
+        skipped): where the next generation resumes."""
+        from .checkpoint import resolve_resume
 
-        ck = latest_checkpoint(self.run_dir)
-        return f"newest checkpoint {ck}; start the job again to resume from it" if ck else "no checkpoint yet"
+        best = None
+        for root in (self.run_dir, snapshot_root(self.cfg)):
+            try:
+                path = resolve_resume("auto", root, verify=self.cfg.train.verify_ckpt, log=self._say)
+            except CheckpointError as e:  # every checkpoint there fails to verify: the other root may hold one
+                self._say(str(e))
+                path = None
+            if path is not None and (best is None or _step_of(path) > _step_of(best)):
+                best = path
+        return best
+
+    def _resume_hint(self) -> str:
+        ck = self._newest_checkpoint()
+        return f"newest checkpoint {ck}; start the job again with --train.resume auto" if ck else "no checkpoint yet"
 
     def _finish(self, code: int, line: str) -> None:
+        if code == 0:  # the final checkpoint is in the run dir: the snapshots have served
+            shutil.rmtree(snapshot_root(self.cfg), ignore_errors=True)
         self.store.set("done", json.dumps({"code": code, "line": line}))
         self.phase = "done"
 
@@ -278,13 +309,15 @@ class Agent:
     def __init__(self, cfg: Config, argv: list[str], store, node: int, coordinator: Coordinator | None):
         self.cfg, self.argv, self.store, self.node, self.coordinator = cfg, argv, store, node, coordinator
         self.gen = 0  # the newest generation this agent has acted on
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # this generation's ranks
+        self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (elastic_rank.warm_rank)
         self.err_dir = Path(tempfile.mkdtemp(prefix=f"nanotitan-elastic-{node}-"))
         self.notice = False
         self.beat = 0.0
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "notice", True))
+        self._warm_up()
         try:
             while True:
                 if self.coordinator is not None:
@@ -294,7 +327,7 @@ class Agent:
                     return code
                 time.sleep(TICK_S)
         finally:
-            self._kill()
+            self._close()
             self.store.add("bye", 1)  # node 0 keeps the store up until every agent has read `done`
 
     def tick(self) -> int | None:
@@ -332,10 +365,11 @@ class Agent:
         n = e.nproc_per_node
         first = plan["members"].index(self.node) * n
         world = len(plan["members"]) * n
+        self._warm_up()  # already warm unless this node's last generation just started
         info = json.dumps({"endpoint": e.endpoint, "id": e.id, "gen": g, "spawned": time.time()})
-        # Ranks run with the elastic section off (they are not agents), the planned layout, and train.ckpt_on_signal
-        # (the all-reduced stop flag that makes every rank stop at the same step).
-        cmd = [sys.executable, "-m", "nanotitan.cli", "train", *self.argv, *plan["flags"],
+        # `nanotitan train` overrides: the elastic section off (ranks are not agents), the planned layout, and
+        # train.ckpt_on_signal (the all-reduced stop flag that makes every rank stop at the same step).
+        cmd = [*self.argv, *plan["flags"],
                "--train.resume", plan["resume"], "--train.ckpt_on_signal", "true",
                "--elastic.endpoint=", "--elastic.nodes="]
         self.procs = []
@@ -347,11 +381,27 @@ class Agent:
                        TORCHELASTIC_RESTART_COUNT=str(g - 1),  # namespaces the process group's keys per generation
                        TORCHELASTIC_ERROR_FILE=str(err), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             env[RANK_ENV] = info
-            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+            rank = self.warm[local]
+            rank.stdin.write(json.dumps({"argv": cmd, "env": env}) + "\n")
+            rank.stdin.close()
+            self.procs.append(rank)
+        self.warm = []
+
+    def _warm_up(self) -> None:
+        """Start the next generation's ranks now: they import torch and the trainer (seconds) while they wait."""
+        if self.warm:
+            return
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.warm = [subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.elastic_rank import "
+                                       "warm_rank; sys.exit(warm_rank())"], stdin=subprocess.PIPE, text=True,
+                                      env=env, start_new_session=True)
+                     for _ in range(self.cfg.elastic.nproc_per_node)]
 
     def _watch(self) -> int | None:
         """Ranks running: stop them on an abort or when one failed; report once all have exited."""
         s, g = self.store, self.gen
+        if not self.warm and s.check([f"gen/{g}/up"]):  # warm the next set once this one trains (not while it starts)
+            self._warm_up()
         codes = [p.poll() for p in self.procs]
         aborted = s.check([f"gen/{g}/abort"])
         if aborted or any(c not in (None, 0) for c in codes):
@@ -388,6 +438,12 @@ class Agent:
                     pass
         for p in self.procs:
             p.wait()
+
+    def _close(self) -> None:
+        """At exit: the ranks and the warm ones (which hold nothing yet) killed."""
+        self.procs += self.warm
+        self.warm = []
+        self._kill()
 
 
 def run_agent(cfg: Config, argv: list[str]) -> int:
@@ -439,6 +495,10 @@ def _wait_for_agents(store, timeout_s: float = 10.0) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end and store.add("bye", 0) < store.add("joined", 0):
         time.sleep(TICK_S)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_")[1])
 
 
 def _local_address(host: str) -> bool:

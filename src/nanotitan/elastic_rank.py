@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+import zlib
+from pathlib import Path
 
+from . import checkpoint as ckpt
 from .config import Config
 from .train import Trainer
 
 RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "spawned"} as JSON
+
+
+def snapshot_root(cfg: Config) -> Path:
+    """Where an elastic job's snapshots live: a run-dir-like dir whose checkpoints/ holds step_N (checkpoint.py),
+    one per job id and run dir."""
+    run = zlib.crc32(str(Path(cfg.run.dir).absolute()).encode())
+    return Path(cfg.elastic.snapshot_dir) / f"nanotitan-elastic-{cfg.elastic.id}-{run:08x}"
 
 
 def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
@@ -61,6 +72,9 @@ class ElasticTrainer(Trainer):
         if self.is_main and self.store.check([f"gen/{self.gen}/stop"]):
             self.stop_requested = True  # the whole world stops after this step: agree_on_step all-reduces it
         out = super().train_step(step)
+        k = self.cfg.elastic.snapshot_every
+        if k and (step + 1) % k == 0 and not self.stop_requested and step + 1 < self.cfg.train.steps:
+            self.snapshot(step + 1)
         if self.is_main:
             self.store.set(f"gen/{self.gen}/step", str(step + 1))
             if step == self.start_step:
@@ -70,9 +84,31 @@ class ElasticTrainer(Trainer):
         return out
 
 
+    def snapshot(self, step: int) -> None:
+        """Every elastic.snapshot_every steps: the state after `step`, as a verified checkpoint in memory that
+        outlives this process (tmpfs); a failure restarts from it and loses at most K steps."""
+        ckpt.save_checkpoint(snapshot_root(self.cfg), step, self.model, self.optimizer, self.dims, self.cfg,
+                             {"step": step, "samples": step * self.B}, keep_last=2, shard=self.shard)
+
+
 def layout_line(cfg: Config) -> str:
     p = cfg.parallel
     return f"dp={p.dp} pp={p.pp} ep={p.ep} M={p.microbatches} m={cfg.train.micro_batch} zero={p.zero}"
+
+
+def warm_rank() -> int:
+    """A rank started ahead of its generation (each agent keeps one set warm): it does the imports, most of a
+    rank's start (torch, the trainer), while it waits; then it reads its assignment, one JSON line
+    {"argv", "env"} on stdin, and runs as `nanotitan train <argv>` would. An empty stdin: not needed, exit 0."""
+    from . import cli
+
+    cli._die_with_parent()
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    job = json.loads(line)
+    os.environ.update(job["env"])
+    return cli.main(["train", *job["argv"]])
 
 
 def run_rank(cfg: Config) -> dict:

@@ -368,13 +368,14 @@ class _TensorCounter:
     returns (a TorchDispatchMode sees each op's outputs; a tensor subclass such as FSDP2's DTensor is let through
     to its own dispatch, whose ops on local tensors are then seen) and every `UntypedStorage.resize_` (FSDP2 frees
     and re-allocates its gathered parameters by resizing their storage, which no op dispatch shows). A storage
-    leaves the count when it is freed (a weakref finalizer: the storage's Python object lives exactly as long as
-    the storage). Not seen: memory a backend allocates outside torch's ops (gloo's scratch), and tensors only C++
+    leaves the count when it is freed (a weak reference's callback: the storage's Python object lives exactly as
+    long as the storage). Ops whose output aliases an input (views, in-place ops) are skipped unseen. Not seen: memory a backend allocates outside torch's ops (gloo's scratch), and tensors only C++
     holds on entry (none between steps: autograd's graph is gone).
     """
 
-    def __init__(self):
-        self.live: dict[int, list] = {}  # id(storage) -> [bytes counted, its finalizer]
+    def __init__(self, device_type: str = ""):
+        self.device_type = device_type  # count only storages on this kind of device ("": all)
+        self.live: dict[int, list] = {}  # id(storage) -> [bytes counted, a weak reference that uncounts it when freed]
         self.current = self.peak = 0
         self.lock = threading.Lock()  # a storage may be freed on gloo's or autograd's threads
         self.mode = _CountOps(self)
@@ -395,7 +396,8 @@ class _TensorCounter:
 
         def counted_resize_(storage, size):
             out = resize(storage, size)
-            counter.track_storage(storage)
+            if not counter.device_type or storage.device.type == counter.device_type:
+                counter.track_storage(storage)
             return out
 
         torch.UntypedStorage.resize_ = counted_resize_
@@ -409,12 +411,10 @@ class _TensorCounter:
         else:
             torch.UntypedStorage.resize_ = self._resize
         with self.lock:
-            for _, fin in self.live.values():
-                fin.detach()  # long-lived storages (params) must not collect one finalizer per metered step
-            self.live.clear()
+            self.live.clear()  # drops the weak references, and with them their callbacks
 
     def track(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
+        if t.device.type == "meta" or self.device_type and t.device.type != self.device_type:
             return
         try:
             storage = t.untyped_storage()
@@ -426,9 +426,10 @@ class _TensorCounter:
         """Count `storage` at its current size (again, if it was resized since it was counted)."""
         n = storage.nbytes()
         with self.lock:
-            entry = self.live.get(id(storage))
+            key = id(storage)
+            entry = self.live.get(key)
             if entry is None:
-                self.live[id(storage)] = [n, weakref.finalize(storage, self._free, id(storage))]
+                self.live[key] = [n, weakref.ref(storage, lambda _, key=key: self._free(key))]
                 self.current += n
             elif entry[0] != n:
                 self.current += n - entry[0]
@@ -444,12 +445,19 @@ class _TensorCounter:
                 self.current -= entry[0]
 
 
+_ALIASES: dict = {}  # op -> every output aliases an input (from its schema)
+
+
 class _CountOps(TorchDispatchMode):
     """Hands every plain tensor an op returns to a `_TensorCounter`."""
 
     def __init__(self, counter: _TensorCounter):
         super().__init__()
         self.counter = counter
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing here is compiled: spare every op torch's dynamo-disabling wrapper (half the cost)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t not in _PLAIN_TENSOR_TYPES for t in types):
@@ -458,7 +466,15 @@ class _CountOps(TorchDispatchMode):
                 return NotImplemented  # DTensor dispatches itself; the ops on its local tensors come back here
             return func(*args, **(kwargs or {}))  # FakeTensor (DTensor's shape propagation): no memory
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.counter.track(t)
+        aliases = _ALIASES.get(func)
+        if aliases is None:
+            aliases = _ALIASES[func] = all(r.alias_info is not None for r in func._schema.returns)
+        if aliases:  # a view or an in-place op: its storage is an input's, counted (or not ours) already
+            return out
+        if isinstance(out, torch.Tensor):  # most ops: one tensor (pytree's general flatten costs more than the op)
+            self.counter.track(out)
+        elif isinstance(out, (tuple, list)):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.counter.track(t)
         return out

@@ -43,6 +43,9 @@ def _run(cfg, spec, inp, tgt, mode: str, ckpt: bool, bf16: bool = False):
     model.activation_checkpointing = ckpt
     store = wgrad.WeightGradStore() if mode != "plain" else None
     wgrad.attach(model, store)
+    if store is not None:  # autograd must never reach a parameter: its hooks would fire even without a gradient
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: pytest.fail("AccumulateGrad ran on an attached model"))
     x = inp.clone().requires_grad_(True) if inp.is_floating_point() else inp
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the trainer's mixed precision
         ce, aux = model(x, tgt)
@@ -119,3 +122,53 @@ def test_sinks_take_every_term_once():
     assert seen == {n: 2 for n in names.values()}, seen
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, dict(ref.named_parameters())[n].grad), n
+
+
+@pytest.mark.parametrize("flavour", ["reducer", "zero1", "zero2_shard", "zero2_full"])
+def test_gradient_syncs_count_deferred_terms(flavour):
+    """The Reducer / ShardedReducer (one rank, scale 0.5) take zb1's deferred terms through their sinks: nothing
+    launches during B, every bucket launches in the final W (before finish), and the gradients are 0.5 x the
+    plain backward's. Three microbatches; prepare() before each W, as pp.py calls it."""
+    from nanotitan.parallel.dp import Reducer
+    from nanotitan.parallel.zero import ShardedReducer
+
+    cfg = _cfg()
+    spec = _middle_stage(cfg)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 16, cfg.d_model, generator=g) for _ in range(3)]
+    ys = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3)]
+    ref = Transformer(cfg, spec, SEED)
+    for x, y in zip(xs, ys):
+        ce, aux = ref(x, y)
+        (ce + aux).backward()
+
+    model = Transformer(cfg, spec, SEED)
+    named = list(model.named_parameters())
+    if flavour == "reducer":
+        r = Reducer(named, None, bucket_mb=0.01, scale=0.5)
+    else:
+        zero, acc = (1, "full") if flavour == "zero1" else (2, flavour.split("_")[1])
+        r = ShardedReducer(named, None, bucket_mb=0.01, scale=0.5, zero=zero, accumulate=acc)
+    assert len(r.buckets) > 2
+    store = wgrad.WeightGradStore()
+    wgrad.attach(model, store)
+    works = []
+    for x, y in zip(xs, ys):
+        ce, aux = model(x.requires_grad_(True), y)
+        with store.deferring():
+            (ce + aux).backward()
+        works.append(store.take())
+    for i, work in enumerate(works):
+        r.prepare(sync=i == len(works) - 1)
+        assert not any(b.launched for b in r.buckets) or flavour == "zero2_shard"
+        wgrad.WeightGradStore.run(work)
+    assert all(b.launched for b in r.buckets), "a bucket waited for finish(): a deferred term was not counted"
+    r.finish()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    if flavour == "reducer":
+        for n, p in named:
+            assert torch.equal(p.grad, 0.5 * ref_grads[n]), n
+    else:  # one rank: the shard is the whole bucket
+        for b in r.buckets:
+            want = torch.cat([(0.5 * ref_grads[n]).reshape(-1) for n in b.names])
+            assert torch.allclose(b.shard.grad[:want.numel()], want, rtol=0, atol=1e-7), b.names

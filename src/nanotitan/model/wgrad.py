@@ -2,11 +2,13 @@
 B / W split, Qi et al. 2023; Megatron-LM's `WeightGradStore`).
 
 A layer that can defer computes its own backward (`_Linear`, `_Experts` below): the input gradient always at
-once, and the weight gradient either at once (returned to autograd as usual) or, while its `WeightGradStore` is
-`deferring`, as a closure put in the store, holding the tensors the GEMM reads (layer input, output gradient).
-Parameters that are not GEMM weights (norm weights, embedding tables) pass through `_Tap`, which keeps the
-gradient autograd computed and accumulates it later, so after a deferred backward no parameter's .grad has
-changed: every term lands when the store's closures run (pipeline schedule's W, parallel/pp.py).
+once, and the weight gradient either at once or, while its `WeightGradStore` is `deferring`, as a closure put in
+the store, holding the tensors the GEMM reads (layer input, output gradient). Parameters that are not GEMM
+weights (norm weights, embedding tables) pass through `_Tap`, which takes the gradient autograd computed and
+lands it the same way. Parameters enter these ops detached: autograd never runs their AccumulateGrad (torch
+2.13 fires a parameter's hooks there even when no gradient arrives), so after a deferred backward no .grad has
+changed and no gradient sync has been told anything: every term lands when the store's closures run
+(the pipeline schedule's W, parallel/pp.py).
 
 Landing a term: `accumulate(p, g)` does what autograd's AccumulateGrad does (`p.grad = g` when None, else an
 in-place add), or, when a gradient sync registered a sink for p (`set_grad_sink`: the DP Reducer, ZeRO-1/2's
@@ -70,11 +72,16 @@ class WeightGradStore:
         with store.deferring():   backward (B): input gradients only; closures queue up
         work = store.take()       this microbatch's W, to run whenever the schedule likes
         WeightGradStore.run(work) W: the GEMMs, every term accumulated (sinks: the gradient syncs count it ready)
+
+    Outside `deferring()` an attached layer lands its weight gradient at once, through the same `accumulate`.
     """
 
     def __init__(self):
         self.active = False
         self._queue: list[Callable[[], None]] = []
+        # Parameters enter the deferrable ops detached, so autograd never reaches their AccumulateGrad (which
+        # would fire the syncs' hooks even with no gradient); this leaf makes the ops' outputs require grad.
+        self.anchor = torch.zeros((), requires_grad=True)
 
     @contextlib.contextmanager
     def deferring(self):
@@ -85,8 +92,13 @@ class WeightGradStore:
         finally:
             self.active = False
 
-    def put(self, fn: Callable[[], None]) -> None:
-        self._queue.append(fn)
+    def land(self, fn: Callable[[], None]) -> None:
+        """fn accumulates some weight gradients: queued for W while deferring, else run now."""
+        if self.active:
+            self._queue.append(fn)
+        else:
+            with torch.no_grad():
+                fn()
 
     def take(self) -> list[Callable[[], None]]:
         work, self._queue = self._queue, []
@@ -117,46 +129,39 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t if t is None or dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
 class _Linear(torch.autograd.Function):
-    """F.linear(x, W, b) with the weight (and bias) gradient deferrable. Autograd runs F.linear on a (.., Din)
-    input as one mm on its (-1, Din) view with W.t(), column-major: grad x = g @ W, grad W = g^T @ x (the
-    column-major branch of mm_mat2_backward), grad b = g summed over rows."""
+    """F.linear(x, W, b) with the weight (and bias) gradient landed through the store. Autograd runs F.linear on
+    a (.., Din) input as one mm on its (-1, Din) view with W.t(), column-major: grad x = g @ W, grad W = g^T @ x
+    (the column-major branch of mm_mat2_backward), grad b = g summed over rows. `params` = (W, b), the
+    parameters themselves; w and b are their detached values (see WeightGradStore.anchor)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, w, b, anchor, params, store):
         dt = _autocast_dtype(x)
-        xc, wc, bc = _cast(x, dt), _cast(weight, dt), _cast(bias, dt)
+        xc, wc, bc = _cast(x, dt), _cast(w, dt), _cast(b, dt)
         ctx.save_for_backward(xc, wc)
-        ctx.store, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = store, x.dtype, weight.dtype, bias is not None
+        ctx.params, ctx.store, ctx.x_dtype = params, store, x.dtype
         return F.linear(xc, wc, bc)
 
     @staticmethod
     def backward(ctx, grad_out):
         xc, wc = ctx.saved_tensors
+        weight, bias = ctx.params
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = xc.reshape(-1, xc.shape[-1])
         grad_x = g2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
 
         def weight_grads():
-            gw = g2.t().mm(x2).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-            gb = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-            return gw, gb
+            if weight.requires_grad:
+                accumulate(weight, g2.t().mm(xc.reshape(-1, xc.shape[-1])))
+            if bias is not None and bias.requires_grad:
+                accumulate(bias, g2.sum(0))
 
-        store = ctx.store
-        if store is None or not store.active:
-            gw, gb = weight_grads()
-            return grad_x, gw, gb, None
-        params = ctx.params
-
-        def later():
-            gw, gb = weight_grads()
-            if gw is not None:
-                accumulate(params[0], gw)
-            if gb is not None:
-                accumulate(params[1], gb)
-
-        store.put(later)
-        return grad_x, None, None, None
+        ctx.store.land(weight_grads)
+        return grad_x, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -164,51 +169,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear, through the store when one is attached (and a backward may follow)."""
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    return _apply_with_params(_Linear, (weight, bias), x, weight, bias, store)
-
-
-def _apply_with_params(fn, params, *args):
-    """fn.apply(*args), with the parameters reachable from its backward (ctx.params) for deferred accumulation.
-    Autograd's ctx cannot be reached before apply returns, so the params ride on the output's grad_fn."""
-    out = fn.apply(*args)
-    if out.grad_fn is not None:
-        out.grad_fn.params = params
-    return out
+    return _Linear.apply(x, weight.detach(), _detached(bias), store.anchor, (weight, bias), store)
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on a parameter whose gradient autograd computes as usual (a norm weight, an embedding table):
-    while the store defers, the gradient is kept and accumulated in W instead of reaching AccumulateGrad now."""
+    """Identity on a parameter's value whose gradient autograd computes as usual (a norm weight, an embedding
+    table): the gradient lands through the store (now, or in W while deferring) instead of AccumulateGrad."""
 
     @staticmethod
-    def forward(ctx, p, store):
-        ctx.store = store
-        return p.view_as(p)
+    def forward(ctx, value, anchor, params, store):
+        ctx.p, ctx.store = params[0], store
+        return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
-        store = ctx.store
-        if not store.active:
-            return grad, None
-        p = ctx.params[0]
-        store.put(lambda: accumulate(p, grad))
-        return None, None
+        p = ctx.p
+        ctx.store.land(lambda: accumulate(p, grad))
+        return None, None, None, None
 
 
 def tap(p: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
-    if store is None or not torch.is_grad_enabled():
+    if store is None or not torch.is_grad_enabled() or not p.requires_grad:
         return p
-    return _apply_with_params(_Tap, (p,), p, store)
+    return _Tap.apply(p.detach(), store.anchor, (p,), store)  # in a tuple: not an input autograd tracks
 
 
 class _Experts(torch.autograd.Function):
-    """model.moe.ExpertFFN's forward (L SwiGLU experts on contiguous row groups) with its weight gradients
-    deferrable. Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it:
+    """model.moe.ExpertFFN's forward (L SwiGLU experts on contiguous row groups) with its weight gradients landed
+    through the store. Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it:
     dh = dy @ wo^T, da = dh * hv, dhv = dh * a, dhg = silu_backward(da, hg), dx = dhg @ wg^T + dhv @ wv^T;
     weights: wo: h^T @ dy, wv: x^T @ dhv, wg: x^T @ dhg, stacked over experts (unbind's backward)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W_gate, W_val, W_out, counts_L, store):
+    def forward(ctx, x_ND, W_gate, W_val, W_out, anchor, counts_L, params, store):
         dt = _autocast_dtype(x_ND)
         x, wg, wv, wo = (_cast(t, dt) for t in (x_ND, W_gate, W_val, W_out))
         saved, ys = [], []  # per expert what autograd's nodes would save: hg (silu), a and hv (mul), h (mm)
@@ -219,7 +212,7 @@ class _Experts(torch.autograd.Function):
             saved += [hg, hv, a, h]
             ys.append(h @ wo_l)
         ctx.save_for_backward(x, wg, wv, wo, *saved)
-        ctx.counts, ctx.store, ctx.x_dtype, ctx.w_dtype = counts_L, store, x_ND.dtype, W_gate.dtype
+        ctx.counts, ctx.params, ctx.store, ctx.x_dtype = counts_L, params, store, x_ND.dtype
         return torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])
 
     @staticmethod
@@ -236,30 +229,21 @@ class _Experts(torch.autograd.Function):
             dxs.append(dhg.mm(wg[l].t()).to(ctx.x_dtype) + dhv.mm(wv[l].t()).to(ctx.x_dtype))
             terms.append((x_l, h_l, dy_l, dhg, dhv))
         dx = torch.cat(dxs) if dxs else dy.new_zeros(0, x.shape[1], dtype=ctx.x_dtype)
-        w_dtype = ctx.w_dtype
+        W_gate, W_val, W_out = ctx.params
 
         def weight_grads():
-            gwg = torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in terms]).to(w_dtype)
-            gwv = torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in terms]).to(w_dtype)
-            gwo = torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in terms]).to(w_dtype)
-            return gwg, gwv, gwo
+            accumulate(W_gate, torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in terms]))
+            accumulate(W_val, torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in terms]))
+            accumulate(W_out, torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in terms]))
 
-        store = ctx.store
-        if store is None or not store.active:
-            return (dx, *weight_grads(), None, None)
-        params = ctx.params
-
-        def later():
-            for p, g in zip(params, weight_grads()):
-                accumulate(p, g)
-
-        store.put(later)
-        return dx, None, None, None, None, None
+        ctx.store.land(weight_grads)
+        return dx, None, None, None, None, None, None, None
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
             counts_L: list[int], store: WeightGradStore) -> torch.Tensor:
-    return _apply_with_params(_Experts, (W_gate, W_val, W_out), x_ND, W_gate, W_val, W_out, counts_L, store)
+    params = (W_gate, W_val, W_out)
+    return _Experts.apply(x_ND, *(p.detach() for p in params), store.anchor, counts_L, params, store)
 
 
 class Linear(nn.Linear):

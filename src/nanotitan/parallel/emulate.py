@@ -27,6 +27,7 @@ that part of the modelled time (skew hides communication, where on a real networ
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -100,6 +101,17 @@ class LinkModel:
             link = self.link((self.rank, peer))
             t = max(t, nbytes / link.p2p_bw + link.latency_s)
         return t / self.dilation
+
+    def dilated(self, cpu: Hardware) -> Hardware:
+        """`cpu` (the profile of the machine the ranks run on) with this network's links, dilated: what the planner
+        predicts an emulated run with, given PlanOptions(link_node_size=node_size, links_idle=True)."""
+        d = self.dilation
+
+        def scaled(link: Link) -> Link:
+            return Link(link.allreduce_bw * d, link.a2a_bw * d, link.p2p_bw * d, link.latency_s / d)
+
+        return dataclasses.replace(cpu, name=f"{cpu.name} + emulated {self.hardware.name}",
+                                   intra=scaled(self.hardware.intra), inter=scaled(self.hardware.inter))
 
     def describe(self) -> str:
         hw, d = self.hardware, self.dilation

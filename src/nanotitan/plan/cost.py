@@ -27,6 +27,10 @@ class PlanOptions:
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
     nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
     ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
+    # An emulated network (parallel/emulate.py, docs/emulate.md): groups cross nodes of this many ranks (0 = the
+    # hardware's nodes), and link time is waiting (a held call), not CPU work that time-shared cores must do
+    link_node_size: int = 0
+    links_idle: bool = False
     shape_extra: dict = field(default_factory=dict)  # ModelShape fields our config cannot express
 
 
@@ -170,7 +174,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     eff_dense, eff_expert = _gemm_eff(hw, T), _gemm_eff(hw, T * K / max(e_local, 1))  # expert GEMM rows grow with EP
 
     def link(kind):
-        crosses, off = _placement(layout, kind, per_node)
+        crosses, off = _placement(layout, kind, opts.link_node_size or per_node)
         return (hw.inter if crosses else hw.intra), off
 
     ep_link, ep_off = link("ep")
@@ -222,7 +226,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         parts_by_stage.append(parts)
 
     # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
-    t_stage, t_bwd, t_fwd = [], [], []
+    t_stage, t_bwd, t_fwd, t_links = [], [], [], []
     for s, st in enumerate(stages):
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
@@ -234,10 +238,13 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
-        a2a = st.n_moe * (4 * a2a_one + 5 * ((ep - 1) * ep_link.latency_s + hw.a2a_call_s)) if ep > 1 else 0.0
+        a2a_link = st.n_moe * (4 * a2a_one + 5 * (ep - 1) * ep_link.latency_s) if ep > 1 else 0.0
+        a2a = a2a_link + (st.n_moe * 5 * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
         sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
-        p2p = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s + 2 * hw.p2p_call_s)  # send + its recv
+        p2p_link = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
+        p2p = p2p_link + sends * 2 * hw.p2p_call_s  # a send and its recv each cost a call
+        t_links.append(dict(ep_a2a=a2a_link, pp_p2p=p2p_link) if opts.links_idle else {})
         over = st.n_layers * hw.layer_overhead_s
         a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
         t_stage.append(dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over))
@@ -286,9 +293,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")}
     for s in range(pp):
         for k, v in t_stage[s].items():
-            work[k] += dp * ep * M * v
+            work[k] += dp * ep * M * max(0.0, v - t_links[s].get(k, 0.0))  # an emulated link's hold is no work
         work["overhead"] += dp * ep * hw.step_overhead_s
-        work["dp_allreduce"] += dp * ep * t_ar_by_stage[s]
+        work["dp_allreduce"] += 0.0 if opts.links_idle else dp * ep * t_ar_by_stage[s]
         work["optimizer"] += dp * ep * t_opt_by_stage[s]
     step, costs = hw.time_shared(step, costs, work, nodes, ranks_on_node)
     B = dp * ep * M * m
