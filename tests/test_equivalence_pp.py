@@ -42,7 +42,7 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
 
 
 def test_world2_interleaved_zb1(corpus_dir, tmp_path, reference):
-    """PP2: interleaved V=2, zb1, zb1 with activation checkpointing (its W recomputes the blocks), zb1 with the
+    """PP2: interleaved V=2, zb1, zb1 with activation checkpointing (B recomputes the blocks, W reuses what B kept), zb1 with the
     cost-balanced split (pp_layers auto) and with a half-layer cut (block 2's attention on stage 0, its MoE on 1)."""
     ac = ("--train.activation_checkpointing", "true")
     cases = [(1, 2, 1, "interleaved", V2), (1, 2, 1, "zb1", ()), (1, 2, 1, "zb1", ac),

@@ -184,7 +184,7 @@ def cmd_data(argv: list[str]) -> int:
     cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer
     out = prepare_data(cfg.data)
     meta = load_meta(out)
-    print(f"prepared {out}: {meta}")
+    print(f"prepared {out}: {({k: v for k, v in meta.items() if k != 'files'})}")  # files: a checksum per block
     return 0
 
 

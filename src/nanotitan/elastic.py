@@ -53,7 +53,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from .config import Config, ConfigError, elastic_nodes, to_toml
-from .elastic_rank import RANK_ENV, layout_line, snapshot_root
+from .elastic_rank import RANK_ENV, WARM_ENV, layout_line, snapshot_root
 from .errors import CheckpointError
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
@@ -103,7 +103,7 @@ class Coordinator:
         self.change: dict | None = None  # the change being carried out: what, when, the old layout
         self.changes = 0
         self.failures = 0
-        self.last_step = 0  # the furthest step any generation completed
+        self.last_step = 0  # the last step the newest generation completed
 
     # --- what the nodes say ---------------------------------------------------------------------------
     def _registrations(self) -> None:
@@ -266,8 +266,12 @@ class Coordinator:
         self.change = None
 
     def _step_reached(self) -> int:
-        if self.gen and self.store.check([f"gen/{self.gen}/step"]):
-            self.last_step = max(self.last_step, int(self.store.get(f"gen/{self.gen}/step")))
+        """The last step the current generation completed (its start if none; before any, the last known)."""
+        g = self.gen
+        if g and self.store.check([f"gen/{g}/step"]):
+            self.last_step = int(self.store.get(f"gen/{g}/step"))
+        elif g and self.store.check([f"gen/{g}/up"]):
+            self.last_step = json.loads(self.store.get(f"gen/{g}/up"))["start_step"]
         return self.last_step
 
     def _saved(self, g: int) -> dict | None:
@@ -306,18 +310,17 @@ class Coordinator:
 class Agent:
     """One node: registers, starts its ranks for each generation it is a member of, reports how they ended."""
 
-    def __init__(self, cfg: Config, argv: list[str], store, node: int, coordinator: Coordinator | None):
-        self.cfg, self.argv, self.store, self.node, self.coordinator = cfg, argv, store, node, coordinator
+    def __init__(self, cfg: Config, argv: list[str], store):
+        self.cfg, self.argv, self.store = cfg, argv, store
+        self.node, self.coordinator = -1, None  # run_agent sets them when the node registers
         self.gen = 0  # the newest generation this agent has acted on
         self.procs: list[subprocess.Popen] = []  # this generation's ranks
         self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (elastic_rank.warm_rank)
-        self.err_dir = Path(tempfile.mkdtemp(prefix=f"nanotitan-elastic-{node}-"))
+        self.err_dir = Path(tempfile.mkdtemp(prefix="nanotitan-elastic-"))
         self.notice = False
         self.beat = 0.0
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "notice", True))
-        self._warm_up()
         try:
             while True:
                 if self.coordinator is not None:
@@ -382,20 +385,35 @@ class Agent:
                        TORCHELASTIC_ERROR_FILE=str(err), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             env[RANK_ENV] = info
             rank = self.warm[local]
-            rank.stdin.write(json.dumps({"argv": cmd, "env": env}) + "\n")
-            rank.stdin.close()
+            try:
+                rank.stdin.write(json.dumps({"argv": cmd, "env": env}) + "\n")
+                rank.stdin.close()
+            except BrokenPipeError:  # it died meanwhile: its exit code fails the generation like any rank's
+                pass
             self.procs.append(rank)
         self.warm = []
 
     def _warm_up(self) -> None:
-        """Start the next generation's ranks now: they import torch and the trainer (seconds) while they wait."""
-        if self.warm:
-            return
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        self.warm = [subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.elastic_rank import "
-                                       "warm_rank; sys.exit(warm_rank())"], stdin=subprocess.PIPE, text=True,
-                                      env=env, start_new_session=True)
-                     for _ in range(self.cfg.elastic.nproc_per_node)]
+        """Start the next generation's ranks now: they import torch and the trainer (seconds) while they wait.
+        Each touches its `ready` file once imported (wait_warm)."""
+        self.warm = [p for p in self.warm if p.poll() is None]  # one killed while it waited is replaced
+        while len(self.warm) < self.cfg.elastic.nproc_per_node:
+            ready = self.err_dir / f"warm_{time.monotonic_ns()}.ready"
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            env[WARM_ENV] = str(ready)
+            p = subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.elastic_rank import warm_rank; "
+                                  "sys.exit(warm_rank())"], stdin=subprocess.PIPE, text=True, env=env,
+                                 start_new_session=True)
+            p.ready = ready
+            self.warm.append(p)
+
+    def wait_warm(self, timeout_s: float) -> None:
+        """Until this node's warm ranks have imported (a joiner registers only then: its ranks are ready when the
+        job stops for it), or timeout_s."""
+        self._warm_up()
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not all(p.ready.exists() or p.poll() is not None for p in self.warm):
+            time.sleep(TICK_S)
 
     def _watch(self) -> int | None:
         """Ranks running: stop them on an abort or when one failed; report once all have exited."""
@@ -474,17 +492,27 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
             raise ConfigError(f"no elastic job answers at {e.endpoint} after {e.join_timeout_s:g} s ({err}); start "
                               "node 0 there, or fix --elastic.endpoint") from None
     store = dist.PrefixStore(f"nanotitan/elastic/{e.id}", raw)
-    prepare_data(cfg.data)  # once per node, before it registers: a member's ranks find the data ready
-    _cpu_peak_for_ranks(cfg)
     my_hash = job_hash(cfg)
-    node = store.add("joined", 1) - 1
-    store.set(f"beat/{node}", str(time.time()))
-    store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash}))
-    print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
-          f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
-    coordinator = Coordinator(cfg, store, my_hash) if is_host else None
+    agent = Agent(cfg, argv, store)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "notice", True))
+
+    def register() -> int:
+        node = store.add("joined", 1) - 1
+        store.set(f"beat/{node}", str(time.time()))
+        store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash}))
+        print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
+              f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
+        return node
+
+    node = register() if is_host else -1  # node 0 first: node ids start with the host
+    prepare_data(cfg.data)  # once per node, before a member's ranks look for it
+    _cpu_peak_for_ranks(cfg)
+    agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
+    if not is_host:
+        node = register()
+    agent.node, agent.coordinator = node, Coordinator(cfg, store, my_hash) if is_host else None
     with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if is_host else _nothing():
-        code = Agent(cfg, argv, store, node, coordinator).run()
+        code = agent.run()
         if is_host:  # the store lives in this process: let the other agents read `done` first
             _wait_for_agents(store)
     return code

@@ -26,6 +26,7 @@ from .config import Config
 from .train import Trainer
 
 RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "spawned"} as JSON
+WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has imported
 
 
 def snapshot_root(cfg: Config) -> Path:
@@ -72,8 +73,9 @@ class ElasticTrainer(Trainer):
         if self.is_main and self.store.check([f"gen/{self.gen}/stop"]):
             self.stop_requested = True  # the whole world stops after this step: agree_on_step all-reduces it
         out = super().train_step(step)
+        stop = out[-1]  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
         k = self.cfg.elastic.snapshot_every
-        if k and (step + 1) % k == 0 and not self.stop_requested and step + 1 < self.cfg.train.steps:
+        if k and (step + 1) % k == 0 and not stop and step + 1 < self.cfg.train.steps:
             self.snapshot(step + 1)
         if self.is_main:
             self.store.set(f"gen/{self.gen}/step", str(step + 1))
@@ -103,6 +105,7 @@ def warm_rank() -> int:
     from . import cli
 
     cli._die_with_parent()
+    Path(os.environ.pop(WARM_ENV)).touch()
     line = sys.stdin.readline()
     if not line:
         return 0

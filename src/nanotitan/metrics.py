@@ -255,7 +255,9 @@ class SavedActivations:
         _storages_bytes(model.parameters() if model is not None else [], self.params)
         self.live: dict = {}  # storage key -> [handles alive, bytes]
         self.bytes = self.peak_bytes = 0
-        self.lock = threading.Lock()  # CUDA backward frees handles on autograd's device threads
+        # CUDA backward frees handles on autograd's device threads. Re-entrant: a garbage collection that starts
+        # inside _add (it allocates) may free a handle on this very thread, whose __del__ then calls _add again.
+        self.lock = threading.RLock()
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
 
     def __enter__(self):
@@ -377,7 +379,10 @@ class _TensorCounter:
         self.device_type = device_type  # count only storages on this kind of device ("": all)
         self.live: dict[int, list] = {}  # id(storage) -> [bytes counted, a weak reference that uncounts it when freed]
         self.current = self.peak = 0
-        self.lock = threading.Lock()  # a storage may be freed on gloo's or autograd's threads
+        # A storage may be freed on gloo's or autograd's threads. Re-entrant: a garbage collection that starts inside
+        # track_storage (it allocates) may free a storage on this very thread, whose callback then takes the lock
+        # again (a plain Lock hung a rank of a 10-step equivalence run here).
+        self.lock = threading.RLock()
         self.mode = _CountOps(self)
         self._resize = None
 

@@ -84,9 +84,10 @@ def _placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
 
 
 # --- cost model ----------------------------------------------------------------------------------
-# zb1's split backward (B, then W as one autograd call per parameter group) costs this much more than one
-# backward: measured 4-8% of a stage's CPU time on the MID model (docs/pp.md), about 9% of its backward.
-ZB1_SPLIT_COST = 0.09
+# zb1's split backward (B with the weight GEMMs deferred into a WeightGradStore, then W running them: the same
+# kernels as one backward, model/wgrad.py) costs this much more than one backward: measured -2..+1% of the MID
+# stage's backward, i.e. nothing beyond noise (docs/pp.md; the autograd-walk split it replaced cost ~9%).
+ZB1_SPLIT_COST = 0.0
 
 
 def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
@@ -231,8 +232,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         t_f = T * (st.f_dense / (peak * eff_dense) + st.f_expert / (peak * eff_expert))
         t_b = 2 * t_f + (t_f if ac else 0.0)  # backward = 2x forward, plus the recompute
         if layout.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp.py)
-            t_b += t_f if ac else 0.0  # W recomputes the checkpointed blocks once more (parallel/pp_split.py)
-            t_b *= 1 + ZB1_SPLIT_COST
+            t_b *= 1 + ZB1_SPLIT_COST  # (under AC, B's recompute is the only one: W runs GEMMs on what B kept)
         # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
         # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
