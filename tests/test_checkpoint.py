@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from nanotitan import checkpoint as ckpt
+
+from nanotitan import manifest
 from nanotitan.config import Config, validate
 from nanotitan.model.spec import ModelShardSpec, build_shard_spec
 from nanotitan.model.transformer import Transformer, is_expert_param
@@ -96,7 +98,7 @@ def _chain_rank(rank, world, layout, run_dir, load_step, save_step, pre_step):
     else:
         if pre_step:
             perturb(model, opt, (99,))
-        extra = ckpt.load_checkpoint(ckpt.checkpoint_dir(run_dir) / f"step_{load_step}", model, opt, dims)
+        extra = ckpt.load_checkpoint(manifest.checkpoint_dir(run_dir) / f"step_{load_step}", model, opt, dims)
         bad = mismatches(cfg, model, opt)
     path = None
     if save_step is not None:
@@ -125,7 +127,7 @@ def _resume_rank(rank, world, run_dir):
     dims = ParallelDims(*layout, rank).build_groups()
     cfg = tiny_cfg(layout)
     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
-    extra = ckpt.load_checkpoint(ckpt.resolve_resume("auto", run_dir), model, opt, dims)
+    extra = ckpt.load_checkpoint(manifest.resolve_resume("auto", run_dir), model, opt, dims)
     rng_ok = torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1000 + rank)))
     bad = mismatches(cfg, model, opt) + ([] if rng_ok else [f"rank {rank}: CPU RNG not restored in the same layout"])
     for step in (2, 3, 4):
@@ -179,7 +181,7 @@ def test_reshard_chain_equals_full_model(tmp_path):
             continue
         path = Path(results[0][2])
         assert {r[2] for r in results} == {str(path)} and path.name == f"step_{save_step}"
-        assert (path / ckpt.COMPLETE).is_file() and (path / "config.toml").is_file()
+        assert (path / manifest.COMPLETE).is_file() and (path / "config.toml").is_file()
         # Replicated keys are written once: the shard files hold exactly the bytes the metadata points
         # at (a second copy written by a DP/EP replica would be unreferenced bytes)...
         meta = ckpt.FileSystemReader(path).read_metadata()
@@ -195,36 +197,36 @@ def test_interrupted_save_keeps_previous_and_prunes(tmp_path):
     run resumes from it, overwrites the stale tmp dir and keep_last prunes old checkpoints."""
     with pytest.raises(RuntimeError, match="died|failed"):
         run_ranks(_crash_rank, 2, (str(tmp_path),), timeout=60)
-    root = ckpt.checkpoint_dir(tmp_path)
+    root = manifest.checkpoint_dir(tmp_path)
     assert (root / "step_2.tmp").is_dir() and not (root / "step_2").exists()
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_1"
+    assert manifest.latest_checkpoint(tmp_path) == root / "step_1"
     results = run_ranks(_resume_rank, 2, (str(tmp_path),), timeout=60)
     for bad, extra in results:
         assert bad == [] and extra == {"samples_consumed": 32, "step": 1}
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_4"
-    state = json.loads((root / "step_4" / ckpt.STATE_FILE).read_text())
+    assert manifest.latest_checkpoint(tmp_path) == root / "step_4"
+    state = json.loads((root / "step_4" / manifest.STATE_FILE).read_text())
     assert state["step"] == 4 and state["extra"] == {"samples_consumed": 128}
 
 
 def test_latest_ignores_incomplete(tmp_path):
     """Only directories named step_N with a COMPLETE marker count; the highest N wins. (These empty dirs
     have no manifest, so resolve_resume runs with verification off; tests/test_ckpt_verify.py verifies.)"""
-    root = ckpt.checkpoint_dir(tmp_path)
-    assert ckpt.latest_checkpoint(tmp_path) is None and ckpt.resolve_resume("auto", tmp_path) is None
+    root = manifest.checkpoint_dir(tmp_path)
+    assert manifest.latest_checkpoint(tmp_path) is None and manifest.resolve_resume("auto", tmp_path) is None
     for name, complete in (("step_5", True), ("step_12", True), ("step_30", False), ("step_40.tmp", True)):
         (root / name).mkdir(parents=True)
         if complete:
-            (root / name / ckpt.COMPLETE).write_text("")
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_12"
-    assert ckpt.resolve_resume("", tmp_path) is None
-    assert ckpt.resolve_resume(str(root / "step_5"), "elsewhere", verify=False) == root / "step_5"
+            (root / name / manifest.COMPLETE).write_text("")
+    assert manifest.latest_checkpoint(tmp_path) == root / "step_12"
+    assert manifest.resolve_resume("", tmp_path) is None
+    assert manifest.resolve_resume(str(root / "step_5"), "elsewhere", verify=False) == root / "step_5"
     lines = []
-    assert ckpt.resolve_resume(str(tmp_path), "elsewhere", verify=False, log=lines.append) == root / "step_12"
+    assert manifest.resolve_resume(str(tmp_path), "elsewhere", verify=False, log=lines.append) == root / "step_12"
     assert lines == [("resume: skipped step_40.tmp: unfinished save; step_30: incomplete (no COMPLETE marker: "
                       "its save did not finish); using step_12")]
     with pytest.raises(ckpt.CheckpointError, match="train.resume"):
-        ckpt.resolve_resume(str(root / "step_30"), tmp_path)
+        manifest.resolve_resume(str(root / "step_30"), tmp_path)
 
 
 def test_mismatch_names_the_tensor(tmp_path):

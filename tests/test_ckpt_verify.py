@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from nanotitan import checkpoint as ckpt
+
+from nanotitan import manifest
 from nanotitan import rundir
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.parallel.dims import ParallelDims
@@ -69,7 +71,7 @@ def _ranks(rank, world, tmp, nan_key):
         for where in ([str(copy / "checkpoints" / "step_40")] if name != "both" else []) + ["auto"]:
             lines = []
             try:
-                path = ckpt.resolve_resume(where, copy, log=lines.append)
+                path = manifest.resolve_resume(where, copy, log=lines.append)
                 extra = None
                 if fallback is None:
                     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
@@ -118,7 +120,7 @@ def _make_damaged_copies(run: Path, tmp: Path) -> None:
     """tmp/<damage>/checkpoints/{step_30, step_40 damaged}; tmp/both: step_30 damaged as well."""
     for name, (target, damage, _) in _damages().items():
         for step in (30, 40):
-            shutil.copytree(ckpt.checkpoint_dir(run) / f"step_{step}", tmp / name / "checkpoints" / f"step_{step}")
+            shutil.copytree(manifest.checkpoint_dir(run) / f"step_{step}", tmp / name / "checkpoints" / f"step_{step}")
         damage(tmp / name / "checkpoints" / "step_40" / target)
     shutil.copytree(tmp / "overwrite4k", tmp / "both")
     _overwrite_mid(tmp / "both" / "checkpoints" / "step_30" / "__0_0.distcp")
@@ -140,13 +142,13 @@ def test_nonfinite_save_refused_on_every_rank(launched):
     assert "refusing to save step 50: rank 1 holds NaN/inf state" in line0
     for line in (line0, line1):
         assert "nothing was written" in line and line.endswith("step_40") and "\n" not in line
-    root = ckpt.checkpoint_dir(tmp / "run")
+    root = manifest.checkpoint_dir(tmp / "run")
     assert sorted(p.name for p in root.iterdir()) == ["step_20", "step_30", "step_40"]
-    manifest = json.loads((root / "step_40" / ckpt.MANIFEST).read_text())["files"]
-    assert set(manifest) == {".metadata", "__0_0.distcp", "__1_0.distcp", "config.toml", "state.json"}
-    for name, entry in manifest.items():
+    files = json.loads((root / "step_40" / manifest.MANIFEST).read_text())["files"]
+    assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp", "config.toml", "state.json"}
+    for name, entry in files.items():
         assert (root / "step_40" / name).stat().st_size == entry["bytes"]
-        assert ckpt._hash_file(root / "step_40" / name)[1] == entry["xxh3_64"]
+        assert manifest._hash_file(root / "step_40" / name)[1] == entry["xxh3_64"]
 
 
 def test_damaged_checkpoints_are_named_and_skipped(launched):
@@ -179,26 +181,26 @@ def test_single_process_verification_and_pruning(launched, tmp_path):
     and a checkpoint newer than the one just saved (a left timeline) goes."""
     copy = tmp_path / "run"
     shutil.copytree(launched[0] / "run", copy)
-    root = ckpt.checkpoint_dir(copy)
-    assert ckpt.verify_checkpoint(root / "step_40") == ""
+    root = manifest.checkpoint_dir(copy)
+    assert manifest.verify_checkpoint(root / "step_40") == ""
     _overwrite_mid(root / "step_40" / "__1_0.distcp")
-    assert ckpt.verify_checkpoint(root / "step_40") == "shard __1_0.distcp fails its checksum (xxh3_64; damaged)"
-    assert ckpt.verify_checkpoint(root / "step_40", checksums=False) == ""  # same size: only the checksum sees it
+    assert manifest.verify_checkpoint(root / "step_40") == "shard __1_0.distcp fails its checksum (xxh3_64; damaged)"
+    assert manifest.verify_checkpoint(root / "step_40", checksums=False) == ""  # same size: only the checksum sees it
     (root / "step_50.tmp").mkdir()
     (root / "step_45").mkdir()  # no COMPLETE
     lines = []
-    assert ckpt.resolve_resume("auto", copy, log=lines.append) == root / "step_30"
+    assert manifest.resolve_resume("auto", copy, log=lines.append) == root / "step_30"
     assert lines == [("resume: skipped step_50.tmp: unfinished save; step_45: incomplete (no COMPLETE marker: its "
                       "save did not finish); step_40: shard __1_0.distcp fails its checksum (xxh3_64; damaged); "
                       "using step_30")]
     with pytest.raises(ckpt.CheckpointError, match=r"cannot resume from .*step_45: incomplete"):
-        ckpt.resolve_resume(str(root / "step_45"), copy)
+        manifest.resolve_resume(str(root / "step_45"), copy)
     with pytest.raises(ckpt.CheckpointError, match="neither a checkpoint nor a run dir"):
-        ckpt.resolve_resume(str(tmp_path), copy)
+        manifest.resolve_resume(str(tmp_path), copy)
     # pre-manifest checkpoints load only with verification off
-    (root / "step_30" / ckpt.MANIFEST).unlink()
-    assert "manifest.json is missing" in ckpt.verify_checkpoint(root / "step_30")
-    assert ckpt.verify_checkpoint(root / "step_30", checksums=False) == ""
+    (root / "step_30" / manifest.MANIFEST).unlink()
+    assert "manifest.json is missing" in manifest.verify_checkpoint(root / "step_30")
+    assert manifest.verify_checkpoint(root / "step_30", checksums=False) == ""
 
     # Resumed from step 20 (say 30 and 40 were judged damaged): saving 25 with keep_last=2 keeps 20 and 25,
     # and drops 30/40, which belong to the timeline the run left, and the unfinished dirs.
@@ -207,7 +209,7 @@ def test_single_process_verification_and_pruning(launched, tmp_path):
     ckpt.load_checkpoint(root / "step_20", model, opt, None)
     ckpt.save_checkpoint(copy, 25, model, opt, None, cfg, {"samples_consumed": 25}, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_20", "step_25"]
-    assert ckpt.resolve_resume("auto", copy) == root / "step_25"
+    assert manifest.resolve_resume("auto", copy) == root / "step_25"
     # inf (not only NaN) in a parameter: refused in one process too, and nothing changes on disk
     with torch.no_grad():
         model.head.weight[0, 0] = float("inf")
@@ -261,7 +263,7 @@ def test_lock_reused_pid_other_host_and_same_job(tmp_path, monkeypatch):
 
 def test_fresh_run_refuses_old_checkpoints_unless_resume_or_overwrite(tmp_path, monkeypatch):
     """check_fresh and owned_run_dir: refuse, resume, overwrite; the launcher's ranks skip the lock."""
-    root = ckpt.checkpoint_dir(tmp_path)
+    root = manifest.checkpoint_dir(tmp_path)
     for name in ("step_10", "step_20"):
         (root / name).mkdir(parents=True)
     assert rundir.check_fresh(tmp_path / "empty", "", False) == ""

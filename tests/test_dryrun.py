@@ -34,11 +34,11 @@ def test_dry_run_of_512_ranks_of_a_mixtral_shaped_layout_takes_under_a_minute():
     assert all(tuple(r["coords"]) == ParallelDims(32, 2, 8, r["rank"]).coords() for r in rows)
     assert len(run.classes) == 2  # one per stage: ep_rank and dp_rank change no byte at zero 0
     for c in compare_with_planner(run, get_hardware("h100-sxm")):
-        for k in ("param_bytes", "grad_bytes", "optim_bytes"):
-            assert c[k] == pytest.approx(c[f"planned_{k}"], rel=1e-9), (c["stage"], k)
+        for k in ("param_bytes", "grad_bytes"):
+            assert c[k] == c[f"planned_{k}"], (c["stage"], k)
+        # AdamW's step counters (4 bytes per tensor) are the only optimizer bytes the planner leaves out
+        assert 0 <= c["optim_bytes"] - c["planned_optim_bytes"] < 4 * 1000, c["stage"]
         assert abs(c["gap_peak_bytes"]) < 0.02, (c["stage"], c["peak_bytes"], c["planned_peak_bytes"])
-    # 16 fp32 layers of Mixtral's width per rank: 15 GiB of parameters, more than the 8B-parameter stage's bf16 copy
-    assert rows[0]["param_bytes"] > 15 * 2**30
 
 
 def _real_rank(rank, world, cases, corpus_dir, run_root):
@@ -59,7 +59,7 @@ def _real_rank(rank, world, cases, corpus_dir, run_root):
             trainer.train_step(1)
         out.append({**live_tensor_bytes(trainer.model, trainer.optimizer), "peak_bytes": _bytes(held) + meter.peak,
                     "cfg": trainer.cfg})
-        trainer.close()
+        trainer.shard.close()  # the process group stays for the next case (as test_equivalence.train_once)
     return out
 
 

@@ -26,7 +26,7 @@ def _torchrun(nproc, run_dir, corpus_dir):
 
 
 def test_restart_on_fewer_ranks_replans_and_continues(corpus_dir, tmp_path):
-    from nanotitan.checkpoint import latest_checkpoint
+    from nanotitan.manifest import latest_checkpoint
     from nanotitan.config import load_config
     from nanotitan.train import Trainer
 

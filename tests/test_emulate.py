@@ -89,7 +89,8 @@ def _every_op(rank, world, dilation):
         comm.all_gather(full, torch.full((2**16,), float(rank)), None).wait()
         return full
 
-    timed("all-gather", "dp", all_gather, lambda t: torch.equal(t, torch.arange(world).repeat_interleave(2**16).float()))
+    everyone = torch.arange(world).repeat_interleave(2**16).float()
+    timed("all-gather", "dp", all_gather, lambda t: torch.equal(t, everyone))
 
     def all_to_all():  # uneven: rank r sends r+1+p rows of 64 to rank p
         rows = [rank + 1 + p for p in range(world)]

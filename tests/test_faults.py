@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan.checkpoint import latest_checkpoint, verify_checkpoint
+from nanotitan.manifest import latest_checkpoint, verify_checkpoint
 from tests.test_train import TINY
 
 BASE_STEPS = 40

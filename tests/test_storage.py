@@ -23,6 +23,8 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nanotitan import checkpoint as ckpt
+
+from nanotitan import manifest
 from nanotitan.config import ConfigError
 from nanotitan.errors import EXIT_CODES, CheckpointError, StorageError, TrainingError
 from nanotitan.metrics import MetricsWriter
@@ -72,7 +74,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(saved):
                         r"another --run.dir, then continue with --train.resume auto\)", str(e.value)), str(e.value)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
     pad.unlink()
-    assert ckpt.verify_checkpoint(step1) == ""
+    assert manifest.verify_checkpoint(step1) == ""
     assert _save(run, 2, model, opt, cfg).name == "step_2"  # room again: the save goes through
 
 
@@ -83,7 +85,7 @@ def test_a_save_that_fails_writing_removes_its_partial_save(saved, monkeypatch):
     write = ckpt._write_text
 
     def full(path, text):
-        if path.name == ckpt.MANIFEST:
+        if path.name == manifest.MANIFEST:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         write(path, text)
 
@@ -91,11 +93,11 @@ def test_a_save_that_fails_writing_removes_its_partial_save(saved, monkeypatch):
     with pytest.raises(StorageError) as e:
         _save(run, 2, model, opt, cfg)
     tmp = run / "checkpoints" / "step_2.tmp"
-    assert re.fullmatch(rf"saving step 2: writing {tmp / ckpt.MANIFEST} failed: No space left on device \(ENOSPC\); "
+    assert re.fullmatch(rf"saving step 2: writing {tmp / manifest.MANIFEST} failed: No space left on device \(ENOSPC\); "
                         rf"{FREE}; removed the partial step_2\.tmp; newest good checkpoint: {run}/checkpoints/step_1 "
                         r"\(.*--train\.resume auto\)", str(e.value)), str(e.value)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
-    assert ckpt.verify_checkpoint(run / "checkpoints" / "step_1") == ""
+    assert manifest.verify_checkpoint(run / "checkpoints" / "step_1") == ""
 
 
 def test_write_failures_are_told_from_other_errors():

@@ -124,7 +124,7 @@ def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, corpus_dir):
     """train.ckpt_on_signal: SIGTERM to the job -> every rank finishes its step, they agree to stop, save."""
-    from nanotitan.checkpoint import latest_checkpoint
+    from nanotitan.manifest import latest_checkpoint
 
     p = _launch(["--parallel.dp", "2", "--train.steps", "100000", "--run.log_every", "1",
                  "--train.ckpt_on_signal", "true", "--train.ckpt_at_end", "false"], tmp_path, corpus_dir,

@@ -14,7 +14,8 @@ On disk (RUN_DIR/checkpoints/step_N/): DCP's `.metadata` + `__<rank>_*.distcp` s
 (the resolved config), `state.json` (step, trainer extras such as the data position, saved layout),
 `manifest.json` (every other file's size and xxh3-64 checksum) and `COMPLETE`. Atomicity: ranks write
 `step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`. Trust: nothing is loaded before every file
-matches the manifest, and nothing non-finite is ever saved. See docs/checkpoint.md.
+matches the manifest (manifest.py: checksums, verification, what to resume from), and nothing non-finite is
+ever saved. See docs/checkpoint.md.
 
 Every decision that a rank could reach alone (a file it checked, a tensor it holds) is agreed by an
 all-reduce before anyone acts on it, so a rank-local failure never leaves the others inside a collective.
@@ -29,12 +30,9 @@ import re
 import shutil
 import time
 import warnings
-import zlib
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -42,21 +40,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import Config, to_toml
 from .errors import CheckpointError, StorageError, first_line, os_reason
+from .hardware import fmt_bytes
+from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, STEP_DIR, checkpoint_dir,
+                       complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, storage_line,
+                       verify_checkpoint)
 from .model.transformer import is_expert_param
 from .parallel import comm
 from .parallel.dims import ParallelDims
 from .parallel.sync import ensure_adam_state, replicated_full_state
-
-COMPLETE = "COMPLETE"
-STATE_FILE = "state.json"
-MANIFEST = "manifest.json"
-DCP_METADATA = ".metadata"
-FORMAT_VERSION = 2  # 2: manifest.json with a checksum per file
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_ENTRY = re.compile(r"^step_(\d+)(\.tmp)?$")  # a checkpoint dir, or a save that never finished
-_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names rank r's files __r_<k>.distcp
-_CHUNK = 8 << 20
-_LINE_BYTES = 4096  # an agreed error line, broadcast from the rank that has it
 
 
 class NonFiniteStateError(CheckpointError):
@@ -118,68 +109,9 @@ def _rng_key(rank: int) -> str:
 def _quiet_single_process():
     """DCP warns that it runs without a process group; in one process that is the intent."""
     with warnings.catch_warnings():
-        if not _dist():
+        if not comm.distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist() else 1
-
-
-def _device() -> torch.device:
-    """Where collective buffers live: CUDA on NCCL, CPU on gloo."""
-    if _dist() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _all_rows(row: list[float]) -> list[list[float]]:
-    """Every rank's `row` (an all-gather as an all-reduce of a [world, k] float64 tensor holding only this
-    rank's row, so that it goes through comm.py on gloo and NCCL alike). Collective."""
-    if not _dist():
-        return [list(row)]
-    t = torch.zeros(_world(), len(row), dtype=torch.float64, device=_device())
-    t[_rank()] = torch.tensor(row, dtype=torch.float64)
-    comm.all_reduce(t, axis="other")
-    return t.tolist()
-
-
-def _barrier() -> None:
-    """Barrier over the default group as a one-element all-reduce (works on gloo, and on NCCL with a
-    CUDA tensor; `dist.barrier` on NCCL guesses a device), accounted under the "other" axis."""
-    if _dist():
-        comm.all_reduce(torch.zeros(1, device=_device()), axis="other")
-
-
-def _any_rank(flag: bool) -> int:
-    """Lowest rank for which `flag` is true (-1 when none); collective over the default group."""
-    bad = [r for r, (f,) in enumerate(_all_rows([float(flag)])) if f]
-    return bad[0] if bad else -1
-
-
-def _agree(err: str, what: str) -> str:
-    """Collective: '' when no rank has an error; else the first failing rank's own line, on every rank (the
-    launcher shows the line of whichever rank reports first, so each must say what happened)."""
-    bad = _any_rank(bool(err))
-    if bad < 0 or not _dist():
-        return "" if bad < 0 else err
-    buf = torch.zeros(_LINE_BYTES, dtype=torch.uint8)
-    if _rank() == bad:
-        raw = err.encode()[:_LINE_BYTES]
-        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    buf = buf.to(_device())
-    comm.broadcast(buf, src=bad)
-    line = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-    return line or f"{what} failed on rank {bad} (see its error)"
 
 
 def _layout(dims: ParallelDims | None) -> dict:
@@ -199,160 +131,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def _entries(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every step_N and step_N.tmp under RUN_DIR/checkpoints, newest first."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    out = [(int(m.group(1)), d) for d in root.iterdir() if (m := _ENTRY.match(d.name))]
-    return sorted(out, key=lambda e: (e[0], e[1].name.endswith(".tmp")), reverse=True)
-
-
-def _complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the step_N dirs that have a COMPLETE marker, oldest first."""
-    return sorted((s, d) for s, d in _entries(run_dir) if _STEP_DIR.match(d.name) and (d / COMPLETE).is_file())
-
-
-# --- checksums and the manifest ------------------------------------------------------------------
-
-def _hash_file(path: Path) -> tuple[int, str]:
-    """(bytes, xxh3-64 hex) of a file, read in 8 MiB chunks into one buffer. xxh3 runs at ~0.03 s/GiB
-    over the read on our CPUs (crc32 0.23, blake2b 1.2; docs/checkpoint.md) and ships with `datasets`."""
-    h, size = xxhash.xxh3_64(), 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
-    return size, h.hexdigest()
-
-
-def _to_i64(hexdigest: str) -> int:
-    v = int(hexdigest, 16)
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _from_i64(v: int) -> str:
-    return format(v & ((1 << 64) - 1), "016x")
-
-
-def _checker(name: str, world: int) -> int:
-    """The rank that checksums a file: a shard's writer (its bytes are still in that host's page cache;
-    mod world when a smaller job loads it), rank 0 for the small files."""
-    m = _SHARD.match(name)
-    return int(m.group(1)) % world if m else 0
-
-
-def _hash_shards(tmp: Path, files: list[str]) -> dict[str, dict]:
-    """Collective, right after dcp.save: each rank checksums the shards it wrote (in parallel, instead of
-    rank 0 reading the whole checkpoint again) and one all-reduce of a [files, 2] int64 table of
-    (bytes, digest) gives every rank all of them. Also the barrier after the writes."""
-    rank, world = _rank(), _world()
-    table = torch.zeros(len(files), 2, dtype=torch.int64)
-    for i, name in enumerate(files):
-        if _checker(name, world) == rank:
-            try:
-                size, digest = _hash_file(tmp / name)
-                table[i] = torch.tensor([size, _to_i64(digest)])
-            except OSError:
-                table[i, 0] = -1  # agreed below: every rank fails the save, naming this file
-    if _dist():
-        table = table.to(_device())
-        comm.all_reduce(table, axis="other")
-    out = {}
-    for name, (size, digest) in zip(files, table.tolist()):
-        if size < 0:
-            raise CheckpointError(f"could not read back {tmp / name} after writing it (disk full or lost?)")
-        out[name] = {"bytes": int(size), "xxh3_64": _from_i64(int(digest))}
-    return out
-
-
-_PHASE1 = {1: "does not exist", 2: f"incomplete (no {COMPLETE} marker: its save did not finish)",
-           3: f"{MANIFEST} is missing (a checkpoint saved before manifests loads with --train.verify_ckpt false)",
-           4: f"{MANIFEST} cannot be read", 5: f"{MANIFEST} is garbled"}
-_NOT_A_CHECKPOINT = (_PHASE1[1], _PHASE1[2])  # reasons that say "no checkpoint here", not "a damaged one"
-
-
-def _read_manifest(path: Path, checksums: bool) -> tuple[dict | None, int, int]:
-    """(files, problem code of _PHASE1 or 0, crc32 of the manifest bytes): phase 1, local to this rank."""
-    if not path.is_dir():
-        return None, 1, 0
-    if not (path / COMPLETE).is_file():
-        return None, 2, 0
-    try:
-        raw = (path / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        return None, 0 if not checksums else 3, 0  # format 1 loads unverified only on request
-    except OSError:
-        return None, 4, 0
-    try:
-        files = json.loads(raw)["files"]
-        assert isinstance(files, dict) and all(
-            isinstance(v["bytes"], int) and len(v["xxh3_64"]) == 16 for v in files.values())
-    except (ValueError, KeyError, TypeError, AssertionError):
-        return None, 5, zlib.crc32(raw)
-    return files, 0, zlib.crc32(raw)
-
-
-def verify_checkpoint(path: str | Path, checksums: bool = True) -> str:
-    """Collective: '' when checkpoint `path` can be trusted, else one short reason naming the file, e.g.
-    "shard __1_0.distcp fails its checksum (xxh3_64; damaged)". Every rank returns the same line.
-
-    Phase 1 (every rank alone, agreed by one all-reduce of problem codes): COMPLETE marker, manifest
-    readable and the same bytes on every rank (a file system that shows ranks different files must not
-    split their decisions). Phase 2 (each file checked by one rank, agreed by one all-reduce of a
-    [files, 2] table of (problem code, actual size)): every file exists with its size and, with
-    `checksums`, its xxh3-64. `checksums=False` checks sizes only, and accepts a checkpoint saved
-    before manifests (format 1)."""
-    path = Path(path)
-    files, code, crc = _read_manifest(path, checksums)
-    rows = _all_rows([float(code), float(crc)])
-    failing = [int(row[0]) for row in rows if row[0]]
-    if failing:
-        return _PHASE1[failing[0]]
-    if len({row[1] for row in rows}) > 1:
-        return f"ranks read different {MANIFEST} files (is run.dir on a file system every rank sees?)"
-    if files is None:
-        return ""
-
-    names = sorted(files)
-    rank, world = _rank(), _world()
-    codes = torch.zeros(len(names), 2, dtype=torch.int64)  # (0 ok | 1 missing | 2 size | 3 checksum | 4 I/O, size)
-    for i, name in enumerate(names):
-        if _checker(name, world) != rank:
-            continue
-        want = files[name]
-        try:
-            size = (path / name).stat().st_size
-            if size != want["bytes"]:
-                codes[i] = torch.tensor([2, size])
-            elif checksums and _hash_file(path / name)[1] != want["xxh3_64"]:
-                codes[i, 0] = 3
-        except FileNotFoundError:
-            codes[i, 0] = 1
-        except OSError:
-            codes[i, 0] = 4
-    if _dist():
-        codes = codes.to(_device())
-        comm.all_reduce(codes, axis="other")
-    for name, (code, size) in zip(names, codes.tolist()):
-        kind = "shard" if _SHARD.match(name) else "file"
-        if code == 1:
-            return f"{kind} {name} is missing"
-        if code == 2:
-            return f"{kind} {name} is {size} bytes, the manifest says {files[name]['bytes']} (truncated or replaced)"
-        if code == 3:
-            return f"{kind} {name} fails its checksum (xxh3_64; damaged)"
-        if code == 4:
-            return f"{kind} {name} cannot be read"
-    return ""
 
 
 # --- save -----------------------------------------------------------------------------------------
@@ -389,14 +167,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         raise CheckpointError(f"checkpoint extra {extra!r} is not strict JSON: {e}") from None
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
-    rank = _rank()
+    rank = comm.world_rank()
     t0 = time.perf_counter()
 
     # Nothing non-finite is ever written: a NaN checkpoint would be resumed into, and would rotate
     # the last good one out (issue 12). Agreed, so every rank raises and none waits in the save.
     state = keyed_tensors(model, optimizer, shard)
     key = _first_nonfinite(state)
-    bad = _any_rank(bool(key))
+    bad = comm.any_rank(bool(key))
     if bad >= 0:
         kept = latest_checkpoint(run_dir)
         what = f"{key} holds NaN/inf on rank {rank}" if key else f"rank {bad} holds NaN/inf state (see its error)"
@@ -415,13 +193,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                 tmp.mkdir(parents=True)
         except OSError as e:
             err = storage_line(run_dir, f"saving step {step}: cannot create {tmp}: {os_reason(e)}")
-    if err := _agree(err, f"saving step {step}"):
+    if err := comm.agree(err, f"saving step {step}"):
         raise StorageError(err)
 
     state[_rng_key(rank)] = torch.get_rng_state()
     try:
         with _quiet_single_process():
-            meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _dist())
+            meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         # (DCP's CheckpointException is a BaseException: `except Exception` alone let torch's traceback through)
         if why := _write_failure(e):
@@ -430,7 +208,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     # Only the files the metadata points at (a rank whose keys were all deduped may leave an empty one).
     shards = sorted({s.relative_path for s in meta.storage_data.values()})
     try:
-        manifest = _hash_shards(tmp, shards + [DCP_METADATA])  # collective: all shards and .metadata are written
+        manifest = hash_shards(tmp, shards + [DCP_METADATA])  # collective: all shards and .metadata are written
     except CheckpointError as e:  # a shard that cannot be read back: lost to a full or failing disk
         raise _failed_save(run_dir, step, str(e), tmp) from None
 
@@ -439,7 +217,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         try:
             small = {"config.toml": to_toml(cfg), STATE_FILE: json.dumps({
                 "format": FORMAT_VERSION, "step": step, "extra": json.loads(extra_json), "layout": _layout(dims),
-                "world_size": _world(), "torch": torch.__version__,
+                "world_size": comm.world_size(), "torch": torch.__version__,
                 "save_s": round(time.perf_counter() - t0, 3)}, indent=1)}
             for name, text in small.items():
                 _write_text(tmp / name, text)
@@ -456,7 +234,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
             _prune(run_dir, keep_last, step)
         except OSError as e:
             err = f"writing {Path(e.filename or tmp)} failed: {os_reason(e)}"
-    if err := _agree(err, f"saving step {step}"):  # nobody moves on (or exits) before the checkpoint is complete
+    if err := comm.agree(err, f"saving step {step}"):  # nobody moves on (or exits) before the checkpoint is complete
         raise _failed_save(run_dir, step, err, tmp)
     return final
 
@@ -488,33 +266,6 @@ def _write_failure(e: BaseException) -> str:
     return ""
 
 
-def _free_bytes(path: Path) -> int:
-    """Bytes an unprivileged writer may still use on the file system holding `path` (statvfs f_bavail)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-
-
-def storage_line(run_dir: str | Path, what: str, removed: Path | None = None) -> str:
-    """The one line of a write into a run dir that failed or cannot fit: `what`, the free space (this rank's
-    view of the disk), the partial save `removed`, the newest good checkpoint and the way on."""
-    root = checkpoint_dir(run_dir)
-    from .metrics import fmt_bytes
-
-    try:
-        free = f"{fmt_bytes(_free_bytes(root))} free on {root}"
-    except OSError as e:
-        free = f"free space on {root} unknown ({os_reason(e)})"
-    kept = latest_checkpoint(run_dir)
-    removed = f"; removed the partial {removed.name}" if removed is not None else ""
-    return (f"{what}; {free}{removed}; newest good checkpoint: {kept or 'none yet'} "
-            f"(make room or choose another --run.dir, then continue with --train.resume auto)")
-
-
 def _no_room(run_dir: str | Path, step: int) -> str:
     """'' when the file system has room for another checkpoint as large as the newest one, else the line
     refusing the save (nothing written). The first save has nothing to go by: a failure then is caught as
@@ -523,13 +274,11 @@ def _no_room(run_dir: str | Path, step: int) -> str:
     if prev is None:
         return ""
     try:
-        need, free = _dir_bytes(prev), _free_bytes(checkpoint_dir(run_dir))
+        need, free = dir_bytes(prev), free_bytes(checkpoint_dir(run_dir))
     except OSError:
         return ""  # cannot tell: let the write itself decide
     if free >= need:
         return ""
-    from .metrics import fmt_bytes
-
     return storage_line(run_dir, f"saving step {step}: refused before writing: {prev.name} took {fmt_bytes(need)} "
                                  "and there is less free; nothing was written")
 
@@ -539,11 +288,11 @@ def _failed_save(run_dir: str | Path, step: int, what: str, tmp: Path) -> Storag
     step dir if the rename happened but COMPLETE was not written), every rank waits for that, and each gets
     the same one-line StorageError. What verified before is untouched."""
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-    if _rank() == 0:
+    if comm.world_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         if final.is_dir() and not (final / COMPLETE).exists():
             shutil.rmtree(final, ignore_errors=True)
-    _barrier()
+    comm.barrier()
     return StorageError(storage_line(run_dir, f"saving step {step}: {what}", tmp))
 
 
@@ -554,12 +303,12 @@ def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
     one); kept, `resume auto` would jump back to them. The checkpoint just written, verified as it was
     read back for its manifest, is never removed."""
     root = checkpoint_dir(run_dir)
-    complete = _complete_steps(run_dir)
+    complete = complete_steps(run_dir)
     newer = [d for s, d in complete if s > step]
     older = [d for s, d in complete if s <= step]
     doomed = newer + (older[:-keep_last] if keep_last > 0 else [])
     for d in root.iterdir():
-        if d.name.endswith(".tmp") or (_STEP_DIR.match(d.name) and not (d / COMPLETE).exists()):
+        if d.name.endswith(".tmp") or (STEP_DIR.match(d.name) and not (d / COMPLETE).exists()):
             doomed.append(d)  # one job owns a run dir (rundir.py) and its save has finished: these are stale
     if newer:
         print(f"removed {', '.join(d.name for d in newer)}: newer than step {step}, from a timeline this run "
@@ -567,75 +316,6 @@ def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
     for d in doomed:
         if d != root / f"step_{step}":
             shutil.rmtree(d, ignore_errors=True)
-
-
-# --- find -----------------------------------------------------------------------------------------
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint of a run that has a COMPLETE marker, or None. Not verified: for
-    choosing what to resume from use resolve_resume (it verifies)."""
-    steps = _complete_steps(run_dir)
-    return steps[-1][1] if steps else None
-
-
-def _newest_verified(run_dir: Path, verify: bool) -> tuple[Path | None, list[str], bool]:
-    """Collective: (the newest step_N under run_dir that verifies, 'step_N: reason' for each newer one,
-    whether any of those is a complete checkpoint that failed verification). Rank 0's listing is
-    broadcast so that every rank verifies the same candidates in the same order."""
-    entries = _entries(run_dir) if _rank() == 0 else []
-    steps = [s for s, d in entries if _STEP_DIR.match(d.name)]
-    if _dist():
-        n = torch.tensor([len(steps)], dtype=torch.int64, device=_device())
-        comm.broadcast(n, src=0)
-        if n.item():
-            t = torch.tensor(steps or [0] * int(n.item()), dtype=torch.int64, device=_device())
-            comm.broadcast(t, src=0)
-            steps = t.tolist()
-    root = checkpoint_dir(run_dir)
-    unfinished = [(s, f"{d.name}: unfinished save") for s, d in entries if d.name.endswith(".tmp")]
-    skipped, damaged = [], False
-    for s in steps:
-        reason = verify_checkpoint(root / f"step_{s}", checksums=verify)
-        if not reason:
-            lines = sorted(skipped + [u for u in unfinished if u[0] > s], reverse=True)
-            return root / f"step_{s}", [line for _, line in lines], damaged
-        skipped.append((s, f"step_{s}: {reason}"))
-        damaged |= not reason.startswith(_NOT_A_CHECKPOINT)
-    return None, [line for _, line in sorted(skipped + unfinished, reverse=True)], damaged
-
-
-def resolve_resume(resume: str, run_dir: str | Path, verify: bool = True,
-                   log: Callable[[str], None] | None = None) -> Path | None:
-    """Collective when a process group exists (every rank calls it alike). train.resume -> a checkpoint
-    that verifies: "" -> None; "auto" -> the newest in run_dir that verifies (None when there is none
-    yet: a fresh start); a step dir -> itself; a run dir -> its newest that verifies. Newer checkpoints
-    that were passed over are reported in one line through `log` (default: print on rank 0), e.g.
-    "resume: skipped step_40: shard __1_0.distcp fails its checksum (xxh3_64; damaged); using step_30".
-    Raises CheckpointError naming the file when the given step dir is damaged, and when complete
-    checkpoints exist but none verifies (a run never silently restarts from step 0 over them)."""
-    log = log or (lambda line: print(line, flush=True) if _rank() == 0 else None)
-    if resume == "":
-        return None
-    p = Path(resume)
-    if resume != "auto" and (_STEP_DIR.match(p.name) or (p / COMPLETE).exists() or (p / DCP_METADATA).exists()):
-        reason = verify_checkpoint(p, checksums=verify)
-        if reason:
-            raise CheckpointError(f"cannot resume from {p}: {reason} (choose another with --train.resume PATH, "
-                                  "or --train.resume auto)")
-        return p
-    run_dir = Path(run_dir) if resume == "auto" else p
-    if resume != "auto" and not checkpoint_dir(run_dir).is_dir():
-        raise CheckpointError(f"train.resume={resume!r} is neither a checkpoint nor a run dir with checkpoints "
-                              "(--train.resume auto|PATH)")
-    path, skipped, damaged = _newest_verified(run_dir, verify)
-    if path is None and (damaged or resume != "auto"):
-        raise CheckpointError(f"no checkpoint under {checkpoint_dir(run_dir)} verifies"
-                              + (f" ({'; '.join(skipped)})" if skipped else "")
-                              + ": remove the damaged ones, resume from another with --train.resume PATH, "
-                              "or start over with --run.overwrite true")
-    if skipped:
-        log(f"resume: skipped {'; '.join(skipped)}; " + (f"using {path.name}" if path else "none left: fresh start"))
-    return path
 
 
 # --- load -----------------------------------------------------------------------------------------
@@ -700,20 +380,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
     info, meta, err = _read_small(path)
     err = err or _check_fits(path, live, meta) or _check_counts(path, model, meta)
-    bad = _any_rank(bool(err))
+    bad = comm.any_rank(bool(err))
     if bad >= 0:
         raise CheckpointError(err or f"checkpoint {path} does not fit this model (see rank {bad}'s error)")
 
     # Stage through fresh buffers in the checkpoint's dtype on CPU, then copy_ into the live
     # tensors: handles CUDA params and Adam's `step` (CPU float, or float32 on device when fused).
     stage = {k: torch.empty(t.shape, dtype=meta[k].properties.dtype) for k, t in live.items()}
-    rank = _rank()
+    rank = comm.world_rank()
     layout = _layout(dims)
     if info["layout"] == layout and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
         stage[_rng_key(rank)] = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not _dist())
+            dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
 
@@ -725,5 +405,5 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         sync.load_full_state(optimizer, model_state, optim_state)
     if _rng_key(rank) in stage:
         torch.set_rng_state(stage[_rng_key(rank)])
-    _barrier()
+    comm.barrier()
     return {**info["extra"], "step": int(info["step"])}

@@ -61,10 +61,14 @@ BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for L
 
 
 def job_hash(cfg: Config) -> str:
-    """The code and the config as loaded: every node must run the same. The code is the git commit when the
-    package runs from a checkout (uncommitted edits are not seen), else the bytes of its files (an install)."""
+    """The code and the config as loaded: every node must run the same. The code is $NANOTITAN_CODE_ID when set
+    (a container image's digest, say), else the git commit when the package runs from a checkout (uncommitted
+    edits are not seen), else the bytes of its files (an install)."""
     h = hashlib.sha256(to_toml(cfg).encode())
     here = Path(__file__).parent
+    if os.environ.get("NANOTITAN_CODE_ID"):
+        h.update(os.environ["NANOTITAN_CODE_ID"].encode())
+        return h.hexdigest()[:16]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -131,7 +135,7 @@ class Coordinator:
         for node in self.members:
             if self.store.check([f"gen/{g}/exit/{node}"]):
                 out[node] = json.loads(self.store.get(f"gen/{g}/exit/{node}"))
-            elif self._lost(node):
+            elif node != 0 and self._lost(node):  # node 0 is this process (its own long tick is no loss)
                 out[node] = {"code": -9, "line": f"node {node}'s agent stopped answering", "lost": True}
         return out
 
@@ -181,7 +185,8 @@ class Coordinator:
 
     def _fail(self, failed: dict[int, dict]) -> None:
         """A rank died or failed: end the generation everywhere, then restart (_restart) or stop."""
-        first = min(failed.items(), key=lambda kv: (kv[1].get("line", "").startswith("aborted"), kv[0]))
+        # A rank killed by a signal first: its peers' errors ("connection closed") follow from its death.
+        first = min(failed.items(), key=lambda kv: (kv[1].get("line", "").startswith("aborted"), kv[1]["code"] >= 0, kv[0]))
         self._say(f"generation {self.gen} failed on node {first[0]}: {first[1].get('line') or 'exit ' + str(first[1]['code'])}")
         self.store.set(f"gen/{self.gen}/abort", "1")
         for node, e in failed.items():
@@ -280,7 +285,7 @@ class Coordinator:
     def _newest_checkpoint(self) -> Path | None:
         """The newest checkpoint that verifies, of the run dir's and the snapshots (a damaged one is named and
         skipped): where the next generation resumes."""
-        from .checkpoint import resolve_resume
+        from .manifest import resolve_resume
 
         best = None
         for root in (self.run_dir, snapshot_root(self.cfg)):

@@ -1,8 +1,9 @@
 """One rank of an elastic generation (elastic.py starts it): the Trainer, plus what the agents need to know.
 
-Each generation is a fixed world with a fixed layout. Its ranks are `nanotitan train` processes started by the
-node agents with the planned layout and `--train.resume auto`, so they load the newest checkpoint resharded onto
-that layout (checkpoint.py). What this adds to the plain Trainer, all through the job's store on node 0:
+Each generation is a fixed world with a fixed layout. Its ranks are `nanotitan train` processes (started ahead by
+their node's agent: `warm_rank`) with the planned layout and `--train.resume PATH`, the newest checkpoint or
+snapshot that verifies, which they load resharded onto that layout (checkpoint.py). What this adds to the plain
+Trainer, all through the job's store on node 0:
 
 - rank 0 polls `gen/G/stop` at each step boundary and turns it into the Trainer's stop request. agree_on_step's
   MAX all-reduce (train.ckpt_on_signal, which the agent sets) gives every rank the same verdict, so every rank
@@ -10,6 +11,7 @@ that layout (checkpoint.py). What this adds to the plain Trainer, all through th
 - rank 0 publishes the last completed step (`gen/G/step`: the steps a failure loses are counted against it),
   the timings of its start after the first step (`gen/G/up`: the pause's parts), the stop's save (`gen/G/saved`)
   and how the generation ended (`gen/G/result`: finished or stopped).
+- every elastic.snapshot_every steps, every rank saves a snapshot (`ElasticTrainer.snapshot`).
 """
 
 from __future__ import annotations

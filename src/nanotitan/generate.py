@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+
+from . import manifest
 from .config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
 from .model.transformer import Transformer
@@ -19,7 +21,7 @@ from .resolve import resolve_model
 
 
 def load_full_model(cfg: Config, run_dir: Path) -> Transformer:
-    path = ckpt.resolve_resume("auto", run_dir, verify=cfg.train.verify_ckpt)  # newest that verifies
+    path = manifest.resolve_resume("auto", run_dir, verify=cfg.train.verify_ckpt)  # newest that verifies
     if path is None:
         raise ConfigError(f"no complete checkpoint under {run_dir} (train with --train.ckpt_at_end true)")
     model = Transformer(cfg.model, seed=cfg.train.seed)

@@ -396,3 +396,28 @@ def detect_hardware(profile: str | Hardware | None = None, dtype: str = "fp32") 
         # an unknown GPU gets a middle-of-the-road datacenter profile
         return BUILTIN[next((p for needle, p in GPU_NAMES.items() if needle in name), "a100-80gb")]
     return cpu_profile(host_cores(), host_memory_bytes(), dtype)
+
+
+def cpu_peak_env(dtype: str) -> str:
+    """The variable that carries the launcher's measured CPU GEMM peak of `dtype` to the ranks."""
+    return "NANOTITAN_CPU_PEAK_FLOPS" + ("_BF16" if dtype == "bf16" else "")
+
+
+def cpu_peak_flops(threads: int, dtype: str = "fp32") -> float:
+    """Measured GEMM peak at `threads` in the compute dtype (bf16 under mixed precision): bounded (~1 s) and
+    cached per machine, dtype, threads and torch version (`hardware.cached_cpu_gemm_flops`). Ranks that share
+    the cores would measure each other, so the launcher measures once before starting them and hands the figure
+    down in `cpu_peak_env(dtype)` (one variable per dtype: an fp32 figure never bounds a bf16 run)."""
+    env = os.environ.get(cpu_peak_env(dtype))
+    if env:
+        return float(env)
+    return cached_cpu_gemm_flops(threads, dtype)
+
+
+def fmt_bytes(n: float) -> str:
+    """A byte count as people read it: 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -322,16 +322,17 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
     """`nanotitan export`: a run's checkpoint (newest, or step N; any layout and zero level: checkpoints use
     global names) gathered into one process and written as a transformers checkpoint dir."""
     from . import checkpoint as ckpt
+    from . import manifest
     from .parallel.dims import ParallelDims
 
     run = Path(run_dir)
     if step is None:
-        path = ckpt.latest_checkpoint(run)
+        path = manifest.latest_checkpoint(run)
         if path is None:
             raise ConfigError(f"no complete checkpoint under {run} (--run.dir of a run that saved one)")
     else:
-        path = ckpt.checkpoint_dir(run) / f"step_{step}"
-        if not (path / ckpt.COMPLETE).is_file():
+        path = manifest.checkpoint_dir(run) / f"step_{step}"
+        if not (path / manifest.COMPLETE).is_file():
             raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
     # The checkpoint's own config, as saved: resolved (resolve.py) before it was written, so it is used as it
     # is, and init.from_hf's directory need not exist any more.

@@ -221,7 +221,7 @@ def _signal_ranks(signum: int) -> None:
 
 def stop_line(signum: int, run_dir: str, argv: list[str], saved: bool = False) -> str:
     """The line for a job stopped by a signal: which, the newest complete checkpoint, how to resume."""
-    from .checkpoint import latest_checkpoint
+    from .manifest import latest_checkpoint
 
     name = signal.Signals(signum).name
     ck = latest_checkpoint(run_dir)

@@ -17,23 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import first_line
 from .errors import StorageError, os_reason
-from .hardware import GPU_PEAKS, cached_cpu_gemm_flops, cpu_native_bf16  # datasheet peaks (MFU when train.peak_flops is 0)
-
-
-def cpu_peak_env(dtype: str) -> str:
-    """The variable that carries the launcher's measured CPU GEMM peak of `dtype` to the ranks."""
-    return "NANOTITAN_CPU_PEAK_FLOPS" + ("_BF16" if dtype == "bf16" else "")
-
-
-def cpu_peak_flops(threads: int, dtype: str = "fp32") -> float:
-    """Measured GEMM peak at `threads` in the compute dtype (bf16 under mixed precision): bounded (~1 s) and
-    cached per machine, dtype, threads and torch version (`hardware.cached_cpu_gemm_flops`). Ranks that share
-    the cores would measure each other, so the launcher measures once before starting them and hands the figure
-    down in `cpu_peak_env(dtype)` (one variable per dtype: an fp32 figure never bounds a bf16 run)."""
-    env = os.environ.get(cpu_peak_env(dtype))
-    if env:
-        return float(env)
-    return cached_cpu_gemm_flops(threads, dtype)
+from .hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes  # noqa: F401 (re-used names)
 
 
 def bf16_advice(threads: int) -> str:
@@ -148,7 +132,7 @@ class MetricsWriter:
             self.f.write(json.dumps(finite_or_none(obj), allow_nan=False) + "\n")
             self.f.flush()
         except OSError as e:
-            from .checkpoint import storage_line
+            from .manifest import storage_line
 
             raise StorageError(storage_line(self.path.parent, f"writing {self.path} failed: {os_reason(e)}")) from None
 
@@ -194,14 +178,6 @@ def open_wandb(project: str, run_dir: str, config: dict):
         print(f"nanotitan: W&B disabled ({first_line(e)}): run `wandb login`, or set WANDB_MODE=offline and "
               "`wandb sync` later (logging to metrics.jsonl only)", file=sys.stderr, flush=True)
         return None
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --- memory that means something per layout: live tensors, not the process's RSS ------------------------------
@@ -381,7 +357,7 @@ class _TensorCounter:
         self.current = self.peak = 0
         # A storage may be freed on gloo's or autograd's threads. Re-entrant: a garbage collection that starts inside
         # track_storage (it allocates) may free a storage on this very thread, whose callback then takes the lock
-        # again (a plain Lock hung a rank of a 10-step equivalence run here).
+        # again.
         self.lock = threading.RLock()
         self.mode = _CountOps(self)
         self._resize = None

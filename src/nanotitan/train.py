@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+
+from . import manifest
 from . import report
 from .config import Config, ConfigError, to_dict, to_toml, validate
 from .data.indexed import IndexedBatches
@@ -167,7 +169,7 @@ class Trainer:
     def resume(self, where: str):
         verify = self.cfg.train.verify_ckpt
         # "auto", a step dir or a run dir: the newest checkpoint that verifies (skipped newer ones are named)
-        path = ckpt.resolve_resume(where, self.run_dir, verify=verify, log=self.log)
+        path = manifest.resolve_resume(where, self.run_dir, verify=verify, log=self.log)
         if path is None:
             self.log("train.resume=auto: no complete checkpoint yet, starting from step 0")
             return

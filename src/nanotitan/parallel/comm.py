@@ -205,3 +205,72 @@ class _AllOf:
     def wait(self):
         for w in self.works:
             w.wait()
+
+
+# --- agreement over the default group: every rank reaches the same decision before anyone acts -------------
+# (checkpoints, manifests and the launcher's rank-local checks use these, so that a failure one rank sees
+# never leaves the others inside a collective)
+
+_LINE_BYTES = 4096  # an agreed error line, broadcast from the rank that has it
+
+
+def distributed() -> bool:
+    """A default process group exists (a job of one process has none)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if distributed() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 without one)."""
+    return dist.get_world_size() if distributed() else 1
+
+
+def collective_device() -> torch.device:
+    """Where collective buffers live: CUDA on NCCL, CPU on gloo."""
+    if distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_rows(row: list[float]) -> list[list[float]]:
+    """Every rank's `row` (an all-gather as an all-reduce of a [world, k] float64 tensor holding only this
+    rank's row, so that it goes through comm.py on gloo and NCCL alike). Collective."""
+    if not distributed():
+        return [list(row)]
+    t = torch.zeros(world_size(), len(row), dtype=torch.float64, device=collective_device())
+    t[world_rank()] = torch.tensor(row, dtype=torch.float64)
+    all_reduce(t, axis="other")
+    return t.tolist()
+
+
+def barrier() -> None:
+    """Barrier over the default group as a one-element all-reduce (works on gloo, and on NCCL with a
+    CUDA tensor; `dist.barrier` on NCCL guesses a device), accounted under the "other" axis."""
+    if distributed():
+        all_reduce(torch.zeros(1, device=collective_device()), axis="other")
+
+
+def any_rank(flag: bool) -> int:
+    """Lowest rank for which `flag` is true (-1 when none); collective over the default group."""
+    bad = [r for r, (f,) in enumerate(all_rows([float(flag)])) if f]
+    return bad[0] if bad else -1
+
+
+def agree(err: str, what: str) -> str:
+    """Collective: '' when no rank has an error; else the first failing rank's own line, on every rank (the
+    launcher shows the line of whichever rank reports first, so each must say what happened)."""
+    bad = any_rank(bool(err))
+    if bad < 0 or not distributed():
+        return "" if bad < 0 else err
+    buf = torch.zeros(_LINE_BYTES, dtype=torch.uint8)
+    if world_rank() == bad:
+        raw = err.encode()[:_LINE_BYTES]
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = buf.to(collective_device())
+    broadcast(buf, src=bad)
+    line = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return line or f"{what} failed on rank {bad} (see its error)"

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
+from ..hardware import cpu_peak_flops as measured_peak_flops
 
 
 @dataclass
@@ -150,7 +151,7 @@ def link_model(cfg: Config, rank: int = 0, threads: int = 1, device_type: str = 
     """The LinkModel of `parallel.emulate*` for global rank `rank` (None when parallel.emulate is empty); a
     profile that does not exist fails here with one line. The automatic dilation divides this CPU's GEMM peak on
     `threads` threads (`cpu_peak_flops`, else measured: bounded and cached, and handed down by the launcher,
-    metrics.cpu_peak_flops) by the profile's peak, both in train.dtype."""
+    hardware.cpu_peak_flops) by the profile's peak, both in train.dtype."""
     p = cfg.parallel
     if not p.emulate:
         return None
@@ -161,9 +162,7 @@ def link_model(cfg: Config, rank: int = 0, threads: int = 1, device_type: str = 
     dilation = p.emulate_dilation
     if not dilation:
         if cpu_peak_flops is None:
-            from ..metrics import cpu_peak_flops as measured
-
-            cpu_peak_flops = measured(threads, cfg.train.dtype)
+            cpu_peak_flops = measured_peak_flops(threads, cfg.train.dtype)
         dilation = cpu_peak_flops / emulated_peak_flops(hw, cfg.train.dtype)
     return LinkModel(hw, p.emulate_node_size or hw.devices_per_node, dilation, rank)
 
