@@ -172,3 +172,28 @@ def test_gradient_syncs_count_deferred_terms(flavour):
         for b in r.buckets:
             want = torch.cat([(0.5 * ref_grads[n]).reshape(-1) for n in b.names])
             assert torch.allclose(b.shard.grad[:want.numel()], want, rtol=0, atol=1e-7), b.names
+
+
+def test_pending_work_is_counted_as_saved_activations():
+    """What a deferred W holds (layer inputs, output gradients) stays counted by the trainer's activation meter
+    (metrics.SavedActivations, through the saved-tensor hooks in force during B) until W runs."""
+    from nanotitan.metrics import SavedActivations
+
+    cfg = _cfg()
+    model = Transformer(cfg, _middle_stage(cfg), SEED)
+    store = wgrad.WeightGradStore()
+    wgrad.attach(model, store)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, cfg.d_model, generator=g, requires_grad=True)
+    y = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    meter = SavedActivations(model)
+    with meter:
+        ce, aux = model(x, y)
+        after_forward = meter.bytes
+        with store.deferring():
+            (ce + aux).backward()
+        del ce, aux
+        pending = meter.bytes
+        wgrad.WeightGradStore.run(store.take())
+    assert after_forward > 0 and pending > 0.5 * after_forward, (after_forward, pending)
+    assert meter.bytes == 0, meter.bytes

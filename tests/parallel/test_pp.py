@@ -153,6 +153,36 @@ def test_pp2_gradients_match_single_process():
     _check_grad_results(run_ranks(_grad_cases, 2, (cases,), timeout=120), 2)
 
 
+def _zb1_vs_1f1b(rank, world, cases):
+    """Per (pp_layers, ckpt, bf16): does every grad of this stage under zb1 equal 1F1B's bit for bit?"""
+    dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
+    out = []
+    for pp_layers, ckpt, bf16 in cases:
+        cfg = tiny_cfg(world, 4, pp_layers)
+        xs, ys = microbatches(4)
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+        grads = {}
+        for schedule in ("1f1b", "zb1"):
+            stage = stage_model(cfg, dims.pp_rank, ckpt)
+            comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+            kw = dict(autocast=autocast) if autocast else {}
+            pipeline_forward_backward(stage, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT,
+                                      loss_scale=0.25, before_backward=None, **kw)
+            grads[schedule] = {n: p.grad for n, p in stage.named_parameters()}
+        out.append([n for n, g in grads["1f1b"].items() if not torch.equal(g, grads["zb1"][n])])
+    return out
+
+
+def test_zb1_grads_bitwise_equal_1f1b():
+    """zb1's deferred weight gradients (model/wgrad.py) are autograd's arithmetic, run later, and W's run in
+    microbatch order: every stage's gradients equal 1F1B's bit for bit, fp32 and bf16 autocast, with and without
+    activation checkpointing, whole and half-layer cuts."""
+    cases = [(None, False, False), (None, True, False), (None, False, True), ([2.5, 1.5], True, True)]
+    for rank, per_case in enumerate(run_ranks(_zb1_vs_1f1b, 2, (cases,), timeout=120)):
+        for case, differ in zip(cases, per_case):
+            assert not differ, f"stage {rank} case (pp_layers, ckpt, bf16)={case}: zb1 differs from 1f1b in {differ}"
+
+
 def test_pp4_gradients_match_single_process():
     """PP=4 (one layer per stage): GPipe, 1F1B and zb1, M in {1, 4, 8} (M < PP must not hang), with/without
     checkpointing; interleaved V=2 on 8 layers (one per chunk), M in {4, 8} (M == PP: all-warmup). Then, in the

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -40,6 +39,8 @@ class PackedTokenDataset(IterableDataset):
         if shuffle:
             # The same seed on every rank: all ranks agree on the shard order before splitting it.
             dataset = dataset.shuffle(seed=seed, buffer_size=data.shuffle_buffer)
+        from datasets.distributed import split_dataset_by_node  # HF datasets only for this loader (not the default)
+
         self.dataset = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
 
     def documents(self) -> Iterator[str]:

@@ -92,13 +92,21 @@ class WeightGradStore:
         finally:
             self.active = False
 
-    def land(self, fn: Callable[[], None]) -> None:
-        """fn accumulates some weight gradients: queued for W while deferring, else run now."""
-        if self.active:
-            self._queue.append(fn)
-        else:
+    def land(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
+        """fn(*tensors) accumulates some weight gradients: run now, or queued for W while deferring. A queued fn's
+        tensors are held through the saved-tensor hooks in force (as autograd holds what it saves), so a memory
+        meter (metrics.SavedActivations, the dry run's) counts what a pending W keeps as the activations it is."""
+        if not self.active:
             with torch.no_grad():
-                fn()
+                fn(*tensors)
+            return
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is None:
+            self._queue.append(lambda: fn(*tensors))
+            return
+        pack, unpack = hooks
+        packed = [pack(t) for t in tensors]
+        self._queue.append(lambda: fn(*[unpack(h) for h in packed]))
 
     def take(self) -> list[Callable[[], None]]:
         work, self._queue = self._queue, []
@@ -154,13 +162,13 @@ class _Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = g2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
 
-        def weight_grads():
+        def weight_grads(g2, xc):
             if weight.requires_grad:
                 accumulate(weight, g2.t().mm(xc.reshape(-1, xc.shape[-1])))
             if bias is not None and bias.requires_grad:
                 accumulate(bias, g2.sum(0))
 
-        ctx.store.land(weight_grads)
+        ctx.store.land(weight_grads, g2, xc)
         return grad_x, None, None, None, None, None
 
 
@@ -184,7 +192,7 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         p = ctx.p
-        ctx.store.land(lambda: accumulate(p, grad))
+        ctx.store.land(lambda g: accumulate(p, g), grad)
         return None, None, None, None
 
 
@@ -219,7 +227,7 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, dy):
         x, wg, wv, wo, *saved = ctx.saved_tensors
         counts = ctx.counts
-        dxs, terms = [], []  # terms[l] = (x_l, h_l, dy_l, dhg, dhv): what expert l's weight GEMMs read
+        dxs, terms = [], []  # per expert x_l, h_l, dy_l, dhg, dhv: what its weight GEMMs read
         for l, (x_l, dy_l) in enumerate(zip(x.split(counts), dy.split(counts))):
             hg, hv, a, h_l = saved[4 * l:4 * l + 4]
             dh = dy_l.mm(wo[l].t())
@@ -227,16 +235,17 @@ class _Experts(torch.autograd.Function):
             dhg = torch.ops.aten.silu_backward(da, hg)
             # Each GEMM's cast widens its own term (autocast casts x once per GEMM): add them in x's dtype.
             dxs.append(dhg.mm(wg[l].t()).to(ctx.x_dtype) + dhv.mm(wv[l].t()).to(ctx.x_dtype))
-            terms.append((x_l, h_l, dy_l, dhg, dhv))
+            terms += [x_l, h_l, dy_l, dhg, dhv]
         dx = torch.cat(dxs) if dxs else dy.new_zeros(0, x.shape[1], dtype=ctx.x_dtype)
         W_gate, W_val, W_out = ctx.params
 
-        def weight_grads():
-            accumulate(W_gate, torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in terms]))
-            accumulate(W_val, torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in terms]))
-            accumulate(W_out, torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in terms]))
+        def weight_grads(*terms):
+            per_expert = [terms[i:i + 5] for i in range(0, len(terms), 5)]
+            accumulate(W_gate, torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in per_expert]))
+            accumulate(W_val, torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in per_expert]))
+            accumulate(W_out, torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in per_expert]))
 
-        ctx.store.land(weight_grads)
+        ctx.store.land(weight_grads, *terms)
         return dx, None, None, None, None, None, None, None
 
 

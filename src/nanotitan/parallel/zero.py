@@ -209,7 +209,8 @@ class ShardedReducer(Reducer):
             b.shard_grad.add_(b.flat)
         else:
             src = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
-            out = src.new_empty(b.shard_grad.shape)
+            S = b.shard_grad.numel()
+            out = src[self.rank * S:(self.rank + 1) * S]  # in place, as zero 1: no buffer beside the bucket
             self._in_flight.append((comm.reduce_scatter(out, src, self.group), out, src, b))
         for p in b.params:
             p.grad = None

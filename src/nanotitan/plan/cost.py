@@ -14,6 +14,8 @@ from ..config import Config, tidy_counts
 from ..hardware import Hardware, ring_allreduce_s as _ring_allreduce_s, ring_half_s as _ring_half_s
 from ..parallel import pp as pp_schedules
 from ..parallel.dims import ParallelDims
+from ..parallel.sync import zero_memory_choices
+from ..parallel.zero import _IN_FLIGHT as ZERO2_IN_FLIGHT
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
 
 
@@ -192,6 +194,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     # Memory of a rank of each stage. Sharded DP (docs/dp.md): replicated params shard over the non-expert-DP
     # group (dp*ep ranks), expert shards over expert-DP (dp ranks); padding (< 16*N elements a bucket) ignored.
     zero = zero_level(layout, opts)
+    z_accumulate, z_reshard = zero_memory_choices(zero, pp, layout.schedule, cfg.parallel.zero_accumulate,
+                                                  cfg.parallel.zero3_reshard)
+    z_shard, z_reshard = z_accumulate == "shard", z_reshard == "always"
+    bucket_elems = cfg.parallel.bucket_mb * 2**20 / prec.grad
     ne_group, ex_group = dp * ep, dp
     mem_by_stage, parts_by_stage = [], []
     for s, st in enumerate(stages):
@@ -210,17 +216,21 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                      st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0),
                      2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
                      2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
-        # Between steps a rank keeps params/grads/optimizer; during backward zero 2 also has the full gradient
-        # buckets (allocated at the step's first backward, freed by finish()), and zero 3 (reshard_after_forward
-        # =False) the gathered params from the first forward to the final backward and the unsharded grads that
-        # accumulate over microbatches (with M = 1 one module's at a time): so only zero 1 lowers the peak.
+        # Between steps a rank keeps params/grads/optimizer. During a step (docs/dp.md "Peak memory"): zero 2
+        # "full" holds every full gradient bucket from the first backward to finish(), "shard" at most the buckets
+        # in flight plus the one backward fills; zero 3 "never" the gathered params from the first forward to the
+        # final backward, "always" at the activations' peak the root's (embedding, head) and the block FSDP
+        # prefetches; zero 3 "full" accumulates unsharded gradients over the microbatches (M = 1: one module's).
         grad_params = n_shard if zero >= 2 else n_local
+        root = (V * D if st.first else 0) + (V * D + D if st.last else 0)
+        block = (n_local - root) / max(st.n_layers, 1)
         parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
                  "grads": grad_params * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
-                 "grad_buckets": (n_local if zero == 2 or (zero == 3 and M > 1)
-                                  else n_local / max(st.n_layers, 1) if zero == 3 else 0.0) * prec.grad,
-                 "gathered_params": n_fsdp * prec.param if zero == 3 else 0.0,
+                 "grad_buckets": (min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) if zero == 2 and z_shard
+                                  else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
+                                  else block if zero == 3 and not z_reshard else 0.0) * prec.grad,
+                 "gathered_params": (0.0 if zero < 3 else root + block if z_reshard else n_fsdp) * prec.param,
                  "activations": in_flight * (T * st.act_bytes + st.cast_bytes), "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
