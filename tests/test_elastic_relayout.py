@@ -85,13 +85,16 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
         _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
         agents.append(_agent(args, files[1]))
         _await("step 3", lambda: len(_records(run)) >= 3, agents, logs)
-        agents.append(_agent(args, files[2]))  # joins once its ranks have imported: about step 10 here
+        agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported (10-30 steps later here)
         _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs)
-        _await("step 30", lambda: len(_records(run)) >= 30, agents, logs)
+        # Each later event waits a few steps past the previous change: the agents' warm ranks are ready again.
+        at = max(30, min(_changes(run)[0]["step"] + 8, 45))
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
         agents[1].send_signal(signal.SIGTERM)  # a preemption notice to node 1's agent
         _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
-        _await("step 52", lambda: _records(run)[-1]["step"] >= 52, agents[:1] + agents[2:], logs)
-        _kill_ranks(agents[2])  # node 2 loses its ranks; its agent stays
+        at = max(52, min(_changes(run)[1]["step"] + 8, 60))
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
+        _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:

@@ -176,8 +176,9 @@ class Coordinator:
             if any(e["code"] != 0 for e in exits.values()):
                 return self._fail({n: e for n, e in exits.items() if e["code"] != 0})
             if len(exits) == len(self.members):
-                if self.store.check([f"gen/{self.gen}/result"]) and self.store.get(f"gen/{self.gen}/result") == b"finished":
-                    return self._finish(0, f"finished at step {self.cfg.train.steps}")  # the stop came after the last step
+                result = f"gen/{self.gen}/result"
+                if self.store.check([result]) and self.store.get(result) == b"finished":  # asked after the last step
+                    return self._finish(0, f"finished at step {self.cfg.train.steps}")
                 self._next_generation()
         elif self.phase == "failing":
             if len(exits) == len(self.members):
@@ -186,8 +187,9 @@ class Coordinator:
     def _fail(self, failed: dict[int, dict]) -> None:
         """A rank died or failed: end the generation everywhere, then restart (_restart) or stop."""
         # A rank killed by a signal first: its peers' errors ("connection closed") follow from its death.
-        first = min(failed.items(), key=lambda kv: (kv[1].get("line", "").startswith("aborted"), kv[1]["code"] >= 0, kv[0]))
-        self._say(f"generation {self.gen} failed on node {first[0]}: {first[1].get('line') or 'exit ' + str(first[1]['code'])}")
+        node, e = min(failed.items(), key=lambda kv: (kv[1].get("line", "").startswith("aborted"), kv[1]["code"] >= 0,
+                                                       kv[0]))
+        self._say(f"generation {self.gen} failed on node {node}: {e.get('line') or 'exit ' + str(e['code'])}")
         self.store.set(f"gen/{self.gen}/abort", "1")
         for node, e in failed.items():
             if e.get("lost"):
@@ -442,7 +444,8 @@ class Agent:
 
     def _failure_line(self, bad: list[tuple[int, int]]) -> str:
         """The first failing rank's own line (its error file), else how it died."""
-        first = self.cfg.elastic.nproc_per_node * json.loads(self.store.get(f"gen/{self.gen}"))["members"].index(self.node)
+        members = json.loads(self.store.get(f"gen/{self.gen}"))["members"]
+        first = self.cfg.elastic.nproc_per_node * members.index(self.node)
         for local, code in bad:
             f = self.err_dir / f"gen{self.gen}_rank{first + local}.json"
             if f.exists():

@@ -219,8 +219,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         # Between steps a rank keeps params/grads/optimizer. During a step (docs/dp.md "Peak memory"): zero 2
         # "full" holds every full gradient bucket from the first backward to finish(), "shard" at most the buckets
         # in flight plus the one backward fills; zero 3 "never" the gathered params from the first forward to the
-        # final backward, "always" at the activations' peak the root's (embedding, head) and the block FSDP
-        # prefetches; zero 3 "full" accumulates unsharded gradients over the microbatches (M = 1: one module's).
+        # final backward, "always" the root's (embedding, head) and on a stage that is not the last a block's: the
+        # last stage peaks as the head's backward starts (the logits' gradients live), the others while a block
+        # runs; zero 3 "full" accumulates unsharded gradients over the microbatches (M = 1: one module's at a time).
         grad_params = n_shard if zero >= 2 else n_local
         root = (V * D if st.first else 0) + (V * D + D if st.last else 0)
         block = (n_local - root) / max(st.n_layers, 1)
@@ -230,7 +231,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                  "grad_buckets": (min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) if zero == 2 and z_shard
                                   else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
                                   else block if zero == 3 and not z_reshard else 0.0) * prec.grad,
-                 "gathered_params": (0.0 if zero < 3 else root + block if z_reshard else n_fsdp) * prec.param,
+                 "gathered_params": (0.0 if zero < 3 else n_fsdp if not z_reshard
+                                     else root + (0.0 if st.last else block)) * prec.param,
                  "activations": in_flight * (T * st.act_bytes + st.cast_bytes), "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
@@ -271,7 +273,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     # (dp_overlap of it), and stage s finishes that backward s stage-backwards before stage 0 does, so it has
     # that much idle slack too. Zero 1/2 then all-gather the updated params, waited at the end of the step
     # (exposed); zero 3 all-gathers each module's params once at the step's first forward (prefetched: hidden
-    # behind dp_overlap of that forward).
+    # behind dp_overlap of that forward), or with zero3_reshard "always" around each forward and backward.
     exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
     red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
@@ -282,9 +284,16 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         t_ag = 0.0 if not zero else (_ring_half_s(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
                                      + _ring_half_s(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw,
                                                     ex_link.latency_s))
-        ag_exposed = max(0.0, t_ag - hw.dp_overlap * t_fwd[s]) if zero == 3 else t_ag
-        exposed_dp = max(exposed_dp, max(0.0, t_ar - hw.dp_overlap * t_bwd[s] - s * mean_bwd) + ag_exposed)
-        t_ar += t_ag
+        # "shard" (zero 2/3) reduce-scatters every microbatch, each behind its own backward; zero 3 "always"
+        # all-gathers each module around every microbatch's forward and backward (2M), prefetched behind them
+        n_rs = M if zero >= 2 and z_shard else 1
+        n_ag = 2 * M if zero == 3 and z_reshard else 1
+        t_rs_each = t_ar
+        ag_exposed = (max(0.0, n_ag * t_ag - hw.dp_overlap * (t_fwd[s] + (t_bwd[s] if n_ag > 1 else 0.0))
+                          * (M if n_ag > 1 else 1)) if zero == 3 else t_ag)
+        exposed_dp = max(exposed_dp, (n_rs - 1) * max(0.0, t_rs_each - hw.dp_overlap * t_bwd[s])
+                         + max(0.0, t_rs_each - hw.dp_overlap * t_bwd[s] - s * mean_bwd) + ag_exposed)
+        t_ar = n_rs * t_rs_each + n_ag * t_ag
         n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if zero else st.n_ne + st.n_ex
         # AdamW reads param, grad, master, moments and writes param, master, moments.
         t_opt_by_stage.append(n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
