@@ -190,6 +190,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
     stages = stage_summaries(shape, layout, counts, ac, n_virt, prec)
+    # zb1 under AC: a microbatch between its B and its W keeps what the deferred weight GEMMs read (model/wgrad.py),
+    # about its uncheckpointed activations; stage s holds s of them (its deferred W's) beside its checkpointed ones.
+    unckpt = stage_summaries(shape, layout, counts, False, n_virt, prec) if ac and layout.schedule == "zb1" else None
 
     # Memory of a rank of each stage. Sharded DP (docs/dp.md): replicated params shard over the non-expert-DP
     # group (dp*ep ranks), expert shards over expert-DP (dp ranks); padding (< 16*N elements a bucket) ignored.
@@ -207,6 +210,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         opt_params = n_shard if zero >= 1 else n_local
         # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
         in_flight = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt) / n_virt
+        act_bytes = in_flight * (T * st.act_bytes + st.cast_bytes)
+        if unckpt is not None and pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
+            w_pending = min(s, M)
+            act_bytes += w_pending * (T * (unckpt[s].act_bytes - st.act_bytes) + unckpt[s].cast_bytes - st.cast_bytes)
         transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute, weight copies included, under AC); the head's
                      # activations are freed by then
@@ -233,7 +240,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                                   else block if zero == 3 and not z_reshard else 0.0) * prec.grad,
                  "gathered_params": (0.0 if zero < 3 else n_fsdp if not z_reshard
                                      else root + (0.0 if st.last else block)) * prec.param,
-                 "activations": in_flight * (T * st.act_bytes + st.cast_bytes), "buffers": max(transient),
+                 "activations": act_bytes, "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
         mem_by_stage.append(sum(parts.values()))
         parts_by_stage.append(parts)
