@@ -37,6 +37,10 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          create_default_local_load_plan)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
 
 from .config import Config, to_toml
 from .errors import CheckpointError, StorageError, first_line, os_reason
@@ -47,56 +51,108 @@ from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_F
 from .model.transformer import is_expert_param
 from .parallel import comm
 from .parallel.dims import ParallelDims
-from .parallel.sync import ensure_adam_state, replicated_full_state
+from .parallel.sync import Pieces, ensure_adam_state, replicated_pieces
 
 
 class NonFiniteStateError(CheckpointError):
     """save_checkpoint refused: some model or optimizer tensor holds NaN/inf. Nothing was written."""
 
 
-# --- keyed state: what this rank owns, under global names ---------------------------------------
+# --- keyed state: this rank's pieces of each tensor, under global names --------------------------
+
+class _Chunks:
+    """This rank's boxes of one global tensor, in the form DCP writes and reads (its `_Checkpointable` hooks, as
+    a DTensor has): each box is one chunk of the key's metadata, at its offsets. Saving writes the boxes (views
+    of live storage, copied one at a time as they are written); loading reads into them whatever chunks any
+    layout wrote that overlap them (an old checkpoint's whole tensor included), one stored chunk at a time."""
+
+    def __init__(self, size: torch.Size, boxes: list[tuple[tuple[int, ...], torch.Tensor]]):
+        self.shape, self.boxes = torch.Size(size), {torch.Size(o): t for o, t in boxes if t.numel() or not t.dim()}
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def box(self, offsets) -> torch.Tensor:
+        return self.boxes[torch.Size(offsets)]
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.boxes.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.boxes.items()]
+
+
+class _SaveChunks(DefaultSavePlanner):
+    """DCP's planner, finding a key's box by its offsets (replicas of a box, same key and offsets, are written
+    once: DCP's dedup of identical write items across ranks)."""
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.box(index.offset) if isinstance(obj, _Chunks) else super().lookup_object(index)
+
+
+class _LoadChunks(DefaultLoadPlanner):
+    """DCP's planner reading straight into this rank's boxes (no staging copy of the state)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # the default set-up would turn our _Chunks into None (it only knows tensors); the dict is flat already
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator, self.mappings = metadata, is_coordinator, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.box(index.offset) if isinstance(obj, _Chunks) else super().lookup_tensor(index)
+
 
 def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   shard=None) -> dict[str, torch.Tensor]:
-    """{global key: tensor view} for everything this rank owns (params, then optimizer state).
-
-    Expert tensors are split into per-expert views `t[l]` keyed by global id expert_start + l.
-    The views alias the live tensors at zero 0 (used for saving; loading goes through staging buffers).
-    With a `shard` (parallelize.ModelShard) at zero >= 1 they alias `shard.sync.full_state`'s replicated form
-    instead (collective): the keys, and so the files, do not depend on the zero level.
-    """
-    return _keyed(model, optimizer, shard)[0]
+    """{global key: tensor view} for everything this rank holds whole (params, then optimizer state): at zero 0
+    every key (the live tensors themselves; expert tensors split into per-expert views `t[l]` keyed by global
+    id expert_start + l). A key this rank holds only part of (zero >= 1) maps to its `_Chunks`."""
+    return {k: next(iter(c.boxes.values())) if len(c.boxes) == 1 and not any(next(iter(c.boxes))) and
+            next(iter(c.boxes.values())).shape == c.shape else c for k, c in _keyed(model, optimizer, shard).items()}
 
 
-def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> tuple[dict, tuple]:
-    """(keyed_tensors, (the GradSync or None, model_state, optim_state)): the checkpoint form of the state
-    (`GradSync.full_state`; the live tensors when params are whole), keyed by global name."""
+def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> dict[str, _Chunks]:
+    """{global key: this rank's _Chunks of it}: `GradSync.sharded_state` (the live tensors' pieces, whatever
+    the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
+    keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
+    other's checkpoint (and those written whole, before the pieces)."""
     expert_start = model.spec.expert_start
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, _Chunks] = {}
 
-    def put(prefix: str, name: str, t: torch.Tensor, suffix: str = "") -> None:
-        t = t.detach()
-        if is_expert_param(name) and t.dim() > 0:
+    def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
+        if not (is_expert_param(name) and len(pieces.size) > 0):
+            out[f"{prefix}.{name}{suffix}"] = _Chunks(pieces.size, pieces.boxes)
+            return
+        per_expert: dict[int, list] = {}
+        for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
             for l in range(t.shape[0]):
-                out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = t[l]
-        else:
-            out[f"{prefix}.{name}{suffix}"] = t
+                per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
+        for l in range(pieces.size[0]):
+            out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = _Chunks(pieces.size[1:], per_expert.get(l, []))
 
-    sync = shard.sync if shard is not None else None
     if optimizer is not None:
         ensure_adam_state(optimizer)
-    model_state, optim_state = sync.full_state(optimizer) if sync else replicated_full_state(model, optimizer)
-    # full_state holds the parameters (and at zero 3 the buffers); persistent buffers (router_bias) are never
-    # sharded, so the live ones are what a replicated run would save.
-    live = model.state_dict(keep_vars=True)
-    model_state = {**{n: model_state.get(n, t) for n, t in live.items()}, **model_state}
-    for name, t in model_state.items():
-        put("model", name, t)
+    sync = shard.sync if shard is not None else None
+    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
+    # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in model_state:
+            model_state[name] = Pieces.whole(t)
+    for name, pieces in model_state.items():
+        put("model", name, pieces)
     for name, st in optim_state.items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                put("optim", name, v, f".{k}")
-    return out, (sync, model_state, optim_state)
+        for k, pieces in st.items():
+            put("optim", name, pieces, f".{k}")
+    return out
 
 
 def _rng_key(rank: int) -> str:

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 
@@ -68,14 +70,15 @@ def cmd_train(argv: list[str]) -> int:
 
     if under_torchrun():
         from .launch import fail_rank, start_rank
-        from .train import run
 
+        if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic_rank.py)
+            from .elastic_rank import run_rank as run
+        else:
+            from .train import run
         _die_with_parent()
         start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
         try:
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
-                if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic_rank.py)
-                    from .elastic_rank import run_rank as run
                 run(cfg)
         except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
             fail_rank(e)  # its one line for the launcher to show once; exits now, without a slow teardown
@@ -130,6 +133,22 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
         except (ConfigError, CheckpointError) as e:
             print(f"(no sample: {e})")
     return code
+
+
+def warm_rank() -> int:
+    """A rank started ahead of its generation (each agent keeps one set warm): it does the imports, most of a
+    rank's start (torch, the trainer), while it waits; then it reads its assignment, one JSON line
+    {"argv", "env"} on stdin, and runs as `nanotitan train <argv>` would. An empty stdin: not needed, exit 0."""
+    from .elastic_rank import WARM_ENV
+
+    _die_with_parent()
+    Path(os.environ.pop(WARM_ENV)).touch()
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    job = json.loads(line)
+    os.environ.update(job["env"])
+    return main(["train", *job["argv"]])
 
 
 def _cpu_peak_before_ranks(cfg, nproc: int) -> None:

@@ -322,7 +322,7 @@ class Agent:
         self.node, self.coordinator = -1, None  # run_agent sets them when the node registers
         self.gen = 0  # the newest generation this agent has acted on
         self.procs: list[subprocess.Popen] = []  # this generation's ranks
-        self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (elastic_rank.warm_rank)
+        self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (cli.warm_rank)
         self.err_dir = Path(tempfile.mkdtemp(prefix="nanotitan-elastic-"))
         self.notice = False
         self.beat = 0.0
@@ -408,7 +408,7 @@ class Agent:
             ready = self.err_dir / f"warm_{time.monotonic_ns()}.ready"
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             env[WARM_ENV] = str(ready)
-            p = subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.elastic_rank import warm_rank; "
+            p = subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.cli import warm_rank; "
                                   "sys.exit(warm_rank())"], stdin=subprocess.PIPE, text=True, env=env,
                                  start_new_session=True)
             p.ready = ready

@@ -1,7 +1,7 @@
 """One rank of an elastic generation (elastic.py starts it): the Trainer, plus what the agents need to know.
 
 Each generation is a fixed world with a fixed layout. Its ranks are `nanotitan train` processes (started ahead by
-their node's agent: `warm_rank`) with the planned layout and `--train.resume PATH`, the newest checkpoint or
+their node's agent: `cli.warm_rank`) with the planned layout and `--train.resume PATH`, the newest checkpoint or
 snapshot that verifies, which they load resharded onto that layout (checkpoint.py). What this adds to the plain
 Trainer, all through the job's store on node 0:
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -98,22 +97,6 @@ class ElasticTrainer(Trainer):
 def layout_line(cfg: Config) -> str:
     p = cfg.parallel
     return f"dp={p.dp} pp={p.pp} ep={p.ep} M={p.microbatches} m={cfg.train.micro_batch} zero={p.zero}"
-
-
-def warm_rank() -> int:
-    """A rank started ahead of its generation (each agent keeps one set warm): it does the imports, most of a
-    rank's start (torch, the trainer), while it waits; then it reads its assignment, one JSON line
-    {"argv", "env"} on stdin, and runs as `nanotitan train <argv>` would. An empty stdin: not needed, exit 0."""
-    from . import cli
-
-    cli._die_with_parent()
-    Path(os.environ.pop(WARM_ENV)).touch()
-    line = sys.stdin.readline()
-    if not line:
-        return 0
-    job = json.loads(line)
-    os.environ.update(job["env"])
-    return cli.main(["train", *job["argv"]])
 
 
 def run_rank(cfg: Config) -> dict:

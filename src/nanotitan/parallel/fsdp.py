@@ -27,12 +27,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .clip import clip_grad_norm_
 from .dims import ParallelDims
 from .dp import Reducer
-from .sync import GradSync
+from .sync import GradSync, Pieces, adam_state
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
@@ -138,11 +139,33 @@ class FSDPSync(GradSync):
         return clip_grad_norm_(whole, [], max_norm, self.dims.group("pp"), self.dims.group("ep") if whole else None,
                                shards, self.dims.group("non_expert_dp"))
 
+    def sharded_state(self, optimizer):
+        """Each DTensor's local shard (FSDP's own storage) at its offsets in the whole tensor; experts FSDP left
+        whole (dp == 1), whole. Nothing gathered."""
+        named = dict(self.model.named_parameters())
+        model_state = {n: _local_pieces(p) for n, p in named.items()}
+        optim_state = {}
+        if optimizer is not None:
+            for n, p in named.items():
+                optim_state[n] = {k: _local_pieces(v) for k, v in adam_state(optimizer, p).items() if torch.is_tensor(v)}
+        return model_state, optim_state
+
     def full_state(self, optimizer):
         return full_state(self.model, optimizer)
 
     def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
         load_full_state(self.model, optimizer, model_state, optim_state if optimizer is not None else None)
+
+
+def _local_pieces(t: torch.Tensor) -> Pieces:
+    """A DTensor as this rank's one box (none when its shard is empty: FSDP's uneven last ranks); a plain
+    tensor (AdamW's step, an expert FSDP left whole) whole."""
+    if not isinstance(t, DTensor):
+        return Pieces.whole(t)
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local().detach()
+    assert tuple(local.shape) == tuple(sizes), (local.shape, sizes)
+    return Pieces(t.shape, [(tuple(offsets), local)] if local.numel() else [])
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:

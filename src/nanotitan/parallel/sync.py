@@ -8,7 +8,9 @@ A rank's `GradSync` owns, for its flavour of DP:
     clip(max_norm)           global-norm clipping over exactly what this rank holds (each element once)
     after_step()             after the optimizer step: the full params again on every rank (ZeRO-1/2)
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
-    full_state(opt)          checkpoint form: ({name: tensor}, {name: {state key: tensor}}), replicated
+    sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
+                             each whole tensor, views of the live state (save writes them, load reads into them)
+    full_state(opt)          the same whole: ({name: tensor}, {name: {state key: tensor}}), replicated (collective)
     load_full_state(opt, m, o)  its inverse: each rank keeps its part of tensors read in that form
     close()                  before the process groups go
 
@@ -24,6 +26,9 @@ shards summed over expert-DP and divided by DP*EP.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -78,6 +83,51 @@ def replicated_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | N
     return model_state, optim_state
 
 
+@dataclass
+class Pieces:
+    """This rank's part of one whole tensor of `size` (a parameter as one replicated run holds it, or its
+    optimizer state): boxes `(offsets, view)` of live storage that no other rank's pieces overlap, except
+    replicas of the same box. Checkpoints are written and read in this form (checkpoint.py), so no rank ever
+    builds a whole tensor that it holds only part of."""
+    size: torch.Size
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    @classmethod
+    def whole(cls, t: torch.Tensor) -> "Pieces":
+        return cls(t.shape, [((0,) * t.dim(), t.detach())])
+
+
+def flat_range_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements [a, b) of a row-major tensor of `shape` (flat indices) as (offsets, sizes) boxes, each
+    contiguous in memory: a partial first row, whole rows, a partial last row, recursively over the
+    dimensions (at most 2 * ndim - 1 boxes). ZeRO-1/2 slices a parameter's flat range this way."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a,), (b - a,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    rest = (0,) * (len(shape) - 1)
+    out = []
+    if a % inner:  # a partial first row
+        row, end = a // inner, min(b, (a // inner + 1) * inner)
+        out += [((row, *o), (1, *z)) for o, z in flat_range_boxes(shape[1:], a - row * inner, end - row * inner)]
+        a = end
+    if (rows := (b - a) // inner) and a < b:  # whole rows
+        out.append(((a // inner, *rest), (rows, *shape[1:])))
+        a += rows * inner
+    if a < b:  # a partial last row
+        out += [((a // inner, *o), (1, *z)) for o, z in flat_range_boxes(shape[1:], 0, b - a)]
+    return out
+
+
+def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """`GradSync.sharded_state` of params that are whole on this rank: each tensor one piece, the live tensor
+    itself (replicas of it are written once: the checkpoint's writer keeps one copy of identical boxes)."""
+    model_state, optim_state = replicated_full_state(model, optimizer)
+    return ({n: Pieces.whole(t) for n, t in model_state.items()},
+            {n: {k: Pieces.whole(v) for k, v in st.items() if torch.is_tensor(v)} for n, st in optim_state.items()})
+
+
 def decay_groups(params, weight_decay: float) -> list[dict]:
     """AdamW groups with weight decay on matrices only (the trainer's rule)."""
     params = list(params)
@@ -115,6 +165,9 @@ class GradSync:
 
     def full_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         return replicated_full_state(self.model, optimizer)
+
+    def sharded_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+        return replicated_pieces(self.model, optimizer)
 
     def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
         pass  # full_state returned the live tensors: the checkpoint was read straight into them

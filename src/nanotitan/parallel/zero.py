@@ -7,6 +7,7 @@ between this rank's flat slices and the per-parameter form checkpoints hold (doc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn as nn
 from . import comm
 from .clip import clip_grad_norm_
 from .dp import Reducer, _Bucket, _CopyBack
-from .sync import BucketedSync, adam_state, gradient_groups
+from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
 
 
 @dataclass
@@ -279,6 +280,14 @@ class ShardedReducer(Reducer):
         self.wait_gather()
 
 
+def _flat_offset(shape, offsets) -> int:
+    """Row-major flat index of the element at `offsets`."""
+    flat = 0
+    for n, o in zip(shape, offsets):
+        flat = flat * n + o
+    return flat
+
+
 @torch.no_grad()
 def sharded_optim_state_to_full(reducers: list, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
     """{param name: {state key: tensor}} for every param of these sharded reducers, as a replicated
@@ -348,6 +357,29 @@ class ZeroSync(BucketedSync):
             r.start_gather()  # every bucket's all-gather in flight at once, then wait for all
         for r in self.reducers:
             r.wait_gather()
+
+    def sharded_state(self, optimizer):
+        """The live params (whole on every rank between steps) and this rank's slices of the optimizer state, cut
+        per param into boxes of its shape (`flat_range_boxes`): views of the flat state, nothing gathered."""
+        model_state = {n: Pieces.whole(t) for n, t in self.model.named_parameters()}
+        optim_state: dict[str, dict] = {}
+        if optimizer is None:
+            return model_state, optim_state
+        for r in self.reducers:
+            for b in r.buckets:
+                S = b.padded // r.world
+                lo = r.rank * S  # this rank's slice [lo, lo + S) of the bucket
+                for key, v in adam_state(optimizer, b.shard).items():
+                    for name, p, o in zip(b.names, b.params, b.offsets):
+                        if v.dim() == 0:  # AdamW's step: one scalar for the bucket, the same on every rank
+                            optim_state.setdefault(name, {})[key] = Pieces.whole(v)
+                            continue
+                        a, z = max(o, lo), min(o + p.numel(), lo + S)  # the param's elements in the slice
+                        start = o - lo  # where the param's element 0 sits in the slice (may be < 0)
+                        boxes = [(off, v[start + _flat_offset(p.shape, off):][:math.prod(sz)].view(sz))
+                                 for off, sz in flat_range_boxes(tuple(p.shape), a - o, z - o)]
+                        optim_state.setdefault(name, {})[key] = Pieces(p.shape, boxes)
+        return model_state, optim_state
 
     def full_state(self, optimizer):
         """The live params (whole on every rank between steps) and the optimizer state all-gathered (collective)."""
