@@ -6,9 +6,13 @@ Every tensor is stored under a global key that does not depend on the (dp, pp, e
   optim.<param name>[.<expert id>].<state>   AdamW exp_avg / exp_avg_sq (split like the parameter)
   optim.<param name>.step             AdamW step (a scalar, the same for every expert of a tensor)
   rng.cpu.<rank>                      each rank's torch CPU RNG state (restored only into the same layout)
-A rank saves what it owns; replicated keys (same key on several DP/EP replicas) are written once
-because DCP's planner dedups identical keys across ranks (`dedup_save_plans`). A rank loads what it
-owns *now*: DCP reads by key, so any layout can read a checkpoint written by any other.
+A rank writes only its pieces of each tensor (`GradSync.sharded_state`: the live tensors whole at zero 0 and
+for ZeRO-1/2's params, this rank's slices of the optimizer state at zero 1/2 and of everything at zero 3), each
+a DCP chunk at its offsets in the whole tensor, so the files and keys do not depend on the zero level and no
+rank gathers what it does not hold. Replicas of a piece (same key, same offsets) are written once: DCP dedups
+identical write items across ranks (`dedup_save_plans`). A rank reads back only the parts of each tensor it
+holds *now*, straight into its live state: DCP reads by key and offsets, so any layout and zero level can read
+a checkpoint written by any other, including those written whole before the pieces.
 
 On disk (RUN_DIR/checkpoints/step_N/): DCP's `.metadata` + `__<rank>_*.distcp` shards, `config.toml`
 (the resolved config), `state.json` (step, trainer extras such as the data position, saved layout),
@@ -228,8 +232,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     # Nothing non-finite is ever written: a NaN checkpoint would be resumed into, and would rotate
     # the last good one out (issue 12). Agreed, so every rank raises and none waits in the save.
-    state = keyed_tensors(model, optimizer, shard)
-    key = _first_nonfinite(state)
+    state: dict = _keyed(model, optimizer, shard)  # this rank's pieces: views of the live state, nothing gathered
+    key = _first_nonfinite({k: t for k, c in state.items() for t in c.boxes.values()})
     bad = comm.any_rank(bool(key))
     if bad >= 0:
         kept = latest_checkpoint(run_dir)
@@ -255,7 +259,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     state[_rng_key(rank)] = torch.get_rng_state()
     try:
         with _quiet_single_process():
-            meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not comm.distributed())
+            meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=_SaveChunks(),
+                            no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         # (DCP's CheckpointException is a BaseException: `except Exception` alone let torch's traceback through)
         if why := _write_failure(e):
@@ -424,13 +429,13 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     `extra` dict with "step" added. Before reading any tensor, on every rank alike: the checkpoint is
     verified against its manifest (`verify=False`: sizes only) and checked to fit the model; either
     failure raises CheckpointError (exit 3, errors.py) with one line naming the file or the tensor.
-    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the replicated form is read and
-    each rank keeps its part (`GradSync.load_full_state`)."""
+    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: each rank reads only the parts of each
+    tensor it holds (`GradSync.sharded_state`), straight into its live state."""
     path = Path(path)
     reason = verify_checkpoint(path, checksums=verify)
     if reason:
         raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
-    live, full = _keyed(model, optimizer, shard)
+    live: dict = _keyed(model, optimizer, shard)
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
@@ -440,26 +445,18 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     if bad >= 0:
         raise CheckpointError(err or f"checkpoint {path} does not fit this model (see rank {bad}'s error)")
 
-    # Stage through fresh buffers in the checkpoint's dtype on CPU, then copy_ into the live
-    # tensors: handles CUDA params and Adam's `step` (CPU float, or float32 on device when fused).
-    stage = {k: torch.empty(t.shape, dtype=meta[k].properties.dtype) for k, t in live.items()}
+    # DCP reads each stored chunk that overlaps one of this rank's boxes (one at a time) and copy_s the overlap
+    # into the live tensor: CUDA params and Adam's `step` (CPU float, or float32 on device when fused) included.
     rank = comm.world_rank()
-    layout = _layout(dims)
-    if info["layout"] == layout and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
-        stage[_rng_key(rank)] = torch.empty_like(torch.get_rng_state())
+    if info["layout"] == _layout(dims) and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
+        live[_rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(stage, storage_reader=FileSystemReader(path), no_dist=not comm.distributed())
+            dcp.load(live, storage_reader=FileSystemReader(path), planner=_LoadChunks(),
+                     no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
-
-    with torch.no_grad():
-        for k, t in live.items():
-            t.copy_(stage[k])
-    sync, model_state, optim_state = full
-    if sync is not None:  # each rank keeps its part of the full tensors just read (collective at zero >= 1)
-        sync.load_full_state(optimizer, model_state, optim_state)
-    if _rng_key(rank) in stage:
-        torch.set_rng_state(stage[_rng_key(rank)])
+    if _rng_key(rank) in live:
+        torch.set_rng_state(rng)
     comm.barrier()
     return {**info["extra"], "step": int(info["step"])}

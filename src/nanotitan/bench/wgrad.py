@@ -21,8 +21,8 @@ import torch
 
 from ..model import wgrad
 from ..model.spec import build_chunk_specs
-from .pp import AUX_WEIGHT, MB, SEED, SEQ, mid_cfg
 from ..model.transformer import Transformer
+from .pp import AUX_WEIGHT, MB, SEED, SEQ, mid_cfg
 
 
 def measure(repeats: int, layers: int, ckpt: bool) -> dict:
