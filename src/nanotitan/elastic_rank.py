@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .config import Config
-from .train import Trainer
+from .train import Trainer, run
 
 RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "spawned"} as JSON
 WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has imported
@@ -104,12 +104,7 @@ def run_rank(cfg: Config) -> dict:
     info = json.loads(os.environ[RANK_ENV])
     store = job_store(info["endpoint"], info["id"], cfg.parallel.timeout_s)
     trainer = ElasticTrainer(cfg, store, info["gen"], info["spawned"])
-    try:
-        out = trainer.train()
-    except BaseException:
-        trainer.close(failed=True)
-        raise
-    trainer.close()
+    out = run(cfg, trainer)
     if trainer.is_main:
-        store.set(f"gen/{info['gen']}/result", "stopped" if trainer.stop_requested else "finished")
-    return {**out, "stopped": trainer.stop_requested}
+        store.set(f"gen/{info['gen']}/result", "stopped" if out["stopped"] else "finished")
+    return out

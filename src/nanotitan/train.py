@@ -308,9 +308,11 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def run(cfg: Config) -> dict:
-    """Train; the result says whether a signal stopped it early ("stopped", after its checkpoint)."""
-    trainer = Trainer(cfg)
+def run(cfg: Config, trainer: Trainer | None = None) -> dict:
+    """Train (`trainer`, default a Trainer of `cfg`); the result says whether a signal or a planned membership
+    change stopped it early ("stopped", after its checkpoint). Every failure tears the rank down without a
+    collective."""
+    trainer = trainer or Trainer(cfg)
     try:
         out = trainer.train()
     except BaseException:

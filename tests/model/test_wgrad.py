@@ -89,18 +89,36 @@ def test_deferred_grads_equal_autograds(name, ckpt, first):
             assert all(gr is None for gr in after_b), "a deferred backward accumulated a weight gradient"
 
 
-def test_sinks_take_every_term_once():
-    """A registered sink receives each deferred term instead of .grad (the gradient syncs' entry point); two
-    microbatches deferred and run in order accumulate as two plain backwards do."""
+def _middle_stage_reference(n: int, seed: int):
+    """A middle stage, n microbatches of its input activations and targets, and a reference copy that accumulated
+    their plain backwards."""
     cfg = _cfg()
     spec = _middle_stage(cfg)
-    g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(2, 16, cfg.d_model, generator=g) for _ in range(2)]
-    ys = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(2, 16, cfg.d_model, generator=g) for _ in range(n)]
+    ys = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(n)]
     ref = Transformer(cfg, spec, SEED)
     for x, y in zip(xs, ys):
         ce, aux = ref(x, y)
         (ce + aux).backward()
+    return cfg, spec, xs, ys, ref
+
+
+def _deferred_backwards(model, store, xs, ys) -> list:
+    """Each microbatch's forward and deferred backward (zb1's B); returns each one's pending weight work (its W)."""
+    works = []
+    for x, y in zip(xs, ys):
+        ce, aux = model(x.requires_grad_(True), y)
+        with store.deferring():
+            (ce + aux).backward()
+        works.append(store.take())
+    return works
+
+
+def test_sinks_take_every_term_once():
+    """A registered sink receives each deferred term instead of .grad (the gradient syncs' entry point); two
+    microbatches deferred and run in order accumulate as two plain backwards do."""
+    cfg, spec, xs, ys, ref = _middle_stage_reference(n=2, seed=2)
 
     model = Transformer(cfg, spec, SEED)
     store = wgrad.WeightGradStore()
@@ -110,12 +128,7 @@ def test_sinks_take_every_term_once():
     for p in model.parameters():
         wgrad.set_grad_sink(p, lambda p, gr: (seen.__setitem__(names[p], seen.get(names[p], 0) + 1),
                                               wgrad.accumulate_into(p, gr)))
-    works = []
-    for x, y in zip(xs, ys):
-        ce, aux = model(x.requires_grad_(True), y)
-        with store.deferring():
-            (ce + aux).backward()
-        works.append(store.take())
+    works = _deferred_backwards(model, store, xs, ys)
     assert all(p.grad is None for p in model.parameters())
     for work in works:
         wgrad.WeightGradStore.run(work)
@@ -132,15 +145,7 @@ def test_gradient_syncs_count_deferred_terms(flavour):
     from nanotitan.parallel.dp import Reducer
     from nanotitan.parallel.zero import ShardedReducer
 
-    cfg = _cfg()
-    spec = _middle_stage(cfg)
-    g = torch.Generator().manual_seed(4)
-    xs = [torch.randn(2, 16, cfg.d_model, generator=g) for _ in range(3)]
-    ys = [torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(3)]
-    ref = Transformer(cfg, spec, SEED)
-    for x, y in zip(xs, ys):
-        ce, aux = ref(x, y)
-        (ce + aux).backward()
+    cfg, spec, xs, ys, ref = _middle_stage_reference(n=3, seed=4)
 
     model = Transformer(cfg, spec, SEED)
     named = list(model.named_parameters())
@@ -152,12 +157,7 @@ def test_gradient_syncs_count_deferred_terms(flavour):
     assert len(r.buckets) > 2
     store = wgrad.WeightGradStore()
     wgrad.attach(model, store)
-    works = []
-    for x, y in zip(xs, ys):
-        ce, aux = model(x.requires_grad_(True), y)
-        with store.deferring():
-            (ce + aux).backward()
-        works.append(store.take())
+    works = _deferred_backwards(model, store, xs, ys)
     for i, work in enumerate(works):
         r.prepare(sync=i == len(works) - 1)
         assert not any(b.launched for b in r.buckets) or flavour == "zero2_shard"
