@@ -313,7 +313,8 @@ class PeakTensorBytes:
     def __enter__(self):
         if self.device.type == "cuda":
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            _CUDA_PEAK_BEFORE_RESET[idx] = max(_CUDA_PEAK_BEFORE_RESET.get(idx, 0), torch.cuda.max_memory_allocated(idx))
+            before = torch.cuda.max_memory_allocated(idx)
+            _CUDA_PEAK_BEFORE_RESET[idx] = max(_CUDA_PEAK_BEFORE_RESET.get(idx, 0), before)
             torch.cuda.reset_peak_memory_stats(idx)
             self.start = int(torch.cuda.memory_allocated(idx))
         else:
@@ -347,8 +348,9 @@ class _TensorCounter:
     to its own dispatch, whose ops on local tensors are then seen) and every `UntypedStorage.resize_` (FSDP2 frees
     and re-allocates its gathered parameters by resizing their storage, which no op dispatch shows). A storage
     leaves the count when it is freed (a weak reference's callback: the storage's Python object lives exactly as
-    long as the storage). Ops whose output aliases an input (views, in-place ops) are skipped unseen. Not seen: memory a backend allocates outside torch's ops (gloo's scratch), and tensors only C++
-    holds on entry (none between steps: autograd's graph is gone).
+    long as the storage). Ops whose output aliases an input (views, in-place ops) are skipped. Not seen: memory a
+    backend allocates outside torch's ops (gloo's scratch), and tensors only C++ holds on entry (none between
+    steps: autograd's graph is gone).
     """
 
     def __init__(self, device_type: str = ""):

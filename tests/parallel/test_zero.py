@@ -3,17 +3,21 @@
 On real gloo processes (2 and 4 ranks), each case runs the same 3 steps three ways: the Reducer with a
 full AdamW, the ShardedReducer with AdamW on the shard params, and a single process accumulating every
 rank's microbatches (computed on each rank). Clipping uses the product's clip_grad_norm_. Checked: the
-shard grad is this rank's slice of the Reducer's averaged gradient; no dp traffic before the final
-microbatch and every bucket launched during backward; the global norm; params after the all-gather
-(bitwise equal to the Reducer's at 2 ranks without clipping, on the transformer whose tensors are whole
-SIMD vectors: sums of two are exact and nothing else differs); replicas bitwise identical; optimizer/gradient bytes per rank 1/N of replicated; the
+shard grad is this rank's slice of the Reducer's averaged gradient; zero 1 and zero 2 "full": no dp traffic
+before the final microbatch and every bucket launched during backward; zero 2 "shard": every bucket launched
+during every backward, never more than three full buffers alive at once, none after finish(); the global norm;
+params after the all-gather (bitwise equal to the Reducer's at 2 ranks without clipping, on the transformer
+whose tensors are whole SIMD vectors: sums of two are exact and nothing else differs; zero 2 "shard" with M > 1
+sums in another order, so to rounding); replicas bitwise identical; optimizer/gradient bytes per rank 1/N of replicated; the
 per-parameter optimizer state of `sharded_optim_state_to_full` equal to the replicated optimizer's, and
 back. A second part checks the norm of sharded grads (ZeRO shards, EP and PP) against torch on the
 whole model in one process.
 """
 
 import contextlib
+import math
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,8 +30,9 @@ from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.metrics import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp import Reducer
-from nanotitan.parallel.sync import ReplicatedSync
-from nanotitan.parallel.zero import ShardedReducer, full_optim_state_to_sharded, sharded_optim_state_to_full
+from nanotitan.parallel.sync import ReplicatedSync, flat_range_boxes
+from nanotitan.parallel.zero import (ShardedReducer, ZeroSync, full_optim_state_to_sharded,
+                                    sharded_optim_state_to_full)
 from tests.mp import run_ranks
 from tests.parallel.test_dp_reducer import _build, _loss
 
@@ -138,6 +143,14 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
         for k in st:
             tol = dict(rtol=0, atol=0) if k == "step" else dict(rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(full[pname][k], st[k], **tol, msg=f"{name}: optim {pname}.{k}")
+    # the checkpoint form: this rank's boxes of each param's state are the matching regions of the whole state
+    _, boxes = ZeroSync.sharded_state(SimpleNamespace(reducers=[rb], model=b), ob)
+    for pname, st in boxes.items():
+        for k, pieces in st.items():
+            assert pieces.size == full[pname][k].shape, (name, pname, k)
+            for off, t in pieces.boxes:
+                region = full[pname][k][tuple(slice(o, o + z) for o, z in zip(off, t.shape))]
+                assert torch.equal(t, region), f"{name}: box {off} of {pname}.{k}"
     before = {k: v.clone() for bkt in rb.buckets for k, v in ob.state[bkt.shard].items() if v.dim()}
     for bkt in rb.buckets:
         for v in ob.state[bkt.shard].values():
@@ -250,6 +263,22 @@ def test_single_rank_shard_is_whole_bucket(zero, accumulate):
     assert COMM.calls["dp"] == 0
 
 
+def test_flat_range_boxes_tile_a_flat_range_with_contiguous_boxes():
+    """Every flat range [a, b) of every shape: boxes in order, each contiguous in row-major memory, tiling it."""
+    for shape in [(7,), (3, 5), (2, 3, 4), (4, 1, 6)]:
+        flat = torch.arange(math.prod(shape)).view(shape)
+        for a in range(flat.numel() + 1):
+            for b in range(a, flat.numel() + 1):
+                pos = a
+                boxes = flat_range_boxes(shape, a, b)
+                assert len(boxes) <= 2 * len(shape) - 1
+                for off, size in boxes:
+                    box = flat[tuple(slice(o, o + z) for o, z in zip(off, size))].reshape(-1)
+                    assert box.tolist() == list(range(pos, pos + box.numel())) and box.numel(), (shape, a, b)
+                    pos += box.numel()
+                assert pos == b, (shape, a, b)
+
+
 def test_rejects_zero_3():
     with pytest.raises(ValueError, match="zero 3 is fsdp.py"):
         ShardedReducer(list(_build("tinynet").named_parameters()), None, 1.0, 1.0, zero=3)
@@ -344,7 +373,7 @@ def test_zero3_fsdp_matches_reducer_world2():
         # from the step's start. "always" frees each module's gathered params after its forward (and backward),
         # "shard" reduce-scatters each microbatch's gradients at once; "never" + "full" keep the gathered params
         # (the whole model: every rank's shard) and the unsharded gradients (the same again) between microbatches.
-        (peak_n, fwd_n, bwd_n, full), (peak_a, fwd_a, bwd_a, _) = never[2], always[2]
+        (_, fwd_n, bwd_n, full), (_, fwd_a, bwd_a, _) = never[2], always[2]
         assert fwd_n - fwd_a >= 0.9 * full, (fwd_n, fwd_a, full)
         assert bwd_n - bwd_a >= 1.8 * full, (bwd_n, bwd_a, full)
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zero-worlds", default="2,4", help="DP sizes for --zero (default 2,4)")
     ap.add_argument("--zero-modes", default=",".join(ZERO_MODES),
                     help=f"modes for --zero, comma-separated (default all: {','.join(ZERO_MODES)})")
+    ap.add_argument("--ckpt", action="store_true",
+                    help="--zero: also save and load a checkpoint of each mode (seconds per GiB of state, peak bytes)")
     ap.add_argument("--microbatches", type=int, default=1,
                     help="--zero: microbatches per step, the same 8 sequences per rank split M ways (default 1)")
     args = ap.parse_args(argv)
@@ -149,9 +153,11 @@ ZERO_MODES = {"zero0": (0, "full", "never"), "zero1": (1, "full", "never"), "zer
 PHASES = ("forward", "backward", "optimizer", "gather")
 
 
-def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int):
+def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int,
+                 ckpt_dir: str = ""):
     """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
-    the optimizer step, and the high-water mark of live tensor bytes over one more (untimed) step."""
+    the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step, and with
+    `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py)."""
     from ..metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
     from ..parallel.fsdp import FSDPSync
@@ -207,6 +213,8 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
             for k, dt in zip(PHASES, (fwd, bwd + t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(dt)
     nbytes["peak_tensor_bytes"], nbytes["act_peak_bytes"] = meter.peak, acts.peak_bytes
+    if ckpt_dir and mode != "ddp":
+        nbytes.update(_time_checkpoint(model, opt, sync, world, rank, ckpt_dir, sum(nbytes[k] for k in BYTE_KEYS[:3])))
     del step_model
     sync.close()  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
     dist.barrier()
@@ -214,6 +222,30 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
 
 
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_tensor_bytes")
+
+
+def _time_checkpoint(model, opt, sync, world: int, rank: int, ckpt_dir: str, steady: int) -> dict:
+    """Save this state with checkpoint.save_checkpoint and load it back: wall seconds (rank 0's; the calls are
+    collective) and each one's high-water mark of live tensor bytes over the rank's steady state."""
+    from types import SimpleNamespace
+
+    from .. import checkpoint as ckpt
+    from ..config import Config
+    from ..metrics import PeakTensorBytes
+    from ..parallel.dims import ParallelDims
+
+    dims, shard = ParallelDims(world, 1, 1, rank=rank), SimpleNamespace(sync=sync)
+    save, load = PeakTensorBytes(torch.device("cpu")), PeakTensorBytes(torch.device("cpu"))
+    dist.barrier()
+    t0 = time.perf_counter()
+    with save:
+        path = ckpt.save_checkpoint(ckpt_dir, 1, model, opt, dims, Config(), shard=shard)
+    t1 = time.perf_counter()
+    with load:
+        ckpt.load_checkpoint(path, model, opt, dims, shard=shard)
+    t2 = time.perf_counter()
+    return {"save_s": t1 - t0, "load_s": t2 - t1, "save_ratio": (steady + save.peak - save.start) / steady,
+            "load_ratio": (steady + load.peak - load.start) / steady}
 
 
 def zero_main(args) -> int:
@@ -231,8 +263,13 @@ def zero_main(args) -> int:
     nbytes = {}
     for rnd in range(args.rounds):
         for world, mode in runs:
-            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches),
-                            timeout=1800, pg_timeout=600)
+            ckpt_dir = ""
+            if args.ckpt:
+                ckpt_dir = tempfile.mkdtemp(prefix="bench_ckpt_")
+            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches,
+                                                  ckpt_dir), timeout=1800, pg_timeout=600)
+            if ckpt_dir:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
             times[world, mode] += out[0][0]  # DP ranks are in lockstep: rank 0's clock
             cpus[world, mode] += out[0][3]
             for k in PHASES:
@@ -266,4 +303,18 @@ def zero_main(args) -> int:
               + f"{b['peak_tensor_bytes'] / b0['peak_tensor_bytes']:>9.3f}"
               + f"{b['optim_bytes'] / b0['optim_bytes']:>10.3f}{b['grad_bytes'] / b0['grad_bytes']:>9.3f}"
               + f"{b['param_bytes'] / b0['param_bytes']:>10.3f}")
+    if args.ckpt:  # the state of every rank together: what the checkpoint holds (replicas once)
+        print(f"\n{'DP':>3} {'mode':<12}{'state GiB':>10}{'save s':>8}{'load s':>8}{'save s/GiB':>11}{'load s/GiB':>11}"
+              f"{'save peak/state':>16}{'load peak/state':>16}   (last round; peaks: max over ranks)")
+        for world, mode in runs:
+            rows = nbytes[world, mode]
+            if "save_s" not in rows[0]:
+                continue
+            zero = ZERO_MODES[mode][0]  # params are whole on each rank below zero 3, AdamW state at zero 0
+            params = rows[0]["param_bytes"] * (world if zero == 3 else 1)
+            gib = (params + rows[0]["optim_bytes"] * (1 if zero == 0 else world)) / 2**30
+            save_s, load_s = rows[0]["save_s"], rows[0]["load_s"]
+            print(f"{world:>3} {mode:<12}{gib:>10.3f}{save_s:>8.2f}{load_s:>8.2f}"
+                  f"{save_s / gib:>11.1f}{load_s / gib:>11.1f}"
+                  f"{max(r['save_ratio'] for r in rows):>16.3f}{max(r['load_ratio'] for r in rows):>16.3f}")
     return 0

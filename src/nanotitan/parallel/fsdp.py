@@ -147,7 +147,8 @@ class FSDPSync(GradSync):
         optim_state = {}
         if optimizer is not None:
             for n, p in named.items():
-                optim_state[n] = {k: _local_pieces(v) for k, v in adam_state(optimizer, p).items() if torch.is_tensor(v)}
+                state = adam_state(optimizer, p)
+                optim_state[n] = {k: _local_pieces(v) for k, v in state.items() if torch.is_tensor(v)}
         return model_state, optim_state
 
     def full_state(self, optimizer):

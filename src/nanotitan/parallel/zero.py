@@ -62,8 +62,8 @@ class ShardedReducer(Reducer):
             backward, not only the final one, counts its params ready and reduce-scatters each bucket as soon as
             it is full (same launch rule), adding the result into a persistent 1/N shard grad; a bucket's full
             buffer is allocated when backward delivers its first gradient (a tensor hook, before autograd
-            accumulates into .grad) and freed when its reduce-scatter has landed, at most `_IN_FLIGHT` of them
-            in flight. M reduce-scatters per bucket per step instead of one (docs/dp.md).
+            accumulates into .grad), reduce-scattered in place as at zero 1, and freed once that has landed,
+            at most `_IN_FLIGHT` of them in flight. M reduce-scatters per bucket per step instead of one.
     zero=2, accumulate="full": gradients accumulate over the step's microbatches in full buffers as at zero 1;
             the final backward reduce-scatters them into the shard grad and finish() frees them (the next
             step's first prepare() allocates them again). One reduce-scatter per bucket per step.
@@ -75,7 +75,8 @@ class ShardedReducer(Reducer):
         if zero not in (1, 2):
             raise ValueError(f"ShardedReducer implements parallel.zero 1 and 2, got {zero} (zero 3 is fsdp.py)")
         if accumulate not in ("shard", "full"):
-            raise ValueError(f"parallel.zero_accumulate={accumulate!r} must be shard or full (--parallel.zero_accumulate)")
+            raise ValueError(f"parallel.zero_accumulate={accumulate!r} must be shard or full "
+                             "(--parallel.zero_accumulate)")
         self.zero = zero
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0

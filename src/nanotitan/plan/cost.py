@@ -46,6 +46,7 @@ class Prediction:
     fits: bool
     costs: dict[str, float]  # seconds per step on the critical path, by cause
     mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
+    ckpt_by_stage: list[float] = field(default_factory=list)  # peak bytes while saving or loading a checkpoint
 
     @property
     def state_bytes(self) -> dict[str, float]:
@@ -202,7 +203,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     z_shard, z_reshard = z_accumulate == "shard", z_reshard == "always"
     bucket_elems = cfg.parallel.bucket_mb * 2**20 / prec.grad
     ne_group, ex_group = dp * ep, dp
-    mem_by_stage, parts_by_stage = [], []
+    mem_by_stage, parts_by_stage, ckpt_by_stage = [], [], []
     for s, st in enumerate(stages):
         n_local = st.n_ne + st.n_ex
         n_shard = st.n_ne / ne_group + st.n_ex / ex_group
@@ -242,8 +243,14 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                                      else root + (0.0 if st.last else block)) * prec.param,
                  "activations": act_bytes, "buffers": max(transient),
                  "reserved": hw.mem_reserved_bytes}
-        mem_by_stage.append(sum(parts.values()))
+        # Saving or loading a checkpoint (docs/dp.md "Checkpoints"): the state between steps plus one tensor in
+        # flight (a box copied as DCP writes it, or a stored chunk read before its overlap is copied into the live
+        # state), at most the largest tensor, in fp32 (AdamW's moments are stored fp32 whatever the params).
+        biggest = max(V * D, D * shape.ffn_dim, D * (shape.dense_ffn_dim or shape.ffn_dim))
+        ckpt = sum(parts[k] for k in ("params", "grads", "optimizer", "reserved")) + 4 * biggest
+        mem_by_stage.append(max(sum(parts.values()), ckpt))
         parts_by_stage.append(parts)
+        ckpt_by_stage.append(ckpt)
 
     # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
     t_stage, t_bwd, t_fwd, t_links = [], [], [], []
@@ -327,4 +334,4 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     B = dp * ep * M * m
     limit = hw.mem_per_rank(ranks_on_node)
     return Prediction(layout, step, B * S / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      parts_by_stage)
+                      parts_by_stage, ckpt_by_stage)
