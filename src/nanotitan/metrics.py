@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -147,6 +148,16 @@ class MetricsWriter:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])  # the same record, lists (expert_load) as JSON
+
+    def start_run(self, config_toml: str, start_step: int) -> None:
+        """RUN_DIR/config.toml (the resolved config), once the run has started (a failed resume leaves the old one
+        in place); after a torchelastic restart, a "restart" event, so replayed steps can be told apart."""
+        if not self.enabled:
+            return
+        (self.path.parent / "config.toml").write_text(config_toml)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if attempt > 0:
+            self.event({"event": "restart", "attempt": attempt, "from_step": start_step})
 
     def event(self, event: dict):
         """A line that is not a step record (e.g. {"event": "restart", ...}): metrics.jsonl only."""
@@ -461,3 +472,45 @@ class _CountOps(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.counter.track(t)
         return out
+
+
+class StepMeters:
+    """The memory meters of the steps that are logged (each costs a Python call per tensor or op, so the other
+    steps run unmetered): `step_peak`, the high-water mark of every live tensor over the whole step
+    (PeakTensorBytes), and `saved_acts`, the bytes autograd keeps for backward (SavedActivations).
+
+        with meters.step(metered):              # around the whole step
+            with meters.activations(metered):   # around the forwards and backwards
+                ...
+        meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
+        meters.take_interval_peak()                          # since the previous record (then reset)
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.saved_acts = SavedActivations(model)
+        self.step_peak = PeakTensorBytes(device)
+        self.act_peak_bytes = self.peak_tensor_bytes = self._interval_peak = 0
+
+    @contextlib.contextmanager
+    def step(self, metered: bool):
+        if not metered:
+            yield
+            return
+        with self.step_peak:
+            yield
+        self._interval_peak = max(self._interval_peak, self.step_peak.peak)
+        self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
+
+    @contextlib.contextmanager
+    def activations(self, metered: bool):
+        if not metered:
+            yield
+            return
+        self.saved_acts.reset_peak()
+        with self.saved_acts:
+            yield
+        self.act_peak_bytes = max(self.act_peak_bytes, self.saved_acts.peak_bytes)
+
+    def take_interval_peak(self) -> int:
+        peak, self._interval_peak = self._interval_peak, 0
+        return peak

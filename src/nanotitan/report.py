@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import fmt_bytes, peak_mem_bytes
+from .model.spec import chunk_layer_counts
 from .model.transformer import Transformer, is_moe_layer
 from .parallel import comm
 from .parallel.dims import ParallelDims
@@ -205,3 +206,15 @@ class StepLogger:
         self.writer.write(record)
         self.history.append(record)
         return record
+
+
+def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, threads: int) -> str:
+    """The run's first line: the layout (with the layers per stage that pp_layers auto chose, halves shown), the
+    batch arithmetic B = dp*ep*M*m, tokens per step, this rank's parameters, the MFU peak and threads per rank."""
+    p, t = cfg.parallel, cfg.train
+    per = "chunk" if p.schedule == "interleaved" else "stage"
+    split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
+    B = cfg.layout_batch
+    return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} | B={B} seqs = dp*ep*M*m = "
+            f"{data_world}*{p.microbatches}*{t.micro_batch} | {B * t.seq_len} tokens/step | "
+            f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {threads}")

@@ -11,7 +11,6 @@ user sees (the record, the summary table, the progress bar) in report.py.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -23,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-
 from . import manifest
 from . import report
 from .config import Config, ConfigError, to_dict, to_toml, validate
@@ -31,8 +29,7 @@ from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
 from .errors import TrainingError
-from .metrics import MetricsWriter, PeakTensorBytes, SavedActivations, job_peak_flops, live_tensor_bytes
-from .model.spec import chunk_layer_counts
+from .metrics import MetricsWriter, StepMeters, job_peak_flops, live_tensor_bytes
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import emulate, stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
@@ -80,6 +77,25 @@ class NonFiniteGuard:
         return None
 
 
+def open_data(cfg: Config, dims: ParallelDims, b: int, log):
+    """(train, val, stream): the prepared token files read by global index (DESIGN §4), and the seed's streaming
+    loader when data.loader=streaming (HF streaming, split by data rank; else None). Prepared once: a file lock
+    makes the other ranks wait."""
+    t = cfg.train
+    data_dir = prepare_data(cfg.data, log=log)
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
+                          f"(--model.vocab_size {meta['vocab_size']})")
+    train = IndexedBatches(data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
+    val = IndexedBatches(data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
+    stream = None
+    if cfg.data.loader == "streaming":
+        stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,
+                                            prepared=data_dir))
+    return train, val, stream
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg = resolve(cfg)  # concrete (resolve.py); the CLI hands over a config it resolved already
@@ -97,21 +113,11 @@ class Trainer:
         # (parallel/emulate.py); None when off. Resolved before any process group, so a bad profile fails first.
         self.links = emulate.install(emulate.link_model(cfg, self.rank, self.threads, self.device.type))
 
-        # --- data: prepared once (a file lock makes the other ranks wait), read by global index ----------
-        data_dir = prepare_data(cfg.data, log=self.log)
-        meta = load_meta(data_dir)
-        if meta["vocab_size"] > cfg.model.vocab_size:
-            raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
-                              f"(--model.vocab_size {meta['vocab_size']})")
+        # --- data: this data rank's b = M*m sequences of each global batch of B ------------------------------
         self.dims = dims = ParallelDims(p.dp, p.pp, p.ep, rank=self.rank)
         self.M, self.m = p.microbatches, t.micro_batch
         self.b, self.B = self.M * self.m, cfg.layout_batch  # sequences per data rank / per step
-        self.train_data = IndexedBatches(data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
-        self.val_data = IndexedBatches(data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
-        self.stream = None
-        if cfg.data.loader == "streaming":  # the seed's PackedTokenDataset: HF streaming, split by data rank
-            self.stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world,
-                                                     self.b, prepared=data_dir))
+        self.train_data, self.val_data, self.stream = open_data(cfg, dims, self.b, self.log)
 
         # --- process groups (every group built once, same order on every rank) -------------------------
         if self.world > 1:
@@ -135,27 +141,14 @@ class Trainer:
         self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume),
                                     wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=to_dict(cfg))
         self.profiler = StepProfiler(cfg.run.profile_steps, self.rank, self.run_dir, self.device)
-        self.saved_acts = SavedActivations(self.model)  # bytes autograd keeps for backward: peak per step
-        self.act_peak_bytes = 0
-        self.step_peak = PeakTensorBytes(self.device)  # every live tensor's bytes over a step: its high-water mark
-        self.peak_tensor_bytes = self.interval_peak_bytes = 0  # over the run, and since the last record
+        self.meters = StepMeters(self.model, self.device)  # step peak and saved activations, on logged steps
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         if t.resume:
             self.resume(t.resume)
-        if self.is_main:  # only once a resume has succeeded: a failed one leaves the old config in place
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-            if attempt > 0:  # replayed steps after a restart can be told apart in metrics.jsonl
-                self.writer.event({"event": "restart", "attempt": attempt, "from_step": self.start_step})
-        per = "chunk" if p.schedule == "interleaved" else "stage"
-        split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""  # auto's result, halves shown
-        self.log(f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} | B={self.B} seqs = dp*ep*M*m = "
-                 f"{dims.data_world}*{self.M}*{self.m} | {self.tokens_per_step} tokens/step | "
-                 f"params on rank 0: {self.shard.num_params() / 1e6:.2f}M | "
-                 f"peak {self.peak_flops / 1e9:.0f} GFLOP/s | threads/rank {self.threads}")
+        self.writer.start_run(to_toml(cfg), self.start_step)  # only once a resume has succeeded (rank 0)
+        self.log(report.layout_line(cfg, dims.data_world, self.shard.num_params(), self.peak_flops, self.threads))
         if self.links is not None:
             self.log(self.links.describe())
 
@@ -197,12 +190,8 @@ class Trainer:
         tensor over the whole step (metrics.PeakTensorBytes); both cost a Python call per tensor or op."""
         cfg = self.cfg
         metered = (step + 1) % cfg.run.log_every == 0 or step in (self.start_step, cfg.train.steps - 1)
-        with self.step_peak if metered else contextlib.nullcontext():
-            out = self._step(step, metered)
-        if metered:
-            self.interval_peak_bytes = max(self.interval_peak_bytes, self.step_peak.peak)
-            self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
-        return out
+        with self.meters.step(metered):
+            return self._step(step, metered)
 
     def _step(self, step: int, metered: bool):
         cfg = self.cfg
@@ -212,12 +201,9 @@ class Trainer:
             g["lr"] = lr
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.batch(step)
-        if metered:
-            self.saved_acts.reset_peak()
-        with self.saved_acts if metered else contextlib.nullcontext():
+        with self.meters.activations(metered):
             stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule,
                                        aux_weight=self.aux_weight, device=self.device, dtype=cfg.train.dtype)
-        self.act_peak_bytes = max(self.act_peak_bytes, self.saved_acts.peak_bytes)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         S.finish_grads(self.shard)
         grad_norm = S.clip_grads(self.shard, cfg.train.grad_clip)
@@ -261,10 +247,10 @@ class Trainer:
                     or nonfinite:
                 record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
                                     skipped=nonfinite, skipped_steps=guard.skipped,
-                                    act_peak_bytes=self.saved_acts.peak_bytes,
-                                    peak_tensor_bytes=report.max_over_ranks(self.interval_peak_bytes, self.dims,
-                                                                            self.device) or None)
-                interval_s, interval_steps, self.interval_peak_bytes = 0.0, 0, 0
+                                    act_peak_bytes=self.meters.saved_acts.peak_bytes,
+                                    peak_tensor_bytes=report.max_over_ranks(self.meters.take_interval_peak(),
+                                                                            self.dims, self.device) or None)
+                interval_s, interval_steps = 0.0, 0
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()
@@ -286,8 +272,8 @@ class Trainer:
         profile = self.profiler.close()
         if profile:
             print(profile, flush=True)  # every rank its own table (torchrun prefixes the lines with [rankN]:)
-        mem = {**live_tensor_bytes(self.model, self.optimizer), "act_peak_bytes": self.act_peak_bytes,
-               "peak_tensor_bytes": self.peak_tensor_bytes}
+        mem = {**live_tensor_bytes(self.model, self.optimizer), "act_peak_bytes": self.meters.act_peak_bytes,
+               "peak_tensor_bytes": self.meters.peak_tensor_bytes}
         summary = report.gather_summary(logger.last, self.rank, self.dims, self.device, logger.wait_totals,
                                         self.run_dir, mem)
         self.writer.close()

@@ -35,17 +35,18 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-_SINKS = WeakIdKeyDictionary()  # param -> its gradient sync's sink (by identity: tensors compare elementwise)
+_SINK = "_nanotitan_grad_sink"  # attribute on the param: its gradient sync's sink
 
 
 def set_grad_sink(p: torch.Tensor, sink: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
-    """sink(p, g) lands each deferred gradient term g of p (None: plain accumulation into p.grad)."""
+    """sink(p, g) lands each deferred gradient term g of p (None: plain accumulation into p.grad). Kept on the
+    param itself: a module-level table keyed by params would keep every param alive through its sink's sync."""
     if sink is None:
-        _SINKS.pop(p, None)
+        if hasattr(p, _SINK):
+            delattr(p, _SINK)
     else:
-        _SINKS[p] = sink
+        setattr(p, _SINK, sink)
 
 
 @torch.no_grad()
@@ -59,7 +60,7 @@ def accumulate_into(p: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    sink = _SINKS.get(p)
+    sink = getattr(p, _SINK, None)
     if sink is None:
         accumulate_into(p, g)
     else:
