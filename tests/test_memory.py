@@ -129,18 +129,26 @@ def test_step_peak_sees_through_the_autograd_engine():
     assert meter.peak >= after + 64 * 256 * 4  # dL/dy existed during backward
 
 
+def _train(rank, world, args):
+    from nanotitan.train import run
+
+    run(load_config(None, args))
+
+
 def test_trainer_reports_the_step_peak(corpus_dir, tmp_path):
     """Every record carries the high-water mark of its metered step (max over ranks), summary.json each rank's
-    run maximum beside its steady state; the peak holds the state, the saved activations and more at once."""
+    run maximum beside its steady state; the peak holds the state, the saved activations and more at once.
+    In a process of its own, as a run is: the peak counts every live tensor of the process, and pytest's holds
+    the tensors of other tests' fixtures."""
     import json
 
-    from nanotitan.train import run
+    from tests.mp import run_ranks
 
     args = TINY + ["--data.source", str(corpus_dir), "--run.dir", str(tmp_path), "--train.steps", "4",
                    "--run.log_every", "2", "--train.seq_len", "16", "--train.micro_batch", "2",
                    "--parallel.microbatches", "2", "--run.progress", "false", "--run.tensorboard", "false",
                    "--train.sample_tokens", "0", "--train.ckpt_at_end", "false", "--train.eval_every", "0"]
-    run(load_config(None, args))
+    run_ranks(_train, 1, (args,), timeout=120)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (row,) = json.loads((tmp_path / "summary.json").read_text())["ranks"]
     assert [r["step"] for r in recs] == [1, 2, 4] and all(r["peak_tensor_bytes"] > 0 for r in recs)

@@ -479,7 +479,7 @@ def _step_peaks(rank, world, cfgs: list[Config]) -> list[float]:
             state = sum(live_tensor_bytes(trainer.model, trainer.optimizer).values())
             gc.collect()
             trainer.train_step(1)  # metered: run.log_every = 1
-            meter = trainer.step_peak
+            meter = trainer.meters.step_peak
             out.append(state + meter.peak - meter.start)
         finally:
             trainer.shard.close()
