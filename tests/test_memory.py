@@ -145,7 +145,7 @@ def test_trainer_reports_the_step_peak(corpus_dir, tmp_path):
     from tests.mp import run_ranks
 
     args = TINY + ["--data.source", str(corpus_dir), "--run.dir", str(tmp_path), "--train.steps", "4",
-                   "--run.log_every", "2", "--train.seq_len", "16", "--train.micro_batch", "2",
+                   "--run.log_every", "2", "--run.peak_every", "1", "--train.seq_len", "16", "--train.micro_batch", "2",
                    "--parallel.microbatches", "2", "--run.progress", "false", "--run.tensorboard", "false",
                    "--train.sample_tokens", "0", "--train.ckpt_at_end", "false", "--train.eval_every", "0"]
     run_ranks(_train, 1, (args,), timeout=120)

@@ -493,7 +493,7 @@ def test_memory_model_predicts_the_step_peak_at_every_zero_level(corpus_dir, tmp
         cfgs = []
         for i, case in enumerate(cases):
             c = _runnable(_peak_zero_cfg(*case), corpus_dir, tmp_path / f"{world}_{i}")
-            c.run.log_every = 1
+            c.run.log_every = c.run.peak_every = 1
             cfgs.append(c)
         measured = run_ranks(_step_peaks, world, (cfgs,), timeout=400)
         for i, (lay, *choices) in enumerate(cases):

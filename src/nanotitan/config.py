@@ -136,6 +136,8 @@ class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
     overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (false: it refuses to start)
     log_every: int = 10  # steps between records in metrics.jsonl
+    peak_every: int = 10  # the step-peak meter runs on the 1st and every Nth logged step (1 = every one): it costs a
+    # Python call per tensor op (~3x a tiny model's step), so metering every record slowed the default job ~10%
     tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0
     profile_steps: str = ""  # "A-B": torch.profiler traces of steps A..B to run.dir/profile (empty = off)
@@ -401,7 +403,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
                     ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
-                    ("train.max_skips", t.max_skips)]:
+                    ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
     for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
                     ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),

@@ -483,17 +483,23 @@ class StepMeters:
             with meters.activations(metered):   # around the forwards and backwards
                 ...
         meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
-        meters.take_interval_peak()                          # since the previous record (then reset)
+        meters.take_interval_peak()                          # since the previous record (then reset; 0: none)
+
+    The step peak costs most (a Python call per tensor op): it runs on the 1st and every `peak_every`-th metered
+    step (run.peak_every); a step's peak varies little from step to step.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, peak_every: int = 1):
         self.saved_acts = SavedActivations(model)
         self.step_peak = PeakTensorBytes(device)
+        self.peak_every, self._metered = peak_every, 0  # the step peak on the 1st and every peak_every-th metered step
         self.act_peak_bytes = self.peak_tensor_bytes = self._interval_peak = 0
 
     @contextlib.contextmanager
     def step(self, metered: bool):
-        if not metered:
+        if metered:
+            self._metered += 1
+        if not metered or (self._metered - 1) % self.peak_every:
             yield
             return
         with self.step_peak:

@@ -141,7 +141,7 @@ class Trainer:
         self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume),
                                     wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=to_dict(cfg))
         self.profiler = StepProfiler(cfg.run.profile_steps, self.rank, self.run_dir, self.device)
-        self.meters = StepMeters(self.model, self.device)  # step peak and saved activations, on logged steps
+        self.meters = StepMeters(self.model, self.device, cfg.run.peak_every)  # memory meters of logged steps
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
