@@ -59,6 +59,13 @@ class ModelShard:
         self.sync.close()
 
 
+def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.AdamW:
+    """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
+    matrices only. Fused: ~3x faster than the default on CPU (BASELINES). The trainer and the dry run use it."""
+    groups = shard.sync.param_groups(cfg.train.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
+
+
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):

@@ -52,7 +52,7 @@ from ..model.transformer import num_moe_layers
 from ..parallel import pp as pp_schedules
 from ..parallel import step as S
 from ..parallel.dims import ParallelDims
-from ..parallel.parallelize import parallelize
+from ..parallel.parallelize import build_optimizer, parallelize
 from ..parallel.sync import ensure_adam_state
 from .measure import TensorBytesMeter
 
@@ -186,8 +186,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
         routing = _BalancedRouting(t.micro_batch * t.seq_len, cfg.model.top_k, cfg.model.num_experts)
         with _fake_tensors(), routing:
             shard = parallelize(cfg, dims, CPU)
-            optimizer = torch.optim.AdamW(shard.sync.param_groups(t.weight_decay), lr=t.lr,  # as train.build_optimizer
-                                          betas=(t.beta1, t.beta2), fused=True)
+            optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
             held = _held(shard, optimizer)
             xs = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
