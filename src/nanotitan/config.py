@@ -121,6 +121,8 @@ class ParallelConfig:
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
     zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
     zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
+    ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose all-to-alls travel while another group's experts compute, forward and backward (docs/ep.md); the same maths bit for bit
+    ep_chunks: int = 4  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep; more hide more, each adds two all-to-all calls)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
@@ -502,6 +504,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            "(--parallel.zero 2, or --parallel.schedule 1f1b)")
     _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
+    _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
+           "(--parallel.ep_chunks 4)")
+    _check(not p.ep_overlap or p.ep == 1 or p.auto or m.num_experts // p.ep >= 2,
+           f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/parallel.ep = "
+           f"{m.num_experts}/{p.ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
     _check(p.zero_accumulate in ("auto", "shard", "full"),
            f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")

@@ -203,51 +203,74 @@ def tap(p: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
     return _Tap.apply(p.detach(), store.anchor, (p,), store)  # in a tuple: not an input autograd tracks
 
 
+def experts_forward(x, wg, wv, wo, counts_L: list[int]):
+    """y of L SwiGLU experts on contiguous row groups (x and weights already in the compute dtype), and per expert
+    what autograd's nodes would save: hg (silu), hv and a (mul), h (mm)."""
+    saved, ys = [], []
+    for x_l, wg_l, wv_l, wo_l in zip(x.split(counts_L), wg.unbind(0), wv.unbind(0), wo.unbind(0)):
+        hg, hv = x_l @ wg_l, x_l @ wv_l
+        a = F.silu(hg)
+        h = a * hv
+        saved += [hg, hv, a, h]
+        ys.append(h @ wo_l)
+    return (torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])), saved
+
+
+def experts_input_grad(dy, x, wg, wv, wo, saved, counts_L: list[int], x_dtype: torch.dtype):
+    """Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it, input half:
+    dh = dy @ wo^T, da = dh * hv, dhv = dh * a, dhg = silu_backward(da, hg), dx = dhg @ wg^T + dhv @ wv^T.
+    Returns dx and, per expert, what its weight GEMMs read (x_l, h_l, dy_l, dhg, dhv)."""
+    dxs, terms = [], []
+    for l, (x_l, dy_l) in enumerate(zip(x.split(counts_L), dy.split(counts_L))):
+        hg, hv, a, h_l = saved[4 * l:4 * l + 4]
+        dh = dy_l.mm(wo[l].t())
+        da, dhv = dh * hv, dh * a
+        dhg = torch.ops.aten.silu_backward(da, hg)
+        # Each GEMM's cast widens its own term (autocast casts x once per GEMM): add them in x's dtype.
+        dxs.append(dhg.mm(wg[l].t()).to(x_dtype) + dhv.mm(wv[l].t()).to(x_dtype))
+        terms += [x_l, h_l, dy_l, dhg, dhv]
+    dx = torch.cat(dxs) if dxs else dy.new_zeros(0, x.shape[1], dtype=x_dtype)
+    return dx, terms
+
+
+def experts_weight_grads(terms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight half, stacked over the experts of `terms` (unbind's backward): wg: x^T dhg, wv: x^T dhv,
+    wo: h^T dy."""
+    per_expert = [terms[i:i + 5] for i in range(0, len(terms), 5)]
+    return (torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in per_expert]),
+            torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in per_expert]),
+            torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in per_expert]))
+
+
 class _Experts(torch.autograd.Function):
     """model.moe.ExpertFFN's forward (L SwiGLU experts on contiguous row groups) with its weight gradients landed
-    through the store. Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it:
-    dh = dy @ wo^T, da = dh * hv, dhv = dh * a, dhg = silu_backward(da, hg), dx = dhg @ wg^T + dhv @ wv^T;
-    weights: wo: h^T @ dy, wv: x^T @ dhv, wg: x^T @ dhg, stacked over experts (unbind's backward)."""
+    through the store (`experts_forward`, `experts_input_grad`, `experts_weight_grads`)."""
 
     @staticmethod
     def forward(ctx, x_ND, W_gate, W_val, W_out, anchor, counts_L, params, store):
         dt = _autocast_dtype(x_ND)
         x, wg, wv, wo = (_cast(t, dt) for t in (x_ND, W_gate, W_val, W_out))
-        saved, ys = [], []  # per expert what autograd's nodes would save: hg (silu), a and hv (mul), h (mm)
-        for x_l, wg_l, wv_l, wo_l in zip(x.split(counts_L), wg.unbind(0), wv.unbind(0), wo.unbind(0)):
-            hg, hv = x_l @ wg_l, x_l @ wv_l
-            a = F.silu(hg)
-            h = a * hv
-            saved += [hg, hv, a, h]
-            ys.append(h @ wo_l)
+        y, saved = experts_forward(x, wg, wv, wo, counts_L)
         ctx.save_for_backward(x, wg, wv, wo, *saved)
         ctx.counts, ctx.params, ctx.store, ctx.x_dtype = counts_L, params, store, x_ND.dtype
-        return torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, wg, wv, wo, *saved = ctx.saved_tensors
-        counts = ctx.counts
-        dxs, terms = [], []  # per expert x_l, h_l, dy_l, dhg, dhv: what its weight GEMMs read
-        for l, (x_l, dy_l) in enumerate(zip(x.split(counts), dy.split(counts))):
-            hg, hv, a, h_l = saved[4 * l:4 * l + 4]
-            dh = dy_l.mm(wo[l].t())
-            da, dhv = dh * hv, dh * a
-            dhg = torch.ops.aten.silu_backward(da, hg)
-            # Each GEMM's cast widens its own term (autocast casts x once per GEMM): add them in x's dtype.
-            dxs.append(dhg.mm(wg[l].t()).to(ctx.x_dtype) + dhv.mm(wv[l].t()).to(ctx.x_dtype))
-            terms += [x_l, h_l, dy_l, dhg, dhv]
-        dx = torch.cat(dxs) if dxs else dy.new_zeros(0, x.shape[1], dtype=ctx.x_dtype)
-        W_gate, W_val, W_out = ctx.params
-
-        def weight_grads(*terms):
-            per_expert = [terms[i:i + 5] for i in range(0, len(terms), 5)]
-            accumulate(W_gate, torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in per_expert]))
-            accumulate(W_val, torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in per_expert]))
-            accumulate(W_out, torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in per_expert]))
-
-        ctx.store.land(weight_grads, *terms)
+        dx, terms = experts_input_grad(dy, x, wg, wv, wo, saved, ctx.counts, ctx.x_dtype)
+        ctx.store.land(land_expert_grads(ctx.params), *terms)
         return dx, None, None, None, None, None, None, None
+
+
+def land_expert_grads(params):
+    """fn(*terms) computing the experts' weight gradients from `terms` and accumulating them into `params`."""
+    W_gate, W_val, W_out = params
+
+    def weight_grads(*terms):
+        for p, g in zip((W_gate, W_val, W_out), experts_weight_grads(terms)):
+            accumulate(p, g)
+    return weight_grads
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,

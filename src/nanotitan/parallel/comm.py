@@ -147,15 +147,20 @@ def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, group=None,
-                      axis: str = "ep"):
+                      axis: str = "ep", async_op: bool = False):
+    """Uneven all-to-all of rows (gloo needs `inp` contiguous). async_op: post it and return a TimedWork; neither
+    buffer may be touched before its wait()."""
     check_device(out, group)
     check_device(inp, group)
+    inp = inp.contiguous()
     t0 = time.perf_counter()
-    with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group):
-        dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
-        emulate.hold(emulate.all_to_all(t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits,
-                                        out_splits, group))
+    with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group, done=not async_op) as ticket:
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+        done_by = emulate.all_to_all(t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits,
+                                     out_splits, group)
+        emulate.hold(0.0 if async_op else done_by)
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
+    return TimedWork(work, axis, ticket, done_by) if async_op else None
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):

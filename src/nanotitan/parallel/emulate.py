@@ -47,6 +47,9 @@ class LinkModel:
     dilation: float
     rank: int = 0  # this process's global rank
     modelled_s: dict = field(default_factory=lambda: defaultdict(float))  # emulated seconds held for, per axis
+    # When each axis's link is free again: calls in flight together on one axis (async all-to-alls, bucket
+    # all-reduces) share its bandwidth, so a call posted while another is on the wire starts after it.
+    busy_until: dict = field(default_factory=lambda: defaultdict(float))
     _ranks: dict = field(default_factory=dict, repr=False)  # id(group) -> (group, its global ranks)
 
     def node(self, rank: int) -> int:
@@ -200,7 +203,9 @@ def p2p(t0: float, axis: str, transfers: list[tuple[int, int, bool]]) -> float:
 
 def _charge(m: LinkModel, axis: str, t0: float, seconds: float) -> float:
     m.modelled_s[axis] += seconds
-    return t0 + seconds
+    done = max(t0, m.busy_until[axis]) + seconds  # queued behind what this axis already has on the wire
+    m.busy_until[axis] = done
+    return done
 
 
 def hold(deadline: float) -> None:

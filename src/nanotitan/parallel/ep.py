@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..model import wgrad
 from ..model.moe import ExpertFFN, combine, pack_expert_major
 from . import comm
 
@@ -78,6 +79,118 @@ def inverse_permutation(perm_R: torch.Tensor) -> torch.Tensor:
     return inv_R
 
 
+class _ChunkPlan:
+    """parallel.ep_overlap: the local experts cut into `n` groups [l0, l1); group c's rows travel in their own
+    all-to-alls. `idx[c]`: the rows of the packed send buffer (destination-major) that group c sends, in send
+    order (destination, then expert); in/out_splits, the received rows' permutation to expert-major and their
+    counts per expert of the group, as in the one-trip path."""
+
+    def __init__(self, send_host, recv_host, recv_PL, counts_E, L: int, n: int):
+        P, E = len(send_host), counts_E.numel()
+        self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
+        self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
+        self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]
+        self.counts_L = [[sum(recv_host[p][l] for p in range(P)) for l in range(l0, l1)] for l0, l1 in self.bounds]
+        dev = counts_E.device
+        group_of_l = torch.tensor([c for c, (l0, l1) in enumerate(self.bounds) for _ in range(l0, l1)], device=dev)
+        N = sum(map(sum, self.in_splits))
+        group_of_row = group_of_l.repeat(P).repeat_interleave(counts_E, output_size=N)  # expert p*L+l -> its group
+        self.idx = torch.argsort(group_of_row, stable=True).split([sum(s) for s in self.in_splits])
+        self.perm = [source_to_expert_major(recv_PL[:, l0:l1], sum(out))
+                     for (l0, l1), out in zip(self.bounds, self.out_splits)]
+        self.inv = [inverse_permutation(p) for p in self.perm]
+        self.N = N
+
+
+class _ExpertTrip(torch.autograd.Function):
+    """Dispatch, experts and return trip of the packed rows x_ND, pipelined over the groups of a `_ChunkPlan`
+    (parallel.ep_overlap): every group's dispatch is posted at once; group c's experts run while the later
+    groups' dispatches and the earlier groups' return trips are on the wire. Backward is the same in reverse,
+    each group's weight-gradient GEMMs filling the time its input gradient spends travelling back.
+
+    Exact: an expert receives the same rows in the same order (source, then token) as in the one-trip path, and
+    each group's rows land back in the same places of the packed buffer, so every GEMM reads what it reads there:
+    outputs and gradients are bitwise those of the one-trip path (tests/parallel/test_ep.py). Weight gradients
+    land whole, once per call: through the experts' WeightGradStore when one is attached (deferred under zb1's
+    B), else returned to autograd (its AccumulateGrad fires the gradient syncs' hooks as usual). Everything the
+    backward reads is saved with save_for_backward, so activation checkpointing recomputes the forward, trips
+    included, as a block's other ops (every EP rank recomputes at the same point of the same schedule)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, W_gate, W_val, W_out, anchor, plan: _ChunkPlan, group, params, store):
+        dt = wgrad._autocast_dtype(x_ND)
+        wg, wv, wo = (wgrad._cast(t, dt) for t in (W_gate, W_val, W_out))
+        D = x_ND.shape[1]
+        sends = [x_ND.index_select(0, i) for i in plan.idx]
+        recvs = [x_ND.new_empty(sum(o), D) for o in plan.out_splits]
+        works = [comm.all_to_all_single(r, s, o, i, group=group, axis="ep", async_op=True)
+                 for r, s, o, i in zip(recvs, sends, plan.out_splits, plan.in_splits)]
+        xs, saved, backs, back_works = [], [], [], []
+        for c, (l0, l1) in enumerate(plan.bounds):
+            works[c].wait()
+            x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
+            y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
+            y_c = y_c.index_select(0, plan.inv[c])
+            backs.append(y_c.new_empty(sum(plan.in_splits[c]), D))
+            back_works.append(comm.all_to_all_single(backs[c], y_c, plan.in_splits[c], plan.out_splits[c],
+                                                     group=group, axis="ep", async_op=True))
+            xs.append(x_c)
+            saved += saved_c
+        for w in back_works:
+            w.wait()
+        y_ND = backs[0].new_empty(plan.N, D)
+        for i, b in zip(plan.idx, backs):
+            y_ND.index_copy_(0, i, b)
+        ctx.save_for_backward(wg, wv, wo, *xs, *saved)
+        ctx.plan, ctx.group, ctx.params, ctx.store, ctx.x_dtype = plan, group, params, store, x_ND.dtype
+        ctx.w_dtypes = (W_gate.dtype, W_val.dtype, W_out.dtype)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        plan, group = ctx.plan, ctx.group
+        wg, wv, wo, *rest = ctx.saved_tensors
+        n = len(plan.bounds)
+        xs, saved = rest[:n], rest[n:]
+        D = dy_ND.shape[1]
+        sends = [dy_ND.index_select(0, i) for i in plan.idx]  # the return trip's gradient goes out again
+        recvs = [dy_ND.new_empty(sum(o), D) for o in plan.out_splits]
+        works = [comm.all_to_all_single(r, s, o, i, group=group, axis="ep", async_op=True)
+                 for r, s, o, i in zip(recvs, sends, plan.out_splits, plan.in_splits)]
+        deferring = ctx.store is not None and ctx.store.active
+        backs, back_works, terms, grads = [], [], [], []
+        k = 0
+        for c, (l0, l1) in enumerate(plan.bounds):
+            works[c].wait()
+            dy_c = recvs[c].index_select(0, plan.perm[c])
+            n_l = l1 - l0
+            dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
+                                                     saved[4 * k:4 * (k + n_l)], plan.counts_L[c], ctx.x_dtype)
+            k += n_l
+            dx_c = dx_c.index_select(0, plan.inv[c])
+            backs.append(dx_c.new_empty(sum(plan.in_splits[c]), D))
+            back_works.append(comm.all_to_all_single(backs[c], dx_c, plan.in_splits[c], plan.out_splits[c],
+                                                     group=group, axis="ep", async_op=True))
+            if deferring:
+                terms += terms_c  # zb1's W runs them later, all at once
+            else:
+                grads.append(wgrad.experts_weight_grads(terms_c))  # while dx_c travels
+        for w in back_works:
+            w.wait()
+        dx_ND = backs[0].new_empty(plan.N, D)
+        for i, b in zip(plan.idx, backs):
+            dx_ND.index_copy_(0, i, b)
+        if deferring:
+            ctx.store.land(wgrad.land_expert_grads(ctx.params), *terms)
+            return dx_ND, None, None, None, None, None, None, None, None
+        full = [torch.cat(gs).to(dt) for gs, dt in zip(zip(*grads), ctx.w_dtypes)]  # groups are consecutive experts
+        if ctx.store is not None:  # attached but not deferring: land now, as _Experts does
+            for p, g in zip(ctx.params, full):
+                wgrad.accumulate(p, g)
+            return dx_ND, None, None, None, None, None, None, None, None
+        return dx_ND, *full, None, None, None, None, None
+
+
 class EPDispatcher:
     """Drop-in for `LocalDispatcher` under EP: same call, experts spread over the EP group.
 
@@ -86,12 +199,13 @@ class EPDispatcher:
     zero tokens.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int):
+    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1):
         if ep_size > 1 and group is None:
             raise ValueError(f"EPDispatcher with ep_size={ep_size} needs the EP process group (dims.group('ep'))")
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P = self.ep_size
@@ -120,14 +234,26 @@ class EPDispatcher:
             x_ND = x_ND.to(torch.get_autocast_dtype(x_ND.device.type))
 
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
-        x_RD = self._a2a(x_ND, out_splits, in_splits)
-        perm_R = source_to_expert_major(recv_PL, R)
-        y_RD = experts(x_RD.index_select(0, perm_R), counts_L).index_select(0, inverse_permutation(perm_R))
-        y_ND = self._a2a(y_RD, in_splits, out_splits)  # return trip: splits swapped
+        n = min(self.overlap_chunks, L)
+        if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
+            y_ND = self._chunked_trip(x_ND, experts, _ChunkPlan(send_host, recv_host, recv_PL, counts_E, L, n))
+        else:
+            x_RD = self._a2a(x_ND, out_splits, in_splits)
+            perm_R = source_to_expert_major(recv_PL, R)
+            y_RD = experts(x_RD.index_select(0, perm_R), counts_L).index_select(0, inverse_permutation(perm_R))
+            y_ND = self._a2a(y_RD, in_splits, out_splits)  # return trip: splits swapped
 
         # 5. combine in this rank's packed order
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
+
+    def _chunked_trip(self, x_ND, experts: ExpertFFN, plan: _ChunkPlan) -> torch.Tensor:
+        params = (experts.W_gate, experts.W_val, experts.W_out)
+        store = experts.wgrad_store if torch.is_grad_enabled() else None
+        if store is not None:  # weights enter detached, gradients land through the store (model/wgrad.py)
+            return _ExpertTrip.apply(x_ND, *(p.detach() for p in params), store.anchor, plan, self.group, params,
+                                     store)
+        return _ExpertTrip.apply(x_ND, *params, None, plan, self.group, params, None)
 
     def _exchange_counts(self, send_PL: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
@@ -140,8 +266,9 @@ class EPDispatcher:
         return x_ND if self.ep_size == 1 else all_to_all_rows(x_ND, out_splits, in_splits, self.group)
 
 
-def apply_ep(model: nn.Module, dims) -> nn.Module:
+def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1) -> nn.Module:
     """Install an EPDispatcher on every MoE layer of a Transformer shard (in place); no-op when ep == 1.
+    overlap_chunks > 1 (parallel.ep_overlap): each trip pipelined over that many groups of the local experts.
 
     The shard must have been built for this rank's experts (`build_shard_spec(cfg, pp_rank, ep_rank)`).
     """
@@ -157,5 +284,5 @@ def apply_ep(model: nn.Module, dims) -> nn.Module:
             raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but ep_rank "
                              f"{dims.ep_rank} owns [{dims.ep_rank * L}, {(dims.ep_rank + 1) * L}): build the "
                              f"model with build_shard_spec(cfg, pp_rank, ep_rank={dims.ep_rank})")
-        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank)
+        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks)
     return model

@@ -92,7 +92,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
             load_into_shard(chunk, cfg.init.from_hf)
     spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    apply_ep(model, dims)
+    apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
