@@ -110,8 +110,9 @@ def test_world8_bf16(corpus_dir, tmp_path, bf16_reference):
 # --- on CUDA + NCCL through the real launcher (scripts/gpu_check.sh) ----------------------------------------
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU_LAYOUTS = {2: [(2, 1, 1), (1, 2, 1, "gpipe"), (1, 2, 1, "1f1b"), (1, 1, 2),
-                   (2, 1, 1, "1f1b", ("--parallel.zero", "2"))],
-               4: [(2, 2, 1, "1f1b"), (1, 2, 2, "1f1b"), (2, 1, 2)],
+                   (2, 1, 1, "1f1b", ("--parallel.zero", "2")),
+                   (1, 1, 2, "1f1b", ("--parallel.ep_overlap", "true"))],  # async all-to-alls on NCCL streams
+               4: [(2, 2, 1, "1f1b"), (1, 2, 2, "1f1b"), (2, 1, 2), (1, 2, 2, "zb1", ("--parallel.ep_overlap", "true"))],
                8: [(2, 2, 2, "gpipe"), (2, 2, 2, "1f1b")]}
 
 

@@ -69,6 +69,7 @@ def test_zero_world2(corpus_dir, tmp_path, reference):
 @pytest.mark.timeout(950)
 def test_zero_world4(corpus_dir, tmp_path, reference):
     cells = _every_zero(4, 1, 1, "1f1b") + _every_zero(2, 1, 2, "1f1b") + [(2, 2, 1, *c) for c in PP_CELLS]
+    cells += [(2, 1, 2, "1f1b", z, "--parallel.ep_overlap", "true") for z in (1, 3)]  # FSDP2 under the chunked trips
     _matrix(4, _cases(cells, ac=(2, 2, 1, "1f1b", 2)), corpus_dir, tmp_path, reference, timeout=900)
 
 

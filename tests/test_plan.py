@@ -532,3 +532,30 @@ def test_plan_enumerates_zero_levels_and_auto_shards_only_when_memory_binds():
     # plan --zero 1 (and its old name --zero1) plans only that level
     assert {p.layout.zero for p in plan(cfg, 4, CPU, PlanOptions(zero=1))} == {1}
     assert {p.layout.zero for p in plan(cfg, 4, CPU, PlanOptions(zero1=True))} == {1}
+
+
+def test_ep_overlap_charges_only_the_exposed_all_to_all():
+    """parallel.ep_overlap: the planner charges max(2(a2a + n lat) - compute, 2(a2a/n + lat)) per pass and layer
+    (plan/cost.py::ep_overlap_exposed) instead of 2(a2a + lat): nothing hides without compute, the first dispatch and
+    last return always stay, and more groups add latency; one expert per rank or ep = 1 is charged as without it."""
+    from nanotitan.plan.cost import ep_overlap_exposed
+
+    assert ep_overlap_exposed(1.0, 0.0, 4, 0.0) == pytest.approx(2.0)  # no compute: the whole trip
+    assert ep_overlap_exposed(1.0, 0.0, 4, 10.0) == pytest.approx(0.5)  # all hidden but 2 * a2a / n
+    assert ep_overlap_exposed(1.0, 0.1, 4, 1.0) == pytest.approx(2 * 1.4 - 1.0)  # 4 calls' latency, 1 s hidden
+    assert ep_overlap_exposed(1.0, 0.1, 2, 10.0) == pytest.approx(1.2)  # the floor: 2 (a2a / n + lat)
+    assert ep_overlap_exposed(1.0, 0.1, 4, 10.0) == pytest.approx(0.7)
+
+    hw = get_hardware("h100-sxm")
+    base = ["--model.d_model", "1024", "--model.ffn_dim", "4096", "--model.n_heads", "8", "--model.num_experts", "8",
+            "--data.vocab_size", "1024", "--model.vocab_size", "1024", "--train.seq_len", "512"]
+    lay = Layout(1, 1, 2, "1f1b", 1, 4)
+    opts = PlanOptions(link_node_size=1)  # EP crosses nodes
+    off = predict(load_config(None, base), lay, hw, opts)
+    on = predict(load_config(None, base + ["--parallel.ep_overlap", "true", "--parallel.ep_chunks", "2"]), lay, hw,
+                 opts)
+    assert on.costs["ep_a2a"] < off.costs["ep_a2a"] and on.costs["compute"] == off.costs["compute"]
+    assert on.step_time_s < off.step_time_s
+    ep8 = Layout(1, 1, 8, "1f1b", 1, 4)  # one expert per rank: nothing to pipeline, charged as without overlap
+    assert (predict(load_config(None, base + ["--parallel.ep_overlap", "true"]), ep8, hw, opts).costs["ep_a2a"]
+            == predict(load_config(None, base), ep8, hw, opts).costs["ep_a2a"])

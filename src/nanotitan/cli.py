@@ -255,7 +255,7 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate} [...]`.
+    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap} [...]`.
 
         dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
         pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
@@ -263,10 +263,11 @@ def cmd_bench(argv: list[str]) -> int:
         precision  bf16 vs fp32: bytes on the wire per axis, step time and where it goes (bench/precision.py)
         layouts    every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
         emulate    the network emulator's measured vs modelled communication per layout and axis (bench/emulate.py)
+        overlap    parallel.ep_overlap against the same EP job without it, emulated and not (bench/overlap.py)
 
     `nanotitan bench NAME --help` for its options."""
     if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate} [...]")
+        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
         from .bench_layouts import main as bench_main
@@ -280,8 +281,10 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.precision import main as bench_main
     elif what == "emulate":
         from .bench.emulate import main as bench_main
+    elif what == "overlap":
+        from .bench.overlap import main as bench_main
     else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts or emulate)")
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate or overlap)")
     return bench_main(rest)
 
 

@@ -122,7 +122,7 @@ class ParallelConfig:
     zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
     zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
     ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose all-to-alls travel while another group's experts compute, forward and backward (docs/ep.md); the same maths bit for bit
-    ep_chunks: int = 4  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep; more hide more, each adds two all-to-all calls)
+    ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep): more hide more bytes but each adds 4 calls, each paying the link latency (docs/ep.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
@@ -505,7 +505,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
-           "(--parallel.ep_chunks 4)")
+           "(--parallel.ep_chunks 2)")
     _check(not p.ep_overlap or p.ep == 1 or p.auto or m.num_experts // p.ep >= 2,
            f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/parallel.ep = "
            f"{m.num_experts}/{p.ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")

@@ -159,6 +159,15 @@ def _gemm_eff(hw: Hardware, rows: float) -> float:
     return hw.compute_efficiency * rows / (rows + hw.gemm_half_rows)
 
 
+def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float) -> float:
+    """Exposed link time of one pass (forward or backward) of one MoE layer under parallel.ep_overlap: the trip
+    (`a2a_s` of bytes each way, `lat_s` per call) in n groups, all dispatches posted first and each group's return
+    posted when its experts are done (`compute_s` in all), one link carrying one call at a time. The link carries
+    2n calls (2(a2a + n lat)) and the first dispatch and last return can hide nothing (2(a2a/n + lat)), so what
+    compute cannot cover is the larger of the two less what it covers. Without overlap: 2(a2a + lat)."""
+    return max(2 * (a2a_s + n * lat_s) - compute_s, 2 * (a2a_s / n + lat_s))
+
+
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
             shape: ModelShape | None = None) -> Prediction:
     """Predict per-rank peak memory of every stage and the step time of `layout` (docs/planner.md)."""
@@ -264,8 +273,17 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         a2a_bytes = T * K * D * prec.act * (ep - 1) / ep
         a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
         # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
-        a2a_link = st.n_moe * (4 * a2a_one + 5 * (ep - 1) * ep_link.latency_s) if ep > 1 else 0.0
-        a2a = a2a_link + (st.n_moe * 5 * hw.a2a_call_s if ep > 1 else 0.0)
+        lat = (ep - 1) * ep_link.latency_s
+        a2a_link = st.n_moe * (4 * a2a_one + 5 * lat) if ep > 1 else 0.0
+        calls = 5
+        n_ch = min(cfg.parallel.ep_chunks, e_local) if cfg.parallel.ep_overlap and ep > 1 else 1
+        if n_ch > 1 and st.n_moe:  # parallel.ep_overlap: only the exposed part of the chunked trips
+            t_x = T * st.f_expert / (peak * eff_expert) / st.n_moe  # one layer's expert forward
+            deferred = layout.schedule == "zb1" and pp > 1 and s > 0  # zb1's B: weight GEMMs wait for W
+            a2a_link = st.n_moe * (lat + ep_overlap_exposed(a2a_one, lat, n_ch, t_x)
+                                   + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x))
+            calls = 1 + 4 * n_ch
+        a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
         sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
         p2p_link = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
