@@ -535,9 +535,9 @@ def test_plan_enumerates_zero_levels_and_auto_shards_only_when_memory_binds():
 
 
 def test_ep_overlap_charges_only_the_exposed_all_to_all():
-    """parallel.ep_overlap: the planner charges max(2(a2a + n lat) - compute, 2(a2a/n + lat)) per pass and layer
-    (plan/cost.py::ep_overlap_exposed) instead of 2(a2a + lat): nothing hides without compute, the first dispatch and
-    last return always stay, and more groups add latency; one expert per rank or ep = 1 is charged as without it."""
+    """parallel.ep_overlap: the planner charges max(2(a2a + n lat) - compute, the first trip + the last return less
+    the work under it) per pass and layer (plan/cost.py::ep_overlap_exposed) instead of 2(a2a + lat): nothing hides
+    without compute, more groups add latency; one expert per rank or ep = 1 is charged as without it."""
     from nanotitan.plan.cost import ep_overlap_exposed
 
     assert ep_overlap_exposed(1.0, 0.0, 4, 0.0) == pytest.approx(2.0)  # no compute: the whole trip
@@ -545,6 +545,7 @@ def test_ep_overlap_charges_only_the_exposed_all_to_all():
     assert ep_overlap_exposed(1.0, 0.1, 4, 1.0) == pytest.approx(2 * 1.4 - 1.0)  # 4 calls' latency, 1 s hidden
     assert ep_overlap_exposed(1.0, 0.1, 2, 10.0) == pytest.approx(1.2)  # the floor: 2 (a2a / n + lat)
     assert ep_overlap_exposed(1.0, 0.1, 4, 10.0) == pytest.approx(0.7)
+    assert ep_overlap_exposed(1.0, 0.1, 4, 10.0, tail_s=0.2) == pytest.approx(0.35 + 0.15)  # weight GEMMs under it
 
     hw = get_hardware("h100-sxm")
     base = ["--model.d_model", "1024", "--model.ffn_dim", "4096", "--model.n_heads", "8", "--model.num_experts", "8",

@@ -381,3 +381,57 @@ def test_zero3_fsdp_matches_reducer_world2():
 def _fsdp_world2(rank, world):
     return (_fsdp_vs_reducer(rank, world, 2, 1, 0.0), _fsdp_vs_reducer(rank, world, 2, 1, 0.0, "shard", "always"),
             _fsdp_vs_reducer(rank, world, 1, 2, 0.5, "shard", "always"))
+
+
+def _gather_overlap_ranks(rank, world):
+    """ZeroSync.after_step posts the all-gathers and returns; the next forward waits per block, in use order."""
+    from nanotitan.config import ModelConfig
+    from nanotitan.model.transformer import Transformer, is_expert_param
+
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, ffn_dim=24, num_experts=2, top_k=1,
+                      max_seq_len=8)
+    model = Transformer(cfg, seed=0)
+    dims = ParallelDims(2, 1, 1, rank=rank).build_groups(timeout_s=60)
+    named = list(model.named_parameters())
+    sync = ZeroSync(model, dims, [(n, p) for n, p in named if is_expert_param(n)],
+                    [(n, p) for n, p in named if not is_expert_param(n)], bucket_mb=1e-3, scale=0.5, zero=1)
+    opt = torch.optim.AdamW(sync.param_groups(0.0), lr=1e-2)
+    buckets = [b for r in sync.reducers for b in r.buckets]
+    block = {k: [id(p) for p in blk.parameters()] for k, blk in model.layers.items()}
+    seen = {}
+
+    def spy(key):  # registered after ZeroSync's waiter: runs once this block's buckets have landed
+        def hook(module, args):
+            mine = [b for b in buckets if any(id(p) in block[key] for p in b.params)]
+            seen[key] = (all(b.gather is None for b in mine), sum(b.gather is not None for b in buckets))
+        return hook
+
+    for k, blk in model.layers.items():
+        blk.register_forward_pre_hook(spy(k))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        sync.prepare(True)
+        logits, _ = model(x)
+        logits.float().square().mean().backward()
+        sync.finish()
+        opt.step()
+        sync.after_step()
+        pending_after_step = sum(b.gather is not None for b in buckets)
+        sync.zero_grad()
+    with torch.no_grad():
+        model(x)
+    full, _ = sync.full_state(None)
+    sync.close()
+    return {"pending": pending_after_step, "seen": seen, "n_buckets": len(buckets),
+            "params": {n: t.clone() for n, t in full.items()}}
+
+
+def test_zero1_param_gather_overlaps_the_next_forward():
+    out = run_ranks(_gather_overlap_ranks, 2, timeout=120)
+    for r in out:
+        assert r["pending"] == r["n_buckets"] > 4, r["pending"]  # after_step returned with every gather in flight
+        waits = [r["seen"][k] for k in sorted(r["seen"], key=int)]
+        assert all(own for own, _ in waits), waits  # a block never runs before its own buckets landed
+        assert waits[0][1] > 0 and waits[-1][1] < waits[0][1], waits  # later blocks' gathers still travelling
+    for n, t in out[0]["params"].items():
+        assert torch.equal(t, out[1]["params"][n]), f"replicas of {n} differ"

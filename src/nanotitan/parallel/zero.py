@@ -262,11 +262,12 @@ class ShardedReducer(Reducer):
         return [{"params": [b.shard for b in self.buckets if b.decay], "weight_decay": weight_decay},
                 {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}]
 
-    def start_gather(self) -> None:
-        """After the optimizer step: all-gather every bucket's updated slices (async, in place)."""
+    def start_gather(self, use_order: bool = False) -> None:
+        """After the optimizer step: all-gather every bucket's updated slices (async, in place); `use_order`: in
+        the order the next forward uses them (`buckets_by_use`), else in bucket order."""
         if self.group is None:
             return  # one rank: the shard is the whole buffer, already updated
-        for b in self.buckets:
+        for b in (self.buckets_by_use if use_order else self.buckets):
             b.gather = comm.all_gather(b.pflat, b.shard.detach(), self.group)
 
     def wait_gather(self) -> None:
@@ -343,6 +344,8 @@ class ZeroSync(BucketedSync):
         super().__init__(model, dims, expert_params, replicated_params)
         self.reducers = [ShardedReducer(params, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
                          for params, kind in gradient_groups(expert_params, replicated_params)]
+        self._use_order = False
+        self._install_gather_waits()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         groups = [r.param_groups(weight_decay) for r in self.reducers]
@@ -354,14 +357,56 @@ class ZeroSync(BucketedSync):
         return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None, shards, self.dims.group("non_expert_dp"))
 
     def after_step(self) -> None:
+        """Post every bucket's all-gather of the updated slices, in the order the next forward needs them, and
+        return: a block waits for its own buckets when its forward starts (`_install_gather_waits`), so the
+        gathers of later blocks travel while earlier blocks compute (Megatron's overlapped param gather)."""
         for r in self.reducers:
-            r.start_gather()  # every bucket's all-gather in flight at once, then wait for all
+            r.start_gather(self._use_order)
+
+    def wait_params(self) -> None:
+        """Every bucket's gather landed: the params are whole again (before the optimizer, a checkpoint, ...)."""
         for r in self.reducers:
             r.wait_gather()
+
+    def _install_gather_waits(self) -> None:
+        """A forward pre-hook on each block and on each chunk (for what sits outside its blocks: embeddings, final
+        norm, head) waits for the buckets holding its params. Whole blocks, not leaf modules: a block may read a
+        param outside that param's own module's forward (the router weight in MoE.route, the experts under
+        parallel.ep_overlap, an embedding table through wgrad.tap)."""
+        bucket_of = {id(p): b for r in self.reducers for b in r.buckets for p in b.params}
+        order = {id(p): i for i, p in enumerate(self.model.parameters())}
+        for r in self.reducers:  # the next forward's order (the buckets are in backward's)
+            r.buckets_by_use = sorted(r.buckets, key=lambda b: min(order.get(id(p), 0) for p in b.params))
+        self._use_order = True
+        self._gather_hooks = []
+
+        def waiter(params):
+            buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for p in params if id(p) in bucket_of}.values())
+
+            def hook(module, args):
+                for b in buckets:
+                    if b.gather is not None:
+                        b.gather.wait()
+                        b.gather = None
+            return hook
+
+        for chunk in getattr(self.model, "chunks", [self.model]):
+            blocks = list(chunk.layers.values()) if hasattr(chunk, "layers") else []
+            inner = {id(p) for blk in blocks for p in blk.parameters()}
+            edges = [p for p in chunk.parameters() if id(p) not in inner]
+            self._gather_hooks.append(chunk.register_forward_pre_hook(waiter(edges)))
+            for blk in blocks:
+                self._gather_hooks.append(blk.register_forward_pre_hook(waiter(list(blk.parameters()))))
+
+    def finish(self) -> None:
+        self.wait_params()  # a param no forward waited for (unused this step) is whole before the optimizer runs
+        super().finish()
 
     def sharded_state(self, optimizer):
         """The live params (whole on every rank between steps) and this rank's slices of the optimizer state, cut
         per param into boxes of its shape (`flat_range_boxes`): views of the flat state, nothing gathered."""
+        for r in self.reducers:  # a save, or a load that reads into these very tensors: params whole first
+            r.wait_gather()
         model_state = {n: Pieces.whole(t) for n, t in self.model.named_parameters()}
         optim_state: dict[str, dict] = {}
         if optimizer is None:
@@ -384,9 +429,16 @@ class ZeroSync(BucketedSync):
 
     def full_state(self, optimizer):
         """The live params (whole on every rank between steps) and the optimizer state all-gathered (collective)."""
+        self.wait_params()
         model_state = dict(self.model.named_parameters())
         return model_state, (sharded_optim_state_to_full(self.reducers, optimizer) if optimizer is not None else {})
 
     def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
         if optimizer is not None:  # the params were read in place; the state is cut into this rank's slices
             full_optim_state_to_sharded(self.reducers, optimizer, optim_state)
+
+    def close(self) -> None:
+        self.wait_params()
+        for h in self._gather_hooks:
+            h.remove()
+        self._gather_hooks = []

@@ -159,13 +159,15 @@ def _gemm_eff(hw: Hardware, rows: float) -> float:
     return hw.compute_efficiency * rows / (rows + hw.gemm_half_rows)
 
 
-def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float) -> float:
+def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tail_s: float = 0.0) -> float:
     """Exposed link time of one pass (forward or backward) of one MoE layer under parallel.ep_overlap: the trip
-    (`a2a_s` of bytes each way, `lat_s` per call) in n groups, all dispatches posted first and each group's return
-    posted when its experts are done (`compute_s` in all), one link carrying one call at a time. The link carries
-    2n calls (2(a2a + n lat)) and the first dispatch and last return can hide nothing (2(a2a/n + lat)), so what
-    compute cannot cover is the larger of the two less what it covers. Without overlap: 2(a2a + lat)."""
-    return max(2 * (a2a_s + n * lat_s) - compute_s, 2 * (a2a_s / n + lat_s))
+    (`a2a_s` of bytes each way, `lat_s` per call) in n groups, all outbound trips posted first and each group's
+    return posted when its experts are done (`compute_s` in all), one link carrying one call at a time. The link
+    carries 2n calls (2(a2a + n lat)), of which compute can cover what it lasts; the first trip out is always
+    exposed, and the last return too, less `tail_s` of work that runs while it travels (backward: the last
+    group's weight GEMMs). Without overlap: 2(a2a + lat)."""
+    one = a2a_s / n + lat_s
+    return max(2 * (a2a_s + n * lat_s) - compute_s, one + max(0.0, one - tail_s))
 
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
@@ -281,7 +283,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             t_x = T * st.f_expert / (peak * eff_expert) / st.n_moe  # one layer's expert forward
             deferred = layout.schedule == "zb1" and pp > 1 and s > 0  # zb1's B: weight GEMMs wait for W
             a2a_link = st.n_moe * (lat + ep_overlap_exposed(a2a_one, lat, n_ch, t_x)
-                                   + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x))
+                                   + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x,
+                                                        0.0 if deferred else t_x / n_ch))
             calls = 1 + 4 * n_ch
         a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
