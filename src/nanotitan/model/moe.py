@@ -54,8 +54,12 @@ class ExpertFFN(nn.Module):
         self.W_val = nn.Parameter(torch.empty(num_local, d_model, ffn_dim))
         self.W_out = nn.Parameter(torch.empty(num_local, ffn_dim, d_model))
 
-    def forward(self, x_ND: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
-        """x_ND holds counts_L[l] rows for local expert l, contiguous and in order."""
+    def forward(self, x_ND: torch.Tensor, counts_L: list[int], trip=None) -> torch.Tensor:
+        """x_ND holds counts_L[l] rows for local expert l, contiguous and in order. `trip` (parallel.ep_overlap):
+        trip(W_gate, W_val, W_out, wgrad_store) runs the experts itself, inside this module's call, so that what
+        wraps the module (FSDP2's unshard of the weights) happens around it as around the plain path."""
+        if trip is not None:
+            return trip(self.W_gate, self.W_val, self.W_out, self.wgrad_store)
         if self.wgrad_store is not None and torch.is_grad_enabled():  # the same GEMMs, backward by hand
             return wgrad.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.wgrad_store)
         # Split the weights once per call (backward is one stack), never W[e] in the loop:

@@ -248,12 +248,13 @@ class EPDispatcher:
         return combine(y_ND, w_N, token_idx_N, T)
 
     def _chunked_trip(self, x_ND, experts: ExpertFFN, plan: _ChunkPlan) -> torch.Tensor:
-        params = (experts.W_gate, experts.W_val, experts.W_out)
-        store = experts.wgrad_store if torch.is_grad_enabled() else None
-        if store is not None:  # weights enter detached, gradients land through the store (model/wgrad.py)
-            return _ExpertTrip.apply(x_ND, *(p.detach() for p in params), store.anchor, plan, self.group, params,
-                                     store)
-        return _ExpertTrip.apply(x_ND, *params, None, plan, self.group, params, None)
+        def trip(W_gate, W_val, W_out, store):  # inside experts' call: its weights as its wrappers present them
+            params = (W_gate, W_val, W_out)
+            if store is not None and torch.is_grad_enabled():  # weights detached, gradients through the store
+                return _ExpertTrip.apply(x_ND, *(p.detach() for p in params), store.anchor, plan, self.group,
+                                         params, store)
+            return _ExpertTrip.apply(x_ND, *params, None, plan, self.group, params, None)
+        return experts(x_ND, plan.counts_L, trip=trip)
 
     def _exchange_counts(self, send_PL: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
