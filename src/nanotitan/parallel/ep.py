@@ -86,7 +86,7 @@ class _ChunkPlan:
     counts per expert of the group, as in the one-trip path."""
 
     def __init__(self, send_host, recv_host, recv_PL, counts_E, L: int, n: int):
-        P, E = len(send_host), counts_E.numel()
+        P = len(send_host)
         self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
         self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
         self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]

@@ -344,7 +344,6 @@ class ZeroSync(BucketedSync):
         super().__init__(model, dims, expert_params, replicated_params)
         self.reducers = [ShardedReducer(params, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
                          for params, kind in gradient_groups(expert_params, replicated_params)]
-        self._use_order = False
         self._install_gather_waits()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -361,7 +360,7 @@ class ZeroSync(BucketedSync):
         return: a block waits for its own buckets when its forward starts (`_install_gather_waits`), so the
         gathers of later blocks travel while earlier blocks compute (Megatron's overlapped param gather)."""
         for r in self.reducers:
-            r.start_gather(self._use_order)
+            r.start_gather(use_order=True)
 
     def wait_params(self) -> None:
         """Every bucket's gather landed: the params are whole again (before the optimizer, a checkpoint, ...)."""
@@ -377,7 +376,6 @@ class ZeroSync(BucketedSync):
         order = {id(p): i for i, p in enumerate(self.model.parameters())}
         for r in self.reducers:  # the next forward's order (the buckets are in backward's)
             r.buckets_by_use = sorted(r.buckets, key=lambda b: min(order.get(id(p), 0) for p in b.params))
-        self._use_order = True
         self._gather_hooks = []
 
         def waiter(params):
