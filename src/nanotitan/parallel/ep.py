@@ -134,6 +134,7 @@ class _ExpertTrip(torch.autograd.Function):
             backs.append(y_c.new_empty(sum(plan.in_splits[c]), D))
             back_works.append(comm.all_to_all_single(backs[c], y_c, plan.in_splits[c], plan.out_splits[c],
                                                      group=group, axis="ep", async_op=True))
+            sends.append(y_c)  # held until its trip is waited: a buffer in flight must outlive the loop's name
             xs.append(x_c)
             saved += saved_c
         for w in back_works:
@@ -171,6 +172,7 @@ class _ExpertTrip(torch.autograd.Function):
             backs.append(dx_c.new_empty(sum(plan.in_splits[c]), D))
             back_works.append(comm.all_to_all_single(backs[c], dx_c, plan.in_splits[c], plan.out_splits[c],
                                                      group=group, axis="ep", async_op=True))
+            sends.append(dx_c)  # held until its trip is waited
             if deferring:
                 terms += terms_c  # zb1's W runs them later, all at once
             else:
