@@ -16,6 +16,7 @@ run (`plan/cost.py`, `ep_overlap_exposed`) under the emulated links (PlanOptions
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ from .emulate import parse_topology
 def _predict(cfg, ep: int, m: int, chunks: int, links, hardware: str = "cpu-gloo") -> tuple[float, float]:
     """(step s, exposed EP s per step) the planner predicts for the run (links: the emulated network or None), with
     `hardware` pricing compute (uncalibrated on these runs, as `bench layouts`)."""
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as it is
     cfg.parallel.ep_overlap, cfg.parallel.ep_chunks = chunks > 1, max(chunks, 2)
     hw = detect_hardware(None if hardware == "auto" else hardware)
     opts = PlanOptions()

@@ -83,23 +83,46 @@ class _ChunkPlan:
     """parallel.ep_overlap: the local experts cut into `n` groups [l0, l1); group c's rows travel in their own
     all-to-alls. `idx[c]`: the rows of the packed send buffer (destination-major) that group c sends, in send
     order (destination, then expert); in/out_splits, the received rows' permutation to expert-major and their
-    counts per expert of the group, as in the one-trip path."""
+    counts per expert of the group (slices of the one-trip path's `counts_L`)."""
 
-    def __init__(self, send_host, recv_host, recv_PL, counts_E, L: int, n: int):
+    def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int, group):
         P = len(send_host)
+        self.group = group
         self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
         self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
         self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]
-        self.counts_L = [[sum(recv_host[p][l] for p in range(P)) for l in range(l0, l1)] for l0, l1 in self.bounds]
-        dev = counts_E.device
-        group_of_l = torch.tensor([c for c, (l0, l1) in enumerate(self.bounds) for _ in range(l0, l1)], device=dev)
-        N = sum(map(sum, self.in_splits))
-        group_of_row = group_of_l.repeat(P).repeat_interleave(counts_E, output_size=N)  # expert p*L+l -> its group
+        self.counts_L = [counts_L[l0:l1] for l0, l1 in self.bounds]
+        group_of_l = torch.tensor([c for c, (l0, l1) in enumerate(self.bounds) for _ in range(l0, l1)],
+                                  device=counts_E.device)
+        self.N = sum(map(sum, self.in_splits))
+        group_of_row = group_of_l.repeat(P).repeat_interleave(counts_E, output_size=self.N)  # expert p*L+l -> group
         self.idx = torch.argsort(group_of_row, stable=True).split([sum(s) for s in self.in_splits])
         self.perm = [source_to_expert_major(recv_PL[:, l0:l1], sum(out))
                      for (l0, l1), out in zip(self.bounds, self.out_splits)]
         self.inv = [inverse_permutation(p) for p in self.perm]
-        self.N = N
+
+    def post_out(self, t_ND: torch.Tensor) -> tuple[list[torch.Tensor], list]:
+        """Every group's rows of the packed `t_ND` sent to their experts' owners at once (async): (received
+        buffers, works); the sends are held by the works until waited."""
+        recvs = [t_ND.new_empty(sum(o), t_ND.shape[1]) for o in self.out_splits]
+        works = [comm.all_to_all_single(r, t_ND.index_select(0, i), o, s, group=self.group, axis="ep", async_op=True)
+                 for r, i, o, s in zip(recvs, self.idx, self.out_splits, self.in_splits)]
+        return recvs, works
+
+    def post_back(self, c: int, t_c: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Group c's rows (source-major, as received) back to their sources (async): (buffer, work)."""
+        buf = t_c.new_empty(sum(self.in_splits[c]), t_c.shape[1])
+        return buf, comm.all_to_all_single(buf, t_c, self.in_splits[c], self.out_splits[c], group=self.group,
+                                           axis="ep", async_op=True)
+
+    def unpack(self, backs: list[torch.Tensor], works: list) -> torch.Tensor:
+        """Wait for every group's return trip and put its rows back in their places of the packed buffer."""
+        for w in works:
+            w.wait()
+        t_ND = backs[0].new_empty(self.N, backs[0].shape[1])
+        for i, b in zip(self.idx, backs):
+            t_ND.index_copy_(0, i, b)
+        return t_ND
 
 
 class _ExpertTrip(torch.autograd.Function):
@@ -117,47 +140,33 @@ class _ExpertTrip(torch.autograd.Function):
     included, as a block's other ops (every EP rank recomputes at the same point of the same schedule)."""
 
     @staticmethod
-    def forward(ctx, x_ND, W_gate, W_val, W_out, anchor, plan: _ChunkPlan, group, params, store):
+    def forward(ctx, x_ND, W_gate, W_val, W_out, anchor, plan: _ChunkPlan, params, store):
         dt = wgrad._autocast_dtype(x_ND)
         wg, wv, wo = (wgrad._cast(t, dt) for t in (W_gate, W_val, W_out))
-        D = x_ND.shape[1]
-        sends = [x_ND.index_select(0, i) for i in plan.idx]
-        recvs = [x_ND.new_empty(sum(o), D) for o in plan.out_splits]
-        works = [comm.all_to_all_single(r, s, o, i, group=group, axis="ep", async_op=True)
-                 for r, s, o, i in zip(recvs, sends, plan.out_splits, plan.in_splits)]
+        recvs, works = plan.post_out(x_ND)
         xs, saved, backs, back_works = [], [], [], []
         for c, (l0, l1) in enumerate(plan.bounds):
             works[c].wait()
             x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
             y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
-            y_c = y_c.index_select(0, plan.inv[c])
-            backs.append(y_c.new_empty(sum(plan.in_splits[c]), D))
-            back_works.append(comm.all_to_all_single(backs[c], y_c, plan.in_splits[c], plan.out_splits[c],
-                                                     group=group, axis="ep", async_op=True))
-            sends.append(y_c)  # held until its trip is waited: a buffer in flight must outlive the loop's name
+            buf, work = plan.post_back(c, y_c.index_select(0, plan.inv[c]))
+            backs.append(buf)
+            back_works.append(work)
             xs.append(x_c)
             saved += saved_c
-        for w in back_works:
-            w.wait()
-        y_ND = backs[0].new_empty(plan.N, D)
-        for i, b in zip(plan.idx, backs):
-            y_ND.index_copy_(0, i, b)
+        y_ND = plan.unpack(backs, back_works)
         ctx.save_for_backward(wg, wv, wo, *xs, *saved)
-        ctx.plan, ctx.group, ctx.params, ctx.store, ctx.x_dtype = plan, group, params, store, x_ND.dtype
+        ctx.plan, ctx.params, ctx.store, ctx.x_dtype = plan, params, store, x_ND.dtype
         ctx.w_dtypes = (W_gate.dtype, W_val.dtype, W_out.dtype)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        plan, group = ctx.plan, ctx.group
+        plan = ctx.plan
         wg, wv, wo, *rest = ctx.saved_tensors
         n = len(plan.bounds)
         xs, saved = rest[:n], rest[n:]
-        D = dy_ND.shape[1]
-        sends = [dy_ND.index_select(0, i) for i in plan.idx]  # the return trip's gradient goes out again
-        recvs = [dy_ND.new_empty(sum(o), D) for o in plan.out_splits]
-        works = [comm.all_to_all_single(r, s, o, i, group=group, axis="ep", async_op=True)
-                 for r, s, o, i in zip(recvs, sends, plan.out_splits, plan.in_splits)]
+        recvs, works = plan.post_out(dy_ND)  # the return trip's gradient goes out again
         deferring = ctx.store is not None and ctx.store.active
         backs, back_works, terms, grads = [], [], [], []
         k = 0
@@ -168,29 +177,23 @@ class _ExpertTrip(torch.autograd.Function):
             dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
                                                      saved[4 * k:4 * (k + n_l)], plan.counts_L[c], ctx.x_dtype)
             k += n_l
-            dx_c = dx_c.index_select(0, plan.inv[c])
-            backs.append(dx_c.new_empty(sum(plan.in_splits[c]), D))
-            back_works.append(comm.all_to_all_single(backs[c], dx_c, plan.in_splits[c], plan.out_splits[c],
-                                                     group=group, axis="ep", async_op=True))
-            sends.append(dx_c)  # held until its trip is waited
+            buf, work = plan.post_back(c, dx_c.index_select(0, plan.inv[c]))
+            backs.append(buf)
+            back_works.append(work)
             if deferring:
                 terms += terms_c  # zb1's W runs them later, all at once
             else:
                 grads.append(wgrad.experts_weight_grads(terms_c))  # while dx_c travels
-        for w in back_works:
-            w.wait()
-        dx_ND = backs[0].new_empty(plan.N, D)
-        for i, b in zip(plan.idx, backs):
-            dx_ND.index_copy_(0, i, b)
+        dx_ND = plan.unpack(backs, back_works)
         if deferring:
             ctx.store.land(wgrad.land_expert_grads(ctx.params), *terms)
-            return dx_ND, None, None, None, None, None, None, None, None
+            return dx_ND, None, None, None, None, None, None, None
         full = [torch.cat(gs).to(dt) for gs, dt in zip(zip(*grads), ctx.w_dtypes)]  # groups are consecutive experts
         if ctx.store is not None:  # attached but not deferring: land now, as _Experts does
             for p, g in zip(ctx.params, full):
                 wgrad.accumulate(p, g)
-            return dx_ND, None, None, None, None, None, None, None, None
-        return dx_ND, *full, None, None, None, None, None
+            return dx_ND, None, None, None, None, None, None, None
+        return dx_ND, *full, None, None, None, None
 
 
 class EPDispatcher:
@@ -238,7 +241,8 @@ class EPDispatcher:
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
         n = min(self.overlap_chunks, L)
         if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
-            y_ND = self._chunked_trip(x_ND, experts, _ChunkPlan(send_host, recv_host, recv_PL, counts_E, L, n))
+            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.group)
+            y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
             x_RD = self._a2a(x_ND, out_splits, in_splits)
             perm_R = source_to_expert_major(recv_PL, R)
@@ -253,9 +257,8 @@ class EPDispatcher:
         def trip(W_gate, W_val, W_out, store):  # inside experts' call: its weights as its wrappers present them
             params = (W_gate, W_val, W_out)
             if store is not None and torch.is_grad_enabled():  # weights detached, gradients through the store
-                return _ExpertTrip.apply(x_ND, *(p.detach() for p in params), store.anchor, plan, self.group,
-                                         params, store)
-            return _ExpertTrip.apply(x_ND, *params, None, plan, self.group, params, None)
+                return _ExpertTrip.apply(x_ND, *(p.detach() for p in params), store.anchor, plan, params, store)
+            return _ExpertTrip.apply(x_ND, *params, None, plan, params, None)
         return experts(x_ND, plan.counts_L, trip=trip)
 
     def _exchange_counts(self, send_PL: torch.Tensor) -> torch.Tensor:

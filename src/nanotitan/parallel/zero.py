@@ -262,12 +262,12 @@ class ShardedReducer(Reducer):
         return [{"params": [b.shard for b in self.buckets if b.decay], "weight_decay": weight_decay},
                 {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}]
 
-    def start_gather(self, use_order: bool = False) -> None:
-        """After the optimizer step: all-gather every bucket's updated slices (async, in place); `use_order`: in
-        the order the next forward uses them (`buckets_by_use`), else in bucket order."""
+    def start_gather(self, buckets: list[_ShardBucket] | None = None) -> None:
+        """After the optimizer step: all-gather every bucket's updated slices (async, in place), in the order of
+        `buckets` (default: bucket order)."""
         if self.group is None:
             return  # one rank: the shard is the whole buffer, already updated
-        for b in (self.buckets_by_use if use_order else self.buckets):
+        for b in (self.buckets if buckets is None else buckets):
             b.gather = comm.all_gather(b.pflat, b.shard.detach(), self.group)
 
     def wait_gather(self) -> None:
@@ -359,8 +359,8 @@ class ZeroSync(BucketedSync):
         """Post every bucket's all-gather of the updated slices, in the order the next forward needs them, and
         return: a block waits for its own buckets when its forward starts (`_install_gather_waits`), so the
         gathers of later blocks travel while earlier blocks compute (Megatron's overlapped param gather)."""
-        for r in self.reducers:
-            r.start_gather(use_order=True)
+        for r, order in zip(self.reducers, self._use_order):
+            r.start_gather(order)
 
     def wait_params(self) -> None:
         """Every bucket's gather landed: the params are whole again (before the optimizer, a checkpoint, ...)."""
@@ -374,8 +374,9 @@ class ZeroSync(BucketedSync):
         parallel.ep_overlap, an embedding table through wgrad.tap)."""
         bucket_of = {id(p): b for r in self.reducers for b in r.buckets for p in b.params}
         order = {id(p): i for i, p in enumerate(self.model.parameters())}
-        for r in self.reducers:  # the next forward's order (the buckets are in backward's)
-            r.buckets_by_use = sorted(r.buckets, key=lambda b: min(order.get(id(p), 0) for p in b.params))
+        # each reducer's buckets in the next forward's order (they are built in backward's)
+        self._use_order = [sorted(r.buckets, key=lambda b: min(order.get(id(p), 0) for p in b.params))
+                           for r in self.reducers]
         self._gather_hooks = []
 
         def waiter(params):
