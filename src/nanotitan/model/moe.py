@@ -190,9 +190,7 @@ class MoE(nn.Module):
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
             z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
-        aux = logits_TE.new_zeros(())
-        if self.aux_coef:
-            aux = aux + self.aux_coef * balance
+        aux = self.aux_coef * balance if self.aux_coef else logits_TE.new_zeros(())  # 0 + x would be x: no add
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss
 
