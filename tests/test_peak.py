@@ -121,6 +121,8 @@ def _no_native_bf16(monkeypatch, tmp_path, native=False):
     for dtype in ("fp32", "bf16"):
         monkeypatch.delenv(metrics.cpu_peak_env(dtype), raising=False)
     monkeypatch.setattr(metrics, "cpu_native_bf16", lambda: native)
+    for var in hardware.ISA_LIMIT_ENV:
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(hardware, "measure_cpu_gemm_flops",
                         lambda threads, dtype="fp32", **kw: {"fp32": FP32, "bf16": SLOW_BF16}[dtype])
 
@@ -137,6 +139,13 @@ def test_bf16_advice_names_both_rates(monkeypatch, tmp_path):
     assert metrics.bf16_advice(2) == ""
     _no_native_bf16(monkeypatch, tmp_path, native=None)  # no /proc/cpuinfo: unknown, say nothing
     assert metrics.bf16_advice(2) == ""
+    # A native-bf16 CPU whose bf16 kernels an ISA cap turns off is measured, not trusted; the cap is part of the
+    # cache key, so the uncapped rate measured before is not reused.
+    _no_native_bf16(monkeypatch, tmp_path / "capped", native=True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert re.match(ADVICE.replace(r"on a CPU without native bf16 \(no amx_bf16 or avx512_bf16 in /proc/cpuinfo\)",
+                                   r"with its kernels capped by ONEDNN_MAX_CPU_ISA=AVX2"), metrics.bf16_advice(2))
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in hardware._machine_key("bf16", 2)
 
 
 def test_train_bf16_on_a_cpu_without_native_bf16_says_so_once(monkeypatch, tmp_path, corpus_dir, capsys):

@@ -293,7 +293,17 @@ def _machine_key(dtype: str, threads: int) -> str:
 
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                   if line.startswith("model name")), platform.processor() or platform.machine())
-    return f"{platform.node()}|{model}|{dtype}|{threads} threads|torch {torch.__version__}"
+    limit = isa_limit()
+    return f"{platform.node()}|{model}{'|' + limit if limit else ''}|{dtype}|{threads} threads|torch {torch.__version__}"
+
+
+ISA_LIMIT_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")  # oneDNN's and ATen's kernel ISA caps
+
+
+def isa_limit() -> str:
+    """The kernel ISA caps set in the environment ('' if none): they change the GEMM rates (capped to AVX2,
+    this AMX host's bf16 GEMM falls from ~1300 to ~2.4 GFLOP/s, as on a CPU without native bf16)."""
+    return ",".join(f"{k}={os.environ[k]}" for k in ISA_LIMIT_ENV if os.environ.get(k))
 
 
 def cached_cpu_gemm_flops(threads: int, dtype: str = "fp32", cache_dir: str | Path | None = None) -> float:

@@ -18,21 +18,26 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import first_line
 from .errors import StorageError, os_reason
-from .hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes  # noqa: F401 (re-used names)
+from .hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes, isa_limit  # noqa: F401 (re-used names)
 
 
 def bf16_advice(threads: int) -> str:
-    """'' unless this CPU lacks native bf16 (no AMX-BF16 or AVX512-BF16 in /proc/cpuinfo); then one line with
-    the measured bf16 and fp32 GEMM rates (bounded, cached) and the advice to train in fp32. Such a CPU emulates
-    bf16 GEMMs: 1.2 GFLOP/s against 69-83 in fp32 on a 2-core AVX2 machine (issue 27)."""
-    if cpu_native_bf16() is not False:
+    """'' unless bf16 GEMMs are emulated here: a CPU without native bf16 (no AMX-BF16 or AVX512-BF16 in
+    /proc/cpuinfo), or one whose bf16 kernels an ISA cap in the environment turns off (ONEDNN_MAX_CPU_ISA,
+    ATEN_CPU_CAPABILITY). Then, if the measured bf16 GEMM (bounded, cached) is slower than fp32, one line with
+    both rates and the advice to train in fp32. Emulated bf16 ran at 1.2 GFLOP/s against 69-83 in fp32 on a
+    2-core AVX2 machine (issue 27)."""
+    native, limit = cpu_native_bf16(), isa_limit()
+    if native is None or (native and not limit):
         return ""
     bf16, fp32 = cpu_peak_flops(threads, "bf16"), cpu_peak_flops(threads, "fp32")
-    if bf16 >= fp32:  # emulated but no slower (a future kernel): nothing to advise
+    if bf16 >= fp32:  # emulated but no slower (a future kernel, a cap that keeps bf16): nothing to advise
         return ""
-    return (f"warning: train.dtype=bf16 on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo): "
-            f"a bf16 GEMM runs at {bf16 / 1e9:.1f} GFLOP/s against {fp32 / 1e9:.1f} in fp32 ({fp32 / bf16:.0f}x "
-            f"slower) on {threads} thread{'s' if threads > 1 else ''}; use --train.dtype fp32")
+    why = f"with its kernels capped by {limit}" if native else \
+        "on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo)"
+    return (f"warning: train.dtype=bf16 {why}: a bf16 GEMM runs at {bf16 / 1e9:.1f} GFLOP/s against "
+            f"{fp32 / 1e9:.1f} in fp32 ({fp32 / bf16:.0f}x slower) on {threads} thread{'s' if threads > 1 else ''}; "
+            f"use --train.dtype fp32")
 
 
 def device_peak_flops(device: torch.device, dtype: str, threads: int) -> float:
