@@ -30,6 +30,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the private module)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover
+    AllGather = ReduceScatter = None
+
 from .clip import clip_grad_norm_
 from .dims import ParallelDims
 from .dp import Reducer
@@ -66,7 +71,41 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
+    if AllGather is not None and str(torch.distributed.get_backend(group)) == "gloo":
+        for module in model.modules():
+            if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
+                module.set_custom_all_gather(_AllGatherByAllReduce())
+                module.set_custom_reduce_scatter(_ReduceScatterByAllReduce())
     return unsharded
+
+
+# gloo's reduce-scatter and all-gather each cost about twice its all-reduce of the full buffer (comm.py,
+# _SHARDED_AS_ALL_REDUCE), so on gloo FSDP2's two collectives run as all-reduces too. Exact: an all-gather sums
+# one rank's values with zeros; a reduce-scatter's slice of the all-reduced input is the same sum.
+if AllGather is not None:
+    class _AllGatherByAllReduce(AllGather):
+        def allocate(self, size, *, dtype, device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            r, n = group.rank(), input_tensor.numel()
+            out = output_tensor.view(-1)
+            out[:r * n].zero_()
+            out[(r + 1) * n:].zero_()
+            mine = out[r * n:(r + 1) * n]
+            if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies in place: the input is this slice
+                mine.copy_(input_tensor.view(-1))
+            return torch.distributed.all_reduce(output_tensor, group=group, async_op=async_op)
+
+    class _ReduceScatterByAllReduce(ReduceScatter):
+        def allocate(self, size, *, dtype, device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            torch.distributed.all_reduce(input_tensor, op=op, group=group)  # FSDP2 calls it blocking on CPU
+            r, n = group.rank(), output_tensor.numel()
+            output_tensor.view(-1).copy_(input_tensor.view(-1)[r * n:(r + 1) * n])
+            return None
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
