@@ -435,3 +435,25 @@ def test_zero1_param_gather_overlaps_the_next_forward():
         assert waits[0][1] > 0 and waits[-1][1] < waits[0][1], waits  # later blocks' gathers still travelling
     for n, t in out[0]["params"].items():
         assert torch.equal(t, out[1]["params"][n]), f"replicas of {n} differ"
+
+
+def _native_vs_all_reduce_ranks(rank, world):
+    """The same cases with gloo's own reduce-scatter / all-gather (what NCCL runs) and as all-reduces (what gloo
+    runs by default, comm.SHARDED_AS_ALL_REDUCE); each is checked against the Reducer inside _one_case and
+    _fsdp_vs_reducer (zero 3: FSDP2 with and without the custom comms)."""
+    from nanotitan.parallel import comm
+    out = {}
+    for native in (True, False):
+        comm.SHARDED_AS_ALL_REDUCE = () if native else ("gloo",)
+        out[native] = [_one_case(rank, world, *case) for case in CASES[:3]]
+        _fsdp_vs_reducer(rank, world, 2, 1, 0.0, "shard", "always")
+    return out
+
+
+def test_zero_on_gloo_all_reduce_path_gives_the_native_collectives_bits():
+    """On gloo, ZeRO's reduce-scatter and all-gather run as all-reduces (2x cheaper there): at 2 ranks every sum
+    has two terms, so both paths give the same bits; the native one stays tested because NCCL runs it."""
+    out = run_ranks(_native_vs_all_reduce_ranks, 2, timeout=240)
+    for ranks_out in out:
+        for i, (a, b) in enumerate(zip(ranks_out[True], ranks_out[False])):
+            assert np.array_equal(a, b), f"{CASES[i]}: the all-reduce path differs from gloo's own collectives"

@@ -62,25 +62,28 @@ def _nbytes(t: torch.Tensor) -> int:
 # Backends that take CPU tensors. NCCL takes only CUDA tensors: a CPU one fails deep inside NCCL, or hangs.
 # "fake" (torch's FakeProcessGroup) moves nothing: `nanotitan plan --dry-run` builds ranks on it.
 _CPU_BACKENDS = ("gloo", "mpi", "fake")
+_BACKEND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its backend's name
 
 
-_TAKES_CPU: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its backend takes CPU
+def backend(group) -> str:
+    """The group's backend name, looked up once per group (dist.get_backend costs microseconds on every call,
+    and a step makes dozens); a re-initialised world is a new group object."""
+    pg = group if group is not None else dist.group.WORLD
+    name = _BACKEND.get(pg) if pg is not None else None
+    if name is None:
+        name = str(dist.get_backend(group))
+        if pg is not None:
+            _BACKEND[pg] = name
+    return name
 
 
 def check_device(t: torch.Tensor, group=None) -> torch.Tensor:
     """Refuse a CPU tensor on a collective whose backend cannot take it (a GPU job's NCCL groups), naming it.
-    A mixed backend ("cpu:gloo,cuda:nccl") takes both. Only CPU tensors pay for the backend lookup, once per
-    group (dist.get_backend costs microseconds on every call; a step makes dozens)."""
+    A mixed backend ("cpu:gloo,cuda:nccl") takes both. Only CPU tensors pay for the backend lookup (cached)."""
     if t.device.type == "cpu":
-        pg = group if group is not None else dist.group.WORLD  # a re-initialised world is a new object
-        ok = _TAKES_CPU.get(pg) if pg is not None else None
-        if ok is None:
-            ok = any(b in str(dist.get_backend(group)) for b in _CPU_BACKENDS)
-            if pg is not None:
-                _TAKES_CPU[pg] = ok
-        if not ok:
-            backend = str(dist.get_backend(group))
-            raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {backend} collective: "
+        name = backend(group)
+        if not any(b in name for b in _CPU_BACKENDS):
+            raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {name} collective: "
                                f"allocate it on the job's device (NCCL groups take CUDA tensors only)")
     return t
 
@@ -133,7 +136,7 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
     """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group` (ZeRO-1/2 gradients). On gloo, `inp`
-    is all-reduced in place instead (see _SHARDED_AS_ALL_REDUCE) and this rank's slice lands in `out`."""
+    is all-reduced in place instead (see SHARDED_AS_ALL_REDUCE) and this rank's slice lands in `out`."""
     return _async_sharded("reduce-scatter", _REDUCE_SCATTER, out, inp, inp, group, axis)
 
 
@@ -146,18 +149,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") ->
 # gloo's reduce-scatter and all-gather each cost about twice its (ring) all-reduce of the full buffer (2 ranks,
 # 4-32 MiB, this host: all-reduce 34-38 ms, reduce-scatter 63-78, all-gather 67-70), where a ring does each in
 # half an all-reduce's bytes. So on gloo both run as an all-reduce of the full buffer; NCCL keeps the real ones.
-_SHARDED_AS_ALL_REDUCE = ("gloo",)
-_BACKEND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its backend's name
-
-
-def _backend(group) -> str:
-    pg = group if group is not None else dist.group.WORLD
-    name = _BACKEND.get(pg) if pg is not None else None
-    if name is None:
-        name = str(dist.get_backend(group))
-        if pg is not None:
-            _BACKEND[pg] = name
-    return name
+# (tests/parallel/test_zero.py empties it in its ranks so that gloo also runs the collectives NCCL runs.)
+SHARDED_AS_ALL_REDUCE = ("gloo",)
 
 
 def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torch.Tensor, group,
@@ -167,7 +160,7 @@ def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torc
     t0 = time.perf_counter()
     then = None
     with _label(axis, op), RECORD.call(axis, op, (full,), group, done=False) as ticket:
-        if _backend(group) in _SHARDED_AS_ALL_REDUCE:
+        if backend(group) in SHARDED_AS_ALL_REDUCE:
             then = _sharded_by_all_reduce(op, out, inp, group)
             work = dist.all_reduce(full, group=group, async_op=True)
         else:

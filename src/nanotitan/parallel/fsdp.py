@@ -35,6 +35,7 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
+from . import comm
 from .clip import clip_grad_norm_
 from .dims import ParallelDims
 from .dp import Reducer
@@ -71,7 +72,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
-    if AllGather is not None and str(torch.distributed.get_backend(group)) == "gloo":
+    if AllGather is not None and comm.backend(group) in comm.SHARDED_AS_ALL_REDUCE:
         for module in model.modules():
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
                 module.set_custom_all_gather(_AllGatherByAllReduce())
@@ -80,7 +81,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
 
 
 # gloo's reduce-scatter and all-gather each cost about twice its all-reduce of the full buffer (comm.py,
-# _SHARDED_AS_ALL_REDUCE), so on gloo FSDP2's two collectives run as all-reduces too. Exact: an all-gather sums
+# SHARDED_AS_ALL_REDUCE), so on gloo FSDP2's two collectives run as all-reduces too. Exact: an all-gather sums
 # one rank's values with zeros; a reduce-scatter's slice of the all-reduced input is the same sum.
 if AllGather is not None:
     class _AllGatherByAllReduce(AllGather):
