@@ -201,7 +201,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
-    stages = stage_summaries(shape, layout, counts, ac, n_virt, prec)
+    # parallel.ep_overlap runs the experts in groups (_ExpertTrip), with their own weight-gradient landing
+    trips = bool(cfg.parallel.ep_overlap) and ep > 1 and min(cfg.parallel.ep_chunks, e_local) > 1
+    stages = stage_summaries(shape, layout, counts, ac, n_virt, prec, trips)
     # zb1 under AC: a microbatch between its B and its W keeps what the deferred weight GEMMs read (model/wgrad.py),
     # about its uncheckpointed activations; stage s holds s of them (its deferred W's) beside its checkpointed ones.
     unckpt = stage_summaries(shape, layout, counts, False, n_virt, prec) if ac and layout.schedule == "zb1" else None
@@ -226,33 +228,50 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         if unckpt is not None and pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
             w_pending = min(s, M)
             act_bytes += w_pending * (T * (unckpt[s].act_bytes - st.act_bytes) + unckpt[s].cast_bytes - st.cast_bytes)
-        transient = [2 * T * V * 4 if st.last else 0.0,  # gradients of log-softmax and logits (fp32 CE)
-                     # one block's backward (and its recompute, weight copies included, under AC); the head's
-                     # activations are freed by then
-                     T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes,
-                     # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
-                     # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
-                     st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0),
-                     2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0,  # all-to-all send + recv
-                     2 * T * D * prec.act if pp > 1 else 0.0]  # P2P gradient buffers
         # Between steps a rank keeps params/grads/optimizer. During a step (docs/dp.md "Peak memory"): zero 2
         # "full" holds every full gradient bucket from the first backward to finish(), "shard" at most the buckets
         # in flight plus the one backward fills; zero 3 "never" the gathered params from the first forward to the
-        # final backward, "always" the root's (embedding, head) and on a stage that is not the last a block's: the
-        # last stage peaks as the head's backward starts (the logits' gradients live), the others while a block
-        # runs; zero 3 "full" accumulates unsharded gradients over the microbatches (M = 1: one module's at a time).
+        # final backward, "always" those of the moment (below); zero 3 "full" accumulates unsharded gradients over
+        # the microbatches (M = 1: one module's at a time).
         grad_params = n_shard if zero >= 2 else n_local
         root = (V * D if st.first else 0) + (V * D + D if st.last else 0)
         block = (n_local - root) / max(st.n_layers, 1)
+        # zero 3 "always" (FSDP2 reshards every module after its forward and its backward): the root's params
+        # (embedding, head) stay gathered all step, and beside them one all-gather result FSDP2 holds apart from
+        # the params it copies out to: in backward a block's non-expert group, prefetched; at the forward's end
+        # the last module's (the last block's experts), freed when the root's forward ends. While a block runs,
+        # its own params too, and on the last stage the head's unsharded gradient (reduce-scattered with the
+        # root's at the end of backward). Measured with `nanotitan plan --dry-run` (docs/plans/mixtral-8x7b-h100.md).
+        gathered, ag, ag_last, in_block = 0.0, 0.0, 0.0, (0.0, 0.0)
+        if zero == 3 and z_reshard:
+            ne_block = (st.n_ne - root) / max(st.n_layers, 1)
+            ex_block = st.n_ex / max(st.n_layers, 1) if ex_group > 1 else 0.0  # dp == 1: experts not FSDP's
+            gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
+            in_block = (ag + (ne_block + ex_block) * prec.param, (V * D + D) * prec.grad if st.last else 0.0)
+        # the largest transient: (bytes, gathered params beside it, unsharded gradients beside it)
+        transient = [(2 * T * V * 4 if st.last else 0.0, ag, 0.0),  # gradients of log-softmax and logits (fp32 CE)
+                     # one block's backward (and its recompute, weight copies included, under AC); the head's
+                     # activations are freed by then
+                     (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes, *in_block),
+                     # an MoE block's end of backward: its experts' weight-gradient pieces beside what it still holds
+                     # (the head's activations and weight copy freed too)
+                     (T * (st.land_bytes - st.head_act_bytes) + st.land_fixed_bytes - st.head_cast_bytes
+                      if st.n_moe else 0.0, *in_block),
+                     # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
+                     # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
+                     (st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0),
+                      ag_last, 0.0),
+                     (2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0, *in_block),  # all-to-all send + recv
+                     (2 * T * D * prec.act if pp > 1 else 0.0, ag, 0.0)]  # P2P gradient buffers
+        buffers, block_params, block_grads = max(transient, key=sum)
         parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
                  "grads": grad_params * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
                  "grad_buckets": (min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) if zero == 2 and z_shard
                                   else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
-                                  else block if zero == 3 and not z_reshard else 0.0) * prec.grad,
-                 "gathered_params": (0.0 if zero < 3 else n_fsdp if not z_reshard
-                                     else root + (0.0 if st.last else block)) * prec.param,
-                 "activations": act_bytes, "buffers": max(transient),
+                                  else block if zero == 3 and not z_reshard else 0.0) * prec.grad + block_grads,
+                 "gathered_params": (n_fsdp * prec.param if zero == 3 and not z_reshard else gathered + block_params),
+                 "activations": act_bytes, "buffers": buffers,
                  "reserved": hw.mem_reserved_bytes}
         # Saving or loading a checkpoint (docs/dp.md "Checkpoints"): the state between steps plus one tensor in
         # flight (a box copied as DCP writes it, or a stored chunk read before its overlap is copied into the live

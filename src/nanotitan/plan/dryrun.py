@@ -151,6 +151,21 @@ def _held(shard, optimizer) -> list[torch.Tensor]:
     return [t.to_local() if hasattr(t, "to_local") else t for t in out]  # FSDP2's DTensors: this rank's shard
 
 
+def _zero3_grads(model: torch.nn.Module) -> None:
+    """The gradient shards a zero-3 rank holds from its first step on (FSDP2 makes them at the first reduce-scatter,
+    FSDPSync.zero_grad zeroes them in place): zeros over a padded storage like the parameter shard's, as FSDP2's
+    reduce-scatter output is padded to equal shards."""
+    from torch.distributed.tensor import DTensor
+
+    for q in model.parameters():
+        if isinstance(q, DTensor) and q.grad is None:
+            local = q.to_local()
+            padded = torch.zeros(local.untyped_storage().nbytes() // local.element_size(), dtype=local.dtype)
+            g = padded.as_strided(local.shape, local.stride(), local.storage_offset())
+            q.grad = DTensor.from_local(g, q.device_mesh, q.placements, run_check=False, shape=q.shape,
+                                        stride=q.stride())
+
+
 def _kept(meter: TensorBytesMeter, module: torch.nn.Module) -> int:
     """Bytes allocated since the step began and alive now, less the parameters the module gathered (zero 3
     all-gathers them at the first forward and keeps them through the step)."""
@@ -188,6 +203,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
+            _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
             xs = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
             ys = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]

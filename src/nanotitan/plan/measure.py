@@ -44,11 +44,47 @@ class TensorBytesMeter(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
 
+    # FSDP2 (zero 3) frees a module's gathered params with storage.resize_(0) and re-gathers into the same storage
+    # with resize_(n): no op a dispatch mode sees, and the storage lives on. While active, resize_ is counted too.
+    def __enter__(self):
+        meter, resize = self, torch.UntypedStorage.resize_
+        self._own = vars(torch.UntypedStorage).get("resize_")  # None: the C base class's, inherited
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            meter._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._own is None:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = self._own
+        return super().__exit__(*exc)
+
+    def _resized(self, s) -> None:
+        key = storage_key(s)
+        if key in self.skip:
+            return
+        if key not in self.live:  # allocated before the meter (or empty until now)
+            if s.nbytes() == 0:
+                return
+            self.live[key] = 0
+            weakref.finalize(s, self._free, key)
+        self.current += s.nbytes() - self.live[key]
+        self.live[key] = s.nbytes()
+        self.peak = max(self.peak, self.current)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
+            if hasattr(t, "to_local"):  # a DTensor (zero 3): its own storage is a wrapper's, the whole tensor's size
+                t = t.to_local()
             s = t.untyped_storage()
             key = storage_key(s)
             if key in self.live or key in self.skip or s.nbytes() == 0:

@@ -130,6 +130,31 @@ class ModelShape:
         copies = half * 3 * D * Fd
         return 4 * (2 * D + 1) + half * (2 * D + 4 * Fd), half * 2 * Fd + 4 * 2 * D, copies, copies
 
+    def expert_grad_landing(self, i: int, prec: "Precision", ep: int = 1, overlap: bool = False
+                            ) -> tuple[float, float, float]:
+        """MoE layer i's FFN half at the end of its backward, when its routed experts' weight gradients land:
+        (bytes per token it still keeps from the forward, bytes per token of gradients, fixed bytes). ExpertFFN
+        unbinds each stacked weight (model/moe.py), and autograd's unbind backward waits for every local expert's
+        gradient piece, in the param dtype, then stacks them: at the first stack the pieces of all three weights
+        and one stacked weight are alive, 4·L·D·F parameters' worth. Per token: the norm, router and routing
+        indices, the experts' input gradient (K·D: fp32 without EP, where the experts read the fp32 norm output)
+        and the residual stream's; the experts' activations and weight copies are freed by then, the shared
+        experts' too (their backward runs first). parallel.ep_overlap's _ExpertTrip (parallel/ep.py) is one
+        autograd node: what it saved (the weights' copies, the experts' activations) lives until it returns, beside
+        the groups' gradients in the compute dtype and all three weights' whole gradients in the param dtype."""
+        D, F, K, E = self.d_model, self.ffn_dim, self.top_k, self.num_experts
+        w = E // ep * D * F  # elements of one local stacked weight
+        c, p = prec.act, prec.param  # compute and param (so gradient-piece) dtypes
+        if not prec.autocast:
+            keep, grads = (3 * D + 1 + E + 8 * K) * c, (K * D + 2 * D) * c
+        else:
+            keep = 4 * (3 * D + 1 + E + 2 + K) + 8 * 3 * K
+            grads = (c if ep > 1 else 4) * K * D + 4 * 2 * D
+        if not overlap:
+            return keep, grads, 4 * w * p
+        copies = 3 * w * c if c != p else 0.0  # _cast is a no-op when the weights are in the compute dtype
+        return keep + c * K * (D + 4 * F), grads, copies + 3 * w * (c + p) + (w * c if c != p else 0.0)
+
     def head_bytes(self, prec: "Precision") -> tuple[float, float]:
         """The head (final norm, LM head, log-softmax): (bytes kept per token, weight bytes its forward copies)."""
         D, V = self.d_model, self.vocab
@@ -223,17 +248,24 @@ class StageSummary:
     cast_bytes: float = 0.0
     cast_layer_max_bytes: float = 0.0
     cast_cache_bytes: float = 0.0  # checkpointed blocks' cached weight copies, alive until a forward's end
+    # the largest MoE block at its experts' weight-gradient landing (ModelShape.expert_grad_landing): bytes per
+    # token (under checkpointing its recomputed attention half included) and fixed bytes (the gradient pieces)
+    land_bytes: float = 0.0
+    land_fixed_bytes: float = 0.0
+    head_cast_bytes: float = 0.0  # part of `cast_bytes`: the head's weight copy (freed with its activations)
 
 
 def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | None = None,
                     activation_checkpointing: bool = False, virtual_stages: int = 1,
-                    prec: Precision | None = None) -> list[StageSummary]:
+                    prec: Precision | None = None, ep_overlap: bool = False) -> list[StageSummary]:
     """Per-stage (per pipeline rank) parameter, FLOP and activation counts; layers split as `model.spec` does:
     pp_layers are the layers of each of the pp*virtual_stages chunks (even when not given), rank s holding
-    chunks s, s+pp, ... (interleaved schedule). The *_bytes fields are at `prec` (default fp32)."""
+    chunks s, s+pp, ... (interleaved schedule). The *_bytes fields are at `prec` (default fp32); `ep_overlap`:
+    the experts run in _ExpertTrip's groups (parallel.ep_overlap with more than one group)."""
     prec = prec or PRECISIONS["fp32"]
     ac = activation_checkpointing
     pp, D, V = layout.pp, shape.d_model, shape.vocab
+    T = layout.micro_batch * shape.seq_len
     e_local = shape.num_experts // layout.ep
     n_chunks = pp * virtual_stages
     counts = list(pp_layers) if pp_layers and len(pp_layers) == n_chunks else even_counts(shape.n_layers, n_chunks)
@@ -246,6 +278,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
         act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
+        land = None  # (per token, fixed) of the heaviest MoE block at its weight-gradient landing
         for i, has_attn, has_ffn in blocks:
             halves = [shape.half_bytes(i, part, prec, layout.ep) for part, own in (("attn", has_attn),
                                                                                   ("ffn", has_ffn)) if own]
@@ -256,6 +289,15 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             act_b += (4 if prec.autocast else prec.act) * D if ac else kept_b
             layer_max_b = max(layer_max_b, bwd_b + (kept_b if ac else 0.0))
             cast_b, cast_max_b = (cast_b, max(cast_max_b, copies)) if ac else (cast_b + copies, cast_max_b)
+            if has_ffn and shape.is_moe(i):
+                keep, grads, fixed = shape.expert_grad_landing(i, prec, layout.ep, ep_overlap)
+                if ac:  # the recomputed block is still alive: its attention half whole, the FFN's routing part
+                    attn = halves[0] if has_attn else (0.0, 0.0, 0.0, 0.0)
+                    keep, fixed = keep + attn[0], fixed + attn[2]
+                else:  # the block's kept bytes are in the microbatch's activations: less what its FFN freed
+                    keep, fixed = keep - halves[-1][0], fixed - halves[-1][2]
+                if land is None or T * (keep + grads) + fixed > T * land[0] + land[1]:
+                    land = (keep + grads, fixed)
             ne, one_expert = shape.layer_params(i)
             fd, fe = shape.layer_fwd_flops(i)
             a, bwd = shape.layer_act_elems(i), shape.layer_bwd_elems(i)
@@ -284,5 +326,6 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             act += head_act
             act_b, cast_b = act_b + head_b, cast_b + head_cast  # the head is never checkpointed
         out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
-                                first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b))
+                                first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b,
+                                *(land or (0.0, 0.0)), head_cast))
     return out
