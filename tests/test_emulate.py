@@ -167,7 +167,9 @@ def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_
     """configs/bench.toml's model on 4 ranks, one NVLink node vs nodes of 2 over 100 Gb/s (docs/emulate.md), both at
     dilation 1.7e-3 (the 2-core machine's fp32 rate against an H100's): pure DP all-reduces over every link, so it
     wins on NVLink and loses across the slow network to dp1 pp2 ep2, whose EP groups stay inside a node there. The
-    planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too."""
+    planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too. Each layout's step
+    is its fastest of 6 (steps 3-8): another job on the 2 cores only ever slows a step, and it once made DP4's
+    median 0.81 s against its 0.2-0.3 s."""
     from nanotitan.bench_layouts import emulated_predictions, run_layout, summarise
 
     data = ["--data.source", str(corpus_dir), "--train.seed", "3"]
@@ -178,9 +180,11 @@ def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_
         base = ["--config=configs/bench.toml", *data, *emu]
         rows = []
         for dp, pp, ep, M in ((4, 1, 1, 2), (1, 2, 2, 4)):
-            res = run_layout(dp, pp, ep, "1f1b", M, 2, 6, tmp_path / f"{name}_{dp}{pp}{ep}", base, timeout=600)
+            res = run_layout(dp, pp, ep, "1f1b", M, 2, 8, tmp_path / f"{name}_{dp}{pp}{ep}", base, timeout=600)
+            fastest = min(r["step_time_s"] for r in res["records"] if 2 < r["step"] <= 8)
             rows.append({"dp": dp, "pp": pp, "ep": ep, "schedule": "1f1b" if pp > 1 else "-", "M": M, "m": 2,
-                         **summarise(res, (2, 6)), "peak_mem_per_rank": [r["peak_mem_bytes"] for r in res["ranks"]]})
+                         **summarise(res, (2, 8)), "step_time_s": fastest,
+                         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in res["ranks"]]})
         cfg = load_config("configs/bench.toml", data + emu)
         pred = emulated_predictions(rows, cfg, emulate.link_model(cfg), "cpu-gloo")["rows"]
         order[name] = ([r["pred_step_s"] for r in pred], [r["meas_step_s"] for r in pred])

@@ -169,11 +169,16 @@ class MoE(nn.Module):
                                      self.router.wgrad_store)
             scores_TE = logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
         # Select on score + bias (the bias steers selection only), weight by the selected scores (DeepSeek-V3).
-        select_TE = scores_TE if self.router_bias is None else scores_TE + self.router_bias
-        expert_ids_TK = select_TE.topk(K, dim=-1).indices
-        weights_TK = scores_TE.gather(1, expert_ids_TK)
+        if self.router_bias is None:  # topk's values are the selected scores: no gather
+            weights_TK, expert_ids_TK = scores_TE.topk(K, dim=-1)
+        else:
+            expert_ids_TK = (scores_TE + self.router_bias).topk(K, dim=-1).indices
+            weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.norm_topk:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)  # sigmoids may underflow
+            denom = weights_TK.sum(dim=-1, keepdim=True)
+            if self.score == "sigmoid":  # sigmoids may underflow; K softmax scores sum to at least K/E
+                denom = denom.clamp_min(1e-20)
+            weights_TK = weights_TK / denom
         if self.routed_scale != 1.0:
             weights_TK = weights_TK * self.routed_scale
 
