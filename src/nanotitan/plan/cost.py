@@ -331,13 +331,15 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
     red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
-    sync = _ring_half_s if zero else _ring_allreduce_s
+    # A reduce-scatter or all-gather is half a ring all-reduce (NCCL); a CPU profile runs gloo, where ZeRO runs each
+    # as a whole all-reduce (comm.SHARDED_AS_ALL_REDUCE: gloo's own cost twice that).
+    half = _ring_allreduce_s if hw.cores_per_node else _ring_half_s
+    sync = half if zero else _ring_allreduce_s
     for s, st in enumerate(stages):
         t_ar = (sync(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
                 + sync(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
-        t_ag = 0.0 if not zero else (_ring_half_s(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
-                                     + _ring_half_s(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw,
-                                                    ex_link.latency_s))
+        t_ag = 0.0 if not zero else (half(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                                     + half(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
         # "shard" (zero 2/3) reduce-scatters every microbatch, each behind its own backward; zero 3 "always"
         # all-gathers each module around every microbatch's forward and backward (2M), prefetched behind them
         n_rs = M if zero >= 2 and z_shard else 1
