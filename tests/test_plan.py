@@ -560,3 +560,20 @@ def test_ep_overlap_charges_only_the_exposed_all_to_all():
     ep8 = Layout(1, 1, 8, "1f1b", 1, 4)  # one expert per rank: nothing to pipeline, charged as without overlap
     assert (predict(load_config(None, base + ["--parallel.ep_overlap", "true"]), ep8, hw, opts).costs["ep_a2a"]
             == predict(load_config(None, base), ep8, hw, opts).costs["ep_a2a"])
+
+
+def test_peak_tensor_check_compares_tensor_bytes_without_the_reserve():
+    """`nanotitan plan --peaks`: the planner's peak (save transient included) less the profile's reserve, against
+    the max over ranks of the measured step high-water marks; rows without them are skipped."""
+    from nanotitan.plan.calibrate import format_peak_check, peak_tensor_check
+
+    cfg = load_config(str(REPO / "configs/bench.toml"))
+    hw = get_hardware("cpu-gloo")
+    lay = Layout(1, 2, 1, "1f1b", 8, 2)
+    pred = predict(layout_config(cfg, lay), lay, hw)
+    want = max(pred.mem_by_stage) - hw.mem_reserved_bytes
+    row = {"dp": 1, "pp": 2, "ep": 1, "schedule": "1f1b", "M": 8, "m": 2}
+    out = peak_tensor_check([dict(row, peak_tensor_per_rank=[want / 2, want / 1.1]), row], cfg, hw)
+    assert len(out) == 1 and out[0]["pred"] == pytest.approx(want) and out[0]["err"] == pytest.approx(0.1)
+    assert out[0]["pred"] >= max(out[0]["pred_step"], out[0]["pred_save"])
+    assert "+10.0%" in format_peak_check(out)

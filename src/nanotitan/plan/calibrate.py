@@ -164,6 +164,42 @@ def calibration_rows(path: str) -> list[dict]:
             for r in data["rows"]]
 
 
+def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Hardware | None = None,
+                      opts: PlanOptions | None = None) -> list[dict]:
+    """The planner's per-rank peak of live tensor bytes (its memory peak less the profile's reserve) against the
+    measured step high-water mark (`peak_tensor_per_rank` of a `nanotitan bench layouts` row: summary.json's
+    `peak_tensor_bytes`, metrics.PeakTensorBytes), both the max over ranks. `pred_step` is the step's peak,
+    `pred` the planner's peak with the checkpoint-save transient (what `fits` checks), less the reserve."""
+    hw = detect_hardware(hardware)
+    out = []
+    for r in measured_rows:
+        meas = r.get("peak_tensor_per_rank")
+        if not meas or None in meas:
+            continue
+        lay = _layout_of(r, cfg)
+        pred = predict(layout_config(cfg, lay), lay, hw, opts or PlanOptions())
+        step = [sum(p.values()) - p["reserved"] for p in pred.mem_parts_by_stage]
+        peak = [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
+        save = [c - p["reserved"] for c, p in zip(pred.ckpt_by_stage, pred.mem_parts_by_stage)]
+        out.append(dict(layout=lay.short(), meas=max(meas), pred_step=max(step), pred_save=max(save), pred=max(peak),
+                        err=max(peak) / max(meas) - 1,
+                        per_rank=[(x, peak[(g // lay.ep) % lay.pp]) for g, x in enumerate(meas)]))
+    return out
+
+
+def format_peak_check(rows: list[dict]) -> str:
+    lines = ["| layout | measured step peak (MiB) | predicted step peak (MiB) | predicted save transient (MiB) | "
+             "predicted peak incl. save (MiB) | error |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['meas'] / 2**20:.1f} | {r['pred_step'] / 2**20:.1f} | "
+                     f"{r['pred_save'] / 2**20:.1f} | {r['pred'] / 2**20:.1f} | {100 * r['err']:+.1f}% |")
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["err"]))
+        lines.append(f"\nmax |error| {100 * abs(worst['err']):.1f}% ({worst['layout']}), median "
+                     f"{100 * statistics.median(abs(r['err']) for r in rows):.1f}% over {len(rows)} layouts")
+    return "\n".join(lines)
+
+
 def format_calibration(result: dict) -> str:
     lines = ["| layout | predicted step (ms) | measured step (ms) | error | predicted mem (MiB) | "
              "measured mem (MiB) | mem error | predicted dominant |", "|---|---:|---:|---:|---:|---:|---:|---|"]

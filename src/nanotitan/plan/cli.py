@@ -9,7 +9,8 @@ import sys
 from ..config import ConfigError, load_config
 from ..hardware import detect_hardware, save_hardware
 from ..resolve import resolve_model
-from .calibrate import calibrate, calibration_rows, fit_profile, format_calibration
+from .calibrate import (calibrate, calibration_rows, fit_profile, format_calibration, format_peak_check,
+                        peak_tensor_check)
 from .cost import PlanOptions
 from .search import format_table, plan, reason
 from .shape import PRECISIONS, ModelShape
@@ -35,6 +36,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",
                     help="fit --hardware's time constants and memory reserve to `nanotitan bench layouts` output "
                          "(with its --config) and write the calibrated profile to --out")
+    ap.add_argument("--peaks", default="", metavar="LAYOUTS_JSON",
+                    help="the planner's per-rank peak of live tensor bytes (save transient included) against each "
+                         "layout's measured step high-water mark in `nanotitan bench layouts` output (its --config)")
     ap.add_argument("--out", default="", help="with --measure/--calibrate: profile JSON path; else: also write the table there")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
@@ -67,6 +71,10 @@ def main(argv: list[str]) -> int:
             save_hardware(hw, args.out)
             res = calibrate(rows, cfg, hw)
             print(f"wrote {args.out}: {hw.source}\n\n{format_calibration(res)}")
+            return 0
+        if args.peaks:
+            cfg = resolve_model(load_config(args.config, overrides))  # the config `bench layouts` ran
+            print(format_peak_check(peak_tensor_check(calibration_rows(args.peaks), cfg, args.hardware)))
             return 0
         if not args.ranks:
             raise ConfigError("nanotitan plan needs --ranks N (the world size to plan for)")
