@@ -172,20 +172,30 @@ def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torc
 def _sharded_by_all_reduce(op: str, out: torch.Tensor, inp: torch.Tensor, group):
     """Prepare an all-reduce of the full side that does `op`; returns what to run once it lands (or None).
     reduce-scatter: `inp` is summed in place (callers hand it over: it is the bucket being reduced), then this
-    rank's slice is copied to `out` unless `out` is that slice already. all-gather: `out` gets `inp` in this
-    rank's slice and zeros in the others'."""
-    r, n = dist.get_rank(group), out.numel() if op == "reduce-scatter" else inp.numel()
-    if op == "reduce-scatter":
-        mine = inp.view(-1)[r * n:(r + 1) * n]
-        same = mine.data_ptr() == out.data_ptr() and out.is_contiguous()
-        return None if same else (lambda: out.view(-1).copy_(mine))
-    flat = out.view(-1)
-    flat[:r * n].zero_()
-    flat[(r + 1) * n:].zero_()
-    mine = flat[r * n:(r + 1) * n]
+    rank's slice is copied to `out` unless `out` is that slice already. all-gather: `fill_for_gather`."""
+    r = dist.get_rank(group)
+    if op == "all-gather":
+        fill_for_gather(out, inp, r)
+        return None
+    mine = own_slice(inp, r, out.numel())
+    same = mine.data_ptr() == out.data_ptr() and out.is_contiguous()
+    return None if same else (lambda: out.view(-1).copy_(mine))
+
+
+def own_slice(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """Rank `rank`'s slice of n elements of the flat `full` (a view)."""
+    return full.view(-1)[rank * n:(rank + 1) * n]
+
+
+def fill_for_gather(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
+    """An all-gather as a SUM all-reduce of `out`: `inp` in this rank's slice (unless it is that slice already:
+    an in-place gather), zeros in the others'. x + 0 is x, so the sum is the gather, exactly."""
+    n, flat = inp.numel(), out.view(-1)
+    flat[:rank * n].zero_()
+    flat[(rank + 1) * n:].zero_()
+    mine = own_slice(flat, rank, n)
     if mine.data_ptr() != inp.data_ptr():
         mine.copy_(inp.view(-1))
-    return None
 
 
 # torch 2.13 renamed these (the old names warn); torch 2.6 only has the old ones.

@@ -89,13 +89,7 @@ if AllGather is not None:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            r, n = group.rank(), input_tensor.numel()
-            out = output_tensor.view(-1)
-            out[:r * n].zero_()
-            out[(r + 1) * n:].zero_()
-            mine = out[r * n:(r + 1) * n]
-            if mine.data_ptr() != input_tensor.data_ptr():  # FSDP2 copies in place: the input is this slice
-                mine.copy_(input_tensor.view(-1))
+            comm.fill_for_gather(output_tensor, input_tensor, group.rank())  # FSDP2 copies in: in place
             return torch.distributed.all_reduce(output_tensor, group=group, async_op=async_op)
 
     class _ReduceScatterByAllReduce(ReduceScatter):
@@ -104,8 +98,7 @@ if AllGather is not None:
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             torch.distributed.all_reduce(input_tensor, op=op, group=group)  # FSDP2 calls it blocking on CPU
-            r, n = group.rank(), output_tensor.numel()
-            output_tensor.view(-1).copy_(input_tensor.view(-1)[r * n:(r + 1) * n])
+            output_tensor.view(-1).copy_(comm.own_slice(input_tensor, group.rank(), output_tensor.numel()))
             return None
 
 

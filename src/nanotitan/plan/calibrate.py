@@ -182,8 +182,7 @@ def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Ha
         peak = [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
         save = [c - p["reserved"] for c, p in zip(pred.ckpt_by_stage, pred.mem_parts_by_stage)]
         out.append(dict(layout=lay.short(), meas=max(meas), pred_step=max(step), pred_save=max(save), pred=max(peak),
-                        err=max(peak) / max(meas) - 1,
-                        per_rank=[(x, peak[(g // lay.ep) % lay.pp]) for g, x in enumerate(meas)]))
+                        err=max(peak) / max(meas) - 1))
     return out
 
 
