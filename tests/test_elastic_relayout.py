@@ -178,7 +178,8 @@ def test_world_without_layout_leaves_a_spare_and_a_different_joiner_is_refused(c
 
 
 def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, capsys):
-    """The next generation resumes from the newest checkpoint that verifies, snapshots and run dir alike."""
+    """The next generation resumes from the newest snapshot that verifies: a unit whose shard fails its checksum
+    (and no other node holds a good copy) is named and passed over; the older one is assembled and chosen."""
     import shutil
 
     from nanotitan.config import load_config
@@ -189,12 +190,13 @@ def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, cap
     Trainer(load_config(None, base_args(corpus_dir, tmp_path / "src") + layout_args(1, 1, 1)
                         + ["--train.steps", "4", "--train.ckpt_every", "2"])).train()
     coord, _store, _raw = _coordinator(corpus_dir, tmp_path / "run", "1")
-    snaps = snapshot_root(coord.cfg) / "checkpoints"
-    shutil.copytree(tmp_path / "src" / "checkpoints", snaps)
-    shard = next((snaps / "step_4").glob("*.distcp"))
+    root = snapshot_root(coord.cfg, 0)
+    for step in (2, 4):  # a one-rank checkpoint is one node's whole unit
+        shutil.copytree(tmp_path / "src" / "checkpoints" / f"step_{step}", root / f"step_{step}" / "g1-node0")
+    shard = next((root / "step_4" / "g1-node0").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
     shard.write_bytes(bytes(data))
-    assert coord._newest_checkpoint() == snaps / "step_2"
+    assert coord._newest_checkpoint() == root / "checkpoints" / "step_2"
     out = capsys.readouterr().out
-    assert "skipped step_4" in out and "checksum" in out, out
+    assert "skipped snapshot step_4" in out and "fails its checksum" in out, out

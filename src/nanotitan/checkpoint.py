@@ -471,3 +471,33 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         torch.set_rng_state(rng)
     comm.barrier()
     return {**info["extra"], "step": int(info["step"])}
+
+
+# --- snapshots (snapshot.py): the same pieces, staged to host memory and written from a thread -----------------
+
+def stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None,
+                into: dict | None = None) -> tuple[dict, str]:
+    """A copy in host memory of what save_checkpoint writes of this rank (its pieces under global keys, and its
+    RNG state) that the next optimizer step cannot change, and '' or the first key holding NaN/inf. `into`, an
+    earlier result for the same model, is refilled rather than allocated: a fresh copy of the state costs its page
+    faults at every snapshot."""
+    live = _keyed(model, optimizer, shard)
+    if into is None:
+        into = {k: _Chunks(c.shape, [(o, torch.empty(t.shape, dtype=t.dtype)) for o, t in c.boxes.items()])
+                for k, c in live.items()}
+    for k, c in live.items():
+        for o, t in c.boxes.items():
+            into[k].boxes[o].copy_(t)
+    into[_rng_key(comm.world_rank())] = torch.get_rng_state()
+    return into, _first_nonfinite({k: t for k, c in into.items() if isinstance(c, _Chunks) for t in c.boxes.values()})
+
+
+def write_staged(state: dict, path: Path, group=None) -> list[str]:
+    """dcp.save of stage_state's copy into `path`, this rank's directory (ranks may be given different ones: the
+    files are named by rank, and the coordinator rank writes DCP's .metadata into its own), with every collective
+    on `group`: safe on a thread while training runs its collectives on other groups. Returns the files the
+    metadata points at (a rank whose keys were all deduped may leave an empty one that it does not name)."""
+    with _quiet_single_process():
+        meta = dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SaveChunks(), process_group=group,
+                        no_dist=not comm.distributed())
+    return sorted({s.relative_path for s in meta.storage_data.values()})

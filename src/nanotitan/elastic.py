@@ -15,7 +15,10 @@ the planner's layout for that world at the same global batch and micro-batch (re
     next      the coordinator plans the new world and publishes `gen/G+1`; each member agent starts its ranks
               with the planned layout and `--train.resume auto`, which load that checkpoint resharded
     failure   a rank that dies ends its generation (the others are killed); the next one starts from the newest
-              checkpoint that verifies, within train.max_restarts, and the steps since it are lost
+              checkpoint or snapshot that verifies, within train.max_restarts, and the steps since it are lost
+    snapshot  every elastic.snapshot_every steps the ranks write their state to their node's memory; each agent
+              serves its node's snapshot files (snapshot.FileServer) and pushes its node's to the next member
+              node, so a lost node's shards are still on another; node 0 assembles a resume from them
 
 Each change prints one line on node 0 and appends it to RUN_DIR/elastic.jsonl: old layout -> new layout, steps
 lost, and the pause from the change to the first completed step of the new generation, split into its parts.
@@ -26,11 +29,14 @@ nothing. docs/elastic.md measures what that costs.
 
 Store keys (prefix nanotitan/elastic/JOB), written by the agents (A), the coordinator (C) and rank 0 (R):
     joined        A  counter: node ids in arrival order (node 0 registers first: it hosts the store)
-    node/I        A  {"host", "pid", "hash"}: the hash of the code and config, which must match node 0's
+    node/I        A  {"host", "pid", "hash", "files"}: the hash of the code and config, which must match node 0's;
+                     files: HOST:PORT of its snapshot.FileServer
     refused/I     C  why node I may not join (it prints it and exits 2)
     beat/I        A  the time, every second: a node whose agent stops beating is lost
     leave/I       A  SIGTERM: node I leaves after the step in flight
-    gen, gen/G    C  counter of generations; plan of G: {"members", "flags", "layout", "resume"}
+    gen, gen/G    C  counter of generations; plan of G: {"members", "flags", "layout", "resume", "snapshot"}
+                     (snapshot: the step of node 0's assembled snapshot that `resume` names, which each member
+                     fetches into its own snapshot dir, or null)
     gen/G/stop    C  stop after the step in flight        gen/G/abort  C  kill the ranks (a failure elsewhere)
     gen/G/exit/I  A  {"code", "line"} once all of node I's ranks have exited
     gen/G/step, up, saved, result  R  (elastic_rank.py)
@@ -48,13 +54,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 from .config import Config, ConfigError, elastic_nodes, to_toml
+from . import snapshot
 from .elastic_rank import RANK_ENV, WARM_ENV, layout_line, snapshot_root
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
 BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
@@ -108,6 +116,7 @@ class Coordinator:
         self.changes = 0
         self.failures = 0
         self.last_step = 0  # the last step the newest generation completed
+        self.snapshots = snapshot_root(cfg, 0)  # node 0's: where a resume from snapshots is assembled
 
     # --- what the nodes say ---------------------------------------------------------------------------
     def _registrations(self) -> None:
@@ -182,6 +191,8 @@ class Coordinator:
                 self._next_generation()
         elif self.phase == "failing":
             if len(exits) == len(self.members):
+                # a node found lost only after the failure (its agent died with its ranks) is no member either
+                self.leaving |= {n for n, e in exits.items() if e.get("lost")}
                 self._restart()
 
     def _fail(self, failed: dict[int, dict]) -> None:
@@ -229,12 +240,13 @@ class Coordinator:
         self.layout = layout_line(c)
         self.gen += 1
         if self.gen == 1 and self.cfg.train.resume != "auto":  # the first generation starts as the user asked
-            shutil.rmtree(snapshot_root(self.cfg), ignore_errors=True)  # an earlier run's, never to be resumed
-            resume = self.cfg.train.resume
+            resume, snap = self.cfg.train.resume, None
         else:
-            resume = str(self._newest_checkpoint() or "auto")
+            best = self._newest_checkpoint()
+            resume = str(best or "auto")
+            snap = _step_of(best) if best is not None and best.is_relative_to(self.snapshots) else None
         self.store.set(f"gen/{self.gen}", json.dumps({"members": self.members, "flags": self.planned_flags(c),
-                                                       "layout": self.layout, "resume": resume}))
+                                                       "layout": self.layout, "resume": resume, "snapshot": snap}))
         self.store.add("gen", 1)
         if self.change is not None:
             self.change.update(published=time.time(), nodes_after=len(self.members), step_reached=step,
@@ -286,11 +298,12 @@ class Coordinator:
 
     def _newest_checkpoint(self) -> Path | None:
         """The newest checkpoint that verifies, of the run dir's and the snapshots (a damaged one is named and
-        skipped): where the next generation resumes."""
+        skipped): where the next generation resumes. A snapshot newer than the run dir's newest is assembled on
+        this node from the units of every node that answers (snapshot.assemble_newest)."""
         from .manifest import resolve_resume
 
         best = None
-        for root in (self.run_dir, snapshot_root(self.cfg)):
+        for root in (self.run_dir, self.snapshots):  # the snapshots: one assembled for an earlier resume
             try:
                 path = resolve_resume("auto", root, verify=self.cfg.train.verify_ckpt, log=self._say)
             except CheckpointError as e:  # every checkpoint there fails to verify: the other root may hold one
@@ -298,15 +311,19 @@ class Coordinator:
                 path = None
             if path is not None and (best is None or _step_of(path) > _step_of(best)):
                 best = path
-        return best
+        peers = {}
+        for node in range(1, self.seen):
+            if self.store.check([f"node/{node}"]) and not self.store.check([f"refused/{node}"]) \
+                    and not self._lost(node):
+                peers[node] = json.loads(self.store.get(f"node/{node}"))["files"]
+        snap = snapshot.assemble_newest(self.snapshots, peers, _step_of(best) if best else -1, self._say)
+        return snap or best
 
     def _resume_hint(self) -> str:
         ck = self._newest_checkpoint()
         return f"newest checkpoint {ck}; start the job again with --train.resume auto" if ck else "no checkpoint yet"
 
     def _finish(self, code: int, line: str) -> None:
-        if code == 0:  # the final checkpoint is in the run dir: the snapshots have served
-            shutil.rmtree(snapshot_root(self.cfg), ignore_errors=True)
         self.store.set("done", json.dumps({"code": code, "line": line}))
         self.phase = "done"
 
@@ -326,6 +343,10 @@ class Agent:
         self.err_dir = Path(tempfile.mkdtemp(prefix="nanotitan-elastic-"))
         self.notice = False
         self.beat = 0.0
+        self.files = snapshot.FileServer()  # this node's snapshots, for the other agents; root set at registration
+        self.members: list[int] = []  # of the newest generation this node is a member of
+        self.pushed: set[str] = set()  # units already copied to the peer node
+        self.pusher: threading.Thread | None = None
 
     def run(self) -> int:
         try:
@@ -354,7 +375,10 @@ class Agent:
             done = json.loads(s.get("done"))
             if self.coordinator is not None:
                 print(f"nanotitan elastic: {done['line']}", file=sys.stderr if done["code"] else sys.stdout, flush=True)
+            if done["code"] == 0:  # the final checkpoint is in the run dir: the snapshots have served
+                shutil.rmtree(self.files.root, ignore_errors=True)
             return done["code"]
+        self._replicate()
         if self.procs:
             return self._watch()
         newest = s.add("gen", 0)
@@ -375,12 +399,23 @@ class Agent:
         n = e.nproc_per_node
         first = plan["members"].index(self.node) * n
         world = len(plan["members"]) * n
+        self.members = plan["members"]
+        resume = plan["resume"]
+        if plan.get("snapshot") is not None and self.node != 0:  # node 0 assembled it: this node's ranks read a copy
+            try:
+                addr = json.loads(self.store.get("node/0"))["files"]
+                resume = str(snapshot.fetch_checkpoint(addr, self.files.root, plan["snapshot"]))
+            except (OSError, ValueError) as err:  # the generation fails like a rank would, in one line
+                self.store.set(f"gen/{g}/exit/{self.node}", json.dumps({
+                    "code": 1, "line": f"node {self.node} could not copy snapshot step_{plan['snapshot']} from node 0: "
+                                       f"{first_line(err)}"}))
+                return
         self._warm_up()  # already warm unless this node's last generation just started
-        info = json.dumps({"endpoint": e.endpoint, "id": e.id, "gen": g, "spawned": time.time()})
+        info = json.dumps({"endpoint": e.endpoint, "id": e.id, "gen": g, "node": self.node, "spawned": time.time()})
         # `nanotitan train` overrides: the elastic section off (ranks are not agents), the planned layout, and
         # train.ckpt_on_signal (the all-reduced stop flag that makes every rank stop at the same step).
         cmd = [*self.argv, *plan["flags"],
-               "--train.resume", plan["resume"], "--train.ckpt_on_signal", "true",
+               "--train.resume", resume, "--train.ckpt_on_signal", "true",
                "--elastic.endpoint=", "--elastic.nodes="]
         self.procs = []
         for local in range(n):
@@ -399,6 +434,33 @@ class Agent:
                 pass
             self.procs.append(rank)
         self.warm = []
+
+    def _replicate(self) -> None:
+        """Copy this node's newest committed unit to the next member node (node i -> i+1 mod n, in the order of
+        the generation's members), one unit at a time on a thread: the agent outlives its ranks, and the copy
+        must not hold up its ticks."""
+        if self.pusher is not None and self.pusher.is_alive():
+            return
+        if self.node not in self.members or len(self.members) < 2 or self.files.root is None:
+            return
+        mine = sorted((int(m.group(1)), int(m.group(2)), rel) for rel in snapshot.units(self.files.root)
+                      if (m := snapshot.UNIT.match(rel)) and int(m.group(3)) == self.node and rel not in self.pushed)
+        if not mine:
+            return
+        step, gen, rel = mine[-1]  # the newest: an older one not copied yet is superseded
+        peer = self.members[(self.members.index(self.node) + 1) % len(self.members)]
+        self.pushed.add(rel)
+        addr = json.loads(self.store.get(f"node/{peer}"))["files"]  # here: the store's client is not for threads
+
+        def push():
+            try:
+                snapshot.push_unit(addr, self.files.root / rel, rel)
+            except (OSError, ValueError, RuntimeError) as err:
+                print(f"nanotitan elastic: node {self.node}: snapshot step_{step} not copied to node {peer}: "
+                      f"{first_line(err)}", flush=True)
+
+        self.pusher = threading.Thread(target=push, daemon=True, name="snapshot-push")
+        self.pusher.start()
 
     def _warm_up(self) -> None:
         """Start the next generation's ranks now: they import torch and the trainer (seconds) while they wait.
@@ -470,6 +532,9 @@ class Agent:
         self.procs += self.warm
         self.warm = []
         self._kill()
+        if self.pusher is not None:  # a copy under way is finished: the peer keeps only a whole unit anyway
+            self.pusher.join(timeout=snapshot.SOCKET_TIMEOUT_S)
+        self.files.close()
 
 
 def run_agent(cfg: Config, argv: list[str]) -> int:
@@ -506,8 +571,12 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
 
     def register() -> int:
         node = store.add("joined", 1) - 1
+        agent.files.root = snapshot_root(cfg, node)
+        if cfg.train.resume != "auto":  # an earlier run's snapshots under this node's name, never to be resumed
+            shutil.rmtree(agent.files.root, ignore_errors=True)
         store.set(f"beat/{node}", str(time.time()))
-        store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash}))
+        store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash,
+                                              "files": f"{_address_towards(host)}:{agent.files.port}"}))
         print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
               f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
         return node
@@ -535,6 +604,13 @@ def _wait_for_agents(store, timeout_s: float = 10.0) -> None:
 
 def _step_of(path: Path) -> int:
     return int(path.name.split("_")[1])
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to HOST (where the other nodes can reach it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 1))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
 
 
 def _local_address(host: str) -> bool:

@@ -11,7 +11,9 @@ Trainer, all through the job's store on node 0:
 - rank 0 publishes the last completed step (`gen/G/step`: the steps a failure loses are counted against it),
   the timings of its start after the first step (`gen/G/up`: the pause's parts), the stop's save (`gen/G/saved`)
   and how the generation ended (`gen/G/result`: finished or stopped).
-- every elastic.snapshot_every steps, every rank saves a snapshot (`ElasticTrainer.snapshot`).
+- every elastic.snapshot_every steps, every rank snapshots its state (`ElasticTrainer.snapshot`): a copy to host
+  memory at the step boundary, written to its node's snapshot dir on a thread while training goes on
+  (snapshot.py). The stop's checkpoint and the end of the generation wait for the snapshot in flight.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .config import Config
+from .snapshot import SnapshotWriter
 from .train import Trainer, run
 
-RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "spawned"} as JSON
+RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "node", "spawned"} as JSON
 WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has imported
 
 
-def snapshot_root(cfg: Config) -> Path:
-    """Where an elastic job's snapshots live: a run-dir-like dir whose checkpoints/ holds step_N (checkpoint.py),
-    one per job id and run dir."""
+def snapshot_root(cfg: Config, node: int) -> Path:
+    """Where node `node` of an elastic job keeps its snapshots (snapshot.py), one dir per job id, run dir and node.
+    The node in the name gives each loopback "node" of one machine its own, as separate machines have."""
     run = zlib.crc32(str(Path(cfg.run.dir).absolute()).encode())
-    return Path(cfg.elastic.snapshot_dir) / f"nanotitan-elastic-{cfg.elastic.id}-{run:08x}"
+    return Path(cfg.elastic.snapshot_dir) / f"nanotitan-elastic-{cfg.elastic.id}-{run:08x}-node{node}"
 
 
 def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
@@ -52,10 +55,13 @@ def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
 class ElasticTrainer(Trainer):
     """The Trainer with a step-boundary poll (rank 0) and timings of its start; the training is the Trainer's."""
 
-    def __init__(self, cfg: Config, store, gen: int, started: float):
+    def __init__(self, cfg: Config, store, gen: int, node: int, started: float):
         self.store, self.gen, self.started, self.entered = store, gen, started, time.time()
         self.load_s = self.save_s = 0.0
         super().__init__(cfg)
+        self.snapshots = SnapshotWriter(self.cfg, snapshot_root(cfg, node), node, gen,
+                                        leader=int(os.environ.get("LOCAL_RANK", 0)) == 0,
+                                        timeout_s=self.cfg.parallel.timeout_s)
         self.built = time.time()
 
     def resume(self, where: str):
@@ -65,6 +71,7 @@ class ElasticTrainer(Trainer):
 
     def save(self, step: int):
         t0 = time.perf_counter()
+        self.snapshots.wait()  # the stop's checkpoint (and the last) follows the snapshot in flight
         super().save(step)
         self.save_s = time.perf_counter() - t0
         if self.is_main and self.stop_requested:
@@ -86,12 +93,16 @@ class ElasticTrainer(Trainer):
                     "entered": self.entered, "built": self.built, "load_s": self.load_s, "up": time.time()}))
         return out
 
-
     def snapshot(self, step: int) -> None:
-        """Every elastic.snapshot_every steps: the state after `step`, as a verified checkpoint in memory that
-        outlives this process (tmpfs); a failure restarts from it and loses at most K steps."""
-        ckpt.save_checkpoint(snapshot_root(self.cfg), step, self.model, self.optimizer, self.dims, self.cfg,
-                             {"step": step, "samples": step * self.B}, keep_last=2, shard=self.shard)
+        """Every elastic.snapshot_every steps: the state after `step`, into memory that outlives this process
+        (tmpfs) and, through the agents, a peer node's; a failure restarts from it and loses at most K steps.
+        Costs the copy to host memory here; the write runs on a thread (snapshot.py)."""
+        self.snapshots.start(step, self.model, self.optimizer, self.shard, ckpt._layout(self.dims), step * self.B)
+
+    def close(self, failed: bool = False):
+        if not failed:  # the snapshot's thread is in collectives of its own: finish them before the groups go
+            self.snapshots.wait()
+        super().close(failed)
 
 
 def layout_line(cfg: Config) -> str:
@@ -103,7 +114,7 @@ def run_rank(cfg: Config) -> dict:
     """train.run for a rank of an elastic generation: trains until the end or the coordinator's stop."""
     info = json.loads(os.environ[RANK_ENV])
     store = job_store(info["endpoint"], info["id"], cfg.parallel.timeout_s)
-    trainer = ElasticTrainer(cfg, store, info["gen"], info["spawned"])
+    trainer = ElasticTrainer(cfg, store, info["gen"], info["node"], info["spawned"])
     out = run(cfg, trainer)
     if trainer.is_main:
         store.set(f"gen/{info['gen']}/result", "stopped" if out["stopped"] else "finished")

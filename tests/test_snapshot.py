@@ -1,0 +1,96 @@
+"""Snapshots (snapshot.py): a snapshot holds the state of its step even though training goes on while it is
+written; a node's unit copied to a peer's FileServer is checked before it is kept; a step whose owner's snapshot
+dir is gone is assembled from the peer's replica, and one with a shard on no surviving node is passed over."""
+
+import json
+
+import pytest
+import torch
+
+from tests.test_equivalence import base_args, layout_args
+
+
+def test_snapshot_is_the_state_of_its_step_while_training_goes_on(corpus_dir, tmp_path):
+    from nanotitan import checkpoint as ckpt
+    from nanotitan import snapshot
+    from nanotitan.config import load_config
+    from nanotitan.train import Trainer
+
+    torch.set_num_threads(1)
+    args = base_args(corpus_dir, tmp_path / "run") + layout_args(1, 1, 1) + ["--train.steps", "4"]
+    ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
+                              + ["--train.steps", "2"]))
+    ref.train()
+    tr = Trainer(load_config(None, args))
+    for step in range(2):
+        tr.train_step(step)
+    writer = snapshot.SnapshotWriter(tr.cfg, tmp_path / "shm", node=0, gen=1, leader=True, timeout_s=60)
+    writer.start(2, tr.model, tr.optimizer, tr.shard, ckpt._layout(tr.dims), 2 * tr.B)
+    tr.train_step(2)  # mutates the live state while the thread may still be writing step 2
+    writer.wait()
+    assert (tmp_path / "shm" / "step_2" / "g1-node0" / "manifest.json").is_file()
+    path = snapshot.assemble_newest(tmp_path / "shm", {}, -1, print)
+    assert path == tmp_path / "shm" / "checkpoints" / "step_2"
+    loaded = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1)
+                                 + ["--train.steps", "4", "--train.resume", str(path)]))
+    assert loaded.start_step == 2
+    want = dict(ref.model.named_parameters())
+    for name, t in loaded.model.named_parameters():
+        torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=lambda s: f"{name}: {s}")
+
+
+def _unit(root, step, node, shards: dict[str, bytes], manifest_shards: dict[str, bytes]):
+    """A committed unit of generation 1 holding `shards`, with a manifest naming `manifest_shards` (every node's)."""
+    import xxhash
+
+    d = root / f"step_{step}" / f"g1-node{node}"
+    d.mkdir(parents=True)
+    small = {".metadata": b"meta", "state.json": json.dumps({"step": step}).encode()}
+    for name, data in {**shards, **small}.items():
+        (d / name).write_bytes(data)
+    files = {n: {"bytes": len(b), "xxh3_64": xxhash.xxh3_64_hexdigest(b)} for n, b in {**manifest_shards, **small}.items()}
+    (d / "manifest.json").write_text(json.dumps({"format": 2, "files": files}))
+    return d
+
+
+def test_a_lost_nodes_shards_come_from_its_replica(tmp_path):
+    from nanotitan import snapshot
+    from nanotitan.manifest import verify_checkpoint
+
+    root0, root1 = tmp_path / "node0", tmp_path / "node1"
+    server0, server1 = snapshot.FileServer("127.0.0.1"), snapshot.FileServer("127.0.0.1")
+    server0.root, server1.root = root0, root1
+    try:
+        shards = {"__0_0.distcp": b"a" * 1000, "__1_0.distcp": b"b" * 3000}
+        for step in (10, 15):
+            _unit(root0, step, 0, {"__0_0.distcp": shards["__0_0.distcp"]}, shards)
+            _unit(root1, step, 1, {"__1_0.distcp": shards["__1_0.distcp"]}, shards)
+        # node 1 pushed its step-10 unit to node 0 (its step-15 one was not copied yet when it was lost)
+        snapshot.push_unit(f"127.0.0.1:{server0.port}", root1 / "step_10" / "g1-node1", "step_10/g1-node1")
+        assert sorted(snapshot.list_units(f"127.0.0.1:{server0.port}")) == [
+            "step_10/g1-node0", "step_10/g1-node1", "step_15/g1-node0"]
+
+        # A damaged copy is refused by the peer and nothing of it is kept.
+        bad = root1 / "step_15" / "g1-node1" / "__1_0.distcp"
+        bad.write_bytes(b"c" * 3000)
+        with pytest.raises(OSError, match="refused: __1_0.distcp fails its checksum"):
+            snapshot.push_unit(f"127.0.0.1:{server0.port}", bad.parent, "step_15/g1-node1")
+        assert not (root0 / "step_15" / "g1-node1").exists()
+
+        # Node 1 is lost with its snapshot dir: step 15 lacks its shard, step 10 is whole from node 0's replica.
+        import shutil
+
+        shutil.rmtree(root1)
+        said = []
+        path = snapshot.assemble_newest(root0, {1: f"127.0.0.1:{server1.port}"}, -1, said.append)
+        assert path == root0 / "checkpoints" / "step_10", said
+        assert said == ["resume: skipped snapshot step_15 (generation 1): __1_0.distcp is on no node that answers"]
+        assert verify_checkpoint(path) == ""
+        assert (path / "__1_0.distcp").read_bytes() == shards["__1_0.distcp"]
+
+        # Another node fetches node 0's assembled copy into its own dir.
+        got = snapshot.fetch_checkpoint(f"127.0.0.1:{server0.port}", tmp_path / "node2", 10)
+        assert verify_checkpoint(got) == ""
+    finally:
+        server0.close()
+        server1.close()
