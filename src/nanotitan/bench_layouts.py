@@ -106,6 +106,9 @@ def summarise(res: dict, window: tuple[int, int]) -> dict:
         "tensor_mem_max": max(tensors) if None not in tensors else None,
         "tensor_mem_per_rank": [{k: r.get(k) for k in TENSOR_KEYS} for r in ranks],
         "peak_tensor_per_rank": [r.get("peak_tensor_bytes") for r in ranks],  # the step high-water marks
+        # how many steps the peak meter saw: the planner's expected busiest-EP-rank peak is the highest of that
+        # many steps' routing draws (plan.cost.expert_imbalance)
+        "metered_steps": sum("peak_tensor_bytes" in r for r in res["records"]),
         **{f"{a}_wait_s": statistics.median(r[f"comm_{a}_wait_s"] for r in recs) for a in ("dp", "ep", "pp")},
         "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
         "final_loss": res["records"][-1]["loss"],

@@ -177,13 +177,50 @@ def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Ha
         if not meas or None in meas:
             continue
         lay = _layout_of(r, cfg)
-        pred = predict(layout_config(cfg, lay), lay, hw, opts or PlanOptions())
+        pred = predict(_metered(layout_config(cfg, lay), r), lay, hw, opts or PlanOptions())
         step = [sum(p.values()) - p["reserved"] for p in pred.mem_parts_by_stage]
         peak = [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
         save = [c - p["reserved"] for c, p in zip(pred.ckpt_by_stage, pred.mem_parts_by_stage)]
         out.append(dict(layout=lay.short(), meas=max(meas), pred_step=max(step), pred_save=max(save), pred=max(peak),
                         err=max(peak) / max(meas) - 1))
     return out
+
+
+def _metered(cfg: Config, row: dict) -> Config:
+    """cfg with train.steps = the steps whose peak the row measured (its `metered_steps`; older rows: the
+    config's steps): the busiest EP rank's expected peak is the highest of that many steps' routing draws."""
+    if row.get("metered_steps"):
+        cfg.train.steps = int(row["metered_steps"])
+    return cfg
+
+
+def fit_expert_skew(measured_rows: list[dict], cfg: Config, hardware: str | Hardware | None = None,
+                    opts: PlanOptions | None = None) -> tuple[float, list[float]]:
+    """The routing skew (PlanOptions.expert_skew) that makes the planner's peak equal each EP row's measured
+    step high-water mark (`peak_tensor_per_rank`), found by bisection (the peak grows with the skew); returns
+    (median over the EP rows, each row's). Rows the balanced router already over-predicts give 0."""
+    hw = detect_hardware(hardware)
+    opts = opts or PlanOptions()
+    fits = []
+    for r in measured_rows:
+        lay = _layout_of(r, cfg)
+        if lay.ep == 1 or not r.get("peak_tensor_per_rank") or None in r["peak_tensor_per_rank"]:
+            continue
+        c, want = _metered(layout_config(cfg, lay), r), max(r["peak_tensor_per_rank"])
+
+        def peak(skew: float) -> float:
+            pred = predict(c, lay, hw, dataclasses.replace(opts, expert_skew=skew))
+            return max(m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage))
+
+        lo, hi = 0.0, 4.0
+        if peak(lo) >= want:
+            fits.append(0.0)
+            continue
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if peak(mid) < want else (lo, mid)
+        fits.append((lo + hi) / 2)
+    return (statistics.median(fits) if fits else float("nan")), fits
 
 
 def format_peak_check(rows: list[dict]) -> str:

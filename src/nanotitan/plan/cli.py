@@ -9,8 +9,8 @@ import sys
 from ..config import ConfigError, load_config
 from ..hardware import detect_hardware, save_hardware
 from ..resolve import resolve_model
-from .calibrate import (calibrate, calibration_rows, fit_profile, format_calibration, format_peak_check,
-                        peak_tensor_check)
+from .calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
+                        format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
 from .search import format_table, plan, reason
 from .shape import PRECISIONS, ModelShape
@@ -49,6 +49,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--zero1", action="store_true", help="same as --zero 1 (old name)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
+    ap.add_argument("--expert-skew", type=float, default=None,
+                    help="routing skew behind the busiest EP rank's peak: the CV of an expert's share of a microbatch's "
+                         "assignments (default: plan.cost.EXPERT_SKEW, from the calibration; 0: a balanced router; "
+                         "unused where model.capacity_factor bounds it)")
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
     ap.add_argument("--dense-ffn", type=int, default=0, help="hidden size of dense FFN layers (default model.ffn_dim)")
     ap.add_argument("--shared-experts", type=int, default=0, help="always-on experts per MoE layer")
@@ -74,7 +78,12 @@ def main(argv: list[str]) -> int:
             return 0
         if args.peaks:
             cfg = resolve_model(load_config(args.config, overrides))  # the config `bench layouts` ran
-            print(format_peak_check(peak_tensor_check(calibration_rows(args.peaks), cfg, args.hardware)))
+            rows, opts = calibration_rows(args.peaks), PlanOptions(expert_skew=args.expert_skew)
+            print(format_peak_check(peak_tensor_check(rows, cfg, args.hardware, opts)))
+            skew, each = fit_expert_skew(rows, cfg, args.hardware, opts)
+            if each:  # what these rows measure of the routing skew, for --expert-skew or EXPERT_SKEW
+                print(f"\nrouting skew that matches each EP layout's peak: median {skew:.3f} "
+                      f"(range {min(each):.3f}-{max(each):.3f} over {len(each)} layouts)")
             return 0
         if not args.ranks:
             raise ConfigError("nanotitan plan needs --ranks N (the world size to plan for)")
@@ -88,7 +97,7 @@ def main(argv: list[str]) -> int:
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
         opts = PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, activation_checkpointing=ac,
                            global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
-                           ep_overlap=args.ep_overlap, shape_extra=extra)
+                           ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=args.expert_skew)
         preds = plan(cfg, args.ranks, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,9 @@ class PlanOptions:
     link_node_size: int = 0
     links_idle: bool = False
     shape_extra: dict = field(default_factory=dict)  # ModelShape fields our config cannot express
+    # routing skew behind the busiest EP rank's load (expert_imbalance): the CV of an expert's share of one
+    # microbatch's assignments; None = EXPERT_SKEW, 0 = a perfectly balanced router (what the dry run routes)
+    expert_skew: float | None = None
 
 
 @dataclass
@@ -150,6 +153,63 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
     return tidy_counts(counts[::-1])
 
 
+# The routing skew the calibration measured (docs/calibration.md "Peak memory"): fitted to the busiest EP rank's
+# saved activations on the 9 EP layouts of `bench layouts` (bench.toml, steps 1-3 from a fresh router,
+# aux_coef 0.01). `nanotitan plan --peaks` prints the fit of a new measurement; `--expert-skew` overrides it.
+EXPERT_SKEW = 0.53
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n <= 1; 0.564 for 2, 1.029 for 4): the integral of
+    1 - Phi^n over x > 0 less that of Phi^n over x < 0, by the trapezoid rule."""
+    if n <= 1:
+        return 0.0
+    h, hi, r2 = 2e-3, 8.0 + math.sqrt(2 * math.log(n)), math.sqrt(2)
+
+    def above(x: float) -> float:  # 1 - Phi(x)^n, x >= 0, without cancellation
+        return -math.expm1(n * math.log1p(-0.5 * math.erfc(x / r2)))
+
+    def below(x: float) -> float:  # Phi(-x)^n, x >= 0
+        return math.exp(n * math.log(0.5 * math.erfc(x / r2)))
+
+    def trapezoid(f, b: float) -> float:  # over [0, b]; each side of 0 apart, as the integrand jumps there
+        k = int(b / h)
+        return b / k * (sum(f(b * i / k) for i in range(1, k)) + (f(0.0) + f(b)) / 2)
+
+    return trapezoid(above, hi) - trapezoid(below, 8.0)
+
+
+def expert_imbalance(cfg: Config, layout: Layout, shape: ModelShape, units: float, windows: float,
+                     skew: float) -> float:
+    """The busiest EP rank's received assignments over the mean (T*K per microbatch and MoE layer) at the peak of
+    a stage that holds `units` (MoE layers x microbatches in flight) of them, its run showing `windows` such
+    peaks per step and replica.
+
+    With model.capacity_factor each source microbatch sends an expert at most ceil(cf*T*K/E) assignments, so a
+    rank receives at most E times that: an exact bound, used as it is. Dropless: an expert's share of one
+    microbatch's assignments varies with CV `skew` (opts.expert_skew, measured), independently per source
+    microbatch and layer; a rank's load sums L = E/EP experts from EP sources over `units`, so its deviation
+    from the mean has sd skew*sqrt((1 - 1/EP) / (L*EP*units)) (the 1 - 1/EP: the EP ranks share a fixed total),
+    and the peak is the highest of the run's draws, one per rank, window, replica and step: the sd times the
+    expected max of that many standard normals. Either way a rank never receives more than min(K, L) of each
+    source token's K assignments. skew 0: a perfectly balanced router."""
+    ep, E, K = layout.ep, shape.num_experts, shape.top_k
+    if ep == 1:
+        return 1.0
+    L, T = E // ep, layout.micro_batch * shape.seq_len
+    bound, cf = ep * min(K, L) / K, cfg.model.capacity_factor
+    if cf:
+        bound = min(bound, E * math.ceil(cf * T * K / E) / (T * K))
+    if not skew:  # a balanced router (what the dry run routes): the mean, or less where capacity < 1 drops
+        return min(1.0, bound)
+    if cf:
+        return bound
+    draws = cfg.train.steps * windows * layout.dp * ep
+    sd = skew * math.sqrt((1 - 1 / ep) / (L * ep * max(units, 1.0)))
+    return min(bound, 1.0 + sd * expected_max_normal(max(1, round(draws))))
+
+
 def zero_level(layout: Layout, opts: PlanOptions) -> int:
     """The layout's zero level; a zero-0 layout under PlanOptions(zero=Z) or the old zero1=True predicts at Z."""
     return layout.zero or (opts.zero if opts.zero is not None else (1 if opts.zero1 else 0))
@@ -211,6 +271,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     # Memory of a rank of each stage. Sharded DP (docs/dp.md): replicated params shard over the non-expert-DP
     # group (dp*ep ranks), expert shards over expert-DP (dp ranks); padding (< 16*N elements a bucket) ignored.
     zero = zero_level(layout, opts)
+    skew = EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew
     z_accumulate, z_reshard = zero_memory_choices(zero, pp, layout.schedule, cfg.parallel.zero_accumulate,
                                                   cfg.parallel.zero3_reshard)
     z_shard, z_reshard = z_accumulate == "shard", z_reshard == "always"
@@ -223,8 +284,12 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         n_fsdp = st.n_ne + (st.n_ex if ex_group > 1 else 0)  # zero 3: what FSDP shards (dp == 1: not the experts)
         opt_params = n_shard if zero >= 1 else n_local
         # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
-        in_flight = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt) / n_virt
-        act_bytes = in_flight * (T * st.act_bytes + st.cast_bytes)
+        held = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt)
+        in_flight = held / n_virt
+        # the busiest EP rank receives more than the mean T*K assignments (docs/planner.md "Expert imbalance")
+        imb = expert_imbalance(cfg, layout, shape, st.n_moe * in_flight, max(1.0, M * n_virt / held), skew)
+        recv_extra = (imb - 1) * T  # tokens' worth of received bytes beyond the mean
+        act_bytes = in_flight * (T * st.act_bytes + recv_extra * st.received_bytes + st.cast_bytes)
         if unckpt is not None and pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
             w_pending = min(s, M)
             act_bytes += w_pending * (T * (unckpt[s].act_bytes - st.act_bytes) + unckpt[s].cast_bytes - st.cast_bytes)
@@ -252,16 +317,19 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         transient = [(2 * T * V * 4 if st.last else 0.0, ag, 0.0),  # gradients of log-softmax and logits (fp32 CE)
                      # one block's backward (and its recompute, weight copies included, under AC); the head's
                      # activations are freed by then
-                     (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes, *in_block),
+                     (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes
+                      + (recv_extra * st.received_block_bytes if ac else 0.0), *in_block),
                      # an MoE block's end of backward: its experts' weight-gradient pieces beside what it still holds
                      # (the head's activations and weight copy freed too)
+                     # (its experts' activations, more than the mean's on the busiest rank, are freed by then)
                      (T * (st.land_bytes - st.head_act_bytes) + st.land_fixed_bytes - st.head_cast_bytes
-                      if st.n_moe else 0.0, *in_block),
+                      - (0.0 if ac else recv_extra * st.received_block_bytes) if st.n_moe else 0.0, *in_block),
                      # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
                      # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
                      (st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0),
                       ag_last, 0.0),
-                     (2 * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0, *in_block),  # all-to-all send + recv
+                     # all-to-all send (T*K rows) + receive (the busiest rank's)
+                     ((1 + imb) * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0, *in_block),
                      (2 * T * D * prec.act if pp > 1 else 0.0, ag, 0.0)]  # P2P gradient buffers
         buffers, block_params, block_grads = max(transient, key=sum)
         parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,

@@ -29,7 +29,8 @@ the others get its row.
 
 Fake tensors have no values, so the two data-dependent steps of routing are answered as perfectly balanced, the
 planner's assumption: `bincount` returns `minlength` bins and reading counts to the host gives every expert
-T*K/E of a microbatch's T*K assignments. Real imbalance adds to the busiest rank's activations (docs/planner.md).
+T*K/E of a microbatch's T*K assignments. Real imbalance adds to the busiest rank's activations: the planner's
+`expert_imbalance` term (docs/planner.md), which the comparison turns off (expert_skew 0) to match.
 """
 
 from __future__ import annotations
@@ -320,13 +321,16 @@ def dry_run(cfg: Config, world: int, log=None) -> DryRun:
 
 def compare_with_planner(run: DryRun, hw: Hardware, opts=None) -> list[dict]:
     """Per distinct rank: the code's bytes against the planner's prediction for its stage (`predict`'s
-    mem_parts_by_stage; its peak without the profile's reserve, which is not a tensor), and the relative gaps."""
+    mem_parts_by_stage; its peak without the profile's reserve, which is not a tensor), and the relative gaps.
+    The dry run routes perfectly balanced, so the planner is told so (expert_skew 0: no busiest-rank excess)."""
+    import dataclasses
+
     from .cost import PlanOptions, predict
     from .shape import Layout
 
     p, t = run.cfg.parallel, run.cfg.train
     layout = Layout(p.dp, p.pp, p.ep, p.schedule, p.microbatches, t.micro_batch, p.zero)
-    pred = predict(run.cfg, layout, hw, opts or PlanOptions())
+    pred = predict(run.cfg, layout, hw, dataclasses.replace(opts or PlanOptions(), expert_skew=0.0))
     out = []
     for c in run.classes:
         s = c.coords[1]

@@ -130,6 +130,14 @@ class ModelShape:
         copies = half * 3 * D * Fd
         return 4 * (2 * D + 1) + half * (2 * D + 4 * Fd), half * 2 * Fd + 4 * 2 * D, copies, copies
 
+    def received_bytes(self, i: int, prec: "Precision") -> float:
+        """Bytes per token of MoE layer i's FFN half that sit on the rank owning the experts, and so grow with the
+        assignments that rank receives (EP: the busiest rank's load, not the mean; cost.expert_imbalance): per
+        assignment the experts' input (the matmuls save it; the dispatcher casts it before sending under
+        autocast) and the four SwiGLU F-vectors. The rest of the half (norm, router, routing indices, and
+        `combine`'s weighted outputs) stays on the source rank: T*K assignments whatever the routing."""
+        return self.top_k * (self.d_model + 4 * self.ffn_dim) * prec.act if self.is_moe(i) else 0.0
+
     def expert_grad_landing(self, i: int, prec: "Precision", ep: int = 1, overlap: bool = False
                             ) -> tuple[float, float, float]:
         """MoE layer i's FFN half at the end of its backward, when its routed experts' weight gradients land:
@@ -253,6 +261,11 @@ class StageSummary:
     land_bytes: float = 0.0
     land_fixed_bytes: float = 0.0
     head_cast_bytes: float = 0.0  # part of `cast_bytes`: the head's weight copy (freed with its activations)
+    # bytes per token held on the experts' side (ModelShape.received_bytes), at a balanced router: the part of
+    # `act_bytes` that grows with the assignments a rank receives, and the largest MoE block's (its FFN half,
+    # in the transients: the block's backward, its gradient landing, the all-to-all's receive buffer)
+    received_bytes: float = 0.0
+    received_block_bytes: float = 0.0
 
 
 def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | None = None,
@@ -278,6 +291,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
         act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
+        recv_b, recv_block_b = 0.0, 0.0
         land = None  # (per token, fixed) of the heaviest MoE block at its weight-gradient landing
         for i, has_attn, has_ffn in blocks:
             halves = [shape.half_bytes(i, part, prec, layout.ep) for part, own in (("attn", has_attn),
@@ -287,6 +301,10 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             # checkpointing keeps each block's input (the fp32 residual stream under autocast) and re-makes the
             # rest, weight copies included, one block at a time in its backward
             act_b += (4 if prec.autocast else prec.act) * D if ac else kept_b
+            if has_ffn:
+                recv = shape.received_bytes(i, prec)
+                recv_b += 0.0 if ac else recv  # checkpointing rebuilds them one block at a time
+                recv_block_b = max(recv_block_b, recv)
             layer_max_b = max(layer_max_b, bwd_b + (kept_b if ac else 0.0))
             cast_b, cast_max_b = (cast_b, max(cast_max_b, copies)) if ac else (cast_b + copies, cast_max_b)
             if has_ffn and shape.is_moe(i):
@@ -327,5 +345,5 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             act_b, cast_b = act_b + head_b, cast_b + head_cast  # the head is never checkpointed
         out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
                                 first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b,
-                                *(land or (0.0, 0.0)), head_cast))
+                                *(land or (0.0, 0.0)), head_cast, recv_b, recv_block_b))
     return out
