@@ -645,3 +645,22 @@ def test_planner_predicts_the_busiest_ep_rank_of_a_skewed_router(corpus_dir, tmp
     pred, balanced = (predict(cfg, lay, CPU, PlanOptions(expert_skew=s)).peak_mem - CPU.mem_reserved_bytes
                       for s in (None, 0.0))
     assert abs(pred / got - 1) < 0.05 and balanced / got - 1 < -0.05, (pred, balanced, got)
+
+
+def test_fit_expert_skew_recovers_the_skew_that_made_the_peaks():
+    """`nanotitan plan --peaks` fits the routing skew per EP row by bisection: rows whose measured peaks are the
+    planner's own at skew 0.4 give back 0.4 (this is a check of the fit, not of the planner); pp-only rows are
+    skipped."""
+    from nanotitan.plan.calibrate import fit_expert_skew
+
+    cfg = load_config(str(REPO / "configs/bench.toml"))
+    rows = []
+    for lay in (Layout(1, 1, 2, "1f1b", 4, 2), Layout(1, 2, 2, "1f1b", 4, 2), Layout(1, 2, 1, "1f1b", 8, 2)):
+        c = layout_config(cfg, lay)
+        c.train.steps = 3
+        pred = predict(c, lay, CPU, PlanOptions(expert_skew=0.4))
+        peaks = [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
+        rows.append({"dp": 1, "pp": lay.pp, "ep": lay.ep, "schedule": "1f1b", "M": lay.microbatches, "m": 2,
+                     "metered_steps": 3, "peak_tensor_per_rank": [max(peaks)] * (lay.pp * lay.ep)})
+    median, each = fit_expert_skew(rows, cfg, CPU)
+    assert len(each) == 2 and median == pytest.approx(0.4, abs=1e-3) and each == pytest.approx([0.4, 0.4], abs=1e-3)

@@ -292,7 +292,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         act_bytes = in_flight * (T * st.act_bytes + recv_extra * st.received_bytes + st.cast_bytes)
         if unckpt is not None and pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
             w_pending = min(s, M)
-            act_bytes += w_pending * (T * (unckpt[s].act_bytes - st.act_bytes) + unckpt[s].cast_bytes - st.cast_bytes)
+            act_bytes += w_pending * (T * (unckpt[s].act_bytes - st.act_bytes) + unckpt[s].cast_bytes - st.cast_bytes
+                                      + recv_extra * (unckpt[s].received_bytes - st.received_bytes))
         # Between steps a rank keeps params/grads/optimizer. During a step (docs/dp.md "Peak memory"): zero 2
         # "full" holds every full gradient bucket from the first backward to finish(), "shard" at most the buckets
         # in flight plus the one backward fills; zero 3 "never" the gathered params from the first forward to the
@@ -320,8 +321,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                      (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes
                       + (recv_extra * st.received_block_bytes if ac else 0.0), *in_block),
                      # an MoE block's end of backward: its experts' weight-gradient pieces beside what it still holds
-                     # (the head's activations and weight copy freed too)
-                     # (its experts' activations, more than the mean's on the busiest rank, are freed by then)
+                     # (the head's activations and weight copy freed too, and its experts' activations: on the
+                     # busiest rank more than the mean's)
                      (T * (st.land_bytes - st.head_act_bytes) + st.land_fixed_bytes - st.head_cast_bytes
                       - (0.0 if ac else recv_extra * st.received_block_bytes) if st.n_moe else 0.0, *in_block),
                      # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
