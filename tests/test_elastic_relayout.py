@@ -49,6 +49,17 @@ def _kill_ranks(agent: subprocess.Popen) -> None:
             pass  # gone meanwhile
 
 
+def _snapshot_steps(args, nodes) -> set[int]:
+    """The steps of which every node in `nodes` holds its committed unit (snapshot.py)."""
+    from nanotitan import snapshot
+    from nanotitan.config import load_config
+    from nanotitan.elastic_rank import snapshot_root
+
+    cfg = load_config(None, args)
+    held = [{int(snapshot.UNIT.match(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
+    return set.intersection(*held)
+
+
 def _changes(run) -> list[dict]:
     path = run / "elastic.jsonl"
     return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
@@ -94,6 +105,10 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
         _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
         at = max(52, min(_changes(run)[1]["step"] + 8, 60))
         _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
+        # A snapshot is written on a thread after its step: wait until both nodes hold one newer than the notice.
+        since = _changes(run)[1]["step"]
+        _await(f"a snapshot after step {since}", lambda: _snapshot_steps(args, (0, 2)) and
+               max(_snapshot_steps(args, (0, 2))) > since, agents[:1] + agents[2:], logs)
         _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)

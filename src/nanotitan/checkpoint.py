@@ -476,9 +476,9 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 # --- snapshots (snapshot.py): the same pieces, staged to host memory and written from a thread -----------------
 
 def stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None,
-                into: dict | None = None) -> tuple[dict, str]:
+                into: dict | None = None) -> dict:
     """A copy in host memory of what save_checkpoint writes of this rank (its pieces under global keys, and its
-    RNG state) that the next optimizer step cannot change, and '' or the first key holding NaN/inf. `into`, an
+    RNG state) that the next optimizer step cannot change (staged_nonfinite checks it). `into`, an
     earlier result for the same model, is refilled rather than allocated: a fresh copy of the state costs its page
     faults at every snapshot."""
     live = _keyed(model, optimizer, shard)
@@ -489,7 +489,21 @@ def stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         for o, t in c.boxes.items():
             into[k].boxes[o].copy_(t)
     into[_rng_key(comm.world_rank())] = torch.get_rng_state()
-    return into, _first_nonfinite({k: t for k, c in into.items() if isinstance(c, _Chunks) for t in c.boxes.values()})
+    return into
+
+
+def staged_nonfinite(state: dict) -> str:
+    """'' when every floating tensor of a stage_state copy is finite, else the first key holding NaN/inf. A fused
+    2-norm per dtype first (15x faster than the inf-norm on CPU; it also overflows for |x| > 1e19, so a hit is
+    confirmed tensor by tensor)."""
+    boxes = {k: t for k, c in state.items() if isinstance(c, _Chunks) for t in c.boxes.values()}
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in boxes.values():
+        if t.is_floating_point() and t.numel():
+            groups.setdefault(t.dtype, []).append(t)
+    if all(bool(torch.stack(torch._foreach_norm(ts, 2)).isfinite().all()) for ts in groups.values()):
+        return ""
+    return next((k for k, t in boxes.items() if t.is_floating_point() and not bool(t.isfinite().all())), "")
 
 
 def write_staged(state: dict, path: Path, group=None) -> list[str]:

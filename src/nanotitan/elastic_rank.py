@@ -102,6 +102,8 @@ class ElasticTrainer(Trainer):
     def close(self, failed: bool = False):
         if not failed:  # the snapshot's thread is in collectives of its own: finish them before the groups go
             self.snapshots.wait()
+            if self.snapshots.count:
+                self.log(f"nanotitan elastic: rank 0: {self.snapshots.summary()}")
         super().close(failed)
 
 

@@ -31,6 +31,7 @@ import shutil
 import socket
 import socketserver
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,23 +60,32 @@ class SnapshotWriter:
         self.group = None  # the thread's process group (gloo), built at the first snapshot
         self.thread: threading.Thread | None = None
         self.error = ""  # the last snapshot's failure, printed by the main thread
+        # what the snapshots cost this rank: wall seconds at the step boundary (waiting for the one in flight, the
+        # copy), CPU seconds on the thread
+        self.cost_s = {"wait": 0.0, "stage": 0.0, "write_cpu": 0.0}
+        self.count = 0
 
     def start(self, step: int, model, optimizer, shard, layout: dict, samples: int) -> None:
         """Snapshot the state after `step`. Collective (every rank calls it at the same step)."""
         # At most one snapshot in flight: one due before the previous is written waits for it (else the thread
         # would read a copy being refilled, and an older unit could commit after a newer one).
+        t0 = time.perf_counter()
         self.wait()
+        t1 = time.perf_counter()
         if self.group is None and comm.distributed():
             # The thread's collectives (DCP's plan and metadata, the checksum gather) never share a group with
             # training's, which run at the same time on the main thread. Built once, at the same step everywhere.
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-        self.staged, bad = ckpt.stage_state(model, optimizer, shard, self.staged)
+        self.staged = ckpt.stage_state(model, optimizer, shard, self.staged)
         small = None
         if comm.world_rank() == 0:  # the step's small files, the same bytes in every node's unit
             small = {"config.toml": to_toml(self.cfg), STATE_FILE: json.dumps({
                 "format": FORMAT_VERSION, "step": step, "extra": {"step": step, "samples": samples},
                 "layout": layout, "world_size": comm.world_size(), "torch": torch.__version__}, indent=1)}
-        self.thread = threading.Thread(target=self._write, args=(step, bad, small), daemon=True,
+        self.cost_s["wait"] += t1 - t0
+        self.cost_s["stage"] += time.perf_counter() - t1
+        self.count += 1
+        self.thread = threading.Thread(target=self._write, args=(step, small), daemon=True,
                                        name=f"snapshot-{step}")
         self.thread.start()
 
@@ -88,20 +98,32 @@ class SnapshotWriter:
             print(f"nanotitan elastic: rank {comm.world_rank()}: {self.error}", flush=True)
             self.error = ""
 
-    def _write(self, step: int, bad: str, small: dict | None) -> None:
+    def summary(self) -> str:
+        n, c = max(1, self.count), self.cost_s
+        return (f"{self.count} snapshots, each {1e3 * c['stage'] / n:.0f} ms at the step boundary (copy to host memory) "
+                f"+ {1e3 * c['write_cpu'] / n:.0f} ms CPU on its thread; {c['wait']:.2f} s waited for one in flight")
+
+    def _write(self, step: int, small: dict | None) -> None:
         rank = comm.world_rank()
         unit = self.root / f"step_{step}" / f"g{self.gen}-node{self.node}"
         tmp = unit.with_name(unit.name + ".tmp")
+        t0 = time.thread_time()
         try:
+            # Nothing non-finite is kept (checkpoint.py's rule): checked here on the copy, agreed by the gather below.
+            key = ckpt.staged_nonfinite(self.staged)
+            bad = f"{key} holds NaN/inf" if key else ""
             tmp.mkdir(parents=True, exist_ok=True)
-            files = ckpt.write_staged(self.staged, tmp, self.group)
+            files = ckpt.write_staged(self.staged, tmp, self.group)  # DCP agrees its own failures: all ranks raise
             mine = {}  # this rank's shards, read back: (bytes, xxh3) of what is on the node now
-            for name in files:
-                if name.startswith(f"__{rank}_"):
-                    size, digest = _hash_file(tmp / name)
-                    mine[name] = {"bytes": size, "xxh3_64": digest}
-            if small is not None:
-                small[DCP_METADATA] = (tmp / DCP_METADATA).read_bytes()
+            try:  # a rank-local failure from here on is agreed by the gather, never left inside a collective
+                for name in files:
+                    if name.startswith(f"__{rank}_"):
+                        size, digest = _hash_file(tmp / name)
+                        mine[name] = {"bytes": size, "xxh3_64": digest}
+                if small is not None:
+                    small[DCP_METADATA] = (tmp / DCP_METADATA).read_bytes()
+            except OSError as e:
+                bad = bad or f"reading back {Path(e.filename or tmp).name} failed ({first_line(e)})"
             part = {"rank": rank, "files": mine, "bad": bad, "small": small}
             if self.group is not None:
                 parts: list = [None] * comm.world_size()
@@ -110,7 +132,7 @@ class SnapshotWriter:
                 parts = [part]
             if any(p["bad"] for p in parts):
                 p = next(p for p in parts if p["bad"])
-                self.error = f"snapshot of step {step} not kept: {p['bad']} holds NaN/inf on rank {p['rank']}"
+                self.error = f"snapshot of step {step} not kept: rank {p['rank']}: {p['bad']}"
                 if self.leader:
                     shutil.rmtree(tmp, ignore_errors=True)
                 return
@@ -126,6 +148,8 @@ class SnapshotWriter:
                 prune(self.root)
         except BaseException as e:  # noqa: BLE001 - a failed snapshot must not stop training: the next one retries
             self.error = f"snapshot of step {step} failed: {first_line(e)}"
+        finally:
+            self.cost_s["write_cpu"] += time.thread_time() - t0
 
 
 def _digest(data: bytes) -> str:
