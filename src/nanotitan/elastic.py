@@ -59,8 +59,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .config import Config, ConfigError, elastic_nodes, to_toml
 from . import snapshot
+from .config import Config, ConfigError, elastic_nodes, to_toml
 from .elastic_rank import RANK_ENV, WARM_ENV, layout_line, snapshot_root
 from .errors import CheckpointError, first_line
 
@@ -375,7 +375,7 @@ class Agent:
             done = json.loads(s.get("done"))
             if self.coordinator is not None:
                 print(f"nanotitan elastic: {done['line']}", file=sys.stderr if done["code"] else sys.stdout, flush=True)
-            if done["code"] == 0:  # the final checkpoint is in the run dir: the snapshots have served
+            if done["code"] == 0 and self.files.root is not None:  # the run dir holds the final checkpoint
                 shutil.rmtree(self.files.root, ignore_errors=True)
             return done["code"]
         self._replicate()
