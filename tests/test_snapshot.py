@@ -19,21 +19,22 @@ def test_snapshot_is_the_state_of_its_step_while_training_goes_on(corpus_dir, tm
     torch.set_num_threads(1)
     args = base_args(corpus_dir, tmp_path / "run") + layout_args(1, 1, 1) + ["--train.steps", "4"]
     ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
-                              + ["--train.steps", "2"]))
+                              + ["--train.steps", "3"]))
     ref.train()
     tr = Trainer(load_config(None, args))
     for step in range(2):
         tr.train_step(step)
     writer = snapshot.SnapshotWriter(tr.cfg, tmp_path / "shm", node=0, gen=1, leader=True, timeout_s=60)
-    writer.start(2, tr.model, tr.optimizer, tr.shard, ckpt._layout(tr.dims), 2 * tr.B)
-    tr.train_step(2)  # mutates the live state while the thread may still be writing step 2
+    for step in (2, 3):  # the second reuses the first's DCP plan (plan caching)
+        writer.start(step, tr.model, tr.optimizer, tr.shard, ckpt._layout(tr.dims), step * tr.B)
+        tr.train_step(step)  # mutates the live state while the thread may still be writing
     writer.wait()
     assert (tmp_path / "shm" / "step_2" / "g1-node0" / "manifest.json").is_file()
     path = snapshot.assemble_newest(tmp_path / "shm", {}, -1, print)
-    assert path == tmp_path / "shm" / "checkpoints" / "step_2"
+    assert path == tmp_path / "shm" / "checkpoints" / "step_3"
     loaded = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1)
                                  + ["--train.steps", "4", "--train.resume", str(path)]))
-    assert loaded.start_step == 2
+    assert loaded.start_step == 3
     want = dict(ref.model.named_parameters())
     for name, t in loaded.model.named_parameters():
         torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=lambda s: f"{name}: {s}")

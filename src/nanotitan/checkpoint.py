@@ -506,12 +506,21 @@ def staged_nonfinite(state: dict) -> str:
     return next((k for k, t in boxes.items() if t.is_floating_point() and not bool(t.isfinite().all())), "")
 
 
+class _CachedSaveChunks(_SaveChunks):
+    """_SaveChunks that keeps its plans (DCP's plan caching, per planner class and process): every snapshot of a
+    generation writes the same keys and chunks, so the ranks send the coordinator a flag instead of their plans
+    and it reuses the global plan and metadata."""
+
+    def __init__(self):
+        super().__init__(enable_plan_caching=True)
+
+
 def write_staged(state: dict, path: Path, group=None) -> list[str]:
     """dcp.save of stage_state's copy into `path`, this rank's directory (ranks may be given different ones: the
     files are named by rank, and the coordinator rank writes DCP's .metadata into its own), with every collective
     on `group`: safe on a thread while training runs its collectives on other groups. Returns the files the
     metadata points at (a rank whose keys were all deduped may leave an empty one that it does not name)."""
     with _quiet_single_process():
-        meta = dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SaveChunks(), process_group=group,
+        meta = dcp.save(state, storage_writer=FileSystemWriter(path), planner=_CachedSaveChunks(), process_group=group,
                         no_dist=not comm.distributed())
     return sorted({s.relative_path for s in meta.storage_data.values()})
