@@ -7,7 +7,6 @@ assembled from node 0's own unit and its replica of node 1's, losing at most K s
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 import torch

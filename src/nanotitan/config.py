@@ -162,7 +162,7 @@ class ElasticConfig:
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir; a failure loses <= K steps (0 = off)
-    snapshot_dir: str = "/dev/shm"  # where snapshots live: memory that outlives the ranks (shared by the nodes; docs/elastic.md)
+    snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI): memory that outlives the ranks; a copy also goes to the next node (docs/elastic.md)
 
 
 @dataclass(kw_only=True)
