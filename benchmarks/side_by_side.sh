@@ -1,0 +1,46 @@
+#!/bin/bash
+# Two or more trees' default jobs run AT THE SAME TIME, so that every one of them shares the same cores and the same
+# outside load (a shared 2-core machine moves a lone run's step by 10-30% from minute to minute); each job's wall
+# time per step between its step-20 and step-(N-10) records is stamped by one poller, and printed as a ratio to
+# the first tree's. Used for issue 27 item 8 (docs/results.md): HEAD beside commit 050fcbc.
+#
+#   git worktree add /tmp/old 050fcbc
+#   benchmarks/side_by_side.sh TAG 130 old=/tmp/old head=$PWD          # EXTRA="--parallel.dp 2 ..." for a layout
+#
+# Each tree runs its own src/ (PYTHONPATH) with its own configs/default.toml and data cache (/tmp/cache_NAME).
+set -u
+tag=$1; n=$2; shift 2
+py=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
+names=()
+for spec in "$@"; do
+  name=${spec%%=*}; root=${spec#*=}; names+=("$name")
+  dir=/tmp/sbs_${name}_$tag; rm -rf "$dir"
+  (cd /tmp && PYTHONPATH=$root/src NANOTITAN_CACHE=/tmp/cache_$name timeout 1200 "$py" -c \
+     "import sys; from nanotitan.cli import main; sys.argv[0] = 'nanotitan'; sys.exit(main())" \
+     train --config "$root/configs/default.toml" --train.steps "$n" --train.eval_every 0 --run.dir "$dir" \
+     --run.progress false --run.tensorboard false --train.ckpt_at_end false --train.sample_tokens 0 ${EXTRA:-} \
+     > "$dir.log" 2>&1) &
+done
+"$py" - "$tag" "$n" "${names[@]}" <<'PY'
+import json, sys, time
+tag, n, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+lo, hi = 20, n - 10
+stamps = {v: {} for v in names}
+deadline = time.time() + 1200
+while time.time() < deadline and not all(hi in s for s in stamps.values()):
+    for v in names:
+        try:
+            with open(f"/tmp/sbs_{v}_{tag}/metrics.jsonl") as f:
+                for line in f:
+                    if line.startswith('{"step"') and line.endswith("\n"):
+                        stamps[v].setdefault(json.loads(line)["step"], time.time())
+        except OSError:
+            pass
+    time.sleep(0.02)
+missing = [v for v in names if hi not in stamps[v] or lo not in stamps[v]]
+if missing:
+    sys.exit(f"{tag}: no step-{lo}/{hi} records from {', '.join(missing)} (see /tmp/sbs_NAME_{tag}.log)")
+w = {v: (s[hi] - s[lo]) / (hi - lo) for v, s in stamps.items()}
+print(tag, f"steps {lo}-{hi}:", "  ".join(f"{v} {w[v] * 1e3:.1f} ms ({w[v] / w[names[0]]:.3f}x)" for v in names))
+PY
+wait
