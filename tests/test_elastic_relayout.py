@@ -76,18 +76,40 @@ def _await(what: str, cond, agents, logs, timeout_s: float = 240.0) -> None:
         time.sleep(0.1)
 
 
+def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) -> list[str]:
+    """One loopback node's command line: one rank per node, a snapshot every K steps under tmp_path/shm."""
+    return base_args(corpus_dir, run) + [
+        "--train.steps", str(steps), "--train.global_batch", str(B), "--parallel.auto", "true",
+        "--parallel.timeout_s", "60", "--elastic.nodes", nodes, "--elastic.nproc_per_node", "1",
+        "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", job,
+        "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
+        "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
+
+
+def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
+    """Every step 1..steps logged, each loss (replays included) the single process's; returns that reference
+    Trainer and the logged steps."""
+    from nanotitan.config import load_config
+    from nanotitan.train import Trainer
+
+    torch.set_num_threads(1)
+    ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
+                              + ["--train.steps", str(steps)]))
+    full = {r["step"]: r["loss"] for r in ref.train()["history"]}
+    logged = [r["step"] for r in _records(run)]
+    assert sorted(set(logged)) == list(range(1, steps + 1)), logged
+    for r in _records(run):
+        assert abs(r["loss"] - full[r["step"]]) <= 1e-5 * abs(full[r["step"]]), (r["step"], r["loss"], full[r["step"]])
+    return ref, logged
+
+
 @pytest.mark.slow
 def test_join_notice_and_kill(corpus_dir, tmp_path):
     from nanotitan.config import load_config
     from nanotitan.train import Trainer
 
     run = tmp_path / "elastic"
-    args = base_args(corpus_dir, run) + [
-        "--train.steps", str(STEPS), "--train.global_batch", str(B), "--parallel.auto", "true",
-        "--parallel.timeout_s", "60", "--elastic.nodes", "2:3", "--elastic.nproc_per_node", "1",
-        "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "relayout",
-        "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
-        "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
+    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout")
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
     files = [open(p, "w") for p in logs]
     agents: list[subprocess.Popen] = []
@@ -131,16 +153,9 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
     assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes
     assert changes[2]["step"] % K == 0, changes  # resumed from a snapshot
 
-    # Every step logged once, each loss the single process's.
-    torch.set_num_threads(1)
-    ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
-                              + ["--train.steps", str(STEPS)]))
-    full = {r["step"]: r["loss"] for r in ref.train()["history"]}
-    steps = [r["step"] for r in _records(run)]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
-    assert len(steps) - STEPS <= lost, steps  # only the lost steps were run twice
-    for r in _records(run):
-        assert abs(r["loss"] - full[r["step"]]) <= 1e-5 * abs(full[r["step"]]), (r["step"], r["loss"], full[r["step"]])
+    # Every step logged, each loss the single process's; only the lost steps were run twice.
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
+    assert len(steps) - STEPS <= lost, steps
 
     # The final checkpoint, loaded into one process, holds the single process's parameters.
     final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1)

@@ -9,28 +9,20 @@ import signal
 import subprocess
 
 import pytest
-import torch
 
-from tests.mp import free_port
-from tests.test_elastic_relayout import AGENT_TIMEOUT_S, _agent, _await, _changes, _kill_ranks, _records
-from tests.test_equivalence import B, base_args, layout_args
+from tests.test_elastic_relayout import (AGENT_TIMEOUT_S, K, _agent, _await, _changes, _kill_ranks, _records,
+                                         elastic_args, losses_match_one_process)
 
-STEPS, K = 60, 5
+STEPS = 60
 
 
 @pytest.mark.slow
 def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     from nanotitan.config import load_config
     from nanotitan.elastic_rank import snapshot_root
-    from nanotitan.train import Trainer
 
     run = tmp_path / "elastic"
-    args = base_args(corpus_dir, run) + [
-        "--train.steps", str(STEPS), "--train.global_batch", str(B), "--parallel.auto", "true",
-        "--parallel.timeout_s", "60", "--elastic.nodes", "1:2", "--elastic.nproc_per_node", "1",
-        "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "replica",
-        "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
-        "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
+    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "replica")
     cfg = load_config(None, args)
     root0, root1 = snapshot_root(cfg, 0), snapshot_root(cfg, 1)
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
@@ -68,11 +60,4 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     assert not root1.exists()  # its shards came from node 0's replica
 
     # Every step logged, each loss the single process's.
-    torch.set_num_threads(1)
-    ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
-                              + ["--train.steps", str(STEPS)]))
-    full = {r["step"]: r["loss"] for r in ref.train()["history"]}
-    steps = [r["step"] for r in _records(run)]
-    assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
-    for r in _records(run):
-        assert abs(r["loss"] - full[r["step"]]) <= 1e-5 * abs(full[r["step"]]), (r["step"], r["loss"], full[r["step"]])
+    losses_match_one_process(corpus_dir, tmp_path, run, STEPS)

@@ -191,6 +191,11 @@ def units(root: Path) -> dict[str, list[str]]:
 # One request per connection: a JSON line, then for `put` the files' bytes; the answer is a JSON line, then for
 # `get` the file's bytes. Paths are relative to ROOT and never leave it.
 
+class _TCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True  # on this class only: setting it on ThreadingTCPServer would change every user's
+    daemon_threads = True  # a request in flight never holds up the agent's exit
+
+
 class FileServer:
     """This node's snapshot files for the other agents: `list` its units, `get` a file, `put` a peer's unit."""
 
@@ -210,9 +215,7 @@ class FileServer:
                     except OSError:
                         pass
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _TCPServer((host, 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="snapshot-files").start()
 
