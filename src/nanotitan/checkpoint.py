@@ -196,6 +196,29 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def small_files(cfg: Config, step: int, extra: dict, layout: dict, **more) -> dict[str, str]:
+    """A checkpoint's config.toml and state.json (rank 0 writes them; the manifest covers them)."""
+    return {"config.toml": to_toml(cfg), STATE_FILE: json.dumps({
+        "format": FORMAT_VERSION, "step": step, "extra": extra, "layout": layout, "world_size": comm.world_size(),
+        "torch": torch.__version__, **more}, indent=1)}
+
+
+def write_small_files(tmp: Path, small: dict[str, str | bytes], manifest: dict) -> None:
+    """Write each small file and add its size and xxh3-64 to `manifest` (the shards' entries), then manifest.json
+    itself: the list of every file that a checkpoint's verification reads."""
+    for name, data in small.items():
+        if isinstance(data, str):
+            _write_text(tmp / name, data)
+            data = data.encode()
+        else:
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        manifest[name] = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+    _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": manifest}, indent=1))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -287,15 +310,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     err = ""
     if rank == 0:
         try:
-            small = {"config.toml": to_toml(cfg), STATE_FILE: json.dumps({
-                "format": FORMAT_VERSION, "step": step, "extra": json.loads(extra_json), "layout": _layout(dims),
-                "world_size": comm.world_size(), "torch": torch.__version__,
-                "save_s": round(time.perf_counter() - t0, 3)}, indent=1)}
-            for name, text in small.items():
-                _write_text(tmp / name, text)
-                data = text.encode()
-                manifest[name] = {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
-            _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": manifest}, indent=1))
+            small = small_files(cfg, step, json.loads(extra_json), _layout(dims),
+                                save_s=round(time.perf_counter() - t0, 3))
+            write_small_files(tmp, small, manifest)
             _fsync_dir(tmp)
             if final.exists():  # re-save of the same step (e.g. after a resume): the new one wins
                 shutil.rmtree(final)

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from .config import Config, to_toml
+from .config import Config
 from .errors import first_line
-from .manifest import COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, _hash_file
+from .manifest import COMPLETE, DCP_METADATA, MANIFEST, _hash_file
 from .parallel import comm
 
 UNIT = re.compile(r"^step_(\d+)/g(\d+)-node(\d+)$")  # a committed unit, relative to ROOT
@@ -79,9 +79,7 @@ class SnapshotWriter:
         self.staged = ckpt.stage_state(model, optimizer, shard, self.staged)
         small = None
         if comm.world_rank() == 0:  # the step's small files, the same bytes in every node's unit
-            small = {"config.toml": to_toml(self.cfg), STATE_FILE: json.dumps({
-                "format": FORMAT_VERSION, "step": step, "extra": {"step": step, "samples": samples},
-                "layout": layout, "world_size": comm.world_size(), "torch": torch.__version__}, indent=1)}
+            small = ckpt.small_files(self.cfg, step, {"step": step, "samples": samples}, layout)
         self.cost_s["wait"] += t1 - t0
         self.cost_s["stage"] += time.perf_counter() - t1
         self.count += 1
@@ -138,29 +136,13 @@ class SnapshotWriter:
                 return
             if self.leader:  # every rank's shard is written and read back (the gather): commit this node's unit
                 manifest = {name: meta for p in parts for name, meta in p["files"].items()}
-                for name, data in parts[0]["small"].items():
-                    data = data.encode() if isinstance(data, str) else data
-                    _write_bytes(tmp / name, data)
-                    manifest[name] = {"bytes": len(data), "xxh3_64": _digest(data)}
-                _write_bytes(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": manifest},
-                                                        indent=1).encode())
+                ckpt.write_small_files(tmp, parts[0]["small"], manifest)
                 commit(tmp, unit)
                 prune(self.root)
         except BaseException as e:  # noqa: BLE001 - a failed snapshot must not stop training: the next one retries
             self.error = f"snapshot of step {step} failed: {first_line(e)}"
         finally:
             self.cost_s["write_cpu"] += time.thread_time() - t0
-
-
-def _digest(data: bytes) -> str:
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def commit(tmp: Path, final: Path) -> None:

@@ -179,11 +179,16 @@ def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Ha
         lay = _layout_of(r, cfg)
         pred = predict(_metered(layout_config(cfg, lay), r), lay, hw, opts or PlanOptions())
         step = [sum(p.values()) - p["reserved"] for p in pred.mem_parts_by_stage]
-        peak = [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
+        peak = _tensor_peaks(pred)
         save = [c - p["reserved"] for c, p in zip(pred.ckpt_by_stage, pred.mem_parts_by_stage)]
         out.append(dict(layout=lay.short(), meas=max(meas), pred_step=max(step), pred_save=max(save), pred=max(peak),
                         err=max(peak) / max(meas) - 1))
     return out
+
+
+def _tensor_peaks(pred) -> list[float]:
+    """Each stage's predicted peak without the profile's reserve (not a tensor): what a step's meter measures."""
+    return [m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage)]
 
 
 def _metered(cfg: Config, row: dict) -> Config:
@@ -210,7 +215,7 @@ def fit_expert_skew(measured_rows: list[dict], cfg: Config, hardware: str | Hard
 
         def peak(skew: float) -> float:
             pred = predict(c, lay, hw, dataclasses.replace(opts, expert_skew=skew))
-            return max(m - p["reserved"] for m, p in zip(pred.mem_by_stage, pred.mem_parts_by_stage))
+            return max(_tensor_peaks(pred))
 
         lo, hi = 0.0, 4.0
         if peak(lo) >= want:
