@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -43,8 +44,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
                                                           create_default_local_load_plan)
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.futures import Future
 
 from .config import Config, to_toml
 from .errors import CheckpointError, StorageError, first_line, os_reason
@@ -480,7 +484,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         live[_rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(live, storage_reader=FileSystemReader(path), planner=_LoadChunks(),
+            dcp.load(live, storage_reader=_Reader(path), planner=_LoadChunks(),
                      no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
@@ -490,54 +494,145 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     return {**info["extra"], "step": int(info["step"])}
 
 
-# --- snapshots (snapshot.py): the same pieces, staged to host memory and written from a thread -----------------
+# --- snapshots (snapshot.py): this rank's pieces packed into one host buffer, written as one raw file ----------
+# A snapshot is a checkpoint whose shards are raw bytes instead of DCP's torch.save records: rank r's pieces,
+# copied at the step boundary into one flat buffer, are written as `__r_0.raw` in a single write, and the
+# buffer's xxh3 is the shard's checksum. `.metadata` is DCP's own Metadata (each piece's key, offsets and sizes,
+# and where its bytes are), built once per generation, so load_checkpoint reshards a snapshot onto any layout
+# through DCP's planner exactly as it does a checkpoint; only the reading of a chunk's bytes differs (_Reader).
+# Why not DCP's writer: it pushes each of a rank's ~280 pieces through torch.save in Python (83 ms of CPU per
+# snapshot of the default model, where this takes ~5 ms: docs/elastic.md, "What a snapshot costs").
 
-def stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None,
-                into: dict | None = None) -> dict:
-    """A copy in host memory of what save_checkpoint writes of this rank (its pieces under global keys, and its
-    RNG state) that the next optimizer step cannot change (staged_nonfinite checks it). `into`, an
-    earlier result for the same model, is refilled rather than allocated: a fresh copy of the state costs its page
-    faults at every snapshot."""
-    live = _keyed(model, optimizer, shard)
-    if into is None:
-        into = {k: _Chunks(c.shape, [(o, torch.empty(t.shape, dtype=t.dtype)) for o, t in c.boxes.items()])
-                for k, c in live.items()}
-    for k, c in live.items():
-        for o, t in c.boxes.items():
-            into[k].boxes[o].copy_(t)
-    into[_rng_key(comm.world_rank())] = torch.get_rng_state()
-    return into
+RAW_SHARD = "__{rank}_0.raw"
+_ALIGN = 64  # each piece's byte offset in a .raw shard: a multiple of every dtype's size
 
 
-def staged_nonfinite(state: dict) -> str:
-    """'' when every floating tensor of a stage_state copy is finite, else the first key holding NaN/inf. A fused
-    2-norm per dtype first (15x faster than the inf-norm on CPU; it also overflows for |x| > 1e19, so a hit is
-    confirmed tensor by tensor)."""
-    boxes = {k: t for k, c in state.items() if isinstance(c, _Chunks) for t in c.boxes.values()}
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in boxes.values():
-        if t.is_floating_point() and t.numel():
-            groups.setdefault(t.dtype, []).append(t)
-    if all(bool(torch.stack(torch._foreach_norm(ts, 2)).isfinite().all()) for ts in groups.values()):
+class _Reader(FileSystemReader):
+    """DCP's FileSystemReader that also reads `.raw` shards: each chunk's bytes as they were in memory
+    (C order, the dtype of its key's metadata) at the offset its storage entry names."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner):
+        raw: dict[str, list] = {}
+        rest = []
+        for req in plan.items:
+            rel = self.storage_data[req.storage_index].relative_path
+            (raw.setdefault(rel, []) if rel.endswith(".raw") else rest).append(req)
+        if rest:
+            super().read_data(LoadPlan(rest), planner)
+        for rel, reqs in raw.items():
+            data = torch.frombuffer(bytearray(Path(self.path, rel).read_bytes()), dtype=torch.uint8)
+            for req in reqs:
+                info, md = self.storage_data[req.storage_index], self.tensors[req.storage_index.fqn]
+                sizes = next(c.sizes for c in md.chunks if c.offsets == req.storage_index.offset)
+                chunk = data[info.offset:info.offset + info.length].view(md.properties.dtype).view(sizes)
+                for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):  # the part this box needs
+                    chunk = chunk.narrow(dim, start, n)
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(chunk)
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+class SnapshotPacking:
+    """Which pieces this rank writes into a snapshot, where each sits in its flat buffer, and the snapshot's DCP
+    metadata: fixed for a generation (its layout and state do not change), so built once, by one all-gather.
+    A piece that several ranks hold (a replicated parameter at zero 0, say) is written by one of them: the holder
+    with the fewest bytes so far, as DCP's dedup does, so the dp replicas split the work."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None, group=None):
+        """Collective on `group` (every rank, the same step)."""
+        rank = comm.world_rank()
+        mine = [(k, tuple(o), tuple(t.shape), tuple(c.shape), t.dtype)
+                for k, c in _keyed(model, optimizer, shard).items() for o, t in c.boxes.items()]
+        rng = torch.get_rng_state()
+        mine.append((_rng_key(rank), (0,), tuple(rng.shape), tuple(rng.shape), rng.dtype))
+        if comm.distributed():
+            lists: list = [None] * comm.world_size()
+            torch.distributed.all_gather_object(lists, mine, group=group)
+        else:
+            lists = [mine]
+        pieces: dict[tuple, tuple] = {}  # (key, offsets) -> (sizes, whole size, dtype, holders)
+        for r, lst in enumerate(lists):
+            for k, o, s, whole, dtype in lst:
+                pieces.setdefault((k, o), (s, whole, dtype, []))[3].append(r)
+        assigned = [0] * len(lists)  # bytes per rank so far
+        files: list[list] = [[] for _ in lists]  # rank -> [(key, offsets, sizes, dtype)] it writes, in file order
+        for (k, o), (s, _whole, dtype, holders) in sorted(pieces.items(), key=lambda p: (str(p[1][2]), p[0])):
+            r = min(holders, key=lambda h: (assigned[h], h))
+            assigned[r] += _nbytes(s, dtype)
+            files[r].append((k, o, s, dtype))
+        # the metadata: every key's chunks, and where each chunk's bytes are
+        tensors: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        for r, lst in enumerate(files):
+            at = 0
+            for k, o, s, dtype in lst:
+                whole = pieces[(k, o)][1]
+                md = tensors.setdefault(k, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(whole), []))
+                md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)))
+                storage[MetadataIndex(k, o)] = _StorageInfo(RAW_SHARD.format(rank=r), at, _nbytes(s, dtype))
+                at = _aligned(at + _nbytes(s, dtype))
+        self.metadata = pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data=storage))
+        self.file = RAW_SHARD.format(rank=rank)
+        # this rank's buffer, and a view of it per piece it writes
+        self.keys = [(k, o) for k, o, _s, _d in files[rank]]
+        self.buffer = torch.zeros(sum(_aligned(_nbytes(s, d)) for _k, _o, s, d in files[rank]), dtype=torch.uint8)
+        self.views = [self._view(storage[MetadataIndex(k, o)], s, d) for k, o, s, d in files[rank]]
+        self.length = max((storage[MetadataIndex(k, o)].offset + storage[MetadataIndex(k, o)].length
+                           for k, o in self.keys), default=0)
+        self.regions: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the buffer's span of that dtype (contiguous)
+        for k, o, s, d in files[rank]:
+            if d.is_floating_point:
+                info = storage[MetadataIndex(k, o)]
+                lo, hi = self.regions.get(d, (info.offset, 0))
+                self.regions[d] = (lo, info.offset + info.length)
+        self.regions = {d: self.buffer[lo:hi] for d, (lo, hi) in self.regions.items()}
+
+    def _view(self, info, sizes, dtype) -> torch.Tensor:
+        return self.buffer[info.offset:info.offset + info.length].view(dtype).view(sizes)
+
+    def stage(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None) -> None:
+        """Copy this rank's pieces of the live state (and its RNG state) into the buffer, which the next optimizer
+        step cannot change. The step boundary's only cost."""
+        live = _keyed(model, optimizer, shard)
+        rng = _rng_key(comm.world_rank())
+        srcs = [torch.get_rng_state() if k == rng else live[k].box(o) for k, o in self.keys]
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, srcs)
+
+    def nonfinite(self) -> str:
+        """'' when every floating piece in the buffer is finite, else the first key holding NaN/inf. One 2-norm per
+        dtype span (its gaps between pieces are zeros; the 2-norm also overflows for |x| > 1e19, so a hit is
+        confirmed piece by piece)."""
+        for d, span in self.regions.items():
+            if not bool(torch.linalg.vector_norm(span.view(d)).isfinite()):
+                for (k, _o), v in zip(self.keys, self.views):
+                    if v.dtype == d and not bool(v.isfinite().all()):
+                        return k
         return ""
-    return next((k for k, t in boxes.items() if t.is_floating_point() and not bool(t.isfinite().all())), "")
+
+    def write(self, dir: Path) -> dict[str, dict]:
+        """Write the buffer as this rank's shard in `dir`; {file: its bytes and xxh3-64}, hashed from the buffer
+        (the bytes just written: a copy that differs is caught where every copy is checked, at push and at
+        assembly). One write and one hash, both in C without the GIL."""
+        data = memoryview(self.buffer.numpy())[:self.length]
+        with open(dir / self.file, "wb") as f:
+            f.write(data)
+        return {self.file: {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}}
 
 
-class _CachedSaveChunks(_SaveChunks):
-    """_SaveChunks that keeps its plans (DCP's plan caching, per planner class and process): every snapshot of a
-    generation writes the same keys and chunks, so the ranks send the coordinator a flag instead of their plans
-    and it reuses the global plan and metadata."""
-
-    def __init__(self):
-        super().__init__(enable_plan_caching=True)
+def _nbytes(sizes: tuple, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in sizes:
+        n *= s
+    return n
 
 
-def write_staged(state: dict, path: Path, group=None) -> list[str]:
-    """dcp.save of stage_state's copy into `path`, this rank's directory (ranks may be given different ones: the
-    files are named by rank, and the coordinator rank writes DCP's .metadata into its own), with every collective
-    on `group`: safe on a thread while training runs its collectives on other groups. Returns the files the
-    metadata points at (a rank whose keys were all deduped may leave an empty one that it does not name)."""
-    with _quiet_single_process():
-        meta = dcp.save(state, storage_writer=FileSystemWriter(path), planner=_CachedSaveChunks(), process_group=group,
-                        no_dist=not comm.distributed())
-    return sorted({s.relative_path for s in meta.storage_data.values()})
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN

@@ -30,7 +30,7 @@ DCP_METADATA = ".metadata"
 FORMAT_VERSION = 2  # 2: manifest.json with a checksum per file
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _ENTRY = re.compile(r"^step_(\d+)(\.tmp)?$")  # a checkpoint dir, or a save that never finished
-_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's FileSystemWriter names rank r's files __r_<k>.distcp
+_SHARD = re.compile(r"^__(\d+)_\d+\.(distcp|raw)$")  # rank r's shards: DCP's __r_<k>.distcp, a snapshot's __r_0.raw
 _CHUNK = 8 << 20
 
 

@@ -12,9 +12,10 @@ On each node, under ROOT = elastic_rank.snapshot_root(cfg, node):
     step_N/gG-nodeI.tmp/  a unit being written; renamed once every file in it is written and checksummed
     checkpoints/step_N/   a whole snapshot assembled from units for a resume: a checkpoint (checkpoint.py)
 
-Rank side (SnapshotWriter): at the step boundary it waits for the previous snapshot, copies the state to host
-memory (checkpoint.stage_state) and returns. A thread then writes that copy (DCP, on a process group of its
-own), checksums it and commits the unit.
+Rank side (SnapshotWriter): at the step boundary it waits for the previous snapshot, copies the state to one
+host buffer (checkpoint.SnapshotPacking: the pieces this rank writes) and returns. A thread then writes that
+buffer as the rank's one raw shard, checksums it, agrees with the other ranks (a process group of its own) and
+commits the unit.
 Agent side (FileServer, push_unit, fetch_checkpoint): each agent serves its ROOT over TCP (list, get, put). It
 pushes its node's new units to the next member node, and fetches a whole snapshot from node 0 before a resume.
 No file system is shared between nodes.
@@ -56,7 +57,7 @@ class SnapshotWriter:
     def __init__(self, cfg: Config, root: Path, node: int, gen: int, leader: bool, timeout_s: float):
         self.cfg, self.root, self.node, self.gen, self.leader = cfg, root, node, gen, leader
         self.timeout_s = timeout_s
-        self.staged: dict | None = None  # the host copy, refilled at each snapshot
+        self.packing: ckpt.SnapshotPacking | None = None  # the host copy, refilled at each snapshot
         self.group = None  # the thread's process group (gloo), built at the first snapshot
         self.thread: threading.Thread | None = None
         self.error = ""  # the last snapshot's failure, printed by the main thread
@@ -73,13 +74,16 @@ class SnapshotWriter:
         self.wait()
         t1 = time.perf_counter()
         if self.group is None and comm.distributed():
-            # The thread's collectives (DCP's plan and metadata, the checksum gather) never share a group with
-            # training's, which run at the same time on the main thread. Built once, at the same step everywhere.
+            # The thread's collective (the checksum gather) never shares a group with training's, which run at the
+            # same time on the main thread. Built once, at the same step everywhere.
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-        self.staged = ckpt.stage_state(model, optimizer, shard, self.staged)
+        if self.packing is None:  # who writes which piece where: one all-gather, at the generation's first snapshot
+            self.packing = ckpt.SnapshotPacking(model, optimizer, shard, self.group)
+        self.packing.stage(model, optimizer, shard)
         small = None
         if comm.world_rank() == 0:  # the step's small files, the same bytes in every node's unit
             small = ckpt.small_files(self.cfg, step, {"step": step, "samples": samples}, layout)
+            small[DCP_METADATA] = self.packing.metadata
         self.cost_s["wait"] += t1 - t0
         self.cost_s["stage"] += time.perf_counter() - t1
         self.count += 1
@@ -108,20 +112,15 @@ class SnapshotWriter:
         t0 = time.thread_time()
         try:
             # Nothing non-finite is kept (checkpoint.py's rule): checked here on the copy, agreed by the gather below.
-            key = ckpt.staged_nonfinite(self.staged)
+            key = self.packing.nonfinite()
             bad = f"{key} holds NaN/inf" if key else ""
-            tmp.mkdir(parents=True, exist_ok=True)
-            files = ckpt.write_staged(self.staged, tmp, self.group)  # DCP agrees its own failures: all ranks raise
-            mine = {}  # this rank's shards, read back: (bytes, xxh3) of what is on the node now
-            try:  # a rank-local failure from here on is agreed by the gather, never left inside a collective
-                for name in files:
-                    if name.startswith(f"__{rank}_"):
-                        size, digest = _hash_file(tmp / name)
-                        mine[name] = {"bytes": size, "xxh3_64": digest}
-                if small is not None:
-                    small[DCP_METADATA] = (tmp / DCP_METADATA).read_bytes()
+            mine = {}  # this rank's shard: its bytes and xxh3
+            try:  # a rank-local failure is agreed by the gather, never left inside a collective
+                tmp.mkdir(parents=True, exist_ok=True)
+                if not bad:
+                    mine = self.packing.write(tmp)
             except OSError as e:
-                bad = bad or f"reading back {Path(e.filename or tmp).name} failed ({first_line(e)})"
+                bad = f"writing {Path(e.filename or tmp).name} failed ({first_line(e)})"
             part = {"rank": rank, "files": mine, "bad": bad, "small": small}
             if self.group is not None:
                 parts: list = [None] * comm.world_size()
@@ -134,7 +133,7 @@ class SnapshotWriter:
                 if self.leader:
                     shutil.rmtree(tmp, ignore_errors=True)
                 return
-            if self.leader:  # every rank's shard is written and read back (the gather): commit this node's unit
+            if self.leader:  # every rank's shard is written (the gather): commit this node's unit
                 manifest = {name: meta for p in parts for name, meta in p["files"].items()}
                 ckpt.write_small_files(tmp, parts[0]["small"], manifest)
                 commit(tmp, unit)
@@ -394,6 +393,6 @@ def _fetch(root: Path, files: dict[str, list], name: str, dest_dir: Path, want: 
             continue
         if want is None or _hash_file(dest) == (want["bytes"], want["xxh3_64"]):
             return ""
-        why = f"{'shard' if name.endswith('.distcp') else 'file'} {name} fails its checksum (xxh3_64) on every node that holds it"
+        why = f"{'shard' if name.endswith(('.distcp', '.raw')) else 'file'} {name} fails its checksum (xxh3_64) on every node that holds it"
     return why
 
