@@ -222,3 +222,36 @@ def test_cli_one_line_before_anything_runs(tmp_path):
                            capture_output=True, text=True, timeout=60)
         assert (r.returncode, r.stderr.splitlines(), r.stdout) == (2, [f"nanotitan: config error: {msg}"], "")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["somefile", "x.toml"]
+
+
+LANES = ["--parallel.ep_overlap_microbatches", "true"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (LANES + ["--parallel.microbatches", "4"], "parallel.ep_overlap_microbatches hides EP all-to-alls, and "
+     "parallel.ep=1 has none (--parallel.ep 2, or --parallel.ep_overlap_microbatches false)"),
+    (LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4"],
+     "parallel.ep_overlap_microbatches is built for parallel.pp=1 only, not pp=2: a stage would have to post its "
+     "gradient receive before its forward (docs/ep.md) (--parallel.pp 1, or --parallel.ep_overlap_microbatches false)"),
+    (LANES + ["--parallel.ep", "2"], "parallel.ep_overlap_microbatches runs one microbatch's forward beside another's "
+     "backward: parallel.microbatches=1 must be >= 2 (--parallel.microbatches 4, or "
+     "--parallel.ep_overlap_microbatches false)"),
+    (LANES + ["--parallel.ep", "2", "--parallel.dp", "2", "--parallel.microbatches", "2", "--parallel.zero", "3"],
+     "parallel.ep_overlap_microbatches runs with zero 0-2: FSDP2's hooks (zero 3) are not safe in two threads at "
+     "once (--parallel.zero 2, or --parallel.ep_overlap_microbatches false)"),
+    (LANES + ["--parallel.ep", "2", "--parallel.microbatches", "2", "--train.device", "cuda"],
+     "parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane needs its own stream, not built "
+     "yet (docs/ep.md) (--train.device cpu, or --parallel.ep_overlap_microbatches false)"),
+])
+def test_ep_overlap_microbatches_refuses_what_it_does_not_run(args, msg):
+    """The two-lane mode is refused, in one line naming the field and the fix, where it is not built."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert str(e.value) == msg
+
+
+def test_ep_overlap_microbatches_is_off_by_default_and_accepted_at_pp1():
+    assert Config().parallel.ep_overlap_microbatches is False
+    cfg = load_config(None, LANES + ["--parallel.ep", "2", "--parallel.microbatches", "4", "--parallel.dp", "2",
+                                     "--parallel.zero", "2", "--parallel.ep_overlap", "true"])
+    assert cfg.parallel.ep_overlap_microbatches

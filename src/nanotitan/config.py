@@ -122,6 +122,7 @@ class ParallelConfig:
     zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
     zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
     ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose all-to-alls travel while another group's experts compute, forward and backward (docs/ep.md); the same maths bit for bit
+    ep_overlap_microbatches: bool = False  # EP with pp=1: microbatch i+1's forward runs beside microbatch i's backward (two lanes, each with its own EP group), so each one's all-to-alls travel while the other computes; CPU/gloo, zero 0-2, the same maths bit for bit (docs/ep.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep): more hide more bytes but each adds 4 calls, each paying the link latency (docs/ep.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
@@ -509,6 +510,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(not p.ep_overlap or p.ep == 1 or p.auto or m.num_experts // p.ep >= 2,
            f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/parallel.ep = "
            f"{m.num_experts}/{p.ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
+    if p.ep_overlap_microbatches:  # two lanes: a forward beside a backward (parallel/pp.py, docs/ep.md)
+        off = "--parallel.ep_overlap_microbatches false"
+        _check(p.auto or p.ep > 1, f"parallel.ep_overlap_microbatches hides EP all-to-alls, and parallel.ep=1 has "
+                                   f"none (--parallel.ep 2, or {off})")
+        _check(p.auto or p.pp == 1, f"parallel.ep_overlap_microbatches is built for parallel.pp=1 only, not "
+                                    f"pp={p.pp}: a stage would have to post its gradient receive before its forward "
+                                    f"(docs/ep.md) (--parallel.pp 1, or {off})")
+        _check(p.auto or p.microbatches >= 2, f"parallel.ep_overlap_microbatches runs one microbatch's forward beside "
+                                              f"another's backward: parallel.microbatches={p.microbatches} must be "
+                                              f">= 2 (--parallel.microbatches 4, or {off})")
+        _check(p.zero < 3, f"parallel.ep_overlap_microbatches runs with zero 0-2: FSDP2's hooks (zero 3) are not safe "
+                           f"in two threads at once (--parallel.zero 2, or {off})")
+        _check(t.device != "cuda", f"parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane "
+                                   f"needs its own stream, not built yet (docs/ep.md) (--train.device cpu, or {off})")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
     _check(p.zero_accumulate in ("auto", "shard", "full"),
            f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")

@@ -20,8 +20,9 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp"]
-GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)
+GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "ep_backward"]
+GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)[:4]  # built by build_groups, for every job
+# "ep_backward": the EP groups again (same ranks), for the backward lane of parallel.ep_overlap_microbatches only
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ParallelDims:
         """Every group of one kind, as lists of global ranks, in a fixed order: slices of `grid()`, in plain ints
         (no tensor: `nanotitan plan --dry-run` asks while a FakeTensorMode turns every new tensor into a fake)."""
         D, P, E, r = range(self.dp), range(self.pp), range(self.ep), self.rank_of
-        if kind == "ep":
+        if kind in ("ep", "ep_backward"):
             return [[r(d, p, e) for e in E] for d in D for p in P]
         if kind == "pp":
             return [[r(d, p, e) for p in P] for d in D for e in E]
@@ -119,8 +120,8 @@ class ParallelDims:
     def group(self, kind: GroupKind):
         """This rank's ProcessGroup of `kind` (None when the group is just this rank, or before
         build_groups on a world of one). An unknown kind raises: None would silently mean "no communication"."""
-        if kind not in GROUP_KINDS:
-            raise ValueError(f"unknown group kind {kind!r} (one of {', '.join(GROUP_KINDS)})")
+        if kind not in get_args(GroupKind):
+            raise ValueError(f"unknown group kind {kind!r} (one of {', '.join(get_args(GroupKind))})")
         return self.groups.get(kind)
 
     def build_groups(self, timeout_s: float = 300.0, backend: str | None = None) -> "ParallelDims":
@@ -135,6 +136,18 @@ class ParallelDims:
                 pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
                 if self.rank in ranks:
                     self.groups[kind] = pg if len(ranks) > 1 else None
+        return self
+
+    def build_backward_ep_groups(self, timeout_s: float = 300.0) -> "ParallelDims":
+        """parallel.ep_overlap_microbatches: every EP group a second time ("ep_backward"), same order on all ranks
+        (new_group is collective over the world), so that a backward's all-to-alls never queue behind, or pair
+        with, a forward's running at the same time on the same ranks (parallel/ep.py: lane_group)."""
+        if "ep_backward" in self.groups or not dist.is_initialized() or self.world_size == 1:
+            return self
+        for ranks in self.all_group_ranks("ep_backward"):
+            pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+            if self.rank in ranks:
+                self.groups["ep_backward"] = pg if len(ranks) > 1 else None
         return self
 
 

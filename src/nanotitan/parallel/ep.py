@@ -16,6 +16,10 @@ One layer call (seed, "Dispatch, expert computation and combine"):
   5. `combine`: weight each output by its router weight and sum the K outputs of each token.
 Backward is the same path reversed: `_AllToAll.backward` is the all-to-all with the splits swapped.
 Every collective goes through `parallel.comm` on axis "ep", so its time and bytes are accounted.
+With parallel.ep_overlap_microbatches (two lanes: one microbatch's forward beside another's backward, pp.py) the
+dispatcher holds two EP groups over the same ranks: forward collectives go on the first, backward ones (the
+recompute of activation checkpointing included: it runs inside the backward) on the second (`lane_group`), so
+each group sees one lane's calls in one deterministic order on every rank.
 Dropless by default: every assignment reaches its expert, so EP computes exactly what one process would.
 With a capacity factor the router has already dropped assignments (expert id E, model/moe.py) on the
 source rank, per source microbatch, before step 1: they are never packed into a send, and each rank's
@@ -23,6 +27,9 @@ drops are the ones one process would make on the same microbatch.
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -32,31 +39,77 @@ from ..model.moe import ExpertFFN, combine, pack_expert_major
 from . import comm
 
 
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (a checkpointed block's recompute included);
+    also true on CUDA's autograd device threads, which no Python thread-local would reach."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def lane_group(groups: tuple):
+    """The EP group of the calling lane: groups[0] for forwards, groups[1] for backwards (the same group twice
+    unless parallel.ep_overlap_microbatches built a second one)."""
+    return groups[in_backward()]
+
+
+# --- EP waits per lane, for the exposed-wait figure of two lanes (pp.py: exposed_ep_wait) -------------------
+_WAITS: list | None = None  # (lane 0 forward / 1 backward, start, end) per blocking EP call or wait; None: off
+
+
+def record_waits(waits: list | None) -> None:
+    """Append every EP call's blocked interval to `waits` from now on (None: stop)."""
+    global _WAITS
+    _WAITS = waits
+
+
+@contextmanager
+def _blocked():
+    """Around a blocking EP call or a wait for an async one: the interval goes to the recording, if any."""
+    if _WAITS is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _WAITS.append((int(in_backward()), t0, time.perf_counter()))  # list.append: atomic across the lanes
+
+
+def _wait(work) -> None:
+    with _blocked():
+        work.wait()
+
+
 class _AllToAll(torch.autograd.Function):
     """Uneven all-to-all of rows; the gradient travels back along the same links (splits swapped).
+    `groups`: (forward group, backward group), see `lane_group`.
 
     torch.distributed.nn.functional.all_to_all_single handles uneven splits on gloo too (checked on
     torch 2.13), but it is deprecated and bypasses `parallel.comm`, so its time would go unaccounted.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], group):
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], groups):
+        ctx.out_splits, ctx.in_splits, ctx.groups = out_splits, in_splits, groups
         out_RD = x_ND.new_empty(sum(out_splits), x_ND.shape[1])
-        comm.all_to_all_single(out_RD, x_ND, out_splits, in_splits, group=group, axis="ep")
+        with _blocked():
+            comm.all_to_all_single(out_RD, x_ND, out_splits, in_splits, group=lane_group(groups), axis="ep")
         return out_RD
 
     @staticmethod
     def backward(ctx, grad_RD):
         grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
         # gloo needs contiguous buffers; comm.all_to_all_single makes the input contiguous.
-        comm.all_to_all_single(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, group=ctx.group, axis="ep")
+        with _blocked():
+            comm.all_to_all_single(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, group=lane_group(ctx.groups),
+                                   axis="ep")
         return grad_ND, None, None, None
 
 
-def all_to_all_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Differentiable uneven all-to-all over dim 0: send in_splits[p] rows to rank p, receive out_splits[p]."""
-    return _AllToAll.apply(x_ND, out_splits, in_splits, group)
+def all_to_all_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                    backward_group=None) -> torch.Tensor:
+    """Differentiable uneven all-to-all over dim 0: send in_splits[p] rows to rank p, receive out_splits[p].
+    The gradient goes back on `backward_group` (default: `group`)."""
+    return _AllToAll.apply(x_ND, out_splits, in_splits, (group, backward_group or group))
 
 
 def source_to_expert_major(recv_counts_PL: torch.Tensor, total: int) -> torch.Tensor:
@@ -85,9 +138,9 @@ class _ChunkPlan:
     order (destination, then expert); in/out_splits, the received rows' permutation to expert-major and their
     counts per expert of the group (slices of the one-trip path's `counts_L`)."""
 
-    def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int, group):
+    def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int, groups):
         P = len(send_host)
-        self.group = group
+        self.groups = groups  # (forward, backward): the trips of a backward go on the backward lane's group
         self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
         self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
         self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]
@@ -105,20 +158,21 @@ class _ChunkPlan:
         """Every group's rows of the packed `t_ND` sent to their experts' owners at once (async): (received
         buffers, works); the sends are held by the works until waited."""
         recvs = [t_ND.new_empty(sum(o), t_ND.shape[1]) for o in self.out_splits]
-        works = [comm.all_to_all_single(r, t_ND.index_select(0, i), o, s, group=self.group, axis="ep", async_op=True)
+        group = lane_group(self.groups)
+        works = [comm.all_to_all_single(r, t_ND.index_select(0, i), o, s, group=group, axis="ep", async_op=True)
                  for r, i, o, s in zip(recvs, self.idx, self.out_splits, self.in_splits)]
         return recvs, works
 
     def post_back(self, c: int, t_c: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Group c's rows (source-major, as received) back to their sources (async): (buffer, work)."""
         buf = t_c.new_empty(sum(self.in_splits[c]), t_c.shape[1])
-        return buf, comm.all_to_all_single(buf, t_c, self.in_splits[c], self.out_splits[c], group=self.group,
-                                           axis="ep", async_op=True)
+        return buf, comm.all_to_all_single(buf, t_c, self.in_splits[c], self.out_splits[c],
+                                           group=lane_group(self.groups), axis="ep", async_op=True)
 
     def unpack(self, backs: list[torch.Tensor], works: list) -> torch.Tensor:
         """Wait for every group's return trip and put its rows back in their places of the packed buffer."""
         for w in works:
-            w.wait()
+            _wait(w)
         t_ND = backs[0].new_empty(self.N, backs[0].shape[1])
         for i, b in zip(self.idx, backs):
             t_ND.index_copy_(0, i, b)
@@ -146,7 +200,7 @@ class _ExpertTrip(torch.autograd.Function):
         recvs, works = plan.post_out(x_ND)
         xs, saved, backs, back_works = [], [], [], []
         for c, (l0, l1) in enumerate(plan.bounds):
-            works[c].wait()
+            _wait(works[c])
             x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
             y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
             buf, work = plan.post_back(c, y_c.index_select(0, plan.inv[c]))
@@ -171,7 +225,7 @@ class _ExpertTrip(torch.autograd.Function):
         backs, back_works, terms, grads = [], [], [], []
         k = 0
         for c, (l0, l1) in enumerate(plan.bounds):
-            works[c].wait()
+            _wait(works[c])
             dy_c = recvs[c].index_select(0, plan.perm[c])
             n_l = l1 - l0
             dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
@@ -204,13 +258,21 @@ class EPDispatcher:
     zero tokens.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1):
+    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1, backward_group=None):
         if ep_size > 1 and group is None:
             raise ValueError(f"EPDispatcher with ep_size={ep_size} needs the EP process group (dims.group('ep'))")
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
-        self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        # backward_group (parallel.ep_overlap_microbatches): a second group over the same ranks for the backward
+        # lane's collectives; without it forwards and backwards share `group`.
+        self.groups = (group, backward_group or group)
+        self.ep_size, self.ep_rank = ep_size, ep_rank
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
+
+    @property
+    def group(self):
+        """The group of the calling lane (`lane_group`)."""
+        return lane_group(self.groups)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P = self.ep_size
@@ -241,7 +303,7 @@ class EPDispatcher:
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
         n = min(self.overlap_chunks, L)
         if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
-            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.group)
+            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.groups)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
             x_RD = self._a2a(x_ND, out_splits, in_splits)
@@ -265,22 +327,27 @@ class EPDispatcher:
         if self.ep_size == 1:
             return send_PL
         recv_PL = torch.empty_like(send_PL)
-        comm.all_to_all_single(recv_PL, send_PL, group=self.group, axis="ep")  # row p goes to rank p
+        with _blocked():
+            comm.all_to_all_single(recv_PL, send_PL, group=self.group, axis="ep")  # row p goes to rank p
         return recv_PL
 
     def _a2a(self, x_ND, out_splits, in_splits):
-        return x_ND if self.ep_size == 1 else all_to_all_rows(x_ND, out_splits, in_splits, self.group)
+        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.groups)
 
 
-def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1) -> nn.Module:
+def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False) -> nn.Module:
     """Install an EPDispatcher on every MoE layer of a Transformer shard (in place); no-op when ep == 1.
     overlap_chunks > 1 (parallel.ep_overlap): each trip pipelined over that many groups of the local experts.
+    lanes (parallel.ep_overlap_microbatches): backward collectives on dims.group("ep_backward"), and each MoE's
+    router statistics kept per lane (`_lane_local_router_state`).
 
     The shard must have been built for this rank's experts (`build_shard_spec(cfg, pp_rank, ep_rank)`).
     """
     if dims.ep == 1:
         return model
     group = dims.group("ep")
+    backward_group = dims.group("ep_backward") if lanes else None
+    assert not lanes or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
     for moe in model.moe_layers():
         L = moe.num_experts // dims.ep
         if moe.num_experts % dims.ep:
@@ -290,5 +357,33 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1) -> nn.Module:
             raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but ep_rank "
                              f"{dims.ep_rank} owns [{dims.ep_rank * L}, {(dims.ep_rank + 1) * L}): build the "
                              f"model with build_shard_spec(cfg, pp_rank, ep_rank={dims.ep_rank})")
-        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks)
+        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks, backward_group)
+        if lanes:
+            _lane_local_router_state(moe)
     return model
+
+
+_LANE_LOCAL = ("last_counts_E", "last_router_stats")  # what MoE.route leaves for Transformer.forward to read
+_LANE_CLASSES: dict[type, type] = {}
+
+
+def _lane_local_router_state(moe: nn.Module) -> None:
+    """Give `moe` one slot per lane for the router statistics its forward leaves behind.
+
+    Transformer.forward reads moe.last_counts_E / last_router_stats right after the block returns. With two lanes, a
+    checkpointed block's recompute (backward lane) runs MoE.route too and would overwrite them between the forward
+    lane's route and its read: the wrong microbatch's counts would reach expert_load and the router-bias update.
+    Here the attributes become properties with a slot for forwards and one for backwards (`in_backward`, the same
+    rule that picks the lane's EP group), so a recompute never touches what the forward reads. (Their natural home
+    is model/moe.py; done here by a subclass, since only the lanes need it.)"""
+    cls = type(moe)
+    if cls not in _LANE_CLASSES:
+        def slot(name):
+            return property(lambda self: self.__dict__["_lane_state"][in_backward()].get(name),
+                            lambda self, v: self.__dict__["_lane_state"][in_backward()].__setitem__(name, v))
+        _LANE_CLASSES[cls] = type(cls.__name__, (cls,), {n: slot(n) for n in _LANE_LOCAL})
+    state = ({}, {})
+    for n in _LANE_LOCAL:
+        state[0][n] = moe.__dict__.pop(n, None)
+    moe.__dict__["_lane_state"] = state
+    moe.__class__ = _LANE_CLASSES[cls]

@@ -46,6 +46,7 @@ class ModelShard:
     replicated_params: NamedParams  # identical on every DP/EP rank of a stage; synced over non-expert-DP
     sync: GradSync | None = None  # the DP flavour (sync.py): prepare/finish, optimizer groups, clip, checkpoint form
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
+    ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (pp.py)
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
@@ -71,6 +72,9 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible (--train.device cpu)")
+        if cfg.parallel.ep_overlap_microbatches:  # before any process group: fails on every rank alike
+            raise ConfigError("parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane needs its "
+                              "own stream, not built yet (docs/ep.md) (--parallel.ep_overlap_microbatches false)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -92,11 +96,14 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
             load_into_shard(chunk, cfg.init.from_hf)
     spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1)
+    lanes = cfg.parallel.ep_overlap_microbatches and dims.ep > 1
+    if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
+        dims.build_backward_ep_groups(cfg.parallel.timeout_s)
+    apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
-                       replicated_params=[(n, p) for n, p in named if not is_expert_param(n)])
+                       replicated_params=[(n, p) for n, p in named if not is_expert_param(n)], ep_lanes=lanes)
 
     # Init by global identity already agrees; the broadcast from each group's first rank is the seed's
     # belt and braces (and what makes a replica that diverged by a bug visible to check_replicas).

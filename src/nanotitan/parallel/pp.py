@@ -35,7 +35,9 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          step posts two exchanges, its forward's and its backward's, and waits for each only before the
          compute that reads it, so the transfers overlap compute (Megatron's overlap_p2p_comm); the cooldown
          overlaps likewise. M must be a multiple of PP. Bubble (PP-1)/(V*M) of the ideal step, not (PP-1)/M.
-With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
+With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch); with
+parallel.ep_overlap_microbatches it runs in two lanes (`_two_lanes`): microbatch i+1's forward beside microbatch
+i's backward, so that each one's EP all-to-alls travel while the other computes.
 `virtual_stages`, `warmup` and `in_flight` below state these counts once: the schedules, the planner
 (plan/cost.py) and the tests all ask them.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Literal
@@ -55,6 +58,7 @@ from typing import Callable, ContextManager, Literal
 import torch
 
 from ..model.wgrad import WeightGradStore, attach
+from . import comm, ep
 from .dims import ParallelDims
 from .pp_comms import StageComms
 
@@ -71,6 +75,10 @@ class StepStats:
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
     max_in_flight: int  # most microbatches whose activations this stage held at once (`in_flight` predicts it:
     #                     GPipe M, 1F1B min(M, PP - p), zb1 min(M, PP): F to W; interleaved: chunk-microbatches)
+    ep_wait_s: float = 0.0  # time blocked in EP calls and waits, summed over the lanes (parallel/ep.py records it)
+    ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`exposed_ep_wait`); one lane:
+    #                            = ep_wait_s
+    lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (two lanes; 0 otherwise)
 
     @property
     def bubble(self) -> float:
@@ -145,14 +153,17 @@ class _StageRunner:
         self.ce_sum = None
         self.aux_sum = None
         self.max_in_flight = 0
+        self.spans: list[tuple[str, float, float]] = []  # ("F"/"B"/"W", start, end) of every computation
 
     def close(self) -> None:
         if self.store is not None:
             attach(self.chunks[0], None)
 
     def _event(self, kind: str, v: int, i: int, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.spans.append((kind, t0, t1))  # list.append: atomic across the two lanes
         if self.timeline is not None:
-            self.timeline.append((kind, v, i, t0, time.perf_counter()))
+            self.timeline.append((kind, v, i, t0, t1))
 
     def in_flight(self) -> int:
         return len(self.pending) + len(self.weights)
@@ -237,6 +248,114 @@ class _StageRunner:
                 self.comms.release(buf)
             self.w_done += 1
             self._event("W", 0, i, t0)
+
+
+# --- parallel.ep_overlap_microbatches: two lanes, a forward beside a backward (pp == 1) -----------------------
+class _LaneThreadState:
+    """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
+    intra-op threads (a different count could change a GEMM's split, and so its bits) and the saved-tensor hooks
+    (the trainer's SavedActivations meter on logged steps). Autocast is entered by `_StageRunner.forward` itself."""
+
+    def __init__(self):
+        self.grad = torch.is_grad_enabled()
+        self.threads = torch.get_num_threads()
+        self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    @contextlib.contextmanager
+    def entered(self):
+        torch.set_num_threads(self.threads)
+        hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks) if self.hooks else contextlib.nullcontext()
+        with torch.set_grad_enabled(self.grad), hooks:
+            yield
+
+
+def _two_lanes(run: _StageRunner, M: int, join_timeout_s: float = 60.0) -> None:
+    """Plain gradient accumulation (pp == 1) in two lanes: a thread runs the forwards F(0..M-1) in order, this
+    thread the backwards B(0..M-1) in order; B(j) starts once F(j) is done, F(i) once B(i-2) is, so F(j+1) runs
+    beside B(j) and at most two microbatches are in flight (one more than without the lanes).
+
+    Exact: the backwards run one at a time in microbatch order, as without the lanes, so every .grad accumulates
+    the same terms in the same order and the gradient sync's hooks fire in the same order (the final backward
+    runs alone); a forward reads only the parameters, which no backward changes, and draws no random numbers.
+    Pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), issued in an order
+    fixed by M alone, the same on every EP rank; a checkpointed block's recompute runs inside its backward, so
+    its collectives are the backward lane's, in order. Torch releases the GIL inside its ops and in gloo's
+    waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
+    An exception in either lane stops both and is raised here; a lane stuck in a collective whose peer failed
+    is left behind (a daemon thread) after join_timeout_s, never waited for forever."""
+    cond = threading.Condition()
+    done = {"F": 0, "B": 0}
+    errors: list[BaseException] = []
+    state = _LaneThreadState()
+
+    def forwards():
+        try:
+            with state.entered():
+                for i in range(M):
+                    with cond:
+                        cond.wait_for(lambda: done["B"] >= i - 1 or errors)
+                        if errors:
+                            return
+                    run.forward(0, i, None)
+                    with cond:
+                        done["F"] = i + 1
+                        cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            with cond:
+                errors.append(e)
+                cond.notify_all()
+
+    lane = threading.Thread(target=forwards, name="nanotitan-forward-lane", daemon=True)
+    lane.start()
+    try:
+        for j in range(M):
+            with cond:
+                cond.wait_for(lambda: done["F"] > j or errors)
+                if errors:
+                    break
+            run.backward(0, j, None, is_last=j == M - 1)
+            with cond:
+                done["B"] = j + 1
+                cond.notify_all()
+    except BaseException as e:  # noqa: BLE001
+        with cond:
+            errors.insert(0, e)
+            cond.notify_all()
+    lane.join(timeout=join_timeout_s if errors else None)
+    if errors:
+        raise errors[0]
+
+
+def exposed_ep_wait(spans: list[tuple[str, float, float]], waits: list[tuple[int, float, float]]) -> float:
+    """Seconds during which some EP call was pending and no lane computed.
+
+    spans: every F/B/W computation (start, end); waits: every interval a lane spent blocked in an EP call or wait,
+    each inside one of the spans (parallel/ep.py records them). A lane computes while it is inside a span and not
+    blocked. With one lane this is the summed EP wait; with two, a wait is exposed only while the other lane is
+    blocked too, or idle between its spans."""
+    events = [(t0, 1, 0) for _, t0, _ in spans] + [(t1, -1, 0) for _, _, t1 in spans]
+    events += [(t0, -1, 1) for _, t0, _ in waits] + [(t1, 1, -1) for _, _, t1 in waits]
+    events.sort(key=lambda e: e[0])
+    computing = pending = 0
+    exposed, last = 0.0, None
+    for t, dc, dp in events:
+        if last is not None and pending > 0 and computing <= 0:
+            exposed += t - last
+        computing, pending, last = computing + dc, pending + dp, t
+    return exposed
+
+
+def lanes_overlap(spans: list[tuple[str, float, float]]) -> float:
+    """Seconds during which a forward and a backward ran at once."""
+    events = sorted([(t0, k, 1) for k, t0, _ in spans] + [(t1, k, -1) for k, _, t1 in spans], key=lambda e: e[0])
+    active = {"F": 0, "B": 0, "W": 0}
+    both, last = 0.0, None
+    for t, k, d in events:
+        if last is not None and active["F"] > 0 and active["B"] > 0:
+            both += t - last
+        active[k] += d
+        last = t
+    return both
 
 
 def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
@@ -404,6 +523,7 @@ def pipeline_forward_backward(
     before_backward: Callable[[bool], None] | None,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     timeline: list | None = None,
+    ep_lanes: bool = False,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -418,6 +538,8 @@ def pipeline_forward_backward(
     each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
     this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
     and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
+    ep_lanes (parallel.ep_overlap_microbatches, pp == 1 only): the forwards and backwards in two lanes
+    (`_two_lanes`); the model's MoE layers must have been given their backward EP groups (apply_ep(lanes=True)).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -431,6 +553,9 @@ def pipeline_forward_backward(
     V = len(chunks)
     if V > 1 and (schedule != "interleaved" or dims.pp == 1):
         raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
+    if ep_lanes and dims.pp > 1:
+        raise ValueError(f"parallel.ep_overlap_microbatches is built for pp=1 only, not pp={dims.pp} "
+                         "(--parallel.ep_overlap_microbatches false)")
     if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
         raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
                          f"parallel.pp={dims.pp} (--parallel.microbatches)")
@@ -443,8 +568,12 @@ def pipeline_forward_backward(
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
                        split=split, timeline=timeline)
+    ep_waits: list[tuple[int, float, float]] = []
+    ep.record_waits(ep_waits)
     try:
-        if dims.pp == 1:  # plain gradient accumulation, whatever the schedule
+        if dims.pp == 1 and ep_lanes and M > 1:  # a forward beside a backward, two lanes
+            _two_lanes(run, M)
+        elif dims.pp == 1:  # plain gradient accumulation, whatever the schedule
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":
             _gpipe(run, comms, M)
@@ -453,14 +582,22 @@ def pipeline_forward_backward(
         else:
             _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
     finally:
+        ep.record_waits(None)
         run.close()
         comms.timeline = None
     assert not run.pending and not run.weights, f"microbatches {sorted(run.pending)} never ran their backward"
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
+    ep_wait = sum(t1 - t0 for _, t0, t1 in ep_waits)
+    exposed = exposed_ep_wait(run.spans, ep_waits)
+    if ep_lanes:
+        # comm.py charges each lane's EP waits in full; what the other lane's compute hid is not a wait of the
+        # step, so comm_ep_wait_s (metrics.jsonl) is brought to the exposed wait, the figure it means with one lane.
+        comm.COMM.record("ep", 0, exposed - ep_wait, calls=0)
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
-                     max_in_flight=run.max_in_flight)
+                     max_in_flight=run.max_in_flight, ep_wait_s=ep_wait, ep_exposed_s=exposed,
+                     lanes_overlap_s=lanes_overlap(run.spans))
 
 
 @torch.no_grad()

@@ -73,7 +73,8 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
         return _ddp_forward_backward(shard.sync.ddp, xs, ys, aux_weight, forward_ctx)
     return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
                                      schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
-                                     before_backward=shard.sync.prepare, autocast=forward_ctx)
+                                     before_backward=shard.sync.prepare, autocast=forward_ctx,
+                                     ep_lanes=shard.ep_lanes)
 
 
 def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepStats:

@@ -1,0 +1,162 @@
+"""parallel.ep_overlap_microbatches' two lanes (parallel/pp.py `_two_lanes`): a forward really runs beside a
+backward, each lane's EP collectives go on its own group, the gradients are bitwise the one-lane run's, a failure
+in either lane reaches the caller, and the exposed EP wait counts only what no lane's compute hid."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.transformer import Transformer
+from nanotitan.parallel import comm, ep
+from nanotitan.parallel.dims import ParallelDims
+from nanotitan.parallel.ep import apply_ep
+from nanotitan.parallel.pp import exposed_ep_wait, lanes_overlap, pipeline_forward_backward
+from nanotitan.parallel.pp_comms import StageComms
+from tests.mp import run_ranks
+
+SEED, M_SEQ, SEQ, VOCAB, D, M = 7, 2, 16, 128, 32, 4
+
+
+def _cfg(ep_size: int) -> Config:
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=4, ffn_dim=48, num_experts=4, top_k=2,
+                        moe_every=1, max_seq_len=SEQ, capacity_factor=1.0, bias_update_rate=0.01)
+    return Config(model=model, parallel=ParallelConfig(ep=ep_size, microbatches=M))
+
+
+def _batches(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    xs = [torch.randint(0, VOCAB, (M_SEQ, SEQ), generator=g) for _ in range(M)]
+    return xs, [(3 * x + 1) % VOCAB for x in xs]
+
+
+def _step(model, dims, xs, ys, lanes: bool, timeline=None):
+    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
+                                      loss_scale=1.0 / len(xs), before_backward=None, timeline=timeline,
+                                      ep_lanes=lanes)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return stats, grads
+
+
+def _lanes_rank(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    cfg = _cfg(world)
+    dims = ParallelDims(1, 1, world, rank=rank).build_groups(timeout_s=60).build_backward_ep_groups(timeout_s=60)
+    fwd_group, bwd_group = dims.group("ep"), dims.group("ep_backward")
+    calls = []  # (in a backward, the group) of every EP all-to-all
+    plain = comm.all_to_all_single
+
+    def spy(*args, group=None, **kw):
+        calls.append((ep.in_backward(), group, threading.current_thread().name))
+        return plain(*args, group=group, **kw)
+
+    comm.all_to_all_single = spy
+    out = {}
+    try:
+        for ac in (False, True):
+            model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), SEED), dims, lanes=True)
+            model.activation_checkpointing = ac
+            xs, ys = _batches(rank)
+            one, g_one = _step(model, dims, xs, ys, lanes=False)
+            load_one = {k: v.clone() for k, v in model.step_load.items()}
+            model.step_load.clear()
+            calls.clear()
+            timeline = []
+            two, g_two = _step(model, dims, xs, ys, lanes=True, timeline=timeline)
+            spans = {(k, i): (t0, t1) for k, _, i, t0, t1 in timeline}
+            out[ac] = {
+                "same_grads": all(torch.equal(g_one[n], g_two[n]) for n in g_one),
+                "same_loss": torch.equal(one.ce_sum, two.ce_sum) and torch.equal(one.aux_sum, two.aux_sum),
+                "same_load": all(torch.equal(load_one[k], model.step_load[k]) for k in load_one),
+                "one_overlap": one.lanes_overlap_s, "two_overlap": two.lanes_overlap_s,
+                # F(j+1) started before B(j) ended and ended after B(j) started
+                "pairs_overlapping": sum(spans[("F", j + 1)][0] < spans[("B", j)][1]
+                                         and spans[("B", j)][0] < spans[("F", j + 1)][1] for j in range(M - 1)),
+                "forward_threads": {t for b, _, t in calls if not b},
+                "groups_ok": all(g is (bwd_group if b else fwd_group) for b, g, _ in calls),
+                "backward_calls": sum(b for b, _, _ in calls),
+                "exposed_le_wait": two.ep_exposed_s <= two.ep_wait_s + 1e-9,
+            }
+    finally:
+        comm.all_to_all_single = plain
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_lanes_overlap_a_forward_with_a_backward_bitwise():
+    """EP2, M = 4, capacity and router bias on, activation checkpointing off and on: the two-lane step's gradients,
+    losses and router counts equal the one-lane step's bit for bit; a forward and a backward really ran at once
+    (timestamps), the forwards on the lane's own thread; every forward all-to-all on the EP group and every
+    backward one (the recompute's included) on the backward group."""
+    for rank, res in enumerate(run_ranks(_lanes_rank, world=2, timeout=110)):
+        for ac, r in res.items():
+            name = f"rank {rank} activation checkpointing {ac}"
+            assert r["same_grads"] and r["same_loss"] and r["same_load"], f"{name}: {r}"
+            assert r["one_overlap"] == 0.0 and r["two_overlap"] > 0.0, f"{name}: {r}"
+            assert r["pairs_overlapping"] >= 1, f"{name}: no F(j+1) overlapped B(j): {r}"
+            assert r["forward_threads"] == {"nanotitan-forward-lane"}, f"{name}: {r}"
+            assert r["groups_ok"] and r["backward_calls"] > 0, f"{name}: {r}"
+            assert r["exposed_le_wait"], f"{name}: {r}"
+
+
+def test_a_failing_lane_raises_in_the_caller():
+    """An error in the forward lane (a token id past the vocabulary) or in the backward lane (a raising
+    before_backward) reaches the caller, which returns instead of hanging."""
+    cfg = _cfg(1)
+    model = Transformer(cfg.model, seed=SEED)
+    dims = ParallelDims(1, 1, 1)
+    xs, ys = _batches(0)
+    bad = list(xs)
+    bad[2] = torch.full_like(xs[2], VOCAB + 5)
+    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+    with pytest.raises(IndexError):
+        pipeline_forward_backward(model, dims, bad, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
+                                  loss_scale=0.25, before_backward=None, ep_lanes=True)
+
+    def fail_second(is_last, n=[]):
+        n.append(is_last)
+        if len(n) == 2:
+            raise RuntimeError("backward lane failed")
+
+    with pytest.raises(RuntimeError, match="backward lane failed"):
+        pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
+                                  loss_scale=0.25, before_backward=fail_second, ep_lanes=True)
+    assert not any(t.name == "nanotitan-forward-lane" for t in threading.enumerate())
+
+
+def test_exposed_ep_wait_counts_only_what_no_lane_hides():
+    """One lane: the summed waits. Two: a wait is exposed only while the other lane is blocked or idle."""
+    # one lane: F 0-10 with a wait 2-5, B 10-20 with a wait 12-13
+    assert exposed_ep_wait([("F", 0, 10), ("B", 10, 20)], [(0, 2, 5), (1, 12, 13)]) == pytest.approx(4.0)
+    # two lanes: F 0-10 waits 2-5 while B 0-8 computes, then B waits 6-9 (F computes 6-9 except... F is done
+    # waiting at 5): hidden except where both wait or one waits and the other has ended
+    spans = [("F", 0, 10), ("B", 0, 8)]
+    assert exposed_ep_wait(spans, [(0, 2, 5), (1, 6, 7)]) == pytest.approx(0.0)
+    assert exposed_ep_wait(spans, [(0, 2, 5), (1, 4, 7)]) == pytest.approx(1.0)  # 4-5: both blocked
+    assert exposed_ep_wait(spans, [(0, 7, 10), (1, 1, 2)]) == pytest.approx(2.0)  # 8-10: B lane idle
+    assert lanes_overlap(spans) == pytest.approx(8.0)
+    assert lanes_overlap([("F", 0, 1), ("B", 1, 2)]) == 0.0
+
+
+def test_a_recompute_leaves_the_forwards_router_stats():
+    """With the lanes, a checkpointed block's recompute (inside a backward) writes its router statistics to the
+    backward's slot: what the forward lane reads after its block (Transformer.forward) is still its own."""
+    cfg = _cfg(1)
+    model = Transformer(cfg.model, seed=SEED)
+    model.activation_checkpointing = True
+    for moe in model.moe_layers():
+        ep._lane_local_router_state(moe)
+    xs, ys = _batches(0)
+    ce0, _ = model(xs[0], ys[0])
+    model(xs[1], ys[1])
+    after_second = [(m.last_counts_E.clone(), m.last_router_stats.clone()) for m in model.moe_layers()]
+    ce0.backward()  # recomputes microbatch 0's blocks, routing included
+    for m, (counts, stats) in zip(model.moe_layers(), after_second):
+        assert torch.equal(m.last_counts_E, counts) and torch.equal(m.last_router_stats, stats)
+    assert not torch.equal(after_second[0][0], model.moe_layers()[0].__dict__["_lane_state"][1]["last_counts_E"])
