@@ -62,8 +62,8 @@ class SnapshotWriter:
         self.thread: threading.Thread | None = None
         self.error = ""  # the last snapshot's failure, printed by the main thread
         # what the snapshots cost this rank: wall seconds at the step boundary (waiting for the one in flight, the
-        # copy), CPU seconds on the thread
-        self.cost_s = {"wait": 0.0, "stage": 0.0, "write_cpu": 0.0}
+        # packing once, the copy), CPU seconds on the thread
+        self.cost_s = {"wait": 0.0, "pack": 0.0, "stage": 0.0, "write_cpu": 0.0}
         self.count = 0
 
     def start(self, step: int, model, optimizer, shard, layout: dict, samples: int) -> None:
@@ -79,13 +79,15 @@ class SnapshotWriter:
             self.group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         if self.packing is None:  # who writes which piece where: one all-gather, at the generation's first snapshot
             self.packing = ckpt.SnapshotPacking(model, optimizer, shard, self.group)
+            self.cost_s["pack"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
         self.packing.stage(model, optimizer, shard)
         small = None
         if comm.world_rank() == 0:  # the step's small files, the same bytes in every node's unit
             small = ckpt.small_files(self.cfg, step, {"step": step, "samples": samples}, layout)
             small[DCP_METADATA] = self.packing.metadata
         self.cost_s["wait"] += t1 - t0
-        self.cost_s["stage"] += time.perf_counter() - t1
+        self.cost_s["stage"] += time.perf_counter() - t2
         self.count += 1
         self.thread = threading.Thread(target=self._write, args=(step, small), daemon=True,
                                        name=f"snapshot-{step}")
@@ -103,7 +105,8 @@ class SnapshotWriter:
     def summary(self) -> str:
         n, c = max(1, self.count), self.cost_s
         return (f"{self.count} snapshots, each {1e3 * c['stage'] / n:.0f} ms at the step boundary (copy to host memory) "
-                f"+ {1e3 * c['write_cpu'] / n:.0f} ms CPU on its thread; {c['wait']:.2f} s waited for one in flight")
+                f"+ {1e3 * c['write_cpu'] / n:.0f} ms CPU on its thread; {1e3 * c['pack']:.0f} ms once to plan who "
+                f"writes what; {c['wait']:.2f} s waited for one in flight")
 
     def _write(self, step: int, small: dict | None) -> None:
         rank = comm.world_rank()
