@@ -664,3 +664,32 @@ def test_fit_expert_skew_recovers_the_skew_that_made_the_peaks():
                      "metered_steps": 3, "peak_tensor_per_rank": [max(peaks)] * (lay.pp * lay.ep)})
     median, each = fit_expert_skew(rows, cfg, CPU)
     assert len(each) == 2 and median == pytest.approx(0.4, abs=1e-3) and each == pytest.approx([0.4, 0.4], abs=1e-3)
+
+
+def test_ep_lanes_charge_only_what_neither_lane_hides():
+    """parallel.ep_overlap_microbatches: F(0) alone, M-1 pairs F(j+1) beside B(j) each lasting
+    max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b), B(M-1) alone (plan/cost.py::ep_lanes_time); predict charges
+    the excess over the compute as exposed EP time, holds two microbatches, and hides nothing where the link is
+    the CPU's own work (gloo without an emulator)."""
+    from nanotitan.plan.cost import ep_lanes_time
+
+    assert ep_lanes_time(1.0, 2.0, 0.5, 0.5, 1) == pytest.approx(4.0)  # one microbatch: nothing beside it
+    assert ep_lanes_time(1.0, 2.0, 0.5, 0.5, 4) == pytest.approx(1.5 + 3 * 3.0 + 2.5)  # pairs compute-bound
+    assert ep_lanes_time(1.0, 2.0, 2.0, 2.0, 4) == pytest.approx(3.0 + 3 * 4.0 + 4.0)  # pairs link-bound
+    assert ep_lanes_time(0.1, 2.0, 2.0, 0.1, 2) == pytest.approx(2.1 + 2.1 + 2.1)  # a lane's own chain
+
+    base = ["--model.d_model", "1024", "--model.ffn_dim", "4096", "--model.n_heads", "8", "--model.num_experts", "8",
+            "--data.vocab_size", "1024", "--model.vocab_size", "1024", "--train.seq_len", "512"]
+    lanes = ["--parallel.ep_overlap_microbatches", "true", "--parallel.ep", "2", "--parallel.microbatches", "4"]
+    lay = Layout(1, 1, 2, "1f1b", 4, 1)
+    hw = get_hardware("h100-sxm")
+    opts = PlanOptions(link_node_size=1)  # EP crosses nodes
+    off = predict(load_config(None, base), lay, hw, opts)
+    on = predict(load_config(None, base + lanes), lay, hw, opts)
+    assert on.costs["ep_a2a"] < off.costs["ep_a2a"] and on.costs["compute"] == off.costs["compute"]
+    assert on.step_time_s < off.step_time_s
+    # two microbatches held (the busiest EP rank's excess over the mean grows less than twice)
+    assert 1.9 * off.mem_parts["activations"] < on.mem_parts["activations"] <= 2 * off.mem_parts["activations"]
+    cpu = get_hardware("cpu-gloo")  # gloo's transfers are CPU work: nothing hides
+    assert (predict(load_config(None, base + lanes), lay, cpu).costs["ep_a2a"]
+            == pytest.approx(predict(load_config(None, base), lay, cpu).costs["ep_a2a"]))

@@ -107,10 +107,13 @@ def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
     return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
 
 
-def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
+def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1, lanes: bool = False) -> int:
     """Most microbatches whose activations stage pp_rank holds at once (chunk-microbatches under interleaved):
     the warmup's forwards plus the steady phase's one. zb1 also holds pp_rank deferred W's (F done, W not yet),
-    which makes it min(M, PP) on every stage."""
+    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches, pp = 1): a forward beside
+    a backward, min(M, 2)."""
+    if lanes and pp == 1:
+        return min(M, 2)
     if schedule == "zb1" and pp > 1:
         return min(M, pp)
     return min(warmup(schedule, pp, pp_rank, M, V) + 1, M * virtual_stages(schedule, pp, V))

@@ -230,6 +230,17 @@ def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tai
     return max(2 * (a2a_s + n * lat_s) - compute_s, one + max(0.0, one - tail_s))
 
 
+def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int) -> float:
+    """Forwards and backwards of M microbatches under parallel.ep_overlap_microbatches (pp = 1; parallel/pp.py
+    `_two_lanes`): F(0) alone, then M-1 pairs F(j+1) beside B(j), then B(M-1) alone. c_f, c_b: a microbatch's
+    forward and backward compute; w_f, w_b: their EP link time (one link, carrying one call at a time). A lane
+    cannot compute while it waits for its own trip, the two lanes share the rank's compute, and the link carries
+    both lanes' trips, so a pair lasts at least each of max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b); the
+    model takes that bound (the lanes interleave layer by layer, so the pieces pack finely)."""
+    pair = max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b)
+    return (c_f + w_f) + (M - 1) * pair + (c_b + w_b)
+
+
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
             shape: ModelShape | None = None) -> Prediction:
     """Predict per-rank peak memory of every stage and the step time of `layout` (docs/planner.md)."""
@@ -258,6 +269,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ex_link, _ = link("expert_dp")
 
     n_virt = pp_schedules.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
+    lanes = cfg.parallel.ep_overlap_microbatches and pp == 1 and ep > 1 and M > 1  # two lanes (pp.py)
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
@@ -284,7 +296,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         n_fsdp = st.n_ne + (st.n_ex if ex_group > 1 else 0)  # zero 3: what FSDP shards (dp == 1: not the experts)
         opt_params = n_shard if zero >= 1 else n_local
         # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
-        held = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt)
+        held = pp_schedules.in_flight(layout.schedule, pp, s, M, n_virt, lanes)
         in_flight = held / n_virt
         # the busiest EP rank receives more than the mean T*K assignments (docs/planner.md "Expert imbalance")
         imb = expert_imbalance(cfg, layout, shape, st.n_moe * in_flight, max(1.0, M * n_virt / held), skew)
@@ -374,6 +386,13 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                                    + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x,
                                                         0.0 if deferred else t_x / n_ch))
             calls = 1 + 4 * n_ch
+        if lanes and st.n_moe:
+            # two lanes: a forward's trips hidden behind another microbatch's backward and the reverse. The
+            # forward's share of the link time: its dispatch and combine plus the count exchange (3 calls of 5).
+            # Where the link is a CPU's own work (gloo without an emulator), nothing hides behind compute.
+            w_f = a2a_link * (2 * a2a_one + 3 * lat) / (4 * a2a_one + 5 * lat)
+            if opts.links_idle or not hw.cores_per_node:
+                a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M) / M - (t_f + t_b)
         a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
         sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
