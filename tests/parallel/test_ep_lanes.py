@@ -160,3 +160,34 @@ def test_a_recompute_leaves_the_forwards_router_stats():
     for m, (counts, stats) in zip(model.moe_layers(), after_second):
         assert torch.equal(m.last_counts_E, counts) and torch.equal(m.last_router_stats, stats)
     assert not torch.equal(after_second[0][0], model.moe_layers()[0].__dict__["_lane_state"][1]["last_counts_E"])
+
+
+def test_the_forward_lane_keeps_the_callers_meters():
+    """The trainer's meters of a logged step reach the forward lane's thread: its saved-tensor hooks (activations
+    saved for backward) and its dispatch modes (the step-peak meter) see the forwards' tensors and ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.threads = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.threads.add(threading.current_thread().name)
+            return func(*args, **(kwargs or {}))
+
+    cfg = _cfg(1)
+    model = Transformer(cfg.model, seed=SEED)
+    dims = ParallelDims(1, 1, 1)
+    xs, ys = _batches(0)
+    packed = set()
+
+    def pack(t):
+        packed.add(threading.current_thread().name)
+        return t
+
+    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+    with Ops() as ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
+                                  loss_scale=0.25, before_backward=None, ep_lanes=True)
+    assert "nanotitan-forward-lane" in ops.threads and "nanotitan-forward-lane" in packed

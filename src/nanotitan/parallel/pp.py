@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Literal
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..model.wgrad import WeightGradStore, attach
 from . import comm, ep
@@ -256,19 +257,23 @@ class _StageRunner:
 # --- parallel.ep_overlap_microbatches: two lanes, a forward beside a backward (pp == 1) -----------------------
 class _LaneThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
-    intra-op threads (a different count could change a GEMM's split, and so its bits) and the saved-tensor hooks
-    (the trainer's SavedActivations meter on logged steps). Autocast is entered by `_StageRunner.forward` itself."""
+    intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
+    (the trainer's SavedActivations meter on logged steps) and the dispatch modes (its step-peak meter, which
+    counts every op's output). Autocast is entered by `_StageRunner.forward` itself."""
 
     def __init__(self):
         self.grad = torch.is_grad_enabled()
         self.threads = torch.get_num_threads()
         self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.modes = _get_current_dispatch_mode_stack()
 
     @contextlib.contextmanager
     def entered(self):
         torch.set_num_threads(self.threads)
         hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks) if self.hooks else contextlib.nullcontext()
-        with torch.set_grad_enabled(self.grad), hooks:
+        with torch.set_grad_enabled(self.grad), hooks, contextlib.ExitStack() as modes:
+            for mode in self.modes:  # bottom of the stack first, as the caller entered them
+                modes.enter_context(mode)
             yield
 
 
