@@ -10,7 +10,7 @@
 # Each tree runs its own src/ (PYTHONPATH) with its own configs/default.toml and data cache (/tmp/cache_NAME).
 set -u
 tag=$1; n=$2; shift 2
-py=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
+py=${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}  # absolute: each job runs from /tmp
 names=()
 for spec in "$@"; do
   name=${spec%%=*}; root=${spec#*=}; names+=("$name")

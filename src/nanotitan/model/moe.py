@@ -149,6 +149,7 @@ class MoE(nn.Module):
         self.register_buffer("router_bias", torch.zeros(num_experts) if bias_update_rate > 0 else None)
         # [balance loss, z-loss, dropped assignments, assignments, 1] of the last forward (stats, detached)
         self.last_router_stats: torch.Tensor | None = None
+        self._stats_tail: dict[tuple, torch.Tensor] = {}  # (T*K, dtype, device) -> [0 dropped, T*K, 1]
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
         self.router = Linear(d_model, num_experts, bias=False)  # scores against all E experts
@@ -195,19 +196,24 @@ class MoE(nn.Module):
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
             z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
-        aux = self.aux_coef * balance if self.aux_coef else logits_TE.new_zeros(())  # 0 + x would be x: no add
+        # 0 + x and 1 * x would be x: no op for the default coefficients (aux_coef 1, z_loss_coef 0)
+        aux = (balance if self.aux_coef == 1.0 else self.aux_coef * balance) if self.aux_coef \
+            else logits_TE.new_zeros(())
         if self.z_loss_coef:
             aux = aux + self.z_loss_coef * z_loss
 
         # Capacity before dispatch: the dropped assignments never leave this rank.
-        dropped = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        stats = [balance.detach(), z_loss.detach()]
         if self.capacity_factor:
             keep_TK = capacity_keep(expert_ids_TK, weights_TK, E, math.ceil(self.capacity_factor * T * K / E))
             expert_ids_TK = expert_ids_TK.masked_fill(~keep_TK, E)
-            dropped = keep_TK.numel() - keep_TK.sum()
-        self.last_counts_E = counts_E.detach()  # what the router asked for (drops included)
-        self.last_router_stats = torch.stack([balance.detach(), z_loss.detach(), dropped.to(balance.dtype),
-                                              balance.new_full((), T * K), balance.new_ones(())])  # no H2D copy
+            stats.append((keep_TK.numel() - keep_TK.sum()).to(balance.dtype))
+        self.last_counts_E = counts_E  # what the router asked for (drops included); bincount's: no graph
+        # [balance, z, dropped, T*K, 1]: the constant tail cached per shape (two ops a call, no H2D copy per call)
+        tail = self._stats_tail.get((T * K, balance.dtype, balance.device))
+        if tail is None:
+            tail = self._stats_tail[(T * K, balance.dtype, balance.device)] = balance.new_tensor([0.0, T * K, 1.0])
+        self.last_router_stats = torch.cat([torch.stack(stats), tail[len(stats) - 2:]])
         return expert_ids_TK, weights_TK, aux
 
     @torch.no_grad()

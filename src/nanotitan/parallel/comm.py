@@ -62,29 +62,36 @@ def _nbytes(t: torch.Tensor) -> int:
 # Backends that take CPU tensors. NCCL takes only CUDA tensors: a CPU one fails deep inside NCCL, or hangs.
 # "fake" (torch's FakeProcessGroup) moves nothing: `nanotitan plan --dry-run` builds ranks on it.
 _CPU_BACKENDS = ("gloo", "mpi", "fake")
-_BACKEND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its backend's name
+_BACKEND: dict[int, tuple] = {}  # id(process group) -> (a weak reference to it, its backend's name, takes CPU)
+
+
+def _group_entry(group) -> tuple:
+    """(weakref, backend name, takes CPU tensors) of the group, looked up once per group (dist.get_backend costs
+    microseconds on every call, and a step makes dozens). Keyed by id and checked by the weak reference (a
+    WeakKeyDictionary builds a weakref per lookup): a re-initialised world is a new group, its id maybe a freed one's."""
+    pg = group if group is not None else dist.group.WORLD
+    hit = _BACKEND.get(id(pg))
+    if hit is not None and hit[0]() is pg:
+        return hit
+    name = str(dist.get_backend(group))
+    # A mixed backend ("cpu:gloo,cuda:nccl") takes both.
+    hit = (weakref.ref(pg) if pg is not None else lambda: None, name, any(b in name for b in _CPU_BACKENDS))
+    if pg is not None:
+        _BACKEND[id(pg)] = hit
+    return hit
 
 
 def backend(group) -> str:
-    """The group's backend name, looked up once per group (dist.get_backend costs microseconds on every call,
-    and a step makes dozens); a re-initialised world is a new group object."""
-    pg = group if group is not None else dist.group.WORLD
-    name = _BACKEND.get(pg) if pg is not None else None
-    if name is None:
-        name = str(dist.get_backend(group))
-        if pg is not None:
-            _BACKEND[pg] = name
-    return name
+    """The group's backend name (cached per group)."""
+    return _group_entry(group)[1]
 
 
 def check_device(t: torch.Tensor, group=None) -> torch.Tensor:
     """Refuse a CPU tensor on a collective whose backend cannot take it (a GPU job's NCCL groups), naming it.
-    A mixed backend ("cpu:gloo,cuda:nccl") takes both. Only CPU tensors pay for the backend lookup (cached)."""
-    if t.device.type == "cpu":
-        name = backend(group)
-        if not any(b in name for b in _CPU_BACKENDS):
-            raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {name} collective: "
-                               f"allocate it on the job's device (NCCL groups take CUDA tensors only)")
+    Only CPU tensors pay for the lookup (cached per group)."""
+    if t.is_cpu and not _group_entry(group)[2]:
+        raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {backend(group)} collective: "
+                           f"allocate it on the job's device (NCCL groups take CUDA tensors only)")
     return t
 
 
@@ -94,7 +101,10 @@ def _label(axis: str, op: str):
     (~6 us), and a step of the default job makes dozens of calls on each of 8 ranks sharing 2 cores."""
     if torch.autograd.profiler._is_profiler_enabled:
         return record_function(f"{axis.upper()} {op}")
-    return contextlib.nullcontext()
+    return _NO_LABEL
+
+
+_NO_LABEL = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 class TimedWork:
@@ -110,7 +120,8 @@ class TimedWork:
         with _label(self.axis, "wait"):
             try:
                 self.work.wait()
-                emulate.hold(self.done_by)
+                if self.done_by:
+                    emulate.hold(self.done_by)
             except BaseException as e:
                 if self.ticket:
                     RECORD.fail(self.ticket, e)
@@ -128,8 +139,9 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
     t0 = time.perf_counter()
     with _label(axis, "all-reduce"), RECORD.call(axis, "all-reduce", (t,), group, done=not async_op) as ticket:
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
-        done_by = emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
-        emulate.hold(0.0 if async_op else done_by)
+        done_by = 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
+        if done_by and not async_op:
+            emulate.hold(done_by)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket, done_by) if async_op else None
 
@@ -222,9 +234,10 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     t0 = time.perf_counter()
     with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group, done=not async_op) as ticket:
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
-        done_by = emulate.all_to_all(t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits,
-                                     out_splits, group)
-        emulate.hold(0.0 if async_op else done_by)
+        done_by = 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
+            t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits, out_splits, group)
+        if done_by and not async_op:
+            emulate.hold(done_by)
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket, done_by) if async_op else None
 
@@ -234,7 +247,8 @@ def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
     with _label(axis, "send"), RECORD.call(axis, "send", (t,), peers=f"to {dst}"):
         dist.send(t.contiguous(), dst=dst, group=group)
-        emulate.hold(emulate.p2p(t0, axis, [(dst, _nbytes(t), True)]))
+        if emulate.ACTIVE is not None:
+            emulate.hold(emulate.p2p(t0, axis, [(dst, _nbytes(t), True)]))
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
@@ -243,7 +257,8 @@ def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
     t0 = time.perf_counter()
     with _label(axis, "recv"), RECORD.call(axis, "recv", (t,), peers=f"from {src}"):
         dist.recv(t, src=src, group=group)
-        emulate.hold(emulate.p2p(t0, axis, [(src, _nbytes(t), False)]))
+        if emulate.ACTIVE is not None:
+            emulate.hold(emulate.p2p(t0, axis, [(src, _nbytes(t), False)]))
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
 
 
@@ -261,8 +276,10 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
         if not async_op:
             for w in works:
                 w.wait()
-        done_by = emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
-        emulate.hold(0.0 if async_op else done_by)
+        done_by = 0.0 if emulate.ACTIVE is None else \
+            emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
+        if done_by and not async_op:
+            emulate.hold(done_by)
     COMM.record(axis, sum(_nbytes(op.tensor) for op in ops), time.perf_counter() - t0, calls=len(ops))
     return TimedWork(_AllOf(works), axis, ticket, done_by) if async_op else None
 
