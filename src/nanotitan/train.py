@@ -134,7 +134,7 @@ class Trainer:
         self.writer = MetricsWriter(str(self.run_dir), self.is_main, cfg.run.tensorboard, append=bool(t.resume),
                                     wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=to_dict(cfg))
         self.profiler = StepProfiler(cfg.run.profile_steps, self.rank, self.run_dir, self.device)
-        self.meters = StepMeters(self.model, self.device, cfg.run.peak_every)  # memory meters of logged steps
+        self.meters = StepMeters(self.model, self.device, cfg.run.peak_every)  # memory meters (some logged steps)
         self.start_step, self.stop_requested = 0, False
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -179,11 +179,12 @@ class Trainer:
 
     def train_step(self, step: int):
         """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
-        Logged steps are metered: the bytes autograd saves for backward, and the high-water mark of every live
-        tensor over the whole step (metrics.PeakTensorBytes); both cost a Python call per tensor or op."""
+        The 1st and every run.peak_every-th logged step are metered (metrics.StepMeters): the bytes autograd saves for
+        backward, and the high-water mark of every live tensor over the whole step; both cost a Python call per
+        tensor or op."""
         cfg = self.cfg
-        metered = (step + 1) % cfg.run.log_every == 0 or step in (self.start_step, cfg.train.steps - 1)
-        with self.meters.step(metered):
+        logged = (step + 1) % cfg.run.log_every == 0 or step in (self.start_step, cfg.train.steps - 1)
+        with self.meters.step(logged) as metered:
             return self._step(step, metered)
 
     def _step(self, step: int, metered: bool):
@@ -222,8 +223,8 @@ class Trainer:
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
         step = self.start_step
-        # A record's step time is the mean over the steps since the previous record, so the one metered step
-        # of each interval (saved activations) and any one-off stall are averaged in, not reported alone.
+        # A record's step time is the mean over the steps since the previous record, so a metered step (memory
+        # meters) and any one-off stall are averaged in, not reported alone.
         interval_s, interval_steps = 0.0, 0
         for step in range(self.start_step, t.steps):
             self.profiler.step_begin(step + 1)
@@ -238,11 +239,14 @@ class Trainer:
             record = None
             if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or val is not None \
                     or nonfinite:
+                # The meters' figures when a metered step fell in the interval (the same steps on every rank, so
+                # the peak's all-reduce is skipped alike), else absent from the record.
+                peak = self.meters.take_interval_peak()
                 record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
                                     skipped=nonfinite, skipped_steps=guard.skipped,
-                                    act_peak_bytes=self.meters.saved_acts.peak_bytes,
-                                    peak_tensor_bytes=report.max_over_ranks(self.meters.take_interval_peak(),
-                                                                            self.dims, self.device) or None)
+                                    act_peak_bytes=self.meters.take_interval_acts(),
+                                    peak_tensor_bytes=None if peak is None else
+                                    report.max_over_ranks(peak, self.dims, self.device))
                 interval_s, interval_steps = 0.0, 0
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
