@@ -2,7 +2,9 @@
 # Two or more trees' default jobs run AT THE SAME TIME, so that every one of them shares the same cores and the same
 # outside load (a shared 2-core machine moves a lone run's step by 10-30% from minute to minute); each job's wall
 # time per step between its step-20 and step-(N-10) records is stamped by one poller, and printed as a ratio to
-# the first tree's. Used for issue 27 item 8 (docs/results.md): HEAD beside commit 050fcbc.
+# the first tree's, with the job's CPU per step over the same records (every thread of its ranks and launcher, from
+# /proc: less noisy than wall, which a shared machine's other work moves). Used for issue 27 item 8
+# (docs/results.md): HEAD beside commit 050fcbc.
 #
 #   git worktree add /tmp/old 050fcbc
 #   benchmarks/side_by_side.sh TAG 130 old=/tmp/old head=$PWD          # EXTRA="--parallel.dp 2 ..." for a layout
@@ -22,10 +24,27 @@ for spec in "$@"; do
      > "$dir.log" 2>&1) &
 done
 "$py" - "$tag" "$n" "${names[@]}" <<'PY'
-import json, sys, time
+import json, os, sys, time
 tag, n, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 lo, hi = 20, n - 10
 stamps = {v: {} for v in names}
+cpu = {v: {} for v in names}
+tick = os.sysconf("SC_CLK_TCK")
+
+
+def job_cpu(v: str) -> float:
+    """CPU seconds (user + system, every thread) of the job's processes so far: the ranks and their launcher."""
+    mark, total = f"/tmp/sbs_{v}_{tag}\0".encode(), 0  # the --run.dir argument, whole
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if mark in open(f"/proc/{pid}/cmdline", "rb").read():
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        except OSError:
+            pass
+    return total / tick
+
+
 deadline = time.time() + 1200
 while time.time() < deadline and not all(hi in s for s in stamps.values()):
     for v in names:
@@ -33,7 +52,11 @@ while time.time() < deadline and not all(hi in s for s in stamps.values()):
             with open(f"/tmp/sbs_{v}_{tag}/metrics.jsonl") as f:
                 for line in f:
                     if line.startswith('{"step"') and line.endswith("\n"):
-                        stamps[v].setdefault(json.loads(line)["step"], time.time())
+                        step = json.loads(line)["step"]
+                        if step not in stamps[v]:
+                            stamps[v][step] = time.time()
+                            if step in (lo, hi):
+                                cpu[v][step] = job_cpu(v)
         except OSError:
             pass
     time.sleep(0.02)
@@ -41,6 +64,8 @@ missing = [v for v in names if hi not in stamps[v] or lo not in stamps[v]]
 if missing:
     sys.exit(f"{tag}: no step-{lo}/{hi} records from {', '.join(missing)} (see /tmp/sbs_NAME_{tag}.log)")
 w = {v: (s[hi] - s[lo]) / (hi - lo) for v, s in stamps.items()}
-print(tag, f"steps {lo}-{hi}:", "  ".join(f"{v} {w[v] * 1e3:.1f} ms ({w[v] / w[names[0]]:.3f}x)" for v in names))
+c = {v: (s[hi] - s[lo]) / (hi - lo) for v, s in cpu.items()}
+print(tag, f"steps {lo}-{hi}:", "  ".join(f"{v} {w[v] * 1e3:.1f} ms ({w[v] / w[names[0]]:.3f}x)" for v in names),
+      "| job CPU per step:", "  ".join(f"{v} {c[v] * 1e3:.0f} ms ({c[v] / c[names[0]]:.3f}x)" for v in names))
 PY
 wait
