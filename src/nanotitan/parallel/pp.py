@@ -269,7 +269,8 @@ class _LaneThreadState:
 
     @contextlib.contextmanager
     def entered(self):
-        torch.set_num_threads(self.threads)
+        if torch.get_num_threads() != self.threads:  # torch inits a new thread to the global count itself;
+            torch.set_num_threads(self.threads)  # setting it anyway would clear oneDNN's caches every step
         hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks) if self.hooks else contextlib.nullcontext()
         with torch.set_grad_enabled(self.grad), hooks, contextlib.ExitStack() as modes:
             for mode in self.modes:  # bottom of the stack first, as the caller entered them
