@@ -107,6 +107,19 @@ def _label(axis: str, op: str):
 _NO_LABEL = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
+def _profiling() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def _enter_label(axis: str, op: str):
+    """`_label` entered, for the hot paths below, which close it in their own `finally` and enter the stall record
+    by hand: two context managers per call cost more than the call's record itself on a busy host (the default
+    8-rank job makes ~55 calls per rank per step)."""
+    label = record_function(f"{axis.upper()} {op}")
+    label.__enter__()
+    return label
+
+
 class TimedWork:
     """Wraps an async Work so that its wait() is charged to an axis; `then` runs once it has landed."""
 
@@ -117,15 +130,18 @@ class TimedWork:
 
     def wait(self):
         t0 = time.perf_counter()
-        with _label(self.axis, "wait"):
-            try:
-                self.work.wait()
-                if self.done_by:
-                    emulate.hold(self.done_by)
-            except BaseException as e:
-                if self.ticket:
-                    RECORD.fail(self.ticket, e)
-                raise
+        label = _enter_label(self.axis, "wait") if _profiling() else None
+        try:
+            self.work.wait()
+            if self.done_by:
+                emulate.hold(self.done_by)
+        except BaseException as e:
+            if self.ticket:
+                RECORD.fail(self.ticket, e)
+            raise
+        finally:
+            if label is not None:
+                label.__exit__(None, None, None)
         if self.then is not None:
             self.then()
             self.then = None
@@ -137,11 +153,21 @@ class TimedWork:
 def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
     check_device(t, group)
     t0 = time.perf_counter()
-    with _label(axis, "all-reduce"), RECORD.call(axis, "all-reduce", (t,), group, done=not async_op) as ticket:
+    ticket = RECORD.enter(axis, "all-reduce", (t,), group)
+    label = _enter_label(axis, "all-reduce") if _profiling() else None
+    try:
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
         done_by = 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
         if done_by and not async_op:
             emulate.hold(done_by)
+    except BaseException as e:
+        RECORD.fail(ticket, e)
+        raise
+    finally:
+        if label is not None:
+            label.__exit__(None, None, None)
+    if not async_op:
+        RECORD.leave(ticket)
     COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket, done_by) if async_op else None
 
@@ -228,16 +254,25 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
                       axis: str = "ep", async_op: bool = False):
     """Uneven all-to-all of rows (gloo needs `inp` contiguous). async_op: post it and return a TimedWork; neither
     buffer may be touched before its wait()."""
-    check_device(out, group)
-    check_device(inp, group)
+    check_device(inp if inp.is_cpu else out, group)  # both checked: a CPU tensor is refused whichever it is
     inp = inp.contiguous()
     t0 = time.perf_counter()
-    with _label(axis, "all-to-all"), RECORD.call(axis, "all-to-all", (inp,), group, done=not async_op) as ticket:
+    ticket = RECORD.enter(axis, "all-to-all", (inp,), group)
+    label = _enter_label(axis, "all-to-all") if _profiling() else None
+    try:
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
         done_by = 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
             t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits, out_splits, group)
         if done_by and not async_op:
             emulate.hold(done_by)
+    except BaseException as e:
+        RECORD.fail(ticket, e)
+        raise
+    finally:
+        if label is not None:
+            label.__exit__(None, None, None)
+    if not async_op:
+        RECORD.leave(ticket)
     COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket, done_by) if async_op else None
 
@@ -270,8 +305,9 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
         check_device(op.tensor, op.group)
     t0 = time.perf_counter()
     peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
-    with _label(axis, "send/recv"), RECORD.call(axis, "send/recv", [op.tensor for op in ops], peers=peers,
-                                                done=not async_op) as ticket:
+    ticket = RECORD.enter(axis, "send/recv", [op.tensor for op in ops], peers=peers)
+    label = _enter_label(axis, "send/recv") if _profiling() else None
+    try:
         works = dist.batch_isend_irecv(ops)
         if not async_op:
             for w in works:
@@ -280,6 +316,14 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
             emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
         if done_by and not async_op:
             emulate.hold(done_by)
+    except BaseException as e:
+        RECORD.fail(ticket, e)
+        raise
+    finally:
+        if label is not None:
+            label.__exit__(None, None, None)
+    if not async_op:
+        RECORD.leave(ticket)
     COMM.record(axis, sum(_nbytes(op.tensor) for op in ops), time.perf_counter() - t0, calls=len(ops))
     return TimedWork(_AllOf(works), axis, ticket, done_by) if async_op else None
 

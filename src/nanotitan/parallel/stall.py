@@ -105,13 +105,6 @@ def label_layers(model: torch.nn.Module) -> None:
         block.register_forward_hook(on_output)
 
 
-def _phase(axis: str) -> str:
-    """'backward' inside autograd's backward; 'forward' for EP (the only axis called from both)."""
-    if torch._C._current_graph_task_id() != -1:
-        return "backward"
-    return "forward" if axis == "ep" else ""
-
-
 # --- the record ------------------------------------------------------------------------------------
 
 class CommRecord:
@@ -178,13 +171,28 @@ class CommRecord:
         return ranks
 
     def enter(self, axis: str, op: str, tensors, group=None, peers: str | None = None) -> int:
-        """Record the start of a call; returns its ticket for `leave`/`fail`. Every text field comes from a
-        cache of its encoded bytes (a step repeats the same few), so a call costs two packs and a few lookups."""
+        """Record the start of a call; returns its ticket for `leave`/`fail`. Every text field comes from a cache
+        of its encoded bytes (a step repeats the same few), read inline: a Python call per field cost more than
+        the record itself on a busy host (the default 8-rank job makes ~55 calls per rank per step)."""
         n = self._count = self._count + 1
         seq = self._axis_seq[axis] = self._axis_seq.get(axis, 0) + 1
+        if peers is not None:
+            peers_b = _ENCODED.get(peers) or _encoded(peers)
+        elif group is None:
+            peers_b = b"all"
+        else:
+            peers_b = self._group_ranks.get(group) or self._peers(group)
+        key = tensors[0].shape if len(tensors) == 1 else tuple(t.shape for t in tensors)
+        shapes_b = _SHAPES.get(key) or _shapes(tensors, key)
+        # context: the layer (EP only: the one axis called from inside a block), then the phase
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward" if axis == "ep" else ""
+        ctx = (_context if axis == "ep" else "", phase)
+        ctx_b = _CTX.get(ctx)  # may be b"": no `or` here
+        if ctx_b is None:
+            ctx_b = _ctx(ctx)
         _SLOT.pack_into(self._buf, _HEADER_SIZE + (n % SLOTS) * _SLOT_SIZE, n, seq, time.time(), 0.0, IN_FLIGHT,
-                        _encoded(axis), _encoded(op), self._peers(group) if peers is None else _encoded(peers),
-                        _shapes(tensors), _encoded(_ctx(axis)))
+                        _ENCODED.get(axis) or _encoded(axis), _ENCODED.get(op) or _encoded(op), peers_b, shapes_b,
+                        ctx_b)
         _COUNT.pack_into(self._buf, _COUNT_OFF, n)
         if self._stop_at is not None and self._stop_at[0] == axis and self._stop_at[1] in ("", op) \
                 and self._stop_at[2] == seq:
@@ -250,23 +258,21 @@ def _encoded(text: str) -> bytes:
     return b
 
 
-def _shapes(tensors) -> bytes:
-    """'64x128' per tensor, space-separated ('scalar' for 0-d)."""
-    key = tensors[0].shape if len(tensors) == 1 else tuple(t.shape for t in tensors)
-    b = _SHAPES.get(key)
-    if b is None:
-        if len(_SHAPES) >= _SHAPES_MAX:
-            _SHAPES.clear()
-        b = _SHAPES[key] = " ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors).encode()
+def _shapes(tensors, key) -> bytes:
+    """'64x128' per tensor, space-separated ('scalar' for 0-d), cached under `key` (the shapes)."""
+    if len(_SHAPES) >= _SHAPES_MAX:
+        _SHAPES.clear()
+    b = _SHAPES[key] = " ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors).encode()
     return b
 
 
-def _ctx(axis: str) -> str:
-    """'layer 2, backward': the layer (EP only: the one axis called from inside a block) and the phase."""
-    phase = _phase(axis)
-    if axis != "ep" or not _context:
-        return phase
-    return f"{_context}, {phase}" if phase else _context
+_CTX: dict[tuple[str, str], bytes] = {}
+
+
+def _ctx(key: tuple[str, str]) -> bytes:
+    """(layer, phase) -> b'layer 2, backward' (either may be empty), cached."""
+    b = _CTX[key] = ", ".join(p for p in key if p).encode()
+    return b
 
 
 RECORD = CommRecord()
