@@ -109,7 +109,10 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
     from nanotitan.train import Trainer
 
     run = tmp_path / "elastic"
-    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout")
+    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms, so the
+    # tiny model's 70 steps outlast the joiner's imports however fast this machine trains it.
+    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout") + [
+        "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002"]
     logs = [tmp_path / f"agent{i}.log" for i in range(3)]
     files = [open(p, "w") for p in logs]
     agents: list[subprocess.Popen] = []
