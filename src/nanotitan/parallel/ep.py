@@ -29,7 +29,7 @@ drops are the ones one process would make on the same microbatch.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -48,7 +48,7 @@ def in_backward() -> bool:
 def lane_group(groups: tuple):
     """The EP group of the calling lane: groups[0] for forwards, groups[1] for backwards (the same group twice
     unless parallel.ep_overlap_microbatches built a second one)."""
-    return groups[in_backward()]
+    return groups[0] if groups[1] is groups[0] else groups[in_backward()]  # one group: no lookup per call
 
 
 # --- EP waits per lane, for the exposed-wait figure of two lanes (pp.py: exposed_ep_wait) -------------------
@@ -61,17 +61,26 @@ def record_waits(waits: list | None) -> None:
     _WAITS = waits
 
 
-@contextmanager
+class _Timed:
+    """The interval of one blocked EP call, appended to the recording it was entered under."""
+    __slots__ = ("t0", "waits")
+
+    def __init__(self, waits: list):
+        self.waits = waits
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.waits.append((int(in_backward()), self.t0, time.perf_counter()))  # list.append: atomic across lanes
+
+
+_NOT_RECORDING = nullcontext()  # reusable: the EP hot path allocates nothing when no step records waits
+
+
 def _blocked():
     """Around a blocking EP call or a wait for an async one: the interval goes to the recording, if any."""
-    if _WAITS is None:
-        yield
-        return
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        _WAITS.append((int(in_backward()), t0, time.perf_counter()))  # list.append: atomic across the lanes
+    return _NOT_RECORDING if _WAITS is None else _Timed(_WAITS)
 
 
 def _wait(work) -> None:
