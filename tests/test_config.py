@@ -230,9 +230,11 @@ LANES = ["--parallel.ep_overlap_microbatches", "true"]
 @pytest.mark.parametrize("args,msg", [
     (LANES + ["--parallel.microbatches", "4"], "parallel.ep_overlap_microbatches hides EP all-to-alls, and "
      "parallel.ep=1 has none (--parallel.ep 2, or --parallel.ep_overlap_microbatches false)"),
-    (LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4"],
-     "parallel.ep_overlap_microbatches is built for parallel.pp=1 only, not pp=2: a stage would have to post its "
-     "gradient receive before its forward (docs/ep.md) (--parallel.pp 1, or --parallel.ep_overlap_microbatches false)"),
+    (LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4", "--parallel.schedule",
+              "gpipe"],
+     "parallel.ep_overlap_microbatches runs the 1f1b and zb1 schedules with parallel.pp > 1, not gpipe (gpipe leaves "
+     "no forward beside a backward; interleaved is not built, docs/ep.md) (--parallel.schedule 1f1b, or "
+     "--parallel.ep_overlap_microbatches false)"),
     (LANES + ["--parallel.ep", "2"], "parallel.ep_overlap_microbatches runs one microbatch's forward beside another's "
      "backward: parallel.microbatches=1 must be >= 2 (--parallel.microbatches 4, or "
      "--parallel.ep_overlap_microbatches false)"),
@@ -255,3 +257,7 @@ def test_ep_overlap_microbatches_is_off_by_default_and_accepted_at_pp1():
     cfg = load_config(None, LANES + ["--parallel.ep", "2", "--parallel.microbatches", "4", "--parallel.dp", "2",
                                      "--parallel.zero", "2", "--parallel.ep_overlap", "true"])
     assert cfg.parallel.ep_overlap_microbatches
+    for schedule in ("1f1b", "zb1"):  # and under a pipeline, with the schedules that have a steady phase
+        cfg = load_config(None, LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
+                                         "--parallel.schedule", schedule])
+        assert cfg.parallel.ep_overlap_microbatches

@@ -15,7 +15,8 @@ from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
-from nanotitan.parallel.pp import exposed_ep_wait, lanes_overlap, pipeline_forward_backward
+from nanotitan.parallel.pp import exposed_ep_wait, in_flight, lanes_overlap, pipeline_forward_backward
+from nanotitan.parallel.pp import warmup as pp_warmup
 from nanotitan.parallel.pp_comms import StageComms
 from tests.mp import run_ranks
 
@@ -191,3 +192,116 @@ def test_the_forward_lane_keeps_the_callers_meters():
         pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
                                   loss_scale=0.25, before_backward=None, ep_lanes=True)
     assert "nanotitan-forward-lane" in ops.threads and "nanotitan-forward-lane" in packed
+
+
+# --- under a pipeline: PP2·EP2, 1f1b and zb1 ------------------------------------------------------------------
+def _pp_cfg(schedule: str) -> Config:
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=4, n_heads=4, ffn_dim=48, num_experts=4, top_k=2,
+                        moe_every=1, max_seq_len=SEQ, capacity_factor=1.0, bias_update_rate=0.01)
+    return Config(model=model, parallel=ParallelConfig(pp=2, ep=2, microbatches=M, schedule=schedule))
+
+
+def _pp_step(model, dims, xs, ys, schedule: str, lanes: bool, timeline=None):
+    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
+    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=0.3,
+                                      loss_scale=1.0 / len(xs), before_backward=None, timeline=timeline,
+                                      ep_lanes=lanes)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return stats, grads
+
+
+def _pp_lanes_rank(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    dims = ParallelDims(1, 2, 2, rank=rank).build_groups(timeout_s=60).build_backward_ep_groups(timeout_s=60)
+    pp_f, pp_b = dims.group("pp"), dims.group("pp_backward")
+    p2p = []  # (thread, group) of every PP send / receive
+    plain = {k: getattr(comm, k) for k in ("send", "recv", "batch_isend_irecv", "all_to_all_single")}
+    a2a = []  # (in a backward, thread) of every EP all-to-all
+
+    def send(t, dst, group=None, axis="pp"):
+        p2p.append((threading.current_thread().name, group))
+        return plain["send"](t, dst, group, axis)
+
+    def recv(t, src, group=None, axis="pp"):
+        p2p.append((threading.current_thread().name, group))
+        return plain["recv"](t, src, group, axis)
+
+    def batch(ops, axis="pp", async_op=False):
+        p2p.extend((threading.current_thread().name, op.group) for op in ops)
+        return plain["batch_isend_irecv"](ops, axis, async_op)
+
+    def all_to_all(*args, **kw):
+        a2a.append((ep.in_backward(), threading.current_thread().name))
+        return plain["all_to_all_single"](*args, **kw)
+
+    comm.send, comm.recv, comm.batch_isend_irecv, comm.all_to_all_single = send, recv, batch, all_to_all
+    out = {}
+    try:
+        for schedule in ("1f1b", "zb1"):
+            cfg = _pp_cfg(schedule)
+            for ac in (False, True):
+                model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank), SEED),
+                                 dims, lanes=True)
+                model.activation_checkpointing = ac
+                xs, ys = _batches(dims.ep_rank)
+                one, g_one = _pp_step(model, dims, xs, ys, schedule, lanes=False)
+                load_one = {k: v.clone() for k, v in model.step_load.items()}
+                model.step_load.clear()
+                p2p.clear()
+                a2a.clear()
+                timeline = []
+                two, g_two = _pp_step(model, dims, xs, ys, schedule, lanes=True, timeline=timeline)
+                spans = {(k, i): (t0, t1) for k, _, i, t0, t1 in timeline if k != "wait"}
+                w = pp_warmup("1f1b", 2, dims.pp_rank, M)
+                pair = 1 if dims.is_pp_last_stage else w  # F(j + pair) is meant to run beside B(j)
+                out[schedule, ac] = {
+                    "same_grads": all(torch.equal(g_one[n], g_two[n]) for n in g_one),
+                    "same_loss": (one.ce_sum is None and two.ce_sum is None or torch.equal(one.ce_sum, two.ce_sum))
+                    and torch.equal(one.aux_sum, two.aux_sum),
+                    "same_load": all(torch.equal(load_one[k], model.step_load[k]) for k in load_one),
+                    "in_flight": (one.max_in_flight, in_flight(schedule, 2, dims.pp_rank, M), two.max_in_flight,
+                                  in_flight(schedule, 2, dims.pp_rank, M, lanes=True)),
+                    "one_overlap": one.lanes_overlap_s, "two_overlap": two.lanes_overlap_s,
+                    "pairs_overlapping": sum(spans[("F", j + pair)][0] < spans[("B", j)][1]
+                                             and spans[("B", j)][0] < spans[("F", j + pair)][1]
+                                             for j in range(M - pair)),
+                    # the forward lane's P2P on the PP group, the backward lane's on the backward PP group
+                    "p2p_ok": bool(p2p) and all(g is (pp_f if t == "nanotitan-forward-lane" else pp_b)
+                                                for t, g in p2p),
+                    "p2p_lanes": {t for t, _ in p2p},
+                    "forward_a2a_threads": {t for b, t in a2a if not b},
+                    "exposed_le_wait": two.ep_exposed_s <= two.ep_wait_s + 1e-9,
+                    "W": sum(k == "W" for k, *_ in timeline),
+                }
+    finally:
+        for k, f in plain.items():
+            setattr(comm, k, f)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_lanes_under_a_pipeline_overlap_bitwise():
+    """PP2·EP2, M = 4, capacity and router bias on, 1f1b and zb1, activation checkpointing off and on: the two-lane
+    step's gradients, losses and router counts equal the schedule's own step bit for bit; the forwards ran on the
+    lane's thread and a stage's F(w+j) (the last stage's F(j+1)) really ran beside its B(j); each lane's P2P went
+    on its own PP group (the backward lane's on "pp_backward"); no stage held more than `in_flight(lanes=True)`;
+    zb1's later stage still ran its W's."""
+    results = run_ranks(_pp_lanes_rank, world=4, timeout=230)
+    for rank, res in enumerate(results):
+        overlapping = 0
+        for (schedule, ac), r in res.items():
+            name = f"rank {rank} {schedule} activation checkpointing {ac}"
+            assert r["same_grads"] and r["same_loss"] and r["same_load"], f"{name}: {r}"
+            # held at once: the schedule's count without the lanes; with them, at most what the planner charges
+            # (how many a stage reaches depends on the lanes' timing)
+            plain, want_plain, lanes, bound = r["in_flight"]
+            assert plain == want_plain and want_plain <= bound and 1 <= lanes <= bound, f"{name}: {r}"
+            assert r["one_overlap"] == 0.0, f"{name}: {r}"
+            assert r["p2p_ok"] and r["p2p_lanes"] == {"nanotitan-forward-lane", "MainThread"}, f"{name}: {r}"
+            assert r["forward_a2a_threads"] == {"nanotitan-forward-lane"}, f"{name}: {r}"
+            assert r["exposed_le_wait"], f"{name}: {r}"
+            assert r["W"] == (M if schedule == "zb1" and rank >= 2 else 0), f"{name}: {r}"
+            overlapping += r["pairs_overlapping"] > 0 and r["two_overlap"] > 0.0
+        # timing decides each single pair; over four steps, every stage ran a forward beside a backward
+        assert overlapping >= 1, f"rank {rank}: no F(w+j) overlapped B(j) in any case: {res}"

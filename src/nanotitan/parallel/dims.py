@@ -20,9 +20,10 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "ep_backward"]
+GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "ep_backward", "pp_backward"]
 GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)[:4]  # built by build_groups, for every job
-# "ep_backward": the EP groups again (same ranks), for the backward lane of parallel.ep_overlap_microbatches only
+# "ep_backward", "pp_backward": the EP and PP groups again (same ranks), for the backward lane of
+# parallel.ep_overlap_microbatches only (build_backward_ep_groups)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class ParallelDims:
         D, P, E, r = range(self.dp), range(self.pp), range(self.ep), self.rank_of
         if kind in ("ep", "ep_backward"):
             return [[r(d, p, e) for e in E] for d in D for p in P]
-        if kind == "pp":
+        if kind in ("pp", "pp_backward"):
             return [[r(d, p, e) for p in P] for d in D for e in E]
         if kind == "expert_dp":
             return [[r(d, p, e) for d in D] for p in P for e in E]
@@ -139,15 +140,19 @@ class ParallelDims:
         return self
 
     def build_backward_ep_groups(self, timeout_s: float = 300.0) -> "ParallelDims":
-        """parallel.ep_overlap_microbatches: every EP group a second time ("ep_backward"), same order on all ranks
-        (new_group is collective over the world), so that a backward's all-to-alls never queue behind, or pair
-        with, a forward's running at the same time on the same ranks (parallel/ep.py: lane_group)."""
+        """parallel.ep_overlap_microbatches: the backward lane's groups, same order on all ranks (new_group is
+        collective over the world). Every EP group a second time ("ep_backward"), so that a backward's all-to-alls
+        never queue behind, or pair with, a forward's running at the same time on the same ranks (parallel/ep.py:
+        lane_group); with pp > 1 every PP group a second time too ("pp_backward"), which carries the gradients
+        while "pp" carries the activations, so each group's P2P messages are one lane's (parallel/pp.py:
+        _two_lanes). (It builds both; the name is its caller's, parallel/parallelize.py.)"""
         if "ep_backward" in self.groups or not dist.is_initialized() or self.world_size == 1:
             return self
-        for ranks in self.all_group_ranks("ep_backward"):
-            pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if self.rank in ranks:
-                self.groups["ep_backward"] = pg if len(ranks) > 1 else None
+        for kind in ("ep_backward", "pp_backward") if self.pp > 1 else ("ep_backward",):
+            for ranks in self.all_group_ranks(kind):
+                pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+                if self.rank in ranks:
+                    self.groups[kind] = pg if len(ranks) > 1 else None
         return self
 
 

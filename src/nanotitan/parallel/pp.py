@@ -35,9 +35,10 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          step posts two exchanges, its forward's and its backward's, and waits for each only before the
          compute that reads it, so the transfers overlap compute (Megatron's overlap_p2p_comm); the cooldown
          overlaps likewise. M must be a multiple of PP. Bubble (PP-1)/(V*M) of the ideal step, not (PP-1)/M.
-With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch); with
-parallel.ep_overlap_microbatches it runs in two lanes (`_two_lanes`): microbatch i+1's forward beside microbatch
-i's backward, so that each one's EP all-to-alls travel while the other computes.
+With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
+parallel.ep_overlap_microbatches runs that, 1F1B and zb1 in two lanes (`_two_lanes`): the forwards on a thread,
+the backwards (and W's) on the caller's, so that a stage's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j)
+on the last stage and at pp == 1) and each one's EP all-to-alls travel while the other computes.
 `virtual_stages`, `warmup` and `in_flight` below state these counts once: the schedules, the planner
 (plan/cost.py) and the tests all ask them.
 
@@ -108,13 +109,20 @@ def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
     return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
 
 
+def lane_window(pp: int, pp_rank: int, M: int) -> int:
+    """parallel.ep_overlap_microbatches: the most microbatches stage pp_rank has between F and B at once. 1F1B's
+    warmup + 1 (its steady F(w+j) beside B(j)), but at least 2: the last stage (warmup 0, and pp = 1) has no
+    forward of its own to pair with B(j) but F(j+1)."""
+    return min(max(warmup("1f1b", pp, pp_rank, M) + 1, 2), M)
+
+
 def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1, lanes: bool = False) -> int:
     """Most microbatches whose activations stage pp_rank holds at once (chunk-microbatches under interleaved):
     the warmup's forwards plus the steady phase's one. zb1 also holds pp_rank deferred W's (F done, W not yet),
-    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches, pp = 1): a forward beside
-    a backward, min(M, 2)."""
-    if lanes and pp == 1:
-        return min(M, 2)
+    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches; pp = 1, 1f1b, zb1):
+    `lane_window` (1F1B's count, but 2 on the last stage and at pp = 1), plus zb1's deferred W's."""
+    if lanes and (pp == 1 or schedule in ("1f1b", "zb1")):
+        return min(M, lane_window(pp, pp_rank, M) + (pp_rank if schedule == "zb1" else 0))
     if schedule == "zb1" and pp > 1:
         return min(M, pp)
     return min(warmup(schedule, pp, pp_rank, M, V) + 1, M * virtual_stages(schedule, pp, V))
@@ -278,20 +286,36 @@ class _LaneThreadState:
             yield
 
 
-def _two_lanes(run: _StageRunner, M: int, join_timeout_s: float = 60.0) -> None:
-    """Plain gradient accumulation (pp == 1) in two lanes: a thread runs the forwards F(0..M-1) in order, this
-    thread the backwards B(0..M-1) in order; B(j) starts once F(j) is done, F(i) once B(i-2) is, so F(j+1) runs
-    beside B(j) and at most two microbatches are in flight (one more than without the lanes).
+def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False,
+               backward_group=None, join_timeout_s: float = 60.0) -> None:
+    """1F1B / zb1 (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the forwards
+    F(0..M-1) in order, this thread the backwards B(0..M-1) in order. With L = `lane_window`, F(i) starts once
+    B(i-L) is done, B(j) once F(j) is; so a stage's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the
+    last stage and at pp == 1), and a stage holds at most L microbatches (1F1B's w + 1, but 2 on the last stage).
 
-    Exact: the backwards run one at a time in microbatch order, as without the lanes, so every .grad accumulates
-    the same terms in the same order and the gradient sync's hooks fire in the same order (the final backward
-    runs alone); a forward reads only the parameters, which no backward changes, and draws no random numbers.
-    Pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), issued in an order
-    fixed by M alone, the same on every EP rank; a checkpointed block's recompute runs inside its backward, so
-    its collectives are the backward lane's, in order. Torch releases the GIL inside its ops and in gloo's
-    waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
-    An exception in either lane stops both and is raised here; a lane stuck in a collective whose peer failed
-    is left behind (a daemon thread) after join_timeout_s, never waited for forever."""
+    P2P: each lane owns one direction of each neighbour pair, on its own PP group: the forward lane receives its
+    input from the previous stage right before F and sends its output at F's end (PP group "pp"); the backward lane
+    receives its output gradient right before B and sends the input gradient at B's end ("pp_backward", dims.py).
+    Each group's messages between two stages are then one lane's, in microbatch order at both ends, so they match
+    whatever the threads' interleaving (no batched send-and-receive pairs two lanes' traffic). Neighbours agree at
+    every phase boundary because there are no phases: each lane is one loop over the M microbatches, and each
+    message is sent once its microbatch is computed and received when its lane is ready for it.
+    Deadlock-free: every wait is for a microbatch of a smaller index, or for the same one one stage down the
+    data flow (F: the previous stage's F; B: the next stage's B and this stage's F).
+
+    Exact: the backwards run one at a time in microbatch order on this thread, as without the lanes, and zb1's W's
+    keep their place (each W due after B(j) runs during B(j)'s gradient send, `weights_until(j + 1 - pp_rank)`, the
+    rest at the end), so every .grad accumulates the same terms in the same order and the gradient sync's hooks
+    fire in the same order (the final backward, or W, runs after every forward); a forward reads only the
+    parameters, which no backward or W changes, and draws no random numbers.
+    EP pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), in an order fixed by
+    (pp, pp_rank, M), the same on every rank of an EP group; a checkpointed block's recompute runs inside its
+    backward, so its collectives are the backward lane's, in order. Torch releases the GIL inside its ops and in
+    gloo's waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
+    An exception in either lane stops both and is raised here (the first one); each lane checks for it before it
+    posts a receive, and a lane stuck in a call whose peer failed is left behind (a daemon thread) after
+    join_timeout_s, never waited for forever."""
+    L = lane_window(pp, pp_rank, M)
     cond = threading.Condition()
     done = {"F": 0, "B": 0}
     errors: list[BaseException] = []
@@ -301,14 +325,23 @@ def _two_lanes(run: _StageRunner, M: int, join_timeout_s: float = 60.0) -> None:
         try:
             with state.entered():
                 for i in range(M):
+                    if errors:
+                        return
+                    recv_buf = comms.recv_forward()  # posted before the window opens: the sender goes on
                     with cond:
-                        cond.wait_for(lambda: done["B"] >= i - 1 or errors)
+                        cond.wait_for(lambda: done["B"] > i - L or errors)
                         if errors:
                             return
-                    run.forward(0, i, None)
+                    out = run.forward(0, i, recv_buf)
                     with cond:
                         done["F"] = i + 1
                         cond.notify_all()
+                        # held: F done, B (zb1: W) not; a B under way still holds its microbatch's activations
+                        held = i + 1 - (run.w_done if split else done["B"])
+                        run.max_in_flight = max(run.max_in_flight, held)
+                    if out is not None:
+                        comms.send_forward(out)
+                    out = None  # zb1's B retains the graph for W: no reference here may outlive that W
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             with cond:
                 errors.append(e)
@@ -318,17 +351,25 @@ def _two_lanes(run: _StageRunner, M: int, join_timeout_s: float = 60.0) -> None:
     lane.start()
     try:
         for j in range(M):
-            with cond:
+            with cond:  # the gradient of microbatch j cannot come before F(j) has been sent
                 cond.wait_for(lambda: done["F"] > j or errors)
                 if errors:
                     break
-            run.backward(0, j, None, is_last=j == M - 1)
+            grad_buf = comms.recv_backward(backward_group)
+            if split:
+                grad_in = run.backward_input(j, grad_buf)
+                comms.send_backward(grad_in, lambda: run.weights_until(j + 1 - pp_rank), backward_group)
+            else:
+                comms.send_backward(run.backward(0, j, grad_buf, is_last=j == M - 1), None, backward_group)
             with cond:
                 done["B"] = j + 1
                 cond.notify_all()
+        else:
+            if split:
+                run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
     except BaseException as e:  # noqa: BLE001
         with cond:
-            errors.insert(0, e)
+            errors.append(e)
             cond.notify_all()
     lane.join(timeout=join_timeout_s if errors else None)
     if errors:
@@ -547,8 +588,9 @@ def pipeline_forward_backward(
     each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
     this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
     and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
-    ep_lanes (parallel.ep_overlap_microbatches, pp == 1 only): the forwards and backwards in two lanes
-    (`_two_lanes`); the model's MoE layers must have been given their backward EP groups (apply_ep(lanes=True)).
+    ep_lanes (parallel.ep_overlap_microbatches; pp == 1, or the 1f1b / zb1 schedules): the forwards and backwards
+    in two lanes (`_two_lanes`); the model's MoE layers must have been given their backward EP groups
+    (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -562,9 +604,9 @@ def pipeline_forward_backward(
     V = len(chunks)
     if V > 1 and (schedule != "interleaved" or dims.pp == 1):
         raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
-    if ep_lanes and dims.pp > 1:
-        raise ValueError(f"parallel.ep_overlap_microbatches is built for pp=1 only, not pp={dims.pp} "
-                         "(--parallel.ep_overlap_microbatches false)")
+    if ep_lanes and dims.pp > 1 and schedule not in ("1f1b", "zb1"):
+        raise ValueError(f"parallel.ep_overlap_microbatches runs the 1f1b and zb1 schedules with pp > 1, not "
+                         f"{schedule} (--parallel.schedule 1f1b, or --parallel.ep_overlap_microbatches false)")
     if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
         raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
                          f"parallel.pp={dims.pp} (--parallel.microbatches)")
@@ -580,8 +622,10 @@ def pipeline_forward_backward(
     ep_waits: list[tuple[int, float, float]] = []
     ep.record_waits(ep_waits)
     try:
-        if dims.pp == 1 and ep_lanes and M > 1:  # a forward beside a backward, two lanes
-            _two_lanes(run, M)
+        if ep_lanes and M > 1:  # a forward beside a backward, two lanes
+            backward_group = dims.group("pp_backward")
+            assert dims.pp == 1 or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
+            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group)
         elif dims.pp == 1:  # plain gradient accumulation, whatever the schedule
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":

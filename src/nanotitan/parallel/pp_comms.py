@@ -24,6 +24,12 @@ the same rank; every rank lists its ops activations first, then gradients, so ea
 matched in the same order at both ends (NCCL matches point-to-point messages between two ranks by order).
 zb1 passes `during`: local work (deferred weight gradients) that runs while a send is in flight, so the
 wait it would otherwise spend blocked is spent computing; only the time blocked counts as wait.
+
+parallel.ep_overlap_microbatches (two lanes, pp.py `_two_lanes`) uses the one-direction calls only, from two
+threads: the forward lane `recv_forward` / `send_forward` on the PP group, the backward lane `recv_backward` /
+`send_backward` on the backward PP group (`group=`, dims.py "pp_backward"), so each group carries one lane's
+messages between two stages, in order at both ends. Shared between the lanes: the buffer pool (atomic pops and
+appends) and `wait_s` (summed over both lanes, an unlocked `+=`: a lost update is possible and only a statistic).
 """
 
 from __future__ import annotations
@@ -56,8 +62,12 @@ class StageComms:
 
     # --- receive buffers -------------------------------------------------------------------------
     def acquire(self) -> torch.Tensor:
-        """A receive buffer of act_shape/dtype, reused when one is free."""
-        return self._free.pop() if self._free else torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+        """A receive buffer of act_shape/dtype, reused when one is free. Both lanes of
+        parallel.ep_overlap_microbatches take buffers: list.pop is atomic, a test-then-pop would not be."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
 
     def release(self, buf: torch.Tensor | None) -> None:
         """Give a buffer back once nothing reads it any more (its microbatch's backward has run)."""
@@ -96,18 +106,20 @@ class StageComms:
         self._timed(comm.recv, buf, self.prev, self.group)
         return buf
 
-    def send_backward(self, grad_in: torch.Tensor, during: Callable[[], None] | None = None) -> None:
+    def send_backward(self, grad_in: torch.Tensor, during: Callable[[], None] | None = None, group=None) -> None:
+        """group: the backward lane's PP group under parallel.ep_overlap_microbatches (None: this stage's)."""
         if self.prev is not None:
-            ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev, self.group)]
+            ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev,
+                              self.group if group is None else group)]
             self._batch(ops, during)
         elif during is not None:
             during()
 
-    def recv_backward(self) -> torch.Tensor | None:
+    def recv_backward(self, group=None) -> torch.Tensor | None:
         if self.next is None:
             return None
         buf = self.acquire()
-        self._timed(comm.recv, buf, self.next, self.group)
+        self._timed(comm.recv, buf, self.next, self.group if group is None else group)
         return buf
 
     # --- both directions at once (steady 1F1B) ---------------------------------------------------
