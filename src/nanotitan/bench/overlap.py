@@ -1,17 +1,17 @@
 """`nanotitan bench overlap`: EP overlap against the same job without it, on emulated networks and on this machine,
 measured side by side and against the planner.
 
-    nanotitan bench overlap [--config configs/mid.toml] [--ep 2] [--chunks 2 4] [--lanes] [--microbatches 1]
-                            [--steps 12] [--window 4 12] [--repeats 2]
+    nanotitan bench overlap [--config configs/mid.toml] [--ep 2] [--pp 1] [--schedule 1f1b] [--chunks 2 4] [--lanes]
+                            [--microbatches 1] [--steps 12] [--window 4 12] [--repeats 2]
                             [--topology configs/emulate/h100-100g.json:1 none] [--out FILE] [overrides ...]
 
 Modes: off; `--chunks N ...`: parallel.ep_overlap with N groups of experts per trip (within one layer call);
 `--lanes`: parallel.ep_overlap_microbatches (one microbatch's forward beside another's backward; needs
 --microbatches >= 2). For each topology (PROFILE[:RANKS_PER_NODE] as `bench emulate`, or "none": no emulation),
-each repeat runs the EP job (dp = pp = 1) in every mode, in an order that alternates between repeats, as real
-`nanotitan train` processes. Per run: the median over the window of the step time and of the exposed EP wait
-(`comm_ep_wait_s`: time an EP call was pending and no lane computed; with one lane, what the EP calls and waits
-held the rank). Reported: min and median over repeats, the ratios against off, and the planner's step time and
+each repeat runs the EP job (dp = 1; pp = 1, or `--pp` stages under `--schedule`) in every mode, in an order that
+alternates between repeats, as real `nanotitan train` processes. Per run: the median over the window of the step
+time and of the exposed EP wait (`comm_ep_wait_s` of rank 0, the first stage: time an EP call was pending and no
+lane computed; with one lane, what the EP calls and waits held the rank). Reported: min and median over repeats, the ratios against off, and the planner's step time and
 exposed EP time for the same run (`plan/cost.py`) under the emulated links (PlanOptions.links_idle). With "none"
 among the topologies, each emulated mode also gets "step − free": its step less the same mode's step without
 emulation, the link time it left exposed measured without the wait columns.
@@ -43,7 +43,8 @@ def mode_args(mode: str) -> list[str]:
     return ["--parallel.ep_overlap", "true", "--parallel.ep_chunks", mode.split()[0]]
 
 
-def _predict(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cpu-gloo") -> tuple[float, float]:
+def _predict(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cpu-gloo", pp: int = 1,
+             schedule: str = "1f1b") -> tuple[float, float]:
     """(step s, exposed EP s per step) the planner predicts for the run (links: the emulated network or None), with
     `hardware` pricing compute (uncalibrated on these runs, as `bench layouts`)."""
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it is
@@ -55,7 +56,7 @@ def _predict(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cp
     if links is not None:
         hw = links.dilated(hw)
         opts = PlanOptions(link_node_size=links.node_size, links_idle=True)
-    p = predict(cfg, Layout(1, 1, ep, "1f1b", M, m), hw, opts)
+    p = predict(cfg, Layout(1, pp, ep, schedule, M, m), hw, opts)
     return p.step_time_s, p.costs["ep_a2a"]
 
 
@@ -63,6 +64,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="nanotitan bench overlap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/mid.toml")
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the lanes run 1f1b and zb1 with pp > 1)")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb1", "gpipe", "interleaved"])
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1, help="parallel.microbatches M (--lanes needs >= 2)")
     ap.add_argument("--chunks", type=int, nargs="*", default=[2, 4], help="parallel.ep_chunks values to run")
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> int:
     modes = ["off"] + [f"{n} groups" for n in args.chunks] + (["lanes"] if args.lanes else [])
     M, m = args.microbatches, args.micro_batch
     lines = [f"# EP overlap: `nanotitan bench overlap {' '.join(argv)}`", "",
-             f"EP={args.ep}, M={M} microbatches of m={m} sequences of {cfg.train.seq_len}, {cfg.model.num_experts} "
+             f"EP={args.ep}, PP={args.pp} ({args.schedule}), M={M} microbatches of m={m} sequences of {cfg.train.seq_len}, {cfg.model.num_experts} "
              f"experts (top {cfg.model.top_k}), d_model {cfg.model.d_model}, ffn {cfg.model.ffn_dim}, "
              f"{cfg.train.dtype}; median over steps ({args.window[0]}, {args.window[1]}] per run, min / median over "
              f"{args.repeats} repeats (order alternating). Predictions: `{args.hardware}` prices compute, "
@@ -102,8 +105,8 @@ def main(argv: list[str]) -> int:
             for r in range(args.repeats):
                 for i, mode in enumerate(modes if r % 2 == 0 else modes[::-1]):
                     base = ["--config", args.config, *overrides, *emu_args, *mode_args(mode)]
-                    res = run_layout(1, 1, args.ep, "1f1b", M, m, args.steps, Path(tmp) / f"r{r}_{i}", base,
-                                     args.timeout)
+                    res = run_layout(1, args.pp, args.ep, args.schedule, M, m, args.steps, Path(tmp) / f"r{r}_{i}",
+                                     base, args.timeout)
                     runs[mode].append(summarise(res, tuple(args.window)))
                     print(f"{topo} repeat {r} {mode}: step {runs[mode][-1]['step_time_s'] * 1e3:.0f} ms, "
                           f"EP wait {runs[mode][-1]['ep_wait_s'] * 1e3:.0f} ms", flush=True)
@@ -114,7 +117,7 @@ def main(argv: list[str]) -> int:
         for k in modes:
             step_min = min(x["step_time_s"] for x in runs[k])
             wait_min = min(x["ep_wait_s"] for x in runs[k])
-            pred_step, pred_ep = _predict(cfg, args.ep, M, m, k, links, args.hardware)
+            pred_step, pred_ep = _predict(cfg, args.ep, M, m, k, links, args.hardware, args.pp, args.schedule)
             rows.append((k, step_min, wait_min, pred_step, pred_ep))
         tables.append((topo, links, rows))
     free = medians.get("none")

@@ -230,15 +230,18 @@ def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tai
     return max(2 * (a2a_s + n * lat_s) - compute_s, one + max(0.0, one - tail_s))
 
 
-def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int) -> float:
-    """Forwards and backwards of M microbatches under parallel.ep_overlap_microbatches (pp = 1; parallel/pp.py
-    `_two_lanes`): F(0) alone, then M-1 pairs F(j+1) beside B(j), then B(M-1) alone. c_f, c_b: a microbatch's
-    forward and backward compute; w_f, w_b: their EP link time (one link, carrying one call at a time). A lane
-    cannot compute while it waits for its own trip, the two lanes share the rank's compute, and the link carries
-    both lanes' trips, so a pair lasts at least each of max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b); the
-    model takes that bound (the lanes interleave layer by layer, so the pieces pack finely)."""
+def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpaired: int = 1) -> float:
+    """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches (parallel/pp.py
+    `_two_lanes`): `unpaired` forwards alone, M - unpaired pairs (a forward beside a backward), `unpaired` backwards
+    alone. pp = 1 and a pipeline's last stage: 1 (F(0) alone, F(j+1) beside B(j), B(M-1) alone); an earlier 1f1b /
+    zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
+    c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link, carrying one
+    call at a time). A lane cannot compute while it waits for its own trip, the two lanes share the rank's compute,
+    and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b, w_f + w_b, c_f + w_f,
+    c_b + w_b); the model takes that bound (the lanes interleave layer by layer, so the pieces pack finely)."""
+    unpaired = min(max(unpaired, 1), M)
     pair = max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b)
-    return (c_f + w_f) + (M - 1) * pair + (c_b + w_b)
+    return unpaired * ((c_f + w_f) + (c_b + w_b)) + (M - unpaired) * pair
 
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
@@ -269,7 +272,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ex_link, _ = link("expert_dp")
 
     n_virt = pp_schedules.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
-    lanes = cfg.parallel.ep_overlap_microbatches and pp == 1 and ep > 1 and M > 1  # two lanes (pp.py)
+    lanes = (cfg.parallel.ep_overlap_microbatches and (pp == 1 or layout.schedule in ("1f1b", "zb1")) and ep > 1
+             and M > 1)  # two lanes (pp.py)
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
@@ -392,7 +396,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             # Where the link is a CPU's own work (gloo without an emulator), nothing hides behind compute.
             w_f = a2a_link * (2 * a2a_one + 3 * lat) / (4 * a2a_one + 5 * lat)
             if opts.links_idle or not hw.cores_per_node:
-                a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M) / M - (t_f + t_b)
+                unpaired = pp_schedules.warmup("1f1b", pp, s, M)  # 0 (pp = 1, last stage): F(0) and B(M-1)
+                a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M, unpaired) / M - (t_f + t_b)
         a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
         sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
