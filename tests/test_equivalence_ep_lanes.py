@@ -1,5 +1,6 @@
-"""parallel.ep_overlap_microbatches (two lanes: microbatch i+1's forward beside microbatch i's backward, pp = 1)
-trains the same model as one process, and bit for bit the same model as the run without the lanes.
+"""parallel.ep_overlap_microbatches (two lanes: a forward beside another microbatch's backward; pp = 1, and PP2
+under 1f1b and zb1) trains the same model as one process, and bit for bit the same model as the run without the
+lanes.
 
 Harness and bar of tests/test_equivalence.py (the real trainer on real gloo processes, 10 steps, B = 16, m = 2):
 each row against the single process (loss 1e-5 per step, final parameters), and against its twin without the lanes
@@ -83,3 +84,17 @@ def test_world4_dp2_ep2_lanes_zero(corpus_dir, tmp_path, reference, reference_ba
     cases = [(2, 1, 2, "1f1b", z1 + BALANCE), (2, 1, 2, "1f1b", z1 + BALANCE + LANES),
              (2, 1, 2, "1f1b", z2 + AC + BALANCE), (2, 1, 2, "1f1b", z2 + AC + BALANCE + LANES)]
     _matrix(4, cases, corpus_dir, tmp_path, reference, reference_balance, timeout=300, twins=2)
+
+
+def test_world4_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
+    """PP2·EP2 (M = 4) under 1f1b and zb1, activation checkpointing off and on: the lanes under a pipeline (each
+    lane's P2P on its own PP group, zb1's W's in place), each row bitwise its twin without the lanes."""
+    cases = [(1, 2, 2, s, extra + lanes) for s in ("1f1b", "zb1") for extra in ((), AC) for lanes in ((), LANES)]
+    _matrix(4, cases, corpus_dir, tmp_path, reference, reference, timeout=400, twins=4)
+
+
+def test_world8_dp2_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
+    """DP2·PP2·EP2 (M = 2; the default job's layout), activation checkpointing off and on: the DP Reducer's
+    buckets in the backward lane beside the forward lane's traffic; each row bitwise its twin without the lanes."""
+    cases = [(2, 2, 2, "1f1b", extra + lanes) for extra in ((), AC) for lanes in ((), LANES)]
+    _matrix(8, cases, corpus_dir, tmp_path, reference, reference, timeout=500, twins=2)
