@@ -77,10 +77,11 @@ class StepStats:
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
     max_in_flight: int  # most microbatches whose activations this stage held at once (`in_flight` predicts it:
     #                     GPipe M, 1F1B min(M, PP - p), zb1 min(M, PP): F to W; interleaved: chunk-microbatches)
+    # The lanes' figures (parallel.ep_overlap_microbatches; 0.0 without the lanes, whose EP wait, all of it exposed,
+    # is comm.py's comm_ep_wait_s):
     ep_wait_s: float = 0.0  # time blocked in EP calls and waits, summed over the lanes (parallel/ep.py records it)
-    ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`exposed_ep_wait`); one lane:
-    #                            = ep_wait_s
-    lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (two lanes; 0 otherwise)
+    ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`exposed_ep_wait`)
+    lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once
 
     @property
     def bubble(self) -> float:
@@ -619,8 +620,11 @@ def pipeline_forward_backward(
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
                        split=split, timeline=timeline)
-    ep_waits: list[tuple[int, float, float]] = []
-    ep.record_waits(ep_waits)
+    # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does not:
+    # its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
+    ep_waits: list[tuple[int, float, float]] | None = [] if ep_lanes else None
+    if ep_lanes:
+        ep.record_waits(ep_waits)
     try:
         if ep_lanes and M > 1:  # a forward beside a backward, two lanes
             backward_group = dims.group("pp_backward")
@@ -635,22 +639,24 @@ def pipeline_forward_backward(
         else:
             _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
     finally:
-        ep.record_waits(None)
+        if ep_lanes:
+            ep.record_waits(None)
         run.close()
         comms.timeline = None
     assert not run.pending and not run.weights, f"microbatches {sorted(run.pending)} never ran their backward"
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
-    ep_wait = sum(t1 - t0 for _, t0, t1 in ep_waits)
-    exposed = exposed_ep_wait(run.spans, ep_waits)
+    ep_wait = exposed = overlap = 0.0
     if ep_lanes:
+        ep_wait = sum(t1 - t0 for _, t0, t1 in ep_waits)
+        exposed, overlap = exposed_ep_wait(run.spans, ep_waits), lanes_overlap(run.spans)
         # comm.py charges each lane's EP waits in full; what the other lane's compute hid is not a wait of the
         # step, so comm_ep_wait_s (metrics.jsonl) is brought to the exposed wait, the figure it means with one lane.
         comm.COMM.record("ep", 0, exposed - ep_wait, calls=0)
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
                      max_in_flight=run.max_in_flight, ep_wait_s=ep_wait, ep_exposed_s=exposed,
-                     lanes_overlap_s=lanes_overlap(run.spans))
+                     lanes_overlap_s=overlap)
 
 
 @torch.no_grad()
