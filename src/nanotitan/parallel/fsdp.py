@@ -24,6 +24,7 @@ accordingly. Between steps a rank holds 1/N of params, grads and state either wa
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -40,6 +41,7 @@ from .clip import clip_grad_norm_
 from .dims import ParallelDims
 from .dp import Reducer
 from .sync import GradSync, Pieces, adam_state
+from .zero import exchange_all_gather, exchange_reduce_scatter
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
@@ -75,31 +77,46 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     if AllGather is not None and comm.backend(group) in comm.SHARDED_AS_ALL_REDUCE:
         for module in model.modules():
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
-                module.set_custom_all_gather(_AllGatherByAllReduce())
-                module.set_custom_reduce_scatter(_ReduceScatterByAllReduce())
+                module.set_custom_all_gather(_AllGatherByExchange())
+                module.set_custom_reduce_scatter(_ReduceScatterByExchange())
     return unsharded
 
 
-# gloo's reduce-scatter and all-gather each cost about twice its all-reduce of the full buffer (comm.py,
-# SHARDED_AS_ALL_REDUCE), so on gloo FSDP2's two collectives run as all-reduces too. Exact: an all-gather sums
-# one rank's values with zeros; a reduce-scatter's slice of the all-reduced input is the same sum.
+# On gloo FSDP2's two collectives run as ZeRO-1/2's do there (zero.py): direct exchanges between the ranks, a
+# ring's bytes, where gloo's own reduce-scatter and all-gather cost about twice its all-reduce of the full buffer.
 if AllGather is not None:
-    class _AllGatherByAllReduce(AllGather):
+    class _AllGatherByExchange(AllGather):
         def allocate(self, size, *, dtype, device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            comm.fill_for_gather(output_tensor, input_tensor, group.rank())  # FSDP2 copies in: in place
-            return torch.distributed.all_reduce(output_tensor, group=group, async_op=async_op)
+            work = exchange_all_gather(output_tensor, input_tensor, group)  # FSDP2 copies in: in place
+            if not async_op:
+                work.wait()
+                return None
+            return _Work(work)
 
-    class _ReduceScatterByAllReduce(ReduceScatter):
+    class _ReduceScatterByExchange(ReduceScatter):
         def allocate(self, size, *, dtype, device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            torch.distributed.all_reduce(input_tensor, op=op, group=group)  # FSDP2 calls it blocking on CPU
-            output_tensor.view(-1).copy_(comm.own_slice(input_tensor, group.rank(), output_tensor.numel()))
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # AVG: the mean over the non-expert-DP mesh
+                raise RuntimeError(f"FSDP2 asked gloo for a {op} reduce-scatter; the exchange sums or averages")
+            exchange_reduce_scatter(output_tensor, input_tensor, group,
+                                    average=op == dist.ReduceOp.AVG).wait()  # FSDP2 calls it blocking on CPU
             return None
+
+    class _Work(dist.Work):
+        """A TimedWork as the c10d Work FSDP2 waits for (it checks the type)."""
+
+        def __init__(self, work):
+            super().__init__()
+            self.work = work
+
+        def wait(self, timeout=None) -> bool:
+            self.work.wait()
+            return True
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
