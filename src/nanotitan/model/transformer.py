@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), wgrad.tap(self.weight, self.wgrad_store), self.eps)
+        w = self.weight if self.wgrad_store is None else wgrad.tap(self.weight, self.wgrad_store)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

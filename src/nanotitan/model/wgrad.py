@@ -284,4 +284,6 @@ class Linear(nn.Linear):
     wgrad_store: WeightGradStore | None = None
 
     def forward(self, x):
+        if self.wgrad_store is None:  # nn.Linear's own path, with no extra Python call (every step makes dozens)
+            return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.wgrad_store)

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.autograd import profiler as _profiler  # _is_profiler_enabled: read per call, a module attribute
 from torch.profiler import record_function
 
 from . import emulate
@@ -88,8 +89,14 @@ def backend(group) -> str:
 
 def check_device(t: torch.Tensor, group=None) -> torch.Tensor:
     """Refuse a CPU tensor on a collective whose backend cannot take it (a GPU job's NCCL groups), naming it.
-    Only CPU tensors pay for the lookup (cached per group)."""
-    if t.is_cpu and not _group_entry(group)[2]:
+    Only CPU tensors pay for the lookup (cached per group; read here, not through `_group_entry`: a Python call
+    less on every collective of a CPU job)."""
+    if not t.is_cpu:
+        return t
+    hit = _BACKEND.get(id(group)) if group is not None else None
+    if hit is None or hit[0]() is not group:
+        hit = _group_entry(group)
+    if not hit[2]:
         raise RuntimeError(f"a CPU tensor {tuple(t.shape)} {t.dtype} reached a {backend(group)} collective: "
                            f"allocate it on the job's device (NCCL groups take CUDA tensors only)")
     return t
@@ -99,16 +106,12 @@ def _label(axis: str, op: str):
     """Names the call in profiler traces by axis, e.g. "EP all-to-all" (profiling.py sums time per label).
     Only while a profiler records: an unobserved record_function still costs a dispatcher op on enter and exit
     (~6 us), and a step of the default job makes dozens of calls on each of 8 ranks sharing 2 cores."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if _profiler._is_profiler_enabled:
         return record_function(f"{axis.upper()} {op}")
     return _NO_LABEL
 
 
 _NO_LABEL = contextlib.nullcontext()  # reusable: entering it does nothing
-
-
-def _profiling() -> bool:
-    return torch.autograd.profiler._is_profiler_enabled
 
 
 def _enter_label(axis: str, op: str):
@@ -130,7 +133,7 @@ class TimedWork:
 
     def wait(self):
         t0 = time.perf_counter()
-        label = _enter_label(self.axis, "wait") if _profiling() else None
+        label = _enter_label(self.axis, "wait") if _profiler._is_profiler_enabled else None
         try:
             self.work.wait()
             if self.done_by:
@@ -154,7 +157,7 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
     check_device(t, group)
     t0 = time.perf_counter()
     ticket = RECORD.enter(axis, "all-reduce", (t,), group)
-    label = _enter_label(axis, "all-reduce") if _profiling() else None
+    label = _enter_label(axis, "all-reduce") if _profiler._is_profiler_enabled else None
     try:
         work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
         done_by = 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
@@ -258,7 +261,7 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     inp = inp.contiguous()
     t0 = time.perf_counter()
     ticket = RECORD.enter(axis, "all-to-all", (inp,), group)
-    label = _enter_label(axis, "all-to-all") if _profiling() else None
+    label = _enter_label(axis, "all-to-all") if _profiler._is_profiler_enabled else None
     try:
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
         done_by = 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
@@ -306,7 +309,7 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
     t0 = time.perf_counter()
     peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
     ticket = RECORD.enter(axis, "send/recv", [op.tensor for op in ops], peers=peers)
-    label = _enter_label(axis, "send/recv") if _profiling() else None
+    label = _enter_label(axis, "send/recv") if _profiler._is_profiler_enabled else None
     try:
         works = dist.batch_isend_irecv(ops)
         if not async_op:

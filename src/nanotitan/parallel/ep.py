@@ -29,7 +29,6 @@ drops are the ones one process would make on the same microbatch.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -61,31 +60,22 @@ def record_waits(waits: list | None) -> None:
     _WAITS = waits
 
 
-class _Timed:
-    """The interval of one blocked EP call, appended to the recording it was entered under."""
-    __slots__ = ("t0", "waits")
-
-    def __init__(self, waits: list):
-        self.waits = waits
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.waits.append((int(in_backward()), self.t0, time.perf_counter()))  # list.append: atomic across lanes
-
-
-_NOT_RECORDING = nullcontext()  # reusable: the EP hot path allocates nothing when no step records waits
-
-
-def _blocked():
-    """Around a blocking EP call or a wait for an async one: the interval goes to the recording, if any."""
-    return _NOT_RECORDING if _WAITS is None else _Timed(_WAITS)
-
-
 def _wait(work) -> None:
-    with _blocked():
-        work.wait()
+    """Wait for an async EP call; the blocked interval goes to the recording, if any."""
+    waits, t0 = _WAITS, time.perf_counter()
+    work.wait()
+    if waits is not None:
+        waits.append((int(in_backward()), t0, time.perf_counter()))  # list.append: atomic across lanes
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, groups) -> None:
+    """A blocking EP all-to-all on the calling lane's group; the blocked interval goes to the recording, if any.
+    Timed inline, not by a context manager: the default job makes 20 of these per rank-step, and a context object
+    cost four more Python calls each (issue 27 item 8)."""
+    waits, t0 = _WAITS, time.perf_counter()
+    comm.all_to_all_single(out, inp, out_splits, in_splits, group=lane_group(groups), axis="ep")
+    if waits is not None:
+        waits.append((int(in_backward()), t0, time.perf_counter()))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -100,17 +90,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], groups):
         ctx.out_splits, ctx.in_splits, ctx.groups = out_splits, in_splits, groups
         out_RD = x_ND.new_empty(sum(out_splits), x_ND.shape[1])
-        with _blocked():
-            comm.all_to_all_single(out_RD, x_ND, out_splits, in_splits, group=lane_group(groups), axis="ep")
+        _all_to_all(out_RD, x_ND, out_splits, in_splits, groups)
         return out_RD
 
     @staticmethod
     def backward(ctx, grad_RD):
         grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
         # gloo needs contiguous buffers; comm.all_to_all_single makes the input contiguous.
-        with _blocked():
-            comm.all_to_all_single(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, group=lane_group(ctx.groups),
-                                   axis="ep")
+        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.groups)
         return grad_ND, None, None, None
 
 
@@ -336,8 +323,7 @@ class EPDispatcher:
         if self.ep_size == 1:
             return send_PL
         recv_PL = torch.empty_like(send_PL)
-        with _blocked():
-            comm.all_to_all_single(recv_PL, send_PL, group=self.group, axis="ep")  # row p goes to rank p
+        _all_to_all(recv_PL, send_PL, None, None, self.groups)  # row p goes to rank p
         return recv_PL
 
     def _a2a(self, x_ND, out_splits, in_splits):

@@ -82,11 +82,6 @@ def context(label: str):
         _context = old
 
 
-def _set_context(label: str) -> None:
-    global _context
-    _context = label
-
-
 def label_layers(model: torch.nn.Module) -> None:
     """Hooks that name the layer of every collective issued inside a transformer block: a forward pre-hook
     sets "layer i"; a gradient hook on the block's output sets it again when backward reaches that block.
@@ -96,12 +91,21 @@ def label_layers(model: torch.nn.Module) -> None:
         return
     for key, block in layers.items():
         label = f"layer {key}"
-        block.register_forward_pre_hook(lambda m, args, label=label: _set_context(label))
 
-        def on_output(m, args, out, label=label):
+        # Each hook sets the module variable itself (a helper call in each cost more than the assignment).
+        def on_input(m, args, label=label):
+            global _context
+            _context = label
+
+        def on_grad(g, label=label):
+            global _context
+            _context = label
+
+        def on_output(m, args, out, on_grad=on_grad):  # bound now: the loop rebinds on_grad
             x = out[0] if isinstance(out, tuple) else out
             if torch.is_tensor(x) and x.requires_grad:
-                x.register_hook(lambda g, label=label: _set_context(label))
+                x.register_hook(on_grad)
+        block.register_forward_pre_hook(on_input)
         block.register_forward_hook(on_output)
 
 
