@@ -276,18 +276,23 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
     finally:
         for k, f in plain.items():
             setattr(comm, k, f)
+    out["pp4"] = _pp4_cases(rank)
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_lanes_under_a_pipeline_overlap_bitwise():
     """PP2·EP2, M = 4, capacity and router bias on, 1f1b without and zb1 with activation checkpointing: the two-lane
     step's gradients, losses and router counts equal the schedule's own step bit for bit; the forwards ran on the
     lane's thread and a stage's F(w+j) (the last stage's F(j+1)) really ran beside its B(j); each lane's P2P went
     on its own PP group (the backward lane's on "pp_backward"); no stage held more than `in_flight(lanes=True)`;
-    zb1's later stage still ran its W's."""
-    results = run_ranks(_pp_lanes_rank, world=4, timeout=230)
+    zb1's later stage still ran its W's. Then PP4 on the same processes (no EP), 1f1b with M = 3 < PP (no steady
+    phase on the first stages) and zb1 with M = 8 (three stages defer W's): neighbours' sends and receives match at
+    every phase boundary (no hang) and every stage's gradients are bitwise the schedule's own."""
+    results = run_ranks(_pp_lanes_rank, world=4, timeout=290)
     for rank, res in enumerate(results):
+        for case, (same, held) in res.pop("pp4").items():
+            assert same and held, f"PP4 rank {rank} {case}: same gradients {same}, within in_flight {held}"
         overlapping = 0
         for (schedule, ac), r in res.items():
             name = f"rank {rank} {schedule} activation checkpointing {ac}"
@@ -304,3 +309,22 @@ def test_lanes_under_a_pipeline_overlap_bitwise():
             overlapping += r["pairs_overlapping"] > 0 and r["two_overlap"] > 0.0
         # timing decides each single pair; over two steps, every stage ran a forward beside a backward
         assert overlapping >= 1, f"rank {rank}: no F(w+j) overlapped B(j) in any case: {res}"
+
+
+def _pp4_cases(rank: int) -> dict:
+    """PP4 on the same 4 processes (no EP: the P2P pattern alone): the lanes' step against the schedule's own."""
+    dims = ParallelDims(1, 4, 1, rank=rank).build_groups(timeout_s=60).build_backward_ep_groups(timeout_s=60)
+    out = {}
+    for schedule, n in (("1f1b", 3), ("zb1", 8)):
+        cfg = _pp_cfg(schedule)
+        cfg.parallel.pp, cfg.parallel.ep = 4, 1
+        model = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+        g = torch.Generator().manual_seed(5)
+        xs = [torch.randint(0, VOCAB, (M_SEQ, SEQ), generator=g) for _ in range(n)]
+        ys = [(3 * x + 1) % VOCAB for x in xs]
+        one, g_one = _pp_step(model, dims, xs, ys, schedule, lanes=False)
+        two, g_two = _pp_step(model, dims, xs, ys, schedule, lanes=True)
+        out[schedule, n] = (all(torch.equal(g_one[k], g_two[k]) for k in g_one),
+                            two.max_in_flight <= in_flight(schedule, 4, dims.pp_rank, n, lanes=True))
+    return out
+
