@@ -5,6 +5,9 @@ measured side by side and against the planner.
                             [--microbatches 1] [--steps 12] [--window 4 12] [--repeats 2]
                             [--topology configs/emulate/h100-100g.json:1 none] [--out FILE] [overrides ...]
 
+`--interleaved N` instead runs off and lanes alternating step by step in one launch per topology (N steps each,
+forwards and backwards only): what the machine's load moves, it moves for both, and each step's process CPU time
+is reported beside its wall time.
 Modes: off; `--chunks N ...`: parallel.ep_overlap with N groups of experts per trip (within one layer call);
 `--lanes`: parallel.ep_overlap_microbatches (one microbatch's forward beside another's backward; needs
 --microbatches >= 2). For each topology (PROFILE[:RANKS_PER_NODE] as `bench emulate`, or "none": no emulation),
@@ -77,7 +80,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hardware", default="cpu-gloo", help="profile pricing compute in the predictions (auto: detect)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="", help="also write the table (markdown) there")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="N",
+                    help="instead: off and lanes alternating step by step, N steps each, in one launch per topology")
     args, overrides = ap.parse_known_args(argv)
+    if args.interleaved:
+        cfg = resolve_model(load_config(args.config, overrides))
+        text = "\n".join(interleaved(cfg, args.pp, args.ep, args.schedule, args.microbatches, args.micro_batch,
+                                      args.interleaved, topo, args.timeout) for topo in args.topology)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
     if args.lanes and args.microbatches < 2:
         ap.error("--lanes runs a forward beside another microbatch's backward: --microbatches 2 or more")
 
@@ -145,3 +158,87 @@ def main(argv: list[str]) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+# --- `--interleaved N`: off and lanes step by step in one launch (what load moves, it moves for both) -----------------
+def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int,
+                      dilation: float) -> list[dict]:
+    """One rank of `interleaved`: the stage (no DP, no optimizer: forwards and backwards only), stepped alternately
+    without and with the lanes on the same model and batches; per step the wall time, this process's CPU time (all
+    its threads, gloo's included) and the exposed EP wait (off: comm.py's EP wait; lanes: StepStats.ep_exposed_s)."""
+    import time
+
+    import torch
+
+    from ..model.spec import build_shard_spec
+    from ..model.transformer import Transformer
+    from ..parallel import comm
+    from ..parallel.dims import ParallelDims
+    from ..parallel.ep import apply_ep
+    from ..parallel.pp import pipeline_forward_backward
+    from ..parallel.pp_comms import StageComms
+
+    torch.set_num_threads(1)
+    cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.schedule = pp, ep, schedule
+    if cfg.parallel.emulate:
+        cfg.parallel.emulate_dilation = dilation
+        emulate.install(emulate.link_model(cfg, rank))
+    dims = ParallelDims(1, pp, ep, rank=rank).build_groups(timeout_s=600).build_backward_ep_groups(timeout_s=600)
+    model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank), cfg.train.seed), dims,
+                     lanes=True)
+    g = torch.Generator().manual_seed(1 + dims.ep_rank)
+    S, V, D = cfg.train.seq_len, cfg.model.vocab_size, cfg.model.d_model
+    xs = [torch.randint(0, V, (m, S), generator=g) for _ in range(M)]
+    comms = StageComms(dims, (m, S, D), torch.float32, "cpu")
+    rows = []
+    for step in range(2 * steps):
+        lanes = step % 2 == 1
+        comm.COMM.reset()
+        t0, c0 = time.perf_counter(), time.process_time()
+        st = pipeline_forward_backward(model, dims, xs, xs, comms=comms, schedule=schedule, aux_weight=0.01,
+                                       loss_scale=1.0 / M, before_backward=None, ep_lanes=lanes)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        model.zero_grad(set_to_none=True)
+        rows.append({"lanes": lanes, "step_s": wall, "cpu_s": cpu,
+                     "ep_exposed_s": comm.COMM.wait_s["ep"], "overlap_s": st.lanes_overlap_s})
+    emulate.install(None)
+    return rows
+
+
+def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int, topology: str,
+                timeout: float) -> str:
+    """Off and lanes alternating step by step in one launch of pp*ep ranks; a markdown table of min / median over
+    the steps after the first pair: the slowest rank's wall per step, the CPU time summed over ranks, rank 0's
+    exposed EP wait."""
+    import statistics
+
+    from ..spawn import run_ranks
+
+    cfg = copy.deepcopy(cfg)
+    dilation, title = 0.0, "this machine, no emulation"
+    if topology != "none":
+        prof, node = parse_topology(topology)
+        cfg.parallel.emulate, cfg.parallel.emulate_node_size = prof, node
+        links = emulate.link_model(cfg)
+        dilation, title = links.dilation, links.describe()
+    per_rank = run_ranks(_interleaved_rank, pp * ep, args=(cfg, pp, ep, schedule, M, m, steps, dilation),
+                         timeout=timeout, pg_timeout=timeout)
+    lines = [f"### {title}: PP{pp}·EP{ep} {schedule}, M={M}, m={m}, {steps} steps each, alternating", "",
+             "| mode | step ms min / med | CPU s per step (all ranks) min / med | exposed EP wait ms min / med | "
+             "F/B overlap ms med |", "|---|---:|---:|---:|---:|"]
+    med = {}
+    for lanes in (False, True):
+        idx = [i for i, r in enumerate(per_rank[0]) if r["lanes"] == lanes][1:]  # the first of each: warm-up
+        step = [max(rows[i]["step_s"] for rows in per_rank) for i in idx]
+        cpu = [sum(rows[i]["cpu_s"] for rows in per_rank) for i in idx]
+        wait = [per_rank[0][i]["ep_exposed_s"] for i in idx]
+        over = [per_rank[0][i]["overlap_s"] for i in idx]
+        med[lanes] = (min(step), statistics.median(step), min(cpu), statistics.median(cpu), min(wait),
+                      statistics.median(wait))
+        lines.append(f"| {'lanes' if lanes else 'off'} | {min(step) * 1e3:.0f} / {statistics.median(step) * 1e3:.0f}"
+                     f" | {min(cpu):.2f} / {statistics.median(cpu):.2f} | {min(wait) * 1e3:.0f} / "
+                     f"{statistics.median(wait) * 1e3:.0f} | {statistics.median(over) * 1e3:.0f} |")
+    r = [a / max(b, 1e-12) for a, b in zip(med[True], med[False])]
+    lines += ["", f"lanes ÷ off: step {r[0]:.3f} (min) / {r[1]:.3f} (med), CPU {r[2]:.3f} / {r[3]:.3f}, exposed EP "
+              f"wait {r[4]:.3f} / {r[5]:.3f}", ""]
+    return "\n".join(lines)
