@@ -4,7 +4,8 @@
 # time per step between its step-20 and step-(N-10) records is stamped by one poller, and printed as a ratio to
 # the first tree's, with the job's CPU per step over the same records (every thread of its ranks and launcher, from
 # /proc: less noisy than wall, which a shared machine's other work moves). Used for issue 27 item 8
-# (docs/results.md): HEAD beside commit 050fcbc.
+# (docs/results.md): HEAD beside commit 050fcbc. The CPU is also split: ranks' main threads, their other threads
+# (gloo's, the stall record's heartbeat), the launcher.
 #
 #   git worktree add /tmp/old 050fcbc
 #   benchmarks/side_by_side.sh TAG 130 old=/tmp/old head=$PWD          # EXTRA="--parallel.dp 2 ..." for a layout
@@ -32,17 +33,25 @@ cpu = {v: {} for v in names}
 tick = os.sysconf("SC_CLK_TCK")
 
 
-def job_cpu(v: str) -> float:
-    """CPU seconds (user + system, every thread) of the job's processes so far: the ranks and their launcher."""
-    mark, total = f"/tmp/sbs_{v}_{tag}\0".encode(), 0  # the --run.dir argument, whole
+def job_cpu(v: str) -> tuple[float, float, float]:
+    """CPU seconds (user + system) of the job's processes so far: (all, the ranks' main threads, the ranks' other
+    threads: gloo's, the stall record's heartbeat); the rest is the launcher (torchrun's agent)."""
+    mark, total, main, other = f"/tmp/sbs_{v}_{tag}\0".encode(), 0, 0, 0  # the --run.dir argument, whole
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if mark in open(f"/proc/{pid}/cmdline", "rb").read():
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # utime, stime
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if mark not in cmd:
+                continue
+            rank = b"-m\0nanotitan.cli\0" in cmd  # a rank; the launcher runs `python -c ...`
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+                t = int(fields[11]) + int(fields[12])  # utime, stime
+                total += t
+                if rank:
+                    main, other = (main + t, other) if tid == pid else (main, other + t)
         except OSError:
             pass
-    return total / tick
+    return total / tick, main / tick, other / tick
 
 
 deadline = time.time() + 1200
@@ -64,8 +73,11 @@ missing = [v for v in names if hi not in stamps[v] or lo not in stamps[v]]
 if missing:
     sys.exit(f"{tag}: no step-{lo}/{hi} records from {', '.join(missing)} (see /tmp/sbs_NAME_{tag}.log)")
 w = {v: (s[hi] - s[lo]) / (hi - lo) for v, s in stamps.items()}
-c = {v: (s[hi] - s[lo]) / (hi - lo) for v, s in cpu.items()}
+c, cm, co = ({v: (s[hi][k] - s[lo][k]) / (hi - lo) for v, s in cpu.items()} for k in range(3))
 print(tag, f"steps {lo}-{hi}:", "  ".join(f"{v} {w[v] * 1e3:.1f} ms ({w[v] / w[names[0]]:.3f}x)" for v in names),
-      "| job CPU per step:", "  ".join(f"{v} {c[v] * 1e3:.0f} ms ({c[v] / c[names[0]]:.3f}x)" for v in names))
+      "| job CPU per step:", "  ".join(f"{v} {c[v] * 1e3:.0f} ms ({c[v] / c[names[0]]:.3f}x)" for v in names),
+      "| ranks' main threads:", "  ".join(f"{v} {cm[v] * 1e3:.0f} ({cm[v] / cm[names[0]]:.3f}x)" for v in names),
+      "| other threads:", "  ".join(f"{v} {co[v] * 1e3:.0f}" for v in names),
+      "| launcher:", "  ".join(f"{v} {(c[v] - cm[v] - co[v]) * 1e3:.1f}" for v in names))
 PY
 wait
