@@ -105,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"modes for --zero, comma-separated (default all: {','.join(ZERO_MODES)})")
     ap.add_argument("--ckpt", action="store_true",
                     help="--zero: also save and load a checkpoint of each mode (seconds per GiB of state, peak bytes)")
+    ap.add_argument("--collectives", type=float, default=0.0, metavar="MB",
+                    help="instead: gloo's all-reduce, reduce-scatter and all-gather of an MB buffer at 2 ranks, native, "
+                         "as all-reduces and as ZeRO's direct exchanges (wall and process CPU per call)")
     ap.add_argument("--microbatches", type=int, default=1,
                     help="--zero: microbatches per step, the same 8 sequences per rank split M ways (default 1)")
     args = ap.parse_args(argv)
+    if args.collectives:
+        return collectives_main(args.collectives)
     if args.zero:
         return zero_main(args)
     modes = [("single", args.bucket_mb), ("reducer", args.bucket_mb), ("ddp", args.bucket_mb),
@@ -317,4 +322,47 @@ def zero_main(args) -> int:
             print(f"{world:>3} {mode:<12}{gib:>10.3f}{save_s:>8.2f}{load_s:>8.2f}"
                   f"{save_s / gib:>11.1f}{load_s / gib:>11.1f}"
                   f"{max(r['save_ratio'] for r in rows):>16.3f}{max(r['load_ratio'] for r in rows):>16.3f}")
+    return 0
+
+
+# --- ZeRO's collectives on gloo, raw (nanotitan bench dp --collectives MB) --------------------------------------
+
+def _collectives_worker(rank: int, world: int, mb: float, reps: int = 8):
+    from ..parallel import comm
+    from ..parallel.zero import exchange_all_gather, exchange_reduce_scatter
+
+    group = dist.group.WORLD
+    n = int(mb * 2**20 / 4) // (16 * world) * 16 * world
+    S = n // world
+    full, shard = torch.randn(n), torch.randn(S)
+    calls = {
+        "all-reduce (zero 0)": lambda: comm.all_reduce(full, group, async_op=True).wait(),
+        "reduce-scatter, gloo's own": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+        "all-gather, gloo's own": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+        "all-gather as all-reduce": lambda: (comm.fill_for_gather(full, shard, rank),
+                                             comm.all_reduce(full, group, async_op=True).wait()),
+        "reduce-scatter, exchange": lambda: exchange_reduce_scatter(comm.own_slice(full, rank, S), full, group).wait(),
+        "all-gather, exchange": lambda: exchange_all_gather(full, comm.own_slice(full, rank, S), group).wait(),
+    }
+    out = {}
+    for name, fn in list(calls.items()) * 2:  # the second pass is the one kept (warm)
+        wall, cpu = [], []
+        for _ in range(reps):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[name] = (statistics.median(wall), statistics.median(cpu))
+    return out
+
+
+def collectives_main(mb: float) -> int:
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    out = run_ranks(_collectives_worker, 2, (mb,), timeout=900, pg_timeout=300)
+    print(f"2 gloo ranks, {mb:g} MB fp32 buffer, median of 8 calls; rank 0's wall and process CPU (all threads)")
+    print(f"{'call':<30}{'wall ms':>10}{'cpu ms':>10}")
+    for name, (w, c) in out[0].items():
+        print(f"{name:<30}{w * 1e3:>10.1f}{c * 1e3:>10.1f}")
     return 0

@@ -424,9 +424,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage = 0.0, 0.0, [], []
     mean_bwd = sum(t_bwd) / pp
     red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
-    # A reduce-scatter or all-gather is half a ring all-reduce (NCCL); a CPU profile runs gloo, where ZeRO runs each
-    # as a whole all-reduce (comm.SHARDED_AS_ALL_REDUCE: gloo's own cost twice that).
-    half = _ring_allreduce_s if hw.cores_per_node else _ring_half_s
+    # A reduce-scatter or all-gather is half a ring all-reduce: NCCL's own, and on gloo (a CPU profile) ZeRO's direct
+    # send/recv exchanges (zero.exchange_reduce_scatter / exchange_all_gather), which move a ring's bytes.
+    half = _ring_half_s
     sync = half if zero else _ring_allreduce_s
     for s, st in enumerate(stages):
         t_ar = (sync(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
