@@ -35,9 +35,9 @@ def _batches(rank: int):
     return xs, [(3 * x + 1) % VOCAB for x in xs]
 
 
-def _step(model, dims, xs, ys, lanes: bool, timeline=None):
+def _step(model, dims, xs, ys, lanes: bool, timeline=None, schedule: str = "1f1b"):
     comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
-    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
+    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=0.3,
                                       loss_scale=1.0 / len(xs), before_backward=None, timeline=timeline,
                                       ep_lanes=lanes)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -201,16 +201,6 @@ def _pp_cfg(schedule: str) -> Config:
     return Config(model=model, parallel=ParallelConfig(pp=2, ep=2, microbatches=M, schedule=schedule))
 
 
-def _pp_step(model, dims, xs, ys, schedule: str, lanes: bool, timeline=None):
-    comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
-    stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=0.3,
-                                      loss_scale=1.0 / len(xs), before_backward=None, timeline=timeline,
-                                      ep_lanes=lanes)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return stats, grads
-
-
 def _pp_lanes_rank(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     dims = ParallelDims(1, 2, 2, rank=rank).build_groups(timeout_s=60).build_backward_ep_groups(timeout_s=60)
@@ -244,13 +234,13 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
                              dims, lanes=True)
             model.activation_checkpointing = ac
             xs, ys = _batches(dims.ep_rank)
-            one, g_one = _pp_step(model, dims, xs, ys, schedule, lanes=False)
+            one, g_one = _step(model, dims, xs, ys, lanes=False, schedule=schedule)
             load_one = {k: v.clone() for k, v in model.step_load.items()}
             model.step_load.clear()
             p2p.clear()
             a2a.clear()
             timeline = []
-            two, g_two = _pp_step(model, dims, xs, ys, schedule, lanes=True, timeline=timeline)
+            two, g_two = _step(model, dims, xs, ys, lanes=True, timeline=timeline, schedule=schedule)
             spans = {(k, i): (t0, t1) for k, _, i, t0, t1 in timeline if k != "wait"}
             w = pp_warmup("1f1b", 2, dims.pp_rank, M)
             pair = 1 if dims.is_pp_last_stage else w  # F(j + pair) is meant to run beside B(j)
@@ -322,8 +312,8 @@ def _pp4_cases(rank: int) -> dict:
         g = torch.Generator().manual_seed(5)
         xs = [torch.randint(0, VOCAB, (M_SEQ, SEQ), generator=g) for _ in range(n)]
         ys = [(3 * x + 1) % VOCAB for x in xs]
-        one, g_one = _pp_step(model, dims, xs, ys, schedule, lanes=False)
-        two, g_two = _pp_step(model, dims, xs, ys, schedule, lanes=True)
+        one, g_one = _step(model, dims, xs, ys, lanes=False, schedule=schedule)
+        two, g_two = _step(model, dims, xs, ys, lanes=True, schedule=schedule)
         out[schedule, n] = (all(torch.equal(g_one[k], g_two[k]) for k in g_one),
                             two.max_in_flight <= in_flight(schedule, 4, dims.pp_rank, n, lanes=True))
     return out
