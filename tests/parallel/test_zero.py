@@ -60,13 +60,6 @@ def _full_buffers(rb: ShardedReducer) -> int:
     return sum(b.flat is not None for b in rb.buckets) + len(rb._in_flight)
 
 
-def _calls_per_collective(world: int) -> int:
-    """dp calls that one of ZeRO's reduce-scatters records: on gloo a direct exchange (a send and a receive per
-    peer, zero.exchange_reduce_scatter), else the backend's own collective."""
-    from nanotitan.parallel import comm
-    return 2 * (world - 1) if "gloo" in comm.SHARDED_AS_ALL_REDUCE else 1
-
-
 def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
     group = dist.group.WORLD
     name = f"{kind} zero={zero} {accumulate} bucket={bucket_mb} M={M} clip={max_norm} world={world}"
@@ -78,7 +71,6 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
     oa, ob, oc = _adamw(_decay_groups(a)), _adamw(rb.param_groups(WD)), _adamw(_decay_groups(c))
     assert [len(g["params"]) for g in ob.param_groups] == [sum(x.decay for x in rb.buckets),
                                                            sum(not x.decay for x in rb.buckets)]
-    per = _calls_per_collective(world)
     most_buffers = []  # every=True: full buffers alive, sampled as each param's gradient lands
     for q in b.parameters():
         q.register_post_accumulate_grad_hook(lambda q: most_buffers.append(_full_buffers(rb)))
@@ -90,11 +82,12 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
             rb.prepare(sync=mb == M - 1)
             _loss(b, kind, rank, step, mb, M).backward()
             if every and kind == "transformer":  # every param got a grad: every bucket launched in each backward
-                assert COMM.calls["dp"] == len(rb.buckets) * per, f"{name}: microbatch {mb}"
+                # one dp call per reduce-scatter, on gloo too (a direct exchange: comm.SHARDED_BY_EXCHANGE)
+                assert COMM.calls["dp"] == len(rb.buckets), f"{name}: microbatch {mb}"
             elif not every and mb < M - 1:
                 assert COMM.calls["dp"] == 0, f"{name}: dp communication before the final microbatch"
             elif kind == "transformer":
-                assert COMM.calls["dp"] == len(rb.buckets) * per, name
+                assert COMM.calls["dp"] == len(rb.buckets), name
         ra.finish()
         rb.finish()
         if every and kind == "transformer":
@@ -447,13 +440,13 @@ def test_zero1_param_gather_overlaps_the_next_forward():
 
 def _native_vs_exchange_ranks(rank, world):
     """The same cases with gloo's own reduce-scatter / all-gather (what NCCL runs) and as direct exchanges (what
-    gloo runs by default, comm.SHARDED_AS_ALL_REDUCE; zero.exchange_reduce_scatter / exchange_all_gather); each is
+    gloo runs by default, comm.SHARDED_BY_EXCHANGE: comm._exchange_reduce_scatter / _exchange_all_gather); each is
     checked against the Reducer inside _one_case and _fsdp_vs_reducer (zero 3: FSDP2 with and without the custom
     comms)."""
     from nanotitan.parallel import comm
     out = {}
     for native in (True, False):
-        comm.SHARDED_AS_ALL_REDUCE = () if native else ("gloo",)
+        comm.SHARDED_BY_EXCHANGE = () if native else ("gloo",)
         out[native] = [_one_case(rank, world, *case) for case in CASES[:3]]
         _fsdp_vs_reducer(rank, world, 2, 1, 0.0, "shard", "always")
     return out

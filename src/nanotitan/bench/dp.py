@@ -327,9 +327,18 @@ def zero_main(args) -> int:
 
 # --- ZeRO's collectives on gloo, raw (nanotitan bench dp --collectives MB) --------------------------------------
 
+def _fill_for_gather(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
+    """The old gloo path, kept here only as the comparison row: an all-gather as a SUM all-reduce of `out` holding
+    `inp` in this rank's slice and zeros in the others' (x + 0 is x, exactly)."""
+    from ..parallel.comm import own_slice
+    n, flat = inp.numel(), out.view(-1)
+    flat[:rank * n].zero_()
+    flat[(rank + 1) * n:].zero_()
+    own_slice(flat, rank, n).copy_(inp.view(-1))
+
+
 def _collectives_worker(rank: int, world: int, mb: float, reps: int = 8):
     from ..parallel import comm
-    from ..parallel.zero import exchange_all_gather, exchange_reduce_scatter
 
     group = dist.group.WORLD
     n = int(mb * 2**20 / 4) // (16 * world) * 16 * world
@@ -339,10 +348,10 @@ def _collectives_worker(rank: int, world: int, mb: float, reps: int = 8):
         "all-reduce (zero 0)": lambda: comm.all_reduce(full, group, async_op=True).wait(),
         "reduce-scatter, gloo's own": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
         "all-gather, gloo's own": lambda: dist.all_gather_into_tensor(full, shard, group=group),
-        "all-gather as all-reduce": lambda: (comm.fill_for_gather(full, shard, rank),
+        "all-gather as all-reduce": lambda: (_fill_for_gather(full, shard, rank),
                                              comm.all_reduce(full, group, async_op=True).wait()),
-        "reduce-scatter, exchange": lambda: exchange_reduce_scatter(comm.own_slice(full, rank, S), full, group).wait(),
-        "all-gather, exchange": lambda: exchange_all_gather(full, comm.own_slice(full, rank, S), group).wait(),
+        "reduce-scatter, exchange": lambda: comm.reduce_scatter(comm.own_slice(full, rank, S), full, group).wait(),
+        "all-gather, exchange": lambda: comm.all_gather(full, comm.own_slice(full, rank, S), group).wait(),
     }
     out = {}
     for name, fn in list(calls.items()) * 2:  # the second pass is the one kept (warm)

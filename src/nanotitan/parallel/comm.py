@@ -175,68 +175,102 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
     return TimedWork(work, axis, ticket, done_by) if async_op else None
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
-    """Async SUM reduce-scatter of `inp` into `out` (1/N of it) over `group` (ZeRO-1/2 gradients). On gloo, `inp`
-    is all-reduced in place instead (see SHARDED_AS_ALL_REDUCE) and this rank's slice lands in `out`."""
-    return _async_sharded("reduce-scatter", _REDUCE_SCATTER, out, inp, inp, group, axis)
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp", average: bool = False) -> TimedWork:
+    """Async SUM reduce-scatter of the flat `inp` (N slices) into `out` (this rank's slice's size; it may be that
+    slice of `inp` itself: in place) over `group` (ZeRO gradients); `average` divides the sum by N (ReduceOp.AVG).
+    On the backends SHARDED_BY_EXCHANGE names, a direct exchange between the ranks (`_exchange_reduce_scatter`)."""
+    return _async_sharded("reduce-scatter", out, inp, inp, group, axis, average)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> TimedWork:
-    """Async all-gather of every rank's `inp` into `out` (N times its size) over `group` (ZeRO-1/2 params). On
-    gloo, `out` holds `inp` in this rank's slice and zeros elsewhere, and is all-reduced: x + 0 is x, exactly."""
-    return _async_sharded("all-gather", _ALL_GATHER, out, inp, out, group, axis)
+    """Async all-gather of every rank's `inp` into the flat `out` (N times its size; `inp` may be this rank's slice
+    of it: in place) over `group` (ZeRO params). On the backends SHARDED_BY_EXCHANGE names, a direct exchange
+    between the ranks (`_exchange_all_gather`)."""
+    return _async_sharded("all-gather", out, inp, out, group, axis, False)
 
 
-# gloo's reduce-scatter and all-gather each cost about twice its (ring) all-reduce of the full buffer (2 ranks,
-# 4-32 MiB, this host: all-reduce 34-38 ms, reduce-scatter 63-78, all-gather 67-70), where a ring does each in
-# half an all-reduce's bytes. So on gloo both run as an all-reduce of the full buffer; NCCL keeps the real ones.
-# (tests/parallel/test_zero.py empties it in its ranks so that gloo also runs the collectives NCCL runs.)
-SHARDED_AS_ALL_REDUCE = ("gloo",)
+# Backends on which reduce_scatter and all_gather run as direct send/recv exchanges between the ranks of the
+# group: gloo's own reduce-scatter and all-gather each cost about twice its (ring) all-reduce of the full buffer
+# (2 ranks, 4-32 MiB, this host: all-reduce 34-38 ms, reduce-scatter 63-78, all-gather 67-70), where a ring moves
+# half an all-reduce's bytes, and so do the exchanges. NCCL keeps its own collectives. (tests/parallel/test_zero.py
+# empties it in its ranks so that gloo also runs the collectives NCCL runs.)
+SHARDED_BY_EXCHANGE = ("gloo",)
 
 
-def _async_sharded(op: str, fn, out: torch.Tensor, inp: torch.Tensor, full: torch.Tensor, group,
-                   axis: str) -> TimedWork:
-    """Launch fn(out, inp) asynchronously; `full` (the unsharded side) is what is checked, recorded and counted."""
+def _async_sharded(op: str, out: torch.Tensor, inp: torch.Tensor, full: torch.Tensor, group, axis: str,
+                   average: bool) -> TimedWork:
+    """Launch `op` asynchronously; `full` (the unsharded side) is what is checked, recorded and counted, and the
+    emulated link (if any) models the collective, whichever way it runs here."""
     check_device(full, group)
     t0 = time.perf_counter()
     then = None
     with _label(axis, op), RECORD.call(axis, op, (full,), group, done=False) as ticket:
-        if backend(group) in SHARDED_AS_ALL_REDUCE:
-            then = _sharded_by_all_reduce(op, out, inp, group)
-            work = dist.all_reduce(full, group=group, async_op=True)
+        if backend(group) in SHARDED_BY_EXCHANGE:
+            exchange = _exchange_reduce_scatter if op == "reduce-scatter" else _exchange_all_gather
+            work, then = exchange(out, inp, group, average)
+        elif op == "reduce-scatter":
+            work = _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group,
+                                   async_op=True)
         else:
-            work = fn(out, inp, group=group, async_op=True)
+            work = _ALL_GATHER(out, inp, group=group, async_op=True)
     COMM.record(axis, _nbytes(full), time.perf_counter() - t0)
     return TimedWork(work, axis, ticket, emulate.collective(t0, axis, op, _nbytes(full), group), then)
 
 
-def _sharded_by_all_reduce(op: str, out: torch.Tensor, inp: torch.Tensor, group):
-    """Prepare an all-reduce of the full side that does `op`; returns what to run once it lands (or None).
-    reduce-scatter: `inp` is summed in place (callers hand it over: it is the bucket being reduced), then this
-    rank's slice is copied to `out` unless `out` is that slice already. all-gather: `fill_for_gather`."""
-    r = dist.get_rank(group)
-    if op == "all-gather":
-        fill_for_gather(out, inp, r)
-        return None
-    mine = own_slice(inp, r, out.numel())
-    same = mine.data_ptr() == out.data_ptr() and out.is_contiguous()
-    return None if same else (lambda: out.view(-1).copy_(mine))
+def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, average: bool):
+    """(Work, what to run once it lands) of a SUM reduce-scatter by direct exchange: each rank sends every peer that
+    peer's slice of `inp` and receives its own slice from every peer into a scratch buffer; when it lands the
+    peers' parts are added into this rank's slice of `inp` in rank order, then copied to `out` unless `out` is
+    that slice (in place); `average` divides the sum by N (as gloo's AVG). Each rank sends and receives (N-1)·S
+    elements, a ring reduce-scatter's. At N = 2 the sum has two terms: the same bits as any other reduce-scatter.
+    Scratch: (N-1)·S elements until the wait (none at N = 2 with `out` apart from `inp`: the peer's part is
+    received into `out`)."""
+    N, r = dist.get_world_size(group), dist.get_rank(group)
+    flat = inp.view(-1)
+    S = flat.numel() // N
+    mine = own_slice(flat, r, S)
+    into_out = N == 2 and out.data_ptr() != mine.data_ptr()  # the peer's part lands in `out`: no scratch, no copy
+    scratch = out.view(-1) if into_out else flat.new_empty((N - 1) * S)
+    ops = []
+    for i, p in enumerate(q for q in range(N) if q != r):
+        ops.append(dist.P2POp(dist.isend, own_slice(flat, p, S), group=group, group_peer=p))
+        ops.append(dist.P2POp(dist.irecv, scratch[i * S:(i + 1) * S], group=group, group_peer=p))
+
+    def land() -> None:
+        if into_out:
+            scratch.add_(mine)  # peer + mine: two terms, the same bits as mine + peer
+        else:
+            for i in range(N - 1):
+                mine.add_(scratch[i * S:(i + 1) * S])
+            if out.data_ptr() != mine.data_ptr():
+                out.view(-1).copy_(mine)
+        if average:
+            out.div_(N)
+
+    return _AllOf(dist.batch_isend_irecv(ops)), land
+
+
+def _exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group, average: bool = False):
+    """(Work, None) of an all-gather by direct exchange: this rank's slice of the flat `out` is `inp` (copied there
+    unless it is that slice already: in place), sent to every peer, and each peer's slice is received straight
+    into `out`. (N-1)·S elements each way per rank, a ring's; nothing zeroed, nothing added, a copy of the bits."""
+    N, r = dist.get_world_size(group), dist.get_rank(group)
+    flat = out.view(-1)
+    S = inp.numel()
+    mine = own_slice(flat, r, S)
+    if mine.data_ptr() != inp.data_ptr():
+        mine.copy_(inp.view(-1))
+    ops = []
+    for p in range(N):
+        if p != r:
+            ops.append(dist.P2POp(dist.isend, mine, group=group, group_peer=p))
+            ops.append(dist.P2POp(dist.irecv, own_slice(flat, p, S), group=group, group_peer=p))
+    return _AllOf(dist.batch_isend_irecv(ops)), None
 
 
 def own_slice(full: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     """Rank `rank`'s slice of n elements of the flat `full` (a view)."""
     return full.view(-1)[rank * n:(rank + 1) * n]
-
-
-def fill_for_gather(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
-    """An all-gather as a SUM all-reduce of `out`: `inp` in this rank's slice (unless it is that slice already:
-    an in-place gather), zeros in the others'. x + 0 is x, so the sum is the gather, exactly."""
-    n, flat = inp.numel(), out.view(-1)
-    flat[:rank * n].zero_()
-    flat[(rank + 1) * n:].zero_()
-    mine = own_slice(flat, rank, n)
-    if mine.data_ptr() != inp.data_ptr():
-        mine.copy_(inp.view(-1))
 
 
 # torch 2.13 renamed these (the old names warn); torch 2.6 only has the old ones.

@@ -41,7 +41,6 @@ from .clip import clip_grad_norm_
 from .dims import ParallelDims
 from .dp import Reducer
 from .sync import GradSync, Pieces, adam_state
-from .zero import exchange_all_gather, exchange_reduce_scatter
 
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
@@ -74,37 +73,38 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
-    if AllGather is not None and comm.backend(group) in comm.SHARDED_AS_ALL_REDUCE:
+    if AllGather is not None and comm.backend(group) in comm.SHARDED_BY_EXCHANGE:
         for module in model.modules():
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
-                module.set_custom_all_gather(_AllGatherByExchange())
-                module.set_custom_reduce_scatter(_ReduceScatterByExchange())
+                module.set_custom_all_gather(_AllGatherByComm())
+                module.set_custom_reduce_scatter(_ReduceScatterByComm())
     return unsharded
 
 
-# On gloo FSDP2's two collectives run as ZeRO-1/2's do there (zero.py): direct exchanges between the ranks, a
-# ring's bytes, where gloo's own reduce-scatter and all-gather cost about twice its all-reduce of the full buffer.
+# On the backends comm.SHARDED_BY_EXCHANGE names (gloo) FSDP2's two collectives go through comm.py as ZeRO-1/2's do:
+# direct exchanges between the ranks, a ring's bytes, where gloo's own reduce-scatter and all-gather cost about
+# twice its all-reduce of the full buffer; recorded, stall-tracked and emulated as every comm.py call.
 if AllGather is not None:
-    class _AllGatherByExchange(AllGather):
+    class _AllGatherByComm(AllGather):
         def allocate(self, size, *, dtype, device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            work = exchange_all_gather(output_tensor, input_tensor, group)  # FSDP2 copies in: in place
+            work = comm.all_gather(output_tensor, input_tensor, group)  # FSDP2 copies in: in place
             if not async_op:
                 work.wait()
                 return None
             return _Work(work)
 
-    class _ReduceScatterByExchange(ReduceScatter):
+    class _ReduceScatterByComm(ReduceScatter):
         def allocate(self, size, *, dtype, device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # AVG: the mean over the non-expert-DP mesh
                 raise RuntimeError(f"FSDP2 asked gloo for a {op} reduce-scatter; the exchange sums or averages")
-            exchange_reduce_scatter(output_tensor, input_tensor, group,
-                                    average=op == dist.ReduceOp.AVG).wait()  # FSDP2 calls it blocking on CPU
+            comm.reduce_scatter(output_tensor, input_tensor, group,
+                                average=op == dist.ReduceOp.AVG).wait()  # FSDP2 calls it blocking on CPU
             return None
 
     class _Work(dist.Work):

@@ -37,78 +37,6 @@ class _ShardBucket(_Bucket):
 # whole tensors.
 _SHARD_ALIGN = 16
 
-# gloo: ZeRO's reduce-scatter and all-gather as direct exchanges between the ranks of the group (below), on the
-# backends comm.SHARDED_AS_ALL_REDUCE names (an empty tuple there: the backend's own collectives, as NCCL runs them).
-def direct(group) -> bool:
-    return group is not None and comm.backend(group) in comm.SHARDED_AS_ALL_REDUCE
-
-
-def exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp",
-                            average: bool = False) -> comm.TimedWork:
-    """Async SUM reduce-scatter of the flat `inp` (N slices of S) by direct exchange: each rank sends every peer
-    that peer's slice and receives its own slice from every peer into a scratch buffer; when it lands (the work's
-    wait()) the peers' parts are added into this rank's slice of `inp` in rank order, then copied to `out` unless
-    `out` is that slice (in place); `average` divides the sum by N (ReduceOp.AVG). Each rank sends and receives (N-1)·S elements, as a ring reduce-scatter, half
-    what an all-reduce of `inp` moves; gloo's own reduce-scatter costs about twice that all-reduce. At N = 2 the
-    sum has two terms: the same bits as any other reduce-scatter. Scratch: (N-1)·S elements until the wait (none at
-    N = 2 with `out` apart from `inp`: the peer's part is received into `out`)."""
-    N, r = group.size(), group.rank()
-    flat = inp.view(-1)
-    S = flat.numel() // N
-    mine = flat[r * S:(r + 1) * S]
-    into_out = N == 2 and out.data_ptr() != mine.data_ptr()  # the peer's part lands in `out`: no scratch, no copy
-    scratch = out.view(-1) if into_out else flat.new_empty((N - 1) * S)
-    peers = [p for p in range(N) if p != r]
-    ops = []
-    for i, p in enumerate(peers):
-        ops.append(dist.P2POp(dist.isend, flat[p * S:(p + 1) * S], group=group, group_peer=p))
-        ops.append(dist.P2POp(dist.irecv, scratch[i * S:(i + 1) * S], group=group, group_peer=p))
-    work = comm.batch_isend_irecv(ops, axis=axis, async_op=True)
-
-    def land() -> None:
-        if into_out:
-            scratch.add_(mine)  # peer + mine: two terms, the same bits as mine + peer
-        else:
-            for i in range(N - 1):
-                mine.add_(scratch[i * S:(i + 1) * S])
-            if out.data_ptr() != mine.data_ptr():
-                out.view(-1).copy_(mine)
-        if average:  # the sum divided by N, as gloo's AVG
-            out.div_(N)
-
-    work.then = land
-    return work
-
-
-def exchange_all_gather(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp") -> comm.TimedWork:
-    """Async all-gather of every rank's `inp` (S elements) into the flat `out` (N·S) by direct exchange: this
-    rank's slice is `inp` (copied there unless it is that slice already: in place), sent to every peer, and each
-    peer's slice is received straight into `out`. (N-1)·S elements each way per rank, a ring's; nothing zeroed,
-    nothing added, a copy of the bits."""
-    N, r = group.size(), group.rank()
-    flat = out.view(-1)
-    S = inp.numel()
-    mine = flat[r * S:(r + 1) * S]
-    if mine.data_ptr() != inp.data_ptr():
-        mine.copy_(inp.view(-1))
-    ops = []
-    for p in range(N):
-        if p != r:
-            ops.append(dist.P2POp(dist.isend, mine, group=group, group_peer=p))
-            ops.append(dist.P2POp(dist.irecv, flat[p * S:(p + 1) * S], group=group, group_peer=p))
-    return comm.batch_isend_irecv(ops, axis=axis, async_op=True)
-
-
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
-    """ZeRO's reduce-scatter (async, axis dp): a direct exchange on gloo, the backend's own elsewhere."""
-    return exchange_reduce_scatter(out, inp, group) if direct(group) else comm.reduce_scatter(out, inp, group)
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> comm.TimedWork:
-    """ZeRO's all-gather (async, axis dp): a direct exchange on gloo, the backend's own elsewhere."""
-    return exchange_all_gather(out, inp, group) if direct(group) else comm.all_gather(out, inp, group)
-
-
 # zero 2 "shard": reduce-scatters in flight while backward goes on. Launching one more waits for the oldest, so
 # at most this many full bucket buffers wait on the wire, beside the one backward is filling.
 _IN_FLIGHT = 1
@@ -266,10 +194,10 @@ class ShardedReducer(Reducer):
         if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
             low = b.flat.to(self.reduce_dtype)  # parallel.reduce_dtype: reduce a narrowed copy, widen the slice
             out = low.new_empty(b.shard_grad.shape)
-            b.work = _CopyBack(reduce_scatter(out, low, self.group), out, b.shard_grad)
+            b.work = _CopyBack(comm.reduce_scatter(out, low, self.group), out, b.shard_grad)
         elif self.group is not None:
             # zero 1: in place (the output is this rank's slice of the input, as NCCL allows)
-            b.work = reduce_scatter(b.shard_grad, b.flat, self.group)
+            b.work = comm.reduce_scatter(b.shard_grad, b.flat, self.group)
         elif self.zero == 2:
             b.shard_grad.copy_(b.flat)
         b.launched = True
@@ -285,7 +213,7 @@ class ShardedReducer(Reducer):
             src = b.flat if self.reduce_dtype in (None, b.flat.dtype) else b.flat.to(self.reduce_dtype)
             S = b.shard_grad.numel()
             out = src[self.rank * S:(self.rank + 1) * S]  # in place, as zero 1: no buffer beside the bucket
-            self._in_flight.append((reduce_scatter(out, src, self.group), out, src, b))
+            self._in_flight.append((comm.reduce_scatter(out, src, self.group), out, src, b))
         for p in b.params:
             p.grad = None
         b.flat, b.views, b.launched = None, [], True
@@ -340,7 +268,7 @@ class ShardedReducer(Reducer):
         if self.group is None:
             return  # one rank: the shard is the whole buffer, already updated
         for b in (self.buckets if buckets is None else buckets):
-            b.gather = all_gather(b.pflat, b.shard.detach(), self.group)
+            b.gather = comm.all_gather(b.pflat, b.shard.detach(), self.group)
 
     def wait_gather(self) -> None:
         for b in self.buckets:
@@ -380,7 +308,7 @@ def sharded_optim_state_to_full(reducers: list, optimizer: torch.optim.Optimizer
                     continue
                 full = v.new_empty(b.padded)
                 if r.group is not None:
-                    all_gather(full, v, r.group).wait()
+                    comm.all_gather(full, v, r.group).wait()
                 else:
                     full.copy_(v)
                 for name, p, o in zip(b.names, b.params, b.offsets):
