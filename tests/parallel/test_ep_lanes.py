@@ -13,6 +13,7 @@ from nanotitan.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep
+from nanotitan.parallel import pp as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
 from nanotitan.parallel.pp import exposed_ep_wait, in_flight, lanes_overlap, pipeline_forward_backward
@@ -55,9 +56,19 @@ def _lanes_rank(rank: int, world: int) -> dict:
 
     def spy(*args, group=None, **kw):
         calls.append((ep.in_backward(), group, threading.current_thread().name))
+        async_posts.append((ep.in_backward(), kw.get("async_op", False)))
         return plain(*args, group=group, **kw)
 
+    async_posts, fills = [], []  # (in a backward, posted async) per all-to-all; deferred W's run inside a backward
+    plain_run = pp_mod.run_weights
+
+    def run_spy(work):
+        if work and ep.in_backward():  # inside autograd's backward: only the fill, while an all-to-all travels
+            fills.append(len(work))
+        return plain_run(work)
+
     comm.all_to_all_single = spy
+    pp_mod.run_weights = run_spy
     out = {}
     try:
         for ac in (False, True):
@@ -68,6 +79,8 @@ def _lanes_rank(rank: int, world: int) -> dict:
             load_one = {k: v.clone() for k, v in model.step_load.items()}
             model.step_load.clear()
             calls.clear()
+            async_posts.clear()
+            fills.clear()
             timeline = []
             two, g_two = _step(model, dims, xs, ys, lanes=True, timeline=timeline)
             spans = {(k, i): (t0, t1) for k, _, i, t0, t1 in timeline}
@@ -83,16 +96,21 @@ def _lanes_rank(rank: int, world: int) -> dict:
                 "groups_ok": all(g is (bwd_group if b else fwd_group) for b, g, _ in calls),
                 "backward_calls": sum(b for b, _, _ in calls),
                 "exposed_le_wait": two.ep_exposed_s <= two.ep_wait_s + 1e-9,
+                # the fill: every backward all-to-all posted async, deferred weight GEMMs run during their flight
+                "backward_async": all(a for b, a in async_posts if b),
+                "filled": len(fills),
             }
     finally:
         comm.all_to_all_single = plain
+        pp_mod.run_weights = plain_run
     return out
 
 
 @pytest.mark.timeout(120)
 def test_lanes_overlap_a_forward_with_a_backward_bitwise():
     """EP2, M = 4, capacity and router bias on, activation checkpointing off and on: the two-lane step's gradients,
-    losses and router counts equal the one-lane step's bit for bit; a forward and a backward really ran at once
+    losses and router counts equal the one-lane step's bit for bit (with the backward lane's weight-gradient GEMMs
+    deferred and run while its all-to-alls travel: every backward one posted async, W's run inside the backward); a forward and a backward really ran at once
     (timestamps), the forwards on the lane's own thread; every forward all-to-all on the EP group and every
     backward one (the recompute's included) on the backward group."""
     for rank, res in enumerate(run_ranks(_lanes_rank, world=2, timeout=110)):
@@ -104,6 +122,7 @@ def test_lanes_overlap_a_forward_with_a_backward_bitwise():
             assert r["forward_threads"] == {"nanotitan-forward-lane"}, f"{name}: {r}"
             assert r["groups_ok"] and r["backward_calls"] > 0, f"{name}: {r}"
             assert r["exposed_le_wait"], f"{name}: {r}"
+            assert r["backward_async"] and r["filled"] >= M, f"{name}: the W's did not fill the trips: {r}"
 
 
 def test_a_failing_lane_raises_in_the_caller():

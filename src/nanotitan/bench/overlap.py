@@ -23,6 +23,7 @@ emulation, the link time it left exposed measured without the wait columns.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import statistics
 import tempfile
@@ -82,11 +83,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="", help="also write the table (markdown) there")
     ap.add_argument("--interleaved", type=int, default=0, metavar="N",
                     help="instead: off and lanes alternating step by step, N steps each, in one launch per topology")
+    ap.add_argument("--modes", nargs="+", default=["off", "lanes"], choices=INTERLEAVED_MODES,
+                    help="with --interleaved: the modes alternated (ratios against the first)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with --interleaved: where the lanes' exposed EP wait goes (lane, call, unpaired ends, peer)")
     args, overrides = ap.parse_known_args(argv)
     if args.interleaved:
         cfg = resolve_model(load_config(args.config, overrides))
         text = "\n".join(interleaved(cfg, args.pp, args.ep, args.schedule, args.microbatches, args.micro_batch,
-                                      args.interleaved, topo, args.timeout) for topo in args.topology)
+                                      args.interleaved, topo, args.timeout, tuple(args.modes), args.breakdown)
+                         for topo in args.topology)
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
@@ -161,11 +167,18 @@ def main(argv: list[str]) -> int:
 
 
 # --- `--interleaved N`: off and lanes step by step in one launch (what load moves, it moves for both) -----------------
+# Modes of `--interleaved`: off; lanes (parallel.ep_overlap_microbatches as the trainer runs it: each backward's
+# weight-gradient GEMMs fill its all-to-alls' flight, pp.py `_StageRunner.backward`); lanes-nofill (the lanes with
+# plain autograd backwards, as before the fill).
+INTERLEAVED_MODES = ("off", "lanes", "lanes-nofill", "lanes-w3")  # lanes-w3: a lane window of at least 3
+
+
 def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int,
-                      dilation: float) -> list[dict]:
-    """One rank of `interleaved`: the stage (no DP, no optimizer: forwards and backwards only), stepped alternately
-    without and with the lanes on the same model and batches; per step the wall time, this process's CPU time (all
-    its threads, gloo's included) and the exposed EP wait (off: comm.py's EP wait; lanes: StepStats.ep_exposed_s)."""
+                      dilation: float, modes: tuple = ("off", "lanes"), raw: bool = False) -> list[dict]:
+    """One rank of `interleaved`: the stage (no DP, no optimizer: forwards and backwards only), stepped through
+    `modes` in turn on the same model and batches; per step the wall time, this process's CPU time (all its threads,
+    gloo's included) and the exposed EP wait (off: comm.py's EP wait; lanes: StepStats.ep_exposed_s). raw: also
+    the lanes' F/B spans and EP records (`ep_wait_breakdown`)."""
     import time
 
     import torch
@@ -191,54 +204,162 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
     xs = [torch.randint(0, V, (m, S), generator=g) for _ in range(M)]
     comms = StageComms(dims, (m, S, D), torch.float32, "cpu")
     rows = []
-    for step in range(2 * steps):
-        lanes = step % 2 == 1
+    for step in range(len(modes) * steps):
+        mode = modes[step % len(modes)]
+        lanes = mode != "off"
         comm.COMM.reset()
+        timeline = [] if raw and lanes else None
         t0, c0 = time.perf_counter(), time.process_time()
         st = pipeline_forward_backward(model, dims, xs, xs, comms=comms, schedule=schedule, aux_weight=0.01,
-                                       loss_scale=1.0 / M, before_backward=None, ep_lanes=lanes)
+                                       loss_scale=1.0 / M, before_backward=None, ep_lanes=lanes,
+                                       ep_lanes_fill=mode != "lanes-nofill", timeline=timeline,
+                                       ep_lanes_window=3 if mode == "lanes-w3" else 2)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         model.zero_grad(set_to_none=True)
-        rows.append({"lanes": lanes, "step_s": wall, "cpu_s": cpu,
-                     "ep_exposed_s": comm.COMM.wait_s["ep"], "overlap_s": st.lanes_overlap_s})
+        row = {"mode": mode, "lanes": lanes, "step_s": wall, "cpu_s": cpu,
+               "ep_exposed_s": comm.COMM.wait_s["ep"], "overlap_s": st.lanes_overlap_s}
+        if timeline is not None:
+            row["spans"] = [e for e in timeline if e[0] in ("F", "B", "W")]
+            row["waits"] = st.ep_waits
+        rows.append(row)
     emulate.install(None)
     return rows
 
 
+def ep_wait_breakdown(spans: list, waits: list, peer_waits: list | None, M: int) -> dict[str, float]:
+    """Where one rank-step's exposed EP wait (time some EP call was pending and no lane computed, pp.exposed_ep_wait)
+    comes from. spans: (kind F/B/W, chunk, microbatch, start, end); waits: ep.py's records (lane, start, end, kind,
+    posted); peer_waits: the same from the other rank of the EP group (EP 2), matched call for call per lane (each
+    lane makes its calls one at a time in an order fixed by M). A stretch pending on two calls (both lanes blocked)
+    is split evenly between them. Keys (seconds): exposed; lane:F / lane:B; kind:<phase>:<call> (f forward, b
+    backward, r recompute); at:F0 / at:B(M-1) (the unpaired ends) / at:pairs; state:both-blocked / state:other-idle
+    (the other lane between its spans: waiting for its window or for F(j)); peer:<lane> (the exposed part spent
+    before the peer rank had made the matching call); and, exposed or not: wait:<lane> (each lane's summed
+    wait), peerwait:<lane> (its part before the peer's call)."""
+    lane_of = {"F": 0, "B": 1, "W": 1}
+    span_of = []  # per wait: (microbatch of the span it is in, or -1)
+    for w in waits:
+        found = -1
+        for k, _, i, t0, t1 in spans:
+            if lane_of[k] == w[0] and k != "W" and t0 <= w[1] <= t1:
+                found = i
+                break
+        span_of.append(found)
+    peer_posted = [None] * len(waits)
+    if peer_waits is not None:
+        for lane in (0, 1):
+            mine = sorted((w[4], n) for n, w in enumerate(waits) if w[0] == lane)
+            theirs = sorted(w[4] for w in peer_waits if w[0] == lane)
+            for (_, n), t in zip(mine, theirs):
+                peer_posted[n] = t
+    name = ("F", "B")
+    out: dict[str, float] = collections.defaultdict(float)
+    for n, w in enumerate(waits):
+        out[f"wait:{name[w[0]]}"] += w[2] - w[1]
+        if peer_posted[n] is not None:
+            out[f"peerwait:{name[w[0]]}"] += max(0.0, min(w[2], peer_posted[n]) - w[1])
+    # sweep over elementary intervals
+    ev = [(t0, 0, n) for n, (_, _, _, t0, _) in enumerate(spans)] + [(t1, 1, n) for n, (*_, t1) in enumerate(spans)]
+    ev += [(w[1], 2, n) for n, w in enumerate(waits)] + [(w[2], 3, n) for n, w in enumerate(waits)]
+    ev += [(t, 4, n) for n, t in enumerate(peer_posted) if t is not None]
+    ev.sort(key=lambda e: e[0])
+    in_span, pending, last = [0, 0], set(), None
+    for t, typ, n in ev:
+        if last is not None and t > last and pending:
+            blocked = [0, 0]
+            for p in pending:
+                blocked[waits[p][0]] += 1
+            computing = any(in_span[ln] > 0 and not blocked[ln] for ln in (0, 1))
+            if not computing:
+                dt = t - last
+                out["exposed"] += dt
+                share = dt / len(pending)
+                both = blocked[0] and blocked[1]
+                for p in pending:
+                    lane, kind = waits[p][0], waits[p][3]
+                    out[f"lane:{name[lane]}"] += share
+                    out[f"kind:{kind}"] += share
+                    i = span_of[p]
+                    at = "F0" if lane == 0 and i == 0 else "B(M-1)" if lane == 1 and i == M - 1 else "pairs"
+                    out[f"at:{at}"] += share
+                    out["state:both-blocked" if both else "state:other-idle"] += share
+                    if peer_posted[p] is not None and peer_posted[p] >= t:  # the peer had not called yet
+                        out[f"peer:{name[lane]}"] += share
+        if typ == 0:
+            in_span[lane_of[spans[n][0]]] += 1
+        elif typ == 1:
+            in_span[lane_of[spans[n][0]]] -= 1
+        elif typ == 2:
+            pending.add(n)
+        elif typ == 3:
+            pending.discard(n)
+        last = t
+    return dict(out)
+
+
+def _breakdown_table(per_rank: list[list[dict]], mode: str, M: int, ep: int) -> list[str]:
+    """Median over the steps after the first of each rank-0 breakdown figure (rank 1 as the peer)."""
+    import statistics
+
+    idx = [i for i, r in enumerate(per_rank[0]) if r["mode"] == mode][1:]
+    peer = per_rank[1] if ep == 2 and len(per_rank) > 1 else None
+    rows = [ep_wait_breakdown(per_rank[0][i]["spans"], per_rank[0][i]["waits"],
+                              peer[i]["waits"] if peer is not None else None, M) for i in idx]
+    keys = sorted({k for r in rows for k in r})
+    lines = [f"#### where rank 0's exposed EP wait goes ({mode}; median over {len(rows)} steps, ms)", "",
+             "| figure | ms |", "|---|---:|"]
+    lines += [f"| {k} | {statistics.median(r.get(k, 0.0) for r in rows) * 1e3:.0f} |" for k in keys]
+    return lines + [""]
+
+
 def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int, topology: str,
-                timeout: float) -> str:
-    """Off and lanes alternating step by step in one launch of pp*ep ranks; a markdown table of min / median over
-    the steps after the first pair: the slowest rank's wall per step, the CPU time summed over ranks, rank 0's
-    exposed EP wait."""
+                timeout: float, modes: tuple = ("off", "lanes"), breakdown: bool = False) -> str:
+    """`modes` alternating step by step in one launch of pp*ep ranks; a markdown table of min / median over
+    the steps after the first round: the slowest rank's wall per step, the CPU time summed over ranks, rank 0's
+    exposed EP wait; ratios against the first mode; breakdown: where the lanes' exposed wait goes."""
     import statistics
 
     from ..spawn import run_ranks
 
     cfg = copy.deepcopy(cfg)
-    dilation, title = 0.0, "this machine, no emulation"
+    dilation, title, links = 0.0, "this machine, no emulation", None
     if topology != "none":
         prof, node = parse_topology(topology)
         cfg.parallel.emulate, cfg.parallel.emulate_node_size = prof, node
         links = emulate.link_model(cfg)
         dilation, title = links.dilation, links.describe()
-    per_rank = run_ranks(_interleaved_rank, pp * ep, args=(cfg, pp, ep, schedule, M, m, steps, dilation),
-                         timeout=timeout, pg_timeout=timeout)
-    lines = [f"### {title}: PP{pp}·EP{ep} {schedule}, M={M}, m={m}, {steps} steps each, alternating", "",
+    plain = copy.deepcopy(cfg)
+    plain.parallel.emulate = ""  # the planner prices the links itself (links.dilated)
+    per_rank = run_ranks(_interleaved_rank, pp * ep, args=(cfg, pp, ep, schedule, M, m, steps, dilation, tuple(modes),
+                                                           breakdown), timeout=timeout, pg_timeout=timeout)
+    lines = [f"### {title}: PP{pp}·EP{ep} {schedule}, M={M}, m={m}, {steps} steps each, {' / '.join(modes)} "
+             f"alternating", "",
              "| mode | step ms min / med | CPU s per step (all ranks) min / med | exposed EP wait ms min / med | "
-             "F/B overlap ms med |", "|---|---:|---:|---:|---:|"]
+             "F/B overlap ms med | predicted step / EP ms | error step / EP (med) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     med = {}
-    for lanes in (False, True):
-        idx = [i for i, r in enumerate(per_rank[0]) if r["lanes"] == lanes][1:]  # the first of each: warm-up
+    for mode in modes:
+        idx = [i for i, r in enumerate(per_rank[0]) if r["mode"] == mode][1:]  # the first of each: warm-up
         step = [max(rows[i]["step_s"] for rows in per_rank) for i in idx]
         cpu = [sum(rows[i]["cpu_s"] for rows in per_rank) for i in idx]
         wait = [per_rank[0][i]["ep_exposed_s"] for i in idx]
         over = [per_rank[0][i]["overlap_s"] for i in idx]
-        med[lanes] = (min(step), statistics.median(step), min(cpu), statistics.median(cpu), min(wait),
-                      statistics.median(wait))
-        lines.append(f"| {'lanes' if lanes else 'off'} | {min(step) * 1e3:.0f} / {statistics.median(step) * 1e3:.0f}"
+        med[mode] = (min(step), statistics.median(step), min(cpu), statistics.median(cpu), min(wait),
+                     statistics.median(wait))
+        p_step, p_ep = _predict(plain, ep, M, m, "off" if mode == "off" else "lanes", links, "cpu-gloo", pp, schedule)
+        lines.append(f"| {mode} | {min(step) * 1e3:.0f} / {statistics.median(step) * 1e3:.0f}"
                      f" | {min(cpu):.2f} / {statistics.median(cpu):.2f} | {min(wait) * 1e3:.0f} / "
-                     f"{statistics.median(wait) * 1e3:.0f} | {statistics.median(over) * 1e3:.0f} |")
-    r = [a / max(b, 1e-12) for a, b in zip(med[True], med[False])]
-    lines += ["", f"lanes ÷ off: step {r[0]:.3f} (min) / {r[1]:.3f} (med), CPU {r[2]:.3f} / {r[3]:.3f}, exposed EP "
-              f"wait {r[4]:.3f} / {r[5]:.3f}", ""]
+                     f"{statistics.median(wait) * 1e3:.0f} | {statistics.median(over) * 1e3:.0f} | "
+                     f"{p_step * 1e3:.0f} / {p_ep * 1e3:.0f} | {100 * (p_step / statistics.median(step) - 1):+.0f}% / "
+                     f"{100 * (p_ep / max(statistics.median(wait), 1e-9) - 1):+.0f}% |")
+    lines.append("")
+    for mode in modes[1:]:
+        r = [a / max(b, 1e-12) for a, b in zip(med[mode], med[modes[0]])]
+        lines.append(f"{mode} ÷ {modes[0]}: step {r[0]:.3f} (min) / {r[1]:.3f} (med), CPU {r[2]:.3f} / {r[3]:.3f}, "
+                     f"exposed EP wait {r[4]:.3f} / {r[5]:.3f}")
+    lines.append("")
+    if breakdown:
+        for mode in modes:
+            if mode != "off":
+                lines += _breakdown_table(per_rank, mode, M, ep)
     return "\n".join(lines)

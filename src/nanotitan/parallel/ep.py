@@ -28,6 +28,7 @@ drops are the ones one process would make on the same microbatch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -51,7 +52,14 @@ def lane_group(groups: tuple):
 
 
 # --- EP waits per lane, for the exposed-wait figure of two lanes (pp.py: exposed_ep_wait) -------------------
-_WAITS: list | None = None  # (lane 0 forward / 1 backward, start, end) per blocking EP call or wait; None: off
+# One record per blocking EP call or wait: (lane 0 forward / 1 backward, start, end, kind, posted), kind
+# "<phase>:<call>" with phase f (forward), b (backward), r (a checkpointed block's recompute: a forward call inside
+# the backward) and call counts / dispatch / combine / trip (a chunked trip's wait); posted: when the call was made
+# (== start for a blocking call; an async one's wait starts later). None: off.
+_WAITS: list | None = None
+# The backward lane's filler (parallel.ep_overlap_microbatches): while a backward all-to-all is on the wire, run the
+# weight-gradient GEMMs the backward has deferred so far (pp.py `_StageRunner.backward`); None: none.
+_FILL = None
 
 
 def record_waits(waits: list | None) -> None:
@@ -60,22 +68,51 @@ def record_waits(waits: list | None) -> None:
     _WAITS = waits
 
 
-def _wait(work) -> None:
+@contextlib.contextmanager
+def filling(fill):
+    """While inside, a backward's EP all-to-all is posted async, fill() runs (the deferred weight-gradient GEMMs,
+    model/wgrad.py), and only then is it waited for. One backward at a time per process (the backward lane)."""
+    global _FILL
+    _FILL = fill
+    try:
+        yield
+    finally:
+        _FILL = None
+
+
+def _phase(forward: bool) -> str:
+    return ("r" if in_backward() else "f") if forward else "b"
+
+
+def _wait(work, kind: str = "f:trip", posted: float | None = None) -> None:
     """Wait for an async EP call; the blocked interval goes to the recording, if any."""
     waits, t0 = _WAITS, time.perf_counter()
     work.wait()
     if waits is not None:
-        waits.append((int(in_backward()), t0, time.perf_counter()))  # list.append: atomic across lanes
+        t1 = time.perf_counter()  # list.append: atomic across lanes
+        waits.append((int(in_backward()), t0, t1, kind, t0 if posted is None else posted))
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, groups) -> None:
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, groups, kind: str = "f:counts") -> None:
     """A blocking EP all-to-all on the calling lane's group; the blocked interval goes to the recording, if any.
     Timed inline, not by a context manager: the default job makes 20 of these per rank-step, and a context object
-    cost four more Python calls each (issue 27 item 8)."""
+    cost four more Python calls each (issue 27 item 8). In the backward lane with a filler (`filling`): posted async,
+    the filler runs while it travels, then waited for (the filler's compute is not a wait)."""
+    fill = _FILL
+    if fill is not None and in_backward():
+        t0 = time.perf_counter()
+        work = comm.all_to_all_single(out, inp, out_splits, in_splits, group=lane_group(groups), axis="ep",
+                                      async_op=True)
+        waits = _WAITS
+        if waits is not None:  # posting is an EP call too (comm.py charges it): a blocked interval of its own
+            waits.append((1, t0, time.perf_counter(), kind, t0))
+        fill()
+        _wait(work, kind, t0)
+        return
     waits, t0 = _WAITS, time.perf_counter()
     comm.all_to_all_single(out, inp, out_splits, in_splits, group=lane_group(groups), axis="ep")
     if waits is not None:
-        waits.append((int(in_backward()), t0, time.perf_counter()))
+        waits.append((int(in_backward()), t0, time.perf_counter(), kind, t0))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -87,18 +124,18 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], groups):
-        ctx.out_splits, ctx.in_splits, ctx.groups = out_splits, in_splits, groups
+    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], groups, call: str = "dispatch"):
+        ctx.out_splits, ctx.in_splits, ctx.groups, ctx.call = out_splits, in_splits, groups, call
         out_RD = x_ND.new_empty(sum(out_splits), x_ND.shape[1])
-        _all_to_all(out_RD, x_ND, out_splits, in_splits, groups)
+        _all_to_all(out_RD, x_ND, out_splits, in_splits, groups, _phase(True) + ":" + call)
         return out_RD
 
     @staticmethod
     def backward(ctx, grad_RD):
         grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
         # gloo needs contiguous buffers; comm.all_to_all_single makes the input contiguous.
-        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.groups)
-        return grad_ND, None, None, None
+        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.groups, "b:" + ctx.call)
+        return grad_ND, None, None, None, None
 
 
 def all_to_all_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
@@ -165,10 +202,10 @@ class _ChunkPlan:
         return buf, comm.all_to_all_single(buf, t_c, self.in_splits[c], self.out_splits[c],
                                            group=lane_group(self.groups), axis="ep", async_op=True)
 
-    def unpack(self, backs: list[torch.Tensor], works: list) -> torch.Tensor:
+    def unpack(self, backs: list[torch.Tensor], works: list, kind: str) -> torch.Tensor:
         """Wait for every group's return trip and put its rows back in their places of the packed buffer."""
         for w in works:
-            _wait(w)
+            _wait(w, kind)
         t_ND = backs[0].new_empty(self.N, backs[0].shape[1])
         for i, b in zip(self.idx, backs):
             t_ND.index_copy_(0, i, b)
@@ -195,8 +232,9 @@ class _ExpertTrip(torch.autograd.Function):
         wg, wv, wo = (wgrad._cast(t, dt) for t in (W_gate, W_val, W_out))
         recvs, works = plan.post_out(x_ND)
         xs, saved, backs, back_works = [], [], [], []
+        kind = _phase(True) + ":trip"
         for c, (l0, l1) in enumerate(plan.bounds):
-            _wait(works[c])
+            _wait(works[c], kind)
             x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
             y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
             buf, work = plan.post_back(c, y_c.index_select(0, plan.inv[c]))
@@ -204,7 +242,7 @@ class _ExpertTrip(torch.autograd.Function):
             back_works.append(work)
             xs.append(x_c)
             saved += saved_c
-        y_ND = plan.unpack(backs, back_works)
+        y_ND = plan.unpack(backs, back_works, kind)
         ctx.save_for_backward(wg, wv, wo, *xs, *saved)
         ctx.plan, ctx.params, ctx.store, ctx.x_dtype = plan, params, store, x_ND.dtype
         ctx.w_dtypes = (W_gate.dtype, W_val.dtype, W_out.dtype)
@@ -221,7 +259,7 @@ class _ExpertTrip(torch.autograd.Function):
         backs, back_works, terms, grads = [], [], [], []
         k = 0
         for c, (l0, l1) in enumerate(plan.bounds):
-            _wait(works[c])
+            _wait(works[c], "b:trip")
             dy_c = recvs[c].index_select(0, plan.perm[c])
             n_l = l1 - l0
             dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
@@ -234,7 +272,7 @@ class _ExpertTrip(torch.autograd.Function):
                 terms += terms_c  # zb1's W runs them later, all at once
             else:
                 grads.append(wgrad.experts_weight_grads(terms_c))  # while dx_c travels
-        dx_ND = plan.unpack(backs, back_works)
+        dx_ND = plan.unpack(backs, back_works, "b:trip")
         if deferring:
             ctx.store.land(wgrad.land_expert_grads(ctx.params), *terms)
             return dx_ND, None, None, None, None, None, None, None
@@ -302,10 +340,10 @@ class EPDispatcher:
             plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.groups)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
-            x_RD = self._a2a(x_ND, out_splits, in_splits)
+            x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
             perm_R = source_to_expert_major(recv_PL, R)
             y_RD = experts(x_RD.index_select(0, perm_R), counts_L).index_select(0, inverse_permutation(perm_R))
-            y_ND = self._a2a(y_RD, in_splits, out_splits)  # return trip: splits swapped
+            y_ND = self._a2a(y_RD, in_splits, out_splits, "combine")  # return trip: splits swapped
 
         # 5. combine in this rank's packed order
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
@@ -323,11 +361,11 @@ class EPDispatcher:
         if self.ep_size == 1:
             return send_PL
         recv_PL = torch.empty_like(send_PL)
-        _all_to_all(recv_PL, send_PL, None, None, self.groups)  # row p goes to rank p
+        _all_to_all(recv_PL, send_PL, None, None, self.groups, _phase(True) + ":counts")  # row p goes to rank p
         return recv_PL
 
-    def _a2a(self, x_ND, out_splits, in_splits):
-        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.groups)
+    def _a2a(self, x_ND, out_splits, in_splits, call: str):
+        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.groups, call)
 
 
 def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False) -> nn.Module:

@@ -82,6 +82,7 @@ class StepStats:
     ep_wait_s: float = 0.0  # time blocked in EP calls and waits, summed over the lanes (parallel/ep.py records it)
     ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`exposed_ep_wait`)
     lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once
+    ep_waits: list | None = None  # the lanes' raw EP records (parallel/ep.py `_WAITS`: lane, start, end, kind, posted)
 
     @property
     def bubble(self) -> float:
@@ -110,11 +111,11 @@ def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
     return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
 
 
-def lane_window(pp: int, pp_rank: int, M: int) -> int:
+def lane_window(pp: int, pp_rank: int, M: int, least: int = 2) -> int:
     """parallel.ep_overlap_microbatches: the most microbatches stage pp_rank has between F and B at once. 1F1B's
-    warmup + 1 (its steady F(w+j) beside B(j)), but at least 2: the last stage (warmup 0, and pp = 1) has no
-    forward of its own to pair with B(j) but F(j+1)."""
-    return min(max(warmup("1f1b", pp, pp_rank, M) + 1, 2), M)
+    warmup + 1 (its steady F(w+j) beside B(j)), but at least `least` (2): the last stage (warmup 0, and pp = 1) has
+    no forward of its own to pair with B(j) but F(j+1)."""
+    return min(max(warmup("1f1b", pp, pp_rank, M) + 1, least), M)
 
 
 def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1, lanes: bool = False) -> int:
@@ -143,7 +144,7 @@ class _StageRunner:
     """Forward/backward of one microbatch on one of this rank's chunks, keeping what the backward needs."""
 
     def __init__(self, chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast,
-                 split=False, timeline=None):
+                 split=False, timeline=None, fill=False):
         self.chunks, self.comms, self.autocast = chunks, comms, autocast
         V = len(chunks)
         # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
@@ -157,8 +158,12 @@ class _StageRunner:
         self.weights: dict[int, tuple] = {}  # zb1: microbatch -> (its deferred W, the P2P buffers W may read)
         # zb1: B defers every weight gradient into this store (model/wgrad.py); W runs them. Attached to the chunk
         # for this step only, so every other schedule (and evaluation) runs plain autograd.
-        self.store = WeightGradStore() if split else None
-        if split:
+        # fill (parallel.ep_overlap_microbatches, not zb1's split stages): each backward defers its weight-gradient
+        # GEMMs into the store too, and runs them while its own EP all-to-alls travel (ep.filling), the rest at its
+        # end: every term still lands within the same backward, in the order produced.
+        self.fill = fill and not split
+        self.store = WeightGradStore() if split or self.fill else None
+        if self.store is not None:
             attach(chunks[0], self.store)
         self.w_done = 0  # zb1: W's run so far (in microbatch order)
         self.n_weights = len(xs)
@@ -227,13 +232,22 @@ class _StageRunner:
         recv_buf, inp, outs, grads = self._take(v, i, grad_buf)
         if self.before_backward is not None:
             self.before_backward(is_last)
-        torch.autograd.backward(outs, grads)
+        if self.fill:
+            with self.store.deferring(), ep.filling(self._drain):
+                torch.autograd.backward(outs, grads)
+            self._drain()  # what no all-to-all was left to hide (the blocks below the first MoE layer's dispatch)
+        else:
+            torch.autograd.backward(outs, grads)
         grad_in = None if self.first[v] else inp.grad
         # The graph is freed, so nothing reads these buffers any more: reuse them.
         self.comms.release(recv_buf)
         self.comms.release(grad_buf)
         self._event("B", v, i, t0)
         return grad_in
+
+    def _drain(self) -> None:
+        """fill: run the weight-gradient GEMMs deferred so far, in the order their backward produced them."""
+        run_weights(self.store.take())
 
     def backward_input(self, i: int, grad_buf: torch.Tensor | None) -> torch.Tensor | None:
         """zb1's B of microbatch i (one chunk): one autograd backward that computes the input gradient and defers
@@ -288,7 +302,7 @@ class _LaneThreadState:
 
 
 def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False,
-               backward_group=None, join_timeout_s: float = 60.0) -> None:
+               backward_group=None, join_timeout_s: float = 60.0, least: int = 2) -> None:
     """1F1B / zb1 (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the forwards
     F(0..M-1) in order, this thread the backwards B(0..M-1) in order. With L = `lane_window`, F(i) starts once
     B(i-L) is done, B(j) once F(j) is; so a stage's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the
@@ -316,7 +330,7 @@ def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: i
     An exception in either lane stops both and is raised here (the first one); each lane checks for it before it
     posts a receive, and a lane stuck in a call whose peer failed is left behind (a daemon thread) after
     join_timeout_s, never waited for forever."""
-    L = lane_window(pp, pp_rank, M)
+    L = lane_window(pp, pp_rank, M, least)
     cond = threading.Condition()
     done = {"F": 0, "B": 0}
     errors: list[BaseException] = []
@@ -385,7 +399,7 @@ def exposed_ep_wait(spans: list[tuple[str, float, float]], waits: list[tuple[int
     blocked. With one lane this is the summed EP wait; with two, a wait is exposed only while the other lane is
     blocked too, or idle between its spans."""
     events = [(t0, 1, 0) for _, t0, _ in spans] + [(t1, -1, 0) for _, _, t1 in spans]
-    events += [(t0, -1, 1) for _, t0, _ in waits] + [(t1, 1, -1) for _, _, t1 in waits]
+    events += [(w[1], -1, 1) for w in waits] + [(w[2], 1, -1) for w in waits]
     events.sort(key=lambda e: e[0])
     computing = pending = 0
     exposed, last = 0.0, None
@@ -575,6 +589,8 @@ def pipeline_forward_backward(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     timeline: list | None = None,
     ep_lanes: bool = False,
+    ep_lanes_fill: bool = True,
+    ep_lanes_window: int = 2,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -592,6 +608,9 @@ def pipeline_forward_backward(
     ep_lanes (parallel.ep_overlap_microbatches; pp == 1, or the 1f1b / zb1 schedules): the forwards and backwards
     in two lanes (`_two_lanes`); the model's MoE layers must have been given their backward EP groups
     (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
+    ep_lanes_fill (with ep_lanes; not zb1's split stages, whose W's have their own place): each backward's
+    weight-gradient GEMMs run while its EP all-to-alls travel (`_StageRunner.backward`); False: plain autograd
+    (the bench's comparison).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     M = len(xs)
@@ -619,7 +638,7 @@ def pipeline_forward_backward(
     # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
-                       split=split, timeline=timeline)
+                       split=split, timeline=timeline, fill=ep_lanes and ep_lanes_fill and M > 1)
     # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does not:
     # its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
     ep_waits: list[tuple[int, float, float]] | None = [] if ep_lanes else None
@@ -629,7 +648,7 @@ def pipeline_forward_backward(
         if ep_lanes and M > 1:  # a forward beside a backward, two lanes
             backward_group = dims.group("pp_backward")
             assert dims.pp == 1 or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
-            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group)
+            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group, least=ep_lanes_window)
         elif dims.pp == 1:  # plain gradient accumulation, whatever the schedule
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":
@@ -649,14 +668,14 @@ def pipeline_forward_backward(
     wait = comms.reset_wait()
     ep_wait = exposed = overlap = 0.0
     if ep_lanes:
-        ep_wait = sum(t1 - t0 for _, t0, t1 in ep_waits)
+        ep_wait = sum(w[2] - w[1] for w in ep_waits)
         exposed, overlap = exposed_ep_wait(run.spans, ep_waits), lanes_overlap(run.spans)
         # comm.py charges each lane's EP waits in full; what the other lane's compute hid is not a wait of the
         # step, so comm_ep_wait_s (metrics.jsonl) is brought to the exposed wait, the figure it means with one lane.
         comm.COMM.record("ep", 0, exposed - ep_wait, calls=0)
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
                      max_in_flight=run.max_in_flight, ep_wait_s=ep_wait, ep_exposed_s=exposed,
-                     lanes_overlap_s=overlap)
+                     lanes_overlap_s=overlap, ep_waits=ep_waits)
 
 
 @torch.no_grad()
