@@ -230,18 +230,33 @@ def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tai
     return max(2 * (a2a_s + n * lat_s) - compute_s, one + max(0.0, one - tail_s))
 
 
-def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpaired: int = 1) -> float:
+# parallel.ep_overlap_microbatches where a rank's two lanes share its cores (a CPU profile: every rank one thread
+# per lane on its share of the node's cores): the part of a pair's link time left exposed anyway, because each trip
+# completes only when the peer rank's same lane arrives, and that lane is late by whatever its other lane took of
+# the core. Measured (docs/ep.md "Where the exposed wait goes"): PP1·EP2 M=8 emulated h800:1, commit f9eab7e,
+# load 4-7: lanes ÷ off exposed EP wait 0.156 / 0.191 (min / median), step 0.818 / 0.868; 0.1 puts the model at
+# 0.202 and 0.789. 0 on accelerator profiles (each lane its own stream; not measured).
+LANES_SHARED_SKEW = 0.1
+
+
+def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpaired: int = 1, c_w: float = 0.0,
+                  skew: float = 0.0) -> float:
     """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches (parallel/pp.py
     `_two_lanes`): `unpaired` forwards alone, M - unpaired pairs (a forward beside a backward), `unpaired` backwards
     alone. pp = 1 and a pipeline's last stage: 1 (F(0) alone, F(j+1) beside B(j), B(M-1) alone); an earlier 1f1b /
     zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
     c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link, carrying one
-    call at a time). A lane cannot compute while it waits for its own trip, the two lanes share the rank's compute,
-    and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b, w_f + w_b, c_f + w_f,
-    c_b + w_b); the model takes that bound (the lanes interleave layer by layer, so the pieces pack finely)."""
+    call at a time). c_w: the part of c_b that is weight-gradient GEMMs the backward lane runs while its own trips
+    travel (pp.py `_StageRunner.backward`'s fill; 0 on zb1's split stages, whose W's run elsewhere), so a backward
+    alone exposes only max(w_b - c_w, 0). A lane cannot compute while it waits for its own trip, the two lanes share
+    the rank's compute, and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b,
+    w_f + w_b, c_f + w_f, c_b + max(w_b - c_w, 0)); the model takes that bound (the lanes interleave layer by
+    layer, so the pieces pack finely), plus `skew` of the link time (LANES_SHARED_SKEW where the lanes share a
+    CPU's cores: a trip waits for the peer's lane). With c_w = skew = 0, the model before the fill."""
     unpaired = min(max(unpaired, 1), M)
-    pair = max(c_f + c_b, w_f + w_b, c_f + w_f, c_b + w_b)
-    return unpaired * ((c_f + w_f) + (c_b + w_b)) + (M - unpaired) * pair
+    b_own = c_b + max(w_b - c_w, 0.0)
+    pair = max(c_f + c_b, w_f + w_b, c_f + w_f, b_own) + skew * (w_f + w_b)
+    return unpaired * ((c_f + w_f) + b_own + skew * (w_f + w_b)) + (M - unpaired) * pair
 
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
@@ -397,7 +412,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             w_f = a2a_link * (2 * a2a_one + 3 * lat) / (4 * a2a_one + 5 * lat)
             if opts.links_idle or not hw.cores_per_node:
                 unpaired = pp_schedules.warmup("1f1b", pp, s, M)  # 0 (pp = 1, last stage): F(0) and B(M-1)
-                a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M, unpaired) / M - (t_f + t_b)
+                split = layout.schedule == "zb1" and pp > 1 and s > 0  # zb1's W's run in their own place
+                c_w = 0.0 if split else t_f  # the backward's weight-gradient GEMMs: about one forward's
+                a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M, unpaired, c_w,
+                                         LANES_SHARED_SKEW if hw.cores_per_node else 0.0) / M - (t_f + t_b)
         a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
         # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
         sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
