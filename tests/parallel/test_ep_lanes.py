@@ -337,3 +337,25 @@ def _pp4_cases(rank: int) -> dict:
                             two.max_in_flight <= in_flight(schedule, 4, dims.pp_rank, n, lanes=True))
     return out
 
+
+
+def test_the_breakdown_places_each_exposed_second():
+    """bench overlap --breakdown on hand-made records: per lane, call, place (unpaired ends vs pairs), state, and
+    the part before the peer rank's matching call."""
+    from nanotitan.bench.overlap import ep_wait_breakdown
+
+    spans = [("F", 0, 0, 0.0, 10.0), ("F", 0, 1, 10.0, 14.0), ("B", 0, 0, 10.0, 20.0), ("B", 0, 1, 20.0, 30.0)]
+    waits = [(0, 2.0, 5.0, "f:dispatch", 2.0),  # F(0) alone: exposed 3, the peer called at 4
+             (1, 12.0, 13.0, "b:combine", 12.0),  # B(0) beside F(1) computing: hidden
+             (0, 12.5, 13.5, "f:combine", 12.5),  # both blocked 12.5-13: split; 13-13.5 F alone blocked, B computes
+             (1, 25.0, 27.0, "b:dispatch", 25.0)]  # B(M-1) alone: exposed 2
+    peer = [(0, 0.0, 0.0, "f:dispatch", 4.0), (1, 0, 0, "b:combine", 12.0), (0, 0, 0, "f:combine", 12.5),
+            (1, 0, 0, "b:dispatch", 25.0)]
+    r = ep_wait_breakdown(spans, waits, peer, M=2)
+    assert r["exposed"] == pytest.approx(exposed_ep_wait([s[:1] + s[3:] for s in spans], waits)) == pytest.approx(5.5)
+    assert r["at:F0"] == pytest.approx(3.0) and r["at:B(M-1)"] == pytest.approx(2.0)
+    assert r["at:pairs"] == pytest.approx(0.5)  # 12.5-13, split between B(0)'s and F(1)'s calls
+    assert r["lane:F"] == pytest.approx(3.25) and r["lane:B"] == pytest.approx(2.25)
+    assert r["state:both-blocked"] == pytest.approx(0.5) and r["state:other-idle"] == pytest.approx(5.0)
+    assert r["peer:F"] == pytest.approx(2.0) and r.get("peer:B", 0.0) == 0.0
+    assert r["kind:b:dispatch"] == pytest.approx(2.0) and r["wait:F"] == pytest.approx(4.0)
