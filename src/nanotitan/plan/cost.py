@@ -345,8 +345,26 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             ex_block = st.n_ex / max(st.n_layers, 1) if ex_group > 1 else 0.0  # dp == 1: experts not FSDP's
             gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
             in_block = (ag + (ne_block + ex_block) * prec.param, (V * D + D) * prec.grad if st.last else 0.0)
+        # zero 2 "shard" (ShardedReducer._launch_into_shard): the bucket backward fills and those whose reduce-scatter
+        # is in flight, each in flight with its scratch on gloo (a CPU profile: comm.py's in-place exchange receives
+        # (N-1)/N of the bucket beside it until it lands). At the start of a backward (the logits' gradient) only
+        # what the previous microbatch left in flight (M = 1: none); once _IN_FLIGHT buckets are launched, the next
+        # one filling beside them, and at its launch _IN_FLIGHT + 1 in flight with their scratch (the oldest lands
+        # next), by when the blocks whose params those buckets hold have freed their activations.
+        z2_carry, z2_moments = 0.0, []
+        if zero == 2 and z_shard:
+            scratch = (ne_group - 1) / ne_group if hw.cores_per_node else 0.0
+            z2_carry = min(n_local, ZERO2_IN_FLIGHT * bucket_elems) * (1 + scratch) * prec.grad if M > 1 else 0.0
+            head = V * D + D if st.last else 0.0  # the first gradients of a last stage's backward
+            for k, held_scratch in ((ZERO2_IN_FLIGHT, ZERO2_IN_FLIGHT), (ZERO2_IN_FLIGHT + 1, ZERO2_IN_FLIGHT + 1)):
+                done = min(1.0, max(0.0, k * bucket_elems - head) / max(n_local - root, 1.0))  # blocks past
+                buckets = min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) + held_scratch * scratch * bucket_elems
+                z2_moments.append((T * (st.act_layer_max_bytes - st.head_act_bytes
+                                        - done * (st.act_bytes - st.head_act_bytes)) + st.cast_layer_max_bytes,
+                                   0.0, buckets * prec.grad - z2_carry))
         # the largest transient: (bytes, gathered params beside it, unsharded gradients beside it)
         transient = [(2 * T * V * 4 if st.last else 0.0, ag, 0.0),  # gradients of log-softmax and logits (fp32 CE)
+                     *z2_moments,  # zero 2 "shard": a bucket filling beside those in flight, and its launch
                      # one block's backward (and its recompute, weight copies included, under AC); the head's
                      # activations are freed by then
                      (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes
@@ -367,9 +385,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
                  "grads": grad_params * prec.grad,
                  "optimizer": opt_params * (prec.master + prec.moments),
-                 "grad_buckets": (min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) if zero == 2 and z_shard
-                                  else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
-                                  else block if zero == 3 and not z_reshard else 0.0) * prec.grad + block_grads,
+                 "grad_buckets": z2_carry + (0.0 if zero == 2 and z_shard
+                                             else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
+                                             else block if zero == 3 and not z_reshard else 0.0) * prec.grad
+                                 + block_grads,
                  "gathered_params": (n_fsdp * prec.param if zero == 3 and not z_reshard else gathered + block_params),
                  "activations": act_bytes, "buffers": buffers,
                  "reserved": hw.mem_reserved_bytes}
@@ -443,7 +462,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     mean_bwd = sum(t_bwd) / pp
     red = 2 if cfg.parallel.reduce_dtype == "bf16" else prec.grad  # bytes per gradient on the DP wire
     # A reduce-scatter or all-gather is half a ring all-reduce: NCCL's own, and on gloo (a CPU profile) ZeRO's direct
-    # send/recv exchanges (zero.exchange_reduce_scatter / exchange_all_gather), which move a ring's bytes.
+    # send/recv exchanges (comm.reduce_scatter / all_gather on comm.SHARDED_BY_EXCHANGE), which move a ring's bytes.
     half = _ring_half_s
     sync = half if zero else _ring_allreduce_s
     for s, st in enumerate(stages):
