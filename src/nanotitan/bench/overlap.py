@@ -7,7 +7,9 @@ measured side by side and against the planner.
 
 `--interleaved N` instead runs off and lanes alternating step by step in one launch per topology (N steps each,
 forwards and backwards only): what the machine's load moves, it moves for both, and each step's process CPU time
-is reported beside its wall time.
+is reported beside its wall time, with the planner's figures. `--modes off lanes lanes-nofill lanes-w3` picks what
+alternates (lanes-nofill: the lanes without the backward lane's weight-gradient fill; lanes-w3: a lane window of at
+least 3), `--breakdown` adds where each lanes mode's exposed EP wait goes (`ep_wait_breakdown`, docs/ep.md).
 Modes: off; `--chunks N ...`: parallel.ep_overlap with N groups of experts per trip (within one layer call);
 `--lanes`: parallel.ep_overlap_microbatches (one microbatch's forward beside another's backward; needs
 --microbatches >= 2). For each topology (PROFILE[:RANKS_PER_NODE] as `bench emulate`, or "none": no emulation),
