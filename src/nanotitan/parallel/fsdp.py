@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -78,24 +78,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
                 module.set_custom_all_gather(_AllGatherByComm())
                 module.set_custom_reduce_scatter(_ReduceScatterByComm())
-        # Each module's pre-forward posts the next one's all-gather (public FSDP2 API), which our all-gather hands
-        # back unwaited (_AllGatherByComm): it travels while this module computes. Backward prefetches the module
-        # before (FSDP2's default), unwaited the same way.
-        order = forward_order(model)
-        for a, b in zip(order, order[1:]):
-            a.set_modules_to_forward_prefetch([b])
     return unsharded
-
-
-def forward_order(model: nn.Module) -> list:
-    """The stage's FSDP modules in the order a forward enters them: the root (embedding), then each block and
-    inside it its experts when they are an FSDP module of their own."""
-    order = [model]
-    for block in model.layers.values():
-        order.append(block)
-        if block.is_moe and isinstance(block.moe.experts, FSDPModule):
-            order.append(block.moe.experts)
-    return order
 
 
 # On the backends comm.SHARDED_BY_EXCHANGE names (gloo) FSDP2's two collectives go through comm.py as ZeRO-1/2's do:
@@ -107,10 +90,11 @@ if AllGather is not None:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            """Handed back unwaited even when FSDP2 asks for a blocking call (it passes async_op=False on CPU, having
-            no streams to overlap with): FSDP2 waits for any Work in its copy-out (foreach_all_gather_copy_out)
-            before reading the output, so a prefetched all-gather travels while the module before it computes."""
-            return _Work(comm.all_gather(output_tensor, input_tensor, group))  # FSDP2 copies in: in place
+            work = comm.all_gather(output_tensor, input_tensor, group)  # FSDP2 copies in: in place
+            if not async_op:
+                work.wait()
+                return None
+            return _Work(work)
 
     class _ReduceScatterByComm(ReduceScatter):
         def allocate(self, size, *, dtype, device) -> torch.Tensor:
