@@ -356,9 +356,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             scratch = (ne_group - 1) / ne_group if hw.cores_per_node else 0.0
             z2_carry = min(n_local, ZERO2_IN_FLIGHT * bucket_elems) * (1 + scratch) * prec.grad if M > 1 else 0.0
             head = V * D + D if st.last else 0.0  # the first gradients of a last stage's backward
-            for k, held_scratch in ((ZERO2_IN_FLIGHT, ZERO2_IN_FLIGHT), (ZERO2_IN_FLIGHT + 1, ZERO2_IN_FLIGHT + 1)):
+            for k in (ZERO2_IN_FLIGHT, ZERO2_IN_FLIGHT + 1):  # k buckets launched, each with its scratch
                 done = min(1.0, max(0.0, k * bucket_elems - head) / max(n_local - root, 1.0))  # blocks past
-                buckets = min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) + held_scratch * scratch * bucket_elems
+                buckets = min(n_local, (ZERO2_IN_FLIGHT + 1) * bucket_elems) + k * scratch * bucket_elems
                 z2_moments.append((T * (st.act_layer_max_bytes - st.head_act_bytes
                                         - done * (st.act_bytes - st.head_act_bytes)) + st.cast_layer_max_bytes,
                                    0.0, buckets * prec.grad - z2_carry))
