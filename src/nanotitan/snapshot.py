@@ -162,12 +162,18 @@ def prune(root: Path) -> None:
 
 
 def units(root: Path) -> dict[str, list[str]]:
-    """{unit path relative to ROOT: its files} of the committed units on this node."""
+    """{unit path relative to ROOT: its files} of the committed units on this node. The snapshot thread's `prune`
+    may remove a step while this lists it (a glob across the two levels then raised FileNotFoundError and took the
+    agent down): a step or unit gone meanwhile is simply not listed."""
     out = {}
-    for d in root.glob("step_*/g*-node*"):
-        rel = f"{d.parent.name}/{d.name}"
-        if UNIT.match(rel) and d.is_dir():
-            out[rel] = sorted(f.name for f in d.iterdir())
+    for step in root.glob("step_*"):
+        try:
+            for d in step.iterdir():
+                rel = f"{step.name}/{d.name}"
+                if UNIT.match(rel) and d.is_dir():
+                    out[rel] = sorted(f.name for f in d.iterdir())
+        except FileNotFoundError:  # pruned while listed
+            continue
     return out
 
 
