@@ -230,11 +230,6 @@ LANES = ["--parallel.ep_overlap_microbatches", "true"]
 @pytest.mark.parametrize("args,msg", [
     (LANES + ["--parallel.microbatches", "4"], "parallel.ep_overlap_microbatches hides EP all-to-alls, and "
      "parallel.ep=1 has none (--parallel.ep 2, or --parallel.ep_overlap_microbatches false)"),
-    (LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4", "--parallel.schedule",
-              "gpipe"],
-     "parallel.ep_overlap_microbatches runs the 1f1b and zb1 schedules with parallel.pp > 1, not gpipe (gpipe leaves "
-     "no forward beside a backward; interleaved is not built, docs/ep.md) (--parallel.schedule 1f1b, or "
-     "--parallel.ep_overlap_microbatches false)"),
     (LANES + ["--parallel.ep", "2"], "parallel.ep_overlap_microbatches runs one microbatch's forward beside another's "
      "backward: parallel.microbatches=1 must be >= 2 (--parallel.microbatches 4, or "
      "--parallel.ep_overlap_microbatches false)"),

@@ -1,5 +1,5 @@
 """parallel.ep_overlap_microbatches (two lanes: a forward beside another microbatch's backward; pp = 1, and PP2
-under 1f1b and zb1) trains the same model as one process, and bit for bit the same model as the run without the
+under every schedule) trains the same model as one process, and bit for bit the same model as the run without the
 lanes.
 
 Harness and bar of tests/test_equivalence.py (the real trainer on real gloo processes, 10 steps, B = 16, m = 2):
@@ -91,6 +91,16 @@ def test_world4_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
     lane's P2P on its own PP group, zb1's W's in place), each row bitwise its twin without the lanes."""
     cases = [(1, 2, 2, s, extra + lanes) for s in ("1f1b", "zb1") for extra in ((), AC) for lanes in ((), LANES)]
     _matrix(4, cases, corpus_dir, tmp_path, reference, reference, timeout=400, twins=4)
+
+
+def test_world4_pp2_ep2_lanes_gpipe_interleaved(corpus_dir, tmp_path, reference):
+    """PP2·EP2 (M = 4) under gpipe (every forward first: the lanes add only the backwards' fill) and interleaved
+    (V = 2: each lane's P2P on the ring, PP2's one peer both ways), activation checkpointing off and on interleaved;
+    each row bitwise its twin without the lanes."""
+    V2 = ("--parallel.virtual_stages", "2")
+    cases = [(1, 2, 2, "gpipe", ()), (1, 2, 2, "gpipe", LANES)]
+    cases += [(1, 2, 2, "interleaved", V2 + extra + lanes) for extra in ((), AC) for lanes in ((), LANES)]
+    _matrix(4, cases, corpus_dir, tmp_path, reference, reference, timeout=400, twins=3)
 
 
 def test_world8_dp2_pp2_ep2_lanes(corpus_dir, tmp_path, reference):

@@ -37,10 +37,26 @@ def test_lanes_under_a_pipeline_hide_ep_time_and_hold_one_more_on_the_last_stage
     first_off, last_off = off.mem_by_stage[0], off.mem_by_stage[-1]
     first_on, last_on = on.mem_by_stage[0], on.mem_by_stage[-1]
     assert first_on == pytest.approx(first_off) and last_on > last_off
-    # refused schedules are not priced as lanes
-    gp = Layout(1, 2, 2, "gpipe", 4, 1)
-    assert predict(load_config(None, BASE + LANES + ["--parallel.schedule", "1f1b"]), gp, hw, opts).costs[
-        "ep_a2a"] == pytest.approx(predict(load_config(None, BASE), gp, hw, opts).costs["ep_a2a"])
+
+
+def test_gpipe_lanes_only_fill_and_interleaved_lanes_pair():
+    """gpipe runs every forward first: no pairs, so its lanes hide only what the backwards' weight GEMMs cover (less
+    EP time than without lanes, more than 1F1B's lanes), and hold what gpipe holds. Interleaved pairs its steady
+    chunk-forwards with chunk-backwards: its EP time falls as 1F1B's does."""
+    hw, opts = get_hardware("h100-sxm"), PlanOptions(link_node_size=1)
+    V2 = ["--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2"]
+
+    def pair(schedule, extra=()):
+        lay = Layout(1, 2, 2, schedule, 4, 1)
+        return (predict(load_config(None, BASE + list(extra)), lay, hw, opts),
+                predict(load_config(None, BASE + LANES + list(extra)), lay, hw, opts))
+
+    gp_off, gp_on = pair("gpipe")
+    _, ofb_on = pair("1f1b")
+    assert ofb_on.costs["ep_a2a"] < gp_on.costs["ep_a2a"] < gp_off.costs["ep_a2a"]
+    assert gp_on.mem_by_stage == pytest.approx(gp_off.mem_by_stage)
+    il_off, il_on = pair("interleaved", V2)
+    assert il_on.costs["ep_a2a"] < 0.5 * il_off.costs["ep_a2a"] and il_on.step_time_s < il_off.step_time_s
 
 
 def test_the_backwards_weight_gemms_hide_its_own_trips():

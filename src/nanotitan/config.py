@@ -122,7 +122,7 @@ class ParallelConfig:
     zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
     zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
     ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose all-to-alls travel while another group's experts compute, forward and backward (docs/ep.md); the same maths bit for bit
-    ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (two lanes, each with its own EP and PP groups; pp=1, or schedule 1f1b / zb1), so each one's all-to-alls travel while the other computes; CPU/gloo, zero 0-2, the same maths bit for bit (docs/ep.md)
+    ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (two lanes, each with its own EP and PP groups; any schedule: gpipe has no forward beside a backward, only its backwards' weight-gradient fill), so each one's all-to-alls travel while the other computes; CPU/gloo, zero 0-2, the same maths bit for bit (docs/ep.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep): more hide more bytes but each adds 4 calls, each paying the link latency (docs/ep.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
     timeout_s: float = 300.0  # process-group timeout
@@ -514,10 +514,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         off = "--parallel.ep_overlap_microbatches false"
         _check(p.auto or p.ep > 1, f"parallel.ep_overlap_microbatches hides EP all-to-alls, and parallel.ep=1 has "
                                    f"none (--parallel.ep 2, or {off})")
-        _check(p.auto or p.pp == 1 or p.schedule in ("1f1b", "zb1"),
-               f"parallel.ep_overlap_microbatches runs the 1f1b and zb1 schedules with parallel.pp > 1, not "
-               f"{p.schedule} (gpipe leaves no forward beside a backward; interleaved is not built, docs/ep.md) "
-               f"(--parallel.schedule 1f1b, or {off})")
         _check(p.auto or p.microbatches >= 2, f"parallel.ep_overlap_microbatches runs one microbatch's forward beside "
                                               f"another's backward: parallel.microbatches={p.microbatches} must be "
                                               f">= 2 (--parallel.microbatches 4, or {off})")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanotitan.config import Config, ModelConfig, ParallelConfig
-from nanotitan.model.spec import build_shard_spec
+from nanotitan.model.spec import build_chunk_specs, build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep
 from nanotitan.parallel import pp as pp_mod
@@ -18,6 +18,7 @@ from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
 from nanotitan.parallel.pp import exposed_ep_wait, in_flight, lanes_overlap, pipeline_forward_backward
 from nanotitan.parallel.pp import warmup as pp_warmup
+from nanotitan.parallel.pp_chunks import StageChunks
 from nanotitan.parallel.pp_comms import StageComms
 from tests.mp import run_ranks
 
@@ -213,11 +214,19 @@ def test_the_forward_lane_keeps_the_callers_meters():
     assert "nanotitan-forward-lane" in ops.threads and "nanotitan-forward-lane" in packed
 
 
-# --- under a pipeline: PP2·EP2, 1f1b and zb1 ------------------------------------------------------------------
-def _pp_cfg(schedule: str) -> Config:
-    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=4, n_heads=4, ffn_dim=48, num_experts=4, top_k=2,
-                        moe_every=1, max_seq_len=SEQ, capacity_factor=1.0, bias_update_rate=0.01)
-    return Config(model=model, parallel=ParallelConfig(pp=2, ep=2, microbatches=M, schedule=schedule))
+# --- under a pipeline: PP2·EP2, 1f1b, zb1 and interleaved -------------------------------------------------------
+def _pp_cfg(schedule: str, pp: int = 2, ep: int = 2, n_layers: int = 4) -> Config:
+    model = ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=n_layers, n_heads=4, ffn_dim=48, num_experts=4,
+                        top_k=2, moe_every=1, max_seq_len=SEQ, capacity_factor=1.0, bias_update_rate=0.01)
+    V = 2 if schedule == "interleaved" else 1
+    return Config(model=model, parallel=ParallelConfig(pp=pp, ep=ep, microbatches=M, schedule=schedule,
+                                                       virtual_stages=V))
+
+
+def _stage(cfg: Config, dims: ParallelDims):
+    """This rank's stage: one Transformer, or the interleaved schedule's V chunks."""
+    chunks = [Transformer(cfg.model, s, SEED) for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
+    return chunks[0] if len(chunks) == 1 else StageChunks(chunks)
 
 
 def _pp_lanes_rank(rank: int, world: int) -> dict:
@@ -247,11 +256,13 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
     comm.send, comm.recv, comm.batch_isend_irecv, comm.all_to_all_single = send, recv, batch, all_to_all
     out = {}
     try:
-        for schedule, ac in (("1f1b", False), ("zb1", True)):  # the other two pairs: test_equivalence_ep_lanes
+        # the other pairs: test_equivalence_ep_lanes
+        for schedule, ac in (("1f1b", False), ("zb1", True), ("interleaved", True)):
             cfg = _pp_cfg(schedule)
-            model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank), SEED),
-                             dims, lanes=True)
-            model.activation_checkpointing = ac
+            V = cfg.parallel.virtual_stages
+            model = apply_ep(_stage(cfg, dims), dims, lanes=True)
+            for chunk in pp_mod.stage_chunks(model):
+                chunk.activation_checkpointing = ac
             xs, ys = _batches(dims.ep_rank)
             one, g_one = _step(model, dims, xs, ys, lanes=False, schedule=schedule)
             load_one = {k: v.clone() for k, v in model.step_load.items()}
@@ -260,20 +271,22 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
             a2a.clear()
             timeline = []
             two, g_two = _step(model, dims, xs, ys, lanes=True, timeline=timeline, schedule=schedule)
-            spans = {(k, i): (t0, t1) for k, _, i, t0, t1 in timeline if k != "wait"}
-            w = pp_warmup("1f1b", 2, dims.pp_rank, M)
-            pair = 1 if dims.is_pp_last_stage else w  # F(j + pair) is meant to run beside B(j)
+            spans = {(k, v, i): (t0, t1) for k, v, i, t0, t1 in timeline if k != "wait"}
+            # the k-th forward is meant to run beside the (k - pair)-th backward
+            w = pp_warmup(schedule, 2, dims.pp_rank, M, V)
+            pair = 1 if dims.is_pp_last_stage and V == 1 else w
+            f_ops, b_ops = pp_mod.lane_orders(schedule, 2, M, V)
             out[schedule, ac] = {
                 "same_grads": all(torch.equal(g_one[n], g_two[n]) for n in g_one),
                 "same_loss": (one.ce_sum is None and two.ce_sum is None or torch.equal(one.ce_sum, two.ce_sum))
                 and torch.equal(one.aux_sum, two.aux_sum),
                 "same_load": all(torch.equal(load_one[k], model.step_load[k]) for k in load_one),
-                "in_flight": (one.max_in_flight, in_flight(schedule, 2, dims.pp_rank, M), two.max_in_flight,
-                              in_flight(schedule, 2, dims.pp_rank, M, lanes=True)),
+                "in_flight": (one.max_in_flight, in_flight(schedule, 2, dims.pp_rank, M, V), two.max_in_flight,
+                              in_flight(schedule, 2, dims.pp_rank, M, V, lanes=True)),
                 "one_overlap": one.lanes_overlap_s, "two_overlap": two.lanes_overlap_s,
-                "pairs_overlapping": sum(spans[("F", j + pair)][0] < spans[("B", j)][1]
-                                         and spans[("B", j)][0] < spans[("F", j + pair)][1]
-                                         for j in range(M - pair)),
+                "pairs_overlapping": sum(spans[("F", *f_ops[j + pair])][0] < spans[("B", *b_ops[j])][1]
+                                         and spans[("B", *b_ops[j])][0] < spans[("F", *f_ops[j + pair])][1]
+                                         for j in range(M * V - pair)),
                 # the forward lane's P2P on the PP group, the backward lane's on the backward PP group
                 "p2p_ok": bool(p2p) and all(g is (pp_f if t == "nanotitan-forward-lane" else pp_b)
                                             for t, g in p2p),
@@ -291,13 +304,15 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_lanes_under_a_pipeline_overlap_bitwise():
-    """PP2·EP2, M = 4, capacity and router bias on, 1f1b without and zb1 with activation checkpointing: the two-lane
+    """PP2·EP2, M = 4, capacity and router bias on, 1f1b without and zb1 and interleaved (V = 2, the ring) with
+    activation checkpointing: the two-lane
     step's gradients, losses and router counts equal the schedule's own step bit for bit; the forwards ran on the
     lane's thread and a stage's F(w+j) (the last stage's F(j+1)) really ran beside its B(j); each lane's P2P went
     on its own PP group (the backward lane's on "pp_backward"); no stage held more than `in_flight(lanes=True)`;
     zb1's later stage still ran its W's. Then PP4 on the same processes (no EP), 1f1b with M = 3 < PP (no steady
     phase on the first stages) and zb1 with M = 8 (three stages defer W's): neighbours' sends and receives match at
-    every phase boundary (no hang) and every stage's gradients are bitwise the schedule's own."""
+    every phase boundary (no hang) and every stage's gradients are bitwise the schedule's own; likewise gpipe
+    (M = 3) and interleaved on PP4's ring (V = 2, M = 8, a steady phase on every stage)."""
     results = run_ranks(_pp_lanes_rank, world=4, timeout=290)
     for rank, res in enumerate(results):
         for case, (same, held) in res.pop("pp4").items():
@@ -324,17 +339,17 @@ def _pp4_cases(rank: int) -> dict:
     """PP4 on the same 4 processes (no EP: the P2P pattern alone): the lanes' step against the schedule's own."""
     dims = ParallelDims(1, 4, 1, rank=rank).build_groups(timeout_s=60).build_backward_ep_groups(timeout_s=60)
     out = {}
-    for schedule, n in (("1f1b", 3), ("zb1", 8)):
-        cfg = _pp_cfg(schedule)
-        cfg.parallel.pp, cfg.parallel.ep = 4, 1
-        model = Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, 0), SEED)
+    for schedule, n in (("1f1b", 3), ("zb1", 8), ("gpipe", 3), ("interleaved", 8)):
+        cfg = _pp_cfg(schedule, pp=4, ep=1, n_layers=8 if schedule == "interleaved" else 4)
+        model = _stage(cfg, dims)
         g = torch.Generator().manual_seed(5)
         xs = [torch.randint(0, VOCAB, (M_SEQ, SEQ), generator=g) for _ in range(n)]
         ys = [(3 * x + 1) % VOCAB for x in xs]
         one, g_one = _step(model, dims, xs, ys, lanes=False, schedule=schedule)
         two, g_two = _step(model, dims, xs, ys, lanes=True, schedule=schedule)
         out[schedule, n] = (all(torch.equal(g_one[k], g_two[k]) for k in g_one),
-                            two.max_in_flight <= in_flight(schedule, 4, dims.pp_rank, n, lanes=True))
+                            two.max_in_flight <= in_flight(schedule, 4, dims.pp_rank, n, cfg.parallel.virtual_stages,
+                                                           lanes=True))
     return out
 
 

@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="nanotitan bench overlap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/mid.toml")
     ap.add_argument("--ep", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the lanes run 1f1b and zb1 with pp > 1)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb1", "gpipe", "interleaved"])
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1, help="parallel.microbatches M (--lanes needs >= 2)")
@@ -91,7 +91,11 @@ def main(argv: list[str]) -> int:
                     help="with --interleaved: where the lanes' exposed EP wait goes (lane, call, unpaired ends, peer)")
     args, overrides = ap.parse_known_args(argv)
     if args.interleaved:
-        cfg = resolve_model(load_config(args.config, overrides))
+        if args.schedule == "interleaved" and not any(o.startswith("--parallel.virtual_stages") for o in overrides):
+            overrides = overrides + ["--parallel.virtual_stages", "2"]  # the schedule's chunks per rank
+        layout = ["--parallel.pp", str(args.pp), "--parallel.ep", str(args.ep), "--parallel.schedule", args.schedule,
+                  "--parallel.microbatches", str(args.microbatches)]
+        cfg = resolve_model(load_config(args.config, layout + overrides))
         text = "\n".join(interleaved(cfg, args.pp, args.ep, args.schedule, args.microbatches, args.micro_batch,
                                       args.interleaved, topo, args.timeout, tuple(args.modes), args.breakdown)
                          for topo in args.topology)
@@ -185,12 +189,13 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
 
     import torch
 
-    from ..model.spec import build_shard_spec
+    from ..model.spec import build_chunk_specs
     from ..model.transformer import Transformer
     from ..parallel import comm
     from ..parallel.dims import ParallelDims
     from ..parallel.ep import apply_ep
     from ..parallel.pp import pipeline_forward_backward
+    from ..parallel.pp_chunks import StageChunks
     from ..parallel.pp_comms import StageComms
 
     torch.set_num_threads(1)
@@ -199,8 +204,10 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
         cfg.parallel.emulate_dilation = dilation
         emulate.install(emulate.link_model(cfg, rank))
     dims = ParallelDims(1, pp, ep, rank=rank).build_groups(timeout_s=600).build_backward_ep_groups(timeout_s=600)
-    model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank), cfg.train.seed), dims,
-                     lanes=True)
+    # the stage: one Transformer, or under the interleaved schedule its V chunks (parallel.virtual_stages)
+    chunks = [Transformer(cfg.model, spec, cfg.train.seed)
+              for spec in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
+    model = apply_ep(chunks[0] if len(chunks) == 1 else StageChunks(chunks), dims, lanes=True)
     g = torch.Generator().manual_seed(1 + dims.ep_rank)
     S, V, D = cfg.train.seq_len, cfg.model.vocab_size, cfg.model.d_model
     xs = [torch.randint(0, V, (m, S), generator=g) for _ in range(M)]

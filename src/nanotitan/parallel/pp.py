@@ -36,9 +36,10 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          compute that reads it, so the transfers overlap compute (Megatron's overlap_p2p_comm); the cooldown
          overlaps likewise. M must be a multiple of PP. Bubble (PP-1)/(V*M) of the ideal step, not (PP-1)/M.
 With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
-parallel.ep_overlap_microbatches runs that, 1F1B and zb1 in two lanes (`_two_lanes`): the forwards on a thread,
-the backwards (and W's) on the caller's, so that a stage's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j)
-on the last stage and at pp == 1) and each one's EP all-to-alls travel while the other computes.
+parallel.ep_overlap_microbatches runs any of them in two lanes (`_two_lanes`): the forwards on a thread, the
+backwards (and W's) on the caller's, each in the schedule's order, so that a stage's steady F(w+j) runs beside its
+B(j) (F(j+1) beside B(j) on 1F1B's last stage and at pp == 1; interleaved likewise, chunk by chunk; gpipe has no
+forward beside a backward) and each one's EP all-to-alls travel while the other computes.
 `virtual_stages`, `warmup` and `in_flight` below state these counts once: the schedules, the planner
 (plan/cost.py) and the tests all ask them.
 
@@ -111,20 +112,47 @@ def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
     return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
 
 
-def lane_window(pp: int, pp_rank: int, M: int, least: int = 2) -> int:
-    """parallel.ep_overlap_microbatches: the most microbatches stage pp_rank has between F and B at once. 1F1B's
-    warmup + 1 (its steady F(w+j) beside B(j)), but at least `least` (2): the last stage (warmup 0, and pp = 1) has
-    no forward of its own to pair with B(j) but F(j+1)."""
-    return min(max(warmup("1f1b", pp, pp_rank, M) + 1, least), M)
+def lane_window(pp: int, pp_rank: int, M: int, least: int = 2, schedule: str = "1f1b", V: int = 1) -> int:
+    """parallel.ep_overlap_microbatches: the most (chunk-)microbatches stage pp_rank has between F and B at once.
+    The schedule's warmup + 1 (its steady F(w+j) beside B(j)), but at least `least` (2): the last stage of 1F1B
+    (warmup 0, and pp = 1) has no forward of its own to pair with B(j) but F(j+1). gpipe: all M (every forward
+    comes first: no forward runs beside a backward, only the fill hides its all-to-alls)."""
+    V = virtual_stages(schedule, pp, V)
+    return min(max(warmup(schedule, pp, pp_rank, M, V) + 1, least), M * V)
+
+
+def lane_orders(schedule: str, pp: int, M: int, V: int = 1) -> tuple[list, list]:
+    """The (chunk, microbatch) order of a stage's forwards and of its backwards: the same as the schedule runs
+    them one at a time, the same on every rank (interleaved: Megatron's virtual-step order; gpipe: backwards in
+    reverse; every other schedule, and pp == 1: microbatch order)."""
+    V = virtual_stages(schedule, pp, V)
+    if V > 1:
+        ks = range(M * V)
+        return ([(interleaved_chunk(k, pp, V, True), interleaved_microbatch(k, pp, V)) for k in ks],
+                [(interleaved_chunk(k, pp, V, False), interleaved_microbatch(k, pp, V)) for k in ks])
+    order = [(0, i) for i in range(M)]
+    return order, (order[::-1] if schedule == "gpipe" and pp > 1 else order)
+
+
+def interleaved_chunk(k: int, pp: int, V: int, forward: bool) -> int:
+    """Interleaved 1F1B: the chunk of virtual step k (chunks in reverse order backward)."""
+    c = (k % (pp * V)) // pp
+    return c if forward else V - 1 - c
+
+
+def interleaved_microbatch(k: int, pp: int, V: int) -> int:
+    """Interleaved 1F1B: the microbatch of virtual step k (per chunk, forwards and backwards both in order)."""
+    return (k // (pp * V)) * pp + k % pp
 
 
 def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1, lanes: bool = False) -> int:
     """Most microbatches whose activations stage pp_rank holds at once (chunk-microbatches under interleaved):
     the warmup's forwards plus the steady phase's one. zb1 also holds pp_rank deferred W's (F done, W not yet),
-    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches; pp = 1, 1f1b, zb1):
-    `lane_window` (1F1B's count, but 2 on the last stage and at pp = 1), plus zb1's deferred W's."""
-    if lanes and (pp == 1 or schedule in ("1f1b", "zb1")):
-        return min(M, lane_window(pp, pp_rank, M) + (pp_rank if schedule == "zb1" else 0))
+    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches): `lane_window` (the
+    schedule's count, but 2 on 1F1B's last stage and at pp = 1), plus zb1's deferred W's."""
+    if lanes:
+        return min(M * virtual_stages(schedule, pp, V),
+                   lane_window(pp, pp_rank, M, 2, schedule, V) + (pp_rank if schedule == "zb1" else 0))
     if schedule == "zb1" and pp > 1:
         return min(M, pp)
     return min(warmup(schedule, pp, pp_rank, M, V) + 1, M * virtual_stages(schedule, pp, V))
@@ -164,7 +192,8 @@ class _StageRunner:
         self.fill = fill and not split
         self.store = WeightGradStore() if split or self.fill else None
         if self.store is not None:
-            attach(chunks[0], self.store)
+            for chunk in chunks:
+                attach(chunk, self.store)
         self.w_done = 0  # zb1: W's run so far (in microbatch order)
         self.n_weights = len(xs)
         self.training = True  # False: forwards only (evaluation), nothing kept for a backward
@@ -175,7 +204,8 @@ class _StageRunner:
 
     def close(self) -> None:
         if self.store is not None:
-            attach(self.chunks[0], None)
+            for chunk in self.chunks:
+                attach(chunk, None)
 
     def _event(self, kind: str, v: int, i: int, t0: float) -> None:
         t1 = time.perf_counter()
@@ -277,7 +307,7 @@ class _StageRunner:
             self._event("W", 0, i, t0)
 
 
-# --- parallel.ep_overlap_microbatches: two lanes, a forward beside a backward (pp == 1) -----------------------
+# --- parallel.ep_overlap_microbatches: two lanes, a forward beside a backward ---------------------------------
 class _LaneThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
     intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
@@ -302,61 +332,77 @@ class _LaneThreadState:
 
 
 def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False,
-               backward_group=None, join_timeout_s: float = 60.0, least: int = 2) -> None:
-    """1F1B / zb1 (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the forwards
-    F(0..M-1) in order, this thread the backwards B(0..M-1) in order. With L = `lane_window`, F(i) starts once
-    B(i-L) is done, B(j) once F(j) is; so a stage's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the
-    last stage and at pp == 1), and a stage holds at most L microbatches (1F1B's w + 1, but 2 on the last stage).
+               backward_group=None, join_timeout_s: float = 60.0, least: int = 2, schedule: str = "1f1b",
+               V: int = 1) -> None:
+    """Any schedule (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the stage's forwards
+    in the schedule's order, this thread its backwards (and zb1's W's) in the schedule's order (`lane_orders`).
+    With L = `lane_window`, the k-th forward starts once the (k-L)-th backward is done, and a backward once its
+    own forward is: so 1F1B's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the last stage and at
+    pp == 1), interleaved's steady chunk-forward beside its chunk-backward likewise, and a stage holds at most L
+    (chunk-)microbatches (the schedule's own count, but 2 on 1F1B's last stage). gpipe: L = M, every forward
+    first (its definition); its backwards still fill their all-to-alls (`_StageRunner.backward`).
 
-    P2P: each lane owns one direction of each neighbour pair, on its own PP group: the forward lane receives its
-    input from the previous stage right before F and sends its output at F's end (PP group "pp"); the backward lane
-    receives its output gradient right before B and sends the input gradient at B's end ("pp_backward", dims.py).
-    Each group's messages between two stages are then one lane's, in microbatch order at both ends, so they match
-    whatever the threads' interleaving (no batched send-and-receive pairs two lanes' traffic). Neighbours agree at
-    every phase boundary because there are no phases: each lane is one loop over the M microbatches, and each
-    message is sent once its microbatch is computed and received when its lane is ready for it.
-    Deadlock-free: every wait is for a microbatch of a smaller index, or for the same one one stage down the
-    data flow (F: the previous stage's F; B: the next stage's B and this stage's F).
+    P2P: each lane owns one direction of each neighbour pair, on its own PP group: the forward lane sends its
+    output to the next rank and receives its next input from the previous one (PP group "pp"), the backward lane
+    sends its input gradient back and receives its next output gradient ("pp_backward", dims.py). Each group's
+    messages between two ranks are then one lane's, in the schedule's order at both ends (the order is the same on
+    every rank, and interleaved's ring maps the last rank's chunk v onto the first's v+1 in that order), so they
+    match whatever the threads' interleaving. Each lane posts its send and its next receive as one batch and
+    waits for it only before that next computation: a gloo send completes only once its receiver has posted the
+    receive, and on interleaved's ring (PP2: the same peer both ways) two lanes that sent before they received
+    would wait for each other. Neighbours agree at every phase boundary because there are no phases: each lane is
+    one loop, and each message is sent once its microbatch is computed and received when its lane is ready.
+    Deadlock-free: every wait is for an earlier step of the schedule (the one-at-a-time order meets every lane's
+    constraint, so a cycle of waits cannot form).
 
-    Exact: the backwards run one at a time in microbatch order on this thread, as without the lanes, and zb1's W's
-    keep their place (each W due after B(j) runs during B(j)'s gradient send, `weights_until(j + 1 - pp_rank)`, the
-    rest at the end), so every .grad accumulates the same terms in the same order and the gradient sync's hooks
+    Exact: the backwards run one at a time in the schedule's order on this thread, as without the lanes, and zb1's
+    W's keep their place (each W due after B(j) runs during B(j)'s gradient send, `weights_until(j + 1 - pp_rank)`,
+    the rest at the end), so every .grad accumulates the same terms in the same order and the gradient sync's hooks
     fire in the same order (the final backward, or W, runs after every forward); a forward reads only the
     parameters, which no backward or W changes, and draws no random numbers.
     EP pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), in an order fixed by
-    (pp, pp_rank, M), the same on every rank of an EP group; a checkpointed block's recompute runs inside its
-    backward, so its collectives are the backward lane's, in order. Torch releases the GIL inside its ops and in
-    gloo's waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
+    (schedule, pp, pp_rank, M, V), the same on every rank of an EP group; a checkpointed block's recompute runs
+    inside its backward, so its collectives are the backward lane's, in order. Torch releases the GIL inside its
+    ops and in gloo's waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
     An exception in either lane stops both and is raised here (the first one); each lane checks for it before it
-    posts a receive, and a lane stuck in a call whose peer failed is left behind (a daemon thread) after
+    waits for a receive, and a lane stuck in a call whose peer failed is left behind (a daemon thread) after
     join_timeout_s, never waited for forever."""
-    L = lane_window(pp, pp_rank, M, least)
+    forward_order, backward_order = lane_orders(schedule, pp, M, V)
+    total = len(forward_order)
+    L = lane_window(pp, pp_rank, M, least, schedule, V)
+    forward_index = {op: k for k, op in enumerate(forward_order)}
     cond = threading.Condition()
     done = {"F": 0, "B": 0}
     errors: list[BaseException] = []
     state = _LaneThreadState()
 
+    def receives(order, k: int, ends: list[bool]) -> bool:  # does the k-th op of a lane take a message?
+        return k < total and not ends[order[k][0]]
+
     def forwards():
         try:
             with state.entered():
-                for i in range(M):
+                # the first input; afterwards each forward's send and the next one's receive are posted together
+                in_buf, _, posted = comms.post_exchange(None, None, receives(forward_order, 0, run.first), False)
+                for k, (v, i) in enumerate(forward_order):
                     if errors:
                         return
-                    recv_buf = comms.recv_forward()  # posted before the window opens: the sender goes on
+                    _wait(posted)  # this forward's input (and the previous output's send)
                     with cond:
-                        cond.wait_for(lambda: done["B"] > i - L or errors)
+                        cond.wait_for(lambda: done["B"] > k - L or errors)
                         if errors:
                             return
-                    out = run.forward(0, i, recv_buf)
+                    out = run.forward(v, i, in_buf)
                     with cond:
-                        done["F"] = i + 1
+                        done["F"] = k + 1
                         cond.notify_all()
                         # held: F done, B (zb1: W) not; a B under way still holds its microbatch's activations
-                        held = i + 1 - (run.w_done if split else done["B"])
+                        held = k + 1 - (run.w_done if split else done["B"])
                         run.max_in_flight = max(run.max_in_flight, held)
-                    if out is not None:
-                        comms.send_forward(out)
+                    in_buf, _, posted = comms.post_exchange(out, None, receives(forward_order, k + 1, run.first),
+                                                            False)
                     out = None  # zb1's B retains the graph for W: no reference here may outlive that W
+                _wait(posted)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             with cond:
                 errors.append(e)
@@ -365,21 +411,28 @@ def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: i
     lane = threading.Thread(target=forwards, name="nanotitan-forward-lane", daemon=True)
     lane.start()
     try:
-        for j in range(M):
-            with cond:  # the gradient of microbatch j cannot come before F(j) has been sent
-                cond.wait_for(lambda: done["F"] > j or errors)
+        _, grad_buf, posted = comms.post_exchange(None, None, False, receives(backward_order, 0, run.last),
+                                                  group=backward_group)
+        for j, (v, i) in enumerate(backward_order):
+            with cond:  # the gradient of a microbatch cannot come before its forward has been sent
+                cond.wait_for(lambda: done["F"] > forward_index[v, i] or errors)
                 if errors:
                     break
-            grad_buf = comms.recv_backward(backward_group)
+            _wait(posted)  # this backward's output gradient (and the previous input gradient's send)
             if split:
-                grad_in = run.backward_input(j, grad_buf)
-                comms.send_backward(grad_in, lambda: run.weights_until(j + 1 - pp_rank), backward_group)
+                grad_in, due = run.backward_input(i, grad_buf), (lambda n=j + 1 - pp_rank: run.weights_until(n))
             else:
-                comms.send_backward(run.backward(0, j, grad_buf, is_last=j == M - 1), None, backward_group)
+                grad_in, due = run.backward(v, i, grad_buf, is_last=j == total - 1), None
+            _, grad_buf, posted = comms.post_exchange(None, grad_in, False, receives(backward_order, j + 1, run.last),
+                                                      group=backward_group)
+            if due is not None:
+                due()  # zb1: the W's now due, while the input gradient travels
+            grad_in = None
             with cond:
                 done["B"] = j + 1
                 cond.notify_all()
         else:
+            _wait(posted)
             if split:
                 run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
     except BaseException as e:  # noqa: BLE001
@@ -481,11 +534,10 @@ def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
     first_rank, last_rank = pp_rank == 0, pp_rank == pp - 1
 
     def chunk(k: int, forward: bool) -> int:
-        c = (k % (pp * V)) // pp
-        return c if forward else V - 1 - c
+        return interleaved_chunk(k, pp, V, forward)
 
     def microbatch(k: int) -> int:  # per chunk, forwards and backwards both take microbatches in order
-        return (k // (pp * V)) * pp + k % pp
+        return interleaved_microbatch(k, pp, V)
 
     inputs = [collections.deque() for _ in range(V)]  # received inputs per chunk, FIFO
     grads = [collections.deque() for _ in range(V)]  # received output gradients per chunk, FIFO
@@ -605,8 +657,7 @@ def pipeline_forward_backward(
     each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
     this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
     and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
-    ep_lanes (parallel.ep_overlap_microbatches; pp == 1, or the 1f1b / zb1 schedules): the forwards and backwards
-    in two lanes (`_two_lanes`); the model's MoE layers must have been given their backward EP groups
+    ep_lanes (parallel.ep_overlap_microbatches; any schedule): the forwards and backwards in two lanes (`_two_lanes`); the model's MoE layers must have been given their backward EP groups
     (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
     ep_lanes_fill (with ep_lanes; not zb1's split stages, whose W's have their own place): each backward's
     weight-gradient GEMMs run while its EP all-to-alls travel (`_StageRunner.backward`); False: plain autograd
@@ -624,9 +675,6 @@ def pipeline_forward_backward(
     V = len(chunks)
     if V > 1 and (schedule != "interleaved" or dims.pp == 1):
         raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
-    if ep_lanes and dims.pp > 1 and schedule not in ("1f1b", "zb1"):
-        raise ValueError(f"parallel.ep_overlap_microbatches runs the 1f1b and zb1 schedules with pp > 1, not "
-                         f"{schedule} (--parallel.schedule 1f1b, or --parallel.ep_overlap_microbatches false)")
     if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
         raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
                          f"parallel.pp={dims.pp} (--parallel.microbatches)")
@@ -648,7 +696,8 @@ def pipeline_forward_backward(
         if ep_lanes and M > 1:  # a forward beside a backward, two lanes
             backward_group = dims.group("pp_backward")
             assert dims.pp == 1 or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
-            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group, least=ep_lanes_window)
+            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group, least=ep_lanes_window,
+                       schedule=schedule, V=V)
         elif dims.pp == 1:  # plain gradient accumulation, whatever the schedule
             _one_f_one_b(run, comms, M, 1, 0)
         elif schedule == "gpipe":

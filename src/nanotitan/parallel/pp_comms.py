@@ -25,10 +25,10 @@ matched in the same order at both ends (NCCL matches point-to-point messages bet
 zb1 passes `during`: local work (deferred weight gradients) that runs while a send is in flight, so the
 wait it would otherwise spend blocked is spent computing; only the time blocked counts as wait.
 
-parallel.ep_overlap_microbatches (two lanes, pp.py `_two_lanes`) uses the one-direction calls only, from two
-threads: the forward lane `recv_forward` / `send_forward` on the PP group, the backward lane `recv_backward` /
-`send_backward` on the backward PP group (`group=`, dims.py "pp_backward"), so each group carries one lane's
-messages between two stages, in order at both ends. Shared between the lanes: the buffer pool (atomic pops and
+parallel.ep_overlap_microbatches (two lanes, pp.py `_two_lanes`, any schedule) uses `post_exchange` from two
+threads, each lane one direction: the forward lane its activations on the PP group, the backward lane its
+gradients on the backward PP group (`group=`, dims.py "pp_backward"), so each group carries one lane's messages
+between two ranks, in order at both ends. Shared between the lanes: the buffer pool (atomic pops and
 appends) and `wait_s` (summed over both lanes, an unlocked `+=`: a lost update is possible and only a statistic).
 """
 
@@ -106,20 +106,18 @@ class StageComms:
         self._timed(comm.recv, buf, self.prev, self.group)
         return buf
 
-    def send_backward(self, grad_in: torch.Tensor, during: Callable[[], None] | None = None, group=None) -> None:
-        """group: the backward lane's PP group under parallel.ep_overlap_microbatches (None: this stage's)."""
+    def send_backward(self, grad_in: torch.Tensor, during: Callable[[], None] | None = None) -> None:
         if self.prev is not None:
-            ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev,
-                              self.group if group is None else group)]
+            ops = [dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.prev, self.group)]
             self._batch(ops, during)
         elif during is not None:
             during()
 
-    def recv_backward(self, group=None) -> torch.Tensor | None:
+    def recv_backward(self) -> torch.Tensor | None:
         if self.next is None:
             return None
         buf = self.acquire()
-        self._timed(comm.recv, buf, self.next, self.group if group is None else group)
+        self._timed(comm.recv, buf, self.next, self.group)
         return buf
 
     # --- both directions at once (steady 1F1B) ---------------------------------------------------
@@ -158,27 +156,34 @@ class StageComms:
             self._batch(ops)
         return in_buf, grad_buf
 
-    def _exchange_ops(self, out, grad_in, recv_forward: bool, recv_backward: bool) -> tuple[list, object, object]:
+    def _exchange_ops(self, out, grad_in, recv_forward: bool, recv_backward: bool,
+                      group=None) -> tuple[list, object, object]:
         """The P2P ops of one interleaved round (activations first, then gradients) and the receive buffers."""
         ops, in_buf, grad_buf = [], None, None
+        group = self.group if group is None else group
         if out is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(out, "send_forward"), self.ring_next, self.group))
+            ops.append(dist.P2POp(dist.isend, self._check(out, "send_forward"), self.ring_next, group))
         if recv_forward:
             in_buf = self.acquire()
-            ops.append(dist.P2POp(dist.irecv, in_buf, self.ring_prev, self.group))
+            ops.append(dist.P2POp(dist.irecv, in_buf, self.ring_prev, group))
         if grad_in is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.ring_prev, self.group))
+            ops.append(dist.P2POp(dist.isend, self._check(grad_in, "send_backward"), self.ring_prev, group))
         if recv_backward:
             grad_buf = self.acquire()
-            ops.append(dist.P2POp(dist.irecv, grad_buf, self.ring_next, self.group))
+            ops.append(dist.P2POp(dist.irecv, grad_buf, self.ring_next, group))
         return ops, in_buf, grad_buf
 
     def post_exchange(self, out: torch.Tensor | None, grad_in: torch.Tensor | None, recv_forward: bool,
-                      recv_backward: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, _Posted | None]:
+                      recv_backward: bool, group=None) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                               _Posted | None]:
         """`exchange` without its wait: the ops are posted, and the returned handle's `wait()` (before anything
         reads the received buffers) completes them. The interleaved schedule overlaps each round's traffic with
-        its next compute this way (Megatron's overlap_p2p_comm)."""
-        ops, in_buf, grad_buf = self._exchange_ops(out, grad_in, recv_forward, recv_backward)
+        its next compute this way (Megatron's overlap_p2p_comm); the lanes of parallel.ep_overlap_microbatches
+        post each lane's send with its next receive (pp.py `_two_lanes`; `group`: the backward lane's PP group).
+        On a ring's neighbours (interleaved) and a line's alike: the first stage never receives an activation nor
+        sends a gradient, the last never sends an activation nor receives a gradient, unless it holds a chunk
+        that does (interleaved)."""
+        ops, in_buf, grad_buf = self._exchange_ops(out, grad_in, recv_forward, recv_backward, group)
         return in_buf, grad_buf, (self._post(ops) if ops else None)
 
     def _batch(self, ops: list, during: Callable[[], None] | None = None) -> None:

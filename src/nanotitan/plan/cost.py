@@ -287,8 +287,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     ex_link, _ = link("expert_dp")
 
     n_virt = pp_schedules.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
-    lanes = (cfg.parallel.ep_overlap_microbatches and (pp == 1 or layout.schedule in ("1f1b", "zb1")) and ep > 1
-             and M > 1)  # two lanes (pp.py)
+    lanes = cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1  # two lanes (pp.py), any schedule
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
@@ -430,7 +429,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             # Where the link is a CPU's own work (gloo without an emulator), nothing hides behind compute.
             w_f = a2a_link * (2 * a2a_one + 3 * lat) / (4 * a2a_one + 5 * lat)
             if opts.links_idle or not hw.cores_per_node:
-                unpaired = pp_schedules.warmup("1f1b", pp, s, M)  # 0 (pp = 1, last stage): F(0) and B(M-1)
+                # the warmup's forwards (in whole-stage units) run alone: 0 (pp = 1, 1F1B's last stage) is F(0) and
+                # B(M-1); gpipe's M: no forward beside a backward, only the fill hides the backwards' trips
+                unpaired = pp_schedules.warmup(layout.schedule, pp, s, M, n_virt) / n_virt
                 split = layout.schedule == "zb1" and pp > 1 and s > 0  # zb1's W's run in their own place
                 c_w = 0.0 if split else t_f  # the backward's weight-gradient GEMMs: about one forward's
                 a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M, unpaired, c_w,
