@@ -294,6 +294,9 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
                 "forward_a2a_threads": {t for b, t in a2a if not b},
                 "exposed_le_wait": two.ep_exposed_s <= two.ep_wait_s + 1e-9,
                 "W": sum(k == "W" for k, *_ in timeline),
+                # zb1's split stages fill too: a due W ran inside a B, while that B's all-to-all travelled
+                "W_in_B": sum(any(b0 < w0 and w1 < b1 for k, _, _, b0, b1 in timeline if k == "B")
+                              for k, _, _, w0, w1 in timeline if k == "W"),
             }
     finally:
         for k, f in plain.items():
@@ -305,14 +308,14 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
 @pytest.mark.timeout(300)
 def test_lanes_under_a_pipeline_overlap_bitwise():
     """PP2·EP2, M = 4, capacity and router bias on, 1f1b without and zb1 and interleaved (V = 2, the ring) with
-    activation checkpointing: the two-lane
-    step's gradients, losses and router counts equal the schedule's own step bit for bit; the forwards ran on the
-    lane's thread and a stage's F(w+j) (the last stage's F(j+1)) really ran beside its B(j); each lane's P2P went
-    on its own PP group (the backward lane's on "pp_backward"); no stage held more than `in_flight(lanes=True)`;
-    zb1's later stage still ran its W's. Then PP4 on the same processes (no EP), 1f1b with M = 3 < PP (no steady
-    phase on the first stages) and zb1 with M = 8 (three stages defer W's): neighbours' sends and receives match at
-    every phase boundary (no hang) and every stage's gradients are bitwise the schedule's own; likewise gpipe
-    (M = 3) and interleaved on PP4's ring (V = 2, M = 8, a steady phase on every stage)."""
+    activation checkpointing: the two-lane step's gradients, losses and router counts equal the schedule's own step
+    bit for bit; the forwards ran on the lane's thread and a stage's F(w+j) (the last stage's F(j+1)) really ran
+    beside its B(j); each lane's P2P went on its own PP group (the backward lane's on "pp_backward"); no stage held
+    more than `in_flight(lanes=True)`; zb1's later stage still ran its W's, each due one (all but the last) inside
+    the next B (the fill). Then PP4 on the same processes (no EP), 1f1b with M = 3 < PP (no steady phase on the
+    first stages) and zb1 with M = 8 (three stages defer W's): neighbours' sends and receives match at every phase
+    boundary (no hang) and every stage's gradients are bitwise the schedule's own; likewise gpipe (M = 3) and
+    interleaved on PP4's ring (V = 2, M = 8, a steady phase on every stage)."""
     results = run_ranks(_pp_lanes_rank, world=4, timeout=290)
     for rank, res in enumerate(results):
         for case, (same, held) in res.pop("pp4").items():
@@ -330,6 +333,7 @@ def test_lanes_under_a_pipeline_overlap_bitwise():
             assert r["forward_a2a_threads"] == {"nanotitan-forward-lane"}, f"{name}: {r}"
             assert r["exposed_le_wait"], f"{name}: {r}"
             assert r["W"] == (M if schedule == "zb1" and rank >= 2 else 0), f"{name}: {r}"
+            assert r["W_in_B"] == (M - 1 if schedule == "zb1" and rank >= 2 else 0), f"{name}: {r}"
             overlapping += r["pairs_overlapping"] > 0 and r["two_overlap"] > 0.0
         # timing decides each single pair; over two steps, every stage ran a forward beside a backward
         assert overlapping >= 1, f"rank {rank}: no F(w+j) overlapped B(j) in any case: {res}"

@@ -189,7 +189,9 @@ class _StageRunner:
         # fill (parallel.ep_overlap_microbatches, not zb1's split stages): each backward defers its weight-gradient
         # GEMMs into the store too, and runs them while its own EP all-to-alls travel (ep.filling), the rest at its
         # end: every term still lands within the same backward, in the order produced.
-        self.fill = fill and not split
+        # zb1's split stages (split): B defers every weight gradient to W anyway; with the fill, the W's due after
+        # B(j) run while B(j)'s own all-to-alls travel (`backward_input(due=)`) instead of only during its send.
+        self.fill, self.fill_split = fill and not split, fill and split
         self.store = WeightGradStore() if split or self.fill else None
         if self.store is not None:
             for chunk in chunks:
@@ -279,13 +281,18 @@ class _StageRunner:
         """fill: run the weight-gradient GEMMs deferred so far, in the order their backward produced them."""
         run_weights(self.store.take())
 
-    def backward_input(self, i: int, grad_buf: torch.Tensor | None) -> torch.Tensor | None:
+    def backward_input(self, i: int, grad_buf: torch.Tensor | None, due: int = 0) -> torch.Tensor | None:
         """zb1's B of microbatch i (one chunk): one autograd backward that computes the input gradient and defers
         every weight-gradient GEMM (and every other parameter's gradient) into the store; its W waits in
-        self.weights. No .grad changes, so the gradient syncs see nothing until W."""
+        self.weights. No .grad changes, so the gradient syncs see nothing until W.
+        due (fill_split): the W's of microbatches before `due` are due after this B; each of its EP all-to-alls
+        runs the next of them while it travels. W's still run one whole W at a time, in microbatch order, and B's
+        own terms stay queued in the store: every .grad sees the same terms in the same order."""
         t0 = time.perf_counter()
         recv_buf, inp, outs, grads = self._take(0, i, grad_buf)
-        with self.store.deferring():
+        fill = self.fill_split and self.w_done < min(due, self.n_weights)
+        with self.store.deferring(), \
+                ep.filling(lambda: self.weights_until(self.w_done + 1, due)) if fill else contextlib.nullcontext():
             torch.autograd.backward(outs, grads)
         # The received input and output gradient stay until W: a deferred GEMM may read either (the received
         # activation is the first norm's input; the output gradient passes the residual adds unchanged).
@@ -293,9 +300,9 @@ class _StageRunner:
         self._event("B", 0, i, t0)
         return None if self.first[0] else inp.grad
 
-    def weights_until(self, n: int) -> None:
-        """zb1: run the deferred W's of microbatches w_done .. n-1, in order."""
-        while self.w_done < min(n, self.n_weights):
+    def weights_until(self, n: int, due: int | None = None) -> None:
+        """zb1: run the deferred W's of microbatches w_done .. n-1, in order (and none at or past `due`)."""
+        while self.w_done < min(n, self.n_weights, self.n_weights if due is None else due):
             i, t0 = self.w_done, time.perf_counter()
             work, buffers = self.weights.pop(i)
             if self.before_backward is not None:
@@ -419,8 +426,9 @@ def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: i
                 if errors:
                     break
             _wait(posted)  # this backward's output gradient (and the previous input gradient's send)
-            if split:
-                grad_in, due = run.backward_input(i, grad_buf), (lambda n=j + 1 - pp_rank: run.weights_until(n))
+            if split:  # the W's due after B(j) (the fill: during B(j)'s all-to-alls; the rest during its send)
+                grad_in = run.backward_input(i, grad_buf, due=j + 1 - pp_rank)
+                due = lambda n=j + 1 - pp_rank: run.weights_until(n)  # noqa: E731
             else:
                 grad_in, due = run.backward(v, i, grad_buf, is_last=j == total - 1), None
             _, grad_buf, posted = comms.post_exchange(None, grad_in, False, receives(backward_order, j + 1, run.last),

@@ -247,7 +247,7 @@ def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpair
     zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
     c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link, carrying one
     call at a time). c_w: the part of c_b that is weight-gradient GEMMs the backward lane runs while its own trips
-    travel (pp.py `_StageRunner.backward`'s fill; 0 on zb1's split stages, whose W's run elsewhere), so a backward
+    travel (pp.py `_StageRunner.backward`'s fill; on zb1's split stages the W due after it), so a backward
     alone exposes only max(w_b - c_w, 0). A lane cannot compute while it waits for its own trip, the two lanes share
     the rank's compute, and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b,
     w_f + w_b, c_f + w_f, c_b + max(w_b - c_w, 0)); the model takes that bound (the lanes interleave layer by
@@ -432,8 +432,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                 # the warmup's forwards (in whole-stage units) run alone: 0 (pp = 1, 1F1B's last stage) is F(0) and
                 # B(M-1); gpipe's M: no forward beside a backward, only the fill hides the backwards' trips
                 unpaired = pp_schedules.warmup(layout.schedule, pp, s, M, n_virt) / n_virt
-                split = layout.schedule == "zb1" and pp > 1 and s > 0  # zb1's W's run in their own place
-                c_w = 0.0 if split else t_f  # the backward's weight-gradient GEMMs: about one forward's
+                # what runs while a backward's own trips travel: its weight-gradient GEMMs, about one forward's; on
+                # zb1's split stages the W due after it (none for the first s backwards), as much again
+                split = layout.schedule == "zb1" and pp > 1 and s > 0
+                c_w = t_f * max(M - s, 0) / M if split else t_f
                 a2a_link = ep_lanes_time(t_f, t_b, w_f, a2a_link - w_f, M, unpaired, c_w,
                                          LANES_SHARED_SKEW if hw.cores_per_node else 0.0) / M - (t_f + t_b)
         a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
