@@ -338,12 +338,17 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         # the last module's (the last block's experts), freed when the root's forward ends. While a block runs,
         # its own params too, and on the last stage the head's unsharded gradient (reduce-scattered with the
         # root's at the end of backward). Measured with `nanotitan plan --dry-run` (docs/plans/mixtral-8x7b-h100.md).
-        gathered, ag, ag_last, in_block = 0.0, 0.0, 0.0, (0.0, 0.0)
+        # Without PP the last block is not resharded after its forward (fsdp.apply_fsdp, torchtitan's default): its
+        # params and experts stay gathered through the head's forward and the logits' gradient, in place of the
+        # non-expert group the root's backward would prefetch.
+        gathered, ag, ag_last, in_block, ag_head = 0.0, 0.0, 0.0, (0.0, 0.0), 0.0
         if zero == 3 and z_reshard:
             ne_block = (st.n_ne - root) / max(st.n_layers, 1)
             ex_block = st.n_ex / max(st.n_layers, 1) if ex_group > 1 else 0.0  # dp == 1: experts not FSDP's
             gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
             in_block = (ag + (ne_block + ex_block) * prec.param, (V * D + D) * prec.grad if st.last else 0.0)
+            kept = (ne_block + ex_block) * prec.param if pp == 1 else 0.0
+            ag_head, ag_last = kept or ag, ag_last + kept
         # zero 2 "shard" (ShardedReducer._launch_into_shard): the bucket backward fills and those whose reduce-scatter
         # is in flight, each in flight with its scratch on gloo (a CPU profile: comm.py's in-place exchange receives
         # (N-1)/N of the bucket beside it until it lands). At the start of a backward (the logits' gradient) only
@@ -362,7 +367,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
                                         - done * (st.act_bytes - st.head_act_bytes)) + st.cast_layer_max_bytes,
                                    0.0, buckets * prec.grad - z2_carry))
         # the largest transient: (bytes, gathered params beside it, unsharded gradients beside it)
-        transient = [(2 * T * V * 4 if st.last else 0.0, ag, 0.0),  # gradients of log-softmax and logits (fp32 CE)
+        transient = [(2 * T * V * 4 if st.last else 0.0, ag_head, 0.0),  # gradients of log-softmax, logits (fp32 CE)
                      *z2_moments,  # zero 2 "shard": a bucket filling beside those in flight, and its launch
                      # one block's backward (and its recompute, weight copies included, under AC); the head's
                      # activations are freed by then
@@ -474,9 +479,13 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         t_ag = 0.0 if not zero else (half(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
                                      + half(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
         # "shard" (zero 2/3) reduce-scatters every microbatch, each behind its own backward; zero 3 "always"
-        # all-gathers each module around every microbatch's forward and backward (2M), prefetched behind them
+        # all-gathers each module around every microbatch's forward and backward (2M), prefetched behind them,
+        # but without PP the last block only before its forward (M: kept for its backward, fsdp.apply_fsdp)
         n_rs = M if zero >= 2 and z_shard else 1
         n_ag = 2 * M if zero == 3 and z_reshard else 1
+        if n_ag > 1 and pp == 1:
+            last_block = (st.n_ne + st.n_ex - (2 * V * D + D)) / max(st.n_layers, 1)  # one stage: embedding, head
+            n_ag -= M * last_block / max(st.n_ne + st.n_ex, 1)
         t_rs_each = t_ar
         ag_exposed = (max(0.0, n_ag * t_ag - hw.dp_overlap * (t_fwd[s] + (t_bwd[s] if n_ag > 1 else 0.0))
                           * (M if n_ag > 1 else 1)) if zero == 3 else t_ag)
