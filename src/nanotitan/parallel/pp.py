@@ -292,7 +292,7 @@ class _StageRunner:
         recv_buf, inp, outs, grads = self._take(0, i, grad_buf)
         fill = self.fill_split and self.w_done < min(due, self.n_weights)
         with self.store.deferring(), \
-                ep.filling(lambda: self.weights_until(self.w_done + 1, due)) if fill else contextlib.nullcontext():
+                ep.filling(lambda: self.weights_until(min(self.w_done + 1, due))) if fill else contextlib.nullcontext():
             torch.autograd.backward(outs, grads)
         # The received input and output gradient stay until W: a deferred GEMM may read either (the received
         # activation is the first norm's input; the output gradient passes the residual adds unchanged).
@@ -300,9 +300,9 @@ class _StageRunner:
         self._event("B", 0, i, t0)
         return None if self.first[0] else inp.grad
 
-    def weights_until(self, n: int, due: int | None = None) -> None:
-        """zb1: run the deferred W's of microbatches w_done .. n-1, in order (and none at or past `due`)."""
-        while self.w_done < min(n, self.n_weights, self.n_weights if due is None else due):
+    def weights_until(self, n: int) -> None:
+        """zb1: run the deferred W's of microbatches w_done .. n-1, in order."""
+        while self.w_done < min(n, self.n_weights):
             i, t0 = self.w_done, time.perf_counter()
             work, buffers = self.weights.pop(i)
             if self.before_backward is not None:
@@ -363,10 +363,11 @@ def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: i
     constraint, so a cycle of waits cannot form).
 
     Exact: the backwards run one at a time in the schedule's order on this thread, as without the lanes, and zb1's
-    W's keep their place (each W due after B(j) runs during B(j)'s gradient send, `weights_until(j + 1 - pp_rank)`,
-    the rest at the end), so every .grad accumulates the same terms in the same order and the gradient sync's hooks
-    fire in the same order (the final backward, or W, runs after every forward); a forward reads only the
-    parameters, which no backward or W changes, and draws no random numbers.
+    W's keep their order (each W due after B(j), `weights_until(j + 1 - pp_rank)`, runs during B(j)'s all-to-alls
+    when the fill is on, else during its gradient send; the rest at the end), so every .grad accumulates the same
+    terms in the same order and the gradient sync's hooks fire in the same order (the final backward, or W, runs
+    after every forward); a forward reads only the parameters, which no backward or W changes, and draws no random
+    numbers.
     EP pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), in an order fixed by
     (schedule, pp, pp_rank, M, V), the same on every rank of an EP group; a checkpointed block's recompute runs
     inside its backward, so its collectives are the backward lane's, in order. Torch releases the GIL inside its
@@ -426,15 +427,15 @@ def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: i
                 if errors:
                     break
             _wait(posted)  # this backward's output gradient (and the previous input gradient's send)
-            if split:  # the W's due after B(j) (the fill: during B(j)'s all-to-alls; the rest during its send)
-                grad_in = run.backward_input(i, grad_buf, due=j + 1 - pp_rank)
-                due = lambda n=j + 1 - pp_rank: run.weights_until(n)  # noqa: E731
+            if split:  # zb1: the W's due after B(j) run during its all-to-alls (the fill), the rest during its send
+                due = j + 1 - pp_rank
+                grad_in = run.backward_input(i, grad_buf, due)
             else:
                 grad_in, due = run.backward(v, i, grad_buf, is_last=j == total - 1), None
             _, grad_buf, posted = comms.post_exchange(None, grad_in, False, receives(backward_order, j + 1, run.last),
                                                       group=backward_group)
             if due is not None:
-                due()  # zb1: the W's now due, while the input gradient travels
+                run.weights_until(due)
             grad_in = None
             with cond:
                 done["B"] = j + 1
@@ -665,8 +666,9 @@ def pipeline_forward_backward(
     each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
     this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
     and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
-    ep_lanes (parallel.ep_overlap_microbatches; any schedule): the forwards and backwards in two lanes (`_two_lanes`); the model's MoE layers must have been given their backward EP groups
-    (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
+    ep_lanes (parallel.ep_overlap_microbatches; any schedule): the forwards and backwards in two lanes
+    (`_two_lanes`); the model's MoE layers must have been given their backward EP groups (apply_ep(lanes=True)), and
+    with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
     ep_lanes_fill (with ep_lanes; not zb1's split stages, whose W's have their own place): each backward's
     weight-gradient GEMMs run while its EP all-to-alls travel (`_StageRunner.backward`); False: plain autograd
     (the bench's comparison).
