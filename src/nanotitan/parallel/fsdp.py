@@ -12,8 +12,11 @@ of a ParallelDims group, so FSDP reduces each gradient over exactly the ranks ou
 What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs/dp.md "Peak memory"):
 - parallel.zero3_reshard: "always" frees a module's gathered params after its forward and after its backward
   (FSDP2's `reshard_after_forward=True`): full params exist only around one module's forward or backward, for
-  2M all-gathers per module per step. "never" keeps them from the step's first forward to the end of its final
-  backward: one all-gather per module per step.
+  2M all-gathers per module per step. Without PP the last block (and its experts) is the exception, as in
+  torchtitan's default policy: its backward starts right after the head's, so it stays gathered from its
+  forward to its backward (M all-gathers, not 2M). The root FSDP2 never reshards after its forward.
+  "never" keeps them from the step's first forward to the end of its final backward: one all-gather per
+  module per step.
 - parallel.zero_accumulate: "shard" reduce-scatters every microbatch's gradients into the sharded grads (FSDP2
   adds each into the last), so no full gradient outlives its module's backward: M reduce-scatters per module.
   "full" accumulates unsharded gradients over the step and reduce-scatters once, in the final backward.
@@ -27,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -45,7 +48,8 @@ from .sync import GradSync, Pieces, adam_state
 
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
     """Shard this stage's Transformer in place (experts, then blocks, then the root); `reshard_after_forward`
-    frees each module's gathered params after its forward (parallel.zero3_reshard=always).
+    frees each module's gathered params after its forward (parallel.zero3_reshard=always), but without PP not
+    the last block's (module docstring).
 
     Returns the params FSDP leaves alone (the experts when dp == 1), for a Reducer to sync."""
     group = dims.group("non_expert_dp")
@@ -56,20 +60,23 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     expert_group = dims.group("expert_dp")
     expert_mesh = DeviceMesh.from_group(expert_group, device_type) if expert_group is not None else None
     unsharded: list[nn.Parameter] = []
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # Without PP the last block's backward starts right after the head's: resharding it after its forward
+        # would only gather it again at once (torchtitan's default policy; the root FSDP2 keeps itself).
+        reshard = reshard_after_forward and not (dims.pp == 1 and i == len(blocks) - 1)
         if block.is_moe and expert_mesh is not None:
             experts = block.moe.experts
             # Shard(0) splits the local experts; with fewer local experts than DP ranks, split D instead.
             dim = 0 if experts.W_gate.shape[0] % expert_mesh.size() == 0 else 1
-            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
                         shard_placement_fn=lambda p, d=dim: Shard(d))
             experts.set_gradient_divide_factor(float(dims.data_world))
             # A factor other than the mesh size needs PREMUL_SUM, which gloo lacks: SUM, then scale.
             experts.set_force_sum_reduction_for_comms(True)
         elif block.is_moe:
             unsharded += list(block.moe.experts.parameters())
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    ignored_params=set(unsharded) or None)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(unsharded) or None)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
@@ -189,10 +196,19 @@ class FSDPSync(GradSync):
         return clip_grad_norm_(whole, [], max_norm, self.dims.group("pp"), self.dims.group("ep") if whole else None,
                                shards, self.dims.group("non_expert_dp"))
 
+    def resharded(self) -> nn.Module:
+        """The model with every FSDP module sharded: a forward outside backward (eval) leaves the modules that do
+        not reshard after their forward gathered (`never`, and the last block under `always`), and a gathered
+        module's params are plain tensors the optimizer does not know. Collective-free (frees the gathered copies)."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return self.model
+
     def sharded_state(self, optimizer):
         """Each DTensor's local shard (FSDP's own storage) at its offsets in the whole tensor; experts FSDP left
         whole (dp == 1), whole. Nothing gathered."""
-        named = dict(self.model.named_parameters())
+        named = dict(self.resharded().named_parameters())
         model_state = {n: _local_pieces(p) for n, p in named.items()}
         optim_state = {}
         if optimizer is not None:
@@ -202,10 +218,10 @@ class FSDPSync(GradSync):
         return model_state, optim_state
 
     def full_state(self, optimizer):
-        return full_state(self.model, optimizer)
+        return full_state(self.resharded(), optimizer)
 
     def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
-        load_full_state(self.model, optimizer, model_state, optim_state if optimizer is not None else None)
+        load_full_state(self.resharded(), optimizer, model_state, optim_state if optimizer is not None else None)
 
 
 def _local_pieces(t: torch.Tensor) -> Pieces:
