@@ -346,6 +346,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
             ne_block = (st.n_ne - root) / max(st.n_layers, 1)
             ex_block = st.n_ex / max(st.n_layers, 1) if ex_group > 1 else 0.0  # dp == 1: experts not FSDP's
             gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
+            if ep == 1:  # the experts in their block's FSDP unit (fsdp.apply_fsdp): a whole block per all-gather
+                ag = ag_last = (ne_block + ex_block) * prec.param
             in_block = (ag + (ne_block + ex_block) * prec.param, (V * D + D) * prec.grad if st.last else 0.0)
             kept = (ne_block + ex_block) * prec.param if pp == 1 else 0.0
             ag_head, ag_last = kept or ag, ag_last + kept
