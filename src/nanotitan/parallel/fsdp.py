@@ -6,8 +6,10 @@ of a ParallelDims group, so FSDP reduces each gradient over exactly the ranks ou
   (embedding, final norm, head). FSDP's default average over it is DESIGN §4's rule for replicated grads.
 - the expert-DP group (dp ranks) for each MoE layer's `experts` (disjoint over EP, replicated over DP).
   Their grads are summed over it and divided by dp*ep, not by its size dp (the seed's division by EP):
-  `set_gradient_divide_factor(dp*ep)`. With dp == 1 there is nothing to shard them over: FSDP ignores
-  them and `FSDPSync` syncs them with a Reducer (group None, scale 1/(dp*ep)), as at zero 0.
+  `set_gradient_divide_factor(dp*ep)`. With ep == 1 that group is the block's and dp*ep its size: the experts
+  are then in their block's unit (one all-gather and one reduce-scatter per block). With dp == 1 there is
+  nothing to shard them over: FSDP ignores them and `FSDPSync` syncs them with a Reducer (group None,
+  scale 1/(dp*ep)), as at zero 0.
 
 What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs/dp.md "Peak memory"):
 - parallel.zero3_reshard: "always" frees a module's gathered params after its forward and after its backward
@@ -60,23 +62,33 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     expert_group = dims.group("expert_dp")
     expert_mesh = DeviceMesh.from_group(expert_group, device_type) if expert_group is not None else None
     unsharded: list[nn.Parameter] = []
+    # With ep == 1 the experts' group is their block's (the same dp ranks, and the mean over them the default):
+    # they join the block's FSDP unit, one all-gather and one reduce-scatter per block instead of two (on gloo
+    # each exchange costs both ranks a rendezvous and the caller its send).
+    merge = expert_mesh is not None and dims.ep == 1
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # Without PP the last block's backward starts right after the head's: resharding it after its forward
         # would only gather it again at once (torchtitan's default policy; the root FSDP2 keeps itself).
         reshard = reshard_after_forward and not (dims.pp == 1 and i == len(blocks) - 1)
+        placement = None
         if block.is_moe and expert_mesh is not None:
             experts = block.moe.experts
             # Shard(0) splits the local experts; with fewer local experts than DP ranks, split D instead.
             dim = 0 if experts.W_gate.shape[0] % expert_mesh.size() == 0 else 1
-            fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
-                        shard_placement_fn=lambda p, d=dim: Shard(d))
-            experts.set_gradient_divide_factor(float(dims.data_world))
-            # A factor other than the mesh size needs PREMUL_SUM, which gloo lacks: SUM, then scale.
-            experts.set_force_sum_reduction_for_comms(True)
+            if merge:
+                ids = {id(q) for q in experts.parameters()}
+                placement = lambda p, d=dim, ids=ids: Shard(d if id(p) in ids else 0)
+            else:
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
+                            shard_placement_fn=lambda p, d=dim: Shard(d))
+                experts.set_gradient_divide_factor(float(dims.data_world))
+                # A factor other than the mesh size needs PREMUL_SUM, which gloo lacks: SUM, then scale.
+                experts.set_force_sum_reduction_for_comms(True)
         elif block.is_moe:
             unsharded += list(block.moe.experts.parameters())
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(unsharded) or None)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(unsharded) or None,
+                    shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
