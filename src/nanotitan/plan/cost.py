@@ -308,6 +308,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     bucket_elems = cfg.parallel.bucket_mb * 2**20 / prec.grad
     ne_group, ex_group = dp * ep, dp
     mem_by_stage, parts_by_stage, ckpt_by_stage = [], [], []
+    block_by_stage = []  # a block's params (experts included) per stage, for the zero-3 all-gather count below
     for s, st in enumerate(stages):
         n_local = st.n_ne + st.n_ex
         n_shard = st.n_ne / ne_group + st.n_ex / ex_group
@@ -332,6 +333,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         grad_params = n_shard if zero >= 2 else n_local
         root = (V * D if st.first else 0) + (V * D + D if st.last else 0)
         block = (n_local - root) / max(st.n_layers, 1)
+        block_by_stage.append(block)
         # zero 3 "always" (FSDP2 reshards every module after its forward and its backward): the root's params
         # (embedding, head) stay gathered all step, and beside them one all-gather result FSDP2 holds apart from
         # the params it copies out to: in backward a block's non-expert group, prefetched; at the forward's end
@@ -486,8 +488,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
         n_rs = M if zero >= 2 and z_shard else 1
         n_ag = 2 * M if zero == 3 and z_reshard else 1
         if n_ag > 1 and pp == 1:
-            last_block = (st.n_ne + st.n_ex - (2 * V * D + D)) / max(st.n_layers, 1)  # one stage: embedding, head
-            n_ag -= M * last_block / max(st.n_ne + st.n_ex, 1)
+            n_ag -= M * block_by_stage[s] / max(st.n_ne + st.n_ex, 1)
         t_rs_each = t_ar
         ag_exposed = (max(0.0, n_ag * t_ag - hw.dp_overlap * (t_fwd[s] + (t_bwd[s] if n_ag > 1 else 0.0))
                           * (M if n_ag > 1 else 1)) if zero == 3 else t_ag)
