@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .allocator import keep_freed_memory
+
 HOST = "127.0.0.1"
 
 
@@ -60,6 +62,7 @@ def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir,
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.update(env or {})
+    keep_freed_memory()
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=pg_timeout)

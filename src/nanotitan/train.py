@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import manifest
 from . import report
+from .allocator import keep_freed_memory
 from .config import Config, ConfigError, to_dict, to_toml, validate
 from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
@@ -101,6 +102,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.threads = t.threads or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(self.threads)
+        keep_freed_memory()  # each step reuses the last one's host memory instead of faulting it in anew
         self.device = pick_device(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
         # (parallel/emulate.py); None when off. Resolved before any process group, so a bad profile fails first.
