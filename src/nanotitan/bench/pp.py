@@ -139,19 +139,22 @@ def _bench(rank, world, args):
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
-    if rank == 0:  # one process: full model on rank 0, rank 1 idles at the barrier
-        full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
-        opt_full = adamw(full.parameters())
+    # One process: the full model with gradient accumulation. "single" runs it on rank 0 while rank 1 idles at
+    # the barrier; "single_x2" runs it on both ranks at once, each on its own copy, with no communication: how
+    # much two busy cores slow each other down here (shared caches, memory bandwidth, a VM's host), which bounds
+    # what any 2-stage pipeline can reach on this machine, ours and torch's alike.
+    full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
+    opt_full = adamw(full.parameters())
 
-        def single():
-            opt_full.zero_grad(set_to_none=True)
-            for x, y in zip(xs, ys):
-                ce, aux = full(x, y)
-                ((ce + AUX_WEIGHT * aux) / M).backward()
-            opt_full.step()
-        steps["single"], models["single"] = single, [full]
-    else:
-        steps["single"], models["single"] = (lambda: None), []
+    def single():
+        opt_full.zero_grad(set_to_none=True)
+        for x, y in zip(xs, ys):
+            ce, aux = full(x, y)
+            ((ce + AUX_WEIGHT * aux) / M).backward()
+        opt_full.step()
+    steps["single"], models["single"] = (single, [full]) if rank == 0 else ((lambda: None), [])
+    if args.ceiling:
+        steps["single_x2"], models["single_x2"] = single, [full]
 
     for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
         cfg = mid_cfg(args.layers, split, schedule)
@@ -219,7 +222,7 @@ def _bench(rank, world, args):
     # Peak saved-activation bytes per stage (untimed steps), and one step's timeline of each of ours.
     peak, timelines = {}, {}
     for name, fn in steps.items():
-        if name == "single":
+        if name.startswith("single"):
             continue
         meter = SavedActivationBytes([p for m in models[name] for p in m.parameters()])
         with meter.hooks():
@@ -284,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(gpipe/1f1b/zb1 only; default: even auto)")
     ap.add_argument("--schedules", nargs="+", default=list(OURS), choices=OURS)
     ap.add_argument("--only", choices=["ours", "torch"], default=None, help="run only ours or only torch's")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="skip single_x2 (the one-process step on both ranks at once: this machine's ceiling)")
     ap.add_argument("--json", default="", help="also write the raw results here")
     ap.add_argument("--timeline", default="", help="draw ours' one-step timelines into this PNG")
     args = ap.parse_args(argv)
@@ -305,14 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'variant':<24}{'min s':>8}{'median s':>10}{'x single (med)':>16}{'CPU s per stage':>22}"
           f"{'idle per stage':>18}{'peak act MiB':>16}")
     for k in times:
-        idle = "" if k == "single" else str([round(1 - c / med[k], 2) for c in cpu[k]])
-        pk = "" if k == "single" else str([round(res[r]["peak"][k] / 2**20, 1) for r in range(PP)])
+        idle = "" if k.startswith("single") else str([round(1 - c / med[k], 2) for c in cpu[k]])
+        pk = "" if k.startswith("single") else str([round(res[r]["peak"][k] / 2**20, 1) for r in range(PP)])
         cp = str([round(c, 3) for c in cpu[k]]) if k != "single" else f"{cpu[k][0]:.3f}"
         print(f"{k:<24}{mn[k]:>8.3f}{med[k]:>10.3f}{med['single'] / med[k]:>16.2f}{cp:>22}{idle:>18}{pk:>16}")
     cpu_single = cpu["single"][0]
     print("\nsingle CPU s / slowest stage's CPU s (the balance bound on the speed-up):")
     for k in times:
-        if k != "single":
+        if not k.startswith("single"):
             print(f"  {k:<24}{cpu_single / max(cpu[k]):.2f}")
     print("\nmeasured bubble of ours (time blocked in P2P / time in the schedule; median per stage, mean):")
     for k in res[0]["bubbles"]:
@@ -339,6 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         if "torch_1f1b" in med:
             print(f"best of ours {best} / torch Schedule1F1B (whole-layer stages): "
                   f"{ours[best] / med['torch_1f1b']:.2f}")
+    if "single_x2" in med:
+        # Two stages that split the work evenly, never wait and slow each other as two whole steps at once do.
+        ceiling = med["single_x2"] / PP
+        print(f"\nthis machine's ceiling for PP={PP}: single_x2 / {PP} = {ceiling:.3f} s (two cores at once run "
+              f"{med['single_x2'] / med['single']:.2f}x slower each than one alone)")
+        if ours:
+            best = min(ours, key=ours.get)
+            print(f"  best of ours {best} / ceiling: {ours[best] / ceiling:.2f}")
+        if "torch_1f1b" in med:
+            print(f"  ceiling / torch Schedule1F1B (whole-layer stages): {ceiling / med['torch_1f1b']:.2f} "
+                  f"(the lowest ratio any schedule can reach here)")
     if args.timeline:
         draw_timelines(res, args.timeline)
         print(f"timelines: {args.timeline}")

@@ -6,8 +6,9 @@ head + CE), one thread, one microbatch of m=2 sequences at a time.
 
 Times are CPU seconds of the (one) thread (`time.thread_time`), so a machine shared with other jobs slows them
 less than wall time; variants run round-robin (noise hits each alike); per variant the median over repeats of
-forward, backward
-(B + W for the split) and the split's excess over the plain backward. The forward is timed too: with a store
+forward, backward (B + W for the split), and the split's excess over the plain backward as the median of each
+round's ratio (paired: a drift in the machine's speed moves both sides of a ratio alike). The process keeps its
+freed memory as a training rank does (allocator.py). The forward is timed too: with a store
 attached the stage's linears and experts run through model/wgrad.py's autograd Functions.
 """
 
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from ..allocator import keep_freed_memory
 from ..model import wgrad
 from ..model.spec import build_chunk_specs
 from ..model.transformer import Transformer
@@ -27,6 +29,7 @@ from .pp import AUX_WEIGHT, MB, SEED, SEQ, mid_cfg
 
 def measure(repeats: int, layers: int, ckpt: bool) -> dict:
     torch.set_num_threads(1)
+    keep_freed_memory()  # as every training rank does (allocator.py): without it, page faults dominate W
     cfg = mid_cfg(layers, "auto", "zb1")
     spec = build_chunk_specs(cfg, 1, 0)[0]
     plain, split = (Transformer(cfg.model, spec, SEED) for _ in range(2))
@@ -67,8 +70,10 @@ def measure(repeats: int, layers: int, ckpt: bool) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     bw = [b + w for b, w in zip(times["split_B"], times["split_W"])]
     med["split_bwd"] = statistics.median(bw)
-    med["split_cost"] = med["split_bwd"] / med["plain_bwd"] - 1
-    med["fwd_cost"] = med["split_fwd"] / med["plain_fwd"] - 1
+    # Paired: each round's split against the plain backward of the same round, so that a machine whose speed
+    # drifts (a shared host) moves both sides of each ratio alike; the median of those ratios.
+    med["split_cost"] = statistics.median(s / p for s, p in zip(bw, times["plain_bwd"])) - 1
+    med["fwd_cost"] = statistics.median(s / p for s, p in zip(times["split_fwd"], times["plain_fwd"])) - 1
     return med
 
 

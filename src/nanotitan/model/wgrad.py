@@ -49,9 +49,45 @@ def set_grad_sink(p: torch.Tensor, sink: Callable[[torch.Tensor, torch.Tensor], 
         setattr(p, _SINK, sink)
 
 
+class GemmTerm:
+    """A weight-gradient term not yet computed: a^T-style GEMM a @ b, or (stacked) one GEMM per leading slice of
+    the parameter (the experts' [L, ...] weights, unbind's backward). `accumulate_into` runs it straight into an
+    existing .grad of its dtype (addmm_: Megatron's gradient-accumulation fusion), which saves the temporary
+    and the second pass over the gradient that adding a computed term takes; else it computes the term.
+    Bitwise the same as mm then add_ here (tests/model/test_wgrad.py: one K-block of the GEMM); a GEMM whose K
+    spans several blocks accumulates into C block by block, a reassociation within the equivalence rule."""
+
+    __slots__ = ("pairs", "stacked")
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stacked: bool = False):
+        self.pairs, self.stacked = pairs, stacked
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pairs[0][0].dtype
+
+    def tensor(self) -> torch.Tensor:
+        if self.stacked:
+            return torch.stack([a.mm(b) for a, b in self.pairs])
+        return self.pairs[0][0].mm(self.pairs[0][1])
+
+    def add_to(self, grad: torch.Tensor) -> None:
+        if self.stacked:
+            for l, (a, b) in enumerate(self.pairs):
+                grad[l].addmm_(a, b)
+        else:
+            grad.addmm_(*self.pairs[0])
+
+
 @torch.no_grad()
-def accumulate_into(p: torch.Tensor, g: torch.Tensor) -> None:
-    """AccumulateGrad's step: the first term becomes .grad, later ones are added in place."""
+def accumulate_into(p: torch.Tensor, g: "torch.Tensor | GemmTerm") -> None:
+    """AccumulateGrad's step: the first term becomes .grad, later ones are added in place (a GemmTerm: computed
+    into .grad by its GEMMs)."""
+    if isinstance(g, GemmTerm):
+        if type(p.grad) is torch.Tensor and p.grad.dtype == g.dtype:
+            g.add_to(p.grad)
+            return
+        g = g.tensor()
     g = g.to(p.dtype)
     if p.grad is None:
         p.grad = g if g.is_contiguous() else g.contiguous()
@@ -59,7 +95,7 @@ def accumulate_into(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-def accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+def accumulate(p: torch.Tensor, g: "torch.Tensor | GemmTerm") -> None:
     sink = getattr(p, _SINK, None)
     if sink is None:
         accumulate_into(p, g)
@@ -165,7 +201,7 @@ class _Linear(torch.autograd.Function):
 
         def weight_grads(g2, xc):
             if weight.requires_grad:
-                accumulate(weight, g2.t().mm(xc.reshape(-1, xc.shape[-1])))
+                accumulate(weight, GemmTerm([(g2.t(), xc.reshape(-1, xc.shape[-1]))]))
             if bias is not None and bias.requires_grad:
                 accumulate(bias, g2.sum(0))
 
@@ -233,13 +269,18 @@ def experts_input_grad(dy, x, wg, wv, wo, saved, counts_L: list[int], x_dtype: t
     return dx, terms
 
 
-def experts_weight_grads(terms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def experts_weight_terms(terms) -> tuple[GemmTerm, GemmTerm, GemmTerm]:
     """The weight half, stacked over the experts of `terms` (unbind's backward): wg: x^T dhg, wv: x^T dhv,
     wo: h^T dy."""
     per_expert = [terms[i:i + 5] for i in range(0, len(terms), 5)]
-    return (torch.stack([x_l.t().mm(dhg) for x_l, _, _, dhg, _ in per_expert]),
-            torch.stack([x_l.t().mm(dhv) for x_l, _, _, _, dhv in per_expert]),
-            torch.stack([h_l.t().mm(dy_l) for _, h_l, dy_l, _, _ in per_expert]))
+    return (GemmTerm([(x_l.t(), dhg) for x_l, _, _, dhg, _ in per_expert], stacked=True),
+            GemmTerm([(x_l.t(), dhv) for x_l, _, _, _, dhv in per_expert], stacked=True),
+            GemmTerm([(h_l.t(), dy_l) for _, h_l, dy_l, _, _ in per_expert], stacked=True))
+
+
+def experts_weight_grads(terms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`experts_weight_terms` computed: the three stacked gradients."""
+    return tuple(t.tensor() for t in experts_weight_terms(terms))
 
 
 class _Experts(torch.autograd.Function):
@@ -268,7 +309,7 @@ def land_expert_grads(params):
     W_gate, W_val, W_out = params
 
     def weight_grads(*terms):
-        for p, g in zip((W_gate, W_val, W_out), experts_weight_grads(terms)):
+        for p, g in zip((W_gate, W_val, W_out), experts_weight_terms(terms)):
             accumulate(p, g)
     return weight_grads
 
