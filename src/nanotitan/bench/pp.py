@@ -7,6 +7,8 @@ on the MID model (BASELINES), PP=2, M=8, m=2.
 Launches 2 gloo processes (1 thread each) and runs, interleaved round by round so machine noise hits every
 variant alike:
 - single: the full model, gradient accumulation over the same 8 microbatches (the other rank idles);
+- single_x2 (unless --no-ceiling): the same on both ranks at once, no communication: half of it is this
+  machine's ceiling for a 2-stage pipeline (two busy cores slow each other: shared caches, memory bandwidth);
 - ours:  `pipeline_forward_backward` with gpipe, 1f1b, zb1 (one chunk per rank) and interleaved (V=2 chunks
          per rank, one layer each on 4 layers);
 - torch: `torch.distributed.pipelining` ScheduleGPipe, Schedule1F1B, ScheduleInterleavedZeroBubble (the same one
@@ -349,12 +351,18 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = med["single_x2"] / PP
         print(f"\nthis machine's ceiling for PP={PP}: single_x2 / {PP} = {ceiling:.3f} s (two cores at once run "
               f"{med['single_x2'] / med['single']:.2f}x slower each than one alone)")
+        # zb1 on 2 stages, F = B = W = f per microbatch: the last stage starts one F late and the first stage's
+        # last B and W follow the last stage's last B, so a step is at least S + 2f = S (1 + 2/(3M)).
+        zb1_bound = ceiling * (1 + 2 / (3 * M))
+        print(f"  zb1's bound on it (fill and drain, F = B = W): ceiling x (1 + 2/(3M)) = {zb1_bound:.3f} s")
         if ours:
             best = min(ours, key=ours.get)
-            print(f"  best of ours {best} / ceiling: {ours[best] / ceiling:.2f}")
+            print(f"  best of ours {best} / ceiling: {ours[best] / ceiling:.2f}; / zb1's bound: "
+                  f"{ours[best] / zb1_bound:.2f}")
         if "torch_1f1b" in med:
             print(f"  ceiling / torch Schedule1F1B (whole-layer stages): {ceiling / med['torch_1f1b']:.2f} "
-                  f"(the lowest ratio any schedule can reach here)")
+                  f"(no schedule does better here); zb1's bound / torch Schedule1F1B: "
+                  f"{zb1_bound / med['torch_1f1b']:.2f}")
     if args.timeline:
         draw_timelines(res, args.timeline)
         print(f"timelines: {args.timeline}")
