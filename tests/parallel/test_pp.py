@@ -154,7 +154,8 @@ def test_pp2_gradients_match_single_process():
 
 
 def _zb1_vs_1f1b(rank, world, cases):
-    """Per (pp_layers, ckpt, bf16): does every grad of this stage under zb1 equal 1F1B's bit for bit?"""
+    """Per (pp_layers, ckpt, bf16): the grads of this stage under zb1 that differ from 1F1B's by more than float
+    reassociation (1e-6 of the tensor's largest entry)."""
     dims = ParallelDims(1, world, 1, rank).build_groups(timeout_s=60)
     out = []
     for pp_layers, ckpt, bf16 in cases:
@@ -169,14 +170,17 @@ def _zb1_vs_1f1b(rank, world, cases):
             pipeline_forward_backward(stage, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT,
                                       loss_scale=0.25, before_backward=None, **kw)
             grads[schedule] = {n: p.grad for n, p in stage.named_parameters()}
-        out.append([n for n, g in grads["1f1b"].items() if not torch.equal(g, grads["zb1"][n])])
+        out.append([n for n, g in grads["1f1b"].items()
+                    if (g - grads["zb1"][n]).abs().max() > 1e-6 * g.abs().max()])
     return out
 
 
-def test_zb1_grads_bitwise_equal_1f1b():
+def test_zb1_grads_equal_1f1b():
     """zb1's deferred weight gradients (model/wgrad.py) are autograd's arithmetic, run later, and W's run in
-    microbatch order: every stage's gradients equal 1F1B's bit for bit, fp32 and bf16 autocast, with and without
-    activation checkpointing, whole and half-layer cuts."""
+    microbatch order; each W adds its GEMMs into .grad inside the GEMM (wgrad.GemmTerm), which may round the sum
+    in another order: every stage's gradients equal 1F1B's up to that (1e-6 of each tensor's largest entry; bit
+    for bit on the machines tried, and test_wgrad checks the unfused arithmetic bitwise), fp32 and bf16
+    autocast, with and without activation checkpointing, whole and half-layer cuts."""
     cases = [(None, False, False), (None, True, False), (None, False, True), ([2.5, 1.5], True, True)]
     for rank, per_case in enumerate(run_ranks(_zb1_vs_1f1b, 2, (cases,), timeout=120)):
         for case, differ in zip(cases, per_case):

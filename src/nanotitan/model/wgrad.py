@@ -18,7 +18,8 @@ post-accumulate-grad would have fired. model/ never imports parallel/ (DESIGN §
 Exactness: the backward functions are the ones autograd's nodes run for F.linear / mm / silu / mul / unbind
 (`mm_mat1_backward`, `mm_mat2_backward`, `silu_backward`, `stack`), on the same saved tensors, so input and
 weight gradients are bitwise those of plain autograd (tests/model/test_wgrad.py). Deferral changes when a
-weight-gradient GEMM runs, never what it computes.
+weight-gradient GEMM runs, never what it computes. A store made with fuse=True (zb1's split stages) adds each
+GEMM term into .grad inside the GEMM (`GemmTerm`, addmm_): that one step is equal up to float reassociation.
 
 Activation checkpointing: everything a backward needs is saved with `save_for_backward`, so a checkpointed
 block recomputes it as usual in B; the closures keep what B unpacked, so W never recomputes a block (nor
@@ -54,8 +55,9 @@ class GemmTerm:
     the parameter (the experts' [L, ...] weights, unbind's backward). `accumulate_into` runs it straight into an
     existing .grad of its dtype (addmm_: Megatron's gradient-accumulation fusion), which saves the temporary
     and the second pass over the gradient that adding a computed term takes; else it computes the term.
-    Bitwise the same as mm then add_ here (tests/model/test_wgrad.py: one K-block of the GEMM); a GEMM whose K
-    spans several blocks accumulates into C block by block, a reassociation within the equivalence rule."""
+    A BLAS GEMM with beta = 1 may add into C inside its kernel (per K-block, or as the first addend of its FMAs),
+    so the result is mm-then-add_'s up to float reassociation, not always bit for bit: only a store made with
+    fuse=True (zb1's split stages) lands GemmTerms; every other path computes the term first."""
 
     __slots__ = ("pairs", "stacked")
 
@@ -113,8 +115,12 @@ class WeightGradStore:
     Outside `deferring()` an attached layer lands its weight gradient at once, through the same `accumulate`.
     """
 
-    def __init__(self):
+    def __init__(self, fuse: bool = False):
         self.active = False
+        # fuse: GEMM terms land as GemmTerms, computed straight into an existing .grad (addmm_): faster, equal to
+        # the plain backward's up to float reassociation. zb1's split stages use it (parallel/pp.py); the EP
+        # lanes' fill, and whatever must stay bitwise plain autograd's, do not.
+        self.fuse = fuse
         self._queue: list[Callable[[], None]] = []
         # Parameters enter the deferrable ops detached, so autograd never reaches their AccumulateGrad (which
         # would fire the syncs' hooks even with no gradient); this leaf makes the ops' outputs require grad.
@@ -199,9 +205,12 @@ class _Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = g2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
 
+        fuse = ctx.store.fuse
+
         def weight_grads(g2, xc):
             if weight.requires_grad:
-                accumulate(weight, GemmTerm([(g2.t(), xc.reshape(-1, xc.shape[-1]))]))
+                term = GemmTerm([(g2.t(), xc.reshape(-1, xc.shape[-1]))])
+                accumulate(weight, term if fuse else term.tensor())
             if bias is not None and bias.requires_grad:
                 accumulate(bias, g2.sum(0))
 
@@ -300,17 +309,18 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, dy):
         x, wg, wv, wo, *saved = ctx.saved_tensors
         dx, terms = experts_input_grad(dy, x, wg, wv, wo, saved, ctx.counts, ctx.x_dtype)
-        ctx.store.land(land_expert_grads(ctx.params), *terms)
+        ctx.store.land(land_expert_grads(ctx.params, ctx.store.fuse), *terms)
         return dx, None, None, None, None, None, None, None
 
 
-def land_expert_grads(params):
-    """fn(*terms) computing the experts' weight gradients from `terms` and accumulating them into `params`."""
+def land_expert_grads(params, fuse: bool = False):
+    """fn(*terms) computing the experts' weight gradients from `terms` and accumulating them into `params`
+    (fuse: each expert's GEMM straight into its slice of an existing .grad)."""
     W_gate, W_val, W_out = params
 
     def weight_grads(*terms):
         for p, g in zip((W_gate, W_val, W_out), experts_weight_terms(terms)):
-            accumulate(p, g)
+            accumulate(p, g if fuse else g.tensor())
     return weight_grads
 
 

@@ -274,7 +274,7 @@ class _ExpertTrip(torch.autograd.Function):
                 grads.append(wgrad.experts_weight_grads(terms_c))  # while dx_c travels
         dx_ND = plan.unpack(backs, back_works, "b:trip")
         if deferring:
-            ctx.store.land(wgrad.land_expert_grads(ctx.params), *terms)
+            ctx.store.land(wgrad.land_expert_grads(ctx.params, ctx.store.fuse), *terms)
             return dx_ND, None, None, None, None, None, None, None
         full = [torch.cat(gs).to(dt) for gs, dt in zip(zip(*grads), ctx.w_dtypes)]  # groups are consecutive experts
         if ctx.store is not None:  # attached but not deferring: land now, as _Experts does

@@ -192,7 +192,9 @@ class _StageRunner:
         # zb1's split stages (split): B defers every weight gradient to W anyway; with the fill, the W's due after
         # B(j) run while B(j)'s own all-to-alls travel (`backward_input(due=)`) instead of only during its send.
         self.fill, self.fill_split = fill and not split, fill and split
-        self.store = WeightGradStore() if split or self.fill else None
+        # zb1's split stages accumulate W's GEMMs straight into .grad (wgrad.GemmTerm: equal up to reassociation);
+        # the fill stays bitwise plain autograd's, as its twin-without-lanes tests require.
+        self.store = WeightGradStore(fuse=split) if split or self.fill else None
         if self.store is not None:
             for chunk in chunks:
                 attach(chunk, self.store)
