@@ -145,18 +145,21 @@ def _bench(rank, world, args):
     # the barrier; "single_x2" runs it on both ranks at once, each on its own copy, with no communication: how
     # much two busy cores slow each other down here (shared caches, memory bandwidth, a VM's host), which bounds
     # what any 2-stage pipeline can reach on this machine, ours and torch's alike.
-    full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
-    opt_full = adamw(full.parameters())
+    steps["single"], models["single"] = (lambda: None), []
+    if rank == 0 or args.ceiling:  # rank 1 needs its own copy only for single_x2
+        full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
+        opt_full = adamw(full.parameters())
 
-    def single():
-        opt_full.zero_grad(set_to_none=True)
-        for x, y in zip(xs, ys):
-            ce, aux = full(x, y)
-            ((ce + AUX_WEIGHT * aux) / M).backward()
-        opt_full.step()
-    steps["single"], models["single"] = (single, [full]) if rank == 0 else ((lambda: None), [])
-    if args.ceiling:
-        steps["single_x2"], models["single_x2"] = single, [full]
+        def single():
+            opt_full.zero_grad(set_to_none=True)
+            for x, y in zip(xs, ys):
+                ce, aux = full(x, y)
+                ((ce + AUX_WEIGHT * aux) / M).backward()
+            opt_full.step()
+        if rank == 0:
+            steps["single"], models["single"] = single, [full]
+        if args.ceiling:
+            steps["single_x2"], models["single_x2"] = single, [full]
 
     for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
         cfg = mid_cfg(args.layers, split, schedule)
