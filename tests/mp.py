@@ -1,10 +1,10 @@
 """The multi-rank test harness is the package's own: `run_ranks(fn, world, args=(...), timeout=...)` runs
-fn(rank, world, *args) on `world` gloo processes (see nanotitan/spawn.py). `train_once` is what every rank of
+fn(rank, world, *args) on `world` gloo processes (see nanotitan/run/spawn.py). `train_once` is what every rank of
 an equivalence test runs: the real trainer, end to end."""
 
 import socket
 
-from nanotitan.spawn import run_ranks
+from nanotitan.run.spawn import run_ranks
 
 __all__ = ["run_ranks", "free_port", "train_once"]
 
@@ -21,7 +21,7 @@ def train_once(args: list[str]) -> dict:
     rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert
     index for an expert shard, else None)} at any zero level (gathered from FSDP's shards at zero 3), its MoE
     layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep) "coords"."""
-    from nanotitan.config import load_config
+    from nanotitan.config.config import load_config
     from nanotitan.model.transformer import is_expert_param
     from nanotitan.train import Trainer
 

@@ -9,8 +9,8 @@ import pytest
 
 PROBE = r"""
 import resource, torch
-from nanotitan.allocator import keep_freed_memory
-from nanotitan.config import ModelConfig
+from nanotitan.run.allocator import keep_freed_memory
+from nanotitan.config.config import ModelConfig
 from nanotitan.model.transformer import Transformer
 on = keep_freed_memory()
 torch.set_num_threads(1)

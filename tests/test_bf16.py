@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotitan import metrics
-from nanotitan.config import ConfigError, load_config
-from nanotitan.hardware import BUILTIN, load_hardware, save_hardware
+from nanotitan.observe import metrics
+from nanotitan.config.config import ConfigError, load_config
+from nanotitan.config.hardware import BUILTIN, load_hardware, save_hardware
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher
 from nanotitan.parallel import comm, dp, zero
 from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher
 from nanotitan.parallel.parallelize import parallelize
-from nanotitan.resolve import resolve
+from nanotitan.config.resolve import resolve
 from tests.mp import run_ranks
 
 TINY = ["--data.vocab_size", "300", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48",

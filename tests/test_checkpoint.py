@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan import checkpoint as ckpt
+from nanotitan.state import checkpoint as ckpt
 
-from nanotitan import manifest
-from nanotitan.config import Config, validate
+from nanotitan.state import manifest
+from nanotitan.config.config import Config, validate
 from nanotitan.model.spec import ModelShardSpec, build_shard_spec
 from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.dims import ParallelDims

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan import checkpoint as ckpt
+from nanotitan.state import checkpoint as ckpt
 
-from nanotitan import manifest
-from nanotitan import rundir
+from nanotitan.state import manifest
+from nanotitan.run import rundir
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks
@@ -220,7 +220,7 @@ def test_single_process_verification_and_pruning(launched, tmp_path):
 
 # --- the run dir ------------------------------------------------------------------------------------
 
-HOLD = ("import sys, time; from nanotitan.rundir import RunDirLock; "
+HOLD = ("import sys, time; from nanotitan.run.rundir import RunDirLock; "
         "l = RunDirLock(sys.argv[1]); l.acquire(); print('held', flush=True); time.sleep(60)")
 
 

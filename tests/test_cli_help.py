@@ -9,7 +9,8 @@ from typing import Literal
 
 import pytest
 
-from nanotitan import cli, config
+from nanotitan import cli
+from nanotitan.config import config
 
 
 def _help(argv, capsys) -> tuple[int, str]:

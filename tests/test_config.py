@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from nanotitan.config import Config, ConfigError, load_config, to_toml
+from nanotitan.config.config import Config, ConfigError, load_config, to_toml
 
 BAD = [
     (["--model.n_heads", "3"], "model.n_heads=3 must divide model.d_model"),
@@ -37,7 +37,7 @@ def test_bad_config_one_clear_line(args, msg):
 
 
 def test_world_size_mismatch():
-    from nanotitan.config import validate
+    from nanotitan.config.config import validate
 
     cfg = load_config(None, ["--parallel.dp", "2", "--parallel.ep", "2"])
     with pytest.raises(ConfigError, match="world size 3 != parallel.dp\\*pp\\*ep"):
@@ -142,7 +142,7 @@ def test_rope_sequence_up_to_max_seq_len_runs_and_one_more_is_refused():
     import torch
 
     from nanotitan.model.transformer import Transformer
-    from nanotitan.resolve import resolve
+    from nanotitan.config.resolve import resolve
 
     args = ["--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_dim", "32",
             "--model.num_experts", "2", "--data.vocab_size", "300", "--model.max_seq_len", "16"]

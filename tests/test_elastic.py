@@ -26,8 +26,8 @@ def _torchrun(nproc, run_dir, corpus_dir):
 
 
 def test_restart_on_fewer_ranks_replans_and_continues(corpus_dir, tmp_path):
-    from nanotitan.manifest import latest_checkpoint
-    from nanotitan.config import load_config
+    from nanotitan.state.manifest import latest_checkpoint
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)

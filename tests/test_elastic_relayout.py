@@ -51,9 +51,9 @@ def _kill_ranks(agent: subprocess.Popen) -> None:
 
 def _snapshot_steps(args, nodes) -> set[int]:
     """The steps of which every node in `nodes` holds its committed unit (snapshot.py)."""
-    from nanotitan import snapshot
-    from nanotitan.config import load_config
-    from nanotitan.elastic_rank import snapshot_root
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
 
     cfg = load_config(None, args)
     held = [{int(snapshot.UNIT.match(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
@@ -89,7 +89,7 @@ def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) ->
 def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
     """Every step 1..steps logged, each loss (replays included) the single process's; returns that reference
     Trainer and the logged steps."""
-    from nanotitan.config import load_config
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)
@@ -105,7 +105,7 @@ def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
 
 @pytest.mark.slow
 def test_join_notice_and_kill(corpus_dir, tmp_path):
-    from nanotitan.config import load_config
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     run = tmp_path / "elastic"
@@ -176,8 +176,8 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
 
     import torch.distributed as dist
 
-    from nanotitan.config import load_config
-    from nanotitan.elastic import Coordinator, job_hash
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.coordinator import Coordinator, job_hash
 
     cfg = load_config(None, base_args(corpus_dir, run_dir) + [
         "--train.global_batch", str(B), "--parallel.auto", "true", "--elastic.nodes", nodes,
@@ -215,8 +215,8 @@ def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, cap
     (and no other node holds a good copy) is named and passed over; the older one is assembled and chosen."""
     import shutil
 
-    from nanotitan.config import load_config
-    from nanotitan.elastic_rank import snapshot_root
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)

@@ -18,8 +18,8 @@ STEPS = 60
 
 @pytest.mark.slow
 def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
-    from nanotitan.config import load_config
-    from nanotitan.elastic_rank import snapshot_root
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
 
     run = tmp_path / "elastic"
     args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "replica")

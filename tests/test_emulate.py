@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotitan.config import ConfigError, load_config
-from nanotitan.hardware import BUILTIN
+from nanotitan.config.config import ConfigError, load_config
+from nanotitan.config.hardware import BUILTIN
 from nanotitan.parallel import comm, emulate
 from nanotitan.parallel.emulate import LinkModel
 from tests.mp import run_ranks
@@ -170,7 +170,7 @@ def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_
     planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too. Each layout's step
     is its fastest of 6 (steps 3-8): another job on the 2 cores only ever slows a step, and it once made DP4's
     median 0.81 s against its 0.2-0.3 s."""
-    from nanotitan.bench_layouts import emulated_predictions, run_layout, summarise
+    from nanotitan.bench.layouts import emulated_predictions, run_layout, summarise
 
     data = ["--data.source", str(corpus_dir), "--train.seed", "3"]
     order = {}

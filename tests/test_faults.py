@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan.manifest import latest_checkpoint, verify_checkpoint
+from nanotitan.state.manifest import latest_checkpoint, verify_checkpoint
 from tests.test_train import TINY
 
 BASE_STEPS = 40
@@ -223,7 +223,7 @@ def _run_dir_under_a_file(tmp, corpus):
 
 def _locked_run_dir(tmp, corpus):
     """A live job (any process on this host) holds the run dir's lock."""
-    from nanotitan.rundir import LOCK_FILE, _proc_start
+    from nanotitan.run.rundir import LOCK_FILE, _proc_start
 
     holder = subprocess.Popen(["sleep", "120"])
     _HOLDERS.append(holder)
@@ -252,7 +252,7 @@ def _sysfs_refuses() -> bool:
 
 def _prepared(tmp, corpus):
     """The job's data prepared into a cache of its own (the shared one must stay good), and its directory."""
-    from nanotitan.config import DataConfig
+    from nanotitan.config.config import DataConfig
     from nanotitan.data.prepare import load_meta, prepare_data
 
     out = prepare_data(DataConfig(source=str(corpus), vocab_size=300, cache_dir=str(tmp / "cache")), log=lambda s: None)
@@ -392,7 +392,7 @@ def test_resume_path_on_damaged_checkpoint(tmp_path, corpus_dir, baseline):
 
 def test_stale_lock_is_taken_over(tmp_path, corpus_dir, baseline):
     """A lock left by a dead process: taken over with a line saying so, and the run continues."""
-    from nanotitan.rundir import LOCK_FILE
+    from nanotitan.run.rundir import LOCK_FILE
 
     base_run, curve = baseline
     run = tmp_path / "run"

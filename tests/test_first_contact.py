@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanotitan import cli, hf
-from nanotitan.config import ConfigError, load_config
+from nanotitan import cli
+from nanotitan.interop import hf
+from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.transformer import Transformer
-from nanotitan.resolve import resolve
+from nanotitan.config.resolve import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def test_make_train_installs_runtime_deps_only_and_make_test_adds_the_extras():
 @pytest.fixture
 def weights_only(tmp_path, corpus_dir):
     """A transformers-layout dir (config.json + safetensors) with no tokenizer.json, and a tokenizer file."""
-    from nanotitan.config import DataConfig
+    from nanotitan.config.config import DataConfig
     from nanotitan.data.sources import iter_documents
     from nanotitan.data.tokenizer import train_bpe
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nanotitan import cli, hf
-from nanotitan.config import ConfigError, ModelConfig, load_config
+from nanotitan import cli
+from nanotitan.interop import hf
+from nanotitan.config.config import ConfigError, ModelConfig, load_config
 from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.resolve import resolve
+from nanotitan.config.resolve import resolve
 from tests.mp import run_ranks
 
 V_TOK, V_MODEL = 300, 320  # tokenizer size, and a padded model vocab as real checkpoints have
@@ -244,7 +245,7 @@ def test_init_from_hf_sets_validates_and_refuses(hf_dirs, tmp_path):
 
 
 def test_export_cli_from_checkpoint_fp32_and_bf16(tokenizer, tmp_path):
-    from nanotitan import checkpoint as ckpt
+    from nanotitan.state import checkpoint as ckpt
 
     run = tmp_path / "run"
     cfg = load_config(None, SMALL + EXPORT_OPTIONS["qwen3_moe"] + ["--data.tokenizer", str(tokenizer),
@@ -269,7 +270,7 @@ def test_checkpoint_of_an_imported_model_exports_after_its_hf_dir_is_gone(hf_dir
     reads it as it is: the directory it was imported from may be gone, and nothing reads it again."""
     import shutil
 
-    from nanotitan import checkpoint as ckpt
+    from nanotitan.state import checkpoint as ckpt
 
     src, run = tmp_path / "imported", tmp_path / "run"
     shutil.copytree(hf_dirs["qwen2_moe"], src)

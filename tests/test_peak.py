@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from nanotitan import cli, hardware, metrics
-from nanotitan.hardware import BUILTIN, cached_cpu_gemm_flops, cpu_native_bf16, detect_hardware, measure_cpu_gemm_flops
+from nanotitan import cli
+from nanotitan.config import hardware
+from nanotitan.observe import metrics
+from nanotitan.config.hardware import BUILTIN, cached_cpu_gemm_flops, cpu_native_bf16, detect_hardware, measure_cpu_gemm_flops
 from tests.test_train import TINY
 
 SLOW_BF16 = 1.2e9  # FLOP/s of a bf16 GEMM on a 2-core AVX2 CPU (issue 27)

@@ -3,8 +3,8 @@ stage's unpaired forwards and backwards, pp.in_flight(lanes=True) for its memory
 
 import pytest
 
-from nanotitan.config import load_config
-from nanotitan.hardware import get_hardware
+from nanotitan.config.config import load_config
+from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import Layout, PlanOptions, predict
 from nanotitan.plan.cost import ep_lanes_time
 
@@ -82,7 +82,7 @@ def test_the_planner_prices_the_lanes_within_15_percent_of_the_emulated_run():
     run within 15% of quiet off × the measured ratio."""
     from nanotitan.bench.overlap import _predict
     from nanotitan.parallel import emulate
-    from nanotitan.resolve import resolve_model
+    from nanotitan.config.resolve import resolve_model
 
     cfg = resolve_model(load_config("configs/mid.toml", ["--model.d_model", "1024", "--model.n_heads", "8",
                                                          "--model.ffn_dim", "2048"]))

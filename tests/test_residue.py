@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from nanotitan.config import ConfigError
-from nanotitan.metrics import MetricsWriter, drop_torn_tail
-from nanotitan.plot import read_records
-from nanotitan.rundir import clean_stale_saves, owned_run_dir
+from nanotitan.config.config import ConfigError
+from nanotitan.observe.metrics import MetricsWriter, drop_torn_tail
+from nanotitan.observe.plot import read_records
+from nanotitan.run.rundir import clean_stale_saves, owned_run_dir
 
 GOOD = b'{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n'
 

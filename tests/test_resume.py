@@ -19,7 +19,7 @@ CKPT = 5
 
 
 def _train(args: list[str]) -> list[float]:
-    from nanotitan.config import load_config
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     trainer = Trainer(load_config(None, args))

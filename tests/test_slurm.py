@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from nanotitan.config import ConfigError, load_config
-from nanotitan.launch import Rendezvous, expand_nodelist, slurm_rendezvous
+from nanotitan.config.config import ConfigError, load_config
+from nanotitan.run.launch import Rendezvous, expand_nodelist, slurm_rendezvous
 
 
 @pytest.mark.parametrize("spec,hosts", [

@@ -11,9 +11,9 @@ from tests.test_equivalence import base_args, layout_args
 
 
 def test_snapshot_is_the_state_of_its_step_while_training_goes_on(corpus_dir, tmp_path):
-    from nanotitan import checkpoint as ckpt
-    from nanotitan import snapshot
-    from nanotitan.config import load_config
+    from nanotitan.state import checkpoint as ckpt
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)
@@ -55,8 +55,8 @@ def _unit(root, step, node, shards: dict[str, bytes], manifest_shards: dict[str,
 
 
 def test_a_lost_nodes_shards_come_from_its_replica(tmp_path):
-    from nanotitan import snapshot
-    from nanotitan.manifest import verify_checkpoint
+    from nanotitan.elastic import snapshot
+    from nanotitan.state.manifest import verify_checkpoint
 
     root0, root1 = tmp_path / "node0", tmp_path / "node1"
     server0, server1 = snapshot.FileServer("127.0.0.1"), snapshot.FileServer("127.0.0.1")
@@ -100,9 +100,9 @@ def test_a_lost_nodes_shards_come_from_its_replica(tmp_path):
 def _snapshot_and_save(rank, world, args, shm):
     """A rank of (2,1,2) at zero 1: trains 3 steps, then takes a snapshot and a DCP checkpoint of the same state,
     and trains on while the snapshot's thread writes."""
-    from nanotitan import checkpoint as ckpt
-    from nanotitan import snapshot
-    from nanotitan.config import load_config
+    from nanotitan.state import checkpoint as ckpt
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     tr = Trainer(load_config(None, args))
@@ -119,8 +119,8 @@ def _snapshot_and_save(rank, world, args, shm):
 def test_a_snapshot_reshards_as_its_checkpoint_does(corpus_dir, tmp_path):
     """A snapshot of 4 ranks at (dp=2, ep=2, zero 1), raw shards each written by one holder of each piece, loads
     into one process (another layout and zero level) bit for bit as the DCP checkpoint of the same state does."""
-    from nanotitan import snapshot
-    from nanotitan.config import load_config
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
     from tests.mp import run_ranks
 
@@ -148,9 +148,9 @@ def test_a_snapshot_reshards_as_its_checkpoint_does(corpus_dir, tmp_path):
 
 def test_a_nonfinite_state_is_never_committed(corpus_dir, tmp_path):
     """A state holding NaN is not kept: the snapshot fails with one line naming the key, and no unit appears."""
-    from nanotitan import checkpoint as ckpt
-    from nanotitan import snapshot
-    from nanotitan.config import load_config
+    from nanotitan.state import checkpoint as ckpt
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)

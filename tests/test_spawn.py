@@ -1,4 +1,4 @@
-"""nanotitan.spawn.run_ranks: results in rank order, fail fast with the failing rank's traceback, a hard
+"""nanotitan.run.spawn.run_ranks: results in rank order, fail fast with the failing rank's traceback, a hard
 timeout, every rank dead afterwards, and concurrent calls that cannot take each other's port.
 Cost: ~40 s wall on 2 quiet cores (12 s of it the hanging case's timeout), 11 rank start-ups."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotitan.spawn import run_ranks
+from nanotitan.run.spawn import run_ranks
 
 
 def _sum_ranks(rank, world, tag):
@@ -101,7 +101,7 @@ def test_a_hanging_rank_hits_the_timeout_with_its_stack_and_everything_is_killed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ranks_exit_when_their_caller_is_killed(tmp_path):
     """A caller killed outright (no finally runs) leaves no rank blocked behind it."""
-    code = (f"from nanotitan.spawn import run_ranks; from tests.test_spawn import _hang_on_rank0; "
+    code = (f"from nanotitan.run.spawn import run_ranks; from tests.test_spawn import _hang_on_rank0; "
             f"run_ranks(_hang_on_rank0, 1, ({str(tmp_path)!r},), timeout=300)")
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
     try:

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from nanotitan import checkpoint as ckpt
+from nanotitan.state import checkpoint as ckpt
 
-from nanotitan import manifest
-from nanotitan.config import ConfigError
-from nanotitan.errors import EXIT_CODES, CheckpointError, StorageError, TrainingError
-from nanotitan.metrics import MetricsWriter
+from nanotitan.state import manifest
+from nanotitan.config.config import ConfigError
+from nanotitan.config.errors import EXIT_CODES, CheckpointError, StorageError, TrainingError
+from nanotitan.observe.metrics import MetricsWriter
 from nanotitan.model.spec import ModelShardSpec
-from nanotitan.rundir import RunDirError, RunDirLock, writable_dir
+from nanotitan.run.rundir import RunDirError, RunDirLock, writable_dir
 from tests.test_checkpoint import build, tiny_cfg
 
 FREE = r"[\d.]+ (B|KiB|MiB|GiB|TiB) free on \S+/checkpoints"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nanotitan.config import load_config
+from nanotitan.config.config import load_config
 from tests.conftest import pypi_reachable
 
 REQUIRED = ["step", "loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu",
@@ -124,7 +124,7 @@ def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path, corpus_dir):
     """train.ckpt_on_signal: SIGTERM to the job -> every rank finishes its step, they agree to stop, save."""
-    from nanotitan.manifest import latest_checkpoint
+    from nanotitan.state.manifest import latest_checkpoint
 
     p = _launch(["--parallel.dp", "2", "--train.steps", "100000", "--run.log_every", "1",
                  "--train.ckpt_on_signal", "true", "--train.ckpt_at_end", "false"], tmp_path, corpus_dir,
@@ -163,7 +163,7 @@ def test_eval_steps_log_the_training_expert_load(tmp_path, corpus_dir):
 def test_nonfinite_step_is_skipped_or_stops_without_saving(tmp_path, corpus_dir):
     """train.on_nonfinite: skip drops the update on every rank and counts it; stop raises one line naming the
     step and writes no checkpoint; metrics.jsonl stays strict JSON (NaN -> null)."""
-    from nanotitan.errors import TrainingError
+    from nanotitan.config.errors import TrainingError
     from nanotitan.train import run
 
     base = [*TINY, "--data.source", str(corpus_dir), "--train.steps", "8", "--train.eval_every", "0",

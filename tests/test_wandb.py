@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from nanotitan.config import ConfigError, load_config, to_dict
-from nanotitan.metrics import MetricsWriter
+from nanotitan.config.config import ConfigError, load_config, to_dict
+from nanotitan.observe.metrics import MetricsWriter
 
 
 @pytest.fixture

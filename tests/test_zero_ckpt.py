@@ -89,9 +89,9 @@ def _chain_job(corpus_dir, run_dir, layout, zero, steps, resume="", meter=False)
     whole tensors (params and AdamW state, gathered by `full_state` for the comparison only) and, with `meter`,
     the high-water mark of live tensor bytes while saving and while loading that checkpoint back, over this
     rank's steady state (params + grads + optimizer state)."""
-    from nanotitan import checkpoint as ckpt
-    from nanotitan.config import load_config
-    from nanotitan.metrics import PeakTensorBytes, live_tensor_bytes
+    from nanotitan.state import checkpoint as ckpt
+    from nanotitan.config.config import load_config
+    from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
     from nanotitan.train import Trainer
 
     dp, pp, ep = layout
@@ -167,8 +167,8 @@ def test_sharded_checkpoints_reshard_exactly_and_never_gather(corpus_dir, tmp_pa
     for r in a:
         assert r["save_ratio"] <= 1.3 and r["load_ratio"] <= 1.3, (r["save_ratio"], r["load_ratio"])
     # the planner's checkpoint peak (state + one tensor in flight) within 5% of the measured one
-    from nanotitan.config import load_config
-    from nanotitan.hardware import get_hardware
+    from nanotitan.config.config import load_config
+    from nanotitan.config.hardware import get_hardware
     from nanotitan.plan import Layout, predict
 
     cfg = load_config(None, base_args(corpus_dir, z3) + layout_args(4, 1, 1) + CHAIN_MODEL + ["--parallel.zero", "3"])

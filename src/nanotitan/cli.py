@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config.config import ConfigError, load_config
 
 USAGE = __doc__
 
@@ -44,8 +44,8 @@ def cmd_train(argv: list[str]) -> int:
     With no torchrun around it, starts parallel.dp*pp*ep local ranks itself; under torchrun (any number of
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
-    from .launch import slurm_rendezvous, under_torchrun
-    from .resolve import planned_flags, resolve
+    from .run.launch import slurm_rendezvous, under_torchrun
+    from .config.resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
@@ -54,7 +54,7 @@ def cmd_train(argv: list[str]) -> int:
 
         profile(cfg)
     if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic.py)
-        from .elastic import run_agent
+        from .elastic.coordinator import run_agent
 
         code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
         _exit_soon()
@@ -66,13 +66,13 @@ def cmd_train(argv: list[str]) -> int:
     if planned:  # the ranks this process starts run the planned layout instead of planning again
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
-    from .rundir import owned_run_dir
+    from .run.rundir import owned_run_dir
 
     if under_torchrun():
-        from .launch import fail_rank, start_rank
+        from .run.launch import fail_rank, start_rank
 
         if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic_rank.py)
-            from .elastic_rank import run_rank as run
+            from .elastic.rank import run_rank as run
         else:
             from .train import run
         _die_with_parent()
@@ -102,7 +102,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
-    from .launch import launch_local
+    from .run.launch import launch_local
 
     _cpu_peak_before_ranks(cfg, nproc)
     if cfg.world_size > 1:
@@ -111,7 +111,7 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
     else:
         import signal
 
-        from .launch import stop_line
+        from .run.launch import stop_line
         from .train import run
 
         try:
@@ -124,7 +124,7 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
             return 143
         code = 0
     if code == 0 and cfg.train.sample_tokens > 0 and (rdzv is None or rdzv.node_rank == 0):
-        from .errors import CheckpointError
+        from .config.errors import CheckpointError
         from .generate import generate_from_run
 
         try:
@@ -139,7 +139,7 @@ def warm_rank() -> int:
     """A rank started ahead of its generation (each agent keeps one set warm): it does the imports, most of a
     rank's start (torch, the trainer), while it waits; then it reads its assignment, one JSON line
     {"argv", "env"} on stdin, and runs as `nanotitan train <argv>` would. An empty stdin: not needed, exit 0."""
-    from .elastic_rank import WARM_ENV
+    from .elastic.rank import WARM_ENV
 
     _die_with_parent()
     Path(os.environ.pop(WARM_ENV)).touch()
@@ -157,7 +157,7 @@ def _cpu_peak_before_ranks(cfg, nproc: int) -> None:
     would otherwise measure each other on the shared cores. One process measures its own (cached) peak."""
     import torch
 
-    from .metrics import bf16_advice, cpu_peak_env, cpu_peak_flops
+    from .observe.metrics import bf16_advice, cpu_peak_env, cpu_peak_flops
 
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
         return
@@ -197,7 +197,7 @@ def cmd_data(argv: list[str]) -> int:
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
     from .data.prepare import load_meta, prepare_data
 
-    from .resolve import resolve_model
+    from .config.resolve import resolve_model
 
     path, overrides = _split_config(argv[1:])
     cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer
@@ -223,7 +223,7 @@ def cmd_generate(argv: list[str]) -> int:
         from tokenizers import Tokenizer
 
         from .generate import sample
-        from .hf import load_pretrained
+        from .interop.hf import load_pretrained
 
         cfg, model = load_pretrained(args.from_hf)
         if not cfg.data.tokenizer:  # load_pretrained needs none; encoding the prompt does
@@ -238,7 +238,7 @@ def cmd_generate(argv: list[str]) -> int:
 def cmd_export(argv: list[str]) -> int:
     import argparse
 
-    from .hf import DTYPES, export_checkpoint
+    from .interop.hf import DTYPES, export_checkpoint
 
     ap = argparse.ArgumentParser(prog="nanotitan export", description="Write a run's checkpoint (any layout) as a "
                                  "transformers checkpoint dir: config.json, safetensors, tokenizer (docs/hf.md).")
@@ -247,7 +247,7 @@ def cmd_export(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="tensor dtype on disk (default: fp32)")
     args = ap.parse_args(argv)
-    from .rundir import writable_dir
+    from .run.rundir import writable_dir
 
     out = export_checkpoint(args.run_dir, writable_dir(args.out, "--out"), args.step, args.dtype)
     print(f"exported {args.run_dir} to {out}")
@@ -270,7 +270,7 @@ def cmd_bench(argv: list[str]) -> int:
         raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
-        from .bench_layouts import main as bench_main
+        from .bench.layouts import main as bench_main
     elif what == "dp":
         from .bench.dp import main as bench_main
     elif what == "pp":
@@ -295,7 +295,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    from .plot import main as plot_main
+    from .observe.plot import main as plot_main
 
     return plot_main(argv)
 
@@ -323,7 +323,7 @@ def command_help(name: str) -> str | None:
     if doc is None:
         return None
     if name in CONFIG_COMMANDS:
-        from .config_help import config_help
+        from .config.help import config_help
 
         doc += "\n\n" + config_help()
     return doc
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help and (text := command_help(name)) is not None:
         print(text)
         return 0
-    from .errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError
+    from .config.errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError
 
     try:
         return COMMANDS[name](rest)

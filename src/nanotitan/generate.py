@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
+from .state import checkpoint as ckpt
 
-from . import manifest
-from .config import Config, ConfigError, load_config
+from .state import manifest
+from .config.config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
 from .model.transformer import Transformer
 from .parallel.dims import ParallelDims
-from .resolve import resolve_model
+from .config.resolve import resolve_model
 
 
 def load_full_model(cfg: Config, run_dir: Path) -> Transformer:

@@ -21,22 +21,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
-from . import manifest
-from . import report
-from .allocator import keep_freed_memory
-from .config import Config, ConfigError, to_dict, to_toml, validate
+from .state import checkpoint as ckpt
+from .state import manifest
+from .observe import report
+from .run.allocator import keep_freed_memory
+from .config.config import Config, ConfigError, to_dict, to_toml, validate
 from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
-from .errors import TrainingError
-from .metrics import MetricsWriter, StepMeters, job_peak_flops, live_tensor_bytes
+from .config.errors import TrainingError
+from .observe.metrics import MetricsWriter, StepMeters, job_peak_flops, live_tensor_bytes
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import emulate, stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
 from .parallel.parallelize import build_optimizer, parallelize, pick_device
-from .profiling import StepProfiler
-from .resolve import resolve
+from .observe.profiling import StepProfiler
+from .config.resolve import resolve
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanotitan.config import ConfigError
+from nanotitan.config.config import ConfigError
 from nanotitan.data.indexed import IndexedBatches
 
 N_TOKENS, S = 50_000, 16

@@ -10,7 +10,7 @@ import time
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from nanotitan.config import DataConfig
+from nanotitan.config.config import DataConfig
 from nanotitan.data import prepare as prepare_mod
 from nanotitan.data.prepare import (load_meta, load_tokenizer, prepare_data, prepared_dir, split_by_document,
                                      token_dtype)

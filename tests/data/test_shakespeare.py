@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nanotitan.config import DataConfig
+from nanotitan.config.config import DataConfig
 from nanotitan.data.indexed import IndexedBatches
 from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
 from nanotitan.data.sources import DataError

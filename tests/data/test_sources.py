@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanotitan.config import ConfigError, DataConfig
+from nanotitan.config.config import ConfigError, DataConfig
 from nanotitan.data.sources import iter_documents, source_fingerprint, source_kind, stream_dataset
 
 WORDS = ("the king queen sword crown night day love death honour blood gentle lord lady heaven "

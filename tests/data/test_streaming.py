@@ -7,7 +7,7 @@ import json
 import numpy as np
 import torch
 
-from nanotitan.config import Config, DataConfig
+from nanotitan.config.config import Config, DataConfig
 from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
 from nanotitan.data.streaming import PackedTokenDataset, make_streaming_loader
 from nanotitan.data.tokenizer import train_bpe

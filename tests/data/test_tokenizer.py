@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from nanotitan.config import ConfigError
+from nanotitan.config.config import ConfigError
 from nanotitan.data.tokenizer import EOT, eot_id, load_tokenizer_file, train_bpe
 from tests.data.test_sources import make_docs
 

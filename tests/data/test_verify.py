@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from nanotitan.config import DataConfig
+from nanotitan.config.config import DataConfig
 from nanotitan.data import prepare as P
 from nanotitan.data.sources import DataError
 from tests.conftest import make_corpus

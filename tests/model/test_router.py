@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotitan.checkpoint import keyed_tensors, load_checkpoint, save_checkpoint
-from nanotitan.config import ConfigError, load_config
+from nanotitan.state.checkpoint import keyed_tensors, load_checkpoint, save_checkpoint
+from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer
-from nanotitan.resolve import resolve
+from nanotitan.config.resolve import resolve
 
 D, FH, E = 16, 24, 4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanotitan.config import ModelConfig
+from nanotitan.config.config import ModelConfig
 from nanotitan.model import wgrad
 from nanotitan.model.spec import ModelShardSpec
 from nanotitan.model.transformer import Transformer
@@ -177,7 +177,7 @@ def test_gradient_syncs_count_deferred_terms(flavour):
 def test_pending_work_is_counted_as_saved_activations():
     """What a deferred W holds (layer inputs, output gradients) stays counted by the trainer's activation meter
     (metrics.SavedActivations, through the saved-tensor hooks in force during B) until W runs."""
-    from nanotitan.metrics import SavedActivations
+    from nanotitan.observe.metrics import SavedActivations
 
     cfg = _cfg()
     model = Transformer(cfg, _middle_stage(cfg), SEED)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims

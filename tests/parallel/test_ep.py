@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher, MoE
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import Transformer
@@ -250,7 +250,7 @@ def _overlap_case(rank: int, P: int, group, dtype: str, chunks: int, scenario: s
 
 
 def test_ep_overlap_validation():
-    from nanotitan.config import ConfigError, load_config, validate
+    from nanotitan.config.config import ConfigError, load_config, validate
 
     base = ["--model.num_experts", "4", "--parallel.ep_overlap", "true"]
     with pytest.raises(ConfigError, match=r"^parallel.ep_overlap pipelines groups .* 4/4 leaves one"):

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs, build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep

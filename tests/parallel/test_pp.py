@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from nanotitan.config import Config, ModelConfig, ParallelConfig
+from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm
@@ -374,9 +374,9 @@ def test_config_and_split_for_the_new_schedules():
     """One-line errors for what the schedules cannot run; interleaved chunk ownership; pp_layers auto balances."""
     import pytest
 
-    from nanotitan.config import ConfigError, load_config
+    from nanotitan.config.config import ConfigError, load_config
     from nanotitan.model.spec import chunk_layer_counts
-    from nanotitan.resolve import auto_layer_counts, resolve
+    from nanotitan.config.resolve import auto_layer_counts, resolve
 
     bad = [(["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
              "--parallel.microbatches", "3"], "needs parallel.microbatches=3 to be a multiple of parallel.pp=2"),
@@ -431,7 +431,7 @@ def test_config_and_split_for_the_new_schedules():
 def test_planner_models_the_new_schedules():
     """The planner's bubble and memory per schedule: zb1's fill/drain is a third of 1F1B's and it holds PP
     microbatches on every stage (1F1B's stage-0 peak); interleaved's fill/drain is 1/V of 1F1B's."""
-    from nanotitan.hardware import get_hardware
+    from nanotitan.config.hardware import get_hardware
     from nanotitan.plan import Layout, layout_config, predict
 
     cfg = tiny_cfg(4, 8)
@@ -452,8 +452,8 @@ def test_planner_counts_what_zb1s_pending_w_hold_under_ac():
     """zb1 under activation checkpointing: between B and W a microbatch keeps what its deferred weight GEMMs read
     (model/wgrad.py), about its uncheckpointed activations. The planner's peak for each stage stays within 10% of
     the dry run's (the real step on fake tensors); without that term stage 1 was 54% over the plan."""
-    from nanotitan.config import load_config
-    from nanotitan.hardware import get_hardware
+    from nanotitan.config.config import load_config
+    from nanotitan.config.hardware import get_hardware
     from nanotitan.plan.dryrun import compare_with_planner, dry_run
 
     cfg = load_config(None, ["--parallel.pp", "2", "--parallel.schedule", "zb1", "--parallel.microbatches", "4",

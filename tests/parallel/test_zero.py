@@ -28,7 +28,7 @@ import torch.nn as nn
 from nanotitan.parallel.clip import clip_grad_norm_
 from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.metrics import PeakTensorBytes, live_tensor_bytes
+from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp import Reducer
 from nanotitan.parallel.sync import ReplicatedSync, flat_range_boxes
 from nanotitan.parallel.zero import (ShardedReducer, ZeroSync, full_optim_state_to_sharded,
@@ -290,7 +290,7 @@ def test_rejects_zero_3():
 def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="never"):
     """The same layout trained twice: zero 0 (Reducers) and zero 3 (apply_fsdp + FSDPSync). Also returns the
     high-water mark of live tensor bytes over zero 3's forwards and backwards of the last step."""
-    from nanotitan.config import Config
+    from nanotitan.config.config import Config
     from nanotitan.model.spec import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
@@ -394,7 +394,7 @@ def _fsdp_world2(rank, world):
 
 def _gather_overlap_ranks(rank, world):
     """ZeroSync.after_step posts the all-gathers and returns; the next forward waits per block, in use order."""
-    from nanotitan.config import ModelConfig
+    from nanotitan.config.config import ModelConfig
     from nanotitan.model.transformer import Transformer, is_expert_param
 
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, ffn_dim=24, num_experts=2, top_k=1,

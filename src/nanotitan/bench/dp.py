@@ -31,11 +31,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
+from ..config.config import ModelConfig
 from ..model.transformer import Transformer
 from ..parallel.comm import COMM
 from ..parallel.dp import Reducer, wrap_ddp
-from ..spawn import run_ranks
+from ..run.spawn import run_ranks
 
 MID = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
                   max_seq_len=128)
@@ -163,7 +163,7 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
     the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step, and with
     `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py)."""
-    from ..metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
+    from ..observe.metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
     from ..parallel.fsdp import FSDPSync
     from ..parallel.sync import ReplicatedSync, TorchDDPSync
@@ -234,9 +234,9 @@ def _time_checkpoint(model, opt, sync, world: int, rank: int, ckpt_dir: str, ste
     collective) and each one's high-water mark of live tensor bytes over the rank's steady state."""
     from types import SimpleNamespace
 
-    from .. import checkpoint as ckpt
-    from ..config import Config
-    from ..metrics import PeakTensorBytes
+    from ..state import checkpoint as ckpt
+    from ..config.config import Config
+    from ..observe.metrics import PeakTensorBytes
     from ..parallel.dims import ParallelDims
 
     dims, shard = ParallelDims(world, 1, 1, rank=rank), SimpleNamespace(sync=sync)

@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import load_config
+from ..config.config import load_config
 from ..model.spec import chunk_layer_counts
 from ..parallel import comm, emulate
 from ..parallel.dims import ParallelDims
 from ..plan import Layout, ModelShape, layout_config, stage_summaries
-from ..spawn import run_ranks
+from ..run.spawn import run_ranks
 
 AXES = ("dp", "ep", "pp")
 
@@ -160,7 +160,7 @@ def format_table(title: str, rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from ..bench_layouts import layouts_for
+    from .layouts import layouts_for
 
     ap = argparse.ArgumentParser(prog="nanotitan bench emulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=8)

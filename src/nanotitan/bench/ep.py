@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..model.moe import LocalDispatcher, MoE, pack_expert_major
 from ..parallel import comm
 from ..parallel.ep import EPDispatcher, source_to_expert_major
-from ..spawn import run_ranks
+from ..run.spawn import run_ranks
 from .seed_ep_naive import SeedEPDispatcher, seed_pack, seed_permute
 
 D, E, F_HID, K, B, S = 256, 8, 512, 2, 8, 128

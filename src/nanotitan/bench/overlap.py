@@ -31,12 +31,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from ..bench_layouts import run_layout, summarise
-from ..config import load_config
-from ..hardware import detect_hardware
+from .layouts import run_layout, summarise
+from ..config.config import load_config
+from ..config.hardware import detect_hardware
 from ..parallel import emulate
 from ..plan import Layout, PlanOptions, predict
-from ..resolve import resolve_model
+from ..config.resolve import resolve_model
 from .emulate import parse_topology
 
 
@@ -328,7 +328,7 @@ def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int
     exposed EP wait; ratios against the first mode; breakdown: where the lanes' exposed wait goes."""
     import statistics
 
-    from ..spawn import run_ranks
+    from ..run.spawn import run_ranks
 
     cfg = copy.deepcopy(cfg)
     dilation, title, links = 0.0, "this machine, no emulation", None

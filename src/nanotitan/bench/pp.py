@@ -39,15 +39,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import Config, ModelConfig, ParallelConfig
+from ..config.config import Config, ModelConfig, ParallelConfig
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import Transformer
 from ..parallel.dims import ParallelDims
 from ..parallel.pp import pipeline_forward_backward, theoretical_bubble, virtual_stages
 from ..parallel.pp_chunks import StageChunks
 from ..parallel.pp_comms import StageComms
-from ..resolve import auto_layer_counts
-from ..spawn import run_ranks
+from ..config.resolve import auto_layer_counts
+from ..run.spawn import run_ranks
 
 PP, M, MB, SEQ, VOCAB, D, V = 2, 8, 2, 128, 4096, 256, 2
 SEED, AUX_WEIGHT = 0, 0.01 / 4

@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from ..config import load_config
+from ..config.config import load_config
 from ..parallel import step as S
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import parallelize
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wire", action="store_true", help="bytes per axis, fp32 vs bf16, on 2 gloo ranks")
     args = ap.parse_args(argv)
     if args.wire:
-        from ..spawn import run_ranks
+        from ..run.spawn import run_ranks
 
         wire(run_ranks(_wire_worker, 2, timeout=300)[0])
         return 0

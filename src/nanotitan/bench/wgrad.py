@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..allocator import keep_freed_memory
+from ..run.allocator import keep_freed_memory
 from ..model import wgrad
 from ..model.spec import build_chunk_specs
 from ..model.transformer import Transformer

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanotitan.config import ConfigError
+from nanotitan.config.config import ConfigError
 from nanotitan.data.prepare import load_meta
 
 

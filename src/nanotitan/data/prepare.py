@@ -37,10 +37,10 @@ import numpy as np
 import xxhash
 from tokenizers import Tokenizer
 
-from nanotitan.config import DataConfig
+from nanotitan.config.config import DataConfig
 from nanotitan.data.sources import DataError, cache_root, iter_documents, source_fingerprint
 from nanotitan.data.tokenizer import eot_id, load_tokenizer_file, train_bpe
-from nanotitan.errors import StorageError, first_line, os_reason
+from nanotitan.config.errors import StorageError, first_line, os_reason
 
 FORMAT_VERSION = 1  # part of the cache key: bumping it re-prepares every corpus (the checksums were added without)
 ENCODE_BATCH = 256  # documents per encode_batch call (the Rust side parallelises within a batch)

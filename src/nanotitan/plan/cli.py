@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, load_config
-from ..hardware import detect_hardware, save_hardware
-from ..resolve import resolve_model
+from ..config.config import ConfigError, load_config
+from ..config.hardware import detect_hardware, save_hardware
+from ..config.resolve import resolve_model
 from .calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
                         format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
@@ -17,7 +17,7 @@ from .shape import PRECISIONS, ModelShape
 
 
 def main(argv: list[str]) -> int:
-    from ..config_help import config_help
+    from ..config.help import config_help
 
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
                                  "DP x PP x EP layout, rank them, pick one. Config keys (--section.key VALUE) "
@@ -125,7 +125,7 @@ def _dry_run(args, overrides: list[str]) -> int:
     """`--dry-run`: the config's own layout at --ranks N, every distinct rank built (plan/dryrun.py)."""
     import json
 
-    from ..resolve import resolve
+    from ..config.resolve import resolve
     from .dryrun import compare_with_planner, dry_run, format_comparison
 
     cfg = resolve(load_config(args.config, overrides), world=args.ranks)  # as a launch at N ranks resolves it

@@ -10,8 +10,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from ..config import Config, tidy_counts
-from ..hardware import Hardware, ring_allreduce_s as _ring_allreduce_s, ring_half_s as _ring_half_s
+from ..config.config import Config, tidy_counts
+from ..config.hardware import Hardware, ring_allreduce_s as _ring_allreduce_s, ring_half_s as _ring_half_s
 from ..parallel import pp as pp_schedules
 from ..parallel.dims import ParallelDims
 from ..parallel.sync import zero_memory_choices

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..config import Config, ConfigError, validate
-from ..hardware import Hardware
-from ..metrics import fmt_bytes, live_tensor_bytes, storage_key
+from ..config.config import Config, ConfigError, validate
+from ..config.hardware import Hardware
+from ..observe.metrics import fmt_bytes, live_tensor_bytes, storage_key
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import num_moe_layers
 from ..parallel import pp as pp_schedules
@@ -297,7 +297,7 @@ class DryRun:
 
 def dry_run(cfg: Config, world: int, log=None) -> DryRun:
     """Every distinct rank of `cfg` at `world` ranks (module docstring). Layout errors raise ConfigError first."""
-    from ..resolve import resolve
+    from ..config.resolve import resolve
 
     t0 = time.perf_counter()
     cfg = resolve(cfg, world=world)  # the config a launch at `world` ranks runs (a resolved one comes back as is)

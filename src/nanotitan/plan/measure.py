@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
-from ..metrics import storage_key
+from ..config.hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
+from ..observe.metrics import storage_key
 from ..parallel import comm
-from ..spawn import run_ranks
+from ..run.spawn import run_ranks
 
 
 class TensorBytesMeter(TorchDispatchMode):

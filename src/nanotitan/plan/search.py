@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from ..config import Config, ConfigError, validate
-from ..hardware import GiB, Hardware, detect_hardware
+from ..config.config import Config, ConfigError, validate
+from ..config.hardware import GiB, Hardware, detect_hardware
 from .cost import PlanOptions, Prediction, predict
 from .shape import Layout, ModelShape, layout_config
 

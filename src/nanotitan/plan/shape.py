@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config.config import Config
 from ..model.spec import block_halves, even_counts, layer_bounds
 from ..parallel import pp as pp_schedules
 

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .config import ConfigError
+from ..config.config import ConfigError
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: FIRST_RUN_DIR/plots)")
     ap.add_argument("--last", type=int, default=50, help="records the summary table averages over (default: 50)")
     args = ap.parse_args(argv)
-    from .rundir import writable_dir
+    from ..run.rundir import writable_dir
 
     out = writable_dir(args.out or args.run_dirs[0] / "plots", "--out")  # refused before reading or drawing
     for path in plot_runs(args.run_dirs, out):

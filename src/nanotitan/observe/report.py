@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from .metrics import fmt_bytes, peak_mem_bytes
-from .model.spec import chunk_layer_counts
-from .model.transformer import Transformer, is_moe_layer
-from .parallel import comm
-from .parallel.dims import ParallelDims
-from .parallel.pp import StepStats, theoretical_bubble
+from ..model.spec import chunk_layer_counts
+from ..model.transformer import Transformer, is_moe_layer
+from ..parallel import comm
+from ..parallel.dims import ParallelDims
+from ..parallel.pp import StepStats, theoretical_bubble
 
 
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,
@@ -189,7 +189,7 @@ class StepLogger:
         return self.history[-1] if self.history else {}
 
     def log(self, step: int, stats: StepStats, grad_norm: float, lr: float, step_time: float, **extra) -> dict:
-        from .parallel.step import reduce_losses
+        from ..parallel.step import reduce_losses
 
         ce_loss, aux_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M)
         cstats = comm.COMM.snapshot_and_reset()

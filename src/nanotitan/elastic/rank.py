@@ -24,10 +24,10 @@ import time
 import zlib
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .config import Config
+from ..state import checkpoint as ckpt
+from ..config.config import Config
 from .snapshot import SnapshotWriter
-from .train import Trainer, run
+from ..train import Trainer, run
 
 RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "node", "spawned"} as JSON
 WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has imported

@@ -17,9 +17,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .errors import first_line
-from .errors import StorageError, os_reason
-from .hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes, isa_limit  # noqa: F401 (re-used names)
+from ..config.errors import first_line
+from ..config.errors import StorageError, os_reason
+from ..config.hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes, isa_limit  # noqa: F401 (re-used names)
 
 
 def bf16_advice(threads: int) -> str:
@@ -139,7 +139,7 @@ class MetricsWriter:
             self.f.write(json.dumps(finite_or_none(obj), allow_nan=False) + "\n")
             self.f.flush()
         except OSError as e:
-            from .manifest import storage_line
+            from ..state.manifest import storage_line
 
             raise StorageError(storage_line(self.path.parent, f"writing {self.path} failed: {os_reason(e)}")) from None
 

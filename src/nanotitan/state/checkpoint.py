@@ -50,16 +50,16 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
 from torch.futures import Future
 
-from .config import Config, to_toml
-from .errors import CheckpointError, StorageError, first_line, os_reason
-from .hardware import fmt_bytes
+from ..config.config import Config, to_toml
+from ..config.errors import CheckpointError, StorageError, first_line, os_reason
+from ..config.hardware import fmt_bytes
 from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, STEP_DIR, checkpoint_dir,
                        complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, storage_line,
                        verify_checkpoint)
-from .model.transformer import is_expert_param
-from .parallel import comm
-from .parallel.dims import ParallelDims
-from .parallel.sync import Pieces, ensure_adam_state, replicated_pieces
+from ..model.transformer import is_expert_param
+from ..parallel import comm
+from ..parallel.dims import ParallelDims
+from ..parallel.sync import Pieces, ensure_adam_state, replicated_pieces
 
 
 class NonFiniteStateError(CheckpointError):

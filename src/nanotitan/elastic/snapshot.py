@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .config import Config
-from .errors import first_line
-from .manifest import COMPLETE, DCP_METADATA, MANIFEST, _hash_file
-from .parallel import comm
+from ..state import checkpoint as ckpt
+from ..config.config import Config
+from ..config.errors import first_line
+from ..state.manifest import COMPLETE, DCP_METADATA, MANIFEST, _hash_file
+from ..parallel import comm
 
 UNIT = re.compile(r"^step_(\d+)/g(\d+)-node(\d+)$")  # a committed unit, relative to ROOT
 KEEP_STEPS = 2  # a node keeps the units of its two newest steps: the newest may be incomplete when a node dies

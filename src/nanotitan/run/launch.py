@@ -34,7 +34,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ..config.config import ConfigError
 
 
 def under_torchrun(env=os.environ) -> bool:
@@ -221,7 +221,7 @@ def _signal_ranks(signum: int) -> None:
 
 def stop_line(signum: int, run_dir: str, argv: list[str], saved: bool = False) -> str:
     """The line for a job stopped by a signal: which, the newest complete checkpoint, how to resume."""
-    from .manifest import latest_checkpoint
+    from ..state.manifest import latest_checkpoint
 
     name = signal.Signals(signum).name
     ck = latest_checkpoint(run_dir)
@@ -239,8 +239,8 @@ def stop_line(signum: int, run_dir: str, argv: list[str], saved: bool = False) -
 def failure_line(e, log_dir: Path, world: int, started: float) -> tuple[str, int]:
     """(one line, exit code) for ranks that failed: a stall named from the comm records, else the error of
     the rank that failed first (a rank killed by a signal first: its peers' errors follow from its death)."""
-    from .errors import EXIT_CODES
-    from .parallel.stall import diagnose
+    from ..config.errors import EXIT_CODES
+    from ..parallel.stall import diagnose
 
     stalled = diagnose(log_dir, world, since=started)
     if stalled:
@@ -286,7 +286,7 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
     started this rank, send its output to RUN_DIR/logs/rank_N.log (stderr only there, stdout also to the console)."""
     import faulthandler
 
-    from .parallel.stall import RECORD
+    from ..parallel.stall import RECORD
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     log_dir = Path(os.environ.get(LOG_ENV) or Path(run_dir) / "logs")
@@ -310,7 +310,7 @@ def fail_rank(e: BaseException) -> None:
     torch, datasets, ...) took 10+ s on a loaded machine, all of it before the launcher can act."""
     import traceback
 
-    from .errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError, first_line
+    from ..config.errors import EXIT_CODES, LABELS, CheckpointError, StorageError, TrainingError, first_line
 
     if isinstance(e, SystemExit):
         raise e

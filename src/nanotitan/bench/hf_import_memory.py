@@ -1,6 +1,6 @@
 """Peak memory of importing a Hugging Face checkpoint, per rank: does a rank hold only its shard?
 
-    .venv/bin/python benchmarks/hf_import_memory.py [--layout 1,2,4] [--experts 32] [--d-model 256]
+    .venv/bin/python -m nanotitan.bench.hf_import_memory [--layout 1,2,4] [--experts 32] [--d-model 256]
 
 Writes a Mixtral-style checkpoint (fp32 safetensors) much larger than one rank's shard, then, for every
 (pp_rank, ep_rank) of the layout, a fresh process builds that rank's shard, calls `hf.load_into_shard`
@@ -36,8 +36,8 @@ def reset_peak() -> None:
 def one_rank(hf_dir: str, pp: int, ep: int, pp_rank: int, ep_rank: int) -> dict:
     import torch
 
-    from nanotitan import hf
-    from nanotitan.config import load_config
+    from nanotitan.interop import hf
+    from nanotitan.config.config import load_config
     from nanotitan.model.spec import build_shard_spec
     from nanotitan.model.transformer import Transformer
 

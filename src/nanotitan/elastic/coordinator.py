@@ -60,9 +60,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from . import snapshot
-from .config import Config, ConfigError, elastic_nodes, to_toml
-from .elastic_rank import RANK_ENV, WARM_ENV, layout_line, snapshot_root
-from .errors import CheckpointError, first_line
+from ..config.config import Config, ConfigError, elastic_nodes, to_toml
+from .rank import RANK_ENV, WARM_ENV, layout_line, snapshot_root
+from ..config.errors import CheckpointError, first_line
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
 BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
@@ -73,7 +73,7 @@ def job_hash(cfg: Config) -> str:
     (a container image's digest, say), else the git commit when the package runs from a checkout (uncommitted
     edits are not seen), else the bytes of its files (an install)."""
     h = hashlib.sha256(to_toml(cfg).encode())
-    here = Path(__file__).parent
+    here = Path(__file__).parents[1]  # the package, not only elastic/
     if os.environ.get("NANOTITAN_CODE_ID"):
         h.update(os.environ["NANOTITAN_CODE_ID"].encode())
         return h.hexdigest()[:16]
@@ -91,7 +91,7 @@ def job_hash(cfg: Config) -> str:
 
 def plan_world(cfg: Config, world: int) -> Config:
     """The resolved config for `world` ranks (raises ConfigError when no layout fits)."""
-    from .resolve import resolve
+    from ..config.resolve import resolve
 
     return resolve(cfg, world)
 
@@ -100,7 +100,7 @@ class Coordinator:
     """Node 0's membership decisions, one `tick` at a time (between the agent's own ticks)."""
 
     def __init__(self, cfg: Config, store, my_hash: str):
-        from .resolve import planned_flags
+        from ..config.resolve import planned_flags
 
         self.cfg, self.store, self.hash, self.planned_flags = cfg, store, my_hash, planned_flags
         self.min_nodes, self.max_nodes = elastic_nodes(cfg.elastic.nodes)
@@ -300,7 +300,7 @@ class Coordinator:
         """The newest checkpoint that verifies, of the run dir's and the snapshots (a damaged one is named and
         skipped): where the next generation resumes. A snapshot newer than the run dir's newest is assembled on
         this node from the units of every node that answers (snapshot.assemble_newest)."""
-        from .manifest import resolve_resume
+        from ..state.manifest import resolve_resume
 
         best = None
         for root in (self.run_dir, self.snapshots):  # the snapshots: one assembled for an earlier resume
@@ -541,8 +541,8 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     """`nanotitan train --elastic.*`: this node's agent (and node 0's coordinator); returns the exit code."""
     import torch.distributed as dist
 
-    from .data.prepare import prepare_data
-    from .rundir import owned_run_dir
+    from ..data.prepare import prepare_data
+    from ..run.rundir import owned_run_dir
 
     e = cfg.elastic
     if not cfg.parallel.auto:
@@ -636,7 +636,7 @@ def _cpu_peak_for_ranks(cfg: Config) -> None:
     shared cores at each generation's start)."""
     import torch
 
-    from .metrics import cpu_peak_env, cpu_peak_flops
+    from ..observe.metrics import cpu_peak_env, cpu_peak_flops
 
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) or cfg.train.peak_flops:
         return

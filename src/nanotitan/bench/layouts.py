@@ -27,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config, validate
-from .parallel import emulate
-from .parallel import pp as pp_schedules
-from .plan import Layout, enumerate_layouts, layout_config
-from .resolve import resolve_model
+from ..config.config import Config, ConfigError, load_config, validate
+from ..parallel import emulate
+from ..parallel import pp as pp_schedules
+from ..plan import Layout, enumerate_layouts, layout_config
+from ..config.resolve import resolve_model
 
 
 def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:
@@ -194,8 +194,8 @@ def emulated_predictions(rows: list[dict], cfg: Config, links: emulate.LinkModel
     """The planner's step time for each measured row on the emulated cluster, uncalibrated: this CPU's profile for
     compute (its time-shared cores included), the emulated links for communication, groups crossing the emulated
     nodes, and link time as waiting rather than CPU work (PlanOptions.links_idle). `plan.calibrate`'s result."""
-    from .hardware import detect_hardware
-    from .plan import PlanOptions, calibrate
+    from ..config.hardware import detect_hardware
+    from ..plan import PlanOptions, calibrate
 
     hw = links.dilated(detect_hardware(None if hardware == "auto" else hardware))
     measured = [dict(r, peak_mem_bytes=r["peak_mem_per_rank"]) for r in rows]

@@ -25,9 +25,9 @@ import torch
 from .config import Config, validate
 from .hardware import Hardware, get_hardware
 from .hf_config import apply_init_config
-from .parallel import pp as pp_schedules
-from .plan.cost import PlanOptions, balanced_layer_counts
-from .plan.search import recommend
+from ..parallel import pp as pp_schedules
+from ..plan.cost import PlanOptions, balanced_layer_counts
+from ..plan.search import recommend
 
 
 def resolve_model(cfg: Config) -> Config:

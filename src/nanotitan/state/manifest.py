@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .errors import CheckpointError, os_reason
-from .hardware import fmt_bytes
-from .parallel import comm
+from ..config.errors import CheckpointError, os_reason
+from ..config.hardware import fmt_bytes
+from ..parallel import comm
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "state.json"

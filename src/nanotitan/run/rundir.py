@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError
-from .errors import os_reason
+from ..config.config import ConfigError
+from ..config.errors import os_reason
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "NANOTITAN_RUN_DIR_LOCK"  # set by the holder for the ranks it starts: "the launcher holds it"

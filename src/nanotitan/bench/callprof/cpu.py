@@ -1,6 +1,6 @@
-"""Per-tree summary of the rank{R}.json files of NT_PROF_MODE=cpu (benchmarks/callprof/sitecustomize.py).
+"""Per-tree summary of the rank{R}.json files of NT_PROF_MODE=cpu (src/nanotitan/bench/callprof/sitecustomize.py).
 
-    python benchmarks/callprof/cpu.py DIR...
+    python src/nanotitan/bench/callprof/cpu.py DIR...
 """
 import glob
 import json

@@ -1,6 +1,6 @@
 """One MoE layer's trips under parallel.ep_overlap, measured against the planner's formula, on 2 emulated nodes.
 
-    .venv/bin/python benchmarks/ep_overlap_layer.py [--profile h800] [--d-model 1024] [--ffn 2048] [--tokens 512]
+    .venv/bin/python -m nanotitan.bench.ep_overlap_layer [--profile h800] [--d-model 1024] [--ffn 2048] [--tokens 512]
                                                     [--experts 8] [--top-k 2] [--groups 1 2 4] [--repeats 3]
 
 Two gloo ranks, one per emulated node (every all-to-all crosses the inter-node link), dilation fixed to this CPU's
@@ -19,12 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotitan.spawn import run_ranks
+from nanotitan.run.spawn import run_ranks
 
 
 def _rank(rank, world, args):
     torch.set_num_threads(1)
-    from nanotitan.config import load_config
+    from nanotitan.config.config import load_config
     from nanotitan.model.moe import ExpertFFN
     from nanotitan.parallel import comm, emulate
     from nanotitan.parallel.ep import EPDispatcher
@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from nanotitan.hardware import cpu_peak_flops, get_hardware
+    from nanotitan.config.hardware import cpu_peak_flops, get_hardware
     from nanotitan.parallel.emulate import emulated_peak_flops
     from nanotitan.plan.cost import ep_overlap_exposed
 

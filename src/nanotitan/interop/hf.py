@@ -1,0 +1,348 @@
+"""Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints in and out (docs/hf.md).
+
+    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (hf_config.py)
+    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (hf_config.py)
+    load_into_shard(model, DIR)                    this shard's slice only: its layers, its experts
+    load_pretrained(DIR) -> (Config, Transformer)  one process, eval-ready
+    save_pretrained(model, cfg, DIR, dtype=...)    config.json + model.safetensors (+ shards and index)
+    export_checkpoint(run_dir, out, ...)           `nanotitan export`: a DCP checkpoint of any layout -> DIR
+
+Names: our layer keys are global indices like HF's, so one regex table maps every non-expert tensor.
+Experts are stacked here as W_gate, W_val [E, D, F] and W_out [E, F, D] (used as x @ W): transposes of
+HF's per-expert nn.Linear weights, gate/up [F, D] and down [D, F]. On disk, transformers keeps one tensor
+per expert (5.x fuses them into gate_up_proj [E, 2F, D] / down_proj [E, D, F] in memory and saves the
+per-expert form by default); both forms are read, the per-expert one is written.
+
+Reads are lazy: `safe_open(...).get_slice(name)` of only the tensors (and expert rows) a shard owns, so a
+rank never reads, or holds, the whole checkpoint. transformers itself is not needed at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config.config import Config, ConfigError, ModelConfig, load_config, validate
+from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
+from ..model.spec import ModelShardSpec
+from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
+
+DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
+MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size: larger exports are split (+ index)
+EXPERT_WEIGHTS = ("W_gate", "W_val", "W_out")  # ours, in the order of HF's (gate, up, down)
+_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(W_gate|W_val|W_out)$")
+
+
+def _moe_block(family: str) -> str:
+    return "block_sparse_moe" if family == "mixtral" else "mlp"
+
+
+def hf_name(family: str, name: str) -> str:
+    """Our (non-expert) parameter name -> the tensor name in the family's checkpoint."""
+    rules = [(r"^tok_emb\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."),
+             (r"^layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+             (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+             (r"^layers\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+             (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),  # dense layers (Qwen's mlp_only_layers)
+             (r"^layers\.(\d+)\.moe\.router\.", rf"model.layers.\1.{_moe_block(family)}.gate."),
+             (r"^layers\.(\d+)\.moe\.shared_expert", r"model.layers.\1.mlp.shared_expert")]  # and its _gate
+    for pattern, repl in rules:
+        out, n = re.subn(pattern, repl, name)
+        if n:
+            return out
+    raise AssertionError(f"no Hugging Face name for parameter {name}")
+
+
+def hf_expert_name(family: str, layer: int, expert: int, which: int) -> str:
+    """HF name of expert `expert`'s gate (which=0), up (1) or down (2) projection in layer `layer`."""
+    proj = ("w1", "w3", "w2")[which] if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")[which]
+    return f"model.layers.{layer}.{_moe_block(family)}.experts.{expert}.{proj}.weight"
+
+
+# --- config out ---------------------------------------------------------------------------------
+
+def hf_config(m: ModelConfig, eos_token_id: int | None = None, dtype: str = "fp32") -> dict:
+    """Our model config -> config.json of the one family that computes the same function; an option no
+    supported transformers class can represent fails in one line naming it."""
+    def refuse(bad: bool, option: str, why: str) -> None:
+        if bad:
+            raise ConfigError(f"cannot export {option}: {why} (supported: {', '.join(ARCHITECTURES)}; docs/hf.md)")
+
+    refuse(m.pos_emb != "rope", "model.pos_emb=learned", "every supported family uses rotary embeddings")
+    refuse(m.router_score != "softmax", f"model.router_score={m.router_score}",
+           "every supported family routes with a softmax")
+    refuse(m.routed_scale != 1.0, f"model.routed_scale={m.routed_scale}",
+           "no supported family scales the routed experts")
+    refuse(m.bias_update_rate > 0, f"model.bias_update_rate={m.bias_update_rate}",
+           "no supported family has the aux-loss-free routing bias")
+    dense = [i for i in range(m.n_layers) if not is_moe_layer(m, i)]
+    if m.qk_norm == "full":
+        family = "olmoe"
+    elif m.qk_norm == "head":
+        family = "qwen3_moe"
+    elif m.shared_experts or m.attn_bias:
+        family = "qwen2_moe"
+    else:
+        family = "mixtral"
+    arch = FAMILY_ARCH[family]
+    refuse(family == "mixtral" and not m.norm_topk, "model.norm_topk=false",
+           "without q/k norms or shared experts the model is a Mixtral, which always renormalises the top-k")
+    refuse(family in ("mixtral", "olmoe") and bool(dense), f"dense layers {dense} (moe_every/first_k_dense/"
+           "dense_layers)", f"{arch} has an MoE FFN in every layer (Qwen's mlp_only_layers can: use qk_norm=head)")
+    refuse(family != "qwen2_moe" and bool(m.shared_experts), f"model.shared_experts with qk_norm={m.qk_norm}",
+           "only Qwen2MoeForCausalLM has a shared expert, and it has no q/k norm")
+    refuse(family != "qwen2_moe" and m.attn_bias, f"model.attn_bias with qk_norm={m.qk_norm}",
+           f"{arch}'s attention_bias also puts a bias on o_proj")
+    refuse(family == "qwen2_moe" and not m.shared_experts, "model.attn_bias without model.shared_experts",
+           "only Qwen2MoeForCausalLM has q/k/v biases, and it always has a shared expert")
+    refuse(family == "qwen2_moe" and not m.shared_expert_gate, "model.shared_expert_gate=false",
+           "Qwen2MoeForCausalLM always gates its shared expert with a sigmoid")
+    refuse(family == "olmoe" and head_dim(m) * m.n_heads != m.d_model, f"model.head_dim={m.head_dim} with qk_norm=full",
+           "OlmoeForCausalLM's q_norm is hidden_size wide")
+    theta = m.rope_theta
+    out = dict(architectures=[arch], model_type=family, vocab_size=m.vocab_size, hidden_size=m.d_model,
+               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=kv_heads(m),
+               head_dim=head_dim(m), hidden_act="silu", max_position_embeddings=m.max_seq_len,
+               rms_norm_eps=m.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": theta},
+               rope_theta=theta,  # transformers 4.x reads this one
+               num_experts_per_tok=m.top_k, tie_word_embeddings=False, initializer_range=m.init_std,
+               bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, use_cache=True,
+               dtype=DTYPES[dtype][1], torch_dtype=DTYPES[dtype][1], attention_dropout=0.0,
+               router_aux_loss_coef=m.aux_coef, output_router_logits=False)
+    if family == "mixtral":
+        out.update(intermediate_size=m.ffn_dim, num_local_experts=m.num_experts, sliding_window=None,
+                   router_jitter_noise=0.0)
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        out.update(intermediate_size=m.dense_ffn_dim or m.ffn_dim, moe_intermediate_size=m.ffn_dim,
+                   num_experts=m.num_experts, norm_topk_prob=m.norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=dense, use_sliding_window=False, sliding_window=None)
+        if family == "qwen2_moe":
+            out.update(qkv_bias=m.attn_bias, shared_expert_intermediate_size=shared_hidden(m))
+        else:
+            out.update(attention_bias=False)
+    else:
+        out.update(intermediate_size=m.ffn_dim, num_experts=m.num_experts, norm_topk_prob=m.norm_topk,
+                   clip_qkv=None, attention_bias=False)
+    return out
+
+
+# --- weights in ---------------------------------------------------------------------------------
+
+class _Reader(contextlib.ExitStack):
+    """Lazy tensor reads from a checkpoint dir (one file or an index of shards): a file is opened (mmap) on
+    first use and only the requested tensor, or rows of it, is read."""
+
+    def __init__(self, hf_dir: Path):
+        super().__init__()
+        self.hf_dir = hf_dir
+        index, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
+        if index.is_file():
+            self.file_of = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            with safe_open(single, framework="pt") as f:
+                self.file_of = {k: single for k in f.keys()}
+        else:
+            raise ConfigError(f"init.from_hf={str(hf_dir)!r} has neither model.safetensors nor "
+                              "model.safetensors.index.json (PyTorch .bin checkpoints: re-save with safetensors)")
+        self.files: dict[Path, object] = {}
+        self.read: set[str] = set()
+
+    def has(self, key: str) -> bool:
+        return key in self.file_of
+
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if key not in self.file_of:
+            raise ConfigError(f"init.from_hf={str(self.hf_dir)!r} has no tensor {key!r} that the model needs "
+                              "(its config.json and weights disagree)")
+        path = self.file_of[key]
+        if path not in self.files:
+            self.files[path] = self.enter_context(safe_open(path, framework="pt"))
+        self.read.add(key)
+        sl = self.files[path].get_slice(key)
+        return sl[rows[0]:rows[1]] if rows else sl[:]
+
+
+def _copy(p: torch.Tensor, t: torch.Tensor, key: str, name: str) -> None:
+    if tuple(t.shape) != tuple(p.shape):
+        raise ConfigError(f"tensor {key!r} has shape {list(t.shape)} but model {name} needs {list(p.shape)} "
+                          "(the model config differs from init.from_hf's config.json)")
+    p.copy_(t)
+
+
+def _load_experts(r: _Reader, family: str, layer: int, which: int, p: torch.Tensor, e0: int, name: str) -> None:
+    """Rows [e0, e0 + L) of one stacked expert weight: per-expert tensors, or transformers-5 fused ones."""
+    L = p.shape[0]
+    if r.has(hf_expert_name(family, layer, e0, which)):
+        for l in range(L):
+            key = hf_expert_name(family, layer, e0 + l, which)
+            _copy(p[l], r.get(key).T, key, f"{name}[{l}]")
+        return
+    base = f"model.layers.{layer}.mlp.experts."
+    if which == 2:  # down_proj (E, D, F)
+        _copy(p, r.get(base + "down_proj", (e0, e0 + L)).transpose(1, 2), base + "down_proj", name)
+    else:  # gate_up_proj (E, 2F, D): gate rows, then up rows
+        gate_up = r.get(base + "gate_up_proj", (e0, e0 + L))
+        Fh = gate_up.shape[1] // 2
+        _copy(p, gate_up[:, which * Fh:(which + 1) * Fh].transpose(1, 2), base + "gate_up_proj", name)
+
+
+@torch.no_grad()
+def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
+    """Load this shard's slice of DIR's weights into `model` (built from the config apply_init_config
+    made): only the tensors of its layers and embeddings, and only its experts' rows, are read. For the
+    full model, a checkpoint tensor that nothing reads is an error (config and weights disagree).
+    Returns the names of the checkpoint tensors it read."""
+    hf_dir = Path(hf_dir).expanduser()
+    family, _ = read_hf_config(hf_dir)
+    e0 = model.spec.expert_start
+    with _Reader(hf_dir) as r:
+        for name, p in model.named_parameters():
+            m = _EXPERT.match(name)
+            if m:
+                _load_experts(r, family, int(m[1]), EXPERT_WEIGHTS.index(m[2]), p, e0, name)
+                continue
+            key = hf_name(family, name)
+            if key == "lm_head.weight" and not r.has(key):
+                key = "model.embed_tokens.weight"  # tie_word_embeddings: our head starts as a copy
+            _copy(p, r.get(key), key, name)
+        if model.spec == ModelShardSpec.full(model.cfg):
+            unused = sorted(k for k in set(r.file_of) - r.read if not k.endswith("rotary_emb.inv_freq"))
+            if unused:
+                raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {len(unused)} tensors the model does not use, "
+                                  f"e.g. {unused[0]!r} (its config.json and weights disagree)")
+        return sorted(r.read)
+
+
+def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
+    """(config, full model in eval mode) of a transformers checkpoint dir, in one process. Like transformers'
+    from_pretrained for a model, it needs no tokenizer: cfg.data.tokenizer is DIR's tokenizer.json, or "" when
+    DIR has none."""
+    cfg = Config()
+    cfg.init.from_hf = str(hf_dir)
+    apply_init_config(cfg, need_tokenizer=False)
+    cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)  # training keys only have to be valid
+    if not cfg.data.tokenizer:  # no tokenizer to size: the data keys only have to fit the model
+        cfg.data.vocab_size = min(cfg.data.vocab_size, cfg.model.vocab_size)
+    validate(cfg)
+    model = Transformer(cfg.model, seed=cfg.train.seed)
+    load_into_shard(model, hf_dir)
+    return cfg, model.eval()
+
+
+# --- weights out --------------------------------------------------------------------------------
+
+def hf_tensors(model: Transformer, family: str):
+    """(HF name, tensor view) for every parameter of the (full) model, experts split and transposed."""
+    for name, p in model.named_parameters():
+        m = _EXPERT.match(name)
+        if m:
+            which = EXPERT_WEIGHTS.index(m[2])
+            for l in range(p.shape[0]):
+                yield hf_expert_name(family, int(m[1]), model.spec.expert_start + l, which), p[l].T
+        else:
+            yield hf_name(family, name), p
+
+
+@torch.no_grad()
+def save_pretrained(model: Transformer, cfg: Config | ModelConfig, out_dir: str | Path, dtype: str = "fp32",
+                    tokenizer: str | Path | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write DIR in transformers' layout: config.json for the matching class, model.safetensors (or
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json above max_shard_bytes) and, when given,
+    the tokenizer (tokenizer.json + tokenizer_config.json). Needs the full model."""
+    m = cfg.model if isinstance(cfg, Config) else cfg
+    assert model.spec == ModelShardSpec.full(m), "save_pretrained needs the full model (nanotitan export builds it)"
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)} (--dtype)")
+    eos = None
+    if tokenizer is not None:
+        from ..data.tokenizer import eot_id, load_tokenizer_file
+
+        tok = load_tokenizer_file(tokenizer)
+        eos = eot_id(tok)
+    hf = hf_config(m, eos, dtype)  # fails before anything is written
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype][0]
+
+    # Plan the shards from shapes alone, then materialise one shard at a time (never a second full copy).
+    entries = list(hf_tensors(model, hf["model_type"]))
+    shards, size = [[]], 0
+    for key, t in entries:
+        nbytes = t.numel() * torch_dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, t))
+        size += nbytes
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file({k: t.detach().to("cpu", torch_dtype).contiguous() for k, t in shard}, str(out / fname),
+                  metadata={"format": "pt"})
+        weight_map.update({k: fname for k, _ in shard})
+    stale = [out / "model.safetensors.index.json"] if n == 1 else [out / "model.safetensors"]
+    for f in stale:  # a previous export of another size must not shadow this one
+        f.unlink(missing_ok=True)
+    if n > 1:
+        total = sum(t.numel() * torch_dtype.itemsize for _, t in entries)
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer is not None:
+        if Path(tokenizer).resolve() != (out / "tokenizer.json").resolve():
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.id_to_token(eos),
+             "model_max_length": m.max_seq_len}, indent=2))
+    return out
+
+
+def _run_tokenizer(cfg: Config) -> Path | None:
+    """The tokenizer a run trained with: its prepared data dir's tokenizer.json, else data.tokenizer."""
+    from ..data.prepare import prepared_dir
+
+    with contextlib.suppress(Exception):  # a missing data.tokenizer file or cache: fall through
+        p = prepared_dir(cfg.data) / "tokenizer.json"
+        if p.is_file():
+            return p
+    p = Path(cfg.data.tokenizer).expanduser() if cfg.data.tokenizer else None
+    return p if p is not None and p.is_file() else None
+
+
+def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+                      dtype: str = "fp32") -> Path:
+    """`nanotitan export`: a run's checkpoint (newest, or step N; any layout and zero level: checkpoints use
+    global names) gathered into one process and written as a transformers checkpoint dir."""
+    from ..state import checkpoint as ckpt
+    from ..state import manifest
+    from ..parallel.dims import ParallelDims
+
+    run = Path(run_dir)
+    if step is None:
+        path = manifest.latest_checkpoint(run)
+        if path is None:
+            raise ConfigError(f"no complete checkpoint under {run} (--run.dir of a run that saved one)")
+    else:
+        path = manifest.checkpoint_dir(run) / f"step_{step}"
+        if not (path / manifest.COMPLETE).is_file():
+            raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
+    # The checkpoint's own config, as saved: resolved (resolve.py) before it was written, so it is used as it
+    # is, and init.from_hf's directory need not exist any more.
+    cfg = load_config(path / "config.toml")
+    hf_config(cfg.model)  # an unexportable option fails before the weights are read
+    model = Transformer(cfg.model, seed=cfg.train.seed)
+    ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
+    tok = _run_tokenizer(cfg)
+    if tok is None:
+        print(f"export: no tokenizer found for {run} (prepare its data, or set data.tokenizer); "
+              "writing weights and config only")
+    return save_pretrained(model, cfg, out_dir, dtype, tokenizer=tok)
+
