@@ -153,14 +153,15 @@ class TimedWork:
         COMM.record(self.axis, 0, time.perf_counter() - t0, calls=0)
 
 
-def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
-    check_device(t, group)
+def _issue(axis: str, op: str, tensors, group, post, nbytes: int, async_op: bool, peers: str | None = None,
+           calls: int = 1):
+    """What every collective shares around its torch call: the stall record's entry, the profiler label, the
+    emulated link's hold and the axis accounting. `post()` issues the op and returns (work, done_by)."""
     t0 = time.perf_counter()
-    ticket = RECORD.enter(axis, "all-reduce", (t,), group)
-    label = _enter_label(axis, "all-reduce") if _profiler._is_profiler_enabled else None
+    ticket = RECORD.enter(axis, op, tensors, group, peers)
+    label = _enter_label(axis, op) if _profiler._is_profiler_enabled else None
     try:
-        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
-        done_by = 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
+        work, done_by = post(t0)
         if done_by and not async_op:
             emulate.hold(done_by)
     except BaseException as e:
@@ -171,8 +172,17 @@ def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.S
             label.__exit__(None, None, None)
     if not async_op:
         RECORD.leave(ticket)
-    COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
+    COMM.record(axis, nbytes, time.perf_counter() - t0, calls=calls)
     return TimedWork(work, axis, ticket, done_by) if async_op else None
+
+
+def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
+    check_device(t, group)
+
+    def post(t0):
+        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        return work, 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
+    return _issue(axis, "all-reduce", (t,), group, post, _nbytes(t), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp", average: bool = False) -> TimedWork:
@@ -293,25 +303,12 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
     buffer may be touched before its wait()."""
     check_device(inp if inp.is_cpu else out, group)  # both checked: a CPU tensor is refused whichever it is
     inp = inp.contiguous()
-    t0 = time.perf_counter()
-    ticket = RECORD.enter(axis, "all-to-all", (inp,), group)
-    label = _enter_label(axis, "all-to-all") if _profiler._is_profiler_enabled else None
-    try:
+
+    def post(t0):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
-        done_by = 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
+        return work, 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
             t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits, out_splits, group)
-        if done_by and not async_op:
-            emulate.hold(done_by)
-    except BaseException as e:
-        RECORD.fail(ticket, e)
-        raise
-    finally:
-        if label is not None:
-            label.__exit__(None, None, None)
-    if not async_op:
-        RECORD.leave(ticket)
-    COMM.record(axis, _nbytes(inp), time.perf_counter() - t0)
-    return TimedWork(work, axis, ticket, done_by) if async_op else None
+    return _issue(axis, "all-to-all", (inp,), group, post, _nbytes(inp), async_op)
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
@@ -340,29 +337,17 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
     keeps the tensors alive until then."""
     for op in ops:
         check_device(op.tensor, op.group)
-    t0 = time.perf_counter()
     peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
-    ticket = RECORD.enter(axis, "send/recv", [op.tensor for op in ops], peers=peers)
-    label = _enter_label(axis, "send/recv") if _profiler._is_profiler_enabled else None
-    try:
+
+    def post(t0):
         works = dist.batch_isend_irecv(ops)
         if not async_op:
             for w in works:
                 w.wait()
-        done_by = 0.0 if emulate.ACTIVE is None else \
+        return _AllOf(works), 0.0 if emulate.ACTIVE is None else \
             emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
-        if done_by and not async_op:
-            emulate.hold(done_by)
-    except BaseException as e:
-        RECORD.fail(ticket, e)
-        raise
-    finally:
-        if label is not None:
-            label.__exit__(None, None, None)
-    if not async_op:
-        RECORD.leave(ticket)
-    COMM.record(axis, sum(_nbytes(op.tensor) for op in ops), time.perf_counter() - t0, calls=len(ops))
-    return TimedWork(_AllOf(works), axis, ticket, done_by) if async_op else None
+    return _issue(axis, "send/recv", [op.tensor for op in ops], None, post,
+                  sum(_nbytes(op.tensor) for op in ops), async_op, peers=peers, calls=len(ops))
 
 
 class _AllOf:
