@@ -34,6 +34,7 @@ from .observe.metrics import MetricsWriter, StepMeters, job_peak_flops, live_ten
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import emulate, stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
+from .parallel.lanes import LaneMeans
 from .parallel.parallelize import build_optimizer, parallelize, pick_device
 from .observe.profiling import StepProfiler
 from .config.resolve import resolve
@@ -228,17 +229,13 @@ class Trainer:
         # A record's step time is the mean over the steps since the previous record, so a metered step (memory
         # meters) and any one-off stall are averaged in, not reported alone.
         interval_s, interval_steps = 0.0, 0
-        # Two EP lanes (parallel.ep_overlap_microbatches): the step's exposed EP wait and forward/backward overlap
-        # (pp.StepStats), summed over the interval like the step time and logged as means per step.
-        lanes = {"ep_exposed_s": 0.0, "lanes_overlap_s": 0.0} if self.shard.ep_lanes else None
+        lanes = LaneMeans(self.shard.ep_lanes)  # two EP lanes: their figures, means per step over the interval
         for step in range(self.start_step, t.steps):
             self.profiler.step_begin(step + 1)
             t0 = time.perf_counter()
             stats, grad_norm, lr, nonfinite, stop = self.train_step(step)
             interval_s, interval_steps = interval_s + time.perf_counter() - t0, interval_steps + 1
-            if lanes is not None:
-                for k in lanes:
-                    lanes[k] += getattr(stats, k)
+            lanes.add(stats)
             self.profiler.step_end(step + 1)
             failure = guard.check(step + 1, nonfinite, self.log)  # skip (no rank updated) or stop, after logging
 
@@ -255,10 +252,8 @@ class Trainer:
                                     act_peak_bytes=self.meters.take_interval_acts(),
                                     peak_tensor_bytes=None if peak is None else
                                     report.max_over_ranks(peak, self.dims, self.device),
-                                    **({k: v / interval_steps for k, v in lanes.items()} if lanes is not None else {}))
+                                    **lanes.take())
                 interval_s, interval_steps = 0.0, 0
-                if lanes is not None:
-                    lanes = dict.fromkeys(lanes, 0.0)
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()

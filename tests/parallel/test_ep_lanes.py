@@ -1,4 +1,4 @@
-"""parallel.ep_overlap_microbatches' two lanes (parallel/pp.py `_two_lanes`): a forward really runs beside a
+"""parallel.ep_overlap_microbatches' two lanes (parallel/lanes.py `two_lanes`): a forward really runs beside a
 backward, each lane's EP collectives go on its own group, the gradients are bitwise the one-lane run's, a failure
 in either lane reaches the caller, and the exposed EP wait counts only what no lane's compute hid."""
 
@@ -16,7 +16,8 @@ from nanotitan.parallel import comm, ep
 from nanotitan.parallel import pp as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
-from nanotitan.parallel.pp import exposed_ep_wait, in_flight, lanes_overlap, pipeline_forward_backward
+from nanotitan.parallel.lanes import exposed_ep_wait, lanes_overlap
+from nanotitan.parallel.pp import in_flight, pipeline_forward_backward
 from nanotitan.parallel.pp import warmup as pp_warmup
 from nanotitan.parallel.pp_chunks import StageChunks
 from nanotitan.parallel.pp_comms import StageComms
@@ -172,7 +173,7 @@ def test_a_recompute_leaves_the_forwards_router_stats():
     model = Transformer(cfg.model, seed=SEED)
     model.activation_checkpointing = True
     for moe in model.moe_layers():
-        ep._lane_local_router_state(moe)
+        moe.lane_local_router_state = True  # what apply_ep(lanes=True) sets
     xs, ys = _batches(0)
     ce0, _ = model(xs[0], ys[0])
     model(xs[1], ys[1])
@@ -180,7 +181,7 @@ def test_a_recompute_leaves_the_forwards_router_stats():
     ce0.backward()  # recomputes microbatch 0's blocks, routing included
     for m, (counts, stats) in zip(model.moe_layers(), after_second):
         assert torch.equal(m.last_counts_E, counts) and torch.equal(m.last_router_stats, stats)
-    assert not torch.equal(after_second[0][0], model.moe_layers()[0].__dict__["_lane_state"][1]["last_counts_E"])
+    assert not torch.equal(after_second[0][0], model.moe_layers()[0].router_records[1]["counts_E"])
 
 
 def test_the_forward_lane_keeps_the_callers_meters():

@@ -236,7 +236,7 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
 
 
 def ep_wait_breakdown(spans: list, waits: list, peer_waits: list | None, M: int) -> dict[str, float]:
-    """Where one rank-step's exposed EP wait (time some EP call was pending and no lane computed, pp.exposed_ep_wait)
+    """Where one rank-step's exposed EP wait (time some EP call was pending and no lane computed, lanes.exposed_ep_wait)
     comes from. spans: (kind F/B/W, chunk, microbatch, start, end); waits: ep.py's records (lane, start, end, kind,
     posted); peer_waits: the same from the other rank of the EP group (EP 2), matched call for call per lane (each
     lane makes its calls one at a time in an order fixed by M). A stretch pending on two calls (both lanes blocked)

@@ -134,6 +134,12 @@ class ParallelConfig:
     emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (0 = this CPU's GEMM peak / the profile's peak, in train.dtype)
 
 
+def virtual_stages(schedule: str, pp: int, V: int) -> int:
+    """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1, else 1
+    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (pp.py re-exports it)."""
+    return V if schedule == "interleaved" and pp > 1 else 1
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
@@ -483,7 +489,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.virtual_stages == 1 or p.schedule == "interleaved",
            f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved (or --parallel.virtual_stages 1)")
     interleaved = p.pp > 1 and p.schedule == "interleaved"
-    n_chunks = p.pp * (p.virtual_stages if interleaved else 1)
+    n_chunks = p.pp * virtual_stages(p.schedule, p.pp, p.virtual_stages)
     if interleaved:
         _check(n_chunks <= m.n_layers,
                f"parallel.pp*virtual_stages={p.pp}*{p.virtual_stages} chunks need at least as many layers, "

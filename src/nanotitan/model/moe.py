@@ -86,6 +86,13 @@ def pack_expert_major(expert_ids_TK: torch.Tensor, num_experts: int):
     return order_N, token_idx_N, counts_E
 
 
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (a checkpointed block's recompute included);
+    also true on CUDA's autograd device threads, which no Python thread-local would reach. Under
+    parallel.ep_overlap_microbatches it names the lane of a call: the backward lane's, else the forward lane's."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def capacity_keep(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
                   capacity: int) -> torch.Tensor:
     """keep_TK: True for the `capacity` assignments of each expert with the highest weight, ties to the lower
@@ -133,7 +140,14 @@ class MoE(nn.Module):
     Router options (module docstring; defaults: Mixtral's softmax router with the plain Switch loss):
     score "softmax" | "sigmoid", routed_scale, bias_update_rate (> 0 adds `router_bias`), aux_coef,
     aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless).
+
+    `lane_local_router_state` (set by parallel/ep.py's apply_ep for parallel.ep_overlap_microbatches): keep what
+    `route` leaves for Transformer.forward (`last_counts_E`, `last_router_stats`) once per lane. With two lanes a
+    checkpointed block's recompute (backward lane) runs `route` too, and could land between the forward lane's
+    route and its read: the wrong microbatch's counts would reach expert_load and the router-bias update. Per
+    lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
     """
+    lane_local_router_state: bool = False
 
     def __init__(self, d_model: int, ffn_dim: int, num_experts: int, top_k: int, norm_topk: bool,
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
@@ -147,8 +161,9 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor
         # Replicated and checkpointed like a weight, but a buffer: the optimizer never sees it (update_bias moves it).
         self.register_buffer("router_bias", torch.zeros(num_experts) if bias_update_rate > 0 else None)
-        # [balance loss, z-loss, dropped assignments, assignments, 1] of the last forward (stats, detached)
-        self.last_router_stats: torch.Tensor | None = None
+        # What the last route() left (`last_counts_E`, `last_router_stats`): [0] a forward's, [1] a backward's (a
+        # checkpointed block's recompute), apart only with lane_local_router_state; else [0] holds every call's.
+        self.router_records: tuple[dict, dict] = ({}, {})
         self._stats_tail: dict[tuple, torch.Tensor] = {}  # (T*K, dtype, device) -> [0 dropped, T*K, 1]
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
@@ -157,7 +172,19 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatcher()
         self.shared_expert = SwiGLU(d_model, shared_ffn_dim) if shared_ffn_dim else None
         self.shared_expert_gate = Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
-        self.last_counts_E: torch.Tensor | None = None  # tokens per expert of the last forward (stats)
+
+    def _router_record(self) -> dict:
+        return self.router_records[self.lane_local_router_state and in_backward()]
+
+    @property
+    def last_counts_E(self) -> torch.Tensor | None:
+        """Tokens per expert the last route() asked for (drops included; stats, no graph); this lane's."""
+        return self._router_record().get("counts_E")
+
+    @property
+    def last_router_stats(self) -> torch.Tensor | None:
+        """[balance loss, z-loss, dropped assignments, assignments, 1] of the last route() (stats, detached)."""
+        return self._router_record().get("stats")
 
     def route(self, x_TD: torch.Tensor, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert_ids_TK, weights_TK, aux) for T = B*S tokens: ids are E where capacity dropped the assignment;
@@ -208,12 +235,13 @@ class MoE(nn.Module):
             keep_TK = capacity_keep(expert_ids_TK, weights_TK, E, math.ceil(self.capacity_factor * T * K / E))
             expert_ids_TK = expert_ids_TK.masked_fill(~keep_TK, E)
             stats.append((keep_TK.numel() - keep_TK.sum()).to(balance.dtype))
-        self.last_counts_E = counts_E  # what the router asked for (drops included); bincount's: no graph
+        record = self._router_record()
+        record["counts_E"] = counts_E  # what the router asked for (drops included); bincount's: no graph
         # [balance, z, dropped, T*K, 1]: the constant tail cached per shape (two ops a call, no H2D copy per call)
         tail = self._stats_tail.get((T * K, balance.dtype, balance.device))
         if tail is None:
             tail = self._stats_tail[(T * K, balance.dtype, balance.device)] = balance.new_tensor([0.0, T * K, 1.0])
-        self.last_router_stats = torch.cat([torch.stack(stats), tail[len(stats) - 2:]])
+        record["stats"] = torch.cat([torch.stack(stats), tail[len(stats) - 2:]])
         return expert_ids_TK, weights_TK, aux
 
     @torch.no_grad()

@@ -142,10 +142,10 @@ class ParallelDims:
     def build_backward_ep_groups(self, timeout_s: float = 300.0) -> "ParallelDims":
         """parallel.ep_overlap_microbatches: the backward lane's groups, same order on all ranks (new_group is
         collective over the world). Every EP group a second time ("ep_backward"), so that a backward's all-to-alls
-        never queue behind, or pair with, a forward's running at the same time on the same ranks (parallel/ep.py:
-        lane_group); with pp > 1 every PP group a second time too ("pp_backward"), which carries the gradients
-        while "pp" carries the activations, so each group's P2P messages are one lane's (parallel/pp.py:
-        _two_lanes). (It builds both; the name is its caller's, parallel/parallelize.py.)"""
+        never queue behind, or pair with, a forward's running at the same time on the same ranks (parallel/lanes.py:
+        EPLanes.group); with pp > 1 every PP group a second time too ("pp_backward"), which carries the gradients
+        while "pp" carries the activations, so each group's P2P messages are one lane's (parallel/lanes.py:
+        two_lanes). (It builds both; the name is its caller's, parallel/parallelize.py.)"""
         if "ep_backward" in self.groups or not dist.is_initialized() or self.world_size == 1:
             return self
         for kind in ("ep_backward", "pp_backward") if self.pp > 1 else ("ep_backward",):

@@ -16,10 +16,11 @@ One layer call (seed, "Dispatch, expert computation and combine"):
   5. `combine`: weight each output by its router weight and sum the K outputs of each token.
 Backward is the same path reversed: `_AllToAll.backward` is the all-to-all with the splits swapped.
 Every collective goes through `parallel.comm` on axis "ep", so its time and bytes are accounted.
-With parallel.ep_overlap_microbatches (two lanes: one microbatch's forward beside another's backward, pp.py) the
-dispatcher holds two EP groups over the same ranks: forward collectives go on the first, backward ones (the
-recompute of activation checkpointing included: it runs inside the backward) on the second (`lane_group`), so
-each group sees one lane's calls in one deterministic order on every rank.
+With parallel.ep_overlap_microbatches (two lanes: one microbatch's forward beside another's backward, lanes.py) the
+dispatchers of a shard share one `lanes.EPLanes`: two EP groups over the same ranks, forward collectives on the
+first, backward ones (the recompute of activation checkpointing included: it runs inside the backward) on the
+second (`EPLanes.group`), so each group sees one lane's calls in one deterministic order on every rank; it also
+records every blocked EP interval for the lanes' figures and holds the backward lane's filler.
 Dropless by default: every assignment reaches its expert, so EP computes exactly what one process would.
 With a capacity factor the router has already dropped assignments (expert id E, model/moe.py) on the
 source rank, per source microbatch, before step 1: they are never packed into a send, and each rank's
@@ -28,113 +29,65 @@ drops are the ones one process would make on the same microbatch.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 import torch.nn as nn
 
 from ..model import wgrad
-from ..model.moe import ExpertFFN, combine, pack_expert_major
+from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
 from . import comm
-
-
-def in_backward() -> bool:
-    """True while autograd's engine runs a backward on this thread (a checkpointed block's recompute included);
-    also true on CUDA's autograd device threads, which no Python thread-local would reach."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def lane_group(groups: tuple):
-    """The EP group of the calling lane: groups[0] for forwards, groups[1] for backwards (the same group twice
-    unless parallel.ep_overlap_microbatches built a second one)."""
-    return groups[0] if groups[1] is groups[0] else groups[in_backward()]  # one group: no lookup per call
-
-
-# --- EP waits per lane, for the exposed-wait figure of two lanes (pp.py: exposed_ep_wait) -------------------
-# One record per blocking EP call or wait: (lane 0 forward / 1 backward, start, end, kind, posted), kind
-# "<phase>:<call>" with phase f (forward), b (backward), r (a checkpointed block's recompute: a forward call inside
-# the backward) and call counts / dispatch / combine / trip (a chunked trip's wait); posted: when the call was made
-# (== start for a blocking call; an async one's wait starts later). None: off.
-_WAITS: list | None = None
-# The backward lane's filler (parallel.ep_overlap_microbatches): while a backward all-to-all is on the wire, run the
-# weight-gradient GEMMs the backward has deferred so far (pp.py `_StageRunner.backward`); None: none.
-_FILL = None
-
-
-def record_waits(waits: list | None) -> None:
-    """Append every EP call's blocked interval to `waits` from now on (None: stop)."""
-    global _WAITS
-    _WAITS = waits
-
-
-@contextlib.contextmanager
-def filling(fill):
-    """While inside, a backward's EP all-to-all is posted async, fill() runs (the deferred weight-gradient GEMMs,
-    model/wgrad.py), and only then is it waited for. One backward at a time per process (the backward lane)."""
-    global _FILL
-    _FILL = fill
-    try:
-        yield
-    finally:
-        _FILL = None
+from .lanes import EPLanes
 
 
 def _phase(forward: bool) -> str:
     return ("r" if in_backward() else "f") if forward else "b"
 
 
-def _wait(work, kind: str = "f:trip", posted: float | None = None) -> None:
-    """Wait for an async EP call; the blocked interval goes to the recording, if any."""
-    waits, t0 = _WAITS, time.perf_counter()
-    work.wait()
-    if waits is not None:
-        t1 = time.perf_counter()  # list.append: atomic across lanes
-        waits.append((int(in_backward()), t0, t1, kind, t0 if posted is None else posted))
-
-
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, groups, kind: str = "f:counts") -> None:
-    """A blocking EP all-to-all on the calling lane's group; the blocked interval goes to the recording, if any.
-    Timed inline, not by a context manager: the default job makes 20 of these per rank-step, and a context object
-    cost four more Python calls each (issue 27 item 8). In the backward lane with a filler (`filling`): posted async,
-    the filler runs while it travels, then waited for (the filler's compute is not a wait)."""
-    fill = _FILL
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, lanes: EPLanes,
+                kind: str = "f:counts") -> None:
+    """A blocking EP all-to-all on the calling lane's group; the blocked interval goes to the lanes' recording, if
+    any. Timed inline, not by a context manager: the default job makes 20 of these per rank-step, and a context
+    object cost four more Python calls each (issue 27 item 8). In the backward lane with a filler
+    (`EPLanes.filling`): posted async, the filler runs while it travels, then waited for (the filler's compute is
+    not a wait)."""
+    fill = lanes.fill
     if fill is not None and in_backward():
         t0 = time.perf_counter()
-        work = comm.all_to_all_single(out, inp, out_splits, in_splits, group=lane_group(groups), axis="ep",
+        work = comm.all_to_all_single(out, inp, out_splits, in_splits, group=lanes.group(), axis="ep",
                                       async_op=True)
-        waits = _WAITS
+        waits = lanes.waits
         if waits is not None:  # posting is an EP call too (comm.py charges it): a blocked interval of its own
             waits.append((1, t0, time.perf_counter(), kind, t0))
         fill()
-        _wait(work, kind, t0)
+        lanes.wait(work, kind, t0)
         return
-    waits, t0 = _WAITS, time.perf_counter()
-    comm.all_to_all_single(out, inp, out_splits, in_splits, group=lane_group(groups), axis="ep")
+    waits, t0 = lanes.waits, time.perf_counter()
+    comm.all_to_all_single(out, inp, out_splits, in_splits, group=lanes.group(), axis="ep")
     if waits is not None:
         waits.append((int(in_backward()), t0, time.perf_counter(), kind, t0))
 
 
 class _AllToAll(torch.autograd.Function):
     """Uneven all-to-all of rows; the gradient travels back along the same links (splits swapped).
-    `groups`: (forward group, backward group), see `lane_group`.
+    `lanes`: the groups (the forward's, the backward's) and the wait recording, see `lanes.EPLanes`.
 
     torch.distributed.nn.functional.all_to_all_single handles uneven splits on gloo too (checked on
     torch 2.13), but it is deprecated and bypasses `parallel.comm`, so its time would go unaccounted.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], groups, call: str = "dispatch"):
-        ctx.out_splits, ctx.in_splits, ctx.groups, ctx.call = out_splits, in_splits, groups, call
+    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], lanes: EPLanes, call: str = "dispatch"):
+        ctx.out_splits, ctx.in_splits, ctx.lanes, ctx.call = out_splits, in_splits, lanes, call
         out_RD = x_ND.new_empty(sum(out_splits), x_ND.shape[1])
-        _all_to_all(out_RD, x_ND, out_splits, in_splits, groups, _phase(True) + ":" + call)
+        _all_to_all(out_RD, x_ND, out_splits, in_splits, lanes, _phase(True) + ":" + call)
         return out_RD
 
     @staticmethod
     def backward(ctx, grad_RD):
         grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
         # gloo needs contiguous buffers; comm.all_to_all_single makes the input contiguous.
-        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.groups, "b:" + ctx.call)
+        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.lanes, "b:" + ctx.call)
         return grad_ND, None, None, None, None
 
 
@@ -142,7 +95,7 @@ def all_to_all_rows(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[i
                     backward_group=None) -> torch.Tensor:
     """Differentiable uneven all-to-all over dim 0: send in_splits[p] rows to rank p, receive out_splits[p].
     The gradient goes back on `backward_group` (default: `group`)."""
-    return _AllToAll.apply(x_ND, out_splits, in_splits, (group, backward_group or group))
+    return _AllToAll.apply(x_ND, out_splits, in_splits, EPLanes(group, backward_group))
 
 
 def source_to_expert_major(recv_counts_PL: torch.Tensor, total: int) -> torch.Tensor:
@@ -171,9 +124,10 @@ class _ChunkPlan:
     order (destination, then expert); in/out_splits, the received rows' permutation to expert-major and their
     counts per expert of the group (slices of the one-trip path's `counts_L`)."""
 
-    def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int, groups):
+    def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int,
+                 lanes: EPLanes):
         P = len(send_host)
-        self.groups = groups  # (forward, backward): the trips of a backward go on the backward lane's group
+        self.lanes = lanes  # the trips of a backward go on the backward lane's group
         self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
         self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
         self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]
@@ -191,7 +145,7 @@ class _ChunkPlan:
         """Every group's rows of the packed `t_ND` sent to their experts' owners at once (async): (received
         buffers, works); the sends are held by the works until waited."""
         recvs = [t_ND.new_empty(sum(o), t_ND.shape[1]) for o in self.out_splits]
-        group = lane_group(self.groups)
+        group = self.lanes.group()
         works = [comm.all_to_all_single(r, t_ND.index_select(0, i), o, s, group=group, axis="ep", async_op=True)
                  for r, i, o, s in zip(recvs, self.idx, self.out_splits, self.in_splits)]
         return recvs, works
@@ -200,12 +154,12 @@ class _ChunkPlan:
         """Group c's rows (source-major, as received) back to their sources (async): (buffer, work)."""
         buf = t_c.new_empty(sum(self.in_splits[c]), t_c.shape[1])
         return buf, comm.all_to_all_single(buf, t_c, self.in_splits[c], self.out_splits[c],
-                                           group=lane_group(self.groups), axis="ep", async_op=True)
+                                           group=self.lanes.group(), axis="ep", async_op=True)
 
     def unpack(self, backs: list[torch.Tensor], works: list, kind: str) -> torch.Tensor:
         """Wait for every group's return trip and put its rows back in their places of the packed buffer."""
         for w in works:
-            _wait(w, kind)
+            self.lanes.wait(w, kind)
         t_ND = backs[0].new_empty(self.N, backs[0].shape[1])
         for i, b in zip(self.idx, backs):
             t_ND.index_copy_(0, i, b)
@@ -234,7 +188,7 @@ class _ExpertTrip(torch.autograd.Function):
         xs, saved, backs, back_works = [], [], [], []
         kind = _phase(True) + ":trip"
         for c, (l0, l1) in enumerate(plan.bounds):
-            _wait(works[c], kind)
+            plan.lanes.wait(works[c], kind)
             x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
             y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
             buf, work = plan.post_back(c, y_c.index_select(0, plan.inv[c]))
@@ -259,7 +213,7 @@ class _ExpertTrip(torch.autograd.Function):
         backs, back_works, terms, grads = [], [], [], []
         k = 0
         for c, (l0, l1) in enumerate(plan.bounds):
-            _wait(works[c], "b:trip")
+            plan.lanes.wait(works[c], "b:trip")
             dy_c = recvs[c].index_select(0, plan.perm[c])
             n_l = l1 - l0
             dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
@@ -292,21 +246,23 @@ class EPDispatcher:
     zero tokens.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1, backward_group=None):
+    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1, backward_group=None,
+                 lanes: EPLanes | None = None):
         if ep_size > 1 and group is None:
             raise ValueError(f"EPDispatcher with ep_size={ep_size} needs the EP process group (dims.group('ep'))")
         if not 0 <= ep_rank < ep_size:
             raise ValueError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
         # backward_group (parallel.ep_overlap_microbatches): a second group over the same ranks for the backward
-        # lane's collectives; without it forwards and backwards share `group`.
-        self.groups = (group, backward_group or group)
+        # lane's collectives; without it forwards and backwards share `group`. lanes: the EPLanes this dispatcher
+        # shares with the shard's others and the lanes' runtime (apply_ep), else one of its own over these groups.
+        self.lanes = lanes if lanes is not None else EPLanes(group, backward_group)
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
 
     @property
     def group(self):
-        """The group of the calling lane (`lane_group`)."""
-        return lane_group(self.groups)
+        """The group of the calling lane (`EPLanes.group`)."""
+        return self.lanes.group()
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P = self.ep_size
@@ -337,7 +293,7 @@ class EPDispatcher:
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
         n = min(self.overlap_chunks, L)
         if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
-            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.groups)
+            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.lanes)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
             x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
@@ -361,18 +317,19 @@ class EPDispatcher:
         if self.ep_size == 1:
             return send_PL
         recv_PL = torch.empty_like(send_PL)
-        _all_to_all(recv_PL, send_PL, None, None, self.groups, _phase(True) + ":counts")  # row p goes to rank p
+        _all_to_all(recv_PL, send_PL, None, None, self.lanes, _phase(True) + ":counts")  # row p goes to rank p
         return recv_PL
 
     def _a2a(self, x_ND, out_splits, in_splits, call: str):
-        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.groups, call)
+        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
 
 
 def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False) -> nn.Module:
     """Install an EPDispatcher on every MoE layer of a Transformer shard (in place); no-op when ep == 1.
     overlap_chunks > 1 (parallel.ep_overlap): each trip pipelined over that many groups of the local experts.
-    lanes (parallel.ep_overlap_microbatches): backward collectives on dims.group("ep_backward"), and each MoE's
-    router statistics kept per lane (`_lane_local_router_state`).
+    Every dispatcher shares one `lanes.EPLanes` (`lanes_of`). lanes (parallel.ep_overlap_microbatches): backward
+    collectives on dims.group("ep_backward"), and each MoE's router statistics kept per lane
+    (MoE.lane_local_router_state).
 
     The shard must have been built for this rank's experts (`build_shard_spec(cfg, pp_rank, ep_rank)`).
     """
@@ -381,6 +338,7 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
     group = dims.group("ep")
     backward_group = dims.group("ep_backward") if lanes else None
     assert not lanes or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
+    shared = EPLanes(group, backward_group)
     for moe in model.moe_layers():
         L = moe.num_experts // dims.ep
         if moe.num_experts % dims.ep:
@@ -390,33 +348,14 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
             raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but ep_rank "
                              f"{dims.ep_rank} owns [{dims.ep_rank * L}, {(dims.ep_rank + 1) * L}): build the "
                              f"model with build_shard_spec(cfg, pp_rank, ep_rank={dims.ep_rank})")
-        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks, backward_group)
-        if lanes:
-            _lane_local_router_state(moe)
+        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks, lanes=shared)
+        moe.lane_local_router_state = lanes
     return model
 
 
-_LANE_LOCAL = ("last_counts_E", "last_router_stats")  # what MoE.route leaves for Transformer.forward to read
-_LANE_CLASSES: dict[type, type] = {}
-
-
-def _lane_local_router_state(moe: nn.Module) -> None:
-    """Give `moe` one slot per lane for the router statistics its forward leaves behind.
-
-    Transformer.forward reads moe.last_counts_E / last_router_stats right after the block returns. With two lanes, a
-    checkpointed block's recompute (backward lane) runs MoE.route too and would overwrite them between the forward
-    lane's route and its read: the wrong microbatch's counts would reach expert_load and the router-bias update.
-    Here the attributes become properties with a slot for forwards and one for backwards (`in_backward`, the same
-    rule that picks the lane's EP group), so a recompute never touches what the forward reads. (Their natural home
-    is model/moe.py; done here by a subclass, since only the lanes need it.)"""
-    cls = type(moe)
-    if cls not in _LANE_CLASSES:
-        def slot(name):
-            return property(lambda self: self.__dict__["_lane_state"][in_backward()].get(name),
-                            lambda self, v: self.__dict__["_lane_state"][in_backward()].__setitem__(name, v))
-        _LANE_CLASSES[cls] = type(cls.__name__, (cls,), {n: slot(n) for n in _LANE_LOCAL})
-    state = ({}, {})
-    for n in _LANE_LOCAL:
-        state[0][n] = moe.__dict__.pop(n, None)
-    moe.__dict__["_lane_state"] = state
-    moe.__class__ = _LANE_CLASSES[cls]
+def lanes_of(model: nn.Module) -> EPLanes:
+    """The EPLanes the model's EP dispatchers share (apply_ep); without EP a fresh one, which no EP call sees."""
+    for moe in model.moe_layers():
+        if isinstance(moe.dispatcher, EPDispatcher):
+            return moe.dispatcher.lanes
+    return EPLanes()

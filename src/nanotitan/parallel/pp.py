@@ -36,12 +36,12 @@ Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megat
          compute that reads it, so the transfers overlap compute (Megatron's overlap_p2p_comm); the cooldown
          overlaps likewise. M must be a multiple of PP. Bubble (PP-1)/(V*M) of the ideal step, not (PP-1)/M.
 With pp == 1 every schedule is plain gradient accumulation (forward, backward, next microbatch).
-parallel.ep_overlap_microbatches runs any of them in two lanes (`_two_lanes`): the forwards on a thread, the
-backwards (and W's) on the caller's, each in the schedule's order, so that a stage's steady F(w+j) runs beside its
-B(j) (F(j+1) beside B(j) on 1F1B's last stage and at pp == 1; interleaved likewise, chunk by chunk; gpipe has no
-forward beside a backward) and each one's EP all-to-alls travel while the other computes.
-`virtual_stages`, `warmup` and `in_flight` below state these counts once: the schedules, the planner
-(plan/cost.py) and the tests all ask them.
+parallel.ep_overlap_microbatches runs any of them in two lanes (lanes.py `two_lanes`): the forwards on a thread,
+the backwards (and W's) on the caller's, each in the schedule's order, so that a stage's steady F(w+j) runs beside
+its B(j) (F(j+1) beside B(j) on 1F1B's last stage and at pp == 1; interleaved likewise, chunk by chunk; gpipe has
+no forward beside a backward) and each one's EP all-to-alls travel while the other computes.
+`virtual_stages`, `warmup`, `in_flight` and the other counts are stated once, in pp_facts.py (re-exported here:
+`pp.warmup` is that function); the schedules, the planner (plan/cost.py) and the tests all ask them.
 
 The order is a pure function of (schedule, PP, pp_rank, M, V), so the ranks of one EP group (same pp_rank)
 run their microbatches in the same order and their all-to-alls pair up: in forwards and in backwards (B under
@@ -52,18 +52,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Literal
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..model.wgrad import WeightGradStore, attach
-from . import comm, ep
+from . import ep, lanes
 from .dims import ParallelDims
+from .lanes import EPLanes
 from .pp_comms import StageComms
+from .pp_facts import (SCHEDULES, in_flight, interleaved_chunk, interleaved_microbatch, lane_orders, lane_window,
+                       theoretical_bubble, virtual_stages, warmup)
+
+__all__ = ["SCHEDULES", "StepStats", "in_flight", "interleaved_chunk", "interleaved_microbatch", "lane_orders",
+           "lane_window", "pipeline_forward", "pipeline_forward_backward", "run_weights", "stage_chunks",
+           "theoretical_bubble", "virtual_stages", "warmup"]  # the facts: pp_facts.py's, re-exported
 
 run_weights = WeightGradStore.run  # zb1's W: one microbatch's deferred weight-gradient GEMMs (tests count in it)
 
@@ -78,12 +83,12 @@ class StepStats:
     compute_s: float  # wall_s - p2p_wait_s: forwards, backwards (incl. EP all-to-alls), bookkeeping
     max_in_flight: int  # most microbatches whose activations this stage held at once (`in_flight` predicts it:
     #                     GPipe M, 1F1B min(M, PP - p), zb1 min(M, PP): F to W; interleaved: chunk-microbatches)
-    # The lanes' figures (parallel.ep_overlap_microbatches; 0.0 without the lanes, whose EP wait, all of it exposed,
-    # is comm.py's comm_ep_wait_s):
-    ep_wait_s: float = 0.0  # time blocked in EP calls and waits, summed over the lanes (parallel/ep.py records it)
-    ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`exposed_ep_wait`)
-    lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once
-    ep_waits: list | None = None  # the lanes' raw EP records (parallel/ep.py `_WAITS`: lane, start, end, kind, posted)
+    # The lanes' figures (parallel.ep_overlap_microbatches, lanes.py `account_step`; 0.0 without the lanes, whose
+    # EP wait, all of it exposed, is comm.py's comm_ep_wait_s):
+    ep_wait_s: float = 0.0  # time blocked in EP calls and waits, summed over the lanes (lanes.EPLanes records it)
+    ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`lanes.exposed_ep_wait`)
+    lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (`lanes.lanes_overlap`)
+    ep_waits: list | None = None  # the lanes' raw EP records (lanes.EPLanes.waits: lane, start, end, kind, posted)
 
     @property
     def bubble(self) -> float:
@@ -91,88 +96,11 @@ class StepStats:
         return self.p2p_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
-
-
-# --- facts of the schedules (the planner and the tests ask these functions, never a copy) --------------
-def virtual_stages(schedule: str, pp: int, V: int) -> int:
-    """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1,
-    else 1 (every other schedule, and any schedule without a pipeline, runs one chunk)."""
-    return V if schedule == "interleaved" and pp > 1 else 1
-
-
-def warmup(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1) -> int:
-    """Forwards stage pp_rank runs before its first backward (chunk-forwards under interleaved, out of M*V)."""
-    if pp == 1:
-        return 0  # plain gradient accumulation: each forward is followed by its backward
-    if schedule == "gpipe":
-        return M
-    if schedule == "interleaved":  # Megatron: with M == PP every forward comes first ("all warmup")
-        return M * V if M == pp else min((pp - pp_rank - 1) * 2 + (V - 1) * pp, M * V)
-    return min(pp - pp_rank - 1, M)  # 1f1b, zb1: what is in flight before the first gradient can arrive
-
-
-def lane_window(pp: int, pp_rank: int, M: int, least: int = 2, schedule: str = "1f1b", V: int = 1) -> int:
-    """parallel.ep_overlap_microbatches: the most (chunk-)microbatches stage pp_rank has between F and B at once.
-    The schedule's warmup + 1 (its steady F(w+j) beside B(j)), but at least `least` (2): the last stage of 1F1B
-    (warmup 0, and pp = 1) has no forward of its own to pair with B(j) but F(j+1). gpipe: all M (every forward
-    comes first: no forward runs beside a backward, only the fill hides its all-to-alls)."""
-    V = virtual_stages(schedule, pp, V)
-    return min(max(warmup(schedule, pp, pp_rank, M, V) + 1, least), M * V)
-
-
-def lane_orders(schedule: str, pp: int, M: int, V: int = 1) -> tuple[list, list]:
-    """The (chunk, microbatch) order of a stage's forwards and of its backwards: the same as the schedule runs
-    them one at a time, the same on every rank (interleaved: Megatron's virtual-step order; gpipe: backwards in
-    reverse; every other schedule, and pp == 1: microbatch order)."""
-    V = virtual_stages(schedule, pp, V)
-    if V > 1:
-        ks = range(M * V)
-        return ([(interleaved_chunk(k, pp, V, True), interleaved_microbatch(k, pp, V)) for k in ks],
-                [(interleaved_chunk(k, pp, V, False), interleaved_microbatch(k, pp, V)) for k in ks])
-    order = [(0, i) for i in range(M)]
-    return order, (order[::-1] if schedule == "gpipe" and pp > 1 else order)
-
-
-def interleaved_chunk(k: int, pp: int, V: int, forward: bool) -> int:
-    """Interleaved 1F1B: the chunk of virtual step k (chunks in reverse order backward)."""
-    c = (k % (pp * V)) // pp
-    return c if forward else V - 1 - c
-
-
-def interleaved_microbatch(k: int, pp: int, V: int) -> int:
-    """Interleaved 1F1B: the microbatch of virtual step k (per chunk, forwards and backwards both in order)."""
-    return (k // (pp * V)) * pp + k % pp
-
-
-def in_flight(schedule: str, pp: int, pp_rank: int, M: int, V: int = 1, lanes: bool = False) -> int:
-    """Most microbatches whose activations stage pp_rank holds at once (chunk-microbatches under interleaved):
-    the warmup's forwards plus the steady phase's one. zb1 also holds pp_rank deferred W's (F done, W not yet),
-    which makes it min(M, PP) on every stage. lanes (parallel.ep_overlap_microbatches): `lane_window` (the
-    schedule's count, but 2 on 1F1B's last stage and at pp = 1), plus zb1's deferred W's."""
-    if lanes:
-        return min(M * virtual_stages(schedule, pp, V),
-                   lane_window(pp, pp_rank, M, 2, schedule, V) + (pp_rank if schedule == "zb1" else 0))
-    if schedule == "zb1" and pp > 1:
-        return min(M, pp)
-    return min(warmup(schedule, pp, pp_rank, M, V) + 1, M * virtual_stages(schedule, pp, V))
-
-
-def theoretical_bubble(pp: int, num_microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipeline step with equal stages and free communication. GPipe/1F1B: (PP-1)/(M+PP-1).
-    Interleaved: each of the PP-1 fill/drain slots is one chunk (1/V of a stage) long: (PP-1)/(V*M+PP-1).
-    zb1 (ZB-H1) with F, B and W of equal length: (PP-1)(F+B-W) idle against M(F+B+W) busy: (PP-1)/(3M+PP-1)."""
-    if pp == 1:
-        return 0.0
-    units = {"interleaved": virtual_stages * num_microbatches, "zb1": 3 * num_microbatches}
-    return (pp - 1) / (units.get(schedule, num_microbatches) + pp - 1)
-
-
 class _StageRunner:
     """Forward/backward of one microbatch on one of this rank's chunks, keeping what the backward needs."""
 
     def __init__(self, chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast,
-                 split=False, timeline=None, fill=False):
+                 split=False, timeline=None, fill=False, ep_lanes: EPLanes | None = None):
         self.chunks, self.comms, self.autocast = chunks, comms, autocast
         V = len(chunks)
         # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
@@ -187,11 +115,13 @@ class _StageRunner:
         # zb1: B defers every weight gradient into this store (model/wgrad.py); W runs them. Attached to the chunk
         # for this step only, so every other schedule (and evaluation) runs plain autograd.
         # fill (parallel.ep_overlap_microbatches, not zb1's split stages): each backward defers its weight-gradient
-        # GEMMs into the store too, and runs them while its own EP all-to-alls travel (ep.filling), the rest at its
-        # end: every term still lands within the same backward, in the order produced.
+        # GEMMs into the store too, and runs them while its own EP all-to-alls travel (`ep_lanes`, the EP dispatchers'
+        # lanes.EPLanes: its `filling`), the rest at its end: every term still lands within the same backward, in the
+        # order produced.
         # zb1's split stages (split): B defers every weight gradient to W anyway; with the fill, the W's due after
         # B(j) run while B(j)'s own all-to-alls travel (`backward_input(due=)`) instead of only during its send.
         self.fill, self.fill_split = fill and not split, fill and split
+        self.ep_lanes = ep_lanes
         # zb1's split stages accumulate W's GEMMs straight into .grad (wgrad.GemmTerm: equal up to reassociation);
         # the fill stays bitwise plain autograd's, as its twin-without-lanes tests require.
         self.store = WeightGradStore(fuse=split) if split or self.fill else None
@@ -267,7 +197,7 @@ class _StageRunner:
         if self.before_backward is not None:
             self.before_backward(is_last)
         if self.fill:
-            with self.store.deferring(), ep.filling(self._drain):
+            with self.store.deferring(), self.ep_lanes.filling(self._drain):
                 torch.autograd.backward(outs, grads)
             self._drain()  # what no all-to-all was left to hide (the blocks below the first MoE layer's dispatch)
         else:
@@ -293,8 +223,8 @@ class _StageRunner:
         t0 = time.perf_counter()
         recv_buf, inp, outs, grads = self._take(0, i, grad_buf)
         fill = self.fill_split and self.w_done < min(due, self.n_weights)
-        with self.store.deferring(), \
-                ep.filling(lambda: self.weights_until(min(self.w_done + 1, due))) if fill else contextlib.nullcontext():
+        with self.store.deferring(), self.ep_lanes.filling(lambda: self.weights_until(min(self.w_done + 1, due))) \
+                if fill else contextlib.nullcontext():
             torch.autograd.backward(outs, grads)
         # The received input and output gradient stay until W: a deferred GEMM may read either (the received
         # activation is the first norm's input; the output gradient passes the residual adds unchanged).
@@ -314,177 +244,6 @@ class _StageRunner:
                 self.comms.release(buf)
             self.w_done += 1
             self._event("W", 0, i, t0)
-
-
-# --- parallel.ep_overlap_microbatches: two lanes, a forward beside a backward ---------------------------------
-class _LaneThreadState:
-    """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
-    intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
-    (the trainer's SavedActivations meter on logged steps) and the dispatch modes (its step-peak meter, which
-    counts every op's output). Autocast is entered by `_StageRunner.forward` itself."""
-
-    def __init__(self):
-        self.grad = torch.is_grad_enabled()
-        self.threads = torch.get_num_threads()
-        self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.modes = _get_current_dispatch_mode_stack()
-
-    @contextlib.contextmanager
-    def entered(self):
-        if torch.get_num_threads() != self.threads:  # torch inits a new thread to the global count itself;
-            torch.set_num_threads(self.threads)  # setting it anyway would clear oneDNN's caches every step
-        hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks) if self.hooks else contextlib.nullcontext()
-        with torch.set_grad_enabled(self.grad), hooks, contextlib.ExitStack() as modes:
-            for mode in self.modes:  # bottom of the stack first, as the caller entered them
-                modes.enter_context(mode)
-            yield
-
-
-def _two_lanes(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False,
-               backward_group=None, join_timeout_s: float = 60.0, least: int = 2, schedule: str = "1f1b",
-               V: int = 1) -> None:
-    """Any schedule (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the stage's forwards
-    in the schedule's order, this thread its backwards (and zb1's W's) in the schedule's order (`lane_orders`).
-    With L = `lane_window`, the k-th forward starts once the (k-L)-th backward is done, and a backward once its
-    own forward is: so 1F1B's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the last stage and at
-    pp == 1), interleaved's steady chunk-forward beside its chunk-backward likewise, and a stage holds at most L
-    (chunk-)microbatches (the schedule's own count, but 2 on 1F1B's last stage). gpipe: L = M, every forward
-    first (its definition); its backwards still fill their all-to-alls (`_StageRunner.backward`).
-
-    P2P: each lane owns one direction of each neighbour pair, on its own PP group: the forward lane sends its
-    output to the next rank and receives its next input from the previous one (PP group "pp"), the backward lane
-    sends its input gradient back and receives its next output gradient ("pp_backward", dims.py). Each group's
-    messages between two ranks are then one lane's, in the schedule's order at both ends (the order is the same on
-    every rank, and interleaved's ring maps the last rank's chunk v onto the first's v+1 in that order), so they
-    match whatever the threads' interleaving. Each lane posts its send and its next receive as one batch and
-    waits for it only before that next computation: a gloo send completes only once its receiver has posted the
-    receive, and on interleaved's ring (PP2: the same peer both ways) two lanes that sent before they received
-    would wait for each other. Neighbours agree at every phase boundary because there are no phases: each lane is
-    one loop, and each message is sent once its microbatch is computed and received when its lane is ready.
-    Deadlock-free: every wait is for an earlier step of the schedule (the one-at-a-time order meets every lane's
-    constraint, so a cycle of waits cannot form).
-
-    Exact: the backwards run one at a time in the schedule's order on this thread, as without the lanes, and zb1's
-    W's keep their order (each W due after B(j), `weights_until(j + 1 - pp_rank)`, runs during B(j)'s all-to-alls
-    when the fill is on, else during its gradient send; the rest at the end), so every .grad accumulates the same
-    terms in the same order and the gradient sync's hooks fire in the same order (the final backward, or W, runs
-    after every forward); a forward reads only the parameters, which no backward or W changes, and draws no random
-    numbers.
-    EP pairing: each lane's EP collectives go on its own EP group (parallel/ep.py: lane_group), in an order fixed by
-    (schedule, pp, pp_rank, M, V), the same on every rank of an EP group; a checkpointed block's recompute runs
-    inside its backward, so its collectives are the backward lane's, in order. Torch releases the GIL inside its
-    ops and in gloo's waits (and the emulator's holds sleep), so while one lane waits for a trip the other computes.
-    An exception in either lane stops both and is raised here (the first one); each lane checks for it before it
-    waits for a receive, and a lane stuck in a call whose peer failed is left behind (a daemon thread) after
-    join_timeout_s, never waited for forever."""
-    forward_order, backward_order = lane_orders(schedule, pp, M, V)
-    total = len(forward_order)
-    L = lane_window(pp, pp_rank, M, least, schedule, V)
-    forward_index = {op: k for k, op in enumerate(forward_order)}
-    cond = threading.Condition()
-    done = {"F": 0, "B": 0}
-    errors: list[BaseException] = []
-    state = _LaneThreadState()
-
-    def receives(order, k: int, ends: list[bool]) -> bool:  # does the k-th op of a lane take a message?
-        return k < total and not ends[order[k][0]]
-
-    def forwards():
-        try:
-            with state.entered():
-                # the first input; afterwards each forward's send and the next one's receive are posted together
-                in_buf, _, posted = comms.post_exchange(None, None, receives(forward_order, 0, run.first), False)
-                for k, (v, i) in enumerate(forward_order):
-                    if errors:
-                        return
-                    _wait(posted)  # this forward's input (and the previous output's send)
-                    with cond:
-                        cond.wait_for(lambda: done["B"] > k - L or errors)
-                        if errors:
-                            return
-                    out = run.forward(v, i, in_buf)
-                    with cond:
-                        done["F"] = k + 1
-                        cond.notify_all()
-                        # held: F done, B (zb1: W) not; a B under way still holds its microbatch's activations
-                        held = k + 1 - (run.w_done if split else done["B"])
-                        run.max_in_flight = max(run.max_in_flight, held)
-                    in_buf, _, posted = comms.post_exchange(out, None, receives(forward_order, k + 1, run.first),
-                                                            False)
-                    out = None  # zb1's B retains the graph for W: no reference here may outlive that W
-                _wait(posted)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            with cond:
-                errors.append(e)
-                cond.notify_all()
-
-    lane = threading.Thread(target=forwards, name="nanotitan-forward-lane", daemon=True)
-    lane.start()
-    try:
-        _, grad_buf, posted = comms.post_exchange(None, None, False, receives(backward_order, 0, run.last),
-                                                  group=backward_group)
-        for j, (v, i) in enumerate(backward_order):
-            with cond:  # the gradient of a microbatch cannot come before its forward has been sent
-                cond.wait_for(lambda: done["F"] > forward_index[v, i] or errors)
-                if errors:
-                    break
-            _wait(posted)  # this backward's output gradient (and the previous input gradient's send)
-            if split:  # zb1: the W's due after B(j) run during its all-to-alls (the fill), the rest during its send
-                due = j + 1 - pp_rank
-                grad_in = run.backward_input(i, grad_buf, due)
-            else:
-                grad_in, due = run.backward(v, i, grad_buf, is_last=j == total - 1), None
-            _, grad_buf, posted = comms.post_exchange(None, grad_in, False, receives(backward_order, j + 1, run.last),
-                                                      group=backward_group)
-            if due is not None:
-                run.weights_until(due)
-            grad_in = None
-            with cond:
-                done["B"] = j + 1
-                cond.notify_all()
-        else:
-            _wait(posted)
-            if split:
-                run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
-    except BaseException as e:  # noqa: BLE001
-        with cond:
-            errors.append(e)
-            cond.notify_all()
-    lane.join(timeout=join_timeout_s if errors else None)
-    if errors:
-        raise errors[0]
-
-
-def exposed_ep_wait(spans: list[tuple[str, float, float]], waits: list[tuple[int, float, float]]) -> float:
-    """Seconds during which some EP call was pending and no lane computed.
-
-    spans: every F/B/W computation (start, end); waits: every interval a lane spent blocked in an EP call or wait,
-    each inside one of the spans (parallel/ep.py records them). A lane computes while it is inside a span and not
-    blocked. With one lane this is the summed EP wait; with two, a wait is exposed only while the other lane is
-    blocked too, or idle between its spans."""
-    events = [(t0, 1, 0) for _, t0, _ in spans] + [(t1, -1, 0) for _, _, t1 in spans]
-    events += [(w[1], -1, 1) for w in waits] + [(w[2], 1, -1) for w in waits]
-    events.sort(key=lambda e: e[0])
-    computing = pending = 0
-    exposed, last = 0.0, None
-    for t, dc, dp in events:
-        if last is not None and pending > 0 and computing <= 0:
-            exposed += t - last
-        computing, pending, last = computing + dc, pending + dp, t
-    return exposed
-
-
-def lanes_overlap(spans: list[tuple[str, float, float]]) -> float:
-    """Seconds during which a forward and a backward ran at once."""
-    events = sorted([(t0, k, 1) for k, t0, _ in spans] + [(t1, k, -1) for k, _, t1 in spans], key=lambda e: e[0])
-    active = {"F": 0, "B": 0, "W": 0}
-    both, last = 0.0, None
-    for t, k, d in events:
-        if last is not None and active["F"] > 0 and active["B"] > 0:
-            both += t - last
-        active[k] += d
-        last = t
-    return both
 
 
 def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
@@ -669,74 +428,72 @@ def pipeline_forward_backward(
     this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
     and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
     ep_lanes (parallel.ep_overlap_microbatches; any schedule): the forwards and backwards in two lanes
-    (`_two_lanes`); the model's MoE layers must have been given their backward EP groups (apply_ep(lanes=True)), and
-    with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
+    (lanes.py `two_lanes`); the model's MoE layers must have been given their backward EP groups
+    (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
     ep_lanes_fill (with ep_lanes; not zb1's split stages, whose W's have their own place): each backward's
     weight-gradient GEMMs run while its EP all-to-alls travel (`_StageRunner.backward`); False: plain autograd
     (the bench's comparison).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
-    M = len(xs)
-    if M < 1:
-        raise ValueError("pipeline_forward_backward needs at least one microbatch (--parallel.microbatches)")
-    if dims.is_pp_last_stage and len(ys) != M:
-        raise ValueError(f"got {len(xs)} input microbatches but {len(ys)} target microbatches")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.schedule={schedule!r} must be one of {list(SCHEDULES)} (--parallel.schedule)")
-    chunks = stage_chunks(model)
-    V = len(chunks)
-    if V > 1 and (schedule != "interleaved" or dims.pp == 1):
-        raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
-    if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
-        raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
-                         f"parallel.pp={dims.pp} (--parallel.microbatches)")
-
+    M, chunks = len(xs), stage_chunks(model)
+    _check_step(dims, M, len(ys), schedule, len(chunks))
     t0 = time.perf_counter()
     comms.reset_wait()
     comms.timeline = timeline
     # zb1's first stage sends no input gradient, so nothing waits for its B, and it defers no W (pp_rank 0): each W
     # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
+    shared = ep.lanes_of(model) if ep_lanes else None  # what the EP dispatchers share with the lanes (lanes.py)
     run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
-                       split=split, timeline=timeline, fill=ep_lanes and ep_lanes_fill and M > 1)
-    # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does not:
-    # its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
-    ep_waits: list[tuple[int, float, float]] | None = [] if ep_lanes else None
-    if ep_lanes:
-        ep.record_waits(ep_waits)
+                       split=split, timeline=timeline, fill=ep_lanes and ep_lanes_fill and M > 1, ep_lanes=shared)
     try:
-        if ep_lanes and M > 1:  # a forward beside a backward, two lanes
-            backward_group = dims.group("pp_backward")
-            assert dims.pp == 1 or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
-            _two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, backward_group, least=ep_lanes_window,
-                       schedule=schedule, V=V)
-        elif dims.pp == 1:  # plain gradient accumulation, whatever the schedule
-            _one_f_one_b(run, comms, M, 1, 0)
-        elif schedule == "gpipe":
-            _gpipe(run, comms, M)
-        elif schedule in ("1f1b", "zb1"):
-            _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank, split=split)
-        else:
-            _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
+        # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does
+        # not: its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
+        with shared.recording() if ep_lanes else contextlib.nullcontext() as ep_waits:
+            if ep_lanes and M > 1:  # a forward beside a backward, two lanes
+                lanes.two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, dims.group("pp_backward"),
+                                least=ep_lanes_window, schedule=schedule, V=len(chunks))
+            else:
+                _one_lane(run, comms, dims, M, schedule, split, len(chunks))
     finally:
-        if ep_lanes:
-            ep.record_waits(None)
         run.close()
         comms.timeline = None
     assert not run.pending and not run.weights, f"microbatches {sorted(run.pending)} never ran their backward"
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
-    ep_wait = exposed = overlap = 0.0
-    if ep_lanes:
-        ep_wait = sum(w[2] - w[1] for w in ep_waits)
-        exposed, overlap = exposed_ep_wait(run.spans, ep_waits), lanes_overlap(run.spans)
-        # comm.py charges each lane's EP waits in full; what the other lane's compute hid is not a wait of the
-        # step, so comm_ep_wait_s (metrics.jsonl) is brought to the exposed wait, the figure it means with one lane.
-        comm.COMM.record("ep", 0, exposed - ep_wait, calls=0)
+    figures = lanes.account_step(run.spans, ep_waits) if ep_lanes else {}
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
-                     max_in_flight=run.max_in_flight, ep_wait_s=ep_wait, ep_exposed_s=exposed,
-                     lanes_overlap_s=overlap, ep_waits=ep_waits)
+                     max_in_flight=run.max_in_flight, **figures)
+
+
+def _check_step(dims: ParallelDims, M: int, n_targets: int, schedule: str, V: int) -> None:
+    """pipeline_forward_backward's arguments: M microbatches (and as many targets on the last stage), a known
+    schedule, and V chunks only under the interleaved one (with M a multiple of PP)."""
+    if M < 1:
+        raise ValueError("pipeline_forward_backward needs at least one microbatch (--parallel.microbatches)")
+    if dims.is_pp_last_stage and n_targets != M:
+        raise ValueError(f"got {M} input microbatches but {n_targets} target microbatches")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={schedule!r} must be one of {list(SCHEDULES)} (--parallel.schedule)")
+    if V > 1 and (schedule != "interleaved" or dims.pp == 1):
+        raise ValueError(f"{V} model chunks per rank need parallel.schedule=interleaved with pp > 1")
+    if schedule == "interleaved" and dims.pp > 1 and M % dims.pp:
+        raise ValueError(f"parallel.schedule=interleaved needs parallel.microbatches={M} to be a multiple of "
+                         f"parallel.pp={dims.pp} (--parallel.microbatches)")
+
+
+def _one_lane(run: _StageRunner, comms: StageComms, dims: ParallelDims, M: int, schedule: str, split: bool,
+              V: int) -> None:
+    """The schedule, one computation at a time."""
+    if dims.pp == 1:  # plain gradient accumulation, whatever the schedule
+        _one_f_one_b(run, comms, M, 1, 0)
+    elif schedule == "gpipe":
+        _gpipe(run, comms, M)
+    elif schedule in ("1f1b", "zb1"):
+        _one_f_one_b(run, comms, M, dims.pp, dims.pp_rank, split=split)
+    else:
+        _interleaved(run, comms, M, dims.pp, dims.pp_rank, V)
 
 
 @torch.no_grad()

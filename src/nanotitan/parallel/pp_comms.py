@@ -25,7 +25,7 @@ matched in the same order at both ends (NCCL matches point-to-point messages bet
 zb1 passes `during`: local work (deferred weight gradients) that runs while a send is in flight, so the
 wait it would otherwise spend blocked is spent computing; only the time blocked counts as wait.
 
-parallel.ep_overlap_microbatches (two lanes, pp.py `_two_lanes`, any schedule) uses `post_exchange` from two
+parallel.ep_overlap_microbatches (two lanes, lanes.py `two_lanes`, any schedule) uses `post_exchange` from two
 threads, each lane one direction: the forward lane its activations on the PP group, the backward lane its
 gradients on the backward PP group (`group=`, dims.py "pp_backward"), so each group carries one lane's messages
 between two ranks, in order at both ends. Shared between the lanes: the buffer pool (atomic pops and
@@ -179,7 +179,7 @@ class StageComms:
         """`exchange` without its wait: the ops are posted, and the returned handle's `wait()` (before anything
         reads the received buffers) completes them. The interleaved schedule overlaps each round's traffic with
         its next compute this way (Megatron's overlap_p2p_comm); the lanes of parallel.ep_overlap_microbatches
-        post each lane's send with its next receive (pp.py `_two_lanes`; `group`: the backward lane's PP group).
+        post each lane's send with its next receive (lanes.py `two_lanes`; `group`: the backward lane's PP group).
         On a ring's neighbours (interleaved) and a line's alike: the first stage never receives an activation nor
         sends a gradient, the last never sends an activation nor receives a gradient, unless it holds a chunk
         that does (interleaved)."""
