@@ -12,7 +12,7 @@ resume of a damaged run dir, and a run dir under a directory the user cannot ent
 root enters anything).
 
 With NANOTITAN_HOSTILE_REPORT=FILE the table (input, the one line, exit code) is written there as markdown
-(docs/reliability.md, "Hostile input"). Cost: ~30 s on 2 idle cores.
+(docs/reliability.md, "Hostile input"). Cost: 51-63 s on the 2 shared cores under load, 7 s of it the in-process cases.
 """
 
 from __future__ import annotations
@@ -222,8 +222,10 @@ CASES = [
     ("TOML: a table for a number", _toml("[train.lr]\nvalue = 1\n"), CONFIG, r"c\.toml: train\.lr must be a number"),
     ("TOML: an unknown key", _toml("[train]\nlrr = 1e-3\n"), CONFIG,
      r"c\.toml: unknown config key train\.lrr \(valid keys in \[train\]: steps, "),
-    ("TOML: an unknown section", _toml("[trainer]\nlr = 1e-3\n"), CONFIG, r"c\.toml: unknown config section \[trainer\]"),
-    ("TOML: a bare top-level key", _toml("steps = 3\n"), CONFIG, r"c\.toml: top-level key 'steps' must be a \[section\]"),
+    ("TOML: an unknown section", _toml("[trainer]\nlr = 1e-3\n"), CONFIG,
+     r"c\.toml: unknown config section \[trainer\]"),
+    ("TOML: a bare top-level key", _toml("steps = 3\n"), CONFIG,
+     r"c\.toml: top-level key 'steps' must be a \[section\]"),
     ("TOML: bytes that are not UTF-8", _toml(b"[train]\nlr = 1e-3 # \xff\xfe\n"), CONFIG, r"c\.toml is not UTF-8 text"),
     ("TOML: nan for the learning rate", _toml("[train]\nlr = nan\n"), CONFIG, r"train\.lr=nan must be a finite number"),
     ("--config: a path that does not exist", lambda tmp, good: _train(good, "--config", str(tmp / "none.toml")),
@@ -246,7 +248,7 @@ CASES = [
     ("override: a seed past 2**63", _cli("--train.seed", str(10**30)), CONFIG, r"train\.seed=\d+ must be < 2\*\*63"),
     # absurd sizes: the GiB a rank would need, before anything is allocated
     ("--data.vocab_size 1000000000000", _cli("--data.vocab_size", str(10**12), "--model.vocab_size", "0"), CONFIG,
-     r"data\.vocab_size=1000000000000 is more than token ids hold \(4294967295\), and its embedding and head alone "
+     r"data\.vocab_size=1000000000000 is more than token ids hold \(4294967295\), and the model "
      r"would need [\d,.]+ GiB per rank, this machine has [\d,.]+ GiB \(--data\.vocab_size\)$"),
     ("--data.vocab_size 1000000000", _cli("--data.vocab_size", str(10**9), "--model.vocab_size", "0"), CONFIG,
      rf"data\.vocab_size=1000000000 {GIB} \(--data\.vocab_size, or more ranks"),
@@ -365,7 +367,8 @@ def _write_report():
     if os.environ.get("NANOTITAN_HOSTILE_REPORT") and ROWS:
         lines = ["| input | the one line | exit |", "|---|---|---|"]
         for r in ROWS:
-            line = re.sub(r"/tmp/\S*?/(?=[\w.-]+(?:'|\b))", ".../", r["line"]).replace("|", "\\|")
+            line = re.sub(r"/tmp/(pytest-of-\w+/pytest-\d+/[^/\s']+|nanotitan-hostile-\w+)", "TMP", r["line"])
+            line = line.replace("|", "\\|")
             lines.append(f"| {r['input']} | `{line}` | {r['exit']} |")
         Path(os.environ["NANOTITAN_HOSTILE_REPORT"]).write_text("\n".join(lines) + "\n")
 
@@ -387,9 +390,9 @@ def test_hostile_input_gets_one_line(case, setup, code, pattern, good, tmp_path,
     # ... and the run dir a train case aimed at is untouched and still resumes from its newest checkpoint.
     assert _listing(good.run) == good.listing
     assert manifest.resolve_resume("auto", good.run) == good.run / "checkpoints" / "step_4"
-    if (tmp_path / "run").is_dir():  # a damaged copy: the damage is still there (nothing deleted), step_2 resumes, and
-        # `--train.resume auto` falls back to it, unless the manifest was forged to match (then step_4 verifies, its load
-        # refuses in one line, and `--train.resume RUN/checkpoints/step_2` is the way on)
+    if (tmp_path / "run").is_dir():  # a damaged copy: the damage is still there (nothing deleted), step_2 resumes,
+        # and `--train.resume auto` falls back to it, unless the manifest was forged to match (then step_4 verifies,
+        # its load refuses in one line, and `--train.resume RUN/checkpoints/step_2` is the way on)
         ckpts = tmp_path / "run" / "checkpoints"
         assert (ckpts / "step_4" / manifest.COMPLETE).is_file()
         assert manifest.resolve_resume(str(ckpts / "step_2"), tmp_path / "run") == ckpts / "step_2"
@@ -432,7 +435,8 @@ UNITS = [
     ("snapshot unit: a file its manifest does not name", _planted_file, r"^__3_0\.distcp is not in manifest\.json$"),
     ("snapshot unit: manifest names a path outside the unit", _escaping_name,
      r"^manifest\.json names '\.\./\.\./escape', which is not a file of this unit$"),
-    ("snapshot unit: manifest's files a list", _list_manifest, r"^manifest\.json is unreadable or garbled \("),
+    ("snapshot unit: manifest's files a list", _list_manifest,
+     r"^manifest\.json is garbled \(not a table of file names to bytes and xxh3_64\)$"),
 ]
 
 

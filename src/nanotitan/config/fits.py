@@ -99,15 +99,16 @@ def vocab_too_large(cfg) -> str:
     floor = copy.copy(cfg)
     floor.model = copy.copy(cfg.model)
     floor.model.vocab_size = v
-    return (f"data.vocab_size={v} is more than token ids hold ({MAX_VOCAB}), and its embedding and head alone "
-            f"would need {rank_bytes(floor) / GiB:,.1f} GiB per rank, this machine has {host_memory_bytes() / GiB:,.1f} "
-            f"GiB (--data.vocab_size)")
+    return (f"data.vocab_size={v} is more than token ids hold ({MAX_VOCAB}), and the model "
+            f"would need {rank_bytes(floor) / GiB:,.1f} GiB per rank, this machine has "
+            f"{host_memory_bytes() / GiB:,.1f} GiB (--data.vocab_size)")
 
 
 def does_not_fit(cfg, mem_bytes: float | None = None, training: bool = True, whole: bool = False) -> str:
     """'' when the busiest rank's floor (rank_bytes) fits in this host's memory (`mem_bytes`), else one line naming
     the field, e.g. "model.d_model=1000000000 needs 238,418,825,507.2 GiB per rank before any activation (...), and
-    this machine has 23.5 GiB (--model.d_model, ...)". Under parallel.auto the layout is not chosen yet: checked once the planner has.
+    this machine has 23.5 GiB (--model.d_model, ...)". Under parallel.auto the layout is not chosen yet: checked
+    once the planner has.
     `training`, `whole`: as rank_bytes and rank_params take them."""
     if cfg.parallel.auto and not whole:
         return ""
@@ -121,6 +122,6 @@ def does_not_fit(cfg, mem_bytes: float | None = None, training: bool = True, who
     source = f"init.from_hf={cfg.init.from_hf!r} gives " if cfg.init.from_hf and section == "model" else ""
     what = (f"fp32 weights, gradients and AdamW state at dp={p.dp} pp={p.pp} ep={p.ep} zero={p.zero}" if training
             else "its fp32 weights, in one process" if whole else "its fp32 weights")
-    fix = f"--{name}, or more ranks: --parallel.pp/--parallel.ep" if training and not whole else f"{name}"
+    fix = f"--{name}, or more ranks: --parallel.pp/--parallel.ep" if training and not whole else name
     return (f"{source}{name}={getattr(getattr(cfg, section), key)} needs {need / GiB:,.1f} GiB per rank before any "
             f"activation ({what}), and this machine has {have / GiB:,.1f} GiB ({fix})")

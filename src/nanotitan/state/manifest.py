@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from ..config.errors import CheckpointError, first_line, os_reason
+from ..config.errors import CheckpointError, os_reason
 from ..config.hardware import fmt_bytes
 from ..parallel import comm
 
@@ -215,10 +215,12 @@ def unit_mismatch(d: Path) -> str:
     and has that size and checksum. The manifest's other files (the other nodes' shards) are not here: not checked."""
     try:
         files = json.loads((d / MANIFEST).read_bytes())["files"]
-        assert isinstance(files, dict) and all(
-            isinstance(v, dict) and isinstance(v["bytes"], int) and isinstance(v["xxh3_64"], str) for v in files.values())
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-        return f"{MANIFEST} is unreadable or garbled ({first_line(e) if str(e) else type(e).__name__})"
+        assert isinstance(files, dict) and all(isinstance(v, dict) and isinstance(v["bytes"], int)
+                                               and isinstance(v["xxh3_64"], str) for v in files.values())
+    except OSError as e:
+        return f"{MANIFEST} cannot be read ({os_reason(e)})"
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is garbled (not a table of file names to bytes and xxh3_64)"
     plain = next((n for n in files if not isinstance(n, str) or Path(n).name != n or n in (".", "..")), None)
     if plain is not None:
         return f"{MANIFEST} names {plain!r}, which is not a file of this unit"
