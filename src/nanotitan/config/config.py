@@ -1,7 +1,7 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
-A leaf: nothing of the package is imported here but its sibling fits.py (arithmetic), so every layer can read the config. What is written ("auto",
-model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
+A leaf: only its sibling fits.py (arithmetic) is imported here, so every layer can read the config. What is written
+("auto", model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".

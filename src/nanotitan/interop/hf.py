@@ -144,6 +144,8 @@ class _Reader(contextlib.ExitStack):
     def __init__(self, hf_dir: Path):
         super().__init__()
         self.hf_dir = hf_dir
+        self.files: dict[Path, object] = {}  # opened (mmap) on first use
+        self.read: set[str] = set()
         index, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
         if index.is_file():
             try:
@@ -154,12 +156,11 @@ class _Reader(contextlib.ExitStack):
                 raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {index.name} is not a weight map of tensor "
                                   f"names to files ({first_line(e)})") from None
         elif single.is_file():
-            self.file_of = {k: single for k in self._open(single).keys()}
+            self.files[single] = self._open(single)
+            self.file_of = {k: single for k in self.files[single].keys()}
         else:
             raise ConfigError(f"init.from_hf={str(hf_dir)!r} has neither model.safetensors nor "
                               "model.safetensors.index.json (PyTorch .bin checkpoints: re-save with safetensors)")
-        self.files: dict[Path, object] = {}
-        self.read: set[str] = set()
 
     def has(self, key: str) -> bool:
         return key in self.file_of
