@@ -45,6 +45,7 @@ def cmd_train(argv: list[str]) -> int:
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun
+    from .config.fits import does_not_fit
     from .config.resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
@@ -63,6 +64,8 @@ def cmd_train(argv: list[str]) -> int:
     # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it).
     planned = cfg.parallel.auto
     cfg = resolve(cfg, log=lambda line: print(line, flush=True))
+    if why := does_not_fit(cfg):  # an absurd size: one line with the GiB, before anything is allocated
+        raise ConfigError(why)
     if planned:  # the ranks this process starts run the planned layout instead of planning again
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
@@ -220,8 +223,7 @@ def cmd_generate(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
     args = ap.parse_args(argv)
     if args.from_hf:  # the imported weights, sampled with the imported tokenizer
-        from tokenizers import Tokenizer
-
+        from .data.tokenizer import load_tokenizer_file
         from .generate import sample
         from .interop.hf import load_pretrained
 
@@ -229,7 +231,7 @@ def cmd_generate(argv: list[str]) -> int:
         if not cfg.data.tokenizer:  # load_pretrained needs none; encoding the prompt does
             raise ConfigError(f"init.from_hf={args.from_hf!r} has no tokenizer.json to encode the prompt with (save "
                               "the model's fast tokenizer there: tokenizer.save_pretrained(DIR))")
-        print(sample(model, Tokenizer.from_file(cfg.data.tokenizer), args.prompt, args.tokens, seed=cfg.train.seed))
+        print(sample(model, load_tokenizer_file(cfg.data.tokenizer), args.prompt, args.tokens, seed=cfg.train.seed))
         return 0
     print(generate_from_run(args.run_dir, args.prompt, args.tokens))
     return 0

@@ -1,7 +1,7 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
-A leaf: nothing of the package is imported here, so every layer can read the config. What is written ("auto",
-model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
+A leaf: only its sibling fits.py (arithmetic) is imported here, so every layer can read the config. What is written
+("auto", model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
+
+from .fits import vocab_too_large
 
 
 class ConfigError(ValueError):
@@ -403,7 +405,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             _check(not isinstance(v, float) or math.isfinite(v),
                    f"{section}.{f.name}={v} must be a finite number (--{section}.{f.name})")
     _check(d.vocab_size >= 260, f"data.vocab_size={d.vocab_size} must be >= 260 for byte-level BPE (--data.vocab_size)")
-    _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} too large (--data.vocab_size)")
+    _check(not (why := vocab_too_large(cfg)), why)  # with the GiB it would take (fits.py)
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (--model.vocab_size, 0 = data.vocab_size)")
     for name, v in [("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
                     ("model.ffn_dim", m.ffn_dim), ("model.num_experts", m.num_experts), ("model.top_k", m.top_k),

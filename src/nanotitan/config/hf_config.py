@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from .config import Config, ConfigError, ModelConfig
+from .errors import first_line
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
@@ -26,8 +27,15 @@ def read_hf_config(hf_dir: str | Path) -> tuple[str, dict]:
     if not path.is_file():
         raise ConfigError(f"init.from_hf={str(hf_dir)!r} has no config.json (a directory written by "
                           "transformers' save_pretrained or `nanotitan export`)")
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json is not readable JSON ({first_line(e)})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json holds a {type(hf).__name__}, not an object")
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        archs = [str(archs)]
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if family is None and hf.get("model_type") in FAMILY_ARCH:
         family = hf["model_type"]
@@ -50,10 +58,43 @@ def config_from_hf(hf_dir: str | Path) -> dict:
     compute exactly (rope scaling, sliding windows, clipped qkv, ...) fails in one line naming it."""
     family, hf = read_hf_config(hf_dir)
     try:
+        _check_numbers(hf_dir, hf)
         return _model_keys(hf_dir, family, hf)
     except KeyError as e:
         raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json has no {e.args[0]!r}, which "
                           f"{FAMILY_ARCH[family]} needs") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # a value of another type than transformers writes
+        raise ConfigError(f"init.from_hf={str(hf_dir)!r}: config.json holds a value {FAMILY_ARCH[family]} cannot "
+                          f"take ({first_line(e)})") from None
+
+
+# config.json's sizes (those present; _model_keys names a missing one) and the least each may be.
+SIZES = {"hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "num_key_value_heads": 0, "head_dim": 0,
+         "num_experts_per_tok": 1, "max_position_embeddings": 1, "vocab_size": 1, "intermediate_size": 1,
+         "moe_intermediate_size": 1, "num_local_experts": 1, "num_experts": 1, "decoder_sparse_step": 1,
+         "shared_expert_intermediate_size": 0}
+POSITIVE = ("rms_norm_eps", "rope_theta")  # numbers, finite and > 0
+
+
+def _check_numbers(hf_dir, hf: dict) -> None:
+    """Every size config.json gives is an integer at least its floor, every scale a finite number > 0: one line
+    naming the key (a huge size is the memory check's, fits.py, which says how many GiB it would take)."""
+    at = f"init.from_hf={str(hf_dir)!r}: config.json's"
+    for key, least in SIZES.items():
+        v = hf.get(key)
+        if v is None and (least == 0 or key not in ("hidden_size", "num_attention_heads", "num_hidden_layers")):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ConfigError(f"{at} {key}={v!r} must be an integer >= {least}")
+    for key in POSITIVE:
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise ConfigError(f"{at} {key}={v!r} must be a finite number > 0")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{at} mlp_only_layers={only!r} must be a list of layer indices")
 
 
 def _model_keys(hf_dir, family: str, hf: dict) -> dict:

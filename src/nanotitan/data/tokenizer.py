@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from nanotitan.config.config import ConfigError
+from nanotitan.config.errors import first_line
 
 EOT = "<|endoftext|>"
 # Document separators of common pretrained tokenizers, tried in order when loading a foreign tokenizer.json.
@@ -40,8 +41,9 @@ def load_tokenizer_file(path: str | Path) -> Tokenizer:
         raise ConfigError(f"data.tokenizer={str(path)!r}: no such file (give a tokenizer.json, or '' to train one)")
     try:
         return Tokenizer.from_file(str(p))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise ConfigError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json: {e}") from None
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on malformed JSON (a truncated file)
+        raise ConfigError(f"data.tokenizer={str(path)!r} is not a valid tokenizer.json ({first_line(e)}; truncated? "
+                          "save it again, or give --data.tokenizer '' to train one)") from None
 
 
 def eot_id(tok: Tokenizer) -> int:

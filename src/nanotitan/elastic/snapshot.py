@@ -41,7 +41,7 @@ import torch
 from ..state import checkpoint as ckpt
 from ..config.config import Config
 from ..config.errors import first_line
-from ..state.manifest import COMPLETE, DCP_METADATA, MANIFEST, _hash_file
+from ..state.manifest import COMPLETE, DCP_METADATA, MANIFEST, _hash_file, unit_mismatch
 from ..parallel import comm
 
 UNIT = re.compile(r"^step_(\d+)/g(\d+)-node(\d+)$")  # a committed unit, relative to ROOT
@@ -263,15 +263,8 @@ def _copy_n(src, dst, n: int) -> None:
 
 
 def check_unit(d: Path) -> str:
-    """'' when every file of unit `d` that its manifest names has the manifest's size and checksum."""
-    try:
-        files = json.loads((d / MANIFEST).read_bytes())["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"{MANIFEST} unreadable ({first_line(e)})"
-    for f in d.iterdir():
-        if f.name in files and _hash_file(f) != (files[f.name]["bytes"], files[f.name]["xxh3_64"]):
-            return f"{f.name} fails its checksum"
-    return ""
+    """'' when unit `d` matches its manifest: every file in it named there, with its size and checksum (manifest.py)."""
+    return unit_mismatch(d)
 
 
 def _request(addr: str, req: dict, body=None, timeout_s: float = SOCKET_TIMEOUT_S):
@@ -364,7 +357,7 @@ def assemble_newest(root: Path, peers: dict[int, str], newer_than: int, log) -> 
         tmp = root / "checkpoints" / f"step_{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        why = _fetch(root, files, MANIFEST, tmp, None)
+        why = _fetch(root, files, MANIFEST, tmp, None) or unit_mismatch(tmp)  # a garbled manifest is named, too
         if not why:
             manifest = json.loads((tmp / MANIFEST).read_bytes())["files"]
             missing = sorted(set(manifest) - set(files))

@@ -26,10 +26,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config.config import Config, ConfigError, ModelConfig, load_config, validate
+from ..config.errors import CheckpointError, first_line
+from ..config.fits import does_not_fit
 from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
@@ -142,17 +144,23 @@ class _Reader(contextlib.ExitStack):
     def __init__(self, hf_dir: Path):
         super().__init__()
         self.hf_dir = hf_dir
+        self.files: dict[Path, object] = {}  # opened (mmap) on first use
+        self.read: set[str] = set()
         index, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
         if index.is_file():
-            self.file_of = {k: hf_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            try:
+                weight_map = json.loads(index.read_bytes())["weight_map"]
+                self.file_of = {k: hf_dir / Path(f).name for k, f in weight_map.items() if isinstance(f, str)}
+                assert all(isinstance(k, str) for k in weight_map) and len(self.file_of) == len(weight_map)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:
+                raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {index.name} is not a weight map of tensor "
+                                  f"names to files ({first_line(e)})") from None
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                self.file_of = {k: single for k in f.keys()}
+            self.files[single] = self._open(single)
+            self.file_of = {k: single for k in self.files[single].keys()}
         else:
             raise ConfigError(f"init.from_hf={str(hf_dir)!r} has neither model.safetensors nor "
                               "model.safetensors.index.json (PyTorch .bin checkpoints: re-save with safetensors)")
-        self.files: dict[Path, object] = {}
-        self.read: set[str] = set()
 
     def has(self, key: str) -> bool:
         return key in self.file_of
@@ -163,10 +171,26 @@ class _Reader(contextlib.ExitStack):
                               "(its config.json and weights disagree)")
         path = self.file_of[key]
         if path not in self.files:
-            self.files[path] = self.enter_context(safe_open(path, framework="pt"))
+            self.files[path] = self._open(path)
         self.read.add(key)
-        sl = self.files[path].get_slice(key)
-        return sl[rows[0]:rows[1]] if rows else sl[:]
+        try:
+            sl = self.files[path].get_slice(key)
+            t = sl[rows[0]:rows[1]] if rows else sl[:]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"init.from_hf={str(self.hf_dir)!r}: tensor {key!r} of {path.name} cannot be read "
+                              f"({first_line(e)})") from None
+        if not t.is_floating_point():  # copy_ would convert integers silently into weights
+            raise ConfigError(f"init.from_hf={str(self.hf_dir)!r}: tensor {key!r} of {path.name} is {t.dtype}, "
+                              "not a floating-point weight (a damaged or foreign file)")
+        return t
+
+    def _open(self, path: Path):
+        """safe_open, or one line naming the file: missing, truncated, or not safetensors at all."""
+        try:
+            return self.enter_context(safe_open(path, framework="pt"))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"init.from_hf={str(self.hf_dir)!r}: {path.name} is not a readable safetensors file "
+                              f"({first_line(e)}; truncated or damaged? re-save or re-download it)") from None
 
 
 def _copy(p: torch.Tensor, t: torch.Tensor, key: str, name: str) -> None:
@@ -231,6 +255,8 @@ def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
     if not cfg.data.tokenizer:  # no tokenizer to size: the data keys only have to fit the model
         cfg.data.vocab_size = min(cfg.data.vocab_size, cfg.model.vocab_size)
     validate(cfg)
+    if why := does_not_fit(cfg, training=False):  # before the model is built: one line with the GiB it would take
+        raise ConfigError(why)
     model = Transformer(cfg.model, seed=cfg.train.seed)
     load_into_shard(model, hf_dir)
     return cfg, model.eval()
@@ -338,6 +364,8 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
     # is, and init.from_hf's directory need not exist any more.
     cfg = load_config(path / "config.toml")
     hf_config(cfg.model)  # an unexportable option fails before the weights are read
+    if why := does_not_fit(cfg, training=False, whole=True):  # the whole model, in one process: the checkpoint's
+        raise CheckpointError(f"{path / 'config.toml'}: {why}")  # config says so, and nothing can fit it here
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
     tok = _run_tokenizer(cfg)

@@ -195,6 +195,45 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> str:
             return f"{kind} {name} fails its checksum (xxh3_64; damaged)"
         if code == 4:
             return f"{kind} {name} cannot be read"
+    return comm.agree(extra_shard(path, files) if rank == 0 else "", f"verifying {path}")
+
+
+def extra_shard(path: Path, files: dict) -> str:
+    """'' or the line naming a shard in `path` that its manifest does not list (another save's, or planted). Only a
+    non-empty one: a rank whose keys were all deduped may leave an empty file that no metadata points at."""
+    try:
+        extra = sorted(f.name for f in path.iterdir() if _SHARD.match(f.name) and f.name not in files
+                       and f.stat().st_size > 0)
+    except OSError as e:
+        return f"{path} cannot be listed ({os_reason(e)})"
+    return f"shard {extra[0]} is not in {MANIFEST} (from another save, or planted: remove it)" if extra else ""
+
+
+def unit_mismatch(d: Path) -> str:
+    """'' when a snapshot unit dir `d` (elastic/snapshot.py) matches its manifest, else one line naming the file:
+    the manifest is a table of plain file names to sizes and xxh3-64s, every file in `d` but the manifest is in it
+    and has that size and checksum. The manifest's other files (the other nodes' shards) are not here: not checked."""
+    try:
+        files = json.loads((d / MANIFEST).read_bytes())["files"]
+        assert isinstance(files, dict) and all(isinstance(v, dict) and isinstance(v["bytes"], int)
+                                               and isinstance(v["xxh3_64"], str) for v in files.values())
+    except OSError as e:
+        return f"{MANIFEST} cannot be read ({os_reason(e)})"
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is garbled (not a table of file names to bytes and xxh3_64)"
+    plain = next((n for n in files if not isinstance(n, str) or Path(n).name != n or n in (".", "..")), None)
+    if plain is not None:
+        return f"{MANIFEST} names {plain!r}, which is not a file of this unit"
+    for f in sorted(d.iterdir()):
+        if f.name == MANIFEST or f.name == COMPLETE:
+            continue
+        if f.name not in files:
+            return f"{f.name} is not in {MANIFEST}"
+        size, digest = _hash_file(f)
+        if size != files[f.name]["bytes"]:
+            return f"{f.name} is {size} bytes, {MANIFEST} says {files[f.name]['bytes']}"
+        if digest != files[f.name]["xxh3_64"]:
+            return f"{f.name} fails its checksum (xxh3_64)"
     return ""
 
 

@@ -1,0 +1,127 @@
+"""Whether a job's model can fit at all, from the config alone: checked before anything is allocated, so an absurd
+size (`--data.vocab_size 1000000000000`, `--model.d_model 1000000000`) ends in one line naming the field, the GiB a
+rank would need and the GiB this machine has, instead of an allocator error or a machine swapping to death.
+
+The estimate is a floor, cheap and deliberately generous: one rank's share of the parameters (its layers under PP,
+its experts under EP, the embeddings it holds) x bytes per parameter (fp32 weights, gradients and AdamW's two
+moments, each divided over the data ranks at the ZeRO level that shards it), plus the RoPE tables. Activations are
+left out: a job it lets through may still not fit (the planner's figure, `nanotitan plan`, is the close one), but one
+it refuses cannot. It is compared with this host's whole memory, the most one rank could ever get.
+
+Pure arithmetic on the config (no torch, no loop over layers: n_layers may be 10**9 here).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from .hardware import GiB, host_memory_bytes
+
+FP32 = 4
+MAX_VOCAB = 2**32 - 1  # token ids are stored as at most uint32 (data/prepare.py)
+# The fields whose size the estimate grows with, named by the refusal: the one whose shrinking shrinks it the most.
+SIZE_FIELDS = ("data.vocab_size", "model.vocab_size", "model.d_model", "model.n_layers", "model.ffn_dim",
+               "model.num_experts", "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.max_seq_len",
+               "model.dense_ffn_dim", "model.shared_experts", "model.shared_ffn_dim")
+
+
+def _moe_layers(m) -> int:
+    """Layers with an MoE FFN (transformer.is_moe_layer), counted without visiting each layer."""
+    k, L = max(m.moe_every, 1), max(m.n_layers, 0)
+    first = -(-max(m.first_k_dense, 0) // k) * k  # the first multiple of moe_every at or past first_k_dense
+    every = max(0, -(-(L - first) // k)) if first < L else 0
+    listed = {i for i in m.dense_layers if first <= i < L and i % k == 0}
+    return max(0, every - len(listed))
+
+
+def rank_params(cfg, whole: bool = False) -> tuple[float, float]:
+    """(parameters the busiest rank holds, float32 buffer elements it holds: the RoPE tables), from the config's
+    layout: layers split over pp (the first stage's share, rounded up), experts over ep, embeddings whole.
+    `whole`: the full model in one process (export, generate), whatever layout trained it."""
+    m, p = cfg.model, cfg.parallel
+    ep, stages = (1, 1) if whole else (max(p.ep, 1), max(p.pp, 1))
+    D, L = max(m.d_model, 0), max(m.n_layers, 0)
+    V = max(m.vocab_size or cfg.data.vocab_size, 0)
+    H = max(m.n_heads, 1)
+    Dh = m.head_dim or max(D // H, 1)
+    Hkv = m.n_kv_heads or H
+    attn = D * Dh * (2 * H + 2 * Hkv) + 2 * D
+    experts = 3 * D * max(m.ffn_dim, 0) * max(m.num_experts, 0) / ep
+    shared = 3 * D * max(m.shared_experts, 0) * (m.shared_ffn_dim or m.ffn_dim)
+    moe = experts + shared + D * max(m.num_experts, 0)
+    dense = 3 * D * (m.dense_ffn_dim or m.ffn_dim)
+    n_moe = _moe_layers(m)
+    per_layer = (n_moe * moe + (L - n_moe) * dense) / max(L, 1) + attn
+    layers = -(-L // stages) * per_layer
+    tables = V * D * (2 if stages == 1 else 1) + (m.max_seq_len * D if m.pos_emb == "learned" else 0)
+    rope = 2 * max(m.max_seq_len, 1) * Dh if m.pos_emb == "rope" else 0
+    return layers + tables, rope
+
+
+def rank_bytes(cfg, training: bool = True, whole: bool = False) -> float:
+    """Bytes the busiest rank needs at least: its parameters x (weights, gradients, AdamW's two moments), each
+    sharded over the data ranks from the ZeRO level that shards it (1: optimizer state, 2: + gradients, 3: +
+    weights), plus the RoPE tables. `training=False`: the weights only (a model loaded to sample or export)."""
+    params, buffers = rank_params(cfg, whole)
+    if not training:
+        return (params + buffers) * FP32
+    n, zero = max(cfg.parallel.dp * cfg.parallel.ep, 1), cfg.parallel.zero
+    per_param = FP32 * ((1 / n if zero >= 3 else 1) + (1 / n if zero >= 2 else 1) + 2 * (1 / n if zero >= 1 else 1))
+    return params * per_param + buffers * FP32
+
+
+def _culprit(cfg, **how) -> str:
+    """The size field that, brought down to 1, shrinks the estimate the most: the one the refusal names. The
+    vocabulary is one trial (model.vocab_size is data.vocab_size's unless set apart, or init.from_hf's)."""
+    m, d = cfg.model, cfg.data
+    own_vocab = bool(cfg.init.from_hf) or (m.vocab_size not in (0, d.vocab_size))
+    best = ("", rank_bytes(cfg, **how))
+    for name in SIZE_FIELDS:
+        if name == ("data.vocab_size" if own_vocab else "model.vocab_size"):
+            continue
+        trial = copy.copy(cfg)
+        trial.model, trial.data = copy.copy(m), copy.copy(d)
+        section, key = name.split(".")
+        setattr(getattr(trial, section), key, 1)
+        if key == "vocab_size":
+            trial.model.vocab_size = trial.data.vocab_size = 1
+        if (need := rank_bytes(trial, **how)) < best[1]:
+            best = (name, need)
+    return best[0]
+
+
+def vocab_too_large(cfg) -> str:
+    """validate(): '' or the line refusing a data.vocab_size past what uint32 token ids hold, with the GiB it
+    would take (the token files store ids as uint32 at most: no machine makes such a vocabulary work)."""
+    v = cfg.data.vocab_size
+    if v <= MAX_VOCAB:
+        return ""
+    floor = copy.copy(cfg)
+    floor.model = copy.copy(cfg.model)
+    floor.model.vocab_size = v
+    return (f"data.vocab_size={v} is more than token ids hold ({MAX_VOCAB}), and the model "
+            f"would need {rank_bytes(floor) / GiB:,.1f} GiB per rank, this machine has "
+            f"{host_memory_bytes() / GiB:,.1f} GiB (--data.vocab_size)")
+
+
+def does_not_fit(cfg, mem_bytes: float | None = None, training: bool = True, whole: bool = False) -> str:
+    """'' when the busiest rank's floor (rank_bytes) fits in this host's memory (`mem_bytes`), else one line naming
+    the field, e.g. "model.d_model=1000000000 needs 238,418,825,507.2 GiB per rank before any activation (...), and
+    this machine has 23.5 GiB (--model.d_model, ...)". Under parallel.auto the layout is not chosen yet: checked
+    once the planner has.
+    `training`, `whole`: as rank_bytes and rank_params take them."""
+    if cfg.parallel.auto and not whole:
+        return ""
+    need = rank_bytes(cfg, training, whole)
+    have = host_memory_bytes() if mem_bytes is None else mem_bytes
+    if need <= have:
+        return ""
+    name = _culprit(cfg, training=training, whole=whole) or "model.d_model"
+    section, key = name.split(".")
+    p = cfg.parallel
+    source = f"init.from_hf={cfg.init.from_hf!r} gives " if cfg.init.from_hf and section == "model" else ""
+    what = (f"fp32 weights, gradients and AdamW state at dp={p.dp} pp={p.pp} ep={p.ep} zero={p.zero}" if training
+            else "its fp32 weights, in one process" if whole else "its fp32 weights")
+    fix = f"--{name}, or more ranks: --parallel.pp/--parallel.ep" if training and not whole else name
+    return (f"{source}{name}={getattr(getattr(cfg, section), key)} needs {need / GiB:,.1f} GiB per rank before any "
+            f"activation ({what}), and this machine has {have / GiB:,.1f} GiB ({fix})")
