@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..config.config import Config
-from ..parallel import fsdp, pp as pp_schedules, zero as zero_sharding
-from ..parallel.dp import bucket_bytes
+from ..parallel import dp as dp_reducer, fsdp, pp as pp_schedules, zero as zero_sharding
 from .context import Context
 from .shape import Layout, ModelShape, StageSummary
 
@@ -157,12 +156,12 @@ def _zero3_always(c: Context, st: StageSummary, root: float) -> tuple[float, flo
     non-expert group the root's backward would prefetch (`ag_head`)."""
     if not (c.zero == 3 and c.z_reshard):
         return 0.0, 0.0, 0.0, (0.0, 0.0), 0.0
-    prec, dp, ep = c.prec, c.layout.dp, c.layout.ep
+    prec, lay = c.prec, c.layout
     V, D = c.shape.vocab, c.shape.d_model
     ne_block = (st.n_ne - root) / max(st.n_layers, 1)
-    ex_block = st.n_ex / max(st.n_layers, 1) if fsdp.shards_experts(dp) else 0.0  # dp == 1: experts not FSDP's
+    ex_block = st.n_ex / max(st.n_layers, 1) if fsdp.shards_experts(lay.dp) else 0.0  # dp == 1: experts not FSDP's
     gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
-    if fsdp.experts_in_block_unit(dp, ep):  # the experts in their block's FSDP unit: a whole block per all-gather
+    if fsdp.experts_in_block_unit(lay.dp, lay.ep):  # the experts in their block's FSDP unit: a whole block per all-gather
         ag = ag_last = (ne_block + ex_block) * prec.param
     in_block = (ag + (ne_block + ex_block) * prec.param, (V * D + D) * prec.grad if st.last else 0.0)
     kept = c.kept_blocks(st) * (ne_block + ex_block) * prec.param
@@ -180,7 +179,7 @@ def _zero2_shard(c: Context, st: StageSummary, n_local: float, root: float) -> t
     if not (c.zero == 2 and c.z_shard):
         return 0.0, []
     prec, T, M, n = c.prec, c.T, c.layout.microbatches, zero_sharding.IN_FLIGHT_BUCKETS
-    bucket_elems = bucket_bytes(c.cfg.parallel.bucket_mb) / prec.grad
+    bucket_elems = dp_reducer.bucket_bytes(c.cfg.parallel.bucket_mb) / prec.grad
     scratch = (c.ne_group - 1) / c.ne_group if c.hw.cores_per_node else 0.0
     carry = min(n_local, n * bucket_elems) * (1 + scratch) * prec.grad if M > 1 else 0.0
     head = c.shape.vocab * c.shape.d_model + c.shape.d_model if st.last else 0.0  # a last stage's first gradients
