@@ -19,16 +19,18 @@ def free_port() -> int:
 def train_once(args: list[str]) -> dict:
     """Train with `nanotitan train`'s Trainer on CLI-style args. Returns "records" (the logged step records:
     rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert
-    index for an expert shard, else None)} at any zero level (gathered from FSDP's shards at zero 3), its MoE
-    layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep) "coords"."""
+    index for an expert shard, else None)} at any zero level (put together from every rank's checkpoint pieces,
+    tests/whole_state.py), its MoE layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep)
+    "coords"."""
     from nanotitan.config.config import load_config
     from nanotitan.model.transformer import is_expert_param
     from nanotitan.train import Trainer
+    from tests.whole_state import whole_state
 
     trainer = Trainer(load_config(None, args))
     try:
         records = trainer.train()["history"]
-        full, _ = trainer.shard.sync.full_state(None)  # collective at zero >= 1: every rank calls it
+        full, _ = whole_state(trainer.shard.sync)  # collective: every rank calls it
         start = trainer.shard.spec.expert_start
         params = {n: (t.detach().clone(), start if is_expert_param(n) else None) for n, t in full.items()}
         biases = {k: b.moe.router_bias.clone() for k, b in trainer.model.layers.items()

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.mp import run_ranks
 from tests.test_equivalence import STEPS, base_args, layout_args
 from tests.test_resume import CKPT, _args, _close, _run_jobs, _train
+from tests.whole_state import whole_state
 
 
 def _zero(level: int, *extra: str) -> tuple:
@@ -86,7 +87,8 @@ CHAIN_MODEL = ["--model.d_model", "128", "--model.ffn_dim", "256"]
 
 def _chain_job(corpus_dir, run_dir, layout, zero, steps, resume="", meter=False) -> dict:
     """Train `layout` at `zero` to `steps` (none when resuming at that step) and save there; return this rank's
-    whole tensors (params and AdamW state, gathered by `full_state` for the comparison only) and, with `meter`,
+    whole tensors (params and AdamW state, put together from every rank's pieces for the comparison only:
+    tests/whole_state.py) and, with `meter`,
     the high-water mark of live tensor bytes while saving and while loading that checkpoint back, over this
     rank's steady state (params + grads + optimizer state)."""
     from nanotitan.state import checkpoint as ckpt
@@ -116,7 +118,7 @@ def _chain_job(corpus_dir, run_dir, layout, zero, steps, resume="", meter=False)
             out["ckpt_peak"] = steady + max(save.peak - save.start, load.peak - load.start)
         else:
             trainer.save(steps)
-        model, optim = trainer.shard.sync.full_state(trainer.optimizer)
+        model, optim = whole_state(trainer.shard.sync, trainer.optimizer)
         out["model"] = {n: t.detach().clone() for n, t in model.items()}
         out["optim"] = {n: {k: v.detach().clone() for k, v in st.items()} for n, st in optim.items()}
         return out

@@ -9,8 +9,9 @@ during every backward, never more than three full buffers alive at once, none af
 params after the all-gather (bitwise equal to the Reducer's at 2 ranks without clipping, on the transformer
 whose tensors are whole SIMD vectors: sums of two are exact and nothing else differs; zero 2 "shard" with M > 1
 sums in another order, so to rounding); replicas bitwise identical; optimizer/gradient bytes per rank 1/N of replicated; the
-per-parameter optimizer state of `sharded_optim_state_to_full` equal to the replicated optimizer's, and
-back. A second part checks the norm of sharded grads (ZeRO shards, EP and PP) against torch on the
+per-parameter optimizer state (each bucket's slices all-gathered and cut per param) equal to the replicated
+optimizer's, the checkpoint form's boxes (`sharded_state`) the matching regions of it, and that state written back
+through those boxes (as a checkpoint load does) the state the optimizer had. A second part checks the norm of sharded grads (ZeRO shards, EP and PP) against torch on the
 whole model in one process.
 """
 
@@ -25,16 +26,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from nanotitan.parallel import comm
 from nanotitan.parallel.clip import clip_grad_norm_
 from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp import Reducer
-from nanotitan.parallel.sync import ReplicatedSync, flat_range_boxes
-from nanotitan.parallel.zero import (ShardedReducer, ZeroSync, full_optim_state_to_sharded,
-                                    sharded_optim_state_to_full)
+from nanotitan.parallel.sync import ReplicatedSync, adam_state, flat_range_boxes
+from nanotitan.parallel.zero import ShardedReducer, ZeroSync
 from tests.mp import run_ranks
 from tests.parallel.test_dp_reducer import _build, _loss
+from tests.whole_state import whole_state
 
 LR, WD, STEPS = 1e-2, 0.1, 3
 
@@ -53,6 +55,36 @@ def _close(a, b, msg):
     # AdamW normalises each coordinate's update, so float reassociation in a ~0 gradient can move a
     # coordinate by up to ~lr: atol is 1e-3 of the largest possible movement (as tests/test_equivalence.py).
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * LR * STEPS, msg=msg)
+
+
+@torch.no_grad()
+def _gathered_state(rb: ShardedReducer, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """{param name: {state key: tensor}} as a replicated optimizer holds it: each bucket's state slices all-gathered
+    over its group and cut per param (a scalar such as AdamW's `step` is shared by every param of the bucket).
+    Collective; independent of `sharded_state`, whose boxes are checked against it."""
+    out: dict[str, dict] = {}
+    for b in rb.buckets:
+        state = adam_state(optimizer, b.shard)
+        for key in sorted(state):  # same collective order on every rank
+            v = state[key]
+            if v.dim() == 0:
+                for name in b.names:
+                    out.setdefault(name, {})[key] = v.detach().clone()
+                continue
+            full = v.new_empty(b.padded)
+            if rb.group is not None:
+                comm.all_gather(full, v, rb.group).wait()
+            else:
+                full.copy_(v)
+            for name, p, o in zip(b.names, b.params, b.offsets):
+                out.setdefault(name, {})[key] = full[o:o + p.numel()].view_as(p)
+    return out
+
+
+def _gather(rb: ShardedReducer) -> None:
+    """After the optimizer step: the full updated params again on every rank."""
+    rb.start_gather()
+    rb.wait_gather()
 
 
 def _full_buffers(rb: ShardedReducer) -> int:
@@ -91,7 +123,7 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
         ra.finish()
         rb.finish()
         if every and kind == "transformer":
-            # never a full gradient: at most _IN_FLIGHT buckets on the wire plus the ones backward is filling
+            # never a full gradient: at most IN_FLIGHT_BUCKETS buckets on the wire plus the ones backward is filling
             # (the tinynet's never-used param holds every launch back to the next prepare(), by design)
             assert max(most_buffers) <= 3 and len(rb.buckets) > 6, (name, max(most_buffers), len(rb.buckets))
         if every:
@@ -120,7 +152,7 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
         oa.step()
         ob.step()
         oc.step()
-        rb.gather_params()
+        _gather(rb)
         for (pname, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
             if world == 2 and max_norm == 0 and kind == "transformer" and (M == 1 or not every):
                 # x + y is exact in any order and AdamW is elementwise. (Only where every tensor is a whole
@@ -137,7 +169,7 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
     # optimizer state: 1/N per rank; in per-parameter form it is the replicated optimizer's state
     sa, sb = live_tensor_bytes(a, oa), live_tensor_bytes(b, ob)
     assert sb["optim_bytes"] <= sa["optim_bytes"] / world + (2 * 64 + 4) * len(rb.buckets), (name, sa, sb)
-    full = sharded_optim_state_to_full([rb], ob)
+    full = _gathered_state(rb, ob)
     for pname, pa in a.named_parameters():
         st = oa.state[pa]
         assert set(full[pname]) == set(st), name
@@ -152,12 +184,17 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
             for off, t in pieces.boxes:
                 region = full[pname][k][tuple(slice(o, o + z) for o, z in zip(off, t.shape))]
                 assert torch.equal(t, region), f"{name}: box {off} of {pname}.{k}"
-    before = {k: v.clone() for bkt in rb.buckets for k, v in ob.state[bkt.shard].items() if v.dim()}
+    # ... and back: the whole state written into those boxes (what a checkpoint load does) is the state it was
+    before = {(i, k): v.clone() for i, bkt in enumerate(rb.buckets) for k, v in ob.state[bkt.shard].items() if v.dim()}
     for bkt in rb.buckets:
         for v in ob.state[bkt.shard].values():
             v.zero_()
-    full_optim_state_to_sharded([rb], ob, full)
-    after = {k: v for bkt in rb.buckets for k, v in ob.state[bkt.shard].items() if v.dim()}
+    _, boxes = ZeroSync.sharded_state(SimpleNamespace(reducers=[rb], model=b), ob)
+    for pname, st in boxes.items():
+        for k, pieces in st.items():
+            for off, t in pieces.boxes:
+                t.copy_(full[pname][k][tuple(slice(o, o + z) for o, z in zip(off, t.shape))])
+    after = {(i, k): v for i, bkt in enumerate(rb.buckets) for k, v in ob.state[bkt.shard].items() if v.dim()}
     assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: state round trip"
     assert all(float(ob.state[bkt.shard]["step"]) == STEPS for bkt in rb.buckets), name
     return torch.cat([p.detach().reshape(-1) for p in b.parameters()]).numpy()
@@ -256,7 +293,7 @@ def test_single_rank_shard_is_whole_bucket(zero, accumulate):
             r.finish()
         oa.step()
         ob.step()
-        rb.gather_params()
+        _gather(rb)
         ra.zero_grad()
         rb.zero_grad()
         for pa, pb in zip(a.parameters(), b.parameters()):
@@ -294,7 +331,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     from nanotitan.model.spec import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
-    from nanotitan.parallel.fsdp import FSDPSync, full_state, load_full_state
+    from nanotitan.parallel.fsdp import FSDPSync
 
     cfg = Config()
     cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads = 64, 16, 2, 2
@@ -341,7 +378,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
             sa, sb = live_tensor_bytes(a, oa), live_tensor_bytes(b, ob)
         for sync in (sync_a, sync_b):
             sync.zero_grad()
-        full_b, optim_b = full_state(b, ob)
+        full_b, optim_b = whole_state(sync_b, ob)
         for pname, pa in a.named_parameters():
             # sums of two, exact power-of-two scales, elementwise AdamW; "shard" adds the ranks' sums of each
             # microbatch instead (the same terms in another order: equal up to rounding)
@@ -357,13 +394,18 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
         b(tok[:, :-1], tok[:, 1:])
     model_state, optim_state = sync_b.sharded_state(ob)
     assert all(optim_state[n] for n in model_state), f"{name}: AdamW state after an eval forward"
-    # loading full per-parameter state gives every rank its shards of exactly that state
+    # loading whole per-parameter state as a checkpoint load does (each rank copies the regions of its boxes into
+    # them) gives every rank its shards of exactly that state
     model_a = dict(a.named_parameters())
-    load_full_state(b, ob, {n: p.detach() for n, p in model_a.items()},
-                    {n: oa.state[p] for n, p in model_a.items()})
-    full_b, optim_b = full_state(b, ob)
+    whole_a = {n: (p.detach(), {k: oa.state[p][k] for k in optim_state[n]}) for n, p in model_a.items()}
+    with torch.no_grad():
+        for n, (p, st) in whole_a.items():
+            for pieces, src in [(model_state[n], p)] + [(optim_state[n][k], v) for k, v in st.items()]:
+                for off, t in pieces.boxes:
+                    t.copy_(src[tuple(slice(o, o + z) for o, z in zip(off, t.shape))])
+    full_b, optim_b = whole_state(sync_b, ob)
     for pname, pa in model_a.items():
-        assert torch.equal(full_b[pname], pa), f"{name}: {pname} after load_full_state"
+        assert torch.equal(full_b[pname], pa), f"{name}: {pname} after loading into its pieces"
         assert all(torch.equal(optim_b[pname][k], v) for k, v in oa.state[pa].items()), f"{name}: {pname} state"
     full_bytes = sum(4 * p.numel() for p in a.parameters())
     last_bytes = sum(4 * p.numel() for p in list(a.layers.values())[-1].parameters())
@@ -429,7 +471,7 @@ def _gather_overlap_ranks(rank, world):
         sync.zero_grad()
     with torch.no_grad():
         model(x)
-    full, _ = sync.full_state(None)
+    full, _ = whole_state(sync)
     sync.close()
     return {"pending": pending_after_step, "seen": seen, "n_buckets": len(buckets),
             "params": {n: t.clone() for n, t in full.items()}}

@@ -33,7 +33,9 @@ from . import comm
 
 
 @dataclass
-class _Bucket:
+class Bucket:
+    """One flat gradient buffer and the params whose .grad are views into it (ZeRO-1/2 extend it: zero.py)."""
+
     flat: torch.Tensor  # the one buffer the grads of `params` are views into
     params: list[nn.Parameter]
     views: list[torch.Tensor]  # views[i] is params[i].grad
@@ -41,6 +43,14 @@ class _Bucket:
     work: comm.TimedWork | None = None
     launched: bool = False
     names: list[str] = field(default_factory=list)
+
+
+def bucket_bytes(bucket_mb: float) -> float:
+    """The most gradient bytes one bucket holds (parallel.bucket_mb MiB): the one sizing rule of the Reducer's and
+    ZeRO-1/2's buckets (their params are packed up to it), which the planner's memory model reads too."""
+    if bucket_mb <= 0:
+        raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0 (--parallel.bucket_mb)")
+    return bucket_mb * 2**20
 
 
 def _plan_buckets(named_params, cap_bytes: float, kind) -> list[list[tuple[str, nn.Parameter]]]:
@@ -78,14 +88,13 @@ class Reducer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, bucket_mb: float, scale: float,
                  reduce_dtype: torch.dtype | None = None):
-        if bucket_mb <= 0:
-            raise ValueError(f"parallel.bucket_mb={bucket_mb} must be > 0 (--parallel.bucket_mb)")
+        cap = bucket_bytes(bucket_mb)
         self.group, self.scale = group, float(scale)
         self.reduce_dtype = reduce_dtype  # None: reduce in the gradients' own dtype (fp32)
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         self._sync = False
         self._next_launch = 0  # index of the first bucket whose all-reduce has not started
-        for entries in _plan_buckets(named_params, bucket_mb * 2**20, self._bucket_kind):
+        for entries in _plan_buckets(named_params, cap, self._bucket_kind):
             self.buckets.append(self._make_bucket(entries))
         for bi, b in enumerate(self.buckets):
             for pi, p in enumerate(b.params):
@@ -98,10 +107,10 @@ class Reducer:
         """Params of one bucket share this (one flat buffer has one dtype and device)."""
         return p.dtype, p.device
 
-    def _make_bucket(self, entries: list[tuple[str, nn.Parameter]]) -> _Bucket:
+    def _make_bucket(self, entries: list[tuple[str, nn.Parameter]]) -> Bucket:
         p0 = entries[0][1]
         flat = torch.zeros(sum(p.numel() for _, p in entries), dtype=p0.dtype, device=p0.device)
-        b = _Bucket(flat=flat, params=[p for _, p in entries], views=[], names=[n for n, _ in entries])
+        b = Bucket(flat=flat, params=[p for _, p in entries], views=[], names=[n for n, _ in entries])
         offset = 0
         for _, p in entries:
             view = flat[offset:offset + p.numel()].view_as(p)
@@ -129,7 +138,7 @@ class Reducer:
 
         return hook
 
-    def _make_sink(self, b: _Bucket, hook):
+    def _make_sink(self, b: Bucket, hook):
         """A gradient term computed outside autograd (zb1's deferred weight GEMMs, model/wgrad.py): accumulate it
         as AccumulateGrad would, then count the param ready as the post-accumulate hook would."""
 
@@ -140,7 +149,7 @@ class Reducer:
 
         return sink
 
-    def _before_accumulate(self, b: _Bucket) -> None:
+    def _before_accumulate(self, b: Bucket) -> None:
         pass  # the bucket's views are bound since prepare()
 
     # --- per step ------------------------------------------------------------------------------
@@ -160,12 +169,12 @@ class Reducer:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         if self.scale != 1.0:
             b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
         if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
             low = b.flat.to(self.reduce_dtype)
-            b.work = _CopyBack(comm.all_reduce(low, group=self.group, axis="dp", async_op=True), low, b.flat)
+            b.work = CopyBack(comm.all_reduce(low, group=self.group, axis="dp", async_op=True), low, b.flat)
         elif self.group is not None:
             b.work = comm.all_reduce(b.flat, group=self.group, axis="dp", async_op=True)
         b.launched = True
@@ -206,7 +215,7 @@ class Reducer:
                     p.grad = view
 
 
-class _CopyBack:
+class CopyBack:
     """An async collective on a narrowed copy (parallel.reduce_dtype): wait() widens the result into `dst`."""
 
     def __init__(self, work: comm.TimedWork, low: torch.Tensor, dst: torch.Tensor):

@@ -7,16 +7,17 @@ of a ParallelDims group, so FSDP reduces each gradient over exactly the ranks ou
 - the expert-DP group (dp ranks) for each MoE layer's `experts` (disjoint over EP, replicated over DP).
   Their grads are summed over it and divided by dp*ep, not by its size dp (the seed's division by EP):
   `set_gradient_divide_factor(dp*ep)`. With ep == 1 that group is the block's and dp*ep its size: the experts
-  are then in their block's unit (one all-gather and one reduce-scatter per block). With dp == 1 there is
-  nothing to shard them over: FSDP ignores them and `FSDPSync` syncs them with a Reducer (group None,
-  scale 1/(dp*ep)), as at zero 0.
+  are then in their block's unit (one all-gather and one reduce-scatter per block; `experts_in_block_unit`).
+  With dp == 1 there is nothing to shard them over (`shards_experts`): FSDP ignores them and `FSDPSync` syncs
+  them with a Reducer (group None, scale 1/(dp*ep)), as at zero 0.
 
 What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs/dp.md "Peak memory"):
 - parallel.zero3_reshard: "always" frees a module's gathered params after its forward and after its backward
   (FSDP2's `reshard_after_forward=True`): full params exist only around one module's forward or backward, for
   2M all-gathers per module per step. Without PP the last block (and its experts) is the exception, as in
   torchtitan's default policy: its backward starts right after the head's, so it stays gathered from its
-  forward to its backward (M all-gathers, not 2M). The root FSDP2 never reshards after its forward.
+  forward to its backward (M all-gathers, not 2M; `kept_gathered`). The root FSDP2 never reshards after its
+  forward.
   "never" keeps them from the step's first forward to the end of its final backward: one all-gather per
   module per step.
 - parallel.zero_accumulate: "shard" reduce-scatters every microbatch's gradients into the sharded grads (FSDP2
@@ -24,6 +25,9 @@ What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs
   "full" accumulates unsharded gradients over the step and reduce-scatters once, in the final backward.
 `FSDPSync.prepare(sync)` (the Reducer's protocol, called before each microbatch's backward) sets FSDP's flags
 accordingly. Between steps a rank holds 1/N of params, grads and state either way.
+
+`shards_experts`, `experts_in_block_unit` and `kept_gathered` are the rules `apply_fsdp` follows; the planner's
+memory and time models (plan/memory.py, plan/steptime.py) call the same functions.
 """
 
 from __future__ import annotations
@@ -48,10 +52,30 @@ from .dp import Reducer
 from .sync import GradSync, Pieces, adam_state
 
 
+def shards_experts(dp: int) -> bool:
+    """FSDP shards the experts over the expert-DP group (dp ranks); with dp == 1 there is nothing to shard them
+    over, and `FSDPSync` leaves them to a Reducer."""
+    return dp > 1
+
+
+def experts_in_block_unit(dp: int, ep: int) -> bool:
+    """With ep == 1 the experts' group is their block's (the same dp ranks, and the mean over them the default):
+    they join the block's FSDP unit, one all-gather and one reduce-scatter per block instead of two (on gloo each
+    exchange costs both ranks a rendezvous and the caller its send)."""
+    return shards_experts(dp) and ep == 1
+
+
+def kept_gathered(n_blocks: int, pp: int) -> list[int]:
+    """The blocks (indices into a stage's `n_blocks`) that zero3_reshard "always" does not reshard after their
+    forward: without PP the last block, whose backward starts right after the head's, so resharding it would only
+    gather it again at once (torchtitan's default policy; the root FSDP2 keeps itself)."""
+    return [n_blocks - 1] if pp == 1 and n_blocks > 0 else []
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
     """Shard this stage's Transformer in place (experts, then blocks, then the root); `reshard_after_forward`
-    frees each module's gathered params after its forward (parallel.zero3_reshard=always), but without PP not
-    the last block's (module docstring).
+    frees each module's gathered params after its forward (parallel.zero3_reshard=always), except the blocks
+    `kept_gathered` names (module docstring).
 
     Returns the params FSDP leaves alone (the experts when dp == 1), for a Reducer to sync."""
     group = dims.group("non_expert_dp")
@@ -59,18 +83,13 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
         raise ValueError("parallel.zero=3 shards over dp*ep ranks, here 1 (--parallel.zero 0, or dp/ep > 1)")
     device_type = next(model.parameters()).device.type
     mesh = DeviceMesh.from_group(group, device_type)
-    expert_group = dims.group("expert_dp")
-    expert_mesh = DeviceMesh.from_group(expert_group, device_type) if expert_group is not None else None
+    expert_mesh = DeviceMesh.from_group(dims.group("expert_dp"), device_type) if shards_experts(dims.dp) else None
     unsharded: list[nn.Parameter] = []
-    # With ep == 1 the experts' group is their block's (the same dp ranks, and the mean over them the default):
-    # they join the block's FSDP unit, one all-gather and one reduce-scatter per block instead of two (on gloo
-    # each exchange costs both ranks a rendezvous and the caller its send).
-    merge = expert_mesh is not None and dims.ep == 1
+    merge = experts_in_block_unit(dims.dp, dims.ep)
     blocks = list(model.layers.values())
+    kept = kept_gathered(len(blocks), dims.pp)
     for i, block in enumerate(blocks):
-        # Without PP the last block's backward starts right after the head's: resharding it after its forward
-        # would only gather it again at once (torchtitan's default policy; the root FSDP2 keeps itself).
-        reshard = reshard_after_forward and not (dims.pp == 1 and i == len(blocks) - 1)
+        reshard = reshard_after_forward and i not in kept
         placement = None
         if block.is_moe and expert_mesh is not None:
             experts = block.moe.experts
@@ -229,12 +248,6 @@ class FSDPSync(GradSync):
                 optim_state[n] = {k: _local_pieces(v) for k, v in state.items() if torch.is_tensor(v)}
         return model_state, optim_state
 
-    def full_state(self, optimizer):
-        return full_state(self.resharded(), optimizer)
-
-    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
-        load_full_state(self.resharded(), optimizer, model_state, optim_state if optimizer is not None else None)
-
 
 def _local_pieces(t: torch.Tensor) -> Pieces:
     """A DTensor as this rank's one box (none when its shard is empty: FSDP's uneven last ranks); a plain
@@ -246,26 +259,3 @@ def _local_pieces(t: torch.Tensor) -> Pieces:
     assert tuple(local.shape) == tuple(sizes), (local.shape, sizes)
     return Pieces(t.shape, [(tuple(offsets), local)] if local.numel() else [])
 
-
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """({param name: full tensor}, {param name: {state key: full tensor}}) of an FSDP2 model and its
-    optimizer, as a replicated one would hold them (collective: all-gathers over each mesh)."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    opts = StateDictOptions(full_state_dict=True)
-    model_state = get_model_state_dict(model, options=opts)
-    if optimizer is None:
-        return model_state, {}
-    return model_state, get_optimizer_state_dict(model, optimizer, options=opts)["state"]
-
-
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optim_state: dict | None) -> None:
-    """Inverse of `full_state`: every rank passes the full tensors and keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=opts)
-    if optim_state is not None:
-        groups = get_optimizer_state_dict(model, optimizer, options=opts)["param_groups"]
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups}, options=opts)

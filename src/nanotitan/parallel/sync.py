@@ -9,9 +9,8 @@ A rank's `GradSync` owns, for its flavour of DP:
     after_step()             after the optimizer step: the full params again on every rank (ZeRO-1/2)
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
     sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
-                             each whole tensor, views of the live state (save writes them, load reads into them)
-    full_state(opt)          the same whole: ({name: tensor}, {name: {state key: tensor}}), replicated (collective)
-    load_full_state(opt, m, o)  its inverse: each rank keeps its part of tensors read in that form
+                             each whole tensor, views of the live state (save writes them, load reads into them);
+                             nothing is ever gathered whole
     close()                  before the process groups go
 
 Flavours (`parallel/parallelize.py` is the one place that picks one):
@@ -68,21 +67,6 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
             adam_state(optimizer, q, g)
 
 
-def replicated_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-    """The checkpoint form of a model whose params are whole on this rank: the live tensors themselves
-    (loading copies into them, so there is nothing to scatter afterwards)."""
-    model_state = dict(model.named_parameters())
-    if optimizer is None:
-        return model_state, {}
-    name_of = {id(q): n for n, q in model_state.items()}
-    optim_state = {}
-    for g in optimizer.param_groups:
-        for q in g["params"]:
-            assert id(q) in name_of, "optimizer holds a tensor that is not a parameter of the model"
-            optim_state[name_of[id(q)]] = adam_state(optimizer, q, g)
-    return model_state, optim_state
-
-
 @dataclass
 class Pieces:
     """This rank's part of one whole tensor of `size` (a parameter as one replicated run holds it, or its
@@ -122,10 +106,20 @@ def flat_range_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple
 
 def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
     """`GradSync.sharded_state` of params that are whole on this rank: each tensor one piece, the live tensor
-    itself (replicas of it are written once: the checkpoint's writer keeps one copy of identical boxes)."""
-    model_state, optim_state = replicated_full_state(model, optimizer)
-    return ({n: Pieces.whole(t) for n, t in model_state.items()},
-            {n: {k: Pieces.whole(v) for k, v in st.items() if torch.is_tensor(v)} for n, st in optim_state.items()})
+    itself (replicas of it are written once: the checkpoint's writer keeps one copy of identical boxes; loading
+    copies into them, so there is nothing to scatter afterwards)."""
+    named = dict(model.named_parameters())
+    model_state = {n: Pieces.whole(t) for n, t in named.items()}
+    if optimizer is None:
+        return model_state, {}
+    name_of = {id(q): n for n, q in named.items()}
+    optim_state = {}
+    for g in optimizer.param_groups:
+        for q in g["params"]:
+            assert id(q) in name_of, "optimizer holds a tensor that is not a parameter of the model"
+            optim_state[name_of[id(q)]] = {k: Pieces.whole(v) for k, v in adam_state(optimizer, q, g).items()
+                                           if torch.is_tensor(v)}
+    return model_state, optim_state
 
 
 def decay_groups(params, weight_decay: float) -> list[dict]:
@@ -163,14 +157,8 @@ class GradSync:
     def after_step(self) -> None:
         pass
 
-    def full_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
-        return replicated_full_state(self.model, optimizer)
-
     def sharded_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         return replicated_pieces(self.model, optimizer)
-
-    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
-        pass  # full_state returned the live tensors: the checkpoint was read straight into them
 
     def close(self) -> None:
         pass
@@ -232,7 +220,7 @@ class TorchDDPSync(GradSync):
 def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "auto",
                         reshard: str = "auto") -> tuple[str, str]:
     """(parallel.zero_accumulate, parallel.zero3_reshard) with "auto" made concrete: the one rule, for the trainer
-    (parallelize.py) and the planner (plan/cost.py) alike. Measured in docs/dp.md ("Peak memory").
+    (parallelize.py) and the planner (plan/memory.py) alike. Measured in docs/dp.md ("Peak memory").
 
     zero3_reshard auto: "always" without PP; with PP "never", as torchtitan: its schedules run several microbatches'
     forwards before their backwards, so re-gathering per microbatch costs 2M all-gathers of the stage per step.

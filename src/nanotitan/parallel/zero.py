@@ -1,8 +1,8 @@
 """ZeRO-1/2: the Reducer's buckets, reduce-scattered instead of all-reduced, each rank updating 1/N of them.
 
 `ShardedReducer` is the mechanism (one per gradient group), `ZeroSync` the GradSync flavour over them
-(sync.py), and `sharded_optim_state_to_full` / `full_optim_state_to_sharded` convert the optimizer state
-between this rank's flat slices and the per-parameter form checkpoints hold (docs/dp.md).
+(sync.py), whose `sharded_state` cuts this rank's flat slices of the optimizer state into the per-parameter
+boxes checkpoints hold (docs/dp.md).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch.nn as nn
 
 from . import comm
 from .clip import clip_grad_norm_
-from .dp import Reducer, _Bucket, _CopyBack
+from .dp import Bucket, CopyBack, Reducer
 from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
 
 
 @dataclass
-class _ShardBucket(_Bucket):
+class _ShardBucket(Bucket):
     """A Reducer bucket whose params, gradients and optimizer state are split into `world` equal slices."""
     offsets: list[int] = field(default_factory=list)  # params[i] occupies [offsets[i], offsets[i] + numel)
     padded: int = 0  # numel rounded up to a multiple of 16 * the group size
@@ -38,8 +38,9 @@ class _ShardBucket(_Bucket):
 _SHARD_ALIGN = 16
 
 # zero 2 "shard": reduce-scatters in flight while backward goes on. Launching one more waits for the oldest, so
-# at most this many full bucket buffers wait on the wire, beside the one backward is filling.
-_IN_FLIGHT = 1
+# at most this many full bucket buffers wait on the wire, beside the one backward is filling. The planner's memory
+# model (plan/memory.py) reads this very name.
+IN_FLIGHT_BUCKETS = 1
 
 
 class ShardedReducer(Reducer):
@@ -48,8 +49,8 @@ class ShardedReducer(Reducer):
 
     Per step, as the Reducer: `prepare(sync)` before each microbatch's backward, `finish()` after the
     last; then clip `shard_params` (their .grad is this rank's slice of `scale * SUM over group`), step
-    an optimizer built on `param_groups()`, `gather_params()` (the full params again on every rank),
-    `zero_grad()`. Between finish() and the next step only the shard grads mean anything.
+    an optimizer built on `param_groups()`, `start_gather()` and `wait_gather()` (the full params again on every
+    rank), `zero_grad()`. Between finish() and the next step only the shard grads mean anything.
 
     Layout: each bucket holds params of one dtype and one weight-decay kind (decay on matrices only, as
     the trainer's AdamW), in a flat param buffer padded to a multiple of 16 * N; the model's params are views
@@ -63,7 +64,7 @@ class ShardedReducer(Reducer):
             it is full (same launch rule), adding the result into a persistent 1/N shard grad; a bucket's full
             buffer is allocated when backward delivers its first gradient (a tensor hook, before autograd
             accumulates into .grad), reduce-scattered in place as at zero 1, and freed once that has landed,
-            at most `_IN_FLIGHT` of them in flight. M reduce-scatters per bucket per step instead of one.
+            at most `IN_FLIGHT_BUCKETS` of them in flight. M reduce-scatters per bucket per step instead of one.
     zero=2, accumulate="full": gradients accumulate over the step's microbatches in full buffers as at zero 1;
             the final backward reduce-scatters them into the shard grad and finish() frees them (the next
             step's first prepare() allocates them again). One reduce-scatter per bucket per step.
@@ -194,7 +195,7 @@ class ShardedReducer(Reducer):
         if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
             low = b.flat.to(self.reduce_dtype)  # parallel.reduce_dtype: reduce a narrowed copy, widen the slice
             out = low.new_empty(b.shard_grad.shape)
-            b.work = _CopyBack(comm.reduce_scatter(out, low, self.group), out, b.shard_grad)
+            b.work = CopyBack(comm.reduce_scatter(out, low, self.group), out, b.shard_grad)
         elif self.group is not None:
             # zero 1: in place (the output is this rank's slice of the input, as NCCL allows)
             b.work = comm.reduce_scatter(b.shard_grad, b.flat, self.group)
@@ -217,7 +218,7 @@ class ShardedReducer(Reducer):
         for p in b.params:
             p.grad = None
         b.flat, b.views, b.launched = None, [], True
-        while len(self._in_flight) > _IN_FLIGHT:
+        while len(self._in_flight) > IN_FLIGHT_BUCKETS:
             self._land(self._in_flight.pop(0))
 
     @staticmethod
@@ -276,11 +277,6 @@ class ShardedReducer(Reducer):
                 b.gather.wait()
                 b.gather = None
 
-    def gather_params(self) -> None:
-        """Every rank's params are the full updated params again."""
-        self.start_gather()
-        self.wait_gather()
-
 
 def _flat_offset(shape, offsets) -> int:
     """Row-major flat index of the element at `offsets`."""
@@ -288,50 +284,6 @@ def _flat_offset(shape, offsets) -> int:
     for n, o in zip(shape, offsets):
         flat = flat * n + o
     return flat
-
-
-@torch.no_grad()
-def sharded_optim_state_to_full(reducers: list, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """{param name: {state key: tensor}} for every param of these sharded reducers, as a replicated
-    optimizer would hold it: each bucket's state slices are all-gathered over its group and cut per param
-    (fresh tensors; a scalar such as AdamW's `step` is shared by every param of the bucket).
-    Collective over each reducer's group; an optimizer that has not stepped yet gives zero moments, step 0."""
-    out: dict[str, dict] = {}
-    for r in reducers:
-        for b in r.buckets:
-            state = adam_state(optimizer, b.shard)
-            for key in sorted(state):  # same collective order on every rank
-                v = state[key]
-                if v.dim() == 0:
-                    for name in b.names:
-                        out.setdefault(name, {})[key] = v.detach().clone()
-                    continue
-                full = v.new_empty(b.padded)
-                if r.group is not None:
-                    comm.all_gather(full, v, r.group).wait()
-                else:
-                    full.copy_(v)
-                for name, p, o in zip(b.names, b.params, b.offsets):
-                    out.setdefault(name, {})[key] = full[o:o + p.numel()].view_as(p)
-    return out
-
-
-@torch.no_grad()
-def full_optim_state_to_sharded(reducers: list, optimizer: torch.optim.Optimizer, full: dict[str, dict]) -> None:
-    """Inverse of `sharded_optim_state_to_full`: copy this rank's slice of every bucket out of the
-    per-param state `full` (e.g. read from a checkpoint written at any zero level) into the optimizer."""
-    for r in reducers:
-        for b in r.buckets:
-            state = adam_state(optimizer, b.shard)
-            S = b.padded // r.world
-            for key, v in state.items():
-                if v.dim() == 0:
-                    v.copy_(full[b.names[0]][key])
-                    continue
-                flat = v.new_zeros(b.padded)
-                for name, p, o in zip(b.names, b.params, b.offsets):
-                    flat[o:o + p.numel()].copy_(full[name][key].reshape(-1))
-                v.copy_(flat[r.rank * S:(r.rank + 1) * S])
 
 
 class ZeroSync(BucketedSync):
@@ -425,16 +377,6 @@ class ZeroSync(BucketedSync):
                                  for off, sz in flat_range_boxes(tuple(p.shape), a - o, z - o)]
                         optim_state.setdefault(name, {})[key] = Pieces(p.shape, boxes)
         return model_state, optim_state
-
-    def full_state(self, optimizer):
-        """The live params (whole on every rank between steps) and the optimizer state all-gathered (collective)."""
-        self.wait_params()
-        model_state = dict(self.model.named_parameters())
-        return model_state, (sharded_optim_state_to_full(self.reducers, optimizer) if optimizer is not None else {})
-
-    def load_full_state(self, optimizer, model_state: dict, optim_state: dict) -> None:
-        if optimizer is not None:  # the params were read in place; the state is cut into this rank's slices
-            full_optim_state_to_sharded(self.reducers, optimizer, optim_state)
 
     def close(self) -> None:
         self.wait_params()

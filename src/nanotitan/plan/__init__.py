@@ -9,7 +9,10 @@ what `nanotitan bench layouts` measured (`fit_profile`); `calibrate` reports pre
 The method, every formula and its assumptions are written up in docs/planner.md.
 
     shape.py      the model and layout as counts: ModelShape, Layout, Precision, stage summaries
-    cost.py       predict(): memory per stage and step time of one layout
+    context.py    PlanOptions and the Context: the facts of one layout on one profile that both models read
+    memory.py     the memory model: a rank's peak bytes per stage, by cause
+    steptime.py   the time model: step time by cause, and the balanced pipeline split
+    cost.py       predict(): the two models over one Context (and the names other modules import)
     search.py     enumerate_layouts, plan, recommend, reason, format_table
     calibrate.py  calibrate, fit_profile (Nelder-Mead), spearman, calibration rows
     measure.py    `--measure` (this machine's profile) and TensorBytesMeter (imports torch.distributed)

@@ -16,7 +16,7 @@ from .search import format_table, plan, reason
 from .shape import PRECISIONS, ModelShape
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     from ..config.help import config_help
 
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
@@ -56,7 +56,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
     ap.add_argument("--dense-ffn", type=int, default=0, help="hidden size of dense FFN layers (default model.ffn_dim)")
     ap.add_argument("--shared-experts", type=int, default=0, help="always-on experts per MoE layer")
-    args, overrides = ap.parse_known_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     try:
         if args.measure:
             from .measure import measure_hardware  # spawns processes: imported only when asked

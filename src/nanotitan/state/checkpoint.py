@@ -251,8 +251,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     extra: dict | None = None, keep_last: int = 0, shard=None) -> Path:
     """Collective (every rank calls it): write RUN_DIR/checkpoints/step_<step>/ atomically, with a
     manifest of checksums, and prune to the newest `keep_last` complete checkpoints (0 keeps all).
-    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: the state is saved in its
-    replicated form (`GradSync.full_state`), so any zero level and layout can load it.
+    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: each rank saves its pieces of the
+    state under the global keys (`GradSync.sharded_state`), so any zero level and layout can load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
     returns it with "step" added. When this returns on any rank the checkpoint is complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
