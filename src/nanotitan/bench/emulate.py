@@ -36,6 +36,7 @@ from ..config.config import load_config
 from ..model.spec import chunk_layer_counts
 from ..parallel import comm, emulate
 from ..parallel.dims import ParallelDims
+from ..parallel.dp import bucket_bytes
 from ..plan import Layout, ModelShape, layout_config, stage_summaries
 from ..run.spawn import run_ranks
 
@@ -51,7 +52,7 @@ def step_traffic(cfg, lay: Layout, dims: ParallelDims) -> dict[str, list[tuple[s
     act = 2 if c.train.dtype == "bf16" else 4
     T, D, K, E, M = lay.micro_batch * shape.seq_len, shape.d_model, shape.top_k, shape.num_experts, lay.microbatches
     out = {a: [] for a in AXES}
-    cap = int(c.parallel.bucket_mb * 2**20)
+    cap = int(bucket_bytes(c.parallel.bucket_mb))
     for kind, n, size in (("non_expert_dp", st.n_ne, lay.dp * lay.ep), ("expert_dp", st.n_ex, lay.dp)):
         nbytes = n * 4
         if size > 1 and nbytes:
