@@ -15,10 +15,13 @@ concrete, once, above model/ and parallel/ (DESIGN §2).
 
 `nanotitan train` resolves before it starts any rank (the launcher for the world it starts; under torchrun each
 rank for WORLD_SIZE, so an elastic restart on another world re-plans); a Trainer handed a config as loaded
-resolves it itself. The launcher also measures the CPU GEMM peak once for its ranks (`cpu_peak_for_ranks`).
-Below this module nothing asks the planner or the hardware, and nothing reads a transformers config.json for
-the model's shape: model/spec.py takes the counts, parallel/ the layout, device, threads and emulation, and
-a saved config.toml is already the resolved one. (parallelize reads init.from_hf's weights: data, not config.)
+resolves it itself. The launcher (or an elastic node's agent) also measures the CPU GEMM peak once for its
+ranks (`cpu_peak_for_ranks`). Below this module nothing chooses a value, asks the planner, or reads a
+transformers config.json for the model's shape: model/spec.py takes the counts, parallel/ the layout, device,
+threads, zero choices and emulation as written here, and a saved config.toml is already the resolved one.
+What a rank still asks for itself: its CUDA device (pick_device), the MFU peak (observe/metrics.py: a GPU's
+datasheet by name, a CPU's from the launcher's variable, measured and cached only by a process that runs alone),
+and init.from_hf's weights (interop/hf.py, which names the tensors by the family its config.json gives).
 """
 
 from __future__ import annotations
