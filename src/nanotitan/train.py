@@ -102,7 +102,7 @@ class Trainer:
             print(msg, flush=True)
 
     def request_stop(self, cause: str) -> None:
-        """Stop after this step (all ranks agree: agree_on_step), saved with train.ckpt_on_signal; log the first cause."""
+        """Stop after this step (all ranks agree, agree_on_step), saving with train.ckpt_on_signal; first cause kept."""
         self.stop_requested, self.stop_cause = True, self.stop_cause or cause
 
     def resume(self, where: str):

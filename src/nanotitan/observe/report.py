@@ -1,4 +1,5 @@
-"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary and progress.
+"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary and progress, and
+the observers a rank opens for them (writer, profiler, memory meters).
 
 The record's fields are the `metrics.jsonl` surface (DESIGN §5); the summary gathers one row per rank
 (coordinates, peak memory, communication waits per axis) to global rank 0, which prints it as a table
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import MetricsWriter, StepMeters, fmt_bytes, live_tensor_bytes, peak_mem_bytes
+from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, flops_per_token, is_moe_layer
 from ..parallel import comm
@@ -116,11 +118,9 @@ def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.devi
     return summary
 
 
-def observers(cfg, rank: int, device: torch.device, model):
+def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWriter, StepProfiler, StepMeters]:
     """(writer, profiler, meters) of a rank's run: metrics.jsonl, TensorBoard and W&B on rank 0 (appended to on
     resume), torch.profiler over run.profile_steps, and the memory meters (metrics.StepMeters, some logged steps)."""
-    from .profiling import StepProfiler
-
     writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=bool(cfg.train.resume),
                            wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
     return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
@@ -214,10 +214,9 @@ class StepLogger:
     def __init__(self, writer, shard, device: torch.device, cfg, peak_flops: float, aux_weight: float):
         p, t = cfg.parallel, cfg.train
         self.writer, self.shard, self.device = writer, shard, device
-        self.M, self.schedule, self.aux_weight, self.virtual_stages = p.microbatches, p.schedule, aux_weight, \
-            p.virtual_stages
-        self.tokens_per_step, self.peak_flops = cfg.layout_batch * t.seq_len, peak_flops
-        self.flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self.M, self.schedule, self.virtual_stages = p.microbatches, p.schedule, p.virtual_stages
+        self.aux_weight, self.peak_flops = aux_weight, peak_flops
+        self.tokens_per_step, self.flops_per_token = cfg.layout_batch * t.seq_len, flops_per_token(cfg.model, t.seq_len)
         self.history: list[dict] = []
         self.wait_totals = {a: 0.0 for a in comm.AXES}
         comm.COMM.reset()
