@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 
 from nanotitan import cli
-from nanotitan.config import config
+from nanotitan.config import config, parse
 
 
 def _help(argv, capsys) -> tuple[int, str]:
@@ -50,7 +50,7 @@ def test_config_help_lists_every_key_with_type_default_and_meaning(argv, capsys)
             else:
                 assert typ_text == getattr(typ, "__name__", None) or typ_text == str(typ).replace("typing.", ""), key
             shown = default_text[1:-1] if default_text.startswith('"') else default_text
-            assert config._coerce(shown, typ, key) == getattr(defaults, f.name), (key, default_text)
+            assert parse.coerce(shown, typ, key) == getattr(defaults, f.name), (key, default_text)
     n_fields = sum(len(dataclasses.fields(cls)) for cls in _sections().values())
     assert len(lines) == n_fields  # and nothing else looks like a key
 

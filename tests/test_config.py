@@ -1,13 +1,15 @@
 """Config errors are one line naming the field and the fix; overrides and TOML round-trip."""
 
+import os
 import subprocess
 import sys
 import typing
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from nanotitan.config.config import Config, ConfigError, load_config, to_toml
+from nanotitan.config.config import Config, ConfigError, load_config, to_dict, to_toml
 
 BAD = [
     (["--model.n_heads", "3"], "model.n_heads=3 must divide model.d_model"),
@@ -256,3 +258,50 @@ def test_ep_overlap_microbatches_is_off_by_default_and_accepted_at_pp1():
         cfg = load_config(None, LANES + ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.microbatches", "4",
                                          "--parallel.schedule", schedule])
         assert cfg.parallel.ep_overlap_microbatches
+
+
+def _unenterable(monkeypatch, locked):
+    """os.stat as a user without search permission on `locked` sees it: anything below it raises EACCES. Root is
+    not stopped by chmod, so the tests that run as root simulate the kernel's answer this way."""
+    real = os.stat
+
+    def stat(path, *args, **kwargs):
+        if Path(path) != Path(locked) and Path(locked) in Path(path).parents:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+def test_run_dir_under_a_directory_that_cannot_be_entered_is_one_config_line(tmp_path, monkeypatch):
+    """issue 39: Path.exists raised PermissionError inside validate (a traceback); now one line names the dir."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    _unenterable(monkeypatch, locked)
+    for run_dir in (locked / "run", locked / "a" / "b"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["--run.dir", str(run_dir)])
+        assert str(e.value) == (f"run.dir={str(run_dir)!r} cannot be created: {locked} cannot be entered "
+                                "(permission denied) (--run.dir DIR)")
+    assert load_config(None, ["--run.dir", str(locked)]).run.dir == str(locked)  # itself: stat-able, a directory
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root enters any directory: the monkeypatched test above covers it")
+def test_run_dir_under_a_chmod_000_directory_is_one_config_line(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        with pytest.raises(ConfigError, match=f"{locked} cannot be entered \\(permission denied\\)"):
+            load_config(None, ["--run.dir", str(locked / "run")])
+    finally:
+        locked.chmod(0o755)
+
+
+def test_config_state_is_per_instance_not_a_field():
+    """explicit and resolved are each instance's own (not dataclass fields, not class variables)."""
+    a, b = load_config(None, ["--train.lr", "0.01"]), Config()
+    assert a.explicit == frozenset({"train.lr"}) and b.explicit is None and not hasattr(Config, "explicit")
+    assert "explicit" not in to_dict(a) and "resolved" not in [f.name for f in fields(Config)]
+    a.resolved = True
+    assert not b.resolved and not Config().resolved

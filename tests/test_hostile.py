@@ -510,7 +510,7 @@ def test_run_dir_under_a_directory_nobody_can_enter():
             pytest.xfail("config._file_in_the_way raises PermissionError: helper h3's fix is not in this tree")
         lines = [ln for ln in out.splitlines() if ln.startswith("nanotitan:")]
         assert r.returncode == 2 and "Traceback" not in out and len(lines) == 1, out[-3000:]
-        assert "run.dir" in lines[0] and "Permission denied" in lines[0], lines[0]
+        assert "run.dir" in lines[0] and "cannot be entered (permission denied)" in lines[0], lines[0]
         assert list((top / "locked").iterdir()) == []
         _row("run dir under a directory the user cannot enter", lines[0], r.returncode)
     finally:

@@ -1,8 +1,8 @@
 """The package's import graph, read from the source: every import statement, function-level ones included.
 
 Contracts: no import cycle anywhere in src/nanotitan (DESIGN §2); config/config.py, which every layer reads, imports
-nothing of the package but config/errors.py and config/hf_config.py (pure config mapping); model/ never imports parallel/ or
-plan/, data/ never imports model/ or parallel/.
+nothing of the package but config/errors.py, config/parse.py (values as their types) and config/hf_config.py (pure
+config mapping); model/ never imports parallel/ or plan/, data/ never imports model/ or parallel/.
 
 An edge A -> B means that running A's code can import B: `import`/`from ... import` anywhere in A (relative
 imports resolved, `from pkg import mod` naming the submodule), plus the `__init__` of every package on B's path
@@ -105,12 +105,16 @@ def test_no_import_cycle():
 
 
 def test_config_is_a_leaf():
-    """config/config.py imports only errors.py and the pure HF config mapping, so anything can read the config;
-    the config package's __init__ re-exports config.py alone."""
+    """config/config.py imports only errors.py, its value parsing (parse.py), the memory arithmetic of fits.py
+    (with hardware.py's host figures) and the pure HF config mapping, so anything can read the config; the config
+    package's __init__ re-exports config.py alone."""
     graph = import_graph()
-    leaf = {f"{PKG}.config.errors", f"{PKG}.config.hf_config", f"{PKG}.config.config"}
+    leaf = {f"{PKG}.config.errors", f"{PKG}.config.hf_config", f"{PKG}.config.config", f"{PKG}.config.parse",
+            f"{PKG}.config.fits", f"{PKG}.config.hardware"}
+    assert graph[f"{PKG}.config.fits"] <= leaf and graph[f"{PKG}.config.hardware"] <= leaf
     assert graph[f"{PKG}.config.config"] <= leaf
     assert graph[f"{PKG}.config.hf_config"] <= leaf
+    assert graph[f"{PKG}.config.parse"] <= {f"{PKG}.config.errors", f"{PKG}.config"}
     assert graph[f"{PKG}.config"] <= leaf
 
 

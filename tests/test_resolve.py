@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanotitan.config import resolve as R
-from nanotitan.config.config import Config, ConfigError, ParallelConfig, load_config, to_dict, validate
+from nanotitan.config.config import Config, ConfigError, ParallelConfig, load_config, to_dict, to_toml, validate
 from nanotitan.config.hardware import get_hardware
 from nanotitan.model.spec import build_chunk_specs, chunk_layer_counts
 from nanotitan.plan.cost import balanced_layer_counts
@@ -93,3 +93,79 @@ def test_parallel_auto_plans_once_and_its_flags_reproduce_the_layout(monkeypatch
     assert again.parallel == r.parallel and again.train == r.train
     with pytest.raises(ConfigError, match="world size 3 != parallel.dp"):
         R.resolve(load_config(None, args + R.planned_flags(r)), world=3)
+
+
+def test_device_threads_and_zero_choices_become_concrete_once(monkeypatch):
+    """resolve writes what every layer below reads: the device (auto -> cpu or cuda), threads (cores / the ranks on
+    this host), and zero_accumulate / zero3_reshard by sync.zero_memory_choices, the planner's rule."""
+    from nanotitan.parallel.sync import zero_memory_choices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(R.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for zero, pp, schedule in ((0, 1, "1f1b"), (2, 1, "1f1b"), (3, 1, "1f1b"), (3, 2, "1f1b"), (2, 2, "interleaved")):
+        args = ["--parallel.dp", "2", "--parallel.zero", str(zero), "--parallel.pp", str(pp), "--parallel.schedule",
+                schedule, "--parallel.microbatches", "2", "--train.device", "auto"]
+        r = R.resolve(load_config(None, args))
+        assert (r.train.device, r.train.threads) == ("cpu", 8 // (2 * pp))  # the launcher starts dp*pp ranks here
+        assert (r.parallel.zero_accumulate, r.parallel.zero3_reshard) == zero_memory_choices(zero, pp, schedule)
+        assert "auto" not in (r.parallel.zero_accumulate, r.parallel.zero3_reshard)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # in a rank: its host's share, whatever the world
+    assert R.resolve(load_config(None, ["--parallel.dp", "2"])).train.threads == 2
+    assert R.resolve(load_config(None, ["--train.threads", "5"])).train.threads == 5  # as asked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert R.resolve(load_config(None, [])).train.device == "cuda"
+    assert R.resolve(load_config(None, ["--train.device", "cpu"])).train.device == "cpu"
+
+
+def test_ranks_on_host_for_each_launcher():
+    cfg = load_config(None, ["--parallel.dp", "4"])
+    assert R.ranks_on_host(cfg, {}) == 4  # one host starts them all
+    assert R.ranks_on_host(cfg, {"LOCAL_WORLD_SIZE": "2"}) == 2  # a rank under torchrun
+    assert R.ranks_on_host(cfg, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}) == 2
+    cfg.elastic.endpoint, cfg.elastic.nproc_per_node = "localhost:29500", 3
+    assert R.ranks_on_host(cfg, {}) == 3  # an elastic node's agent
+
+
+def test_emulation_is_settled_in_resolve_and_the_rank_only_reads_it(monkeypatch):
+    """parallel.emulate's node size (the profile's devices_per_node) and dilation (this CPU's peak / the profile's,
+    in train.dtype) are concrete after resolve; building the rank's LinkModel measures nothing."""
+    from nanotitan.parallel import emulate
+
+    h800 = get_hardware("h800")
+    monkeypatch.setattr(R, "cpu_peak_flops", lambda threads, dtype: h800.peak_flops(dtype) / 500)
+    r = R.resolve(load_config(None, ["--parallel.emulate", "h800", "--train.device", "cpu"]))
+    assert (r.parallel.emulate_node_size, r.parallel.emulate_dilation) == (h800.devices_per_node, pytest.approx(2e-3))
+    bf16 = R.resolve(load_config(None, ["--parallel.emulate", "h800", "--train.dtype", "bf16"]))
+    assert bf16.parallel.emulate_dilation == pytest.approx(2e-3)  # each dtype against its own peak
+    monkeypatch.setattr(R, "cpu_peak_flops", lambda *a: pytest.fail("measured twice"))
+    links = emulate.link_model(r, rank=9)
+    assert (links.node_size, links.dilation, links.node(9)) == (8, r.parallel.emulate_dilation, 1)
+    with pytest.raises(ConfigError, match="parallel.emulate='nope'"):
+        R.resolve(load_config(None, ["--parallel.emulate", "nope"]))
+    with pytest.raises(AssertionError, match="resolve"):
+        emulate.link_model(load_config(None, ["--parallel.emulate", "h800"]))  # unresolved: refused, not measured
+
+
+def test_a_saved_config_toml_resolves_to_itself(tmp_path):
+    """RUN_DIR/config.toml is the resolved config: loaded back (a resume, `generate`) it is already concrete, and
+    resolving it again changes nothing."""
+    r = R.resolve(load_config(None, HEAVY + ["--parallel.zero", "2", "--parallel.dp", "2"]))
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(r))
+    again = load_config(path)
+    assert to_dict(again) == to_dict(r)
+    assert to_dict(R.resolve(again)) == to_dict(r)
+
+
+def test_cpu_peak_is_measured_once_per_launch_for_the_ranks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(R, "cpu_peak_flops", lambda threads, dtype: calls.append((threads, dtype)) or 1e11)
+    monkeypatch.delenv("NANOTITAN_CPU_PEAK_FLOPS", raising=False)
+    r = R.resolve(load_config(None, ["--parallel.dp", "2", "--train.threads", "3", "--train.device", "cpu"]))
+    R.cpu_peak_for_ranks(r)
+    assert calls == [(3, "fp32")] and R.os.environ["NANOTITAN_CPU_PEAK_FLOPS"] == "100000000000.0"
+    monkeypatch.delenv("NANOTITAN_CPU_PEAK_FLOPS")
+    R.cpu_peak_for_ranks(R.resolve(load_config(None, ["--train.device", "cpu"])))  # one process: its own
+    R.cpu_peak_for_ranks(R.resolve(load_config(None, ["--parallel.dp", "2", "--train.peak_flops", "1e12"])))
+    assert calls == [(3, "fp32")] and "NANOTITAN_CPU_PEAK_FLOPS" not in R.os.environ

@@ -50,10 +50,6 @@ def cmd_train(argv: list[str]) -> int:
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
-    if cfg.parallel.emulate:  # a profile that does not exist fails here, before any rank starts
-        from .parallel.emulate import profile
-
-        profile(cfg)
     if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic.py)
         from .elastic.coordinator import run_agent
 
@@ -61,7 +57,8 @@ def cmd_train(argv: list[str]) -> int:
         _exit_soon()
         return code
     # The job's config, concrete (resolve.py): under parallel.auto the planner's layout for this world (under
-    # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it).
+    # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it); device,
+    # threads for the ranks on this host, zero choices, the emulated network (a bad profile fails here).
     planned = cfg.parallel.auto
     cfg = resolve(cfg, log=lambda line: print(line, flush=True))
     if why := does_not_fit(cfg):  # an absurd size: one line with the GiB, before anything is allocated
@@ -105,9 +102,10 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
+    from .config.resolve import cpu_peak_for_ranks
     from .run.launch import launch_local
 
-    _cpu_peak_before_ranks(cfg, nproc)
+    cpu_peak_for_ranks(cfg)  # CPU: the MFU peak, measured once for this launch's ranks (and bf16 advice)
     if cfg.world_size > 1:
         code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv, run_dir=cfg.run.dir,
                             ckpt_on_signal=cfg.train.ckpt_on_signal)
@@ -152,24 +150,6 @@ def warm_rank() -> int:
     job = json.loads(line)
     os.environ.update(job["env"])
     return main(["train", *job["argv"]])
-
-
-def _cpu_peak_before_ranks(cfg, nproc: int) -> None:
-    """CPU training: a bf16 run on a CPU without native bf16 is told so in one line (with both measured rates),
-    and the GEMM peak that bounds MFU is measured here once (bounded, cached) and handed to the ranks, which
-    would otherwise measure each other on the shared cores. One process measures its own (cached) peak."""
-    import torch
-
-    from .observe.metrics import bf16_advice, cpu_peak_env, cpu_peak_flops
-
-    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
-        return
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // nproc)
-    dtype = cfg.train.dtype  # the peak of the dtype the GEMMs run in (bf16 under mixed precision)
-    if dtype == "bf16" and (line := bf16_advice(threads)):
-        print(line, file=sys.stderr, flush=True)
-    if cfg.world_size > 1 and not cfg.train.peak_flops:
-        os.environ[cpu_peak_env(dtype)] = str(cpu_peak_flops(threads, dtype))  # measured before ranks start
 
 
 def _exit_soon() -> None:

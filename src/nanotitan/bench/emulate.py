@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.config import load_config
+from ..config.resolve import resolve_emulation
 from ..model.spec import chunk_layer_counts
 from ..parallel import comm, emulate
 from ..parallel.dims import ParallelDims
@@ -96,7 +97,7 @@ def _worker(rank: int, world: int, cfg, layouts: list[Layout], topology: tuple[s
             repeats: int) -> list[dict]:
     profile, node_size = topology
     cfg.parallel.emulate, cfg.parallel.emulate_node_size, cfg.parallel.emulate_dilation = profile, node_size, dilation
-    links = emulate.install(emulate.link_model(cfg, rank, torch.get_num_threads()))
+    links = emulate.install(emulate.link_model(resolve_emulation(cfg), rank))
     rows = []
     for lay in layouts:
         dims = ParallelDims(lay.dp, lay.pp, lay.ep, rank).build_groups(timeout_s=600)

@@ -31,7 +31,7 @@ from ..config.config import Config, ConfigError, load_config, validate
 from ..parallel import emulate
 from ..parallel import pp as pp_schedules
 from ..plan import Layout, enumerate_layouts, layout_config
-from ..config.resolve import resolve_model
+from ..config.resolve import resolve_emulation, resolve_model
 
 
 def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:
@@ -135,8 +135,9 @@ def main(argv: list[str]) -> int:
                     "predicts compute with (auto: this host's)")
     args, overrides = ap.parse_known_args(argv)
     cfg = resolve_model(load_config(args.config, overrides))  # the model the layouts run (init.from_hf's)
-    links = emulate.link_model(cfg, threads=cfg.train.threads or 1)  # parallel.emulate (None: off)
-    if links is not None and not cfg.parallel.emulate_dilation:  # one dilation for every layout, and on record
+    fixed = cfg.parallel.emulate_dilation  # 0: measured below, then passed to every layout
+    links = emulate.link_model(resolve_emulation(cfg))  # parallel.emulate (None: off), on train.threads or 1
+    if links is not None and not fixed:  # one dilation for every layout, and on record
         overrides = overrides + ["--parallel.emulate_dilation", repr(links.dilation)]
         print(f"[bench layouts] {links.describe()}", flush=True)
     schedules = args.schedules or [args.schedule]

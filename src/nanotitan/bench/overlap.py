@@ -36,7 +36,7 @@ from ..config.config import load_config
 from ..config.hardware import detect_hardware
 from ..parallel import emulate
 from ..plan import Layout, PlanOptions, predict
-from ..config.resolve import resolve_model
+from ..config.resolve import resolve_emulation, resolve_model
 from .emulate import parse_topology
 
 
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
             prof, node = parse_topology(topo)
             emu_args = ["--parallel.emulate", prof, "--parallel.emulate_node_size", str(node)]
             c = load_config(args.config, overrides + emu_args)
-            links = emulate.link_model(c)  # the dilation, measured once here and passed to every run
+            links = emulate.link_model(resolve_emulation(c))  # the dilation, measured once here and passed to every run
             emu_args += ["--parallel.emulate_dilation", f"{links.dilation:.6g}"]
         runs: dict[str, list[dict]] = {k: [] for k in modes}
         with tempfile.TemporaryDirectory() as tmp:
@@ -335,7 +335,7 @@ def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int
     if topology != "none":
         prof, node = parse_topology(topology)
         cfg.parallel.emulate, cfg.parallel.emulate_node_size = prof, node
-        links = emulate.link_model(cfg)
+        links = emulate.link_model(resolve_emulation(cfg))
         dilation, title = links.dilation, links.describe()
     plain = copy.deepcopy(cfg)
     plain.parallel.emulate = ""  # the planner prices the links itself (links.dilated)

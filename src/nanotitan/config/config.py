@@ -1,7 +1,10 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
-A leaf: only its sibling fits.py (arithmetic) is imported here, so every layer can read the config. What is written
-("auto", model.vocab_size 0, init.from_hf) becomes the concrete config a job runs in one step above it, resolve.py.
+A leaf: nothing of the package outside config/ is imported here (errors.py, parse.py for the values, fits.py's
+memory arithmetic), so every layer can read the config. What is written becomes the concrete config a job runs in one step above it,
+resolve.py: every "auto" and 0-for-automatic it lists (layout, device, threads, zero choices, pp_layers, the
+emulation's node size and dilation), model.vocab_size 0 and init.from_hf. (train.resume "auto" is not a value
+but a search: the newest checkpoint that verifies, looked up when the run starts.)
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
@@ -12,20 +15,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import os
 import re
-import sys
+import stat
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from .errors import ConfigError
 from .fits import vocab_too_large
-
-
-class ConfigError(ValueError):
-    """Bad user input: one line naming the field and the fix."""
+from .parse import parse_overrides, set_value
 
 
 @dataclass(kw_only=True)
@@ -183,12 +183,15 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     init: InitConfig = field(default_factory=InitConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    # Where the values stand, not values (so asdict, to_toml and == ignore these two): the keys the user set
-    # in the file or on the command line, as "section.key" (None: a Config built in code, not by load_config),
-    # which tells resolve.py which model keys init.from_hf may fill and which it must refuse to change; and
-    # whether resolve.py has made every value concrete (the copy it returns).
-    explicit: typing.ClassVar[frozenset[str] | None] = None
-    resolved: typing.ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        # Where the values stand, not values: plain attributes of each instance, not dataclass fields, so asdict,
+        # to_toml and == ignore them (dataclasses.replace, a new instance, starts them afresh). `explicit`: the
+        # keys the user set in the file or on the command line, as "section.key" (None: a Config built in code,
+        # not by load_config), which tells resolve.py which model keys init.from_hf may fill and which it must
+        # refuse to change. `resolved`: whether resolve.py has made every value concrete (the copy it returns).
+        self.explicit: frozenset[str] | None = None
+        self.resolved = False
 
     @property
     def data_world(self) -> int:
@@ -206,118 +209,6 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
-
-def _section_types(section_cls) -> dict[str, object]:
-    hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in fields(section_cls)}
-
-
-TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
-
-
-def _coerce(value, typ, name: str, where: str | None = None):
-    """The value as the field's declared type, or a one-line ConfigError.
-
-    where=None: a CLI override, a string by nature, parsed here ("1e-3" -> 0.001). Otherwise `where` is the
-    TOML file the value came from: TOML values are typed, so a string where a number belongs (lr = "0.001")
-    is refused, and the message names the file and key instead of a flag.
-    """
-    from_cli = where is None
-
-    def bad(expected: str, example: str, hint: str = "") -> ConfigError:
-        if from_cli:
-            return ConfigError(f"{name} must be {expected}, got {value!r} (--{name} {example})")
-        return ConfigError(f"{where}: {name} must be {expected}, got {value!r}{hint}")
-
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):  # list[int] | Literal["auto"]: a later member, else the first
-        members = typing.get_args(typ)
-        for member in members[1:]:
-            try:
-                return _coerce(value, member, name, where)
-            except ConfigError:
-                pass
-        return _coerce(value, members[0], name, where)
-    if origin is Literal:
-        choices = typing.get_args(typ)
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {list(choices)} (--{name})" if from_cli
-                              else f"{where}: {name}={value!r} is not one of {list(choices)}")
-        return value
-    if origin is list:
-        (inner,) = typing.get_args(typ)
-        if from_cli and isinstance(value, str):
-            value = [v.strip() for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise bad("a list", "1,2,3")
-        return [_coerce(v, inner, name, where) for v in value]
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if from_cli and isinstance(value, str) and value.lower() in TRUE + FALSE:
-            return value.lower() in TRUE
-        raise bad("true or false", "true")
-    if typ is int or typ is float:
-        expected, example = ("an integer", "N") if typ is int else ("a number", "X")
-        if isinstance(value, (int, float) if typ is float else int) and not isinstance(value, bool):
-            return typ(value)
-        if isinstance(value, str):
-            try:
-                parsed = typ(value)
-            except ValueError:
-                parsed = None
-            if parsed is not None and from_cli:
-                return parsed
-            if parsed is not None:
-                raise bad(expected, example, f" (drop the quotes: {name.split('.', 1)[1]} = {value.strip()})")
-        raise bad(expected, example)
-    if typ is str:
-        if isinstance(value, str):
-            return value
-        raise bad("a string", "TEXT")
-    raise AssertionError(f"unsupported config type {typ} for {name}")
-
-
-def _apply(cfg: Config, section: str, key: str, value, where: str | None = None) -> None:
-    """cfg.section.key = value; `where` is the TOML file the value came from (None: a CLI override)."""
-    at = f"{where}: " if where else ""
-    if section not in SECTIONS:
-        raise ConfigError(f"{at}unknown config section [{section}] (valid: {', '.join(SECTIONS)})")
-    sec = getattr(cfg, section)
-    types = _section_types(type(sec))
-    if key not in types:
-        raise ConfigError(
-            f"{at}unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
-        )
-    if (section, key) in _RENAMED_VALUES and value in _RENAMED_VALUES[section, key]:
-        old, value = value, _RENAMED_VALUES[section, key][value]
-        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
-            print(f"nanotitan: {section}.{key}={old} is deprecated; use {value}", file=sys.stderr)
-    setattr(sec, key, _coerce(value, types[key], f"{section}.{key}", where))
-
-
-# Old values kept as aliases: (section, key) -> {old: new}.
-_RENAMED_VALUES = {("parallel", "dp_impl"): {"nanotitan": "bucketed"}}
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """['--model.n_layers', '4', '--train.lr=1e-3'] -> [('model', 'n_layers', '4'), ('train', 'lr', '1e-3')]."""
-    out, i = [], 0
-    while i < len(args):
-        a = args[i]
-        if not a.startswith("--") or "." not in a.split("=")[0]:
-            raise ConfigError(f"unexpected argument {a!r}: overrides look like --section.key VALUE")
-        if "=" in a:
-            k, v = a[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{a} needs a value ({a} VALUE)")
-            k, v = a[2:], args[i + 1]
-            i += 2
-        section, key = k.split(".", 1)
-        out.append((section, key, v))
-    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -341,10 +232,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(body, dict):
                 raise ConfigError(f"{p}: top-level key {section!r} must be a [section] table")
             for key, value in body.items():
-                _apply(cfg, section, key, value, where=str(p))
+                set_value(cfg, section, key, value, where=str(p))
                 from_file.add(f"{section}.{key}")
     for section, key, value in parse_overrides(overrides or []):
-        _apply(cfg, section, key, value)
+        set_value(cfg, section, key, value)
         from_file.discard(f"{section}.{key}")
     if isinstance(cfg.parallel.pp_layers, list):  # layer counts read as floats (halves allowed): 2, not 2.0
         cfg.parallel.pp_layers = tidy_counts(cfg.parallel.pp_layers)
@@ -385,25 +276,51 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _file_in_the_way(run_dir: str) -> Path | None:
-    """The existing file (not directory) on the path to run_dir, which could then never be created."""
-    p = Path(run_dir)
+def _run_dir_blocker(run_dir: str) -> str | None:
+    """Why run_dir could never be created (None: nothing on its path is in the way): a file where a directory
+    must be, or a directory this user cannot enter (Path.exists raises PermissionError below it: the nearest
+    ancestor that can be looked up is the one that cannot be entered). os.stat, whose PermissionError is caught
+    and named here (Path.exists raised it from inside validate: a traceback, issue 39)."""
+    p, denied = Path(run_dir), False
     for q in (p, *p.parents):
-        if q.exists():
-            return None if q.is_dir() else q
+        try:
+            mode = os.stat(q).st_mode
+        except PermissionError:
+            denied = True
+            continue
+        except OSError:  # not there (or a file on the way, named when the walk reaches it): look further up
+            continue
+        if denied:
+            return f"{q} cannot be entered (permission denied)"
+        return None if stat.S_ISDIR(mode) else f"{q} is a file, not a directory"
     return None
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Every impossible value fails here, with one line naming the field and the fix. Reads, never writes: what
-    is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
-    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
-    # Floats are finite everywhere: nan slips through every comparison below, and inf trains NaN (lr inf).
+    """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
+    never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
+    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
+                  _check_elastic):
+        check(cfg)
+    if world_size is not None:
+        p = cfg.parallel
+        _check(world_size == cfg.world_size,
+               f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "
+               f"(set --parallel.dp/--parallel.pp/--parallel.ep so their product is {world_size})")
+
+
+def _check_finite(cfg: Config) -> None:
+    """Floats are finite everywhere: nan slips through every comparison below, and inf trains NaN (lr inf)."""
     for section in SECTIONS:
         for f in fields(getattr(cfg, section)):
             v = getattr(getattr(cfg, section), f.name)
             _check(not isinstance(v, float) or math.isfinite(v),
                    f"{section}.{f.name}={v} must be a finite number (--{section}.{f.name})")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Sizes, counts and rates inside their ranges."""
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     _check(d.vocab_size >= 260, f"data.vocab_size={d.vocab_size} must be >= 260 for byte-level BPE (--data.vocab_size)")
     _check(not (why := vocab_too_large(cfg)), why)  # with the GiB it would take (fits.py)
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (--model.vocab_size, 0 = data.vocab_size)")
@@ -435,6 +352,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for name, v in [("train.beta1", t.beta1), ("train.beta2", t.beta2)]:
         _check(0.0 <= v < 1.0, f"{name}={v} must be in [0, 1) (--{name})")
     _check(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (--train.seed)")
+
+
+def _check_run(cfg: Config) -> None:
+    """Training, data and run keys that stand alone."""
+    t, p, d = cfg.train, cfg.parallel, cfg.data
     if cfg.run.profile_steps:
         parse_steps(cfg.run.profile_steps, t.steps)  # "A-B" inside 1..train.steps, or one line naming the fix
     if cfg.run.wandb:
@@ -449,9 +371,18 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"parallel.timeout_s={p.timeout_s} must be in (0, 1e9] seconds (--parallel.timeout_s)")
     for name, v in [("data.source", d.source), ("data.text_field", d.text_field), ("run.dir", cfg.run.dir)]:
         _check(v.strip() != "", f"{name} must not be empty (--{name})")
-    blocker = _file_in_the_way(cfg.run.dir)
-    _check(blocker is None, f"run.dir={cfg.run.dir!r} cannot be created: {blocker} is a file, not a directory "
-                            "(--run.dir DIR)")
+    blocker = _run_dir_blocker(cfg.run.dir)
+    _check(blocker is None, f"run.dir={cfg.run.dir!r} cannot be created: {blocker} (--run.dir DIR)")
+    _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
+    _check(0.0 <= t.min_lr_ratio <= 1.0,
+           f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
+    _check(t.resume in ("", "auto") or Path(t.resume).exists(),
+           f"train.resume={t.resume!r}: no such checkpoint (use 'auto' or an existing path; --train.resume)")
+
+
+def _check_model(cfg: Config) -> None:
+    """The model's shape: heads, layers, experts, position table, vocabulary."""
+    m, t, d = cfg.model, cfg.train, cfg.data
     for name, v in [("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim),
                     ("model.first_k_dense", m.first_k_dense), ("model.dense_ffn_dim", m.dense_ffn_dim),
                     ("model.shared_experts", m.shared_experts), ("model.shared_ffn_dim", m.shared_ffn_dim)]:
@@ -478,11 +409,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.vocab_size == 0 or bool(d.tokenizer) or m.vocab_size >= d.vocab_size,
            f"model.vocab_size={m.vocab_size} < data.vocab_size={d.vocab_size}, the trained BPE's size "
            "(--model.vocab_size 0 takes the data's)")
-    _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
-    _check(0.0 <= t.min_lr_ratio <= 1.0,
-           f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
-    _check(t.resume in ("", "auto") or Path(t.resume).exists(),
-           f"train.resume={t.resume!r}: no such checkpoint (use 'auto' or an existing path; --train.resume)")
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The layout over the model: EP over experts, stages and chunks over layers, FSDP2 under PP."""
+    m, p = cfg.model, cfg.parallel
     _check(m.num_experts % p.ep == 0,
            f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} (--parallel.ep)")
     _check(p.pp <= m.n_layers,
@@ -511,6 +442,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(p.zero < 3 or p.pp == 1 or p.schedule in ("gpipe", "1f1b"),
            f"parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not {p.schedule} "
            "(--parallel.zero 2, or --parallel.schedule 1f1b)")
+
+
+def _check_dp_ep(cfg: Config) -> None:
+    """The DP flavour, EP overlap and lanes, zero levels, network emulation and the global batch."""
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     _check(p.dp_impl == "bucketed" or (p.pp == 1 and p.ep == 1),
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
@@ -548,14 +484,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
            "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "
            "(--parallel.emulate h100-sxm, or leave them 0)")
+    _check(not p.emulate or t.device != "cuda", "parallel.emulate holds the calling thread, which NCCL's asynchronous "
+           "collectives do not wait for: emulate on CPU (--train.device cpu)")
     _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
-    _check_elastic(cfg)
-    if world_size is not None:
-        _check(world_size == cfg.world_size,
-               f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "
-               f"(set --parallel.dp/--parallel.pp/--parallel.ep so their product is {world_size})")
 
 
 def elastic_nodes(spec: str) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Errors that end a run with one line instead of a traceback, each kind with its own exit code
-(docs/reliability.md). ConfigError, for bad input, lives in config.py.
+(docs/reliability.md). A leaf, as config.py (which re-exports ConfigError) and parse.py import it.
 
     exit 1  TrainingError    the run cannot go on (a non-finite step under train.on_nonfinite=stop)
     exit 2  ConfigError      bad input: config, data, layout, a run/cache/output dir that cannot be written
@@ -9,6 +9,10 @@
 
 EXIT_CODES = {"training": 1, "config": 2, "checkpoint": 3, "storage": 4}  # by `kind`
 LABELS = {"training": "", "config": "config error: ", "checkpoint": "checkpoint error: ", "storage": "storage error: "}
+
+
+class ConfigError(ValueError):
+    """Bad user input: one line naming the field and the fix; exit 2."""
 
 
 class TrainingError(RuntimeError):

@@ -541,6 +541,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     """`nanotitan train --elastic.*`: this node's agent (and node 0's coordinator); returns the exit code."""
     import torch.distributed as dist
 
+    from ..config.resolve import cpu_peak_for_ranks
     from ..data.prepare import prepare_data
     from ..run.rundir import owned_run_dir
 
@@ -549,7 +550,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
         raise ConfigError("an elastic job re-plans its layout for every world: add --parallel.auto true "
                           "(and --train.global_batch B to fix the batch)")
     min_nodes, _ = elastic_nodes(e.nodes)
-    plan_world(cfg, min_nodes * e.nproc_per_node)  # a job that cannot even start fails here, in one line
+    first = plan_world(cfg, min_nodes * e.nproc_per_node)  # a job that cannot even start fails here, in one line
     host, port = e.endpoint.rsplit(":", 1)
     timeout = timedelta(seconds=e.join_timeout_s)
     raw, is_host = None, False
@@ -583,7 +584,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
 
     node = register() if is_host else -1  # node 0 first: node ids start with the host
     prepare_data(cfg.data)  # once per node, before a member's ranks look for it
-    _cpu_peak_for_ranks(cfg)
+    cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
     agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
     if not is_host:
         node = register()
@@ -630,15 +631,3 @@ class _nothing:
     def __exit__(self, *exc):
         return False
 
-
-def _cpu_peak_for_ranks(cfg: Config) -> None:
-    """The CPU GEMM peak that bounds MFU, measured once here and handed down (else every rank measures it on the
-    shared cores at each generation's start)."""
-    import torch
-
-    from ..observe.metrics import cpu_peak_env, cpu_peak_flops
-
-    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) or cfg.train.peak_flops:
-        return
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // cfg.elastic.nproc_per_node)
-    os.environ[cpu_peak_env(cfg.train.dtype)] = str(cpu_peak_flops(threads, cfg.train.dtype))

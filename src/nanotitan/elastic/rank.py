@@ -79,7 +79,7 @@ class ElasticTrainer(Trainer):
 
     def train_step(self, step: int):
         if self.is_main and self.store.check([f"gen/{self.gen}/stop"]):
-            self.stop_requested = True  # the whole world stops after this step: agree_on_step all-reduces it
+            self.request_stop("elastic coordinator: a node joins or leaves")  # agree_on_step all-reduces it
         out = super().train_step(step)
         stop = out[-1]  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
         k = self.cfg.elastic.snapshot_every

@@ -1,4 +1,5 @@
-"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary and progress.
+"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary and progress, and
+the observers a rank opens for them (writer, profiler, memory meters).
 
 The record's fields are the `metrics.jsonl` surface (DESIGN §5); the summary gathers one row per rank
 (coordinates, peak memory, communication waits per axis) to global rank 0, which prints it as a table
@@ -7,6 +8,7 @@ and writes `summary.json`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,9 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .metrics import fmt_bytes, peak_mem_bytes
+from .metrics import MetricsWriter, StepMeters, fmt_bytes, live_tensor_bytes, peak_mem_bytes
+from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
-from ..model.transformer import Transformer, is_moe_layer
+from ..model.transformer import Transformer, flops_per_token, is_moe_layer
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
 from ..parallel.pp import StepStats, theoretical_bubble
@@ -115,6 +118,39 @@ def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.devi
     return summary
 
 
+def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWriter, StepProfiler, StepMeters]:
+    """(writer, profiler, meters) of a rank's run: metrics.jsonl, TensorBoard and W&B on rank 0 (appended to on
+    resume), torch.profiler over run.profile_steps, and the memory meters (metrics.StepMeters, some logged steps)."""
+    writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=bool(cfg.train.resume),
+                           wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
+    return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
+            StepMeters(model, device, cfg.run.peak_every))
+
+
+def interval_meters(meters, dims: ParallelDims, device: torch.device) -> dict:
+    """A record's memory figures (metrics.StepMeters): the saved activations and the step peak, the latter maximised
+    over ranks. None (left out of the record) when no metered step fell in the interval: the same steps are
+    metered on every rank, so every rank skips the peak's all-reduce alike."""
+    peak = meters.take_interval_peak()
+    return {"act_peak_bytes": meters.take_interval_acts(),
+            "peak_tensor_bytes": None if peak is None else max_over_ranks(peak, dims, device)}
+
+
+def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer, run_dir: Path) -> dict:
+    """The end of a run: this rank's profile table printed (every rank its own; torchrun prefixes the lines with
+    [rankN]:), then gather_summary's rows (collective) with each rank's live tensor bytes and meter peaks, and the
+    writer closed."""
+    profile = profiler.close()
+    if profile:
+        print(profile, flush=True)
+    shard = logger.shard
+    mem = {**live_tensor_bytes(model, optimizer), "act_peak_bytes": meters.act_peak_bytes,
+           "peak_tensor_bytes": meters.peak_tensor_bytes}
+    summary = gather_summary(logger.last, shard.dims.rank, shard.dims, logger.device, logger.wait_totals, run_dir, mem)
+    writer.close()
+    return summary
+
+
 def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -175,11 +211,12 @@ class StepLogger:
     and keeps them, with the run's per-axis communication waits for the summary. `log` is collective:
     every rank calls it on the same steps (it reduces the losses and the expert loads)."""
 
-    def __init__(self, writer, shard, device: torch.device, *, M: int, schedule: str, tokens_per_step: int,
-                 flops_per_token: float, peak_flops: float, aux_weight: float, virtual_stages: int = 1):
+    def __init__(self, writer, shard, device: torch.device, cfg, peak_flops: float, aux_weight: float):
+        p, t = cfg.parallel, cfg.train
         self.writer, self.shard, self.device = writer, shard, device
-        self.M, self.schedule, self.aux_weight, self.virtual_stages = M, schedule, aux_weight, virtual_stages
-        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.M, self.schedule, self.virtual_stages = p.microbatches, p.schedule, p.virtual_stages
+        self.aux_weight, self.peak_flops = aux_weight, peak_flops
+        self.tokens_per_step, self.flops_per_token = cfg.layout_batch * t.seq_len, flops_per_token(cfg.model, t.seq_len)
         self.history: list[dict] = []
         self.wait_totals = {a: 0.0 for a in comm.AXES}
         comm.COMM.reset()
@@ -208,13 +245,15 @@ class StepLogger:
         return record
 
 
-def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, threads: int) -> str:
+def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=None) -> str:
     """The run's first line: the layout (with the layers per stage that pp_layers auto chose, halves shown), the
-    batch arithmetic B = dp*ep*M*m, tokens per step, this rank's parameters, the MFU peak and threads per rank."""
+    batch arithmetic B = dp*ep*M*m, tokens per step, this rank's parameters, the MFU peak and threads per rank;
+    then, under parallel.emulate, a line describing the emulated network (`links`, emulate.LinkModel)."""
     p, t = cfg.parallel, cfg.train
     per = "chunk" if p.schedule == "interleaved" else "stage"
     split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
     B = cfg.layout_batch
     return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} | B={B} seqs = dp*ep*M*m = "
             f"{data_world}*{p.microbatches}*{t.micro_batch} | {B * t.seq_len} tokens/step | "
-            f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {threads}")
+            f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {t.threads}"
+            + (f"\n{links.describe()}" if links is not None else ""))

@@ -6,6 +6,7 @@ would take for its bytes, so one CPU machine behaves like a cluster of nodes (do
     parallel.emulate_dilation   emulated seconds = modelled seconds / dilation; 0 (automatic): this CPU's GEMM peak /
                                 the profile's peak, both in the job's dtype, so that compute and communication keep
                                 the emulated cluster's ratio
+Both zeros are made concrete by config/resolve.py (`resolve_emulation`), before any rank builds its LinkModel.
 
 The link model uses hardware.py's conventions, the same formulas the planner prices a layout with. A group whose
 ranks share one node runs on the profile's intra-node link; one that spans nodes on the inter-node link (the
@@ -34,9 +35,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..config.config import Config, ConfigError
+from ..config.config import Config
 from ..config.hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
-from ..config.hardware import cpu_peak_flops as measured_peak_flops
 
 
 @dataclass
@@ -140,34 +140,16 @@ def emulated_peak_flops(hw: Hardware, dtype: str) -> float:
     return hw.peak_flops("bf16" if dtype == "bf16" else "fp32")
 
 
-def profile(cfg: Config) -> Hardware:
-    """The hardware profile parallel.emulate names, or a ConfigError naming the field."""
-    try:
-        return get_hardware(cfg.parallel.emulate)
-    except ValueError as e:
-        why = str(e).replace("(--hardware NAME|FILE)", "(--parallel.emulate NAME|FILE)")
-        raise ConfigError(f"parallel.emulate={cfg.parallel.emulate!r}: {why}") from None
-
-
-def link_model(cfg: Config, rank: int = 0, threads: int = 1, device_type: str = "cpu",
-               cpu_peak_flops: float | None = None) -> LinkModel | None:
-    """The LinkModel of `parallel.emulate*` for global rank `rank` (None when parallel.emulate is empty); a
-    profile that does not exist fails here with one line. The automatic dilation divides this CPU's GEMM peak on
-    `threads` threads (`cpu_peak_flops`, else measured: bounded and cached, and handed down by the launcher,
-    hardware.cpu_peak_flops) by the profile's peak, both in train.dtype."""
+def link_model(cfg: Config, rank: int = 0) -> LinkModel | None:
+    """The LinkModel of `parallel.emulate*` for global rank `rank` (None when parallel.emulate is empty), from the
+    values config/resolve.py made concrete (`resolve_emulation`: the profile checked, the node size and the
+    automatic dilation settled); here nothing is measured or chosen, the named profile is only looked up."""
     p = cfg.parallel
     if not p.emulate:
         return None
-    if device_type == "cuda":  # a host-side hold cannot delay NCCL work already queued on a stream
-        raise ConfigError("parallel.emulate holds the calling thread, which NCCL's asynchronous collectives do not "
-                          "wait for: emulate on CPU (--train.device cpu)")
-    hw = profile(cfg)
-    dilation = p.emulate_dilation
-    if not dilation:
-        if cpu_peak_flops is None:
-            cpu_peak_flops = measured_peak_flops(threads, cfg.train.dtype)
-        dilation = cpu_peak_flops / emulated_peak_flops(hw, cfg.train.dtype)
-    return LinkModel(hw, p.emulate_node_size or hw.devices_per_node, dilation, rank)
+    assert p.emulate_node_size > 0 and p.emulate_dilation > 0, \
+        "parallel.emulate_node_size/emulate_dilation are settled by config/resolve.py (resolve_emulation)"
+    return LinkModel(get_hardware(p.emulate), p.emulate_node_size, p.emulate_dilation, rank)
 
 
 # --- what parallel/comm.py calls: a deadline per call, then the hold ------------------------------------------

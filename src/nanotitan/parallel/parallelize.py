@@ -30,7 +30,7 @@ from .ep import apply_ep
 from .fsdp import FSDPSync
 from .pp_chunks import StageChunks
 from .init import broadcast_params, check_replicas
-from .sync import GradSync, ReplicatedSync, TorchDDPSync, zero_memory_choices
+from .sync import GradSync, ReplicatedSync, TorchDDPSync
 from .zero import ZeroSync
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -67,17 +67,15 @@ def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
 
 
-def pick_device(cfg: Config, local_rank: int) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but no CUDA device is visible (--train.device cpu)")
-        if cfg.parallel.ep_overlap_microbatches:  # before any process group: fails on every rank alike
-            raise ConfigError("parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane needs its "
-                              "own stream, not built yet (docs/ep.md) (--parallel.ep_overlap_microbatches false)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def pick_device(device: str, local_rank: int) -> torch.device:
+    """This rank's device for train.device as resolve.py made it concrete ("cpu" or "cuda")."""
+    assert device in ("cpu", "cuda"), f"train.device={device!r} is made concrete by config/resolve.py"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible (--train.device cpu)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelShard:
@@ -118,7 +116,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bf16" else None  # None: reduce in the gradients' fp32
     args = (model, dims, shard.expert_params, shard.replicated_params)
     # what zero 2/3 hold during a step: gradients accumulated in shards or full, zero 3's params regathered or kept
-    accumulate, reshard = zero_memory_choices(p.zero, p.pp, p.schedule, p.zero_accumulate, p.zero3_reshard)
+    # (resolve.py settled "auto" with sync.zero_memory_choices)
+    accumulate, reshard = p.zero_accumulate, p.zero3_reshard
     if p.dp_impl == "torch_ddp" and distributed:
         shard.sync = TorchDDPSync(*args, p.bucket_mb)
     elif p.zero == 3:  # FSDP2 on the non-expert-DP and expert-DP meshes

@@ -1,0 +1,129 @@
+"""TOML values and `--section.key VALUE` overrides as the config fields' declared types (load_config's parsing).
+
+Each refusal is one ConfigError line naming the key and the fix; a value from a TOML file names the file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+import typing
+from dataclasses import fields
+from typing import Literal
+
+from .errors import ConfigError
+
+
+def section_types(section_cls) -> dict[str, object]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in fields(section_cls)}
+
+
+TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def coerce(value, typ, name: str, where: str | None = None):
+    """The value as the field's declared type, or a one-line ConfigError.
+
+    where=None: a CLI override, a string by nature, parsed here ("1e-3" -> 0.001). Otherwise `where` is the
+    TOML file the value came from: TOML values are typed, so a string where a number belongs (lr = "0.001")
+    is refused, and the message names the file and key instead of a flag.
+    """
+    from_cli = where is None
+
+    def bad(expected: str, example: str, hint: str = "") -> ConfigError:
+        if from_cli:
+            return ConfigError(f"{name} must be {expected}, got {value!r} (--{name} {example})")
+        return ConfigError(f"{where}: {name} must be {expected}, got {value!r}{hint}")
+
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):  # list[int] | Literal["auto"]: a later member, else the first
+        members = typing.get_args(typ)
+        for member in members[1:]:
+            try:
+                return coerce(value, member, name, where)
+            except ConfigError:
+                pass
+        return coerce(value, members[0], name, where)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r} is not one of {list(choices)} (--{name})" if from_cli
+                              else f"{where}: {name}={value!r} is not one of {list(choices)}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(typ)
+        if from_cli and isinstance(value, str):
+            value = [v.strip() for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad("a list", "1,2,3")
+        return [coerce(v, inner, name, where) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in TRUE + FALSE:
+            return value.lower() in TRUE
+        raise bad("true or false", "true")
+    if typ is int or typ is float:
+        expected, example = ("an integer", "N") if typ is int else ("a number", "X")
+        if isinstance(value, (int, float) if typ is float else int) and not isinstance(value, bool):
+            return typ(value)
+        if isinstance(value, str):
+            try:
+                parsed = typ(value)
+            except ValueError:
+                parsed = None
+            if parsed is not None and from_cli:
+                return parsed
+            if parsed is not None:
+                raise bad(expected, example, f" (drop the quotes: {name.split('.', 1)[1]} = {value.strip()})")
+        raise bad(expected, example)
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise bad("a string", "TEXT")
+    raise AssertionError(f"unsupported config type {typ} for {name}")
+
+
+def set_value(cfg, section: str, key: str, value, where: str | None = None) -> None:
+    """cfg.section.key = value; `where` is the TOML file the value came from (None: a CLI override)."""
+    at = f"{where}: " if where else ""
+    sections = [f.name for f in fields(cfg)]
+    if section not in sections:
+        raise ConfigError(f"{at}unknown config section [{section}] (valid: {', '.join(sections)})")
+    sec = getattr(cfg, section)
+    types = section_types(type(sec))
+    if key not in types:
+        raise ConfigError(
+            f"{at}unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
+        )
+    if (section, key) in RENAMED_VALUES and value in RENAMED_VALUES[section, key]:
+        old, value = value, RENAMED_VALUES[section, key][value]
+        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+            print(f"nanotitan: {section}.{key}={old} is deprecated; use {value}", file=sys.stderr)
+    setattr(sec, key, coerce(value, types[key], f"{section}.{key}", where))
+
+
+# Old values kept as aliases: (section, key) -> {old: new}.
+RENAMED_VALUES = {("parallel", "dp_impl"): {"nanotitan": "bucketed"}}
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """['--model.n_layers', '4', '--train.lr=1e-3'] -> [('model', 'n_layers', '4'), ('train', 'lr', '1e-3')]."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=")[0]:
+            raise ConfigError(f"unexpected argument {a!r}: overrides look like --section.key VALUE")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{a} needs a value ({a} VALUE)")
+            k, v = a[2:], args[i + 1]
+            i += 2
+        section, key = k.split(".", 1)
+        out.append((section, key, v))
+    return out

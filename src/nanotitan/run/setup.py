@@ -1,0 +1,120 @@
+"""One rank's process before its first step: who it is, its threads and device, the emulated network, its data and
+its process groups, in the order that makes bad input fail before any process group exists (DESIGN §5); then, once
+the shard is built, the checkpoint it resumes from. The Trainer's setup; every value it reads is concrete
+(config/resolve.py), so nothing here chooses or measures.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .allocator import keep_freed_memory
+from ..config.config import Config, ConfigError, validate
+from ..data.indexed import IndexedBatches
+from ..data.prepare import load_meta, load_tokenizer, prepare_data
+from ..data.streaming import make_streaming_loader
+from ..parallel import emulate
+from ..parallel.dims import ParallelDims, init_distributed
+from ..parallel.emulate import LinkModel
+from ..parallel.parallelize import ModelShard, pick_device
+from ..parallel.step import split_microbatches
+from ..state import checkpoint as ckpt
+from ..state import manifest
+
+
+@dataclass
+class RankData:
+    """This data rank's share of every global batch of B sequences: b = M*m of them (DESIGN §4)."""
+    train: IndexedBatches
+    val: IndexedBatches
+    stream: Iterator | None  # data.loader=streaming's batches of this data rank (None: the indexed files)
+    dims: ParallelDims
+    B: int  # sequences per step, dp*ep*M*m
+    m: int  # sequences per microbatch
+    device: torch.device
+
+    @property
+    def b(self) -> int:
+        return self.B // self.dims.data_world
+
+    def batch(self, step: int):
+        """This data rank's M microbatches of global step `step`: rows [r*b, (r+1)*b) of the global batch,
+        a pure function of (seed, step) (or the next ones of the streaming loader)."""
+        x, y = next(self.stream) if self.stream is not None else \
+            self.train.rank_batch(step, self.B, self.dims.data_rank, self.b)
+        return split_microbatches(x, y, self.m, self.device)
+
+    def val_batches(self, n: int):
+        """This data rank's rows of `n` fixed global batches of the val split (the same at every eval)."""
+        return self.val.eval_batches(n, self.B, self.dims.data_rank, self.b)
+
+
+@dataclass
+class RankSetup:
+    rank: int  # global rank (torchrun's RANK; a bare `python` run is a world of one)
+    world: int
+    device: torch.device
+    links: LinkModel | None  # parallel.emulate's network, installed for every later collective (None: off)
+    dims: ParallelDims  # with its groups built when world > 1
+    data: RankData
+
+
+def setup_rank(cfg: Config) -> RankSetup:
+    """identity -> validate against the world -> threads, device, emulated links -> data -> process groups."""
+    t, p = cfg.train, cfg.parallel
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    validate(cfg, world_size=world)  # a bad layout fails here, before any process group exists
+    torch.set_num_threads(t.threads)
+    keep_freed_memory()  # each step reuses the last one's host memory instead of faulting it in anew
+    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)))
+    # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
+    # (parallel/emulate.py); None when off.
+    links = emulate.install(emulate.link_model(cfg, rank))
+    dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank)
+    log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    train, val, stream = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
+    if world > 1:  # every group built once, in the same order on every rank
+        if not dist.is_initialized():
+            init_distributed("nccl" if device.type == "cuda" else "gloo", rank, world, timedelta(seconds=p.timeout_s),
+                             device)
+        dims.build_groups(timeout_s=p.timeout_s)
+    return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, cfg.layout_batch,
+                                                                 t.micro_batch, device))
+
+
+def open_data(cfg: Config, dims: ParallelDims, b: int, log):
+    """(train, val, stream): the prepared token files read by global index (DESIGN §4), and the seed's streaming
+    loader when data.loader=streaming (HF streaming, split by data rank; else None). Prepared once: a file lock
+    makes the other ranks wait."""
+    t = cfg.train
+    data_dir = prepare_data(cfg.data, log=log)
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
+                          f"(--model.vocab_size {meta['vocab_size']})")
+    train = IndexedBatches(data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
+    val = IndexedBatches(data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
+    stream = None
+    if cfg.data.loader == "streaming":
+        stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,
+                                            prepared=data_dir))
+    return train, val, stream
+
+
+def resume_step(where: str, run_dir: Path, shard: ModelShard, optimizer, verify: bool, log) -> int:
+    """train.resume: load "auto" (the newest checkpoint that verifies; skipped newer ones are named), a step dir or a
+    run dir into the shard and its optimizer; the step to go on from (0 when "auto" finds none yet)."""
+    path = manifest.resolve_resume(where, run_dir, verify=verify, log=log)
+    if path is None:
+        log("train.resume=auto: no complete checkpoint yet, starting from step 0")
+        return 0
+    step = int(ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, verify, shard=shard)["step"])
+    log(f"resumed from {path} at step {step}")
+    return step
