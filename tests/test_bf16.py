@@ -24,7 +24,7 @@ from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher
 from nanotitan.parallel.parallelize import parallelize
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 from tests.mp import run_ranks
 
 TINY = ["--data.vocab_size", "300", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48",

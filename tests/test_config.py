@@ -144,7 +144,7 @@ def test_rope_sequence_up_to_max_seq_len_runs_and_one_more_is_refused():
     import torch
 
     from nanotitan.model.transformer import Transformer
-    from nanotitan.config.resolve import resolve
+    from nanotitan.resolve import resolve
 
     args = ["--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_dim", "32",
             "--model.num_experts", "2", "--data.vocab_size", "300", "--model.max_seq_len", "16"]

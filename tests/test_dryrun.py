@@ -48,7 +48,7 @@ def test_planner_counts_the_expert_gradients_many_local_experts_land_at_once():
     and the groups' pieces beside the three whole gradients. The planner's peak is within 2% of the code's on both
     stages (bf16 with checkpointing, fp32 without), its state bytes exact."""
     from nanotitan.plan import Layout, predict
-    from nanotitan.config.resolve import resolve
+    from nanotitan.resolve import resolve
 
     base = ("--model.vocab_size 512 --data.vocab_size 512 --model.d_model 64 --model.n_layers 4 --model.n_heads 4 "
             "--model.ffn_dim 128 --model.num_experts 64 --model.top_k 2 --train.seq_len 64 --model.max_seq_len 64 "
@@ -155,7 +155,7 @@ def test_zero3_ranks_split_by_the_chunks_fsdp_gives_them():
     the same size, but AdamW's two moments follow the real chunk: two kinds of rank, built separately, whose optimizer
     state differs by exactly one router row per layer per moment (and that is what each kind's rank 0 and 4 hold)."""
     from nanotitan.plan.dryrun import measure_rank
-    from nanotitan.config.resolve import resolve
+    from nanotitan.resolve import resolve
 
     cfg = resolve(load_config(None, ["--model.d_model", "64", "--model.n_heads", "4", "--model.ffn_dim", "96",
                                      "--model.n_layers", "2", "--model.num_experts", "4", "--model.vocab_size", "512",

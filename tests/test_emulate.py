@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import BUILTIN
-from nanotitan.config.resolve import resolve_emulation
+from nanotitan.resolve import resolve_emulation
 from nanotitan.parallel import comm, emulate
 from nanotitan.parallel.emulate import LinkModel
 from tests.mp import run_ranks
@@ -39,7 +39,7 @@ def test_link_model_prices_each_op_by_the_links_it_crosses():
 
 def test_link_model_from_config_and_its_errors(tmp_path):
     cfg = load_config(None, ["--parallel.emulate", "h800", "--parallel.emulate_node_size", "2"])
-    # automatic dilation (config/resolve.py): this CPU's GEMM peak (given here) / the profile's peak in train.dtype
+    # automatic dilation (resolve.py): this CPU's GEMM peak (given here) / the profile's peak in train.dtype
     m = emulate.link_model(resolve_emulation(cfg, cpu_peak=H800.peak_flops_fp32 / 1000), rank=3)
     assert (m.node_size, m.dilation, m.node(3)) == (2, pytest.approx(1e-3), 1)
     assert emulate.link_model(load_config(None, [])) is None  # off by default

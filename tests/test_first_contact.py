@@ -15,7 +15,7 @@ from nanotitan import cli
 from nanotitan.interop import hf
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.transformer import Transformer
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from nanotitan.interop import hf
 from nanotitan.config.config import ConfigError, ModelConfig, load_config
 from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 from tests.mp import run_ranks
 
 V_TOK, V_MODEL = 300, 320  # tokenizer size, and a padded model vocab as real checkpoints have

@@ -47,7 +47,7 @@ def good(tmp_path_factory, corpus_dir):
     """A run dir with good checkpoints step_2 and step_4 (saved in this process, the job's own config), a tokenizer
     trained on the corpus, and a transformers-layout dir of the same model with that tokenizer."""
     from nanotitan.config.config import DataConfig, load_config
-    from nanotitan.config.resolve import resolve
+    from nanotitan.resolve import resolve
     from nanotitan.data.sources import iter_documents
     from nanotitan.data.tokenizer import train_bpe
     from nanotitan.interop import hf

@@ -143,3 +143,23 @@ def test_scanner_sees_function_level_and_package_imports(tmp_path):
     assert graph[f"{PKG}.a"] == {f"{PKG}.b"}
     assert graph[f"{PKG}.b"] == {f"{PKG}.sub", f"{PKG}.sub.c"}
     assert cycles(graph) == [[f"{PKG}.a", f"{PKG}.b", f"{PKG}.sub", f"{PKG}.sub.d"]]
+
+
+# The floors of the house (docs/architecture.md), bottom up: a module imports only from its own floor or below.
+FLOORS = {"config": 0, "model": 1, "data": 1, "parallel": 2, "state": 3, "interop": 4, "run": 4, "observe": 5,
+          "plan": 6, "resolve": 7, "train": 8, "generate": 8, "elastic": 9, "bench": 10, "cli": 10, "hf": 10}
+# The one import that runs back up, and why: a dry run builds what a launch at N ranks builds, so it resolves the
+# config as the launch does (plan/dryrun.py `launch_config`).
+UPWARD = {(f"{PKG}.plan.dryrun", f"{PKG}.resolve")}
+
+
+def _floor(module: str) -> int:
+    return FLOORS[module.split(".")[1]] if module != PKG else max(FLOORS.values())
+
+
+def test_imports_run_down_the_floors():
+    """Every module of the package sits on a floor, and at most one import (UPWARD) runs back up."""
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m != PKG} <= set(FLOORS), "a new top-level module needs a floor"
+    up = {(a, b) for a, edges in graph.items() for b in edges if b != PKG and _floor(b) > _floor(a)}
+    assert up == UPWARD, sorted(up - UPWARD)

@@ -9,7 +9,7 @@ split depends on the hardware resolve passes, not on whether CUDA is visible ins
 import pytest
 import torch
 
-from nanotitan.config import resolve as R
+from nanotitan import resolve as R
 from nanotitan.config.config import Config, ConfigError, ParallelConfig, load_config, to_dict, to_toml, validate
 from nanotitan.config.hardware import get_hardware
 from nanotitan.model.spec import build_chunk_specs, chunk_layer_counts

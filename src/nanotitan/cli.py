@@ -46,7 +46,7 @@ def cmd_train(argv: list[str]) -> int:
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun
     from .config.fits import does_not_fit
-    from .config.resolve import planned_flags, resolve
+    from .resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
@@ -102,7 +102,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
-    from .config.resolve import cpu_peak_for_ranks
+    from .resolve import cpu_peak_for_ranks
     from .run.launch import launch_local
 
     cpu_peak_for_ranks(cfg)  # CPU: the MFU peak, measured once for this launch's ranks (and bf16 advice)
@@ -180,7 +180,7 @@ def cmd_data(argv: list[str]) -> int:
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
     from .data.prepare import load_meta, prepare_data
 
-    from .config.resolve import resolve_model
+    from .config.hf_config import resolve_model
 
     path, overrides = _split_config(argv[1:])
     cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer

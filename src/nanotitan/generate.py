@@ -17,7 +17,7 @@ from .config.config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
 from .model.transformer import Transformer
 from .parallel.dims import ParallelDims
-from .config.resolve import resolve_model
+from .config.hf_config import resolve_model
 
 
 def load_full_model(cfg: Config, run_dir: Path) -> Transformer:

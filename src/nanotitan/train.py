@@ -25,9 +25,10 @@ from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel import stall, step as S
+from .interop.hf import shard_loader
 from .parallel.lanes import LaneMeans
 from .parallel.parallelize import build_optimizer, parallelize
-from .config.resolve import resolve
+from .resolve import resolve
 from .run.setup import resume_step, setup_rank
 
 
@@ -79,7 +80,7 @@ class Trainer:
         self.data, self.B, self.is_main = rs.data, cfg.layout_batch, rs.rank == 0  # data: b = M*m of each step's B
 
         # --- this rank's shard, identical replicas, gradient sync; then the optimizer over the shard -----
-        self.shard = parallelize(cfg, self.dims, self.device)
+        self.shard = parallelize(cfg, self.dims, self.device, shard_loader(cfg))
         self.model = self.shard.model
         stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)

@@ -9,7 +9,7 @@ from nanotitan.config.config import load_config
 from nanotitan.model.moe import MoE, pack_expert_major
 from nanotitan.model.spec import build_shard_spec, layer_bounds
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "4",
         "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]

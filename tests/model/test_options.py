@@ -14,7 +14,7 @@ from nanotitan.model.moe import MoE
 from nanotitan.model.spec import build_shard_spec
 from nanotitan.model.transformer import (Attention, Transformer, flops_per_token, is_expert_param, is_moe_layer,
                                          num_moe_layers)
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "4",
         "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]

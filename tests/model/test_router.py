@@ -13,7 +13,7 @@ from nanotitan.state.checkpoint import keyed_tensors, load_checkpoint, save_chec
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer
-from nanotitan.config.resolve import resolve
+from nanotitan.resolve import resolve
 
 D, FH, E = 16, 24, 4
 

@@ -376,7 +376,7 @@ def test_config_and_split_for_the_new_schedules():
 
     from nanotitan.config.config import ConfigError, load_config
     from nanotitan.model.spec import chunk_layer_counts
-    from nanotitan.config.resolve import auto_layer_counts, resolve
+    from nanotitan.resolve import auto_layer_counts, resolve
 
     bad = [(["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
              "--parallel.microbatches", "3"], "needs parallel.microbatches=3 to be a multiple of parallel.pp=2"),

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.config import load_config
-from ..config.resolve import resolve_emulation
+from ..resolve import resolve_emulation
 from ..model.spec import chunk_layer_counts
 from ..parallel import comm, emulate
 from ..parallel.dims import ParallelDims

@@ -31,7 +31,7 @@ from ..config.config import Config, ConfigError, load_config, validate
 from ..parallel import emulate
 from ..parallel import pp as pp_schedules
 from ..plan import Layout, enumerate_layouts, layout_config
-from ..config.resolve import resolve_emulation, resolve_model
+from ..resolve import resolve_emulation, resolve_model
 
 
 def layouts_for(cfg: Config, world: int, micro_batch: int, schedule: str) -> list[Layout]:

@@ -36,7 +36,7 @@ from ..config.config import load_config
 from ..config.hardware import detect_hardware
 from ..parallel import emulate
 from ..plan import Layout, PlanOptions, predict
-from ..config.resolve import resolve_emulation, resolve_model
+from ..resolve import resolve_emulation, resolve_model
 from .emulate import parse_topology
 
 

@@ -46,7 +46,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.pp import pipeline_forward_backward, theoretical_bubble, virtual_stages
 from ..parallel.pp_chunks import StageChunks
 from ..parallel.pp_comms import StageComms
-from ..config.resolve import auto_layer_counts
+from ..resolve import auto_layer_counts
 from ..run.spawn import run_ranks
 
 PP, M, MB, SEQ, VOCAB, D, V = 2, 8, 2, 128, 4096, 256, 2

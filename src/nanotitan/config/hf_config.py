@@ -10,10 +10,11 @@ mapping (our config -> config.json, for export) needs the model's derived sizes,
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
-from .config import Config, ConfigError, ModelConfig
+from .config import Config, ConfigError, ModelConfig, validate
 from .errors import first_line
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -165,3 +166,19 @@ def apply_init_config(cfg: Config, need_tokenizer: bool = True) -> None:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} conflicts with init.from_hf, whose tokenizer is "
                           f"{tok} (drop --data.tokenizer)")
     cfg.data.tokenizer = str(tok.resolve())
+
+
+def resolve_model(cfg: Config) -> Config:
+    """A copy of cfg whose model and data keys are concrete (init.from_hf's model and tokenizer,
+    model.vocab_size); the layout stays as written. What `nanotitan plan`, `bench layouts` and `data prepare`
+    need; resolve() (nanotitan/resolve.py) starts with it."""
+    if cfg.resolved:
+        return cfg
+    c = copy.deepcopy(cfg)
+    if c.init.from_hf:
+        apply_init_config(c)
+    if c.model.vocab_size == 0:
+        c.model.vocab_size = c.data.vocab_size
+    if c.init.from_hf:
+        validate(c)  # load_config could not: the model keys were init.from_hf's, unknown until now
+    return c

@@ -91,7 +91,7 @@ def job_hash(cfg: Config) -> str:
 
 def plan_world(cfg: Config, world: int) -> Config:
     """The resolved config for `world` ranks (raises ConfigError when no layout fits)."""
-    from ..config.resolve import resolve
+    from ..resolve import resolve
 
     return resolve(cfg, world)
 
@@ -100,7 +100,7 @@ class Coordinator:
     """Node 0's membership decisions, one `tick` at a time (between the agent's own ticks)."""
 
     def __init__(self, cfg: Config, store, my_hash: str):
-        from ..config.resolve import planned_flags
+        from ..resolve import planned_flags
 
         self.cfg, self.store, self.hash, self.planned_flags = cfg, store, my_hash, planned_flags
         self.min_nodes, self.max_nodes = elastic_nodes(cfg.elastic.nodes)
@@ -541,7 +541,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     """`nanotitan train --elastic.*`: this node's agent (and node 0's coordinator); returns the exit code."""
     import torch.distributed as dist
 
-    from ..config.resolve import cpu_peak_for_ranks
+    from ..resolve import cpu_peak_for_ranks
     from ..data.prepare import prepare_data
     from ..run.rundir import owned_run_dir
 

@@ -217,6 +217,14 @@ def _load_experts(r: _Reader, family: str, layer: int, which: int, p: torch.Tens
         _copy(p, gate_up[:, which * Fh:(which + 1) * Fh].transpose(1, 2), base + "gate_up_proj", name)
 
 
+def shard_loader(cfg: Config):
+    """What `parallelize` calls on each model chunk to fill it from init.from_hf (None without one): the caller
+    hands it down, so parallel/ never imports interop/."""
+    if not cfg.init.from_hf:
+        return None
+    return lambda chunk: load_into_shard(chunk, cfg.init.from_hf)
+
+
 @torch.no_grad()
 def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
     """Load this shard's slice of DIR's weights into `model` (built from the config apply_init_config

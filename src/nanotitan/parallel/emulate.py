@@ -6,7 +6,7 @@ would take for its bytes, so one CPU machine behaves like a cluster of nodes (do
     parallel.emulate_dilation   emulated seconds = modelled seconds / dilation; 0 (automatic): this CPU's GEMM peak /
                                 the profile's peak, both in the job's dtype, so that compute and communication keep
                                 the emulated cluster's ratio
-Both zeros are made concrete by config/resolve.py (`resolve_emulation`), before any rank builds its LinkModel.
+Both zeros are made concrete by resolve.py (`resolve_emulation`), before any rank builds its LinkModel.
 
 The link model uses hardware.py's conventions, the same formulas the planner prices a layout with. A group whose
 ranks share one node runs on the profile's intra-node link; one that spans nodes on the inter-node link (the
@@ -142,13 +142,13 @@ def emulated_peak_flops(hw: Hardware, dtype: str) -> float:
 
 def link_model(cfg: Config, rank: int = 0) -> LinkModel | None:
     """The LinkModel of `parallel.emulate*` for global rank `rank` (None when parallel.emulate is empty), from the
-    values config/resolve.py made concrete (`resolve_emulation`: the profile checked, the node size and the
+    values resolve.py made concrete (`resolve_emulation`: the profile checked, the node size and the
     automatic dilation settled); here nothing is measured or chosen, the named profile is only looked up."""
     p = cfg.parallel
     if not p.emulate:
         return None
     assert p.emulate_node_size > 0 and p.emulate_dilation > 0, \
-        "parallel.emulate_node_size/emulate_dilation are settled by config/resolve.py (resolve_emulation)"
+        "parallel.emulate_node_size/emulate_dilation are settled by resolve.py (resolve_emulation)"
     return LinkModel(get_hardware(p.emulate), p.emulate_node_size, p.emulate_dilation, rank)
 
 

@@ -17,6 +17,7 @@ the seed's division by EP). torch DDP divides by its group size, which is the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.AdamW:
 
 def pick_device(device: str, local_rank: int) -> torch.device:
     """This rank's device for train.device as resolve.py made it concrete ("cpu" or "cuda")."""
-    assert device in ("cpu", "cuda"), f"train.device={device!r} is made concrete by config/resolve.py"
+    assert device in ("cpu", "cuda"), f"train.device={device!r} is made concrete by resolve.py"
     if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -78,7 +79,8 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelShard:
+def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
+                load_weights: Callable[[nn.Module], object] | None = None) -> ModelShard:
     """Build this rank's shard of the model, make its replicas identical and attach its gradient sync.
     `dims` must have its groups built when the world has more than one rank."""
     # One model chunk per virtual pipeline stage (V > 1 only under the interleaved schedule): V chunks are
@@ -87,11 +89,9 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ModelS
     chunks = [Transformer(cfg.model, s, seed=cfg.train.seed) for s in specs]  # built and initialised on the CPU
     if device.type != "cpu":  # (a no-op move is not free either: `plan --dry-run`'s fake tensors cannot take it)
         chunks = [chunk.to(device) for chunk in chunks]
-    if cfg.init.from_hf:  # imported weights: each chunk reads only its own slice (hf.py); a resume overwrites them
-        from ..interop.hf import load_into_shard
-
+    if load_weights is not None:  # init.from_hf (interop/hf.py's shard_loader): each chunk reads only its slice
         for chunk in chunks:
-            load_into_shard(chunk, cfg.init.from_hf)
+            load_weights(chunk)
     spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     lanes = cfg.parallel.ep_overlap_microbatches and dims.ep > 1

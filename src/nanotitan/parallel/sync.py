@@ -220,7 +220,7 @@ class TorchDDPSync(GradSync):
 def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "auto",
                         reshard: str = "auto") -> tuple[str, str]:
     """(parallel.zero_accumulate, parallel.zero3_reshard) with "auto" made concrete: the one rule, for the job's
-    config (config/resolve.py; parallelize.py reads it) and the planner (plan/memory.py). Measured in docs/dp.md
+    config (resolve.py; parallelize.py reads it) and the planner (plan/memory.py). Measured in docs/dp.md
     ("Peak memory").
 
     zero3_reshard auto: "always" without PP; with PP "never", as torchtitan: its schedules run several microbatches'

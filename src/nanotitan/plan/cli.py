@@ -8,7 +8,7 @@ import sys
 
 from ..config.config import ConfigError, load_config
 from ..config.hardware import detect_hardware, save_hardware
-from ..config.resolve import resolve_model
+from ..config.hf_config import resolve_model
 from .calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
                         format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
@@ -129,10 +129,9 @@ def _dry_run(args, overrides: list[str]) -> int:
     """`--dry-run`: the config's own layout at --ranks N, every distinct rank built (plan/dryrun.py)."""
     import json
 
-    from ..config.resolve import resolve
-    from .dryrun import compare_with_planner, dry_run, format_comparison
+    from .dryrun import compare_with_planner, dry_run, format_comparison, launch_config
 
-    cfg = resolve(load_config(args.config, overrides), world=args.ranks)  # as a launch at N ranks resolves it
+    cfg = launch_config(load_config(args.config, overrides), args.ranks)
     p = cfg.parallel
     hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
                          dtype="bf16" if cfg.train.dtype == "bf16" else "fp32")

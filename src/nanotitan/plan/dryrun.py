@@ -295,12 +295,18 @@ class DryRun:
         return next((r for r in self.rows() if r["peak_bytes"] + reserved > limit), None)
 
 
+def launch_config(cfg: Config, world: int) -> Config:
+    """The config a launch at `world` ranks runs (a resolved one comes back as is). The planner's one import
+    back up the floors: a dry run builds what a launch would, so it resolves as the launch does."""
+    from ..resolve import resolve
+
+    return resolve(cfg, world=world)
+
+
 def dry_run(cfg: Config, world: int, log=None) -> DryRun:
     """Every distinct rank of `cfg` at `world` ranks (module docstring). Layout errors raise ConfigError first."""
-    from ..config.resolve import resolve
-
     t0 = time.perf_counter()
-    cfg = resolve(cfg, world=world)  # the config a launch at `world` ranks runs (a resolved one comes back as is)
+    cfg = launch_config(cfg, world)
     layout_errors(cfg, world)
     p = cfg.parallel
     classes = []

@@ -33,30 +33,14 @@ from typing import Callable
 
 import torch
 
-from .config import Config, ConfigError, validate
-from .hardware import Hardware, cpu_peak_env, cpu_peak_flops, get_hardware
-from .hf_config import apply_init_config
-from ..parallel import pp as pp_schedules
-from ..parallel.emulate import emulated_peak_flops
-from ..parallel.sync import zero_memory_choices
-from ..plan.cost import PlanOptions, balanced_layer_counts
-from ..plan.search import recommend
-
-
-def resolve_model(cfg: Config) -> Config:
-    """A copy of cfg whose model and data keys are concrete (init.from_hf's model and tokenizer,
-    model.vocab_size); the layout stays as written. What `nanotitan plan`, `bench layouts` and `data prepare`
-    need; resolve() starts with it."""
-    if cfg.resolved:
-        return cfg
-    c = copy.deepcopy(cfg)
-    if c.init.from_hf:
-        apply_init_config(c)
-    if c.model.vocab_size == 0:
-        c.model.vocab_size = c.data.vocab_size
-    if c.init.from_hf:
-        validate(c)  # load_config could not: the model keys were init.from_hf's, unknown until now
-    return c
+from .config.config import Config, ConfigError, validate
+from .config.hardware import Hardware, cpu_peak_env, cpu_peak_flops, get_hardware
+from .config.hf_config import resolve_model
+from .parallel import pp as pp_schedules
+from .parallel.emulate import emulated_peak_flops
+from .parallel.sync import zero_memory_choices
+from .plan.cost import PlanOptions, balanced_layer_counts
+from .plan.search import recommend
 
 
 def resolve(cfg: Config, world: int | None = None, hardware: Hardware | None = None,
@@ -139,7 +123,7 @@ def cpu_peak_for_ranks(cfg: Config) -> None:
     run on a CPU without native bf16 is told so in one line, and the GEMM peak that bounds MFU is measured here
     (bounded, cached) and handed to the ranks in `cpu_peak_env`; ranks sharing the cores would otherwise measure
     each other. One process measures its own (cached) peak."""
-    from ..observe.metrics import bf16_advice
+    from .observe.metrics import bf16_advice
 
     t = cfg.train
     if t.device == "cuda":
