@@ -30,7 +30,8 @@ from .data.indexed import IndexedBatches
 from .data.prepare import load_meta, load_tokenizer, prepare_data
 from .data.streaming import make_streaming_loader
 from .config.errors import TrainingError
-from .observe.metrics import MetricsWriter, StepMeters, job_peak_flops, live_tensor_bytes
+from .observe.memory import StepMeters, live_tensor_bytes
+from .observe.metrics import MetricsWriter, job_peak_flops
 from .model.transformer import flops_per_token, num_moe_layers
 from .parallel import emulate, stall, step as S
 from .parallel.dims import ParallelDims, init_distributed
@@ -181,7 +182,7 @@ class Trainer:
 
     def train_step(self, step: int):
         """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
-        The 1st and every run.peak_every-th logged step are metered (metrics.StepMeters): the bytes autograd saves for
+        The first two and every run.peak_every-th logged step are metered (memory.StepMeters): the bytes autograd saves for
         backward, and the high-water mark of every live tensor over the whole step; both cost a Python call per
         tensor or op."""
         cfg = self.cfg

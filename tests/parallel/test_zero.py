@@ -28,7 +28,7 @@ import torch.nn as nn
 from nanotitan.parallel.clip import clip_grad_norm_
 from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
+from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp import Reducer
 from nanotitan.parallel.sync import ReplicatedSync, flat_range_boxes
 from nanotitan.parallel.zero import (ShardedReducer, ZeroSync, full_optim_state_to_sharded,

@@ -163,7 +163,7 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
     the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step, and with
     `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py)."""
-    from ..observe.metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
+    from ..observe.memory import PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
     from ..parallel.fsdp import FSDPSync
     from ..parallel.sync import ReplicatedSync, TorchDDPSync
@@ -236,7 +236,7 @@ def _time_checkpoint(model, opt, sync, world: int, rank: int, ckpt_dir: str, ste
 
     from ..state import checkpoint as ckpt
     from ..config.config import Config
-    from ..observe.metrics import PeakTensorBytes
+    from ..observe.memory import PeakTensorBytes
     from ..parallel.dims import ParallelDims
 
     dims, shard = ParallelDims(world, 1, 1, rank=rank), SimpleNamespace(sync=sync)
@@ -287,7 +287,7 @@ def zero_main(args) -> int:
     print(f"\nMID model ({n_params / 1e6:.2f}M params), {BATCH}x{SEQ} tokens/rank/step in M={args.microbatches} "
           f"microbatches, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, {args.rounds} rounds x "
           f"{args.steps} steps. Bytes: max over ranks; param/grad/optim live at the optimizer step; peak = high-water "
-          "mark of all live tensors over a whole step (metrics.PeakTensorBytes); B/param = peak / params; "
+          "mark of all live tensors over a whole step (memory.PeakTensorBytes); B/param = peak / params; "
           "-acts = (peak - zero 0's peak saved activations, "
           + ", ".join(f"DP={w}: {a / 2**20:.1f} MB" for w, a in acts.items()) + ") / params")
     print(f"{'DP':>3} {'mode':<12}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"

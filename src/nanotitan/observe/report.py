@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .metrics import fmt_bytes, peak_mem_bytes
+from .memory import peak_mem_bytes
+from .metrics import fmt_bytes
 from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, is_moe_layer
 from ..parallel import comm
