@@ -158,7 +158,7 @@ ZERO_MODES = {"zero0": (0, "full", "never"), "zero1": (1, "full", "never"), "zer
 PHASES = ("forward", "backward", "optimizer", "gather")
 
 
-def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int,
+def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int,
                  ckpt_dir: str = "", model_cfg: ModelConfig = MID, batch: int = BATCH):
     """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
     the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step beside glibc's heap
@@ -278,7 +278,7 @@ def zero_main(args) -> int:
             ckpt_dir = ""
             if args.ckpt:
                 ckpt_dir = tempfile.mkdtemp(prefix="bench_ckpt_")
-            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches,
+            out = run_ranks(zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches,
                                                   ckpt_dir), timeout=1800, pg_timeout=600)
             if ckpt_dir:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)

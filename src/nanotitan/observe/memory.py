@@ -123,6 +123,9 @@ class SavedActivations:
         self.lock = threading.RLock()
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack_saved)
 
+    def reset_peak(self):
+        self.peak_bytes = self.bytes
+
     def __enter__(self):
         watch_resizes(self._resized)
         self.hooks.__enter__()
@@ -131,9 +134,6 @@ class SavedActivations:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
         unwatch_resizes(self._resized)
-
-    def reset_peak(self):
-        self.peak_bytes = self.bytes
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
@@ -299,8 +299,8 @@ class _TensorCounter:
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
-        unwatch_resizes(self.track_storage)
         with self.lock:
+            unwatch_resizes(self.track_storage)  # no resize counted after this
             self.live.clear()  # drops the weak references, and with them their callbacks
 
     def track(self, t: torch.Tensor) -> None:
