@@ -55,7 +55,7 @@ def _moe_step(xs: torch.Tensor, interleave: bool, checkpointing: bool = False, m
     (GPipe's order) or forward+backward per microbatch (what 1F1B does on one stage)."""
     import contextlib
 
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer
 
     cfg = resolve(load_config(None, TINY))

@@ -19,7 +19,7 @@ import torch
 from nanotitan.config import hardware
 from nanotitan.config.config import Config, ConfigError, load_config, validate
 from nanotitan.config.hardware import BUILTIN, GiB, Link, detect_hardware, get_hardware, load_hardware, save_hardware
-from nanotitan.model.spec import build_shard_spec
+from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.plan import (FIT_TIME_FIELDS, Layout, ModelShape, PlanOptions, calibrate, calibration_rows,
                             enumerate_layouts, fit_profile, format_calibration, layout_config, plan, predict,

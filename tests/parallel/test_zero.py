@@ -291,7 +291,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     """The same layout trained twice: zero 0 (Reducers) and zero 3 (apply_fsdp + FSDPSync). Also returns the
     high-water mark of live tensor bytes over zero 3's forwards and backwards of the last step."""
     from nanotitan.config.config import Config
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
     from nanotitan.parallel.fsdp import FSDPSync, full_state, load_full_state
