@@ -56,7 +56,8 @@ def test_a_saved_storage_freed_by_a_resize_counts_as_freed():
 def test_parameters_are_not_activations_however_they_are_gathered():
     """A parameter made after the meter (FSDP2 gathers into an nn.Parameter of its own each unshard) and its views
     (the experts' W.unbind(0)) are not counted; the activation beside them is."""
-    meter = SavedActivations(torch.nn.Linear(4, 4))
+    model = torch.nn.Linear(4, 4)  # alive as long as the meter, as a trainer's model (its storages' keys stay its)
+    meter = SavedActivations(model)
     gathered = torch.nn.Parameter(torch.randn(3, 64, 32))
     x = torch.randn(16, 64, requires_grad=True)
     with meter:
