@@ -182,9 +182,9 @@ class Trainer:
 
     def train_step(self, step: int):
         """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
-        The first two and every run.peak_every-th logged step are metered (memory.StepMeters): the bytes autograd saves for
-        backward, and the high-water mark of every live tensor over the whole step; both cost a Python call per
-        tensor or op."""
+        The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters): the bytes
+        autograd saves for backward, and the high-water mark of every live tensor over the whole step; both cost a
+        Python call per tensor or op."""
         cfg = self.cfg
         logged = (step + 1) % cfg.run.log_every == 0 or step in (self.start_step, cfg.train.steps - 1)
         with self.meters.step(logged) as metered:

@@ -295,12 +295,14 @@ def zero_main(args) -> int:
           f"microbatches, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, {args.rounds} rounds x "
           f"{args.steps} steps. Bytes: max over ranks; param/grad/optim live at the optimizer step; peak = high-water "
           "mark of all live tensors over a whole step (memory.PeakTensorBytes); heap = the same step's high-water "
-          "mark by glibc's heap in use (memory.HeapInUse: the count's start plus the heap's rise); B/param = peak / params; "
+          "mark by glibc's heap in use (memory.HeapInUse: the count's start plus the heap's rise); "
+          "B/param = peak / params; "
           "-acts = (peak - zero 0's peak saved activations, "
           + ", ".join(f"DP={w}: {a / 2**20:.1f} MB" for w, a in acts.items()) + ") / params")
     print(f"{'DP':>3} {'mode':<12}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"
           + "".join(f"{k + ' ms':>13}" for k in PHASES)
-          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'peak MB':>9}{'heap MB':>9}{'B/param':>9}{'-acts':>7}{'peak/z0':>9}"
+          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'peak MB':>9}{'heap MB':>9}{'B/param':>9}{'-acts':>7}"
+          + f"{'peak/z0':>9}"
           + f"{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
     for world, mode in runs:
         med = statistics.median(times[world, mode])

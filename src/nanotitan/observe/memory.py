@@ -475,7 +475,8 @@ class StepMeters:
         self.step_peak = PeakTensorBytes(device)
         self.peak_every, self._logged, self._steps = peak_every, 0, 0
         self.act_peak_bytes = self.peak_tensor_bytes = 0
-        self._interval_peak = self._interval_acts = None  # since the last record; None: no metered step (every rank alike)
+        # since the last record; None: no metered step (on every rank alike)
+        self._interval_peak = self._interval_acts = None
 
     @contextlib.contextmanager
     def step(self, logged: bool):
