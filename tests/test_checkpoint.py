@@ -17,7 +17,8 @@ from nanotitan.state import checkpoint as ckpt
 
 from nanotitan.state import manifest
 from nanotitan.config.config import Config, validate
-from nanotitan.model.spec import ModelShardSpec, build_shard_spec
+from nanotitan.model.spec import ModelShardSpec
+from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks

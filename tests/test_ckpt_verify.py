@@ -30,7 +30,7 @@ from nanotitan.state import checkpoint as ckpt
 
 from nanotitan.state import manifest
 from nanotitan.run import rundir
-from nanotitan.model.spec import build_shard_spec
+from tests.specs import build_shard_spec
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks
 from tests.test_checkpoint import SAVE_KS, build, perturb, tiny_cfg

@@ -90,7 +90,7 @@ def _real_rank(rank, world, cases, corpus_dir, run_root):
     TensorBytesMeter around it, everything the rank held before counted as its base)."""
     from nanotitan.plan.dryrun import _bytes, _held
     from nanotitan.plan.measure import TensorBytesMeter
-    from nanotitan.observe.metrics import live_tensor_bytes
+    from nanotitan.observe.memory import live_tensor_bytes
     from nanotitan.train import Trainer
 
     out = []

@@ -314,7 +314,7 @@ def _train_args(corpus_dir, hf_dir, run_dir) -> list[str]:
 
 def _rank_222(rank, world, dirs: dict, train_args: list[str]):
     """Each family: this rank's shard loaded alone; then 5 training steps from the imported Qwen2-MoE."""
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.train import Trainer
 
     dims = ParallelDims(2, 2, 2, rank=rank)

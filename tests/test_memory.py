@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanotitan.config.config import load_config
-from nanotitan.observe.metrics import SavedActivations, live_tensor_bytes
+from nanotitan.observe.memory import SavedActivations, live_tensor_bytes
 from nanotitan.resolve import resolve
 
 TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
@@ -55,7 +55,7 @@ def _moe_step(xs: torch.Tensor, interleave: bool, checkpointing: bool = False, m
     (GPipe's order) or forward+backward per microbatch (what 1F1B does on one stage)."""
     import contextlib
 
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer
 
     cfg = resolve(load_config(None, TINY))
@@ -88,12 +88,12 @@ def test_saved_activation_peak_follows_the_schedule_and_leaves_gradients_alone()
     assert ckpt < all_first / 2  # checkpointing keeps the block inputs only
 
 
-# --- the high-water mark of every live tensor during a step (metrics.PeakTensorBytes) -------------------------
+# --- the high-water mark of every live tensor during a step (memory.PeakTensorBytes) -------------------------
 
 def test_step_peak_counts_storages_created_resized_and_freed():
     """On CPU: what was live on entry, plus each storage an op creates until it is freed, each storage once (a view
     adds nothing), and storage resizes (how FSDP2 frees and re-gathers its unsharded params) both ways."""
-    from nanotitan.observe.metrics import PeakTensorBytes
+    from nanotitan.observe.memory import PeakTensorBytes
 
     before = torch.zeros(1000)  # 4000 bytes live on entry (among whatever else this process holds)
     meter = PeakTensorBytes(torch.device("cpu"))
@@ -116,7 +116,7 @@ def test_step_peak_counts_storages_created_resized_and_freed():
 
 def test_step_peak_sees_through_the_autograd_engine():
     """Gradients autograd creates and the activations it saves are counted; what backward frees leaves the count."""
-    from nanotitan.observe.metrics import PeakTensorBytes
+    from nanotitan.observe.memory import PeakTensorBytes
 
     lin = torch.nn.Linear(256, 256, bias=False)
     x = torch.randn(64, 256)
@@ -165,7 +165,7 @@ def test_step_peak_counter_matches_the_cuda_allocator():
     a training step of the MID model on CUDA, measured both ways on two identical steps, agrees within 3% of the
     step's rise above its start (the caching allocator rounds every block up to 512 bytes; cuBLAS workspaces)."""
     from nanotitan.config.config import ModelConfig
-    from nanotitan.observe.metrics import PeakTensorBytes, _TensorCounter
+    from nanotitan.observe.memory import PeakTensorBytes, _TensorCounter
     from nanotitan.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,

@@ -19,7 +19,7 @@ import torch
 from nanotitan.config import hardware
 from nanotitan.config.config import Config, ConfigError, load_config, validate
 from nanotitan.config.hardware import BUILTIN, GiB, Link, detect_hardware, get_hardware, load_hardware, save_hardware
-from nanotitan.model.spec import build_shard_spec
+from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.plan import (FIT_TIME_FIELDS, Layout, ModelShape, PlanOptions, calibrate, calibration_rows,
                             enumerate_layouts, fit_profile, format_calibration, layout_config, plan, predict,
@@ -155,7 +155,7 @@ def _real_steps(rank, world, cases: list[tuple[Config, bool]]) -> list[dict]:
     whole step: forward/backward, gradient sync, clipping, the finite-step agreement, AdamW, all-gather,
     zero_grad, router bias), and with `peak` the peak tensor bytes over the next step: those states plus every
     tensor the step allocates, counted from torch's op outputs."""
-    from nanotitan.observe.metrics import live_tensor_bytes
+    from nanotitan.observe.memory import live_tensor_bytes
     from nanotitan.train import Trainer
 
     out = []
@@ -471,11 +471,11 @@ def _peak_zero_cfg(lay: Layout, accumulate: str, reshard: str, bucket_mb: float)
 
 def _step_peaks(rank, world, cfgs: list[Config]) -> list[float]:
     """Per config: the high-water mark of this rank's live tensor bytes over its second Trainer.train_step, as the
-    trainer measures it (metrics.PeakTensorBytes), counted from the trainer's own state: earlier trainers of this
+    trainer measures it (memory.PeakTensorBytes), counted from the trainer's own state: earlier trainers of this
     process may still hold memory, but once their garbage is collected none of it changes during the step."""
     import gc
 
-    from nanotitan.observe.metrics import live_tensor_bytes
+    from nanotitan.observe.memory import live_tensor_bytes
     from nanotitan.train import Trainer
 
     out = []
@@ -621,7 +621,7 @@ def _skewed_ep_peak(rank, world, cfg: Config) -> float:
     through."""
     import gc
 
-    from nanotitan.observe.metrics import live_tensor_bytes
+    from nanotitan.observe.memory import live_tensor_bytes
     from nanotitan.train import Trainer
 
     trainer = Trainer(cfg)

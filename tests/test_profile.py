@@ -31,7 +31,7 @@ def test_parse_steps():
 
 def test_traces_exactly_the_chosen_steps_of_a_training_loop(tmp_path):
     """Five steps of a tiny MoE forward/backward/AdamW in one process, steps 2-3 profiled."""
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer
 
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def test_real_two_stage_run_profiles_every_rank_logs_to_wandb_and_reports_tensor
     import subprocess
     import sys
 
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer
     from tests.test_wandb import _items, _wandb_records
 

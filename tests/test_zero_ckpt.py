@@ -93,7 +93,7 @@ def _chain_job(corpus_dir, run_dir, layout, zero, steps, resume="", meter=False)
     rank's steady state (params + grads + optimizer state)."""
     from nanotitan.state import checkpoint as ckpt
     from nanotitan.config.config import load_config
-    from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
+    from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
     from nanotitan.train import Trainer
 
     dp, pp, ep = layout

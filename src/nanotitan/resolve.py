@@ -26,7 +26,6 @@ and init.from_hf's weights (interop/hf.py, which names the tensors by the family
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from typing import Callable

@@ -120,7 +120,7 @@ class Trainer:
 
     def train_step(self, step: int):
         """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
-        Some logged steps are metered (metrics.StepMeters: a Python call per tensor or op)."""
+        The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters)."""
         logged = (step + 1) % self.cfg.run.log_every == 0 or step in (self.start_step, self.cfg.train.steps - 1)
         with self.meters.step(logged) as metered:
             return self._step(step, metered)

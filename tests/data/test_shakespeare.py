@@ -33,5 +33,5 @@ def test_shakespeare_prepares_to_about_two_million_tokens():
     assert train.size == meta["train_tokens"] and int(train.max()) < 2048
     text = tok.decode(train[:20_000].tolist())
     assert " the " in text and 2.5 < len(text) / 20_000 < 4.5  # English, ~3 characters per BPE token
-    x, y = IndexedBatches.from_prepared(out, "train", seq_len=64, seed=0).global_batch(0, 2)
+    x, y = IndexedBatches(out / "train.bin", meta["dtype"], seq_len=64, seed=0).global_batch(0, 2)
     assert x.shape == (2, 64) and int(y.max()) < 2048

@@ -176,8 +176,8 @@ def test_gradient_syncs_count_deferred_terms(flavour):
 
 def test_pending_work_is_counted_as_saved_activations():
     """What a deferred W holds (layer inputs, output gradients) stays counted by the trainer's activation meter
-    (metrics.SavedActivations, through the saved-tensor hooks in force during B) until W runs."""
-    from nanotitan.observe.metrics import SavedActivations
+    (memory.SavedActivations, through the saved-tensor hooks in force during B) until W runs."""
+    from nanotitan.observe.memory import SavedActivations
 
     cfg = _cfg()
     model = Transformer(cfg, _middle_stage(cfg), SEED)

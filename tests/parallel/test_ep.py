@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher, MoE
-from nanotitan.model.spec import build_shard_spec
+from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
@@ -292,7 +292,7 @@ def test_apply_ep_is_noop_at_ep1_and_rejects_wrong_shard():
     apply_ep(model, ParallelDims(1, 1, 1))
     assert all(isinstance(m.dispatcher, LocalDispatcher) for m in model.moe_layers())
     # a full (unsharded) model cannot take the EP dispatcher of ep=2
-    with pytest.raises(ValueError, match="build_shard_spec"):
+    with pytest.raises(ValueError, match="build_chunk_specs"):
         apply_ep(model, ParallelDims(1, 1, 2, rank=1))
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
-from nanotitan.model.spec import build_chunk_specs, build_shard_spec
+from nanotitan.model.spec import build_chunk_specs
+from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep
 from nanotitan.parallel import pp as pp_mod

@@ -30,7 +30,7 @@ from nanotitan.parallel import comm
 from nanotitan.parallel.clip import clip_grad_norm_
 from nanotitan.parallel.comm import COMM
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.observe.metrics import PeakTensorBytes, live_tensor_bytes
+from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp import Reducer
 from nanotitan.parallel.sync import ReplicatedSync, adam_state, flat_range_boxes
 from nanotitan.parallel.zero import ShardedReducer, ZeroSync
@@ -328,7 +328,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     """The same layout trained twice: zero 0 (Reducers) and zero 3 (apply_fsdp + FSDPSync). Also returns the
     high-water mark of live tensor bytes over zero 3's forwards and backwards of the last step."""
     from nanotitan.config.config import Config
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
     from nanotitan.parallel.fsdp import FSDPSync

@@ -158,18 +158,20 @@ ZERO_MODES = {"zero0": (0, "full", "never"), "zero1": (1, "full", "never"), "zer
 PHASES = ("forward", "backward", "optimizer", "gather")
 
 
-def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int,
-                 ckpt_dir: str = ""):
+def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warmup: int, M: int,
+                 ckpt_dir: str = "", model_cfg: ModelConfig = MID, batch: int = BATCH):
     """One DP=world run of `mode` with M microbatches per step: step times, per-phase times, the live bytes at
-    the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step, and with
-    `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py)."""
-    from ..observe.metrics import PeakTensorBytes, SavedActivations, live_tensor_bytes
+    the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step beside glibc's heap
+    over it (`heap_peak_bytes`: the count's start plus the heap's rise, observe/memory.py HeapInUse), and with
+    `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py).
+    `batch` sequences of model_cfg.max_seq_len tokens per rank and step (the MID model's 8x128 by default)."""
+    from ..observe.memory import HeapInUse, PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
     from ..parallel.fsdp import FSDPSync
     from ..parallel.sync import ReplicatedSync, TorchDDPSync
     from ..parallel.zero import ZeroSync
 
-    model = Transformer(MID, seed=0)
+    model = Transformer(model_cfg, seed=0)
     # the production GradSync flavours (what parallelize picks), all params replicated over the DP=world group
     args = (model, ParallelDims(world, 1, 1, rank=rank).build_groups(), [], list(model.named_parameters()))
     zero, accumulate, reshard = ZERO_MODES[mode]
@@ -185,12 +187,16 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     step_model = sync.ddp if mode == "ddp" else model
     opt = torch.optim.AdamW(sync.param_groups(0.1), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, MID.vocab_size, (BATCH, SEQ + 1), generator=g).chunk(M) for _ in range(4)]
-    meter, acts = PeakTensorBytes(torch.device("cpu")), SavedActivations(model)
+    data = [torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.max_seq_len + 1), generator=g).chunk(M)
+            for _ in range(4)]
+    meter, heap, acts = PeakTensorBytes(torch.device("cpu")), HeapInUse(), SavedActivations(model)
     times, cpu, phases, nbytes = [], [], {k: [] for k in PHASES}, None
     for step in range(warmup + steps + 1):
         metered = step == warmup + steps  # one more step, untimed, under the meters (a Python call per op)
-        with meter if metered else contextlib.nullcontext(), acts if metered else contextlib.nullcontext():
+        with contextlib.ExitStack() as meters:
+            if metered:  # the heap's start after the count's scan of the gc's objects (a list of them all)
+                for m in (meter, heap, acts):
+                    meters.enter_context(m)
             t0, c0 = time.perf_counter(), time.process_time()
             fwd = bwd = 0.0
             for i, tok in enumerate(data[step % len(data)]):
@@ -218,6 +224,7 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
             for k, dt in zip(PHASES, (fwd, bwd + t2 - t1, t3 - t2, t4 - t3)):
                 phases[k].append(dt)
     nbytes["peak_tensor_bytes"], nbytes["act_peak_bytes"] = meter.peak, acts.peak_bytes
+    nbytes["heap_peak_bytes"] = meter.start + heap.peak - heap.start
     if ckpt_dir and mode != "ddp":
         nbytes.update(_time_checkpoint(model, opt, sync, world, rank, ckpt_dir, sum(nbytes[k] for k in BYTE_KEYS[:3])))
     del step_model
@@ -226,7 +233,7 @@ def _zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int,
     return times, phases, nbytes, cpu
 
 
-BYTE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_tensor_bytes")
+BYTE_KEYS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_tensor_bytes", "heap_peak_bytes")
 
 
 def _time_checkpoint(model, opt, sync, world: int, rank: int, ckpt_dir: str, steady: int) -> dict:
@@ -236,7 +243,7 @@ def _time_checkpoint(model, opt, sync, world: int, rank: int, ckpt_dir: str, ste
 
     from ..state import checkpoint as ckpt
     from ..config.config import Config
-    from ..observe.metrics import PeakTensorBytes
+    from ..observe.memory import PeakTensorBytes
     from ..parallel.dims import ParallelDims
 
     dims, shard = ParallelDims(world, 1, 1, rank=rank), SimpleNamespace(sync=sync)
@@ -271,7 +278,7 @@ def zero_main(args) -> int:
             ckpt_dir = ""
             if args.ckpt:
                 ckpt_dir = tempfile.mkdtemp(prefix="bench_ckpt_")
-            out = run_ranks(_zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches,
+            out = run_ranks(zero_worker, world, (mode, args.bucket_mb, args.steps, args.warmup, args.microbatches,
                                                   ckpt_dir), timeout=1800, pg_timeout=600)
             if ckpt_dir:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -287,12 +294,15 @@ def zero_main(args) -> int:
     print(f"\nMID model ({n_params / 1e6:.2f}M params), {BATCH}x{SEQ} tokens/rank/step in M={args.microbatches} "
           f"microbatches, AdamW(fused), 1 thread/rank, bucket {args.bucket_mb:g} MB, {args.rounds} rounds x "
           f"{args.steps} steps. Bytes: max over ranks; param/grad/optim live at the optimizer step; peak = high-water "
-          "mark of all live tensors over a whole step (metrics.PeakTensorBytes); B/param = peak / params; "
+          "mark of all live tensors over a whole step (memory.PeakTensorBytes); heap = the same step's high-water "
+          "mark by glibc's heap in use (memory.HeapInUse: the count's start plus the heap's rise); "
+          "B/param = peak / params; "
           "-acts = (peak - zero 0's peak saved activations, "
           + ", ".join(f"DP={w}: {a / 2**20:.1f} MB" for w, a in acts.items()) + ") / params")
     print(f"{'DP':>3} {'mode':<12}{'min ms':>9}{'median ms':>11}{'/zero0':>8}{'cpu ms':>8}{'cpu/z0':>8}"
           + "".join(f"{k + ' ms':>13}" for k in PHASES)
-          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'peak MB':>9}{'B/param':>9}{'-acts':>7}{'peak/z0':>9}"
+          + f"{'param MB':>10}{'grad MB':>9}{'optim MB':>10}{'peak MB':>9}{'heap MB':>9}{'B/param':>9}{'-acts':>7}"
+          + f"{'peak/z0':>9}"
           + f"{'optim/z0':>10}{'grad/z0':>9}{'param/z0':>10}")
     for world, mode in runs:
         med = statistics.median(times[world, mode])
@@ -303,7 +313,7 @@ def zero_main(args) -> int:
         print(f"{world:>3} {mode:<12}{min(times[world, mode]) * 1e3:>9.1f}{med * 1e3:>11.1f}{med / base:>8.3f}"
               f"{cpu * 1e3:>8.0f}{cpu / cpu0:>8.3f}"
               + "".join(f"{statistics.median(phases[world, mode][k]) * 1e3:>13.1f}" for k in PHASES)
-              + "".join(f"{b[k] / 2**20:>{w}.1f}" for k, w in zip(BYTE_KEYS, (10, 9, 10, 9)))
+              + "".join(f"{b[k] / 2**20:>{w}.1f}" for k, w in zip(BYTE_KEYS, (10, 9, 10, 9, 9)))
               + f"{b['peak_tensor_bytes'] / n_params:>9.2f}{(b['peak_tensor_bytes'] - acts[world]) / n_params:>7.2f}"
               + f"{b['peak_tensor_bytes'] / b0['peak_tensor_bytes']:>9.3f}"
               + f"{b['optim_bytes'] / b0['optim_bytes']:>10.3f}{b['grad_bytes'] / b0['grad_bytes']:>9.3f}"

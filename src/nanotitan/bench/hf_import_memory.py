@@ -38,13 +38,13 @@ def one_rank(hf_dir: str, pp: int, ep: int, pp_rank: int, ep_rank: int) -> dict:
 
     from nanotitan.interop import hf
     from nanotitan.config.config import load_config
-    from nanotitan.model.spec import build_shard_spec
+    from nanotitan.model.spec import build_chunk_specs
     from nanotitan.model.transformer import Transformer
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["--init.from_hf", hf_dir, "--train.seq_len", "16", "--parallel.pp", str(pp),
                              "--parallel.ep", str(ep)])
-    model = Transformer(cfg.model, build_shard_spec(cfg, pp_rank, ep_rank))
+    model = Transformer(cfg.model, build_chunk_specs(cfg, pp_rank, ep_rank)[0])
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     reset_peak()
     before = status_bytes("VmRSS")

@@ -66,7 +66,7 @@ def _predict(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cp
     return p.step_time_s, p.costs["ep_a2a"]
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="nanotitan bench overlap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/mid.toml")
     ap.add_argument("--ep", type=int, default=2)
@@ -89,6 +89,18 @@ def main(argv: list[str]) -> int:
                     help="with --interleaved: the modes alternated (ratios against the first)")
     ap.add_argument("--breakdown", action="store_true",
                     help="with --interleaved: where the lanes' exposed EP wait goes (lane, call, unpaired ends, peer)")
+    return ap
+
+
+def _emit(text: str, out: str) -> int:
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = _parser()
     args, overrides = ap.parse_known_args(argv)
     if args.interleaved:
         if args.schedule == "interleaved" and not any(o.startswith("--parallel.virtual_stages") for o in overrides):
@@ -96,13 +108,9 @@ def main(argv: list[str]) -> int:
         layout = ["--parallel.pp", str(args.pp), "--parallel.ep", str(args.ep), "--parallel.schedule", args.schedule,
                   "--parallel.microbatches", str(args.microbatches)]
         cfg = resolve_model(load_config(args.config, layout + overrides))
-        text = "\n".join(interleaved(cfg, args.pp, args.ep, args.schedule, args.microbatches, args.micro_batch,
-                                      args.interleaved, topo, args.timeout, tuple(args.modes), args.breakdown)
-                         for topo in args.topology)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return 0
+        return _emit("\n".join(interleaved(cfg, args.pp, args.ep, args.schedule, args.microbatches, args.micro_batch,
+                                             args.interleaved, topo, args.timeout, tuple(args.modes), args.breakdown)
+                                for topo in args.topology), args.out)
     if args.lanes and args.microbatches < 2:
         ap.error("--lanes runs a forward beside another microbatch's backward: --microbatches 2 or more")
 
@@ -118,33 +126,48 @@ def main(argv: list[str]) -> int:
     medians: dict[str, dict[str, tuple[float, float]]] = {}  # topology -> mode -> (step, EP wait) medians
     tables = []
     for topo in args.topology:
-        emu_args, links = [], None
-        if topo != "none":
-            prof, node = parse_topology(topo)
-            emu_args = ["--parallel.emulate", prof, "--parallel.emulate_node_size", str(node)]
-            c = load_config(args.config, overrides + emu_args)
-            links = emulate.link_model(resolve_emulation(c))  # the dilation, measured once here and passed to every run
-            emu_args += ["--parallel.emulate_dilation", f"{links.dilation:.6g}"]
-        runs: dict[str, list[dict]] = {k: [] for k in modes}
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.repeats):
-                for i, mode in enumerate(modes if r % 2 == 0 else modes[::-1]):
-                    base = ["--config", args.config, *overrides, *emu_args, *mode_args(mode)]
-                    res = run_layout(1, args.pp, args.ep, args.schedule, M, m, args.steps, Path(tmp) / f"r{r}_{i}",
-                                     base, args.timeout)
-                    runs[mode].append(summarise(res, tuple(args.window)))
-                    print(f"{topo} repeat {r} {mode}: step {runs[mode][-1]['step_time_s'] * 1e3:.0f} ms, "
-                          f"EP wait {runs[mode][-1]['ep_wait_s'] * 1e3:.0f} ms", flush=True)
-        med = {k: (statistics.median(x["step_time_s"] for x in runs[k]),
-                   statistics.median(x["ep_wait_s"] for x in runs[k])) for k in modes}
-        medians[topo] = med
-        rows = []
-        for k in modes:
-            step_min = min(x["step_time_s"] for x in runs[k])
-            wait_min = min(x["ep_wait_s"] for x in runs[k])
-            pred_step, pred_ep = _predict(cfg, args.ep, M, m, k, links, args.hardware, args.pp, args.schedule)
-            rows.append((k, step_min, wait_min, pred_step, pred_ep))
+        medians[topo], rows, links = _run_topology(args, cfg, overrides, topo, modes)
         tables.append((topo, links, rows))
+    return _emit("\n".join(lines + _tables(tables, medians)), args.out)
+
+
+def _run_topology(args, cfg, overrides: list[str], topo: str, modes: list[str]):
+    """Every mode on one topology ("none": this machine as it is), repeats alternating the order: the medians
+    {mode: (step s, EP wait s)}, the rows (mode, min step, min EP wait, predicted step, predicted EP) and the
+    emulated links (None without emulation)."""
+    M, m = args.microbatches, args.micro_batch
+    emu_args, links = [], None
+    if topo != "none":
+        prof, node = parse_topology(topo)
+        emu_args = ["--parallel.emulate", prof, "--parallel.emulate_node_size", str(node)]
+        c = load_config(args.config, overrides + emu_args)
+        links = emulate.link_model(resolve_emulation(c))  # the dilation, measured once here and passed to every run
+        emu_args += ["--parallel.emulate_dilation", f"{links.dilation:.6g}"]
+    runs: dict[str, list[dict]] = {k: [] for k in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for i, mode in enumerate(modes if r % 2 == 0 else modes[::-1]):
+                base = ["--config", args.config, *overrides, *emu_args, *mode_args(mode)]
+                res = run_layout(1, args.pp, args.ep, args.schedule, M, m, args.steps, Path(tmp) / f"r{r}_{i}",
+                                 base, args.timeout)
+                runs[mode].append(summarise(res, tuple(args.window)))
+                print(f"{topo} repeat {r} {mode}: step {runs[mode][-1]['step_time_s'] * 1e3:.0f} ms, "
+                      f"EP wait {runs[mode][-1]['ep_wait_s'] * 1e3:.0f} ms", flush=True)
+    med = {k: (statistics.median(x["step_time_s"] for x in runs[k]),
+               statistics.median(x["ep_wait_s"] for x in runs[k])) for k in modes}
+    rows = []
+    for k in modes:
+        step_min = min(x["step_time_s"] for x in runs[k])
+        wait_min = min(x["ep_wait_s"] for x in runs[k])
+        pred_step, pred_ep = _predict(cfg, args.ep, M, m, k, links, args.hardware, args.pp, args.schedule)
+        rows.append((k, step_min, wait_min, pred_step, pred_ep))
+    return med, rows, links
+
+
+def _tables(tables: list, medians: dict) -> list[str]:
+    """One markdown table per topology: measured against off, against this machine without emulation (when it
+    ran), and against the planner's prediction."""
+    lines = []
     free = medians.get("none")
     for topo, links, rows in tables:
         med = medians[topo]
@@ -165,11 +188,7 @@ def main(argv: list[str]) -> int:
                          f"{pred_ep * 1e3:.0f} | {100 * (pred_step / med[k][0] - 1):+.0f}% | "
                          f"{100 * (pred_ep / max(med[k][1], 1e-9) - 1):+.0f}% |")
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return lines
 
 
 # --- `--interleaved N`: off and lanes step by step in one launch (what load moves, it moves for both) -----------------

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..config.config import Config, ModelConfig, ParallelConfig
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import Transformer
+from ..observe.memory import SavedActivations
 from ..parallel.dims import ParallelDims
 from ..parallel.pp import pipeline_forward_backward, theoretical_bubble, virtual_stages
 from ..parallel.pp_chunks import StageChunks
@@ -79,36 +80,8 @@ def chunk_models(cfg: Config, pp_rank: int) -> list[Transformer]:
     return [Transformer(cfg.model, spec, SEED) for spec in build_chunk_specs(cfg, pp_rank, 0)]
 
 
-class SavedActivationBytes:
-    """Live bytes of distinct storages saved for backward (parameters excluded), and their peak."""
-
-    class _Handle:
-        def __init__(self, owner, t):
-            # Hold it detached: a saved output holding its own grad_fn would be a cycle through C++ that keeps
-            # the graph (and this count) alive after autograd drops it.
-            self.owner, self.t, self.key = owner, t.detach(), t.untyped_storage().data_ptr()
-            refs, nbytes = owner.live.get(self.key, (0, t.untyped_storage().nbytes()))
-            if refs == 0:
-                owner.cur += nbytes
-                owner.peak = max(owner.peak, owner.cur)
-            owner.live[self.key] = (refs + 1, nbytes)
-
-        def __del__(self):
-            refs, nbytes = self.owner.live[self.key]
-            if refs == 1:
-                del self.owner.live[self.key]
-                self.owner.cur -= nbytes
-            else:
-                self.owner.live[self.key] = (refs - 1, nbytes)
-
-    def __init__(self, params):
-        self.param_keys = {p.untyped_storage().data_ptr() for p in params}
-        self.live, self.cur, self.peak = {}, 0, 0
-
-    def hooks(self):
-        pack = lambda t: t if t.untyped_storage().data_ptr() in self.param_keys else self._Handle(self, t)
-        unpack = lambda h: h.t if isinstance(h, self._Handle) else h
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
 
 class LogitsStage(nn.Module):
@@ -126,25 +99,11 @@ def ce_loss(logits, targets):
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _bench(rank, world, args):
-    import torch.distributed.pipelining as pipelining
-
-    dims = ParallelDims(1, world, 1, rank).build_groups()
-    g = torch.Generator().manual_seed(0)
-    x_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
-    y_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
-    xs, ys = list(x_BS.split(MB)), list(y_BS.split(MB))
-    comms = StageComms(dims, (MB, SEQ, D), torch.float32, torch.device("cpu"))  # ours: kept across steps
-    steps, models = {}, {}  # variant -> one step on this rank; variant -> the modules it trains
-    stats_of = {}  # ours: variant -> last StepStats
-
-    def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-4, fused=True)
-
-    # One process: the full model with gradient accumulation. "single" runs it on rank 0 while rank 1 idles at
-    # the barrier; "single_x2" runs it on both ranks at once, each on its own copy, with no communication: how
-    # much two busy cores slow each other down here (shared caches, memory bandwidth, a VM's host), which bounds
-    # what any 2-stage pipeline can reach on this machine, ours and torch's alike.
+def _single_steps(rank: int, args, xs, ys, steps: dict, models: dict) -> None:
+    """One process: the full model with gradient accumulation. "single" runs it on rank 0 while rank 1 idles at
+    the barrier; "single_x2" runs it on both ranks at once, each on its own copy, with no communication: how
+    much two busy cores slow each other down here (shared caches, memory bandwidth, a VM's host), which bounds
+    what any 2-stage pipeline can reach on this machine, ours and torch's alike."""
     steps["single"], models["single"] = (lambda: None), []
     if rank == 0 or args.ceiling:  # rank 1 needs its own copy only for single_x2
         full = Transformer(mid_cfg(args.layers, "even").model, None, SEED)
@@ -161,87 +120,117 @@ def _bench(rank, world, args):
         if args.ceiling:
             steps["single_x2"], models["single_x2"] = single, [full]
 
-    for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
-        cfg = mid_cfg(args.layers, split, schedule)
-        tag = split_tag(split)
-        if f"ours_{schedule}{tag}" in args.variants:
-            chunks = chunk_models(cfg, dims.pp_rank)
-            model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
-            opt = adamw(model.parameters())
 
-            def ours(model=model, opt=opt, schedule=schedule, name=f"ours_{schedule}{tag}", timeline=None):
-                opt.zero_grad(set_to_none=True)
-                stats_of[name] = pipeline_forward_backward(
-                    model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
-                    before_backward=None, timeline=timeline)
-                opt.step()
-            steps[f"ours_{schedule}{tag}"], models[f"ours_{schedule}{tag}"] = ours, chunks
+def _ours_step(cfg: Config, dims, comms, xs, ys, name: str, stats_of: dict):
+    """Our `pipeline_forward_backward` of cfg's schedule on this rank's chunks: (step, chunks); each step's
+    StepStats go to stats_of[name]."""
+    chunks = chunk_models(cfg, dims.pp_rank)
+    model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
+    opt = adamw(model.parameters())
+    schedule = cfg.parallel.schedule
 
-        if f"torch_{schedule}{tag}" in args.variants:
-            tchunks = chunk_models(cfg, dims.pp_rank)
-            n_stages = PP * len(tchunks)
-            stages = []
-            for v, chunk in enumerate(tchunks):
-                c = v * PP + dims.pp_rank
-                example = (x_BS[:MB],) if c == 0 else (torch.zeros(MB, SEQ, D, requires_grad=True),)
-                stages.append(pipelining.PipelineStage(LogitsStage(chunk), c, n_stages, torch.device("cpu"),
-                                                       input_args=example, group=dims.group("pp")))
-            cls = getattr(pipelining, TORCH[schedule])
-            sched = cls(stages[0], n_microbatches=M, loss_fn=ce_loss) if schedule in ("gpipe", "1f1b") \
-                else cls(stages, n_microbatches=M, loss_fn=ce_loss)
-            topt = adamw([p for c in tchunks for p in c.parameters()])
+    def ours(timeline=None):
+        opt.zero_grad(set_to_none=True)
+        stats_of[name] = pipeline_forward_backward(
+            model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
+            before_backward=None, timeline=timeline)
+        opt.step()
+    return ours, chunks
 
-            def torch_step(sched=sched, topt=topt):
-                topt.zero_grad(set_to_none=True)
-                if dims.is_pp_first_stage:
-                    sched.step(x_BS)
-                else:
-                    sched.step(target=y_BS, losses=[])
-                topt.step()
-            steps[f"torch_{schedule}{tag}"], models[f"torch_{schedule}{tag}"] = torch_step, tchunks
 
-    cpu = {name: [] for name in steps}  # this rank's CPU seconds per step (immune to waiting for a core)
+def _torch_step(cfg: Config, dims, x_BS, y_BS):
+    """torch.distributed.pipelining's counterpart of cfg's schedule on the same chunks: (step, chunks)."""
+    import torch.distributed.pipelining as pipelining
 
-    def timed(fn, name=None) -> float:
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        if name is not None:
-            cpu[name].append(time.process_time() - c0)
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return dt.item()
+    schedule = cfg.parallel.schedule
+    tchunks = chunk_models(cfg, dims.pp_rank)
+    n_stages = PP * len(tchunks)
+    stages = []
+    for v, chunk in enumerate(tchunks):
+        c = v * PP + dims.pp_rank
+        example = (x_BS[:MB],) if c == 0 else (torch.zeros(MB, SEQ, D, requires_grad=True),)
+        stages.append(pipelining.PipelineStage(LogitsStage(chunk), c, n_stages, torch.device("cpu"),
+                                               input_args=example, group=dims.group("pp")))
+    cls = getattr(pipelining, TORCH[schedule])
+    sched = cls(stages[0], n_microbatches=M, loss_fn=ce_loss) if schedule in ("gpipe", "1f1b") \
+        else cls(stages, n_microbatches=M, loss_fn=ce_loss)
+    topt = adamw([p for c in tchunks for p in c.parameters()])
 
+    def torch_step():
+        topt.zero_grad(set_to_none=True)
+        if dims.is_pp_first_stage:
+            sched.step(x_BS)
+        else:
+            sched.step(target=y_BS, losses=[])
+        topt.step()
+    return torch_step, tchunks
+
+
+def _timed(fn, cpu: list | None = None) -> float:
+    """One step after a barrier: its wall seconds, the max over ranks (this rank's CPU seconds appended to cpu)."""
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def _time_steps(steps: dict, stats_of: dict, repeats: int) -> dict:
+    """Every variant warmed up, then timed round by round: step times, this rank's CPU seconds per step (immune to
+    waiting for a core), ours' bubbles, and the load average before and after."""
+    cpu = {name: [] for name in steps}
     for name, fn in steps.items():  # warm-up: allocator, gloo pairs, torch's stage shape inference
         for _ in range(2):
-            timed(fn)
+            _timed(fn)
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in steps if name.startswith("ours")}
     load_before = os.getloadavg()[0]
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, fn in steps.items():
-            times[name].append(timed(fn, name))
+            times[name].append(_timed(fn, cpu[name]))
             if name in bubbles:
                 bubbles[name].append(stats_of[name].bubble)
+    return dict(times=times, cpu=cpu, bubbles=bubbles, load=(load_before, os.getloadavg()[0]))
+
+
+def _bench(rank, world, args):
+    dims = ParallelDims(1, world, 1, rank).build_groups()
+    g = torch.Generator().manual_seed(0)
+    x_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
+    y_BS = torch.randint(0, VOCAB, (M * MB, SEQ), generator=g)
+    xs, ys = list(x_BS.split(MB)), list(y_BS.split(MB))
+    comms = StageComms(dims, (MB, SEQ, D), torch.float32, torch.device("cpu"))  # ours: kept across steps
+    steps, models = {}, {}  # variant -> one step on this rank; variant -> the modules it trains
+    stats_of = {}  # ours: variant -> last StepStats
+    _single_steps(rank, args, xs, ys, steps, models)
+    for schedule, split in ((sc, sp) for sp in args.splits for sc in args.schedules):
+        cfg, tag = mid_cfg(args.layers, split, schedule), split_tag(split)
+        if (name := f"ours_{schedule}{tag}") in args.variants:
+            steps[name], models[name] = _ours_step(cfg, dims, comms, xs, ys, name, stats_of)
+        if (name := f"torch_{schedule}{tag}") in args.variants:
+            steps[name], models[name] = _torch_step(cfg, dims, x_BS, y_BS)
+    res = _time_steps(steps, stats_of, args.repeats)
 
     # Peak saved-activation bytes per stage (untimed steps), and one step's timeline of each of ours.
     peak, timelines = {}, {}
     for name, fn in steps.items():
         if name.startswith("single"):
             continue
-        meter = SavedActivationBytes([p for m in models[name] for p in m.parameters()])
-        with meter.hooks():
-            timed(fn)
-        assert name.startswith("torch") or meter.cur == 0, f"{name}: {meter.cur} saved bytes alive after the step"
-        peak[name] = meter.peak
+        meter = SavedActivations(nn.ModuleList(models[name]))
+        with meter:
+            _timed(fn)
+        assert name.startswith("torch") or meter.bytes == 0, f"{name}: {meter.bytes} saved bytes alive after the step"
+        peak[name] = meter.peak_bytes
     for name in (n for n in steps if n.startswith("ours")):  # 3 steps each: the picture shows the fastest
         timelines[name] = [[] for _ in range(3)]
         for tl in timelines[name]:
             dist.barrier()
             steps[name](timeline=tl)
     counts = {str(sp): chunk_layer_counts(mid_cfg(args.layers, sp, "1f1b")) for sp in args.splits}
-    return dict(times=times, cpu=cpu, bubbles=bubbles, peak=peak, timelines=timelines, counts=counts,
-                load=(load_before, os.getloadavg()[0]))
+    return dict(res, peak=peak, timelines=timelines, counts=counts)
 
 
 def draw_timelines(res: dict, path: str) -> None:

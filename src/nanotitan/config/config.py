@@ -147,7 +147,7 @@ class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
     overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (false: it refuses to start)
     log_every: int = 10  # steps between records in metrics.jsonl
-    peak_every: int = 10  # both memory meters (step peak, saved activations) run on the 1st and every Nth logged step (1 = every one): it costs a
+    peak_every: int = 10  # both memory meters (step peak, saved activations) run on the first two steps and every Nth logged step (1 = every one): it costs a
     # Python call per tensor op (~3x a tiny model's step), so metering every record slowed the default job ~10%
     tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from nanotitan.config.config import ConfigError
-from nanotitan.data.prepare import load_meta
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -32,11 +31,6 @@ class IndexedBatches:
         if self.n_tokens < seq_len + 1:
             raise ConfigError(f"train.seq_len={seq_len} needs at least {seq_len + 1} tokens but {self.path} has "
                               f"{self.n_tokens} (lower --train.seq_len or use a bigger --data.source)")
-
-    @classmethod
-    def from_prepared(cls, prepared: str | Path, split: str, seq_len: int, seed: int) -> IndexedBatches:
-        """`split` is "train" or "val" of a directory made by `prepare_data`."""
-        return cls(Path(prepared) / f"{split}.bin", load_meta(prepared)["dtype"], seq_len, seed)
 
     def offsets(self, step: int, B: int) -> torch.Tensor:
         """Start offsets of the B windows of global step `step`, int64 [B]."""

@@ -99,7 +99,3 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
         ))
     return specs
 
-
-def build_shard_spec(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> ModelShardSpec:
-    """The spec of this rank's pipeline stage (its first model chunk when the schedule is interleaved)."""
-    return build_chunk_specs(cfg, pp_rank, ep_rank)[0]

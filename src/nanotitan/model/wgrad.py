@@ -138,7 +138,7 @@ class WeightGradStore:
     def land(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
         """fn(*tensors) accumulates some weight gradients: run now, or queued for W while deferring. A queued fn's
         tensors are held through the saved-tensor hooks in force (as autograd holds what it saves), so a memory
-        meter (metrics.SavedActivations, the dry run's) counts what a pending W keeps as the activations it is."""
+        meter (memory.SavedActivations, the dry run's) counts what a pending W keeps as the activations it is."""
         if not self.active:
             with torch.no_grad():
                 fn(*tensors)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .metrics import MetricsWriter, StepMeters, fmt_bytes, live_tensor_bytes, peak_mem_bytes
+from .memory import StepMeters, live_tensor_bytes, peak_mem_bytes
+from .metrics import MetricsWriter, fmt_bytes
 from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, flops_per_token, is_moe_layer

@@ -331,7 +331,7 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
     collectives on dims.group("ep_backward"), and each MoE's router statistics kept per lane
     (MoE.lane_local_router_state).
 
-    The shard must have been built for this rank's experts (`build_shard_spec(cfg, pp_rank, ep_rank)`).
+    The shard must have been built for this rank's experts (`build_chunk_specs(cfg, pp_rank, ep_rank)`).
     """
     if dims.ep == 1:
         return model
@@ -347,7 +347,7 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
         if (moe.expert_start, moe.expert_end) != (dims.ep_rank * L, (dims.ep_rank + 1) * L):
             raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but ep_rank "
                              f"{dims.ep_rank} owns [{dims.ep_rank * L}, {(dims.ep_rank + 1) * L}): build the "
-                             f"model with build_shard_spec(cfg, pp_rank, ep_rank={dims.ep_rank})")
+                             f"model with build_chunk_specs(cfg, pp_rank, ep_rank={dims.ep_rank})")
         moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks, lanes=shared)
         moe.lane_local_router_state = lanes
     return model

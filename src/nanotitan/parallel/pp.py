@@ -1,7 +1,7 @@
 """Pipeline parallelism: one training step's forwards and backwards over M microbatches (GPipe, 1F1B,
 interleaved 1F1B, zero-bubble ZB-H1).
 
-Each rank holds one stage (`Transformer(cfg.model, build_shard_spec(cfg, pp_rank, ep_rank), seed)`), or under
+Each rank holds one stage (`Transformer(cfg.model, build_chunk_specs(cfg, pp_rank, ep_rank)[0], seed)`), or under
 the interleaved schedule V model chunks (`StageChunks`, pp_chunks.py): global chunk c = v*PP + pp_rank.
 The first chunk takes token microbatches `(m, S)`, later ones receive hidden states `(m, S, D)` from the
 previous chunk and send the gradient of that input back (pp_comms.py). The last chunk computes the loss.

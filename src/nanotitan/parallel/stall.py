@@ -3,7 +3,7 @@
 Every collective and P2P call of `parallel/comm.py` enters this rank's record before it starts and leaves
 it when it returns (an async one when its `wait()` returns): axis, op, the axis's sequence number on this
 rank, the peers (group ranks, or the P2P neighbour), shapes, start and end time, and a context such as
-"layer 2, backward" (the layer from `label_layers` hooks or `context()`, the phase from autograd).
+"layer 2, backward" (the layer from `label_layers` hooks, the phase from autograd).
 
 The record is a ring of the last SLOTS entries in a small memory-mapped file,
 RUN_DIR/logs/comm_rank_N.ring, plus a heartbeat that a daemon thread refreshes twice a second. Because it
@@ -66,20 +66,9 @@ def dump_path(log_dir: str | Path, rank: int) -> Path:
     return Path(log_dir) / f"stall_rank_{rank}.json"
 
 
-# --- context: what the caller is doing (a layer), set by hooks or explicitly -----------------------
+# --- context: what the caller is doing (a layer), set by hooks ---------------------------------------
 
 _context = ""  # one process, one record: a module variable (autograd's CPU backward runs on this thread)
-
-
-@contextlib.contextmanager
-def context(label: str):
-    """Name what the collectives inside are for, e.g. `with stall.context("layer 2"):`."""
-    global _context
-    old, _context = _context, label
-    try:
-        yield
-    finally:
-        _context = old
 
 
 def label_layers(model: torch.nn.Module) -> None:

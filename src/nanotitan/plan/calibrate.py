@@ -168,7 +168,7 @@ def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Ha
                       opts: PlanOptions | None = None) -> list[dict]:
     """The planner's per-rank peak of live tensor bytes (its memory peak less the profile's reserve) against the
     measured step high-water mark (`peak_tensor_per_rank` of a `nanotitan bench layouts` row: summary.json's
-    `peak_tensor_bytes`, metrics.PeakTensorBytes), both the max over ranks. `pred_step` is the step's peak,
+    `peak_tensor_bytes`, memory.PeakTensorBytes), both the max over ranks. `pred_step` is the step's peak,
     `pred` the planner's peak with the checkpoint-save transient (what `fits` checks), less the reserve."""
     hw = detect_hardware(hardware)
     out = []

@@ -14,7 +14,7 @@ what each rank would hold. For each distinct rank, in this one process, with no 
        the final one (so the DP sync runs), under a byte meter (`TensorBytesMeter`)
 
 A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors after the step, as summary.json
-measures them: `metrics.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
+measures them: `memory.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
 microbatches = the one-microbatch step's peak + (in_flight - 1) x the bytes one microbatch keeps from its forward to
 its backward, in_flight being what the schedule holds at once (`parallel.pp.in_flight`: M under GPipe, PP - s under
 1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
@@ -47,7 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.config import Config, ConfigError, validate
 from ..config.hardware import Hardware
-from ..observe.metrics import fmt_bytes, live_tensor_bytes, storage_key
+from ..observe.memory import live_tensor_bytes, storage_key
+from ..observe.metrics import fmt_bytes
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import num_moe_layers
 from ..parallel import pp as pp_schedules

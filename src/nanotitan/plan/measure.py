@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config.hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
-from ..observe.metrics import storage_key
+from ..observe.memory import storage_key
 from ..parallel import comm
 from ..run.spawn import run_ranks
 
@@ -33,7 +33,7 @@ from ..run.spawn import run_ranks
 class TensorBytesMeter(TorchDispatchMode):
     """`with TensorBytesMeter(known=tensors) as m: ...` then m.peak / m.current (bytes).
     Storages of `known` tensors (parameters, inputs) are never counted, so their views are not either.
-    Storages are told apart by identity (`metrics.storage_key`), so fake and meta tensors count too (plan/dryrun.py)."""
+    Storages are told apart by identity (`memory.storage_key`), so fake and meta tensors count too (plan/dryrun.py)."""
 
     def __init__(self, known: list[torch.Tensor] = ()):
         super().__init__()
