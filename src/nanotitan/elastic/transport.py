@@ -52,7 +52,9 @@ class FileServer:
                 self.connection.settimeout(SOCKET_TIMEOUT_S)
                 try:
                     req = server._admit(self.rfile.readline(MAX_LINE), self.client_address)
-                    if req is not None:
+                    if req is None:  # the one word a stranger gets
+                        self.wfile.write(b'{"error": "refused"}\n')
+                    else:
                         server._serve(req, self.rfile, self.wfile)
                 except (OSError, ValueError) as e:
                     try:
@@ -80,7 +82,7 @@ class FileServer:
         op = req.get("op") if isinstance(req, dict) else None
         self.log(f"nanotitan elastic: refused a snapshot-transport request ({str(op)[:20]!r}) from "
                  f"{peer[0]}:{peer[1]}: {why}")
-        raise ValueError("refused")
+        return None
 
     def _path(self, rel: str) -> Path:
         if self.root is None:
