@@ -23,7 +23,7 @@ def _server(root: Path, host: str):
         from nanotitan.elastic import agent, auth, transport
 
         key = b"k" * 32
-        s = transport.FileServer(agent._address_towards(host), key, log=lambda line: print("  server:", line))
+        s = transport.FileServer(agent.address_towards(host), key, log=lambda line: print("  server:", line))
         return s, json.dumps(auth.seal(key, {"op": "list"})).encode() + b"\n", s.host
     except ImportError:  # before: snapshot.FileServer() on every interface, no key
         from nanotitan.elastic import snapshot

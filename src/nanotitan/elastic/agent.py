@@ -269,7 +269,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
                               "node 0 there, or fix --elastic.endpoint") from None
     store = SignedStore(dist.PrefixStore(f"nanotitan/elastic/{e.id}", raw), key)
     my_hash = job_hash(cfg)
-    agent = Agent(cfg, argv, store, bind=_address_towards(host))
+    agent = Agent(cfg, argv, store, bind=address_towards(host))
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "notice", True))
 
     def register() -> int:
@@ -279,7 +279,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
             shutil.rmtree(agent.files.root, ignore_errors=True)
         store.set(f"beat/{node}", str(time.time()))
         store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash,
-                                              "files": f"{_address_towards(host)}:{agent.files.port}"}))
+                                              "files": f"{address_towards(host)}:{agent.files.port}"}))
         print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
               f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
         return node
@@ -305,7 +305,7 @@ def _wait_for_agents(store, timeout_s: float = 10.0) -> None:
         time.sleep(TICK_S)
 
 
-def _address_towards(host: str) -> str:
+def address_towards(host: str) -> str:
     """This machine's address on the route to HOST (where the other nodes can reach it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(host), 1))  # UDP: picks the route, sends nothing
