@@ -148,7 +148,7 @@ def test_nonfinite_save_refused_on_every_rank(launched):
     assert set(files) == {".metadata", "__0_0.distcp", "__1_0.distcp", "config.toml", "state.json"}
     for name, entry in files.items():
         assert (root / "step_40" / name).stat().st_size == entry["bytes"]
-        assert manifest._hash_file(root / "step_40" / name)[1] == entry["xxh3_64"]
+        assert manifest.hash_file(root / "step_40" / name)[1] == entry["xxh3_64"]
 
 
 def test_damaged_checkpoints_are_named_and_skipped(launched):

@@ -177,6 +177,7 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
     import torch.distributed as dist
 
     from nanotitan.config.config import load_config
+    from nanotitan.elastic.auth import SignedStore
     from nanotitan.elastic.coordinator import Coordinator, job_hash
 
     cfg = load_config(None, base_args(corpus_dir, run_dir) + [
@@ -184,7 +185,7 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
         "--elastic.endpoint", "127.0.0.1:1", "--elastic.id", "bad", "--elastic.snapshot_dir", str(run_dir / "shm"),
         *extra])
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store = dist.PrefixStore("nanotitan/elastic/bad", raw)
+    store = SignedStore(dist.PrefixStore("nanotitan/elastic/bad", raw), b"k" * 32)
     return Coordinator(cfg, store, job_hash(cfg)), store, raw
 
 
@@ -207,7 +208,7 @@ def test_world_without_layout_leaves_a_spare_and_a_different_joiner_is_refused(c
     assert plan["members"] == [0, 1, 2, 3] and plan["layout"].startswith("dp=4 pp=1 ep=1"), plan
     out = capsys.readouterr().out
     assert "world 5 admits no layout (no layout of 5 ranks" in out and "node 4 waits as a spare" in out, out
-    assert "node 5 (h) runs different code or config" in store.get("refused/5").decode()
+    assert "node 5 (h) runs different code or config" in store.get("refused/5")
 
 
 def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, capsys):

@@ -444,7 +444,8 @@ UNITS = [
 def test_forged_snapshot_unit_is_refused(case, forge, pattern, good, tmp_path):
     """check_unit (the gate of a push and a fetch) names the mismatch in one line; assemble_newest passes over the
     forged step, says so, and assembles the older good one, which verifies."""
-    from nanotitan.elastic.snapshot import assemble_newest, check_unit
+    from nanotitan.elastic.coordinator import assemble_newest
+    from nanotitan.elastic.snapshot import check_unit
 
     root = tmp_path / "snap"
     assert check_unit(_unit(good, root, 2)) == ""
@@ -454,7 +455,7 @@ def test_forged_snapshot_unit_is_refused(case, forge, pattern, good, tmp_path):
     why = check_unit(unit)
     assert re.search(pattern, why) and "\n" not in why, why
     said: list[str] = []
-    got = assemble_newest(root, {}, 0, said.append)
+    got = assemble_newest(root, {}, b"key", 0, said.append)  # no peers: the key signs nothing here
     if case.endswith("checksum forged"):  # a copy that fails the manifest is on no node: step_4 is passed over
         assert got == root / "checkpoints" / "step_2" and len(said) == 1 and "skipped snapshot step_4" in said[0], said
     assert got is not None and manifest.verify_checkpoint(got) == "", (got, said)

@@ -51,7 +51,7 @@ def cmd_train(argv: list[str]) -> int:
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
     if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic.py)
-        from .elastic.coordinator import run_agent
+        from .elastic.agent import run_agent
 
         code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
         _exit_soon()

@@ -172,6 +172,8 @@ class ElasticConfig:
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir; a failure loses <= K steps (0 = off)
     snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI): memory that outlives the ranks; a copy also goes to the next node (docs/elastic.md)
+    secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET); a one-host job makes RUN_DIR/elastic.secret (docs/security.md)
+    insecure: bool = False  # true: a job across hosts runs without a secret (its members' messages carry no MAC anyone lacks)
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""One rank of an elastic generation (elastic.py starts it): the Trainer, plus what the agents need to know.
+"""One rank of an elastic generation (agent.py starts it): the Trainer, plus what the agents need to know.
 
 Each generation is a fixed world with a fixed layout. Its ranks are `nanotitan train` processes (started ahead by
 their node's agent: `cli.warm_rank`) with the planned layout and `--train.resume PATH`, the newest checkpoint or
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..state import checkpoint as ckpt
 from ..config.config import Config
+from .auth import SignedStore, rank_key
 from .snapshot import SnapshotWriter
 from ..train import Trainer, run
 
@@ -40,8 +41,9 @@ def snapshot_root(cfg: Config, node: int) -> Path:
     return Path(cfg.elastic.snapshot_dir) / f"nanotitan-elastic-{cfg.elastic.id}-{run:08x}-node{node}"
 
 
-def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
-    """A client of node 0's store, with this job's keys."""
+def job_store(endpoint: str, job: str, timeout_s: float = 60.0) -> SignedStore:
+    """A client of node 0's store, with this job's keys, signing and checking entries with the key the agent
+    handed this rank (auth.py)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -49,7 +51,7 @@ def job_store(endpoint: str, job: str, timeout_s: float = 60.0):
     host, port = endpoint.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    return dist.PrefixStore(f"nanotitan/elastic/{job}", store)
+    return SignedStore(dist.PrefixStore(f"nanotitan/elastic/{job}", store), rank_key())
 
 
 class ElasticTrainer(Trainer):
@@ -78,7 +80,7 @@ class ElasticTrainer(Trainer):
             self.store.set(f"gen/{self.gen}/saved", json.dumps({"step": step, "save_s": self.save_s, "t": time.time()}))
 
     def train_step(self, step: int):
-        if self.is_main and self.store.check([f"gen/{self.gen}/stop"]):
+        if self.is_main and self.store.get(f"gen/{self.gen}/stop") is not None:
             self.request_stop("elastic coordinator: a node joins or leaves")  # agree_on_step all-reduces it
         out = super().train_step(step)
         stop = out[-1]  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
@@ -97,7 +99,7 @@ class ElasticTrainer(Trainer):
         """Every elastic.snapshot_every steps: the state after `step`, into memory that outlives this process
         (tmpfs) and, through the agents, a peer node's; a failure restarts from it and loses at most K steps.
         Costs the copy to host memory here; the write runs on a thread (snapshot.py)."""
-        self.snapshots.start(step, self.model, self.optimizer, self.shard, ckpt._layout(self.dims), step * self.B)
+        self.snapshots.start(step, self.model, self.optimizer, self.shard, ckpt.layout_dict(self.dims), step * self.B)
 
     def close(self, failed: bool = False):
         if not failed:  # the snapshot's thread is in collectives of its own: finish them before the groups go

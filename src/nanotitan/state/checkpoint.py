@@ -18,8 +18,10 @@ On disk (RUN_DIR/checkpoints/step_N/): DCP's `.metadata` + `__<rank>_*.distcp` s
 (the resolved config), `state.json` (step, trainer extras such as the data position, saved layout),
 `manifest.json` (every other file's size and xxh3-64 checksum) and `COMPLETE`. Atomicity: ranks write
 `step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`. Trust: nothing is loaded before every file
-matches the manifest (manifest.py: checksums, verification, what to resume from), and nothing non-finite is
-ever saved. See docs/checkpoint.md.
+matches the manifest (manifest.py: checksums, verification, what to resume from), `.metadata` is unpickled
+only through an allow-list (metadata.py: a checkpoint's bytes never run as code), and nothing non-finite is
+ever saved. See docs/checkpoint.md and docs/security.md.
+The keys live in keys.py; a snapshot's raw shards and their packing in packing.py.
 
 Every decision that a rank could reach alone (a file it checked, a tensor it holds) is agreed by an
 all-reduce before anyone acts on it, so a rank-local failure never leaves the others inside a collective.
@@ -30,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -40,15 +41,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
                                                           create_default_local_load_plan)
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
-from torch.futures import Future
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from ..config.config import Config, to_toml
 from ..config.errors import CheckpointError, StorageError, first_line, os_reason
@@ -56,43 +54,18 @@ from ..config.hardware import fmt_bytes
 from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, STEP_DIR, checkpoint_dir,
                        complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, storage_line,
                        verify_checkpoint)
-from ..model.transformer import is_expert_param
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
-from ..parallel.sync import Pieces, ensure_adam_state, replicated_pieces
+from .keys import Chunks, keyed_state, keyed_tensors, rng_key  # noqa: F401 - keyed_tensors: the tests' view
+from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
+from .packing import CheckpointReader
 
 
 class NonFiniteStateError(CheckpointError):
     """save_checkpoint refused: some model or optimizer tensor holds NaN/inf. Nothing was written."""
 
 
-# --- keyed state: this rank's pieces of each tensor, under global names --------------------------
-
-class _Chunks:
-    """This rank's boxes of one global tensor, in the form DCP writes and reads (its `_Checkpointable` hooks, as
-    a DTensor has): each box is one chunk of the key's metadata, at its offsets. Saving writes the boxes (views
-    of live storage, copied one at a time as they are written); loading reads into them whatever chunks any
-    layout wrote that overlap them (an old checkpoint's whole tensor included), one stored chunk at a time."""
-
-    def __init__(self, size: torch.Size, boxes: list[tuple[tuple[int, ...], torch.Tensor]]):
-        self.shape, self.boxes = torch.Size(size), {torch.Size(o): t for o, t in boxes if t.numel() or not t.dim()}
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def box(self, offsets) -> torch.Tensor:
-        return self.boxes[torch.Size(offsets)]
-
-    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
-                                                      properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for o, t in self.boxes.items()]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.boxes.items()]
-
+# --- DCP's planners over this rank's pieces (keys.py) ------------------------------------------------
 
 class _SaveChunks(DefaultSavePlanner):
     """DCP's planner, finding a key's box by its offsets (replicas of a box, same key and offsets, are written
@@ -100,7 +73,7 @@ class _SaveChunks(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
-        return _own_storage(obj.box(index.offset)) if isinstance(obj, _Chunks) else super().lookup_object(index)
+        return _own_storage(obj.box(index.offset)) if isinstance(obj, Chunks) else super().lookup_object(index)
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -118,64 +91,21 @@ class _LoadChunks(DefaultLoadPlanner):
     """DCP's planner reading straight into this rank's boxes (no staging copy of the state)."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # the default set-up would turn our _Chunks into None (it only knows tensors); the dict is flat already
+        # the default set-up would turn our Chunks into None (it only knows tensors); the dict is flat already
         self.original_state_dict = self.state_dict = state_dict
         self.metadata, self.is_coordinator, self.mappings = metadata, is_coordinator, {}
 
     def create_local_plan(self) -> LoadPlan:
         return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        # DCP's default torch.loads the bytes with weights_only=False (code); nanoTitan never saves bytes entries
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is bytes, not a tensor: refused")
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
-        return obj.box(index.offset) if isinstance(obj, _Chunks) else super().lookup_tensor(index)
+        return obj.box(index.offset) if isinstance(obj, Chunks) else super().lookup_tensor(index)
 
-
-def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  shard=None) -> dict[str, torch.Tensor]:
-    """{global key: tensor view} for everything this rank holds whole (params, then optimizer state): at zero 0
-    every key (the live tensors themselves; expert tensors split into per-expert views `t[l]` keyed by global
-    id expert_start + l). A key this rank holds only part of (zero >= 1) maps to its `_Chunks`."""
-    return {k: next(iter(c.boxes.values())) if len(c.boxes) == 1 and not any(next(iter(c.boxes))) and
-            next(iter(c.boxes.values())).shape == c.shape else c for k, c in _keyed(model, optimizer, shard).items()}
-
-
-def _keyed(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> dict[str, _Chunks]:
-    """{global key: this rank's _Chunks of it}: `GradSync.sharded_state` (the live tensors' pieces, whatever
-    the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
-    keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
-    other's checkpoint (and those written whole, before the pieces)."""
-    expert_start = model.spec.expert_start
-    out: dict[str, _Chunks] = {}
-
-    def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
-        if not (is_expert_param(name) and len(pieces.size) > 0):
-            out[f"{prefix}.{name}{suffix}"] = _Chunks(pieces.size, pieces.boxes)
-            return
-        per_expert: dict[int, list] = {}
-        for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
-            for l in range(t.shape[0]):
-                per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
-        for l in range(pieces.size[0]):
-            out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = _Chunks(pieces.size[1:], per_expert.get(l, []))
-
-    if optimizer is not None:
-        ensure_adam_state(optimizer)
-    sync = shard.sync if shard is not None else None
-    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
-    # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name not in model_state:
-            model_state[name] = Pieces.whole(t)
-    for name, pieces in model_state.items():
-        put("model", name, pieces)
-    for name, st in optim_state.items():
-        for k, pieces in st.items():
-            put("optim", name, pieces, f".{k}")
-    return out
-
-
-def _rng_key(rank: int) -> str:
-    return f"rng.cpu.{rank}"
 
 
 # --- small helpers --------------------------------------------------------------------------------
@@ -189,7 +119,7 @@ def _quiet_single_process():
         yield
 
 
-def _layout(dims: ParallelDims | None) -> dict:
+def layout_dict(dims: ParallelDims | None) -> dict:
     return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep} if dims else {"dp": 1, "pp": 1, "ep": 1}
 
 
@@ -251,8 +181,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     extra: dict | None = None, keep_last: int = 0, shard=None) -> Path:
     """Collective (every rank calls it): write RUN_DIR/checkpoints/step_<step>/ atomically, with a
     manifest of checksums, and prune to the newest `keep_last` complete checkpoints (0 keeps all).
-    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: each rank saves its pieces of the
-    state under the global keys (`GradSync.sharded_state`), so any zero level and layout can load it.
+    `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: each rank saves only the pieces it
+    holds (`GradSync.sharded_state`) at their offsets in the whole tensors, so any zero level and layout can
+    load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
     returns it with "step" added. When this returns on any rank the checkpoint is complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
@@ -270,7 +201,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
 
     # Nothing non-finite is ever written: a NaN checkpoint would be resumed into, and would rotate
     # the last good one out (issue 12). Agreed, so every rank raises and none waits in the save.
-    state: dict = _keyed(model, optimizer, shard)  # this rank's pieces: views of the live state, nothing gathered
+    state: dict = keyed_state(model, optimizer, shard)  # this rank's pieces: views of the live state, nothing gathered
     key = _first_nonfinite({k: t for k, c in state.items() for t in c.boxes.values()})
     bad = comm.any_rank(bool(key))
     if bad >= 0:
@@ -294,7 +225,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     if err := comm.agree(err, f"saving step {step}"):
         raise StorageError(err)
 
-    state[_rng_key(rank)] = torch.get_rng_state()
+    state[rng_key(rank)] = torch.get_rng_state()
     try:
         with _quiet_single_process():
             meta = dcp.save(state, storage_writer=FileSystemWriter(tmp), planner=_SaveChunks(),
@@ -314,7 +245,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     err = ""
     if rank == 0:
         try:
-            small = small_files(cfg, step, json.loads(extra_json), _layout(dims),
+            small = small_files(cfg, step, json.loads(extra_json), layout_dict(dims),
                                 save_s=round(time.perf_counter() - t0, 3))
             write_small_files(tmp, small, manifest)
             _fsync_dir(tmp)
@@ -419,6 +350,8 @@ def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
     for key, t in want.items():
         if key not in meta:
             return f"checkpoint {path} has no tensor {key!r} that this model needs ({hint})"
+        if not isinstance(meta[key], TensorStorageMetadata):  # DCP would torch.load a bytes entry: never saved here
+            return f"checkpoint {path} stores {key!r} as bytes, not as a tensor: not a checkpoint of nanoTitan's"
         saved = list(meta[key].size)
         if saved != list(t.shape):
             return (f"checkpoint tensor {key!r} has shape {saved} but this model's is {list(t.shape)} "
@@ -447,9 +380,11 @@ def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
         int(info["step"]), info["extra"], info["layout"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, None, f"checkpoint {path / STATE_FILE} is unreadable ({first_line(e)})"
-    try:
-        meta = FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - unpickling garbage raises anything
+    try:  # through the allow-list (metadata.py): a .metadata that names anything else is refused, never called
+        meta = safe_load_metadata((path / DCP_METADATA).read_bytes(), metadata_name(path)).state_dict_metadata
+    except UnsafeMetadataError as e:
+        return None, None, str(e)
+    except (OSError, CheckpointError) as e:
         return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({first_line(e)})"
     return info, meta, ""
 
@@ -467,7 +402,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     reason = verify_checkpoint(path, checksums=verify)
     if reason:
         raise CheckpointError(f"cannot load checkpoint {path}: {reason}")
-    live: dict = _keyed(model, optimizer, shard)
+    live: dict = keyed_state(model, optimizer, shard)
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
@@ -480,159 +415,15 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # DCP reads each stored chunk that overlaps one of this rank's boxes (one at a time) and copy_s the overlap
     # into the live tensor: CUDA params and Adam's `step` (CPU float, or float32 on device when fused) included.
     rank = comm.world_rank()
-    if info["layout"] == _layout(dims) and _rng_key(rank) in meta:  # a rank's stream means nothing in another layout
-        live[_rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
+    if info["layout"] == layout_dict(dims) and rng_key(rank) in meta:  # a rank's stream means nothing in another layout
+        live[rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(live, storage_reader=_Reader(path), planner=_LoadChunks(),
+            dcp.load(live, storage_reader=CheckpointReader(path), planner=_LoadChunks(),
                      no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
-    if _rng_key(rank) in live:
+    if rng_key(rank) in live:
         torch.set_rng_state(rng)
     comm.barrier()
     return {**info["extra"], "step": int(info["step"])}
-
-
-# --- snapshots (snapshot.py): this rank's pieces packed into one host buffer, written as one raw file ----------
-# A snapshot is a checkpoint whose shards are raw bytes instead of DCP's torch.save records: rank r's pieces,
-# copied at the step boundary into one flat buffer, are written as `__r_0.raw` in a single write, and the
-# buffer's xxh3 is the shard's checksum. `.metadata` is DCP's own Metadata (each piece's key, offsets and sizes,
-# and where its bytes are), built once per generation, so load_checkpoint reshards a snapshot onto any layout
-# through DCP's planner exactly as it does a checkpoint; only the reading of a chunk's bytes differs (_Reader).
-# Why not DCP's writer: it pushes each of a rank's ~280 pieces through torch.save in Python, holding the GIL that
-# the rank's training needs: 83 ms of the thread's CPU per snapshot of the default model in one process, against
-# 13 ms for all of this thread's work (docs/elastic.md, "What a snapshot costs").
-
-RAW_SHARD = "__{rank}_0.raw"
-_ALIGN = 64  # each piece's byte offset in a .raw shard: a multiple of every dtype's size
-
-
-class _Reader(FileSystemReader):
-    """DCP's FileSystemReader that also reads `.raw` shards: each chunk's bytes as they were in memory
-    (C order, the dtype of its key's metadata) at the offset its storage entry names."""
-
-    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.tensors = metadata.state_dict_metadata
-
-    def read_data(self, plan: LoadPlan, planner):
-        raw: dict[str, list] = {}
-        rest = []
-        for req in plan.items:
-            rel = self.storage_data[req.storage_index].relative_path
-            (raw.setdefault(rel, []) if rel.endswith(".raw") else rest).append(req)
-        if rest:
-            super().read_data(LoadPlan(rest), planner)
-        for rel, reqs in raw.items():
-            data = torch.frombuffer(bytearray(Path(self.path, rel).read_bytes()), dtype=torch.uint8)
-            for req in reqs:
-                info, md = self.storage_data[req.storage_index], self.tensors[req.storage_index.fqn]
-                sizes = next(c.sizes for c in md.chunks if c.offsets == req.storage_index.offset)
-                chunk = data[info.offset:info.offset + info.length].view(md.properties.dtype).view(sizes)
-                for dim, (start, n) in enumerate(zip(req.storage_offsets, req.lengths)):  # the part this box needs
-                    chunk = chunk.narrow(dim, start, n)
-                target = planner.resolve_tensor(req).detach()
-                target.copy_(chunk)
-                planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-
-class SnapshotPacking:
-    """Which pieces this rank writes into a snapshot, where each sits in its flat buffer, and the snapshot's DCP
-    metadata: fixed for a generation (its layout and state do not change), so built once, by one all-gather.
-    A piece that several ranks hold (a replicated parameter at zero 0, say) is written by one of them: the holder
-    with the fewest bytes so far, as DCP's dedup does, so the dp replicas split the work."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None, group=None):
-        """Collective on `group` (every rank, the same step)."""
-        rank = comm.world_rank()
-        mine = [(k, tuple(o), tuple(t.shape), tuple(c.shape), t.dtype)
-                for k, c in _keyed(model, optimizer, shard).items() for o, t in c.boxes.items()]
-        rng = torch.get_rng_state()
-        mine.append((_rng_key(rank), (0,), tuple(rng.shape), tuple(rng.shape), rng.dtype))
-        if comm.distributed():
-            lists: list = [None] * comm.world_size()
-            torch.distributed.all_gather_object(lists, mine, group=group)
-        else:
-            lists = [mine]
-        pieces: dict[tuple, tuple] = {}  # (key, offsets) -> (sizes, whole size, dtype, holders)
-        for r, lst in enumerate(lists):
-            for k, o, s, whole, dtype in lst:
-                pieces.setdefault((k, o), (s, whole, dtype, []))[3].append(r)
-        assigned = [0] * len(lists)  # bytes per rank so far
-        files: list[list] = [[] for _ in lists]  # rank -> [(key, offsets, sizes, dtype)] it writes, in file order
-        for (k, o), (s, _whole, dtype, holders) in sorted(pieces.items(), key=lambda p: (str(p[1][2]), p[0])):
-            r = min(holders, key=lambda h: (assigned[h], h))
-            assigned[r] += _nbytes(s, dtype)
-            files[r].append((k, o, s, dtype))
-        # the metadata: every key's chunks, and where each chunk's bytes are
-        tensors: dict[str, TensorStorageMetadata] = {}
-        storage: dict[MetadataIndex, _StorageInfo] = {}
-        for r, lst in enumerate(files):
-            at = 0
-            for k, o, s, dtype in lst:
-                whole = pieces[(k, o)][1]
-                md = tensors.setdefault(k, TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(whole), []))
-                md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)))
-                storage[MetadataIndex(k, o)] = _StorageInfo(RAW_SHARD.format(rank=r), at, _nbytes(s, dtype))
-                at = _aligned(at + _nbytes(s, dtype))
-        self.metadata = pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data=storage))
-        self.file = RAW_SHARD.format(rank=rank)
-        # this rank's buffer, and a view of it per piece it writes
-        self.keys = [(k, o) for k, o, _s, _d in files[rank]]
-        self.buffer = torch.zeros(sum(_aligned(_nbytes(s, d)) for _k, _o, s, d in files[rank]), dtype=torch.uint8)
-        self.views = [self._view(storage[MetadataIndex(k, o)], s, d) for k, o, s, d in files[rank]]
-        self.length = max((storage[MetadataIndex(k, o)].offset + storage[MetadataIndex(k, o)].length
-                           for k, o in self.keys), default=0)
-        spans: dict[torch.dtype, tuple[int, int]] = {}  # the pieces of one dtype are contiguous (sorted so above)
-        for k, o, s, d in files[rank]:
-            if d.is_floating_point:
-                info = storage[MetadataIndex(k, o)]
-                spans[d] = (spans.get(d, (info.offset,))[0], info.offset + info.length)
-        self.regions = {d: self.buffer[lo:hi].view(d) for d, (lo, hi) in spans.items()}  # for nonfinite
-
-    def _view(self, info, sizes, dtype) -> torch.Tensor:
-        return self.buffer[info.offset:info.offset + info.length].view(dtype).view(sizes)
-
-    def stage(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard=None) -> None:
-        """Copy this rank's pieces of the live state (and its RNG state) into the buffer, which the next optimizer
-        step cannot change. The step boundary's only cost."""
-        live = _keyed(model, optimizer, shard)
-        rng = _rng_key(comm.world_rank())
-        srcs = [torch.get_rng_state() if k == rng else live[k].box(o) for k, o in self.keys]
-        with torch.no_grad():
-            torch._foreach_copy_(self.views, srcs)
-
-    def nonfinite(self) -> str:
-        """'' when every floating piece in the buffer is finite, else the first key holding NaN/inf. One 2-norm per
-        dtype span (its gaps between pieces are zeros; the 2-norm also overflows for |x| > 1e19, so a hit is
-        confirmed piece by piece)."""
-        for d, span in self.regions.items():
-            if not bool(torch.linalg.vector_norm(span).isfinite()):
-                for (k, _o), v in zip(self.keys, self.views):
-                    if v.dtype == d and not bool(v.isfinite().all()):
-                        return k
-        return ""
-
-    def write(self, dir: Path) -> dict[str, dict]:
-        """Write the buffer as this rank's shard in `dir`; {file: its bytes and xxh3-64}, hashed from the buffer
-        (the bytes just written: a copy that differs is caught where every copy is checked, at push and at
-        assembly). One write (which releases the GIL) and one hash (~1 ms for 14 MiB)."""
-        data = memoryview(self.buffer.numpy())[:self.length]
-        with open(dir / self.file, "wb") as f:
-            f.write(data)
-        return {self.file: {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}}
-
-
-def _nbytes(sizes: tuple, dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for s in sizes:
-        n *= s
-    return n
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN

@@ -1,0 +1,324 @@
+"""An elastic job's agent, one per node (docs/elastic.md): it registers with node 0's store, starts its node's
+ranks for each generation it is a member of, reports how they ended, serves its node's snapshot files to the
+other members and pushes its own to the next (transport.py). Node 0's agent also runs the Coordinator
+(coordinator.py, which lists the store's keys) between its own ticks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+from ..config.config import Config, ConfigError, elastic_nodes
+from ..config.errors import first_line
+from . import snapshot
+from .auth import KEY_ENV, SignedStore, job_key
+from .coordinator import BEAT_S, TICK_S, Coordinator, job_hash, plan_world
+from .rank import RANK_ENV, WARM_ENV, snapshot_root
+from .transport import SOCKET_TIMEOUT_S, FileServer, fetch_checkpoint, push_unit
+
+
+class Agent:
+    """One node: registers, starts its ranks for each generation it is a member of, reports how they ended."""
+
+    def __init__(self, cfg: Config, argv: list[str], store: SignedStore, bind: str):
+        self.cfg, self.argv, self.store, self.key = cfg, argv, store, store.key
+        self.node, self.coordinator = -1, None  # run_agent sets them when the node registers
+        self.gen = 0  # the newest generation this agent has acted on
+        self.procs: list[subprocess.Popen] = []  # this generation's ranks
+        self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (cli.warm_rank)
+        self.err_dir = Path(tempfile.mkdtemp(prefix="nanotitan-elastic-"))
+        self.notice = False
+        self.left = False  # whether this node's leave/I is written
+        self.beat = 0.0
+        # this node's snapshots, for the other agents (on the address towards the endpoint); root set at registration
+        self.files = FileServer(bind, self.key)
+        self.members: list[int] = []  # of the newest generation this node is a member of
+        self.pushed: set[str] = set()  # units already copied to the peer node
+        self.pusher: threading.Thread | None = None
+
+    def run(self) -> int:
+        try:
+            while True:
+                if self.coordinator is not None:
+                    self.coordinator.tick()
+                code = self.tick()
+                if code is not None:
+                    return code
+                time.sleep(TICK_S)
+        finally:
+            self._close()
+            self.store.add("bye", 1)  # node 0 keeps the store up until every agent has read `done`
+
+    def tick(self) -> int | None:
+        s = self.store
+        if time.monotonic() - self.beat > BEAT_S:
+            s.set(f"beat/{self.node}", str(time.time()))
+            self.beat = time.monotonic()
+        if self.notice and not self.left:
+            s.set(f"leave/{self.node}", str(time.time()))
+            self.left = True
+        if (refused := s.get(f"refused/{self.node}")) is not None:
+            print(f"nanotitan elastic: {refused}", file=sys.stderr, flush=True)
+            return 2
+        if (done := s.get("done")) is not None:
+            done = json.loads(done)
+            if self.coordinator is not None:
+                print(f"nanotitan elastic: {done['line']}", file=sys.stderr if done["code"] else sys.stdout, flush=True)
+            if done["code"] == 0 and self.files.root is not None:  # the run dir holds the final checkpoint
+                shutil.rmtree(self.files.root, ignore_errors=True)
+            return done["code"]
+        self._replicate()
+        if self.procs:
+            return self._watch()
+        plan = None  # the newest signed plan: by key, not by the `gen` counter (which anyone could bump)
+        while (nxt := s.get(f"gen/{self.gen + 1}")) is not None:
+            self.gen, plan = self.gen + 1, json.loads(nxt)
+        if plan is not None and self.node in plan["members"]:
+            self._start(plan)
+            return None
+        if self.notice:  # not (or no longer) a member: nothing to finish
+            print(f"nanotitan elastic: node {self.node} left the job (SIGTERM)", flush=True)
+            return 0
+        return None
+
+    def _start(self, plan: dict) -> None:
+        e, g = self.cfg.elastic, self.gen
+        host, port = e.endpoint.rsplit(":", 1)
+        n = e.nproc_per_node
+        first = plan["members"].index(self.node) * n
+        world = len(plan["members"]) * n
+        self.members = plan["members"]
+        resume = plan["resume"]
+        if plan.get("snapshot") is not None and self.node != 0:  # node 0 assembled it: this node's ranks read a copy
+            try:
+                addr = json.loads(self.store.get("node/0"))["files"]
+                resume = str(fetch_checkpoint(addr, self.key, self.files.root, plan["snapshot"]))
+            except (OSError, ValueError, TypeError) as err:  # the generation fails like a rank would, in one line
+                self.store.set(f"gen/{g}/exit/{self.node}", json.dumps({
+                    "code": 1, "line": f"node {self.node} could not copy snapshot step_{plan['snapshot']} from node 0: "
+                                       f"{first_line(err)}"}))
+                return
+        self._warm_up()  # already warm unless this node's last generation just started
+        info = json.dumps({"endpoint": e.endpoint, "id": e.id, "gen": g, "node": self.node, "spawned": time.time()})
+        # `nanotitan train` overrides: the elastic section off (ranks are not agents), the planned layout, and
+        # train.ckpt_on_signal (the all-reduced stop flag that makes every rank stop at the same step).
+        cmd = [*self.argv, *plan["flags"],
+               "--train.resume", resume, "--train.ckpt_on_signal", "true",
+               "--elastic.endpoint=", "--elastic.nodes="]
+        self.procs = []
+        for local in range(n):
+            err = self.err_dir / f"gen{g}_rank{first + local}.json"
+            env = dict(os.environ, RANK=str(first + local), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                       LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=host, MASTER_PORT=port,
+                       TORCHELASTIC_USE_AGENT_STORE="True",  # node 0's agent hosts the store
+                       TORCHELASTIC_RESTART_COUNT=str(g - 1),  # namespaces the process group's keys per generation
+                       TORCHELASTIC_ERROR_FILE=str(err), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            env[RANK_ENV], env[KEY_ENV] = info, self.key.hex()  # the ranks sign their store entries too
+            rank = self.warm[local]
+            try:
+                rank.stdin.write(json.dumps({"argv": cmd, "env": env}) + "\n")
+                rank.stdin.close()
+            except BrokenPipeError:  # it died meanwhile: its exit code fails the generation like any rank's
+                pass
+            self.procs.append(rank)
+        self.warm = []
+
+    def _replicate(self) -> None:
+        """Copy this node's newest committed unit to the next member node (node i -> i+1 mod n, in the order of
+        the generation's members), one unit at a time on a thread: the agent outlives its ranks, and the copy
+        must not hold up its ticks."""
+        if self.pusher is not None and self.pusher.is_alive():
+            return
+        if self.node not in self.members or len(self.members) < 2 or self.files.root is None:
+            return
+        mine = sorted((int(m.group(1)), int(m.group(2)), rel) for rel in snapshot.units(self.files.root)
+                      if (m := snapshot.UNIT.match(rel)) and int(m.group(3)) == self.node and rel not in self.pushed)
+        if not mine:
+            return
+        step, gen, rel = mine[-1]  # the newest: an older one not copied yet is superseded
+        peer = self.members[(self.members.index(self.node) + 1) % len(self.members)]
+        self.pushed.add(rel)
+        info = self.store.get(f"node/{peer}")  # here: the store's client is not for threads
+        if info is None:
+            return
+        addr = json.loads(info)["files"]
+
+        def push():
+            try:
+                push_unit(addr, self.key, self.files.root / rel, rel)
+            except (OSError, ValueError, RuntimeError) as err:
+                print(f"nanotitan elastic: node {self.node}: snapshot step_{step} not copied to node {peer}: "
+                      f"{first_line(err)}", flush=True)
+
+        self.pusher = threading.Thread(target=push, daemon=True, name="snapshot-push")
+        self.pusher.start()
+
+    def _warm_up(self) -> None:
+        """Start the next generation's ranks now: they import torch and the trainer (seconds) while they wait.
+        Each touches its `ready` file once imported (wait_warm)."""
+        self.warm = [p for p in self.warm if p.poll() is None]  # one killed while it waited is replaced
+        while len(self.warm) < self.cfg.elastic.nproc_per_node:
+            ready = self.err_dir / f"warm_{time.monotonic_ns()}.ready"
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            env[WARM_ENV] = str(ready)
+            p = subprocess.Popen([sys.executable, "-c", "import sys; from nanotitan.cli import warm_rank; "
+                                  "sys.exit(warm_rank())"], stdin=subprocess.PIPE, text=True, env=env,
+                                 start_new_session=True)
+            p.ready = ready
+            self.warm.append(p)
+
+    def wait_warm(self, timeout_s: float) -> None:
+        """Until this node's warm ranks have imported (a joiner registers only then: its ranks are ready when the
+        job stops for it), or timeout_s."""
+        self._warm_up()
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and not all(p.ready.exists() or p.poll() is not None for p in self.warm):
+            time.sleep(TICK_S)
+
+    def _watch(self) -> int | None:
+        """Ranks running: stop them on an abort or when one failed; report once all have exited."""
+        s, g = self.store, self.gen
+        if not self.warm and s.get(f"gen/{g}/up") is not None:  # warm the next set once this one trains (not while it starts)
+            self._warm_up()
+        codes = [p.poll() for p in self.procs]
+        aborted = s.get(f"gen/{g}/abort") is not None
+        if aborted or any(c not in (None, 0) for c in codes):
+            self._kill()  # a peer is gone: nothing left to save, and a rank waiting on it would wait parallel.timeout_s
+            codes = [p.poll() for p in self.procs]
+        if any(c is None for c in codes):
+            return None
+        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+        line = ""
+        if bad:
+            line = "aborted: a rank failed elsewhere" if aborted else self._failure_line(bad)
+        s.set(f"gen/{g}/exit/{self.node}", json.dumps({"code": bad[0][1] if bad else 0, "line": line}))
+        self.procs = []
+        return None
+
+    def _failure_line(self, bad: list[tuple[int, int]]) -> str:
+        """The first failing rank's own line (its error file), else how it died."""
+        first = self.cfg.elastic.nproc_per_node * self.members.index(self.node)
+        for local, code in bad:
+            f = self.err_dir / f"gen{self.gen}_rank{first + local}.json"
+            if f.exists():
+                return f"rank {first + local}: {json.loads(f.read_text())['message']}"
+        local, code = bad[0]
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"rank {first + local} {how}"
+
+    def _kill(self) -> None:
+        """SIGKILL each rank's process group (ranks run in sessions of their own) and reap them."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.wait()
+
+    def _close(self) -> None:
+        """At exit: the ranks and the warm ones (which hold nothing yet) killed."""
+        self.procs += self.warm
+        self.warm = []
+        self._kill()
+        if self.pusher is not None:  # a copy under way is finished: the peer keeps only a whole unit anyway
+            self.pusher.join(timeout=SOCKET_TIMEOUT_S)
+        self.files.close()
+
+
+def run_agent(cfg: Config, argv: list[str]) -> int:
+    """`nanotitan train --elastic.*`: this node's agent (and node 0's coordinator); returns the exit code."""
+    import torch.distributed as dist
+
+    from ..data.prepare import prepare_data
+    from ..resolve import cpu_peak_for_ranks
+    from ..run.rundir import owned_run_dir
+
+    e = cfg.elastic
+    if not cfg.parallel.auto:
+        raise ConfigError("an elastic job re-plans its layout for every world: add --parallel.auto true "
+                          "(and --train.global_batch B to fix the batch)")
+    min_nodes, _ = elastic_nodes(e.nodes)
+    first = plan_world(cfg, min_nodes * e.nproc_per_node)  # a job that cannot even start fails here, in one line
+    key = job_key(cfg)  # and one across hosts without a secret (docs/security.md)
+    host, port = e.endpoint.rsplit(":", 1)
+    timeout = timedelta(seconds=e.join_timeout_s)
+    raw, is_host = None, False
+    if _local_address(host):  # node 0 is the one at HOST; on loopback the first to bind the port
+        try:
+            raw, is_host = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout), True
+        except (RuntimeError, OSError):
+            pass
+    if raw is None:
+        try:
+            raw = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+        except (RuntimeError, OSError) as err:
+            raise ConfigError(f"no elastic job answers at {e.endpoint} after {e.join_timeout_s:g} s ({err}); start "
+                              "node 0 there, or fix --elastic.endpoint") from None
+    store = SignedStore(dist.PrefixStore(f"nanotitan/elastic/{e.id}", raw), key)
+    my_hash = job_hash(cfg)
+    agent = Agent(cfg, argv, store, bind=address_towards(host))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "notice", True))
+
+    def register() -> int:
+        node = store.add("joined", 1) - 1
+        agent.files.root = snapshot_root(cfg, node)
+        if cfg.train.resume != "auto":  # an earlier run's snapshots under this node's name, never to be resumed
+            shutil.rmtree(agent.files.root, ignore_errors=True)
+        store.set(f"beat/{node}", str(time.time()))
+        store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash,
+                                              "files": f"{address_towards(host)}:{agent.files.port}"}))
+        print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
+              f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
+        return node
+
+    node = register() if is_host else -1  # node 0 first: node ids start with the host
+    prepare_data(cfg.data)  # once per node, before a member's ranks look for it
+    cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
+    agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
+    if not is_host:
+        node = register()
+    agent.node, agent.coordinator = node, Coordinator(cfg, store, my_hash) if is_host else None
+    with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if is_host else nullcontext():
+        code = agent.run()
+        if is_host:  # the store lives in this process: let the other agents read `done` first
+            _wait_for_agents(store)
+    return code
+
+
+def _wait_for_agents(store, timeout_s: float = 10.0) -> None:
+    """Every agent says bye when it exits; an agent that never does (lost) costs timeout_s."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and store.add("bye", 0) < store.add("joined", 0):
+        time.sleep(TICK_S)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to HOST (where the other nodes can reach it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 1))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def _local_address(host: str) -> bool:
+    """Whether HOST is an address of this machine (a socket can bind it)."""
+    try:
+        with socket.socket() as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+

@@ -1,0 +1,176 @@
+"""The job secret, and the MACs an elastic job's members put on what they tell each other (issue 39,
+docs/security.md).
+
+Every node holds the same secret (--elastic.secret_file, or $NANOTITAN_ELASTIC_SECRET; a job on one host makes
+its own in the run dir). From it each process derives one HMAC-SHA256 key, which signs:
+- each request to a node's file transport (transport.py) and each answer: the request's fields, a SHA-256 of
+  its body, a timestamp and a nonce (a request older than WINDOW_S or whose nonce was seen is a replay);
+  an answer is bound to its request's nonce;
+- each store entry a member acts on (SignedStore): the value, bound to its key, so an entry cannot be forged
+  or moved to another key.
+Something without a valid MAC is refused and named in one line on the node it reached; the job goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+from ..config.config import Config, ConfigError
+
+SECRET_ENV = "NANOTITAN_ELASTIC_SECRET"  # the secret itself (the file's alternative)
+KEY_ENV = "NANOTITAN_ELASTIC_KEY"  # the derived key, handed by an agent to its ranks
+SECRET_FILE = "elastic.secret"  # RUN_DIR/elastic.secret: a one-host job's own secret (mode 0600)
+WINDOW_S = 60.0  # a request whose timestamp is further than this from the server's clock is stale
+INSECURE_KEY = hashlib.sha256(b"nanotitan-elastic-insecure").digest()  # --elastic.insecure: a key everyone knows
+
+
+def single_host(endpoint: str) -> bool:
+    """Whether an elastic job at HOST:PORT can only have members on this machine (HOST is a loopback address)."""
+    host = endpoint.rsplit(":", 1)[0]
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def derive(secret: bytes) -> bytes:
+    return hashlib.sha256(b"nanotitan-elastic-v1\0" + secret.strip()).digest()
+
+
+def job_key(cfg: Config) -> bytes:
+    """This job's MAC key, from the first of: --elastic.secret_file, $NANOTITAN_ELASTIC_SECRET, on one host
+    RUN_DIR/elastic.secret (made here if absent), --elastic.insecure (a key everyone knows). A job across hosts
+    with none of them raises ConfigError naming the option."""
+    e = cfg.elastic
+    if e.secret_file:
+        try:
+            secret = Path(e.secret_file).read_bytes()
+        except OSError as err:
+            raise ConfigError(f"elastic.secret_file={e.secret_file!r} is unreadable ({err.strerror}) "
+                              "(--elastic.secret_file)") from None
+        if not secret.strip():
+            raise ConfigError(f"elastic.secret_file={e.secret_file!r} is empty (--elastic.secret_file)")
+        return derive(secret)
+    if os.environ.get(SECRET_ENV, "").strip():
+        return derive(os.environ[SECRET_ENV].encode())
+    if single_host(e.endpoint):
+        return derive(_own_secret(Path(cfg.run.dir)))
+    if e.insecure:
+        return INSECURE_KEY
+    raise ConfigError(f"an elastic job across hosts (elastic.endpoint={e.endpoint}) needs a job secret, the same "
+                      "on every node: --elastic.secret_file PATH (or $NANOTITAN_ELASTIC_SECRET); "
+                      "--elastic.insecure true runs without one")
+
+
+def _own_secret(run_dir: Path) -> bytes:
+    """RUN_DIR/elastic.secret, made (mode 0600, 32 random bytes) by the first agent of a one-host job; the others
+    read it. Made under a temporary name and linked into place, so no agent reads a half-written one."""
+    path = run_dir / SECRET_FILE
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / f".{SECRET_FILE}.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode())
+        try:
+            os.link(tmp, path)  # fails if another agent's is there first: theirs wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_bytes()
+
+
+def rank_key() -> bytes:
+    """The key a rank's agent handed it (KEY_ENV)."""
+    return bytes.fromhex(os.environ[KEY_ENV])
+
+
+# --- messages of the file transport ------------------------------------------------------------------------
+
+def _mac(key: bytes, fields: dict) -> str:
+    payload = json.dumps({k: v for k, v in fields.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def seal(key: bytes, msg: dict, body_sha256: str = "", reply_to: str = "") -> dict:
+    """`msg` with a timestamp, a nonce, its body's SHA-256 (hex, '' for none) and their MAC. An answer names the
+    nonce of the request it answers (`reply_to`)."""
+    msg = dict(msg, ts=time.time(), nonce=secrets.token_hex(16), body=body_sha256, reply_to=reply_to)
+    msg["mac"] = _mac(key, msg)
+    return msg
+
+
+def valid(key: bytes, msg: dict) -> bool:
+    return isinstance(msg, dict) and isinstance(msg.get("mac"), str) and hmac.compare_digest(msg["mac"], _mac(key, msg))
+
+
+class ReplayGuard:
+    """A server's check of each request: a valid MAC, a fresh timestamp, a nonce not seen within WINDOW_S."""
+
+    def __init__(self, key: bytes):
+        self.key, self.seen, self.lock = key, {}, threading.Lock()
+
+    def why_not(self, msg: dict) -> str:
+        """'' when the request is to be served, else why it is refused."""
+        if not valid(self.key, msg):
+            return "no valid MAC (a sender without the job secret)"
+        now = time.time()
+        if not isinstance(msg.get("ts"), (int, float)) or abs(now - msg["ts"]) > WINDOW_S:
+            return f"a stale timestamp (more than {WINDOW_S:g} s off: a replay, or a clock that is)"
+        with self.lock:
+            self.seen = {n: t for n, t in self.seen.items() if now - t <= 2 * WINDOW_S}
+            if msg.get("nonce") in self.seen:
+                return "a nonce already used (a replay)"
+            self.seen[msg["nonce"]] = now
+        return ""
+
+
+# --- store entries -----------------------------------------------------------------------------------------
+
+class SignedStore:
+    """The job's store (node 0's TCPStore, under the job's prefix) with a MAC on each entry: `set` signs the value
+    and its key; `get` returns the value, or None when the key is absent or its MAC does not verify (named once, in
+    one line). Counters (`add`) carry no MAC: the coordinator acts on no counter alone."""
+
+    def __init__(self, store, key: bytes, log=print):
+        self.store, self.key, self.log = store, key, log
+        self.refused: set[tuple[str, bytes]] = set()
+
+    def _mac(self, k: str, value: str) -> str:
+        return hmac.new(self.key, f"{k}\0{value}".encode(), hashlib.sha256).hexdigest()
+
+    def set(self, k: str, value: str) -> None:
+        self.store.set(k, json.dumps({"v": value, "mac": self._mac(k, value)}))
+
+    def get(self, k: str) -> str | None:
+        if not self.store.check([k]):
+            return None
+        raw = self.store.get(k)
+        try:
+            entry = json.loads(raw)
+            if hmac.compare_digest(str(entry["mac"]), self._mac(k, str(entry["v"]))):
+                return str(entry["v"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        if (k, raw) not in self.refused:
+            self.refused.add((k, raw))
+            self.log(f"nanotitan elastic: refused store entry {k!r}: no valid MAC (written without the job secret); "
+                     "ignored")
+        return None
+
+    def has(self, k: str) -> bool:
+        """Whether anything (signed or not) is at `k`."""
+        return self.store.check([k])
+
+    def add(self, k: str, n: int) -> int:
+        return self.store.add(k, n)

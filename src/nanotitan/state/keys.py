@@ -1,0 +1,88 @@
+"""The global keys of a checkpoint: this rank's pieces of every tensor, under names that do not depend on the
+(dp, pp, ep) layout or the zero level (checkpoint.py lists them). Save, load and the snapshot packing all read
+the live state through `keyed_state`."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..model.transformer import is_expert_param
+from ..parallel.sync import Pieces, ensure_adam_state, replicated_pieces
+
+
+class Chunks:
+    """This rank's boxes of one global tensor, in the form DCP writes and reads (its `_Checkpointable` hooks, as
+    a DTensor has): each box is one chunk of the key's metadata, at its offsets. Saving writes the boxes (views
+    of live storage, copied one at a time as they are written); loading reads into them whatever chunks any
+    layout wrote that overlap them (an old checkpoint's whole tensor included), one stored chunk at a time."""
+
+    def __init__(self, size: torch.Size, boxes: list[tuple[tuple[int, ...], torch.Tensor]]):
+        self.shape, self.boxes = torch.Size(size), {torch.Size(o): t for o, t in boxes if t.numel() or not t.dim()}
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def box(self, offsets) -> torch.Tensor:
+        return self.boxes[torch.Size(offsets)]
+
+    def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.shape),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.boxes.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for o, t in self.boxes.items()]
+
+
+
+def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  shard=None) -> dict[str, torch.Tensor]:
+    """{global key: tensor view} for everything this rank holds whole (params, then optimizer state): at zero 0
+    every key (the live tensors themselves; expert tensors split into per-expert views `t[l]` keyed by global
+    id expert_start + l). A key this rank holds only part of (zero >= 1) maps to its `Chunks`."""
+    return {k: next(iter(c.boxes.values())) if len(c.boxes) == 1 and not any(next(iter(c.boxes))) and
+            next(iter(c.boxes.values())).shape == c.shape else c for k, c in keyed_state(model, optimizer, shard).items()}
+
+
+def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> dict[str, Chunks]:
+    """{global key: this rank's Chunks of it}: `GradSync.sharded_state` (the live tensors' pieces, whatever
+    the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
+    keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
+    other's checkpoint (and those written whole, before the pieces)."""
+    expert_start = model.spec.expert_start
+    out: dict[str, Chunks] = {}
+
+    def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
+        if not (is_expert_param(name) and len(pieces.size) > 0):
+            out[f"{prefix}.{name}{suffix}"] = Chunks(pieces.size, pieces.boxes)
+            return
+        per_expert: dict[int, list] = {}
+        for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
+            for l in range(t.shape[0]):
+                per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
+        for l in range(pieces.size[0]):
+            out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
+
+    if optimizer is not None:
+        ensure_adam_state(optimizer)
+    sync = shard.sync if shard is not None else None
+    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
+    # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in model_state:
+            model_state[name] = Pieces.whole(t)
+    for name, pieces in model_state.items():
+        put("model", name, pieces)
+    for name, st in optim_state.items():
+        for k, pieces in st.items():
+            put("optim", name, pieces, f".{k}")
+    return out
+
+
+def rng_key(rank: int) -> str:
+    return f"rng.cpu.{rank}"
+
