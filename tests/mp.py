@@ -16,6 +16,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def outputs_of(procs: list, timeout_s: float) -> list[str]:
+    """Each Popen's combined output once it has exited (timeout_s each); any still running after that is killed,
+    so a test never leaves a hung process behind."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout_s)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
 def train_once(args: list[str]) -> dict:
     """Train with `nanotitan train`'s Trainer on CLI-style args. Returns "records" (the logged step records:
     rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert

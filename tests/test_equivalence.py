@@ -40,9 +40,13 @@ def _run_cases(rank, world, cases, corpus_dir, run_root):
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
     """One process accumulating over all B/m = 8 microbatches."""
-    run = tmp_path_factory.mktemp("ref")
+    return one_process(corpus_dir, tmp_path_factory, "ref")
+
+
+def one_process(corpus_dir, tmp_path_factory, name: str, extra=()) -> dict:
+    """The single-process run (layout 1,1,1) of base_args + `extra`: the reference a matrix's rows are held to."""
     torch.set_num_threads(1)
-    return train_once(base_args(corpus_dir, run) + layout_args(1, 1, 1))
+    return train_once(base_args(corpus_dir, tmp_path_factory.mktemp(name)) + layout_args(1, 1, 1, "1f1b", extra))
 
 
 def check_case(name, ranks: list[dict], ref: dict):

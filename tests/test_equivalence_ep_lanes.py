@@ -11,8 +11,8 @@ order changes). A unit test shows the lanes really ran at once: a forward and a 
 import pytest
 import torch
 
-from tests.mp import run_ranks, train_once
-from tests.test_equivalence import _run_cases, base_args, check_case, layout_args
+from tests.mp import run_ranks
+from tests.test_equivalence import _run_cases, check_case, one_process, reference  # noqa: F401 (a fixture)
 
 LANES = ("--parallel.ep_overlap_microbatches", "true")
 AC = ("--train.activation_checkpointing", "true")
@@ -22,16 +22,8 @@ BALANCE = ("--model.capacity_factor", "1.0", "--model.bias_update_rate", "0.01")
 
 
 @pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    """One process accumulating over all B/m = 8 microbatches."""
-    torch.set_num_threads(1)
-    return train_once(base_args(corpus_dir, tmp_path_factory.mktemp("ref")) + layout_args(1, 1, 1))
-
-
-@pytest.fixture(scope="module")
 def reference_balance(corpus_dir, tmp_path_factory):
-    torch.set_num_threads(1)
-    return train_once(base_args(corpus_dir, tmp_path_factory.mktemp("refb")) + layout_args(1, 1, 1, "1f1b", BALANCE))
+    return one_process(corpus_dir, tmp_path_factory, "refb", BALANCE)
 
 
 def _check_twins(cases, results, world, expected):

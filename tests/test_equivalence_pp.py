@@ -12,8 +12,8 @@ One launch per world size runs every case of that size.
 import pytest
 import torch
 
-from tests.mp import run_ranks, train_once
-from tests.test_equivalence import _run_cases, base_args, check_case, layout_args
+from tests.mp import run_ranks
+from tests.test_equivalence import _run_cases, check_case, one_process, reference  # noqa: F401 (a fixture)
 
 V2 = ("--parallel.virtual_stages", "2")
 L8 = ("--model.n_layers", "8")
@@ -23,16 +23,8 @@ AC = ("--train.activation_checkpointing", "true")
 
 
 @pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    """One process accumulating over all B/m = 8 microbatches (4 layers)."""
-    torch.set_num_threads(1)
-    return train_once(base_args(corpus_dir, tmp_path_factory.mktemp("ref")) + layout_args(1, 1, 1))
-
-
-@pytest.fixture(scope="module")
 def reference_8_layers(corpus_dir, tmp_path_factory):
-    torch.set_num_threads(1)
-    return train_once(base_args(corpus_dir, tmp_path_factory.mktemp("ref8")) + layout_args(1, 1, 1, "1f1b", L8))
+    return one_process(corpus_dir, tmp_path_factory, "ref8", L8)
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout, twins_expected=0):

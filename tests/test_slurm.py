@@ -77,7 +77,7 @@ def test_two_slurm_nodes_on_loopback_train_like_one_process(tmp_path, corpus_dir
     """`srun --nodes 2 --ntasks-per-node 1 nanotitan train --parallel.dp 2` simulated on one machine: each task
     becomes its node's torchrun agent and they meet at the first node of SLURM_JOB_NODELIST."""
     from nanotitan.train import run
-    from tests.mp import free_port
+    from tests.mp import free_port, outputs_of
 
     common = [*TINY, "--data.source", str(corpus_dir)]
     ref = load_config(None, [*common, "--parallel.microbatches", "2", "--run.dir", str(tmp_path / "one")])
@@ -90,14 +90,7 @@ def test_two_slurm_nodes_on_loopback_train_like_one_process(tmp_path, corpus_dir
     nodes = [subprocess.Popen(cmd, env=dict(base, **_srun_env(n, SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1",
                                                               SLURM_GPUS_ON_NODE=None, MASTER_PORT=port)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
-    outs = []
-    try:
-        for p in nodes:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
+    outs = outputs_of(nodes, 150)
     assert all(p.returncode == 0 for p in nodes), "\n".join(outs)
     # rank 0 (the one that logs) ran on one node only: a standalone launch on each node would run it twice
     assert sorted("[rank0]:" in out for out in outs) == [False, True], outs

@@ -100,7 +100,7 @@ def test_launcher_fails_fast_when_a_rank_dies(tmp_path, corpus_dir):
 
 def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
     """Two torchrun agents (--nnodes 2, one rank each) rendezvous over c10d on 127.0.0.1."""
-    from tests.mp import free_port
+    from tests.mp import free_port, outputs_of
 
     port = free_port()
     cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",  # noqa: E731
@@ -109,14 +109,7 @@ def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
                         "--data.source", str(corpus_dir), "--run.dir", str(tmp_path / "run"),
                         "--parallel.dp", "2", "--train.steps", "3", "--run.log_every", "1"]
     agents = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=180)[0])
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
+    outs = outputs_of(agents, 180)
     assert all(a.returncode == 0 for a in agents), "\n".join(outs)
     recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
