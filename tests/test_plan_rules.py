@@ -91,7 +91,7 @@ def _runtime_follows_the_rules(rank, world):
     from torch.distributed.tensor import DTensor
 
     from nanotitan.config.config import Config
-    from nanotitan.model.spec import build_shard_spec
+    from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.dims import ParallelDims
     from nanotitan.parallel.ep import apply_ep

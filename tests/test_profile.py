@@ -77,7 +77,7 @@ def _labelled_collectives(rank, world, run_dir):
         comm.recv(t, src=0)
     # the interleaved schedule's posted ring exchange (waited for later, after compute) goes through comm too
     from nanotitan.parallel.dims import ParallelDims
-    from nanotitan.parallel.pp_comms import StageComms
+    from nanotitan.parallel.pp.comms import StageComms
 
     comms = StageComms(ParallelDims(1, 2, 1, rank).build_groups(), (1000,), torch.float32, "cpu")
     _, _, posted = comms.post_exchange(t if rank == 0 else None, t if rank == 1 else None, rank == 1, rank == 0)

@@ -35,7 +35,7 @@ import torch
 from .config.config import Config, ConfigError, validate
 from .config.hardware import Hardware, cpu_peak_env, cpu_peak_flops, get_hardware
 from .config.hf_config import resolve_model
-from .parallel import pp as pp_schedules
+from .parallel.pp import facts as pp_facts
 from .parallel.emulate import emulated_peak_flops
 from .parallel.sync import zero_memory_choices
 from .plan.cost import PlanOptions, balanced_layer_counts
@@ -63,7 +63,7 @@ def resolve(cfg: Config, world: int | None = None, hardware: Hardware | None = N
     if p.pp_layers == "auto":
         p.pp_layers = auto_layer_counts(c, hardware)
     # After validate, which refuses a virtual_stages the schedule would ignore rather than dropping it here.
-    p.virtual_stages = pp_schedules.virtual_stages(p.schedule, p.pp, p.virtual_stages)
+    p.virtual_stages = pp_facts.virtual_stages(p.schedule, p.pp, p.virtual_stages)
     p.zero_accumulate, p.zero3_reshard = zero_memory_choices(p.zero, p.pp, p.schedule, p.zero_accumulate,
                                                              p.zero3_reshard)
     resolve_emulation(c)
@@ -151,7 +151,7 @@ def auto_layer_counts(cfg: Config, hardware: Hardware | None = None) -> list[flo
     """parallel.pp_layers=auto's answer: the layers of each of the pp * virtual-stages chunks, balanced by the
     planner's cost of each half-block on `hardware` (default: device_hardware(cfg)); plan/cost.py."""
     p = cfg.parallel
-    n_chunks = p.pp * pp_schedules.virtual_stages(p.schedule, p.pp, p.virtual_stages)
+    n_chunks = p.pp * pp_facts.virtual_stages(p.schedule, p.pp, p.virtual_stages)
     return balanced_layer_counts(cfg, n_chunks, hardware or device_hardware(cfg))
 
 

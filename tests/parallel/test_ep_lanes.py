@@ -14,14 +14,14 @@ from nanotitan.model.spec import build_chunk_specs
 from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel import comm, ep
-from nanotitan.parallel import pp as pp_mod
+from nanotitan.parallel.pp import schedules as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
 from nanotitan.parallel.lanes import exposed_ep_wait, lanes_overlap
-from nanotitan.parallel.pp import in_flight, pipeline_forward_backward
-from nanotitan.parallel.pp import warmup as pp_warmup
-from nanotitan.parallel.pp_chunks import StageChunks
-from nanotitan.parallel.pp_comms import StageComms
+from nanotitan.parallel.pp.facts import in_flight, warmup as pp_warmup
+from nanotitan.parallel.pp.schedules import pipeline_forward_backward
+from nanotitan.parallel.pp.chunks import StageChunks
+from nanotitan.parallel.pp.comms import StageComms
 from tests.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D, M = 7, 2, 16, 128, 32, 4

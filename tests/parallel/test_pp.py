@@ -20,10 +20,10 @@ from nanotitan.parallel import comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel import step as S
 from nanotitan.parallel.parallelize import parallelize
-from nanotitan.parallel.pp import (in_flight, pipeline_forward, pipeline_forward_backward, theoretical_bubble,
-                                   virtual_stages, warmup)
-from nanotitan.parallel.pp_chunks import StageChunks
-from nanotitan.parallel.pp_comms import StageComms
+from nanotitan.parallel.pp.facts import in_flight, theoretical_bubble, virtual_stages, warmup
+from nanotitan.parallel.pp.schedules import pipeline_forward, pipeline_forward_backward
+from nanotitan.parallel.pp.chunks import StageChunks
+from nanotitan.parallel.pp.comms import StageComms
 from tests.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
@@ -314,7 +314,7 @@ def test_schedule_errors_name_the_fix():
 
 def _ep_in_w(rank, world, cases):
     """PP2 x EP2 under zb1: the EP all-to-alls each W runs (and the grads against the single process)."""
-    import nanotitan.parallel.pp as P
+    import nanotitan.parallel.pp.schedules as P
     from nanotitan.parallel.ep import apply_ep
 
     dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)  # new groups over the same 4 processes

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..config.config import Config, ConfigError, load_config, validate
 from ..parallel import emulate
-from ..parallel import pp as pp_schedules
+from ..parallel.pp import facts as pp_facts
 from ..plan import Layout, enumerate_layouts, layout_config
 from ..resolve import resolve_emulation, resolve_model
 
@@ -63,7 +63,7 @@ def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -
 
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
                virtual_stages: int = 1) -> dict:
-    V = pp_schedules.virtual_stages(schedule, pp, virtual_stages)
+    V = pp_facts.virtual_stages(schedule, pp, virtual_stages)
     vpp = ["--parallel.virtual_stages", str(V)] if V > 1 else []
     args = [sys.executable, "-m", "nanotitan.cli", "train", *base_args,
             "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
             todo += [(sched, lay) for lay in lays if lay.pp > 1 or (i == 0 and not args.pp_only)]  # pp=1 once
         for sched, lay in todo:
             dp, pp, ep, M, m = lay.dp, lay.pp, lay.ep, lay.microbatches, lay.micro_batch
-            V = pp_schedules.virtual_stages(sched, pp, args.virtual_stages)
+            V = pp_facts.virtual_stages(sched, pp, args.virtual_stages)
             name = f"N{n}_dp{dp}_pp{pp}_ep{ep}" + (f"_{sched}" if args.schedules and pp > 1 else "")
             print(f"[bench layouts] {name}: M={M} m={m} ...", flush=True)
             res = run_layout(dp, pp, ep, sched, M, m, args.steps, out / "runs" / name, base, args.timeout, V)

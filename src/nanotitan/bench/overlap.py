@@ -213,9 +213,9 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
     from ..parallel import comm
     from ..parallel.dims import ParallelDims
     from ..parallel.ep import apply_ep
-    from ..parallel.pp import pipeline_forward_backward
-    from ..parallel.pp_chunks import StageChunks
-    from ..parallel.pp_comms import StageComms
+    from ..parallel.pp.schedules import pipeline_forward_backward
+    from ..parallel.pp.chunks import StageChunks
+    from ..parallel.pp.comms import StageComms
 
     torch.set_num_threads(1)
     cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.schedule = pp, ep, schedule

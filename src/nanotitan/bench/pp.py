@@ -44,9 +44,10 @@ from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import Transformer
 from ..observe.memory import SavedActivations
 from ..parallel.dims import ParallelDims
-from ..parallel.pp import pipeline_forward_backward, theoretical_bubble, virtual_stages
-from ..parallel.pp_chunks import StageChunks
-from ..parallel.pp_comms import StageComms
+from ..parallel.pp.facts import theoretical_bubble, virtual_stages
+from ..parallel.pp.schedules import pipeline_forward_backward
+from ..parallel.pp.chunks import StageChunks
+from ..parallel.pp.comms import StageComms
 from ..resolve import auto_layer_counts
 from ..run.spawn import run_ranks
 

@@ -104,7 +104,7 @@ def _wire_worker(rank: int, world: int) -> dict:
     from ..parallel import comm
     from ..parallel.dp import Reducer
     from ..parallel.ep import EPDispatcher
-    from ..parallel.pp_comms import StageComms
+    from ..parallel.pp.comms import StageComms
 
     cfg = load_config(None, MID_ARGS)
     D, F, E, K, T = cfg.model.d_model, cfg.model.ffn_dim, cfg.model.num_experts, cfg.model.top_k, 8 * 128

@@ -33,7 +33,7 @@ def measure(repeats: int, layers: int, ckpt: bool) -> dict:
     cfg = mid_cfg(layers, "auto", "zb1")
     spec = build_chunk_specs(cfg, 1, 0)[0]
     plain, split = (Transformer(cfg.model, spec, SEED) for _ in range(2))
-    store = wgrad.WeightGradStore(fuse=True)  # as zb1's split stages make it (parallel/pp.py)
+    store = wgrad.WeightGradStore(fuse=True)  # as zb1's split stages make it (parallel/pp/schedules.py)
     wgrad.attach(split, store)
     for m in (plain, split):
         m.activation_checkpointing = ckpt

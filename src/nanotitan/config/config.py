@@ -456,7 +456,7 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(not p.ep_overlap or p.ep == 1 or p.auto or m.num_experts // p.ep >= 2,
            f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/parallel.ep = "
            f"{m.num_experts}/{p.ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
-    if p.ep_overlap_microbatches:  # two lanes: a forward beside a backward (parallel/pp.py, docs/ep.md)
+    if p.ep_overlap_microbatches:  # two lanes: a forward beside a backward (parallel/pp/schedules.py, docs/ep.md)
         off = "--parallel.ep_overlap_microbatches false"
         _check(p.auto or p.ep > 1, f"parallel.ep_overlap_microbatches hides EP all-to-alls, and parallel.ep=1 has "
                                    f"none (--parallel.ep 2, or {off})")

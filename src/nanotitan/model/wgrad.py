@@ -8,7 +8,7 @@ weights (norm weights, embedding tables) pass through `_Tap`, which takes the gr
 lands it the same way. Parameters enter these ops detached: autograd never runs their AccumulateGrad (torch
 2.13 fires a parameter's hooks there even when no gradient arrives), so after a deferred backward no .grad has
 changed and no gradient sync has been told anything: every term lands when the store's closures run
-(the pipeline schedule's W, parallel/pp.py).
+(the pipeline schedule's W, parallel/pp/schedules.py).
 
 Landing a term: `accumulate(p, g)` does what autograd's AccumulateGrad does (`p.grad = g` when None, else an
 in-place add), or, when a gradient sync registered a sink for p (`set_grad_sink`: the DP Reducer, ZeRO-1/2's
@@ -118,7 +118,7 @@ class WeightGradStore:
     def __init__(self, fuse: bool = False):
         self.active = False
         # fuse: GEMM terms land as GemmTerms, computed straight into an existing .grad (addmm_): faster, equal to
-        # the plain backward's up to float reassociation. zb1's split stages use it (parallel/pp.py); the EP
+        # the plain backward's up to float reassociation. zb1's split stages use it (parallel/pp/schedules.py); the EP
         # lanes' fill, and whatever must stay bitwise plain autograd's, do not.
         self.fuse = fuse
         self._queue: list[Callable[[], None]] = []

@@ -23,7 +23,8 @@ from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, flops_per_token, is_moe_layer
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
-from ..parallel.pp import StepStats, theoretical_bubble
+from ..parallel.pp.facts import theoretical_bubble
+from ..parallel.pp.schedules import StepStats
 
 
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,

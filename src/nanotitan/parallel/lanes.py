@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..model.moe import in_backward
 from . import comm
-from .pp_comms import StageComms
-from .pp_facts import lane_orders, lane_window
+from .pp.comms import StageComms
+from .pp.facts import lane_orders, lane_window
 
 
 # --- the EP side: groups, wait recording, the backward lane's filler ---------------------------------------------

@@ -29,7 +29,7 @@ from ..model.transformer import Transformer, is_expert_param
 from .dims import ParallelDims
 from .ep import apply_ep
 from .fsdp import FSDPSync
-from .pp_chunks import StageChunks
+from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
 from .sync import GradSync, ReplicatedSync, TorchDDPSync
 from .zero import ZeroSync
@@ -84,7 +84,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     """Build this rank's shard of the model, make its replicas identical and attach its gradient sync.
     `dims` must have its groups built when the world has more than one rank."""
     # One model chunk per virtual pipeline stage (V > 1 only under the interleaved schedule): V chunks are
-    # joined in a StageChunks whose parameters keep their global names (pp_chunks.py).
+    # joined in a StageChunks whose parameters keep their global names (pp/chunks.py).
     specs = build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)
     chunks = [Transformer(cfg.model, s, seed=cfg.train.seed) for s in specs]  # built and initialised on the CPU
     if device.type != "cpu":  # (a no-op move is not free either: `plan --dry-run`'s fake tensors cannot take it)

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from . import comm
 from .parallelize import ModelShard
-from .pp import StepStats, pipeline_forward, pipeline_forward_backward
-from .pp_comms import StageComms
+from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
+from .pp.comms import StageComms
 from .sync import TorchDDPSync
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..config.config import Config
 from ..config.hardware import Hardware
-from ..parallel import pp as pp_schedules
+from ..parallel.pp import facts as pp_facts
 from ..parallel.sync import zero_memory_choices
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
@@ -70,7 +70,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     for kind in ("ep", "pp", "non_expert_dp", "expert_dp"):
         crosses, off = placement(layout, kind, opts.link_node_size or per_node)
         links[kind] = (hw.inter if crosses else hw.intra), off
-    n_virt = pp_schedules.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
+    n_virt = pp_facts.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
     if counts == "auto":
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)

@@ -16,7 +16,7 @@ what each rank would hold. For each distinct rank, in this one process, with no 
 A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors after the step, as summary.json
 measures them: `memory.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
 microbatches = the one-microbatch step's peak + (in_flight - 1) x the bytes one microbatch keeps from its forward to
-its backward, in_flight being what the schedule holds at once (`parallel.pp.in_flight`: M under GPipe, PP - s under
+its backward, in_flight being what the schedule holds at once (`parallel.pp.facts.in_flight`: M under GPipe, PP - s under
 1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
 weight gradients that keep part of a microbatch, do not compose that simply).
 
@@ -51,7 +51,7 @@ from ..observe.memory import live_tensor_bytes, storage_key
 from ..observe.metrics import fmt_bytes
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import num_moe_layers
-from ..parallel import pp as pp_schedules
+from ..parallel.pp import facts as pp_facts
 from ..parallel import step as S
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import build_optimizer, parallelize
@@ -234,7 +234,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
     finally:
         dist.destroy_process_group()
     kept = before_backward[0] if before_backward and not whole else 0
-    in_flight = 1 if whole or p.pp == 1 else pp_schedules.in_flight(p.schedule, p.pp, dims.pp_rank, p.microbatches)
+    in_flight = 1 if whole or p.pp == 1 else pp_facts.in_flight(p.schedule, p.pp, dims.pp_rank, p.microbatches)
     step_peak = base + meter.peak
     return RankBytes(rank, dims.coords(), state["param_bytes"], state["grad_bytes"], state["optim_bytes"],
                      step_peak + (in_flight - 1) * kept, step_peak, kept, in_flight)

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from ..config.config import Config
-from ..parallel import dp as dp_reducer, fsdp, pp as pp_schedules, zero as zero_sharding
+from ..parallel import dp as dp_reducer, fsdp, zero as zero_sharding
+from ..parallel.pp import facts as pp_facts
 from .context import Context
 from .shape import Layout, ModelShape, StageSummary
 
@@ -128,7 +129,7 @@ def _activations(c: Context, s: int, st: StageSummary) -> tuple[float, float, fl
     """(activation bytes held at the peak, received tokens beyond the mean, the busiest EP rank's imbalance)."""
     lay, T = c.layout, c.T
     # microbatches held at the peak, in whole-stage units (an interleaved chunk-microbatch is 1/V of one)
-    held = pp_schedules.in_flight(lay.schedule, lay.pp, s, lay.microbatches, c.n_virt, c.lanes)
+    held = pp_facts.in_flight(lay.schedule, lay.pp, s, lay.microbatches, c.n_virt, c.lanes)
     in_flight = held / c.n_virt
     # the busiest EP rank receives more than the mean T*K assignments (docs/planner.md "Expert imbalance")
     imb = expert_imbalance(c.cfg, lay, c.shape, st.n_moe * in_flight, max(1.0, lay.microbatches * c.n_virt / held),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..config.config import Config
 from ..model.spec import block_halves, even_counts, layer_bounds
-from ..parallel import pp as pp_schedules
+from ..parallel.pp import facts as pp_facts
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
     p.zero = layout.zero
     c.train.micro_batch = layout.micro_batch
-    p.virtual_stages = pp_schedules.virtual_stages(layout.schedule, layout.pp, p.virtual_stages)
+    p.virtual_stages = pp_facts.virtual_stages(layout.schedule, layout.pp, p.virtual_stages)
     if p.pp_layers != "auto" and len(p.pp_layers) != layout.pp * p.virtual_stages:
         p.pp_layers = []
     p.auto = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..config.config import Config, tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
-from ..parallel import pp as pp_schedules
+from ..parallel.pp import facts as pp_facts
 from .context import Context
 from .shape import ModelShape, StageSummary
 
@@ -101,7 +101,7 @@ def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tai
 
 def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpaired: int = 1, c_w: float = 0.0,
                   skew: float = 0.0) -> float:
-    """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches (parallel/pp.py
+    """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches (parallel/pp/schedules.py
     `_two_lanes`): `unpaired` forwards alone, M - unpaired pairs (a forward beside a backward), `unpaired` backwards
     alone. pp = 1 and a pipeline's last stage: 1 (F(0) alone, F(j+1) beside B(j), B(M-1) alone); an earlier 1f1b /
     zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
@@ -163,7 +163,7 @@ def _stage_time(c: Context, s: int, st: StageSummary) -> tuple[dict[str, float],
     T, D = c.T, c.shape.d_model
     t_f = T * (st.f_dense / (c.peak * c.eff_dense) + st.f_expert / (c.peak * c.eff_expert))
     t_b = 2 * t_f + (t_f if c.ac else 0.0)  # backward = 2x forward, plus the recompute
-    if lay.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp.py)
+    if lay.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp/schedules.py)
         t_b *= 1 + ZB1_SPLIT_COST  # (under AC, B's recompute is the only one: W runs GEMMs on what B kept)
     a2a_link, calls = _ep_link_time(c, s, st, t_f, t_b)
     a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
@@ -208,7 +208,7 @@ def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float) 
         if c.opts.links_idle or not hw.cores_per_node:
             # the warmup's forwards (in whole-stage units) run alone: 0 (pp = 1, 1F1B's last stage) is F(0) and
             # B(M-1); gpipe's M: no forward beside a backward, only the fill hides the backwards' trips
-            unpaired = pp_schedules.warmup(lay.schedule, pp, s, M, c.n_virt) / c.n_virt
+            unpaired = pp_facts.warmup(lay.schedule, pp, s, M, c.n_virt) / c.n_virt
             # what runs while a backward's own trips travel: its weight-gradient GEMMs, about one forward's; on
             # zb1's split stages the W due after it (none for the first s backwards), as much again
             split = lay.schedule == "zb1" and pp > 1 and s > 0

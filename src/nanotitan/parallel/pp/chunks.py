@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..model.transformer import Transformer
+from ...model.transformer import Transformer
 
 
 class StageChunks(nn.Module):
@@ -43,7 +43,7 @@ class StageChunks(nn.Module):
         self.chunks = list(chunks)  # a plain list: not submodules, so no parameter is listed twice
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("StageChunks has no forward of its own: run its chunks (parallel/pp.py)")
+        raise RuntimeError("StageChunks has no forward of its own: run its chunks (parallel/pp/schedules.py)")
 
     def train(self, mode: bool = True) -> "StageChunks":
         super().train(mode)

@@ -7,7 +7,7 @@ virtual-stages rule itself lives in config/config.py (`validate` asks it too, an
 
 from __future__ import annotations
 
-from ..config.config import virtual_stages
+from ...config.config import virtual_stages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 

@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .dims import ParallelDims
+from .. import comm
+from ..dims import ParallelDims
 
 
 class StageComms:

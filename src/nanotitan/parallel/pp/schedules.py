@@ -2,9 +2,9 @@
 interleaved 1F1B, zero-bubble ZB-H1).
 
 Each rank holds one stage (`Transformer(cfg.model, build_chunk_specs(cfg, pp_rank, ep_rank)[0], seed)`), or under
-the interleaved schedule V model chunks (`StageChunks`, pp_chunks.py): global chunk c = v*PP + pp_rank.
+the interleaved schedule V model chunks (`StageChunks`, pp/chunks.py): global chunk c = v*PP + pp_rank.
 The first chunk takes token microbatches `(m, S)`, later ones receive hidden states `(m, S, D)` from the
-previous chunk and send the gradient of that input back (pp_comms.py). The last chunk computes the loss.
+previous chunk and send the gradient of that input back (pp/comms.py). The last chunk computes the loss.
 Per microbatch, the objective a chunk backpropagates is
 
     last chunk:   loss_scale * (ce + aux_weight * aux_sum)
@@ -40,8 +40,8 @@ parallel.ep_overlap_microbatches runs any of them in two lanes (lanes.py `two_la
 the backwards (and W's) on the caller's, each in the schedule's order, so that a stage's steady F(w+j) runs beside
 its B(j) (F(j+1) beside B(j) on 1F1B's last stage and at pp == 1; interleaved likewise, chunk by chunk; gpipe has
 no forward beside a backward) and each one's EP all-to-alls travel while the other computes.
-`virtual_stages`, `warmup`, `in_flight` and the other counts are stated once, in pp_facts.py (re-exported here:
-`pp.warmup` is that function); the schedules, the planner (plan/cost.py) and the tests all ask them.
+`virtual_stages`, `warmup`, `in_flight` and the other counts are stated once, in pp/facts.py (re-exported here:
+`schedules.warmup` is that function); the schedules, the planner (plan/cost.py) and the tests all ask them.
 
 The order is a pure function of (schedule, PP, pp_rank, M, V), so the ranks of one EP group (same pp_rank)
 run their microbatches in the same order and their all-to-alls pair up: in forwards and in backwards (B under
@@ -58,17 +58,17 @@ from typing import Callable, ContextManager, Literal
 
 import torch
 
-from ..model.wgrad import WeightGradStore, attach
-from . import ep, lanes
-from .dims import ParallelDims
-from .lanes import EPLanes
-from .pp_comms import StageComms
-from .pp_facts import (SCHEDULES, in_flight, interleaved_chunk, interleaved_microbatch, lane_orders, lane_window,
+from ...model.wgrad import WeightGradStore, attach
+from .. import ep, lanes
+from ..dims import ParallelDims
+from ..lanes import EPLanes
+from .comms import StageComms
+from .facts import (SCHEDULES, in_flight, interleaved_chunk, interleaved_microbatch, lane_orders, lane_window,
                        theoretical_bubble, virtual_stages, warmup)
 
 __all__ = ["SCHEDULES", "StepStats", "in_flight", "interleaved_chunk", "interleaved_microbatch", "lane_orders",
            "lane_window", "pipeline_forward", "pipeline_forward_backward", "run_weights", "stage_chunks",
-           "theoretical_bubble", "virtual_stages", "warmup"]  # the facts: pp_facts.py's, re-exported
+           "theoretical_bubble", "virtual_stages", "warmup"]  # the facts: pp/facts.py's, re-exported
 
 run_weights = WeightGradStore.run  # zb1's W: one microbatch's deferred weight-gradient GEMMs (tests count in it)
 
