@@ -34,6 +34,7 @@ from tests.specs import build_shard_spec
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks
 from tests.test_checkpoint import SAVE_KS, build, perturb, tiny_cfg
+from tests.whole_state import keyed_tensors
 
 LAYOUT = (1, 1, 2)  # EP=2: each rank writes its own experts, so each shard is checked by one rank only
 
@@ -53,9 +54,9 @@ def _ranks(rank, world, tmp, nan_key):
     perturb(model, opt, SAVE_KS)
     for step in (20, 30, 40):
         ckpt.save_checkpoint(run, step, model, opt, dims, cfg, {"samples_consumed": step}, keep_last=0)
-    saved = {k: v.clone() for k, v in ckpt.keyed_tensors(model, opt).items()}
+    saved = {k: v.clone() for k, v in keyed_tensors(model, opt).items()}
     if rank == 1:
-        ckpt.keyed_tensors(model, opt)[nan_key].view(-1)[3] = float("nan")
+        keyed_tensors(model, opt)[nan_key].view(-1)[3] = float("nan")
     try:
         ckpt.save_checkpoint(run, 50, model, opt, dims, cfg, {"samples_consumed": 50}, keep_last=1)
         refusal = ""
@@ -76,7 +77,7 @@ def _ranks(rank, world, tmp, nan_key):
                 if fallback is None:
                     model, opt = build(cfg, build_shard_spec(cfg, dims.pp_rank, dims.ep_rank))
                     extra = ckpt.load_checkpoint(path, model, opt, dims)
-                    fallback = {k: v.clone() for k, v in ckpt.keyed_tensors(model, opt).items()}
+                    fallback = {k: v.clone() for k, v in keyed_tensors(model, opt).items()}
                 results.append(("ok", path.name, extra, lines))
             except ckpt.CheckpointError as e:
                 results.append(("error", str(e), None, lines))

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from nanotitan.model.transformer import is_expert_param
+from nanotitan.state.keys import keyed_state
 
 
 def whole_tensors(pieces: dict, group, tag: int = 0, own_tag_only=lambda key: False) -> dict:
@@ -49,3 +50,12 @@ def whole_state(sync, optimizer: torch.optim.Optimizer | None = None) -> tuple[d
     model = {n: whole[("model", n, "")] for n in model_state}
     optim = {n: {k: whole[("optim", n, k)] for k in st} for n, st in optim_state.items()}
     return model, optim
+
+
+def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  shard=None) -> dict[str, torch.Tensor]:
+    """{global key: tensor view} for everything this rank holds whole (params, then optimizer state): at zero 0
+    every key (the live tensors themselves; expert tensors split into per-expert views `t[l]` keyed by global
+    id expert_start + l). A key this rank holds only part of (zero >= 1) maps to its `Chunks`."""
+    return {k: next(iter(c.boxes.values())) if len(c.boxes) == 1 and not any(next(iter(c.boxes))) and
+            next(iter(c.boxes.values())).shape == c.shape else c for k, c in keyed_state(model, optimizer, shard).items()}

@@ -56,7 +56,7 @@ from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_F
                        verify_checkpoint)
 from ..parallel import comm
 from ..parallel.dims import ParallelDims
-from .keys import Chunks, keyed_state, keyed_tensors, rng_key  # noqa: F401 - keyed_tensors: the tests' view
+from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
 

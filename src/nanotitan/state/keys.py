@@ -39,15 +39,6 @@ class Chunks:
 
 
 
-def keyed_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  shard=None) -> dict[str, torch.Tensor]:
-    """{global key: tensor view} for everything this rank holds whole (params, then optimizer state): at zero 0
-    every key (the live tensors themselves; expert tensors split into per-expert views `t[l]` keyed by global
-    id expert_start + l). A key this rank holds only part of (zero >= 1) maps to its `Chunks`."""
-    return {k: next(iter(c.boxes.values())) if len(c.boxes) == 1 and not any(next(iter(c.boxes))) and
-            next(iter(c.boxes.values())).shape == c.shape else c for k, c in keyed_state(model, optimizer, shard).items()}
-
-
 def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> dict[str, Chunks]:
     """{global key: this rank's Chunks of it}: `GradSync.sharded_state` (the live tensors' pieces, whatever
     the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
