@@ -50,7 +50,7 @@ def cmd_train(argv: list[str]) -> int:
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
-    if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic.py)
+    if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic/agent.py)
         from .elastic.agent import run_agent
 
         code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
@@ -71,7 +71,7 @@ def cmd_train(argv: list[str]) -> int:
     if under_torchrun():
         from .run.launch import fail_rank, start_rank
 
-        if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic_rank.py)
+        if os.environ.get("NANOTITAN_ELASTIC"):  # a rank of an elastic job's generation (elastic/rank.py)
             from .elastic.rank import run_rank as run
         else:
             from .train import run

@@ -193,7 +193,7 @@ def _tables(tables: list, medians: dict) -> list[str]:
 
 # --- `--interleaved N`: off and lanes step by step in one launch (what load moves, it moves for both) -----------------
 # Modes of `--interleaved`: off; lanes (parallel.ep_overlap_microbatches as the trainer runs it: each backward's
-# weight-gradient GEMMs fill its all-to-alls' flight, pp.py `_StageRunner.backward`); lanes-nofill (the lanes with
+# weight-gradient GEMMs fill its all-to-alls' flight, pp/schedules.py `_StageRunner.backward`); lanes-nofill (the lanes with
 # plain autograd backwards, as before the fill).
 INTERLEAVED_MODES = ("off", "lanes", "lanes-nofill", "lanes-w3")  # lanes-w3: a lane window of at least 3
 

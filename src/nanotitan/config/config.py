@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import os
 import re
 import stat
 import tomllib
@@ -138,7 +137,7 @@ class ParallelConfig:
 
 def virtual_stages(schedule: str, pp: int, V: int) -> int:
     """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1, else 1
-    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (pp.py re-exports it)."""
+    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (parallel/pp/facts.py re-exports it)."""
     return V if schedule == "interleaved" and pp > 1 else 1
 
 

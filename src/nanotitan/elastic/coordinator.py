@@ -12,7 +12,7 @@ the planner's layout for that world at the same global batch and micro-batch (re
     join      a new agent registers; the coordinator asks the running generation to stop
     notice    SIGTERM to an agent (a scheduler's preemption notice): same, without that node
     stop      rank 0 sees `gen/G/stop` at a step boundary; every rank finishes that step, saves a checkpoint
-              and exits 0 (elastic_rank.py); nothing is lost
+              and exits 0 (rank.py); nothing is lost
     next      the coordinator plans the new world and publishes `gen/G+1`; each member agent starts its ranks
               with the planned layout and `--train.resume auto`, which load that checkpoint resharded
     failure   a rank that dies ends its generation (the others are killed); the next one starts from the newest
@@ -42,7 +42,7 @@ MAC is named in one line and read as absent.
                      fetches into its own snapshot dir, or null)
     gen/G/stop    C  stop after the step in flight        gen/G/abort  C  kill the ranks (a failure elsewhere)
     gen/G/exit/I  A  {"code", "line"} once all of node I's ranks have exited
-    gen/G/step, up, saved, result  R  (elastic_rank.py)
+    gen/G/step, up, saved, result  R  (rank.py)
     done          C  {"code", "line"}: the job is over; every agent exits with that code
 """
 

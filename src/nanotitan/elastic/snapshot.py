@@ -2,7 +2,7 @@
 state is written to memory on its node while training goes on, and each node's files are copied to a peer node.
 Losing a node (its processes and its /dev/shm) then costs at most K steps.
 
-On each node, under ROOT = elastic_rank.snapshot_root(cfg, node):
+On each node, under ROOT = rank.snapshot_root(cfg, node):
 
     step_N/gG-nodeI/      a unit: the shards that node I's ranks wrote of generation G's snapshot of step N, and
                           the step's small files (.metadata, config.toml, state.json, manifest.json: every file's

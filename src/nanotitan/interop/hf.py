@@ -1,7 +1,7 @@
 """Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints in and out (docs/hf.md).
 
-    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (hf_config.py)
-    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (hf_config.py)
+    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (config/hf_config.py)
+    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (config/hf_config.py)
     load_into_shard(model, DIR)                    this shard's slice only: its layers, its experts
     load_pretrained(DIR) -> (Config, Transformer)  one process, eval-ready
     save_pretrained(model, cfg, DIR, dtype=...)    config.json + model.safetensors (+ shards and index)

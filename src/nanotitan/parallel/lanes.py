@@ -3,11 +3,11 @@ travel while the other computes (docs/ep.md, "Two lanes").
 
 The one home of the feature's runtime:
 - `two_lanes`: any pipeline schedule (and, at pp == 1, plain gradient accumulation) run in two lanes, the forwards
-  on a thread, the backwards (and zb1's W's) on the caller's, each in the schedule's order (pp_facts.lane_orders);
+  on a thread, the backwards (and zb1's W's) on the caller's, each in the schedule's order (pp/facts.py lane_orders);
   `_ThreadState` carries the caller's torch settings over to the forward lane's thread.
 - `EPLanes`: what the EP dispatchers of one model shard share with the lanes (parallel/ep.py apply_ep makes one and
   hands it to every EPDispatcher): each lane's EP group, the recording of every blocked EP interval, and the
-  backward lane's filler (the weight-gradient GEMMs run while a backward all-to-all travels, pp.py
+  backward lane's filler (the weight-gradient GEMMs run while a backward all-to-all travels, pp/schedules.py
   `_StageRunner.backward`). The schedule's runner enters `recording` / `filling` on that object; nothing here is
   a module global.
 - The overlap figures: `exposed_ep_wait`, `lanes_overlap` and `account_step` (StepStats' ep_wait_s, ep_exposed_s,
@@ -90,7 +90,7 @@ class _ThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
     intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
     (the trainer's SavedActivations meter on logged steps) and the dispatch modes (its step-peak meter, which
-    counts every op's output). Autocast is entered by the runner's forward itself (pp.py `_StageRunner.forward`)."""
+    counts every op's output). Autocast is entered by the runner's forward itself (pp/schedules.py `_StageRunner.forward`)."""
 
     def __init__(self):
         self.grad = torch.is_grad_enabled()
@@ -118,7 +118,7 @@ def two_lanes(run, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool
               join_timeout_s: float = 60.0, least: int = 2, schedule: str = "1f1b", V: int = 1) -> None:
     """Any schedule (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the stage's forwards
     in the schedule's order, this thread its backwards (and zb1's W's) in the schedule's order (`lane_orders`).
-    `run` is the schedule's runner (pp.py `_StageRunner`): its forward / backward / backward_input / weights_until.
+    `run` is the schedule's runner (pp/schedules.py `_StageRunner`): its forward / backward / backward_input / weights_until.
     With L = `lane_window`, the k-th forward starts once the (k-L)-th backward is done, and a backward once its
     own forward is: so 1F1B's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the last stage and at
     pp == 1), interleaved's steady chunk-forward beside its chunk-backward likewise, and a stage holds at most L

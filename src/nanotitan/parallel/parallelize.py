@@ -47,7 +47,7 @@ class ModelShard:
     replicated_params: NamedParams  # identical on every DP/EP rank of a stage; synced over non-expert-DP
     sync: GradSync | None = None  # the DP flavour (sync.py): prepare/finish, optimizer groups, clip, checkpoint form
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
-    ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (pp.py)
+    ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)

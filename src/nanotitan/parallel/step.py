@@ -1,6 +1,6 @@
 """One training step's mechanics on one rank, for any layout.
 
-    forward_backward  M microbatches through this rank's stage (a pipeline schedule, pp.py: plain gradient
+    forward_backward  M microbatches through this rank's stage (a pipeline schedule, pp/schedules.py: plain gradient
                       accumulation when pp == 1; torch DDP's own loop), the gradient sync launched during
                       the final backward
     finish_grads      wait for the gradient sync: .grad (or the ZeRO shards) hold the averaged gradients
@@ -10,7 +10,7 @@
     reduce_losses     the step's CE and balance loss, averaged over all DP*EP*M microbatches
     update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
-What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp.py's. Loss
+What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
 normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
 sums over the parameter's group. The stage's P2P endpoints (`StageComms`, with their reusable receive
 buffers) live on the ModelShard, one per activation shape, built here on first use.

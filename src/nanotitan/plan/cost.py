@@ -83,7 +83,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         cfg=cfg, layout=layout, hw=hw, opts=opts, shape=shape, prec=prec, ac=ac, nodes=nodes,
         ranks_on_node=ranks_on_node, T=T, peak=hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node),
         eff_dense=gemm_eff(hw, T), eff_expert=gemm_eff(hw, T * shape.top_k / max(e_local, 1)), links=links,
-        n_virt=n_virt, lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (pp.py)
+        n_virt=n_virt, lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
         stages=stage_summaries(shape, layout, counts, ac, n_virt, prec, trips),
         # zb1 under AC: what a microbatch between its B and its W keeps (memory.py)
         unckpt=stage_summaries(shape, layout, counts, False, n_virt, prec) if ac and layout.schedule == "zb1" else None,

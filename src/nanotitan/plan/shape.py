@@ -334,7 +334,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             n_layers += (has_attn + has_ffn) / 2
         head_act = 3 * D + 1 + V if last else 0  # final norm (as in a layer), log-softmax output
         # each of the rank's chunks holds its output until the gradient comes back (fp32 residual stream under
-        # autocast), and under autocast also the bf16 wire buffer its input arrived in (pp.py widens a copy)
+        # autocast), and under autocast also the bf16 wire buffer its input arrived in (pp/schedules.py widens a copy)
         chunks = list(range(s, n_chunks, pp))
         act_b += (4 if prec.autocast else prec.act) * D * sum(c != n_chunks - 1 for c in chunks)
         act_b += (prec.act * D * sum(c != 0 for c in chunks)) if prec.autocast else 0.0

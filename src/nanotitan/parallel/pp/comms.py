@@ -2,7 +2,7 @@
 
 Every message is one `[m, S, D]` tensor (DESIGN, seed "Communications across ranks") in the compute dtype:
 under bf16 mixed precision the sender narrows the fp32 activation (or gradient) to bf16, half the bytes,
-and the receiving stage widens it again (pp.py). The receiver must
+and the receiving stage widens it again (schedules.py). The receiver must
 own a buffer of that shape and dtype before the message arrives; `StageComms` keeps a pool of them so
 a step allocates only as many as it holds at once (an input per microbatch in flight, `pp.in_flight`, plus
 the output gradients not yet backpropagated; zb1 keeps both until W), and reuses them across microbatches

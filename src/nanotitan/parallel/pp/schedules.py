@@ -297,7 +297,7 @@ def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
                  forward_only: bool = False) -> None:
     """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_interleaving` with overlap_p2p_comm),
     step for step: the same chunk order, warmup, and send/receive flags, so every exchange on the ring is
-    matched by the neighbours' (pp_comms.exchange / post_exchange). Warmup steps exchange once, blocking;
+    matched by the neighbours' (comms.py exchange / post_exchange). Warmup steps exchange once, blocking;
     steady steps post two exchanges (forward's, then backward's) and cooldown steps one, each waited for just
     before the compute that reads it. forward_only: the warmup loop over every virtual step (evaluation)."""
     total = M * V
