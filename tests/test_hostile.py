@@ -516,3 +516,19 @@ def test_run_dir_under_a_directory_nobody_can_enter():
         _row("run dir under a directory the user cannot enter", lines[0], r.returncode)
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_the_memory_floor_on_cuda_holds_the_host_to_the_weights_only():
+    """On CUDA the gradients and AdamW state are the GPU's: a model whose weights fit in the host's memory is not
+    refused for its optimizer state there, while the same job on the CPU is, and an absurd size still is."""
+    from nanotitan.config.config import load_config
+    from nanotitan.config.fits import does_not_fit, rank_bytes
+
+    cfg = load_config(None, ["--model.d_model", "4096", "--model.n_layers", "8", "--model.ffn_dim", "14336"])
+    weights = rank_bytes(cfg, training=False)
+    have = 2 * weights  # room for the weights, not for weights + gradients + two moments
+    assert "needs" in does_not_fit(cfg, mem_bytes=have)
+    cfg.train.device = "cuda"
+    assert does_not_fit(cfg, mem_bytes=have) == ""
+    cfg.model.d_model = 10**9
+    assert "model.d_model=1000000000 needs" in does_not_fit(cfg, mem_bytes=have)

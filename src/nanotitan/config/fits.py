@@ -112,6 +112,10 @@ def does_not_fit(cfg, mem_bytes: float | None = None, training: bool = True, who
     `training`, `whole`: as rank_bytes and rank_params take them."""
     if cfg.parallel.auto and not whole:
         return ""
+    if training and cfg.train.device == "cuda":
+        # Gradients and AdamW's moments live on the GPU, whose size this layer does not know; the host still
+        # builds the weights first (parallelize initialises each chunk on the CPU), so only they are held to it.
+        training = False
     need = rank_bytes(cfg, training, whole)
     have = host_memory_bytes() if mem_bytes is None else mem_bytes
     if need <= have:
