@@ -60,6 +60,29 @@ class ModelConfig:
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of weight matrices
+    # Multi-head latent attention (DeepSeek-V2/V3; docs/hf.md): on when kv_lora_rank > 0, and then n_kv_heads/head_dim
+    # are unused. Keys and values come from one low-rank latent; the RoPE part of the key is shared across heads.
+    q_lora_rank: int = 0  # rank of the query's low-rank path, with its RMSNorm (0 = a full-rank q projection: DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0  # rank of the key/value latent, with its RMSNorm (0 = no MLA)
+    qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (MLA)
+    qk_rope_head_dim: int = 0  # per-head query/key width with RoPE; the key's is one shared head (MLA)
+    v_head_dim: int = 0  # per-head value width (MLA)
+    # YaRN RoPE scaling (DeepSeek-V3, and the other families where their HF configs carry it).
+    rope_scaling: Literal["none", "yarn"] = "none"  # RoPE frequency scaling for long contexts
+    rope_factor: float = 1.0  # YaRN: context extension factor
+    rope_original_max_len: int = 0  # YaRN: original_max_position_embeddings (0 = max_seq_len)
+    rope_beta_fast: float = 32.0  # YaRN: fast-rotation boundary (beta_fast)
+    rope_beta_slow: float = 1.0  # YaRN: slow-rotation boundary (beta_slow)
+    rope_mscale: float = 1.0  # YaRN: mscale (DeepSeek: also scales MLA's softmax scale, with mscale_all_dim)
+    rope_mscale_all_dim: float = 0.0  # YaRN: mscale_all_dim (0 = unused)
+    # DeepSeekMoE's group-limited routing: experts in n_group groups; each token keeps the topk_group groups whose
+    # two best biased scores sum highest, then picks top_k experts among them. 1/1 = plain top-k.
+    n_group: int = 1  # expert groups (must divide num_experts)
+    topk_group: int = 1  # groups each token may route into (<= n_group)
+    # Multi-token prediction (DeepSeek-V3 §2.2): module k predicts token t+k+1 from [RMSNorm(h); RMSNorm(emb(t+k))].
+    mtp_layers: int = 0  # MTP modules (DeepSeek's num_nextn_predict_layers; 0 = off)
+    mtp_coef: float = 0.3  # weight of the mean MTP loss added to the main loss (DeepSeek-V3's lambda)
+    experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop, one grouped GEMM per projection (torch._grouped_mm), or auto (docs/moe.md)
 
 
 @dataclass(kw_only=True)
@@ -106,6 +129,7 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (CPU or CUDA), fp32 params/grads/optimizer, bf16 PP/EP traffic (docs/precision.md)
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
+    compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile); compile time goes in the first record
 
 
 @dataclass(kw_only=True)
@@ -113,6 +137,8 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
+    tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts, embedding and head (docs/tp.md)
+    sp: bool = True  # with tp > 1: sequence parallel (norms and residuals on sequence shards)
     microbatches: int = 1  # M per data rank per step
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (used when pp > 1; docs/pp.md)
     virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (Megatron's virtual pipeline stages)
@@ -330,7 +356,7 @@ def _check_ranges(cfg: Config) -> None:
                     ("model.moe_every", m.moe_every),
                     ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-                    ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
+                    ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
                     ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
                     ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
@@ -386,8 +412,26 @@ def _check_model(cfg: Config) -> None:
     m, t, d = cfg.model, cfg.train, cfg.data
     for name, v in [("model.n_kv_heads", m.n_kv_heads), ("model.head_dim", m.head_dim),
                     ("model.first_k_dense", m.first_k_dense), ("model.dense_ffn_dim", m.dense_ffn_dim),
-                    ("model.shared_experts", m.shared_experts), ("model.shared_ffn_dim", m.shared_ffn_dim)]:
+                    ("model.shared_experts", m.shared_experts), ("model.shared_ffn_dim", m.shared_ffn_dim),
+                    ("model.q_lora_rank", m.q_lora_rank), ("model.kv_lora_rank", m.kv_lora_rank),
+                    ("model.qk_nope_head_dim", m.qk_nope_head_dim), ("model.qk_rope_head_dim", m.qk_rope_head_dim),
+                    ("model.v_head_dim", m.v_head_dim), ("model.rope_original_max_len", m.rope_original_max_len),
+                    ("model.mtp_layers", m.mtp_layers)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
+    if m.kv_lora_rank:  # MLA: the per-head widths replace head_dim
+        _check(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0 and m.v_head_dim > 0,
+               f"model.kv_lora_rank={m.kv_lora_rank} (MLA) needs an even model.qk_rope_head_dim > 0 and "
+               "model.v_head_dim > 0 (--model.qk_rope_head_dim 16 --model.v_head_dim 32)")
+    _check(m.n_group >= 1 and m.num_experts % m.n_group == 0,
+           f"model.n_group={m.n_group} must be >= 1 and divide model.num_experts={m.num_experts} (--model.n_group)")
+    _check(1 <= m.topk_group <= m.n_group,
+           f"model.topk_group={m.topk_group} must be in [1, model.n_group={m.n_group}] (--model.topk_group)")
+    _check(m.n_group == 1 or m.top_k <= m.topk_group * (m.num_experts // m.n_group),
+           f"model.top_k={m.top_k} exceeds the experts of model.topk_group={m.topk_group} groups of "
+           f"{m.num_experts // m.n_group} (--model.topk_group)")
+    _check(m.rope_scaling == "none" or m.rope_factor >= 1.0,
+           f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling=yarn (--model.rope_factor)")
+    _check(m.mtp_coef >= 0, f"model.mtp_coef={m.mtp_coef} must be >= 0 (--model.mtp_coef)")
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0,
            f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
     head_dim = m.head_dim or m.d_model // m.n_heads
