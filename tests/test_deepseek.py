@@ -212,3 +212,40 @@ def test_flops_count_mla_matmuls_and_widths():
     moe = 2 * 3 * 32 * 16 + 32 * 4
     want = 6 * (2 * attn + 2 * moe + 32 * V) + 6 * 2 * 16 * 4 * (12 + 6)
     assert flops_per_token(cfg, 16) == want
+
+
+# --- every layout trains what one process trains (DESIGN §4): one 4-rank launch -------------------------------
+
+DS_OPTIONS = ["--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
+              "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--model.n_group", "2",
+              "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.routed_scale", "2.5",
+              "--model.bias_update_rate", "0.01", "--model.first_k_dense", "1", "--model.shared_experts", "1",
+              "--model.aux_scope", "sequence", "--model.rope_scaling", "yarn", "--model.rope_factor", "2",
+              "--model.rope_original_max_len", "8", "--model.rope_mscale_all_dim", "1"]
+DS_CASES = [(1, 2, 2, "zb1", ("--parallel.pp_layers", "2.5,1.5")), (2, 1, 2, "1f1b")]
+
+
+def _run_ds_cases(rank, world, corpus_dir, run_root):
+    from tests.mp import train_once
+    from tests.test_equivalence import base_args, layout_args
+
+    return [train_once(base_args(corpus_dir, f"{run_root}/{i}") + layout_args(*case) + DS_OPTIONS)
+            for i, case in enumerate(DS_CASES)]
+
+
+def test_mla_and_group_routing_train_exactly_on_pp2_ep2_zb1_and_dp2_ep2(corpus_dir, tmp_path):
+    """PP2·EP2 under zb1 cut at 2.5,1.5 (stage 0 ends on layer 2's MLA half, zb1 defers MLA's weight gradients)
+    and DP2·EP2: losses, final parameters and router biases as one process's."""
+    from tests.mp import run_ranks, train_once
+    from tests.test_equivalence import base_args, check_case, layout_args
+
+    torch.set_num_threads(1)
+    ref = train_once(base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1) + DS_OPTIONS)
+    assert any(".attn.kv_b_proj." in n for n in ref["params"]) and ref["biases"]
+    results = run_ranks(_run_ds_cases, 4, args=(str(corpus_dir), str(tmp_path / "w4")), timeout=300, pg_timeout=120)
+    for i, case in enumerate(DS_CASES):
+        ranks = [results[r][i] for r in range(4)]
+        check_case(f"{case}", ranks, ref)
+        for r in ranks:
+            for key, bias in r["biases"].items():
+                assert torch.equal(bias, ref["biases"][key]), f"{case} rank {r['coords']}: layer {key} bias"

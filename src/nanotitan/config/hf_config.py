@@ -173,6 +173,8 @@ def _deepseek_keys(refuse, hf: dict) -> dict:
     refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func={hf.get('scoring_func')!r}")
     refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method={hf.get('topk_method')!r}")
     refuse(not hf.get("n_shared_experts", 1), "n_shared_experts=0")
+    refuse(hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}")
+    refuse(hf.get("quantization_config") is not None, "quantization_config (FP8 blocks: dequantize to bf16 first)")
     refuse((hf.get("num_key_value_heads") or H) != H, f"num_key_value_heads={hf.get('num_key_value_heads')} "
            "!= num_attention_heads (MLA's heads all read the latent)")
     F = hf["moe_intermediate_size"]
