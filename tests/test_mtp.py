@@ -29,7 +29,7 @@ def _by_hand(model: Transformer, x, y):
         h, _ = model.layers[str(i)](h, rope)
     ce = F.cross_entropy(model.head(model.norm(h)).reshape(-1, V), y.reshape(-1))
     losses = []
-    for k, mod in enumerate(model.mtp, start=1):
+    for k, mod in enumerate(model.mtp.values(), start=1):
         e = model.tok_emb(y[:, k - 1:S - 1])
         z = mod.eh_proj(torch.cat([mod.enorm(e), mod.hnorm(h[:, :S - k])], -1))
         h, _ = model.layers[str(model.cfg.n_layers + k - 1)](z, rope)
@@ -63,8 +63,8 @@ def test_names_follow_deepseek_and_stages():
     cfg = _cfg(n_layers=3)
     names = {n for n, _ in Transformer(cfg).named_parameters()}
     # DeepSeek numbers MTP module k as decoder layer n_layers + k - 1; its extra parts sit beside the block.
-    assert {"layers.3.attn.q_proj.weight", "layers.4.moe.router.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
-            "mtp.0.eh_proj.weight", "mtp.1.shared_head.norm.weight"} <= names
+    assert {"layers.3.attn.q_proj.weight", "layers.4.moe.router.weight", "mtp.3.enorm.weight", "mtp.3.hnorm.weight",
+            "mtp.3.eh_proj.weight", "mtp.4.shared_head.norm.weight"} <= names
     assert ModelShardSpec.full(cfg).mtp_layers == 2
     full = Config(model=cfg, parallel=ParallelConfig(pp=2))
     first, = build_chunk_specs(full, pp_rank=0)
@@ -72,7 +72,7 @@ def test_names_follow_deepseek_and_stages():
     assert (first.mtp_layers, first.embed_replica) == (0, False)
     assert (last.mtp_layers, last.embed_replica) == (2, True)
     stage = {n for n, _ in Transformer(cfg, last).named_parameters()}
-    assert "tok_emb.weight" in stage and "mtp.1.eh_proj.weight" in stage and "layers.4.attn.q_proj.weight" in stage
+    assert "tok_emb.weight" in stage and "mtp.4.eh_proj.weight" in stage and "layers.4.attn.q_proj.weight" in stage
     # the replica starts as stage 0's table (init by global identity)
     assert torch.equal(Transformer(cfg, first).tok_emb.weight, Transformer(cfg, last).tok_emb.weight)
 

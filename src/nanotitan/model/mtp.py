@@ -9,7 +9,8 @@ The embedding table and the output head are the main model's (shared, not copied
 checkpoint, where MTP module k is decoder layer n_layers + k - 1 with extra parts: here the block is
 `layers.{n_layers + k - 1}` (a plain Block: MoE or dense by the model's rule, so EP, FSDP units, router-bias
 updates and stall labels see it as one more layer) and enorm, hnorm, eh_proj and shared_head.norm are
-`mtp.{k - 1}.*` (interop/hf.py maps them to `model.layers.{n_layers + k - 1}.*`). The order of the concatenation,
+`mtp.{n_layers + k - 1}.*` (keys are global layer indices, as the blocks'; interop/hf.py maps them to
+`model.layers.{n_layers + k - 1}.*`). The order of the concatenation,
 embedding first, is DeepSeek's checkpoint's (its eh_proj columns).
 
 Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k]
@@ -60,12 +61,11 @@ class MTPModule(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
 
 
-class MTP(nn.ModuleList):
-    """The D MTP modules of a model (its last pipeline stage)."""
+class MTP(nn.ModuleDict):
+    """The D MTP modules of a model (its last pipeline stage), keyed by their blocks' global layer indices."""
 
     def __init__(self, cfg: ModelConfig, mtp_layers: int):
-        super().__init__([MTPModule(cfg) for _ in range(mtp_layers)])
-        self.first_block = cfg.n_layers
+        super().__init__({str(i): MTPModule(cfg) for i in mtp_layer_ids(cfg, mtp_layers)})
 
     def forward(self, h: torch.Tensor, future: torch.Tensor, run_block: Callable) -> tuple[list, torch.Tensor]:
         """(each depth's normed last hidden state, (B, S - k, D) for depth k; the sum of the MTP blocks' router
@@ -74,9 +74,9 @@ class MTP(nn.ModuleList):
         (activation checkpointing, router records)."""
         S = h.shape[1]
         outs, aux = [], h.new_zeros((), dtype=torch.float32)
-        for k, module in enumerate(self, start=1):
+        for k, (key, module) in enumerate(self.items(), start=1):
             x = module.project(h[:, :S - k], future[:, k - 1:])
-            h, a = run_block(str(self.first_block + k - 1), x)
+            h, a = run_block(key, x)
             aux = aux + a
             outs.append(module.shared_head.norm(h))
         return outs, aux
