@@ -26,6 +26,7 @@ from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel import stall, step as S
 from .interop.hf import shard_loader
+from .parallel.compile import first_compile_s
 from .parallel.lanes import LaneMeans
 from .parallel.parallelize import build_optimizer, parallelize
 from .resolve import resolve
@@ -179,7 +180,7 @@ class Trainer:
                 record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
                                     skipped=nonfinite, skipped_steps=guard.skipped,
                                     **report.interval_meters(self.meters, self.dims, self.device),
-                                    **lanes.take())
+                                    **lanes.take(), compile_s=first_compile_s(cfg, step == self.start_step))
                 interval_s, interval_steps = 0.0, 0
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:

@@ -462,7 +462,7 @@ class StepMeters:
         meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
         meters.take_interval_peak(), take_interval_acts()    # since the previous record (then reset; None: none)
 
-    Metered: the process's first two steps, and the 1st and every `peak_every`-th logged step (run.peak_every): a
+    Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th logged step (run.peak_every): a
     step's peaks vary little from step to step, and a metered step costs much more than a plain one (the default
     8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with its scan of the
     garbage collector's objects). The second step is the first steady one: the first makes AdamW's moments only
@@ -470,7 +470,10 @@ class StepMeters:
     step), and FSDP2 initialises itself in it.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, peak_every: int = 1):
+    def __init__(self, model: torch.nn.Module, device: torch.device, peak_every: int = 1, compiled: bool = False):
+        # train.compile: dynamo runs no compiled code under a dispatch mode (the step peak's), so the first step,
+        # which compiles the blocks, is never metered, and metered steps run the blocks eagerly (parallel/compile.py)
+        self.compiled = compiled
         self.saved_acts = SavedActivations(model)
         self.step_peak = PeakTensorBytes(device)
         self.peak_every, self._logged, self._steps = peak_every, 0, 0
@@ -484,10 +487,11 @@ class StepMeters:
         self._steps += 1
         if logged:
             self._logged += 1
-        if self._steps > 2 and (not logged or (self._logged - 1) % self.peak_every):
+        if (self._steps > 2 + self.compiled and (not logged or (self._logged - 1) % self.peak_every)) \
+                or (self.compiled and self._steps == 1):
             yield False
             return
-        with self.step_peak:
+        with self.step_peak, torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext():
             yield True
         self._interval_peak = max(self._interval_peak or 0, self.step_peak.peak)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)

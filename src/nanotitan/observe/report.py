@@ -130,7 +130,7 @@ def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWrite
     writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=bool(cfg.train.resume),
                            wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
     return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
-            StepMeters(model, device, cfg.run.peak_every))
+            StepMeters(model, device, cfg.run.peak_every, cfg.train.compile))
 
 
 def interval_meters(meters, dims: ParallelDims, device: torch.device) -> dict:

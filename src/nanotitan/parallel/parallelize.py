@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.transformer import Transformer, is_expert_param
+from .compile import compile_blocks
 from .dims import ParallelDims
 from .ep import apply_ep
 from .fsdp import FSDPSync
@@ -100,6 +101,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
+    if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
+        compile_blocks(model)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],

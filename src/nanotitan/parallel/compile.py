@@ -1,0 +1,73 @@
+"""train.compile: torch.compile each transformer block in place (torchtitan's per-block compile).
+
+Each Block is compiled with `nn.Module.compile`, which keeps the module and its parameter names (checkpoints, the
+DP Reducer's buckets, FSDP2 and the report see the same model); parallelize.py calls `compile_blocks` after EP is
+applied and before the gradient sync is attached, so FSDP2's fully_shard wraps compiled blocks (as torchtitan).
+
+What is in the graph: the attention half (norm, q/k/v, RoPE, SDPA, o_proj, residual), the FFN norm and residual,
+and a dense block's SwiGLU. What is not: the MoE layer (`MoE.forward`: router, dispatch, experts, combine) runs
+eagerly, one graph break per MoE block, on purpose:
+- the dispatch has data-dependent shapes: the host split sizes per expert (`counts.tolist()`, the EP all-to-all's
+  split sizes), which would recompile or need unbacked symbols for every new routing;
+- the EP dispatcher runs gloo all-to-alls inside custom autograd Functions, and the EP lanes pick a group by
+  `in_backward()`; the router leaves per-lane records for Transformer.forward (side effects on dicts);
+- FSDP2 shards the experts as their own unit under zero 3 (its hooks run eagerly anyway).
+So an MoE block is two graphs (before and after the MoE call); activation checkpointing wraps the compiled block
+from outside (torch.utils.checkpoint recomputes by calling it again: the same graph), and zb1's deferred weight
+gradients (model/wgrad.py, custom autograd Functions with side effects in backward) run with their Linear calls
+dynamo-disabled while a store is attached, so a deferred GEMM lands exactly as eagerly.
+
+Shapes are static (`dynamic=False`): a block sees one shape in training and one in eval, so each compiles once or
+twice; identical blocks and ranks reuse inductor's on-disk FX graph cache. `compile_seconds` reads what dynamo
+and inductor spent so far: the trainer puts it in the run's first record (`compile_s`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+_RECOMPILE_LIMIT = 64  # per code object: every block instance, train/eval, checkpoint recompute and grad mode
+
+
+def _eager(fn):
+    """fn, never traced by dynamo (a graph break around each call)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile every transformer block of `model` (a Transformer or StageChunks) in place; returns how many."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
+    dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 4 * _RECOMPILE_LIMIT)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        if getattr(block, "is_moe", False):
+            block.moe.forward = _eager(block.moe.forward)  # an instance attribute: the class stays untouched
+        for m in block.modules():  # zb1's deferred weight gradients: their autograd Functions run eagerly
+            if hasattr(m, "wgrad_store") and m is not block and not getattr(m, "_nt_wgrad_eager", False):
+                m.forward, m._nt_wgrad_eager = _wgrad_eager(m), True
+        block.compile(dynamic=False)
+    return len(blocks)
+
+
+def _wgrad_eager(m: nn.Module):
+    """m.forward, traced while no WeightGradStore is attached, eager while one is (the store's closures)."""
+    plain, eager = m.forward, _eager(m.forward)
+
+    def forward(*args, **kwargs):
+        return plain(*args, **kwargs) if m.wgrad_store is None else eager(*args, **kwargs)
+    return forward
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo and inductor have spent compiling in this process so far (0.0 when nothing compiled)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+
+
+def first_compile_s(cfg, first_record: bool) -> float | None:
+    """The first record's `compile_s` under train.compile (this rank's compile time so far), else None (no key)."""
+    return compile_seconds() if cfg.train.compile and first_record else None
