@@ -98,14 +98,15 @@ class ModelShape:
         v, the SDPA output (o_proj reads it as a view), the log-sum-exp. MLA (model/mla.py): the q low-rank path's
         norm (its input, 1/rms, the normalised and weighted latents), the kv latent's (its input is the whole
         down-projection, the shared rope key included), then SDPA's q and k (the concatenated nope and rope parts),
-        v (a view of the up-projection, whose whole storage stays), its output and o_proj's reshaped copy of it."""
+        v (padded to their width, so that SDPA takes its flash path), its output, and o_proj's copy of the output's
+        first Dv columns. Listed with saved_tensors_hooks (model/mla.py at d 256, 8 heads)."""
         H = self.n_heads
         if not self.kv_lora_rank:
             return 4 * H * (self.head_dim or self.d_model // H) + H
         Rq, R, Dn, Dr, Dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                              self.v_head_dim)
         q_path = 3 * Rq + 1 if Rq else 0
-        return q_path + (R + Dr) + 1 + 2 * R + 2 * H * (Dn + Dr) + H * (Dn + Dv) + 2 * H * Dv + H
+        return q_path + (R + Dr) + 1 + 2 * R + 4 * H * (Dn + Dr) + H * Dv + H
 
     def layer_act_elems(self, i: int) -> float:
         """Elements autograd keeps per token for layer i's backward (listed in docs/planner.md;
@@ -163,16 +164,14 @@ class ModelShape:
 
     def _mla_autocast_bytes(self) -> float:
         """MLA's attention half under bf16 autocast, bytes per token kept for backward: the block's norm and the
-        log-sum-exp in fp32 as above; bf16 casts of the normalised x for the q and kv down-projections; each
-        low-rank norm runs in fp32 on the bf16 latent (its fp32 input copy, 1/rms, its output) and the
-        up-projection keeps a bf16 cast of that output; SDPA's bf16 q and k, v (a view of the bf16 up-projection),
-        its output and o_proj's reshaped copy of it."""
+        log-sum-exp in fp32 as above; one bf16 cast of the normalised x (the q and kv down-projections share it);
+        each low-rank norm runs in fp32 on the bf16 latent (its fp32 input copy, 1/rms, its output) and the
+        up-projection keeps a bf16 cast of that output; SDPA's bf16 q, k, padded v and output, and o_proj's copy."""
         D, H = self.d_model, self.n_heads
         Rq, R, Dn, Dr, Dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
                              self.v_head_dim)
         low_rank = lambda r: (4 * 2 * r + 4 + 2 * r) if r else 0  # noqa: E731
-        return (4 * (2 * D + 1 + H) + 2 * 2 * D + low_rank(Rq) + low_rank(R)
-                + 2 * (2 * H * (Dn + Dr) + H * (Dn + Dv) + 2 * H * Dv))
+        return 4 * (2 * D + 1 + H) + 2 * D + low_rank(Rq) + low_rank(R) + 2 * (4 * H * (Dn + Dr) + H * Dv)
 
     def received_bytes(self, i: int, prec: "Precision") -> float:
         """Bytes per token of MoE layer i's FFN half that sit on the rank owning the experts, and so grow with the
