@@ -33,11 +33,18 @@ from nanotitan.plan.measure import TensorBytesMeter
 CPU = get_hardware("cpu-gloo")
 
 
-def tiny(n_layers=4, moe_every=1, pos_emb="rope", ep=1, dp=1, M=1, m=8, num_experts=4) -> Config:
+# DeepSeek-V3's architecture in miniature: MLA with a q low rank, a dense first layer, a shared expert
+DEEPSEEK = dict(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                first_k_dense=1, shared_experts=1)
+
+
+def tiny(n_layers=4, moe_every=1, pos_emb="rope", ep=1, dp=1, M=1, m=8, num_experts=4, model=None) -> Config:
     c = Config()
     mo = c.model
     mo.vocab_size, mo.d_model, mo.n_heads, mo.ffn_dim, mo.n_layers = 512, 64, 4, 128, n_layers
     mo.num_experts, mo.top_k, mo.moe_every, mo.pos_emb, mo.max_seq_len = num_experts, 2, moe_every, pos_emb, 64
+    for k, v in (model or {}).items():
+        setattr(mo, k, v)
     c.data.vocab_size, c.train.seq_len = 512, 64
     c.parallel.dp, c.parallel.ep, c.parallel.microbatches, c.train.micro_batch = dp, ep, M, m
     validate(c)
@@ -69,7 +76,8 @@ def test_enumeration_is_exactly_the_valid_layouts():
             assert lay.dp * lay.ep * lay.microbatches * lay.micro_batch == B
 
 
-@pytest.mark.parametrize("cfg_kw", [dict(), dict(moe_every=2, pos_emb="learned"), dict(n_layers=5, moe_every=3)])
+@pytest.mark.parametrize("cfg_kw", [dict(), dict(moe_every=2, pos_emb="learned"), dict(n_layers=5, moe_every=3),
+                                    dict(model=DEEPSEEK)])
 def test_param_bytes_match_real_transformer_shards(cfg_kw):
     """Predicted parameter bytes per rank equal the bytes of the Transformer shard that rank builds."""
     for pp, ep in [(1, 1), (2, 2), (3, 1), (1, 4), (4, 2)]:
@@ -90,7 +98,8 @@ def test_param_bytes_match_real_transformer_shards(cfg_kw):
 
 
 def test_flops_and_total_params_agree_with_the_model():
-    for kw in [dict(), dict(moe_every=2), dict(n_layers=5, pos_emb="learned")]:
+    for kw in [dict(), dict(moe_every=2), dict(n_layers=5, pos_emb="learned"), dict(model=DEEPSEEK),
+               dict(model=dict(n_kv_heads=2, attn_bias=True, qk_norm="full", kv_lora_rank=0))]:
         cfg = tiny(**kw)
         shape = ModelShape.from_config(cfg)
         full = Transformer(cfg.model, None, seed=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+from . import counts
 from .hardware import GiB, host_memory_bytes
 
 FP32 = 4
@@ -22,40 +23,48 @@ MAX_VOCAB = 2**32 - 1  # token ids are stored as at most uint32 (data/prepare.py
 # The fields whose size the estimate grows with, named by the refusal: the one whose shrinking shrinks it the most.
 SIZE_FIELDS = ("data.vocab_size", "model.vocab_size", "model.d_model", "model.n_layers", "model.ffn_dim",
                "model.num_experts", "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.max_seq_len",
-               "model.dense_ffn_dim", "model.shared_experts", "model.shared_ffn_dim")
+               "model.dense_ffn_dim", "model.shared_experts", "model.shared_ffn_dim", "model.q_lora_rank",
+               "model.kv_lora_rank", "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim",
+               "model.mtp_layers")
 
 
-def _moe_layers(m) -> int:
-    """Layers with an MoE FFN (transformer.is_moe_layer), counted without visiting each layer."""
-    k, L = max(m.moe_every, 1), max(m.n_layers, 0)
-    first = -(-max(m.first_k_dense, 0) // k) * k  # the first multiple of moe_every at or past first_k_dense
-    every = max(0, -(-(L - first) // k)) if first < L else 0
-    listed = {i for i in m.dense_layers if first <= i < L and i % k == 0}
+def _moe_layers(m, lo: int = 0, hi: int | None = None) -> int:
+    """Layers lo..hi-1 (default: every decoder layer) with an MoE FFN (transformer.is_moe_layer), counted without
+    visiting each layer."""
+    k, hi = max(m.moe_every, 1), max(m.n_layers, 0) if hi is None else hi
+    start = max(max(m.first_k_dense, 0), lo)
+    first = -(-start // k) * k  # the first multiple of moe_every at or past first_k_dense and lo
+    every = max(0, -(-(hi - first) // k)) if first < hi else 0
+    listed = {i for i in m.dense_layers if first <= i < hi and i % k == 0}
     return max(0, every - len(listed))
 
 
 def rank_params(cfg, whole: bool = False) -> tuple[float, float]:
     """(parameters the busiest rank holds, float32 buffer elements it holds: the RoPE tables), from the config's
-    layout: layers split over pp (the first stage's share, rounded up), experts over ep, embeddings whole.
-    `whole`: the full model in one process (export, generate), whatever layout trained it."""
+    layout: layers split over pp (the first stage's share, rounded up; the last's, rounded down, with the head and
+    the MTP depths and their replica of the embedding), experts over ep. Parts counted by config/counts.py, as
+    the planner counts them. `whole`: the full model in one process (export, generate), whatever layout trained
+    it."""
     m, p = cfg.model, cfg.parallel
     ep, stages = (1, 1) if whole else (max(p.ep, 1), max(p.pp, 1))
     D, L = max(m.d_model, 0), max(m.n_layers, 0)
     V = max(m.vocab_size or cfg.data.vocab_size, 0)
-    H = max(m.n_heads, 1)
-    Dh = m.head_dim or max(D // H, 1)
-    Hkv = m.n_kv_heads or H
-    attn = D * Dh * (2 * H + 2 * Hkv) + 2 * D
-    experts = 3 * D * max(m.ffn_dim, 0) * max(m.num_experts, 0) / ep
-    shared = 3 * D * max(m.shared_experts, 0) * (m.shared_ffn_dim or m.ffn_dim)
-    moe = experts + shared + D * max(m.num_experts, 0)
-    dense = 3 * D * (m.dense_ffn_dim or m.ffn_dim)
+    attn = counts.attention_params(m)
+    moe_ne, one_expert = counts.ffn_params(m, True)
+    moe = moe_ne + one_expert * max(m.num_experts, 0) / ep
+    dense = counts.ffn_params(m, False)[0]
     n_moe = _moe_layers(m)
     per_layer = (n_moe * moe + (L - n_moe) * dense) / max(L, 1) + attn
-    layers = -(-L // stages) * per_layer
-    tables = V * D * (2 if stages == 1 else 1) + (m.max_seq_len * D if m.pos_emb == "learned" else 0)
-    rope = 2 * max(m.max_seq_len, 1) * Dh if m.pos_emb == "rope" else 0
-    return layers + tables, rope
+    mtp, n_mtp_moe = max(m.mtp_layers, 0), _moe_layers(m, L, L + max(m.mtp_layers, 0))
+    mtp_params = mtp * (attn + counts.mtp_params(m)) + n_mtp_moe * moe + (mtp - n_mtp_moe) * dense
+    pos = m.max_seq_len * D if m.pos_emb == "learned" else 0
+    if stages == 1:
+        params = L * per_layer + 2 * V * D + pos + mtp_params
+    else:
+        last = L // stages * per_layer + V * D + (V * D + mtp_params if mtp else 0)
+        params = max(-(-L // stages) * per_layer + V * D + pos, last)
+    rope = 2 * max(m.max_seq_len, 1) * counts.rope_width(m) if m.pos_emb == "rope" else 0
+    return params, rope
 
 
 def rank_bytes(cfg, training: bool = True, whole: bool = False) -> float:

@@ -53,5 +53,9 @@ class MLA(nn.Module):
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
         k = torch.cat([k_nope, k_rot.expand(B, H, S, Dr)], dim=-1)  # the rope key shared by every head
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # (B, H, S, Dv)
+        # SDPA's flash kernels want v as wide as q and k (HF pads it for flash-attention too): without this the CPU
+        # falls back to the math path, which keeps every head's S x S scores for backward (8 GiB a layer at V3's size)
+        pad = Dn + Dr - Dv
+        y = F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, is_causal=True,
+                                           scale=self.scale)[..., :Dv]  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))

@@ -218,12 +218,22 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             wire = S.compute_dtype(t.dtype).itemsize
             grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * t.seq_len * cfg.model.d_model
                                                         * (wire + (4 if wire != 4 else 0)))
-            before_backward, prepare = [], shard.sync.prepare
-            shard.sync.prepare = lambda sync: (before_backward.append(_kept(meter, shard.model) - grad_buf),
-                                               prepare(sync))[1]
+            before_backward, prepare, start = [], shard.sync.prepare, [0]
+            # zero 3 "full" keeps the unsharded gradients of every microbatch until the final backward
+            # reduce-scatters them: a microbatch before the final one is run first (its backward does not sync),
+            # so the final one runs beside them, as microbatches 2..M of a real step do
+            warmup = not whole and p.microbatches > 1 and p.zero == 3 and p.zero_accumulate == "full"
+            syncs = iter([False] if warmup else [])
+            shard.sync.prepare = lambda sync: (before_backward.append(_kept(meter, shard.model) - start[0]
+                                                                      - grad_buf),
+                                               prepare(next(syncs, sync)))[1]
+            run = functools.partial(S.forward_backward, shard, schedule=p.schedule, device=CPU, dtype=t.dtype,
+                                    aux_weight=1.0 / max(1, num_moe_layers(cfg.model)))
             with meter:
-                S.forward_backward(shard, xs, ys, schedule=p.schedule, device=CPU, dtype=t.dtype,
-                                   aux_weight=1.0 / max(1, num_moe_layers(cfg.model)))
+                if warmup:
+                    run(xs[:1], ys[:1])
+                    start[0] = _kept(meter, shard.model)  # the accumulated gradients: not the microbatch's own
+                run(xs[-1:] if warmup else xs, ys[-1:] if warmup else ys)
                 S.finish_grads(shard)
                 S.clip_grads(shard, t.grad_clip)
                 optimizer.step()
@@ -233,7 +243,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             shard.close()
     finally:
         dist.destroy_process_group()
-    kept = before_backward[0] if before_backward and not whole else 0
+    kept = before_backward[-1] if before_backward and not whole else 0
     in_flight = 1 if whole or p.pp == 1 else pp_facts.in_flight(p.schedule, p.pp, dims.pp_rank, p.microbatches)
     step_peak = base + meter.peak
     return RankBytes(rank, dims.coords(), state["param_bytes"], state["grad_bytes"], state["optim_bytes"],

@@ -199,7 +199,8 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
     ag, ag_last, in_block, ag_head = z3
     T, prec, ac, pp, ep = c.T, c.prec, c.ac, c.layout.pp, c.layout.ep
     V, D, K = c.shape.vocab, c.shape.d_model, c.shape.top_k
-    return [(2 * T * V * 4 if st.last else 0.0, ag_head, 0.0),  # gradients of log-softmax, logits (fp32 CE)
+    heads = 1 + c.shape.mtp_layers  # the head runs over the main positions and every MTP depth's
+    return [(2 * heads * T * V * 4 if st.last else 0.0, ag_head, 0.0),  # gradients of log-softmax, logits (fp32 CE)
             *z2_moments,  # zero 2 "shard": a bucket filling beside those in flight, and its launch
             # one block's backward (and its recompute, weight copies included, under AC); the head's
             # activations are freed by then
@@ -212,7 +213,7 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
              - (0.0 if ac else recv_extra * st.received_block_bytes) if st.n_moe else 0.0, *in_block),
             # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
             # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
-            (st.cast_cache_bytes + (T * V * (prec.act + 4) if st.last and prec.autocast else 0.0), ag_last, 0.0),
+            (st.cast_cache_bytes + (heads * T * V * (prec.act + 4) if st.last and prec.autocast else 0.0), ag_last, 0.0),
             # all-to-all send (T*K rows) + receive (the busiest rank's)
             ((1 + imb) * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0, *in_block),
             (2 * T * D * prec.act if pp > 1 else 0.0, ag, 0.0)]  # P2P gradient buffers

@@ -9,16 +9,21 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from ..config import counts
 from ..config.config import Config
 from ..model.spec import block_halves, even_counts, layer_bounds
 from ..parallel.pp import facts as pp_facts
 
+# ModelShape's fields read from model.* as they are (attention variants, MLA, MTP)
+MODEL_FIELDS = ("n_kv_heads", "head_dim", "attn_bias", "qk_norm", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "mtp_layers")
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Parameter and FLOP counts by formula (checked against real `Transformer` shards in tests).
-    The last three fields describe models our Transformer cannot build (DeepSeek-V3): they are
-    0 for every nanoTitan config."""
+    """Parameter and FLOP counts by formula (config/counts.py, shared with config/fits.py; checked against real
+    `Transformer` shards in tests). The attention fields are the config's (model.*: GQA, biases, q/k norms, MLA
+    when kv_lora_rank > 0); mtp_layers multi-token-prediction modules (model/mtp.py) run on the last stage."""
 
     vocab: int
     d_model: int
@@ -34,6 +39,16 @@ class ModelShape:
     first_dense: int = 0  # the first k layers are dense (DeepSeek-V3: 3)
     n_shared_experts: int = 0  # always-on experts per MoE layer, replicated like non-expert params
     dense_layers: tuple[int, ...] = ()  # layers dense whatever moe_every says (Qwen's mlp_only_layers)
+    n_kv_heads: int = 0  # 0 = n_heads
+    head_dim: int = 0  # 0 = d_model / n_heads
+    attn_bias: bool = False
+    qk_norm: str = "none"
+    q_lora_rank: int = 0  # MLA (kv_lora_rank > 0): the query's low rank (0: a plain q projection)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0  # multi-token-prediction depths, on the last stage with a replica of the embedding
 
     @staticmethod
     def from_config(cfg: Config, **extra) -> "ModelShape":
@@ -41,7 +56,8 @@ class ModelShape:
         # The model's own dense-layer rules and widths (a shared expert of another width counts by its size).
         from_model = dict(first_dense=m.first_k_dense, dense_layers=tuple(m.dense_layers),
                           dense_ffn_dim=m.dense_ffn_dim,
-                          n_shared_experts=round(m.shared_experts * (m.shared_ffn_dim or m.ffn_dim) / m.ffn_dim))
+                          n_shared_experts=round(m.shared_experts * (m.shared_ffn_dim or m.ffn_dim) / m.ffn_dim),
+                          **{k: getattr(m, k) for k in MODEL_FIELDS})
         return ModelShape(vocab=m.vocab_size or cfg.data.vocab_size, d_model=m.d_model, n_layers=m.n_layers,
                           n_heads=m.n_heads, ffn_dim=m.ffn_dim, num_experts=m.num_experts, top_k=m.top_k,
                           moe_every=m.moe_every, seq_len=cfg.train.seq_len,
@@ -57,17 +73,14 @@ class ModelShape:
 
     def layer_params(self, i: int) -> tuple[int, int]:
         """(non-expert params, params of ONE routed expert) of layer i."""
-        D, F = self.d_model, self.ffn_dim
-        common = 4 * D * D + 2 * D  # q,k,v,o + two RMSNorm weights
-        if self.is_moe(i):
-            return common + D * self.num_experts + self.n_shared_experts * 3 * D * F, 3 * D * F
-        return common + 3 * D * self.dense_hidden, 0
+        ffn, expert = counts.ffn_params(self, self.is_moe(i), self.n_shared_experts * self.ffn_dim)
+        return counts.attention_params(self) + ffn, expert
 
     def layer_fwd_flops(self, i: int) -> tuple[float, float]:
         """Forward FLOPs per token of layer i: (dense part, routed-expert part).
-        Matches model.transformer.flops_per_token: attention scores count 4*S*D (not halved for causal)."""
-        D, F, S = self.d_model, self.ffn_dim, self.seq_len
-        dense = 8 * D * D + 4 * S * D
+        Matches model.transformer.flops_per_token: attention scores count 2*S*H*(qk + v width) (not halved)."""
+        D, F = self.d_model, self.ffn_dim
+        dense = self.attn_part(i)["f_dense"]
         if self.is_moe(i):
             return dense + 2 * D * self.num_experts + 6 * D * F * self.n_shared_experts, 6 * D * F * self.top_k
         return dense + 6 * D * self.dense_hidden, 0.0
@@ -75,16 +88,32 @@ class ModelShape:
     def attn_part(self, i: int) -> dict:
         """Layer i's attention half (a pipeline cut may fall after it, model/spec.py): non-expert params, dense
         forward FLOPs per token, activation and backward elements per token; the FFN half is the rest."""
-        D = self.d_model
-        return dict(params=4 * D * D + D, f_dense=8 * D * D + 4 * self.seq_len * D,
-                    act=3 * D + 1 + 4 * D + self.n_heads, bwd=2 * D)
+        D, H = self.d_model, self.n_heads
+        matmuls, width = counts.attention_matmuls(self)
+        return dict(params=counts.attention_params(self), f_dense=2 * matmuls + 2 * self.seq_len * H * width,
+                    act=3 * D + 1 + self._attn_saved(), bwd=2 * D)
+
+    def _attn_saved(self) -> float:
+        """Elements per token the attention keeps past its input norm (4-byte units). Standard: q and k after RoPE,
+        v, the SDPA output (o_proj reads it as a view), the log-sum-exp. MLA (model/mla.py): the q low-rank path's
+        norm (its input, 1/rms, the normalised and weighted latents), the kv latent's (its input is the whole
+        down-projection, the shared rope key included), then SDPA's q and k (the concatenated nope and rope parts),
+        v (padded to their width, so that SDPA takes its flash path), its output, and o_proj's copy of the output's
+        first Dv columns. Listed with saved_tensors_hooks (model/mla.py at d 256, 8 heads)."""
+        H = self.n_heads
+        if not self.kv_lora_rank:
+            return 4 * H * (self.head_dim or self.d_model // H) + H
+        Rq, R, Dn, Dr, Dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                             self.v_head_dim)
+        q_path = 3 * Rq + 1 if Rq else 0
+        return q_path + (R + Dr) + 1 + 2 * R + 4 * H * (Dn + Dr) + H * Dv + H
 
     def layer_act_elems(self, i: int) -> float:
         """Elements autograd keeps per token for layer i's backward (listed in docs/planner.md;
         4-byte units, int64 indices count 2)."""
         D, F, K, E = self.d_model, self.ffn_dim, self.top_k, self.num_experts
         norm = 3 * D + 1  # RMSNorm keeps its input, 1/rms and the unweighted normalised x; the next linear its output
-        attn = norm + 4 * D + self.n_heads  # q, k (after RoPE), v, SDPA output (o_proj reads it as a view) + logsumexp
+        attn = norm + self._attn_saved()  # q, k (after RoPE), v, SDPA output, logsumexp (MLA: its latents too)
         if self.is_moe(i):
             # router probs, top-k weights/ids and the expert-major order; per assignment: gathered x,
             # 4 SwiGLU F-vectors, expert output and weighted output in combine
@@ -114,8 +143,11 @@ class ModelShape:
             return (self.layer_act_elems(i) - attn["act"]) * prec.act, self.layer_bwd_elems(i) * prec.act, 0.0, 0.0
         half = prec.act
         if part == "attn":
+            copies = half * counts.attention_matmuls(self)[0]
+            if self.kv_lora_rank:
+                return self._mla_autocast_bytes(), 4 * 2 * D, copies, copies
             # norm input + 1/rms (fp32), the logsumexp (fp32); bf16: 3 input casts, SDPA's q, k, v and its output
-            return 4 * (2 * D + 1 + H) + half * 7 * D, 4 * 2 * D, half * 4 * D * D, half * 4 * D * D
+            return 4 * (2 * D + 1 + H) + half * 7 * D, 4 * 2 * D, copies, copies
         if moe:
             n_sh = self.n_shared_experts
             # fp32: the norm (its output feeds the fp32 router), router probs, top-k sums and weights; int64: ids,
@@ -129,6 +161,17 @@ class ModelShape:
         Fd = self.dense_hidden
         copies = half * 3 * D * Fd
         return 4 * (2 * D + 1) + half * (2 * D + 4 * Fd), half * 2 * Fd + 4 * 2 * D, copies, copies
+
+    def _mla_autocast_bytes(self) -> float:
+        """MLA's attention half under bf16 autocast, bytes per token kept for backward: the block's norm and the
+        log-sum-exp in fp32 as above; one bf16 cast of the normalised x (the q and kv down-projections share it);
+        each low-rank norm runs in fp32 on the bf16 latent (its fp32 input copy, 1/rms, its output) and the
+        up-projection keeps a bf16 cast of that output; SDPA's bf16 q, k, padded v and output, and o_proj's copy."""
+        D, H = self.d_model, self.n_heads
+        Rq, R, Dn, Dr, Dv = (self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                             self.v_head_dim)
+        low_rank = lambda r: (4 * 2 * r + 4 + 2 * r) if r else 0  # noqa: E731
+        return 4 * (2 * D + 1 + H) + 2 * D + low_rank(Rq) + low_rank(R) + 2 * (4 * H * (Dn + Dr) + H * Dv)
 
     def received_bytes(self, i: int, prec: "Precision") -> float:
         """Bytes per token of MoE layer i's FFN half that sit on the rank owning the experts, and so grow with the
@@ -171,11 +214,20 @@ class ModelShape:
         return 4 * (2 * D + 1 + V) + prec.act * D, prec.act * V * D  # fp32 norm and log-softmax; bf16 input cast
 
     def total_params(self) -> int:
+        """Every parameter once, the MTP modules' included (not the last stage's replica of the embedding)."""
         n = self.vocab * self.d_model * 2 + self.d_model + self.pos_table * self.d_model
-        for i in range(self.n_layers):
+        for i in range(self.n_layers + self.mtp_layers):  # MTP depth k's block is layer n_layers + k - 1
             ne, ex = self.layer_params(i)
             n += ne + ex * self.num_experts
-        return n
+        return n + self.mtp_layers * counts.mtp_params(self)
+
+    def mtp_act(self, prec: "Precision") -> tuple[float, float]:
+        """One MTP depth's own parts (its block apart), per token: (elements, bytes at `prec`) kept for backward.
+        The embedding's and the hidden state's norms (input, 1/rms, normalised x each) and eh_proj's input, their
+        concatenation (under autocast the fp32 norms and a bf16 cast of the concatenation)."""
+        D = self.d_model
+        elems = 2 * (2 * D + 1) + 2 * D
+        return elems, (4 * 2 * (2 * D + 1) + prec.act * 2 * D) if prec.autocast else elems * prec.act
 
 
 @dataclass(frozen=True)
@@ -289,6 +341,10 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
                   for b in block_halves(*layer_bounds(shape.n_layers, n_chunks, c, counts))]
         first, last = s == 0, s == pp - 1
         n_ne = (V * D + shape.pos_table * D if first else 0) + (V * D + D if last else 0)
+        mtp = shape.mtp_layers if last else 0
+        if mtp:  # the MTP depths on the last stage: their blocks, their own parts, a replica of the embedding
+            blocks += [(shape.n_layers + k, True, True) for k in range(mtp)]
+            n_ne += mtp * counts.mtp_params(shape) + (0 if first else V * D)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
         act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
         recv_b, recv_block_b = 0.0, 0.0
@@ -339,10 +395,13 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         act_b += (4 if prec.autocast else prec.act) * D * sum(c != n_chunks - 1 for c in chunks)
         act_b += (prec.act * D * sum(c != 0 for c in chunks)) if prec.autocast else 0.0
         head_b, head_cast = shape.head_bytes(prec) if last else (0.0, 0.0)
-        if last:
-            f_dense += 2 * D * V
-            act += head_act
-            act_b, cast_b = act_b + head_b, cast_b + head_cast  # the head is never checkpointed
+        if last:  # the head runs once over the main positions and every MTP depth's: 1 + mtp times the tokens
+            heads, (mtp_e, mtp_b) = 1 + mtp, shape.mtp_act(prec)
+            f_dense += heads * 2 * D * V + mtp * 4 * D * D  # + each depth's eh_proj
+            head_act = heads * head_act
+            act += head_act + mtp * mtp_e
+            head_b = heads * head_b  # per token of the microbatch; one weight copy (one head call)
+            act_b, cast_b = act_b + head_b + mtp * mtp_b, cast_b + head_cast  # the head is never checkpointed
         out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
                                 first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b,
                                 *(land or (0.0, 0.0)), head_cast, recv_b, recv_block_b))
