@@ -5,6 +5,8 @@
 #      the CPU run; with 2+ GPUs: every layout that fits (world 2, 4, 8) against the single-GPU run.
 #   2. a short MFU measurement of the MID and default models on one GPU, fp32 and bf16 (30 steps each).
 #   3. one table of everything, also saved as $OUT/table.txt.
+#   4. `nanotitan bench gpu`: the MoE step at Mixtral-8x7B shapes (2 layers, seq 4096, bf16): nn.Linear reference,
+#      loop, grouped, each compiled or not (src/nanotitan/bench/gpu.py); $OUT/bench_gpu.{txt,json}.
 # Without a CUDA device it says so and exits 0. The exit status is non-zero if any check failed.
 # Needs no network: the text is a synthetic corpus written here. Environment: PYTHON (default .venv/bin/python),
 # GPU_CHECK_OUT (default runs/gpu_check; emptied first).
@@ -70,5 +72,9 @@ for model in ("mid", "default"):
         lines.append(f"{'MFU':<18} {dtype:<5} {1:>4}  {model:<28} {f'{100 * mfu:.2f}% MFU, {tok:,.0f} tok/s':<40} yes")
 print("\n".join(lines))
 EOF
+# --- 4. the MoE step at real shapes -------------------------------------------------------------------------------
+"$PY" -m nanotitan.cli bench gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: bench gpu failed (see $OUT/bench_gpu.txt)"; status=1; }
+
 echo "gpu-check: $([ $status -eq 0 ] && echo passed || echo FAILED) (details in $OUT)"
 exit $status

@@ -61,11 +61,13 @@ def _matrix(world, cases, corpus_dir, tmp_path, ref, ref_balance, timeout, twins
 def test_world2_ep2_lanes(corpus_dir, tmp_path, reference, reference_balance):
     """EP2 (pp = 1, M = 4): the lanes with activation checkpointing off and on (the recompute's all-to-alls run in
     the backward lane, on its group), and with the chunked trips of parallel.ep_overlap inside each lane; capacity
-    and the router bias with the lanes. Each bitwise its twin without the lanes."""
+    and the router bias with the lanes. Each bitwise its twin without the lanes. The grouped experts with capacity,
+    the bias, recompute and the lanes, against the loop's one process."""
     cases = [(1, 1, 2, "1f1b", ()), (1, 1, 2, "1f1b", LANES),
              (1, 1, 2, "1f1b", AC), (1, 1, 2, "1f1b", AC + LANES),
              (1, 1, 2, "1f1b", AC + BALANCE), (1, 1, 2, "1f1b", AC + BALANCE + LANES),
-             (1, 1, 2, "1f1b", ("--parallel.ep_overlap", "true") + LANES)]
+             (1, 1, 2, "1f1b", ("--parallel.ep_overlap", "true") + LANES),
+             (1, 1, 2, "1f1b", AC + BALANCE + LANES + ("--model.experts_impl", "grouped"))]
     _matrix(2, cases, corpus_dir, tmp_path, reference, reference_balance, timeout=300, twins=3)
 
 

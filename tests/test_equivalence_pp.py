@@ -20,6 +20,7 @@ L8 = ("--model.n_layers", "8")
 ZERO = ("--train.ckpt_at_end", "false")  # sharded DP does not checkpoint (yet): config.validate refuses it
 OV = ("--parallel.ep_overlap", "true")  # 4 experts over EP2: each trip in 2 groups of 1 expert
 AC = ("--train.activation_checkpointing", "true")
+GR = ("--model.experts_impl", "grouped")  # one grouped GEMM per projection (tests/test_grouped.py), vs the loop's reference
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_lay
     weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 zb1 with ZeRO-2 too (the
     ShardedReducer's reduce-scatters follow the Reducer's protocol, so its buckets also fill in W); PP2·EP2 with a
     half-layer cut 1.5+2.5 (block 1's MoE, with its all-to-alls, opens stage 1). PP2·EP2 with parallel.ep_overlap
-    under every schedule, activation checkpointing off and on: bitwise the same run without it where it is here."""
+    under every schedule, activation checkpointing off and on: bitwise the same run without it where it is here.
+    PP2·EP2 zb1 with the grouped experts inside the chunked trips (deferred weight gradients as grouped GEMMs)."""
     cases = [(1, 4, 1, "interleaved", V2 + L8), (1, 4, 1, "zb1", ()),
              (2, 2, 1, "interleaved", V2), (2, 2, 1, "zb1", ()),
              (2, 2, 1, "zb1", ZERO + ("--parallel.zero", "2")),
@@ -71,7 +73,7 @@ def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_lay
              (1, 2, 2, "1f1b", ("--parallel.pp_layers", "1.5,2.5")),
              (1, 2, 2, "1f1b", ()), (1, 2, 2, "1f1b", OV), (1, 2, 2, "zb1", OV), (1, 2, 2, "1f1b", AC + OV),
              (1, 2, 2, "zb1", AC), (1, 2, 2, "zb1", AC + OV), (1, 2, 2, "interleaved", V2 + OV),
-             (1, 2, 2, "gpipe", OV)]
+             (1, 2, 2, "gpipe", OV), (1, 2, 2, "zb1", GR + OV)]
     _matrix(4, cases, corpus_dir, tmp_path, {"4": reference, "8": reference_8_layers}, timeout=420,
             twins_expected=4)
 

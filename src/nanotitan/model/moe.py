@@ -45,23 +45,42 @@ class SwiGLU(nn.Module):
 
 
 class ExpertFFN(nn.Module):
-    """L SwiGLU experts as three stacked weights: W_gate, W_val [L, D, F], W_out [L, F, D]."""
+    """L SwiGLU experts as three stacked weights: W_gate, W_val [L, D, F], W_out [L, F, D].
+
+    `impl` (model.experts_impl): "loop" runs one GEMM per expert and projection (host counts: split sizes);
+    "grouped" one `torch._grouped_mm` per projection over all L experts, its group offsets a device tensor, so
+    the experts need no host count; "auto" picks per device and dtype (`grouped_wins`, docs/moe.md)."""
     wgrad_store: wgrad.WeightGradStore | None = None  # set: weight gradients deferrable (model/wgrad.py)
 
-    def __init__(self, num_local: int, d_model: int, ffn_dim: int):
+    def __init__(self, num_local: int, d_model: int, ffn_dim: int, impl: str = "loop"):
         super().__init__()
+        assert impl in ("loop", "grouped", "auto"), impl
+        self.impl = impl
         self.W_gate = nn.Parameter(torch.empty(num_local, d_model, ffn_dim))
         self.W_val = nn.Parameter(torch.empty(num_local, d_model, ffn_dim))
         self.W_out = nn.Parameter(torch.empty(num_local, ffn_dim, d_model))
 
-    def forward(self, x_ND: torch.Tensor, counts_L: list[int], trip=None) -> torch.Tensor:
-        """x_ND holds counts_L[l] rows for local expert l, contiguous and in order. `trip` (parallel.ep_overlap):
+    def grouped(self, x: torch.Tensor) -> bool:
+        """Does a call on x run the grouped GEMMs? (Dispatchers ask first: the grouped path needs no host counts.)"""
+        return self.impl == "grouped" or (self.impl == "auto" and grouped_wins(x))
+
+    def forward(self, x_ND: torch.Tensor, counts_L: "list[int] | torch.Tensor", trip=None) -> torch.Tensor:
+        """x_ND holds counts_L[l] rows for local expert l, contiguous and in order (a device tensor of counts: no
+        host sync on the grouped path; the loop reads it to the host). `trip` (parallel.ep_overlap):
         trip(W_gate, W_val, W_out, wgrad_store) runs the experts itself, inside this module's call, so that what
         wraps the module (FSDP2's unshard of the weights) happens around it as around the plain path."""
         if trip is not None:
             return trip(self.W_gate, self.W_val, self.W_out, self.wgrad_store)
+        if self.grouped(x_ND):
+            if not isinstance(counts_L, torch.Tensor):
+                counts_L = torch.tensor(counts_L, device=x_ND.device)
+            counts_L = wgrad.group_offsets(counts_L)  # the grouped GEMMs' offsets, on the device
+        elif isinstance(counts_L, torch.Tensor):
+            counts_L = counts_L.tolist()  # the loop's split sizes: one host sync per call, not per expert
         if self.wgrad_store is not None and torch.is_grad_enabled():  # the same GEMMs, backward by hand
             return wgrad.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.wgrad_store)
+        if isinstance(counts_L, torch.Tensor):
+            return wgrad.grouped_swiglu(x_ND, self.W_gate, self.W_val, self.W_out, counts_L)
         # Split the weights once per call (backward is one stack), never W[e] in the loop:
         # indexing allocates a full-size zero gradient per expert (BASELINES: ~45% of backward).
         gates, vals, outs = self.W_gate.unbind(0), self.W_val.unbind(0), self.W_out.unbind(0)
@@ -69,6 +88,27 @@ class ExpertFFN(nn.Module):
         for x, wg, wv, wo in zip(x_ND.split(counts_L), gates, vals, outs):
             ys.append((F.silu(x @ wg) * (x @ wv)) @ wo)  # (n_l, D); n_l may be 0
         return torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])
+
+
+# model.experts_impl "auto": (device type, compute dtype) -> grouped? Measured (docs/moe.md, "Grouped expert
+# GEMMs"). CUDA's grouped kernel is bf16 on sm90/sm100 only; elsewhere _grouped_mm falls back to one mm per group
+# after reading the offsets to the host (a sync per GEMM), so fp32 on CUDA keeps the loop.
+AUTO_GROUPED = {("cpu", torch.float32): False, ("cpu", torch.bfloat16): False,
+                ("cuda", torch.float32): False, ("cuda", torch.bfloat16): True}
+
+
+def grouped_wins(x: torch.Tensor) -> bool:
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if dev == "cuda" and torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return False  # no grouped kernel: the fallback syncs
+    return AUTO_GROUPED.get((dev, dtype), False)
+
+
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """bincount(ids, minlength=n) for ids in [0, n), without bincount's host read of max(ids) on CUDA."""
+    flat = ids.reshape(-1)
+    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def pack_expert_major(expert_ids_TK: torch.Tensor, num_experts: int):
@@ -82,7 +122,7 @@ def pack_expert_major(expert_ids_TK: torch.Tensor, num_experts: int):
     flat_ids_N = expert_ids_TK.reshape(-1)
     order_N = torch.argsort(flat_ids_N, stable=True)  # stable: token order kept within an expert
     token_idx_N = order_N // expert_ids_TK.shape[1]
-    counts_E = torch.bincount(flat_ids_N, minlength=num_experts + 1)[:num_experts]  # bin E: dropped
+    counts_E = expert_counts(flat_ids_N, num_experts + 1)[:num_experts]  # bin E: dropped
     return order_N, token_idx_N, counts_E
 
 
@@ -100,7 +140,7 @@ def capacity_keep(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_exp
     ids_N, w_N = expert_ids_TK.reshape(-1), weights_TK.reshape(-1)
     by_weight_N = torch.argsort(w_N, descending=True, stable=True)  # stable: equal weights keep index t*K+k order
     by_expert_N = by_weight_N[torch.argsort(ids_N[by_weight_N], stable=True)]  # expert-major, best first
-    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_E = expert_counts(ids_N, num_experts)
     start_E = counts_E.cumsum(0) - counts_E
     sorted_ids_N = ids_N[by_expert_N]
     rank_N = torch.arange(ids_N.numel(), device=ids_N.device) - start_E[sorted_ids_N]  # place in its expert's queue
@@ -110,11 +150,24 @@ def capacity_keep(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_exp
 
 
 class LocalDispatcher:
-    """Single-device dispatch: all experts live here."""
+    """Single-device dispatch: all experts live here. `may_drop` (capacity_factor > 0): dropped assignments may
+    sit past the kept prefix, whose length only the device knows on the grouped path."""
+
+    def __init__(self, may_drop: bool = False):
+        self.may_drop = may_drop
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        counts = counts_E.tolist()  # one host sync per layer call, not per expert
+        if experts.grouped(x_TD):  # no host sync: counts and offsets stay on the device
+            x_ND = x_TD.index_select(0, token_idx_N)
+            if self.may_drop:  # rows past the kept prefix: no expert computes them; zero them both ways
+                dropped_N1 = (torch.arange(order_N.numel(), device=order_N.device) >= counts_E.sum()).unsqueeze(1)
+                x_ND = x_ND.masked_fill(dropped_N1, 0)  # its backward zeroes their (unwritten) input gradient
+                y_ND = experts(x_ND, counts_E).masked_fill(dropped_N1, 0)
+            else:
+                y_ND = experts(x_ND, counts_E)
+            return combine(y_ND, weights_TK.reshape(-1).index_select(0, order_N), token_idx_N, x_TD.shape[0])
+        counts = counts_E.tolist()  # the loop's one host sync per layer call, not per expert
         N = sum(counts)  # dropped assignments sort last: never computed
         order_N, token_idx_N = order_N[:N], token_idx_N[:N]
         x_ND = x_TD.index_select(0, token_idx_N)
@@ -154,7 +207,7 @@ class MoE(nn.Module):
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
                  score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
                  aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
-                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1):
+                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1, experts_impl: str = "loop"):
         super().__init__()
         assert score in ("softmax", "sigmoid") and aux_scope in ("micro", "sequence"), (score, aux_scope)
         self.score, self.routed_scale, self.bias_update_rate = score, routed_scale, bias_update_rate
@@ -170,8 +223,8 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
         self.router = Linear(d_model, num_experts, bias=False)  # scores against all E experts
-        self.experts = ExpertFFN(expert_end - expert_start, d_model, ffn_dim)
-        self.dispatcher = LocalDispatcher()
+        self.experts = ExpertFFN(expert_end - expert_start, d_model, ffn_dim, experts_impl)
+        self.dispatcher = LocalDispatcher(may_drop=bool(capacity_factor))
         self.shared_expert = SwiGLU(d_model, shared_ffn_dim) if shared_ffn_dim else None
         self.shared_expert_gate = Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None
 

@@ -99,7 +99,8 @@ class Block(nn.Module):
                            shared_gate=cfg.shared_expert_gate, score=cfg.router_score,
                            routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
                            aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
-                           capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
+                           capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                           experts_impl=cfg.experts_impl)
         elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 

@@ -248,9 +248,29 @@ def tap(p: torch.Tensor, store: WeightGradStore | None) -> torch.Tensor:
     return _Tap.apply(p.detach(), store.anchor, (p,), store)  # in a tuple: not an input autograd tracks
 
 
-def experts_forward(x, wg, wv, wo, counts_L: list[int]):
+def group_offsets(counts_L: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMMs' `offs`: cumulative row counts per expert, int32, on the counts' device (no host read)."""
+    return counts_L.cumsum(0, dtype=torch.int32)
+
+
+def grouped_swiglu(x_ND, W_gate, W_val, W_out, offs):
+    """ExpertFFN's grouped path under plain autograd: one torch._grouped_mm per projection over all experts.
+    _grouped_mm has no autocast rule: cast to the autocast dtype here, as the loop's matmuls are cast."""
+    dt = _autocast_dtype(x_ND)
+    x, wg, wv, wo = (_cast(t, dt) for t in (x_ND, W_gate, W_val, W_out))
+    h = F.silu(torch._grouped_mm(x, wg, offs=offs)) * torch._grouped_mm(x, wv, offs=offs)
+    return torch._grouped_mm(h, wo, offs=offs)
+
+
+def experts_forward(x, wg, wv, wo, counts_L: "list[int] | torch.Tensor"):
     """y of L SwiGLU experts on contiguous row groups (x and weights already in the compute dtype), and per expert
-    what autograd's nodes would save: hg (silu), hv and a (mul), h (mm)."""
+    what autograd's nodes would save: hg (silu), hv and a (mul), h (mm). counts_L a tensor: the grouped path's
+    int32 offsets (`group_offsets`), one GEMM per projection, saved once for all experts."""
+    if isinstance(counts_L, torch.Tensor):
+        hg, hv = torch._grouped_mm(x, wg, offs=counts_L), torch._grouped_mm(x, wv, offs=counts_L)
+        a = F.silu(hg)
+        h = a * hv
+        return torch._grouped_mm(h, wo, offs=counts_L), [hg, hv, a, h]
     saved, ys = [], []
     for x_l, wg_l, wv_l, wo_l in zip(x.split(counts_L), wg.unbind(0), wv.unbind(0), wo.unbind(0)):
         hg, hv = x_l @ wg_l, x_l @ wv_l
@@ -261,10 +281,19 @@ def experts_forward(x, wg, wv, wo, counts_L: list[int]):
     return (torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])), saved
 
 
-def experts_input_grad(dy, x, wg, wv, wo, saved, counts_L: list[int], x_dtype: torch.dtype):
+def experts_input_grad(dy, x, wg, wv, wo, saved, counts_L: "list[int] | torch.Tensor", x_dtype: torch.dtype):
     """Per expert, the backward of (silu(x @ wg) * (x @ wv)) @ wo as autograd runs it, input half:
     dh = dy @ wo^T, da = dh * hv, dhv = dh * a, dhg = silu_backward(da, hg), dx = dhg @ wg^T + dhv @ wv^T.
-    Returns dx and, per expert, what its weight GEMMs read (x_l, h_l, dy_l, dhg, dhv)."""
+    Returns dx and, per expert, what its weight GEMMs read (x_l, h_l, dy_l, dhg, dhv); grouped (counts_L the
+    offsets): the same once for all experts, led by the offsets (offs, x, h, dy, dhg, dhv)."""
+    if isinstance(counts_L, torch.Tensor):
+        hg, hv, a, h = saved
+        dh = torch._grouped_mm(dy, wo.transpose(1, 2), offs=counts_L)
+        da, dhv = dh * hv, dh * a
+        dhg = torch.ops.aten.silu_backward(da, hg)
+        dx = (torch._grouped_mm(dhg, wg.transpose(1, 2), offs=counts_L).to(x_dtype)
+              + torch._grouped_mm(dhv, wv.transpose(1, 2), offs=counts_L).to(x_dtype))
+        return dx, [counts_L, x, h, dy, dhg, dhv]
     dxs, terms = [], []
     for l, (x_l, dy_l) in enumerate(zip(x.split(counts_L), dy.split(counts_L))):
         hg, hv, a, h_l = saved[4 * l:4 * l + 4]
@@ -278,9 +307,26 @@ def experts_input_grad(dy, x, wg, wv, wo, saved, counts_L: list[int], x_dtype: t
     return dx, terms
 
 
+class GroupedTerm(GemmTerm):
+    """A stacked weight-gradient term as grouped GEMMs: per (a, b, offs) the [L_c, ., .] slices a_g @ b_g over
+    each group's rows (a^T-style 2D x 2D with offsets), the chunks' slices concatenated (consecutive experts)."""
+
+    def tensor(self) -> torch.Tensor:
+        gs = [torch._grouped_mm(a, b, offs=offs) for a, b, offs in self.pairs]
+        return gs[0] if len(gs) == 1 else torch.cat(gs)
+
+    def add_to(self, grad: torch.Tensor) -> None:
+        grad.add_(self.tensor())
+
+
 def experts_weight_terms(terms) -> tuple[GemmTerm, GemmTerm, GemmTerm]:
     """The weight half, stacked over the experts of `terms` (unbind's backward): wg: x^T dhg, wv: x^T dhv,
-    wo: h^T dy."""
+    wo: h^T dy. Grouped terms (each chunk led by its int32 offsets): one grouped GEMM per projection and chunk."""
+    if terms and terms[0].dtype == torch.int32:
+        chunks = [terms[i:i + 6] for i in range(0, len(terms), 6)]
+        return (GroupedTerm([(x.t(), dhg, o) for o, x, _, _, dhg, _ in chunks]),
+                GroupedTerm([(x.t(), dhv, o) for o, x, _, _, _, dhv in chunks]),
+                GroupedTerm([(h.t(), dy, o) for o, _, h, dy, _, _ in chunks]))
     per_expert = [terms[i:i + 5] for i in range(0, len(terms), 5)]
     return (GemmTerm([(x_l.t(), dhg) for x_l, _, _, dhg, _ in per_expert], stacked=True),
             GemmTerm([(x_l.t(), dhv) for x_l, _, _, _, dhv in per_expert], stacked=True),
@@ -325,7 +371,7 @@ def land_expert_grads(params, fuse: bool = False):
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
-            counts_L: list[int], store: WeightGradStore) -> torch.Tensor:
+            counts_L: "list[int] | torch.Tensor", store: WeightGradStore) -> torch.Tensor:
     params = (W_gate, W_val, W_out)
     return _Experts.apply(x_ND, *(p.detach() for p in params), store.anchor, counts_L, params, store)
 

@@ -122,16 +122,19 @@ class _ChunkPlan:
     """parallel.ep_overlap: the local experts cut into `n` groups [l0, l1); group c's rows travel in their own
     all-to-alls. `idx[c]`: the rows of the packed send buffer (destination-major) that group c sends, in send
     order (destination, then expert); in/out_splits, the received rows' permutation to expert-major and their
-    counts per expert of the group (slices of the one-trip path's `counts_L`)."""
+    counts per expert of the group (slices of the one-trip path's `counts_L`). `groups[c]`: what group c's expert
+    GEMMs are handed, its host counts, or with `grouped` (ExpertFFN.grouped) its offsets on the device."""
 
     def __init__(self, send_host, recv_host, recv_PL, counts_E, counts_L: list[int], L: int, n: int,
-                 lanes: EPLanes):
+                 lanes: EPLanes, grouped: bool = False):
         P = len(send_host)
         self.lanes = lanes  # the trips of a backward go on the backward lane's group
         self.bounds = [(c * L // n, (c + 1) * L // n) for c in range(n)]
         self.in_splits = [[sum(row[l0:l1]) for row in send_host] for l0, l1 in self.bounds]
         self.out_splits = [[sum(row[l0:l1]) for row in recv_host] for l0, l1 in self.bounds]
         self.counts_L = [counts_L[l0:l1] for l0, l1 in self.bounds]
+        self.groups = ([wgrad.group_offsets(recv_PL[:, l0:l1].sum(0)) for l0, l1 in self.bounds] if grouped
+                       else self.counts_L)
         group_of_l = torch.tensor([c for c, (l0, l1) in enumerate(self.bounds) for _ in range(l0, l1)],
                                   device=counts_E.device)
         self.N = sum(map(sum, self.in_splits))
@@ -190,7 +193,7 @@ class _ExpertTrip(torch.autograd.Function):
         for c, (l0, l1) in enumerate(plan.bounds):
             plan.lanes.wait(works[c], kind)
             x_c = wgrad._cast(recvs[c].index_select(0, plan.perm[c]), dt)
-            y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.counts_L[c])
+            y_c, saved_c = wgrad.experts_forward(x_c, wg[l0:l1], wv[l0:l1], wo[l0:l1], plan.groups[c])
             buf, work = plan.post_back(c, y_c.index_select(0, plan.inv[c]))
             backs.append(buf)
             back_works.append(work)
@@ -215,10 +218,10 @@ class _ExpertTrip(torch.autograd.Function):
         for c, (l0, l1) in enumerate(plan.bounds):
             plan.lanes.wait(works[c], "b:trip")
             dy_c = recvs[c].index_select(0, plan.perm[c])
-            n_l = l1 - l0
+            n_s = 4 if isinstance(plan.groups[c], torch.Tensor) else 4 * (l1 - l0)  # grouped: saved once per group
             dx_c, terms_c = wgrad.experts_input_grad(dy_c, xs[c], wg[l0:l1], wv[l0:l1], wo[l0:l1],
-                                                     saved[4 * k:4 * (k + n_l)], plan.counts_L[c], ctx.x_dtype)
-            k += n_l
+                                                     saved[k:k + n_s], plan.groups[c], ctx.x_dtype)
+            k += n_s
             buf, work = plan.post_back(c, dx_c.index_select(0, plan.inv[c]))
             backs.append(buf)
             back_works.append(work)
@@ -291,14 +294,16 @@ class EPDispatcher:
             x_ND = x_ND.to(torch.get_autocast_dtype(x_ND.device.type))
 
         # 3. dispatch; 4. experts in expert-major order, then back to source-major
-        n = min(self.overlap_chunks, L)
+        # The grouped experts read their counts from the device (recv_PL), the loop from the host ints it has.
+        n, grouped = min(self.overlap_chunks, L), experts.grouped(x_TD)
         if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
-            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.lanes)
+            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.lanes, grouped)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
             x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
             perm_R = source_to_expert_major(recv_PL, R)
-            y_RD = experts(x_RD.index_select(0, perm_R), counts_L).index_select(0, inverse_permutation(perm_R))
+            y_RD = experts(x_RD.index_select(0, perm_R), recv_PL.sum(0) if grouped else counts_L)
+            y_RD = y_RD.index_select(0, inverse_permutation(perm_R))
             y_ND = self._a2a(y_RD, in_splits, out_splits, "combine")  # return trip: splits swapped
 
         # 5. combine in this rank's packed order
