@@ -25,6 +25,7 @@ from typing import Literal
 from .errors import ConfigError
 from .fits import vocab_too_large
 from .parse import parse_overrides, set_value
+from .tp_rules import check_tp
 
 
 @dataclass(kw_only=True)
@@ -231,7 +232,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.pp * self.parallel.ep
+        return self.parallel.dp * self.parallel.pp * self.parallel.ep * self.parallel.tp
 
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
@@ -327,13 +328,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
-                  _check_elastic):
+                  check_tp, _check_elastic):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
         _check(world_size == cfg.world_size,
-               f"world size {world_size} != parallel.dp*pp*ep = {p.dp}*{p.pp}*{p.ep} = {cfg.world_size} "
-               f"(set --parallel.dp/--parallel.pp/--parallel.ep so their product is {world_size})")
+               f"world size {world_size} != parallel.dp*pp*ep*tp = {p.dp}*{p.pp}*{p.ep}*{p.tp} = {cfg.world_size} "
+               f"(set --parallel.dp/pp/ep/tp so their product is {world_size})")
 
 
 def _check_finite(cfg: Config) -> None:

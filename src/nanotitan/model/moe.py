@@ -148,6 +148,11 @@ class MoE(nn.Module):
     lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
     """
     lane_local_router_state: bool = False
+    # Tensor parallel (parallel/tp.py): this rank routes 1/token_shards of the microbatch's tokens; token_sum(t)
+    # sums t over the ranks holding the rest (gradient straight through), so the balance loss, the z-loss and the
+    # counts are the whole microbatch's.
+    token_sum = None
+    token_shards: int = 1
 
     def __init__(self, d_model: int, ffn_dim: int, num_experts: int, top_k: int, norm_topk: bool,
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
@@ -214,7 +219,10 @@ class MoE(nn.Module):
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
         counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=E)
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.aux_scope == "micro":
+        if self.token_sum is not None:  # TP: the whole microbatch's counts and mean probabilities
+            counts_E, nT = self.token_sum(counts_E), T * self.token_shards
+            balance = E * (counts_E.to(probs_TE.dtype) / (nT * K) * self.token_sum(probs_TE.sum(dim=0)) / nT).sum()
+        elif self.aux_scope == "micro":
             f_E = counts_E.to(probs_TE.dtype) / (T * K)
             balance = E * (f_E * probs_TE.mean(dim=0)).sum()
         else:  # DeepSeek-V3's sequence-wise loss: the same per sequence, averaged over the B sequences
@@ -222,7 +230,8 @@ class MoE(nn.Module):
             f_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), ones) / (S * K)
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
-            z_loss = logits_TE.logsumexp(dim=-1).square().mean()  # ST-MoE: keeps router logits small
+            z_TE = logits_TE.logsumexp(dim=-1).square()  # ST-MoE: keeps router logits small
+            z_loss = z_TE.mean() if self.token_sum is None else self.token_sum(z_TE.sum()) / (T * self.token_shards)
         # 0 + x and 1 * x would be x: no op for the default coefficients (aux_coef 1, z_loss_coef 0)
         aux = (balance if self.aux_coef == 1.0 else self.aux_coef * balance) if self.aux_coef \
             else logits_TE.new_zeros(())

@@ -80,8 +80,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope):
         B, S, _ = x.shape
-        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, S, H*Dh), (B, S, Hkv*Dh) x2
+        Dh = self.head_dim  # H, Hkv from the shapes: under tensor parallel a rank holds H/N of the heads (tp.py)
+        H, Hkv = q.shape[-1] // Dh, k.shape[-1] // Dh
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(B, S, H, Dh), k.view(B, S, Hkv, Dh), v.view(B, S, Hkv, Dh)
@@ -142,6 +143,7 @@ class Transformer(nn.Module):
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
+        self.vocab_ce = None  # set by parallel/tp.py: the head is vocab-parallel, so is the loss
         self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
@@ -186,7 +188,7 @@ class Transformer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
     def _embed(self, table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-        if self.wgrad_store is None:
+        if self.wgrad_store is None or hasattr(table, "wgrad_store"):  # a table that taps itself (parallel/tp.py)
             return table(idx)
         return F.embedding(idx, wgrad.tap(table.weight, self.wgrad_store))  # nn.Embedding's defaults
 
@@ -219,6 +221,8 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(x))
         if targets is None:
             return logits, aux_sum
+        if self.vocab_ce is not None:
+            return self.vocab_ce(logits, targets), aux_sum
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return ce, aux_sum
 

@@ -36,26 +36,36 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group,
-                    shard_params=(), shard_group=None) -> torch.Tensor:
+                    shard_params=(), shard_group=None, tp: int = 1, shard_once=()) -> torch.Tensor:
     """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor).
 
     expert_params / replicated_params: full grads as the Reducer leaves them (summed over EP, counted
-    once). shard_params: sharded grads, disjoint over `shard_group` (the non-expert-DP group)."""
+    once). shard_params: sharded grads, disjoint over `shard_group` (the non-expert-DP group).
+    Tensor parallel (tp > 1, parallel/tp.py): the EP group spans the TP ranks (experts fold over EP x TP); a
+    replicated param's TP slices (`tp_shard_dim`) add up over TP, one replicated over TP counts once, and so do
+    `shard_once`, shards that are identical over TP (the caller passes `shard_group` = the stage group)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
-    rep_grads = [p.grad for p in replicated_params if p.grad is not None]
+    rep_grads = [p.grad for p in replicated_params if p.grad is not None and getattr(p, "tp_shard_dim", None) is None]
+    split_grads = [p.grad for p in replicated_params if p.grad is not None and getattr(p, "tp_shard_dim", None) is not None]
     shard_grads = [_local(p.grad) for p in shard_params if p.grad is not None]
+    once_grads = [_local(p.grad) for p in shard_once if p.grad is not None]
     device = next((g.device for g in rep_grads + exp_grads + shard_grads), torch.device("cpu"))  # NCCL: GPU
-    rep_sq, exp_sq = _sq_norm(rep_grads, device), _sq_norm(exp_grads, device)
+    rep_sq, exp_sq, split_sq = _sq_norm(rep_grads, device), _sq_norm(exp_grads, device), _sq_norm(split_grads, device)
     if ep_group is not None:
         # One scalar all-reduce over EP: every EP rank holds the same replicated grads, so only
-        # ep rank 0 contributes them (x + 0 + ... = x exactly); expert shards all add up.
+        # ep rank 0 contributes them (x + 0 + ... = x exactly); expert shards all add up. (Under TP the group
+        # is EP x TP, tp fastest: the ranks of ep rank 0 are its first tp.)
         if dist.get_rank(ep_group) != 0:
             rep_sq = torch.zeros_like(rep_sq)
-    total_sq = (rep_sq + exp_sq).reshape(1)
+        if dist.get_rank(ep_group) >= tp:
+            split_sq = torch.zeros_like(split_sq)
+    total_sq = (rep_sq + split_sq + exp_sq).reshape(1)
     if ep_group is not None:
         comm.all_reduce(total_sq, group=ep_group, axis="other")
     if shard_params or shard_group is not None:  # every rank of the group enters the all-reduce
         shard_sq = _sq_norm(shard_grads, device).reshape(1)
+        if once_grads and (shard_group is None or dist.get_rank(shard_group) % tp == 0):  # tp fastest in the group
+            shard_sq = shard_sq + _sq_norm(once_grads, device).reshape(1)
         if shard_group is not None:
             comm.all_reduce(shard_sq, group=shard_group, axis="other")
         total_sq = total_sq + shard_sq
@@ -65,7 +75,7 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     if max_norm > 0:
         # Always multiply (by 1.0 when under the limit) instead of branching on a host-synced value.
         coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-        grads = rep_grads + exp_grads + shard_grads
+        grads = rep_grads + split_grads + exp_grads + shard_grads + once_grads
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total_norm

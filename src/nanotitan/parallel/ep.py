@@ -333,22 +333,23 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
 
     The shard must have been built for this rank's experts (`build_chunk_specs(cfg, pp_rank, ep_rank)`).
     """
-    if dims.ep == 1:
+    if dims.moe_ep == 1:  # the experts are sharded over EP x TP (parallel/tp.py: folded)
         return model
     group = dims.group("ep")
     backward_group = dims.group("ep_backward") if lanes else None
     assert not lanes or backward_group is not None, "lanes need dims.build_backward_ep_groups() first"
     shared = EPLanes(group, backward_group)
     for moe in model.moe_layers():
-        L = moe.num_experts // dims.ep
-        if moe.num_experts % dims.ep:
-            raise ValueError(f"model.num_experts={moe.num_experts} must be divisible by parallel.ep={dims.ep} "
+        n, r = dims.moe_ep, dims.moe_ep_rank
+        L = moe.num_experts // n
+        if moe.num_experts % n:
+            raise ValueError(f"model.num_experts={moe.num_experts} must be divisible by parallel.ep*tp={n} "
                              f"(--model.num_experts or --parallel.ep)")
-        if (moe.expert_start, moe.expert_end) != (dims.ep_rank * L, (dims.ep_rank + 1) * L):
-            raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but ep_rank "
-                             f"{dims.ep_rank} owns [{dims.ep_rank * L}, {(dims.ep_rank + 1) * L}): build the "
-                             f"model with build_chunk_specs(cfg, pp_rank, ep_rank={dims.ep_rank})")
-        moe.dispatcher = EPDispatcher(group, dims.ep, dims.ep_rank, overlap_chunks, lanes=shared)
+        if (moe.expert_start, moe.expert_end) != (r * L, (r + 1) * L):
+            raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but expert shard "
+                             f"{r} owns [{r * L}, {(r + 1) * L}): build the "
+                             f"model with build_chunk_specs(cfg, pp_rank, ep_rank={r})")
+        moe.dispatcher = EPDispatcher(group, n, r, overlap_chunks, lanes=shared)
         moe.lane_local_router_state = lanes
     return model
 

@@ -32,6 +32,7 @@ from .fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
 from .sync import GradSync, ReplicatedSync, TorchDDPSync
+from .tp import apply_tp
 from .zero import ZeroSync
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -48,6 +49,7 @@ class ModelShard:
     sync: GradSync | None = None  # the DP flavour (sync.py): prepare/finish, optimizer groups, clip, checkpoint form
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
+    sp: bool = False  # tensor parallel with sequence parallel: the residual stream is a sequence shard (tp.py)
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
@@ -85,7 +87,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     `dims` must have its groups built when the world has more than one rank."""
     # One model chunk per virtual pipeline stage (V > 1 only under the interleaved schedule): V chunks are
     # joined in a StageChunks whose parameters keep their global names (pp/chunks.py).
-    specs = build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)
+    specs = build_chunk_specs(cfg, dims.pp_rank, dims.moe_ep_rank)
     chunks = [Transformer(cfg.model, s, seed=cfg.train.seed) for s in specs]  # built and initialised on the CPU
     if device.type != "cpu":  # (a no-op move is not free either: `plan --dry-run`'s fake tensors cannot take it)
         chunks = [chunk.to(device) for chunk in chunks]
@@ -97,11 +99,13 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     lanes = cfg.parallel.ep_overlap_microbatches and dims.ep > 1
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
+    apply_tp(model, dims, cfg.parallel.sp)  # before anything reads the params: they become this rank's slices
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
-                       replicated_params=[(n, p) for n, p in named if not is_expert_param(n)], ep_lanes=lanes)
+                       replicated_params=[(n, p) for n, p in named if not is_expert_param(n)], ep_lanes=lanes,
+                       sp=dims.tp > 1 and cfg.parallel.sp)
 
     # Init by global identity already agrees; the broadcast from each group's first rank is the seed's
     # belt and braces (and what makes a replica that diverged by a bug visible to check_replicas).

@@ -50,6 +50,8 @@ def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device,
     """This stage's P2P endpoints for microbatches shaped like xs[0] (m, S): activations (m, S, D) and their
     gradients travel in the compute dtype (bf16 halves the bytes; each stage's residual stream stays fp32)."""
     m, S = xs[0].shape
+    if shard.dims.tp > 1 and shard.sp:  # sequence parallel: a stage's residual stream is a sequence shard
+        S //= shard.dims.tp
     act_shape, wire = (m, S, shard.model.cfg.d_model), compute_dtype(dtype)
     key = (act_shape, wire, str(device))
     if key not in shard.comms:
@@ -156,7 +158,7 @@ def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int
     if dist.is_initialized() and shard.dims.world_size > 1:
         comm.all_reduce(vals, axis="other")
     ce, aux = vals.tolist()
-    n_mb = M * shard.dims.data_world
+    n_mb = M * shard.dims.data_world * shard.dims.tp  # the TP ranks of a stage hold the same sums
     return ce / n_mb, aux_weight * aux / n_mb
 
 
@@ -180,4 +182,4 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
     model.expert_load.update(saved_load)
     if dist.is_initialized() and dims.world_size > 1:
         comm.all_reduce(total, axis="other")  # only last-stage ranks contribute
-    return total.item() / (n * dims.data_world)
+    return total.item() / (n * dims.data_world * dims.tp)  # each TP rank of the last stage holds the same sum

@@ -77,7 +77,7 @@ def setup_rank(cfg: Config) -> RankSetup:
     # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
     # (parallel/emulate.py); None when off.
     links = emulate.install(emulate.link_model(cfg, rank))
-    dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank)
+    dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp)
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     train, val, stream = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
     if world > 1:  # every group built once, in the same order on every rank

@@ -120,7 +120,9 @@ def _quiet_single_process():
 
 
 def layout_dict(dims: ParallelDims | None) -> dict:
-    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep} if dims else {"dp": 1, "pp": 1, "ep": 1}
+    if dims is None:
+        return {"dp": 1, "pp": 1, "ep": 1}
+    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, **({"tp": dims.tp} if dims.tp > 1 else {})}
 
 
 def _write_text(path: Path, text: str) -> None:

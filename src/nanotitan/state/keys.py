@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ..model.transformer import is_expert_param
 from ..parallel.sync import Pieces, ensure_adam_state, replicated_pieces
+from ..parallel.tp import tp_shard_dim
 
 
 class Chunks:
@@ -62,6 +63,13 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         ensure_adam_state(optimizer)
     sync = shard.sync if shard is not None else None
     model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
+    if shard is not None and shard.dims.tp > 1:  # TP slices sit at their rank's offset in the whole tensor
+        for name, q in model.named_parameters():
+            if (dim := tp_shard_dim(q)) is not None:
+                model_state[name] = tp_pieces(model_state[name], dim, shard.dims.tp_rank, shard.dims.tp)
+                for k, pieces in optim_state.get(name, {}).items():
+                    if len(pieces.size):
+                        optim_state[name][k] = tp_pieces(pieces, dim, shard.dims.tp_rank, shard.dims.tp)
     # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
     for name, t in model.state_dict(keep_vars=True).items():
         if name not in model_state:
@@ -72,6 +80,15 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         for k, pieces in st.items():
             put("optim", name, pieces, f".{k}")
     return out
+
+
+def tp_pieces(pieces: Pieces, dim: int, rank: int, n: int) -> Pieces:
+    """Pieces of a TP slice (rank's 1/n along dim) as pieces of the whole tensor."""
+    size = list(pieces.size)
+    shift = rank * size[dim]
+    size[dim] *= n
+    return Pieces(torch.Size(size), [(tuple(o + shift * (i == dim) for i, o in enumerate(off)), t)
+                                     for off, t in pieces.boxes])
 
 
 def rng_key(rank: int) -> str:

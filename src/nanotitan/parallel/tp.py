@@ -1,0 +1,283 @@
+"""Tensor parallel, with sequence parallel: Megatron's split of a stage's dense part over the TP group.
+
+    attention     q/k/v column-wise by heads (each rank computes its H/N heads), o row-wise
+    dense FFNs    gate/up column-wise, down row-wise; the shared experts alike, on the tokens of the TP group
+    embedding     vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them reads zeros, the sum fills it
+    head + loss   vocab-parallel: logits stay (.., V/N); the cross-entropy reduces max, target logit and sum
+                  of exponentials over the group (`VocabParallelCE`): the logits are never gathered
+    experts       folded onto EP (dims.moe_ep = EP*TP shards, parallel/ep.py): each TP rank routes its own
+                  tokens, so no token is sent twice and expert bytes per rank fall with TP as with EP
+    SP (parallel.sp) the residual stream, norms included, lives on sequence shards (B, S/N, D): each TP
+                  region all-gathers the sequence on entry and reduce-scatters its partial sums on exit.
+                  Without SP the stream is whole on every rank: identity / all-reduce at the regions' edges.
+
+Parameters stay plain tensors, each rank's slice of the full one (tagged `tp_shard_dim`, which the checkpoint
+reads to place it: state/keys.py), so every gradient sync (Reducer, ZeRO, FSDP2) and wgrad's deferred GEMMs
+work unchanged. Parameters replicated over TP whose TP ranks see different tokens or heads (norms under SP,
+q/k head norms, the router, the shared-expert gate) get partial gradients: they are tagged `tp_partial`, and
+the gradient sync sums them over the "stage" group (DP x EP x TP of the stage) instead of non-expert-DP —
+the TP sum commutes with the DP average, so it costs no extra collective (parallel/sync.py: gradient_groups).
+
+Why not DTensor parameters (torch.distributed.tensor.parallel's parallelize_module): our Reducer and ZeRO bind
+.grad and .data to views of flat buckets, which a DTensor parameter refuses, and `loss_parallel` must wrap the
+backward too, which the pipeline schedules run elsewhere. The regions' collectives below are the ones
+ColwiseParallel / RowwiseParallel / SequenceParallel insert, written as four autograd functions (docs/tp.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..model import wgrad
+from . import comm
+from .dims import ParallelDims
+
+SHARD_DIM = "tp_shard_dim"  # attribute on a TP-sharded parameter: the dimension it is split along
+PARTIAL = "tp_partial"  # attribute on a TP-replicated parameter whose gradient is a partial sum over TP
+
+
+class TPGroup:
+    """The TP process group, this rank's place in it, and its size."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+
+# --- the regions' collectives (autograd functions) ------------------------------------------------------------
+
+def _gather(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+    """Every rank's x concatenated along `dim` in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((g.size, *x.shape))
+    comm.all_gather(out.view(-1), x.view(-1), g.group, axis="tp").wait()
+    return torch.cat(out.unbind(0), dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+    """The sum over ranks of x, this rank's 1/N slice along `dim`."""
+    parts = torch.stack(x.chunk(g.size, dim=dim)).contiguous()  # (N, ..): rank r's slice r-th
+    out = parts.new_empty(parts.shape[1:])
+    comm.reduce_scatter(out.view(-1), parts.view(-1), g.group, axis="tp").wait()
+    return out
+
+
+def _own(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+    return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    x = x.contiguous().clone()
+    comm.all_reduce(x, group=g.group, axis="tp")
+    return x
+
+
+class _Enter(torch.autograd.Function):
+    """Into a TP region. sp: all-gather along dim (backward: reduce-scatter); else identity (backward: all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, g, dim, sp):
+        ctx.g, ctx.dim, ctx.sp = g, dim, sp
+        return _gather(x, g, dim) if sp else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (_reduce_scatter(dy, ctx.g, ctx.dim) if ctx.sp else _all_reduce(dy, ctx.g)), None, None, None
+
+
+class _Exit(torch.autograd.Function):
+    """Out of a TP region, summing its partial results. sp: reduce-scatter along dim (backward: all-gather); else
+    all-reduce (backward: identity)."""
+
+    @staticmethod
+    def forward(ctx, x, g, dim, sp):
+        ctx.g, ctx.dim, ctx.sp = g, dim, sp
+        return _reduce_scatter(x, g, dim) if sp else _all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (_gather(dy, ctx.g, ctx.dim) if ctx.sp else dy), None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    """No sum: whole -> this rank's slice along dim, no communication (backward: all-gather), or (whole=True)
+    slices -> the whole on every rank (backward: this rank's slice of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, g, dim, whole):
+        ctx.g, ctx.dim, ctx.whole = g, dim, whole
+        return _gather(x, g, dim) if whole else _own(x, g, dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (_own(dy, ctx.g, ctx.dim) if ctx.whole else _gather(dy, ctx.g, ctx.dim)), None, None, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """All-reduce forward, identity backward: a statistic of the whole microbatch from each rank's tokens, whose
+    gradient each rank takes for its own tokens (the MoE balance loss: model/moe.py `token_sum`)."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        return _all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+# --- vocab-parallel embedding and cross-entropy -------------------------------------------------------------
+
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding over rows [vocab_start, vocab_start + V/N) of the table; the group's sum is the lookup."""
+    wgrad_store: wgrad.WeightGradStore | None = None  # deferrable like the plain table (Transformer._embed)
+    tp: TPGroup
+    sp: bool
+    vocab_start: int
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), wgrad.tap(self.weight, self.wgrad_store))
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _Exit.apply(out, self.tp, 1, self.sp)
+
+
+class _VocabCE(torch.autograd.Function):
+    """Mean cross-entropy of (N, V/n) logit shards against (N,) targets (Megatron's vocab-parallel CE)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, g):
+        m = logits.max(dim=-1).values
+        comm.all_reduce(m, group=g.group, axis="tp", op=torch.distributed.ReduceOp.MAX)
+        z = logits - m.unsqueeze(-1)
+        local = targets - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        picked = z.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        e = z.exp()
+        sums = torch.stack([picked, e.sum(dim=-1)])  # one all-reduce for both
+        comm.all_reduce(sums, group=g.group, axis="tp")
+        loss = (sums[1].log() - sums[0]).mean()
+        ctx.save_for_backward(e.div_(sums[1].unsqueeze(-1)), local, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        probs, local, outside = ctx.saved_tensors
+        grad = probs.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        return grad.mul_(dloss / grad.shape[0]), None, None, None
+
+
+class VocabParallelCE:
+    """The loss of a Transformer whose head is vocab-parallel (Transformer.vocab_ce): logits (B, S, V/N)."""
+
+    def __init__(self, tp: TPGroup, vocab_start: int):
+        self.tp, self.vocab_start = tp, vocab_start
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _VocabCE.apply(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                              self.vocab_start, self.tp)
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def _shard(p: nn.Parameter, dim: int, tp: TPGroup) -> None:
+    """Keep this rank's slice of p along dim (init by global identity built it whole: the slice is exact)."""
+    p.data = p.data.chunk(tp.size, dim=dim)[tp.rank].clone()
+    setattr(p, SHARD_DIM, dim)
+
+
+def _partial(*params) -> None:
+    for p in params:
+        if p is not None:
+            setattr(p, PARTIAL, True)
+
+
+def _region(module: nn.Module, tp: TPGroup, dim: int, sp: bool) -> None:
+    """Enter the TP region at the module's first input, leave it at its output."""
+    module.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, dim, sp), *args[1:]))
+    module.register_forward_hook(lambda _m, _args, out: _Exit.apply(out, tp, dim, sp))
+
+
+def _swiglu(mlp: nn.Module, tp: TPGroup, dim: int, sp: bool) -> None:
+    _shard(mlp.gate_proj.weight, 0, tp)
+    _shard(mlp.up_proj.weight, 0, tp)
+    _shard(mlp.down_proj.weight, 1, tp)
+    _region(mlp, tp, dim, sp)
+
+
+def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
+        _shard(proj.weight, 0, tp)
+        if proj.bias is not None:
+            _shard(proj.bias, 0, tp)
+    _shard(attn.o_proj.weight, 1, tp)
+    if attn.qk_norm == "head":  # one Dh-wide weight shared by every head: each rank's heads give part of its grad
+        _partial(attn.q_norm.weight, attn.k_norm.weight)
+    _region(attn, tp, 1, sp)
+
+
+def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
+    """Each rank routes its own tokens (sequence shards; without SP the MoE splits the whole sequence and gathers
+    its output); the shared experts are TP-split on the group's tokens, gathered along the token dim."""
+    if not sp:
+        moe.register_forward_pre_hook(lambda _m, args: (_Slice.apply(args[0], tp, 1, False), *args[1:]))
+        moe.register_forward_hook(lambda _m, _args, out: (_Slice.apply(out[0], tp, 1, True), out[1]))
+    moe.token_sum = lambda t: _SumOverTP.apply(t, tp)
+    moe.token_shards = tp.size
+    _partial(moe.router.weight)
+    if moe.shared_expert is not None:
+        _swiglu(moe.shared_expert, tp, 0, True)
+    if moe.shared_expert_gate is not None:
+        _partial(moe.shared_expert_gate.weight)
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, sp: bool) -> None:
+    """Split every chunk of this rank's stage over the TP group (no-op at tp = 1). Call before the EP dispatcher,
+    the gradient sync and the broadcasts; the model must have been built whole on its TP axis (and its experts
+    for dims.moe_ep_rank)."""
+    if dims.tp == 1:
+        return
+    tp = TPGroup(dims.group("tp"), dims.tp_rank, dims.tp)
+    for chunk in getattr(model, "chunks", [model]):
+        _apply_chunk(chunk, tp, sp)
+
+
+def _apply_chunk(chunk: nn.Module, tp: TPGroup, sp: bool) -> None:
+    if hasattr(chunk, "tok_emb"):
+        emb = chunk.tok_emb
+        _shard(emb.weight, 0, tp)
+        emb.__class__ = VocabParallelEmbedding
+        emb.tp, emb.sp, emb.vocab_start = tp, sp, tp.rank * emb.weight.shape[0]
+    if hasattr(chunk, "pos_emb") and sp:
+        raise ValueError("model.pos_emb=learned with parallel.sp: use rope (--model.pos_emb rope) or --parallel.sp false")
+    for block in chunk.layers.values():
+        if block.has_attn:
+            _attention(block.attn, tp, sp)
+            if sp:
+                _partial(block.attn_norm.weight)
+        if block.has_ffn and sp:
+            _partial(block.ffn_norm.weight)
+        if block.is_moe:
+            _moe(block.moe, tp, sp)
+        elif block.has_ffn:
+            _swiglu(block.mlp, tp, 1, sp)
+    if hasattr(chunk, "head"):
+        _shard(chunk.head.weight, 0, tp)
+        chunk.head.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, 1, sp),))
+        chunk.vocab_ce = VocabParallelCE(tp, tp.rank * chunk.head.weight.shape[0])
+        if sp:
+            _partial(chunk.norm.weight)
+
+
+def is_tp_partial(p: torch.Tensor) -> bool:
+    return getattr(p, PARTIAL, False)
+
+
+def tp_shard_dim(p: torch.Tensor) -> int | None:
+    return getattr(p, SHARD_DIM, None)
