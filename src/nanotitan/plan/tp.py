@@ -19,8 +19,11 @@ Collectives per block of one microbatch (T*D elements each; Megatron's count; `b
     with SP      forward: 2 all-gathers + 2 reduce-scatters; backward: the same
 An MoE block's FFN half under SP sends nothing on the TP link (its shard is routed over the widened EP group; a
 shared expert is a dense FFN); without SP its tokens are split for routing and gathered back (1 all-gather each
-way). The embedding adds 1 (SP: and 1 backward), the head 1 each way, and the vocab-parallel loss 3 small
-all-reduces of T floats (max, sum of exps, target logit) in its forward.
+way). The embedding adds 1 (SP: and 1 backward), the head 1 each way, and the vocab-parallel loss 2 small
+all-reduces in its forward (the max, T floats; the target logit with the sum of exps, 2T); an MoE layer 2 more of
+E numbers (the whole microbatch's expert counts and mean probabilities for the balance loss). These are the
+collectives of parallel/tp.py, which sends them through parallel/comm.py on axis "tp", so the network emulator
+holds each to the same ring formulas.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config.config import Config
+from ..config.config import Config, ConfigError, validate
 from ..config.hardware import ring_allreduce_s, ring_half_s
-from .shape import Layout, ModelShape, StageSummary
+from .shape import Layout, ModelShape, StageSummary, layout_config
 
 # DTensor's CPU cost per TP'd module call (redistribute, the sharding propagation cache, the wrapper's dispatch),
 # per block per microbatch, forward + backward. Measured with `nanotitan bench tp` (docs/tp.md "Measured"): ours
@@ -38,25 +41,16 @@ from .shape import Layout, ModelShape, StageSummary
 TP_BLOCK_OVERHEAD_S = 1.5e-3
 
 
-def refusal(cfg: Config, tp: int, ep: int, node_size: int) -> str | None:
-    """Why `tp` cannot split this model on this layout (None: it can): heads, FFN widths and vocabulary split
-    evenly, the experts over the EP group widened by TP, the sequence over the TP ranks (SP), and the group inside
-    a node."""
-    m, S = cfg.model, cfg.train.seq_len
-    widths = [("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim),
-              ("vocab", m.vocab_size or cfg.data.vocab_size)]
-    widths += [("model.dense_ffn_dim", m.dense_ffn_dim)] if m.dense_ffn_dim else []
-    for name, v in widths:
-        if v % tp:
-            return f"{name}={v} is not a multiple of tp={tp}"
-    if m.n_kv_heads and m.n_kv_heads % tp and tp % m.n_kv_heads:
-        return f"model.n_kv_heads={m.n_kv_heads} neither divides nor is divided by tp={tp}"
-    if m.num_experts % (ep * tp):
-        return f"model.num_experts={m.num_experts} is not a multiple of ep*tp={ep * tp} (experts folded onto EP)"
-    if cfg.parallel.sp and S % tp:
-        return f"train.seq_len={S} is not a multiple of tp={tp} (sequence parallel)"
-    if node_size % tp:
-        return f"tp={tp} does not divide a node of {node_size} ranks (a TP group stays inside one node)"
+def refusal(cfg: Config, layout: Layout, node_size: int) -> str | None:
+    """Why `layout` cannot run this model (None: it can): the runtime's rules (config.validate asks
+    config/tp_rules.py: heads, widths, vocabulary and sequence divide by tp, the experts by ep*tp, zero < 3), and a
+    TP group inside one node."""
+    if node_size % layout.tp:
+        return f"tp={layout.tp} does not divide a node of {node_size} ranks (a TP group stays inside one node)"
+    try:
+        validate(layout_config(cfg, layout), world_size=layout.dp * layout.pp * layout.ep * layout.tp)
+    except ConfigError as e:
+        return str(e)
     return None
 
 
@@ -108,10 +102,12 @@ def tp_comm_s(shape: ModelShape, layers: list[int], first: bool, last: bool, sp:
     t = (counts["all-reduce"] * ring_allreduce_s(nbytes, tp, bw, lat)
          + (counts["all-gather"] + counts["reduce-scatter"]) * ring_half_s(nbytes, tp, bw, lat))
     calls = sum(counts.values())
-    if last:  # loss_parallel: max, sum of exps and the target's logit, T floats each
-        t += 3 * ring_allreduce_s(4 * T, tp, bw, lat)
-        calls += 3
-    return t, calls
+    if last:  # the vocab-parallel loss: the max (T floats), then the target's logit with the sum of exps (2T)
+        t += ring_allreduce_s(4 * T, tp, bw, lat) + ring_allreduce_s(8 * T, tp, bw, lat)
+        calls += 2
+    n_moe = sum(shape.is_moe(i) for i in layers)  # the balance loss's counts and mean probabilities, E each
+    t += 2 * n_moe * ring_allreduce_s(4 * shape.num_experts, tp, bw, lat)
+    return t, calls + 2 * n_moe
 
 
 def _act_ratio(shape: ModelShape, tp: int, sp: bool, ac: bool) -> tuple[float, float]:
@@ -196,6 +192,7 @@ def enumerate_tp(cfg: Config, world: int, node: int, enumerate_base, only: int =
     out = []
     for tp in [only] if only else degrees(world, node):
         for lay in enumerate_base(base_cfg, world // tp):
-            if tp == 1 or refusal(cfg, tp, lay.ep, node) is None:
-                out.append(dataclasses.replace(lay, tp=tp))
+            lay = dataclasses.replace(lay, tp=tp)
+            if tp == 1 or refusal(cfg, lay, node) is None:
+                out.append(lay)
     return out
