@@ -415,7 +415,7 @@ def test_cli_prints_ranked_table_and_recommendation(tmp_path, capsys):
     rc = main(["--ranks", "4", "--hardware", "cpu-gloo", "--out", str(out), "--model.d_model", "64",
                "--model.n_heads", "4", "--model.ffn_dim", "128", "--data.vocab_size", "512", "--train.micro_batch", "8"])
     text = capsys.readouterr().out
-    assert rc == 0 and "Recommended:" in text and "| # | dp | pp | ep |" in text and out.read_text().strip() == text.strip()
+    assert rc == 0 and "Recommended:" in text and "| # | dp | pp | ep | tp |" in text and out.read_text().strip() == text.strip()
     assert main(["--gpus", "5", "--hardware", "cpu-gloo"]) == 2  # 5 divides neither B=4, E=4 nor fits 4 layers
 
 
@@ -526,8 +526,9 @@ def test_memory_model_predicts_the_step_peak_at_every_zero_level(corpus_dir, tmp
 
 
 def test_plan_enumerates_zero_levels_and_auto_shards_only_when_memory_binds():
-    cfg = tiny(n_layers=1, m=16)  # one layer: no pipeline to spread the states over, only sharded DP
-    preds = plan(cfg, 4, CPU)
+    cfg = tiny(n_layers=1, m=16)  # one layer: no pipeline to spread the states over, only sharded DP (no TP)
+    dp_only = PlanOptions(tp=1)
+    preds = plan(cfg, 4, CPU, dp_only)
     levels = {p.layout.zero for p in preds}
     assert levels == {0, 1, 2, 3}
     assert all(p.layout.zero == 0 for p in preds if p.layout.dp * p.layout.ep == 1)
@@ -537,13 +538,13 @@ def test_plan_enumerates_zero_levels_and_auto_shards_only_when_memory_binds():
             z0 = predict(cfg, dataclasses.replace(p.layout, zero=0), CPU)
             assert p.mem_parts["optimizer"] < z0.mem_parts["optimizer"] and p.peak_mem < z0.peak_mem
     # ample memory: zero 0
-    assert recommend(cfg, 4, CPU)[-1] == 0
+    assert recommend(cfg, 4, CPU, dp_only)[-1] == 0
     # memory binds: the smallest zero-0 layout does not fit, but a sharded one does -> zero > 0, and it fits
     z0_min = min(p.peak_mem for p in preds if p.layout.zero == 0)
     all_min = min(p.peak_mem for p in preds)
     assert all_min < z0_min
     small = dataclasses.replace(CPU, mem_bytes=4 * (z0_min + all_min) / 2)  # 4 local ranks share the node
-    best = Layout(*recommend(cfg, 4, small))
+    best = Layout(*recommend(cfg, 4, small, dp_only))
     assert best.zero > 0 and predict(layout_config(cfg, best), best, small).fits
     # plan --zero 1 (and its old name --zero1) plans only that level
     assert {p.layout.zero for p in plan(cfg, 4, CPU, PlanOptions(zero=1))} == {1}

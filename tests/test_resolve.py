@@ -82,13 +82,13 @@ def test_parallel_auto_plans_once_and_its_flags_reproduce_the_layout(monkeypatch
     lines = []
     r = R.resolve(load_config(None, args), world=2, log=lines.append)
     p = r.parallel
-    assert p.dp * p.pp * p.ep == 2 and not p.auto and r.train.global_batch == r.layout_batch == 8
+    assert p.dp * p.pp * p.ep * p.tp == 2 and not p.auto and r.train.global_batch == r.layout_batch == 8
     assert r.train.micro_batch == 2 and lines and lines[0].startswith("planner: world 2, global batch 8")
 
     def planner(*args, **kwargs):
         raise AssertionError("a rank planned again")
 
-    monkeypatch.setattr(R, "recommend", planner)
+    monkeypatch.setattr(R, "best_layout", planner)
     again = R.resolve(load_config(None, args + R.planned_flags(r)), world=2)  # what the launched ranks run
     assert again.parallel == r.parallel and again.train == r.train
     with pytest.raises(ConfigError, match="world size 3 != parallel.dp"):

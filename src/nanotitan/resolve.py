@@ -39,7 +39,7 @@ from .parallel.pp import facts as pp_facts
 from .parallel.emulate import emulated_peak_flops
 from .parallel.sync import zero_memory_choices
 from .plan.cost import PlanOptions, balanced_layer_counts
-from .plan.search import recommend
+from .plan.search import best_layout
 
 
 def resolve(cfg: Config, world: int | None = None, hardware: Hardware | None = None,
@@ -139,12 +139,14 @@ def _plan_layout(c: Config, world: int, log: Callable[[str], None] | None) -> No
     B = t.global_batch or c.layout_batch
     # m stays as configured: the balance loss is per microbatch, so only the same (B, m) trains the same model.
     # parallel.zero > 0 is kept as asked; 0 lets the planner shard DP state when memory binds.
-    dp, pp, ep, schedule, M, m, zero = recommend(c, world, None, PlanOptions(
-        global_batch=B, micro_batch=t.micro_batch, zero=p.zero or None))
+    best = best_layout(c, world, None, PlanOptions(global_batch=B, micro_batch=t.micro_batch, zero=p.zero or None))
+    dp, pp, ep, schedule, M, m, zero = best.as_tuple()
     p.dp, p.pp, p.ep, p.schedule, p.microbatches, p.zero, p.auto = dp, pp, ep, schedule, M, zero, False
+    p.tp = best.tp  # the search covers DP x PP x EP x TP (plan/tp.py)
     t.micro_batch, t.global_batch = m, B
     if log:
-        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} {schedule} M={M} m={m} zero={zero}")
+        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} tp={p.tp} {schedule} M={M} m={m} "
+            f"zero={zero}")
 
 
 def auto_layer_counts(cfg: Config, hardware: Hardware | None = None) -> list[float]:
@@ -162,7 +164,7 @@ def planned_flags(c: Config) -> list[str]:
     return ["--parallel.dp", str(p.dp), "--parallel.pp", str(p.pp), "--parallel.ep", str(p.ep),
             "--parallel.schedule", p.schedule, "--parallel.microbatches", str(p.microbatches),
             "--train.micro_batch", str(t.micro_batch), "--train.global_batch", str(t.global_batch),
-            "--parallel.zero", str(p.zero), "--parallel.auto", "false"]
+            "--parallel.zero", str(p.zero), "--parallel.tp", str(p.tp), "--parallel.auto", "false"]
 
 
 def device_hardware(cfg: Config) -> Hardware:

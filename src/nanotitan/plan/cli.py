@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                     help="plan only this parallel.zero level (default: every level a layout allows)")
     ap.add_argument("--zero1", action="store_true", help="same as --zero 1 (old name)")
+    ap.add_argument("--tp", type=int, default=0, help="plan only this parallel.tp degree (default: every one)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--expert-skew", type=float, default=None,
@@ -99,7 +100,8 @@ def main(argv: list[str]) -> int:
         extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
                                    ("n_shared_experts", args.shared_experts)) if v}
         ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
-        opts = PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, activation_checkpointing=ac,
+        opts = PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp,
+                           activation_checkpointing=ac,
                            global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
                            ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=args.expert_skew)
         preds = plan(cfg, args.ranks, hw, opts)
@@ -116,7 +118,7 @@ def main(argv: list[str]) -> int:
     best = preds[0].layout
     rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "
            f"--parallel.ep {best.ep} --parallel.schedule {best.schedule} --parallel.microbatches {best.microbatches} "
-           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero}")
+           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero} --parallel.tp {best.tp}")
     text = f"{head}\n\n{format_table(preds, args.top)}\n\n{rec}\n"
     print(text)
     if args.out:

@@ -23,6 +23,7 @@ class PlanOptions:
     precision: str = ""  # "" = from train.dtype (fp32 or bf16-autocast)
     zero: int | None = None  # parallel.zero level(s) to plan: None = every level the layout allows (0..3)
     zero1: bool = False  # old alias of zero=1 (`nanotitan plan --zero1`)
+    tp: int = 0  # parallel.tp degree to plan: 0 = every degree a node divides (plan/tp.py)
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
     global_batch: int = 0  # 0 = cfg.layout_batch
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths

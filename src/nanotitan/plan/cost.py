@@ -14,6 +14,7 @@ from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
 from ..parallel.sync import zero_memory_choices
+from . import tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
@@ -60,7 +61,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     pp, ep, M = layout.pp, layout.ep, layout.microbatches
-    world = layout.dp * pp * ep
+    world = layout.dp * pp * ep * layout.tp
     nodes = opts.nodes or math.ceil(world / hw.devices_per_node)
     per_node = math.ceil(world / nodes)
     ranks_on_node = min(world, per_node)
@@ -68,7 +69,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     e_local = shape.num_experts // ep
     links = {}
     for kind in ("ep", "pp", "non_expert_dp", "expert_dp"):
-        crosses, off = placement(layout, kind, opts.link_node_size or per_node)
+        crosses, off = placement(layout, kind, tp_plan.node_size(opts.link_node_size or per_node, layout.tp))
         links[kind] = (hw.inter if crosses else hw.intra), off
     n_virt = pp_facts.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
@@ -79,14 +80,18 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     zero = zero_level(layout, opts)
     z_accumulate, z_reshard = zero_memory_choices(zero, pp, layout.schedule, cfg.parallel.zero_accumulate,
                                                   cfg.parallel.zero3_reshard)
+    stages = tp_plan.shard_stages(shape, layout, stage_summaries(shape, layout, counts, ac, n_virt, prec, trips),
+                                  cfg.parallel.sp, ac)  # what one rank of a TP group holds and does
     return Context(
-        cfg=cfg, layout=layout, hw=hw, opts=opts, shape=shape, prec=prec, ac=ac, nodes=nodes,
+        cfg=cfg, layout=layout, hw=hw, opts=opts, shape=tp_plan.sharded_shape(shape, layout.tp), prec=prec, ac=ac,
+        nodes=nodes,
         ranks_on_node=ranks_on_node, T=T, peak=hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node),
         eff_dense=gemm_eff(hw, T), eff_expert=gemm_eff(hw, T * shape.top_k / max(e_local, 1)), links=links,
         n_virt=n_virt, lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
-        stages=stage_summaries(shape, layout, counts, ac, n_virt, prec, trips),
+        stages=stages,
         # zb1 under AC: what a microbatch between its B and its W keeps (memory.py)
-        unckpt=stage_summaries(shape, layout, counts, False, n_virt, prec) if ac and layout.schedule == "zb1" else None,
+        unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, layout, counts, False, n_virt, prec),
+                                     cfg.parallel.sp, False) if ac and layout.schedule == "zb1" else None),
         zero=zero, z_shard=z_accumulate == "shard", z_reshard=z_reshard == "always",
         skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew)
 

@@ -13,6 +13,7 @@ import itertools
 
 from ..config.config import Config, ConfigError, validate
 from ..config.hardware import GiB, Hardware, detect_hardware
+from . import tp as tp_plan
 from .cost import PlanOptions, Prediction, predict
 from .shape import Layout, ModelShape, layout_config
 
@@ -60,8 +61,9 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
         raise ConfigError(f"--ranks {world} must be a multiple of --nodes {opts.nodes}")
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
-    layouts = [lay for lay in enumerate_layouts(cfg, world, opts.global_batch, zeros)
-               if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
+    node = opts.link_node_size or (world // opts.nodes if opts.nodes else min(world, hw.devices_per_node))
+    layouts = [lay for lay in tp_plan.enumerate_tp(cfg, world, node, lambda c, n: enumerate_layouts(
+               c, n, opts.global_batch, zeros), opts.tp) if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
     preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
@@ -75,7 +77,13 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
 def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
               opts: PlanOptions | None = None) -> tuple[int, int, int, str, int, int, int]:
     """(dp, pp, ep, schedule, microbatches, micro_batch, zero) of the fastest layout that fits memory, at the
-    lowest zero level within ZERO_SLACK of it."""
+    lowest zero level within ZERO_SLACK of it (its tp: `best_layout`)."""
+    return best_layout(cfg, world, hardware, opts).as_tuple()
+
+
+def best_layout(cfg: Config, world: int, hardware: str | Hardware | None = None,
+                opts: PlanOptions | None = None) -> Layout:
+    """The Layout `recommend` describes, its TP degree included."""
     preds = plan(cfg, world, hardware, opts)
     if not preds:
         B = (opts and opts.global_batch) or cfg.layout_batch
@@ -87,7 +95,7 @@ def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
         raise ConfigError(f"no layout of {world} ranks fits memory: the smallest needs {p.peak_mem / GiB:.1f} GiB "
                           f"per rank > {p.mem_limit / GiB:.1f} GiB ({p.layout.short()}); use more ranks, "
                           f"--train.activation_checkpointing true or a smaller --train.micro_batch")
-    return preds[0].layout.as_tuple()
+    return preds[0].layout
 
 
 def reason(preds: list[Prediction]) -> str:
@@ -120,11 +128,11 @@ def reason(preds: list[Prediction]) -> str:
 
 
 def format_table(preds: list[Prediction], top: int) -> str:
-    lines = ["| # | dp | pp | ep | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
-             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| # | dp | pp | ep | tp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
+             "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
-        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
+        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
                      f"{L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

@@ -239,10 +239,12 @@ class Layout:
     microbatches: int  # M
     micro_batch: int  # m
     zero: int = 0  # parallel.zero: 0 replicated DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
+    tp: int = 1  # parallel.tp, the fastest axis: world = dp*pp*ep*tp (plan/tp.py)
 
     def short(self) -> str:
         return (f"dp{self.dp} pp{self.pp} ep{self.ep} {self.schedule if self.pp > 1 else '-'} "
-                f"M{self.microbatches} m{self.micro_batch}" + (f" z{self.zero}" if self.zero else ""))
+                f"M{self.microbatches} m{self.micro_batch}" + (f" z{self.zero}" if self.zero else "")
+                + (f" tp{self.tp}" if self.tp > 1 else ""))
 
     def as_tuple(self) -> tuple[int, int, int, str, int, int, int]:
         return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch, self.zero
@@ -275,7 +277,7 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
-    p.zero = layout.zero
+    p.zero, p.tp = layout.zero, layout.tp
     c.train.micro_batch = layout.micro_batch
     p.virtual_stages = pp_facts.virtual_stages(layout.schedule, layout.pp, p.virtual_stages)
     if p.pp_layers != "auto" and len(p.pp_layers) != layout.pp * p.virtual_stages:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..config.config import Config, tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
+from . import tp as tp_plan
 from .context import Context
 from .shape import ModelShape, StageSummary
 
@@ -144,8 +145,8 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
 
     # Every rank's CPU-seconds by cause (dp*ep ranks run each stage, each its M microbatches and its step):
     # where ranks time-share a CPU node's cores, this work / the cores bounds the step too (Hardware.time_shared).
-    ranks = lay.dp * lay.ep
-    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")}
+    ranks = lay.dp * lay.ep * lay.tp
+    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer", "tp")}
     for s in range(pp):
         for k, v in t_stage[s].items():
             work[k] += ranks * M * max(0.0, v - t_links[s].get(k, 0.0))  # an emulated link's hold is no work
@@ -159,7 +160,7 @@ def _stage_time(c: Context, s: int, st: StageSummary) -> tuple[dict[str, float],
     """One microbatch on stage `s`: (seconds by cause, forward compute, backward compute, link holds that are
     waiting rather than work, under opts.links_idle)."""
     lay, hw, opts, prec = c.layout, c.hw, c.opts, c.prec
-    pp, ep, n_virt = lay.pp, lay.ep, c.n_virt
+    pp, ep, n_virt = lay.pp, lay.ep * lay.tp, c.n_virt  # experts folded onto EP: the EP group widened by TP
     T, D = c.T, c.shape.d_model
     t_f = T * (st.f_dense / (c.peak * c.eff_dense) + st.f_expert / (c.peak * c.eff_expert))
     t_b = 2 * t_f + (t_f if c.ac else 0.0)  # backward = 2x forward, plus the recompute
@@ -172,20 +173,22 @@ def _stage_time(c: Context, s: int, st: StageSummary) -> tuple[dict[str, float],
     pp_link = c.links["pp"][0]
     p2p_link = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
     p2p = p2p_link + sends * 2 * hw.p2p_call_s  # a send and its recv each cost a call
-    links = dict(ep_a2a=a2a_link, pp_p2p=p2p_link) if opts.links_idle else {}
+    tp_s, tp_link = tp_plan.stage_tp_time(c, st)  # TP's collectives on the intra-node link (plan/tp.py)
+    links = dict(ep_a2a=a2a_link, pp_p2p=p2p_link, tp=tp_link) if opts.links_idle else {}
     over = st.n_layers * hw.layer_overhead_s
     a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
-    return dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over), t_f, t_b, links
+    return (dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over) | ({"tp": tp_s} if lay.tp > 1 else {}),
+            t_f, t_b, links)
 
 
 def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float) -> tuple[float, int]:
     """(EP all-to-all link seconds of one microbatch on stage `s`, all-to-all calls per MoE layer)."""
     lay, hw, cfg = c.layout, c.hw, c.cfg
-    pp, ep, M = lay.pp, lay.ep, lay.microbatches
+    pp, ep, M = lay.pp, lay.ep * lay.tp, lay.microbatches  # TP: EP*TP ranks route T/TP tokens each
     ep_link, ep_off = c.links["ep"]
     # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
     # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
-    a2a_bytes = c.T * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
+    a2a_bytes = c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
     a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
     # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
     lat = (ep - 1) * ep_link.latency_s

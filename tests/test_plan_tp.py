@@ -1,0 +1,101 @@
+"""The planner's TP terms (plan/tp.py): collectives per layer with and without SP, memory falling with TP, the search
+over DP x PP x EP x TP, and --parallel.auto's pick of TP when the dense part does not fit without it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nanotitan.config.config import Config, validate
+from nanotitan.config.hardware import Link, get_hardware
+from nanotitan.plan import Layout, ModelShape, PlanOptions, plan, predict
+from nanotitan.plan import tp as tp_plan
+from nanotitan.plan.search import best_layout
+
+H100 = get_hardware("h100-sxm")
+
+
+def tiny(n_layers=2, moe_every=1, num_experts=4, sp=True, B=8, seq=64) -> Config:
+    c = Config()
+    mo = c.model
+    mo.vocab_size, mo.d_model, mo.n_heads, mo.ffn_dim, mo.n_layers = 512, 64, 4, 128, n_layers
+    mo.num_experts, mo.top_k, mo.moe_every, mo.max_seq_len = num_experts, 2, moe_every, seq
+    c.data.vocab_size, c.train.seq_len, c.train.micro_batch, c.parallel.sp = 512, seq, B, sp
+    validate(c)
+    return c
+
+
+def test_collectives_per_layer_with_and_without_sp():
+    """Megatron's count: a dense block sends 2 all-reduces each way without SP, 2 all-gathers + 2 reduce-scatters
+    each way with SP; an MoE block's FFN half is routed over EP x TP (SP: nothing on the TP link; without SP its
+    tokens are split and gathered back)."""
+    shape = ModelShape.from_config(tiny(n_layers=2, moe_every=2))  # layer 0 MoE, layer 1 dense
+    assert not shape.is_moe(1) and shape.is_moe(0)
+    assert tp_plan.block_collectives(shape, 1, sp=False) == {"all-reduce": 4, "all-gather": 0, "reduce-scatter": 0}
+    assert tp_plan.block_collectives(shape, 1, sp=True) == {"all-reduce": 0, "all-gather": 4, "reduce-scatter": 4}
+    assert tp_plan.block_collectives(shape, 0, sp=True) == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 2}
+    assert tp_plan.block_collectives(shape, 0, sp=False) == {"all-reduce": 2, "all-gather": 2, "reduce-scatter": 0}
+    shared = dataclasses.replace(shape, n_shared_experts=1)  # a shared expert is a dense FFN split column/row-wise
+    assert tp_plan.block_collectives(shared, 0, sp=True)["all-gather"] == 4
+    # SP moves the same bytes as the all-reduce (an all-reduce is an RS + an AG), TP1 moves none
+    args = dict(first=True, last=True, tp=4, T=512, elem_bytes=2, bw=100e9, lat=0.0)
+    dense = dataclasses.replace(shape, first_dense=2)  # no MoE layer: no balance-loss all-reduces
+    t_sp, calls_sp = tp_plan.tp_comm_s(dense, [0, 1], sp=True, **args)
+    t_ar, calls_ar = tp_plan.tp_comm_s(dense, [0, 1], sp=False, **args)
+    assert abs(t_sp - t_ar) / t_ar < 0.05 and calls_sp > calls_ar
+    assert tp_plan.tp_comm_s(dense, [0, 1], sp=True, **(args | {"tp": 1})) == (0.0, 0)
+
+
+def test_tp_collectives_ride_the_intra_node_link():
+    """A TP group stays inside a node: its time is the NVLink's whatever the network, and TP never exceeds a node."""
+    cfg = tiny()
+    lay = Layout(1, 1, 1, "1f1b", 1, 8, 0, tp=4)
+    slow_net = dataclasses.replace(H100, inter=Link.uniform(1e6, 1e-3))
+    a, b = predict(cfg, lay, H100), predict(cfg, lay, slow_net)
+    assert a.costs["tp"] > 0 and a.costs["tp"] == b.costs["tp"]
+    slow_nvlink = dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, allreduce_bw=1e8))
+    assert predict(cfg, lay, slow_nvlink).costs["tp"] > 10 * a.costs["tp"]
+    assert tp_plan.degrees(16, 8) == [1, 2, 4, 8]
+
+
+def test_memory_falls_with_tp_and_sp_shards_the_activations():
+    """Parameters, gradients and optimizer state of a rank fall ~N-fold (dense part / N, experts folded onto EP),
+    activations too; without SP the norms' and residuals' activations stay whole."""
+    cfg = tiny(num_experts=4)
+    parts = {tp: predict(cfg, Layout(1, 1, 1, "1f1b", 1, 8, 0, tp=tp), H100).mem_parts for tp in (1, 2, 4)}
+    for k in ("params", "grads", "optimizer", "activations"):
+        assert parts[1][k] > parts[2][k] > parts[4][k], k
+    assert 1.8 < parts[1]["params"] / parts[2]["params"] <= 2.0  # norms and routers stay whole
+    no_sp = predict(tiny(sp=False), Layout(1, 1, 1, "1f1b", 1, 8, 0, tp=2), H100).mem_parts
+    assert parts[2]["activations"] < no_sp["activations"] < parts[1]["activations"]
+    assert no_sp["params"] == parts[2]["params"]
+    # FLOPs fall N-fold too: the compute of a TP2 rank is half a TP1 rank's (less GEMM efficiency: none at m*S rows)
+    c1, c2 = (predict(cfg, Layout(1, 1, 1, "1f1b", 1, 8, 0, tp=t), H100).costs["compute"] for t in (1, 2))
+    assert abs(c1 / c2 - 2) < 0.05
+
+
+def test_search_covers_dp_pp_ep_tp():
+    """The layout search enumerates every TP degree a node holds, and only what the runtime accepts (TP with zero 3
+    is refused by config/tp_rules.py)."""
+    cfg = tiny(n_layers=2)
+    preds = plan(cfg, 4, H100)
+    tps = {p.layout.tp for p in preds}
+    assert tps == {1, 2, 4}
+    assert all(p.layout.dp * p.layout.pp * p.layout.ep * p.layout.tp == 4 for p in preds)
+    assert not any(p.layout.tp > 1 and p.layout.zero == 3 for p in preds)
+    assert any(p.layout.tp == 2 and p.layout.ep == 2 for p in preds)  # EP x TP: 4 experts folded over 4 ranks
+    assert {p.layout.tp for p in plan(cfg, 4, H100, PlanOptions(tp=2))} == {2}
+    assert {p.layout.tp for p in plan(cfg, 4, H100, PlanOptions(nodes=2))} == {1, 2}  # 2 ranks a node
+
+
+def test_auto_picks_tp_when_the_dense_part_does_not_fit():
+    """Two sequences per step on 2 ranks, one layer (no pipeline): DP2 and EP2 keep the whole dense part on every
+    rank; when it does not fit one device, the planner picks TP2, and with memory to spare it weighs speed only."""
+    cfg = tiny(n_layers=1, num_experts=2, B=2, seq=256)
+    cfg.model.vocab_size = cfg.data.vocab_size = 4096
+    preds = plan(cfg, 2, H100)
+    need = {tp: min(p.peak_mem for p in preds if p.layout.tp == tp) for tp in (1, 2)}
+    assert need[2] < need[1]
+    small = dataclasses.replace(H100, mem_bytes=(need[1] + need[2]) / 2)
+    best = best_layout(cfg, 2, small)
+    assert best.tp == 2 and predict(cfg, best, small).fits
+    assert best_layout(cfg, 2, H100).tp in (1, 2)  # with memory to spare it is a question of speed only
