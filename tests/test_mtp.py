@@ -12,6 +12,7 @@ from nanotitan.model.spec import ModelShardSpec, build_chunk_specs
 from nanotitan.model.transformer import Transformer
 
 S, V = 12, 64
+HV = 300  # the HF test: a vocabulary the byte-level tokenizer allows
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -86,3 +87,48 @@ def test_bad_mtp_config_one_line(args, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hf_round_trip_keeps_mtp_bit_exact_and_transformers_loads_the_rest(tmp_path):
+    """A DeepSeek-V3-shaped model with 2 MTP modules -> export (DeepSeek's names: model.layers.{3,4}.* with enorm,
+    hnorm, eh_proj, shared_head.norm/head, embed_tokens) -> import -> export: every tensor bit-exact, MTP included;
+    transformers loads the export (ignoring the MTP layers) and computes our main logits."""
+    from transformers import AutoModelForCausalLM
+
+    from nanotitan.interop import hf
+    from tests.test_hf import _assert_logits_close, _randomise, _tensors
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
+                             "--model.num_experts", "4", "--model.ffn_dim", "16", "--model.vocab_size", str(HV),
+                             "--model.max_seq_len", "16", "--data.vocab_size", str(HV), "--train.seq_len", "16",
+                             "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim",
+                             "8", "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.n_group", "2",
+                             "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.first_k_dense",
+                             "1", "--model.shared_experts", "1", "--model.mtp_layers", "2"])
+    model = Transformer(cfg.model, seed=3)
+    _randomise(model.parameters(), seed=11)
+    out = hf.save_pretrained(model, cfg, tmp_path / "a")
+    first = _tensors(out)
+    for i in (3, 4):
+        for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens",
+                     "self_attn.kv_b_proj", "mlp.gate"):
+            assert f"model.layers.{i}.{part}.weight" in first, (i, part)
+    assert torch.equal(first["model.layers.4.embed_tokens.weight"], model.tok_emb.weight)
+    cfg2, back = hf.load_pretrained(out)
+    assert cfg2.model.mtp_layers == 2
+    mine = dict(model.named_parameters())
+    for n, p in back.named_parameters():
+        assert torch.equal(p, mine[n]), n
+    again = _tensors(hf.save_pretrained(back, cfg2, tmp_path / "b"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    x = torch.randint(0, HV, (2, S), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _assert_logits_close(back(x)[0], AutoModelForCausalLM.from_pretrained(out).eval()(x).logits)
+    # a checkpoint whose MTP copy of the embedding differs from the model's cannot be shared: one line
+    from safetensors.torch import save_file
+    first["model.layers.3.embed_tokens.weight"] = first["model.layers.3.embed_tokens.weight"] + 1
+    save_file(first, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="model.layers.3.embed_tokens.weight differs from the model's own "
+                                          "model.embed_tokens.weight"):
+        hf.load_pretrained(out)

@@ -137,7 +137,7 @@ def _model_keys(hf_dir, family: str, hf: dict) -> dict:
                q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_group=1,
                topk_group=1, **_yarn_keys(refuse, rope_type, rope_params))
     if family == "deepseek_v3":
-        return {**out, **_deepseek_keys(refuse, hf)}
+        return {**out, **_deepseek_keys(refuse, hf), "mtp_layers": stored_mtp_layers(hf_dir, hf)}
     # transformers renames the expert count per family and per version (attribute_map): read either.
     out["num_experts"] = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
     if family == "mixtral":
@@ -167,8 +167,7 @@ def _deepseek_keys(refuse, hf: dict) -> dict:
     """DeepseekV3ForCausalLM (and configs that build its modules: Kimi-K2, Moonlight; DeepSeek-V2-Lite's shape
     with q_lora_rank null): MLA, first_k_dense_replace dense layers, sigmoid routing with the selection bias
     (e_score_correction_bias: our router_bias, so the aux-free update is on at DeepSeek-V3's rate 0.001 unless
-    the user sets another), group-limited top-k, shared experts. MTP (num_nextn_predict_layers) is not mapped:
-    transformers' class has no MTP modules and its saves hold none (interop/hf.py skips such layers)."""
+    the user sets another), group-limited top-k, shared experts. MTP: `stored_mtp_layers`."""
     H = hf["num_attention_heads"]
     refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func={hf.get('scoring_func')!r}")
     refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method={hf.get('topk_method')!r}")
@@ -186,6 +185,31 @@ def _deepseek_keys(refuse, hf: dict) -> dict:
                 routed_scale=float(hf.get("routed_scaling_factor", 2.5)), norm_topk=hf.get("norm_topk_prob", True),
                 n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
                 attn_bias=hf.get("attention_bias", False), bias_update_rate=BIAS_RATE)
+
+
+def stored_mtp_layers(hf_dir: str | Path, hf: dict) -> int:
+    """model.mtp_layers of a DeepSeek-V3 dir: num_nextn_predict_layers when DIR holds those layers' weights
+    (DeepSeek's own checkpoints, our exports: layers numbered from num_hidden_layers on, model/mtp.py), else 0:
+    transformers' class has no MTP modules and its saves hold none, though its config says 1."""
+    n = hf.get("num_nextn_predict_layers") or 0
+    if not isinstance(n, int) or n <= 0:
+        return 0
+    first = f"model.layers.{hf['num_hidden_layers']}."
+    return n if any(k.startswith(first) for k in _weight_names(Path(hf_dir).expanduser())) else 0
+
+
+def _weight_names(hf_dir: Path) -> list[str]:
+    """The tensor names of DIR's safetensors (the index's weight map, or the single file's header: no tensor is
+    read, nothing is unpickled); [] when neither is readable (the weight loader names that failure)."""
+    try:
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            return list(json.loads(index.read_bytes())["weight_map"])
+        with open(hf_dir / "model.safetensors", "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            return [k for k in json.loads(f.read(min(n, 2**27))) if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma, §2.1.2); any rate > 0 the user sets is kept

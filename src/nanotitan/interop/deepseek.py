@@ -5,6 +5,7 @@
     deepseek_config(m, common, ...)       config.json for an MLA model (one line refusing what it cannot hold)
     rope_rows(m, name, t, to_hf)          a q / kv_a weight with its rotary rows in the other layout
     ignored_key(m, key)                   a checkpoint tensor our model does not hold, on purpose
+    mtp_shared_copies(m)                  the MTP layers' copies of the embedding and the head (model/mtp.py)
 
 DeepSeek's rotary dims are interleaved pairs (x0, x1), (x2, x3), ... (transformers' rope_interleave, on by
 default); our rope (model/rope.py) rotates halves. A rotation of pairs equals a rotation of halves after the
@@ -12,9 +13,11 @@ dims are reordered evens-then-odds, and q.k is the same sum over the reordered d
 rotary output rows of q_b_proj (q_proj) per head and of kv_a_proj_with_mqa's shared rope key; export undoes it.
 The logits are transformers' and the round trip is bit-exact.
 
-Multi-token prediction (another module's): DeepSeek stores MTP modules as decoder layers numbered from
-num_hidden_layers on. Without model.mtp_layers they are skipped (`ignored_key`); the MTP import extends
-DEEPSEEK_RULES and `ignored_key`.
+Multi-token prediction (model/mtp.py): DeepSeek stores MTP module k as decoder layer num_hidden_layers + k - 1, with
+enorm, hnorm, eh_proj, shared_head.norm beside the block, and its own copies of the embedding (embed_tokens) and
+the head (shared_head.head). Ours are `layers.{i}.*` and `mtp.{i}.*` (the rule below), and the copies are the
+model's own tensors: export writes them, import checks that they equal the main ones (`mtp_shared_copies`).
+Without model.mtp_layers the layers are skipped (`ignored_key`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from ..config.config import ModelConfig
 
-DEEPSEEK_RULES = [(r"^layers\.(\d+)\.moe\.shared_expert\.", r"model.layers.\1.mlp.shared_experts."),
+DEEPSEEK_RULES = [(r"^mtp\.(\d+)\.", r"model.layers.\1."),
+                  (r"^layers\.(\d+)\.moe\.shared_expert\.", r"model.layers.\1.mlp.shared_experts."),
                   (r"^layers\.(\d+)\.moe\.router_bias$", r"model.layers.\1.mlp.gate.e_score_correction_bias")]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -78,8 +82,14 @@ def rope_rows(m: ModelConfig, name: str, t: torch.Tensor, to_hf: bool) -> torch.
 
 
 def ignored_key(m: ModelConfig, key: str) -> bool:
-    """A tensor of the checkpoint our model leaves out: rotary caches, and MTP layers without model.mtp_layers."""
+    """A tensor of the checkpoint our model leaves out: rotary caches, and MTP layers beyond model.mtp_layers."""
     layer = _LAYER.match(key)
-    return key.endswith("rotary_emb.inv_freq") or (layer is not None and int(layer[1]) >= m.n_layers
-                                                   and m.mtp_layers == 0)
+    return key.endswith("rotary_emb.inv_freq") or (layer is not None and int(layer[1]) >= m.n_layers + m.mtp_layers)
+
+
+def mtp_shared_copies(m: ModelConfig) -> list[tuple[str, str]]:
+    """(checkpoint key, our parameter it copies) of each MTP layer's embedding and head."""
+    ids = range(m.n_layers, m.n_layers + m.mtp_layers)
+    return [(f"model.layers.{i}.{part}.weight", ours) for i in ids
+            for part, ours in (("embed_tokens", "tok_emb.weight"), ("shared_head.head", "head.weight"))]
 

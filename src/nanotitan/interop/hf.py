@@ -37,7 +37,7 @@ from ..config.fits import does_not_fit
 from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
-from .deepseek import DEEPSEEK_RULES, deepseek_config, ignored_key, rope_parameters, rope_rows
+from .deepseek import DEEPSEEK_RULES, deepseek_config, ignored_key, mtp_shared_copies, rope_parameters, rope_rows
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size: larger exports are split (+ index)
@@ -252,12 +252,24 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
             _copy(p, r.get(key), key, name)
             if interleaved:
                 p.copy_(rope_rows(model.cfg, name, p.clone(), to_hf=False))
+        if family == "deepseek_v3" and model.spec.mtp_layers:
+            _check_mtp_copies(r, model, hf_dir)
         if model.spec == ModelShardSpec.full(model.cfg):
             unused = sorted(k for k in set(r.file_of) - r.read if not ignored_key(model.cfg, k))
             if unused:
                 raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {len(unused)} tensors the model does not use, "
                                   f"e.g. {unused[0]!r} (its config.json and weights disagree)")
         return sorted(r.read)
+
+
+def _check_mtp_copies(r: _Reader, model: Transformer, hf_dir: Path) -> None:
+    """DeepSeek's MTP layers store their own embedding and head; ours are the model's (model/mtp.py), so the copies
+    must equal what was loaded from the main ones (they do in DeepSeek's checkpoints and in our exports)."""
+    params = dict(model.named_parameters())
+    for key, ours in mtp_shared_copies(model.cfg):
+        if r.has(key) and ours in params and not torch.equal(r.get(key).to(params[ours].dtype), params[ours]):
+            raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {key} differs from the model's own "
+                              f"{hf_name('deepseek_v3', ours)}, which the MTP layers share (model/mtp.py)")
 
 
 def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
@@ -301,6 +313,9 @@ def hf_tensors(model: Transformer, family: str):
                 yield hf_name(family, name[:-len("router.weight")] + "router_bias"), p.new_zeros(p.shape[0])
         else:
             yield hf_name(family, name), p
+    if family == "deepseek_v3":  # DeepSeek's MTP layers each hold a copy of the embedding and the head: copies on
+        params = dict(model.named_parameters())  # disk too (safetensors refuses tensors sharing memory)
+        yield from ((key, params[ours].detach().clone()) for key, ours in mtp_shared_copies(model.cfg))
 
 
 @torch.no_grad()
