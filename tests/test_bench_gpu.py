@@ -12,7 +12,7 @@ def test_bench_gpu_tiny(tmp_path, capsys):
     assert cli_main(["bench", "gpu", "--shape", "tiny", "--layers", "1", "--steps", "1", "--compile-backend", "eager",
                      "--peak-tflops", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "grouped vs loop, one MoE layer: max rel diff" in text
+    assert "grouped vs loop, one MoE layer (output, weight gradients): max rel diff" in text
     diff = float(text.split("max rel diff ")[1].split()[0])
     assert diff <= 1e-2  # bf16 autocast: within one rounding
     rows = json.loads(out.read_text())["rows"]

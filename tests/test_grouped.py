@@ -89,3 +89,12 @@ def test_moe_capacity_grouped(dtype):
 def test_expert_counts_is_bincount():
     ids = torch.randint(0, 5, (37, 2))
     assert torch.equal(expert_counts(ids, 6), torch.bincount(ids.reshape(-1), minlength=6))
+
+
+def test_auto_keeps_the_loop_on_cpu():
+    """auto's table (docs/moe.md: a tie on CPU, so the loop); grouped and loop are what they say."""
+    x = torch.zeros(2, D)
+    assert not ExpertFFN(L, D, F, "auto").grouped(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not ExpertFFN(L, D, F, "auto").grouped(x)
+    assert ExpertFFN(L, D, F, "grouped").grouped(x) and not ExpertFFN(L, D, F, "loop").grouped(x)

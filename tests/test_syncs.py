@@ -10,10 +10,10 @@ torch.cuda.set_sync_debug_mode covers it (`nanotitan bench gpu`).
 
 The documented counts (docs/moe.md, "Host syncs"), per rank, for the tiny 4-layer MoE of tests/test_equivalence.py
 (every layer MoE, 4 microbatches of this rank per step):
-- the MoE layers: none with model.experts_impl grouped on one device; the loop reads its split sizes once per layer
-  call; under EP one read per layer call (the all-to-all's split sizes), whatever the impl;
-- route's counts (MoE.route's bincount) once per layer call while it stays a bincount;
-- the step's own: the loss of each microbatch read once (forward_backward), the grad norm, the finite check.
+- the MoE layers (router, dispatch, experts, capacity, combine): none with model.experts_impl grouped on one device;
+  the loop reads its split sizes once per layer call; under EP one read per layer call (the all-to-all's split
+  sizes), whatever the impl;
+- the step's own: one, the finite check every rank agrees on (parallel/step.py agree_on_step).
 """
 
 import sys
@@ -99,7 +99,6 @@ STEP = {"parallel/step.py:agree_on_step:_local_scalar_dense": 1}  # the finite c
 def expected(calls: int, impl: str, ep: bool) -> dict:
     """The documented syncs of one step on a rank making `calls` MoE layer calls (docs/moe.md, "Host syncs")."""
     want = dict(STEP)
-    want["model/moe.py:route:bincount"] = calls  # the router's counts (MoE.route, not this feature's: see the doc)
     if ep:
         want["parallel/ep.py:__call__:tolist"] = calls  # the all-to-all's split sizes: the one EP sync
     elif impl == "loop":

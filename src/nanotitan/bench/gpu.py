@@ -13,7 +13,8 @@ tokens/s, peak memory, host syncs per step (CUDA: torch.cuda.set_sync_debug_mode
 one layer's parts, each timed alone forward + backward at the step's shapes (attention, router, dispatch,
 experts, combine) times the layers, and the optimizer step; `other` is what the step takes beyond their sum
 (embedding, head and loss, norms, Python). Before timing, the grouped experts are checked against the loop on
-the device (max relative difference of one layer's output): a GPU kernel that disagreed would show here first.
+the device (max relative difference of one layer's output and expert weight gradients): a GPU kernel that
+disagreed would show here first.
 
 Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/test_bench_gpu.py runs it in the
 suite, so it cannot rot. CPU figures mean nothing for a GPU.
@@ -185,15 +186,19 @@ def split(model: Transformer, opt, x, device, dtype, reps: int) -> dict:
 
 
 def grouped_vs_loop(shape: str, seq: int, device: torch.device, dtype: torch.dtype) -> float:
-    """Max relative difference of one MoE layer's output, grouped against loop, on this device and dtype."""
+    """Max relative difference, grouped against loop, of one MoE layer's output and its experts' weight gradients
+    (the grouped backward's 2D x 2D GEMMs), on this device and dtype."""
     outs = []
     for impl in ("loop", "grouped"):
         model = build(shape, 1, seq, impl, device, "eager")
         x = torch.randn(1, seq, model.cfg.d_model, generator=torch.Generator().manual_seed(0)).to(device)
-        with torch.no_grad(), _autocast(device, dtype):
-            outs.append(model.layers["0"].moe(x)[0].float())
-        del model
-    return ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
+        moe = model.layers["0"].moe
+        with _autocast(device, dtype):
+            y = moe(x)[0].float()
+        y.square().mean().backward()
+        outs.append([y.detach()] + [p.grad for p in moe.experts.parameters()])
+        del model, moe
+    return max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(outs[1], outs[0]))
 
 
 def run_config(args, config: str, device: torch.device, dtype: torch.dtype, peak: float) -> dict:
@@ -297,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"bench gpu: {name} | torch {torch.__version__} | shape {args.shape} x {args.layers} layers, seq "
           f"{args.seq}, {args.dtype} | peak {peak / 1e12:.1f} TFLOP/s", flush=True)
-    print(f"grouped vs loop, one MoE layer: max rel diff {grouped_vs_loop(args.shape, args.seq, device, dtype):.2e}",
-          flush=True)
+    diff = grouped_vs_loop(args.shape, args.seq, device, dtype)
+    print(f"grouped vs loop, one MoE layer (output, weight gradients): max rel diff {diff:.2e}", flush=True)
     rows = []
     for config in args.configs.split(","):
         assert config in CONFIGS, f"--configs: {config!r} is not one of {CONFIGS}"

@@ -275,7 +275,7 @@ class MoE(nn.Module):
 
         # Switch/GShard balance loss E * sum_e f_e * P_e, f_e = share of the assignments to e, P_e = mean router
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
-        counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=E)
+        counts_E = expert_counts(expert_ids_TK, E)  # bincount without its host read on CUDA
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         if self.token_sum is not None:  # TP: the whole microbatch's counts and mean probabilities
             counts_E, nT = self.token_sum(counts_E), T * self.token_shards

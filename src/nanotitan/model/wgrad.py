@@ -25,6 +25,11 @@ Activation checkpointing: everything a backward needs is saved with `save_for_ba
 block recomputes it as usual in B; the closures keep what B unpacked, so W never recomputes a block (nor
 runs its EP all-to-alls).
 
+Grouped experts (model.experts_impl grouped): the same split with one torch._grouped_mm per projection, its
+offsets on the device (`experts_forward` / `experts_input_grad` take them in place of the host counts); the
+weight half is a `GroupedTerm` (the 2D x 2D grouped GEMM x^T @ dy), equal to the loop's terms to float
+reassociation (tests/test_grouped.py).
+
 The path is on only where a store is attached (`attach`): a module without one runs plain F.linear etc.
 """
 
