@@ -265,6 +265,8 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.emulate import main as bench_main
     elif what == "overlap":
         from .bench.overlap import main as bench_main
+    elif what == "compile":  # train.compile eager vs compiled, side by side (bench/compile.py)
+        from .bench.compile import main as bench_main
     else:
         raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate or overlap)")
     return bench_main(rest)
