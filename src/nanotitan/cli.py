@@ -268,6 +268,8 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.overlap import main as bench_main
     elif what == "gpu":
         from .bench.gpu import main as bench_main
+    elif what == "compile":  # train.compile eager vs compiled, side by side (bench/compile.py)
+        from .bench.compile import main as bench_main
     else:
         raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or gpu)")
     return bench_main(rest)

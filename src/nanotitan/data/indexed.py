@@ -40,7 +40,7 @@ class IndexedBatches:
     def _read(self, offsets_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Re-open the memmap per call, as nanoGPT does: a long-lived np.memmap keeps growing resident memory
         # (https://stackoverflow.com/questions/45132940).
-        tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        tokens = np.memmap(str(self.path), dtype=self.dtype, mode="r")  # a str: a Path costs ~100 calls (resolve)
         idx_BW = offsets_B.numpy()[:, None] + np.arange(self.seq_len + 1)  # W = S + 1
         window_BW = torch.from_numpy(tokens[idx_BW].astype(np.int64))
         return window_BW[:, :-1], window_BW[:, 1:]

@@ -451,6 +451,9 @@ class HeapInUse(TorchDispatchMode):
 
 
 # --- the trainer's meters ---------------------------------------------------------------------------------------
+_UNMETERED = contextlib.nullcontext(False)  # reusable: `with` it yields False (not metered) and does nothing
+
+
 class StepMeters:
     """The memory meters, on some steps (each costs a Python call per tensor or op, so the other steps run
     unmetered): `step_peak`, the high-water mark of every live tensor over the whole step (PeakTensorBytes), and
@@ -481,26 +484,29 @@ class StepMeters:
         # since the last record; None: no metered step (on every rank alike)
         self._interval_peak = self._interval_acts = None
 
-    @contextlib.contextmanager
     def step(self, logged: bool):
-        """Around a whole step; yields whether it is metered."""
+        """Around a whole step; its context yields whether it is metered (an unmetered step: a shared no-op
+        context, no generator: every step enters it)."""
         self._steps += 1
         if logged:
             self._logged += 1
         if (self._steps > 2 + self.compiled and (not logged or (self._logged - 1) % self.peak_every)) \
                 or (self.compiled and self._steps == 1):
-            yield False
-            return
+            return _UNMETERED
+        return self._metered_step()
+
+    @contextlib.contextmanager
+    def _metered_step(self):
         with self.step_peak, torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext():
             yield True
         self._interval_peak = max(self._interval_peak or 0, self.step_peak.peak)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
 
-    @contextlib.contextmanager
     def activations(self, metered: bool):
-        if not metered:
-            yield
-            return
+        return self._metered_activations() if metered else _UNMETERED
+
+    @contextlib.contextmanager
+    def _metered_activations(self):
         self.saved_acts.reset_peak()
         with self.saved_acts:
             yield

@@ -56,10 +56,6 @@ class CommStats:
 COMM = CommStats()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 # Backends that take CPU tensors. NCCL takes only CUDA tensors: a CPU one fails deep inside NCCL, or hangs.
 # "fake" (torch's FakeProcessGroup) moves nothing: `nanotitan plan --dry-run` builds ranks on it.
 _CPU_BACKENDS = ("gloo", "mpi", "fake")
@@ -177,12 +173,29 @@ def _issue(axis: str, op: str, tensors, group, post, nbytes: int, async_op: bool
 
 
 def all_reduce(t: torch.Tensor, group=None, axis: str = "dp", op=dist.ReduceOp.SUM, async_op: bool = False):
-    check_device(t, group)
+    pg = _checked_pg(t, group)
 
     def post(t0):
-        work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
-        return work, 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", _nbytes(t), group)
-    return _issue(axis, "all-reduce", (t,), group, post, _nbytes(t), async_op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.asyncOp = op, async_op
+        work = pg.allreduce([t], opts)  # what dist.all_reduce issues, without its wrapper's checks (`_checked_pg`)
+        if not async_op:
+            work.wait()
+        return work, 0.0 if emulate.ACTIVE is None else emulate.collective(t0, axis, "all-reduce", t.nbytes, group)
+    return _issue(axis, "all-reduce", (t,), group, post, t.nbytes, async_op)
+
+
+def _checked_pg(t: torch.Tensor, group):
+    """`check_device(t, group)`, then the ProcessGroup to issue on (WORLD for None), from the same cached entry.
+    all_reduce and all_to_all_single call the group's own method, as torch.distributed's wrappers do after their
+    checks (tensor subclasses, complex views, membership: ~25 Python calls per collective, a quarter of the
+    default job's calls): comm.py's tensors are plain and real, and every caller is a member of its group."""
+    hit = _BACKEND.get(id(group)) if group is not None else None
+    if hit is None or hit[0]() is not group:
+        hit = _group_entry(group)
+    if t.is_cpu and not hit[2]:
+        check_device(t, group)  # raises, naming the tensor
+    return hit[0]()
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, axis: str = "dp", average: bool = False) -> TimedWork:
@@ -223,8 +236,8 @@ def _async_sharded(op: str, out: torch.Tensor, inp: torch.Tensor, full: torch.Te
                                    async_op=True)
         else:
             work = _ALL_GATHER(out, inp, group=group, async_op=True)
-    COMM.record(axis, _nbytes(full), time.perf_counter() - t0)
-    return TimedWork(work, axis, ticket, emulate.collective(t0, axis, op, _nbytes(full), group), then)
+    COMM.record(axis, full.nbytes, time.perf_counter() - t0)
+    return TimedWork(work, axis, ticket, emulate.collective(t0, axis, op, full.nbytes, group), then)
 
 
 def _exchange_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, average: bool):
@@ -293,22 +306,40 @@ def broadcast(t: torch.Tensor, src: int, group=None, axis: str = "other"):
     t0 = time.perf_counter()
     with _label(axis, "broadcast"), RECORD.call(axis, "broadcast", (t,), group):
         dist.broadcast(t, src=src, group=group)
-        emulate.hold(emulate.collective(t0, axis, "broadcast", _nbytes(t), group))
-    COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
+        emulate.hold(emulate.collective(t0, axis, "broadcast", t.nbytes, group))
+    COMM.record(axis, t.nbytes, time.perf_counter() - t0)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, group=None,
                       axis: str = "ep", async_op: bool = False):
     """Uneven all-to-all of rows (gloo needs `inp` contiguous). async_op: post it and return a TimedWork; neither
-    buffer may be touched before its wait()."""
-    check_device(inp if inp.is_cpu else out, group)  # both checked: a CPU tensor is refused whichever it is
+    buffer may be touched before its wait(). The hot path of EP (20 calls per rank-step in the default job):
+    `_issue`'s work written out inline, the op issued on the ProcessGroup itself (`_checked_pg`)."""
+    pg = _checked_pg(inp if inp.is_cpu else out, group)  # both checked: a CPU tensor is refused whichever it is
     inp = inp.contiguous()
+    if emulate.ACTIVE is not None or _profiler._is_profiler_enabled:  # the general path: label, emulated link
 
-    def post(t0):
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
-        return work, 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
-            t0, axis, _nbytes(inp), inp.shape[0] if inp.dim() else 1, in_splits, out_splits, group)
-    return _issue(axis, "all-to-all", (inp,), group, post, _nbytes(inp), async_op)
+        def post(t0):
+            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+            return work, 0.0 if emulate.ACTIVE is None else emulate.all_to_all(
+                t0, axis, inp.nbytes, inp.shape[0] if inp.dim() else 1, in_splits, out_splits, group)
+        return _issue(axis, "all-to-all", (inp,), group, post, inp.nbytes, async_op)
+    t0 = time.perf_counter()
+    ticket = RECORD.enter(axis, "all-to-all", (inp,), group)
+    try:
+        opts = dist.AllToAllOptions()
+        opts.asyncOp = async_op
+        work = pg.all_to_all_single(out, inp, [] if out_splits is None else out_splits,
+                                       [] if in_splits is None else in_splits, opts)
+        if not async_op:
+            work.wait()
+    except BaseException as e:
+        RECORD.fail(ticket, e)
+        raise
+    if not async_op:
+        RECORD.leave(ticket)
+    COMM.record(axis, inp.nbytes, time.perf_counter() - t0)
+    return TimedWork(work, axis, ticket) if async_op else None
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
@@ -317,8 +348,8 @@ def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
     with _label(axis, "send"), RECORD.call(axis, "send", (t,), peers=f"to {dst}"):
         dist.send(t.contiguous(), dst=dst, group=group)
         if emulate.ACTIVE is not None:
-            emulate.hold(emulate.p2p(t0, axis, [(dst, _nbytes(t), True)]))
-    COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
+            emulate.hold(emulate.p2p(t0, axis, [(dst, t.nbytes, True)]))
+    COMM.record(axis, t.nbytes, time.perf_counter() - t0)
 
 
 def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
@@ -327,8 +358,8 @@ def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
     with _label(axis, "recv"), RECORD.call(axis, "recv", (t,), peers=f"from {src}"):
         dist.recv(t, src=src, group=group)
         if emulate.ACTIVE is not None:
-            emulate.hold(emulate.p2p(t0, axis, [(src, _nbytes(t), False)]))
-    COMM.record(axis, _nbytes(t), time.perf_counter() - t0)
+            emulate.hold(emulate.p2p(t0, axis, [(src, t.nbytes, False)]))
+    COMM.record(axis, t.nbytes, time.perf_counter() - t0)
 
 
 def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
@@ -345,9 +376,9 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
             for w in works:
                 w.wait()
         return _AllOf(works), 0.0 if emulate.ACTIVE is None else \
-            emulate.p2p(t0, axis, [(op.peer, _nbytes(op.tensor), op.op is dist.isend) for op in ops])
+            emulate.p2p(t0, axis, [(op.peer, op.tensor.nbytes, op.op is dist.isend) for op in ops])
     return _issue(axis, "send/recv", [op.tensor for op in ops], None, post,
-                  sum(_nbytes(op.tensor) for op in ops), async_op, peers=peers, calls=len(ops))
+                  sum(op.tensor.nbytes for op in ops), async_op, peers=peers, calls=len(ops))
 
 
 class _AllOf:

@@ -192,27 +192,31 @@ class Reducer:
                 b.work = None
         self._sync = False
 
-    @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero the flat buffers (grads stay bound to them; never None)."""
+        """Zero the flat buffers (grads stay bound to them; never None). No autograd: the buffers are plain."""
         for b in self.buckets:
             b.flat.zero_()
         self._bind_views()
 
-    @torch.no_grad()
     def _bind_views(self) -> None:
         """Re-point any .grad that was replaced (e.g. optimizer.zero_grad(set_to_none=True)) at its view,
         keeping its value (None = zero). A bound .grad is accumulated in place by autograd; an unbound
-        one would be replaced by a fresh tensor and escape the bucket."""
+        one would be replaced by a fresh tensor and escape the bucket. Bound is the common case, checked by
+        identity (p.grad hands back the Python object it was set to): no call per parameter."""
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
-                g = p.grad
-                if g is None:
-                    view.zero_()
-                    p.grad = view
-                elif g.data_ptr() != view.data_ptr():
-                    view.copy_(g)
-                    p.grad = view
+                if p.grad is not view:
+                    _rebind(p, view)
+
+
+@torch.no_grad()
+def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
+    g = p.grad
+    if g is None:
+        view.zero_()
+    elif g.data_ptr() != view.data_ptr():
+        view.copy_(g)
+    p.grad = view
 
 
 class CopyBack:
