@@ -1,9 +1,10 @@
 """Tensor parallel's rank identity, its config rules, and checkpoints across TP degrees (docs/tp.md).
 
 The checkpoint test: one single-process reference (checkpoints at steps 5 and 10), one 4-rank launch of three
-runs, one single-process resume. DP2*TP2 at zero 1 writes a checkpoint at step 5 that TP4 and TP1 resume, and
-PP2*TP2 resumes the reference's TP1 checkpoint: every resumed step matches the uninterrupted reference to fp32
-relative 1e-5, and every checkpoint holds the same keys with the same whole shapes as the reference's."""
+runs, one single-process resume, two exports. DP2*TP2 at zero 1 writes a checkpoint at step 5 that TP4 and TP1
+resume, and PP2*TP2 resumes the reference's TP1 checkpoint: every resumed step matches the uninterrupted reference
+to fp32 relative 1e-5, every checkpoint holds the same keys with the same whole shapes as the reference's, and
+`export` of the TP checkpoint writes the reference's weights."""
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks
-from tests.test_equivalence import STEPS, base_args
+from nanotitan import cli
+from tests.test_equivalence import LR, STEPS, base_args
 from tests.test_equivalence_tp import tp_layout
+from tests.test_hf import _tensors
 from tests.test_resume import CKPT, _close, _run_jobs, _train
 from tests.test_zero_ckpt import _keys
 
@@ -38,7 +41,7 @@ def test_rank_identity_tp_fastest():
 
 @pytest.mark.parametrize("flags, field", [
     (["--parallel.tp", "3"], "model.n_heads"),
-    (["--parallel.tp", "4", "--model.n_kv_heads", "3", "--model.n_heads", "6", "--model.d_model", "48"],
+    (["--parallel.tp", "2", "--model.n_kv_heads", "3", "--model.n_heads", "6", "--model.d_model", "48"],
      "model.n_kv_heads"),
     (["--parallel.tp", "4", "--parallel.ep", "2"], "model.num_experts"),
     (["--parallel.tp", "2", "--model.capacity_factor", "1.5"], "model.capacity_factor"),
@@ -67,7 +70,7 @@ def test_checkpoints_across_tp_degrees(corpus_dir, tmp_path):
     ref = dict(_train(_job(corpus_dir, d / "ref", (1, 1, 1, 1))))
     jobs = [_job(corpus_dir, d / "a_dp2tp2", (2, 1, 1, 2), extra=("--parallel.zero", "1")),
             _job(corpus_dir, d / "x_tp4", (1, 1, 1, 4), resume=ck("a_dp2tp2")),
-            _job(corpus_dir, d / "x_pp2tp2", (1, 2, 1, 2), resume=ck("ref"), extra=("--parallel.zero", "2"))]
+            _job(corpus_dir, d / "x_pp2tp2", (1, 2, 1, 2), resume=ck("ref"))]
     # the TP4 run resumes a checkpoint its launch wrote: jobs run one after another on every rank
     a, x4, xpp = run_ranks(_run_jobs, 4, args=(jobs,), timeout=900, pg_timeout=120)[0]
     x1 = _train(_job(corpus_dir, d / "x_tp1", (1, 1, 1, 1), resume=ck("a_dp2tp2")))
@@ -76,7 +79,14 @@ def test_checkpoints_across_tp_degrees(corpus_dir, tmp_path):
     assert _keys(ck("a_dp2tp2")) == want  # whole shapes under the same keys, whatever the TP degree
     assert [s for s, _ in a] == list(range(1, STEPS + 1))
     assert all(_close(loss, ref[s]) for s, loss in a), "DP2*TP2 zero 1 follows the reference"
-    for name, hist in [("TP2 zero 1 -> TP4", x4), ("TP2 zero 1 -> TP1", x1), ("TP1 -> PP2*TP2 zero 2", xpp)]:
+    for name, hist in [("TP2 zero 1 -> TP4", x4), ("TP2 zero 1 -> TP1", x1), ("TP1 -> PP2*TP2", xpp)]:
         assert [s for s, _ in hist] == list(range(CKPT + 1, STEPS + 1)), name
         for step, loss in hist:
             assert _close(loss, ref[step]), f"{name}: step {step} loss {loss} vs uninterrupted {ref[step]}"
+    # `export` gathers a TP checkpoint (DP2*TP2 zero 1, step 10) into the same transformers weights as one process's
+    for run in ("a_dp2tp2", "ref"):
+        assert cli.main(["export", "--run.dir", str(d / run), "--out", str(d / f"hf_{run}")]) == 0
+    got, want = _tensors(d / "hf_a_dp2tp2"), _tensors(d / "hf_ref")
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{k}: {s}")

@@ -43,8 +43,9 @@ class MLA(nn.Module):
 
     def forward(self, x, rope):
         B, S, _ = x.shape
-        H, Dn, Dr, Dv = self.n_heads, self.nope, self.rope, self.v_dim
+        Dn, Dr, Dv = self.nope, self.rope, self.v_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
         q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, H, Dn + Dv).transpose(1, 2)

@@ -277,9 +277,8 @@ class MoE(nn.Module):
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
         counts_E = expert_counts(expert_ids_TK, E)  # bincount without its host read on CUDA
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.token_sum is not None:  # TP: the whole microbatch's counts and mean probabilities
-            counts_E, nT = self.token_sum(counts_E), T * self.token_shards
-            balance = E * (counts_E.to(probs_TE.dtype) / (nT * K) * self.token_sum(probs_TE.sum(dim=0)) / nT).sum()
+        if self.token_sum is not None:  # TP: the whole microbatch's (or sequence's) counts and mean probabilities
+            balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S)
         elif self.aux_scope == "micro":
             f_E = counts_E.to(probs_TE.dtype) / (T * K)
             balance = E * (f_E * probs_TE.mean(dim=0)).sum()
@@ -321,6 +320,20 @@ class MoE(nn.Module):
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
         keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, True)
         return per_group_TGE.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+    def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int):
+        """route's balance loss when this rank holds 1/token_shards of each sequence (tensor parallel): the same
+        sums over the TP group's tokens (`token_sum`), divided by the whole counts. Returns it and the counts."""
+        E, K, n = self.num_experts, self.top_k, self.token_shards
+        counts_E = self.token_sum(counts_E)
+        if self.aux_scope == "micro":
+            nT = B * S * n
+            p_E = self.token_sum(probs_TE.sum(dim=0)) / nT
+            return E * (counts_E.to(probs_TE.dtype) / (nT * K) * p_E).sum(), counts_E
+        hits_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), probs_TE.new_ones(B, S * K))
+        f_BE = self.token_sum(hits_BE) / (S * n * K)
+        p_BE = self.token_sum(probs_TE.view(B, S, E).sum(dim=1)) / (S * n)
+        return E * (f_BE * p_BE).sum(dim=1).mean(), counts_E
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:

@@ -111,7 +111,7 @@ def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
                    run_dir: Path, extra: dict | None = None) -> dict:
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
-    mine = {"rank": rank, "coords": dims.coords(), "peak_mem_bytes": peak_mem_bytes(device),
+    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "peak_mem_bytes": peak_mem_bytes(device),
             **{f"wait_{a}_s": round(v, 3) for a, v in wait_totals.items()}, **(extra or {})}
     rows = [mine]
     if dist.is_initialized() and dims.world_size > 1:
@@ -162,7 +162,8 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.table import Table
 
     console = Console(width=max(150, Console().width))  # 12 columns: rich's 80 off a terminal would fold them
-    t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}")
+    t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}"
+                    + (f" tp={last['tp']}" if last.get("tp", 1) > 1 else ""))
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
