@@ -99,3 +99,18 @@ def test_auto_picks_tp_when_the_dense_part_does_not_fit():
     best = best_layout(cfg, 2, small)
     assert best.tp == 2 and predict(cfg, best, small).fits
     assert best_layout(cfg, 2, H100).tp in (1, 2)  # with memory to spare it is a question of speed only
+
+
+def test_bench_tp_side_by_side_runs_at_tiny_shapes():
+    """`nanotitan bench tp --part torch sp` at tiny shapes (so it cannot rot): ours and torch's parallelize_module
+    both train a step on 2 gloo ranks, and SP keeps fewer activation bytes than no SP, as the planner says."""
+    from nanotitan.bench.tp import side_by_side
+
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.n_heads, m.ffn_dim, m.n_layers, m.max_seq_len = 32, 4, 64, 2, 16
+    cfg.data.vocab_size, cfg.train.seq_len, cfg.train.micro_batch = 300, 16, 2
+    res = side_by_side(cfg, repeats=1)
+    assert all(res["time"][k]["min_s"] > 0 for k in ("ours", "torch"))
+    saved, planned = res["saved_bytes"], res["planned_act_bytes"]
+    assert saved["sp"] < saved["no_sp"] and planned["sp"] < planned["no_sp"]

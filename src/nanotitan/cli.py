@@ -237,7 +237,7 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap} [...]`.
+    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]`.
 
         dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
         pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
@@ -246,10 +246,11 @@ def cmd_bench(argv: list[str]) -> int:
         layouts    every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
         emulate    the network emulator's measured vs modelled communication per layout and axis (bench/emulate.py)
         overlap    parallel.ep_overlap against the same EP job without it, emulated and not (bench/overlap.py)
+        tp         tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2 (bench/tp.py)
 
     `nanotitan bench NAME --help` for its options."""
     if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap} [...]")
+        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
         from .bench.layouts import main as bench_main
@@ -265,8 +266,10 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.emulate import main as bench_main
     elif what == "overlap":
         from .bench.overlap import main as bench_main
+    elif what == "tp":
+        from .bench.tp import main as bench_main
     else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate or overlap)")
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or tp)")
     return bench_main(rest)
 
 
