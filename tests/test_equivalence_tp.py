@@ -7,6 +7,7 @@ import torch
 
 from tests.mp import run_ranks
 from tests.test_equivalence import LR, STEPS, B, base_args, m, one_process
+from tests.test_equivalence_bf16 import EVAL, bf16_bound, max_rel_dev
 
 
 def tp_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
@@ -59,20 +60,63 @@ def check_tp_case(name, ranks: list[dict], ref: dict, rel: float = 1e-5):
     assert ranks[0]["losses"], f"{name}: rank 0 logged nothing"
 
 
+# A second model exercising what the plain one does not: GQA (2 KV heads: split over TP2, replicated over TP4),
+# per-head q/k norms, a gated shared expert, the router bias (buffer updated from the TP-summed counts).
+OPTIONS = ("--model.n_kv_heads", "2", "--model.qk_norm", "head", "--model.shared_experts", "1",
+           "--model.shared_ffn_dim", "16", "--model.shared_expert_gate", "true", "--model.bias_update_rate", "1e-3")
+BF16 = ("--train.dtype", "bf16", *EVAL)
+
+
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
     return one_process(corpus_dir, tmp_path_factory, "ref_tp")
 
 
-def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, reference, timeout: float) -> None:
-    """Every case of `cases` on one launch of `world` ranks, each held to the reference."""
+@pytest.fixture(scope="module")
+def bf16_reference(corpus_dir, tmp_path_factory):
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_bf16", BF16)
+
+
+@pytest.fixture(scope="module")
+def options_reference(corpus_dir, tmp_path_factory):
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_options", OPTIONS)
+
+
+def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs: dict, timeout: float) -> None:
+    """Every case of `cases` on one launch of `world` ranks, each held to its reference: refs["bf16"] (within the
+    bf16 bound) when it trains in bf16, refs["options"] with the OPTIONS model, else refs["fp32"]."""
     per_rank = run_ranks(_run_cases, world, args=(cases, str(corpus_dir), str(tmp_path)), timeout=timeout,
                          pg_timeout=120)
     for case, ranks in zip(cases, zip(*per_rank)):
-        check_tp_case(str(case), list(ranks), reference)
+        extra = case[4] if len(case) > 4 else ()
+        if "bf16" in extra:
+            for r in ranks:
+                assert not r["losses"] or max_rel_dev(r["losses"], refs["bf16"]["losses"]) <= bf16_bound(), case
+        else:
+            check_tp_case(str(case), list(ranks), refs["options" if OPTIONS[0] in extra else "fp32"])
 
 
-def test_world2_tp(corpus_dir, tmp_path, reference):
-    """TP2 with and without SP (experts folded over the two TP ranks)."""
-    cases = [(1, 1, 1, 2), (1, 1, 1, 2, ("--parallel.sp", "false"))]
-    tp_matrix(2, cases, corpus_dir, tmp_path, reference, timeout=300)
+@pytest.mark.timeout(900)
+def test_world2_tp(corpus_dir, tmp_path, reference, options_reference, bf16_reference):
+    """TP2 with and without SP (experts folded over the two TP ranks), with activation checkpointing, the OPTIONS
+    model, and bf16."""
+    cases = [(1, 1, 1, 2), (1, 1, 1, 2, ("--parallel.sp", "false")),
+             (1, 1, 1, 2, ("--train.activation_checkpointing", "true")), (1, 1, 1, 2, OPTIONS), (1, 1, 1, 2, BF16)]
+    tp_matrix(2, cases, corpus_dir, tmp_path, {"fp32": reference, "options": options_reference,
+                                               "bf16": bf16_reference}, timeout=900)
+
+
+@pytest.mark.timeout(1200)
+def test_world4_tp(corpus_dir, tmp_path, reference, options_reference):
+    """DP2*TP2 at zero 0, 1, 2 and 3; PP2*TP2 with 1F1B and zb1; EP2*TP2 (experts over 4 ranks); TP4 (OPTIONS)."""
+    cases = [(2, 1, 1, 2), (2, 1, 1, 2, ("--parallel.zero", "1")), (2, 1, 1, 2, ("--parallel.zero", "2")),
+             (2, 1, 1, 2, ("--parallel.zero", "3")),
+             (1, 2, 1, 2, ("--parallel.schedule", "1f1b")), (1, 2, 1, 2, ("--parallel.schedule", "zb1")),
+             (1, 1, 2, 2), (1, 1, 1, 4, OPTIONS)]
+    tp_matrix(4, cases, corpus_dir, tmp_path, {"fp32": reference, "options": options_reference}, timeout=1200)
+
+
+@pytest.mark.timeout(900)
+def test_world8_tp(corpus_dir, tmp_path, reference):
+    """DP2*PP2*TP2 at zero 1."""
+    tp_matrix(8, [(2, 2, 1, 2, ("--parallel.zero", "1"))], corpus_dir, tmp_path, {"fp32": reference}, timeout=900)

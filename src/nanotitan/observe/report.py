@@ -37,7 +37,7 @@ def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float,
         "step": step, "loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss,
         "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": tok_s, "step_time_s": step_time,
         "mfu": flops_per_token * tok_s / peak_flops, "peak_mem_bytes": peak_mem_bytes(device),
-        "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "microbatches": M,
+        "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "microbatches": M,
         "schedule": schedule if dims.pp > 1 else "none", "tokens": step * tokens_per_step, **comm_stats,
     }
     if dims.pp > 1:

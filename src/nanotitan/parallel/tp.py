@@ -212,10 +212,17 @@ def _swiglu(mlp: nn.Module, tp: TPGroup, dim: int, sp: bool) -> None:
 
 
 def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
-    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
-        _shard(proj.weight, 0, tp)
-        if proj.bias is not None:
-            _shard(proj.bias, 0, tp)
+    H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    split_kv = Hkv % tp.size == 0
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj) if split_kv else (attn.q_proj,):
+        for p in (proj.weight, proj.bias):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
+            if p is not None:
+                _shard(p, 0, tp)
+    if not split_kv:  # GQA with fewer KV heads than ranks: every rank's query heads read one KV head, which it
+        kv = tp.rank * (H // tp.size) // (H // Hkv)  # takes from the whole (replicated) projection; its ranks'
+        for proj in (attn.k_proj, attn.v_proj):  # gradients are partial sums over TP (zero off its rows)
+            _partial(proj.weight, proj.bias)
+            proj.register_forward_hook(lambda _m, _args, out, kv=kv: out.narrow(-1, kv * Dh, Dh))
     _shard(attn.o_proj.weight, 1, tp)
     if attn.qk_norm == "head":  # one Dh-wide weight shared by every head: each rank's heads give part of its grad
         _partial(attn.q_norm.weight, attn.k_norm.weight)
