@@ -7,7 +7,7 @@ import dataclasses
 
 from nanotitan.config.config import Config, validate
 from nanotitan.config.hardware import Link, get_hardware
-from nanotitan.plan import Layout, ModelShape, PlanOptions, plan, predict
+from nanotitan.plan import Layout, ModelShape, PlanOptions, layout_config, plan, predict
 from nanotitan.plan import tp as tp_plan
 from nanotitan.plan.search import best_layout
 
@@ -74,14 +74,17 @@ def test_memory_falls_with_tp_and_sp_shards_the_activations():
 
 
 def test_search_covers_dp_pp_ep_tp():
-    """The layout search enumerates every TP degree a node holds, and only what the runtime accepts (TP with zero 3
-    is refused by config/tp_rules.py)."""
+    """The layout search enumerates every TP degree a node holds, and only what the runtime accepts
+    (config.validate, which asks config/tp_rules.py: here 2 heads cannot split 4 ways)."""
     cfg = tiny(n_layers=2)
     preds = plan(cfg, 4, H100)
     tps = {p.layout.tp for p in preds}
     assert tps == {1, 2, 4}
-    assert all(p.layout.dp * p.layout.pp * p.layout.ep * p.layout.tp == 4 for p in preds)
-    assert not any(p.layout.tp > 1 and p.layout.zero == 3 for p in preds)
+    for p in preds:
+        validate(layout_config(cfg, p.layout), world_size=4)
+    cfg.model.n_heads = 2
+    assert {p.layout.tp for p in plan(cfg, 4, H100)} == {1, 2}
+    cfg.model.n_heads = 4
     assert any(p.layout.tp == 2 and p.layout.ep == 2 for p in preds)  # EP x TP: 4 experts folded over 4 ranks
     assert {p.layout.tp for p in plan(cfg, 4, H100, PlanOptions(tp=2))} == {2}
     assert {p.layout.tp for p in plan(cfg, 4, H100, PlanOptions(nodes=2))} == {1, 2}  # 2 ranks a node
@@ -99,3 +102,18 @@ def test_auto_picks_tp_when_the_dense_part_does_not_fit():
     best = best_layout(cfg, 2, small)
     assert best.tp == 2 and predict(cfg, best, small).fits
     assert best_layout(cfg, 2, H100).tp in (1, 2)  # with memory to spare it is a question of speed only
+
+
+def test_bench_tp_side_by_side_runs_at_tiny_shapes():
+    """`nanotitan bench tp --part torch sp` at tiny shapes (so it cannot rot): ours and torch's parallelize_module
+    both train a step on 2 gloo ranks, and SP keeps fewer activation bytes than no SP, as the planner says."""
+    from nanotitan.bench.tp import side_by_side
+
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.n_heads, m.ffn_dim, m.n_layers, m.max_seq_len = 32, 4, 64, 2, 16
+    cfg.data.vocab_size, cfg.train.seq_len, cfg.train.micro_batch = 300, 16, 2
+    res = side_by_side(cfg, repeats=1)
+    assert all(res["time"][k]["min_s"] > 0 for k in ("ours", "torch"))
+    saved, planned = res["saved_bytes"], res["planned_act_bytes"]
+    assert saved["sp"] < saved["no_sp"] and planned["sp"] < planned["no_sp"]

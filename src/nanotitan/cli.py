@@ -238,6 +238,7 @@ def cmd_export(argv: list[str]) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,gpu} [...]`.
+    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]`.
 
         dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
         pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
@@ -251,6 +252,11 @@ def cmd_bench(argv: list[str]) -> int:
     `nanotitan bench NAME --help` for its options."""
     if not argv:
         raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,gpu} [...]")
+        tp         tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2 (bench/tp.py)
+
+    `nanotitan bench NAME --help` for its options."""
+    if not argv:
+        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]")
     what, rest = argv[0], argv[1:]
     if what == "layouts":
         from .bench.layouts import main as bench_main
@@ -272,6 +278,10 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.compile import main as bench_main
     else:
         raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or gpu)")
+    elif what == "tp":
+        from .bench.tp import main as bench_main
+    else:
+        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or tp)")
     return bench_main(rest)
 
 
