@@ -433,6 +433,8 @@ def _check_model(cfg: Config) -> None:
     _check(m.rope_scaling == "none" or m.rope_factor >= 1.0,
            f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling=yarn (--model.rope_factor)")
     _check(m.mtp_coef >= 0, f"model.mtp_coef={m.mtp_coef} must be >= 0 (--model.mtp_coef)")
+    _check(m.mtp_layers < t.seq_len, f"model.mtp_layers={m.mtp_layers} must be < train.seq_len={t.seq_len}: depth k "
+           "predicts k + 1 tokens ahead (--model.mtp_layers)")
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0 or m.kv_lora_rank > 0,
            f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
     head_dim = m.head_dim or m.d_model // m.n_heads
@@ -488,6 +490,11 @@ def _check_pipeline(cfg: Config) -> None:
     _check(p.zero < 3 or p.pp == 1 or p.schedule in ("gpipe", "1f1b"),
            f"parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not {p.schedule} "
            "(--parallel.zero 2, or --parallel.schedule 1f1b)")
+    # MTP under PP: the last stage's replica of the embedding sums its gradient with stage 0's whole (parallel/tied.py);
+    # sharded DP lays the two copies' gradient shards out differently on the two stages.
+    _check(not m.mtp_layers or p.pp == 1 or p.zero == 0,
+           f"model.mtp_layers={m.mtp_layers} with parallel.pp={p.pp} ties the embedding across stages, done for "
+           f"parallel.zero 0 only (--parallel.zero 0, or --parallel.pp 1)")
 
 
 def _check_dp_ep(cfg: Config) -> None:

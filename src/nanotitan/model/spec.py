@@ -30,6 +30,13 @@ class ModelShardSpec:
     has_head: bool  # final norm + LM head + loss
     first_ffn_only: bool = False  # block layer_start runs its FFN half only (its attention is on the chunk before)
     last_attn_only: bool = False  # block layer_end-1 runs its attention half only (its FFN is on the chunk after)
+    mtp_layers: int = 0  # multi-token prediction modules (model/mtp.py): on the shard with the head, 0 elsewhere
+
+    @property
+    def embed_replica(self) -> bool:
+        """The token embedding held only for the MTP on a last stage that is not the first: a replica of stage 0's,
+        its gradient summed with stage 0's every step (parallel/tied.py), as Megatron ties embeddings under PP."""
+        return self.mtp_layers > 0 and not self.has_token_embed
 
     @property
     def layers(self) -> range:
@@ -43,7 +50,8 @@ class ModelShardSpec:
 
     @staticmethod
     def full(cfg: ModelConfig) -> "ModelShardSpec":
-        return ModelShardSpec(True, cfg.pos_emb == "learned", 0, cfg.n_layers, 0, cfg.num_experts, True)
+        return ModelShardSpec(True, cfg.pos_emb == "learned", 0, cfg.n_layers, 0, cfg.num_experts, True,
+                              mtp_layers=cfg.mtp_layers)
 
 
 def layer_bounds(n_layers: int, pp: int, pp_rank: int, pp_layers: list[float] | None = None) -> tuple[float, float]:
@@ -78,7 +86,7 @@ def chunk_layer_counts(cfg: Config) -> list[float]:
 def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[ModelShardSpec]:
     """The specs of this rank's V model chunks (Megatron's virtual pipeline stages): chunk v is global chunk
     v*PP + pp_rank, so each rank holds every PP-th slice of the layers; global chunk 0 owns the embeddings,
-    global chunk PP*V-1 the head. With V = 1 the one spec is the rank's pipeline stage."""
+    global chunk PP*V-1 the head and the MTP modules. With V = 1 the one spec is the rank's pipeline stage."""
     p, m = cfg.parallel, cfg.model
     counts = chunk_layer_counts(cfg)
     n_chunks, e_local = len(counts), m.num_experts // p.ep
@@ -96,6 +104,7 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
             has_head=c == n_chunks - 1,
             first_ffn_only=not blocks[0][1],
             last_attn_only=not blocks[-1][2],
+            mtp_layers=m.mtp_layers if c == n_chunks - 1 else 0,
         ))
     return specs
 

@@ -28,6 +28,7 @@ from ..config.config import ModelConfig
 from . import wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
+from .mtp import MTP, mtp_layer_ids
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
@@ -131,15 +132,21 @@ class Transformer(nn.Module):
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
         self.router_stats: dict[str, torch.Tensor] = {}
         self.step_load: dict[str, torch.Tensor] = {}
-        if spec.has_token_embed:
+        self.mtp_loss_sum: torch.Tensor | None = None  # MTP losses of the training forwards (mtp.take_loss_sum)
+        if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         # Keys are global layer indices, so parameter names are the same in every layout.
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec) for i in spec.layers})
+        # The MTP blocks follow, numbered after the last decoder layer as in DeepSeek's checkpoints (model/mtp.py).
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec)
+                                     for i in [*spec.layers, *mtp_layer_ids(cfg, spec.mtp_layers)]})
+        self.n_trunk = len(spec.layers)
         if spec.has_head:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if spec.mtp_layers:
+            self.mtp = MTP(cfg, spec.mtp_layers)
         self.rope = None
         if cfg.pos_emb == "rope":
             cos, sin = rope_cache(cfg, rope_dim(cfg))
@@ -173,37 +180,61 @@ class Transformer(nn.Module):
             return table(idx)
         return F.embedding(idx, wgrad.tap(table.weight, self.wgrad_store))  # nn.Embedding's defaults
 
+    def _run_block(self, key: str, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.layers[key]
+        if self.activation_checkpointing and self.training:
+            x, aux = checkpoint(block, x, rope, use_reentrant=False)
+        else:
+            x, aux = block(x, rope)
+        if block.is_moe:  # read here, not in the MoE: a checkpoint recompute must not count twice
+            load = self.expert_load.get(key)
+            counts = block.moe.last_counts_E
+            self.expert_load[key] = counts if load is None else load + counts
+            if self.training:
+                _accumulate(self.router_stats, key, block.moe.last_router_stats)
+                if block.moe.router_bias is not None:
+                    _accumulate(self.step_load, key, counts)
+        return x, aux
+
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):
         spec = self.spec
+        # MTP (training forwards with targets, model/mtp.py) also reads the embeddings of target[:, :S-1]. Each of
+        # the embedding and the head runs once per microbatch, over every position that needs it: a deferred weight
+        # gradient (zb1, the lanes' fill: model/wgrad.py) then lands one term per parameter, as the sync expects.
+        mtp = spec.mtp_layers > 0 and self.training and targets is not None
+        S = inp.shape[1]
+        future = None
         if spec.has_token_embed:
-            x = self._embed(self.tok_emb, inp)
+            x = self._embed(self.tok_emb, torch.cat([inp, targets[:, :S - 1]], 1) if mtp else inp)
+            x, future = (x[:, :S], x[:, S:]) if mtp else (x, None)
             if spec.has_pos_embed:
-                x = x + self._embed(self.pos_emb, torch.arange(inp.shape[1], device=inp.device))
+                x = x + self._embed(self.pos_emb, torch.arange(S, device=inp.device))
         else:
             x = inp
+            if mtp:  # the last stage's replica of the embedding (parallel/tied.py)
+                future = self._embed(self.tok_emb, targets[:, :S - 1])
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
-        for key, block in self.layers.items():
-            if self.activation_checkpointing and self.training:
-                x, aux = checkpoint(block, x, rope, use_reentrant=False)
-            else:
-                x, aux = block(x, rope)
+        for key in list(self.layers)[:self.n_trunk]:
+            x, aux = self._run_block(key, x, rope)
             aux_sum = aux_sum + aux
-            if block.is_moe:  # read here, not in the MoE: a checkpoint recompute must not count twice
-                load = self.expert_load.get(key)
-                counts = block.moe.last_counts_E
-                self.expert_load[key] = counts if load is None else load + counts
-                if self.training:
-                    _accumulate(self.router_stats, key, block.moe.last_router_stats)
-                    if block.moe.router_bias is not None:
-                        _accumulate(self.step_load, key, counts)
         if not spec.has_head:
             return x, aux_sum
-        logits = self.head(self.norm(x))
-        if targets is None:
-            return logits, aux_sum
-        ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-        return ce, aux_sum
+        if not mtp:
+            logits = self.head(self.norm(x))
+            if targets is None:
+                return logits, aux_sum
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
+        hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
+        logits = self.head(torch.cat([self.norm(x), *hs], 1)).float()
+        ce = F.cross_entropy(logits[:, :S].reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        mtp_loss = self.mtp.loss(logits[:, S:], targets)
+        detached = mtp_loss.detach()
+        self.mtp_loss_sum = detached if self.mtp_loss_sum is None else self.mtp_loss_sum + detached
+        # The value stays the main CE (what every schedule sums and logs as ce_loss, comparable with runs without
+        # MTP); the gradient is that of ce + mtp_coef * mtp_loss (w - w.detach() is exactly 0).
+        w = self.cfg.mtp_coef * mtp_loss
+        return ce + (w - w.detach()), aux_sum + aux
 
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.is_moe]

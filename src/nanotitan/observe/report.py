@@ -30,11 +30,13 @@ from ..parallel.pp.schedules import StepStats
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,
                 tokens_per_step: int, flops_per_token: float, peak_flops: float, device: torch.device,
                 dims: ParallelDims, M: int, schedule: str, stats: StepStats, comm_stats: dict,
-                virtual_stages: int = 1) -> dict:
-    """One line of metrics.jsonl (step is 1-based: the number of optimizer steps taken)."""
+                virtual_stages: int = 1, mtp_loss: float | None = None) -> dict:
+    """One line of metrics.jsonl (step is 1-based: the number of optimizer steps taken). `loss` is the objective,
+    ce_loss the main head's CE (comparable with runs without MTP), aux_loss and mtp_loss (with MTP) weighted."""
     tok_s = tokens_per_step / step_time
     record = {
-        "step": step, "loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss,
+        "step": step, "loss": ce_loss + aux_loss + (mtp_loss or 0.0), "ce_loss": ce_loss, "aux_loss": aux_loss,
+        **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
         "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": tok_s, "step_time_s": step_time,
         "mfu": flops_per_token * tok_s / peak_flops, "peak_mem_bytes": peak_mem_bytes(device),
         "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "microbatches": M,
@@ -56,7 +58,8 @@ def expert_load_stats(model: Transformer, world_size: int, device: torch.device)
     > 0). One SUM all-reduce over the world (each layer lives on one stage; data ranks add up), one MAX for biases."""
     cfg = model.cfg
     E = cfg.num_experts
-    rows = torch.zeros(cfg.n_layers, E + 5, device=device, dtype=torch.float64)  # load | MoE.last_router_stats
+    n = cfg.n_layers + cfg.mtp_layers  # the MTP blocks are layers n_layers.. (model/mtp.py)
+    rows = torch.zeros(n, E + 5, device=device, dtype=torch.float64)  # load | MoE.last_router_stats
     for key, counts in model.expert_load.items():
         rows[int(key), :E] = counts.double()
     for key, sums in model.router_stats.items():
@@ -65,7 +68,7 @@ def expert_load_stats(model: Transformer, world_size: int, device: torch.device)
     model.router_stats.clear()
     if dist.is_initialized() and world_size > 1:
         comm.all_reduce(rows, axis="other")
-    moe_rows = rows[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]]
+    moe_rows = rows[[i for i in range(n) if is_moe_layer(cfg, i)]]
     load, sums = moe_rows[:, :E], moe_rows[:, E:].sum(dim=0)  # sums: [balance, z, dropped, assignments, calls]
     max_mean = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
     calls = sums[4].clamp_min(1)
@@ -86,13 +89,14 @@ def router_biases(model: Transformer, world_size: int, device: torch.device) -> 
     """Every MoE layer's router bias, gathered from the stage that holds it (a MAX over the world: every replica of a
     layer holds the same bias, the other stages -inf)."""
     cfg = model.cfg
-    bias = torch.full((cfg.n_layers, cfg.num_experts), -math.inf, device=device)
+    n = cfg.n_layers + cfg.mtp_layers
+    bias = torch.full((n, cfg.num_experts), -math.inf, device=device)
     for key, block in model.layers.items():
         if block.is_moe:
             bias[int(key)] = block.moe.router_bias
     if dist.is_initialized() and world_size > 1:
         comm.all_reduce(bias, op=dist.ReduceOp.MAX, axis="other")
-    return bias[[i for i in range(cfg.n_layers) if is_moe_layer(cfg, i)]].tolist()
+    return bias[[i for i in range(n) if is_moe_layer(cfg, i)]].tolist()
 
 
 def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
@@ -218,6 +222,7 @@ class StepLogger:
         self.writer, self.shard, self.device = writer, shard, device
         self.M, self.schedule, self.virtual_stages = p.microbatches, p.schedule, p.virtual_stages
         self.aux_weight, self.peak_flops = aux_weight, peak_flops
+        self.mtp_coef = cfg.model.mtp_coef if cfg.model.mtp_layers else None  # None: no MTP, no mtp_loss field
         self.tokens_per_step, self.flops_per_token = cfg.layout_batch * t.seq_len, flops_per_token(cfg.model, t.seq_len)
         self.history: list[dict] = []
         self.wait_totals = {a: 0.0 for a in comm.AXES}
@@ -228,9 +233,10 @@ class StepLogger:
         return self.history[-1] if self.history else {}
 
     def log(self, step: int, stats: StepStats, grad_norm: float, lr: float, step_time: float, **extra) -> dict:
-        from ..parallel.step import reduce_losses
+        from ..parallel.step import reduce_losses, reduce_mtp_loss
 
         ce_loss, aux_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M)
+        mtp_loss = reduce_mtp_loss(self.shard, stats, self.mtp_coef, self.M) if self.mtp_coef is not None else None
         cstats = comm.COMM.snapshot_and_reset()
         for a in comm.AXES:
             self.wait_totals[a] += cstats[f"comm_{a}_wait_s"]
@@ -239,7 +245,7 @@ class StepLogger:
                              step_time=step_time, tokens_per_step=self.tokens_per_step,
                              flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, device=self.device,
                              dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats,
-                             virtual_stages=self.virtual_stages)
+                             virtual_stages=self.virtual_stages, mtp_loss=mtp_loss)
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)

@@ -32,6 +32,7 @@ from .fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
 from .sync import GradSync, ReplicatedSync, TorchDDPSync
+from .tied import TiedEmbedding
 from .zero import ZeroSync
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -48,6 +49,7 @@ class ModelShard:
     sync: GradSync | None = None  # the DP flavour (sync.py): prepare/finish, optimizer groups, clip, checkpoint form
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
+    tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
@@ -126,4 +128,5 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
         shard.sync = ZeroSync(*args, p.bucket_mb, scale, p.zero, reduce_dtype, accumulate)
     else:
         shard.sync = ReplicatedSync(*args, p.bucket_mb, scale, reduce_dtype)
+    shard.tied = TiedEmbedding.build(model, dims, cfg.model.mtp_layers, p.timeout_s)
     return shard

@@ -8,6 +8,7 @@
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
     reduce_losses     the step's CE and balance loss, averaged over all DP*EP*M microbatches
+    reduce_mtp_loss   the step's weighted multi-token-prediction loss, likewise (model/mtp.py)
     update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from ..model.mtp import take_loss_sum
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
@@ -71,10 +73,12 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
     if isinstance(shard.sync, TorchDDPSync):  # DDP decides in each forward whether its backward syncs
         return _ddp_forward_backward(shard.sync.ddp, xs, ys, aux_weight, forward_ctx)
-    return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
-                                     schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
-                                     before_backward=shard.sync.prepare, autocast=forward_ctx,
-                                     ep_lanes=shard.ep_lanes)
+    stats = pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
+                                      schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
+                                      before_backward=shard.sync.prepare, autocast=forward_ctx,
+                                      ep_lanes=shard.ep_lanes)
+    stats.mtp_sum = take_loss_sum(shard.model)
+    return stats
 
 
 def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
@@ -89,17 +93,25 @@ def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepSt
         ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
         aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
     wall = time.perf_counter() - t0
-    return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall, max_in_flight=1)
+    return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall, max_in_flight=1,
+                     mtp_sum=take_loss_sum(ddp.module))
 
 
 def finish_grads(shard: ModelShard) -> None:
-    """Wait for the gradient sync (DDP finished inside its last backward)."""
+    """Wait for the gradient sync (DDP finished inside its last backward); then MTP's embedding replica and stage 0's
+    copy sum their gradients (tied.py)."""
     shard.sync.finish()
+    if shard.tied is not None:
+        shard.tied.sum_grads()
 
 
 def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
-    """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank."""
-    return shard.sync.clip(max_norm)
+    """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank. MTP's
+    embedding replica then takes stage 0's clipped gradient (tied.py)."""
+    norm = shard.sync.clip(max_norm)
+    if shard.tied is not None:
+        shard.tied.share_clipped()
+    return norm
 
 
 def after_update(shard: ModelShard) -> None:
@@ -158,6 +170,16 @@ def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int
     ce, aux = vals.tolist()
     n_mb = M * shard.dims.data_world
     return ce / n_mb, aux_weight * aux / n_mb
+
+
+def reduce_mtp_loss(shard: ModelShard, stats: StepStats, mtp_coef: float, M: int) -> float:
+    """The step's weighted MTP loss, mtp_coef * the mean over all DP*EP*M microbatches of their MTP losses (each the
+    mean over depths): the last stage holds them; one all-reduce over the world. Costs a host sync."""
+    val = stats.mtp_sum if stats.mtp_sum is not None else torch.zeros_like(stats.aux_sum)
+    val = val.reshape(1).clone()
+    if dist.is_initialized() and shard.dims.world_size > 1:
+        comm.all_reduce(val, axis="other")
+    return mtp_coef * val.item() / (M * shard.dims.data_world)
 
 
 @torch.no_grad()

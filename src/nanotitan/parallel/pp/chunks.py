@@ -27,11 +27,12 @@ class StageChunks(nn.Module):
         super().__init__()
         first, last = chunks[0], chunks[-1]
         self.cfg, self.spec = first.cfg, first.spec  # spec: the experts this rank owns (the same in every chunk)
-        for name in ("tok_emb", "pos_emb"):
-            if hasattr(first, name):
-                setattr(self, name, getattr(first, name))
+        for name in ("tok_emb", "pos_emb"):  # tok_emb: stage 0's, or the MTP's replica on the last (model/mtp.py)
+            owner = next((c for c in chunks if hasattr(c, name)), None)
+            if owner is not None:
+                setattr(self, name, getattr(owner, name))
         self.layers = nn.ModuleDict({key: block for c in chunks for key, block in c.layers.items()})
-        for name in ("norm", "head"):
+        for name in ("norm", "head", "mtp"):
             if hasattr(last, name):
                 setattr(self, name, getattr(last, name))
         for name, value in vars(first).items():  # the forward-time records: one dict for all chunks

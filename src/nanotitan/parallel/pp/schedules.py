@@ -89,6 +89,7 @@ class StepStats:
     ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`lanes.exposed_ep_wait`)
     lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (`lanes.lanes_overlap`)
     ep_waits: list | None = None  # the lanes' raw EP records (lanes.EPLanes.waits: lane, start, end, kind, posted)
+    mtp_sum: torch.Tensor | None = None  # sum over microbatches of the MTP loss (model/mtp.py); last stage only
 
     @property
     def bubble(self) -> float:

@@ -1,0 +1,68 @@
+"""The token embedding shared by the first and the last pipeline stage (multi-token prediction, model/mtp.py).
+
+The MTP modules sit on the last stage, with the head, and read the token embedding there. Under PP the last stage
+holds a replica of stage 0's table, as Megatron ties its input and output embeddings across stages: the same global
+name (`tok_emb.weight`), hence the same initial values (init by global identity, DESIGN §4); every step each copy's
+gradient is first averaged over its own stage's data ranks by the usual gradient sync, then the two are summed over
+the pair (stage 0, last stage) of the same (dp, ep) coordinates. After clipping both copies hold the single process's
+gradient, bitwise the same, and the same optimizer steps keep the weights and AdamW states bitwise identical, so a
+checkpoint writes one of them (DCP dedups identical pieces) and any layout reads it back into both.
+
+The table is counted once in the global norm: the replica's gradient is zero while the norm is taken and clipped,
+then it receives stage 0's clipped gradient (`share_clipped`). Sharded DP
+(parallel.zero >= 1) holds each copy's gradient as shards laid out differently on the two stages; that combination
+is refused by config validation (config.py), so here the gradients are whole.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+from .dims import ParallelDims
+
+NAME = "tok_emb.weight"
+
+
+class TiedEmbedding:
+    """This rank's side of the (stage 0, last stage) embedding pairs: `sum_grads` after the gradient sync,
+    `share_clipped` after clipping."""
+
+    def __init__(self, param: nn.Parameter | None, group, src: int, replica: bool):
+        self.param, self.group, self.src, self.replica = param, group, src, replica
+
+    @classmethod
+    def build(cls, model: nn.Module, dims: ParallelDims, mtp_layers: int, timeout_s: float) -> "TiedEmbedding | None":
+        """None without MTP or without PP (one stage holds both uses). Collective over the world when pp > 2
+        (new_group on every rank, in the same order); with pp == 2 the pair is the PP group."""
+        if not mtp_layers or dims.pp == 1:
+            return None
+        param = dict(model.named_parameters()).get(NAME)
+        pairs = [[ranks[0], ranks[-1]] for ranks in dims.all_group_ranks("pp")]
+        group = dims.group("pp") if dims.pp == 2 else None
+        if dims.pp > 2 and dist.is_initialized():
+            for ranks in pairs:
+                pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+                if dims.rank in ranks:
+                    group = pg
+        src = dims.group_ranks("pp")[0] if dims.world_size > 1 else 0  # this rank's stage 0 (global rank)
+        return cls(param, group, src, replica=dims.is_pp_last_stage)
+
+    def sum_grads(self) -> None:
+        """Stage 0's copy takes the sum of the two averaged gradients; the replica's is zeroed until `share_clipped`,
+        so the global norm counts the table once (on stage 0) and scales nothing on the last stage twice."""
+        if self.param is None or self.group is None:
+            return  # a middle stage
+        if self.param.grad is None:  # a copy with no gradient this step (never with MTP on)
+            self.param.grad = self.param.detach().new_zeros(self.param.shape)
+        comm.all_reduce(self.param.grad, group=self.group, axis="pp")
+        if self.replica:
+            self.param.grad.zero_()
+
+    def share_clipped(self) -> None:
+        """After clipping: the replica's gradient becomes stage 0's, bitwise, so the two copies step alike."""
+        if self.param is not None and self.group is not None:
+            comm.broadcast(self.param.grad, self.src, group=self.group, axis="pp")
