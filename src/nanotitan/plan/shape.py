@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..config import counts
+from ..config.counts import attention_matmuls, attention_params, ffn_params, mtp_params
 from ..config.config import Config
 from ..model.spec import block_halves, even_counts, layer_bounds
 from ..parallel.pp import facts as pp_facts
@@ -73,8 +73,8 @@ class ModelShape:
 
     def layer_params(self, i: int) -> tuple[int, int]:
         """(non-expert params, params of ONE routed expert) of layer i."""
-        ffn, expert = counts.ffn_params(self, self.is_moe(i), self.n_shared_experts * self.ffn_dim)
-        return counts.attention_params(self) + ffn, expert
+        ffn, expert = ffn_params(self, self.is_moe(i), self.n_shared_experts * self.ffn_dim)
+        return attention_params(self) + ffn, expert
 
     def layer_fwd_flops(self, i: int) -> tuple[float, float]:
         """Forward FLOPs per token of layer i: (dense part, routed-expert part).
@@ -89,8 +89,8 @@ class ModelShape:
         """Layer i's attention half (a pipeline cut may fall after it, model/spec.py): non-expert params, dense
         forward FLOPs per token, activation and backward elements per token; the FFN half is the rest."""
         D, H = self.d_model, self.n_heads
-        matmuls, width = counts.attention_matmuls(self)
-        return dict(params=counts.attention_params(self), f_dense=2 * matmuls + 2 * self.seq_len * H * width,
+        matmuls, width = attention_matmuls(self)
+        return dict(params=attention_params(self), f_dense=2 * matmuls + 2 * self.seq_len * H * width,
                     act=3 * D + 1 + self._attn_saved(), bwd=2 * D)
 
     def _attn_saved(self) -> float:
@@ -143,7 +143,7 @@ class ModelShape:
             return (self.layer_act_elems(i) - attn["act"]) * prec.act, self.layer_bwd_elems(i) * prec.act, 0.0, 0.0
         half = prec.act
         if part == "attn":
-            copies = half * counts.attention_matmuls(self)[0]
+            copies = half * attention_matmuls(self)[0]
             if self.kv_lora_rank:
                 return self._mla_autocast_bytes(), 4 * 2 * D, copies, copies
             # norm input + 1/rms (fp32), the logsumexp (fp32); bf16: 3 input casts, SDPA's q, k, v and its output
@@ -219,7 +219,7 @@ class ModelShape:
         for i in range(self.n_layers + self.mtp_layers):  # MTP depth k's block is layer n_layers + k - 1
             ne, ex = self.layer_params(i)
             n += ne + ex * self.num_experts
-        return n + self.mtp_layers * counts.mtp_params(self)
+        return n + self.mtp_layers * mtp_params(self)
 
     def mtp_act(self, prec: "Precision") -> tuple[float, float]:
         """One MTP depth's own parts (its block apart), per token: (elements, bytes at `prec`) kept for backward.
@@ -228,6 +228,14 @@ class ModelShape:
         D = self.d_model
         elems = 2 * (2 * D + 1) + 2 * D
         return elems, (4 * 2 * (2 * D + 1) + prec.act * 2 * D) if prec.autocast else elems * prec.act
+
+
+def mtp_seconds(shape: ModelShape, seconds) -> float:
+    """What the MTP depths add to the last pipeline chunk, by `seconds(f_dense, f_expert)` of one half-block: each
+    depth's block, its eh_proj and one more pass of the head (steptime.balanced_layer_counts)."""
+    D, V = shape.d_model, shape.vocab
+    return sum(seconds(*shape.layer_fwd_flops(shape.n_layers + k)) + seconds(4 * D * D + 2 * D * V, 0.0)
+               for k in range(shape.mtp_layers))
 
 
 @dataclass(frozen=True)
@@ -346,7 +354,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         mtp = shape.mtp_layers if last else 0
         if mtp:  # the MTP depths on the last stage: their blocks, their own parts, a replica of the embedding
             blocks += [(shape.n_layers + k, True, True) for k in range(mtp)]
-            n_ne += mtp * counts.mtp_params(shape) + (0 if first else V * D)
+            n_ne += mtp * mtp_params(shape) + (0 if first else V * D)
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
         act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
         recv_b, recv_block_b = 0.0, 0.0

@@ -11,7 +11,7 @@ from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
 from . import tp as tp_plan
 from .context import Context
-from .shape import ModelShape, StageSummary
+from .shape import ModelShape, StageSummary, mtp_seconds
 
 # zb1's split backward (B with the weight GEMMs deferred into a WeightGradStore, then W running them: the same
 # kernels as one backward, model/wgrad.py) costs this much more than one backward: measured -2..+1% of the MID
@@ -60,6 +60,7 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
         halves += [seconds(f_attn, 0.0), seconds(f_dense - f_attn, f_expert)]
     embed = hw.layer_overhead_s
     head = seconds(2 * shape.d_model * shape.vocab, 0.0) + hw.layer_overhead_s / 2
+    head += mtp_seconds(shape, seconds)  # the MTP depths run on the last chunk
     n, K = len(halves), n_chunks
     prefix = [0.0]
     for t in halves:
