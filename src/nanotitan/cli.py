@@ -4,7 +4,7 @@
     nanotitan data prepare [--config FILE] [--data.source ...]
     nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--tokens N]
     nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16]
-    nanotitan bench {dp,pp,ep,layouts} [...]
+    nanotitan bench NAME [...]
     nanotitan plan --config FILE --ranks N [...]
     nanotitan plot RUN_DIR [RUN_DIR ...] [--out DIR]
 """
@@ -236,53 +236,33 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+# `nanotitan bench NAME`: the module under nanotitan/bench/ and what it measures (one home for benchmarks).
+BENCHES = {
+    "dp": "our bucketed Reducer / ZeRO levels vs torch DDP vs one process",
+    "pp": "pipeline step time, bubble and activation memory per schedule",
+    "ep": "one MoE layer under EP against its controls",
+    "precision": "bf16 vs fp32: bytes on the wire per axis, step time and where it goes",
+    "layouts": "every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)",
+    "emulate": "the network emulator's measured vs modelled communication per layout and axis",
+    "overlap": "parallel.ep_overlap against the same EP job without it, emulated and not",
+    "gpu": "the MoE step at Mixtral shapes on one GPU: loop / grouped / compiled / nn.Linear",
+    "compile": "train.compile: eager vs compiled blocks, side by side",
+    "tp": "tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2",
+}
+
+
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,gpu} [...]`.
-    """Benchmarks: `nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]`.
-
-        dp         our bucketed Reducer / ZeRO levels vs torch DDP vs one process (nanotitan/bench/dp.py)
-        pp         pipeline step time, bubble and activation memory per schedule (nanotitan/bench/pp.py)
-        ep         one MoE layer under EP against its controls (nanotitan/bench/ep.py)
-        precision  bf16 vs fp32: bytes on the wire per axis, step time and where it goes (bench/precision.py)
-        layouts    every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)
-        emulate    the network emulator's measured vs modelled communication per layout and axis (bench/emulate.py)
-        overlap    parallel.ep_overlap against the same EP job without it, emulated and not (bench/overlap.py)
-        gpu        the MoE step at Mixtral shapes on one GPU: loop / grouped / compiled / nn.Linear (bench/gpu.py)
-
+    """Benchmarks: `nanotitan bench NAME [...]`, NAME one of BENCHES (nanotitan/bench/NAME.py);
     `nanotitan bench NAME --help` for its options."""
+    names = ",".join(BENCHES)
     if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,gpu} [...]")
-        tp         tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2 (bench/tp.py)
-
-    `nanotitan bench NAME --help` for its options."""
-    if not argv:
-        raise ConfigError("usage: nanotitan bench {dp,pp,ep,precision,layouts,emulate,overlap,tp} [...]")
+        raise ConfigError(f"usage: nanotitan bench {{{names}}} [...]")
     what, rest = argv[0], argv[1:]
-    if what == "layouts":
-        from .bench.layouts import main as bench_main
-    elif what == "dp":
-        from .bench.dp import main as bench_main
-    elif what == "pp":
-        from .bench.pp import main as bench_main
-    elif what == "ep":
-        from .bench.ep import main as bench_main
-    elif what == "precision":
-        from .bench.precision import main as bench_main
-    elif what == "emulate":
-        from .bench.emulate import main as bench_main
-    elif what == "overlap":
-        from .bench.overlap import main as bench_main
-    elif what == "gpu":
-        from .bench.gpu import main as bench_main
-    elif what == "compile":  # train.compile eager vs compiled, side by side (bench/compile.py)
-        from .bench.compile import main as bench_main
-    else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or gpu)")
-    elif what == "tp":
-        from .bench.tp import main as bench_main
-    else:
-        raise ConfigError(f"no benchmark {what!r} (choose dp, pp, ep, precision, layouts, emulate, overlap or tp)")
-    return bench_main(rest)
+    if what not in BENCHES:
+        raise ConfigError(f"no benchmark {what!r} (choose one of {names})")
+    import importlib
+
+    return importlib.import_module(f".bench.{what}", __package__).main(rest)
 
 
 def cmd_plan(argv: list[str]) -> int:
