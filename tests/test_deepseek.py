@@ -102,7 +102,7 @@ def test_import_export_round_trip_and_fresh_export(ds_dirs, tmp_path):
         if shape == "v2_lite":
             with torch.no_grad():
                 _assert_logits_close(model(X)[0], _hf(out)(X).logits)
-    # one of ours, trained from scratch (no router bias: written as transformers' zeros), loads with our logits
+    # one of ours (no router bias: written as transformers' zeros; biased projections) loads with our logits
     cfg = load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
                              "--model.num_experts", "8", "--model.ffn_dim", "16", "--model.vocab_size", str(V),
                              "--model.max_seq_len", "64", "--data.vocab_size", str(V), "--train.seq_len", "16",
@@ -111,10 +111,12 @@ def test_import_export_round_trip_and_fresh_export(ds_dirs, tmp_path):
                              "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.first_k_dense",
                              "1", "--model.shared_experts", "1", "--model.dense_ffn_dim", "40",
                              "--model.rope_scaling", "yarn", "--model.rope_factor", "2",
-                             "--model.rope_original_max_len", "32", "--model.rope_mscale_all_dim", "1"])
+                             "--model.rope_original_max_len", "32", "--model.rope_mscale_all_dim", "1",
+                             "--model.attn_bias", "true"])  # attention_bias: q_a, kv_a and o biased
     model = Transformer(cfg.model, seed=3)
     _randomise(model.parameters(), seed=11)
     out = hf.save_pretrained(model, cfg, tmp_path / "fresh")
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.bias" in _tensors(out)
     with torch.no_grad():
         got, _ = model.eval()(X)
         _assert_logits_close(got, _hf(out)(X).logits)
