@@ -76,6 +76,13 @@ def test_names_follow_deepseek_and_stages():
     assert "tok_emb.weight" in stage and "mtp.4.eh_proj.weight" in stage and "layers.4.attn.q_proj.weight" in stage
     # the replica starts as stage 0's table (init by global identity)
     assert torch.equal(Transformer(cfg, first).tok_emb.weight, Transformer(cfg, last).tok_emb.weight)
+    # interleaved: the last rank's chunks joined under global names hold the replica and the MTP modules
+    from nanotitan.parallel.pp.chunks import StageChunks
+
+    cfg4 = _cfg(n_layers=4)
+    inter = Config(model=cfg4, parallel=ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2))
+    joined = {n for n, _ in StageChunks([Transformer(cfg4, s) for s in build_chunk_specs(inter, 1)]).named_parameters()}
+    assert {"tok_emb.weight", "mtp.4.eh_proj.weight", "layers.5.attn.q_proj.weight", "head.weight"} <= joined
 
 
 @pytest.mark.parametrize("args,msg", [

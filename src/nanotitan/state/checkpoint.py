@@ -367,8 +367,9 @@ def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     experts = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.\d+\.moe\.experts\.W_gate\.(\d+)$", k))}
     cfg = model.cfg
     if layers and max(layers) + 1 != cfg.n_layers + cfg.mtp_layers:  # the MTP blocks follow the decoder's
-        return (f"checkpoint {path} has {max(layers) + 1} layers (MTP blocks included) but model.n_layers="
-                f"{cfg.n_layers} + model.mtp_layers={cfg.mtp_layers} (--model.n_layers, --model.mtp_layers)")
+        mtp = f" + model.mtp_layers={cfg.mtp_layers}" if cfg.mtp_layers else ""
+        return (f"checkpoint {path} has {max(layers) + 1} layers but model.n_layers={cfg.n_layers}{mtp} "
+                f"(--model.n_layers {max(layers) + 1 - cfg.mtp_layers}, MTP blocks counted in)")
     if experts and max(experts) + 1 != cfg.num_experts:
         return (f"checkpoint {path} has {max(experts) + 1} experts but model.num_experts={cfg.num_experts} "
                 f"(--model.num_experts {max(experts) + 1})")
