@@ -343,35 +343,54 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_
 
 
 def send(t: torch.Tensor, dst: int, group=None, axis: str = "pp"):
-    check_device(t, group)
+    pg = _checked_pg(t, group)
     t0 = time.perf_counter()
     with _label(axis, "send"), RECORD.call(axis, "send", (t,), peers=f"to {dst}"):
-        dist.send(t.contiguous(), dst=dst, group=group)
+        pg.send([t.contiguous()], _group_peer(group, dst), 0).wait()  # dist.send's op, without its wrapper
         if emulate.ACTIVE is not None:
             emulate.hold(emulate.p2p(t0, axis, [(dst, t.nbytes, True)]))
     COMM.record(axis, t.nbytes, time.perf_counter() - t0)
 
 
 def recv(t: torch.Tensor, src: int, group=None, axis: str = "pp"):
-    check_device(t, group)
+    pg = _checked_pg(t, group)
     t0 = time.perf_counter()
     with _label(axis, "recv"), RECORD.call(axis, "recv", (t,), peers=f"from {src}"):
-        dist.recv(t, src=src, group=group)
+        pg.recv([t], _group_peer(group, src), 0).wait()  # dist.recv's op, without its wrapper
         if emulate.ACTIVE is not None:
             emulate.hold(emulate.p2p(t0, axis, [(src, t.nbytes, False)]))
     COMM.record(axis, t.nbytes, time.perf_counter() - t0)
 
 
+_PEERS: dict[tuple, tuple] = {}  # (id(group), global rank) -> (a weak reference to the group, the rank in it)
+
+
+def _group_peer(group, rank: int) -> int:
+    """`rank` (global) as a rank of `group` (None: the world), cached per group as `_group_entry` caches."""
+    if group is None:
+        return rank
+    hit = _PEERS.get((id(group), rank))
+    if hit is None or hit[0]() is not group:
+        hit = _PEERS[(id(group), rank)] = (weakref.ref(group), dist.get_group_rank(group, rank))
+    return hit[1]
+
+
 def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
     """Issue paired P2P ops together and wait for all of them (no blocking pair can deadlock). async_op: post
     them and return a TimedWork whose wait() completes them all (the caller computes meanwhile); the caller
-    keeps the tensors alive until then."""
+    keeps the tensors alive until then. CPU tensors (gloo, which does not coalesce) are posted op by op on their
+    group as dist.batch_isend_irecv posts them (its isend/irecv, without their wrappers); device tensors go through
+    dist.batch_isend_irecv, which coalesces them on NCCL."""
     for op in ops:
-        check_device(op.tensor, op.group)
+        _checked_pg(op.tensor, op.group)
     peers = ", ".join(f"{'to' if op.op is dist.isend else 'from'} {op.peer}" for op in ops)
 
     def post(t0):
-        works = dist.batch_isend_irecv(ops)
+        if not ops[0].tensor.is_cpu:  # a device backend (NCCL): torch coalesces the batch
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [_p2p_pg(op).send([op.tensor], op.group_peer, op.tag) if op.op is dist.isend else
+                     _p2p_pg(op).recv([op.tensor], op.group_peer, op.tag) for op in ops]
         if not async_op:
             for w in works:
                 w.wait()
@@ -379,6 +398,10 @@ def batch_isend_irecv(ops: list, axis: str = "pp", async_op: bool = False):
             emulate.p2p(t0, axis, [(op.peer, op.tensor.nbytes, op.op is dist.isend) for op in ops])
     return _issue(axis, "send/recv", [op.tensor for op in ops], None, post,
                   sum(op.tensor.nbytes for op in ops), async_op, peers=peers, calls=len(ops))
+
+
+def _p2p_pg(op):
+    return op.group if op.group is not None else dist.group.WORLD
 
 
 class _AllOf:
