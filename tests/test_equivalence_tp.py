@@ -34,7 +34,8 @@ def train_tp(args: list[str]) -> dict:
     finally:
         trainer.shard.close()
     d = trainer.dims
-    return {"losses": [r["loss"] for r in records], "params": params, "tp": (d.tp_rank, d.tp)}
+    val = next((r["val_loss"] for r in records if "val_loss" in r), None)  # rank 0's final eval, if any
+    return {"losses": [r["loss"] for r in records], "val": val, "params": params, "tp": (d.tp_rank, d.tp)}
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):
@@ -107,6 +108,9 @@ def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs: dict, timeout
         if "bf16" in extra:
             for r in ranks:
                 assert not r["losses"] or max_rel_dev(r["losses"], ref["losses"]) <= bf16_bound(), case
+            # the eval through the TP model: each TP rank of the last stage holds the same sum, counted once
+            want = next(r["val_loss"] for r in ref["records"] if "val_loss" in r)
+            assert abs(ranks[0]["val"] - want) <= bf16_bound() * abs(want), (case, ranks[0]["val"], want)
         else:
             check_tp_case(str(case), list(ranks), ref)
 
