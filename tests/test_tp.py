@@ -39,6 +39,27 @@ def test_rank_identity_tp_fastest():
     assert ParallelDims(2, 2, 2, rank=5).rank_of(1, 0, 1) == 5  # tp = 1: DESIGN §3's identity
 
 
+def test_bytes_per_rank_fall_with_tp():
+    """A rank's params at TP 1/2/4, built as parallelize builds them (no groups needed to slice): the experts (folded
+    over TP) and every split weight fall by N; only the norms and the router (replicated, under 1%) do not."""
+    from nanotitan.model.spec import build_chunk_specs
+    from nanotitan.model.transformer import Transformer
+    from nanotitan.parallel.tp import apply_tp
+
+    sizes = {}
+    for tp in (1, 2, 4):
+        cfg = load_config(None, ["--model.d_model", "64", "--model.n_heads", "4", "--model.num_experts", "4",
+                                 "--model.vocab_size", "512", "--data.vocab_size", "512", "--parallel.tp", str(tp)])
+        for rank in range(tp):
+            dims = ParallelDims(1, 1, 1, rank=rank, tp=tp)
+            model = Transformer(cfg.model, build_chunk_specs(cfg, 0, dims.moe_ep_rank)[0], seed=0)
+            apply_tp(model, dims, sp=True)
+            sizes[tp, rank] = sum(p.numel() for p in model.parameters())
+    assert all(sizes[tp, r] == sizes[tp, 0] for tp in (2, 4) for r in range(tp))
+    for tp in (2, 4):
+        assert sizes[1, 0] / tp <= sizes[tp, 0] <= 1.01 * sizes[1, 0] / tp
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--parallel.tp", "3"], "model.n_heads"),
     (["--parallel.tp", "2", "--model.n_kv_heads", "3", "--model.n_heads", "6", "--model.d_model", "48"],

@@ -171,15 +171,17 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     console.print(t)
     r = Table(title="per rank: live tensors between steps, peak saved activations, peak of all live tensors during a "
                     "step, peak memory (RSS on CPU), and seconds blocked in communication over the run")
-    for col in ("rank", "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak", "peak mem", "DP wait",
-                "EP wait", "PP wait", "other"):
+    tp = last.get("tp", 1) > 1  # tensor parallel: a fourth coordinate and its waits
+    for col in ("rank", "(dp,pp,ep,tp)" if tp else "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak",
+                "peak mem", "DP wait", "EP wait", "PP wait", *(("TP wait",) if tp else ()), "other"):
         r.add_column(col)
     for row in rows:
         tensors = [fmt_bytes(row[k]) if k in row else "-"
                    for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes", "peak_tensor_bytes")]
-        r.add_row(str(row["rank"]), str(tuple(row["coords"])), *tensors, fmt_bytes(row["peak_mem_bytes"]),
-                  f"{row['wait_dp_s']:.2f} s", f"{row['wait_ep_s']:.2f} s", f"{row['wait_pp_s']:.2f} s",
-                  f"{row['wait_other_s']:.2f} s")
+        coords = (*row["coords"], row.get("tp_rank", 0)) if tp else tuple(row["coords"])
+        waits = ("dp", "ep", "pp", "tp", "other") if tp else ("dp", "ep", "pp", "other")
+        r.add_row(str(row["rank"]), str(coords), *tensors, fmt_bytes(row["peak_mem_bytes"]),
+                  *(f"{row.get(f'wait_{a}_s', 0.0):.2f} s" for a in waits))
     console.print(r)
 
 
