@@ -34,7 +34,8 @@ def train_tp(args: list[str]) -> dict:
     finally:
         trainer.shard.close()
     d = trainer.dims
-    return {"losses": [r["loss"] for r in records], "params": params, "tp": (d.tp_rank, d.tp)}
+    val = next((r["val_loss"] for r in records if "val_loss" in r), None)  # rank 0's final eval, if any
+    return {"losses": [r["loss"] for r in records], "val": val, "params": params, "tp": (d.tp_rank, d.tp)}
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):
@@ -64,6 +65,12 @@ def check_tp_case(name, ranks: list[dict], ref: dict, rel: float = 1e-5):
 # per-head q/k norms, a gated shared expert, the router bias (buffer updated from the TP-summed counts).
 OPTIONS = ("--model.n_kv_heads", "2", "--model.qk_norm", "head", "--model.shared_experts", "1",
            "--model.shared_ffn_dim", "16", "--model.shared_expert_gate", "true", "--model.bias_update_rate", "1e-3")
+# DeepSeek-V3's shapes in small: MLA with a q latent, sigmoid group-limited routing with the sequence-wise balance
+# loss, a dense first layer, a shared expert.
+DEEPSEEK = ("--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
+            "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.router_score", "sigmoid",
+            "--model.n_group", "2", "--model.topk_group", "1", "--model.aux_scope", "sequence",
+            "--model.first_k_dense", "1", "--model.shared_experts", "1")
 BF16 = ("--train.dtype", "bf16", *EVAL)
 
 
@@ -78,42 +85,56 @@ def bf16_reference(corpus_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deepseek_reference(corpus_dir, tmp_path_factory):
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_deepseek", DEEPSEEK)
+
+
+@pytest.fixture(scope="module")
 def options_reference(corpus_dir, tmp_path_factory):
     return one_process(corpus_dir, tmp_path_factory, "ref_tp_options", OPTIONS)
 
 
 def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs: dict, timeout: float) -> None:
     """Every case of `cases` on one launch of `world` ranks, each held to its reference: refs["bf16"] (within the
-    bf16 bound) when it trains in bf16, refs["options"] with the OPTIONS model, else refs["fp32"]."""
+    bf16 bound) when it trains in bf16, refs["options"] / refs["deepseek"] with those models, else refs["fp32"]."""
     per_rank = run_ranks(_run_cases, world, args=(cases, str(corpus_dir), str(tmp_path)), timeout=timeout,
                          pg_timeout=120)
     for case, ranks in zip(cases, zip(*per_rank)):
         extra = case[4] if len(case) > 4 else ()
+        ref = refs["bf16" if "bf16" in extra else "options" if OPTIONS[0] in extra
+                   else "deepseek" if DEEPSEEK[0] in extra else "fp32"]
+        print(f"TP row {case[:4]} {' '.join(extra)}: worst loss error "  # the closing note's figures (pytest -s)
+              f"{max_rel_dev(ranks[0]['losses'], ref['losses']):.1e}")
         if "bf16" in extra:
             for r in ranks:
-                assert not r["losses"] or max_rel_dev(r["losses"], refs["bf16"]["losses"]) <= bf16_bound(), case
+                assert not r["losses"] or max_rel_dev(r["losses"], ref["losses"]) <= bf16_bound(), case
+            # the eval through the TP model: each TP rank of the last stage holds the same sum, counted once
+            want = next(r["val_loss"] for r in ref["records"] if "val_loss" in r)
+            assert abs(ranks[0]["val"] - want) <= bf16_bound() * abs(want), (case, ranks[0]["val"], want)
         else:
-            check_tp_case(str(case), list(ranks), refs["options" if OPTIONS[0] in extra else "fp32"])
+            check_tp_case(str(case), list(ranks), ref)
 
 
 @pytest.mark.timeout(900)
-def test_world2_tp(corpus_dir, tmp_path, reference, options_reference, bf16_reference):
+def test_world2_tp(corpus_dir, tmp_path, reference, options_reference, deepseek_reference, bf16_reference):
     """TP2 with and without SP (experts folded over the two TP ranks), with activation checkpointing, the OPTIONS
-    model, and bf16."""
+    and DEEPSEEK models, and bf16."""
     cases = [(1, 1, 1, 2), (1, 1, 1, 2, ("--parallel.sp", "false")),
-             (1, 1, 1, 2, ("--train.activation_checkpointing", "true")), (1, 1, 1, 2, OPTIONS), (1, 1, 1, 2, BF16)]
+             (1, 1, 1, 2, ("--train.activation_checkpointing", "true")), (1, 1, 1, 2, OPTIONS),
+             (1, 1, 1, 2, DEEPSEEK), (1, 1, 1, 2, BF16)]
     tp_matrix(2, cases, corpus_dir, tmp_path, {"fp32": reference, "options": options_reference,
-                                               "bf16": bf16_reference}, timeout=900)
+                                               "deepseek": deepseek_reference, "bf16": bf16_reference}, timeout=900)
 
 
 @pytest.mark.timeout(1200)
-def test_world4_tp(corpus_dir, tmp_path, reference, options_reference):
-    """DP2*TP2 at zero 0, 1, 2 and 3; PP2*TP2 with 1F1B and zb1; EP2*TP2 (experts over 4 ranks); TP4 (OPTIONS)."""
-    cases = [(2, 1, 1, 2), (2, 1, 1, 2, ("--parallel.zero", "1")), (2, 1, 1, 2, ("--parallel.zero", "2")),
-             (2, 1, 1, 2, ("--parallel.zero", "3")),
+def test_world4_tp(corpus_dir, tmp_path, reference, options_reference, deepseek_reference):
+    """DP2*TP2 at zero 0, 1 and 3; PP2*TP2 with 1F1B and zb1; EP2*TP2 (experts over 4 ranks); TP4 with the
+    OPTIONS model (2 KV heads replicated over 4 ranks) and the DEEPSEEK one without SP (one MLA head a rank)."""
+    cases = [(2, 1, 1, 2), (2, 1, 1, 2, ("--parallel.zero", "1")), (2, 1, 1, 2, ("--parallel.zero", "3")),
              (1, 2, 1, 2, ("--parallel.schedule", "1f1b")), (1, 2, 1, 2, ("--parallel.schedule", "zb1")),
-             (1, 1, 2, 2), (1, 1, 1, 4, OPTIONS)]
-    tp_matrix(4, cases, corpus_dir, tmp_path, {"fp32": reference, "options": options_reference}, timeout=1200)
+             (1, 1, 2, 2), (1, 1, 1, 4, OPTIONS), (1, 1, 1, 4, (*DEEPSEEK, "--parallel.sp", "false"))]
+    tp_matrix(4, cases, corpus_dir, tmp_path, {"fp32": reference, "options": options_reference,
+                                               "deepseek": deepseek_reference}, timeout=1200)
 
 
 @pytest.mark.timeout(900)

@@ -234,9 +234,9 @@ def test_init_from_hf_sets_validates_and_refuses(hf_dirs, tmp_path):
     scaled = tmp_path / "scaled"
     scaled.mkdir()
     conf = json.loads((d / "config.json").read_text())
-    conf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    conf["rope_parameters"] = {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}  # yarn is supported
     (scaled / "config.json").write_text(json.dumps(conf))
-    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+    with pytest.raises(ConfigError, match="rope_type='linear'"):
         resolve(load_config(None, ["--init.from_hf", str(scaled)]))
     del conf["rope_parameters"], conf["moe_intermediate_size"]
     (scaled / "config.json").write_text(json.dumps(conf))

@@ -1,9 +1,10 @@
 """Tensor parallel's rank identity, its config rules, and checkpoints across TP degrees (docs/tp.md).
 
 The checkpoint test: one single-process reference (checkpoints at steps 5 and 10), one 4-rank launch of three
-runs, one single-process resume. DP2*TP2 at zero 1 writes a checkpoint at step 5 that TP4 and TP1 resume, and
-PP2*TP2 resumes the reference's TP1 checkpoint: every resumed step matches the uninterrupted reference to fp32
-relative 1e-5, and every checkpoint holds the same keys with the same whole shapes as the reference's."""
+runs, one single-process resume, two exports. DP2*TP2 at zero 1 writes a checkpoint at step 5 that TP4 and TP1
+resume, and PP2*TP2 resumes the reference's TP1 checkpoint: every resumed step matches the uninterrupted reference
+to fp32 relative 1e-5, every checkpoint holds the same keys with the same whole shapes as the reference's, and
+`export` of the TP checkpoint writes the reference's weights."""
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.parallel.dims import ParallelDims
 from tests.mp import run_ranks
-from tests.test_equivalence import STEPS, base_args
+from nanotitan import cli
+from tests.test_equivalence import LR, STEPS, base_args
 from tests.test_equivalence_tp import tp_layout
+from tests.test_hf import _tensors
 from tests.test_resume import CKPT, _close, _run_jobs, _train
 from tests.test_zero_ckpt import _keys
 
@@ -36,9 +39,30 @@ def test_rank_identity_tp_fastest():
     assert ParallelDims(2, 2, 2, rank=5).rank_of(1, 0, 1) == 5  # tp = 1: DESIGN §3's identity
 
 
+def test_bytes_per_rank_fall_with_tp():
+    """A rank's params at TP 1/2/4, built as parallelize builds them (no groups needed to slice): the experts (folded
+    over TP) and every split weight fall by N; only the norms and the router (replicated, under 1%) do not."""
+    from nanotitan.model.spec import build_chunk_specs
+    from nanotitan.model.transformer import Transformer
+    from nanotitan.parallel.tp import apply_tp
+
+    sizes = {}
+    for tp in (1, 2, 4):
+        cfg = load_config(None, ["--model.d_model", "64", "--model.n_heads", "4", "--model.num_experts", "4",
+                                 "--model.vocab_size", "512", "--data.vocab_size", "512", "--parallel.tp", str(tp)])
+        for rank in range(tp):
+            dims = ParallelDims(1, 1, 1, rank=rank, tp=tp)
+            model = Transformer(cfg.model, build_chunk_specs(cfg, 0, dims.moe_ep_rank)[0], seed=0)
+            apply_tp(model, dims, sp=True)
+            sizes[tp, rank] = sum(p.numel() for p in model.parameters())
+    assert all(sizes[tp, r] == sizes[tp, 0] for tp in (2, 4) for r in range(tp))
+    for tp in (2, 4):
+        assert sizes[1, 0] / tp <= sizes[tp, 0] <= 1.01 * sizes[1, 0] / tp
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--parallel.tp", "3"], "model.n_heads"),
-    (["--parallel.tp", "4", "--model.n_kv_heads", "3", "--model.n_heads", "6", "--model.d_model", "48"],
+    (["--parallel.tp", "2", "--model.n_kv_heads", "3", "--model.n_heads", "6", "--model.d_model", "48"],
      "model.n_kv_heads"),
     (["--parallel.tp", "4", "--parallel.ep", "2"], "model.num_experts"),
     (["--parallel.tp", "2", "--model.capacity_factor", "1.5"], "model.capacity_factor"),
@@ -80,3 +104,10 @@ def test_checkpoints_across_tp_degrees(corpus_dir, tmp_path):
         assert [s for s, _ in hist] == list(range(CKPT + 1, STEPS + 1)), name
         for step, loss in hist:
             assert _close(loss, ref[step]), f"{name}: step {step} loss {loss} vs uninterrupted {ref[step]}"
+    # `export` gathers a TP checkpoint (DP2*TP2 zero 1, step 10) into the same transformers weights as one process's
+    for run in ("a_dp2tp2", "ref"):
+        assert cli.main(["export", "--run.dir", str(d / run), "--out", str(d / f"hf_{run}")]) == 0
+    got, want = _tensors(d / "hf_a_dp2tp2"), _tensors(d / "hf_ref")
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{k}: {s}")

@@ -423,6 +423,7 @@ def _check_model(cfg: Config) -> None:
         _check(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0 and m.v_head_dim > 0,
                f"model.kv_lora_rank={m.kv_lora_rank} (MLA) needs an even model.qk_rope_head_dim > 0 and "
                "model.v_head_dim > 0 (--model.qk_rope_head_dim 16 --model.v_head_dim 32)")
+        _check(m.pos_emb == "rope", f"model.kv_lora_rank={m.kv_lora_rank} (MLA) needs model.pos_emb=rope")
     _check(m.n_group >= 1 and m.num_experts % m.n_group == 0,
            f"model.n_group={m.n_group} must be >= 1 and divide model.num_experts={m.num_experts} (--model.n_group)")
     _check(1 <= m.topk_group <= m.n_group,
@@ -433,10 +434,10 @@ def _check_model(cfg: Config) -> None:
     _check(m.rope_scaling == "none" or m.rope_factor >= 1.0,
            f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling=yarn (--model.rope_factor)")
     _check(m.mtp_coef >= 0, f"model.mtp_coef={m.mtp_coef} must be >= 0 (--model.mtp_coef)")
-    _check(m.head_dim > 0 or m.d_model % m.n_heads == 0,
+    _check(m.head_dim > 0 or m.d_model % m.n_heads == 0 or m.kv_lora_rank > 0,
            f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
     head_dim = m.head_dim or m.d_model // m.n_heads
-    _check(m.pos_emb != "rope" or head_dim % 2 == 0,
+    _check(m.pos_emb != "rope" or head_dim % 2 == 0 or m.kv_lora_rank > 0,
            f"rope needs an even head dim, got {head_dim} (--model.head_dim, or --model.pos_emb learned)")
     _check(m.n_heads % (m.n_kv_heads or m.n_heads) == 0,
            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (--model.n_kv_heads, 0 = n_heads)")

@@ -1,6 +1,6 @@
 """A transformers checkpoint's config.json as our model config: pure config mapping, no torch (docs/hf.md).
 
-    read_hf_config(DIR) -> (family, config.json)   Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE, or one line refusing
+    read_hf_config(DIR) -> (family, config.json)   Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3, or one line refusing
     config_from_hf(DIR) -> {model key: value}      the model config a checkpoint implies
     apply_init_config(cfg)                         init.from_hf: model keys and tokenizer path from DIR
 
@@ -18,7 +18,8 @@ from .config import Config, ConfigError, ModelConfig, validate
 from .errors import first_line
 
 ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}  # also Kimi-K2 (model_type kimi_k2) and Moonlight
 FAMILY_ARCH = {f: a for a, f in ARCHITECTURES.items()}
 
 
@@ -46,12 +47,28 @@ def read_hf_config(hf_dir: str | Path) -> tuple[str, dict]:
     return family, hf
 
 
-def _rope(hf: dict) -> tuple[float, str]:
-    """(theta, rope type) from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+def _rope(hf: dict) -> tuple[float, str, dict]:
+    """(theta, rope type, its parameters) from transformers 5's rope_parameters or 4.x's rope_theta + rope_scaling."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta), params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), params.get("rope_type") or params.get("type") or "default", params
+
+
+def _yarn_keys(refuse, rope_type: str, p: dict) -> dict:
+    """Our rope_* keys for rope type default or yarn (transformers' _compute_yarn_parameters); anything else fails."""
+    refuse(rope_type not in ("default", "yarn"), f"rope_type={rope_type!r} (only yarn scaling is supported)")
+    if rope_type == "default":
+        return dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, rope_beta_fast=32.0,
+                    rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=0.0)
+    refuse(p.get("attention_factor") is not None, f"yarn attention_factor={p.get('attention_factor')}")
+    refuse(p.get("truncate", True) is not True, "yarn truncate=false")
+    refuse(p.get("partial_rotary_factor", 1.0) != 1.0, f"partial_rotary_factor={p.get('partial_rotary_factor')}")
+    refuse(not isinstance(p.get("factor"), (int, float)) or p["factor"] < 1, f"yarn factor={p.get('factor')!r}")
+    # transformers: mscale/mscale_all_dim matter only when both are set (else mscale(factor)); 0 stands for unset
+    return dict(rope_scaling="yarn", rope_factor=float(p["factor"]),
+                rope_original_max_len=int(p["original_max_position_embeddings"]),
+                rope_beta_fast=float(p.get("beta_fast") or 32), rope_beta_slow=float(p.get("beta_slow") or 1),
+                rope_mscale=float(p.get("mscale") or 0.0), rope_mscale_all_dim=float(p.get("mscale_all_dim") or 0.0))
 
 
 def config_from_hf(hf_dir: str | Path) -> dict:
@@ -75,7 +92,9 @@ def config_from_hf(hf_dir: str | Path) -> dict:
 SIZES = {"hidden_size": 1, "num_attention_heads": 1, "num_hidden_layers": 1, "num_key_value_heads": 0, "head_dim": 0,
          "num_experts_per_tok": 1, "max_position_embeddings": 1, "vocab_size": 1, "intermediate_size": 1,
          "moe_intermediate_size": 1, "num_local_experts": 1, "num_experts": 1, "decoder_sparse_step": 1,
-         "shared_expert_intermediate_size": 0}
+         "shared_expert_intermediate_size": 0, "n_routed_experts": 1, "n_shared_experts": 0, "n_group": 1,
+         "topk_group": 1, "first_k_dense_replace": 0, "q_lora_rank": 0, "kv_lora_rank": 1, "qk_nope_head_dim": 0,
+         "qk_rope_head_dim": 2, "v_head_dim": 1}
 POSITIVE = ("rms_norm_eps", "rope_theta")  # numbers, finite and > 0
 
 
@@ -104,8 +123,7 @@ def _model_keys(hf_dir, family: str, hf: dict) -> dict:
             raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {FAMILY_ARCH[family]} with {what} is not supported")
 
     D, H, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
-    theta, rope_type = _rope(hf)
-    refuse(rope_type != "default", f"rope_type={rope_type!r} (rope scaling)")
+    theta, rope_type, rope_params = _rope(hf)
     refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')!r}")
     refuse(bool(hf.get("sliding_window")) and hf.get("use_sliding_window", True),
            f"sliding_window={hf.get('sliding_window')}")
@@ -115,7 +133,11 @@ def _model_keys(hf_dir, family: str, hf: dict) -> dict:
                max_seq_len=hf["max_position_embeddings"], norm_eps=hf["rms_norm_eps"],
                moe_every=1, first_k_dense=0, dense_layers=[], dense_ffn_dim=0, qk_norm="none", attn_bias=False,
                shared_experts=0, shared_ffn_dim=0, shared_expert_gate=False, norm_topk=True,
-               router_score="softmax", routed_scale=1.0)  # the four families' router
+               router_score="softmax", routed_scale=1.0,  # the four families' router
+               q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0, n_group=1,
+               topk_group=1, **_yarn_keys(refuse, rope_type, rope_params))
+    if family == "deepseek_v3":
+        return {**out, **_deepseek_keys(refuse, hf)}
     # transformers renames the expert count per family and per version (attribute_map): read either.
     out["num_experts"] = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
     if family == "mixtral":
@@ -141,6 +163,34 @@ def _model_keys(hf_dir, family: str, hf: dict) -> dict:
     return out
 
 
+def _deepseek_keys(refuse, hf: dict) -> dict:
+    """DeepseekV3ForCausalLM (and configs that build its modules: Kimi-K2, Moonlight; DeepSeek-V2-Lite's shape
+    with q_lora_rank null): MLA, first_k_dense_replace dense layers, sigmoid routing with the selection bias
+    (e_score_correction_bias: our router_bias, so the aux-free update is on at DeepSeek-V3's rate 0.001 unless
+    the user sets another), group-limited top-k, shared experts. MTP (num_nextn_predict_layers) is not mapped:
+    transformers' class has no MTP modules and its saves hold none (interop/hf.py skips such layers)."""
+    H = hf["num_attention_heads"]
+    refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func={hf.get('scoring_func')!r}")
+    refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method={hf.get('topk_method')!r}")
+    refuse(not hf.get("n_shared_experts", 1), "n_shared_experts=0")
+    refuse(hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}")
+    refuse(hf.get("quantization_config") is not None, "quantization_config (FP8 blocks: dequantize to bf16 first)")
+    refuse((hf.get("num_key_value_heads") or H) != H, f"num_key_value_heads={hf.get('num_key_value_heads')} "
+           "!= num_attention_heads (MLA's heads all read the latent)")
+    F = hf["moe_intermediate_size"]
+    return dict(num_experts=hf["n_routed_experts"], n_kv_heads=0, head_dim=0, q_lora_rank=hf.get("q_lora_rank") or 0,
+                kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], ffn_dim=F,
+                first_k_dense=hf.get("first_k_dense_replace", 3), dense_ffn_dim=hf["intermediate_size"],
+                shared_experts=hf.get("n_shared_experts", 1), shared_ffn_dim=F, router_score="sigmoid",
+                routed_scale=float(hf.get("routed_scaling_factor", 2.5)), norm_topk=hf.get("norm_topk_prob", True),
+                n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                attn_bias=hf.get("attention_bias", False), bias_update_rate=BIAS_RATE)
+
+
+BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma, §2.1.2); any rate > 0 the user sets is kept
+
+
 def apply_init_config(cfg: Config, need_tokenizer: bool = True) -> None:
     """init.from_hf: the model config comes from DIR's config.json and the tokenizer is DIR's tokenizer.json
     (data.tokenizer), so data preparation encodes with it; a DIR without one needs data.tokenizer, unless
@@ -152,6 +202,8 @@ def apply_init_config(cfg: Config, need_tokenizer: bool = True) -> None:
     for key, value in config_from_hf(hf_dir).items():
         mine = getattr(cfg.model, key)
         was_set = f"model.{key}" in cfg.explicit if cfg.explicit is not None else mine != getattr(default, key)
+        if key == "bias_update_rate" and was_set and mine > 0:  # a training rate: the user's, while the bias exists
+            continue
         if was_set and mine != value:
             raise ConfigError(f"model.{key}={mine} conflicts with init.from_hf={str(hf_dir)!r}, whose config.json "
                               f"gives {value} (drop --model.{key})")

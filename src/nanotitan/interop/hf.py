@@ -1,4 +1,4 @@
-"""Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints in and out (docs/hf.md).
+"""Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 checkpoints in and out (docs/hf.md).
 
     config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (config/hf_config.py)
     apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (config/hf_config.py)
@@ -11,7 +11,9 @@ Names: our layer keys are global indices like HF's, so one regex table maps ever
 Experts are stacked here as W_gate, W_val [E, D, F] and W_out [E, F, D] (used as x @ W): transposes of
 HF's per-expert nn.Linear weights, gate/up [F, D] and down [D, F]. On disk, transformers keeps one tensor
 per expert (5.x fuses them into gate_up_proj [E, 2F, D] / down_proj [E, D, F] in memory and saves the
-per-expert form by default); both forms are read, the per-expert one is written.
+per-expert form by default); both forms are read, the per-expert one is written. DeepSeek-V3's router
+bias (`mlp.gate.e_score_correction_bias`) is our `router_bias` buffer, and its rotary rows are permuted
+between its interleaved layout and our rotate_half one (`rope_rows`).
 
 Reads are lazy: `safe_open(...).get_slice(name)` of only the tensors (and expert rows) a shard owns, so a
 rank never reads, or holds, the whole checkpoint. transformers itself is not needed at run time.
@@ -35,6 +37,7 @@ from ..config.fits import does_not_fit
 from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
+from .deepseek import DEEPSEEK_RULES, deepseek_config, ignored_key, rope_parameters, rope_rows
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size: larger exports are split (+ index)
@@ -48,7 +51,8 @@ def _moe_block(family: str) -> str:
 
 def hf_name(family: str, name: str) -> str:
     """Our (non-expert) parameter name -> the tensor name in the family's checkpoint."""
-    rules = [(r"^tok_emb\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."),
+    rules = [*(DEEPSEEK_RULES if family == "deepseek_v3" else []),
+             (r"^tok_emb\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^head\.", "lm_head."),
              (r"^layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
              (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
              (r"^layers\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
@@ -78,13 +82,22 @@ def hf_config(m: ModelConfig, eos_token_id: int | None = None, dtype: str = "fp3
             raise ConfigError(f"cannot export {option}: {why} (supported: {', '.join(ARCHITECTURES)}; docs/hf.md)")
 
     refuse(m.pos_emb != "rope", "model.pos_emb=learned", "every supported family uses rotary embeddings")
-    refuse(m.router_score != "softmax", f"model.router_score={m.router_score}",
-           "every supported family routes with a softmax")
-    refuse(m.routed_scale != 1.0, f"model.routed_scale={m.routed_scale}",
-           "no supported family scales the routed experts")
-    refuse(m.bias_update_rate > 0, f"model.bias_update_rate={m.bias_update_rate}",
-           "no supported family has the aux-loss-free routing bias")
     dense = [i for i in range(m.n_layers) if not is_moe_layer(m, i)]
+    common = dict(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.n_layers,
+                  num_attention_heads=m.n_heads, hidden_act="silu", max_position_embeddings=m.max_seq_len,
+                  rms_norm_eps=m.norm_eps, rope_parameters=rope_parameters(m),
+                  rope_theta=m.rope_theta,  # transformers 4.x reads this one
+                  num_experts_per_tok=m.top_k, tie_word_embeddings=False, initializer_range=m.init_std,
+                  bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, use_cache=True,
+                  dtype=DTYPES[dtype][1], torch_dtype=DTYPES[dtype][1], attention_dropout=0.0,
+                  router_aux_loss_coef=m.aux_coef, output_router_logits=False)
+    if m.kv_lora_rank:
+        return deepseek_config(m, common, dense, refuse)
+    only_ds = "only DeepseekV3ForCausalLM has it, and that needs MLA (model.kv_lora_rank > 0)"
+    refuse(m.router_score != "softmax", f"model.router_score={m.router_score}", only_ds)
+    refuse(m.routed_scale != 1.0, f"model.routed_scale={m.routed_scale}", only_ds)
+    refuse(m.bias_update_rate > 0, f"model.bias_update_rate={m.bias_update_rate} (the aux-loss-free bias)", only_ds)
+    refuse(m.n_group > 1, f"model.n_group={m.n_group} (group-limited routing)", only_ds)
     if m.qk_norm == "full":
         family = "olmoe"
     elif m.qk_norm == "head":
@@ -108,16 +121,8 @@ def hf_config(m: ModelConfig, eos_token_id: int | None = None, dtype: str = "fp3
            "Qwen2MoeForCausalLM always gates its shared expert with a sigmoid")
     refuse(family == "olmoe" and head_dim(m) * m.n_heads != m.d_model, f"model.head_dim={m.head_dim} with qk_norm=full",
            "OlmoeForCausalLM's q_norm is hidden_size wide")
-    theta = m.rope_theta
-    out = dict(architectures=[arch], model_type=family, vocab_size=m.vocab_size, hidden_size=m.d_model,
-               num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=kv_heads(m),
-               head_dim=head_dim(m), hidden_act="silu", max_position_embeddings=m.max_seq_len,
-               rms_norm_eps=m.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": theta},
-               rope_theta=theta,  # transformers 4.x reads this one
-               num_experts_per_tok=m.top_k, tie_word_embeddings=False, initializer_range=m.init_std,
-               bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, use_cache=True,
-               dtype=DTYPES[dtype][1], torch_dtype=DTYPES[dtype][1], attention_dropout=0.0,
-               router_aux_loss_coef=m.aux_coef, output_router_logits=False)
+    out = dict(architectures=[arch], model_type=family, **common, num_key_value_heads=kv_heads(m),
+               head_dim=head_dim(m))
     if family == "mixtral":
         out.update(intermediate_size=m.ffn_dim, num_local_experts=m.num_experts, sliding_window=None,
                    router_jitter_noise=0.0)
@@ -232,10 +237,11 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
     full model, a checkpoint tensor that nothing reads is an error (config and weights disagree).
     Returns the names of the checkpoint tensors it read."""
     hf_dir = Path(hf_dir).expanduser()
-    family, _ = read_hf_config(hf_dir)
+    family, conf = read_hf_config(hf_dir)
+    interleaved = family == "deepseek_v3" and conf.get("rope_interleave", True)
     e0 = model.spec.expert_start
     with _Reader(hf_dir) as r:
-        for name, p in model.named_parameters():
+        for name, p in _weights(model, family):
             m = _EXPERT.match(name)
             if m:
                 _load_experts(r, family, int(m[1]), EXPERT_WEIGHTS.index(m[2]), p, e0, name)
@@ -244,8 +250,10 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
             if key == "lm_head.weight" and not r.has(key):
                 key = "model.embed_tokens.weight"  # tie_word_embeddings: our head starts as a copy
             _copy(p, r.get(key), key, name)
+            if interleaved:
+                p.copy_(rope_rows(model.cfg, name, p.clone(), to_hf=False))
         if model.spec == ModelShardSpec.full(model.cfg):
-            unused = sorted(k for k in set(r.file_of) - r.read if not k.endswith("rotary_emb.inv_freq"))
+            unused = sorted(k for k in set(r.file_of) - r.read if not ignored_key(model.cfg, k))
             if unused:
                 raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {len(unused)} tensors the model does not use, "
                                   f"e.g. {unused[0]!r} (its config.json and weights disagree)")
@@ -272,14 +280,25 @@ def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
 
 # --- weights out --------------------------------------------------------------------------------
 
+def _weights(model: Transformer, family: str):
+    """(name, tensor) of what a checkpoint holds: the parameters, and DeepSeek-V3's router bias (a buffer here)."""
+    yield from model.named_parameters()
+    if family == "deepseek_v3":
+        yield from ((n, b) for n, b in model.named_buffers() if n.endswith(".moe.router_bias"))
+
+
 def hf_tensors(model: Transformer, family: str):
     """(HF name, tensor view) for every parameter of the (full) model, experts split and transposed."""
-    for name, p in model.named_parameters():
+    for name, p in _weights(model, family):
         m = _EXPERT.match(name)
         if m:
             which = EXPERT_WEIGHTS.index(m[2])
             for l in range(p.shape[0]):
                 yield hf_expert_name(family, int(m[1]), model.spec.expert_start + l, which), p[l].T
+        elif family == "deepseek_v3":
+            yield hf_name(family, name), rope_rows(model.cfg, name, p, to_hf=True)
+            if name.endswith(".moe.router.weight") and model.cfg.bias_update_rate == 0:  # transformers' is zeros
+                yield hf_name(family, name[:-len("router.weight")] + "router_bias"), p.new_zeros(p.shape[0])
         else:
             yield hf_name(family, name), p
 

@@ -139,7 +139,8 @@ class MoE(nn.Module):
 
     Router options (module docstring; defaults: Mixtral's softmax router with the plain Switch loss):
     score "softmax" | "sigmoid", routed_scale, bias_update_rate (> 0 adds `router_bias`), aux_coef,
-    aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless).
+    aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless), n_group/topk_group
+    (DeepSeekMoE's group-limited selection, `_mask_groups`).
 
     `lane_local_router_state` (set by parallel/ep.py's apply_ep for parallel.ep_overlap_microbatches): keep what
     `route` leaves for Transformer.forward (`last_counts_E`, `last_router_stats`) once per lane. With two lanes a
@@ -158,12 +159,13 @@ class MoE(nn.Module):
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
                  score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
                  aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1):
         super().__init__()
         assert score in ("softmax", "sigmoid") and aux_scope in ("micro", "sequence"), (score, aux_scope)
         self.score, self.routed_scale, self.bias_update_rate = score, routed_scale, bias_update_rate
         self.aux_coef, self.aux_scope, self.z_loss_coef = aux_coef, aux_scope, z_loss_coef
         self.capacity_factor = capacity_factor
+        self.n_group, self.topk_group = n_group, topk_group  # DeepSeekMoE's group-limited routing (route)
         # Replicated and checkpointed like a weight, but a buffer: the optimizer never sees it (update_bias moves it).
         self.register_buffer("router_bias", torch.zeros(num_experts) if bias_update_rate > 0 else None)
         # What the last route() left (`last_counts_E`, `last_router_stats`): [0] a forward's, [1] a backward's (a
@@ -202,10 +204,13 @@ class MoE(nn.Module):
                                      self.router.wgrad_store)
             scores_TE = logits_TE.softmax(dim=-1) if self.score == "softmax" else logits_TE.sigmoid()
         # Select on score + bias (the bias steers selection only), weight by the selected scores (DeepSeek-V3).
-        if self.router_bias is None:  # topk's values are the selected scores: no gather
+        if self.router_bias is None and self.n_group == 1:  # topk's values are the selected scores: no gather
             weights_TK, expert_ids_TK = scores_TE.topk(K, dim=-1)
         else:
-            expert_ids_TK = (scores_TE + self.router_bias).topk(K, dim=-1).indices
+            choice_TE = scores_TE if self.router_bias is None else scores_TE + self.router_bias
+            if self.n_group > 1:  # group-limited: only experts of the topk_group best groups may be chosen
+                choice_TE = self._mask_groups(choice_TE)
+            expert_ids_TK = choice_TE.topk(K, dim=-1).indices
             weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.norm_topk:
             denom = weights_TK.sum(dim=-1, keepdim=True)
@@ -219,9 +224,8 @@ class MoE(nn.Module):
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
         counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=E)
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.token_sum is not None:  # TP: the whole microbatch's counts and mean probabilities
-            counts_E, nT = self.token_sum(counts_E), T * self.token_shards
-            balance = E * (counts_E.to(probs_TE.dtype) / (nT * K) * self.token_sum(probs_TE.sum(dim=0)) / nT).sum()
+        if self.token_sum is not None:  # TP: the whole microbatch's (or sequence's) counts and mean probabilities
+            balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S)
         elif self.aux_scope == "micro":
             f_E = counts_E.to(probs_TE.dtype) / (T * K)
             balance = E * (f_E * probs_TE.mean(dim=0)).sum()
@@ -252,6 +256,31 @@ class MoE(nn.Module):
             tail = self._stats_tail[(T * K, balance.dtype, balance.device)] = balance.new_tensor([0.0, T * K, 1.0])
         record["stats"] = torch.cat([torch.stack(stats), tail[len(stats) - 2:]])
         return expert_ids_TK, weights_TK, aux
+
+    def _mask_groups(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's node-limited routing: experts in n_group groups (contiguous ids: with experts placed per
+        node, a group is a node); a group's score is the sum of its 2 best biased scores; each token keeps its
+        topk_group best groups, the other experts' scores become -inf (transformers' DeepseekV3TopkRouter)."""
+        T, E, G = choice_TE.shape[0], self.num_experts, self.n_group
+        per_group_TGE = choice_TE.view(T, G, E // G)
+        group_TG = per_group_TGE.topk(min(2, E // G), dim=-1).values.sum(dim=-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, True)
+        return per_group_TGE.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+    def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int):
+        """route's balance loss when this rank holds 1/token_shards of each sequence (tensor parallel): the same
+        sums over the TP group's tokens (`token_sum`), divided by the whole counts. Returns it and the counts."""
+        E, K, n = self.num_experts, self.top_k, self.token_shards
+        counts_E = self.token_sum(counts_E)
+        if self.aux_scope == "micro":
+            nT = B * S * n
+            p_E = self.token_sum(probs_TE.sum(dim=0)) / nT
+            return E * (counts_E.to(probs_TE.dtype) / (nT * K) * p_E).sum(), counts_E
+        hits_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), probs_TE.new_ones(B, S * K))
+        f_BE = self.token_sum(hits_BE) / (S * n * K)
+        p_BE = self.token_sum(probs_TE.view(B, S, E).sum(dim=1)) / (S * n)
+        return E * (f_BE * p_BE).sum(dim=1).mean(), counts_E
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ SwiGLU experts, softmax top-k router, untied head. pos_emb="learned" is the seed
 (owned by stage 0 like the token embedding). Options for the other published MoE families (hf.py maps
 them): grouped-query attention (n_kv_heads), head_dim, q/k RMSNorm per head (Qwen3-MoE) or over the
 whole projection (OLMoE), q/k/v biases (Qwen2-MoE), shared experts with a sigmoid gate (Qwen2-MoE),
-dense layers by index.
+dense layers by index, DeepSeek-V3's multi-head latent attention (model/mla.py, kv_lora_rank > 0) and YaRN
+(model/rope.py).
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
@@ -25,35 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
 from . import wgrad
+from .mla import MLA
 from .moe import MoE, SwiGLU
+from .norm import RMSNorm
+from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
-
-
-class RMSNorm(nn.Module):
-    wgrad_store: wgrad.WeightGradStore | None = None  # set: the weight's gradient lands in W (model/wgrad.py)
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        w = self.weight if self.wgrad_store is None else wgrad.tap(self.weight, self.wgrad_store)
-        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-
-
-def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # (S, Dh/2)
-    ang = torch.cat([ang, ang], dim=-1)  # (S, Dh), HF's rotate_half layout
-    return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x, cos, sin):
-    """x (B, H, S, Dh); rotate_half convention (matches HF Mixtral/Llama)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -62,6 +40,11 @@ def head_dim(cfg: ModelConfig) -> int:
 
 def kv_heads(cfg: ModelConfig) -> int:
     return cfg.n_kv_heads or cfg.n_heads
+
+
+def rope_dim(cfg: ModelConfig) -> int:
+    """Rotary width of a head: MLA's shared rope part, else the whole head."""
+    return cfg.qk_rope_head_dim if cfg.kv_lora_rank else head_dim(cfg)
 
 
 class Attention(nn.Module):
@@ -106,7 +89,7 @@ class Block(nn.Module):
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
             self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.attn = Attention(cfg)
+            self.attn = MLA(cfg) if cfg.kv_lora_rank else Attention(cfg)
         self.is_moe = self.has_ffn and is_moe_layer(cfg, layer_idx)
         if self.has_ffn:
             self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -116,7 +99,7 @@ class Block(nn.Module):
                            shared_gate=cfg.shared_expert_gate, score=cfg.router_score,
                            routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
                            aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
-                           capacity_factor=cfg.capacity_factor)
+                           capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
         elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
@@ -161,7 +144,7 @@ class Transformer(nn.Module):
             self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope = None
         if cfg.pos_emb == "rope":
-            cos, sin = rope_cache(max(cfg.max_seq_len, 1), head_dim(cfg), cfg.rope_theta)
+            cos, sin = rope_cache(cfg, rope_dim(cfg))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed)
@@ -276,15 +259,29 @@ def _normal(shape, std: float, seed: int, name: str, expert_id: int) -> torch.Te
     return torch.randn(shape, generator=g) * std
 
 
+def attn_flop_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul parameters of one attention layer, per-head q.k + v width its scores and mix multiply over).
+    MLA: the q path (low-rank or not), the latent's down- and up-projections, o; GQA: q, o and the narrower k, v."""
+    D, H = cfg.d_model, cfg.n_heads
+    if not cfg.kv_lora_rank:
+        Dh = head_dim(cfg)
+        return 2 * D * H * Dh + 2 * D * kv_heads(cfg) * Dh, 2 * Dh
+    qk, R = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    q = (D * cfg.q_lora_rank + cfg.q_lora_rank * H * qk) if cfg.q_lora_rank else D * H * qk
+    kv = D * (R + cfg.qk_rope_head_dim) + R * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + H * cfg.v_head_dim * D, qk + cfg.v_head_dim
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 12 * L * S * H * Dh for attention
-    scores, counting top_k experts, the router, shared experts and their gate per MoE layer, and GQA's
-    narrower k/v projections (MID model of BASELINES: ~33 MFLOP). Biases and norms are not matmuls."""
-    D, L, H, Dh = cfg.d_model, cfg.n_layers, cfg.n_heads, head_dim(cfg)
+    """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 6 * L * S * H * (qk + v width) for
+    attention scores and mix (12 * L * S * H * Dh without MLA), counting top_k experts, the router, shared experts
+    and their gate per MoE layer, GQA's narrower k/v projections and MLA's low-rank paths (MID model of BASELINES:
+    ~33 MFLOP). Biases and norms are not matmuls."""
+    D, L, H = cfg.d_model, cfg.n_layers, cfg.n_heads
     n_moe = num_moe_layers(cfg)
-    attn = 2 * D * H * Dh + 2 * D * kv_heads(cfg) * Dh  # q, o and k, v
+    attn, width = attn_flop_widths(cfg)
     shared = 3 * D * shared_hidden(cfg) + (D if cfg.shared_experts and cfg.shared_expert_gate else 0)
     moe_active = cfg.top_k * 3 * D * cfg.ffn_dim + D * cfg.num_experts + shared
     dense = 3 * D * (cfg.dense_ffn_dim or cfg.ffn_dim)
     n_active = L * attn + n_moe * moe_active + (L - n_moe) * dense + D * cfg.vocab_size
-    return 6 * n_active + 12 * L * seq_len * H * Dh
+    return 6 * n_active + 6 * L * seq_len * H * width

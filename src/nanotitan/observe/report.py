@@ -107,7 +107,7 @@ def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
                    run_dir: Path, extra: dict | None = None) -> dict:
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
-    mine = {"rank": rank, "coords": dims.coords(), "peak_mem_bytes": peak_mem_bytes(device),
+    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "peak_mem_bytes": peak_mem_bytes(device),
             **{f"wait_{a}_s": round(v, 3) for a, v in wait_totals.items()}, **(extra or {})}
     rows = [mine]
     if dist.is_initialized() and dims.world_size > 1:
@@ -158,7 +158,8 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.table import Table
 
     console = Console(width=max(150, Console().width))  # 12 columns: rich's 80 off a terminal would fold them
-    t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}")
+    t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}"
+                    + (f" tp={last['tp']}" if last.get("tp", 1) > 1 else ""))
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
@@ -166,15 +167,17 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     console.print(t)
     r = Table(title="per rank: live tensors between steps, peak saved activations, peak of all live tensors during a "
                     "step, peak memory (RSS on CPU), and seconds blocked in communication over the run")
-    for col in ("rank", "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak", "peak mem", "DP wait",
-                "EP wait", "PP wait", "other"):
+    tp = last.get("tp", 1) > 1  # tensor parallel: a fourth coordinate and its waits
+    for col in ("rank", "(dp,pp,ep,tp)" if tp else "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak",
+                "peak mem", "DP wait", "EP wait", "PP wait", *(("TP wait",) if tp else ()), "other"):
         r.add_column(col)
     for row in rows:
         tensors = [fmt_bytes(row[k]) if k in row else "-"
                    for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes", "peak_tensor_bytes")]
-        r.add_row(str(row["rank"]), str(tuple(row["coords"])), *tensors, fmt_bytes(row["peak_mem_bytes"]),
-                  f"{row['wait_dp_s']:.2f} s", f"{row['wait_ep_s']:.2f} s", f"{row['wait_pp_s']:.2f} s",
-                  f"{row['wait_other_s']:.2f} s")
+        coords = (*row["coords"], row.get("tp_rank", 0)) if tp else tuple(row["coords"])
+        waits = ("dp", "ep", "pp", "tp", "other") if tp else ("dp", "ep", "pp", "other")
+        r.add_row(str(row["rank"]), str(coords), *tensors, fmt_bytes(row["peak_mem_bytes"]),
+                  *(f"{row.get(f'wait_{a}_s', 0.0):.2f} s" for a in waits))
     console.print(r)
 
 

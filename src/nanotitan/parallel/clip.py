@@ -45,8 +45,9 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     replicated param's TP slices (`tp_shard_dim`) add up over TP, one replicated over TP counts once, and so do
     `shard_once`, shards that are identical over TP (the caller passes `shard_group` = the stage group)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
-    rep_grads = [p.grad for p in replicated_params if p.grad is not None and getattr(p, "tp_shard_dim", None) is None]
-    split_grads = [p.grad for p in replicated_params if p.grad is not None and getattr(p, "tp_shard_dim", None) is not None]
+    split = [hasattr(p, "tp_shard_dim") for p in replicated_params]  # parallel/tp.py's tag of a TP slice
+    rep_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and not s]
+    split_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and s]
     shard_grads = [_local(p.grad) for p in shard_params if p.grad is not None]
     once_grads = [_local(p.grad) for p in shard_once if p.grad is not None]
     device = next((g.device for g in rep_grads + exp_grads + shard_grads), torch.device("cpu"))  # NCCL: GPU

@@ -1,6 +1,7 @@
 """Tensor parallel, with sequence parallel: Megatron's split of a stage's dense part over the TP group.
 
-    attention     q/k/v column-wise by heads (each rank computes its H/N heads), o row-wise
+    attention     q/k/v column-wise by heads (each rank computes its H/N heads), o row-wise; GQA with fewer KV
+                  heads than ranks replicates them; MLA splits its up-projections by heads (`_mla`)
     dense FFNs    gate/up column-wise, down row-wise; the shared experts alike, on the tokens of the TP group
     embedding     vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them reads zeros, the sum fills it
     head + loss   vocab-parallel: logits stay (.., V/N); the cross-entropy reduces max, target logit and sum
@@ -229,6 +230,19 @@ def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
     _region(attn, tp, 1, sp)
 
 
+def _mla(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
+    """MLA (model/mla.py): the head-split up-projections column-wise (q_b, or q without a q latent; kv_b), o
+    row-wise. The down-projections to the latents (and their norms, and the shared rope key) stay whole: each
+    rank's heads give part of their gradients."""
+    _shard((attn.q_b_proj if hasattr(attn, "q_a_proj") else attn.q_proj).weight, 0, tp)
+    _shard(attn.kv_b_proj.weight, 0, tp)
+    _shard(attn.o_proj.weight, 1, tp)
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        if hasattr(attn, name):
+            _partial(getattr(attn, name).weight, getattr(getattr(attn, name), "bias", None))
+    _region(attn, tp, 1, sp)
+
+
 def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
     """Each rank routes its own tokens (sequence shards; without SP the MoE splits the whole sequence and gathers
     its output); the shared experts are TP-split on the group's tokens, gathered along the token dim."""
@@ -262,10 +276,10 @@ def _apply_chunk(chunk: nn.Module, tp: TPGroup, sp: bool) -> None:
         emb.__class__ = VocabParallelEmbedding
         emb.tp, emb.sp, emb.vocab_start = tp, sp, tp.rank * emb.weight.shape[0]
     if hasattr(chunk, "pos_emb") and sp:
-        raise ValueError("model.pos_emb=learned with parallel.sp: use rope (--model.pos_emb rope) or --parallel.sp false")
+        raise ValueError("model.pos_emb=learned with parallel.sp: --model.pos_emb rope, or --parallel.sp false")
     for block in chunk.layers.values():
         if block.has_attn:
-            _attention(block.attn, tp, sp)
+            (_mla if hasattr(block.attn, "kv_b_proj") else _attention)(block.attn, tp, sp)
             if sp:
                 _partial(block.attn_norm.weight)
         if block.has_ffn and sp:

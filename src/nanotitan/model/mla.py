@@ -1,0 +1,58 @@
+"""Multi-head latent attention (DeepSeek-V2/V3; transformers' DeepseekV3Attention).
+
+Shapes: B batch, S sequence, D d_model, H heads, R kv_lora_rank (the latent), Dn qk_nope_head_dim,
+Dr qk_rope_head_dim, Dv v_head_dim.
+
+Keys and values are up-projected from one latent per token (kv_a_proj_with_mqa -> RMSNorm -> kv_b_proj): that
+latent, R wide, is what an inference KV cache holds. The RoPE part of the key (Dr) is one head shared by all H
+heads, straight from x; each head's query and key are [nope part, rope part]. The query has an optional
+low-rank path of its own (q_lora_rank > 0: q_a_proj -> RMSNorm -> q_b_proj; DeepSeek-V2-Lite has a plain
+q_proj). Parameters are replicated (no ".experts." in a name): EP and PP treat them as attention weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config.config import ModelConfig
+from .norm import RMSNorm
+from .rope import apply_rope, softmax_scale
+from .wgrad import Linear
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, H, bias = cfg.d_model, cfg.n_heads, cfg.attn_bias  # HF's attention_bias: q_a, kv_a and o
+        self.n_heads, self.kv_lora_rank = H, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # HF's DeepseekV3RMSNorm default eps, not rms_norm_eps
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.q_proj = Linear(D, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, D, bias=bias)
+        self.scale = softmax_scale(cfg, qk)
+
+    def forward(self, x, rope):
+        B, S, _ = x.shape
+        Dn, Dr, Dv = self.nope, self.rope, self.v_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
+        q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, H, Dn + Dv).transpose(1, 2)
+        k_nope, v = kv.split([Dn, Dv], dim=-1)  # (B, H, S, Dn), (B, H, S, Dv)
+        cos, sin = rope[0][:S], rope[1][:S]
+        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
+        q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
+        k = torch.cat([k_nope, k_rot.expand(B, H, S, Dr)], dim=-1)  # the rope key shared by every head
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # (B, H, S, Dv)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))
