@@ -106,7 +106,8 @@ def test_auto_picks_tp_when_the_dense_part_does_not_fit():
 
 def test_bench_tp_side_by_side_runs_at_tiny_shapes():
     """`nanotitan bench tp --part torch sp` at tiny shapes (so it cannot rot): ours and torch's parallelize_module
-    both train a step on 2 gloo ranks, and SP keeps fewer activation bytes than no SP, as the planner says."""
+    both train a step on 2 gloo ranks, SP keeps fewer activation bytes than no SP, as the planner says, and the
+    planner prices exactly the TP collectives the code sends (the emulator's held link time)."""
     from nanotitan.bench.tp import side_by_side
 
     cfg = Config()
@@ -117,3 +118,26 @@ def test_bench_tp_side_by_side_runs_at_tiny_shapes():
     assert all(res["time"][k]["min_s"] > 0 for k in ("ours", "torch"))
     saved, planned = res["saved_bytes"], res["planned_act_bytes"]
     assert saved["sp"] < saved["no_sp"] and planned["sp"] < planned["no_sp"]
+    # the planner's TP link time is what the network emulator holds the code's TP calls for: the same collectives
+    for sp in ("sp", "no_sp"):
+        held, priced = res["tp_link_s"]["emulator"][sp], res["tp_link_s"]["planner"][sp]
+        assert held > 0 and abs(held / priced - 1) < 1e-6
+
+
+def test_dry_run_builds_tp_ranks_and_matches_the_planner():
+    """`nanotitan plan --dry-run` builds a TP rank from the real code (fake process group, fake tensors), with and
+    without SP, and its bytes match the planner's TP terms: parameters exactly, the step's peak within 3%."""
+    from nanotitan.config.config import load_config
+    from nanotitan.plan.dryrun import compare_with_planner, dry_run
+
+    base = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "64", "--model.n_layers", "2",
+            "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16",
+            "--model.max_seq_len", "16", "--train.micro_batch", "2", "--parallel.tp", "2"]
+    peaks = {}
+    for sp in ("true", "false"):
+        rows = compare_with_planner(dry_run(load_config(None, base + ["--parallel.sp", sp]), 2),
+                                    get_hardware("cpu-gloo"))
+        assert [r["ranks"] for r in rows] == [2]
+        assert abs(rows[0]["gap_param_bytes"]) < 1e-9 and abs(rows[0]["gap_peak_bytes"]) < 0.03
+        peaks[sp] = rows[0]["peak_bytes"]
+    assert peaks["true"] < peaks["false"]

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from ..config.config import Config, ModelConfig, load_config
 from ..model.transformer import Transformer
+from ..config.hardware import get_hardware
+from ..parallel import emulate
 from ..parallel.dims import ParallelDims
 from ..parallel.tp import apply_tp
 from ..run.spawn import run_ranks
@@ -179,13 +181,21 @@ def _side_by_side(rank: int, world: int, m: ModelConfig, vocab: int, B: int, S: 
         n, out = _saved_bytes(lambda model=model: model(idx, tgt), model.parameters())
         out[0].backward()
         saved["sp" if sp else "no_sp"] = n
-    return {"times": times, "saved": saved}
+    # what the network emulator holds TP's calls for on an H100 node (undilated): the code's collectives, counted
+    links, held = emulate.install(emulate.LinkModel(get_hardware("h100-sxm"), 8, 1.0, rank)), {}
+    for sp, model in ours.items():
+        before = links.modelled_s["tp"]
+        model(idx, tgt)[0].backward()
+        held["sp" if sp else "no_sp"] = links.modelled_s["tp"] - before
+    emulate.install(None)
+    return {"times": times, "saved": saved, "tp_link_s": held}
 
 
 def side_by_side(cfg: Config, repeats: int, tp: int = 2) -> dict:
     """The `torch` and `sp` parts on `tp` gloo ranks, one thread each: rank 0's figures, and the planner's."""
-    from ..config.hardware import get_hardware
     from ..plan import Layout, predict
+    from ..plan.cost import build_context
+    from ..plan.tp import stage_tp_time
 
     vocab = cfg.model.vocab_size or cfg.data.vocab_size
     m = dataclasses.replace(dense(cfg.model), vocab_size=vocab)
@@ -194,15 +204,19 @@ def side_by_side(cfg: Config, repeats: int, tp: int = 2) -> dict:
     t = res["times"]
     stats = {k: {"min_s": min(v), "median_s": statistics.median(v)} for k, v in t.items()}
     c = dataclasses.replace(cfg, model=m)
-    planned = {}
+    planned, planned_link = {}, {}
+    h100, lay = get_hardware("h100-sxm"), Layout(1, 1, 1, "1f1b", 1, B, 0, tp=tp)
     for sp in (True, False):
         c.parallel = dataclasses.replace(cfg.parallel, sp=sp)
-        planned["sp" if sp else "no_sp"] = predict(c, Layout(1, 1, 1, "1f1b", 1, B, 0, tp=tp),
-                                                   get_hardware("h100-sxm")).mem_parts["activations"]
+        key = "sp" if sp else "no_sp"
+        planned[key] = predict(c, lay, h100).mem_parts["activations"]
+        ctx = build_context(c, lay, h100)
+        planned_link[key] = stage_tp_time(ctx, ctx.stages[0])[1]
     return {"tp": tp, "shape": f"dense {m.n_layers}x d{m.d_model} h{m.n_heads} ffn{m.ffn_dim} V{vocab}, {B}x{S}",
             "repeats": repeats, "time": stats,
             "ours_over_torch": {k: stats["ours"][k] / stats["torch"][k] for k in ("min_s", "median_s")},
-            "saved_bytes": res["saved"], "planned_act_bytes": planned}
+            "saved_bytes": res["saved"], "planned_act_bytes": planned,
+            "tp_link_s": {"emulator": res["tp_link_s"], "planner": planned_link}}
 
 
 # --- TP2 against DP2 with the trainer ---------------------------------------------------------------------------
