@@ -33,9 +33,10 @@ from nanotitan.plan.measure import TensorBytesMeter
 CPU = get_hardware("cpu-gloo")
 
 
-# DeepSeek-V3's architecture in miniature: MLA with a q low rank, a dense first layer, a shared expert
+# DeepSeek-V3's architecture in miniature: MLA with a q low rank, a dense first layer, a shared expert, group-limited
+# routing, one MTP depth (on the last stage, with a replica of the embedding under PP)
 DEEPSEEK = dict(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                first_k_dense=1, shared_experts=1)
+                first_k_dense=1, shared_experts=1, n_group=2, topk_group=1, mtp_layers=1)
 
 
 def tiny(n_layers=4, moe_every=1, pos_emb="rope", ep=1, dp=1, M=1, m=8, num_experts=4, model=None) -> Config:
@@ -104,10 +105,13 @@ def test_flops_and_total_params_agree_with_the_model():
         shape = ModelShape.from_config(cfg)
         full = Transformer(cfg.model, None, seed=0)
         assert shape.total_params() == sum(p.numel() for p in full.parameters())
+        # an MTP depth (flops_per_token counts the trunk): its block, eh_proj and one more pass of the head
+        D, mtp = cfg.model.d_model, cfg.model.mtp_layers
+        mtp_flops = 3 * mtp * (sum(shape.layer_fwd_flops(cfg.model.n_layers)) + 4 * D * D + 2 * D * 512)
         for pp in (1, 2, 4):
             st = stage_summaries(shape, Layout(1, pp, 1, "1f1b", 1, 1))
             assert math.isclose(sum(3 * (s.f_dense + s.f_expert) for s in st),
-                                flops_per_token(cfg.model, cfg.train.seq_len), rel_tol=1e-12)
+                                flops_per_token(cfg.model, cfg.train.seq_len) + mtp_flops, rel_tol=1e-12)
 
 
 def test_more_pp_or_ep_means_less_state_per_rank():

@@ -93,8 +93,9 @@ def layout_errors(cfg: Config, world: int) -> None:
 class _BalancedRouting(TorchDispatchMode):
     """Answers the two data-dependent steps of MoE routing on fake tensors, as perfectly balanced routing would:
     `bincount(ids, minlength=n)` has n bins, and reading an integer tensor to the host (`.tolist()` of the
-    counts per expert, or of the [send, recv] counts per EP peer) gives element i the T*K/E assignments of expert
-    i mod E (the remainder to the first experts). Floats read to the host are 0, booleans True."""
+    counts per expert, or of the [send, recv] counts per EP peer) gives element i the N/E assignments of expert
+    i mod E (the remainder to the first experts), N the assignments of the last bincount (T*K; fewer in an MTP
+    depth's block). Floats read to the host are 0, booleans True."""
 
     def __init__(self, tokens: int, top_k: int, num_experts: int):
         super().__init__()
@@ -104,6 +105,8 @@ class _BalancedRouting(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.bincount.default:
+            # the layer's own assignments: an MTP depth's block routes the S - k positions it runs on
+            self.per_expert = divmod(args[0].numel(), self.E)
             minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
             return torch.zeros(minlength, dtype=torch.long, device=args[0].device)
         if func is torch.ops.aten._local_scalar_dense.default:
