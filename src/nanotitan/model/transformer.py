@@ -148,6 +148,9 @@ class Transformer(nn.Module):
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
         self.router_stats: dict[str, torch.Tensor] = {}
         self.step_load: dict[str, torch.Tensor] = {}
+        # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order (report.py:
+        # the busiest EP rank's received assignments per microbatch, the routing skew the planner prices)
+        self.mb_load: dict[str, list[torch.Tensor]] = {}
         if spec.has_token_embed:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
@@ -212,6 +215,7 @@ class Transformer(nn.Module):
                 self.expert_load[key] = counts if load is None else load + counts
                 if self.training:
                     _accumulate(self.router_stats, key, block.moe.last_router_stats)
+                    self.mb_load.setdefault(key, []).append(counts)
                     if block.moe.router_bias is not None:
                         _accumulate(self.step_load, key, counts)
         if not spec.has_head:

@@ -17,6 +17,7 @@ from ..parallel.sync import zero_memory_choices
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
+from .skew import time_imbalance
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
                        gemm_eff, step_time)
 
@@ -36,6 +37,8 @@ class Prediction:
     costs: dict[str, float]  # seconds per step on the critical path, by cause
     mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
     ckpt_by_stage: list[float] = field(default_factory=list)  # peak bytes while saving or loading a checkpoint
+    links: dict[str, str] = field(default_factory=dict)  # group kind -> "intra" | "inter": the link its worst group crosses
+    expert_time_factor: float = 1.0  # the busiest EP rank's received assignments over the mean (plan/skew.py)
 
     @property
     def peak_mem(self) -> float:
@@ -100,5 +103,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     mem_by_stage = [m.peak for m in mem]
     limit = hw.mem_per_rank(c.ranks_on_node)
     tokens = layout.dp * layout.ep * layout.microbatches * layout.micro_batch * c.shape.seq_len
+    links = {k: "inter" if link is hw.inter and hw.inter is not hw.intra else "intra"
+             for k, (link, _) in c.links.items()}
     return Prediction(layout, step, tokens / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      [m.parts for m in mem], [m.ckpt for m in mem])
+                      [m.parts for m in mem], [m.ckpt for m in mem], links, time_imbalance(cfg, layout, c.shape, c.skew))
