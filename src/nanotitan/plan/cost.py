@@ -70,8 +70,9 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     T = layout.micro_batch * shape.seq_len  # tokens of one microbatch on one rank
     e_local = shape.num_experts // ep
     links = {}
+    grid = Layout(layout.dp, pp, ep, "1f1b", 1, 1)  # placement depends on the grid alone: one cache entry per grid
     for kind in ("ep", "pp", "non_expert_dp", "expert_dp"):
-        crosses, off = placement(layout, kind, opts.link_node_size or per_node)
+        crosses, off = placement(grid, kind, opts.link_node_size or per_node)
         links[kind] = (hw.inter if crosses else hw.intra), off
     n_virt = pp_facts.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
