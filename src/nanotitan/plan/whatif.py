@@ -69,23 +69,27 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
                                        peak_mem_bytes=faster.peak_mem, mem_limit_bytes=faster.mem_limit)
-    out["worst_rank"] = _dry_run_worst(cfg, best, world, hw, log) if dry_run else None
+    out["worst_rank"] = _dry_run_worst(cfg, best, world, hw, opts, log) if dry_run else None
     if out["worst_rank"] is not None:
         out["fits"] = out["worst_rank"]["fits"]
     return out
 
 
-def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, log=None) -> dict:
+def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts: PlanOptions, log=None) -> dict:
     """The best layout's heaviest ranks built by the dry run (plan/dryrun.py: real modules on fake tensors and a fake
     process group): the first rank of the planner's heaviest stage, of the first and of the last stage (at most 3
     builds, not every distinct rank: the what-if answers at 2,048 ranks in a minute); the heaviest of them, and
-    whether it fits with the runtime's reserve."""
+    whether it fits with the runtime's reserve. It runs the trainer's own precision (train.dtype: fp32 parameters,
+    bf16 autocast under bf16), whatever --precision the plan assumed."""
     import time
 
     from .dryrun import launch_config, layout_errors, measure_rank  # real modules on fake tensors: only when asked
 
     t0 = time.perf_counter()
-    c = launch_config(layout_config(cfg, best.layout), world)
+    c = layout_config(cfg, best.layout)
+    if opts.activation_checkpointing is not None:  # what the plan assumed (--activation-checkpointing)
+        c.train.activation_checkpointing = opts.activation_checkpointing
+    c = launch_config(c, world)
     layout_errors(c, world)
     L = best.layout
     stages = dict.fromkeys((best.mem_by_stage.index(best.peak_mem), 0, L.pp - 1))
