@@ -15,6 +15,7 @@ of the full model whatever rank builds it (DESIGN §4).
 
 from __future__ import annotations
 
+import collections
 import math
 import zlib
 
@@ -28,6 +29,8 @@ from . import wgrad
 from .moe import MoE, SwiGLU
 from .wgrad import Linear
 from .spec import ModelShardSpec
+
+MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
 
 class RMSNorm(nn.Module):
@@ -148,9 +151,10 @@ class Transformer(nn.Module):
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
         self.router_stats: dict[str, torch.Tensor] = {}
         self.step_load: dict[str, torch.Tensor] = {}
-        # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order (report.py:
-        # the busiest EP rank's received assignments per microbatch, the routing skew the planner prices)
-        self.mb_load: dict[str, list[torch.Tensor]] = {}
+        # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order, the last
+        # MB_LOAD_KEPT (report.py: the busiest EP rank's received assignments per microbatch, the routing skew the
+        # planner prices; bounded, so a run that never logs holds no more)
+        self.mb_load: dict[str, collections.deque] = {}
         if spec.has_token_embed:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
@@ -215,7 +219,7 @@ class Transformer(nn.Module):
                 self.expert_load[key] = counts if load is None else load + counts
                 if self.training:
                     _accumulate(self.router_stats, key, block.moe.last_router_stats)
-                    self.mb_load.setdefault(key, []).append(counts)
+                    self.mb_load.setdefault(key, collections.deque(maxlen=MB_LOAD_KEPT)).append(counts)
                     if block.moe.router_bias is not None:
                         _accumulate(self.step_load, key, counts)
         if not spec.has_head:

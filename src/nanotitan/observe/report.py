@@ -93,7 +93,7 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
     vals = torch.zeros(4, device=device, dtype=torch.float64)  # cv sum, cv count, ratio sum, ratio count
     if loads:  # every rank of an EP group holds the same layers and microbatches
         n_mb = min(len(v) for v in loads.values())
-        c = torch.stack([torch.stack(v[:n_mb]) for v in loads.values()]).double()  # (layers, microbatches, E)
+        c = torch.stack([torch.stack(list(v)[-n_mb:]) for v in loads.values()]).double()  # (layers, microbatches, E)
         mean = c.mean(-1).clamp_min(1e-9)
         vals[0], vals[1] = (c.std(-1, unbiased=False) / mean).sum(), mean.numel()
         if dims.ep > 1:
