@@ -16,6 +16,7 @@ of the full model whatever rank builds it (DESIGN §4).
 
 from __future__ import annotations
 
+import collections
 import math
 import zlib
 
@@ -33,6 +34,8 @@ from .norm import RMSNorm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
+
+MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -135,6 +138,10 @@ class Transformer(nn.Module):
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
         self.router_stats: dict[str, torch.Tensor] = {}
         self.step_load: dict[str, torch.Tensor] = {}
+        # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order, the last
+        # MB_LOAD_KEPT (report.py: the busiest EP rank's received assignments per microbatch, the routing skew the
+        # planner prices; bounded, so a run that never logs holds no more)
+        self.mb_load: dict[str, collections.deque] = {}
         self.mtp_loss_sum: torch.Tensor | None = None  # MTP losses of the training forwards (mtp.take_loss_sum)
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -195,6 +202,7 @@ class Transformer(nn.Module):
             self.expert_load[key] = counts if load is None else load + counts
             if self.training:
                 _accumulate(self.router_stats, key, block.moe.last_router_stats)
+                self.mb_load.setdefault(key, collections.deque(maxlen=MB_LOAD_KEPT)).append(counts)
                 if block.moe.router_bias is not None:
                     _accumulate(self.step_load, key, counts)
         return x, aux

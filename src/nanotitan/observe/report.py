@@ -85,6 +85,33 @@ def expert_load_stats(model: Transformer, world_size: int, device: torch.device)
     return out
 
 
+def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.device) -> dict:
+    """The routing skew of each training microbatch since the last call (then reset), per MoE layer: `expert_cv`,
+    the CV over experts of one source rank's tokens per expert (the planner's sigma, `--expert-skew`), averaged;
+    under EP, `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over
+    layers and microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by
+    (plan/skew.py). One SUM over the EP group (received = its sources' counts) and one over the world."""
+    loads = dict(model.mb_load)
+    model.mb_load.clear()  # shared by a rank's chunks (pp/chunks.py): cleared, not replaced
+    vals = torch.zeros(4, device=device, dtype=torch.float64)  # cv sum, cv count, ratio sum, ratio count
+    if loads:  # every rank of an EP group holds the same layers and microbatches
+        n_mb = min(len(v) for v in loads.values())
+        c = torch.stack([torch.stack(list(v)[-n_mb:]) for v in loads.values()]).double()  # (layers, microbatches, E)
+        mean = c.mean(-1).clamp_min(1e-9)
+        vals[0], vals[1] = (c.std(-1, unbiased=False) / mean).sum(), mean.numel()
+        if dims.ep > 1:
+            comm.all_reduce(c, group=dims.group("ep"), axis="other")
+            recv = c.view(*c.shape[:2], dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
+            vals[2], vals[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * n_mb
+    if dist.is_initialized() and dims.world_size > 1:
+        comm.all_reduce(vals, axis="other")
+    cv_sum, cv_n, r_sum, r_n = vals.tolist()
+    out = {"expert_cv": round(cv_sum / cv_n, 4)} if cv_n else {}
+    if r_n:
+        out["ep_recv_max_mean"] = round(r_sum / r_n, 4)
+    return out
+
+
 def router_biases(model: Transformer, world_size: int, device: torch.device) -> list[list[float]]:
     """Every MoE layer's router bias, gathered from the stage that holds it (a MAX over the world: every replica of a
     layer holds the same bias, the other stages -inf)."""
@@ -250,6 +277,7 @@ class StepLogger:
                              dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats,
                              virtual_stages=self.virtual_stages, mtp_loss=mtp_loss)
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
+        record.update(routing_skew_stats(self.shard.model, dims, self.device))
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)
         self.history.append(record)

@@ -52,7 +52,7 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
     opts = opts or PlanOptions()
     rows = []
     for r in measured_rows:
-        lay = _layout_of(r, cfg)
+        lay = layout_of(r, cfg)
         pred = predict(layout_config(cfg, lay), lay, hw, opts)
         mem = r["peak_mem_bytes"]
         if isinstance(mem, (list, tuple)):  # per global rank: compare each with its stage's prediction
@@ -74,7 +74,7 @@ def calibrate(measured_rows: list[dict], cfg: Config, hardware: str | Hardware |
                 if rows else float("nan"))
 
 
-def _layout_of(r: dict, cfg: Config) -> Layout:
+def layout_of(r: dict, cfg: Config) -> Layout:
     sched = r.get("schedule", cfg.parallel.schedule)
     return Layout(int(r["dp"]), int(r["pp"]), int(r["ep"]), cfg.parallel.schedule if sched in ("-", "") else sched,
                   int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
@@ -127,7 +127,7 @@ def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware
     hw = get_hardware(hardware)
     opts = opts or PlanOptions()
     fields = FIT_TIME_FIELDS if fields is None else fields
-    lays = [_layout_of(r, cfg) for r in measured_rows]
+    lays = [layout_of(r, cfg) for r in measured_rows]
     cfgs = [layout_config(cfg, lay) for lay in lays]
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     meas = [float(r["step_time_s"]) for r in measured_rows]
@@ -176,7 +176,7 @@ def peak_tensor_check(measured_rows: list[dict], cfg: Config, hardware: str | Ha
         meas = r.get("peak_tensor_per_rank")
         if not meas or None in meas:
             continue
-        lay = _layout_of(r, cfg)
+        lay = layout_of(r, cfg)
         pred = predict(_metered(layout_config(cfg, lay), r), lay, hw, opts or PlanOptions())
         step = [sum(p.values()) - p["reserved"] for p in pred.mem_parts_by_stage]
         peak = _tensor_peaks(pred)
@@ -208,7 +208,7 @@ def fit_expert_skew(measured_rows: list[dict], cfg: Config, hardware: str | Hard
     opts = opts or PlanOptions()
     fits = []
     for r in measured_rows:
-        lay = _layout_of(r, cfg)
+        lay = layout_of(r, cfg)
         if lay.ep == 1 or not r.get("peak_tensor_per_rank") or None in r["peak_tensor_per_rank"]:
             continue
         c, want = _metered(layout_config(cfg, lay), r), max(r["peak_tensor_per_rank"])

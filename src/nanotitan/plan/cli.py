@@ -32,7 +32,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true",
                     help="build every distinct rank of the config's layout at --ranks N with the real code on fake "
                          "tensors and a fake process group; report each rank's bytes against the planner's")
-    ap.add_argument("--json", default="", metavar="FILE", help="with --dry-run: every rank's bytes as JSON")
+    ap.add_argument("--json", nargs="?", const="-", default="", metavar="FILE",
+                    help="with --dry-run: every rank's bytes as JSON; with --what-if: the report as JSON (to FILE, "
+                         "or to stdout without one)")
+    ap.add_argument("--what-if", action="store_true",
+                    help="one report for a cluster (--hardware, --nodes; --ranks defaults to nodes x GPUs per node): "
+                         "does the config fit (the dry run of the best layout, its worst rank), the best layouts with "
+                         "tokens/s, step time and 80%% intervals, what dominates and what to change")
+    ap.add_argument("--no-dry-run", action="store_true", help="with --what-if: the planner's memory only (faster)")
+    ap.add_argument("--sigmas", default="", metavar="FILE",
+                    help="interval sigmas (bench plan_intervals' JSON; default: plan.interval.FITTED)")
+    ap.add_argument("--skew-from", default="", metavar="METRICS_JSONL",
+                    help="the routing skew a run recorded (its metrics.jsonl: ep_recv_max_mean) as --expert-skew")
     ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",
                     help="fit --hardware's time constants and memory reserve to `nanotitan bench layouts` output "
                          "(with its --config) and write the calibrated profile to --out")
@@ -90,6 +101,8 @@ def main(argv: list[str]) -> int:
                 print(f"\nrouting skew that matches each EP layout's peak: median {skew:.3f} "
                       f"(range {min(each):.3f}-{max(each):.3f} over {len(each)} layouts)")
             return 0
+        if args.what_if:
+            return _what_if(args, overrides)
         if not args.ranks:
             raise ConfigError("nanotitan plan needs --ranks N (the world size to plan for)")
         if args.dry_run:
@@ -97,13 +110,8 @@ def main(argv: list[str]) -> int:
         cfg = resolve_model(load_config(args.config, overrides))  # the model (init.from_hf's); the layout is ours
         hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
                              dtype="bf16" if (args.precision or cfg.train.dtype).startswith("bf16") else "fp32")
-        extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
-                                   ("n_shared_experts", args.shared_experts)) if v}
-        ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
-        opts = PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp,
-                           activation_checkpointing=ac,
-                           global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
-                           ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=args.expert_skew)
+        opts = _options(args, cfg)
+        extra = opts.shape_extra
         preds = plan(cfg, args.ranks, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -125,6 +133,48 @@ def main(argv: list[str]) -> int:
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+def _options(args, cfg) -> PlanOptions:
+    """PlanOptions from the command line (--skew-from: the skew a run recorded, plan/skew.py)."""
+    extra = {k: v for k, v in (("first_dense", args.first_dense), ("dense_ffn_dim", args.dense_ffn),
+                               ("n_shared_experts", args.shared_experts)) if v}
+    ac = None if args.activation_checkpointing == "config" else args.activation_checkpointing == "true"
+    skew = args.expert_skew
+    if args.skew_from:
+        from .skew import measured_skew
+
+        skew = measured_skew(args.skew_from, cfg.model.num_experts)
+        print(f"routing skew from {args.skew_from}: sigma {skew:.3f}", file=sys.stderr)
+    return PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp, activation_checkpointing=ac,
+                       global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
+                       ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew)
+
+
+def _what_if(args, overrides: list[str]) -> int:
+    """`--what-if`: plan/whatif.py's report for --nodes x the profile's GPUs per node (or --ranks)."""
+    import json
+
+    from .interval import load_sigmas
+    from .whatif import format_what_if, what_if
+
+    cfg = resolve_model(load_config(args.config, overrides))
+    hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
+                         dtype="bf16" if (args.precision or cfg.train.dtype).startswith("bf16") else "fp32")
+    world = args.ranks or (args.nodes or 1) * hw.devices_per_node
+    log = None if args.json == "-" else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = what_if(cfg, world, hw, _options(args, cfg), load_sigmas(args.sigmas or None), top=args.top,
+                     dry_run=not args.no_dry_run, log=log)
+    if args.json:
+        text = json.dumps(report, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(format_what_if(report))
+    return 0 if report["layouts"] else 2
 
 
 def _dry_run(args, overrides: list[str]) -> int:

@@ -18,6 +18,7 @@ from . import tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
+from .skew import time_imbalance
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
                        gemm_eff, step_time)
 
@@ -37,6 +38,8 @@ class Prediction:
     costs: dict[str, float]  # seconds per step on the critical path, by cause
     mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
     ckpt_by_stage: list[float] = field(default_factory=list)  # peak bytes while saving or loading a checkpoint
+    links: dict[str, str] = field(default_factory=dict)  # group kind -> "intra" | "inter": the link its worst group crosses
+    expert_time_factor: float = 1.0  # the busiest EP rank's received assignments over the mean (plan/skew.py)
 
     @property
     def peak_mem(self) -> float:
@@ -68,8 +71,9 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     T = layout.micro_batch * shape.seq_len  # tokens of one microbatch on one rank
     e_local = shape.num_experts // ep
     links = {}
+    grid = Layout(layout.dp, pp, ep, "1f1b", 1, 1)  # placement depends on the grid alone: one cache entry per grid
     for kind in ("ep", "pp", "non_expert_dp", "expert_dp"):
-        crosses, off = placement(layout, kind, tp_plan.node_size(opts.link_node_size or per_node, layout.tp))
+        crosses, off = placement(grid, kind, tp_plan.node_size(opts.link_node_size or per_node, layout.tp))
         links[kind] = (hw.inter if crosses else hw.intra), off
     n_virt = pp_facts.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
@@ -105,5 +109,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     mem_by_stage = [m.peak for m in mem]
     limit = hw.mem_per_rank(c.ranks_on_node)
     tokens = layout.dp * layout.ep * layout.microbatches * layout.micro_batch * c.shape.seq_len
+    links = {k: "inter" if link is hw.inter and hw.inter is not hw.intra else "intra"
+             for k, (link, _) in c.links.items()}
     return Prediction(layout, step, tokens / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      [m.parts for m in mem], [m.ckpt for m in mem])
+                      [m.parts for m in mem], [m.ckpt for m in mem], links, time_imbalance(cfg, layout, c.shape, c.skew))

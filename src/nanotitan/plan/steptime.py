@@ -6,12 +6,15 @@ Shapes: V vocab, D d_model, K top_k, E experts, S seq_len, T = m*S tokens of one
 
 from __future__ import annotations
 
+import math
+
 from ..config.config import Config, tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
 from . import tp as tp_plan
 from .context import Context
 from .shape import ModelShape, StageSummary, mtp_seconds
+from .skew import group_node_crossings, time_imbalance
 
 # zb1's split backward (B with the weight GEMMs deferred into a WeightGradStore, then W running them: the same
 # kernels as one backward, model/wgrad.py) costs this much more than one backward: measured -2..+1% of the MID
@@ -127,7 +130,10 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     lay, hw, opts = c.layout, c.hw, c.opts
     pp, M = lay.pp, lay.microbatches
     # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
-    per_stage = [_stage_time(c, s, st) for s, st in enumerate(c.stages)]
+    # the busiest EP rank's received assignments over the mean (routing skew, capped by capacity): its expert GEMMs
+    # and all-to-all bytes set each MoE layer's pace (plan/skew.py)
+    f = time_imbalance(c.cfg, lay, c.shape, c.skew)
+    per_stage = [_stage_time(c, s, st, f) for s, st in enumerate(c.stages)]
     t_stage, t_fwd, t_bwd, t_links = (list(x) for x in zip(*per_stage))
     totals = [sum(x.values()) for x in t_stage]
     slow = max(range(pp), key=totals.__getitem__)
@@ -157,17 +163,24 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node)
 
 
-def _stage_time(c: Context, s: int, st: StageSummary) -> tuple[dict[str, float], float, float, dict[str, float]]:
-    """One microbatch on stage `s`: (seconds by cause, forward compute, backward compute, link holds that are
-    waiting rather than work, under opts.links_idle)."""
+def _stage_time(c: Context, s: int, st: StageSummary,
+                f: float = 1.0) -> tuple[dict[str, float], float, float, dict[str, float]]:
+    """One microbatch on stage `s` on its busiest EP rank (`f`: its received assignments over the mean): (seconds by
+    cause, forward compute, backward compute, what is waiting rather than work: link holds under opts.links_idle, and
+    the skew's excess, which the other ranks of the group spend waiting, not computing)."""
     lay, hw, opts, prec = c.layout, c.hw, c.opts, c.prec
     pp, ep, n_virt = lay.pp, lay.ep * lay.tp, c.n_virt  # experts folded onto EP: the EP group widened by TP
     T, D = c.T, c.shape.d_model
-    t_f = T * (st.f_dense / (c.peak * c.eff_dense) + st.f_expert / (c.peak * c.eff_expert))
+    t_x = T * st.f_expert / (c.peak * c.eff_expert)  # the experts' forward at the mean load
+    t_f = T * st.f_dense / (c.peak * c.eff_dense) + f * t_x
     t_b = 2 * t_f + (t_f if c.ac else 0.0)  # backward = 2x forward, plus the recompute
+    passes = 4 if c.ac else 3
     if lay.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp/schedules.py)
         t_b *= 1 + ZB1_SPLIT_COST  # (under AC, B's recompute is the only one: W runs GEMMs on what B kept)
-    a2a_link, calls = _ep_link_time(c, s, st, t_f, t_b)
+    a2a_link, calls = _ep_link_time(c, s, st, t_f, t_b, f)
+    # what the skew adds to the busiest rank is the others' wait, not work (the balanced link time is)
+    t_f0 = t_f - (f - 1) * t_x
+    skew_a2a = a2a_link - _ep_link_time(c, s, st, t_f0, t_b * t_f0 / t_f if t_f else 0.0)[0] if f != 1 else 0.0
     a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
     # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
     sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
@@ -175,22 +188,26 @@ def _stage_time(c: Context, s: int, st: StageSummary) -> tuple[dict[str, float],
     p2p_link = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
     p2p = p2p_link + sends * 2 * hw.p2p_call_s  # a send and its recv each cost a call
     tp_s, tp_link = tp_plan.stage_tp_time(c, st)  # TP's collectives on the intra-node link (plan/tp.py)
-    links = dict(ep_a2a=a2a_link, pp_p2p=p2p_link, tp=tp_link) if opts.links_idle else {}
+    links = dict(ep_a2a=a2a_link, pp_p2p=p2p_link, tp=tp_link) if opts.links_idle else dict(ep_a2a=skew_a2a)
+    links["compute"] = (f - 1) * t_x * passes
     over = st.n_layers * hw.layer_overhead_s
     a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
     return (dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over) | ({"tp": tp_s} if lay.tp > 1 else {}),
             t_f, t_b, links)
 
 
-def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float) -> tuple[float, int]:
-    """(EP all-to-all link seconds of one microbatch on stage `s`, all-to-all calls per MoE layer)."""
+def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f: float = 1.0) -> tuple[float, int]:
+    """(EP all-to-all link seconds of one microbatch on stage `s`, all-to-all calls per MoE layer); `f`: the busiest
+    rank's received assignments over the mean, whose bytes its dispatch receives and its combine sends."""
     lay, hw, cfg = c.layout, c.hw, c.cfg
     pp, ep, M = lay.pp, lay.ep * lay.tp, lay.microbatches  # TP: EP*TP ranks route T/TP tokens each
     ep_link, ep_off = c.links["ep"]
     # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
     # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
-    a2a_bytes = c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
-    a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, a2a_bytes * ep_off / hw.inter.a2a_bw)
+    # Group-limited routing sends a token's copies to at most topk_group nodes (plan/skew.py): fewer cross nodes.
+    a2a_bytes = f * c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
+    cross = group_node_crossings(cfg, lay, c.shape, c.opts.link_node_size or math.ceil(lay.dp * pp * ep / c.nodes))
+    a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, cross * a2a_bytes * ep_off / hw.inter.a2a_bw)
     # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
     lat = (ep - 1) * ep_link.latency_s
     a2a_link = st.n_moe * (4 * a2a_one + 5 * lat) if ep > 1 else 0.0
@@ -198,7 +215,7 @@ def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float) 
     e_local = c.shape.num_experts // ep
     n_ch = min(cfg.parallel.ep_chunks, e_local) if cfg.parallel.ep_overlap and ep > 1 else 1
     if n_ch > 1 and st.n_moe:  # parallel.ep_overlap: only the exposed part of the chunked trips
-        t_x = c.T * st.f_expert / (c.peak * c.eff_expert) / st.n_moe  # one layer's expert forward
+        t_x = f * c.T * st.f_expert / (c.peak * c.eff_expert) / st.n_moe  # one layer's expert forward
         deferred = lay.schedule == "zb1" and pp > 1 and s > 0  # zb1's B: weight GEMMs wait for W
         a2a_link = st.n_moe * (lat + ep_overlap_exposed(a2a_one, lat, n_ch, t_x)
                                + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x,

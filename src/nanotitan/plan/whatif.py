@@ -1,0 +1,145 @@
+"""`nanotitan plan --what-if`: the question asked before renting a cluster, answered in one report (docs/planner.md
+§8): does the config fit (the dry run's bytes of the best layout, the worst rank named), the best layouts with
+tokens/s, step time and their 80% intervals (plan/interval.py), what dominates the step and what to change; the same
+as JSON (`whatif_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config.config import Config
+from ..config.hardware import GiB, Hardware
+from .cost import PlanOptions, Prediction, predict
+from .interval import Sigmas, mem_interval, step_interval
+from .search import plan
+from .shape import layout_config
+
+# What to change when a cause dominates the step, by cost name (docs/planner.md §3's causes).
+ADVICE = {
+    "compute": "compute-bound: the GEMMs set the step; bf16 (--train.dtype bf16) or checkpointing off "
+               "(--train.activation_checkpointing false) where memory allows",
+    "bubble": "pipeline bubble: more microbatches (--parallel.microbatches), fewer stages, or the zb1 / interleaved "
+              "schedule",
+    "ep_a2a": "expert all-to-all: keep EP within a node (--parallel.ep <= GPUs per node), overlap it "
+              "(--parallel.ep_overlap true), group-limited routing (--model.n_group/--model.topk_group), or a "
+              "more balanced router",
+    "pp_p2p": "pipeline sends: fewer stages or larger microbatches",
+    "dp_allreduce": "DP gradient sync: bf16 reduction (--parallel.reduce_dtype bf16), a larger batch per step, "
+                    "or a lower zero level",
+    "optimizer": "optimizer step: shard it (--parallel.zero 1)",
+    "overhead": "per-layer overhead: larger microbatches (--train.micro_batch)",
+}
+
+
+def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
+    lo, hi = step_interval(p, sig, network)
+    mlo, mhi = mem_interval(p, sig)
+    L = p.layout
+    return dict(layout=L.short(), dp=L.dp, pp=L.pp, ep=L.ep, schedule=L.schedule, microbatches=L.microbatches,
+                micro_batch=L.micro_batch, zero=L.zero, fits=p.fits, tokens_per_sec=p.tokens_per_sec,
+                tokens_per_sec_interval=[p.tokens_per_sec * p.step_time_s / hi, p.tokens_per_sec * p.step_time_s / lo],
+                step_time_s=p.step_time_s, step_time_interval_s=[lo, hi], peak_mem_bytes=p.peak_mem,
+                peak_mem_interval_bytes=[mlo, mhi], mem_limit_bytes=p.mem_limit, dominant=p.dominant,
+                costs_s=dict(p.costs), expert_time_factor=p.expert_time_factor)
+
+
+def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigmas, top: int = 5,
+            dry_run: bool = True, log=None) -> dict:
+    """The what-if report as a dict (the JSON): `fits`, `worst_rank` (the dry run of the best layout: its heaviest
+    rank, its bytes), `layouts` (the best `top`, each with its intervals), `dominant` and `advice` (the best layout's
+    causes of step time, largest first, and what to change), `skew` (what the routing skew costs it)."""
+    preds = plan(cfg, world, hw, opts)
+    if not preds:
+        return dict(world=world, hardware=hw.name, fits=False, layouts=[], worst_rank=None, dominant=[], advice=[],
+                    error=f"no valid layout of {world} ranks for this config and global batch")
+    best = preds[0]
+    network = not hw.cores_per_node or opts.links_idle  # collectives on a network (else gloo: host work)
+    out = dict(world=world, hardware=hw.name, nodes=opts.nodes, layouts_considered=len(preds),
+               layouts_fitting=sum(p.fits for p in preds), fits=best.fits, best=_row(best, sig, network),
+               layouts=[_row(p, sig, network) for p in preds[:top]], interval_source=sig.source)
+    shares = sorted(((k, v / best.step_time_s) for k, v in best.costs.items() if v > 0), key=lambda kv: -kv[1])
+    out["dominant"] = [dict(cause=k, share=s) for k, s in shares]
+    out["advice"] = [f"{k} {100 * s:.0f}%: {ADVICE[k]}" for k, s in shares[:2] if k in ADVICE and s >= 0.05]
+    if best.layout.ep > 1 and best.expert_time_factor != 1.0:  # the same layout under a balanced router
+        flat = predict(layout_config(cfg, best.layout), best.layout, hw, dataclasses.replace(opts, expert_skew=0.0))
+        out["skew"] = dict(expert_time_factor=best.expert_time_factor,
+                           step_time_balanced_s=flat.step_time_s, cost=best.step_time_s / flat.step_time_s - 1)
+    faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
+    if faster is not None:
+        out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
+                                       peak_mem_bytes=faster.peak_mem, mem_limit_bytes=faster.mem_limit)
+    out["worst_rank"] = _dry_run_worst(cfg, best, world, hw, opts, log) if dry_run else None
+    if out["worst_rank"] is not None:
+        out["fits"] = out["worst_rank"]["fits"]
+    return out
+
+
+def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts: PlanOptions, log=None) -> dict:
+    """The best layout's heaviest ranks built by the dry run (plan/dryrun.py: real modules on fake tensors and a fake
+    process group): the first rank of the planner's heaviest stage, of the first and of the last stage (at most 3
+    builds, not every distinct rank: the what-if answers at 2,048 ranks in a minute); the heaviest of them, and
+    whether it fits with the runtime's reserve. It runs the trainer's own precision (train.dtype: fp32 parameters,
+    bf16 autocast under bf16), whatever --precision the plan assumed."""
+    import time
+
+    from .dryrun import launch_config, layout_errors, measure_rank  # real modules on fake tensors: only when asked
+
+    t0 = time.perf_counter()
+    c = layout_config(cfg, best.layout)
+    if opts.activation_checkpointing is not None:  # what the plan assumed (--activation-checkpointing)
+        c.train.activation_checkpointing = opts.activation_checkpointing
+    c = launch_config(c, world)
+    layout_errors(c, world)
+    L = best.layout
+    stages = dict.fromkeys((best.mem_by_stage.index(best.peak_mem), 0, L.pp - 1))
+    built = []
+    for s in stages:  # rank = (dp*PP + pp)*EP + ep: replica 0, EP rank 0 of stage s
+        rb = measure_rank(c, s * L.ep, world)
+        built.append(rb)
+        if log:
+            log(f"  dry run: stage {s} rank {rb.rank} peak {rb.peak_bytes / GiB:.2f} GiB "
+                f"[{time.perf_counter() - t0:.0f} s]")
+    worst = max(built, key=lambda rb: rb.peak_bytes)
+    need = worst.peak_bytes + hw.mem_reserved_bytes
+    return dict(rank=worst.rank, coords=list(worst.coords), peak_bytes=worst.peak_bytes,
+                reserved_bytes=hw.mem_reserved_bytes, limit_bytes=best.mem_limit, fits=need <= best.mem_limit,
+                built_ranks=[rb.rank for rb in built], seconds=time.perf_counter() - t0)
+
+
+def format_what_if(r: dict) -> str:
+    """The report as text."""
+    if not r["layouts"]:
+        return f"error: {r['error']}"
+    b = r["best"]
+    lines = [f"What if: {r['world']} x {r['hardware']} ({r['layouts_considered']} layouts, {r['layouts_fitting']} fit "
+             f"by the planner)"]
+    w = r.get("worst_rank")
+    if w:
+        verdict = "FITS" if w["fits"] else "DOES NOT FIT"
+        lines.append(f"{verdict}: the dry run of {b['layout']} (ranks {w['built_ranks']} built, {w['seconds']:.0f} s): "
+                     f"worst rank {w['rank']} {tuple(w['coords'])} holds {w['peak_bytes'] / GiB:.2f} GiB + "
+                     f"{w['reserved_bytes'] / GiB:.1f} GiB reserved of {w['limit_bytes'] / GiB:.1f} GiB")
+    else:
+        lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" (planner): {b['peak_mem_bytes'] / GiB:.2f} GiB "
+                     f"per rank of {b['mem_limit_bytes'] / GiB:.1f} GiB")
+    lines += ["", "| # | layout | tokens/s (80% interval) | step s (80% interval) | peak GiB (80%) | fits | dominant |",
+              "|---:|---|---|---|---|---|---|"]
+    for i, x in enumerate(r["layouts"], 1):
+        t, s, m = x["tokens_per_sec_interval"], x["step_time_interval_s"], x["peak_mem_interval_bytes"]
+        lines.append(f"| {i} | {x['layout']} | {x['tokens_per_sec']:,.0f} ({t[0]:,.0f}-{t[1]:,.0f}) | "
+                     f"{x['step_time_s']:.3g} ({s[0]:.3g}-{s[1]:.3g}) | {x['peak_mem_bytes'] / GiB:.1f} "
+                     f"({m[0] / GiB:.1f}-{m[1] / GiB:.1f}) | {'yes' if x['fits'] else 'NO'} | {x['dominant']} |")
+    lines += ["", "Step of the best layout by cause: " + ", ".join(f"{d['cause']} {100 * d['share']:.0f}%"
+                                                                  for d in r["dominant"])]
+    lines += [f"  change: {a}" for a in r["advice"]]
+    if "skew" in r:
+        k = r["skew"]
+        lines.append(f"  routing skew: the busiest EP rank receives {k['expert_time_factor']:.2f}x the mean; "
+                     f"{100 * k['cost']:.1f}% of the step over a balanced router")
+    if "faster_if_memory" in r:
+        f = r["faster_if_memory"]
+        lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "
+                     f"{f['peak_mem_bytes'] / GiB:.1f} GiB of {f['mem_limit_bytes'] / GiB:.1f}")
+    lines.append(f"\nIntervals: {r['interval_source']}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`nanotitan plan --what-if` (plan/whatif.py) and the prediction intervals (plan/interval.py)."""
+
+import json
+
+import pytest
+
+from nanotitan.config.config import Config
+from nanotitan.config.hardware import get_hardware
+from nanotitan.plan import Layout, PlanOptions, layout_config, predict
+from nanotitan.plan.interval import FITTED, Sigmas, emulator_sigmas, mem_interval, parse_layout, step_interval
+
+TINY = ["--model.vocab_size", "288", "--data.vocab_size", "288", "--model.d_model", "32", "--model.n_layers", "2",
+        "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.num_experts", "4", "--model.top_k", "2",
+        "--train.seq_len", "16", "--model.max_seq_len", "16", "--train.micro_batch", "2",
+        "--parallel.microbatches", "2", "--global-batch", "16"]
+
+
+def _pred(skew=0.5):
+    cfg = Config()
+    cfg.model.vocab_size, cfg.data.vocab_size, cfg.model.num_experts = 288, 288, 4
+    lay = Layout(1, 2, 4, "1f1b", 4, 2)
+    return predict(layout_config(cfg, lay), lay, get_hardware("h100-sxm"), PlanOptions(expert_skew=skew, nodes=1))
+
+
+def test_the_interval_holds_the_prediction_and_widens_with_the_residuals():
+    p = _pred()
+    narrow, wide = Sigmas(host=0.02, links={"ep_a2a:intra": 0.01}), Sigmas(host=0.2, links={"ep_a2a:intra": 0.1})
+    (lo, hi), (lo2, hi2) = step_interval(p, narrow), step_interval(p, wide)
+    assert lo2 < lo < p.step_time_s < hi < hi2
+    assert hi / p.step_time_s == pytest.approx(p.step_time_s / lo)  # symmetric in log
+    mlo, mhi = mem_interval(p, Sigmas(mem=0.1))
+    assert mlo < p.peak_mem < mhi
+    # a collective the calibration never measured on this link takes its axis' worst link's sigma
+    assert Sigmas(host=0.3, links={"ep_a2a:intra": 0.01, "ep_a2a:inter": 0.04}).of("ep_a2a:other") == 0.04
+    # a CPU profile's collectives are host work: one shared error with the compute (network=False)
+    assert step_interval(p, Sigmas(host=0.1), network=False) != step_interval(p, Sigmas(host=0.1), network=True)
+    assert FITTED.host > 0 and FITTED.links
+
+
+def test_the_emulator_calibration_gives_each_collective_its_link():
+    cal = {"h100-sxm:8": {"rows": [{"layout": "dp2 pp1 ep4 - M1 m2", "dp": {"measured_s": 1.02, "modelled_s": 1.0},
+                                    "ep": {"measured_s": 0.99, "modelled_s": 1.0}}]},
+           "net:2": {"rows": [{"layout": "dp2 pp1 ep4 - M1 m2", "ep": {"measured_s": 1.1, "modelled_s": 1.0}}]}}
+    sig = emulator_sigmas(cal)
+    assert set(sig) == {"dp_allreduce:intra", "ep_a2a:intra", "ep_a2a:inter"}
+    assert sig["ep_a2a:inter"] == pytest.approx(abs(__import__("math").log(1.1)))
+    assert parse_layout("dp2 pp4 ep1 zb1 M8 m1 z3") == Layout(2, 4, 1, "zb1", 8, 1, 3)
+
+
+def test_what_if_reports_fit_worst_rank_layouts_intervals_and_advice_as_json(tmp_path, capsys):
+    from nanotitan.plan.cli import main
+
+    out = tmp_path / "whatif.json"
+    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--top", "3", "--json", str(out), *TINY]) == 0
+    text = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["world"] == 8 and r["hardware"] == "h100-sxm" and r["fits"] is True
+    w = r["worst_rank"]  # the dry run of the best layout: its heaviest rank, named
+    assert 0 <= w["rank"] < 8 and w["peak_bytes"] > 0 and w["limit_bytes"] > w["peak_bytes"] and len(w["coords"]) == 3
+    assert f"worst rank {w['rank']}" in text
+    assert len(r["layouts"]) == 3 and r["layouts"][0] == r["best"]
+    for x in r["layouts"]:
+        lo, hi = x["step_time_interval_s"]
+        assert lo < x["step_time_s"] < hi
+        t_lo, t_hi = x["tokens_per_sec_interval"]
+        assert t_lo < x["tokens_per_sec"] < t_hi
+    assert r["dominant"][0]["share"] >= r["dominant"][-1]["share"] and r["advice"]
+    assert abs(sum(d["share"] for d in r["dominant"]) - 1) < 0.01
+    # --json alone: the same report on stdout, nothing else
+    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--no-dry-run", "--json", *TINY]) == 0
+    r2 = json.loads(capsys.readouterr().out)
+    assert r2["best"]["layout"] == r["best"]["layout"] and r2["worst_rank"] is None
