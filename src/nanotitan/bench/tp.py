@@ -245,7 +245,7 @@ def layout_flags(m: int) -> dict[str, list[str]]:
             "tp2_nosp": ["--parallel.tp", "2", "--parallel.sp", "false"]}
 
 
-def layouts(config: str, steps: int, emulate: str, overrides: list[str]) -> dict:
+def layouts(config: str, steps: int, emulate: str, overrides: list[str], plain: bool = True) -> dict:
     """TP2 against DP2 (and TP2 without SP), plain and, with `emulate`, under the network emulator beside the
     planner's step time for the emulated cluster."""
     from ..config.hardware import detect_hardware
@@ -254,7 +254,7 @@ def layouts(config: str, steps: int, emulate: str, overrides: list[str]) -> dict
     from ..resolve import resolve_emulation, resolve_model
 
     out = {}
-    for net in ("", emulate) if emulate else ("",):
+    for net in ("",) * plain + ((emulate,) if emulate else ()):
         extra = ["--parallel.emulate", net] if net else []
         if net:  # one dilation for every layout (the automatic one, computed once)
             cfg = resolve_emulation(resolve_model(load_config(config, overrides + extra)))
@@ -283,6 +283,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--emulate", default="", help="also run the layouts under this emulated network (a profile)")
+    ap.add_argument("--emulated-only", action="store_true", help="with --emulate: skip the plain gloo runs")
     ap.add_argument("--out", default="", help="write the results as JSON here")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
@@ -291,7 +292,7 @@ def main(argv: list[str]) -> int:
         res["side_by_side"] = side_by_side(cfg, args.repeats)
         print(json.dumps(res["side_by_side"], indent=1), flush=True)
     if "layouts" in args.part:
-        res["layouts"] = layouts(args.config, args.steps, args.emulate, overrides)
+        res["layouts"] = layouts(args.config, args.steps, args.emulate, overrides, not args.emulated_only)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))

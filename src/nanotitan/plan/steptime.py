@@ -153,7 +153,8 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     # Every rank's CPU-seconds by cause (dp*ep ranks run each stage, each its M microbatches and its step):
     # where ranks time-share a CPU node's cores, this work / the cores bounds the step too (Hardware.time_shared).
     ranks = lay.dp * lay.ep * lay.tp
-    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer", "tp")}
+    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")
+            + (("tp",) if lay.tp > 1 else ())}
     for s in range(pp):
         for k, v in t_stage[s].items():
             work[k] += ranks * M * max(0.0, v - t_links[s].get(k, 0.0))  # an emulated link's hold is no work

@@ -35,9 +35,10 @@ from ..config.config import Config, ConfigError, validate
 from ..config.hardware import ring_allreduce_s, ring_half_s
 from .shape import Layout, ModelShape, StageSummary, layout_config
 
-# DTensor's CPU cost per TP'd module call (redistribute, the sharding propagation cache, the wrapper's dispatch),
-# per block per microbatch, forward + backward. Measured with `nanotitan bench tp` (docs/tp.md "Measured"): ours
-# over the plain model at the same GEMM work; 0 on accelerator profiles, where it overlaps the GPU.
+# The host's cost of a TP block beyond its GEMMs and calls (the regions' autograd functions, slicing and stacking the
+# shards for the collectives), per block per microbatch, forward + backward, on CPU profiles only (on a GPU it
+# overlaps the kernels). An estimate, not fitted: the load on the machine it was written on (docs/tp.md "Measured")
+# buried it; `nanotitan bench tp --part layouts` on a quiet machine is the measurement to fit it to.
 TP_BLOCK_OVERHEAD_S = 1.5e-3
 
 
