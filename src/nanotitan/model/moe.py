@@ -139,7 +139,8 @@ class MoE(nn.Module):
 
     Router options (module docstring; defaults: Mixtral's softmax router with the plain Switch loss):
     score "softmax" | "sigmoid", routed_scale, bias_update_rate (> 0 adds `router_bias`), aux_coef,
-    aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless).
+    aux_scope "micro" | "sequence", z_loss_coef, capacity_factor (0 = dropless), n_group/topk_group
+    (DeepSeekMoE's group-limited selection, `_mask_groups`).
 
     `lane_local_router_state` (set by parallel/ep.py's apply_ep for parallel.ep_overlap_microbatches): keep what
     `route` leaves for Transformer.forward (`last_counts_E`, `last_router_stats`) once per lane. With two lanes a

@@ -6,7 +6,8 @@ SwiGLU experts, softmax top-k router, untied head. pos_emb="learned" is the seed
 (owned by stage 0 like the token embedding). Options for the other published MoE families (hf.py maps
 them): grouped-query attention (n_kv_heads), head_dim, q/k RMSNorm per head (Qwen3-MoE) or over the
 whole projection (OLMoE), q/k/v biases (Qwen2-MoE), shared experts with a sigmoid gate (Qwen2-MoE),
-dense layers by index.
+dense layers by index, DeepSeek-V3's multi-head latent attention (model/mla.py, kv_lora_rank > 0) and YaRN
+(model/rope.py).
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
