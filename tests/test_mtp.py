@@ -103,16 +103,14 @@ def test_hf_round_trip_keeps_mtp_bit_exact_and_transformers_loads_the_rest(tmp_p
     from transformers import AutoModelForCausalLM
 
     from nanotitan.interop import hf
+    from tests.test_deepseek import DS_OPTIONS
     from tests.test_hf import _assert_logits_close, _randomise, _tensors
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
                              "--model.num_experts", "4", "--model.ffn_dim", "16", "--model.vocab_size", str(HV),
                              "--model.max_seq_len", "16", "--data.vocab_size", str(HV), "--train.seq_len", "16",
-                             "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim",
-                             "8", "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.n_group", "2",
-                             "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.first_k_dense",
-                             "1", "--model.shared_experts", "1", "--model.mtp_layers", "2"])
+                             *DS_OPTIONS, "--model.mtp_layers", "2"])  # test_deepseek's tiny DeepSeek-V3 options
     model = Transformer(cfg.model, seed=3)
     _randomise(model.parameters(), seed=11)
     out = hf.save_pretrained(model, cfg, tmp_path / "a")
