@@ -123,7 +123,9 @@ class Transformer(nn.Module):
     hidden states (B, S, D) elsewhere. Returns (out, aux_sum): out is the hidden state, or the
     mean cross-entropy when targets are given on the last stage, or logits without targets;
     aux_sum is the sum of this shard's MoE router losses, each already weighted by its coefficients
-    (aux_coef * balance + z_loss_coef * z per layer: the trainer only averages over layers and microbatches)."""
+    (aux_coef * balance + z_loss_coef * z per layer: the trainer only averages over layers and microbatches).
+    With model.mtp_layers the shard with the head also runs the MTP modules in training forwards (model/mtp.py): the
+    returned CE keeps the main head's value and carries the gradient of ce + mtp_coef * mtp (`mtp_loss_sum` logs it)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0):
         super().__init__()
