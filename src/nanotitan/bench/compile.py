@@ -2,8 +2,9 @@
 
     nanotitan bench compile [--config configs/mid.toml] [--steps 60] [--from-step 20] [--threads N] [-- ARGS]
 
-A 3-step compiled warm-up run first (its compile_s: the cold compile; it fills inductor's on-disk cache), then both
-jobs at the same time (the machine is shared: only ratios taken within one run mean anything), each the real trainer (`nanotitan train`) in its own run dir under /tmp, with eval, checkpoints and samples off. From
+A 3-step compiled warm-up run first, on an empty inductor cache of its own (its compile_s: the cold compile; it fills
+the cache), then the compiled job (warm cache) and, once its first record is out (compile done), the eager job, so
+their steps run at the same time (the machine is shared: only ratios taken within one run mean anything), each the real trainer (`nanotitan train`) in its own run dir under /tmp, with eval, checkpoints and samples off. From
 each metrics.jsonl: the compile time (`compile_s`, the first record's), the first record's step time, and the
 steady step time: the median of the records' step times from --from-step on (each record's step time is the mean
 over the steps since the previous record; a record holding a metered step, which runs eagerly, is among them),
@@ -20,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path("/tmp") / args.tag
     runs = {name: root / name for name in ("eager", "compiled")}
-    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")  # empty: the warm-up's compile is cold
     # A short compiled run first fills inductor's on-disk cache (its compile_s is the cold compile time), so that the
     # compiled job below loads its graphs and both jobs' steady steps overlap in time (a job that compiles for
     # minutes while the other steps alone, then steps alone itself, measures nothing side by side).
@@ -62,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     if warm.wait() != 0:
         raise SystemExit(f"warm-up job failed: see {root / 'warmup'}.log")
     cold = summarize(root / "warmup" / "metrics.jsonl", 1)["compile_s"]
-    procs = {name: _launch(args.config, name == "compiled", args.steps, d, args.extra) for name, d in runs.items()}
+    # The eager job starts once the compiled one has its first record (its compile is done): their steps run together.
+    procs = {"compiled": _launch(args.config, True, args.steps, runs["compiled"], args.extra)}
+    first = runs["compiled"] / "metrics.jsonl"
+    while procs["compiled"].poll() is None and not (first.exists() and '{"step"' in first.read_text()):
+        time.sleep(0.2)
+    procs["eager"] = _launch(args.config, False, args.steps, runs["eager"], args.extra)
     for name, p in procs.items():
         if p.wait() != 0:
             raise SystemExit(f"{name} job failed: see {runs[name]}.log")
