@@ -6,13 +6,20 @@ import pytest
 import torch
 
 from tests.mp import run_ranks
-from tests.test_equivalence import LR, STEPS, B, base_args, m, one_process
+from tests.test_equivalence import LR, B, base_args, one_process
 from tests.test_equivalence_bf16 import EVAL, bf16_bound, max_rel_dev
+
+
+# Shorter than the main matrix (4 steps, microbatches of 4: 4 per step in one process), so the ~20 TP rows fit the
+# suite's time; every TP collective still runs forward and backward in each microbatch of each step.
+STEPS, m = 4, 4
+SHORT = ("--train.steps", str(STEPS), "--train.micro_batch", str(m), "--train.ckpt_at_end", "false")
+REF = (*SHORT, "--parallel.microbatches", str(B // m))  # the one-process reference: the same B sequences a step
 
 
 def tp_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
     return ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep), "--parallel.tp", str(tp),
-            "--parallel.microbatches", str(B // (dp * ep * m)), *extra]
+            "--parallel.microbatches", str(B // (dp * ep * m)), *SHORT, *extra]
 
 
 def train_tp(args: list[str]) -> dict:
@@ -71,27 +78,27 @@ DEEPSEEK = ("--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.
             "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.router_score", "sigmoid",
             "--model.n_group", "2", "--model.topk_group", "1", "--model.aux_scope", "sequence",
             "--model.first_k_dense", "1", "--model.shared_experts", "1")
-BF16 = ("--train.dtype", "bf16", *EVAL)
+BF16 = ("--train.dtype", "bf16", *EVAL, "--train.eval_every", str(STEPS))
 
 
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
-    return one_process(corpus_dir, tmp_path_factory, "ref_tp")
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp", REF)
 
 
 @pytest.fixture(scope="module")
 def bf16_reference(corpus_dir, tmp_path_factory):
-    return one_process(corpus_dir, tmp_path_factory, "ref_tp_bf16", BF16)
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_bf16", (*REF, *BF16))
 
 
 @pytest.fixture(scope="module")
 def deepseek_reference(corpus_dir, tmp_path_factory):
-    return one_process(corpus_dir, tmp_path_factory, "ref_tp_deepseek", DEEPSEEK)
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_deepseek", (*REF, *DEEPSEEK))
 
 
 @pytest.fixture(scope="module")
 def options_reference(corpus_dir, tmp_path_factory):
-    return one_process(corpus_dir, tmp_path_factory, "ref_tp_options", OPTIONS)
+    return one_process(corpus_dir, tmp_path_factory, "ref_tp_options", (*REF, *OPTIONS))
 
 
 def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs: dict, timeout: float) -> None:
