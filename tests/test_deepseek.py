@@ -103,10 +103,7 @@ def test_import_export_round_trip_and_fresh_export(ds_dirs, tmp_path):
             with torch.no_grad():
                 _assert_logits_close(model(X)[0], _hf(out)(X).logits)
     # one of ours (no router bias: written as transformers' zeros; biased projections) loads with our logits
-    cfg = load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
-                             "--model.num_experts", "8", "--model.ffn_dim", "16", "--model.vocab_size", str(V),
-                             "--model.max_seq_len", "64", "--data.vocab_size", str(V), "--train.seq_len", "16",
-                             "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim",
+    cfg = tiny_config(V, 8, 64, *["--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim",
                              "8", "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.n_group", "2",
                              "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.first_k_dense",
                              "1", "--model.shared_experts", "1", "--model.dense_ffn_dim", "40",
@@ -217,6 +214,14 @@ def test_flops_count_mla_matmuls_and_widths():
 
 
 # --- a multi-rank layout trains what one process trains (DESIGN §4): one 4-rank launch --------------------------
+
+def tiny_config(vocab: int, num_experts: int, max_seq_len: int, *extra: str):
+    """A 3-layer, d-32 model of `num_experts` experts (seq 16) plus `extra` flags: the tests' tiny DeepSeek shapes."""
+    return load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
+                              "--model.num_experts", str(num_experts), "--model.ffn_dim", "16",
+                              "--model.vocab_size", str(vocab), "--model.max_seq_len", str(max_seq_len),
+                              "--data.vocab_size", str(vocab), "--train.seq_len", "16", *extra])
+
 
 DS_OPTIONS = ["--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
               "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--model.n_group", "2",

@@ -103,14 +103,11 @@ def test_hf_round_trip_keeps_mtp_bit_exact_and_transformers_loads_the_rest(tmp_p
     from transformers import AutoModelForCausalLM
 
     from nanotitan.interop import hf
-    from tests.test_deepseek import DS_OPTIONS
+    from tests.test_deepseek import DS_OPTIONS, tiny_config
     from tests.test_hf import _assert_logits_close, _randomise, _tensors
 
     torch.set_num_threads(1)
-    cfg = load_config(None, ["--model.d_model", "32", "--model.n_heads", "4", "--model.n_layers", "3",
-                             "--model.num_experts", "4", "--model.ffn_dim", "16", "--model.vocab_size", str(HV),
-                             "--model.max_seq_len", "16", "--data.vocab_size", str(HV), "--train.seq_len", "16",
-                             *DS_OPTIONS, "--model.mtp_layers", "2"])  # test_deepseek's tiny DeepSeek-V3 options
+    cfg = tiny_config(HV, 4, 16, *DS_OPTIONS, "--model.mtp_layers", "2")  # test_deepseek's tiny DeepSeek-V3 options
     model = Transformer(cfg.model, seed=3)
     _randomise(model.parameters(), seed=11)
     out = hf.save_pretrained(model, cfg, tmp_path / "a")
