@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.mp import run_ranks
-from tests.test_equivalence import LR, B, base_args, one_process
+from tests.test_equivalence import LR, B, base_args, m as M_MAIN, one_process
 from tests.test_equivalence_bf16 import EVAL, bf16_bound, max_rel_dev
 
 
@@ -17,9 +17,14 @@ SHORT = ("--train.steps", str(STEPS), "--train.micro_batch", str(m), "--train.ck
 REF = (*SHORT, "--parallel.microbatches", str(B // m))  # the one-process reference: the same B sequences a step
 
 
-def tp_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
+def tp_layout(dp=1, pp=1, ep=1, tp=2, extra=(), micro_batch=M_MAIN) -> list[str]:
+    """The main matrix's layout flags (B sequences a step in microbatches of `micro_batch`) with TP."""
     return ["--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep), "--parallel.tp", str(tp),
-            "--parallel.microbatches", str(B // (dp * ep * m)), *SHORT, *extra]
+            "--parallel.microbatches", str(B // (dp * ep * micro_batch)), *extra]
+
+
+def short_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
+    return tp_layout(dp, pp, ep, tp, (*SHORT, *extra), micro_batch=m)
 
 
 def train_tp(args: list[str]) -> dict:
@@ -46,7 +51,7 @@ def train_tp(args: list[str]) -> dict:
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):
-    return [train_tp(base_args(corpus_dir, f"{run_root}/{world}_{i}") + tp_layout(*case))
+    return [train_tp(base_args(corpus_dir, f"{run_root}/{world}_{i}") + short_layout(*case))
             for i, case in enumerate(cases)]
 
 

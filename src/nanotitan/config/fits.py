@@ -88,9 +88,11 @@ def _culprit(cfg, **how) -> str:
     for name in SIZE_FIELDS:
         if name == ("data.vocab_size" if own_vocab else "model.vocab_size"):
             continue
+        section, key = name.split(".")
+        if not getattr(getattr(cfg, section), key):  # 0 is off or automatic (kv_lora_rank 0: no MLA): never the culprit
+            continue
         trial = copy.copy(cfg)
         trial.model, trial.data = copy.copy(m), copy.copy(d)
-        section, key = name.split(".")
         setattr(getattr(trial, section), key, 1)
         if key == "vocab_size":
             trial.model.vocab_size = trial.data.vocab_size = 1
