@@ -1,7 +1,7 @@
 """`nanotitan bench tp`: tensor parallel measured side by side (docs/tp.md "Measured").
 
     nanotitan bench tp [--part torch sp layouts] [--config configs/mid.toml] [--repeats 7] [--steps 12]
-                       [--emulate h100-sxm] [--out docs/experiments/tp.json]
+                       [--emulate h100-sxm] [--layouts dp2 tp2 tp2_nosp dp2_tp2 tp4] [--out docs/experiments/tp.json]
 
     torch    ours (parallel/tp.py on our Transformer) against torch's own `parallelize_module` TP (ColwiseParallel,
              RowwiseParallel, SequenceParallel, loss_parallel) on a plain nn.Module of the same shapes, dense
@@ -240,12 +240,16 @@ def run_train(config: str, flags: list[str], steps: int, run_dir: Path, timeout:
 
 
 def layout_flags(m: int) -> dict[str, list[str]]:
-    """TP2 against DP2 at the same tokens per step: DP2's ranks take m/2 sequences each, TP2's share m."""
+    """The layouts at the same tokens per step (m sequences): DP2's ranks take m/2 each, TP2's share m; the 4-rank
+    ones (DP2·TP2 at m/2 per DP rank, TP4 sharing m) time-share the 2 cores as 8-rank `bench layouts` runs do."""
     return {"dp2": ["--parallel.dp", "2", "--train.micro_batch", str(m // 2)], "tp2": ["--parallel.tp", "2"],
-            "tp2_nosp": ["--parallel.tp", "2", "--parallel.sp", "false"]}
+            "tp2_nosp": ["--parallel.tp", "2", "--parallel.sp", "false"],
+            "dp2_tp2": ["--parallel.dp", "2", "--parallel.tp", "2", "--train.micro_batch", str(m // 2)],
+            "tp4": ["--parallel.tp", "4"]}
 
 
-def layouts(config: str, steps: int, emulate: str, overrides: list[str], plain: bool = True) -> dict:
+def layouts(config: str, steps: int, emulate: str, overrides: list[str], plain: bool = True,
+            names: tuple[str, ...] = ("dp2", "tp2", "tp2_nosp")) -> dict:
     """TP2 against DP2 (and TP2 without SP), plain and, with `emulate`, under the network emulator beside the
     planner's step time for the emulated cluster."""
     from ..config.hardware import detect_hardware
@@ -262,6 +266,8 @@ def layouts(config: str, steps: int, emulate: str, overrides: list[str], plain: 
             links = emu.link_model(cfg)
             hw = links.dilated(detect_hardware("cpu-gloo"))
         for name, flags in layout_flags(load_config(config, overrides).train.micro_batch).items():
+            if name not in names:
+                continue
             with tempfile.TemporaryDirectory() as d:
                 row = run_train(config, overrides + flags + extra, steps, Path(d), timeout=1800)
             if net:
@@ -285,6 +291,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--emulate", default="", help="also run the layouts under this emulated network (a profile)")
     ap.add_argument("--emulated-only", action="store_true", help="with --emulate: skip the plain gloo runs")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--layouts", nargs="+", default=["dp2", "tp2", "tp2_nosp"], choices=list(layout_flags(2)),
+                    help="which layouts the layouts part runs")
     args, overrides = ap.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     res = {}
@@ -292,7 +300,8 @@ def main(argv: list[str]) -> int:
         res["side_by_side"] = side_by_side(cfg, args.repeats)
         print(json.dumps(res["side_by_side"], indent=1), flush=True)
     if "layouts" in args.part:
-        res["layouts"] = layouts(args.config, args.steps, args.emulate, overrides, not args.emulated_only)
+        res["layouts"] = layouts(args.config, args.steps, args.emulate, overrides, not args.emulated_only,
+                                 tuple(args.layouts))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
