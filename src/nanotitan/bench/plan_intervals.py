@@ -229,7 +229,9 @@ def main(argv: list[str]) -> int:
     text += "\n\n" + format_table(rows) + "\n\n" + format_waits(rows) if rows else ""
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        cmd = " ".join(["python -m nanotitan.bench.plan_intervals", *argv])
+        Path(args.out).write_text(f"# The planner's 80% step intervals against emulated runs (docs/planner.md §7)\n\n"
+                                  f"Written by `{cmd}`.\n\n{text}\n")
     return 0
 
 
