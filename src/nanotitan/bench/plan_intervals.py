@@ -4,7 +4,7 @@ emulated networks: how many measured step times fall inside the predicted interv
 
     python -m nanotitan.bench.plan_intervals --runs docs/experiments/plan_intervals_nvlink.json ... \\
         [--noise OLD.json NEW.json] [--config configs/bench.toml]
-    python -m nanotitan.bench.plan_intervals --measure-skew docs/experiments/skew_check.json   # runs 6 layouts
+    python -m nanotitan.bench.plan_intervals --measure-skew docs/experiments/skew_check_bw.json --bandwidth-bound
     python -m nanotitan.bench.plan_intervals --skew-check docs/experiments/skew_check_bw.json  # the table
 
 Term sigmas (`plan.interval.fit_sigmas`): leave-one-out over `--calibration` (the `bench layouts` rows cpu-gloo is
@@ -62,13 +62,16 @@ def score_run(path: str, config: str, sig) -> list[dict]:
     """Each row of one `bench layouts` run file: predicted step (at the recorded skew and at 0), its terms' sd, the
     measured step and waits. The interval comes later (`score`), with a composition term."""
     data = json.loads(Path(path).read_text())
-    em = data["emulate"]
-    cfg, hw, node = _emulated(config, ["--parallel.emulate", em["profile"], "--parallel.emulate_node_size",
-                                       str(em["node_size"]), "--parallel.emulate_dilation", repr(em["dilation"])])
-    out = []
-    for r in data["rows"]:
+    em = data.get("emulate")
+    run_args = em and ["--parallel.emulate", em["profile"], "--parallel.emulate_node_size", str(em["node_size"]),
+                       "--parallel.emulate_dilation", repr(em["dilation"])]
+    out, seen = [], {}
+    for r in data["rows"]:  # a row with its own "overrides" (the skew check's) is predicted under them
+        args = tuple(r.get("overrides") or run_args)
+        cfg, hw, node = seen[args] = seen.get(args) or _emulated(config, list(args))
         p, p0, skew = _predict(cfg, hw, node, r)
-        out.append(dict(run=Path(path).stem.removeprefix("plan_intervals_").removeprefix("layouts_"),
+        tag = f" {r['tag']}" if "tag" in r else ""
+        out.append(dict(run=Path(path).stem.removeprefix("plan_intervals_").removeprefix("layouts_") + tag,
                         grid=(p.layout.dp, p.layout.pp, p.layout.ep), layout=p.layout.short(),
                         ratio=r.get("ep_recv_max_mean"), skew=skew, pred=p.step_time_s, pred0=p0.step_time_s,
                         sd=terms_sd(p, sig), meas=float(r["step_time_s"]), costs=p.costs,
@@ -107,19 +110,26 @@ def run_noise(pairs: list[tuple[str, str]]) -> tuple[float, list[float]]:
 SKEW_EMULATE = ["--parallel.emulate", "h100-sxm", "--parallel.emulate_node_size", "8",
                 "--parallel.emulate_dilation", "0.0006872649146099278", "--model.aux_coef", "0"]
 SKEW_RUNS = {"cap1": ["--model.capacity_factor", "1.0"], "skew": []}
-SKEW_LAYOUTS = ((2, 1, 4, 2), (4, 1, 2, 2), (1, 2, 4, 4))  # dp, pp, ep, M at m = 1
+SKEW_LAYOUTS = ((2, 1, 4, 2), (4, 1, 2, 2), (1, 2, 4, 4))  # dp, pp, ep, M
+# --bandwidth-bound: d 256 at m = 2 on the 100 Gb/s network in nodes of 2, so EP 4's all-to-all crosses the slow link
+SKEW_BW = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.emulate_node_size", "2",
+           "--parallel.emulate_dilation", "0.0006872649146099278", "--model.aux_coef", "0",
+           "--model.d_model", "256", "--model.ffn_dim", "512"]
 
 
-def measure_skew(out: str, config: str, steps: int = 14) -> None:
+def measure_skew(out: str, config: str, steps: int = 14, bandwidth_bound: bool = False) -> None:
+    """Each SKEW_LAYOUTS layout dropless and capped, one after the other; rows carry their overrides."""
     from .layouts import run_layout, summarise
 
+    emu, m, steps = (SKEW_BW, 2, 12) if bandwidth_bound else (SKEW_EMULATE, 1, steps)
     rows = []
-    for tag, extra in SKEW_RUNS.items():
-        for dp, pp, ep, M in SKEW_LAYOUTS:
-            res = run_layout(dp, pp, ep, "1f1b", M, 1, steps, Path(out).parent / "runs" / f"{tag}_dp{dp}_pp{pp}_ep{ep}",
-                             [f"--config={config}", *SKEW_EMULATE, *extra], 1800)
+    for dp, pp, ep, M in SKEW_LAYOUTS:
+        for tag, extra in SKEW_RUNS.items():
+            name = f"{'bw_' if bandwidth_bound else ''}{tag}_dp{dp}_pp{pp}_ep{ep}"
+            res = run_layout(dp, pp, ep, "1f1b", M, m, steps, Path(out).parent / "runs" / name,
+                             [f"--config={config}", *emu, *extra], 1800)
             rows.append({"tag": tag, "dp": dp, "pp": pp, "ep": ep, "schedule": "1f1b" if pp > 1 else "-", "M": M,
-                         "m": 1, **summarise(res, (steps // 3, steps))})
+                         "m": m, "overrides": emu + extra, **summarise(res, (steps // 3, steps))})
             Path(out).write_text(json.dumps({"rows": rows}, indent=1))
 
 
@@ -197,6 +207,7 @@ def main(argv: list[str]) -> int:
                     help="two measurements of the same layouts: the run-to-run noise")
     ap.add_argument("--measure-skew", default="", metavar="OUT_JSON", help="run the skew check's layouts")
     ap.add_argument("--skew-check", default="", metavar="JSON", help="the skew check's table of --measure-skew's rows")
+    ap.add_argument("--bandwidth-bound", action="store_true", help="--measure-skew at d 256, m 2, EP over 100 Gb/s")
     ap.add_argument("--config", default="configs/bench.toml", help="the config the runs and the calibration ran")
     ap.add_argument("--calibration", default="docs/experiments/layouts.json")
     ap.add_argument("--emulate-cal", default="docs/experiments/emulate_calibration.json")
@@ -205,7 +216,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
     args = ap.parse_args(argv)
     if args.measure_skew:
-        measure_skew(args.measure_skew, args.config)
+        measure_skew(args.measure_skew, args.config, bandwidth_bound=args.bandwidth_bound)
     if args.skew_check or args.measure_skew:
         print(skew_check(args.skew_check or args.measure_skew, args.config))
         return 0
