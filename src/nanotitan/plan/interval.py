@@ -168,10 +168,10 @@ def load_sigmas(path: str | Path | None = None) -> Sigmas:
 
 # `python -m nanotitan.bench.plan_intervals` (docs/planner.md §7): cpu-gloo's 17 calibration layouts left out one at
 # a time, the emulator's calibration (docs/experiments/emulate_calibration.json), and the composition fitted on the
-# 32 emulated 8-rank steps of docs/experiments/plan_intervals_*.json (2 Dec 2026, quiet machine)
+# 38 emulated 8-rank steps of docs/experiments/plan_intervals_*.json and skew_check_bw.json (2 Dec 2026)
 FITTED = Sigmas(host=0.0595, mem=0.0095,
                 links={"dp_allreduce:inter": 0.0021, "dp_allreduce:intra": 0.0079, "ep_a2a:inter": 0.0057,
                        "ep_a2a:intra": 0.0201, "pp_p2p:inter": 0.0135, "pp_p2p:intra": 0.0216},
                 source="leave-one-out over 17 calibration layouts; the emulator's 128 (layout, rank) rows; "
-                       "composition over 32 emulated steps of 8 layouts",
-                step_bias=0.0232, step_sigma=0.0850)
+                       "composition over 38 emulated steps of 8 layouts",
+                step_bias=0.0225, step_sigma=0.0805)
