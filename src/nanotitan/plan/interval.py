@@ -12,9 +12,13 @@ send/recv, the DP sync, the optimizer). Two kinds of term, each off by a factor 
   crosses), independently: the network emulator's measured against modelled time of that axis' calls
   (`nanotitan bench emulate`, docs/emulate.md), root mean square over layouts and call sizes.
 
-The step's log error then has sd = sqrt((w_host sigma_host)^2 + sum_k (w_k sigma_k)^2), w the terms' shares of the
-step, and the 80% interval is step * exp(+-1.2816 sd). Peak memory: the root mean square of the calibration rows'
-per-rank log residuals of the peak.
+The terms' sd is sqrt((w_host sigma_host)^2 + sum_k (w_k sigma_k)^2), w the terms' shares of the step. Each term is
+calibrated alone, but a whole step is more than its terms: ranks wait on late peers, time-share cores, wake from
+holds, run Python between calls. That composition is calibrated end to end (`fit_composition`): over measured steps
+of calibration layouts, the log residual's mean (`step_bias`, applied to the prediction) and its spread beyond the
+terms' (`step_sigma`, composed with them). The 80% interval is step * exp(step_bias +- 1.2816 sd), sd =
+sqrt(terms' sd^2 + step_sigma^2). Peak memory: the root mean square of the calibration rows' per-rank log residuals
+of the peak.
 
 `fit_sigmas` computes them; `python -m nanotitan.bench.plan_intervals` writes docs/experiments/interval_sigmas.json,
 and `FITTED` carries those figures (as memory.EXPERT_SKEW carries its fit).
@@ -22,6 +26,7 @@ and `FITTED` carries those figures (as memory.EXPERT_SKEW carries its fit).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -45,6 +50,8 @@ class Sigmas:
     links: dict[str, float] = field(default_factory=dict)  # "ep_a2a:inter" -> sigma of that collective's time
     mem: float = 0.05  # the peak's
     source: str = "defaults (no calibration read)"
+    step_bias: float = 0.0  # composition: mean log(measured / predicted) of whole calibration steps
+    step_sigma: float = 0.0  # composition: their log residuals' sd beyond what the terms' sigmas explain
 
     def of(self, term: str) -> float:
         """A collective's sigma; on a link no calibration measured, its axis' worst link's, else the host's."""
@@ -55,8 +62,9 @@ class Sigmas:
 
 
 def step_sd(pred: Prediction, sig: Sigmas, network: bool = True) -> float:
-    """The sd of the step's log error. `network`: the collectives run on a network (a GPU profile, or an emulated
-    one: PlanOptions.links_idle), each with its link's sigma; False: on a CPU profile's gloo, host work like the rest."""
+    """The sd of the step's log error: its terms' and the composition's (`step_sigma`). `network`: the collectives run
+    on a network (a GPU profile, or an emulated one: PlanOptions.links_idle), each with its link's sigma; False: on a
+    CPU profile's gloo, host work like the rest."""
     host, var = 0.0, 0.0
     for k, v in pred.costs.items():
         share = max(v, 0.0) / pred.step_time_s
@@ -64,13 +72,31 @@ def step_sd(pred: Prediction, sig: Sigmas, network: bool = True) -> float:
             var += (share * sig.of(f"{k}:{pred.links.get(COLLECTIVES[k], 'intra')}")) ** 2
         else:
             host += share
-    return math.sqrt(var + (host * sig.host) ** 2)
+    return math.sqrt(var + (host * sig.host) ** 2 + sig.step_sigma ** 2)
+
+
+def terms_sd(pred: Prediction, sig: Sigmas, network: bool = True) -> float:
+    """The sd of the step's log error from its terms alone (no composition term)."""
+    return step_sd(pred, dataclasses.replace(sig, step_sigma=0.0), network)
 
 
 def step_interval(pred: Prediction, sig: Sigmas, network: bool = True, z: float = Z80) -> tuple[float, float]:
-    """(low, high) seconds: the 80% interval (z = Z80) of the step time."""
-    sd = step_sd(pred, sig, network)
-    return pred.step_time_s * math.exp(-z * sd), pred.step_time_s * math.exp(z * sd)
+    """(low, high) seconds: the 80% interval (z = Z80) of the step time, centred on the prediction corrected by the
+    composition's bias."""
+    sd, mid = step_sd(pred, sig, network), pred.step_time_s * math.exp(sig.step_bias)
+    return mid * math.exp(-z * sd), mid * math.exp(z * sd)
+
+
+def fit_composition(residuals: list[float], term_sds: list[float]) -> tuple[float, float]:
+    """(step_bias, step_sigma) from whole measured steps: `residuals` log(measured / predicted), `term_sds` each
+    prediction's terms' sd (`terms_sd`). The bias is their mean; the sigma what their variance (n - 1) leaves beyond
+    the terms' mean variance, 0 where the terms explain it all."""
+    n = len(residuals)
+    if n < 2:
+        return (residuals[0] if residuals else 0.0), 0.0
+    bias = sum(residuals) / n
+    var = sum((r - bias) ** 2 for r in residuals) / (n - 1) - sum(t * t for t in term_sds) / n
+    return bias, math.sqrt(max(var, 0.0))
 
 
 def mem_interval(pred: Prediction, sig: Sigmas, z: float = Z80) -> tuple[float, float]:
@@ -141,8 +167,11 @@ def load_sigmas(path: str | Path | None = None) -> Sigmas:
 
 
 # `python -m nanotitan.bench.plan_intervals` (docs/planner.md §7): cpu-gloo's 17 calibration layouts left out one at
-# a time, and the emulator's calibration (docs/experiments/emulate_calibration.json)
-FITTED = Sigmas(host=0.0622, mem=0.0095,
+# a time, the emulator's calibration (docs/experiments/emulate_calibration.json), and the composition fitted on the
+# 38 emulated 8-rank steps of docs/experiments/plan_intervals_*.json and skew_check_bw.json (2 Dec 2026)
+FITTED = Sigmas(host=0.0595, mem=0.0095,
                 links={"dp_allreduce:inter": 0.0021, "dp_allreduce:intra": 0.0079, "ep_a2a:inter": 0.0057,
                        "ep_a2a:intra": 0.0201, "pp_p2p:inter": 0.0135, "pp_p2p:intra": 0.0216},
-                source="leave-one-out over 17 calibration layouts; the emulator's 128 (layout, rank) rows")
+                source="leave-one-out over 17 calibration layouts; the emulator's 128 (layout, rank) rows; "
+                       "composition over 38 emulated steps of 8 layouts",
+                step_bias=0.0225, step_sigma=0.0805)

@@ -148,12 +148,13 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     costs["overhead"] += hw.step_overhead_s
     costs["dp_allreduce"] = exposed_dp
     costs["optimizer"] = t_opt
-    step = t_pipe + exposed_dp + t_opt + hw.step_overhead_s
+    costs["grad_norm"] = t_norm = grad_norm_sync(c)
+    step = t_pipe + exposed_dp + t_norm + t_opt + hw.step_overhead_s
 
     # Every rank's CPU-seconds by cause (dp*ep ranks run each stage, each its M microbatches and its step):
     # where ranks time-share a CPU node's cores, this work / the cores bounds the step too (Hardware.time_shared).
     ranks = lay.dp * lay.ep * lay.tp
-    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "optimizer")
+    work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "grad_norm", "optimizer")
             + (("tp",) if lay.tp > 1 else ())}
     for s in range(pp):
         for k, v in t_stage[s].items():
@@ -161,7 +162,25 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
         work["overhead"] += ranks * hw.step_overhead_s
         work["dp_allreduce"] += 0.0 if opts.links_idle else ranks * t_ar_by_stage[s]
         work["optimizer"] += ranks * t_opt_by_stage[s]
+        work["grad_norm"] += 0.0 if opts.links_idle else ranks * t_norm
     return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node)
+
+
+def grad_norm_sync(c: Context) -> float:
+    """The global gradient norm's scalar all-reduces, once per step between the DP sync and the optimizer
+    (parallel/clip.py, which every step runs, grad_clip 0 included): over the EP group (whole gradients, zero 0;
+    zero 3's experts left whole at DP 1), over the sharded group (zero >= 1: the stage's DP x EP x TP ranks) and over
+    PP. Each is a 4-byte ring: 2(g - 1) latencies of its link, which under an emulated network (dilated latencies)
+    are tens of milliseconds, on a GPU cluster tens of microseconds."""
+    lay, zero = c.layout, c.zero
+    groups = []  # (group size, link kind)
+    if lay.ep * lay.tp > 1 and (zero == 0 or (zero == 3 and lay.dp == 1)):
+        groups.append((lay.ep * lay.tp, "ep"))
+    if zero and lay.dp * lay.ep * lay.tp > 1:
+        groups.append((lay.dp * lay.ep * lay.tp, "non_expert_dp"))
+    if lay.pp > 1:
+        groups.append((lay.pp, "pp"))
+    return sum(ring_allreduce_s(4, g, c.links[k][0].allreduce_bw, c.links[k][0].latency_s) for g, k in groups)
 
 
 def _stage_time(c: Context, s: int, st: StageSummary,
@@ -178,10 +197,8 @@ def _stage_time(c: Context, s: int, st: StageSummary,
     passes = 4 if c.ac else 3
     if lay.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp/schedules.py)
         t_b *= 1 + ZB1_SPLIT_COST  # (under AC, B's recompute is the only one: W runs GEMMs on what B kept)
-    a2a_link, calls = _ep_link_time(c, s, st, t_f, t_b, f)
-    # what the skew adds to the busiest rank is the others' wait, not work (the balanced link time is)
-    t_f0 = t_f - (f - 1) * t_x
-    skew_a2a = a2a_link - _ep_link_time(c, s, st, t_f0, t_b * t_f0 / t_f if t_f else 0.0)[0] if f != 1 else 0.0
+    a2a_link, balanced_link, calls = _ep_link_time(c, s, st, t_f, t_b, f, t_x)
+    skew_a2a = a2a_link - balanced_link  # what the skew adds is the others' wait, not work (the balanced link is)
     a2a = a2a_link + (st.n_moe * calls * hw.a2a_call_s if ep > 1 else 0.0)
     # P2P per microbatch; interleaved: a microbatch enters and leaves each rank V times (2V-1 at the ends)
     sends = ((0 if st.last else 1) + (0 if st.first else 1)) if n_virt == 1 else 2 * n_virt - 1
@@ -197,9 +214,19 @@ def _stage_time(c: Context, s: int, st: StageSummary,
             t_f, t_b, links)
 
 
-def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f: float = 1.0) -> tuple[float, int]:
-    """(EP all-to-all link seconds of one microbatch on stage `s`, all-to-all calls per MoE layer); `f`: the busiest
-    rank's received assignments over the mean, whose bytes its dispatch receives and its combine sends."""
+def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f: float = 1.0,
+                  t_x: float = 0.0) -> tuple[float, float, int]:
+    """(EP all-to-all link seconds of one microbatch on stage `s` on its busiest rank, the same at a balanced load,
+    all-to-all calls per MoE layer); `f`: the busiest rank's received assignments over the mean, whose bytes its
+    dispatch receives and its combine sends; `t_x`: the stage's expert forward at the mean load (in t_f f times)."""
+    t_f0 = t_f - (f - 1) * t_x  # the balanced rank's compute, which the overlap and lanes models hide trips behind
+    t_b0 = t_b * t_f0 / t_f if t_f else 0.0
+    link, calls = _ep_link_at(c, s, st, t_f, t_b, f)
+    return link, (_ep_link_at(c, s, st, t_f0, t_b0, 1.0)[0] if f != 1 else link), calls
+
+
+def _ep_link_at(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f: float) -> tuple[float, int]:
+    """(EP all-to-all link seconds of one microbatch on stage `s` at received load `f`, calls per MoE layer)."""
     lay, hw, cfg = c.layout, c.hw, c.cfg
     pp, ep, M = lay.pp, lay.ep * lay.tp, lay.microbatches  # TP: EP*TP ranks route T/TP tokens each
     ep_link, ep_off = c.links["ep"]
