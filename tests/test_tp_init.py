@@ -204,3 +204,17 @@ def test_no_rank_builds_the_whole_stage():
             assert old_shard == shard
             assert peak <= shard + largest, (tp, peak, shard, largest)
             assert old_peak > shard + largest, (tp, old_peak, shard, largest)  # the old path would fail the bound
+
+
+if __name__ == "__main__":  # docs/tp.md's table: python -m tests.test_tp_init CONFIG [--section.key VALUE ...]
+    import sys
+
+    torch.set_num_threads(1)
+    MiB = 2 ** 20
+    for tp in (1, 2, 4):
+        cfg = load_config(sys.argv[1], [*sys.argv[2:], "--parallel.tp", str(tp)])
+        cfg.model.vocab_size = cfg.model.vocab_size or cfg.data.vocab_size
+        dims = ParallelDims(1, 1, 1, rank=0, tp=tp)
+        (after, shard, largest), (before, _, _) = build_peak(cfg, dims, False), build_peak(cfg, dims, True)
+        print(f"tp {tp}: shard {shard / MiB:.2f} MiB, largest whole param {largest / MiB:.2f} MiB, "
+              f"build peak before {before / MiB:.2f} MiB, after {after / MiB:.2f} MiB")

@@ -16,7 +16,8 @@ bias (`mlp.gate.e_score_correction_bias`) is our `router_bias` buffer, and its r
 between its interleaved layout and our rotate_half one (`rope_rows`).
 
 Reads are lazy: `safe_open(...).get_slice(name)` of only the tensors (and expert rows, and TP slices) a shard
-owns, so a rank never reads, or holds, the whole checkpoint (nor, under TP, a whole sliced tensor). transformers itself is not needed at run time.
+owns, so a rank never reads, or holds, the whole checkpoint (nor, under TP, a whole split tensor). transformers
+itself is not needed at run time.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer
 from .dims import ParallelDims
 from .pp.chunks import StageChunks
-from .tp import apply_tp, tp_part
+from .tp import PART, PARTIAL, SHARD_DIM, apply_tp, tp_part
+
+TAGS = (SHARD_DIM, PART, PARTIAL)  # what apply_tp sets on a parameter
 
 
 def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, device: torch.device,
@@ -54,5 +56,7 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
 def _allocated(p: nn.Parameter, device: torch.device) -> nn.Parameter:
     """A meta parameter allocated (uninitialised) on `device`, with its tags (tp_shard_dim, tp_part, tp_partial)."""
     q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-    vars(q).update(vars(p))
+    for tag in TAGS:  # only these: a fake tensor (`plan --dry-run`) keeps its own device in its __dict__
+        if hasattr(p, tag):
+            setattr(q, tag, getattr(p, tag))
     return q
