@@ -201,10 +201,7 @@ class Transformer(nn.Module):
             for l in range(p.shape[0]):  # one RNG per global expert id: shard == slice of full
                 p[l].copy_(_normal(p[l].shape, std, seed, name, start + l))
             return
-        if part is None:
-            p.copy_(_normal(p.shape, std, seed, name, -1))
-            return
-        dim, rank, n = part
+        dim, rank, n = part or (0, 0, 1)
         shape = list(p.shape)
         shape[dim] *= n
         p.copy_(_normal(shape, std, seed, name, -1).chunk(n, dim=dim)[rank])
