@@ -69,6 +69,24 @@ def _whole_then_sliced(cfg, dims):
     return model
 
 
+def _parallelize(cfg, dims, load_weights=None):
+    """The rank's shard as `parallelize` builds it, in this process: a fake process group of the rank's world (its
+    broadcasts send nothing: the shard is what this rank built)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from nanotitan.parallel.parallelize import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=dims.rank, world_size=dims.world_size)
+    try:
+        dims.build_groups(timeout_s=60)
+        shard = parallelize(cfg, dims, CPU, load_weights)
+        shard.close()
+        return shard.model
+    finally:
+        dist.destroy_process_group()
+
+
 def _state(model):
     return ({n: (p.detach(), tp_shard_dim(p), tp_part(p), is_tp_partial(p)) for n, p in model.named_parameters()},
             dict(model.named_buffers()))
@@ -81,7 +99,9 @@ def test_random_init_equals_slices_of_the_whole_build(flags, tps):
         cfg = _cfg(flags, tp)
         for dims in _ranks(cfg):
             specs = build_chunk_specs(cfg, dims.pp_rank, dims.moe_ep_rank)
-            got, want = build_stage(cfg, specs, dims, CPU), _whole_then_sliced(cfg, dims)
+            # one rank through `parallelize` itself, the others through the build it calls
+            via = _parallelize(cfg, dims) if (tp, dims.rank) == (2, 1) else build_stage(cfg, specs, dims, CPU)
+            got, want = via, _whole_then_sliced(cfg, dims)
             (gp, gb), (wp, wb) = _state(got), _state(want)
             assert list(gp) == list(wp) and list(gb) == list(wb) and gb
             for n, (t, *tags) in wp.items():
@@ -140,7 +160,11 @@ def test_from_hf_reads_only_the_slice_equal_to_the_tp1_import(flags, tied, tmp_p
         for dims in _ranks(cfg):
             specs = build_chunk_specs(cfg, 0, dims.moe_ep_rank)
             read[0] = 0
-            got = build_stage(cfg, specs, dims, CPU, lambda chunk: hf.load_into_shard(chunk, tmp_path))
+            if (tp, dims.rank) == (2, 1):  # through `parallelize` itself, with the loader train.py hands it
+                cfg.init.from_hf = str(tmp_path)
+                got = _parallelize(cfg, dims, hf.shard_loader(cfg))
+            else:
+                got = build_stage(cfg, specs, dims, CPU, lambda chunk: hf.load_into_shard(chunk, tmp_path))
             held = 0
             for n, p in got.named_parameters():
                 want = ref_params[n]
