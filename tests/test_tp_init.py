@@ -1,6 +1,7 @@
 """A TP rank builds its shard without the whole stage (parallel/build.py, docs/tp.md "How a rank builds its shard").
 
-Pinned here, in one process (slicing needs no process group):
+Pinned here, in one process (slicing needs no process group; one rank of each check runs `parallelize` itself
+under a fake process group):
 - random init: every rank's parameters, their TP tags and its buffers equal, bit for bit, the slices of the stage
   built whole and sliced (the path before build.py), at TP 1/2/4, GQA with its KV heads split and replicated, an
   MLA/DeepSeek-shaped model, and an interleaved stage of two chunks;
