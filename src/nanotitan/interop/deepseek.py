@@ -74,7 +74,7 @@ def rope_rows(m: ModelConfig, name: str, t: torch.Tensor, to_hf: bool) -> torch.
     if to_hf:
         perm = perm.argsort()
     if name.endswith(("attn.q_b_proj.weight", "attn.q_proj.weight")):
-        heads = t.view(m.n_heads, m.qk_nope_head_dim + Dr, -1)  # (H, Dn + Dr, in)
+        heads = t.view(-1, m.qk_nope_head_dim + Dr, t.shape[-1])  # (H, Dn + Dr, in); a TP slice: its H/N heads
         return torch.cat([heads[:, :m.qk_nope_head_dim], heads[:, m.qk_nope_head_dim:][:, perm]], 1).view_as(t)
     if ".attn.kv_a_proj_with_mqa." in name:  # rows: the latent (kv_lora_rank), then the shared rope key
         return torch.cat([t[:m.kv_lora_rank], t[m.kv_lora_rank:][perm]])

@@ -15,8 +15,9 @@ per-expert form by default); both forms are read, the per-expert one is written.
 bias (`mlp.gate.e_score_correction_bias`) is our `router_bias` buffer, and its rotary rows are permuted
 between its interleaved layout and our rotate_half one (`rope_rows`).
 
-Reads are lazy: `safe_open(...).get_slice(name)` of only the tensors (and expert rows) a shard owns, so a
-rank never reads, or holds, the whole checkpoint. transformers itself is not needed at run time.
+Reads are lazy: `safe_open(...).get_slice(name)` of only the tensors (and expert rows, and TP slices) a shard
+owns, so a rank never reads, or holds, the whole checkpoint (nor, under TP, a whole split tensor). transformers
+itself is not needed at run time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..config.fits import does_not_fit
 from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
+from ..parallel.tp import tp_part
 from .deepseek import DEEPSEEK_RULES, deepseek_config, ignored_key, mtp_shared_copies, rope_parameters, rope_rows
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
@@ -170,7 +172,8 @@ class _Reader(contextlib.ExitStack):
     def has(self, key: str) -> bool:
         return key in self.file_of
 
-    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def get(self, key: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """Tensor `key`, or only its part `index` (a slice per leading dim: expert rows, a TP slice)."""
         if key not in self.file_of:
             raise ConfigError(f"init.from_hf={str(self.hf_dir)!r} has no tensor {key!r} that the model needs "
                               "(its config.json and weights disagree)")
@@ -180,7 +183,7 @@ class _Reader(contextlib.ExitStack):
         self.read.add(key)
         try:
             sl = self.files[path].get_slice(key)
-            t = sl[rows[0]:rows[1]] if rows else sl[:]
+            t = sl[index] if index else sl[:]
         except (SafetensorError, OSError, ValueError) as e:
             raise ConfigError(f"init.from_hf={str(self.hf_dir)!r}: tensor {key!r} of {path.name} cannot be read "
                               f"({first_line(e)})") from None
@@ -215,11 +218,20 @@ def _load_experts(r: _Reader, family: str, layer: int, which: int, p: torch.Tens
         return
     base = f"model.layers.{layer}.mlp.experts."
     if which == 2:  # down_proj (E, D, F)
-        _copy(p, r.get(base + "down_proj", (e0, e0 + L)).transpose(1, 2), base + "down_proj", name)
+        _copy(p, r.get(base + "down_proj", (slice(e0, e0 + L),)).transpose(1, 2), base + "down_proj", name)
     else:  # gate_up_proj (E, 2F, D): gate rows, then up rows
-        gate_up = r.get(base + "gate_up_proj", (e0, e0 + L))
+        gate_up = r.get(base + "gate_up_proj", (slice(e0, e0 + L),))
         Fh = gate_up.shape[1] // 2
         _copy(p, gate_up[:, which * Fh:(which + 1) * Fh].transpose(1, 2), base + "gate_up_proj", name)
+
+
+def _part(p: torch.Tensor) -> tuple[slice, ...]:
+    """The index of p in its whole tensor: () for a whole one, its rows or columns for a TP slice."""
+    part = tp_part(p)
+    if part is None:
+        return ()
+    dim, rank, _ = part
+    return (slice(None),) * dim + (slice(rank * p.shape[dim], (rank + 1) * p.shape[dim]),)
 
 
 def shard_loader(cfg: Config):
@@ -233,8 +245,9 @@ def shard_loader(cfg: Config):
 @torch.no_grad()
 def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
     """Load this shard's slice of DIR's weights into `model` (built from the config apply_init_config
-    made): only the tensors of its layers and embeddings, and only its experts' rows, are read. For the
-    full model, a checkpoint tensor that nothing reads is an error (config and weights disagree).
+    made): only the tensors of its layers and embeddings, only its experts' rows, and of a TP-sliced parameter
+    (parallel/tp.py: `tp_part`) only its slice, are read. For the full model, a checkpoint tensor that nothing
+    reads is an error (config and weights disagree).
     Returns the names of the checkpoint tensors it read."""
     hf_dir = Path(hf_dir).expanduser()
     family, conf = read_hf_config(hf_dir)
@@ -249,8 +262,8 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
             key = hf_name(family, name)
             if key == "lm_head.weight" and not r.has(key):
                 key = "model.embed_tokens.weight"  # tie_word_embeddings: our head starts as a copy
-            _copy(p, r.get(key), key, name)
-            if interleaved:
+            _copy(p, r.get(key, _part(p)), key, name)
+            if interleaved:  # per head: a TP slice holds whole heads
                 p.copy_(rope_rows(model.cfg, name, p.clone(), to_hf=False))
         if family == "deepseek_v3" and model.spec.mtp_layers:
             _check_mtp_copies(r, model, hf_dir)
@@ -267,7 +280,8 @@ def _check_mtp_copies(r: _Reader, model: Transformer, hf_dir: Path) -> None:
     must equal what was loaded from the main ones (they do in DeepSeek's checkpoints and in our exports)."""
     params = dict(model.named_parameters())
     for key, ours in mtp_shared_copies(model.cfg):
-        if r.has(key) and ours in params and not torch.equal(r.get(key).to(params[ours].dtype), params[ours]):
+        if r.has(key) and ours in params and not torch.equal(r.get(key, _part(params[ours])).to(params[ours].dtype),
+                                                             params[ours]):
             raise ConfigError(f"init.from_hf={str(hf_dir)!r}: {key} differs from the model's own "
                               f"{hf_name('deepseek_v3', ours)}, which the MTP layers share (model/mtp.py)")
 

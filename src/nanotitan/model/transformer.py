@@ -11,7 +11,8 @@ dense layers by index, DeepSeek-V3's multi-head latent attention (model/mla.py, 
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
-of the full model whatever rank builds it (DESIGN §4).
+of the full model whatever rank builds it (DESIGN §4). `init=False` leaves them as built (on the meta device:
+parallel/build.py slices them for TP first, then fills each with `init_param` and the buffers with `init_buffers`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Transformer(nn.Module):
     With model.mtp_layers the shard with the head also runs the MTP modules in training forwards (model/mtp.py): the
     returned CE keeps the main head's value and carries the gradient of ce + mtp_coef * mtp (`mtp_loss_sum` logs it)."""
 
-    def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True):
         super().__init__()
         assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
@@ -160,31 +161,50 @@ class Transformer(nn.Module):
         if spec.mtp_layers:
             self.mtp = MTP(cfg, spec.mtp_layers)
         self.rope = None
-        if cfg.pos_emb == "rope":
-            cos, sin = rope_cache(cfg, rope_dim(cfg))
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights(seed)
+        self.init_buffers()
+        if init:
+            self.init_weights(seed)
 
     # --- init by global identity -------------------------------------------------------------
+    def init_buffers(self) -> None:
+        """The buffers, computed (never random): the rope tables, the router biases at zero. Called again after
+        a build on the meta device (parallel/build.py), outside it."""
+        if self.cfg.pos_emb == "rope":
+            cos, sin = rope_cache(self.cfg, rope_dim(self.cfg))
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        for moe in self.moe_layers():
+            if moe.router_bias is not None:
+                moe.router_bias = torch.zeros(moe.router_bias.shape)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        cfg = self.cfg
-        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections (GPT-2)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            if name.endswith(".bias"):
-                p.zero_()
-                continue
-            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "W_out")) else cfg.init_std
-            if ".experts." in name:
-                start = self.spec.expert_start
-                for l in range(p.shape[0]):  # one RNG per global expert id: shard == slice of full
-                    p[l].copy_(_normal(p[l].shape, std, seed, name, start + l))
-            else:
-                p.copy_(_normal(p.shape, std, seed, name, -1))
+            self.init_param(name, p, seed)
+
+    @torch.no_grad()
+    def init_param(self, name: str, p: torch.Tensor, seed: int, part: tuple[int, int, int] | None = None) -> None:
+        """Fill p with parameter `name`'s init. part = (dim, rank, n): p is rank's 1/n slice along dim (a TP
+        shard): the whole tensor is generated, one parameter at a time, and p keeps its slice."""
+        cfg = self.cfg
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            return
+        if name.endswith(".bias"):
+            p.zero_()
+            return
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # residual projections (GPT-2)
+        std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "W_out")) else cfg.init_std
+        if ".experts." in name:  # never TP-sliced (experts fold onto EP: parallel/tp.py)
+            assert part is None, name
+            start = self.spec.expert_start
+            for l in range(p.shape[0]):  # one RNG per global expert id: shard == slice of full
+                p[l].copy_(_normal(p[l].shape, std, seed, name, start + l))
+            return
+        dim, rank, n = part or (0, 0, 1)
+        shape = list(p.shape)
+        shape[dim] *= n
+        p.copy_(_normal(shape, std, seed, name, -1).chunk(n, dim=dim)[rank])
 
     # --- forward -----------------------------------------------------------------------------
     def _embed(self, table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
@@ -298,7 +318,7 @@ def num_moe_layers(cfg: ModelConfig) -> int:
 def _normal(shape, std: float, seed: int, name: str, expert_id: int) -> torch.Tensor:
     key = zlib.crc32(f"{seed}/{name}/{expert_id}".encode())
     g = torch.Generator().manual_seed(key)
-    return torch.randn(shape, generator=g) * std
+    return torch.randn(shape, generator=g).mul_(std)  # in place: one tensor of the shape (a TP build's transient)
 
 
 def attn_flop_widths(cfg: ModelConfig) -> tuple[int, int]:

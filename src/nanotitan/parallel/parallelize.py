@@ -1,7 +1,8 @@
 """This rank's trainable shard: shard spec -> Transformer -> EP -> broadcasts -> gradient sync.
 
     spec      which embeddings, layers and experts this (pp_rank, ep_rank) owns (model/spec.py)
-    model     the Transformer built from that spec, initialised by global identity (DESIGN §4)
+    model     the Transformer built from that spec (TP-sliced on the meta device, then filled: build.py),
+              initialised by global identity (DESIGN §4) or read from init.from_hf
     EP        an all-to-all dispatcher on every MoE layer when ep > 1 (ep.py)
     replicas  replicated params broadcast over the non-expert-DP group, expert shards over expert-DP (init.py)
     grad sync the one place that chooses the DP flavour, a GradSync (sync.py): our bucketed Reducer
@@ -26,6 +27,7 @@ import torch.nn as nn
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.transformer import Transformer, is_expert_param
+from .build import build_stage
 from .compile import compile_blocks
 from .dims import ParallelDims
 from .ep import apply_ep
@@ -34,7 +36,6 @@ from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
 from .sync import GradSync, ReplicatedSync, TorchDDPSync
 from .tied import TiedEmbedding
-from .tp import apply_tp
 from .zero import ZeroSync
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -90,19 +91,14 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     `dims` must have its groups built when the world has more than one rank."""
     # One model chunk per virtual pipeline stage (V > 1 only under the interleaved schedule): V chunks are
     # joined in a StageChunks whose parameters keep their global names (pp/chunks.py).
+    # Built on the meta device, TP-sliced there, then each parameter filled at its slice's size (build.py): from
+    # init.from_hf (interop/hf.py's shard_loader: each chunk reads only its slice) or by global identity.
     specs = build_chunk_specs(cfg, dims.pp_rank, dims.moe_ep_rank)
-    chunks = [Transformer(cfg.model, s, seed=cfg.train.seed) for s in specs]  # built and initialised on the CPU
-    if device.type != "cpu":  # (a no-op move is not free either: `plan --dry-run`'s fake tensors cannot take it)
-        chunks = [chunk.to(device) for chunk in chunks]
-    if load_weights is not None:  # init.from_hf (interop/hf.py's shard_loader): each chunk reads only its slice
-        for chunk in chunks:
-            load_weights(chunk)
-    spec, model = specs[0], chunks[0] if len(chunks) == 1 else StageChunks(chunks)
+    spec, model = specs[0], build_stage(cfg, specs, dims, device, load_weights)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     lanes = cfg.parallel.ep_overlap_microbatches and dims.ep > 1
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
-    apply_tp(model, dims, cfg.parallel.sp)  # before anything reads the params: they become this rank's slices
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)

@@ -37,6 +37,7 @@ from .dims import ParallelDims
 
 SHARD_DIM = "tp_shard_dim"  # attribute on a TP-sharded parameter: the dimension it is split along
 PARTIAL = "tp_partial"  # attribute on a TP-replicated parameter whose gradient is a partial sum over TP
+PART = "tp_part"  # attribute on a TP-sharded parameter: (dim, rank, n), which slice of the whole it is
 
 
 class TPGroup:
@@ -188,9 +189,11 @@ class VocabParallelCE:
 
 @torch.no_grad()
 def _shard(p: nn.Parameter, dim: int, tp: TPGroup) -> None:
-    """Keep this rank's slice of p along dim (init by global identity built it whole: the slice is exact)."""
+    """Keep this rank's slice of p along dim: on the meta device, its shape (parallel/build.py then fills it);
+    else its values (init by global identity built it whole: the slice is exact)."""
     p.data = p.data.chunk(tp.size, dim=dim)[tp.rank].clone()
     setattr(p, SHARD_DIM, dim)
+    setattr(p, PART, (dim, tp.rank, tp.size))
 
 
 def _partial(*params) -> None:
@@ -261,7 +264,7 @@ def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
 def apply_tp(model: nn.Module, dims: ParallelDims, sp: bool) -> None:
     """Split every chunk of this rank's stage over the TP group (no-op at tp = 1). Call before the EP dispatcher,
     the gradient sync and the broadcasts; the model must have been built whole on its TP axis (and its experts
-    for dims.moe_ep_rank)."""
+    for dims.moe_ep_rank), on the meta device (parallelize: parallel/build.py) or initialised."""
     if dims.tp == 1:
         return
     tp = TPGroup(dims.group("tp"), dims.tp_rank, dims.tp)
@@ -302,3 +305,8 @@ def is_tp_partial(p: torch.Tensor) -> bool:
 
 def tp_shard_dim(p: torch.Tensor) -> int | None:
     return getattr(p, SHARD_DIM, None)
+
+
+def tp_part(p: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, rank, n) of a TP slice: p is rank's 1/n of the whole tensor along dim; None for a whole one."""
+    return getattr(p, PART, None)
