@@ -124,8 +124,8 @@ def does_not_fit(cfg, mem_bytes: float | None = None, training: bool = True, who
     if cfg.parallel.auto and not whole:
         return ""
     if training and cfg.train.device == "cuda":
-        # Gradients and AdamW's moments live on the GPU, whose size this layer does not know; the host still
-        # builds the weights first (parallelize initialises each chunk on the CPU), so only they are held to it.
+        # Gradients and AdamW's moments live on the GPU, whose size this layer does not know. The host now fills
+        # one parameter at a time (parallel/build.py); holding the weights' total to it is a conservative bound.
         training = False
     need = rank_bytes(cfg, training, whole)
     have = host_memory_bytes() if mem_bytes is None else mem_bytes
