@@ -82,8 +82,9 @@ OPTIONS = ("--model.n_kv_heads", "2", "--model.qk_norm", "head", "--model.shared
            "--model.shared_ffn_dim", "16", "--model.shared_expert_gate", "true", "--model.bias_update_rate", "1e-3")
 # DeepSeek-V3's shapes in small: MLA with a q latent, sigmoid group-limited routing with the sequence-wise balance
 # loss, a dense first layer, a shared expert, one MTP module (model/mtp.py: its MoE block leaves out the padded last
-# position); with capacity, so the ranking across TP ranks meets that tail too.
-DEEPSEEK = ("--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
+# position; 3 layers + the MTP block cost what the others' 4 layers do); with capacity, so the ranking across TP
+# ranks meets that tail too.
+DEEPSEEK = ("--model.n_layers", "3", "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
             "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.router_score", "sigmoid",
             "--model.n_group", "2", "--model.topk_group", "1", "--model.aux_scope", "sequence",
             "--model.first_k_dense", "1", "--model.shared_experts", "1", "--model.mtp_layers", "1",
@@ -111,7 +112,7 @@ def refs(corpus_dir, tmp_path_factory):
 
 def model_of(extra) -> str:
     """The MODELS entry a row's extra flags train."""
-    return ("bf16" if "bf16" in extra else "options" if OPTIONS[0] in extra else "deepseek" if DEEPSEEK[0] in extra
+    return ("bf16" if "bf16" in extra else "options" if OPTIONS[0] in extra else "deepseek" if DEEPSEEK[2] in extra
             else "capacity" if CAP[0] in extra else "fp32")
 
 
@@ -141,25 +142,24 @@ def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
 
 @pytest.mark.timeout(900)
 def test_world2_tp(corpus_dir, tmp_path, refs):
-    """TP2 with and without SP (experts folded over the two TP ranks), with activation checkpointing, the OPTIONS
-    and DEEPSEEK (MTP) models, bf16, and capacity under parallel.ep_overlap's chunked trips (2 local experts a
-    rank, 2 groups)."""
+    """TP2 with and without SP (experts folded over the two TP ranks); with activation checkpointing, on the CAP
+    model (capacity's all-gather recomputed in the backward) under parallel.ep_overlap's chunked trips (2 local
+    experts a rank, 2 groups); the OPTIONS and DEEPSEEK (MTP, capacity) models; bf16."""
     cases = [(1, 1, 1, 2), (1, 1, 1, 2, ("--parallel.sp", "false")),
-             (1, 1, 1, 2, ("--train.activation_checkpointing", "true")), (1, 1, 1, 2, OPTIONS),
-             (1, 1, 1, 2, DEEPSEEK), (1, 1, 1, 2, BF16), (1, 1, 1, 2, (*CAP, "--parallel.ep_overlap", "true"))]
+             (1, 1, 1, 2, (*CAP, "--train.activation_checkpointing", "true", "--parallel.ep_overlap", "true")),
+             (1, 1, 1, 2, OPTIONS), (1, 1, 1, 2, DEEPSEEK), (1, 1, 1, 2, BF16)]
     tp_matrix(2, cases, corpus_dir, tmp_path, refs, timeout=900)
 
 
 @pytest.mark.timeout(1200)
 def test_world4_tp(corpus_dir, tmp_path, refs):
-    """DP2*TP2 at zero 0, 1 and 3; PP2*TP2 with 1F1B and zb1, and with the DEEPSEEK model (MTP: the last stage's
-    embedding replica vocab-sliced); EP2*TP2 (experts over 4 ranks), and with capacity; TP4 with the OPTIONS model
-    (2 KV heads replicated over 4 ranks) and the DEEPSEEK one without SP (one MLA head a rank; MTP's padded tail on
-    the last rank only)."""
+    """DP2*TP2 at zero 0, 1 and 3; PP2*TP2 with 1F1B, and with zb1 on the DEEPSEEK model (MTP on the last stage,
+    its embedding replica vocab-sliced; deferred weight gradients); EP2*TP2 (experts over 4 ranks) on the CAP
+    model; TP4 with the OPTIONS model (2 KV heads replicated over 4 ranks) and the DEEPSEEK one without SP (one MLA
+    head a rank; MTP's padded tail on the last rank only)."""
     cases = [(2, 1, 1, 2), (2, 1, 1, 2, ("--parallel.zero", "1")), (2, 1, 1, 2, ("--parallel.zero", "3")),
-             (1, 2, 1, 2, ("--parallel.schedule", "1f1b")), (1, 2, 1, 2, ("--parallel.schedule", "zb1")),
-             (1, 2, 1, 2, DEEPSEEK), (1, 1, 2, 2), (1, 1, 2, 2, CAP),
-             (1, 1, 1, 4, OPTIONS), (1, 1, 1, 4, (*DEEPSEEK, "--parallel.sp", "false"))]
+             (1, 2, 1, 2, ("--parallel.schedule", "1f1b")), (1, 2, 1, 2, (*DEEPSEEK, "--parallel.schedule", "zb1")),
+             (1, 1, 2, 2, CAP), (1, 1, 1, 4, OPTIONS), (1, 1, 1, 4, (*DEEPSEEK, "--parallel.sp", "false"))]
     tp_matrix(4, cases, corpus_dir, tmp_path, refs, timeout=1200)
 
 
