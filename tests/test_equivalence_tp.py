@@ -137,6 +137,7 @@ def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
             check_tp_case(str(case), list(ranks), ref)
         if CAP[0] in extra:  # capacity drops under TP what one process drops: the same share, every step
             drops = [r.get("dropped_frac") for r in ref["records"]]
+            print(f"  dropped_frac per step {[round(d, 4) for d in drops]}")
             assert ranks[0]["dropped"] == drops and all(drops), (case, ranks[0]["dropped"], drops)
 
 
