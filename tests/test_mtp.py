@@ -33,7 +33,13 @@ def _by_hand(model: Transformer, x, y):
     for k, mod in enumerate(model.mtp.values(), start=1):
         e = model.tok_emb(y[:, k - 1:S - 1])
         z = mod.eh_proj(torch.cat([mod.enorm(e), mod.hnorm(h[:, :S - k])], -1))
-        h, _ = model.layers[str(model.cfg.n_layers + k - 1)](z, rope)
+        block = model.layers[str(model.cfg.n_layers + k - 1)]
+        assert block.moe.seq_tail == k  # the model runs it on S positions, routing S - k: here it gets only those
+        block.moe.seq_tail = 0
+        try:
+            h, _ = block(z, rope)
+        finally:
+            block.moe.seq_tail = k
         logits = model.head(mod.shared_head.norm(h))
         losses.append(F.cross_entropy(logits.reshape(-1, V), y[:, k:].reshape(-1)))
     return ce, torch.stack(losses).mean()

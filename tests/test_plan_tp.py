@@ -128,7 +128,8 @@ def test_bench_tp_side_by_side_runs_at_tiny_shapes():
 
 def test_dry_run_builds_tp_ranks_and_matches_the_planner():
     """`nanotitan plan --dry-run` builds a TP rank from the real code (fake process group, fake tensors), with and
-    without SP, and its bytes match the planner's TP terms: parameters exactly, the step's peak within 3%."""
+    without SP, and with MTP, and its bytes match the planner's TP terms: parameters exactly, the step's peak within
+    3%."""
     from nanotitan.config.config import load_config
     from nanotitan.plan.dryrun import compare_with_planner, dry_run
 
@@ -143,3 +144,7 @@ def test_dry_run_builds_tp_ranks_and_matches_the_planner():
         assert abs(rows[0]["gap_param_bytes"]) < 1e-9 and abs(rows[0]["gap_peak_bytes"]) < 0.03
         peaks[sp] = rows[0]["peak_bytes"]
     assert peaks["true"] < peaks["false"]
+    # MTP under TP: its block split as the others, its norms and eh_proj whole (plan/tp.py: shard_stages)
+    rows = compare_with_planner(dry_run(load_config(None, base + ["--model.mtp_layers", "1"]), 2),
+                                get_hardware("cpu-gloo"))
+    assert abs(rows[0]["gap_param_bytes"]) < 1e-9 and abs(rows[0]["gap_peak_bytes"]) < 0.03

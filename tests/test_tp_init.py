@@ -42,8 +42,8 @@ GQA = [*BASE, "--model.n_kv_heads", "2", "--model.attn_bias", "true", "--model.s
        "--model.shared_expert_gate", "true", "--model.dense_layers", "1", "--model.dense_ffn_dim", "40",
        "--model.norm_topk", "false"]
 # DeepSeek-V3-shaped: MLA with a q latent, YaRN rope tables, sigmoid group-limited routing with its bias, a dense
-# first layer, a shared expert
-DEEPSEEK = [*BASE, "--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shared_experts", "1",
+# first layer, a shared expert, one MTP depth
+DEEPSEEK = [*BASE, "--model.mtp_layers", "1", "--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shared_experts", "1",
             "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
             "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--model.n_group", "2",
             "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.routed_scale", "2.5",

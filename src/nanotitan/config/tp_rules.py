@@ -26,8 +26,6 @@ def check_tp(cfg) -> None:
            f"{p.ep * n}: the experts fold over EP x TP (--parallel.tp, or --parallel.ep)")
     for bad, line in [(m.qk_norm == "full", "model.qk_norm=full normalises over all heads"),
                       (m.kv_lora_rank > 0 and m.attn_bias, "model.attn_bias with MLA (a row-parallel o bias)"),
-                      (m.mtp_layers > 0, "model.mtp_layers > 0 is not split yet"),
-                      (m.capacity_factor > 0, "model.capacity_factor > 0 drops per microbatch, which TP splits"),
                       (p.sp and m.pos_emb == "learned", "model.pos_emb=learned (--parallel.sp false, or rope)"),
                       (p.dp_impl == "torch_ddp", "parallel.dp_impl=torch_ddp (use bucketed)"),
                       (p.ep_overlap_microbatches, "parallel.ep_overlap_microbatches: two lanes would interleave the "

@@ -17,6 +17,8 @@ Load management (docs/moe.md), each a pure function of this microbatch's tokens,
 - capacity_factor > 0: each expert keeps at most ceil(cf * T*K / E) of this microbatch's assignments,
   highest routing weight first, ties to the lower token index. A dropped assignment gets expert id E
   ("no expert"): it sorts after every real one and is never dispatched (the residual carries the token).
+  Under tensor parallel each rank routes a shard of the microbatch: the ranking is over the whole microbatch
+  (`_capacity_keep`), so the dropped set is one process's.
 """
 
 from __future__ import annotations
@@ -202,11 +204,17 @@ class MoE(nn.Module):
     lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
     """
     lane_local_router_state: bool = False
-    # Tensor parallel (parallel/tp.py): this rank routes 1/token_shards of the microbatch's tokens; token_sum(t)
-    # sums t over the ranks holding the rest (gradient straight through), so the balance loss, the z-loss and the
-    # counts are the whole microbatch's.
+    # Tensor parallel (parallel/tp.py): this rank (token_rank of token_shards) routes its shard of each sequence,
+    # positions [token_rank*S, (token_rank+1)*S); token_sum(t) sums t over the ranks holding the rest (gradient
+    # straight through), so the balance loss, the z-loss and the counts are the whole microbatch's; token_gather(t)
+    # concatenates the ranks' (B, S, ..) t along the sequence (no gradient: capacity's ranking).
     token_sum = None
+    token_gather = None
     token_shards: int = 1
+    token_rank: int = 0
+    # MTP depth k's block (model/mtp.py) runs on every position; the last seq_tail = k of each whole sequence have
+    # no target: they are never routed, nor counted in any statistic, as if the block ran on S - k positions.
+    seq_tail: int = 0
 
     def __init__(self, d_model: int, ffn_dim: int, num_experts: int, top_k: int, norm_topk: bool,
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
@@ -246,10 +254,13 @@ class MoE(nn.Module):
         """[balance loss, z-loss, dropped assignments, assignments, 1] of the last route() (stats, detached)."""
         return self._router_record().get("stats")
 
-    def route(self, x_TD: torch.Tensor, B: int, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, x_TD: torch.Tensor, B: int, S: int, whole: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert_ids_TK, weights_TK, aux) for T = B*S tokens: ids are E where capacity dropped the assignment;
-        aux = aux_coef * balance + z_loss_coef * z, a constant zero when both coefficients are 0."""
+        aux = aux_coef * balance + z_loss_coef * z, a constant zero when both coefficients are 0. `whole`: the
+        routed positions of a whole sequence (default S * token_shards; less by seq_tail in an MTP block)."""
         T, K, E = x_TD.shape[0], self.top_k, self.num_experts
+        whole = S * self.token_shards if whole is None else whole
         # Router in fp32 (stable softmax/sigmoid under bf16 autocast).
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             w = self.router.weight  # fp32 params: .float() would be the same tensor, kept so a deferred grad lands
@@ -278,7 +289,7 @@ class MoE(nn.Module):
         counts_E = expert_counts(expert_ids_TK, E)  # bincount without its host read on CUDA
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         if self.token_sum is not None:  # TP: the whole microbatch's (or sequence's) counts and mean probabilities
-            balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S)
+            balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S, whole)
         elif self.aux_scope == "micro":
             f_E = counts_E.to(probs_TE.dtype) / (T * K)
             balance = E * (f_E * probs_TE.mean(dim=0)).sum()
@@ -288,7 +299,7 @@ class MoE(nn.Module):
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
             z_TE = logits_TE.logsumexp(dim=-1).square()  # ST-MoE: keeps router logits small
-            z_loss = z_TE.mean() if self.token_sum is None else self.token_sum(z_TE.sum()) / (T * self.token_shards)
+            z_loss = z_TE.mean() if self.token_sum is None else self.token_sum(z_TE.sum()) / (B * whole)
         # 0 + x and 1 * x would be x: no op for the default coefficients (aux_coef 1, z_loss_coef 0)
         aux = (balance if self.aux_coef == 1.0 else self.aux_coef * balance) if self.aux_coef \
             else logits_TE.new_zeros(())
@@ -298,7 +309,7 @@ class MoE(nn.Module):
         # Capacity before dispatch: the dropped assignments never leave this rank.
         stats = [balance.detach(), z_loss.detach()]
         if self.capacity_factor:
-            keep_TK = capacity_keep(expert_ids_TK, weights_TK, E, math.ceil(self.capacity_factor * T * K / E))
+            keep_TK = self._capacity_keep(expert_ids_TK, weights_TK.detach(), B, S, whole)
             expert_ids_TK = expert_ids_TK.masked_fill(~keep_TK, E)
             stats.append((keep_TK.numel() - keep_TK.sum()).to(balance.dtype))
         record = self._router_record()
@@ -321,19 +332,38 @@ class MoE(nn.Module):
         keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, True)
         return per_group_TGE.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
-    def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int):
-        """route's balance loss when this rank holds 1/token_shards of each sequence (tensor parallel): the same
-        sums over the TP group's tokens (`token_sum`), divided by the whole counts. Returns it and the counts."""
-        E, K, n = self.num_experts, self.top_k, self.token_shards
+    def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int, whole: int):
+        """route's balance loss when this rank holds S of the `whole` positions of each sequence (tensor parallel):
+        the same sums over the TP group's tokens (`token_sum`), divided by the whole counts. Returns it and the
+        counts."""
+        E, K = self.num_experts, self.top_k
         counts_E = self.token_sum(counts_E)
         if self.aux_scope == "micro":
-            nT = B * S * n
+            nT = B * whole
             p_E = self.token_sum(probs_TE.sum(dim=0)) / nT
             return E * (counts_E.to(probs_TE.dtype) / (nT * K) * p_E).sum(), counts_E
         hits_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), probs_TE.new_ones(B, S * K))
-        f_BE = self.token_sum(hits_BE) / (S * n * K)
-        p_BE = self.token_sum(probs_TE.view(B, S, E).sum(dim=1)) / (S * n)
+        f_BE = self.token_sum(hits_BE) / (whole * K)
+        p_BE = self.token_sum(probs_TE.view(B, S, E).sum(dim=1)) / whole
         return E * (f_BE * p_BE).sum(dim=1).mean(), counts_E
+
+    def _capacity_keep(self, expert_ids_TK, weights_TK, B: int, S: int, whole: int) -> torch.Tensor:
+        """capacity_keep over the whole microbatch (B sequences of `whole` routed positions), this rank's (B, S)
+        part of it. Under tensor parallel the ranking crosses the ranks (weights first, so no per-expert offset
+        would do): one all-gather of every rank's (weight, id) pairs, padded to the shard's length with "no
+        expert", puts them in one process's token order; every rank ranks them all and keeps its own."""
+        E, K = self.num_experts, self.top_k
+        capacity = math.ceil(self.capacity_factor * B * whole * K / E)
+        if self.token_gather is None:
+            return capacity_keep(expert_ids_TK, weights_TK, E, capacity)
+        shard = (whole + self.seq_tail) // self.token_shards  # a rank's positions, routed or not
+        pairs = weights_TK.new_zeros(B, shard, K, 2)  # (weight, id): ids < 2^24 are exact in fp32
+        pairs[..., 1] = E
+        pairs[:, :S] = torch.stack([weights_TK.float(), expert_ids_TK.float()], -1).view(B, S, K, 2)
+        every = self.token_gather(pairs)[:, :whole].reshape(B * whole, K, 2)  # the tail sits past `whole`
+        keep = capacity_keep(every[..., 1].long(), every[..., 0], E, capacity).view(B, whole, K)
+        start = self.token_rank * shard
+        return keep[:, start:start + S].reshape(B * S, K)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
@@ -346,8 +376,13 @@ class MoE(nn.Module):
         """Returns (y (B, S, D), this layer's weighted router loss on these tokens (see `route`))."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        expert_ids_TK, weights_TK, aux = self.route(x_TD, B, S)
-        y_TD = self.dispatcher(x_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)
+        whole = S * self.token_shards - self.seq_tail
+        own = min(S, max(0, whole - self.token_rank * S))  # routed: a prefix of this shard (seq_tail: the rest)
+        r_TD = x_TD if own == S else x_BSD[:, :own].reshape(B * own, D)
+        expert_ids_TK, weights_TK, aux = self.route(r_TD, B, own, whole)
+        y_TD = self.dispatcher(r_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)
+        if own < S:  # the tail's positions get no routed output (nothing reads them)
+            y_TD = F.pad(y_TD.view(B, own, D), (0, 0, 0, S - own)).view(B * S, D)
         if self.shared_expert is not None:  # every token, on this rank: no dispatch
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

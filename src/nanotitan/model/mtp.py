@@ -14,10 +14,14 @@ updates and stall labels see it as one more layer) and enorm, hnorm, eh_proj and
 embedding first, is DeepSeek's checkpoint's (its eh_proj columns).
 
 Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k]
-at positions t < S - k. Each depth runs on those S - k positions only (attention is causal, so dropping the tail
-changes nothing before it). Loss: each depth's mean CE over its positions, averaged over the depths, times
-mtp_coef, added to the objective; the trainer logs it apart as `mtp_loss`. A block's MoE router losses join the
-shard's aux sum like any layer's.
+at positions t < S - k. Each depth runs on all S positions, its last k padded (`future_ids`), so that every depth's
+tensors keep the trunk's shape: under tensor parallel with SP each rank holds an even shard of the S positions, and
+the embedding, the head and the loss each run once over the main rows and every depth's, stacked along the batch.
+What the padding cannot reach is left out as if the depth ran on S - k positions: attention is causal and the rest
+works per token, so no kept position reads the tail; the MoE of depth k's block routes none of its last k positions
+and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss reads positions t < S - k. Loss: each
+depth's mean CE over its positions, averaged over the depths, times mtp_coef, added to the objective; the trainer
+logs it apart as `mtp_loss`. A block's MoE router losses join the shard's aux sum like any layer's.
 """
 
 from __future__ import annotations
@@ -68,29 +72,45 @@ class MTP(nn.ModuleDict):
         super().__init__({str(i): MTPModule(cfg) for i in mtp_layer_ids(cfg, mtp_layers)})
 
     def forward(self, h: torch.Tensor, future: torch.Tensor, run_block: Callable) -> tuple[list, torch.Tensor]:
-        """(each depth's normed last hidden state, (B, S - k, D) for depth k; the sum of the MTP blocks' router
-        losses). h (B, S, D) is the main model's last hidden state, future (B, S - 1, D) the embeddings of
-        target[:, :S - 1]; run_block(key, x) -> (x, aux) runs block `layers[key]` as the trunk runs its blocks
-        (activation checkpointing, router records)."""
-        S = h.shape[1]
+        """(each depth's normed last hidden state, (B, S, D) each; the sum of the MTP blocks' router losses). h
+        (B, S, D) is the main model's last hidden state, future (D*B, S, D) the embeddings of `future_ids`, depth
+        k's in rows [(k-1)*B, k*B) (under SP both are sequence shards); run_block(key, x) -> (x, aux) runs block
+        `layers[key]` as the trunk runs its blocks (activation checkpointing, router records)."""
         outs, aux = [], h.new_zeros((), dtype=torch.float32)
-        for k, (key, module) in enumerate(self.items(), start=1):
-            x = module.project(h[:, :S - k], future[:, k - 1:])
-            h, a = run_block(key, x)
+        for key, module, emb in zip(self.keys(), self.values(), future.chunk(len(self))):
+            h, a = run_block(key, module.project(h, emb))
             aux = aux + a
             outs.append(module.shared_head.norm(h))
         return outs, aux
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean over depths of each depth's mean CE. logits (B, sum_k (S - k), V) float32: the head's output on
-        every depth's positions, concatenated along the sequence in depth order."""
-        S, losses, start = targets.shape[1], [], 0
-        for k in range(1, len(self) + 1):
-            n = S - k
-            losses.append(F.cross_entropy(logits[:, start:start + n].reshape(-1, logits.shape[-1]),
-                                          targets[:, k:].reshape(-1)))
-            start += n
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ce: Callable | None = None) -> torch.Tensor:
+        """Mean over depths of each depth's mean CE. logits (D*B, S, V): the head's output on every depth's
+        positions, depth k's in rows [(k-1)*B, k*B); `ce(logits, targets)` is the model's cross-entropy (the
+        vocab-parallel one under tensor parallel), plain by default."""
+        S, losses = targets.shape[1], []
+        for k, rows in enumerate(logits.chunk(len(self)), start=1):
+            losses.append((ce or cross_entropy)(rows[:, :S - k], targets[:, k:]))
         return torch.stack(losses).mean()
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean CE of (.., V) logits (in fp32) against (..) targets."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def future_ids(targets: torch.Tensor, depths: int) -> torch.Tensor:
+    """(depths*B, S): depth k's tokens target[t+k-1] at every position t, the k-1 past the end padded with token 0
+    (read only by positions the loss leaves out)."""
+    B, S = targets.shape
+    pad = targets.new_zeros(B, depths)
+    return torch.cat([torch.cat([targets[:, k - 1:], pad[:, :k - 1]], 1) for k in range(1, depths + 1)])
+
+
+def mark_tails(layers: nn.ModuleDict, cfg: ModelConfig, mtp_layers: int) -> None:
+    """Depth k's MoE routes none of its block's last k positions (they have no target: module docstring)."""
+    for k, i in enumerate(mtp_layer_ids(cfg, mtp_layers), start=1):
+        if layers[str(i)].is_moe:
+            layers[str(i)].moe.seq_tail = k
 
 
 def take_loss_sum(model: nn.Module) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ from ..config.config import ModelConfig
 from . import wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
-from .mtp import MTP, mtp_layer_ids
+from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
@@ -160,6 +160,7 @@ class Transformer(nn.Module):
             self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if spec.mtp_layers:
             self.mtp = MTP(cfg, spec.mtp_layers)
+            mark_tails(self.layers, cfg, spec.mtp_layers)
         self.rope = None
         self.init_buffers()
         if init:
@@ -231,21 +232,22 @@ class Transformer(nn.Module):
 
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):
         spec = self.spec
-        # MTP (training forwards with targets, model/mtp.py) also reads the embeddings of target[:, :S-1]. Each of
-        # the embedding and the head runs once per microbatch, over every position that needs it: a deferred weight
-        # gradient (zb1, the lanes' fill: model/wgrad.py) then lands one term per parameter, as the sync expects.
+        # MTP (training forwards with targets, model/mtp.py) also reads the embeddings of its future tokens, stacked
+        # along the batch. Each of the embedding and the head runs once per microbatch, over every position that
+        # needs it: a deferred weight gradient (zb1, the lanes' fill: model/wgrad.py) then lands one term per
+        # parameter, as the sync expects.
         mtp = spec.mtp_layers > 0 and self.training and targets is not None
-        S = inp.shape[1]
+        B, S = inp.shape[0], inp.shape[1]
         future = None
         if spec.has_token_embed:
-            x = self._embed(self.tok_emb, torch.cat([inp, targets[:, :S - 1]], 1) if mtp else inp)
-            x, future = (x[:, :S], x[:, S:]) if mtp else (x, None)
+            x = self._embed(self.tok_emb, torch.cat([inp, future_ids(targets, spec.mtp_layers)]) if mtp else inp)
+            x, future = (x[:B], x[B:]) if mtp else (x, None)
             if spec.has_pos_embed:
                 x = x + self._embed(self.pos_emb, torch.arange(S, device=inp.device))
         else:
             x = inp
             if mtp:  # the last stage's replica of the embedding (parallel/tied.py)
-                future = self._embed(self.tok_emb, targets[:, :S - 1])
+                future = self._embed(self.tok_emb, future_ids(targets, spec.mtp_layers))
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
         for key in list(self.layers)[:self.n_trunk]:
@@ -261,9 +263,10 @@ class Transformer(nn.Module):
                 return self.vocab_ce(logits, targets), aux_sum
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
-        logits = self.head(torch.cat([self.norm(x), *hs], 1)).float()
-        ce = F.cross_entropy(logits[:, :S].reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        mtp_loss = self.mtp.loss(logits[:, S:], targets)
+        logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
+        ce_of = self.vocab_ce or cross_entropy
+        ce = ce_of(logits[:B], targets)
+        mtp_loss = self.mtp.loss(logits[B:], targets, ce_of)
         detached = mtp_loss.detach()
         self.mtp_loss_sum = detached if self.mtp_loss_sum is None else self.mtp_loss_sum + detached
         # The value stays the main CE (what every schedule sums and logs as ce_loss, comparable with runs without

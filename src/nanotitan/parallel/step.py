@@ -181,7 +181,7 @@ def reduce_mtp_loss(shard: ModelShard, stats: StepStats, mtp_coef: float, M: int
     val = val.reshape(1).clone()
     if dist.is_initialized() and shard.dims.world_size > 1:
         comm.all_reduce(val, axis="other")
-    return mtp_coef * val.item() / (M * shard.dims.data_world)
+    return mtp_coef * val.item() / (M * shard.dims.data_world * shard.dims.tp)  # TP ranks hold the same sums
 
 
 @torch.no_grad()

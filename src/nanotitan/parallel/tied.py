@@ -4,14 +4,16 @@ The MTP modules sit on the last stage, with the head, and read the token embeddi
 holds a replica of stage 0's table, as Megatron ties its input and output embeddings across stages: the same global
 name (`tok_emb.weight`), hence the same initial values (init by global identity, DESIGN §4); every step each copy's
 gradient is first averaged over its own stage's data ranks by the usual gradient sync, then the two are summed over
-the pair (stage 0, last stage) of the same (dp, ep) coordinates. After clipping both copies hold the single process's
-gradient, bitwise the same, and the same optimizer steps keep the weights and AdamW states bitwise identical, so a
-checkpoint writes one of them (DCP dedups identical pieces) and any layout reads it back into both.
+the pair (stage 0, last stage) of the same (dp, ep, tp) coordinates. After clipping both copies hold the single
+process's gradient, bitwise the same, and the same optimizer steps keep the weights and AdamW states bitwise
+identical, so a checkpoint writes one of them (DCP dedups identical pieces) and any layout reads it back into both.
 
 The table is counted once in the global norm: the replica's gradient is zero while the norm is taken and clipped,
 then it receives stage 0's clipped gradient (`share_clipped`). Sharded DP
 (parallel.zero >= 1) holds each copy's gradient as shards laid out differently on the two stages; that combination
-is refused by config validation (config.py), so here the gradients are whole.
+is refused by config validation (config.py), so here the gradients are whole. Under tensor parallel both copies are
+vocab-parallel (parallel/tp.py slices every chunk's `tok_emb` alike): each pair holds the same rows [r*V/N, (r+1)*V/N)
+of tp rank r, so the pairs sum and broadcast their slices as they would the whole table.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@
     head + loss   vocab-parallel: logits stay (.., V/N); the cross-entropy reduces max, target logit and sum
                   of exponentials over the group (`VocabParallelCE`): the logits are never gathered
     experts       folded onto EP (dims.moe_ep = EP*TP shards, parallel/ep.py): each TP rank routes its own
-                  tokens, so no token is sent twice and expert bytes per rank fall with TP as with EP
+                  tokens, so no token is sent twice and expert bytes per rank fall with TP as with EP; capacity
+                  ranks the whole microbatch's assignments (one all-gather of (weight, id) pairs, model/moe.py)
+    MTP           its blocks split as any; eh_proj and its norms whole (per token: SP splits their work); every
+                  depth runs on all S positions (model/mtp.py), so its sequence shards stay even
     SP (parallel.sp) the residual stream, norms included, lives on sequence shards (B, S/N, D): each TP
                   region all-gathers the sequence on entry and reduce-scatters its partial sums on exit.
                   Without SP the stream is whole on every rank: identity / all-reduce at the regions' edges.
@@ -253,7 +256,8 @@ def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
         moe.register_forward_pre_hook(lambda _m, args: (_Slice.apply(args[0], tp, 1, False), *args[1:]))
         moe.register_forward_hook(lambda _m, _args, out: (_Slice.apply(out[0], tp, 1, True), out[1]))
     moe.token_sum = lambda t: _SumOverTP.apply(t, tp)
-    moe.token_shards = tp.size
+    moe.token_gather = lambda t: _gather(t, tp, 1)  # capacity's ranking over the whole microbatch (model/moe.py)
+    moe.token_shards, moe.token_rank = tp.size, tp.rank
     _partial(moe.router.weight)
     if moe.shared_expert is not None:
         _swiglu(moe.shared_expert, tp, 0, True)
@@ -291,6 +295,9 @@ def _apply_chunk(chunk: nn.Module, tp: TPGroup, sp: bool) -> None:
             _moe(block.moe, tp, sp)
         elif block.has_ffn:
             _swiglu(block.mlp, tp, 1, sp)
+    for mod in getattr(chunk, "mtp", {}).values():  # eh_proj whole: per token, so SP splits its work anyway
+        if sp:  # (model/mtp.py: its block is one of chunk.layers, split above; the embedding and head are shared)
+            _partial(mod.enorm.weight, mod.hnorm.weight, mod.eh_proj.weight, mod.shared_head.norm.weight)
     if hasattr(chunk, "head"):
         _shard(chunk.head.weight, 0, tp)
         chunk.head.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, 1, sp),))

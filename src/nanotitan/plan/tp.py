@@ -23,7 +23,8 @@ way). The embedding adds 1 (SP: and 1 backward), the head 1 each way, and the vo
 all-reduces in its forward (the max, T floats; the target logit with the sum of exps, 2T); an MoE layer 2 more of
 E numbers (the whole microbatch's expert counts and mean probabilities for the balance loss). These are the
 collectives of parallel/tp.py, which sends them through parallel/comm.py on axis "tp", so the network emulator
-holds each to the same ring formulas.
+holds each to the same ring formulas. MTP (model/mtp.py): each depth's block is one more layer of the last stage,
+split as the others; its norms and eh_proj stay whole; the embedding and the head read (1 + mtp) times the tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import dataclasses
 import math
 
 from ..config.config import Config, ConfigError, validate
+from ..config.counts import mtp_params
 from ..config.hardware import ring_allreduce_s, ring_half_s
 from .shape import Layout, ModelShape, StageSummary, layout_config
 
@@ -89,23 +91,33 @@ def end_collectives(sp: bool, first: bool, last: bool) -> dict[str, int]:
     return n
 
 
+def _ring_s(counts: dict[str, int], nbytes: float, tp: int, bw: float, lat: float) -> float:
+    return (counts.get("all-reduce", 0) * ring_allreduce_s(nbytes, tp, bw, lat)
+            + (counts.get("all-gather", 0) + counts.get("reduce-scatter", 0)) * ring_half_s(nbytes, tp, bw, lat))
+
+
 def tp_comm_s(shape: ModelShape, layers: list[int], first: bool, last: bool, sp: bool, tp: int, T: int,
               elem_bytes: int, bw: float, lat: float) -> tuple[float, int]:
     """(link seconds, collective calls) of TP for one microbatch (forward + backward) on a stage holding
-    `layers`, over a TP link of bus bandwidth `bw` and per-step latency `lat`."""
+    `layers` (a last stage's MTP blocks among them), over a TP link of bus bandwidth `bw` and per-step latency
+    `lat`. With MTP the last stage's embedding call also reads the depths' future tokens (mtp * T; a replica of
+    the table under PP) and its head and loss run over (1 + mtp) * T rows (model/mtp.py)."""
     if tp == 1:
         return 0.0, 0
-    counts = end_collectives(sp, first, last)
+    mtp = shape.mtp_layers if last else 0
+    counts = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
     for i in layers:
         for op, n in block_collectives(shape, i, sp).items():
             counts[op] += n
     nbytes = T * shape.d_model * elem_bytes
-    t = (counts["all-reduce"] * ring_allreduce_s(nbytes, tp, bw, lat)
-         + (counts["all-gather"] + counts["reduce-scatter"]) * ring_half_s(nbytes, tp, bw, lat))
-    calls = sum(counts.values())
+    emb = end_collectives(sp, True, False) if first or mtp else {}
+    head = end_collectives(sp, False, True) if last else {}
+    t = (_ring_s(counts, nbytes, tp, bw, lat) + _ring_s(emb, (first + mtp) * nbytes, tp, bw, lat)
+         + _ring_s(head, (1 + mtp) * nbytes, tp, bw, lat))
+    calls = sum(counts.values()) + sum(emb.values()) + sum(head.values())
     if last:  # the vocab-parallel loss: the max (T floats), then the target's logit with the sum of exps (2T)
-        t += ring_allreduce_s(4 * T, tp, bw, lat) + ring_allreduce_s(8 * T, tp, bw, lat)
-        calls += 2
+        t += (1 + mtp) * (ring_allreduce_s(4 * T, tp, bw, lat) + ring_allreduce_s(8 * T, tp, bw, lat))
+        calls += 2 * (1 + mtp)
     n_moe = sum(shape.is_moe(i) for i in layers)  # the balance loss's counts and mean probabilities, E each
     t += 2 * n_moe * ring_allreduce_s(4 * shape.num_experts, tp, bw, lat)
     return t, calls + 2 * n_moe
@@ -144,10 +156,13 @@ def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], 
     D, E = shape.d_model, shape.num_experts
     out = []
     for st in stages:
-        whole = 2 * D * st.n_layers + D * E * st.n_moe + (D if st.last else 0)  # norm weights and routers
+        mtp = shape.mtp_layers if st.last else 0  # MTP: its blocks split as any; its norms and eh_proj whole
+        whole = 2 * D * st.n_layers + D * E * st.n_moe + (D if st.last else 0) + mtp * mtp_params(shape)
+        # without SP each TP rank runs eh_proj on every token (with SP on its sequence shard)
+        f_whole = 0.0 if sp else mtp * 4 * D * D
         head = 1 / tp  # the logits vocab-parallel (the final norm's 3D+1 are few beside V)
         out.append(dataclasses.replace(
-            st, n_ne=(st.n_ne - whole) / tp + whole, n_ex=st.n_ex / tp, f_dense=st.f_dense / tp,
+            st, n_ne=(st.n_ne - whole) / tp + whole, n_ex=st.n_ex / tp, f_dense=(st.f_dense - f_whole) / tp + f_whole,
             f_expert=st.f_expert / tp, act=(st.act - st.head_act) * act + st.head_act * head,
             act_layer_max=st.act_layer_max * layer_max, head_act=st.head_act * head,
             act_bytes=(st.act_bytes - st.head_act_bytes) * act + st.head_act_bytes * head,
@@ -168,8 +183,9 @@ def stage_layers(shape: ModelShape, st: StageSummary) -> list[int]:
     """Layers standing for a stage's in TP's per-layer collectives: its n_moe MoE layers and as many dense ones
     as it holds besides (which layers does not matter, only how many of each kind)."""
     n = math.ceil(st.n_layers)
-    moe = [i for i in range(shape.n_layers) if shape.is_moe(i)][:st.n_moe]
-    dense = [i for i in range(shape.n_layers) if not shape.is_moe(i)][:max(0, n - len(moe))]
+    every = range(shape.n_layers + shape.mtp_layers)  # MTP depth k's block is layer n_layers + k - 1
+    moe = [i for i in every if shape.is_moe(i)][:st.n_moe]
+    dense = [i for i in every if not shape.is_moe(i)][:max(0, n - len(moe))]
     return moe + dense
 
 
