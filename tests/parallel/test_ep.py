@@ -256,6 +256,8 @@ def test_ep_overlap_validation():
     with pytest.raises(ConfigError, match=r"^parallel.ep_overlap pipelines groups .* 4/4 leaves one"):
         validate(load_config(None, base + ["--parallel.ep", "4"]), world_size=4)  # one expert per rank
     validate(load_config(None, base + ["--parallel.ep", "2"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"^parallel.ep_overlap pipelines groups .* 4/4 leaves one"):
+        validate(load_config(None, base + ["--parallel.ep", "2", "--parallel.tp", "2"]), world_size=4)  # EP x TP
     with pytest.raises(ConfigError, match=r"^parallel.ep_chunks=1 must be >= 2"):
         validate(load_config(None, base + ["--parallel.ep", "2", "--parallel.ep_chunks", "1"]), world_size=2)
 

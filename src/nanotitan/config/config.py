@@ -505,9 +505,10 @@ def _check_dp_ep(cfg: Config) -> None:
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
            "(--parallel.ep_chunks 2)")
-    _check(not p.ep_overlap or p.ep == 1 or p.auto or m.num_experts // p.ep >= 2,
-           f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/parallel.ep = "
-           f"{m.num_experts}/{p.ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
+    moe_ep = p.ep * p.tp  # the experts fold over EP x TP (parallel/tp.py)
+    _check(not p.ep_overlap or moe_ep == 1 or p.auto or m.num_experts // moe_ep >= 2,
+           f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/(parallel.ep*tp) = "
+           f"{m.num_experts}/{moe_ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
     if p.ep_overlap_microbatches:  # two lanes: a forward beside a backward (parallel/pp/schedules.py, docs/ep.md)
         off = "--parallel.ep_overlap_microbatches false"
         _check(p.auto or p.ep > 1, f"parallel.ep_overlap_microbatches hides EP all-to-alls, and parallel.ep=1 has "
