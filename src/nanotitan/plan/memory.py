@@ -217,8 +217,10 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
             (T * (st.land_bytes - st.head_act_bytes) + st.land_fixed_bytes - st.head_cast_bytes
              - (0.0 if ac else recv_extra * st.received_block_bytes) if st.n_moe else 0.0, *in_block),
             # a forward's end: autocast's cached weight copies of the checkpointed blocks, and on the last
-            # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations)
-            (st.cast_cache_bytes + (heads * T * V * (prec.act + 4) if st.last and prec.autocast else 0.0), ag_last, 0.0),
+            # stage the bf16 logits beside their fp32 copy (the log-softmax output is in the activations); under
+            # TP the vocab-parallel loss (parallel/tp.py _VocabCE) also holds its shifted logits beside their exp
+            (st.cast_cache_bytes + (heads * T * V * (prec.act + 4 + (4 if c.layout.tp > 1 else 0))
+                                    if st.last and prec.autocast else 0.0), ag_last, 0.0),
             # all-to-all send (T*K rows) + receive (the busiest rank's)
             ((1 + imb) * T * K * D * prec.act if ep > 1 and st.n_moe else 0.0, *in_block),
             (2 * T * D * prec.act if pp > 1 else 0.0, ag, 0.0)]  # P2P gradient buffers
