@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
     ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
-    ap.add_argument("--precision", default="", choices=["", *PRECISIONS], help="state/activation bytes (default: train.dtype)")
+    ap.add_argument("--precision", default="", choices=["", *PRECISIONS],
+                    help="state/activation bytes (default: train.dtype's; --what-if's dry run builds only that one)")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                     help="plan only this parallel.zero level (default: every level a layout allows)")
     ap.add_argument("--zero1", action="store_true", help="same as --zero 1 (old name)")

@@ -309,12 +309,13 @@ class DryRun:
         return next((r for r in self.rows() if r["peak_bytes"] + reserved > limit), None)
 
 
-def launch_config(cfg: Config, world: int) -> Config:
+def launch_config(cfg: Config, world: int, hardware: Hardware | None = None) -> Config:
     """The config a launch at `world` ranks runs (a resolved one comes back as is). The planner's one import
-    back up the floors: a dry run builds what a launch would, so it resolves as the launch does."""
+    back up the floors: a dry run builds what a launch would, so it resolves as the launch does. `hardware`: the
+    profile `pp_layers auto` balances the stages on (default: this host's device kind, as a launch here would)."""
     from ..resolve import resolve
 
-    return resolve(cfg, world=world)
+    return resolve(cfg, world=world, hardware=hardware)
 
 
 def dry_run(cfg: Config, world: int, log=None) -> DryRun:

@@ -279,6 +279,11 @@ PRECISIONS = {
 }
 
 
+def trainer_precision(dtype: str) -> str:
+    """The PRECISIONS name of what our trainer runs at `train.dtype`."""
+    return "bf16-autocast" if dtype == "bf16" else "fp32"
+
+
 def layout_config(cfg: Config, layout: Layout) -> Config:
     """A copy of cfg running `layout` (pp_layers kept only when it still matches pp, or is "auto"; virtual stages
     only where the layout runs more than one chunk per rank: interleaved with pp > 1)."""

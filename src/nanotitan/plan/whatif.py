@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config.config import Config
+from ..config.config import Config, ConfigError
 from ..config.hardware import GiB, Hardware
+from ..parallel.dims import ParallelDims
 from .cost import PlanOptions, Prediction, predict
 from .interval import Sigmas, mem_interval, step_interval
 from .search import plan
-from .shape import layout_config
+from .shape import layout_config, trainer_precision
 
 # What to change when a cause dominates the step, by cost name (docs/planner.md §3's causes).
 ADVICE = {
@@ -47,8 +48,11 @@ def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
 def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigmas, top: int = 5,
             dry_run: bool = True, log=None) -> dict:
     """The what-if report as a dict (the JSON): `fits`, `worst_rank` (the dry run of the best layout: its heaviest
-    rank, its bytes), `layouts` (the best `top`, each with its intervals), `dominant` and `advice` (the best layout's
-    causes of step time, largest first, and what to change), `skew` (what the routing skew costs it)."""
+    rank, its bytes, the planner's for the same rank), `layouts` (the best `top`, each with its intervals),
+    `dominant` and `advice` (the best layout's causes of step time, largest first, and what to change), `skew` (what
+    the routing skew costs it). With the dry run, options the code does not build fail first (`buildable`)."""
+    if dry_run:
+        buildable(cfg, opts)
     preds = plan(cfg, world, hw, opts)
     if not preds:
         return dict(world=world, hardware=hw.name, fits=False, layouts=[], worst_rank=None, dominant=[], advice=[],
@@ -75,12 +79,30 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
     return out
 
 
+def buildable(cfg: Config, opts: PlanOptions) -> None:
+    """The dry run builds our trainer, so the planner must price what it builds, or the two answer different
+    questions: a `--precision` of another stack (bf16-master: bf16 parameters and residual stream) priced the Mixtral
+    plan's best layout at 62.4 GiB where the code holds 92.3 (the planner at the trainer's precision: 90.0), and
+    shape options (--first-dense ...) describe a model the config does not build. One line each, before planning."""
+    own = trainer_precision(cfg.train.dtype)
+    if opts.precision and opts.precision != own:
+        raise ConfigError(f"--precision {opts.precision}: the what-if's dry run builds our trainer, which runs "
+                          f"train.dtype={cfg.train.dtype} ({own}); drop --precision, or add --no-dry-run for the "
+                          f"planner alone at {opts.precision}")
+    if opts.shape_extra:
+        raise ConfigError(f"{', '.join(sorted(opts.shape_extra))}: the what-if's dry run builds the config's model; "
+                          "set --model.first_k_dense, --model.dense_ffn_dim or --model.shared_experts instead, or "
+                          "add --no-dry-run")
+
+
 def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts: PlanOptions, log=None) -> dict:
     """The best layout's heaviest ranks built by the dry run (plan/dryrun.py: real modules on fake tensors and a fake
     process group): the first rank of the planner's heaviest stage, of the first and of the last stage (at most 3
     builds, not every distinct rank: the what-if answers at 2,048 ranks in a minute); the heaviest of them, and
-    whether it fits with the runtime's reserve. It runs the trainer's own precision (train.dtype: fp32 parameters,
-    bf16 autocast under bf16), whatever --precision the plan assumed."""
+    whether it fits with the runtime's reserve. The config built is the one the planner priced (layout, checkpointing,
+    the stages' layer split balanced on `hw`), at the trainer's precision (`buildable`). Each built rank is set beside
+    the planner's tensor peak for its stage at a balanced router (the dry run's routing); the verdict adds the
+    planner's routing-skew excess of the busiest EP rank (0 without EP), which a balanced dry run cannot see."""
     import time
 
     from .dryrun import launch_config, layout_errors, measure_rank  # real modules on fake tensors: only when asked
@@ -89,22 +111,26 @@ def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts
     c = layout_config(cfg, best.layout)
     if opts.activation_checkpointing is not None:  # what the plan assumed (--activation-checkpointing)
         c.train.activation_checkpointing = opts.activation_checkpointing
-    c = launch_config(c, world)
+    c = launch_config(c, world, hw)  # pp_layers auto: the split the planner priced on hw, not this host's
     layout_errors(c, world)
     L = best.layout
+    flat = predict(c, L, hw, dataclasses.replace(opts, expert_skew=0.0))  # what the dry run routes
     stages = dict.fromkeys((best.mem_by_stage.index(best.peak_mem), 0, L.pp - 1))
+    dims = ParallelDims(L.dp, L.pp, L.ep, tp=L.tp)
     built = []
-    for s in stages:  # rank = (dp*PP + pp)*EP + ep: replica 0, EP rank 0 of stage s
-        rb = measure_rank(c, s * L.ep, world)
-        built.append(rb)
+    for s in stages:  # replica 0, EP rank 0, TP rank 0 of stage s
+        rb = measure_rank(c, dims.rank_of(0, s, 0, 0), world)
+        planned = flat.mem_by_stage[s] - flat.mem_parts_by_stage[s]["reserved"]
+        built.append(dict(rank=rb.rank, coords=list(rb.coords), stage=s, peak_bytes=rb.peak_bytes,
+                          planned_peak_bytes=planned, gap=rb.peak_bytes / planned - 1,
+                          skew_bytes=max(0.0, best.mem_by_stage[s] - flat.mem_by_stage[s])))
         if log:
-            log(f"  dry run: stage {s} rank {rb.rank} peak {rb.peak_bytes / GiB:.2f} GiB "
-                f"[{time.perf_counter() - t0:.0f} s]")
-    worst = max(built, key=lambda rb: rb.peak_bytes)
-    need = worst.peak_bytes + hw.mem_reserved_bytes
-    return dict(rank=worst.rank, coords=list(worst.coords), peak_bytes=worst.peak_bytes,
-                reserved_bytes=hw.mem_reserved_bytes, limit_bytes=best.mem_limit, fits=need <= best.mem_limit,
-                built_ranks=[rb.rank for rb in built], seconds=time.perf_counter() - t0)
+            log(f"  dry run: stage {s} rank {rb.rank} peak {rb.peak_bytes / GiB:.2f} GiB (planner "
+                f"{planned / GiB:.2f}) [{time.perf_counter() - t0:.0f} s]")
+    worst = max(built, key=lambda b: b["peak_bytes"] + b["skew_bytes"])
+    need = worst["peak_bytes"] + worst["skew_bytes"] + hw.mem_reserved_bytes
+    return dict(worst, reserved_bytes=hw.mem_reserved_bytes, limit_bytes=best.mem_limit, fits=need <= best.mem_limit,
+                built_ranks=[b["rank"] for b in built], built=built, seconds=time.perf_counter() - t0)
 
 
 def format_what_if(r: dict) -> str:
@@ -117,8 +143,10 @@ def format_what_if(r: dict) -> str:
     w = r.get("worst_rank")
     if w:
         verdict = "FITS" if w["fits"] else "DOES NOT FIT"
+        skew = f" + {w['skew_bytes'] / GiB:.2f} GiB routing skew" if w["skew_bytes"] else ""
         lines.append(f"{verdict}: the dry run of {b['layout']} (ranks {w['built_ranks']} built, {w['seconds']:.0f} s): "
-                     f"worst rank {w['rank']} {tuple(w['coords'])} holds {w['peak_bytes'] / GiB:.2f} GiB + "
+                     f"worst rank {w['rank']} {tuple(w['coords'])} holds {w['peak_bytes'] / GiB:.2f} GiB (planner "
+                     f"{w['planned_peak_bytes'] / GiB:.2f}, {100 * w['gap']:+.1f}%){skew} + "
                      f"{w['reserved_bytes'] / GiB:.1f} GiB reserved of {w['limit_bytes'] / GiB:.1f} GiB")
     else:
         lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" (planner): {b['peak_mem_bytes'] / GiB:.2f} GiB "
