@@ -1,4 +1,5 @@
-"""Shared fixtures: a small offline text corpus and an isolated data cache; and whether PyPI is reachable."""
+"""Shared fixtures: a small offline text corpus, an isolated data cache, the equivalence matrix's single-process
+reference; and whether PyPI is reachable."""
 
 import os
 import random
@@ -46,3 +47,12 @@ def isolated_cache(tmp_path_factory):
     if "NANOTITAN_CACHE" not in os.environ:
         os.environ["NANOTITAN_CACHE"] = str(tmp_path_factory.mktemp("nanotitan_cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def reference(corpus_dir, tmp_path_factory):
+    """The equivalence matrix's reference (tests/test_equivalence.py): one process accumulating over all B/m = 8
+    microbatches. Once per session: five modules hold their rows to it."""
+    from tests.test_equivalence import one_process
+
+    return one_process(corpus_dir, tmp_path_factory, "ref")

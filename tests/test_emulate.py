@@ -13,7 +13,7 @@ from nanotitan.resolve import resolve_emulation
 from nanotitan.parallel import comm, emulate
 from nanotitan.parallel.emulate import LinkModel
 from tests.mp import run_ranks
-from tests.test_equivalence import base_args, check_case, layout_args, reference, train_once  # noqa: F401
+from tests.test_equivalence import base_args, check_case, layout_args, train_once
 
 H800 = BUILTIN["h800"]  # NVLink 160 GB/s, 10 us; IB 50 GB/s, 20 us (every link figure the same for each op)
 
@@ -148,7 +148,7 @@ def _emulated_cases(rank, world, cases, corpus_dir, run_root):
     return out
 
 
-def test_emulated_layouts_train_the_same_model(corpus_dir, tmp_path, reference):  # noqa: F811
+def test_emulated_layouts_train_the_same_model(corpus_dir, tmp_path, reference):
     """Equivalence rows with the emulator on (4 ranks in 2 emulated nodes: EP and PP groups cross them): the
     single-process reference's losses and parameters, and bitwise the same losses as the layout without it."""
     cases = [((2, 1, 2), True), ((2, 1, 2), False), ((1, 2, 2, "1f1b"), True), ((2, 2, 1, "gpipe"), True),
@@ -163,6 +163,19 @@ def test_emulated_layouts_train_the_same_model(corpus_dir, tmp_path, reference):
             assert all(results[r][i]["modelled"].get(axis, 0) > 0 for r in range(4)), (cases[i], axis)
 
 
+def _bench_runs(rank, world, runs):
+    """Each (config file, argv) of `runs` trained in turn on these ranks, as its `nanotitan train` job would."""
+    from nanotitan.train import Trainer
+
+    for config, argv in runs:
+        trainer = Trainer(load_config(config, argv))
+        try:
+            trainer.train()
+        finally:
+            trainer.shard.close()
+    emulate.install(None)
+
+
 @pytest.mark.slow
 def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_dir, tmp_path):
     """configs/bench.toml's model on 4 ranks, one NVLink node vs nodes of 2 over 100 Gb/s (docs/emulate.md), both at
@@ -170,23 +183,29 @@ def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_
     wins on NVLink and loses across the slow network to dp1 pp2 ep2, whose EP groups stay inside a node there. The
     planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too. Each layout's step
     is its fastest of 6 (steps 3-8): another job on the 2 cores only ever slows a step, and it once made DP4's
-    median 0.81 s against its 0.2-0.3 s."""
-    from nanotitan.bench.layouts import emulated_predictions, run_layout, summarise
+    median 0.81 s against its 0.2-0.3 s. The four runs are `nanotitan bench layouts`' (bench/layouts.py's
+    arguments and result files), one after another in one launch of 4 ranks."""
+    from nanotitan.bench.layouts import emulated_predictions, layout_argv, run_results, summarise
 
     data = ["--data.source", str(corpus_dir), "--train.seed", "3"]
+    topologies = (("nvlink", "h100-sxm", "8"), ("100g", "configs/emulate/h100-100g.json", "2"))
+    layouts = ((4, 1, 1, 2), (1, 2, 2, 4))
+    emus = {name: ["--parallel.emulate", topology, "--parallel.emulate_node_size", size,
+                   "--parallel.emulate_dilation", "1.7e-3"] for name, topology, size in topologies}
+    runs = {(name, lay): layout_argv(*lay[:3], "1f1b", lay[3], 2, 8, tmp_path / f"{name}_{''.join(map(str, lay[:3]))}",
+                                     data + emus[name]) for name, _, _ in topologies for lay in layouts}
+    run_ranks(_bench_runs, 4, args=([("configs/bench.toml", argv) for argv in runs.values()],), timeout=280,
+              pg_timeout=120)
     order = {}
-    for name, topology, size in (("nvlink", "h100-sxm", "8"), ("100g", "configs/emulate/h100-100g.json", "2")):
-        emu = ["--parallel.emulate", topology, "--parallel.emulate_node_size", size,
-               "--parallel.emulate_dilation", "1.7e-3"]
-        base = ["--config=configs/bench.toml", *data, *emu]
+    for name, _, _ in topologies:
         rows = []
-        for dp, pp, ep, M in ((4, 1, 1, 2), (1, 2, 2, 4)):
-            res = run_layout(dp, pp, ep, "1f1b", M, 2, 8, tmp_path / f"{name}_{dp}{pp}{ep}", base, timeout=600)
+        for dp, pp, ep, M in layouts:
+            res = run_results(tmp_path / f"{name}_{dp}{pp}{ep}")
             fastest = min(r["step_time_s"] for r in res["records"] if 2 < r["step"] <= 8)
             rows.append({"dp": dp, "pp": pp, "ep": ep, "schedule": "1f1b" if pp > 1 else "-", "M": M, "m": 2,
                          **summarise(res, (2, 8)), "step_time_s": fastest,
                          "peak_mem_per_rank": [r["peak_mem_bytes"] for r in res["ranks"]]})
-        cfg = load_config("configs/bench.toml", data + emu)
+        cfg = load_config("configs/bench.toml", data + emus[name])
         pred = emulated_predictions(rows, cfg, emulate.link_model(cfg), "cpu-gloo")["rows"]
         order[name] = ([r["pred_step_s"] for r in pred], [r["meas_step_s"] for r in pred])
     (p_dp, p_ep), (m_dp, m_ep) = order["nvlink"]

@@ -2,8 +2,9 @@
 
 Each layout runs the real trainer on real gloo processes for 10 steps at the same global batch
 (B = 16 sequences, m = 2) and must match the single-process reference, which accumulates over the
-same 8 microbatches: losses per step to fp32 relative 1e-5, final parameters (each rank against its
-slice), and replicas bitwise identical to each other. Cases share process launches: one launch per
+same 8 microbatches (the `reference` fixture, tests/conftest.py: one run for every module that compares to it):
+losses per step to fp32 relative 1e-5, final parameters (each rank against its slice), and replicas bitwise
+identical to each other. Cases share process launches: one launch per
 world size runs several layouts one after another.
 """
 
@@ -35,12 +36,6 @@ def layout_args(dp, pp, ep, schedule="1f1b", extra=()) -> list[str]:
 def _run_cases(rank, world, cases, corpus_dir, run_root):
     return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{i}") + layout_args(*case))
             for i, case in enumerate(cases)]
-
-
-@pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    """One process accumulating over all B/m = 8 microbatches."""
-    return one_process(corpus_dir, tmp_path_factory, "ref")
 
 
 def one_process(corpus_dir, tmp_path_factory, name: str, extra=()) -> dict:

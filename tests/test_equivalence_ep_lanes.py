@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.mp import run_ranks
-from tests.test_equivalence import _run_cases, check_case, one_process, reference  # noqa: F401 (a fixture)
+from tests.test_equivalence import _run_cases, check_case, one_process
 
 LANES = ("--parallel.ep_overlap_microbatches", "true")
 AC = ("--train.activation_checkpointing", "true")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.mp import run_ranks
-from tests.test_equivalence import _run_cases, check_case, one_process, reference  # noqa: F401 (a fixture)
+from tests.test_equivalence import _run_cases, check_case, one_process
 
 V2 = ("--parallel.virtual_stages", "2")
 L8 = ("--model.n_layers", "8")

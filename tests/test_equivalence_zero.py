@@ -17,7 +17,7 @@ between steps) ride along in two cases. One launch per world size runs all of it
 import pytest
 
 from tests.mp import run_ranks, train_once
-from tests.test_equivalence import base_args, check_case, layout_args, reference  # noqa: F401 (fixture)
+from tests.test_equivalence import base_args, check_case, layout_args
 
 NO_CKPT = ("--train.ckpt_at_end", "false")
 FULL = ("--parallel.zero_accumulate", "full")  # zero 2/3: full gradients over the step, one reduce-scatter

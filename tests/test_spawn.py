@@ -1,6 +1,6 @@
 """nanotitan.run.spawn.run_ranks: results in rank order, fail fast with the failing rank's traceback, a hard
 timeout, every rank dead afterwards, and concurrent calls that cannot take each other's port.
-Cost: ~40 s wall on 2 quiet cores (12 s of it the hanging case's timeout), 11 rank start-ups."""
+Cost: ~45 s wall on 2 quiet cores (12 s of it the hanging case's timeout), 12 rank start-ups and 4 forks."""
 
 import os
 import subprocess
@@ -77,6 +77,21 @@ def test_concurrent_runs_return_their_own_results_in_rank_order():
     assert out["b"] == [(r, 2, "b", 3.0, 2, None) for r in range(2)]
 
 
+def _where(rank, world):
+    return os.environ.get("SPAWN_TAG"), os.getcwd(), torch.get_num_threads()
+
+
+def test_forkserver_ranks_take_the_callers_environment_and_directory(monkeypatch, tmp_path):
+    """tests/mp.py's ranks fork from a server started once: each still sees the caller's environment and working
+    directory as they are at the call, not as they were when the server started."""
+    from tests import mp
+
+    mp.run_ranks(_where, 1, timeout=90)  # the server runs by now, if no earlier test started it
+    monkeypatch.setenv("SPAWN_TAG", "late")
+    monkeypatch.chdir(tmp_path)
+    assert mp.run_ranks(_where, 2, timeout=90, threads=2) == [("late", str(tmp_path), 2)] * 2
+
+
 def test_a_raising_rank_fails_fast_with_its_traceback_and_kills_the_others(tmp_path):
     with pytest.raises(RuntimeError, match="rank 1 failed") as err:
         run_ranks(_raise_on_rank1, 3, args=(str(tmp_path),), timeout=120)
@@ -99,10 +114,12 @@ def test_a_hanging_rank_hits_the_timeout_with_its_stack_and_everything_is_killed
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_exit_when_their_caller_is_killed(tmp_path):
-    """A caller killed outright (no finally runs) leaves no rank blocked behind it."""
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_ranks_exit_when_their_caller_is_killed(tmp_path, start_method):
+    """A caller killed outright (no finally runs) leaves no rank blocked behind it; a forkserver's rank too (its
+    parent is the server, which exits with the caller)."""
     code = (f"from nanotitan.run.spawn import run_ranks; from tests.test_spawn import _hang_on_rank0; "
-            f"run_ranks(_hang_on_rank0, 1, ({str(tmp_path)!r},), timeout=300)")
+            f"run_ranks(_hang_on_rank0, 1, ({str(tmp_path)!r},), timeout=300, start_method={start_method!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
     try:
         deadline = time.monotonic() + 90

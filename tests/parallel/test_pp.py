@@ -227,7 +227,7 @@ def _train_steps(rank, world, schedules, steps, M, clip):
             norm = S.clip_grads(shard, clip).item()
             opt.step()
             S.after_update(shard)
-            ce, aux = S.reduce_losses(shard, stats, AUX_WEIGHT, M)
+            ce, aux, _ = S.reduce_losses(shard, stats, AUX_WEIGHT, M)
             log.append((ce + aux, (ref_ce + AUX_WEIGHT * ref_aux) / M, norm, ref_norm))
         ref_params = dict(full.named_parameters())
         worst_param = max(rel_err(p.detach(), ref_params[n].detach()) for n, p in shard.model.named_parameters())

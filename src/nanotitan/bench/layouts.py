@@ -61,24 +61,34 @@ def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -
     return keep, skipped
 
 
-def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
-               virtual_stages: int = 1) -> dict:
+def layout_argv(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str],
+                virtual_stages: int = 1) -> list[str]:
+    """`nanotitan train`'s arguments for one layout's run (after base_args)."""
     V = pp_facts.virtual_stages(schedule, pp, virtual_stages)
     vpp = ["--parallel.virtual_stages", str(V)] if V > 1 else []
-    args = [sys.executable, "-m", "nanotitan.cli", "train", *base_args,
-            "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
+    return [*base_args, "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
             "--parallel.schedule", schedule, *vpp, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
             "--train.steps", str(steps), "--run.dir", str(run_dir), "--run.log_every", "1",
             "--run.progress", "false", "--run.tensorboard", "false", "--train.eval_every", "0",
             "--train.sample_tokens", "0", "--train.ckpt_at_end", "false"]
+
+
+def run_results(run_dir: Path) -> dict:
+    """A finished run's step records (those with a loss) and summary.json's per-rank rows."""
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"records": [r for r in records if "loss" in r], "ranks": summary["ranks"]}
+
+
+def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
+               virtual_stages: int = 1) -> dict:
+    args = [sys.executable, "-m", "nanotitan.cli", "train",
+            *layout_argv(dp, pp, ep, schedule, M, m, steps, run_dir, base_args, virtual_stages)]
     t0 = time.perf_counter()
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"layout dp={dp} pp={pp} ep={ep} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"records": [r for r in records if "loss" in r], "ranks": summary["ranks"],
-            "wall_s": time.perf_counter() - t0}
+    return {**run_results(run_dir), "wall_s": time.perf_counter() - t0}
 
 
 # What each rank keeps (summary.json's ranks[]): live parameters, gradients, optimizer state, and the peak of the

@@ -263,10 +263,9 @@ class StepLogger:
         return self.history[-1] if self.history else {}
 
     def log(self, step: int, stats: StepStats, grad_norm: float, lr: float, step_time: float, **extra) -> dict:
-        from ..parallel.step import reduce_losses, reduce_mtp_loss
+        from ..parallel.step import reduce_losses
 
-        ce_loss, aux_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M)
-        mtp_loss = reduce_mtp_loss(self.shard, stats, self.mtp_coef, self.M) if self.mtp_coef is not None else None
+        ce_loss, aux_loss, mtp_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M, self.mtp_coef)
         cstats = comm.COMM.snapshot_and_reset()
         for a in comm.AXES:
             self.wait_totals[a] += cstats[f"comm_{a}_wait_s"]

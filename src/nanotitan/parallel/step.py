@@ -7,8 +7,8 @@
     clip_grads        global-norm clipping over the whole model (PP stages and EP shards counted once)
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
-    reduce_losses     the step's CE and balance loss, averaged over all DP*EP*M microbatches
-    reduce_mtp_loss   the step's weighted multi-token-prediction loss, likewise (model/mtp.py)
+    reduce_losses     the step's CE, balance and multi-token-prediction (model/mtp.py) losses, averaged over all
+                      DP*EP*M microbatches in one all-reduce
     update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
@@ -162,26 +162,24 @@ def update_router_bias(shard: ModelShard, apply: bool = True) -> None:
         model.layers[k].moe.update_bias(counts_E)
 
 
-def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int) -> tuple[float, float]:
-    """(CE, weighted balance loss) of the step: means over all DP*EP*M microbatches. CE comes from the last
-    stage, aux from every stage: one all-reduce over the world sums both. Costs a host sync."""
-    vals = torch.stack([stats.ce_sum if stats.ce_sum is not None else torch.zeros_like(stats.aux_sum),
-                        stats.aux_sum])
+def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int,
+                  mtp_coef: float | None = None) -> tuple[float, float, float | None]:
+    """(CE, weighted balance loss, weighted MTP loss) of the step: means over all DP*EP*M microbatches. CE and the
+    MTP losses (each the mean over depths) come from the last stage, aux from every stage: one all-reduce over the
+    world sums them. The MTP term is mtp_coef * that mean, None when mtp_coef is None (no MTP). Costs a host sync."""
+    zero = torch.zeros_like(stats.aux_sum)
+    vals = torch.stack([stats.ce_sum if stats.ce_sum is not None else zero, stats.aux_sum])
+    if mtp_coef is not None:  # rides the same collective: [ce, aux, mtp, 0 * (2*world - 2)]
+        # gloo's ring sums every slot of a chunk in the same rank order: 2*world + 1 slots put all three in the
+        # first chunk, whose order is the one ce and aux always had, so every figure stays bitwise what it was.
+        mtp = stats.mtp_sum if stats.mtp_sum is not None else zero
+        vals = torch.cat([vals, mtp.reshape(1), vals.new_zeros(2 * shard.dims.world_size - 2)])
     if dist.is_initialized() and shard.dims.world_size > 1:
         comm.all_reduce(vals, axis="other")
-    ce, aux = vals.tolist()
+    ce, aux, *rest = vals.tolist()
     n_mb = M * shard.dims.data_world * shard.dims.tp  # the TP ranks of a stage hold the same sums
-    return ce / n_mb, aux_weight * aux / n_mb
-
-
-def reduce_mtp_loss(shard: ModelShard, stats: StepStats, mtp_coef: float, M: int) -> float:
-    """The step's weighted MTP loss, mtp_coef * the mean over all DP*EP*M microbatches of their MTP losses (each the
-    mean over depths): the last stage holds them; one all-reduce over the world. Costs a host sync."""
-    val = stats.mtp_sum if stats.mtp_sum is not None else torch.zeros_like(stats.aux_sum)
-    val = val.reshape(1).clone()
-    if dist.is_initialized() and shard.dims.world_size > 1:
-        comm.all_reduce(val, axis="other")
-    return mtp_coef * val.item() / (M * shard.dims.data_world * shard.dims.tp)  # TP ranks hold the same sums
+    mtp_loss = mtp_coef * rest[0] / n_mb if mtp_coef is not None else None
+    return ce / n_mb, aux_weight * aux / n_mb, mtp_loss
 
 
 @torch.no_grad()

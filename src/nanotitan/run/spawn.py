@@ -2,8 +2,10 @@
 
     results = run_ranks(fn, world=4, args=(cfg,), timeout=120)   # [fn(0, 4, cfg), ..., fn(3, 4, cfg)]
 
-Each rank is a fresh `spawn`ed process that sets `torch.set_num_threads(threads)`, the torchrun-style
-environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) plus `env`, joins
+Each rank is a fresh `spawn`ed process (or, with start_method="forkserver", forked from a server that
+imported torch once: the test suite's choice, tests/mp.py) that takes the caller's environment and working
+directory as they are now, sets `torch.set_num_threads(threads)`, the torchrun-style environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) plus `env`, joins
 `init_process_group("gloo", timeout=pg_timeout)` and calls `fn(rank, world, *args)`. `fn` and `args`
 must be picklable (a module-level function); so must the results, which come back by value.
 Used by the multi-rank tests (tests/mp.py), the benchmarks (`nanotitan bench`) and `nanotitan plan --measure`.
@@ -44,18 +46,35 @@ from .allocator import keep_freed_memory
 HOST = "127.0.0.1"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, someone else's
+        pass
+    return True
+
+
 def _exit_with_parent(parent_pid: int) -> None:
-    """Daemon thread: end this rank if the process that spawned it is gone (killed, crashed), instead
-    of leaving it blocked in a collective until the process-group timeout."""
+    """Daemon thread: end this rank if the process that started it is gone (killed, crashed), instead
+    of leaving it blocked in a collective until the process-group timeout. A forkserver's child has the
+    forkserver as parent (it exits with the caller): a new parent or a caller gone, either ends the rank."""
+    ppid = os.getppid()
+
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == ppid and _alive(parent_pid):
             time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir, parent_pid):
+def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir, parent_pid, caller):
     _exit_with_parent(parent_pid)
+    caller_env, caller_cwd = caller  # the caller's as they are now (a forkserver's child starts with the server's)
+    os.environ.clear()
+    os.environ.update(caller_env)
+    os.chdir(caller_cwd)
     if hasattr(signal, "SIGUSR1"):  # at a timeout the parent sends it: every thread's stack to a file it reads
         stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -98,13 +117,15 @@ def _stacks(procs, stack_dir: str) -> str:
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 60.0,
-              threads: int = 1, env: dict | None = None) -> list:
+              threads: int = 1, env: dict | None = None, start_method: str = "spawn") -> list:
     """fn(rank, world, *args) on `world` gloo ranks; their return values in rank order. Raises
     RuntimeError (with the failing rank's traceback) if a rank fails or dies, TimeoutError (with the
-    live ranks' stacks) after `timeout` seconds; either way every rank has been killed and joined."""
+    live ranks' stacks) after `timeout` seconds; either way every rank has been killed and joined.
+    start_method "forkserver" forks each rank from one server process that imported its preload modules
+    once (mp.set_forkserver_preload): the test suite's ranks start without re-importing torch."""
     if world < 1:
         raise ValueError(f"run_ranks needs world >= 1, got {world}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     q = ctx.Queue()
     name = f"run_ranks({getattr(fn, '__name__', fn)}, world={world})"
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
@@ -114,7 +135,7 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeo
     with tempfile.TemporaryDirectory(prefix="nanotitan-ranks-") as stack_dir:
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world, store.port, fn, args, q, pg_timeout, threads, env, stack_dir,
-                                   os.getpid()))
+                                   os.getpid(), (dict(os.environ), os.getcwd())))
                  for r in range(world)]
         try:
             for p in procs:
