@@ -69,7 +69,6 @@ def test_bytes_per_rank_fall_with_tp():
       "true"], "two lanes would interleave the TP collectives"),
     (["--parallel.tp", "2", "--model.pos_emb", "learned"], "model.pos_emb"),
     (["--parallel.tp", "2", "--parallel.dp_impl", "torch_ddp"], "parallel.dp_impl"),
-    (["--parallel.tp", "2", "--model.qk_norm", "full"], "model.qk_norm"),
 ])
 def test_tp_config_refusals(tmp_path, flags, field):
     with pytest.raises(ConfigError) as e:  # load_config validates

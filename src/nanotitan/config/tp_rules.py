@@ -24,8 +24,7 @@ def check_tp(cfg) -> None:
            "(KV heads are split, or replicated when fewer than the TP ranks) (--parallel.tp)")
     _check(m.num_experts % (p.ep * n) == 0, f"model.num_experts={m.num_experts} must be divisible by parallel.ep*tp = "
            f"{p.ep * n}: the experts fold over EP x TP (--parallel.tp, or --parallel.ep)")
-    for bad, line in [(m.qk_norm == "full", "model.qk_norm=full normalises over all heads"),
-                      (m.kv_lora_rank > 0 and m.attn_bias, "model.attn_bias with MLA (a row-parallel o bias)"),
+    for bad, line in [(m.kv_lora_rank > 0 and m.attn_bias, "model.attn_bias with MLA (a row-parallel o bias)"),
                       (p.sp and m.pos_emb == "learned", "model.pos_emb=learned (--parallel.sp false, or rope)"),
                       (p.dp_impl == "torch_ddp", "parallel.dp_impl=torch_ddp (use bucketed)"),
                       (p.ep_overlap_microbatches, "parallel.ep_overlap_microbatches: two lanes would interleave the "

@@ -69,10 +69,10 @@ class Attention(nn.Module):
     def forward(self, x, rope):
         B, S, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, S, H*Dh), (B, S, Hkv*Dh) x2
-        Dh = self.head_dim  # H, Hkv from the shapes: under tensor parallel a rank holds H/N of the heads (tp.py)
-        H, Hkv = q.shape[-1] // Dh, k.shape[-1] // Dh
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        Dh = self.head_dim  # H, Hkv from the shapes: under tensor parallel a rank holds H/N of the heads (tp.py)
+        H, Hkv = q.shape[-1] // Dh, k.shape[-1] // Dh
         q, k, v = q.view(B, S, H, Dh), k.view(B, S, Hkv, Dh), v.view(B, S, Hkv, Dh)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model import wgrad
+from ..model.norm import RMSNorm
 from . import comm
 from .dims import ParallelDims
 
@@ -132,6 +133,33 @@ class _SumOverTP(torch.autograd.Function):
         return dy, None
 
 
+class _SumEverywhere(torch.autograd.Function):
+    """All-reduce forward and backward: a sum over the ranks' parts that every rank uses (the whole projection's
+    sum of squares of a full q/k norm): each rank's part reaches every rank's output, so its gradient is the sum
+    of theirs."""
+
+    @staticmethod
+    def forward(ctx, x, g):
+        ctx.g = g
+        return _all_reduce(x, g)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _all_reduce(dy, ctx.g), None
+
+
+class FullNormTP(RMSNorm):
+    """RMSNorm over a projection split by heads over TP (model.qk_norm=full): this rank's columns, normalised by
+    the RMS of the whole row, from one (tokens, 1) all-reduce of the ranks' sums of squares."""
+    tp: TPGroup
+    width: int  # the whole projection's width
+
+    def forward(self, x):
+        w = self.weight if self.wgrad_store is None else wgrad.tap(self.weight, self.wgrad_store)
+        ss = _SumEverywhere.apply(x.float().pow(2).sum(-1, keepdim=True), self.tp)
+        return (x.float() * torch.rsqrt(ss / self.width + self.eps)).to(x.dtype) * w
+
+
 # --- vocab-parallel embedding and cross-entropy -------------------------------------------------------------
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -225,15 +253,29 @@ def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
         for p in (proj.weight, proj.bias):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
             if p is not None:
                 _shard(p, 0, tp)
+    full = attn.qk_norm == "full"
+    for norm in ((attn.q_norm, attn.k_norm) if split_kv else (attn.q_norm,)) if full else ():
+        _full_norm(norm, tp)
     if not split_kv:  # GQA with fewer KV heads than ranks: every rank's query heads read one KV head, which it
         kv = tp.rank * (H // tp.size) // (H // Hkv)  # takes from the whole (replicated) projection; its ranks'
         for proj in (attn.k_proj, attn.v_proj):  # gradients are partial sums over TP (zero off its rows)
             _partial(proj.weight, proj.bias)
-            proj.register_forward_hook(lambda _m, _args, out, kv=kv: out.narrow(-1, kv * Dh, Dh))
+        if full:  # the k norm spans the whole replicated k (no sum to take): narrow after it, its weight whole
+            _partial(attn.k_norm.weight)
+        for mod in (attn.k_norm if full else attn.k_proj, attn.v_proj):
+            mod.register_forward_hook(lambda _m, _args, out, kv=kv: out.narrow(-1, kv * Dh, Dh))
     _shard(attn.o_proj.weight, 1, tp)
     if attn.qk_norm == "head":  # one Dh-wide weight shared by every head: each rank's heads give part of its grad
         _partial(attn.q_norm.weight, attn.k_norm.weight)
     _region(attn, tp, 1, sp)
+
+
+def _full_norm(norm: nn.Module, tp: TPGroup) -> None:
+    """A full q/k norm (model.qk_norm=full) over a head-split projection: its weight sliced by heads as the rows."""
+    width = norm.weight.shape[0]
+    _shard(norm.weight, 0, tp)
+    norm.__class__ = FullNormTP
+    norm.tp, norm.width = tp, width
 
 
 def _mla(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
