@@ -43,6 +43,11 @@ def test_collectives_per_layer_with_and_without_sp():
     t_ar, calls_ar = tp_plan.tp_comm_s(dense, [0, 1], sp=False, **args)
     assert abs(t_sp - t_ar) / t_ar < 0.05 and calls_sp > calls_ar
     assert tp_plan.tp_comm_s(dense, [0, 1], sp=True, **(args | {"tp": 1})) == (0.0, 0)
+    # OLMoE's full q/k norms: 2 all-reduces of T floats each way a layer (the q one only over replicated KV heads)
+    for kv, more in [(4, 8), (2, 4)]:  # 2 layers x 2 ways x (q, k) when tp=4 splits the KV heads, x q alone else
+        olmoe = dataclasses.replace(dense, qk_norm="full", n_kv_heads=kv)
+        t_qk, calls_qk = tp_plan.tp_comm_s(olmoe, [0, 1], sp=False, **args)
+        assert calls_qk == calls_ar + more and t_qk > t_ar
 
 
 def test_tp_collectives_ride_the_intra_node_link():

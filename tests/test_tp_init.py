@@ -7,7 +7,7 @@ under a fake process group):
   MLA/DeepSeek-shaped model, and an interleaved stage of two chunks;
 - init.from_hf: every rank holds exactly its slice of the one-process import, and reads exactly the elements it
   holds (Qwen2-MoE-shaped with GQA, biases, a gated shared expert and a dense layer; tied embeddings; DeepSeek-V3
-  with MLA and its interleaved rope rows);
+  with MLA and its interleaved rope rows; OLMoE with its full q/k norms sliced with the heads);
 - memory: the live bytes of a TP rank's build peak at its shard plus one whole parameter, where building the
   stage whole and slicing it (measured beside it) exceeds that bound.
 """
@@ -49,6 +49,8 @@ DEEPSEEK = [*BASE, "--model.mtp_layers", "1", "--model.n_layers", "3", "--model.
             "--model.topk_group", "1", "--model.router_score", "sigmoid", "--model.routed_scale", "2.5",
             "--model.bias_update_rate", "1e-3", "--model.rope_scaling", "yarn", "--model.rope_factor", "2",
             "--model.rope_original_max_len", "8", "--model.rope_mscale_all_dim", "1"]
+# OLMoE-shaped: q/k norms over the whole projections (sliced with the heads; the k one whole at TP4)
+OLMOE = [*BASE, "--model.qk_norm", "full", "--model.n_kv_heads", "2", "--model.norm_topk", "false"]
 INTERLEAVED = [*GQA, "--model.n_layers", "4", "--model.dense_layers", "", "--parallel.pp", "2",
                "--parallel.schedule", "interleaved", "--parallel.microbatches", "2"]
 
@@ -94,8 +96,8 @@ def _state(model):
             dict(model.named_buffers()))
 
 
-@pytest.mark.parametrize("flags, tps", [(GQA, (1, 2, 4)), (DEEPSEEK, (2, 4)), (INTERLEAVED, (2,))],
-                         ids=["gqa", "deepseek", "interleaved"])
+@pytest.mark.parametrize("flags, tps", [(GQA, (1, 2, 4)), (DEEPSEEK, (2, 4)), (INTERLEAVED, (2,)), (OLMOE, (4,))],
+                         ids=["gqa", "deepseek", "interleaved", "olmoe"])
 def test_random_init_equals_slices_of_the_whole_build(flags, tps):
     for tp in tps:
         cfg = _cfg(flags, tp)
@@ -113,9 +115,12 @@ def test_random_init_equals_slices_of_the_whole_build(flags, tps):
             assert not any(t.is_meta for m in got.modules() for t in vars(m).values() if isinstance(t, torch.Tensor))
             if tp > 1 and hasattr(want, "tok_emb"):
                 assert type(got.tok_emb) is type(want.tok_emb) and got.tok_emb.vocab_start == want.tok_emb.vocab_start
-        if flags is GQA and tp == 4:  # the replicated KV heads stay whole on every rank
-            assert tp_part(got.layers["0"].attn.k_proj.weight) is None
-            assert is_tp_partial(got.layers["0"].attn.k_proj.weight)
+        if flags in (GQA, OLMOE) and tp == 4:  # the replicated KV heads stay whole on every rank
+            attn = got.layers["0"].attn
+            assert tp_part(attn.k_proj.weight) is None and is_tp_partial(attn.k_proj.weight)
+        if flags is OLMOE:  # the q norm sliced with its heads; the k norm over the whole replicated k
+            assert tp_part(attn.q_norm.weight) == (0, dims.rank, 4) and attn.q_norm.weight.shape == (8,)
+            assert tp_part(attn.k_norm.weight) is None and is_tp_partial(attn.k_norm.weight)
 
 
 # --- init.from_hf ------------------------------------------------------------------------------------------------
@@ -142,8 +147,8 @@ def _checkpoint(flags, out, tied=False):
     return ref
 
 
-@pytest.mark.parametrize("flags, tied", [(GQA, False), (GQA, True), (DEEPSEEK, False)],
-                         ids=["qwen2", "tied", "deepseek"])
+@pytest.mark.parametrize("flags, tied", [(GQA, False), (GQA, True), (DEEPSEEK, False), (OLMOE, False)],
+                         ids=["qwen2", "tied", "deepseek", "olmoe"])
 def test_from_hf_reads_only_the_slice_equal_to_the_tp1_import(flags, tied, tmp_path, monkeypatch):
     ref = _checkpoint(flags, tmp_path, tied)
     if tied:

@@ -21,7 +21,9 @@ An MoE block's FFN half under SP sends nothing on the TP link (its shard is rout
 shared expert is a dense FFN); without SP its tokens are split for routing and gathered back (1 all-gather each
 way). The embedding adds 1 (SP: and 1 backward), the head 1 each way, and the vocab-parallel loss 2 small
 all-reduces in its forward (the max, T floats; the target logit with the sum of exps, 2T); an MoE layer 2 more of
-E numbers (the whole microbatch's expert counts and mean probabilities for the balance loss). These are the
+E numbers (the whole microbatch's expert counts and mean probabilities for the balance loss); with
+model.qk_norm=full an attention layer 2 more of T floats each way (the q and k norms' sums of squares; the q one only
+when the KV heads are replicated). These are the
 collectives of parallel/tp.py, which sends them through parallel/comm.py on axis "tp", so the network emulator
 holds each to the same ring formulas. MTP (model/mtp.py): each depth's block is one more layer of the last stage,
 split as the others; its norms and eh_proj stay whole; the embedding and the head read (1 + mtp) times the tokens.
@@ -120,7 +122,12 @@ def tp_comm_s(shape: ModelShape, layers: list[int], first: bool, last: bool, sp:
         calls += 2 * (1 + mtp)
     n_moe = sum(shape.is_moe(i) for i in layers)  # the balance loss's counts and mean probabilities, E each
     t += 2 * n_moe * ring_allreduce_s(4 * shape.num_experts, tp, bw, lat)
-    return t, calls + 2 * n_moe
+    calls += 2 * n_moe
+    if shape.qk_norm == "full":  # the q and k norms' sums of squares (T floats) each way; k's only if its heads split
+        n = 2 * len(layers) * (1 + ((shape.n_kv_heads or shape.n_heads) % tp == 0))
+        t += n * ring_allreduce_s(4 * T, tp, bw, lat)
+        calls += n
+    return t, calls
 
 
 def _act_ratio(shape: ModelShape, tp: int, sp: bool, ac: bool) -> tuple[float, float]:
