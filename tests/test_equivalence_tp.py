@@ -89,9 +89,9 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.kv_lora_rank", "16", "--model.q_lo
             "--model.n_group", "2", "--model.topk_group", "1", "--model.aux_scope", "sequence",
             "--model.first_k_dense", "1", "--model.shared_experts", "1", "--model.mtp_layers", "1",
             "--model.capacity_factor", "1.0")
-# OLMoE's q/k norm over the whole projections (one all-reduce of sums of squares each under TP): 2 KV heads,
-# split over TP2, replicated over TP4 (the k norm then whole on every rank)
-OLMOE = ("--model.qk_norm", "full", "--model.n_kv_heads", "2", "--model.norm_topk", "false")
+# OPTIONS with OLMoE's q/k norms over the whole projections (one all-reduce of sums of squares each under TP; 2 KV
+# heads: split over TP2, replicated over TP4, where the k norm is whole on every rank) and its unnormalised top-k
+OLMOE = (*("full" if f == "head" else f for f in OPTIONS), "--model.norm_topk", "false")
 # Capacity (model/moe.py): 1.0 on the plain model drops assignments in every step (asserted: `tp_matrix`)
 CAP = ("--model.capacity_factor", "1.0")
 BF16 = ("--train.dtype", "bf16", *EVAL, "--train.eval_every", str(STEPS))
@@ -115,7 +115,8 @@ def refs(corpus_dir, tmp_path_factory):
 
 def model_of(extra) -> str:
     """The MODELS entry a row's extra flags train."""
-    return ("bf16" if "bf16" in extra else "olmoe" if OLMOE[1] in extra else "options" if OPTIONS[0] in extra else "deepseek" if DEEPSEEK[2] in extra
+    return ("bf16" if "bf16" in extra else "olmoe" if "full" in extra else "options" if OPTIONS[0] in extra
+            else "deepseek" if DEEPSEEK[2] in extra
             else "capacity" if CAP[0] in extra else "fp32")
 
 
@@ -148,7 +149,7 @@ def tp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
 def test_world2_tp(corpus_dir, tmp_path, refs):
     """TP2 with and without SP (experts folded over the two TP ranks); with activation checkpointing, on the CAP
     model (capacity's all-gather recomputed in the backward) under parallel.ep_overlap's chunked trips (2 local
-    experts a rank, 2 groups); the OPTIONS and DEEPSEEK (MTP, capacity) models; bf16."""
+    experts a rank, 2 groups); the OPTIONS, OLMOE and DEEPSEEK (MTP, capacity) models; bf16."""
     cases = [(1, 1, 1, 2), (1, 1, 1, 2, ("--parallel.sp", "false")),
              (1, 1, 1, 2, (*CAP, "--train.activation_checkpointing", "true", "--parallel.ep_overlap", "true")),
              (1, 1, 1, 2, OPTIONS), (1, 1, 1, 2, DEEPSEEK), (1, 1, 1, 2, BF16), (1, 1, 1, 2, OLMOE)]
@@ -159,12 +160,11 @@ def test_world2_tp(corpus_dir, tmp_path, refs):
 def test_world4_tp(corpus_dir, tmp_path, refs):
     """DP2*TP2 at zero 0, 1 and 3; PP2*TP2 with 1F1B, and with zb1 on the DEEPSEEK model (MTP on the last stage,
     its embedding replica vocab-sliced; deferred weight gradients); EP2*TP2 (experts over 4 ranks) on the CAP
-    model; TP4 with the OPTIONS model (2 KV heads replicated over 4 ranks) and the DEEPSEEK one without SP (one MLA
-    head a rank; MTP's padded tail on the last rank only)."""
+    model; TP4 with the OLMOE model (OPTIONS' 2 KV heads replicated over 4 ranks, the k norm whole on each) and the
+    DEEPSEEK one without SP (one MLA head a rank; MTP's padded tail on the last rank only)."""
     cases = [(2, 1, 1, 2), (2, 1, 1, 2, ("--parallel.zero", "1")), (2, 1, 1, 2, ("--parallel.zero", "3")),
              (1, 2, 1, 2, ("--parallel.schedule", "1f1b")), (1, 2, 1, 2, (*DEEPSEEK, "--parallel.schedule", "zb1")),
-             (1, 1, 2, 2, CAP), (1, 1, 1, 4, OPTIONS), (1, 1, 1, 4, (*DEEPSEEK, "--parallel.sp", "false")),
-             (1, 1, 1, 4, (*OLMOE, "--parallel.sp", "false"))]
+             (1, 1, 2, 2, CAP), (1, 1, 1, 4, OLMOE), (1, 1, 1, 4, (*DEEPSEEK, "--parallel.sp", "false"))]
     tp_matrix(4, cases, corpus_dir, tmp_path, refs, timeout=1200)
 
 

@@ -1,7 +1,8 @@
 """Tensor parallel, with sequence parallel: Megatron's split of a stage's dense part over the TP group.
 
     attention     q/k/v column-wise by heads (each rank computes its H/N heads), o row-wise; GQA with fewer KV
-                  heads than ranks replicates them; MLA splits its up-projections by heads (`_mla`)
+                  heads than ranks replicates them; MLA splits its up-projections by heads (`_mla`); full
+                  q/k norms (OLMoE) all-reduce each token's sum of squares over the heads (`FullNormTP`)
     dense FFNs    gate/up column-wise, down row-wise; the shared experts alike, on the tokens of the TP group
     embedding     vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them reads zeros, the sum fills it
     head + loss   vocab-parallel: logits stay (.., V/N); the cross-entropy reduces max, target logit and sum
