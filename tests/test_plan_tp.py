@@ -149,6 +149,11 @@ def test_dry_run_builds_tp_ranks_and_matches_the_planner():
         assert abs(rows[0]["gap_param_bytes"]) < 1e-9 and abs(rows[0]["gap_peak_bytes"]) < 0.03
         peaks[sp] = rows[0]["peak_bytes"]
     assert peaks["true"] < peaks["false"]
+    # GQA with fewer KV heads than TP ranks: k and v (and a full k norm) whole on every rank (plan/tp.py)
+    for norm in ("none", "full"):
+        gqa = base[:-1] + ["4", "--model.n_kv_heads", "2", "--model.qk_norm", norm, "--model.attn_bias", "true"]
+        rows = compare_with_planner(dry_run(load_config(None, gqa), 4), get_hardware("cpu-gloo"))
+        assert abs(rows[0]["gap_param_bytes"]) < 1e-9, (norm, rows[0]["gap_param_bytes"])
     # MTP under TP: its block split as the others, its norms and eh_proj whole (plan/tp.py: shard_stages)
     rows = compare_with_planner(dry_run(load_config(None, base + ["--model.mtp_layers", "1"]), 2),
                                 get_hardware("cpu-gloo"))

@@ -164,7 +164,8 @@ def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], 
     out = []
     for st in stages:
         mtp = shape.mtp_layers if st.last else 0  # MTP: its blocks split as any; its norms and eh_proj whole
-        whole = 2 * D * st.n_layers + D * E * st.n_moe + (D if st.last else 0) + mtp * mtp_params(shape)
+        whole = (2 * D * st.n_layers + D * E * st.n_moe + (D if st.last else 0) + mtp * mtp_params(shape)
+                 + (st.n_layers + mtp) * replicated_kv_params(shape, tp))
         # without SP each TP rank runs eh_proj on every token (with SP on its sequence shard)
         f_whole = 0.0 if sp else mtp * 4 * D * D
         head = 1 / tp  # the logits vocab-parallel (the final norm's 3D+1 are few beside V)
@@ -179,6 +180,16 @@ def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], 
             land_fixed_bytes=st.land_fixed_bytes / tp, head_cast_bytes=st.head_cast_bytes / tp,
             received_bytes=st.received_bytes / tp, received_block_bytes=st.received_block_bytes / tp))
     return out
+
+
+def replicated_kv_params(shape: ModelShape, tp: int) -> int:
+    """Parameters of one attention layer that stay whole on every TP rank because GQA has fewer KV heads than TP
+    ranks (parallel/tp.py `_attention`: k and v projections replicated, and a full k norm with them)."""
+    kv = shape.n_kv_heads or shape.n_heads
+    if shape.kv_lora_rank or kv % tp == 0:
+        return 0
+    width = kv * (shape.head_dim or shape.d_model // shape.n_heads)
+    return 2 * width * (shape.d_model + shape.attn_bias) + (width if shape.qk_norm == "full" else 0)
 
 
 def sharded_shape(shape: ModelShape, tp: int) -> ModelShape:
