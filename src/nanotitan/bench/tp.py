@@ -35,6 +35,7 @@ from ..config.config import Config, ModelConfig, load_config
 from ..model.transformer import Transformer
 from ..config.hardware import get_hardware
 from ..parallel import emulate
+from .layouts import run_results
 from ..parallel.dims import ParallelDims
 from ..parallel.tp import apply_tp
 from ..run.spawn import run_ranks
@@ -229,10 +230,9 @@ def run_train(config: str, flags: list[str], steps: int, run_dir: Path, timeout:
     r = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    recs = [x for x in recs if "loss" in x]
+    res = run_results(run_dir)
+    recs, ranks = res["records"], res["ranks"]
     late = recs[len(recs) // 2:]
-    ranks = json.loads((run_dir / "summary.json").read_text())["ranks"]
     keys = ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes")
     return {"step_s": statistics.median(x["step_time_s"] for x in late),
             "tokens_per_sec": statistics.median(x["tokens_per_sec"] for x in late),
