@@ -15,7 +15,7 @@ __all__ = ["run_ranks", "free_port", "train_once"]
 
 # The ranks fork from one server process that imported these once (started at the first launch, it lives as long
 # as pytest): a spawned rank re-imports torch and the trainer, ~2.5 s of CPU each, ~11 s for 8 ranks on 2 cores.
-mp.set_forkserver_preload(["pytest", "nanotitan.train", "nanotitan.parallel.fsdp", "tests.mp", "tests.whole_state"])
+mp.set_forkserver_preload(["pytest", "nanotitan.train", "nanotitan.parallel.dp.fsdp", "tests.mp", "tests.whole_state"])
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, **kw) -> list:

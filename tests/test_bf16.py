@@ -19,7 +19,8 @@ from nanotitan.observe import metrics
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import BUILTIN, load_hardware, save_hardware
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher
-from nanotitan.parallel import comm, dp, zero
+from nanotitan.parallel.comm import collectives as comm
+from nanotitan.parallel.dp import reducer as dp, zero
 from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher

@@ -90,7 +90,7 @@ def test_meter_counts_storage_resizes():
     """FSDP2 (zero 3) frees a module's gathered params by resizing their storage to 0 and re-gathers into it: the
     dry run's meter follows both ways (before, it counted every module's params as gathered all step: +43% on the
     Mixtral zero-3 plan), and a storage it first meets in a resize is counted from then on."""
-    from nanotitan.plan.measure import TensorBytesMeter
+    from nanotitan.plan.fit.measure import TensorBytesMeter
 
     before = torch.zeros(1000)  # made before the meter: neither counted nor known
     with TensorBytesMeter() as meter:
@@ -109,7 +109,7 @@ def _real_rank(rank, world, cases, corpus_dir, run_root):
     """Per case: this rank's live bytes after 2 real steps, and the tensor peak of the second step (a
     TensorBytesMeter around it, everything the rank held before counted as its base)."""
     from nanotitan.plan.dryrun import _bytes, _held
-    from nanotitan.plan.measure import TensorBytesMeter
+    from nanotitan.plan.fit.measure import TensorBytesMeter
     from nanotitan.observe.memory import live_tensor_bytes
     from nanotitan.train import Trainer
 

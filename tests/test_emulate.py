@@ -10,8 +10,8 @@ import torch.distributed as dist
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import BUILTIN
 from nanotitan.resolve import resolve_emulation
-from nanotitan.parallel import comm, emulate
-from nanotitan.parallel.emulate import LinkModel
+from nanotitan.parallel.comm import collectives as comm, emulate
+from nanotitan.parallel.comm.emulate import LinkModel
 from tests.mp import run_ranks
 from tests.test_equivalence import base_args, check_case, layout_args, train_once
 

@@ -696,7 +696,7 @@ class _Collective(torch.autograd.Function):
 def test_record_names_layer_and_phase():
     """label_layers: a collective inside block k is "layer k, forward" going forward and "layer k, backward"
     when backward reaches that block."""
-    from nanotitan.parallel.stall import CommRecord, label_layers
+    from nanotitan.parallel.comm.stall import CommRecord, label_layers
 
     record = CommRecord()
 

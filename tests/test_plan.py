@@ -28,7 +28,7 @@ from nanotitan.plan.cli import main
 from nanotitan.plan.cost import placement as _placement
 from nanotitan.plan.search import ZERO_SLACK
 from tests.mp import run_ranks
-from nanotitan.plan.measure import TensorBytesMeter
+from nanotitan.plan.fit.measure import TensorBytesMeter
 
 CPU = get_hardware("cpu-gloo")
 
@@ -249,7 +249,7 @@ def test_groups_crossing_nodes_pay_network_bandwidth():
 
 def test_measured_profile_is_a_loadable_hardware_file(tmp_path):
     """`plan --measure` measures GEMM, AdamW and gloo collectives; the planner accepts its file."""
-    from nanotitan.plan.measure import measure_hardware
+    from nanotitan.plan.fit.measure import measure_hardware
 
     hw = measure_hardware(str(tmp_path / "hw.json"))
     assert load_hardware(tmp_path / "hw.json") == hw
@@ -586,7 +586,7 @@ def test_ep_overlap_charges_only_the_exposed_all_to_all():
 def test_peak_tensor_check_compares_tensor_bytes_without_the_reserve():
     """`nanotitan plan --peaks`: the planner's peak (save transient included) less the profile's reserve, against
     the max over ranks of the measured step high-water marks; rows without them are skipped."""
-    from nanotitan.plan.calibrate import format_peak_check, peak_tensor_check
+    from nanotitan.plan.fit.calibrate import format_peak_check, peak_tensor_check
 
     cfg = load_config(str(REPO / "configs/bench.toml"))
     hw = get_hardware("cpu-gloo")
@@ -672,7 +672,7 @@ def test_fit_expert_skew_recovers_the_skew_that_made_the_peaks():
     """`nanotitan plan --peaks` fits the routing skew per EP row by bisection: rows whose measured peaks are the
     planner's own at skew 0.4 give back 0.4 (this is a check of the fit, not of the planner); pp-only rows are
     skipped."""
-    from nanotitan.plan.calibrate import fit_expert_skew
+    from nanotitan.plan.fit.calibrate import fit_expert_skew
 
     cfg = load_config(str(REPO / "configs/bench.toml"))
     rows = []

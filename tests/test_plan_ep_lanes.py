@@ -81,7 +81,7 @@ def test_the_planner_prices_the_lanes_within_15_percent_of_the_emulated_run():
     within 15% of the ratios measured side by side, its off run within 15% of the quiet measurement, and so its lanes
     run within 15% of quiet off × the measured ratio."""
     from nanotitan.bench.overlap import _predict
-    from nanotitan.parallel import emulate
+    from nanotitan.parallel.comm import emulate
     from nanotitan.resolve import resolve_model
 
     cfg = resolve_model(load_config("configs/mid.toml", ["--model.d_model", "1024", "--model.n_heads", "8",

@@ -11,7 +11,7 @@ from nanotitan.bench.plan_intervals import run_noise, score
 from nanotitan.config.config import Config
 from nanotitan.config.hardware import Link, get_hardware, ring_allreduce_s
 from nanotitan.plan import Layout, PlanOptions, layout_config, predict
-from nanotitan.plan.interval import Sigmas, fit_composition, step_interval, terms_sd
+from nanotitan.plan.fit.interval import Sigmas, fit_composition, step_interval, terms_sd
 
 
 def _pred(lay=Layout(1, 2, 4, "1f1b", 4, 2), hw=None, **opts):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from nanotitan.parallel import dp as dp_rules, fsdp, zero as zero_rules
+from nanotitan.parallel.dp import reducer as dp_rules, fsdp, zero as zero_rules
 from nanotitan.plan import Layout, layout_config, predict
 from tests.mp import run_ranks
 from tests.test_plan import CPU, tiny
@@ -95,7 +95,7 @@ def _runtime_follows_the_rules(rank, world):
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.dims import ParallelDims
     from nanotitan.parallel.ep import apply_ep
-    from nanotitan.parallel.zero import ShardedReducer
+    from nanotitan.parallel.dp.zero import ShardedReducer
     from tests.parallel.test_dp_reducer import _build, _loss
 
     out = {"in_flight": {}, "grads": {}, "gathered": {}}

@@ -62,7 +62,7 @@ def test_traces_exactly_the_chosen_steps_of_a_training_loop(tmp_path):
 
 
 def _labelled_collectives(rank, world, run_dir):
-    from nanotitan.parallel import comm
+    from nanotitan.parallel.comm import collectives as comm
 
     prof = StepProfiler("1", rank=rank, run_dir=run_dir, device=torch.device("cpu"))
     prof.step_begin(1)

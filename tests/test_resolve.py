@@ -98,7 +98,7 @@ def test_parallel_auto_plans_once_and_its_flags_reproduce_the_layout(monkeypatch
 def test_device_threads_and_zero_choices_become_concrete_once(monkeypatch):
     """resolve writes what every layer below reads: the device (auto -> cpu or cuda), threads (cores / the ranks on
     this host), and zero_accumulate / zero3_reshard by sync.zero_memory_choices, the planner's rule."""
-    from nanotitan.parallel.sync import zero_memory_choices
+    from nanotitan.parallel.dp.sync import zero_memory_choices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(R.os, "cpu_count", lambda: 8)
@@ -130,7 +130,7 @@ def test_ranks_on_host_for_each_launcher():
 def test_emulation_is_settled_in_resolve_and_the_rank_only_reads_it(monkeypatch):
     """parallel.emulate's node size (the profile's devices_per_node) and dilation (this CPU's peak / the profile's,
     in train.dtype) are concrete after resolve; building the rank's LinkModel measures nothing."""
-    from nanotitan.parallel import emulate
+    from nanotitan.parallel.comm import emulate
 
     h800 = get_hardware("h800")
     monkeypatch.setattr(R, "cpu_peak_flops", lambda threads, dtype: h800.peak_flops(dtype) / 500)

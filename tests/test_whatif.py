@@ -8,7 +8,7 @@ import pytest
 from nanotitan.config.config import Config, ConfigError, load_config
 from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import Layout, PlanOptions, layout_config, predict
-from nanotitan.plan.interval import FITTED, Sigmas, emulator_sigmas, mem_interval, parse_layout, step_interval
+from nanotitan.plan.fit.interval import FITTED, Sigmas, emulator_sigmas, mem_interval, parse_layout, step_interval
 
 TINY = ["--model.vocab_size", "288", "--data.vocab_size", "288", "--model.d_model", "32", "--model.n_layers", "2",
         "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.num_experts", "4", "--model.top_k", "2",

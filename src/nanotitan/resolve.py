@@ -36,8 +36,8 @@ from .config.config import Config, ConfigError, validate
 from .config.hardware import Hardware, cpu_peak_env, cpu_peak_flops, get_hardware
 from .config.hf_config import resolve_model
 from .parallel.pp import facts as pp_facts
-from .parallel.emulate import emulated_peak_flops
-from .parallel.sync import zero_memory_choices
+from .parallel.comm.emulate import emulated_peak_flops
+from .parallel.dp.sync import zero_memory_choices
 from .plan.cost import PlanOptions, balanced_layer_counts
 from .plan.search import best_layout
 

@@ -24,7 +24,8 @@ from .config.config import Config, to_toml
 from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
-from .parallel import stall, step as S
+from .parallel.comm import stall
+from .parallel import step as S
 from .interop.hf import shard_loader
 from .parallel.compile import first_compile_s
 from .parallel.lanes import LaneMeans

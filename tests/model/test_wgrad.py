@@ -142,8 +142,8 @@ def test_gradient_syncs_count_deferred_terms(flavour):
     """The Reducer / ShardedReducer (one rank, scale 0.5) take zb1's deferred terms through their sinks: nothing
     launches during B, every bucket launches in the final W (before finish), and the gradients are 0.5 x the
     plain backward's. Three microbatches; prepare() before each W, as pp.py calls it."""
-    from nanotitan.parallel.dp import Reducer
-    from nanotitan.parallel.zero import ShardedReducer
+    from nanotitan.parallel.dp.reducer import Reducer
+    from nanotitan.parallel.dp.zero import ShardedReducer
 
     cfg, spec, xs, ys, ref = _middle_stage_reference(n=3, seed=4)
 

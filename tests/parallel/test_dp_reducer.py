@@ -15,9 +15,9 @@ import torch.nn as nn
 
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.transformer import Transformer
-from nanotitan.parallel.comm import COMM
+from nanotitan.parallel.comm.collectives import COMM
 from nanotitan.parallel.dims import ParallelDims
-from nanotitan.parallel.dp import Reducer
+from nanotitan.parallel.dp.reducer import Reducer
 from nanotitan.parallel.init import broadcast_params, check_replicas
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.parallel.step import finish_grads, forward_backward, split_microbatches

@@ -17,7 +17,7 @@ from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher, MoE
 from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
-from nanotitan.parallel import comm
+from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher, apply_ep, inverse_permutation, source_to_expert_major
 from tests.mp import run_ranks

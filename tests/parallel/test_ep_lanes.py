@@ -13,7 +13,8 @@ from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs
 from tests.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
-from nanotitan.parallel import comm, ep
+from nanotitan.parallel.comm import collectives as comm
+from nanotitan.parallel import ep
 from nanotitan.parallel.pp import schedules as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep

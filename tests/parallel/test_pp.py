@@ -16,7 +16,7 @@ import torch
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs
 from nanotitan.model.transformer import Transformer
-from nanotitan.parallel import comm
+from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel import step as S
 from nanotitan.parallel.parallelize import parallelize

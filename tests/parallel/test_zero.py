@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanotitan.parallel import comm
+from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel.clip import clip_grad_norm_
-from nanotitan.parallel.comm import COMM
+from nanotitan.parallel.comm.collectives import COMM
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
-from nanotitan.parallel.dp import Reducer
-from nanotitan.parallel.sync import ReplicatedSync, adam_state, flat_range_boxes
-from nanotitan.parallel.zero import ShardedReducer, ZeroSync
+from nanotitan.parallel.dp.reducer import Reducer
+from nanotitan.parallel.dp.sync import ReplicatedSync, adam_state, flat_range_boxes
+from nanotitan.parallel.dp.zero import ShardedReducer, ZeroSync
 from tests.mp import run_ranks
 from tests.parallel.test_dp_reducer import _build, _loss
 from tests.whole_state import whole_state
@@ -331,7 +331,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     from tests.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
-    from nanotitan.parallel.fsdp import FSDPSync
+    from nanotitan.parallel.dp.fsdp import FSDPSync
 
     cfg = Config()
     cfg.model.vocab_size, cfg.model.d_model, cfg.model.n_layers, cfg.model.n_heads = 64, 16, 2, 2
@@ -493,7 +493,7 @@ def _native_vs_exchange_ranks(rank, world):
     gloo runs by default, comm.SHARDED_BY_EXCHANGE: comm._exchange_reduce_scatter / _exchange_all_gather); each is
     checked against the Reducer inside _one_case and _fsdp_vs_reducer (zero 3: FSDP2 with and without the custom
     comms)."""
-    from nanotitan.parallel import comm
+    from nanotitan.parallel.comm import collectives as comm
     out = {}
     for native in (True, False):
         comm.SHARDED_BY_EXCHANGE = () if native else ("gloo",)

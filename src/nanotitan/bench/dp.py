@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from ..config.config import ModelConfig
 from ..model.transformer import Transformer
-from ..parallel.comm import COMM
-from ..parallel.dp import Reducer, wrap_ddp
+from ..parallel.comm.collectives import COMM
+from ..parallel.dp.reducer import Reducer, wrap_ddp
 from ..run.spawn import run_ranks
 
 MID = ModelConfig(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, ffn_dim=512, num_experts=8, top_k=2,
@@ -167,9 +167,9 @@ def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, 
     `batch` sequences of model_cfg.max_seq_len tokens per rank and step (the MID model's 8x128 by default)."""
     from ..observe.memory import HeapInUse, PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..parallel.dims import ParallelDims
-    from ..parallel.fsdp import FSDPSync
-    from ..parallel.sync import ReplicatedSync, TorchDDPSync
-    from ..parallel.zero import ZeroSync
+    from ..parallel.dp.fsdp import FSDPSync
+    from ..parallel.dp.sync import ReplicatedSync, TorchDDPSync
+    from ..parallel.dp.zero import ZeroSync
 
     model = Transformer(model_cfg, seed=0)
     # the production GradSync flavours (what parallelize picks), all params replicated over the DP=world group
@@ -340,7 +340,7 @@ def zero_main(args) -> int:
 def _fill_for_gather(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
     """The old gloo path, kept here only as the comparison row: an all-gather as a SUM all-reduce of `out` holding
     `inp` in this rank's slice and zeros in the others' (x + 0 is x, exactly)."""
-    from ..parallel.comm import own_slice
+    from ..parallel.comm.collectives import own_slice
     n, flat = inp.numel(), out.view(-1)
     flat[:rank * n].zero_()
     flat[(rank + 1) * n:].zero_()
@@ -348,7 +348,7 @@ def _fill_for_gather(out: torch.Tensor, inp: torch.Tensor, rank: int) -> None:
 
 
 def _collectives_worker(rank: int, world: int, mb: float, reps: int = 8):
-    from ..parallel import comm
+    from ..parallel.comm import collectives as comm
 
     group = dist.group.WORLD
     n = int(mb * 2**20 / 4) // (16 * world) * 16 * world

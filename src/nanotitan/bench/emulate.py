@@ -35,9 +35,9 @@ import torch.distributed as dist
 from ..config.config import load_config
 from ..resolve import resolve_emulation
 from ..model.spec import chunk_layer_counts
-from ..parallel import comm, emulate
+from ..parallel.comm import collectives as comm, emulate
 from ..parallel.dims import ParallelDims
-from ..parallel.dp import bucket_bytes
+from ..parallel.dp.reducer import bucket_bytes
 from ..plan import Layout, ModelShape, layout_config, stage_summaries
 from ..run.spawn import run_ranks
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..model.moe import LocalDispatcher, MoE, pack_expert_major
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from ..parallel.ep import EPDispatcher, source_to_expert_major
 from ..run.spawn import run_ranks
 from .seed_ep_naive import SeedEPDispatcher, seed_pack, seed_permute

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ..config.config import Config, ConfigError, load_config, validate
-from ..parallel import emulate
+from ..parallel.comm import emulate
 from ..parallel.pp import facts as pp_facts
 from ..plan import Layout, enumerate_layouts, layout_config
 from ..resolve import resolve_emulation, resolve_model

@@ -34,7 +34,7 @@ from pathlib import Path
 from .layouts import run_layout, summarise
 from ..config.config import load_config
 from ..config.hardware import detect_hardware
-from ..parallel import emulate
+from ..parallel.comm import emulate
 from ..plan import Layout, PlanOptions, predict
 from ..resolve import resolve_emulation, resolve_model
 from .emulate import parse_topology
@@ -210,7 +210,7 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
 
     from ..model.spec import build_chunk_specs
     from ..model.transformer import Transformer
-    from ..parallel import comm
+    from ..parallel.comm import collectives as comm
     from ..parallel.dims import ParallelDims
     from ..parallel.ep import apply_ep
     from ..parallel.pp.schedules import pipeline_forward_backward

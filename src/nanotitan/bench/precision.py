@@ -101,8 +101,8 @@ def profile(run: Run, steps: int) -> dict[str, float]:
 def _wire_worker(rank: int, world: int) -> dict:
     from ..model.moe import ExpertFFN
     from ..model.transformer import Transformer
-    from ..parallel import comm
-    from ..parallel.dp import Reducer
+    from ..parallel.comm import collectives as comm
+    from ..parallel.dp.reducer import Reducer
     from ..parallel.ep import EPDispatcher
     from ..parallel.pp.comms import StageComms
 

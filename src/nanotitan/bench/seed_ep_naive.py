@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.moe import ExpertFFN, combine
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from ..parallel.ep import all_to_all_rows
 
 

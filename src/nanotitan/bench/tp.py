@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..config.config import Config, ModelConfig, load_config
 from ..model.transformer import Transformer
 from ..config.hardware import get_hardware
-from ..parallel import emulate
+from ..parallel.comm import emulate
 from .layouts import run_results
 from ..parallel.dims import ParallelDims
 from ..parallel.tp import apply_tp
@@ -253,7 +253,7 @@ def layouts(config: str, steps: int, emulate: str, overrides: list[str], plain: 
     """TP2 against DP2 (and TP2 without SP), plain and, with `emulate`, under the network emulator beside the
     planner's step time for the emulated cluster."""
     from ..config.hardware import detect_hardware
-    from ..parallel import emulate as emu
+    from ..parallel.comm import emulate as emu
     from ..plan import Layout, PlanOptions, predict
     from ..resolve import resolve_emulation, resolve_model
 

@@ -37,7 +37,7 @@ import torch
 
 from ..config.config import Config
 from ..config.errors import first_line
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from ..state import checkpoint as ckpt
 from ..state.manifest import DCP_METADATA, unit_mismatch
 from ..state.packing import SnapshotPacking

@@ -21,7 +21,7 @@ from .metrics import MetricsWriter, fmt_bytes
 from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, flops_per_token, is_moe_layer
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from ..parallel.dims import ParallelDims
 from ..parallel.pp.facts import theoretical_bubble
 from ..parallel.pp.schedules import StepStats

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .comm import collectives as comm
 
 
 def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..model import wgrad
 from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
-from . import comm
+from .comm import collectives as comm
 from .lanes import EPLanes
 
 

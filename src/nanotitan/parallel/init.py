@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import comm
+from .comm import collectives as comm
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 

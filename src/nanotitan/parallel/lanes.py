@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..model.moe import in_backward
-from . import comm
+from .comm import collectives as comm
 from .pp.comms import StageComms
 from .pp.facts import lane_orders, lane_window
 

@@ -31,12 +31,12 @@ from .build import build_stage
 from .compile import compile_blocks
 from .dims import ParallelDims
 from .ep import apply_ep
-from .fsdp import FSDPSync
+from .dp.fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
-from .sync import GradSync, ReplicatedSync, TorchDDPSync
+from .dp.sync import GradSync, ReplicatedSync, TorchDDPSync
 from .tied import TiedEmbedding
-from .zero import ZeroSync
+from .dp.zero import ZeroSync
 
 NamedParams = list[tuple[str, nn.Parameter]]
 

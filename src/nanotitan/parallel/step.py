@@ -26,12 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .comm import collectives as comm
 from ..model.mtp import take_loss_sum
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
-from .sync import TorchDDPSync
+from .dp.sync import TorchDDPSync
 
 
 def compute_dtype(dtype: str) -> torch.dtype:

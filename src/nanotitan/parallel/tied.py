@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
+from .comm import collectives as comm
 from .dims import ParallelDims
 
 NAME = "tok_emb.weight"

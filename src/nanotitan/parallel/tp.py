@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..model import wgrad
 from ..model.norm import RMSNorm
-from . import comm
+from .comm import collectives as comm
 from .dims import ParallelDims
 
 SHARD_DIM = "tp_shard_dim"  # attribute on a TP-sharded parameter: the dimension it is split along

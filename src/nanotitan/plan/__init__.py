@@ -20,7 +20,7 @@ The method, every formula and its assumptions are written up in docs/planner.md.
                   (resolve.py, which asks this package), so the package itself does not import it
 """
 
-from .calibrate import FIT_TIME_FIELDS, calibrate, calibration_rows, fit_profile, format_calibration, spearman
+from .fit.calibrate import FIT_TIME_FIELDS, calibrate, calibration_rows, fit_profile, format_calibration, spearman
 from .cost import PlanOptions, Prediction, predict
 from .search import enumerate_layouts, format_table, plan, reason, recommend
 from .shape import PRECISIONS, Layout, ModelShape, Precision, StageSummary, layout_config, stage_summaries

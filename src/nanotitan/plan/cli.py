@@ -9,7 +9,7 @@ import sys
 from ..config.config import ConfigError, load_config
 from ..config.hardware import detect_hardware, save_hardware
 from ..config.hf_config import resolve_model
-from .calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
+from .fit.calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
                         format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
 from .search import format_table, plan, reason
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
     try:
         if args.measure:
-            from .measure import measure_hardware  # spawns processes: imported only when asked
+            from .fit.measure import measure_hardware  # spawns processes: imported only when asked
 
             out = args.out or "hardware.json"
             hw = measure_hardware(out)
@@ -156,7 +156,7 @@ def _what_if(args, overrides: list[str]) -> int:
     """`--what-if`: plan/whatif.py's report for --nodes x the profile's GPUs per node (or --ranks)."""
     import json
 
-    from .interval import load_sigmas
+    from .fit.interval import load_sigmas
     from .whatif import format_what_if, what_if
 
     cfg = resolve_model(load_config(args.config, overrides))

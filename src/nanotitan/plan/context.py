@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config.config import Config
 from ..config.hardware import Hardware, Link
-from ..parallel import fsdp
+from ..parallel.dp import fsdp
 from ..parallel.dims import ParallelDims
 from .shape import Layout, ModelShape, Precision, StageSummary
 

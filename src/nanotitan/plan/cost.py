@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
-from ..parallel.sync import zero_memory_choices
+from ..parallel.dp.sync import zero_memory_choices
 from . import tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory

@@ -55,8 +55,8 @@ from ..parallel.pp import facts as pp_facts
 from ..parallel import step as S
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import build_optimizer, parallelize
-from ..parallel.sync import ensure_adam_state
-from .measure import TensorBytesMeter
+from ..parallel.dp.sync import ensure_adam_state
+from .fit.measure import TensorBytesMeter
 
 CPU = torch.device("cpu")
 FIELDS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")

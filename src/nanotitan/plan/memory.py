@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..config.config import Config
-from ..parallel import dp as dp_reducer, fsdp, zero as zero_sharding
+from ..parallel.dp import reducer as dp_reducer, fsdp, zero as zero_sharding
 from ..parallel.pp import facts as pp_facts
 from .context import Context
 from .shape import Layout, ModelShape, StageSummary

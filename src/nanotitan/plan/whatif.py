@@ -12,7 +12,7 @@ from ..config.config import Config, ConfigError
 from ..config.hardware import GiB, Hardware
 from ..parallel.dims import ParallelDims
 from .cost import PlanOptions, Prediction, predict
-from .interval import Sigmas, mem_interval, step_interval
+from .fit.interval import Sigmas, mem_interval, step_interval
 from .search import plan
 from .shape import layout_config, trainer_precision
 

@@ -240,7 +240,7 @@ def failure_line(e, log_dir: Path, world: int, started: float) -> tuple[str, int
     """(one line, exit code) for ranks that failed: a stall named from the comm records, else the error of
     the rank that failed first (a rank killed by a signal first: its peers' errors follow from its death)."""
     from ..config.errors import EXIT_CODES
-    from ..parallel.stall import diagnose
+    from ..parallel.comm.stall import diagnose
 
     stalled = diagnose(log_dir, world, since=started)
     if stalled:
@@ -286,7 +286,7 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
     started this rank, send its output to RUN_DIR/logs/rank_N.log (stderr only there, stdout also to the console)."""
     import faulthandler
 
-    from ..parallel.stall import RECORD
+    from ..parallel.comm.stall import RECORD
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     log_dir = Path(os.environ.get(LOG_ENV) or Path(run_dir) / "logs")

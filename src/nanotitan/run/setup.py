@@ -20,9 +20,9 @@ from ..config.config import Config, ConfigError, validate
 from ..data.indexed import IndexedBatches
 from ..data.prepare import load_meta, load_tokenizer, prepare_data
 from ..data.streaming import make_streaming_loader
-from ..parallel import emulate
+from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
-from ..parallel.emulate import LinkModel
+from ..parallel.comm.emulate import LinkModel
 from ..parallel.parallelize import ModelShard, pick_device
 from ..parallel.step import split_microbatches
 from ..state import checkpoint as ckpt

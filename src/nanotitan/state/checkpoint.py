@@ -54,7 +54,7 @@ from ..config.hardware import fmt_bytes
 from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, STEP_DIR, checkpoint_dir,
                        complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, storage_line,
                        verify_checkpoint)
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from ..parallel.dims import ParallelDims
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata

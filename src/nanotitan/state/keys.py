@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..model.transformer import is_expert_param
-from ..parallel.sync import Pieces, ensure_adam_state, replicated_pieces
+from ..parallel.dp.sync import Pieces, ensure_adam_state, replicated_pieces
 from ..parallel.tp import tp_shard_dim
 
 

@@ -21,7 +21,7 @@ import xxhash
 
 from ..config.errors import CheckpointError, os_reason
 from ..config.hardware import fmt_bytes
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "state.json"

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.futures import Future
 
-from ..parallel import comm
+from ..parallel.comm import collectives as comm
 from .keys import keyed_state, rng_key
 from .metadata import SafeReader
 

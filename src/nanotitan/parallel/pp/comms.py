@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..comm import collectives as comm
 from ..dims import ParallelDims
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.errors import first_line
+from ...config.errors import first_line
 
 SLOTS = 64
 HEARTBEAT_S = 0.5

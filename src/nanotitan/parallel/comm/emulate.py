@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..config.config import Config
-from ..config.hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
+from ...config.config import Config
+from ...config.hardware import Hardware, Link, get_hardware, ring_allreduce_s, ring_half_s
 
 
 @dataclass

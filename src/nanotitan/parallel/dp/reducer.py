@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..model.wgrad import accumulate_into, set_grad_sink
-from . import comm
+from ...model.wgrad import accumulate_into, set_grad_sink
+from ..comm import collectives as comm
 
 
 @dataclass

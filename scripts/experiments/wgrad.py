@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from ..run.allocator import keep_freed_memory
-from ..model import wgrad
-from ..model.spec import build_chunk_specs
-from ..model.transformer import Transformer
-from .pp import AUX_WEIGHT, MB, SEED, SEQ, mid_cfg
+from nanotitan.run.allocator import keep_freed_memory
+from nanotitan.model import wgrad
+from nanotitan.model.spec import build_chunk_specs
+from nanotitan.model.transformer import Transformer
+from nanotitan.bench.pp import AUX_WEIGHT, MB, SEED, SEQ, mid_cfg
 
 
 def measure(repeats: int, layers: int, ckpt: bool) -> dict:

@@ -26,7 +26,7 @@ def _rank(rank, world, args):
     torch.set_num_threads(1)
     from nanotitan.config.config import load_config
     from nanotitan.model.moe import ExpertFFN
-    from nanotitan.parallel import comm, emulate
+    from nanotitan.parallel.comm import collectives as comm, emulate
     from nanotitan.parallel.ep import EPDispatcher
 
     cfg = load_config(None, ["--parallel.emulate", args.profile, "--parallel.emulate_node_size", "1",
@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from nanotitan.config.hardware import cpu_peak_flops, get_hardware
-    from nanotitan.parallel.emulate import emulated_peak_flops
+    from nanotitan.parallel.comm.emulate import emulated_peak_flops
     from nanotitan.plan.cost import ep_overlap_exposed
 
     hw = get_hardware(args.profile)

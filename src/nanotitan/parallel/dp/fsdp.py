@@ -45,13 +45,13 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
-from ..model.transformer import is_expert_param
-from . import comm
-from .clip import clip_grad_norm_
-from .dims import ParallelDims
-from .dp import Reducer
+from ...model.transformer import is_expert_param
+from ..comm import collectives as comm
+from ..clip import clip_grad_norm_
+from ..dims import ParallelDims
+from .reducer import Reducer
 from .sync import GradSync, Pieces, adam_state
-from .tp import SHARD_DIM, is_tp_partial, tp_shard_dim
+from ..tp import SHARD_DIM, is_tp_partial, tp_shard_dim
 
 
 def shards_experts(dp: int) -> bool:

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
-from .clip import clip_grad_norm_
-from .dp import Bucket, CopyBack, Reducer
+from ..comm import collectives as comm
+from ..clip import clip_grad_norm_
+from .reducer import Bucket, CopyBack, Reducer
 from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
-from ..model.transformer import is_expert_param
-from .tp import is_tp_partial, tp_shard_dim
+from ...model.transformer import is_expert_param
+from ..tp import is_tp_partial, tp_shard_dim
 
 
 @dataclass

@@ -32,12 +32,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config.config import Config
-from ..config.hardware import Hardware, get_hardware
-from .context import PlanOptions, placement
+from ...config.config import Config
+from ...config.hardware import Hardware, get_hardware
+from ..context import PlanOptions, placement
 from .calibrate import fit_profile, layout_of
-from .cost import Prediction, predict
-from .shape import Layout, layout_config
+from ..cost import Prediction, predict
+from ..shape import Layout, layout_config
 
 Z80 = 1.2816  # the standard normal's 90th percentile: an 80% two-sided interval
 COLLECTIVES = {"ep_a2a": "ep", "pp_p2p": "pp", "dp_allreduce": "non_expert_dp"}  # cost -> group kind

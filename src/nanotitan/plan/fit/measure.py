@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..config.hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
-from ..observe.memory import storage_key
-from ..parallel import comm
-from ..run.spawn import run_ranks
+from ...config.hardware import GiB, Hardware, Link, host_cores, host_memory_bytes, measure_cpu_gemm_flops, save_hardware
+from ...observe.memory import storage_key
+from ...parallel.comm import collectives as comm
+from ...run.spawn import run_ranks
 
 
 class TensorBytesMeter(TorchDispatchMode):

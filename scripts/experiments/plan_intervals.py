@@ -28,15 +28,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..config.config import load_config
-from ..config.hardware import detect_hardware
-from ..parallel import emulate
-from ..plan import PlanOptions, calibration_rows, layout_config, predict
-from ..plan.calibrate import layout_of
-from ..plan.interval import Z80, fit_composition, fit_sigmas, save_sigmas, step_interval, terms_sd
-from ..plan.memory import EXPERT_SKEW
-from ..plan.skew import skew_of_ratio
-from ..resolve import resolve_emulation
+from nanotitan.config.config import load_config
+from nanotitan.config.hardware import detect_hardware
+from nanotitan.parallel.comm import emulate
+from nanotitan.plan import PlanOptions, calibration_rows, layout_config, predict
+from nanotitan.plan.fit.calibrate import layout_of
+from nanotitan.plan.fit.interval import Z80, fit_composition, fit_sigmas, save_sigmas, step_interval, terms_sd
+from nanotitan.plan.memory import EXPERT_SKEW
+from nanotitan.plan.skew import skew_of_ratio
+from nanotitan.resolve import resolve_emulation
 
 
 def _emulated(config: str, overrides: list[str]):
@@ -119,7 +119,7 @@ SKEW_BW = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.e
 
 def measure_skew(out: str, config: str, steps: int = 14, bandwidth_bound: bool = False) -> None:
     """Each SKEW_LAYOUTS layout dropless and capped, one after the other; rows carry their overrides."""
-    from .layouts import run_layout, summarise
+    from nanotitan.bench.layouts import run_layout, summarise
 
     emu, m, steps = (SKEW_BW, 2, 12) if bandwidth_bound else (SKEW_EMULATE, 1, steps)
     rows = []

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .clip import clip_grad_norm_
-from .dims import ParallelDims
-from .dp import Reducer, wrap_ddp
-from .tp import is_tp_partial, tp_shard_dim
+from ..clip import clip_grad_norm_
+from ..dims import ParallelDims
+from .reducer import Reducer, wrap_ddp
+from ..tp import is_tp_partial, tp_shard_dim
 
 NamedParams = list[tuple[str, nn.Parameter]]
 

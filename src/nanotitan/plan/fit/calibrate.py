@@ -11,10 +11,10 @@ import math
 import statistics
 from pathlib import Path
 
-from ..config.config import Config
-from ..config.hardware import Hardware, detect_hardware, get_hardware
-from .cost import PlanOptions, predict
-from .shape import Layout, ModelShape, layout_config
+from ...config.config import Config
+from ...config.hardware import Hardware, detect_hardware, get_hardware
+from ..cost import PlanOptions, predict
+from ..shape import Layout, ModelShape, layout_config
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
