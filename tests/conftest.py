@@ -53,6 +53,6 @@ def isolated_cache(tmp_path_factory):
 def reference(corpus_dir, tmp_path_factory):
     """The equivalence matrix's reference (tests/test_equivalence.py): one process accumulating over all B/m = 8
     microbatches. Once per session: five modules hold their rows to it."""
-    from tests.test_equivalence import one_process
+    from tests.helpers.equivalence import one_process
 
     return one_process(corpus_dir, tmp_path_factory, "ref")

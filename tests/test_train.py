@@ -13,13 +13,10 @@ import pytest
 
 from nanotitan.config.config import load_config
 from tests.conftest import pypi_reachable
+from tests.helpers.tiny import TINY
 
 REQUIRED = ["step", "loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu",
             "peak_mem_bytes", "dp", "pp", "ep", "microbatches", "schedule"]
-
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
-        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16", "--train.micro_batch", "2",
-        "--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0"]
 
 
 def test_loss_goes_down_on_shakespeare(tmp_path):
@@ -100,7 +97,7 @@ def test_launcher_fails_fast_when_a_rank_dies(tmp_path, corpus_dir):
 
 def test_two_node_torchrun_on_localhost(tmp_path, corpus_dir):
     """Two torchrun agents (--nnodes 2, one rank each) rendezvous over c10d on 127.0.0.1."""
-    from tests.mp import free_port, outputs_of
+    from tests.helpers.mp import free_port, outputs_of
 
     port = free_port()
     cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",  # noqa: E731

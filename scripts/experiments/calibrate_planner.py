@@ -3,8 +3,8 @@ prediction errors in sample and out of sample, with Spearman's rho of the rankin
 
     nanotitan plan --measure --out docs/experiments/cpu_profile.json     # this machine's profile
     nanotitan bench layouts --gpus 2 4 8 --steps 40 --window 10 40 --micro-batch 2 --config configs/bench.toml
-    python -m nanotitan.bench.calibrate_planner                               # -> docs/calibration.md + calibrated profile
-    python -m nanotitan.bench.calibrate_planner --new-schedules docs/experiments/layouts_schedules.json  # table only
+    python scripts/experiments/calibrate_planner.py                               # -> docs/calibration.md + calibrated profile
+    python scripts/experiments/calibrate_planner.py --new-schedules docs/experiments/layouts_schedules.json  # table only
 
 Three fits, all by `plan.fit_profile` (least squares on log(predicted/measured) step time; memory reserve =
 median of measured RSS minus predicted tensor bytes):
@@ -90,7 +90,7 @@ def main() -> int:
                         f"mem_reserved {hw.mem_reserved_bytes / 2**20:.0f} MiB")
     text = f"""# Planner calibration against measured layouts
 
-Produced by `python -m nanotitan.bench.calibrate_planner` (the same fit as `nanotitan plan --calibrate
+Produced by `python scripts/experiments/calibrate_planner.py` (the same fit as `nanotitan plan --calibrate
 {args.layouts} --config {args.config} --hardware {args.profile} --out {args.profile_out}`).
 Measurements `{args.layouts}`: `nanotitan bench layouts --gpus 2 4 8 --steps 40 --window 10 40 --micro-batch 2
 --config {args.config}` on the 2-core CPU machine, 1 torch thread per rank (N = 4 and 8 oversubscribe the cores),

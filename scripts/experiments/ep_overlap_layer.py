@@ -1,6 +1,6 @@
 """One MoE layer's trips under parallel.ep_overlap, measured against the planner's formula, on 2 emulated nodes.
 
-    .venv/bin/python -m nanotitan.bench.ep_overlap_layer [--profile h800] [--d-model 1024] [--ffn 2048] [--tokens 512]
+    .venv/bin/python scripts/experiments/ep_overlap_layer.py [--profile h800] [--d-model 1024] [--ffn 2048] [--tokens 512]
                                                     [--experts 8] [--top-k 2] [--groups 1 2 4] [--repeats 3]
 
 Two gloo ranks, one per emulated node (every all-to-all crosses the inter-node link), dilation fixed to this CPU's

@@ -1,6 +1,6 @@
 """Peak memory of importing a Hugging Face checkpoint, per rank: does a rank hold only its shard?
 
-    .venv/bin/python -m nanotitan.bench.hf_import_memory [--layout 1,2,4] [--experts 32] [--d-model 256]
+    .venv/bin/python scripts/experiments/hf_import_memory.py [--layout 1,2,4] [--experts 32] [--d-model 256]
 
 Writes a Mixtral-style checkpoint (fp32 safetensors) much larger than one rank's shard, then, for every
 (pp_rank, ep_rank) of the layout, a fresh process builds that rank's shard, calls `hf.load_into_shard`

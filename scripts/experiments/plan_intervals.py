@@ -2,10 +2,10 @@
 emulated networks: how many measured step times fall inside the predicted interval, and the median error
 (docs/planner.md §7).
 
-    python -m nanotitan.bench.plan_intervals --runs docs/experiments/plan_intervals_nvlink.json ... \\
+    python scripts/experiments/plan_intervals.py --runs docs/experiments/plan_intervals_nvlink.json ... \\
         [--noise OLD.json NEW.json] [--config configs/bench.toml]
-    python -m nanotitan.bench.plan_intervals --measure-skew docs/experiments/skew_check_bw.json --bandwidth-bound
-    python -m nanotitan.bench.plan_intervals --skew-check docs/experiments/skew_check_bw.json  # the table
+    python scripts/experiments/plan_intervals.py --measure-skew docs/experiments/skew_check_bw.json --bandwidth-bound
+    python scripts/experiments/plan_intervals.py --skew-check docs/experiments/skew_check_bw.json  # the table
 
 Term sigmas (`plan.interval.fit_sigmas`): leave-one-out over `--calibration` (the `bench layouts` rows cpu-gloo is
 fitted to; each row predicted by a profile fitted to the others) and the emulator's per-call calibration
@@ -33,7 +33,7 @@ from nanotitan.config.hardware import detect_hardware
 from nanotitan.parallel.comm import emulate
 from nanotitan.plan import PlanOptions, calibration_rows, layout_config, predict
 from nanotitan.plan.fit.calibrate import layout_of
-from nanotitan.plan.fit.interval import Z80, fit_composition, fit_sigmas, save_sigmas, step_interval, terms_sd
+from nanotitan.plan.fit.interval import Z80, fit_composition, fit_sigmas, run_noise, save_sigmas, score, terms_sd
 from nanotitan.plan.memory import EXPERT_SKEW
 from nanotitan.plan.skew import skew_of_ratio
 from nanotitan.resolve import resolve_emulation
@@ -77,31 +77,6 @@ def score_run(path: str, config: str, sig) -> list[dict]:
                         sd=terms_sd(p, sig), meas=float(r["step_time_s"]), costs=p.costs,
                         waits={a: r.get(f"{a}_wait_s") for a in ("dp", "ep", "pp")}, p=p))
     return out
-
-
-def score(rows: list[dict], sig) -> list[dict]:
-    """Leave one layout out: each grid's rows get the interval of `sig` with a composition term fitted to every
-    other grid's rows (their log residuals and terms' sds), never to their own."""
-    for r in rows:
-        rest = [x for x in rows if x["grid"] != r["grid"]]
-        bias, sd = fit_composition([math.log(x["meas"] / x["pred"]) for x in rest], [x["sd"] for x in rest])
-        held = dataclasses.replace(sig, step_bias=bias, step_sigma=sd)
-        r["lo"], r["hi"] = step_interval(r["p"], held)
-        r["mid"], r["bias"], r["step_sigma"] = r["pred"] * math.exp(bias), bias, sd
-        r["err"], r["inside"] = r["mid"] / r["meas"] - 1, r["lo"] <= r["meas"] <= r["hi"]
-    return rows
-
-
-def run_noise(pairs: list[tuple[str, str]]) -> tuple[float, list[float]]:
-    """Run-to-run noise: the same layouts measured twice (two `bench layouts` files, rows matched by layout), the
-    sd of one measurement's log step time, rms(log(a/b)) / sqrt(2); and the log ratios."""
-    logs = []
-    for a, b in pairs:
-        key = lambda r: (r["dp"], r["pp"], r["ep"], r.get("M"), r.get("m"))  # noqa: E731
-        old = {key(r): r["step_time_s"] for r in json.loads(Path(a).read_text())["rows"]}
-        logs += [math.log(r["step_time_s"] / old[key(r)]) for r in json.loads(Path(b).read_text())["rows"]
-                 if key(r) in old]
-    return (math.sqrt(sum(x * x for x in logs) / len(logs) / 2) if logs else float("nan")), logs
 
 
 # The skew check (docs/planner.md §3 "Routing skew"): EP layouts of 8 ranks under the emulated h100-sxm, no balancing
@@ -201,7 +176,7 @@ def format_waits(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanotitan.bench.plan_intervals")
+    ap = argparse.ArgumentParser(prog="python scripts/experiments/plan_intervals.py")
     ap.add_argument("--runs", nargs="+", default=[], help="`bench layouts --parallel.emulate` JSON files")
     ap.add_argument("--noise", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                     help="two measurements of the same layouts: the run-to-run noise")
@@ -240,7 +215,7 @@ def main(argv: list[str]) -> int:
     text += "\n\n" + format_table(rows) + "\n\n" + format_waits(rows) if rows else ""
     print(text)
     if args.out:
-        cmd = " ".join(["python -m nanotitan.bench.plan_intervals", *argv])
+        cmd = " ".join(["python scripts/experiments/plan_intervals.py", *argv])
         Path(args.out).write_text(f"# The planner's 80% step intervals against emulated runs (docs/planner.md §7)\n\n"
                                   f"Written by `{cmd}`.\n\n{text}\n")
     return 0

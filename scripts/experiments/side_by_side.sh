@@ -8,12 +8,12 @@
 # (gloo's, the stall record's heartbeat), the launcher.
 #
 #   git worktree add /tmp/old 050fcbc
-#   src/nanotitan/bench/side_by_side.sh TAG 130 old=/tmp/old head=$PWD          # EXTRA="--parallel.dp 2 ..." for a layout
+#   scripts/experiments/side_by_side.sh TAG 130 old=/tmp/old head=$PWD          # EXTRA="--parallel.dp 2 ..." for a layout
 #
 # Each tree runs its own src/ (PYTHONPATH) with its own configs/default.toml and data cache (/tmp/cache_NAME).
 set -u
 tag=$1; n=$2; shift 2
-py=${PYTHON:-$(cd "$(dirname "$0")/../../.." && pwd)/.venv/bin/python}  # absolute: each job runs from /tmp
+py=${PYTHON:-$(cd "$(dirname "$0")/../.." && pwd)/.venv/bin/python}  # absolute: each job runs from /tmp
 names=()
 for spec in "$@"; do
   name=${spec%%=*}; root=${spec#*=}; names+=("$name")

@@ -3,7 +3,7 @@ tree: it starts that tree's file server the way its agent does, over a snapshot 
 connects as someone without the job secret and tries list, get, put (a forged unit whose .metadata would run
 code) and the replay of a member's request. One line per probe.
 
-    PYTHONPATH=TREE/src python src/nanotitan/bench/stranger_probe.py [--host 127.0.0.1]
+    PYTHONPATH=TREE/src python scripts/experiments/stranger_probe.py [--host 127.0.0.1]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 plain backward, on the MID model's last stage as `nanotitan bench pp` cuts it (`pp_layers auto`: 1.5 blocks +
 head + CE), one thread, one microbatch of m=2 sequences at a time.
 
-    python -m nanotitan.bench.wgrad [--repeats 40] [--layers 4] [--ckpt]
+    python scripts/experiments/wgrad.py [--repeats 40] [--layers 4] [--ckpt]
 
 Times are CPU seconds of the (one) thread (`time.thread_time`), so a machine shared with other jobs slows them
 less than wall time; variants run round-robin (noise hits each alike); per variant the median over repeats of
@@ -78,7 +78,7 @@ def measure(repeats: int, layers: int, ckpt: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanotitan.bench.wgrad", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/experiments/wgrad.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ckpt", action="store_true", help="activation checkpointing on the stage")

@@ -15,7 +15,7 @@ from nanotitan.data import prepare as prepare_mod
 from nanotitan.data.prepare import (load_meta, load_tokenizer, prepare_data, prepared_dir, split_by_document,
                                      token_dtype)
 from nanotitan.data.tokenizer import EOT
-from tests.data.test_sources import make_docs, write_txt
+from tests.helpers.data import make_docs, write_txt
 
 
 def _cfg(tmp_path, **kw) -> DataConfig:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,23 +10,7 @@ import pytest
 
 from nanotitan.config.config import ConfigError, DataConfig
 from nanotitan.data.sources import iter_documents, source_fingerprint, source_kind, stream_dataset
-
-WORDS = ("the king queen sword crown night day love death honour blood gentle lord lady heaven "
-         "fortune grief mercy tongue heart eye hand soul father mother brother sister thee thou").split()
-
-
-def make_docs(n_docs: int = 12, words: int = 150, seed: int = 0) -> list[str]:
-    """Distinct pseudo-text documents (each opens with its own number)."""
-    rng = random.Random(seed)
-    return [f"Document {i}.\n" + " ".join(rng.choice(WORDS) for _ in range(words)) + ",\nand so to bed.\n"
-            for i in range(n_docs)]
-
-
-def write_txt(d: Path, docs: list[str]) -> Path:
-    d.mkdir(parents=True, exist_ok=True)
-    for i, text in enumerate(docs):
-        (d / f"doc_{i:03d}.txt").write_text(text)
-    return d
+from tests.helpers.data import make_docs, write_txt
 
 
 def test_txt_directory_and_glob_give_one_document_per_file_in_name_order(tmp_path):

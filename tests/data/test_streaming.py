@@ -11,7 +11,7 @@ from nanotitan.config.config import Config, DataConfig
 from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
 from nanotitan.data.streaming import PackedTokenDataset, make_streaming_loader
 from nanotitan.data.tokenizer import train_bpe
-from tests.data.test_sources import make_docs, write_txt
+from tests.helpers.data import make_docs, write_txt
 
 S = 32
 

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from nanotitan.config.config import ConfigError
 from nanotitan.data.tokenizer import EOT, eot_id, load_tokenizer_file, train_bpe
-from tests.data.test_sources import make_docs
+from tests.helpers.data import make_docs
 
 
 def test_bpe_round_trips_unseen_text_and_has_eot():

@@ -8,7 +8,7 @@ import torch
 from nanotitan.config.config import load_config
 from nanotitan.model.moe import MoE, pack_expert_major
 from nanotitan.model.spec import layer_bounds
-from tests.specs import build_shard_spec
+from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.resolve import resolve
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE
-from tests.specs import build_shard_spec
+from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import (Attention, Transformer, flops_per_token, is_expert_param, is_moe_layer,
                                          num_moe_layers)
 from nanotitan.resolve import resolve

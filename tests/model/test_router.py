@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotitan.state.checkpoint import load_checkpoint, save_checkpoint
-from tests.whole_state import keyed_tensors
+from tests.helpers.whole_state import keyed_tensors
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer

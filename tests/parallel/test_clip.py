@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from nanotitan.parallel.clip import clip_grad_norm_
 from nanotitan.parallel.dims import ParallelDims
-from tests.mp import run_ranks
+from tests.helpers.mp import run_ranks
 
 SHAPES = [(3, 5), (7,)]  # two replicated tensors per stage, and two expert tensors per shard
 

@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.moe import ExpertFFN, LocalDispatcher, MoE
-from tests.specs import build_shard_spec
+from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher, apply_ep, inverse_permutation, source_to_expert_major
-from tests.mp import run_ranks
+from tests.helpers.mp import run_ranks
 
 D, F_HID = 16, 24
 

@@ -11,7 +11,7 @@ import torch
 
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs
-from tests.specs import build_shard_spec
+from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel import ep
@@ -23,7 +23,7 @@ from nanotitan.parallel.pp.facts import in_flight, warmup as pp_warmup
 from nanotitan.parallel.pp.schedules import pipeline_forward_backward
 from nanotitan.parallel.pp.chunks import StageChunks
 from nanotitan.parallel.pp.comms import StageComms
-from tests.mp import run_ranks
+from tests.helpers.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D, M = 7, 2, 16, 128, 32, 4
 

@@ -24,7 +24,7 @@ from nanotitan.parallel.pp.facts import in_flight, theoretical_bubble, virtual_s
 from nanotitan.parallel.pp.schedules import pipeline_forward, pipeline_forward_backward
 from nanotitan.parallel.pp.chunks import StageChunks
 from nanotitan.parallel.pp.comms import StageComms
-from tests.mp import run_ranks
+from tests.helpers.mp import run_ranks
 
 SEED, M_SEQ, SEQ, VOCAB, D = 7, 2, 16, 256, 32
 AUX_WEIGHT = 0.3  # large, so a missing or doubled aux term shows in the gradients

@@ -34,9 +34,9 @@ from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp.reducer import Reducer
 from nanotitan.parallel.dp.sync import ReplicatedSync, adam_state, flat_range_boxes
 from nanotitan.parallel.dp.zero import ShardedReducer, ZeroSync
-from tests.mp import run_ranks
-from tests.parallel.test_dp_reducer import _build, _loss
-from tests.whole_state import whole_state
+from tests.helpers.mp import run_ranks
+from tests.helpers.dp import _build, _loss
+from tests.helpers.whole_state import whole_state
 
 LR, WD, STEPS = 1e-2, 0.1, 3
 
@@ -328,7 +328,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     """The same layout trained twice: zero 0 (Reducers) and zero 3 (apply_fsdp + FSDPSync). Also returns the
     high-water mark of live tensor bytes over zero 3's forwards and backwards of the last step."""
     from nanotitan.config.config import Config
-    from tests.specs import build_shard_spec
+    from tests.helpers.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
     from nanotitan.parallel.dp.fsdp import FSDPSync

@@ -1,6 +1,6 @@
 """Instructions per rank-step by shared object, from the window dumps of NT_PROF_MODE=callgrind (sitecustomize.py).
 
-    python src/nanotitan/bench/callprof/cg_objects.py STEPS DIR...     # each DIR holds callgrind.rank{R}.1 files
+    python scripts/experiments/callprof/cg_objects.py STEPS DIR...     # each DIR holds callgrind.rank{R}.1 files
 
 Self cost (Ir) summed per object (libpython, libtorch_cpu, libgloo...) and per rank; each DIR one tree. Instruction
 counts do not depend on the machine's load, so two trees compare exactly (up to hash-seed and timing effects).

@@ -1,6 +1,6 @@
-"""Python calls per rank-step, two trees side by side, from the dirs src/nanotitan/bench/callprof/sitecustomize.py wrote.
+"""Python calls per rank-step, two trees side by side, from the dirs scripts/experiments/callprof/sitecustomize.py wrote.
 
-    python src/nanotitan/bench/callprof/compare.py OLD_DIR NEW_DIR [STEPS=20] [TOP=40]
+    python scripts/experiments/callprof/compare.py OLD_DIR NEW_DIR [STEPS=20] [TOP=40]
 
 Prints the total calls and profiled thread-CPU per rank-step of each, then the functions whose calls per rank-step
 differ most (keyed by file path below site-packages/ or src/, and name: line numbers move between trees).

@@ -1,6 +1,6 @@
-"""Per-tree summary of the rank{R}.json files of NT_PROF_MODE=cpu (src/nanotitan/bench/callprof/sitecustomize.py).
+"""Per-tree summary of the rank{R}.json files of NT_PROF_MODE=cpu (scripts/experiments/callprof/sitecustomize.py).
 
-    python src/nanotitan/bench/callprof/cpu.py DIR...
+    python scripts/experiments/callprof/cpu.py DIR...
 """
 import glob
 import json

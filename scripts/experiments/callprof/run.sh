@@ -1,12 +1,12 @@
 #!/bin/bash
-# Profile the default job's ranks in two or more trees at once (src/nanotitan/bench/callprof/sitecustomize.py), then compare
-# the first two:   src/nanotitan/bench/callprof/run.sh TAG old=/tmp/old head=$PWD
+# Profile the default job's ranks in two or more trees at once (scripts/experiments/callprof/sitecustomize.py), then compare
+# the first two:   scripts/experiments/callprof/run.sh TAG old=/tmp/old head=$PWD
 # Writes /tmp/prof_NAME_TAG/rank*.prof (steps NT_PROF_FROM..NT_PROF_TO, default 20..40, of every rank); with
 # NT_PROF_MODE=cpu, rank*.json (main-thread and garbage-collector CPU per step, no profiler) and prints cpu.py's lines.
 set -u
 tag=$1; shift
 here=$(cd "$(dirname "$0")" && pwd)
-py=${PYTHON:-$here/../../../../.venv/bin/python}
+py=${PYTHON:-$here/../../../.venv/bin/python}
 names=()
 for spec in "$@"; do
   name=${spec%%=*}; root=${spec#*=}; names+=("$name")

@@ -175,3 +175,28 @@ FITTED = Sigmas(host=0.0595, mem=0.0095,
                 source="leave-one-out over 17 calibration layouts; the emulator's 128 (layout, rank) rows; "
                        "composition over 38 emulated steps of 8 layouts",
                 step_bias=0.0225, step_sigma=0.0805)
+
+
+def score(rows: list[dict], sig) -> list[dict]:
+    """Leave one layout out: each grid's rows get the interval of `sig` with a composition term fitted to every
+    other grid's rows (their log residuals and terms' sds), never to their own."""
+    for r in rows:
+        rest = [x for x in rows if x["grid"] != r["grid"]]
+        bias, sd = fit_composition([math.log(x["meas"] / x["pred"]) for x in rest], [x["sd"] for x in rest])
+        held = dataclasses.replace(sig, step_bias=bias, step_sigma=sd)
+        r["lo"], r["hi"] = step_interval(r["p"], held)
+        r["mid"], r["bias"], r["step_sigma"] = r["pred"] * math.exp(bias), bias, sd
+        r["err"], r["inside"] = r["mid"] / r["meas"] - 1, r["lo"] <= r["meas"] <= r["hi"]
+    return rows
+
+
+def run_noise(pairs: list[tuple[str, str]]) -> tuple[float, list[float]]:
+    """Run-to-run noise: the same layouts measured twice (two `bench layouts` files, rows matched by layout), the
+    sd of one measurement's log step time, rms(log(a/b)) / sqrt(2); and the log ratios."""
+    logs = []
+    for a, b in pairs:
+        key = lambda r: (r["dp"], r["pp"], r["ep"], r.get("M"), r.get("m"))  # noqa: E731
+        old = {key(r): r["step_time_s"] for r in json.loads(Path(a).read_text())["rows"]}
+        logs += [math.log(r["step_time_s"] / old[key(r)]) for r in json.loads(Path(b).read_text())["rows"]
+                 if key(r) in old]
+    return (math.sqrt(sum(x * x for x in logs) / len(logs) / 2) if logs else float("nan")), logs

@@ -1,0 +1,140 @@
+"""Re-layout on the fly (issue 24) with loopback "nodes": each node is one `nanotitan train --elastic.*` command.
+
+Two nodes start (world 2: dp=2), a third joins at about step 10 (world 3: pp=3), the second gets a SIGTERM notice
+at about step 30 (world 2 again), the third's processes are killed (-9) at about step 52 (its agent stays), and the
+job finishes at 70.
+Planned changes lose nothing; the kill loses at most K = elastic.snapshot_every steps, replayed from the newest
+snapshot. Every logged loss (replays included) and the final parameters equal an uninterrupted single-process run
+at the same global batch (the equivalence rule, DESIGN §4)."""
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from tests.helpers.equivalence import LR, base_args, layout_args
+from tests.helpers.elastic import AGENT_TIMEOUT_S, K, STEPS, _agent, _await, _changes, _coordinator, _kill_ranks, _records, _register, elastic_args, losses_match_one_process
+
+
+def _snapshot_steps(args, nodes) -> set[int]:
+    """The steps of which every node in `nodes` holds its committed unit (snapshot.py)."""
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
+
+    cfg = load_config(None, args)
+    held = [{int(snapshot.UNIT.match(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
+    return set.intersection(*held)
+
+
+@pytest.mark.slow
+def test_join_notice_and_kill(corpus_dir, tmp_path):
+    from nanotitan.config.config import load_config
+    from nanotitan.train import Trainer
+
+    run = tmp_path / "elastic"
+    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms, so the
+    # tiny model's 70 steps outlast the joiner's imports however fast this machine trains it.
+    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout") + [
+        "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002"]
+    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
+    files = [open(p, "w") for p in logs]
+    agents: list[subprocess.Popen] = []
+    try:
+        agents.append(_agent(args, files[0]))  # node 0: the first to bind the endpoint hosts the store
+        _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
+        agents.append(_agent(args, files[1]))
+        _await("step 3", lambda: len(_records(run)) >= 3, agents, logs)
+        agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported (10-30 steps later here)
+        _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs)
+        # Each later event waits a few steps past the previous change: the agents' warm ranks are ready again.
+        at = max(30, min(_changes(run)[0]["step"] + 8, 45))
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
+        agents[1].send_signal(signal.SIGTERM)  # a preemption notice to node 1's agent
+        _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
+        at = max(52, min(_changes(run)[1]["step"] + 8, 60))
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
+        # A snapshot is written on a thread after its step: wait until both nodes hold one newer than the notice.
+        since = _changes(run)[1]["step"]
+        _await(f"a snapshot after step {since}", lambda: _snapshot_steps(args, (0, 2)) and
+               max(_snapshot_steps(args, (0, 2))) > since, agents[:1] + agents[2:], logs)
+        _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
+        for a in agents:
+            a.wait(timeout=AGENT_TIMEOUT_S)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+        for f in files:
+            f.close()
+    out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+    assert [a.returncode for a in agents] == [0, 0, 0], out
+
+    # Two changes, each to the planner's layout for its world, nothing lost.
+    changes = _changes(run)
+    assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("notice", [3, 2]), ("failure", [2, 2])], out
+    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1", "dp=2 pp=1 ep=1", "dp=2 pp=1 ep=1"], changes
+    assert 3 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < STEPS, changes
+    lost = changes[2]["steps_lost"]
+    assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes
+    assert changes[2]["step"] % K == 0, changes  # resumed from a snapshot
+
+    # Every step logged, each loss the single process's; only the lost steps were run twice.
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
+    assert len(steps) - STEPS <= lost, steps
+
+    # The final checkpoint, loaded into one process, holds the single process's parameters.
+    final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1)
+                                + ["--train.steps", str(STEPS), "--train.resume", str(run / "checkpoints" / f"step_{STEPS}")]))
+    assert final.start_step == STEPS
+    want = dict(ref.model.named_parameters())
+    for name, t in final.model.named_parameters():
+        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {s}")
+
+
+# --- bad cases, decided by node 0's coordinator (one process, a real store, no ranks) ---------------------------
+
+
+def test_world_without_layout_leaves_a_spare_and_a_different_joiner_is_refused(corpus_dir, tmp_path, capsys):
+    """5 ranks admit no layout at batch 16 (4 experts, 4 layers): the newest node waits as a spare and the job
+    starts on 4; a node with another code or config hash is refused in one line."""
+    coord, store, _raw = _coordinator(corpus_dir, tmp_path, "1:8")
+    for node in range(5):
+        _register(store, node, coord.hash)
+    _register(store, 5, "0" * 16)
+    coord.since -= 1e6  # whatever the clock, the first generation is due now
+    coord.tick()
+    plan = json.loads(store.get("gen/1"))
+    assert plan["members"] == [0, 1, 2, 3] and plan["layout"].startswith("dp=4 pp=1 ep=1"), plan
+    out = capsys.readouterr().out
+    assert "world 5 admits no layout (no layout of 5 ranks" in out and "node 4 waits as a spare" in out, out
+    assert "node 5 (h) runs different code or config" in store.get("refused/5")
+
+
+def test_a_snapshot_that_fails_its_checksum_is_skipped(corpus_dir, tmp_path, capsys):
+    """The next generation resumes from the newest snapshot that verifies: a unit whose shard fails its checksum
+    (and no other node holds a good copy) is named and passed over; the older one is assembled and chosen."""
+    import shutil
+
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
+    from nanotitan.train import Trainer
+
+    torch.set_num_threads(1)
+    Trainer(load_config(None, base_args(corpus_dir, tmp_path / "src") + layout_args(1, 1, 1)
+                        + ["--train.steps", "4", "--train.ckpt_every", "2"])).train()
+    coord, _store, _raw = _coordinator(corpus_dir, tmp_path / "run", "1")
+    root = snapshot_root(coord.cfg, 0)
+    for step in (2, 4):  # a one-rank checkpoint is one node's whole unit
+        shutil.copytree(tmp_path / "src" / "checkpoints" / f"step_{step}", root / f"step_{step}" / "g1-node0")
+    shard = next((root / "step_4" / "g1-node0").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    shard.write_bytes(bytes(data))
+    assert coord._newest_checkpoint() == root / "checkpoints" / "step_2"
+    out = capsys.readouterr().out
+    assert "skipped snapshot step_4" in out and "fails its checksum" in out, out

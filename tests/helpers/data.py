@@ -1,0 +1,22 @@
+"""Shared test helpers (moved from tests/data/test_sources.py)."""
+
+import random
+from pathlib import Path
+
+
+WORDS = ("the king queen sword crown night day love death honour blood gentle lord lady heaven "
+         "fortune grief mercy tongue heart eye hand soul father mother brother sister thee thou").split()
+
+
+def make_docs(n_docs: int = 12, words: int = 150, seed: int = 0) -> list[str]:
+    """Distinct pseudo-text documents (each opens with its own number)."""
+    rng = random.Random(seed)
+    return [f"Document {i}.\n" + " ".join(rng.choice(WORDS) for _ in range(words)) + ",\nand so to bed.\n"
+            for i in range(n_docs)]
+
+
+def write_txt(d: Path, docs: list[str]) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(docs):
+        (d / f"doc_{i:03d}.txt").write_text(text)
+    return d

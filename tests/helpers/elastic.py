@@ -1,0 +1,110 @@
+"""Shared test helpers (moved from tests/test_elastic_relayout.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+import pytest
+import torch
+from tests.helpers.mp import free_port
+from tests.helpers.equivalence import B, base_args, layout_args
+
+
+STEPS, K = 70, 5
+
+
+AGENT_TIMEOUT_S = 400
+
+
+def _agent(args: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            # one code id for all nodes: a commit landing between two agents' starts is not a new version
+                            env=dict(os.environ, OMP_NUM_THREADS="1", NANOTITAN_CODE_ID="test"))
+
+
+def _records(run) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def _kill_ranks(agent: subprocess.Popen) -> None:
+    """kill -9 every child process of an agent (its ranks), leaving the agent itself alive."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+
+
+def _changes(run) -> list[dict]:
+    path = run / "elastic.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def _await(what: str, cond, agents, logs, timeout_s: float = 240.0) -> None:
+    """Poll until cond() holds; fail with every agent's output if one exits first or time runs out."""
+    end = time.monotonic() + timeout_s
+    while not cond():
+        ended = [i for i, a in enumerate(agents) if a.poll() is not None]
+        if ended or time.monotonic() > end:
+            out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+            pytest.fail(f"waiting for {what}: agents {ended} exited / timed out\n{out}")
+        time.sleep(0.1)
+
+
+def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) -> list[str]:
+    """One loopback node's command line: one rank per node, a snapshot every K steps under tmp_path/shm."""
+    return base_args(corpus_dir, run) + [
+        "--train.steps", str(steps), "--train.global_batch", str(B), "--parallel.auto", "true",
+        "--parallel.timeout_s", "60", "--elastic.nodes", nodes, "--elastic.nproc_per_node", "1",
+        "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", job,
+        "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
+        "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
+
+
+def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
+    """Every step 1..steps logged, each loss (replays included) the single process's; returns that reference
+    Trainer and the logged steps."""
+    from nanotitan.config.config import load_config
+    from nanotitan.train import Trainer
+
+    torch.set_num_threads(1)
+    ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
+                              + ["--train.steps", str(steps)]))
+    full = {r["step"]: r["loss"] for r in ref.train()["history"]}
+    logged = [r["step"] for r in _records(run)]
+    assert sorted(set(logged)) == list(range(1, steps + 1)), logged
+    for r in _records(run):
+        assert abs(r["loss"] - full[r["step"]]) <= 1e-5 * abs(full[r["step"]]), (r["step"], r["loss"], full[r["step"]])
+    return ref, logged
+
+
+def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.auth import SignedStore
+    from nanotitan.elastic.coordinator import Coordinator, job_hash
+
+    cfg = load_config(None, base_args(corpus_dir, run_dir) + [
+        "--train.global_batch", str(B), "--parallel.auto", "true", "--elastic.nodes", nodes,
+        "--elastic.endpoint", "127.0.0.1:1", "--elastic.id", "bad", "--elastic.snapshot_dir", str(run_dir / "shm"),
+        *extra])
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    store = SignedStore(dist.PrefixStore("nanotitan/elastic/bad", raw), b"k" * 32)
+    return Coordinator(cfg, store, job_hash(cfg)), store, raw
+
+
+def _register(store, node: int, hash_: str) -> None:
+    assert store.add("joined", 1) - 1 == node
+    store.set(f"beat/{node}", str(time.time()))
+    store.set(f"node/{node}", json.dumps({"host": "h", "pid": 0, "hash": hash_}))
