@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-# The suite adds its extras (pytest, and the oracles of tests/test_hf.py and tests/test_wandb.py).
+# The suite adds its extras (pytest, and the oracles of tests/interop/test_hf.py and tests/observe/test_wandb.py).
 $(TEST_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(TEST_STAMP)

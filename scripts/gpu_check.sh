@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine (`make gpu-check`; docs/precision.md, "GPU check"):
 #   1. the equivalence tests on NCCL through the real launcher (`python -m nanotitan.cli train`: torchrun, NCCL),
-#      fp32 and bf16: tests/test_equivalence_bf16.py::test_nccl_equivalence. With 1 GPU: the GPU run against
+#      fp32 and bf16: tests/equivalence/test_equivalence_bf16.py::test_nccl_equivalence. With 1 GPU: the GPU run against
 #      the CPU run; with 2+ GPUs: every layout that fits (world 2, 4, 8) against the single-GPU run.
 #   2. a short MFU measurement of the MID and default models on one GPU, fp32 and bf16 (30 steps each).
 #   3. one table of everything, also saved as $OUT/table.txt.
@@ -27,7 +27,7 @@ status=0
 echo "== gpu-check: $("$PY" -c 'import torch; print(torch.cuda.device_count(), "x", torch.cuda.get_device_name(0), "| torch", torch.__version__)')"
 
 # --- 1. equivalence on NCCL ---------------------------------------------------------------------------------
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_equivalence_bf16.py -k nccl 2>&1 | tee "$OUT/pytest.log"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/equivalence/test_equivalence_bf16.py -k nccl 2>&1 | tee "$OUT/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 # --- 2. MFU of MID and default on one GPU ----------------------------------------------------------------------

@@ -51,7 +51,7 @@ def isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(corpus_dir, tmp_path_factory):
-    """The equivalence matrix's reference (tests/test_equivalence.py): one process accumulating over all B/m = 8
+    """The equivalence matrix's reference (tests/helpers/equivalence.py): one process accumulating over all B/m = 8
     microbatches. Once per session: five modules hold their rows to it."""
     from tests.helpers.equivalence import one_process
 

@@ -7,10 +7,10 @@ emulated networks: how many measured step times fall inside the predicted interv
     python scripts/experiments/plan_intervals.py --measure-skew docs/experiments/skew_check_bw.json --bandwidth-bound
     python scripts/experiments/plan_intervals.py --skew-check docs/experiments/skew_check_bw.json  # the table
 
-Term sigmas (`plan.interval.fit_sigmas`): leave-one-out over `--calibration` (the `bench layouts` rows cpu-gloo is
+Term sigmas (`plan.fit.interval.fit_sigmas`): leave-one-out over `--calibration` (the `bench layouts` rows cpu-gloo is
 fitted to; each row predicted by a profile fitted to the others) and the emulator's per-call calibration
 (`--emulate-cal`, `nanotitan bench emulate`'s JSON) for the collectives. The composition term (step bias and sigma,
-`plan.interval.fit_composition`) is fitted on whole emulated steps and scored by leave-one-layout-out
+`plan.fit.interval.fit_composition`) is fitted on whole emulated steps and scored by leave-one-layout-out
 cross-validation: each (dp, pp, ep) grid's runs, under every topology and microbatch size, are predicted with a
 composition fitted to the other grids' runs only. The sigmas file (`--sigmas-out`) holds the fit on all runs.
 Each run file is a `nanotitan bench layouts --parallel.emulate ...` JSON: its rows are predicted as `bench layouts`

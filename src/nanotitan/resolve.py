@@ -11,7 +11,7 @@ concrete, once, above model/ and parallel/ (DESIGN §2).
     parallel.pp_layers auto  layers per chunk, balanced by the planner's costs on the device kind's profile
     parallel.zero_accumulate, zero3_reshard auto   sync.zero_memory_choices, the rule the planner prices too
     parallel.emulate_node_size 0, emulate_dilation 0   the profile's devices per node; this CPU's GEMM peak /
-                             the profile's peak (parallel/emulate.py builds its links from these values)
+                             the profile's peak (parallel/comm/emulate.py builds its links from these values)
 
 `nanotitan train` resolves before it starts any rank (the launcher for the world it starts; under torchrun each
 rank for WORLD_SIZE, so an elastic restart on another world re-plans); a Trainer handed a config as loaded

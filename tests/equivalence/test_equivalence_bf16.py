@@ -10,7 +10,7 @@ A loss is a mean over T tokens; under a random-rounding model the independent bf
 move that mean by ~u/sqrt(T) relative. Here T = 256, so the bound is 2^-12 = 2.4e-4 relative. Measured
 (docs/precision.md): layouts deviate by <= 6.6e-5, one process's bf16-vs-fp32 gap is 4.6e-5, while a real
 difference - 1% more learning rate, or 10% less balance loss - moves the loss by ~1e-3 and fails it.
-fp32 rows keep tests/test_equivalence.py's 1e-5.
+fp32 rows keep tests/helpers/equivalence.py's 1e-5.
 
 CPU rows (one 8-rank launch): DP2*PP2*EP2 with gpipe, and with 1f1b + ZeRO-2, in bf16; each rank-0 record's
 PP bytes must be bf16-sized; replicas bitwise identical. The val loss of a final eval through the bf16

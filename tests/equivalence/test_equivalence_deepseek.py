@@ -7,7 +7,7 @@ sequence-wise balance loss and one multi-token-prediction module (model/mtp.py; 
 One 8-rank launch runs DP2·PP2·EP2 under 1F1B with activation checkpointing, and under zb1 (deferred weight
 gradients) with EP lanes (parallel.ep_overlap_microbatches); DP4·EP2 at zero 1; and DP4·EP2 at zero 3 resumed from
 the 1F1B run's step-5 checkpoint (PP's two embedding copies -> one sharded table); then one process resumes from
-the zero-3 run's step-7 checkpoint. (Rows share runs to keep the suite's time: each option rides with another.) Each is held to tests/test_equivalence.py's bar
+the zero-3 run's step-7 checkpoint. (Rows share runs to keep the suite's time: each option rides with another.) Each is held to tests/helpers/equivalence.py's bar
 against the single-process reference: losses per step to fp32 relative 1e-5, final parameters, replicas bitwise
 identical, router biases bitwise; the last stage's embedding replica (parallel/tied.py) bitwise stage 0's table.
 """

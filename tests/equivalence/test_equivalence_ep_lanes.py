@@ -2,7 +2,7 @@
 under every schedule) trains the same model as one process, and bit for bit the same model as the run without the
 lanes.
 
-Harness and bar of tests/test_equivalence.py (the real trainer on real gloo processes, 10 steps, B = 16, m = 2):
+Harness and bar of tests/helpers/equivalence.py (the real trainer on real gloo processes, 10 steps, B = 16, m = 2):
 each row against the single process (loss 1e-5 per step, final parameters), and against its twin without the lanes
 in the same launch: every step's loss and every final parameter torch.equal (docs/ep.md says why no reduction
 order changes). A unit test shows the lanes really ran at once: a forward and a backward overlapped in time.

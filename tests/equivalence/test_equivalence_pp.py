@@ -1,7 +1,7 @@
 """The equivalence matrix (DESIGN §4) for the schedules past 1F1B: interleaved 1F1B (V=2 virtual stages per rank)
 and zero-bubble zb1 train the same model as one process, in every composition with DP and EP.
 
-Same harness and bar as tests/test_equivalence.py (the real trainer on real gloo processes, 10 steps,
+Same harness and bar as tests/helpers/equivalence.py (the real trainer on real gloo processes, 10 steps,
 B = 16 sequences, m = 2): per-step loss to fp32 relative 1e-5 against the single process over the same 8
 microbatches, final parameters (each rank against its slice), replicas bitwise identical. Interleaved with
 PP=4 and V=2 needs 8 chunks, hence 8 layers, and its own 8-layer reference. The balance loss is on
@@ -20,7 +20,7 @@ L8 = ("--model.n_layers", "8")
 ZERO = ("--train.ckpt_at_end", "false")  # sharded DP does not checkpoint (yet): config.validate refuses it
 OV = ("--parallel.ep_overlap", "true")  # 4 experts over EP2: each trip in 2 groups of 1 expert
 AC = ("--train.activation_checkpointing", "true")
-GR = ("--model.experts_impl", "grouped")  # one grouped GEMM per projection (tests/test_grouped.py), vs the loop's reference
+GR = ("--model.experts_impl", "grouped")  # one grouped GEMM per projection (model/test_grouped.py), vs the loop's reference
 
 
 @pytest.fixture(scope="module")

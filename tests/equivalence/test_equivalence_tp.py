@@ -25,7 +25,7 @@ def short_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
 
 
 def train_tp(args: list[str]) -> dict:
-    """train_once's result (tests/mp.py) plus, per param, the dim its TP slice is cut along and the rank's tp place."""
+    """train_once's result (helpers/mp.py) plus, per param, the dim its TP slice is cut along and the rank's tp place."""
     from nanotitan.config.config import load_config
     from nanotitan.model.transformer import is_expert_param
     from nanotitan.parallel.tp import tp_shard_dim

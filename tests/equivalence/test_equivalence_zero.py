@@ -1,7 +1,7 @@
 """Sharded DP keeps the equivalence rule (DESIGN §4): every zero level trains what one process trains.
 
 parallel.zero 1, 2 (ShardedReducer) and 3 (FSDP2) x DP2, DP4, DP2*EP2, DP2*PP2 and DP2*PP2*EP2 run the real
-trainer on real gloo processes for 10 steps with clipping and are held to tests/test_equivalence.py's bar
+trainer on real gloo processes for 10 steps with clipping and are held to tests/helpers/equivalence.py's bar
 against its single-process reference: losses per step to fp32 relative 1e-5, final parameters (each rank's full
 params: after the all-gather at zero 1/2, gathered from the shards at zero 3), replicas bitwise identical.
 

@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_checkpoint.py)."""
+"""Shared test helpers (moved from tests/state/test_checkpoint.py)."""
 
 import zlib
 import torch

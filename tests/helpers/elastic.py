@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_elastic_relayout.py)."""
+"""Shared test helpers (moved from tests/elastic/test_elastic_relayout.py)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_equivalence.py)."""
+"""Shared test helpers (moved from tests/helpers/equivalence.py)."""
 
 import torch
 from tests.helpers.mp import train_once

@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_hf.py)."""
+"""Shared test helpers (moved from tests/interop/test_hf.py)."""
 
 from pathlib import Path
 import torch

@@ -64,7 +64,7 @@ def train_once(args: list[str]) -> dict:
     """Train with `nanotitan train`'s Trainer on CLI-style args. Returns "records" (the logged step records:
     rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert
     index for an expert shard, else None)} at any zero level (put together from every rank's checkpoint pieces,
-    tests/whole_state.py), its MoE layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep)
+    helpers/whole_state.py), its MoE layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep)
     "coords"."""
     from nanotitan.config.config import load_config
     from nanotitan.model.transformer import is_expert_param

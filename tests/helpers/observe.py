@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_wandb.py)."""
+"""Shared test helpers (moved from tests/observe/test_wandb.py)."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/test_plan.py)."""
+"""Shared test helpers (moved from tests/plan/test_plan.py)."""
 
 from nanotitan.config.config import Config, validate
 from nanotitan.config.hardware import get_hardware

@@ -2,7 +2,7 @@
 loop: ExpertFFN alone (empty experts included), the MoE layer with capacity drops (the rows past the kept prefix),
 zb1's deferred weight gradients (model/wgrad.py, fused and not) and the chunked EP trip's building blocks;
 ≤ 1e-6 relative in fp32, the bf16 bound under bf16 autocast. Multi-rank rows (EP2 with zb1, the chunked trips and
-the lanes) are in tests/test_equivalence_pp.py and tests/test_equivalence_ep_lanes.py."""
+the lanes) are in tests/equivalence/test_equivalence_pp.py and tests/equivalence/test_equivalence_ep_lanes.py."""
 
 import contextlib
 

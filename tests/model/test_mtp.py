@@ -1,7 +1,7 @@
 """Multi-token prediction (model/mtp.py) in one process: the loss is DeepSeek-V3's, computed by hand from the model's
 own modules; the main CE's value is untouched (ce_loss stays comparable) while the gradient is that of
 ce + mtp_coef * mtp; names and shard specs follow DeepSeek's layout; bad configs fail in one line.
-The layouts (PP's embedding replica, zb1, EP, lanes, zero, checkpoints) are tests/test_equivalence_deepseek.py's."""
+The layouts (PP's embedding replica, zb1, EP, lanes, zero, checkpoints) are equivalence/test_equivalence_deepseek.py's."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """--run.profile_steps A-B: a Chrome trace of exactly steps A..B per rank (shapes and memory recorded), the same
 file where TensorBoard looks, and a table of the top operations and of the time in each axis's communication,
-whose collectives carry the labels parallel/comm.py gives them."""
+whose collectives carry the labels parallel/comm/collectives.py gives them."""
 
 import json
 

@@ -3,7 +3,7 @@
 One process with compiled blocks, then one 8-rank launch of DP2·PP2·EP2 with compiled blocks under 1F1B with zero 3
 (FSDP2 over compiled blocks) and activation checkpointing, and under zb1 (deferred weight gradients) with two EP
 lanes, each held to
-tests/test_equivalence.py's bar (losses per step to fp32 relative 1e-5, final parameters, replicas bitwise) against
+tests/helpers/equivalence.py's bar (losses per step to fp32 relative 1e-5, final parameters, replicas bitwise) against
 one uncompiled process. Two blocks (one per stage), so each rank compiles one block's graphs; inductor's on-disk
 cache serves the ranks and cases after the first. Rank 0's first record carries the compile time (`compile_s`).
 """

@@ -1,4 +1,4 @@
-"""The network emulator (parallel/emulate.py): each call priced by the links it crosses, held at least that long,
+"""The network emulator (parallel/comm/emulate.py): each call priced by the links it crosses, held at least that long,
 and no value changed — the equivalence rows (DESIGN §4) pass with it on, bitwise equal to the same layout off."""
 
 import time

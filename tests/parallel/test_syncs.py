@@ -8,7 +8,7 @@ made them (the innermost frame under src/nanotitan), during one unlogged trainin
 A device-to-host `.cpu()` / `.to("cpu")` is invisible on a CPU run (a no-op there); on a GPU,
 torch.cuda.set_sync_debug_mode covers it (`nanotitan bench gpu`).
 
-The documented counts (docs/moe.md, "Host syncs"), per rank, for the tiny 4-layer MoE of tests/test_equivalence.py
+The documented counts (docs/moe.md, "Host syncs"), per rank, for the tiny 4-layer MoE of tests/helpers/equivalence.py
 (every layer MoE, 4 microbatches of this rank per step):
 - the MoE layers (router, dispatch, experts, capacity, combine): none with model.experts_impl grouped on one device;
   the loop reads its split sizes once per layer call; under EP one read per layer call (the all-to-all's split
@@ -125,5 +125,5 @@ def test_syncs_ep(corpus_dir, tmp_path):
             assert got == expected(8, case[3], ep=True), (rank, case, got)
 
 
-if __name__ == "__main__":  # print the table: python tests/test_syncs.py CORPUS_DIR
+if __name__ == "__main__":  # print the table: python tests/parallel/test_syncs.py CORPUS_DIR
     print(count_step(_args(sys.argv[1], "/tmp/syncs_run", (1, 1, 1, sys.argv[2] if len(sys.argv) > 2 else "loop"))))

@@ -240,7 +240,7 @@ def test_no_rank_builds_the_whole_stage():
             assert old_peak > shard + largest, (tp, old_peak, shard, largest)  # the old path would fail the bound
 
 
-if __name__ == "__main__":  # docs/tp.md's table: python -m tests.test_tp_init CONFIG [--section.key VALUE ...]
+if __name__ == "__main__":  # docs/tp.md's table: python -m tests.parallel.test_tp_init CONFIG [--section.key VALUE ...]
     import sys
 
     torch.set_num_threads(1)

@@ -53,7 +53,7 @@ def _decay_groups(model: nn.Module):
 
 def _close(a, b, msg):
     # AdamW normalises each coordinate's update, so float reassociation in a ~0 gradient can move a
-    # coordinate by up to ~lr: atol is 1e-3 of the largest possible movement (as tests/test_equivalence.py).
+    # coordinate by up to ~lr: atol is 1e-3 of the largest possible movement (as tests/helpers/equivalence.py).
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * LR * STEPS, msg=msg)
 
 

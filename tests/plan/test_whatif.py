@@ -1,4 +1,4 @@
-"""`nanotitan plan --what-if` (plan/whatif.py) and the prediction intervals (plan/interval.py)."""
+"""`nanotitan plan --what-if` (plan/whatif.py) and the prediction intervals (plan/fit/interval.py)."""
 
 import dataclasses
 import json

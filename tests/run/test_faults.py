@@ -644,7 +644,7 @@ def test_clean_stop(sig, extra, code, pattern, tmp_path, corpus_dir, baseline):
      r"rank 0 waits in EP all-to-all #175 \((layer \d+, )?(forward|backward)\)"),
 ])
 def test_stall_is_named(axis, layout, stop_at, waits, tmp_path, corpus_dir):
-    """A rank of a 2-rank job SIGSTOPs itself inside step 9 (NANOTITAN_STOP_AT, parallel/stall.py), with
+    """A rank of a 2-rank job SIGSTOPs itself inside step 9 (NANOTITAN_STOP_AT, parallel/comm/stall.py), with
     parallel.timeout_s 10: within 15 s the job exits 1 with one line naming the stopped rank, the call the
     other waits in, and where the stopped one was."""
     run = tmp_path / "run"

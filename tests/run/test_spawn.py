@@ -82,9 +82,9 @@ def _where(rank, world):
 
 
 def test_forkserver_ranks_take_the_callers_environment_and_directory(monkeypatch, tmp_path):
-    """tests/mp.py's ranks fork from a server started once: each still sees the caller's environment and working
+    """tests/helpers/mp.py's ranks fork from a server started once: each still sees the caller's environment and working
     directory as they are at the call, not as they were when the server started."""
-    from tests import mp
+    from tests.helpers import mp
 
     mp.run_ranks(_where, 1, timeout=90)  # the server runs by now, if no earlier test started it
     monkeypatch.setenv("SPAWN_TAG", "late")
@@ -118,7 +118,7 @@ def test_a_hanging_rank_hits_the_timeout_with_its_stack_and_everything_is_killed
 def test_ranks_exit_when_their_caller_is_killed(tmp_path, start_method):
     """A caller killed outright (no finally runs) leaves no rank blocked behind it; a forkserver's rank too (its
     parent is the server, which exits with the caller)."""
-    code = (f"from nanotitan.run.spawn import run_ranks; from tests.test_spawn import _hang_on_rank0; "
+    code = (f"from nanotitan.run.spawn import run_ranks; from tests.run.test_spawn import _hang_on_rank0; "
             f"run_ranks(_hang_on_rank0, 1, ({str(tmp_path)!r},), timeout=300, start_method={start_method!r})")
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2])
     try:

@@ -172,7 +172,7 @@ def test_interrupted_save_keeps_previous_and_prunes(tmp_path):
 
 def test_latest_ignores_incomplete(tmp_path):
     """Only directories named step_N with a COMPLETE marker count; the highest N wins. (These empty dirs
-    have no manifest, so resolve_resume runs with verification off; tests/test_ckpt_verify.py verifies.)"""
+    have no manifest, so resolve_resume runs with verification off; tests/state/test_ckpt_verify.py verifies.)"""
     root = manifest.checkpoint_dir(tmp_path)
     assert manifest.latest_checkpoint(tmp_path) is None and manifest.resolve_resume("auto", tmp_path) is None
     for name, complete in (("step_5", True), ("step_12", True), ("step_30", False), ("step_40.tmp", True)):

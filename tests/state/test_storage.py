@@ -8,7 +8,7 @@
 
 The faults are real where a root process can meet them: statvfs's real free space against a checkpoint made
 large by a sparse file (no disk used), sysfs (/sys/kernel refuses new files even to root). A disk filling up
-mid-write is injected here (ENOSPC from the writer); tests/test_faults.py makes it real with RLIMIT_FSIZE.
+mid-write is injected here (ENOSPC from the writer); tests/run/test_faults.py makes it real with RLIMIT_FSIZE.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ global keys (`GradSync.sharded_state`), so a checkpoint written at any zero leve
 and a same-layout resume at zero 1/2/3 continues its uninterrupted run exactly.
 
 Every run of the first test checkpoints at step 5 of 10. Cross-level resumes are held to the single-process
-reference (tests/test_equivalence.py's bar: fp32 relative 1e-5 per step); same-layout resumes to the run they
+reference (tests/helpers/equivalence.py's bar: fp32 relative 1e-5 per step); same-layout resumes to the run they
 resumed. One 8-rank launch, one 4-rank launch (8 trainer runs), two runs in-process. The second test follows one
 state through zero 3 (4,1,1) -> zero 2 (2,2,1) -> zero 0 (1,1,1) tensor by tensor and measures what saving and
 loading hold.
@@ -84,7 +84,7 @@ CHAIN_MODEL = ["--model.d_model", "128", "--model.ffn_dim", "256"]
 def _chain_job(corpus_dir, run_dir, layout, zero, steps, resume="", meter=False) -> dict:
     """Train `layout` at `zero` to `steps` (none when resuming at that step) and save there; return this rank's
     whole tensors (params and AdamW state, put together from every rank's pieces for the comparison only:
-    tests/whole_state.py) and, with `meter`,
+    tests/helpers/whole_state.py) and, with `meter`,
     the high-water mark of live tensor bytes while saving and while loading that checkpoint back, over this
     rank's steady state (params + grads + optimizer state)."""
     from nanotitan.state import checkpoint as ckpt

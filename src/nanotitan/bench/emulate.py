@@ -4,7 +4,7 @@
                             [--config configs/bench.toml] [--micro-batch 2] [--repeats 5] [--tolerance 0.10]
 
 For every layout `bench layouts` runs at N ranks (m fixed), every rank replays the communication of one training
-step of its stage, per axis, through parallel/comm.py with the emulator on (parallel/emulate.py):
+step of its stage, per axis, through parallel/comm/collectives.py with the emulator on (parallel/comm/emulate.py):
     dp  the gradient buckets of its stage (`parallel.bucket_mb`): async all-reduce + wait over non-expert-DP and
         expert-DP, as the Reducer does
     ep  per MoE layer and microbatch: the count exchange and the 4 payload all-to-alls (dispatch, combine, their
@@ -67,7 +67,7 @@ def step_traffic(cfg, lay: Layout, dims: ParallelDims) -> dict[str, list[tuple[s
 
 
 def _replay(axis: str, kind: str, nbytes: int, dims: ParallelDims) -> float:
-    """One call of this kind through parallel/comm.py; returns its wall seconds (entry to return)."""
+    """One call of this kind through parallel/comm/collectives.py; returns its wall seconds (entry to return)."""
     if axis == "dp":
         buf = torch.zeros(max(1, nbytes // 4))
         t0 = time.perf_counter()

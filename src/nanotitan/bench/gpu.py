@@ -16,7 +16,7 @@ experts, combine) times the layers, and the optimizer step; `other` is what the 
 the device (max relative difference of one layer's output and expert weight gradients): a GPU kernel that
 disagreed would show here first.
 
-Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/test_bench_gpu.py runs it in the
+Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/bench/test_bench_gpu.py runs it in the
 suite, so it cannot rot. CPU figures mean nothing for a GPU.
 """
 
@@ -114,7 +114,7 @@ def train_step(model: Transformer, opt, x, y, device, dtype):
 
 
 def count_syncs(fn, device: torch.device) -> int | None:
-    """Host syncs in fn() on CUDA (set_sync_debug_mode's warnings); None elsewhere (tests/test_syncs.py counts
+    """Host syncs in fn() on CUDA (set_sync_debug_mode's warnings); None elsewhere (tests/parallel/test_syncs.py counts
     them on CPU by op)."""
     if device.type != "cuda":
         return None

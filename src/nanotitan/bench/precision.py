@@ -13,7 +13,7 @@ profile per step and the minimum per operator over them (a descheduled op inflat
 self time by category (GEMM, dtype casts, attention, elementwise, MoE routing/permutation, optimizer,
 other) and the top operators of the bf16 step.
 
---wire: the communication accounting (parallel/comm.py) of one MID microbatch on each axis, 2 ranks: PP (one
+--wire: the communication accounting (parallel/comm/collectives.py) of one MID microbatch on each axis, 2 ranks: PP (one
 activation (8, 128, 256) forward and its gradient back, StageComms), EP (one MoE layer's dispatch and combine,
 forward and backward, 1,024 tokens per rank, the same routing in both dtypes), DP (one Reducer all-reduce of
 the MID model's gradients, parallel.reduce_dtype fp32 vs bf16).
@@ -142,7 +142,7 @@ def _wire_worker(rank: int, world: int) -> dict:
 
 
 def wire(out: dict) -> None:
-    print("bytes on the wire per rank (rank 0), MID shapes, 2 gloo ranks, parallel/comm.py accounting:")
+    print("bytes on the wire per rank (rank 0), MID shapes, 2 gloo ranks, parallel/comm/collectives.py accounting:")
     print(f"  {'axis':<6}{'what':<58}{'fp32':>12}{'bf16':>12}{'ratio':>8}")
     what = {"pp": "one (8,128,256) activation out, its gradient back",
             "ep": "1 MoE layer fwd+bwd, 1,024 tokens, incl. 64 B of int64 counts",

@@ -1,6 +1,6 @@
 """Parameter and FLOP counts of the model's parts by formula, from the config alone: the one count that
 config/fits.py (whether a job can fit at all) and the planner (plan/shape.py) both use, checked against real
-`Transformer` shards in tests/test_plan.py. Pure arithmetic (no torch): `m` is a ModelConfig, or anything with its
+`Transformer` shards in tests/plan/test_plan.py. Pure arithmetic (no torch): `m` is a ModelConfig, or anything with its
 field names (the planner's ModelShape).
 
 Shapes: D d_model, H heads, Dh head width, Hkv key/value heads; MLA (kv_lora_rank > 0, model/mla.py): Rq the

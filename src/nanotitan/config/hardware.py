@@ -45,7 +45,7 @@ class Link:
 
 def ring_allreduce_s(nbytes: float, g: int, bw: float, lat: float) -> float:
     """Ring all-reduce: 2(g-1)/g of the buffer crosses each link, 2(g-1) latency steps. The planner prices the DP
-    sync with it and the network emulator (parallel/emulate.py) holds every all-reduce to it."""
+    sync with it and the network emulator (parallel/comm/emulate.py) holds every all-reduce to it."""
     return 0.0 if g < 2 or nbytes == 0 else 2 * (g - 1) / g * nbytes / bw + 2 * (g - 1) * lat
 
 

@@ -28,7 +28,7 @@ runs its EP all-to-alls).
 Grouped experts (model.experts_impl grouped): the same split with one torch._grouped_mm per projection, its
 offsets on the device (`experts_forward` / `experts_input_grad` take them in place of the host counts); the
 weight half is a `GroupedTerm` (the 2D x 2D grouped GEMM x^T @ dy), equal to the loop's terms to float
-reassociation (tests/test_grouped.py).
+reassociation (tests/model/test_grouped.py).
 
 The path is on only where a store is attached (`attach`): a module without one runs plain F.linear etc.
 """

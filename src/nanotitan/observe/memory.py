@@ -213,7 +213,7 @@ class PeakTensorBytes:
 
     CUDA: the caching allocator's own counters (`memory_allocated`, `max_memory_allocated`, reset on entry;
     `peak_mem_bytes` still reports the run's peak). CPU: `_TensorCounter` counts storages as they are created,
-    resized and freed (checked against glibc's heap by `HeapInUse`, tests/test_meters.py). Its cost is a Python
+    resized and freed (checked against glibc's heap by `HeapInUse`, tests/observe/test_meters.py). Its cost is a Python
     call per op (~10% of a step on the MID model) plus a scan of the garbage collector's objects on entry
     (~40 ms): run it on metered steps only, as SavedActivations.
     """

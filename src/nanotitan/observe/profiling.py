@@ -4,7 +4,7 @@
     RUN_DIR/profile/tb/rank_N.*.json      the same file where TensorBoard's profiler plugin looks for it
                                           (pip install torch-tb-profiler; tensorboard --logdir RUN_DIR/profile/tb)
     RUN_DIR/profile/rank_N.txt            the table `close()` returns: time inside each axis's communication
-                                          (the `record_function` labels of parallel/comm.py) and the top operations
+                                          (the `record_function` labels of parallel/comm/) and the top operations
 
 Steps are numbered as in metrics.jsonl (1-based: step 1 is the first optimizer step). The profiled steps run
 slower than the others (record_shapes and profile_memory cost), so read throughput from the other steps.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..config.config import parse_steps  # run.profile_steps is parsed, and checked, with the config
 
-# Labels parallel/comm.py puts on every collective: "DP all-reduce", "EP all-to-all", "PP send", "DP wait", ...
+# Labels parallel/comm/ puts on every collective: "DP all-reduce", "EP all-to-all", "PP send", "DP wait", ...
 COMM_LABEL = re.compile(r"^(DP|EP|PP|OTHER) ")
 STEP_LABEL = "ProfilerStep#"  # the name TensorBoard's plugin splits a trace into steps by
 STEP_KEY = "ProfilerStep"  # key_averages() folds "ProfilerStep#N" into "ProfilerStep*"

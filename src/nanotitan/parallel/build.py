@@ -7,7 +7,7 @@
                 generates the whole parameter and keeps the slice (Transformer.init_param); buffers recomputed
 
 So a rank's build peaks at its shard plus one whole parameter (the largest it generates), where building the
-stage whole and slicing it peaked at the whole stage; the values are the same bit for bit (tests/test_tp_init.py).
+stage whole and slicing it peaked at the whole stage; the values are the same bit for bit (parallel/test_tp_init.py).
 """
 
 from __future__ import annotations

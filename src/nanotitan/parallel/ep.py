@@ -15,7 +15,7 @@ One layer call (seed, "Dispatch, expert computation and combine"):
      undo the permutation, and send every row back with the splits swapped.
   5. `combine`: weight each output by its router weight and sum the K outputs of each token.
 Backward is the same path reversed: `_AllToAll.backward` is the all-to-all with the splits swapped.
-Every collective goes through `parallel.comm` on axis "ep", so its time and bytes are accounted.
+Every collective goes through `parallel.comm.collectives` on axis "ep", so its time and bytes are accounted.
 With parallel.ep_overlap_microbatches (two lanes: one microbatch's forward beside another's backward, lanes.py) the
 dispatchers of a shard share one `lanes.EPLanes`: two EP groups over the same ranks, forward collectives on the
 first, backward ones (the recompute of activation checkpointing included: it runs inside the backward) on the
@@ -73,7 +73,7 @@ class _AllToAll(torch.autograd.Function):
     `lanes`: the groups (the forward's, the backward's) and the wait recording, see `lanes.EPLanes`.
 
     torch.distributed.nn.functional.all_to_all_single handles uneven splits on gloo too (checked on
-    torch 2.13), but it is deprecated and bypasses `parallel.comm`, so its time would go unaccounted.
+    torch 2.13), but it is deprecated and bypasses `parallel.comm.collectives`, so its time would go unaccounted.
     """
 
     @staticmethod

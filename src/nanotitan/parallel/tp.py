@@ -21,7 +21,7 @@ reads to place it: state/keys.py), so every gradient sync (Reducer, ZeRO, FSDP2)
 work unchanged. Parameters replicated over TP whose TP ranks see different tokens or heads (norms under SP,
 q/k head norms, the router, the shared-expert gate) get partial gradients: they are tagged `tp_partial`, and
 the gradient sync sums them over the "stage" group (DP x EP x TP of the stage) instead of non-expert-DP —
-the TP sum commutes with the DP average, so it costs no extra collective (parallel/sync.py: gradient_groups).
+the TP sum commutes with the DP average, so it costs no extra collective (parallel/dp/sync.py: gradient_groups).
 
 Why not DTensor parameters (torch.distributed.tensor.parallel's parallelize_module): our Reducer and ZeRO bind
 .grad and .data to views of flat buckets, which a DTensor parameter refuses, and `loss_parallel` must wrap the

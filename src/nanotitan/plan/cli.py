@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                          "tokens/s, step time and 80%% intervals, what dominates and what to change")
     ap.add_argument("--no-dry-run", action="store_true", help="with --what-if: the planner's memory only (faster)")
     ap.add_argument("--sigmas", default="", metavar="FILE",
-                    help="interval sigmas (bench plan_intervals' JSON; default: plan.interval.FITTED)")
+                    help="interval sigmas (bench plan_intervals' JSON; default: plan.fit.interval.FITTED)")
     ap.add_argument("--skew-from", default="", metavar="METRICS_JSONL",
                     help="the routing skew a run recorded (its metrics.jsonl: ep_recv_max_mean) as --expert-skew")
     ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",

@@ -29,7 +29,7 @@ class PlanOptions:
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
     nodes: int = 0  # 0 = ceil(world / hardware.devices_per_node)
     ep_overlap: float = 0.0  # fraction of all-to-all time hidden behind compute (ours: 0; DeepSeek's DualPipe: ~1)
-    # An emulated network (parallel/emulate.py, docs/emulate.md): groups cross nodes of this many ranks (0 = the
+    # An emulated network (parallel/comm/emulate.py, docs/emulate.md): groups cross nodes of this many ranks (0 = the
     # hardware's nodes), and link time is waiting (a held call), not CPU work that time-shared cores must do
     link_node_size: int = 0
     links_idle: bool = False

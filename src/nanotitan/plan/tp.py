@@ -24,7 +24,7 @@ all-reduces in its forward (the max, T floats; the target logit with the sum of 
 E numbers (the whole microbatch's expert counts and mean probabilities for the balance loss); with
 model.qk_norm=full an attention layer 2 more of T floats each way (the q and k norms' sums of squares; the q one only
 when the KV heads are replicated). These are the
-collectives of parallel/tp.py, which sends them through parallel/comm.py on axis "tp", so the network emulator
+collectives of parallel/tp.py, which sends them through parallel/comm/ on axis "tp", so the network emulator
 holds each to the same ring formulas. MTP (model/mtp.py): each depth's block is one more layer of the last stage,
 split as the others; its norms and eh_proj stay whole; the embedding and the head read (1 + mtp) times the tokens.
 """

@@ -1,6 +1,6 @@
 """`nanotitan plan --what-if`: the question asked before renting a cluster, answered in one report (docs/planner.md
 §8): does the config fit (the dry run's bytes of the best layout, the worst rank named), the best layouts with
-tokens/s, step time and their 80% intervals (plan/interval.py), what dominates the step and what to change; the same
+tokens/s, step time and their 80% intervals (plan/fit/interval.py), what dominates the step and what to change; the same
 as JSON (`whatif_json`).
 """
 

@@ -14,7 +14,7 @@ whole group (ranks then resume from the newest complete checkpoint when `train.r
 
 Failures and stops (docs/reliability.md): the console shows rank output on stdout; each rank's full output
 (stderr, tracebacks) goes to RUN_DIR/logs/rank_N.log (`start_rank`). When ranks fail the launcher prints ONE
-line: a stall named by rank and axis from the ranks' comm records (`parallel/stall.py`), else the first
+line: a stall named by rank and axis from the ranks' comm records (`parallel/comm/stall.py`), else the first
 failing rank's error (`rank_failed` hands it over in torchrun's error file). SIGINT stops every rank at
 once (exit 130); SIGTERM with train.ckpt_on_signal lets every rank finish its step and save (exit 143); the
 line names the newest complete checkpoint and how to resume.

@@ -75,7 +75,7 @@ def setup_rank(cfg: Config) -> RankSetup:
     keep_freed_memory()  # each step reuses the last one's host memory instead of faulting it in anew
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)))
     # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
-    # (parallel/emulate.py); None when off.
+    # (parallel/comm/emulate.py); None when off.
     links = emulate.install(emulate.link_model(cfg, rank))
     dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp)
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)

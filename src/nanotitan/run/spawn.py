@@ -3,12 +3,12 @@
     results = run_ranks(fn, world=4, args=(cfg,), timeout=120)   # [fn(0, 4, cfg), ..., fn(3, 4, cfg)]
 
 Each rank is a fresh `spawn`ed process (or, with start_method="forkserver", forked from a server that
-imported torch once: the test suite's choice, tests/mp.py) that takes the caller's environment and working
+imported torch once: the test suite's choice, tests/helpers/mp.py) that takes the caller's environment and working
 directory as they are now, sets `torch.set_num_threads(threads)`, the torchrun-style environment (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) plus `env`, joins
 `init_process_group("gloo", timeout=pg_timeout)` and calls `fn(rank, world, *args)`. `fn` and `args`
 must be picklable (a module-level function); so must the results, which come back by value.
-Used by the multi-rank tests (tests/mp.py), the benchmarks (`nanotitan bench`) and `nanotitan plan --measure`.
+Used by the multi-rank tests (tests/helpers/mp.py), the benchmarks (`nanotitan bench`) and `nanotitan plan --measure`.
 
 Rendezvous: THIS process hosts the TCPStore, bound to port 0 so the kernel picks a free port at bind
 time and the children connect to it. Picking a "free" port first and binding it later (the old copies)

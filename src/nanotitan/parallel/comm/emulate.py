@@ -19,7 +19,7 @@ slowest hop paces a ring). With n bytes over g ranks:
     send, recv                  n / p2p_bw + latency of the link to the peer; a batch of them: the busiest
                                 (peer, direction), directions being full duplex
 
-`parallel/comm.py` asks for a deadline (`collective`, `all_to_all`, `p2p`: start + modelled time, 0.0 when
+`parallel/comm/collectives.py` asks for a deadline (`collective`, `all_to_all`, `p2p`: start + modelled time, 0.0 when
 emulation is off) and holds the call until then (`hold`): a blocking call before it returns, an async one in its
 `wait()`. So the hold is charged to the same per-axis wait columns and profiler labels as the call, and no value
 changes. Each rank times its own call from its own start: a rank that waited for a late peer has already spent
@@ -129,7 +129,7 @@ ACTIVE: LinkModel | None = None  # this process's emulated network (None: off); 
 
 
 def install(model: LinkModel | None) -> LinkModel | None:
-    """Emulate `model` for every later call of parallel/comm.py in this process (None: stop emulating)."""
+    """Emulate `model` for every later call of parallel/comm/collectives.py in this process (None: stop emulating)."""
     global ACTIVE
     ACTIVE = model
     return model
@@ -152,7 +152,7 @@ def link_model(cfg: Config, rank: int = 0) -> LinkModel | None:
     return LinkModel(get_hardware(p.emulate), p.emulate_node_size, p.emulate_dilation, rank)
 
 
-# --- what parallel/comm.py calls: a deadline per call, then the hold ------------------------------------------
+# --- what collectives.py calls: a deadline per call, then the hold ---------------------------------------------------
 def collective(t0: float, axis: str, op: str, nbytes: int, group) -> float:
     """Deadline (perf_counter seconds) of a collective that started at t0; 0.0 when emulation is off."""
     m = ACTIVE

@@ -1,6 +1,6 @@
 """Stall records: when a job hangs, which rank stopped and where every other rank waits for it.
 
-Every collective and P2P call of `parallel/comm.py` enters this rank's record before it starts and leaves
+Every collective and P2P call of `parallel/comm/collectives.py` enters this rank's record before it starts and leaves
 it when it returns (an async one when its `wait()` returns): axis, op, the axis's sequence number on this
 rank, the peers (group ranks, or the P2P neighbour), shapes, start and end time, and a context such as
 "layer 2, backward" (the layer from `label_layers` hooks, the phase from autograd).
@@ -20,7 +20,7 @@ Cost: two `struct.pack_into` into the mapped page per call and cached encodings 
 docs/reliability.md), nothing else.
 Without `CommRecord.open` (in-process tests, benchmarks) the ring is a plain bytearray and there is no thread.
 
-Fault injection (tests/test_faults.py): NANOTITAN_STOP_AT="RANK:AXIS:OP:SEQ" (OP may be empty: any op) makes
+Fault injection (tests/run/test_faults.py): NANOTITAN_STOP_AT="RANK:AXIS:OP:SEQ" (OP may be empty: any op) makes
 that rank SIGSTOP itself on entering that call, so a test can stall a chosen axis at a chosen point.
 """
 

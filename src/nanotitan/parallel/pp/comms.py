@@ -8,7 +8,7 @@ a step allocates only as many as it holds at once (an input per microbatch in fl
 the output gradients not yet backpropagated; zb1 keeps both until W), and reuses them across microbatches
 and steps.
 
-All traffic goes through `nanotitan.parallel.comm` on axis "pp" (blocking calls, and the interleaved
+All traffic goes through `nanotitan.parallel.comm.collectives` on axis "pp" (blocking calls, and the interleaved
 schedule's posted ones alike), which records calls, bytes and the time the calling thread spent blocked,
 labels each call for the profiler and enters it in the stall record. `StageComms.wait_s` additionally
 accumulates that blocked time for the schedule's own bubble measurement.

@@ -20,7 +20,7 @@ terms' (`step_sigma`, composed with them). The 80% interval is step * exp(step_b
 sqrt(terms' sd^2 + step_sigma^2). Peak memory: the root mean square of the calibration rows' per-rank log residuals
 of the peak.
 
-`fit_sigmas` computes them; `python -m nanotitan.bench.plan_intervals` writes docs/experiments/interval_sigmas.json,
+`fit_sigmas` computes them; `python scripts/experiments/plan_intervals.py` writes docs/experiments/interval_sigmas.json,
 and `FITTED` carries those figures (as memory.EXPERT_SKEW carries its fit).
 """
 
@@ -166,7 +166,7 @@ def load_sigmas(path: str | Path | None = None) -> Sigmas:
     return Sigmas(**json.loads(Path(path).read_text())) if path else FITTED
 
 
-# `python -m nanotitan.bench.plan_intervals` (docs/planner.md §7): cpu-gloo's 17 calibration layouts left out one at
+# scripts/experiments/plan_intervals.py (docs/planner.md §7): cpu-gloo's 17 calibration layouts left out one at
 # a time, the emulator's calibration (docs/experiments/emulate_calibration.json), and the composition fitted on the
 # 38 emulated 8-rank steps of docs/experiments/plan_intervals_*.json and skew_check_bw.json (2 Dec 2026)
 FITTED = Sigmas(host=0.0595, mem=0.0095,
