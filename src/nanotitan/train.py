@@ -1,9 +1,10 @@
-"""The training loop, readable top to bottom: one rank of a DP x PP x EP job (or a single process).
+"""The training loop, readable top to bottom: one rank of a DP x PP x EP x TP job (or a single process).
 
     setup: identity -> validate -> threads, device, emulated links -> data -> process groups (run/setup.py)
-           -> parallelize (shard, EP, broadcasts, gradient sync) -> optimizer -> resume
-    step:  LR -> this data rank's microbatches -> forward_backward -> finish grads -> clip -> optimizer step
-    loop:  step -> log / eval -> checkpoint -> stop
+           -> parallelize (shard, TP, EP, broadcasts, gradient sync) -> optimizer -> resume
+    step:  LR -> this data rank's microbatches -> forward_backward -> finish grads -> clip -> agree -> optimizer
+           step -> router biases -> on a record's step, the losses over the world: every collective of the step
+    loop:  step -> eval -> log -> checkpoint -> stop
 
 How each step works in a given layout lives in parallel/ (parallelize.py builds, step.py runs); what the
 user sees (the record, the summary table, the progress bar) in report.py.
@@ -25,11 +26,10 @@ from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel.comm import stall
-from .parallel import step as S
 from .interop.hf import shard_loader
-from .parallel.compile import first_compile_s
-from .parallel.lanes import LaneMeans
 from .parallel.parallelize import build_optimizer, parallelize
+from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
+                            forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve
 from .run.setup import resume_step, setup_rank
 
@@ -42,6 +42,11 @@ def lr_at(step: int, cfg: Config) -> float:
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def eval_due(step: int, cfg: Config) -> bool:
+    """Whether step (0-based) ends with an eval on the fixed val batches (train.eval_every; 0: never)."""
+    return bool(cfg.train.eval_every) and (step + 1) % cfg.train.eval_every == 0
 
 
 class NonFiniteGuard:
@@ -120,14 +125,20 @@ class Trainer:
                                     shard=self.shard)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
-    def train_step(self, step: int):
-        """One optimizer step; returns (stats, grad norm, lr, non-finite, stop) — the last two agreed by all ranks.
-        The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters)."""
-        logged = (step + 1) % self.cfg.run.log_every == 0 or step in (self.start_step, self.cfg.train.steps - 1)
-        with self.meters.step(logged) as metered:
-            return self._step(step, metered)
+    def logs(self, step: int) -> bool:
+        """The one rule for a record: the run's first and last steps, every run.log_every-th and every eval step
+        (and a non-finite one, known at its end: `_step`)."""
+        return (step + 1) % self.cfg.run.log_every == 0 or step in (self.start_step, self.cfg.train.steps - 1) \
+            or eval_due(step, self.cfg)
 
-    def _step(self, step: int, metered: bool):
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step, every collective of it issued here (parallel/step.py); non-finite and stop agreed by
+        all ranks. The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters)."""
+        logged = self.logs(step)
+        with self.meters.step(logged) as metered:
+            return self._step(step, logged, metered)
+
+    def _step(self, step: int, logged: bool, metered: bool) -> StepResult:
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
@@ -136,53 +147,44 @@ class Trainer:
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.data.batch(step)
         with self.meters.activations(metered):
-            stats = S.forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule,
-                                       aux_weight=self.aux_weight, device=self.device, dtype=cfg.train.dtype)
+            stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
+                                     device=self.device, dtype=cfg.train.dtype)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
-        S.finish_grads(self.shard)
-        grad_norm = S.clip_grads(self.shard, cfg.train.grad_clip)
+        finish_grads(self.shard)
+        grad_norm = clip_grads(self.shard, cfg.train.grad_clip)
         # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
-        nonfinite, stop = S.agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
-                                          signals=cfg.train.ckpt_on_signal)
+        nonfinite, stop = agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
+                                        signals=cfg.train.ckpt_on_signal)
         # The update (none for a non-finite step), then gradients zeroed (kept bound to the Reducer's buckets).
         if not nonfinite:
             self.optimizer.step()
-        S.after_update(self.shard)
-        S.update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
-        return stats, grad_norm, lr, nonfinite, stop
+        after_update(self.shard)
+        update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
+        # A step that writes a record (a non-finite one too): its losses, means over all DP*EP*M microbatches.
+        losses = reduce_losses(self.shard, stats, self.aux_weight, cfg.parallel.microbatches,
+                               mtp=cfg.model.mtp_layers > 0) if logged or nonfinite else None
+        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses)
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        logger = report.StepLogger(self.writer, self.shard, self.device, cfg, self.peak_flops, self.aux_weight)
+        logger = report.StepLogger(self.writer, self.shard, self.device, cfg, self.peak_flops, self.meters)
         guard = NonFiniteGuard(t.on_nonfinite, t.max_skips)
         if cfg.parallel.check_replicas and self.world > 1:
             assert self.shard.check_replicas(), "replicas differ after the initial broadcast"
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
         step = self.start_step
-        # A record's step time is the mean over the steps since the previous record, so a metered step (memory
-        # meters) and any one-off stall are averaged in, not reported alone.
-        interval_s, interval_steps = 0.0, 0
-        lanes = LaneMeans(self.shard.ep_lanes)  # two EP lanes: their figures, means per step over the interval
         for step in range(self.start_step, t.steps):
             self.profiler.step_begin(step + 1)
             t0 = time.perf_counter()
-            stats, grad_norm, lr, nonfinite, stop = self.train_step(step)
-            interval_s, interval_steps = interval_s + time.perf_counter() - t0, interval_steps + 1
-            lanes.add(stats)
+            result = self.train_step(step)
+            logger.count(result, time.perf_counter() - t0)
             self.profiler.step_end(step + 1)
-            failure = guard.check(step + 1, nonfinite, self.log)  # skip (no rank updated) or stop, after logging
+            failure = guard.check(step + 1, result.nonfinite, self.log)  # skip (no rank updated) or stop, after logging
 
-            # --- eval on fixed val batches; log: losses are means over all DP*EP*M microbatches -----------
-            val = self.evaluate() if t.eval_every and (step + 1) % t.eval_every == 0 else None
-            record = None
-            if (step + 1) % cfg.run.log_every == 0 or step in (t.steps - 1, self.start_step) or val is not None \
-                    or nonfinite:
-                record = logger.log(step + 1, stats, float(grad_norm), lr, interval_s / interval_steps, val_loss=val,
-                                    skipped=nonfinite, skipped_steps=guard.skipped,
-                                    **report.interval_meters(self.meters, self.dims, self.device),
-                                    **lanes.take(), compile_s=first_compile_s(cfg, step == self.start_step))
-                interval_s, interval_steps = 0.0, 0
+            # --- eval on fixed val batches; the record of a step whose losses were reduced (`logs`) ----------
+            val = self.evaluate() if eval_due(step, cfg) else None
+            record = logger.log(step + 1, result, val, guard.skipped) if result.losses is not None else None
             progress.update(step + 1 - self.start_step, record)
             if failure is not None:
                 progress.close()
@@ -190,9 +192,9 @@ class Trainer:
                 raise TrainingError(guard.failure_line(failure, record))
 
             # --- checkpoint / stop ---------------------------------------------------------------------------
-            if t.ckpt_every and (step + 1) % t.ckpt_every == 0 or (stop and t.ckpt_on_signal):
+            if t.ckpt_every and (step + 1) % t.ckpt_every == 0 or (result.stop and t.ckpt_on_signal):
                 self.save(step + 1)
-            if stop:  # agreed by every rank: its cause is known where it was asked (a peer's SIGTERM elsewhere)
+            if result.stop:  # agreed by every rank: its cause is known where it was asked (a peer's SIGTERM elsewhere)
                 self.request_stop("by another rank")
                 self.log(f"stop requested ({self.stop_cause}) at step {step + 1}")
                 break
@@ -206,7 +208,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         t = self.cfg.train
-        return S.evaluate(self.shard, self.data.val_batches(t.eval_batches), t.micro_batch, self.device, t.dtype)
+        return evaluate(self.shard, self.data.val_batches(t.eval_batches), t.micro_batch, self.device, t.dtype)
 
     def close(self, failed: bool = False):
         """Tear down. After a failure no collective runs: a peer may be dead or stopped, and a barrier would

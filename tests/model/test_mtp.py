@@ -1,6 +1,7 @@
 """Multi-token prediction (model/mtp.py) in one process: the loss is DeepSeek-V3's, computed by hand from the model's
-own modules; the main CE's value is untouched (ce_loss stays comparable) while the gradient is that of
-ce + mtp_coef * mtp; names and shard specs follow DeepSeek's layout; bad configs fail in one line.
+own modules; the forward returns it as a term of its own beside the main CE (ce_loss stays comparable), and
+ce + mtp_coef * mtp has the gradient DeepSeek's objective has; names and shard specs follow DeepSeek's layout; bad
+configs fail in one line.
 The layouts (PP's embedding replica, zb1, EP, lanes, zero, checkpoints) are equivalence/test_equivalence_deepseek.py's."""
 
 import pytest
@@ -50,15 +51,16 @@ def test_mtp_loss_value_and_gradient():
     torch.set_num_threads(1)
     model = Transformer(_cfg(), seed=3)
     x, y = torch.randint(0, V, (2, S)), torch.randint(0, V, (2, S))
-    out, aux = model(x, y)
+    out, aux, mtp = model(x, y)  # the MTP loss is a third term, weighted by mtp_coef
     ce_hand, mtp_hand = _by_hand(model, x, y)
     torch.testing.assert_close(out, ce_hand, rtol=1e-6, atol=0)  # the value is the main CE only
-    torch.testing.assert_close(model.mtp_loss_sum, mtp_hand.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(mtp, 0.3 * mtp_hand, rtol=1e-6, atol=0)
     model.eval()
-    assert torch.equal(model(x, y)[0], out.detach()), "evaluation reads the main head only"
+    ce_eval, _ = model(x, y)  # evaluation: two terms, no MTP
+    assert torch.equal(ce_eval, out.detach()), "evaluation reads the main head only"
     model.train()
     params = list(model.parameters())
-    got = torch.autograd.grad(out, params, allow_unused=True)
+    got = torch.autograd.grad(out + mtp, params, allow_unused=True)
     want = torch.autograd.grad(ce_hand + 0.3 * mtp_hand, params, allow_unused=True)
     names = [n for n, _ in model.named_parameters()]
     for n, a, b in zip(names, got, want):
@@ -93,13 +95,20 @@ def test_names_follow_deepseek_and_stages():
 
 @pytest.mark.parametrize("args,msg", [
     (["--model.mtp_layers", "16", "--train.seq_len", "16"], "model.mtp_layers=16 must be < train.seq_len=16"),
-    (["--model.mtp_layers", "1", "--parallel.pp", "2", "--parallel.zero", "1", "--parallel.dp", "2"],
-     "model.mtp_layers=1 with parallel.pp=2 ties the embedding across stages"),
 ])
 def test_bad_mtp_config_one_line(args, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_mtp_under_pp_at_every_zero_level_is_accepted(zero):
+    """DeepSeek-V3's own layout (PP with ZeRO DP) with MTP: once refused, now trained exactly (parallel/tied.py; the
+    rows are tests/test_equivalence_deepseek.py's)."""
+    cfg = load_config(None, ["--model.mtp_layers", "1", "--parallel.pp", "2", "--parallel.zero", str(zero),
+                             "--parallel.dp", "2"])
+    assert (cfg.model.mtp_layers, cfg.parallel.pp, cfg.parallel.zero) == (1, 2, zero)
 
 
 def test_hf_round_trip_keeps_mtp_bit_exact_and_transformers_loads_the_rest(tmp_path):

@@ -491,11 +491,6 @@ def _check_pipeline(cfg: Config) -> None:
     _check(p.zero < 3 or p.pp == 1 or p.schedule in ("gpipe", "1f1b"),
            f"parallel.zero=3 (FSDP2) runs with the gpipe and 1f1b schedules, not {p.schedule} "
            "(--parallel.zero 2, or --parallel.schedule 1f1b)")
-    # MTP under PP: the last stage's replica of the embedding sums its gradient with stage 0's whole (parallel/tied.py);
-    # sharded DP lays the two copies' gradient shards out differently on the two stages.
-    _check(not m.mtp_layers or p.pp == 1 or p.zero == 0,
-           f"model.mtp_layers={m.mtp_layers} with parallel.pp={p.pp} ties the embedding across stages, done for "
-           f"parallel.zero 0 only (--parallel.zero 0, or --parallel.pp 1)")
 
 
 def _check_dp_ep(cfg: Config) -> None:

@@ -20,8 +20,10 @@ the embedding, the head and the loss each run once over the main rows and every 
 What the padding cannot reach is left out as if the depth ran on S - k positions: attention is causal and the rest
 works per token, so no kept position reads the tail; the MoE of depth k's block routes none of its last k positions
 and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss reads positions t < S - k. Loss: each
-depth's mean CE over its positions, averaged over the depths, times mtp_coef, added to the objective; the trainer
-logs it apart as `mtp_loss`. A block's MoE router losses join the shard's aux sum like any layer's.
+depth's mean CE over its positions, averaged over the depths, times mtp_coef: a loss term of its own, which the
+shard's forward returns beside the router losses and the pipeline runner adds to the objective and sums over the
+microbatches as it sums those (parallel/pp/schedules.py); the trainer logs it apart as `mtp_loss`. A block's MoE
+router losses join the shard's aux sum like any layer's.
 """
 
 from __future__ import annotations
@@ -112,13 +114,3 @@ def mark_tails(layers: nn.ModuleDict, cfg: ModelConfig, mtp_layers: int) -> None
         if layers[str(i)].is_moe:
             layers[str(i)].moe.seq_tail = k
 
-
-def take_loss_sum(model: nn.Module) -> torch.Tensor | None:
-    """The MTP losses (unweighted, detached) summed over the training forwards since the last call, or None on a
-    shard without MTP; resets the sum. `model` is a Transformer or pp/chunks.py's StageChunks."""
-    total = None
-    for chunk in getattr(model, "chunks", [model]):
-        s, chunk.mtp_loss_sum = getattr(chunk, "mtp_loss_sum", None), None
-        if s is not None:
-            total = s if total is None else total + s
-    return total

@@ -125,8 +125,9 @@ class Transformer(nn.Module):
     mean cross-entropy when targets are given on the last stage, or logits without targets;
     aux_sum is the sum of this shard's MoE router losses, each already weighted by its coefficients
     (aux_coef * balance + z_loss_coef * z per layer: the trainer only averages over layers and microbatches).
-    With model.mtp_layers the shard with the head also runs the MTP modules in training forwards (model/mtp.py): the
-    returned CE keeps the main head's value and carries the gradient of ce + mtp_coef * mtp (`mtp_loss_sum` logs it)."""
+    With model.mtp_layers the shard with the head also runs the MTP modules in training forwards with targets
+    (model/mtp.py) and returns a third loss term, (ce, aux_sum, mtp): mtp_coef * the MTP loss, which the caller adds
+    to its objective as it adds the weighted aux_sum (parallel/pp/schedules.py)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True):
         super().__init__()
@@ -145,7 +146,6 @@ class Transformer(nn.Module):
         # MB_LOAD_KEPT (report.py: the busiest EP rank's received assignments per microbatch, the routing skew the
         # planner prices; bounded, so a run that never logs holds no more)
         self.mb_load: dict[str, collections.deque] = {}
-        self.mtp_loss_sum: torch.Tensor | None = None  # MTP losses of the training forwards (mtp.take_loss_sum)
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
@@ -266,13 +266,8 @@ class Transformer(nn.Module):
         logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
         ce_of = self.vocab_ce or cross_entropy
         ce = ce_of(logits[:B], targets)
-        mtp_loss = self.mtp.loss(logits[B:], targets, ce_of)
-        detached = mtp_loss.detach()
-        self.mtp_loss_sum = detached if self.mtp_loss_sum is None else self.mtp_loss_sum + detached
-        # The value stays the main CE (what every schedule sums and logs as ce_loss, comparable with runs without
-        # MTP); the gradient is that of ce + mtp_coef * mtp_loss (w - w.detach() is exactly 0).
-        w = self.cfg.mtp_coef * mtp_loss
-        return ce + (w - w.detach()), aux_sum + aux
+        # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
+        return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], targets, ce_of)
 
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.is_moe]

@@ -22,9 +22,12 @@ from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
 from ..model.transformer import Transformer, flops_per_token, is_moe_layer
 from ..parallel.comm import collectives as comm
+from ..parallel.compile import first_compile_s
 from ..parallel.dims import ParallelDims
+from ..parallel.lanes import LaneMeans
 from ..parallel.pp.facts import theoretical_bubble
 from ..parallel.pp.schedules import StepStats
+from ..parallel.step import StepResult
 
 
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,
@@ -140,15 +143,41 @@ def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.devi
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
     mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "peak_mem_bytes": peak_mem_bytes(device),
             **{f"wait_{a}_s": round(v, 3) for a, v in wait_totals.items()}, **(extra or {})}
-    rows = [mine]
-    if dist.is_initialized() and dims.world_size > 1:
-        rows = [None] * dims.world_size
-        dist.all_gather_object(rows, mine)
+    rows = gather_rows(mine, dims, device)
     summary = {"last": last, "ranks": rows}
     if rank == 0 and last:
         print_summary(last, rows)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+# A summary row's values as numbers: (kind, value) per scalar, kind 0 None, 1 int, 2 float (float64 holds every int
+# below 2**53 exactly: byte counts, ranks).
+_NONE, _INT, _FLOAT = 0.0, 1.0, 2.0
+
+
+def gather_rows(mine: dict, dims: ParallelDims, device: torch.device) -> list[dict]:
+    """Every rank's summary row, in rank order, on every rank: one SUM all-reduce of a (world, 2 * fields) float64
+    table in which each rank fills its own row (x + 0 is exact), so no rank unpickles what a peer sends, as an
+    object collective would (issue 49). Every rank builds its row with the same code, hence the same keys in the same
+    order, each value an int, a float, None, or a list/tuple of ints (the coordinates); the table is read back by
+    this rank's own keys."""
+    if not (dist.is_initialized() and dims.world_size > 1):
+        return [mine]
+    shape = {k: (type(v), len(v)) if isinstance(v, (list, tuple)) else None for k, v in mine.items()}
+    flat = [x for v in mine.values() for x in (v if isinstance(v, (list, tuple)) else [v])]
+    pairs = [(_NONE, 0.0) if x is None else (_INT, float(x)) if isinstance(x, int) else (_FLOAT, float(x))
+             for x in flat]
+    table = torch.zeros(dims.world_size, 2 * len(pairs), device=device, dtype=torch.float64)
+    table[dims.rank] = torch.tensor([c for pair in pairs for c in pair], dtype=torch.float64)
+    comm.all_reduce(table, axis="other")
+    rows = []
+    for numbers in table.tolist():
+        values = iter(None if kind == _NONE else int(x) if kind == _INT else x
+                      for kind, x in zip(numbers[0::2], numbers[1::2]))
+        rows.append({k: next(values) if seq is None else seq[0](next(values) for _ in range(seq[1]))
+                     for k, seq in shape.items()})
+    return rows
 
 
 def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWriter, StepProfiler, StepMeters]:
@@ -184,13 +213,24 @@ def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer
     return summary
 
 
+# The coordinates every layout shows, then the axes a layout shows only when it has them (degree > 1): a new axis
+# (context parallel) joins the second list, with its `{axis}_rank` in the summary rows and its `{axis}` in the record.
+SHOWN_AXES, OPTIONAL_AXES = ("dp", "pp", "ep"), ("tp",)
+
+
+def layout_axes(record: dict) -> tuple[str, ...]:
+    """The axes of a run's layout, in coordinate order: dp, pp, ep, then each optional axis the record's layout has."""
+    return SHOWN_AXES + tuple(a for a in OPTIONAL_AXES if record.get(a, 1) > 1)
+
+
 def print_summary(last: dict, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    axes = layout_axes(last)
+    extra = axes[len(SHOWN_AXES):]
     console = Console(width=max(150, Console().width))  # 12 columns: rich's 80 off a terminal would fold them
-    t = Table(title=f"nanoTitan summary — step {last['step']}, layout dp={last['dp']} pp={last['pp']} ep={last['ep']}"
-                    + (f" tp={last['tp']}" if last.get("tp", 1) > 1 else ""))
+    t = Table(title=f"nanoTitan summary — step {last['step']}, layout " + " ".join(f"{a}={last[a]}" for a in axes))
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
@@ -198,15 +238,14 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     console.print(t)
     r = Table(title="per rank: live tensors between steps, peak saved activations, peak of all live tensors during a "
                     "step, peak memory (RSS on CPU), and seconds blocked in communication over the run")
-    tp = last.get("tp", 1) > 1  # tensor parallel: a fourth coordinate and its waits
-    for col in ("rank", "(dp,pp,ep,tp)" if tp else "(dp,pp,ep)", "params", "grads", "optim", "acts peak", "step peak",
-                "peak mem", "DP wait", "EP wait", "PP wait", *(("TP wait",) if tp else ()), "other"):
+    waits = ("dp", "ep", "pp", *extra, "other")
+    for col in ("rank", f"({','.join(axes)})", "params", "grads", "optim", "acts peak", "step peak", "peak mem",
+                *(f"{a.upper()} wait" for a in waits[:-1]), "other"):
         r.add_column(col)
     for row in rows:
         tensors = [fmt_bytes(row[k]) if k in row else "-"
                    for k in ("param_bytes", "grad_bytes", "optim_bytes", "act_peak_bytes", "peak_tensor_bytes")]
-        coords = (*row["coords"], row.get("tp_rank", 0)) if tp else tuple(row["coords"])
-        waits = ("dp", "ep", "pp", "tp", "other") if tp else ("dp", "ep", "pp", "other")
+        coords = (*row["coords"], *(row.get(f"{a}_rank", 0) for a in extra))
         r.add_row(str(row["rank"]), str(coords), *tensors, fmt_bytes(row["peak_mem_bytes"]),
                   *(f"{row.get(f'wait_{a}_s', 0.0):.2f} s" for a in waits))
     console.print(r)
@@ -244,39 +283,54 @@ class Progress:
 
 class StepLogger:
     """Builds the step records of a run, writes them (metrics.jsonl, TensorBoard, W&B: global rank 0 only)
-    and keeps them, with the run's per-axis communication waits for the summary. `log` is collective:
-    every rank calls it on the same steps (it reduces the losses and the expert loads)."""
+    and keeps them, with the run's per-axis communication waits for the summary. Every step is `count`ed (its
+    time, its lanes' figures); `log` writes a record of the step's reduced losses (train.py's train_step reduced
+    them) with its own figures: the means over the steps since the previous record, the memory meters, the
+    compile time (first record), the expert loads. `log` is collective (the expert loads, the routing skew, the
+    meters' peak): every rank calls it on the same steps."""
 
-    def __init__(self, writer, shard, device: torch.device, cfg, peak_flops: float, aux_weight: float):
+    def __init__(self, writer, shard, device: torch.device, cfg, peak_flops: float, meters: StepMeters):
         p, t = cfg.parallel, cfg.train
-        self.writer, self.shard, self.device = writer, shard, device
+        self.writer, self.shard, self.device, self.cfg, self.meters = writer, shard, device, cfg, meters
         self.M, self.schedule, self.virtual_stages = p.microbatches, p.schedule, p.virtual_stages
-        self.aux_weight, self.peak_flops = aux_weight, peak_flops
-        self.mtp_coef = cfg.model.mtp_coef if cfg.model.mtp_layers else None  # None: no MTP, no mtp_loss field
+        self.peak_flops = peak_flops
         self.tokens_per_step, self.flops_per_token = cfg.layout_batch * t.seq_len, flops_per_token(cfg.model, t.seq_len)
         self.history: list[dict] = []
         self.wait_totals = {a: 0.0 for a in comm.AXES}
+        # A record's step time is the mean over the steps since the previous record, so a metered step (memory
+        # meters) and any one-off stall are averaged in, not reported alone; the lanes' figures likewise.
+        self.interval_s, self.interval_steps = 0.0, 0
+        self.lanes = LaneMeans(shard.ep_lanes)
         comm.COMM.reset()
 
     @property
     def last(self) -> dict:
         return self.history[-1] if self.history else {}
 
-    def log(self, step: int, stats: StepStats, grad_norm: float, lr: float, step_time: float, **extra) -> dict:
-        from ..parallel.step import reduce_losses
+    def count(self, result: StepResult, seconds: float) -> None:
+        """One step done in `seconds`: it joins the next record's interval."""
+        self.interval_s, self.interval_steps = self.interval_s + seconds, self.interval_steps + 1
+        self.lanes.add(result.stats)
 
-        ce_loss, aux_loss, mtp_loss = reduce_losses(self.shard, stats, self.aux_weight, self.M, self.mtp_coef)
+    def log(self, step: int, result: StepResult, val_loss: float | None = None, skipped_steps: int = 0) -> dict:
+        """The record of `step` (1-based), whose losses the step reduced (result.losses); written and kept."""
+        losses, dims = result.losses, self.shard.dims
+        assert losses is not None, f"step {step}: a record needs the step's reduced losses (train.py's train_step)"
         cstats = comm.COMM.snapshot_and_reset()
         for a in comm.AXES:
             self.wait_totals[a] += cstats[f"comm_{a}_wait_s"]
-        dims = self.shard.dims
-        record = step_record(step=step, ce_loss=ce_loss, aux_loss=aux_loss, grad_norm=grad_norm, lr=lr,
-                             step_time=step_time, tokens_per_step=self.tokens_per_step,
-                             flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, device=self.device,
-                             dims=dims, M=self.M, schedule=self.schedule, stats=stats, comm_stats=cstats,
-                             virtual_stages=self.virtual_stages, mtp_loss=mtp_loss)
+        record = step_record(step=step, ce_loss=losses.ce, aux_loss=losses.aux, grad_norm=float(result.grad_norm),
+                             lr=result.lr, step_time=self.interval_s / self.interval_steps,
+                             tokens_per_step=self.tokens_per_step, flops_per_token=self.flops_per_token,
+                             peak_flops=self.peak_flops, device=self.device, dims=dims, M=self.M,
+                             schedule=self.schedule, stats=result.stats, comm_stats=cstats,
+                             virtual_stages=self.virtual_stages, mtp_loss=losses.mtp)
+        self.interval_s, self.interval_steps = 0.0, 0
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
         record.update(routing_skew_stats(self.shard.model, dims, self.device))
+        extra = {"val_loss": val_loss, "skipped": result.nonfinite, "skipped_steps": skipped_steps,
+                 **interval_meters(self.meters, dims, self.device), **self.lanes.take(),
+                 "compile_s": first_compile_s(self.cfg, not self.history)}
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)
         self.history.append(record)

@@ -124,6 +124,12 @@ class ParallelDims:
     def data_world(self) -> int:
         return self.dp * self.ep
 
+    @property
+    def loss_copies(self) -> int:
+        """How many ranks hold each microbatch's loss: the TP ranks of the last stage each hold the same sum, so a
+        SUM over the world counts every microbatch this many times (parallel/step.py divides it out)."""
+        return self.tp
+
     # --- group membership (global ranks, sorted) ----------------------------------------------
     def all_group_ranks(self, kind: GroupKind) -> list[list[int]]:
         """Every group of one kind, as lists of global ranks, in a fixed order: slices of `grid()`, in plain ints

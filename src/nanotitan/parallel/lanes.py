@@ -11,7 +11,7 @@ The one home of the feature's runtime:
   `_StageRunner.backward`). The schedule's runner enters `recording` / `filling` on that object; nothing here is
   a module global.
 - The overlap figures: `exposed_ep_wait`, `lanes_overlap` and `account_step` (StepStats' ep_wait_s, ep_exposed_s,
-  lanes_overlap_s, ep_waits), and `LaneMeans`, their means per step over a record's interval (the Trainer's).
+  lanes_overlap_s, ep_waits), and `LaneMeans`, their means per step over a record's interval (the StepLogger's).
 The per-lane router statistics are an option of the MoE layer (model/moe.py `lane_local_router_state`), which
 apply_ep turns on; the backward lane's EP and PP groups are dims.py's "ep_backward" / "pp_backward".
 """
@@ -303,7 +303,7 @@ def account_step(spans: list[tuple[str, float, float]], waits: list) -> dict:
 
 
 class LaneMeans:
-    """The Trainer's lanes figures: each step's StepStats ep_exposed_s and lanes_overlap_s summed over the steps
+    """The StepLogger's lanes figures: each step's StepStats ep_exposed_s and lanes_overlap_s summed over the steps
     since the last record, handed to the record as means per step (like the step time); nothing without the lanes,
     so those fields are absent from metrics.jsonl then."""
     FIELDS = ("ep_exposed_s", "lanes_overlap_s")

@@ -8,7 +8,7 @@
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
     reduce_losses     the step's CE, balance and multi-token-prediction (model/mtp.py) losses, averaged over all
-                      DP*EP*M microbatches in one all-reduce
+                      DP*EP*M microbatches in one all-reduce (on the steps that write a record)
     update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .comm import collectives as comm
-from ..model.mtp import take_loss_sum
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
@@ -79,24 +80,26 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
                                       schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
                                       before_backward=shard.sync.prepare, autocast=forward_ctx,
                                       ep_lanes=shard.ep_lanes)
-    stats.mtp_sum = take_loss_sum(shard.model)
     return stats
 
 
 def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
     """torch DDP baseline (pure DP): no_sync on all but the last microbatch."""
     t0, M = time.perf_counter(), len(xs)
-    ce_sum = aux_sum = None
+    ce_sum = aux_sum = mtp_sum = None
     for i, (x, y) in enumerate(zip(xs, ys)):
         with contextlib.nullcontext() if i == M - 1 else ddp.no_sync():
             with forward_ctx():
-                ce, aux = ddp(x, y)
-            ((ce + aux_weight * aux) / M).backward()
+                ce, aux, *mtp = ddp(x, y)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+            objective = ce + mtp[0] if mtp else ce
+            ((objective + aux_weight * aux) / M).backward()
         ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
         aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+        if mtp:
+            mtp_sum = mtp[0].detach() if mtp_sum is None else mtp_sum + mtp[0].detach()
     wall = time.perf_counter() - t0
     return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall, max_in_flight=1,
-                     mtp_sum=take_loss_sum(ddp.module))
+                     mtp_sum=mtp_sum)
 
 
 def finish_grads(shard: ModelShard) -> None:
@@ -104,7 +107,7 @@ def finish_grads(shard: ModelShard) -> None:
     copy sum their gradients (tied.py)."""
     shard.sync.finish()
     if shard.tied is not None:
-        shard.tied.sum_grads()
+        shard.tied.sum_grads(shard.sync)
 
 
 def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
@@ -112,7 +115,7 @@ def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
     embedding replica then takes stage 0's clipped gradient (tied.py)."""
     norm = shard.sync.clip(max_norm)
     if shard.tied is not None:
-        shard.tied.share_clipped()
+        shard.tied.share_clipped(shard.sync)
     return norm
 
 
@@ -162,24 +165,36 @@ def update_router_bias(shard: ModelShard, apply: bool = True) -> None:
         model.layers[k].moe.update_bias(counts_E)
 
 
-def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int,
-                  mtp_coef: float | None = None) -> tuple[float, float, float | None]:
-    """(CE, weighted balance loss, weighted MTP loss) of the step: means over all DP*EP*M microbatches. CE and the
-    MTP losses (each the mean over depths) come from the last stage, aux from every stage: one all-reduce over the
-    world sums them. The MTP term is mtp_coef * that mean, None when mtp_coef is None (no MTP). Costs a host sync."""
+class StepLosses(NamedTuple):
+    """A step's losses, each the mean over all DP*EP*M microbatches (the record's ce_loss, aux_loss, mtp_loss)."""
+    ce: float
+    aux: float  # the balance (and z) losses, weighted: aux_weight * their sum
+    mtp: float | None  # mtp_coef * the MTP loss; None without MTP (no mtp_loss field)
+
+
+def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int, mtp: bool = False) -> StepLosses:
+    """The step's losses over the world: CE and the weighted MTP term come from the last stage, aux from every
+    stage, and one all-reduce of [ce, aux, mtp] sums them (the same three slots in every run: a run without MTP
+    sends a zero in the third). Costs a host sync."""
     zero = torch.zeros_like(stats.aux_sum)
-    vals = torch.stack([stats.ce_sum if stats.ce_sum is not None else zero, stats.aux_sum])
-    if mtp_coef is not None:  # rides the same collective: [ce, aux, mtp, 0 * (2*world - 2)]
-        # gloo's ring sums every slot of a chunk in the same rank order: 2*world + 1 slots put all three in the
-        # first chunk, whose order is the one ce and aux always had, so every figure stays bitwise what it was.
-        mtp = stats.mtp_sum if stats.mtp_sum is not None else zero
-        vals = torch.cat([vals, mtp.reshape(1), vals.new_zeros(2 * shard.dims.world_size - 2)])
+    vals = torch.stack([stats.ce_sum if stats.ce_sum is not None else zero, stats.aux_sum,
+                        stats.mtp_sum if stats.mtp_sum is not None else zero])
     if dist.is_initialized() and shard.dims.world_size > 1:
         comm.all_reduce(vals, axis="other")
-    ce, aux, *rest = vals.tolist()
-    n_mb = M * shard.dims.data_world * shard.dims.tp  # the TP ranks of a stage hold the same sums
-    mtp_loss = mtp_coef * rest[0] / n_mb if mtp_coef is not None else None
-    return ce / n_mb, aux_weight * aux / n_mb, mtp_loss
+    ce, aux, mtp_sum = vals.tolist()
+    n = M * shard.dims.data_world * shard.dims.loss_copies  # every microbatch's loss, as often as ranks hold it
+    return StepLosses(ce / n, aux_weight * aux / n, mtp_sum / n if mtp else None)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step (train.py's `train_step`) hands the loop."""
+    stats: StepStats  # what this rank's forwards and backwards measured
+    grad_norm: torch.Tensor  # the global norm before clipping, the same on every rank
+    lr: float
+    nonfinite: bool  # agreed by every rank: the step made no update anywhere
+    stop: bool  # agreed by every rank: a stop was asked (train.ckpt_on_signal)
+    losses: StepLosses | None  # on the steps that write a record, else None (no collective)
 
 
 @torch.no_grad()
@@ -202,4 +217,4 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
     model.expert_load.update(saved_load)
     if dist.is_initialized() and dims.world_size > 1:
         comm.all_reduce(total, axis="other")  # only last-stage ranks contribute
-    return total.item() / (n * dims.data_world * dims.tp)  # each TP rank of the last stage holds the same sum
+    return total.item() / (n * dims.data_world * dims.loss_copies)

@@ -9,11 +9,17 @@ process's gradient, bitwise the same, and the same optimizer steps keep the weig
 identical, so a checkpoint writes one of them (DCP dedups identical pieces) and any layout reads it back into both.
 
 The table is counted once in the global norm: the replica's gradient is zero while the norm is taken and clipped,
-then it receives stage 0's clipped gradient (`share_clipped`). Sharded DP
-(parallel.zero >= 1) holds each copy's gradient as shards laid out differently on the two stages; that combination
-is refused by config validation (config.py), so here the gradients are whole. Under tensor parallel both copies are
-vocab-parallel (parallel/tp.py slices every chunk's `tok_emb` alike): each pair holds the same rows [r*V/N, (r+1)*V/N)
-of tp rank r, so the pairs sum and broadcast their slices as they would the whole table.
+then it receives stage 0's clipped gradient (`share_clipped`).
+Sharded DP holds the same part of the table on both ranks of a pair, so each pair sums and broadcasts that part only
+(`GradSync.local_grad`): the two stages' non-expert-DP groups are alike (the pair shares its (dp, ep, tp)
+coordinates, hence its rank in them), and
+- zero 1/2 (zero.py) give the table a bucket of its own on both stages (`apart_tied`): its flat shard is the same
+  elements [r*S, (r+1)*S) of it on both, where the stage's other params would shift it differently;
+- zero 3 (FSDP2, fsdp.py) shards every parameter on its own along dim 0: the same rows on both.
+The optimizer then steps the same shard from the same gradient on both, and the all-gathers (zero 1/2) or the next
+forward's gathers (zero 3) give both copies the same table. Under tensor parallel both copies are vocab-parallel
+(parallel/tp.py slices every chunk's `tok_emb` alike): each pair holds the same rows [r*V/N, (r+1)*V/N) of tp rank
+r, so the pairs sum and broadcast their slices as they would the whole table.
 """
 
 from __future__ import annotations
@@ -27,6 +33,15 @@ from .comm import collectives as comm
 from .dims import ParallelDims
 
 NAME = "tok_emb.weight"
+
+
+def apart_tied(named: list[tuple[str, nn.Parameter]], model: nn.Module, dims: ParallelDims) -> list[list]:
+    """`named` split into [the rest, [the tied table]] when it holds the table two stages share (MTP under PP),
+    else [named]; empty parts dropped. ZeRO-1/2 builds one reducer per part (zero.py)."""
+    if dims.pp == 1 or not model.cfg.mtp_layers:
+        return [named]
+    parts = [[(n, q) for n, q in named if n != NAME], [(n, q) for n, q in named if n == NAME]]
+    return [part for part in parts if part]
 
 
 class TiedEmbedding:
@@ -53,18 +68,20 @@ class TiedEmbedding:
         src = dims.group_ranks("pp")[0] if dims.world_size > 1 else 0  # this rank's stage 0 (global rank)
         return cls(param, group, src, replica=dims.is_pp_last_stage)
 
-    def sum_grads(self) -> None:
-        """Stage 0's copy takes the sum of the two averaged gradients; the replica's is zeroed until `share_clipped`,
-        so the global norm counts the table once (on stage 0) and scales nothing on the last stage twice."""
+    def sum_grads(self, sync) -> None:
+        """After `sync.finish()` (sync: the rank's GradSync): stage 0's copy takes the sum of the two averaged
+        gradients (this rank's part of them); the replica's is zeroed until `share_clipped`, so the global norm counts
+        the table once (on stage 0) and scales nothing on the last stage twice."""
         if self.param is None or self.group is None:
             return  # a middle stage
-        if self.param.grad is None:  # a copy with no gradient this step (never with MTP on)
-            self.param.grad = self.param.detach().new_zeros(self.param.shape)
-        comm.all_reduce(self.param.grad, group=self.group, axis="pp")
+        grad = sync.local_grad(self.param)
+        if grad is None:  # a whole copy with no gradient this step (never with MTP on)
+            self.param.grad = grad = self.param.detach().new_zeros(self.param.shape)
+        comm.all_reduce(grad, group=self.group, axis="pp")
         if self.replica:
-            self.param.grad.zero_()
+            grad.zero_()
 
-    def share_clipped(self) -> None:
+    def share_clipped(self, sync) -> None:
         """After clipping: the replica's gradient becomes stage 0's, bitwise, so the two copies step alike."""
         if self.param is not None and self.group is not None:
-            comm.broadcast(self.param.grad, self.src, group=self.group, axis="pp")
+            comm.broadcast(sync.local_grad(self.param), self.src, group=self.group, axis="pp")

@@ -248,6 +248,10 @@ class FSDPSync(GradSync):
         return clip_grad_norm_(whole, [], max_norm, self.dims.group("pp"), self.dims.group("ep") if whole else None,
                                shards, self.dims.group("non_expert_dp"))
 
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """A DTensor's local shard of its gradient (FSDP's own storage: a view); a param FSDP left whole, its .grad."""
+        return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
     def resharded(self) -> nn.Module:
         """The model with every FSDP module sharded: a forward outside backward (eval) leaves the modules that do
         not reshard after their forward gathered (`never`, and the last block under `always`), and a gathered

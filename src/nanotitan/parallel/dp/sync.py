@@ -8,6 +8,8 @@ A rank's `GradSync` owns, for its flavour of DP:
     clip(max_norm)           global-norm clipping over exactly what this rank holds (each element once)
     after_step()             after the optimizer step: the full params again on every rank (ZeRO-1/2)
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
+    local_grad(p)            after finish(): this rank's part of p's averaged gradient, a view of live storage (the
+                             pair of embedding copies sums it, tied.py)
     sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
                              each whole tensor, views of the live state (save writes them, load reads into them);
                              nothing is ever gathered whole
@@ -157,6 +159,10 @@ class GradSync:
 
     def after_step(self) -> None:
         pass
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """Whole gradients: p's .grad itself."""
+        return p.grad
 
     def sharded_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         return replicated_pieces(self.model, optimizer)

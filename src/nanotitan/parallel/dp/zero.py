@@ -18,6 +18,7 @@ from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from .reducer import Bucket, CopyBack, Reducer
 from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
+from ..tied import apart_tied
 from ...model.transformer import is_expert_param
 from ..tp import is_tp_partial, tp_shard_dim
 
@@ -296,9 +297,18 @@ class ZeroSync(BucketedSync):
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float, zero: int,
                  reduce_dtype: torch.dtype | None = None, accumulate: str = "shard"):
         super().__init__(model, dims, expert_params, replicated_params)
-        self.reducers = [ShardedReducer(params, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
-                         for params, kind in gradient_groups(expert_params, replicated_params)]
+        # MTP under PP: the embedding both end stages hold gets a reducer (a bucket) of its own, so that its flat
+        # shards are the same elements on both stages (tied.py sums them)
+        self.reducers = [ShardedReducer(part, dims.group(kind), bucket_mb, scale, zero, reduce_dtype, accumulate)
+                         for params, kind in gradient_groups(expert_params, replicated_params)
+                         for part in apart_tied(params, model, dims)]
         self._install_gather_waits()
+
+    def local_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The flat shard grad of the bucket p fills alone (`apart_tied` gave it one): its elements [r*S, (r+1)*S)."""
+        b, = [b for r in self.reducers for b in r.buckets if any(q is p for q in b.params)]
+        assert len(b.params) == 1, f"{b.names}: a shard of a bucket of several params is no part of one of them"
+        return b.shard_grad
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         groups = [r.param_groups(weight_decay) for r in self.reducers]

@@ -89,7 +89,7 @@ class StepStats:
     ep_exposed_s: float = 0.0  # time some EP call was pending and no lane computed (`lanes.exposed_ep_wait`)
     lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (`lanes.lanes_overlap`)
     ep_waits: list | None = None  # the lanes' raw EP records (lanes.EPLanes.waits: lane, start, end, kind, posted)
-    mtp_sum: torch.Tensor | None = None  # sum over microbatches of the MTP loss (model/mtp.py); last stage only
+    mtp_sum: torch.Tensor | None = None  # sum over microbatches of the weighted MTP loss (model/mtp.py); its stage
 
     @property
     def bubble(self) -> float:
@@ -134,6 +134,7 @@ class _StageRunner:
         self.training = True  # False: forwards only (evaluation), nothing kept for a backward
         self.ce_sum = None
         self.aux_sum = None
+        self.mtp_sum = None
         self.max_in_flight = 0
         self.spans: list[tuple[str, float, float]] = []  # ("F"/"B"/"W", start, end) of every computation
 
@@ -163,7 +164,7 @@ class _StageRunner:
             inp = recv_buf.detach().float().requires_grad_(self.training)
         targets = self.ys[i].to(self.device, non_blocking=True) if last else None
         with self.autocast():  # mixed precision for the forward only; backward runs outside it
-            out, aux = self.chunks[v](inp, targets)
+            out, aux, *mtp = self.chunks[v](inp, targets)  # mtp: [its weighted loss] where the MTP modules run
         self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
         # aux is a constant zero when the chunk has no MoE layer: nothing to backpropagate.
         aux_term = self.loss_scale * self.aux_weight * aux if aux.requires_grad and self.aux_weight else None
@@ -175,6 +176,9 @@ class _StageRunner:
             return None if last else out
         if last:
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
+            if mtp:  # multi-token prediction (model/mtp.py): a term of the last chunk's objective, summed like ce
+                self.mtp_sum = mtp[0].detach() if self.mtp_sum is None else self.mtp_sum + mtp[0].detach()
+                out = out + mtp[0]
             loss = self.loss_scale * out if aux_term is None else self.loss_scale * out + aux_term
             state, send = (recv_buf, inp, [loss], [None]), None
         else:
@@ -465,7 +469,7 @@ def pipeline_forward_backward(
     wait = comms.reset_wait()
     figures = lanes.account_step(run.spans, ep_waits) if ep_lanes else {}
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
-                     max_in_flight=run.max_in_flight, **figures)
+                     max_in_flight=run.max_in_flight, mtp_sum=run.mtp_sum, **figures)
 
 
 def _check_step(dims: ParallelDims, M: int, n_targets: int, schedule: str, V: int) -> None:
