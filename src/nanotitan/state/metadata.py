@@ -17,6 +17,7 @@ filesystem._StorageInfo, torch.Size, torch.<dtype>, torch.serialization._get_lay
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..config.errors import CheckpointError
+from .manifest import open_plain
 
 # module -> names it may give; each is a class whose construction only stores its arguments, or a lookup
 _ALLOWED = {
@@ -138,8 +141,24 @@ def metadata_name(path: Path) -> str:
     return str(Path(path) / ".metadata")
 
 
+class _PlainFiles(FileSystem):
+    """DCP's file system, whose reads open only regular files and never through a symlink (manifest.open_plain)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise CheckpointError(f"a checkpoint reader opened {path} with mode {mode!r}")
+        with open_plain(Path(path), buffering=-1) as f:
+            yield f
+
+
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader whose `.metadata` goes through the allow-list (dcp.load calls this on every rank)."""
+    """DCP's FileSystemReader whose `.metadata` goes through the allow-list (dcp.load calls this on every rank) and
+    whose files are opened as plain files only (O_NOFOLLOW, regular)."""
+
+    def __init__(self, path, *args, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.fs = _PlainFiles()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
