@@ -52,8 +52,8 @@ from ..config.config import Config, to_toml
 from ..config.errors import CheckpointError, StorageError, first_line, os_reason
 from ..config.hardware import fmt_bytes
 from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_FILE, STEP_DIR, checkpoint_dir,
-                       complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, storage_line,
-                       verify_checkpoint)
+                       complete_steps, dir_bytes, free_bytes, hash_shards, latest_checkpoint, read_plain,
+                       storage_line, storage_outside, verify_checkpoint)
 from ..parallel.comm import collectives as comm
 from ..parallel.dims import ParallelDims
 from .keys import Chunks, keyed_state, rng_key
@@ -379,17 +379,19 @@ def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
 def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
     """(state.json, DCP metadata, error) of a checkpoint: one line naming the file, never a traceback."""
     try:
-        info = json.loads((path / STATE_FILE).read_bytes())
+        info = json.loads(read_plain(path / STATE_FILE))
         int(info["step"]), info["extra"], info["layout"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, None, f"checkpoint {path / STATE_FILE} is unreadable ({first_line(e)})"
     try:  # through the allow-list (metadata.py): a .metadata that names anything else is refused, never called
-        meta = safe_load_metadata((path / DCP_METADATA).read_bytes(), metadata_name(path)).state_dict_metadata
+        md = safe_load_metadata(read_plain(path / DCP_METADATA), metadata_name(path))
     except UnsafeMetadataError as e:
         return None, None, str(e)
     except (OSError, CheckpointError) as e:
         return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({first_line(e)})"
-    return info, meta, ""
+    if err := storage_outside(path, md.storage_data):  # its tensors' bytes come from its own listed files only
+        return None, None, err
+    return info, md.state_dict_metadata, ""
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -5,12 +5,19 @@ A checkpoint dir (step_N/) holds DCP's `.metadata` and `__<rank>_*.distcp` shard
 `manifest.json` (every other file's size and xxh3-64) and, written last, `COMPLETE`. A save in progress is
 `step_N.tmp/`. checkpoint.py writes them; this module reads them. Verification is collective: every rank
 returns the same verdict (each file is checked by one rank, the results agreed by one all-reduce).
+
+A checkpoint reads only itself (issue 49): every name its manifest gives is a plain file name in its dir, and each
+file is opened without following a symlink and only if it is a regular file (`open_plain`), so a manifest or a
+`.metadata` naming `../x`, `/etc/shadow` or `/dev/zero`, or a symlink or FIFO planted in the dir, is refused in
+one line instead of being read (or hanging every rank's verification).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import shutil
 import zlib
 from collections.abc import Callable
@@ -19,7 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from ..config.errors import CheckpointError, os_reason
+from ..config.errors import CheckpointError, first_line, os_reason
 from ..config.hardware import fmt_bytes
 from ..parallel.comm import collectives as comm
 
@@ -61,6 +68,39 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
+# --- a checkpoint's own files: plain names, regular files, never through a symlink -------------------------
+
+NOT_PLAIN = "is a symlink or not a regular file"  # how a line names a file that open_plain refused
+
+
+def plain_name(name) -> bool:
+    """Whether `name` names a file in the dir itself: no '/', not '.', '..', empty or absolute."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def open_plain(path: Path, buffering: int = 0):
+    """`path` opened for reading (unbuffered by default) if it is a regular file and not a symlink (O_NOFOLLOW; O_NONBLOCK so a
+    FIFO cannot block the open), else OSError naming it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a symlink: ELOOP
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} {NOT_PLAIN}")
+    return os.fdopen(fd, "rb", buffering=buffering)
+
+
+def read_plain(path: Path) -> bytes:
+    with open_plain(path) as f:
+        return f.read()
+
+
+def is_plain_file(path: Path) -> bool:
+    """lstat: a regular file, not a symlink to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 # --- checksums and the manifest ------------------------------------------------------------------
 
 def hash_file(path: Path) -> tuple[int, str]:
@@ -69,7 +109,7 @@ def hash_file(path: Path) -> tuple[int, str]:
     h, size = xxhash.xxh3_64(), 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_plain(path) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
             size += n
@@ -119,7 +159,10 @@ def hash_shards(tmp: Path, files: list[str]) -> dict[str, dict]:
 _PHASE1 = {1: "does not exist", 2: f"incomplete (no {COMPLETE} marker: its save did not finish)",
 
            3: f"{MANIFEST} is missing (a checkpoint saved before manifests loads with --train.verify_ckpt false)",
-           4: f"{MANIFEST} cannot be read", 5: f"{MANIFEST} is garbled"}
+           4: f"{MANIFEST} cannot be read", 5: f"{MANIFEST} is garbled",
+           6: f"{MANIFEST} {NOT_PLAIN} (refused: a checkpoint reads only its own files)",
+           7: f"{MANIFEST} names a path that is not a plain file name in this dir (refused: a checkpoint reads only "
+              "its own files)"}
 _NOT_A_CHECKPOINT = (_PHASE1[1], _PHASE1[2])  # reasons that say "no checkpoint here", not "a damaged one"
 
 
@@ -130,17 +173,19 @@ def _read_manifest(path: Path, checksums: bool) -> tuple[dict | None, int, int]:
     if not (path / COMPLETE).is_file():
         return None, 2, 0
     try:
-        raw = (path / MANIFEST).read_bytes()
+        raw = read_plain(path / MANIFEST)
     except FileNotFoundError:
         return None, 0 if not checksums else 3, 0  # format 1 loads unverified only on request
     except OSError:
-        return None, 4, 0
+        return None, 4 if is_plain_file(path / MANIFEST) else 6, 0
     try:
         files = json.loads(raw)["files"]
         assert isinstance(files, dict) and all(
             isinstance(v["bytes"], int) and len(v["xxh3_64"]) == 16 for v in files.values())
     except (ValueError, KeyError, TypeError, AssertionError):
         return None, 5, zlib.crc32(raw)
+    if not all(plain_name(n) for n in files):  # "/dev/zero" or "../x" would be read (forever) by every rank
+        return None, 7, zlib.crc32(raw)
     return files, 0, zlib.crc32(raw)
 
 
@@ -167,14 +212,18 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> str:
 
     names = sorted(files)
     rank, world = comm.world_rank(), comm.world_size()
-    codes = torch.zeros(len(names), 2, dtype=torch.int64)  # (0 ok | 1 missing | 2 size | 3 checksum | 4 I/O, size)
+    codes = torch.zeros(len(names), 2, dtype=torch.int64)  # (0 ok | 1 missing | 2 size | 3 checksum | 4 I/O |
+    # 5 a symlink or not a regular file, size)
     for i, name in enumerate(names):
         if _checker(name, world) != rank:
             continue
         want = files[name]
         try:
-            size = (path / name).stat().st_size
-            if size != want["bytes"]:
+            st = os.lstat(path / name)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                codes[i, 0] = 5
+            elif size != want["bytes"]:
                 codes[i] = torch.tensor([2, size])
             elif checksums and hash_file(path / name)[1] != want["xxh3_64"]:
                 codes[i, 0] = 3
@@ -195,6 +244,8 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> str:
             return f"{kind} {name} fails its checksum (xxh3_64; damaged)"
         if code == 4:
             return f"{kind} {name} cannot be read"
+        if code == 5:
+            return f"{kind} {name} {NOT_PLAIN} (refused: a checkpoint reads only its own files)"
     return comm.agree(extra_shard(path, files) if rank == 0 else "", f"verifying {path}")
 
 
@@ -203,7 +254,7 @@ def extra_shard(path: Path, files: dict) -> str:
     non-empty one: a rank whose keys were all deduped may leave an empty file that no metadata points at."""
     try:
         extra = sorted(f.name for f in path.iterdir() if _SHARD.match(f.name) and f.name not in files
-                       and f.stat().st_size > 0)
+                       and f.lstat().st_size > 0)
     except OSError as e:
         return f"{path} cannot be listed ({os_reason(e)})"
     return f"shard {extra[0]} is not in {MANIFEST} (from another save, or planted: remove it)" if extra else ""
@@ -214,17 +265,19 @@ def unit_mismatch(d: Path) -> str:
     the manifest is a table of plain file names to sizes and xxh3-64s, every file in `d` but the manifest is in it
     and has that size and checksum. The manifest's other files (the other nodes' shards) are not here: not checked."""
     try:
-        files = json.loads((d / MANIFEST).read_bytes())["files"]
+        files = json.loads(read_plain(d / MANIFEST))["files"]
         assert isinstance(files, dict) and all(isinstance(v, dict) and isinstance(v["bytes"], int)
                                                and isinstance(v["xxh3_64"], str) for v in files.values())
     except OSError as e:
         return f"{MANIFEST} cannot be read ({os_reason(e)})"
     except (ValueError, KeyError, TypeError, AssertionError):
         return f"{MANIFEST} is garbled (not a table of file names to bytes and xxh3_64)"
-    plain = next((n for n in files if not isinstance(n, str) or Path(n).name != n or n in (".", "..")), None)
+    plain = next((n for n in files if not plain_name(n)), None)
     if plain is not None:
         return f"{MANIFEST} names {plain!r}, which is not a file of this unit"
     for f in sorted(d.iterdir()):
+        if not is_plain_file(f):
+            return f"{f.name} {NOT_PLAIN}"
         if f.name == MANIFEST or f.name == COMPLETE:
             continue
         if f.name not in files:
@@ -234,6 +287,24 @@ def unit_mismatch(d: Path) -> str:
             return f"{f.name} is {size} bytes, {MANIFEST} says {files[f.name]['bytes']}"
         if digest != files[f.name]["xxh3_64"]:
             return f"{f.name} fails its checksum (xxh3_64)"
+    return ""
+
+
+def storage_outside(path: Path, storage_data: dict) -> str:
+    """'' when every file that checkpoint `path`'s `.metadata` says holds a tensor's bytes (a `relative_path` of its
+    storage_data) is a plain name that its manifest lists, else the line refusing it: `../x` or an absolute path
+    would read any file into a tensor. A checkpoint saved before manifests (format 1) is held to plain names."""
+    try:
+        listed = json.loads(read_plain(path / MANIFEST))["files"]
+    except FileNotFoundError:
+        listed = None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path / MANIFEST} is unreadable ({first_line(e)})"
+    for info in storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if not plain_name(rel) or (listed is not None and rel not in listed):
+            return (f"{path / DCP_METADATA} names {str(rel)[:200]!r} as where a tensor's bytes are, which is not a "
+                    f"file that {MANIFEST} lists (refused: a checkpoint reads only its own files)")
     return ""
 
 

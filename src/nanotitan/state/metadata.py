@@ -3,6 +3,12 @@ FileSystemReader reads it back with `pickle.load`, which calls whatever the file
 elsewhere, or a snapshot unit a peer pushed, is then code. Here the same bytes are unpickled through an
 allow-list: DCP's metadata dataclasses, torch.Size, torch dtypes and layouts, a path, and the containers pickle
 builds without naming a class. Anything else stops the load before it is called, in one line naming it.
+The unpickler is pickle's own Python one with its mutating opcodes checked (issue 49): BUILD sets attributes, and
+on a class (BUILD on `PosixPath` set `PosixPath.is_relative_to` for the rest of the process) it bent the allowed
+classes themselves. Here BUILD is refused unless its target is an instance of an allowed dataclass and its state
+names only that class's declared fields (or is the tuple of TensorProperties' own __setstate__), and items are
+added only to a plain list or dict, all checked before anything is set. dtypes come from a fixed table: never
+`getattr(torch, name)`, which imports torch subpackages (`torch._dynamo`) on the way to refusing them.
 
 What a real `.metadata` names (torch 2.13, `pickletools.dis` of one DCP wrote): metadata.{Metadata,
 TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING},
@@ -11,15 +17,20 @@ filesystem._StorageInfo, torch.Size, torch.<dtype>, torch.serialization._get_lay
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import io
 import pickle
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..config.errors import CheckpointError
+from .manifest import open_plain
 
 # module -> names it may give; each is a class whose construction only stores its arguments, or a lookup
 _ALLOWED = {
@@ -41,16 +52,74 @@ class _Refused(pickle.UnpicklingError):
     """What the allow-list refused (a truncated pickle raises UnpicklingError too)."""
 
 
-class _AllowList(pickle.Unpickler):
+# torch.<name> -> dtype, the only names of torch's own a .metadata may give besides Size (a dtype pickles as a global)
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool)}
+
+
+def _fields(cls) -> frozenset[str] | None:
+    """The declared fields BUILD may set on an instance of allowed class `cls` (None: BUILD is refused on it)."""
+    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
+class _AllowList(pickle._Unpickler):  # the Python unpickler: its opcodes can be checked (the C one's cannot)
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # torch.float32 & co. pickle as a global: a value, not a callable
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]  # torch.float32 & co.: a value from the table, nothing looked up in torch
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid):
         raise _Refused(f"a persistent id {str(pid)[:40]!r}")
+
+    def load_build(self):
+        state, inst = self.stack[-1], self.stack[-2]
+        cls = type(inst)
+        fields = None if isinstance(inst, type) else _FIELDS.get(cls)
+        if fields is None:
+            what = f"{inst.__module__}.{inst.__qualname__}" if isinstance(inst, type) else f"a {cls.__qualname__}"
+            raise _Refused(f"a BUILD on {what} (sets attributes)")
+        if "__setstate__" in vars(cls):  # TensorProperties: its own __setstate__ takes a tuple of its fields
+            ok = isinstance(state, tuple) and len(state) <= len(fields)
+        else:
+            ok = isinstance(state, dict) and all(type(k) is str and k in fields for k in state)
+        if not ok:
+            raise _Refused(f"a BUILD of {cls.__qualname__} with state other than its fields")
+        super().load_build()
+    dispatch[pickle.BUILD[0]] = load_build
+
+    def _into(self, target, kind: type) -> None:
+        if type(target) is not kind:  # APPEND and SETITEM call methods of whatever is below them
+            raise _Refused(f"items added to a {type(target).__qualname__}, not a {kind.__name__}")
+
+    def load_append(self):
+        self._into(self.stack[-2], list)
+        super().load_append()
+    dispatch[pickle.APPEND[0]] = load_append
+
+    def load_appends(self):
+        self._into(self.metastack[-1][-1], list)
+        super().load_appends()
+    dispatch[pickle.APPENDS[0]] = load_appends
+
+    def load_setitem(self):
+        self._into(self.stack[-3], dict)
+        super().load_setitem()
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_setitems(self):
+        self._into(self.metastack[-1][-1], dict)
+        super().load_setitems()
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+
+_FIELDS = {c: f for c in (getattr(importlib.import_module(m), n) for m, names in _ALLOWED.items() for n in names)
+           if (f := _fields(c)) is not None}  # allowed class -> the fields BUILD may set: its dataclasses only
 
 
 def safe_load_metadata(data: bytes, where: str) -> Metadata:
@@ -72,8 +141,24 @@ def metadata_name(path: Path) -> str:
     return str(Path(path) / ".metadata")
 
 
+class _PlainFiles(FileSystem):
+    """DCP's file system, whose reads open only regular files and never through a symlink (manifest.open_plain)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise CheckpointError(f"a checkpoint reader opened {path} with mode {mode!r}")
+        with open_plain(Path(path), buffering=-1) as f:
+            yield f
+
+
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader whose `.metadata` goes through the allow-list (dcp.load calls this on every rank)."""
+    """DCP's FileSystemReader whose `.metadata` goes through the allow-list (dcp.load calls this on every rank) and
+    whose files are opened as plain files only (O_NOFOLLOW, regular)."""
+
+    def __init__(self, path, *args, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.fs = _PlainFiles()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -26,6 +26,7 @@ from torch.futures import Future
 
 from ..parallel.comm import collectives as comm
 from .keys import keyed_state, rng_key
+from .manifest import read_plain
 from .metadata import SafeReader
 
 RAW_SHARD = "__{rank}_0.raw"
@@ -50,7 +51,7 @@ class CheckpointReader(SafeReader):
         if rest:
             super().read_data(LoadPlan(rest), planner)
         for rel, reqs in raw.items():
-            data = torch.frombuffer(bytearray(Path(self.path, rel).read_bytes()), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(read_plain(Path(self.path, rel))), dtype=torch.uint8)
             for req in reqs:
                 info, md = self.storage_data[req.storage_index], self.tensors[req.storage_index.fqn]
                 sizes = next(c.sizes for c in md.chunks if c.offsets == req.storage_index.offset)
