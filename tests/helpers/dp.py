@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn as nn
-from nanotitan.config.config import ModelConfig
 from nanotitan.model.transformer import Transformer
 from tests.helpers.tiny import tiny_model
 
