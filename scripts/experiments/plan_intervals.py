@@ -94,7 +94,8 @@ SKEW_BW = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.e
 
 def measure_skew(out: str, config: str, steps: int = 14, bandwidth_bound: bool = False) -> None:
     """Each SKEW_LAYOUTS layout dropless and capped, one after the other; rows carry their overrides."""
-    from nanotitan.bench.layouts import run_layout, summarise
+    from nanotitan.bench.layouts import run_layout
+    from nanotitan.observe.runs import summarise
 
     emu, m, steps = (SKEW_BW, 2, 12) if bandwidth_bound else (SKEW_EMULATE, 1, steps)
     rows = []

@@ -1,16 +1,17 @@
-"""Shared test helpers (moved from tests/state/test_checkpoint.py)."""
+"""Checkpoint test helpers: a tiny model's state saved and perturbed (build, perturb, tiny_cfg), and trainer
+runs that save and resume across layouts (_train, _run_jobs, _close, _keys)."""
 
 import zlib
+
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+
 from nanotitan.config.config import Config, validate
 from nanotitan.model.spec import ModelShardSpec
 from nanotitan.model.transformer import Transformer, is_expert_param
 from tests.helpers.equivalence import base_args, layout_args
-from torch.distributed.checkpoint import FileSystemReader
-
 
 SEED = 7
-
 
 SAVE_KS = (1, 2)  # the saved state has taken two optimizer steps with these gradient keys
 

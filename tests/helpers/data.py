@@ -1,8 +1,7 @@
-"""Shared test helpers (moved from tests/data/test_sources.py)."""
+"""Data test helpers: distinct pseudo-text documents, and local text files of them."""
 
 import random
 from pathlib import Path
-
 
 WORDS = ("the king queen sword crown night day love death honour blood gentle lord lady heaven "
          "fortune grief mercy tongue heart eye hand soul father mother brother sister thee thou").split()

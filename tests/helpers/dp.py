@@ -1,13 +1,13 @@
-"""Shared test helpers (moved from tests/parallel/test_dp_reducer.py)."""
+"""DP test helpers: a tiny net whose parameters include ones that get no gradient (TinyNet), and the model and
+loss the Reducer and ZeRO tests build on each rank."""
 
 import torch
 import torch.nn as nn
-from nanotitan.config.config import ModelConfig
+
 from nanotitan.model.transformer import Transformer
+from tests.helpers.tiny import tiny_model
 
-
-TINY = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, ffn_dim=32, num_experts=4, top_k=2,
-                   max_seq_len=16)
+TINY = tiny_model(vocab_size=64, d_model=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=16)
 
 
 class TinyNet(nn.Module):

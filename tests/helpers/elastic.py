@@ -1,4 +1,5 @@
-"""Shared test helpers (moved from tests/elastic/test_elastic_relayout.py)."""
+"""Elastic test helpers: loopback "nodes" (one `nanotitan train --elastic.*` command each), their coordinator
+and agents, and what the tests read back from them."""
 
 import json
 import os
@@ -7,14 +8,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import pytest
 import torch
-from tests.helpers.mp import free_port
-from tests.helpers.equivalence import B, base_args, layout_args
 
+from tests.helpers.equivalence import B, base_args, layout_args
+from tests.helpers.mp import free_port
 
 STEPS, K = 70, 5
-
 
 AGENT_TIMEOUT_S = 400
 

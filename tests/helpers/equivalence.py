@@ -1,9 +1,11 @@
-"""Shared test helpers (moved from tests/helpers/equivalence.py)."""
+"""The equivalence matrix's runs and bar (DESIGN §4): the base arguments every row trains with, a layout's
+arguments, the single-process reference, check_case's per-step loss and parameter checks, and the bf16 bound."""
 
-import torch
-from tests.helpers.mp import train_once
 import math
 
+import torch
+
+from tests.helpers.mp import train_once
 
 B, m, STEPS, LR = 16, 2, 10, 3e-3
 
@@ -73,9 +75,7 @@ def tp_layout(dp=1, pp=1, ep=1, tp=2, extra=(), micro_batch=m) -> list[str]:
 
 S, D = 16, 32  # base_args' seq_len, d_model (m: its micro_batch)
 
-
 U_BF16 = 2.0**-8
-
 
 EVAL = ["--train.eval_every", "10", "--train.eval_batches", "1", "--train.ckpt_at_end", "false"]
 

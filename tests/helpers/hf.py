@@ -1,8 +1,11 @@
-"""Shared test helpers (moved from tests/interop/test_hf.py)."""
+"""Hugging Face interop test helpers: tensors of a safetensors checkpoint, weights moved off their init, logits
+compared, and DeepSeek-V3's tiny config."""
 
 from pathlib import Path
+
 import torch
 from safetensors import safe_open
+
 from nanotitan.config.config import load_config
 
 

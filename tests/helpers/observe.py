@@ -1,4 +1,4 @@
-"""Shared test helpers (moved from tests/observe/test_wandb.py)."""
+"""Observer test helpers: the records of a W&B offline run file, read without wandb's reader."""
 
 import json
 

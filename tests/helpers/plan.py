@@ -1,8 +1,7 @@
-"""Shared test helpers (moved from tests/plan/test_plan.py)."""
+"""Planner test helpers: a small config for the planner's models, and the CPU profile they price it on."""
 
 from nanotitan.config.config import Config, validate
 from nanotitan.config.hardware import get_hardware
-
 
 CPU = get_hardware("cpu-gloo")
 

@@ -11,9 +11,9 @@ from nanotitan.model.spec import layer_bounds
 from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer, flops_per_token, is_expert_param
 from nanotitan.resolve import resolve
+from tests.helpers.tiny import tiny_args
 
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "4",
-        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]
+TINY = tiny_args("seq_len")
 
 
 @pytest.mark.parametrize("pos", ["rope", "learned"])

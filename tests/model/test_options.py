@@ -15,9 +15,9 @@ from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import (Attention, Transformer, flops_per_token, is_expert_param, is_moe_layer,
                                          num_moe_layers)
 from nanotitan.resolve import resolve
+from tests.helpers.tiny import tiny_args
 
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "4",
-        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16"]
+TINY = tiny_args("seq_len", ffn_dim=24)
 # Every option at once, the way Qwen2-MoE (biases, gated shared expert, dense layers) and Qwen3-MoE
 # (per-head norms, wide heads) combine them, plus DeepSeek's first_k_dense.
 ALL_OPTIONS = ["--model.n_kv_heads", "2", "--model.head_dim", "12", "--model.qk_norm", "head",

@@ -15,6 +15,7 @@ from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
 from nanotitan.model.transformer import Transformer
 from nanotitan.resolve import resolve
+from tests.helpers.tiny import tiny_args
 
 D, FH, E = 16, 24, 4
 
@@ -161,9 +162,7 @@ def test_update_bias_sign_rule():
     torch.testing.assert_close(moe.router_bias, torch.tensor([-0.01, 0.01, 0.0, 0.01]))
 
 
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "2",
-        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16",
-        "--model.bias_update_rate", "0.01", "--model.capacity_factor", "1.0"]
+TINY = tiny_args("seq_len", ffn_dim=24, n_layers=2, bias_update_rate=0.01, capacity_factor=1.0)
 
 
 def test_activation_checkpointing_counts_once_and_bias_is_checkpointed():

@@ -7,9 +7,9 @@ import torch
 from nanotitan.config.config import load_config
 from nanotitan.observe.memory import SavedActivations, live_tensor_bytes
 from nanotitan.resolve import resolve
+from tests.helpers.tiny import tiny_args
 
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
-        "--model.num_experts", "4", "--data.vocab_size", "300"]
+TINY = tiny_args(n_layers=2)
 
 
 def test_live_tensor_bytes_counts_each_storage_once():

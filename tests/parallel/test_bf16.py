@@ -27,10 +27,9 @@ from nanotitan.parallel.ep import EPDispatcher
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.resolve import resolve
 from tests.helpers.mp import run_ranks
+from tests.helpers.tiny import tiny_args
 
-TINY = ["--data.vocab_size", "300", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48",
-        "--model.n_layers", "2", "--model.num_experts", "4", "--model.top_k", "2", "--train.seq_len", "16",
-        "--train.micro_batch", "2"]
+TINY = tiny_args("seq_len", "micro_batch", n_layers=2)
 
 
 def test_bf16_forward_only_autocast_fp32_state():

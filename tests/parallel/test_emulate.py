@@ -184,9 +184,10 @@ def test_emulated_topologies_flip_the_ranking_the_planner_says_they_flip(corpus_
     wins on NVLink and loses across the slow network to dp1 pp2 ep2, whose EP groups stay inside a node there. The
     planner predicts the flip by ~3x each way, uncalibrated; the measured steps must flip too. Each layout's step
     is its fastest of 6 (steps 3-8): another job on the 2 cores only ever slows a step, and it once made DP4's
-    median 0.81 s against its 0.2-0.3 s. The four runs are `nanotitan bench layouts`' (bench/layouts.py's
+    median 0.81 s against its 0.2-0.3 s. The four runs are `nanotitan bench layouts`' (observe/runs.py's
     arguments and result files), one after another in one launch of 4 ranks."""
-    from nanotitan.bench.layouts import emulated_predictions, layout_argv, run_results, summarise
+    from nanotitan.observe.runs import layout_argv, run_results, summarise
+    from nanotitan.plan.fit.calibrate import emulated_predictions
 
     data = ["--data.source", str(corpus_dir), "--train.seed", "3"]
     topologies = (("nvlink", "h100-sxm", "8"), ("100g", "configs/emulate/h100-100g.json", "2"))

@@ -364,7 +364,7 @@ def _pp4_cases(rank: int) -> dict:
 def test_the_breakdown_places_each_exposed_second():
     """bench overlap --breakdown on hand-made records: per lane, call, place (unpaired ends vs pairs), state, and
     the part before the peer rank's matching call."""
-    from nanotitan.bench.overlap import ep_wait_breakdown
+    from nanotitan.observe.runs import ep_wait_breakdown
 
     spans = [("F", 0, 0, 0.0, 10.0), ("F", 0, 1, 10.0, 14.0), ("B", 0, 0, 10.0, 20.0), ("B", 0, 1, 20.0, 30.0)]
     waits = [(0, 2.0, 5.0, "f:dispatch", 2.0),  # F(0) alone: exposed 3, the peer called at 4

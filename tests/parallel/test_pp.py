@@ -416,11 +416,14 @@ def test_config_and_split_for_the_new_schedules():
     assert (s0.layer_start, s0.layer_end, s0.last_attn_only, s1.layer_start, s1.layer_end, s1.first_ffn_only) == \
         (0, 3, True, 2, 4, True)
     assert s0.block_parts(2) == (True, False) and s1.block_parts(2) == (False, True) and s1.block_parts(3) == (True, True)
-    # auto on the MID model of the benchmark (head + CE ~ half a block): the cut falls inside block 2 (and 3)
-    from nanotitan.bench.pp import mid_cfg
-
-    assert chunk_layer_counts(mid_cfg(4, "auto")) == [2.5, 1.5]
-    assert chunk_layer_counts(mid_cfg(6, "auto")) == [3.5, 2.5]
+    # auto on the MID model as `bench pp` runs it (configs/mid.toml at m = 2, S = 128; head + CE ~ half a block):
+    # the cut falls inside block 2 (and 3)
+    for n_layers, want in ((4, [2.5, 1.5]), (6, [3.5, 2.5])):
+        mid = load_config("configs/mid.toml", ["--parallel.pp", "2", "--model.n_layers", str(n_layers),
+                                                "--model.vocab_size", "4096", "--model.max_seq_len", "128",
+                                                "--train.micro_batch", "2"])
+        mid.parallel.pp_layers = auto_layer_counts(mid)
+        assert chunk_layer_counts(mid) == want, (n_layers, chunk_layer_counts(mid))
     # the tiny test model (head ~ nothing): whole layers when they balance, a half cut when they cannot
     for n_layers, want in ((4, [2, 2]), (3, [1.5, 1.5])):
         tiny = tiny_cfg(2, n_layers)

@@ -80,7 +80,7 @@ def test_the_planner_prices_the_lanes_within_15_percent_of_the_emulated_run():
     """PP1·EP2 M=8 m=1 over emulated h800 nodes (one rank each): the planner's lanes ÷ off for step and exposed EP
     within 15% of the ratios measured side by side, its off run within 15% of the quiet measurement, and so its lanes
     run within 15% of quiet off × the measured ratio."""
-    from nanotitan.bench.overlap import _predict
+    from nanotitan.plan.fit.calibrate import overlap_prediction
     from nanotitan.parallel.comm import emulate
     from nanotitan.resolve import resolve_model
 
@@ -89,8 +89,8 @@ def test_the_planner_prices_the_lanes_within_15_percent_of_the_emulated_run():
     emu = load_config("configs/mid.toml", ["--parallel.emulate", "h800", "--parallel.emulate_node_size", "1",
                                            "--parallel.emulate_dilation", "0.00136"])
     links = emulate.link_model(emu)
-    off = dict(zip(("step", "ep"), _predict(cfg, 2, 8, 1, "off", links)))
-    on = dict(zip(("step", "ep"), _predict(cfg, 2, 8, 1, "lanes", links)))
+    off = dict(zip(("step", "ep"), overlap_prediction(cfg, 2, 8, 1, "off", links)))
+    on = dict(zip(("step", "ep"), overlap_prediction(cfg, 2, 8, 1, "lanes", links)))
     for k in ("step", "ep"):
         assert on[k] / off[k] == pytest.approx(MEASURED_RATIO[k], rel=0.15), (k, on[k] / off[k])
         assert off[k] == pytest.approx(QUIET_OFF[k], rel=0.15), (k, off[k])

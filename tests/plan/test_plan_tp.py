@@ -111,17 +111,20 @@ def test_auto_picks_tp_when_the_dense_part_does_not_fit():
     assert best_layout(cfg, 2, H100).tp in (1, 2)  # with memory to spare it is a question of speed only
 
 
-def test_bench_tp_side_by_side_runs_at_tiny_shapes():
+def test_bench_tp_side_by_side_runs_at_tiny_shapes(tmp_path):
     """`nanotitan bench tp --part torch sp` at tiny shapes (so it cannot rot): ours and torch's parallelize_module
     both train a step on 2 gloo ranks, SP keeps fewer activation bytes than no SP, as the planner says, and the
     planner prices exactly the TP collectives the code sends (the emulator's held link time)."""
-    from nanotitan.bench.tp import side_by_side
+    import json
 
-    cfg = Config()
-    m = cfg.model
-    m.d_model, m.n_heads, m.ffn_dim, m.n_layers, m.max_seq_len = 32, 4, 64, 2, 16
-    cfg.data.vocab_size, cfg.train.seq_len, cfg.train.micro_batch = 300, 16, 2
-    res = side_by_side(cfg, repeats=1)
+    from nanotitan.cli import main as cli_main
+
+    out = tmp_path / "tp.json"  # the defaults (no config file) at these shapes
+    assert cli_main(["bench", "tp", "--part", "torch", "sp", "--config", "", "--repeats", "1", "--out", str(out),
+                     "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "64", "--model.n_layers", "2",
+                     "--model.max_seq_len", "16", "--data.vocab_size", "300", "--train.seq_len", "16",
+                     "--train.micro_batch", "2"]) == 0
+    res = json.loads(out.read_text())["side_by_side"]
     assert all(res["time"][k]["min_s"] > 0 for k in ("ours", "torch"))
     saved, planned = res["saved_bytes"], res["planned_act_bytes"]
     assert saved["sp"] < saved["no_sp"] and planned["sp"] < planned["no_sp"]

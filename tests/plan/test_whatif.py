@@ -9,11 +9,10 @@ from nanotitan.config.config import Config, ConfigError, load_config
 from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import Layout, PlanOptions, layout_config, predict
 from nanotitan.plan.fit.interval import FITTED, Sigmas, emulator_sigmas, mem_interval, parse_layout, step_interval
+from tests.helpers.tiny import tiny_args
 
-TINY = ["--model.vocab_size", "288", "--data.vocab_size", "288", "--model.d_model", "32", "--model.n_layers", "2",
-        "--model.n_heads", "2", "--model.ffn_dim", "64", "--model.num_experts", "4", "--model.top_k", "2",
-        "--train.seq_len", "16", "--model.max_seq_len", "16", "--train.micro_batch", "2",
-        "--parallel.microbatches", "2", "--global-batch", "16"]
+TINY = tiny_args("seq_len", "micro_batch", data_vocab_size=288, vocab_size=288, n_layers=2, n_heads=2, ffn_dim=64,
+                 max_seq_len=16) + ["--parallel.microbatches", "2", "--global-batch", "16"]
 # docs/planner.md §8's example (Mixtral-8x7B on 8 nodes of H100) cut to 8 layers
 MIXTRAL_8L = ("--model.vocab_size 32000 --data.vocab_size 32000 --model.d_model 4096 --model.n_layers 8 "
               "--model.n_heads 32 --model.ffn_dim 14336 --model.num_experts 8 --model.top_k 2 --train.seq_len 4096 "

@@ -31,12 +31,10 @@ import torch
 
 from nanotitan import cli
 from nanotitan.state import manifest
+from tests.helpers.tiny import tiny_args
 
-MODEL = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "2",
-         "--model.num_experts", "4", "--model.max_seq_len", "64", "--model.n_kv_heads", "2"]
-TINY = [*MODEL, "--model.vocab_size", "320", "--data.vocab_size", "300", "--train.seq_len", "16",
-        "--train.micro_batch", "2", "--run.progress", "false", "--run.tensorboard", "false",
-        "--train.sample_tokens", "0", "--train.threads", "1"]
+TINY = tiny_args("seq_len", "micro_batch", ffn_dim=24, n_layers=2, max_seq_len=64, n_kv_heads=2, vocab_size=320) + [
+        "--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0", "--train.threads", "1"]
 ROWS: list[dict] = []
 
 

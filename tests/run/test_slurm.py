@@ -11,6 +11,7 @@ import pytest
 
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.run.launch import Rendezvous, expand_nodelist, slurm_rendezvous
+from tests.helpers.tiny import tiny_args
 
 
 @pytest.mark.parametrize("spec,hosts", [
@@ -61,8 +62,7 @@ def test_misuse_fails_in_one_line(world, extra, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-TINY = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
-        "--model.num_experts", "4", "--data.vocab_size", "300", "--train.seq_len", "16", "--train.micro_batch", "2",
+TINY = tiny_args("seq_len", "micro_batch", n_layers=2) + [
         "--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0",
         "--train.steps", "4", "--train.warmup_steps", "1", "--run.log_every", "1", "--train.eval_every", "0",
         "--train.ckpt_at_end", "false", "--train.threads", "1"]

@@ -1,8 +1,18 @@
-"""`nanotitan bench {dp,pp,ep}`: the axis benchmarks, each a module with `main(argv) -> int`.
+"""`nanotitan bench NAME`: the benchmarks, each a module with `main(argv) -> int` (cli.py's BENCHES lists them).
 
-dp.py  our bucketed Reducer vs torch DDP vs one process, DP=2
-pp.py  pipeline step time, bubble and activation memory per schedule, against torch.distributed.pipelining
-ep.py  one MoE layer under EP against its controls (and seed_ep_naive.py, the seed's loops, for comparison)
-emulate.py  the network emulator (parallel/comm/emulate.py) measured against its own link model, per layout and axis
-(`nanotitan bench layouts` is nanotitan/bench/layouts.py: whole training runs under torchrun.)
+    dp.py             our bucketed Reducer and ZeRO levels vs torch DDP vs one process, DP=2
+    pp.py             pipeline step time, bubble and activation memory per schedule, vs torch.distributed.pipelining
+    ep.py             one MoE layer under EP against its controls
+    seed_ep_naive.py  the seed's EP layer, its loops as written (ep.py's comparison; not used in training)
+    precision.py      bf16 vs fp32: bytes on the wire per axis, step time and where the non-GEMM time goes
+    layouts.py        every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment), under
+                      torchrun; its run files are what the planner is calibrated and scored on
+    emulate.py        the network emulator (parallel/comm/emulate.py) measured against its own link model
+    overlap.py        parallel.ep_overlap against the same EP job without it, emulated and not, and the planner's price
+    gpu.py            the MoE step at real shapes on one GPU: loop / grouped / compiled / nn.Linear (`make gpu-check`)
+    compile.py        train.compile: eager vs compiled blocks, side by side
+    tp.py             tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2
+
+One-off experiments that are not commands (the planner's fits, call profiles, side-by-side runs of two trees) live
+outside the package, in scripts/experiments/.
 """

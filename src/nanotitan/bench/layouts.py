@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..config.config import Config, ConfigError, load_config, validate
+from ..observe.runs import TENSOR_KEYS, layout_argv, run_results, summarise
 from ..parallel.comm import emulate
 from ..parallel.pp import facts as pp_facts
 from ..plan import Layout, enumerate_layouts, layout_config
+from ..plan.fit.calibrate import emulated_predictions
 from ..resolve import resolve_emulation, resolve_model
 
 
@@ -61,24 +62,6 @@ def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -
     return keep, skipped
 
 
-def layout_argv(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str],
-                virtual_stages: int = 1) -> list[str]:
-    """`nanotitan train`'s arguments for one layout's run (after base_args)."""
-    V = pp_facts.virtual_stages(schedule, pp, virtual_stages)
-    vpp = ["--parallel.virtual_stages", str(V)] if V > 1 else []
-    return [*base_args, "--parallel.dp", str(dp), "--parallel.pp", str(pp), "--parallel.ep", str(ep),
-            "--parallel.schedule", schedule, *vpp, "--parallel.microbatches", str(M), "--train.micro_batch", str(m),
-            "--train.steps", str(steps), "--run.dir", str(run_dir), "--run.log_every", "1",
-            "--run.progress", "false", "--run.tensorboard", "false", "--train.eval_every", "0",
-            "--train.sample_tokens", "0", "--train.ckpt_at_end", "false"]
-
-
-def run_results(run_dir: Path) -> dict:
-    """A finished run's step records (those with a loss) and summary.json's per-rank rows."""
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"records": [r for r in records if "loss" in r], "ranks": summary["ranks"]}
-
 
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
                virtual_stages: int = 1) -> dict:
@@ -90,41 +73,6 @@ def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list
         raise RuntimeError(f"layout dp={dp} pp={pp} ep={ep} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return {**run_results(run_dir), "wall_s": time.perf_counter() - t0}
 
-
-# What each rank keeps (summary.json's ranks[]): live parameters, gradients, optimizer state, and the peak of the
-# activations saved for backward. Process RSS (peak_mem_bytes on CPU) is reported beside them, never mixed in.
-TENSOR_KEYS = {"param_bytes": "parameters", "grad_bytes": "gradients", "optim_bytes": "optimizer state",
-               "act_peak_bytes": "saved activations (peak)"}
-
-
-def tensor_bytes(rank_row: dict) -> int | None:
-    """Parameters + gradients + optimizer state + peak saved activations of one rank (None: not recorded)."""
-    if not all(k in rank_row for k in TENSOR_KEYS):
-        return None
-    return sum(rank_row[k] for k in TENSOR_KEYS)
-
-
-def summarise(res: dict, window: tuple[int, int]) -> dict:
-    recs = [r for r in res["records"] if window[0] < r["step"] <= window[1]] or res["records"][-5:]
-    med = lambda k: statistics.median(r[k] for r in recs)  # noqa: E731
-    ranks = res["ranks"]
-    tensors = [tensor_bytes(r) for r in ranks]
-    return {
-        "tokens_per_sec": med("tokens_per_sec"), "step_time_s": med("step_time_s"), "mfu": med("mfu"),
-        "peak_mem_max": max(r["peak_mem_bytes"] for r in ranks),
-        "peak_mem_min": min(r["peak_mem_bytes"] for r in ranks),
-        "tensor_mem_max": max(tensors) if None not in tensors else None,
-        "tensor_mem_per_rank": [{k: r.get(k) for k in TENSOR_KEYS} for r in ranks],
-        "peak_tensor_per_rank": [r.get("peak_tensor_bytes") for r in ranks],  # the step high-water marks
-        # how many steps the peak meter saw: the planner's expected busiest-EP-rank peak is the highest of that
-        # many steps' routing draws (plan.cost.expert_imbalance)
-        "metered_steps": sum("peak_tensor_bytes" in r for r in res["records"]),
-        **{f"{a}_wait_s": statistics.median(r[f"comm_{a}_wait_s"] for r in recs) for a in ("dp", "ep", "pp")},
-        "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
-        "final_loss": res["records"][-1]["loss"],
-        # the routing skew the run measured (observe/report.py routing_skew_stats): the planner's --expert-skew
-        **{k: statistics.median(r[k] for r in recs) for k in ("expert_cv", "ep_recv_max_mean") if k in recs[0]},
-    }
 
 
 def main(argv: list[str]) -> int:
@@ -202,17 +150,6 @@ def main(argv: list[str]) -> int:
     print(f"[bench layouts] wrote {out / f'layouts{tag}.md'}")
     return 0
 
-
-def emulated_predictions(rows: list[dict], cfg: Config, links: emulate.LinkModel, hardware: str) -> dict:
-    """The planner's step time for each measured row on the emulated cluster, uncalibrated: this CPU's profile for
-    compute (its time-shared cores included), the emulated links for communication, groups crossing the emulated
-    nodes, and link time as waiting rather than CPU work (PlanOptions.links_idle). `plan.calibrate`'s result."""
-    from ..config.hardware import detect_hardware
-    from ..plan import PlanOptions, calibrate
-
-    hw = links.dilated(detect_hardware(None if hardware == "auto" else hardware))
-    measured = [dict(r, peak_mem_bytes=r["peak_mem_per_rank"]) for r in rows]
-    return calibrate(measured, cfg, hw, PlanOptions(link_node_size=links.node_size, links_idle=True))
 
 
 def format_predictions(res: dict, links: emulate.LinkModel) -> str:

@@ -25,17 +25,16 @@ emulation, the link time it left exposed measured without the wait columns.
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import statistics
 import tempfile
 from pathlib import Path
 
-from .layouts import run_layout, summarise
+from .layouts import run_layout
 from ..config.config import load_config
-from ..config.hardware import detect_hardware
+from ..observe.runs import ep_wait_breakdown, summarise
 from ..parallel.comm import emulate
-from ..plan import Layout, PlanOptions, predict
+from ..plan.fit.calibrate import overlap_prediction
 from ..resolve import resolve_emulation, resolve_model
 from .emulate import parse_topology
 
@@ -48,22 +47,6 @@ def mode_args(mode: str) -> list[str]:
         return ["--parallel.ep_overlap_microbatches", "true"]
     return ["--parallel.ep_overlap", "true", "--parallel.ep_chunks", mode.split()[0]]
 
-
-def _predict(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cpu-gloo", pp: int = 1,
-             schedule: str = "1f1b") -> tuple[float, float]:
-    """(step s, exposed EP s per step) the planner predicts for the run (links: the emulated network or None), with
-    `hardware` pricing compute (uncalibrated on these runs, as `bench layouts`)."""
-    cfg = copy.deepcopy(cfg)  # the caller's config stays as it is
-    chunked = mode not in ("off", "lanes")
-    cfg.parallel.ep_overlap, cfg.parallel.ep_chunks = chunked, int(mode.split()[0]) if chunked else 2
-    cfg.parallel.ep_overlap_microbatches = mode == "lanes"
-    hw = detect_hardware(None if hardware == "auto" else hardware)
-    opts = PlanOptions()
-    if links is not None:
-        hw = links.dilated(hw)
-        opts = PlanOptions(link_node_size=links.node_size, links_idle=True)
-    p = predict(cfg, Layout(1, pp, ep, schedule, M, m), hw, opts)
-    return p.step_time_s, p.costs["ep_a2a"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,7 +142,7 @@ def _run_topology(args, cfg, overrides: list[str], topo: str, modes: list[str]):
     for k in modes:
         step_min = min(x["step_time_s"] for x in runs[k])
         wait_min = min(x["ep_wait_s"] for x in runs[k])
-        pred_step, pred_ep = _predict(cfg, args.ep, M, m, k, links, args.hardware, args.pp, args.schedule)
+        pred_step, pred_ep = overlap_prediction(cfg, args.ep, M, m, k, links, args.hardware, args.pp, args.schedule)
         rows.append((k, step_min, wait_min, pred_step, pred_ep))
     return med, rows, links
 
@@ -254,76 +237,6 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
     return rows
 
 
-def ep_wait_breakdown(spans: list, waits: list, peer_waits: list | None, M: int) -> dict[str, float]:
-    """Where one rank-step's exposed EP wait (time some EP call was pending and no lane computed, lanes.exposed_ep_wait)
-    comes from. spans: (kind F/B/W, chunk, microbatch, start, end); waits: ep.py's records (lane, start, end, kind,
-    posted); peer_waits: the same from the other rank of the EP group (EP 2), matched call for call per lane (each
-    lane makes its calls one at a time in an order fixed by M). A stretch pending on two calls (both lanes blocked)
-    is split evenly between them. Keys (seconds): exposed; lane:F / lane:B; kind:<phase>:<call> (f forward, b
-    backward, r recompute); at:F0 / at:B(M-1) (the unpaired ends) / at:pairs; state:both-blocked / state:other-idle
-    (the other lane between its spans: waiting for its window or for F(j)); peer:<lane> (the exposed part spent
-    before the peer rank had made the matching call); and, exposed or not: wait:<lane> (each lane's summed
-    wait), peerwait:<lane> (its part before the peer's call)."""
-    lane_of = {"F": 0, "B": 1, "W": 1}
-    span_of = []  # per wait: (microbatch of the span it is in, or -1)
-    for w in waits:
-        found = -1
-        for k, _, i, t0, t1 in spans:
-            if lane_of[k] == w[0] and k != "W" and t0 <= w[1] <= t1:
-                found = i
-                break
-        span_of.append(found)
-    peer_posted = [None] * len(waits)
-    if peer_waits is not None:
-        for lane in (0, 1):
-            mine = sorted((w[4], n) for n, w in enumerate(waits) if w[0] == lane)
-            theirs = sorted(w[4] for w in peer_waits if w[0] == lane)
-            for (_, n), t in zip(mine, theirs):
-                peer_posted[n] = t
-    name = ("F", "B")
-    out: dict[str, float] = collections.defaultdict(float)
-    for n, w in enumerate(waits):
-        out[f"wait:{name[w[0]]}"] += w[2] - w[1]
-        if peer_posted[n] is not None:
-            out[f"peerwait:{name[w[0]]}"] += max(0.0, min(w[2], peer_posted[n]) - w[1])
-    # sweep over elementary intervals
-    ev = [(t0, 0, n) for n, (_, _, _, t0, _) in enumerate(spans)] + [(t1, 1, n) for n, (*_, t1) in enumerate(spans)]
-    ev += [(w[1], 2, n) for n, w in enumerate(waits)] + [(w[2], 3, n) for n, w in enumerate(waits)]
-    ev += [(t, 4, n) for n, t in enumerate(peer_posted) if t is not None]
-    ev.sort(key=lambda e: e[0])
-    in_span, pending, last = [0, 0], set(), None
-    for t, typ, n in ev:
-        if last is not None and t > last and pending:
-            blocked = [0, 0]
-            for p in pending:
-                blocked[waits[p][0]] += 1
-            computing = any(in_span[ln] > 0 and not blocked[ln] for ln in (0, 1))
-            if not computing:
-                dt = t - last
-                out["exposed"] += dt
-                share = dt / len(pending)
-                both = blocked[0] and blocked[1]
-                for p in pending:
-                    lane, kind = waits[p][0], waits[p][3]
-                    out[f"lane:{name[lane]}"] += share
-                    out[f"kind:{kind}"] += share
-                    i = span_of[p]
-                    at = "F0" if lane == 0 and i == 0 else "B(M-1)" if lane == 1 and i == M - 1 else "pairs"
-                    out[f"at:{at}"] += share
-                    out["state:both-blocked" if both else "state:other-idle"] += share
-                    if peer_posted[p] is not None and peer_posted[p] >= t:  # the peer had not called yet
-                        out[f"peer:{name[lane]}"] += share
-        if typ == 0:
-            in_span[lane_of[spans[n][0]]] += 1
-        elif typ == 1:
-            in_span[lane_of[spans[n][0]]] -= 1
-        elif typ == 2:
-            pending.add(n)
-        elif typ == 3:
-            pending.discard(n)
-        last = t
-    return dict(out)
-
 
 def _breakdown_table(per_rank: list[list[dict]], mode: str, M: int, ep: int) -> list[str]:
     """Median over the steps after the first of each rank-0 breakdown figure (rank 1 as the peer)."""
@@ -374,7 +287,7 @@ def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int
         over = [per_rank[0][i]["overlap_s"] for i in idx]
         med[mode] = (min(step), statistics.median(step), min(cpu), statistics.median(cpu), min(wait),
                      statistics.median(wait))
-        p_step, p_ep = _predict(plain, ep, M, m, "off" if mode == "off" else "lanes", links, "cpu-gloo", pp, schedule)
+        p_step, p_ep = overlap_prediction(plain, ep, M, m, "off" if mode == "off" else "lanes", links, "cpu-gloo", pp, schedule)
         lines.append(f"| {mode} | {min(step) * 1e3:.0f} / {statistics.median(step) * 1e3:.0f}"
                      f" | {min(cpu):.2f} / {statistics.median(cpu):.2f} | {min(wait) * 1e3:.0f} / "
                      f"{statistics.median(wait) * 1e3:.0f} | {statistics.median(over) * 1e3:.0f} | "

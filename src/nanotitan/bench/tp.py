@@ -35,7 +35,7 @@ from ..config.config import Config, ModelConfig, load_config
 from ..model.transformer import Transformer
 from ..config.hardware import get_hardware
 from ..parallel.comm import emulate
-from .layouts import run_results
+from ..observe.runs import run_results
 from ..parallel.dims import ParallelDims
 from ..parallel.tp import apply_tp
 from ..run.spawn import run_ranks

@@ -1,4 +1,14 @@
-"""The config layer: the typed config (a leaf), its one resolve step, the CLI's help text and the error classes.
+"""The config layer: the typed config (a leaf), its parsing and rules, the CLI's help text and the error classes.
+
+    config.py     Config and its sections, load_config (TOML + dotted CLI overrides), validate, to_toml
+    parse.py      TOML values and `--section.key VALUE` overrides as the fields' declared types
+    errors.py     errors that end a run in one line, each kind with its exit code (ConfigError among them)
+    tp_rules.py   tensor parallel's config rules: what TP splits must divide (validate calls it)
+    fits.py       whether a job's model can fit at all, checked before anything is allocated
+    counts.py     parameter and FLOP counts by formula, the one count fits.py and the planner both use
+    hardware.py   hardware profiles: what one device computes, holds and moves per second
+    hf_config.py  a transformers checkpoint's config.json as our model config (no torch)
+    help.py       `nanotitan train --help`: every config key, its type, default and meaning
 
 `from nanotitan.config import Config, load_config` keeps working; the package's modules import config.config."""
 

@@ -1,1 +1,9 @@
+"""Elastic jobs: nodes join and leave a running job, which re-plans its layout and goes on (docs/elastic.md).
 
+    coordinator.py  node 0's store and the generations: who is a member, which layout each generation runs
+    agent.py        one per node: registers, starts its node's ranks for each generation, serves its snapshot files
+    rank.py         one rank of a generation: the Trainer, plus what the agents need to know
+    snapshot.py     every K steps each rank's state in memory on its node, copied to a peer node
+    transport.py    the file transport between nodes (TCP, the job's members only)
+    auth.py         the job secret and the MACs the members put on what they tell each other (docs/security.md)
+"""

@@ -1,0 +1,11 @@
+"""The model: a decoder-only MoE transformer, built whole or as one rank's shard.
+
+    transformer.py  the Transformer, built from a ModelShardSpec (full model or one stage/expert shard)
+    spec.py         ModelShardSpec: which embeddings, layers and experts a rank owns
+    moe.py          the mixture-of-experts FFN: fp32 router, top-k, SwiGLU experts, dropless by default
+    mla.py          multi-head latent attention (DeepSeek-V2/V3)
+    mtp.py          multi-token prediction (DeepSeek-V3 §2.2)
+    rope.py         rotary position embeddings (plain RoPE or YaRN-scaled)
+    norm.py         RMSNorm, with a deferrable weight gradient
+    wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
+"""

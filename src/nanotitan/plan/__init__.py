@@ -12,10 +12,16 @@ The method, every formula and its assumptions are written up in docs/planner.md.
     context.py    PlanOptions and the Context: the facts of one layout on one profile that both models read
     memory.py     the memory model: a rank's peak bytes per stage, by cause
     steptime.py   the time model: step time by cause, and the balanced pipeline split
+    skew.py       routing skew and group-limited routing in the time model: the busiest EP rank's share
+    tp.py         tensor parallel's terms: what a TP group saves, what it sends, which TP degrees a search tries
     cost.py       predict(): the two models over one Context (and the names other modules import)
     search.py     enumerate_layouts, plan, recommend, reason, format_table
-    calibrate.py  calibrate, fit_profile (Nelder-Mead), spearman, calibration rows
-    measure.py    `--measure` (this machine's profile) and TensorBytesMeter (imports torch.distributed)
+    dryrun.py     `--dry-run`: every distinct rank of a layout built by the real code on fake tensors, against the model
+    whatif.py     `--what-if`: fit, best layouts with their intervals, what dominates the step and what to change
+    fit/          the fitting tools, apart from the model they fit:
+        calibrate.py  calibrate, fit_profile (Nelder-Mead), spearman, calibration rows
+        interval.py   prediction intervals from the calibration residuals of each term
+        measure.py    `--measure` (this machine's profile) and TensorBytesMeter (imports torch.distributed)
     cli.py        main(argv): `nanotitan plan`, an entry point like nanotitan/cli.py: it resolves the config
                   (resolve.py, which asks this package), so the package itself does not import it
 """

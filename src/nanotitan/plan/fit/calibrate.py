@@ -5,6 +5,7 @@ docs/calibration.md.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -252,3 +253,30 @@ def format_calibration(result: dict) -> str:
                  f"{100 * result['median_abs_err_mem']:.1f}%; Spearman rho (step time) {result['spearman_rho']:.2f}; "
                  f"measured/predicted step time {result['median_time_ratio']:.2f}")
     return "\n".join(lines)
+
+
+def emulated_predictions(rows: list[dict], cfg: Config, links, hardware: str) -> dict:
+    """The planner's step time for each measured row on the emulated cluster, uncalibrated: this CPU's profile for
+    compute (its time-shared cores included), the emulated links for communication, groups crossing the emulated
+    nodes, and link time as waiting rather than CPU work (PlanOptions.links_idle). `calibrate`'s result.
+    links: the emulated network (parallel/comm/emulate.LinkModel)."""
+    hw = links.dilated(detect_hardware(None if hardware == "auto" else hardware))
+    measured = [dict(r, peak_mem_bytes=r["peak_mem_per_rank"]) for r in rows]
+    return calibrate(measured, cfg, hw, PlanOptions(link_node_size=links.node_size, links_idle=True))
+
+
+def overlap_prediction(cfg, ep: int, M: int, m: int, mode: str, links, hardware: str = "cpu-gloo", pp: int = 1,
+                       schedule: str = "1f1b") -> tuple[float, float]:
+    """(step s, exposed EP s per step) the planner predicts for the run (links: the emulated network or None), with
+    `hardware` pricing compute (uncalibrated on these runs, as `bench layouts`)."""
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as it is
+    chunked = mode not in ("off", "lanes")
+    cfg.parallel.ep_overlap, cfg.parallel.ep_chunks = chunked, int(mode.split()[0]) if chunked else 2
+    cfg.parallel.ep_overlap_microbatches = mode == "lanes"
+    hw = detect_hardware(None if hardware == "auto" else hardware)
+    opts = PlanOptions()
+    if links is not None:
+        hw = links.dilated(hw)
+        opts = PlanOptions(link_node_size=links.node_size, links_idle=True)
+    p = predict(cfg, Layout(1, pp, ep, schedule, M, m), hw, opts)
+    return p.step_time_s, p.costs["ep_a2a"]
