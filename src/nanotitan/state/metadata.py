@@ -52,8 +52,8 @@ class _Refused(pickle.UnpicklingError):
     """What the allow-list refused (a truncated pickle raises UnpicklingError too)."""
 
 
-# torch.<name> -> dtype, the only names of torch's own a .metadata may give besides Size (a dtype pickles as a global)
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+# torch.<name> -> dtype (also packing's gather: a dtype by name), the only names of torch's own a .metadata may give besides Size (a dtype pickles as a global)
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool)}
@@ -70,8 +70,8 @@ class _AllowList(pickle._Unpickler):  # the Python unpickler: its opcodes can be
     def find_class(self, module: str, name: str):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]  # torch.float32 & co.: a value from the table, nothing looked up in torch
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # torch.float32 & co.: a value from the table, nothing looked up in torch
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid):
