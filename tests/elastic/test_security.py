@@ -227,6 +227,7 @@ def test_a_job_across_hosts_needs_a_secret(tmp_path, monkeypatch):
         auth.job_key(cfg("10.1.2.3:29500"))
     assert auth.job_key(cfg("10.1.2.3:29500", "--elastic.insecure", "true")) == auth.INSECURE_KEY
     (tmp_path / "s").write_text("hunter2\n")
+    (tmp_path / "s").chmod(0o600)  # the README's `chmod 600`: a 0644 secret is refused (tests/elastic/test_trust_disk.py)
     assert auth.job_key(cfg("10.1.2.3:29500", "--elastic.secret_file", str(tmp_path / "s"))) == auth.derive(b"hunter2")
     monkeypatch.setenv(auth.SECRET_ENV, "hunter2")
     assert auth.job_key(cfg("10.1.2.3:29500")) == auth.derive(b"hunter2")

@@ -103,7 +103,8 @@ def test_a_symlink_in_a_checkpoint_is_refused(saved, tmp_path):
 
 
 _VERIFY = "import sys; from nanotitan.state.manifest import verify_checkpoint; print(verify_checkpoint(sys.argv[1]))"
-_UNIT = "import sys; from nanotitan.state.manifest import unit_mismatch; print(unit_mismatch(__import__('pathlib').Path(sys.argv[1])))"
+_UNIT = ("import sys, pathlib; from nanotitan.state.manifest import unit_mismatch; "
+         "print(unit_mismatch(pathlib.Path(sys.argv[1])))")
 
 
 def _run(code: str, path: Path) -> str:

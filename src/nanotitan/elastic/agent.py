@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config.config import Config, ConfigError, elastic_nodes
 from ..config.errors import first_line
 from . import snapshot
-from .auth import KEY_ENV, SignedStore, job_key
+from .auth import KEY_ENV, SignedStore, agent_key
 from .coordinator import BEAT_S, TICK_S, Coordinator, job_hash, plan_world
 from .rank import RANK_ENV, WARM_ENV, snapshot_root
 from .transport import SOCKET_TIMEOUT_S, FileServer, fetch_checkpoint, push_unit
@@ -253,7 +253,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
                           "(and --train.global_batch B to fix the batch)")
     min_nodes, _ = elastic_nodes(e.nodes)
     first = plan_world(cfg, min_nodes * e.nproc_per_node)  # a job that cannot even start fails here, in one line
-    key = job_key(cfg)  # and one across hosts without a secret (docs/security.md)
+    key = agent_key(cfg)  # and one across hosts without a secret (docs/security.md); ranks get only the key
     host, port = e.endpoint.rsplit(":", 1)
     timeout = timedelta(seconds=e.join_timeout_s)
     raw, is_host = None, False

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -53,10 +54,15 @@ def job_key(cfg: Config) -> bytes:
     e = cfg.elastic
     if e.secret_file:
         try:
-            secret = Path(e.secret_file).read_bytes()
+            with os.fdopen(os.open(e.secret_file, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO cannot block
+                why = _not_own(os.fstat(f.fileno()))
+                secret = f.read() if not why else b""
         except OSError as err:
             raise ConfigError(f"elastic.secret_file={e.secret_file!r} is unreadable ({err.strerror}) "
                               "(--elastic.secret_file)") from None
+        if why:
+            raise ConfigError(f"elastic.secret_file={e.secret_file!r} {why}: chmod 600 {e.secret_file}, as its "
+                              "owner (--elastic.secret_file)")
         if not secret.strip():
             raise ConfigError(f"elastic.secret_file={e.secret_file!r} is empty (--elastic.secret_file)")
         return derive(secret)
@@ -71,9 +77,31 @@ def job_key(cfg: Config) -> bytes:
                       "--elastic.insecure true runs without one")
 
 
+def agent_key(cfg: Config) -> bytes:
+    """job_key, for an agent: the raw secret then leaves its environment, so the ranks and warm ranks it starts
+    (which copy os.environ) get only the derived key (KEY_ENV), never the secret itself."""
+    key = job_key(cfg)
+    os.environ.pop(SECRET_ENV, None)
+    return key
+
+
+def _not_own(st: os.stat_result) -> str:
+    """'' when a secret file with this stat is this user's own (owned by them, no access for group or others),
+    else what is wrong: a 0644 secret is readable by every local user, a planted one is someone else's."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"is open to group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
 def _own_secret(run_dir: Path) -> bytes:
     """RUN_DIR/elastic.secret, made (mode 0600, 32 random bytes) by the first agent of a one-host job; the others
-    read it. Made under a temporary name and linked into place, so no agent reads a half-written one."""
+    read it. Made under a temporary name and linked into place, so no agent reads a half-written one. An existing
+    one must be this user's own regular file, mode 0600 (read through no symlink): one planted by another user
+    would be a secret they know."""
     path = run_dir / SECRET_FILE
     if not path.exists():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +115,16 @@ def _own_secret(run_dir: Path) -> bytes:
             pass
         finally:
             tmp.unlink()
-    return path.read_bytes()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        raise ConfigError(f"{path} is unreadable or a symlink ({err.strerror}): remove it (a one-host job makes a "
+                          "new one), or give --elastic.secret_file") from None
+    with os.fdopen(fd, "rb") as f:
+        if why := _not_own(os.fstat(fd)):
+            raise ConfigError(f"{path} {why}: not this user's own secret; remove it (a one-host job makes a new "
+                              "one), or give --elastic.secret_file")
+        return f.read()
 
 
 def rank_key() -> bytes:

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..state import checkpoint as ckpt
 from ..config.config import Config
 from .auth import SignedStore, rank_key
-from .snapshot import SnapshotWriter
+from .snapshot import SnapshotWriter, private_root
 from ..train import Trainer, run
 
 RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "node", "spawned"} as JSON
@@ -36,9 +36,10 @@ WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has impo
 
 def snapshot_root(cfg: Config, node: int) -> Path:
     """Where node `node` of an elastic job keeps its snapshots (snapshot.py), one dir per job id, run dir and node.
-    The node in the name gives each loopback "node" of one machine its own, as separate machines have."""
+    The node in the name gives each loopback "node" of one machine its own, as separate machines have. It sits in
+    this user's own dir (snapshot.private_root: SNAPSHOT_DIR/nanotitan-UID/, mode 0700, checked)."""
     run = zlib.crc32(str(Path(cfg.run.dir).absolute()).encode())
-    return Path(cfg.elastic.snapshot_dir) / f"nanotitan-elastic-{cfg.elastic.id}-{run:08x}-node{node}"
+    return private_root(cfg.elastic.snapshot_dir, f"elastic-{cfg.elastic.id}-{run:08x}-node{node}")
 
 
 def job_store(endpoint: str, job: str, timeout_s: float = 60.0) -> SignedStore:

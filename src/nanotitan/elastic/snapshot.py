@@ -2,7 +2,8 @@
 state is written to memory on its node while training goes on, and each node's files are copied to a peer node.
 Losing a node (its processes and its /dev/shm) then costs at most K steps.
 
-On each node, under ROOT = rank.snapshot_root(cfg, node):
+On each node, under ROOT = rank.snapshot_root(cfg, node), which is SNAPSHOT_DIR/nanotitan-UID/NAME: a parent of
+this user's own, mode 0700, so no other local user reads the weights or plants a symlink (own_dir):
 
     step_N/gG-nodeI/      a unit: the shards that node I's ranks wrote of generation G's snapshot of step N, and
                           the step's small files (.metadata, config.toml, state.json, manifest.json: every file's
@@ -25,9 +26,11 @@ verify, it builds checkpoints/step_N on node 0.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from datetime import timedelta
@@ -35,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-from ..config.config import Config
-from ..config.errors import first_line
+from ..config.config import Config, ConfigError
+from ..config.errors import first_line, os_reason
 from ..parallel.comm import collectives as comm
 from ..state import checkpoint as ckpt
-from ..state.manifest import DCP_METADATA, unit_mismatch
-from ..state.packing import SnapshotPacking
+from ..state.manifest import DCP_METADATA, is_plain_file, unit_mismatch
+from ..state.packing import SnapshotPacking, gather_json
 
 UNIT = re.compile(r"^step_(\d+)/g(\d+)-node(\d+)$")  # a committed unit, relative to ROOT
 KEEP_STEPS = 2  # a node keeps the units of its two newest steps: the newest may be incomplete when a node dies
@@ -121,12 +124,9 @@ class SnapshotWriter:
                     mine = self.packing.write(tmp)
             except OSError as e:
                 bad = f"writing {Path(e.filename or tmp).name} failed ({first_line(e)})"
-            part = {"rank": rank, "files": mine, "bad": bad, "small": small}
-            if self.group is not None:
-                parts: list = [None] * comm.world_size()
-                torch.distributed.all_gather_object(parts, part, group=self.group)
-            else:
-                parts = [part]
+            part = {"rank": rank, "files": mine, "bad": bad, "small": _text(small)}
+            # JSON in tensors (packing.gather_json), not all_gather_object: nothing a peer sends is unpickled
+            parts = gather_json(part, self.group) if self.group is not None else [part]
             if any(p["bad"] for p in parts):
                 p = next(p for p in parts if p["bad"])
                 self.error = f"snapshot of step {step} not kept: rank {p['rank']}: {p['bad']}"
@@ -135,13 +135,24 @@ class SnapshotWriter:
                 return
             if self.leader:  # every rank's shard is written (the gather): commit this node's unit
                 manifest = {name: meta for p in parts for name, meta in p["files"].items()}
-                ckpt.write_small_files(tmp, parts[0]["small"], manifest)
+                ckpt.write_small_files(tmp, _bytes(parts[0]["small"]), manifest)
                 commit(tmp, unit)
                 prune(self.root)
         except BaseException as e:  # noqa: BLE001 - a failed snapshot must not stop training: the next one retries
             self.error = f"snapshot of step {step} failed: {first_line(e)}"
         finally:
             self.cost_s["write_cpu"] += time.thread_time() - t0
+
+
+def _text(small: dict | None) -> dict | None:
+    """The small files as JSON can carry them: bytes (the .metadata) in base64."""
+    if small is None:
+        return None
+    return {k: v if isinstance(v, str) else {"b64": base64.b64encode(v).decode()} for k, v in small.items()}
+
+
+def _bytes(small: dict) -> dict:
+    return {k: v if isinstance(v, str) else base64.b64decode(v["b64"]) for k, v in small.items()}
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -163,17 +174,57 @@ def prune(root: Path) -> None:
 def units(root: Path) -> dict[str, list[str]]:
     """{unit path relative to ROOT: its files} of the committed units on this node. The snapshot thread's `prune`
     may remove a step while this lists it (a glob across the two levels then raised FileNotFoundError and took the
-    agent down): a step or unit gone meanwhile is simply not listed."""
+    agent down): a step or unit gone meanwhile is simply not listed. Only real dirs and regular files are (lstat):
+    a symlink to /dev/zero would be copied forever, one to a dir would serve what is not a snapshot."""
     out = {}
     for step in root.glob("step_*"):
         try:
             for d in step.iterdir():
                 rel = f"{step.name}/{d.name}"
-                if UNIT.match(rel) and d.is_dir():
-                    out[rel] = sorted(f.name for f in d.iterdir())
+                if UNIT.match(rel) and _real_dir(step) and _real_dir(d):
+                    out[rel] = sorted(f.name for f in d.iterdir() if is_plain_file(f))
         except FileNotFoundError:  # pruned while listed
             continue
     return out
+
+
+def _real_dir(p: Path) -> bool:
+    return stat.S_ISDIR(os.lstat(p).st_mode)
+
+
+# --- the snapshot dirs are the user's own ---------------------------------------------------------------
+
+def own_dir(path: Path) -> Path:
+    """`path`, made with mode 0700 if absent; an existing one must be a real dir (not a symlink) owned by this
+    user that neither group nor others can write, else ConfigError in one line. /dev/shm is writable by every
+    local user: a dir planted there under a predictable name, or a symlink, would read the weights or redirect
+    the writes (and assemble_newest's cleanup would then delete the target's siblings)."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot make the snapshot dir {path}: {os_reason(e)} (--elastic.snapshot_dir)") from None
+    st = os.lstat(path)
+    why = ("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a dir" if not stat.S_ISDIR(st.st_mode)
+           else f"is owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid()
+           else f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022
+           else "")
+    if why:
+        raise ConfigError(f"snapshot dir {path} {why}: not this user's own; remove it or choose another "
+                          "--elastic.snapshot_dir")
+    return path
+
+
+def private_root(snapshot_dir: str | Path, name: str) -> Path:
+    """SNAPSHOT_DIR/nanotitan-UID/NAME: a node's snapshot ROOT under a parent that only this user can enter (made
+    0700), each level checked by own_dir. SNAPSHOT_DIR itself (/dev/shm: every user's) is made if absent."""
+    try:
+        Path(snapshot_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make elastic.snapshot_dir={str(snapshot_dir)!r}: {os_reason(e)} "
+                          "(--elastic.snapshot_dir)") from None
+    return own_dir(own_dir(Path(snapshot_dir) / f"nanotitan-{os.getuid()}") / name)
 
 
 def check_unit(d: Path) -> str:

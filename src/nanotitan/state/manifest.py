@@ -79,8 +79,8 @@ def plain_name(name) -> bool:
 
 
 def open_plain(path: Path, buffering: int = 0):
-    """`path` opened for reading (unbuffered by default) if it is a regular file and not a symlink (O_NOFOLLOW; O_NONBLOCK so a
-    FIFO cannot block the open), else OSError naming it."""
+    """`path` opened for reading (unbuffered by default) if it is a regular file and not a symlink (O_NOFOLLOW;
+    O_NONBLOCK so a FIFO cannot block the open), else OSError naming it."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a symlink: ELOOP
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

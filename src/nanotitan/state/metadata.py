@@ -52,8 +52,9 @@ class _Refused(pickle.UnpicklingError):
     """What the allow-list refused (a truncated pickle raises UnpicklingError too)."""
 
 
-# torch.<name> -> dtype, the only names of torch's own a .metadata may give besides Size (a dtype pickles as a global)
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+# torch.<name> -> dtype: besides Size, the only names of torch's a .metadata may give (a dtype pickles as a global);
+# packing's gather names dtypes by these too
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool)}
@@ -70,8 +71,8 @@ class _AllowList(pickle._Unpickler):  # the Python unpickler: its opcodes can be
     def find_class(self, module: str, name: str):
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]  # torch.float32 & co.: a value from the table, nothing looked up in torch
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # torch.float32 & co.: a value from the table, nothing looked up in torch
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid):
@@ -93,29 +94,24 @@ class _AllowList(pickle._Unpickler):  # the Python unpickler: its opcodes can be
         super().load_build()
     dispatch[pickle.BUILD[0]] = load_build
 
-    def _into(self, target, kind: type) -> None:
-        if type(target) is not kind:  # APPEND and SETITEM call methods of whatever is below them
-            raise _Refused(f"items added to a {type(target).__qualname__}, not a {kind.__name__}")
 
-    def load_append(self):
-        self._into(self.stack[-2], list)
-        super().load_append()
-    dispatch[pickle.APPEND[0]] = load_append
+def _into(op: bytes, kind: type, target):
+    """Opcode `op`'s loader, refusing unless what it adds items to (`target` of the unpickler) is a plain `kind`:
+    APPEND and SETITEM call methods of whatever is below them on the stack."""
+    load = pickle._Unpickler.dispatch[op[0]]
 
-    def load_appends(self):
-        self._into(self.metastack[-1][-1], list)
-        super().load_appends()
-    dispatch[pickle.APPENDS[0]] = load_appends
+    def checked(u: _AllowList):
+        if type(t := target(u)) is not kind:
+            raise _Refused(f"items added to a {type(t).__qualname__}, not a {kind.__name__}")
+        load(u)
+    return checked
 
-    def load_setitem(self):
-        self._into(self.stack[-3], dict)
-        super().load_setitem()
-    dispatch[pickle.SETITEM[0]] = load_setitem
 
-    def load_setitems(self):
-        self._into(self.metastack[-1][-1], dict)
-        super().load_setitems()
-    dispatch[pickle.SETITEMS[0]] = load_setitems
+for _op, _kind, _target in ((pickle.APPEND, list, lambda u: u.stack[-2]),
+                            (pickle.SETITEM, dict, lambda u: u.stack[-3]),
+                            (pickle.APPENDS, list, lambda u: u.metastack[-1][-1]),  # the one below the mark
+                            (pickle.SETITEMS, dict, lambda u: u.metastack[-1][-1])):
+    _AllowList.dispatch[_op[0]] = _into(_op, _kind, _target)
 
 
 _FIELDS = {c: f for c in (getattr(importlib.import_module(m), n) for m, names in _ALLOWED.items() for n in names)

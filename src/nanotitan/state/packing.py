@@ -13,6 +13,7 @@ the rank's training needs: 83 ms of the thread's CPU per snapshot of the default
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from torch.futures import Future
 from ..parallel.comm import collectives as comm
 from .keys import keyed_state, rng_key
 from .manifest import read_plain
-from .metadata import SafeReader
+from .metadata import DTYPES, SafeReader
 
 RAW_SHARD = "__{rank}_0.raw"
 _ALIGN = 64  # each piece's byte offset in a .raw shard: a multiple of every dtype's size
@@ -68,7 +69,7 @@ class CheckpointReader(SafeReader):
 
 class SnapshotPacking:
     """Which pieces this rank writes into a snapshot, where each sits in its flat buffer, and the snapshot's DCP
-    metadata: fixed for a generation (its layout and state do not change), so built once, by one all-gather.
+    metadata: fixed for a generation (its layout and state do not change), so built once, by one gather (JSON).
     A piece that several ranks hold (a replicated parameter at zero 0, say) is written by one of them: the holder
     with the fewest bytes so far, as DCP's dedup does, so the dp replicas split the work."""
 
@@ -79,15 +80,12 @@ class SnapshotPacking:
                 for k, c in keyed_state(model, optimizer, shard).items() for o, t in c.boxes.items()]
         rng = torch.get_rng_state()
         mine.append((rng_key(rank), (0,), tuple(rng.shape), tuple(rng.shape), rng.dtype))
-        if comm.distributed():
-            lists: list = [None] * comm.world_size()
-            torch.distributed.all_gather_object(lists, mine, group=group)
-        else:
-            lists = [mine]
+        sent = [(k, o, s, whole, str(dtype).removeprefix("torch.")) for k, o, s, whole, dtype in mine]
+        lists = gather_json(sent, group) if comm.distributed() else [sent]
         pieces: dict[tuple, tuple] = {}  # (key, offsets) -> (sizes, whole size, dtype, holders)
         for r, lst in enumerate(lists):
-            for k, o, s, whole, dtype in lst:
-                pieces.setdefault((k, o), (s, whole, dtype, []))[3].append(r)
+            for k, o, s, whole, dtype in lst:  # JSON's lists back to tuples, a dtype's name to it (a fixed table)
+                pieces.setdefault((k, tuple(o)), (tuple(s), tuple(whole), DTYPES[dtype], []))[3].append(r)
         assigned = [0] * len(lists)  # bytes per rank so far
         files: list[list] = [[] for _ in lists]  # rank -> [(key, offsets, sizes, dtype)] it writes, in file order
         for (k, o), (s, _whole, dtype, holders) in sorted(pieces.items(), key=lambda p: (str(p[1][2]), p[0])):
@@ -151,6 +149,21 @@ class SnapshotPacking:
         with open(dir / self.file, "wb") as f:
             f.write(data)
         return {self.file: {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}}
+
+
+def gather_json(obj, group=None) -> list:
+    """Collective on `group` (CPU tensors: a gloo group): every rank's `obj`, sent as JSON bytes in two all_gathers
+    of uint8 tensors. Not torch's all_gather_object, which unpickles what each peer sends: whoever joins the
+    rendezvous could run code in every rank (issue 49); JSON is only ever data."""
+    dist = torch.distributed
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    top = max(int(n) for n in sizes)
+    out = [torch.empty(top, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, torch.cat([data, torch.zeros(top - data.numel(), dtype=torch.uint8)]), group=group)
+    return [json.loads(bytes(o[:int(n)].numpy())) for o, n in zip(out, sizes)]
 
 
 def _nbytes(sizes: tuple, dtype: torch.dtype) -> int:
