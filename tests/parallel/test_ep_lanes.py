@@ -15,7 +15,7 @@ from tests.helpers.specs import build_shard_spec
 from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel import ep
-from nanotitan.parallel.pp import schedules as pp_mod
+from nanotitan.parallel.pp import runner as pp_runner, schedules as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
 from nanotitan.parallel.lanes import exposed_ep_wait, lanes_overlap
@@ -43,8 +43,9 @@ def _batches(rank: int):
 def _step(model, dims, xs, ys, lanes: bool, timeline=None, schedule: str = "1f1b"):
     comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
     stats = pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=0.3,
-                                      loss_scale=1.0 / len(xs), before_backward=None, timeline=timeline,
-                                      ep_lanes=lanes)
+                                      loss_scale=1.0 / len(xs), before_backward=None,
+                                      ep_lanes=ep.lanes_of(model) if lanes else None,
+                                      options=pp_mod.RunOptions(timeline=timeline))
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return stats, grads
@@ -64,7 +65,7 @@ def _lanes_rank(rank: int, world: int) -> dict:
         return plain(*args, group=group, **kw)
 
     async_posts, fills = [], []  # (in a backward, posted async) per all-to-all; deferred W's run inside a backward
-    plain_run = pp_mod.run_weights
+    plain_run = pp_runner.run_weights
 
     def run_spy(work):
         if work and ep.in_backward():  # inside autograd's backward: only the fill, while an all-to-all travels
@@ -72,7 +73,7 @@ def _lanes_rank(rank: int, world: int) -> dict:
         return plain_run(work)
 
     comm.all_to_all_single = spy
-    pp_mod.run_weights = run_spy
+    pp_runner.run_weights = run_spy
     out = {}
     try:
         for ac in (False, True):
@@ -106,7 +107,7 @@ def _lanes_rank(rank: int, world: int) -> dict:
             }
     finally:
         comm.all_to_all_single = plain
-        pp_mod.run_weights = plain_run
+        pp_runner.run_weights = plain_run
     return out
 
 
@@ -141,7 +142,7 @@ def test_a_failing_lane_raises_in_the_caller():
     comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
     with pytest.raises(IndexError):
         pipeline_forward_backward(model, dims, bad, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
-                                  loss_scale=0.25, before_backward=None, ep_lanes=True)
+                                  loss_scale=0.25, before_backward=None, ep_lanes=ep.lanes_of(model))
 
     def fail_second(is_last, n=[]):
         n.append(is_last)
@@ -150,7 +151,7 @@ def test_a_failing_lane_raises_in_the_caller():
 
     with pytest.raises(RuntimeError, match="backward lane failed"):
         pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
-                                  loss_scale=0.25, before_backward=fail_second, ep_lanes=True)
+                                  loss_scale=0.25, before_backward=fail_second, ep_lanes=ep.lanes_of(model))
     assert not any(t.name == "nanotitan-forward-lane" for t in threading.enumerate())
 
 
@@ -213,7 +214,7 @@ def test_the_forward_lane_keeps_the_callers_meters():
     comms = StageComms(dims, (M_SEQ, SEQ, D), torch.float32, "cpu")
     with Ops() as ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         pipeline_forward_backward(model, dims, xs, ys, comms=comms, schedule="1f1b", aux_weight=0.3,
-                                  loss_scale=0.25, before_backward=None, ep_lanes=True)
+                                  loss_scale=0.25, before_backward=None, ep_lanes=ep.lanes_of(model))
     assert "nanotitan-forward-lane" in ops.threads and "nanotitan-forward-lane" in packed
 
 

@@ -314,7 +314,7 @@ def test_schedule_errors_name_the_fix():
 
 def _ep_in_w(rank, world, cases):
     """PP2 x EP2 under zb1: the EP all-to-alls each W runs (and the grads against the single process)."""
-    import nanotitan.parallel.pp.schedules as P
+    import nanotitan.parallel.pp.runner as P
     from nanotitan.parallel.ep import apply_ep
 
     dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)  # new groups over the same 4 processes

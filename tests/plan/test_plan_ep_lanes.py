@@ -60,7 +60,7 @@ def test_gpipe_lanes_only_fill_and_interleaved_lanes_pair():
 
 
 def test_the_backwards_weight_gemms_hide_its_own_trips():
-    """The fill (pp.py `_StageRunner.backward`): a backward alone exposes only what its weight GEMMs do not cover;
+    """The fill (pp/runner.py `FillRunner`): a backward alone exposes only what its weight GEMMs do not cover;
     skew adds that share of each pair's (and each unpaired microbatch's) link time."""
     assert ep_lanes_time(1.0, 2.0, 0.5, 0.5, 4, 1, c_w=1.0) == pytest.approx(1.5 + 2.0 + 3 * 3.0)
     assert ep_lanes_time(1.0, 2.0, 0.5, 1.5, 4, 1, c_w=1.0) == pytest.approx(1.5 + 2.5 + 3 * 3.0)

@@ -176,7 +176,7 @@ def _tables(tables: list, medians: dict) -> list[str]:
 
 # --- `--interleaved N`: off and lanes step by step in one launch (what load moves, it moves for both) -----------------
 # Modes of `--interleaved`: off; lanes (parallel.ep_overlap_microbatches as the trainer runs it: each backward's
-# weight-gradient GEMMs fill its all-to-alls' flight, pp/schedules.py `_StageRunner.backward`); lanes-nofill (the lanes with
+# weight-gradient GEMMs fill its all-to-alls' flight, pp/runner.py `FillRunner`); lanes-nofill (the lanes with
 # plain autograd backwards, as before the fill).
 INTERLEAVED_MODES = ("off", "lanes", "lanes-nofill", "lanes-w3")  # lanes-w3: a lane window of at least 3
 
@@ -196,7 +196,8 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
     from ..parallel.comm import collectives as comm
     from ..parallel.dims import ParallelDims
     from ..parallel.ep import apply_ep
-    from ..parallel.pp.schedules import pipeline_forward_backward
+    from ..parallel.ep import lanes_of
+    from ..parallel.pp.schedules import RunOptions, pipeline_forward_backward
     from ..parallel.pp.chunks import StageChunks
     from ..parallel.pp.comms import StageComms
 
@@ -222,9 +223,10 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
         timeline = [] if raw and lanes else None
         t0, c0 = time.perf_counter(), time.process_time()
         st = pipeline_forward_backward(model, dims, xs, xs, comms=comms, schedule=schedule, aux_weight=0.01,
-                                       loss_scale=1.0 / M, before_backward=None, ep_lanes=lanes,
-                                       ep_lanes_fill=mode != "lanes-nofill", timeline=timeline,
-                                       ep_lanes_window=3 if mode == "lanes-w3" else 2)
+                                       loss_scale=1.0 / M, before_backward=None,
+                                       ep_lanes=lanes_of(model) if lanes else None,
+                                       options=RunOptions(timeline=timeline, lanes_fill=mode != "lanes-nofill",
+                                                          lanes_window=3 if mode == "lanes-w3" else 2))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         model.zero_grad(set_to_none=True)
         row = {"mode": mode, "lanes": lanes, "step_s": wall, "cpu_s": cpu,

@@ -45,7 +45,7 @@ from ..model.transformer import Transformer
 from ..observe.memory import SavedActivations
 from ..parallel.dims import ParallelDims
 from ..parallel.pp.facts import theoretical_bubble, virtual_stages
-from ..parallel.pp.schedules import pipeline_forward_backward
+from ..parallel.pp.schedules import RunOptions, pipeline_forward_backward
 from ..parallel.pp.chunks import StageChunks
 from ..parallel.pp.comms import StageComms
 from ..resolve import auto_layer_counts
@@ -134,7 +134,7 @@ def _ours_step(cfg: Config, dims, comms, xs, ys, name: str, stats_of: dict):
         opt.zero_grad(set_to_none=True)
         stats_of[name] = pipeline_forward_backward(
             model, dims, xs, ys, comms=comms, schedule=schedule, aux_weight=AUX_WEIGHT, loss_scale=1.0 / M,
-            before_backward=None, timeline=timeline)
+            before_backward=None, options=RunOptions(timeline=timeline))
         opt.step()
     return ours, chunks
 

@@ -7,9 +7,9 @@ The one home of the feature's runtime:
   `_ThreadState` carries the caller's torch settings over to the forward lane's thread.
 - `EPLanes`: what the EP dispatchers of one model shard share with the lanes (parallel/ep.py apply_ep makes one and
   hands it to every EPDispatcher): each lane's EP group, the recording of every blocked EP interval, and the
-  backward lane's filler (the weight-gradient GEMMs run while a backward all-to-all travels, pp/schedules.py
-  `_StageRunner.backward`). The schedule's runner enters `recording` / `filling` on that object; nothing here is
-  a module global.
+  backward lane's filler (the weight-gradient GEMMs run while a backward all-to-all travels, pp/runner.py
+  `FillRunner`). The shard hands it to the pipeline runner (pp/schedules.py `Lanes`), which enters `recording` /
+  `filling` on it and calls `run_schedule` / `account`; nothing here is a module global.
 - The overlap figures: `exposed_ep_wait`, `lanes_overlap` and `account_step` (StepStats' ep_wait_s, ep_exposed_s,
   lanes_overlap_s, ep_waits), and `LaneMeans`, their means per step over a record's interval (the StepLogger's).
 The per-lane router statistics are an option of the MoE layer (model/moe.py `lane_local_router_state`), which
@@ -76,6 +76,15 @@ class EPLanes:
         finally:
             self.fill = None
 
+    def run_schedule(self, run, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool, backward_group,
+                     least: int, schedule: str, V: int) -> None:
+        """The pipeline runner's entry (pp/schedules.py `Lanes`): the step's schedule in two lanes (`two_lanes`)."""
+        two_lanes(run, comms, M, pp, pp_rank, split, backward_group, least=least, schedule=schedule, V=V)
+
+    def account(self, spans: list, waits: list | None) -> dict:
+        """The pipeline runner's entry: a step's lane figures (`account_step`)."""
+        return account_step(spans, waits)
+
     def wait(self, work, kind: str = "f:trip", posted: float | None = None) -> None:
         """Wait for an async EP call; the blocked interval goes to the recording, if any."""
         waits, t0 = self.waits, time.perf_counter()
@@ -90,7 +99,8 @@ class _ThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
     intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
     (the trainer's SavedActivations meter on logged steps) and the dispatch modes (its step-peak meter, which
-    counts every op's output). Autocast is entered by the runner's forward itself (pp/schedules.py `_StageRunner.forward`)."""
+    counts every op's output). Autocast is entered by the runner's forward itself
+    (pp/runner.py `StageRunner.forward`)."""
 
     def __init__(self):
         self.grad = torch.is_grad_enabled()
@@ -118,12 +128,13 @@ def two_lanes(run, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool
               join_timeout_s: float = 60.0, least: int = 2, schedule: str = "1f1b", V: int = 1) -> None:
     """Any schedule (and, at pp == 1, plain gradient accumulation) in two lanes: a thread runs the stage's forwards
     in the schedule's order, this thread its backwards (and zb1's W's) in the schedule's order (`lane_orders`).
-    `run` is the schedule's runner (pp/schedules.py `_StageRunner`): its forward / backward / backward_input / weights_until.
+    `run` is the schedule's runner (pp/runner.py `StageRunner`; zb1's split stages a `SplitRunner`): its forward /
+    backward / backward_input / weights_until.
     With L = `lane_window`, the k-th forward starts once the (k-L)-th backward is done, and a backward once its
     own forward is: so 1F1B's steady F(w+j) runs beside its B(j) (F(j+1) beside B(j) on the last stage and at
     pp == 1), interleaved's steady chunk-forward beside its chunk-backward likewise, and a stage holds at most L
     (chunk-)microbatches (the schedule's own count, but 2 on 1F1B's last stage). gpipe: L = M, every forward
-    first (its definition); its backwards still fill their all-to-alls (`_StageRunner.backward`).
+    first (its definition); its backwards still fill their all-to-alls (pp/runner.py `FillRunner`).
 
     P2P: each lane owns one direction of each neighbour pair, on its own PP group: the forward lane sends its
     output to the next rank and receives its next input from the previous one (PP group "pp"), the backward lane

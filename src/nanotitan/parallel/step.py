@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import collectives as comm
+from .ep import lanes_of
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
@@ -79,7 +80,7 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
     stats = pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
                                       schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
                                       before_backward=shard.sync.prepare, autocast=forward_ctx,
-                                      ep_lanes=shard.ep_lanes)
+                                      ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
     return stats
 
 

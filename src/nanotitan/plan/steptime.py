@@ -112,7 +112,7 @@ def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpair
     zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
     c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link, carrying one
     call at a time). c_w: the part of c_b that is weight-gradient GEMMs the backward lane runs while its own trips
-    travel (pp/schedules.py `_StageRunner.backward`'s fill; on zb1's split stages the W due after it), so a backward
+    travel (pp/runner.py `FillRunner`'s fill; on zb1's split stages the W due after it), so a backward
     alone exposes only max(w_b - c_w, 0). A lane cannot compute while it waits for its own trip, the two lanes share
     the rank's compute, and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b,
     w_f + w_b, c_f + w_f, c_b + max(w_b - c_w, 0)); the model takes that bound (the lanes interleave layer by

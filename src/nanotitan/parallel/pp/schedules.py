@@ -1,8 +1,10 @@
 """Pipeline parallelism: one training step's forwards and backwards over M microbatches (GPipe, 1F1B,
 interleaved 1F1B, zero-bubble ZB-H1).
 
-Each rank holds one stage (`Transformer(cfg.model, build_chunk_specs(cfg, pp_rank, ep_rank)[0], seed)`), or under
-the interleaved schedule V model chunks (`StageChunks`, pp/chunks.py): global chunk c = v*PP + pp_rank.
+Each rank holds one stage (a Transformer), or under the interleaved schedule V model chunks (`StageChunks`,
+pp/chunks.py): global chunk c = v*PP + pp_rank, both built by parallel/build.py `build_stage` from
+`build_chunk_specs(cfg, pp_rank, ep_rank)`. The runner of one microbatch's F / B / W is pp/runner.py's (a type per
+way a backward runs); the shard hands in its EP lanes (`Lanes`), so nothing here imports EP.
 The first chunk takes token microbatches `(m, S)`, later ones receive hidden states `(m, S, D)` from the
 previous chunk and send the gradient of that input back (pp/comms.py). The last chunk computes the loss.
 Per microbatch, the objective a chunk backpropagates is
@@ -54,23 +56,43 @@ import collections
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Literal
+from typing import Callable, ContextManager, Literal, Protocol
 
 import torch
 
-from ...model.wgrad import WeightGradStore, attach
-from .. import ep, lanes
 from ..dims import ParallelDims
-from ..lanes import EPLanes
 from .comms import StageComms
 from .facts import (SCHEDULES, in_flight, interleaved_chunk, interleaved_microbatch, lane_orders, lane_window,
                        theoretical_bubble, virtual_stages, warmup)
+from .runner import Filler, FillRunner, SplitRunner, StageRunner, run_weights
 
-__all__ = ["SCHEDULES", "StepStats", "in_flight", "interleaved_chunk", "interleaved_microbatch", "lane_orders",
-           "lane_window", "pipeline_forward", "pipeline_forward_backward", "run_weights", "stage_chunks",
+__all__ = ["SCHEDULES", "Lanes", "RunOptions", "StepStats", "in_flight", "interleaved_chunk", "interleaved_microbatch",
+           "lane_orders", "lane_window", "pipeline_forward", "pipeline_forward_backward", "run_weights", "stage_chunks",
            "theoretical_bubble", "virtual_stages", "warmup"]  # the facts: pp/facts.py's, re-exported
 
-run_weights = WeightGradStore.run  # zb1's W: one microbatch's deferred weight-gradient GEMMs (tests count in it)
+
+
+class Lanes(Filler, Protocol):
+    """What the shard hands in to run a step in two lanes: its EP dispatchers' shared lanes (parallel/lanes.py
+    EPLanes), which fill backwards (`filling`), record EP waits (`recording`), drive the schedule in two lanes
+    (`run_schedule`) and sum a step's figures (`account`)."""
+
+    def recording(self, on: bool = True) -> ContextManager: ...
+
+    def run_schedule(self, run: StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool,
+                     backward_group, least: int, schedule: str, V: int) -> None: ...
+
+    def account(self, spans: list, waits: list | None) -> dict: ...
+
+
+@dataclass
+class RunOptions:
+    """pipeline_forward_backward's knobs that only the benches and tests turn."""
+    timeline: list | None = None  # receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
+    #                               and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds)
+    lanes_fill: bool = True  # with lanes: each backward's weight GEMMs fill its all-to-alls (FillRunner);
+    #                          False: plain autograd (the bench's comparison)
+    lanes_window: int = 2  # with lanes: the least window L of lanes.py `lane_window`
 
 
 @dataclass
@@ -97,161 +119,7 @@ class StepStats:
         return self.p2p_wait_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-class _StageRunner:
-    """Forward/backward of one microbatch on one of this rank's chunks, keeping what the backward needs."""
-
-    def __init__(self, chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, device, autocast,
-                 split=False, timeline=None, fill=False, ep_lanes: EPLanes | None = None):
-        self.chunks, self.comms, self.autocast = chunks, comms, autocast
-        V = len(chunks)
-        # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
-        self.first = [dims.is_pp_first_stage and v == 0 for v in range(V)]
-        self.last = [dims.is_pp_last_stage and v == V - 1 for v in range(V)]
-        self.xs, self.ys, self.device = xs, ys, device
-        self.aux_weight, self.loss_scale = aux_weight, loss_scale
-        self.before_backward = before_backward
-        self.split, self.timeline = split, timeline
-        self.pending: dict[tuple[int, int], tuple] = {}  # (chunk, microbatch) -> what its backward needs
-        self.weights: dict[int, tuple] = {}  # zb1: microbatch -> (its deferred W, the P2P buffers W may read)
-        # zb1: B defers every weight gradient into this store (model/wgrad.py); W runs them. Attached to the chunk
-        # for this step only, so every other schedule (and evaluation) runs plain autograd.
-        # fill (parallel.ep_overlap_microbatches, not zb1's split stages): each backward defers its weight-gradient
-        # GEMMs into the store too, and runs them while its own EP all-to-alls travel (`ep_lanes`, the EP dispatchers'
-        # lanes.EPLanes: its `filling`), the rest at its end: every term still lands within the same backward, in the
-        # order produced.
-        # zb1's split stages (split): B defers every weight gradient to W anyway; with the fill, the W's due after
-        # B(j) run while B(j)'s own all-to-alls travel (`backward_input(due=)`) instead of only during its send.
-        self.fill, self.fill_split = fill and not split, fill and split
-        self.ep_lanes = ep_lanes
-        # zb1's split stages accumulate W's GEMMs straight into .grad (wgrad.GemmTerm: equal up to reassociation);
-        # the fill stays bitwise plain autograd's, as its twin-without-lanes tests require.
-        self.store = WeightGradStore(fuse=split) if split or self.fill else None
-        if self.store is not None:
-            for chunk in chunks:
-                attach(chunk, self.store)
-        self.w_done = 0  # zb1: W's run so far (in microbatch order)
-        self.n_weights = len(xs)
-        self.training = True  # False: forwards only (evaluation), nothing kept for a backward
-        self.ce_sum = None
-        self.aux_sum = None
-        self.mtp_sum = None
-        self.max_in_flight = 0
-        self.spans: list[tuple[str, float, float]] = []  # ("F"/"B"/"W", start, end) of every computation
-
-    def close(self) -> None:
-        if self.store is not None:
-            for chunk in self.chunks:
-                attach(chunk, None)
-
-    def _event(self, kind: str, v: int, i: int, t0: float) -> None:
-        t1 = time.perf_counter()
-        self.spans.append((kind, t0, t1))  # list.append: atomic across the two lanes
-        if self.timeline is not None:
-            self.timeline.append((kind, v, i, t0, t1))
-
-    def in_flight(self) -> int:
-        return len(self.pending) + len(self.weights)
-
-    def forward(self, v: int, i: int, recv_buf: torch.Tensor | None) -> torch.Tensor | None:
-        """Run microbatch i through chunk v; returns the activation to send on (None on the last chunk)."""
-        t0 = time.perf_counter()
-        first, last = self.first[v], self.last[v]
-        if first:
-            inp = self.xs[i].to(self.device, non_blocking=True)
-        else:
-            # A leaf on the pooled buffer: its .grad goes back. A bf16 wire is widened to fp32 (a copy) so the
-            # residual stream stays fp32 as in one process; the gradient is narrowed again when sent back.
-            inp = recv_buf.detach().float().requires_grad_(self.training)
-        targets = self.ys[i].to(self.device, non_blocking=True) if last else None
-        with self.autocast():  # mixed precision for the forward only; backward runs outside it
-            out, aux, *mtp = self.chunks[v](inp, targets)  # mtp: [its weighted loss] where the MTP modules run
-        self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
-        # aux is a constant zero when the chunk has no MoE layer: nothing to backpropagate.
-        aux_term = self.loss_scale * self.aux_weight * aux if aux.requires_grad and self.aux_weight else None
-        if not self.training:
-            if last:
-                self.ce_sum = out if self.ce_sum is None else self.ce_sum + out
-            self.comms.release(recv_buf)  # no graph holds it
-            self._event("F", v, i, t0)
-            return None if last else out
-        if last:
-            self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
-            if mtp:  # multi-token prediction (model/mtp.py): a term of the last chunk's objective, summed like ce
-                self.mtp_sum = mtp[0].detach() if self.mtp_sum is None else self.mtp_sum + mtp[0].detach()
-                out = out + mtp[0]
-            loss = self.loss_scale * out if aux_term is None else self.loss_scale * out + aux_term
-            state, send = (recv_buf, inp, [loss], [None]), None
-        else:
-            outs, grads = ([out], [None]) if aux_term is None else ([out, aux_term], [None, None])
-            state, send = (recv_buf, inp, outs, grads), out
-        self.pending[v, i] = state
-        self.max_in_flight = max(self.max_in_flight, self.in_flight())
-        self._event("F", v, i, t0)
-        return send
-
-    def _take(self, v: int, i: int, grad_buf: torch.Tensor | None):
-        recv_buf, inp, outs, grads = self.pending.pop((v, i))
-        if not self.last[v]:
-            grads[0] = grad_buf.to(outs[0].dtype)
-        return recv_buf, inp, outs, grads
-
-    def backward(self, v: int, i: int, grad_buf: torch.Tensor | None, is_last: bool) -> torch.Tensor | None:
-        """Backward of microbatch i through chunk v given its output gradient; returns the input gradient to send."""
-        t0 = time.perf_counter()
-        recv_buf, inp, outs, grads = self._take(v, i, grad_buf)
-        if self.before_backward is not None:
-            self.before_backward(is_last)
-        if self.fill:
-            with self.store.deferring(), self.ep_lanes.filling(self._drain):
-                torch.autograd.backward(outs, grads)
-            self._drain()  # what no all-to-all was left to hide (the blocks below the first MoE layer's dispatch)
-        else:
-            torch.autograd.backward(outs, grads)
-        grad_in = None if self.first[v] else inp.grad
-        # The graph is freed, so nothing reads these buffers any more: reuse them.
-        self.comms.release(recv_buf)
-        self.comms.release(grad_buf)
-        self._event("B", v, i, t0)
-        return grad_in
-
-    def _drain(self) -> None:
-        """fill: run the weight-gradient GEMMs deferred so far, in the order their backward produced them."""
-        run_weights(self.store.take())
-
-    def backward_input(self, i: int, grad_buf: torch.Tensor | None, due: int = 0) -> torch.Tensor | None:
-        """zb1's B of microbatch i (one chunk): one autograd backward that computes the input gradient and defers
-        every weight-gradient GEMM (and every other parameter's gradient) into the store; its W waits in
-        self.weights. No .grad changes, so the gradient syncs see nothing until W.
-        due (fill_split): the W's of microbatches before `due` are due after this B; each of its EP all-to-alls
-        runs the next of them while it travels. W's still run one whole W at a time, in microbatch order, and B's
-        own terms stay queued in the store: every .grad sees the same terms in the same order."""
-        t0 = time.perf_counter()
-        recv_buf, inp, outs, grads = self._take(0, i, grad_buf)
-        fill = self.fill_split and self.w_done < min(due, self.n_weights)
-        with self.store.deferring(), self.ep_lanes.filling(lambda: self.weights_until(min(self.w_done + 1, due))) \
-                if fill else contextlib.nullcontext():
-            torch.autograd.backward(outs, grads)
-        # The received input and output gradient stay until W: a deferred GEMM may read either (the received
-        # activation is the first norm's input; the output gradient passes the residual adds unchanged).
-        self.weights[i] = (self.store.take(), [recv_buf, grad_buf])
-        self._event("B", 0, i, t0)
-        return None if self.first[0] else inp.grad
-
-    def weights_until(self, n: int) -> None:
-        """zb1: run the deferred W's of microbatches w_done .. n-1, in order."""
-        while self.w_done < min(n, self.n_weights):
-            i, t0 = self.w_done, time.perf_counter()
-            work, buffers = self.weights.pop(i)
-            if self.before_backward is not None:
-                self.before_backward(i == self.n_weights - 1)  # the final W delivers every param's last term
-            run_weights(work)  # each term lands through its gradient sync's sink (dp.py, zero.py): ready counted
-            for buf in buffers:
-                self.comms.release(buf)
-            self.w_done += 1
-            self._event("W", 0, i, t0)
-
-
-def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
+def _gpipe(run: StageRunner, comms: StageComms, M: int) -> None:
     for i in range(M):
         out = run.forward(0, i, comms.recv_forward())
         comms.send_forward(out)
@@ -260,7 +128,7 @@ def _gpipe(run: _StageRunner, comms: StageComms, M: int) -> None:
         comms.send_backward(grad_in)
 
 
-def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False) -> None:
+def _one_f_one_b(run: StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, split: bool = False) -> None:
     """1F1B; with `split`, ZB-H1 (zb1 on the stages after the first): the same F and B (and P2P), each backward
     only B, and each W deferred until pp_rank later B's have run, then run while the B's input gradient is on its
     way (the cooldown's idle time on the early stages)."""
@@ -298,7 +166,7 @@ def _one_f_one_b(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank:
         run.weights_until(M)  # the last pp_rank W's: nothing left to overlap with
 
 
-def _interleaved(run: _StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, V: int,
+def _interleaved(run: StageRunner, comms: StageComms, M: int, pp: int, pp_rank: int, V: int,
                  forward_only: bool = False) -> None:
     """Megatron-LM's interleaved 1F1B (`forward_backward_pipelining_with_interleaving` with overlap_p2p_comm),
     step for step: the same chunk order, warmup, and send/receive flags, so every exchange on the ring is
@@ -414,10 +282,8 @@ def pipeline_forward_backward(
     loss_scale: float,
     before_backward: Callable[[bool], None] | None,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-    timeline: list | None = None,
-    ep_lanes: bool = False,
-    ep_lanes_fill: bool = True,
-    ep_lanes_window: int = 2,
+    ep_lanes: Lanes | None = None,
+    options: RunOptions | None = None,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -430,46 +296,65 @@ def pipeline_forward_backward(
     (the DP reducer starts its gradient communication then; under interleaved the final backward is chunk
     0's, so the other chunks' buckets are reduced by the reducer's finish()). `autocast()` is entered around
     each microbatch's forward (bf16 mixed precision), never around a backward. Every rank of the step calls
-    this. `timeline`, when given, receives (kind "F"/"B"/"W", chunk, microbatch, start, end) per computation
-    and ("wait", -1, -1, start, end) per blocked P2P call (perf_counter seconds).
-    ep_lanes (parallel.ep_overlap_microbatches; any schedule): the forwards and backwards in two lanes
-    (lanes.py `two_lanes`); the model's MoE layers must have been given their backward EP groups
-    (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group (dims.build_backward_ep_groups).
-    ep_lanes_fill (with ep_lanes; not zb1's split stages, whose W's have their own place): each backward's
-    weight-gradient GEMMs run while its EP all-to-alls travel (`_StageRunner.backward`); False: plain autograd
-    (the bench's comparison).
+    this.
+    ep_lanes (parallel.ep_overlap_microbatches; any schedule): the shard's EP lanes (ep.py `lanes_of`), handed in
+    to run the forwards and backwards in two lanes (lanes.py `two_lanes`); the model's MoE layers must have been
+    given their backward EP groups (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group
+    (dims.build_backward_ep_groups). None: one lane.
+    options: the benches' knobs (RunOptions: a timeline, the lanes' fill and window).
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
+    options = options or RunOptions()
     M, chunks = len(xs), stage_chunks(model)
     _check_step(dims, M, len(ys), schedule, len(chunks))
     t0 = time.perf_counter()
     comms.reset_wait()
-    comms.timeline = timeline
+    comms.timeline = options.timeline
     # zb1's first stage sends no input gradient, so nothing waits for its B, and it defers no W (pp_rank 0): each W
     # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
-    shared = ep.lanes_of(model) if ep_lanes else None  # what the EP dispatchers share with the lanes (lanes.py)
-    run = _StageRunner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, comms.device, autocast,
-                       split=split, timeline=timeline, fill=ep_lanes and ep_lanes_fill and M > 1, ep_lanes=shared)
+    run = _runner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, autocast, split, ep_lanes,
+                  options)
     try:
         # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does
         # not: its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
-        with shared.recording() if ep_lanes else contextlib.nullcontext() as ep_waits:
-            if ep_lanes and M > 1:  # a forward beside a backward, two lanes
-                lanes.two_lanes(run, comms, M, dims.pp, dims.pp_rank, split, dims.group("pp_backward"),
-                                least=ep_lanes_window, schedule=schedule, V=len(chunks))
+        with ep_lanes.recording() if ep_lanes is not None else contextlib.nullcontext() as ep_waits:
+            if ep_lanes is not None and M > 1:  # a forward beside a backward, two lanes
+                ep_lanes.run_schedule(run, comms, M, dims.pp, dims.pp_rank, split, dims.group("pp_backward"),
+                                      options.lanes_window, schedule, len(chunks))
             else:
                 _one_lane(run, comms, dims, M, schedule, split, len(chunks))
     finally:
         run.close()
         comms.timeline = None
-    assert not run.pending and not run.weights, f"microbatches {sorted(run.pending)} never ran their backward"
+    assert run.done(), f"microbatches {sorted(run.pending)} never ran their backward"
 
     wall = time.perf_counter() - t0
     wait = comms.reset_wait()
-    figures = lanes.account_step(run.spans, ep_waits) if ep_lanes else {}
+    figures = ep_lanes.account(run.spans, ep_waits) if ep_lanes is not None else {}
     return StepStats(ce_sum=run.ce_sum, aux_sum=run.aux_sum, wall_s=wall, p2p_wait_s=wait, compute_s=wall - wait,
                      max_in_flight=run.max_in_flight, mtp_sum=run.mtp_sum, **figures)
+
+
+def _runner(chunks, dims: ParallelDims, comms: StageComms, xs, ys, aux_weight: float, loss_scale: float,
+            before_backward, autocast, split: bool, ep_lanes: Lanes | None, options: RunOptions) -> StageRunner:
+    """The runner type of this step: zb1's split stages defer W (with the lanes' fill: during B's all-to-alls),
+    the lanes' fill defers each backward's weight GEMMs into its own all-to-alls, else plain autograd."""
+    args = (chunks, *_ends(dims, len(chunks)), comms, xs, ys, aux_weight, loss_scale, before_backward, autocast,
+            options.timeline)
+    filler = ep_lanes if ep_lanes is not None and options.lanes_fill and len(xs) > 1 else None
+    if split:
+        return SplitRunner(*args, filler=filler)
+    if filler is not None:
+        return FillRunner(*args, filler=filler)
+    return StageRunner(*args)
+
+
+def _ends(dims: ParallelDims, V: int) -> tuple[list[bool], list[bool]]:
+    """Per chunk: is it the global first (reads tokens: chunk 0 of the first rank) / last (reads the targets:
+    chunk V-1 of the last rank)."""
+    return ([dims.is_pp_first_stage and v == 0 for v in range(V)],
+            [dims.is_pp_last_stage and v == V - 1 for v in range(V)])
 
 
 def _check_step(dims: ParallelDims, M: int, n_targets: int, schedule: str, V: int) -> None:
@@ -488,7 +373,7 @@ def _check_step(dims: ParallelDims, M: int, n_targets: int, schedule: str, V: in
                          f"parallel.pp={dims.pp} (--parallel.microbatches)")
 
 
-def _one_lane(run: _StageRunner, comms: StageComms, dims: ParallelDims, M: int, schedule: str, split: bool,
+def _one_lane(run: StageRunner, comms: StageComms, dims: ParallelDims, M: int, schedule: str, split: bool,
               V: int) -> None:
     """The schedule, one computation at a time."""
     if dims.pp == 1:  # plain gradient accumulation, whatever the schedule
@@ -516,7 +401,7 @@ def pipeline_forward(
     device = comms.device
     chunks = stage_chunks(model)
     if len(chunks) > 1:  # the interleaved schedule's order, forwards only
-        run = _StageRunner(chunks, dims, comms, xs, ys, 0.0, 1.0, None, device, contextlib.nullcontext)
+        run = StageRunner(chunks, *_ends(dims, len(chunks)), comms, xs, ys, 0.0, 1.0, None)
         run.training = False
         _interleaved(run, comms, len(xs), dims.pp, dims.pp_rank, len(chunks), forward_only=True)
         comms.reset_wait()
