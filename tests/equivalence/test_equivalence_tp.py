@@ -175,6 +175,12 @@ def test_capacity_ranking_across_tp_shards():
     (weight, id) pairs is played here by the pairs of every rank (checked to be what each rank sends). Ties of
     weight (one column equal) go to the lower token index across ranks, as in one process."""
     from nanotitan.model.moe import MoE, capacity_keep
+    from nanotitan.parallel.tp import TPShard
+
+    class Played(TPShard):  # rank r's token shard, its all-gather played by every rank's pairs
+        def gather(self, t, dim):
+            assert dim == 1 and torch.equal(t, pairs[:, self.rank * shard:(self.rank + 1) * shard]), "what a rank sends"
+            return pairs
 
     g = torch.Generator().manual_seed(0)
     B, S, K, E, n, cf = 3, 8, 2, 4, 4, 0.75
@@ -192,13 +198,8 @@ def test_capacity_ranking_across_tp_shards():
         pairs[:, :whole] = torch.stack([w, ids.float()], -1)
         for r in range(n):
             own = min(shard, max(0, whole - r * shard))
-            moe = MoE(8, 8, E, K, True, 0, E, capacity_factor=cf)
-            moe.token_shards, moe.token_rank, moe.seq_tail = n, r, tail
-
-            def gather(t, r=r):
-                assert torch.equal(t, pairs[:, r * shard:(r + 1) * shard]), "what a rank sends"
-                return pairs
-            moe.token_gather = gather
+            moe = MoE(8, 8, E, K, True, 0, E, capacity_factor=cf, tokens=Played(None, r, n, True))
+            moe.seq_tail = tail
             part = slice(r * shard, r * shard + own)
             got = moe._capacity_keep(ids[:, part].reshape(-1, K), w[:, part].reshape(-1, K), B, own, whole)
             assert torch.equal(got, want[:, part].reshape(-1, K)), (tail, r)

@@ -44,7 +44,7 @@ def test_bytes_per_rank_fall_with_tp():
     over TP) and every split weight fall by N; only the norms and the router (replicated, under 1%) do not."""
     from nanotitan.model.spec import build_chunk_specs
     from nanotitan.model.transformer import Transformer
-    from nanotitan.parallel.tp import apply_tp
+    from nanotitan.parallel.tp import apply_tp, tp_shard
 
     sizes = {}
     for tp in (1, 2, 4):
@@ -52,8 +52,9 @@ def test_bytes_per_rank_fall_with_tp():
                                  "--model.vocab_size", "512", "--data.vocab_size", "512", "--parallel.tp", str(tp)])
         for rank in range(tp):
             dims = ParallelDims(1, 1, 1, rank=rank, tp=tp)
-            model = Transformer(cfg.model, build_chunk_specs(cfg, 0, dims.moe_ep_rank)[0], seed=0)
-            apply_tp(model, dims, sp=True)
+            model = Transformer(cfg.model, build_chunk_specs(cfg, 0, dims.moe_ep_rank)[0], seed=0,
+                                tokens=tp_shard(dims, sp=True))
+            apply_tp(model)
             sizes[tp, rank] = sum(p.numel() for p in model.parameters())
     assert all(sizes[tp, r] == sizes[tp, 0] for tp in (2, 4) for r in range(tp))
     for tp in (2, 4):

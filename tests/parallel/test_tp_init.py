@@ -30,7 +30,7 @@ from nanotitan.model.transformer import Transformer, is_expert_param
 from nanotitan.parallel.build import build_stage
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.pp.chunks import StageChunks
-from nanotitan.parallel.tp import apply_tp, is_tp_partial, tp_part, tp_shard_dim
+from nanotitan.parallel.tp import apply_tp, is_tp_partial, tp_part, tp_shard, tp_shard_dim
 
 CPU = torch.device("cpu")
 BASE = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "2",
@@ -67,9 +67,10 @@ def _ranks(cfg):
 def _whole_then_sliced(cfg, dims):
     """The build before parallel/build.py: every chunk whole and initialised, then sliced by apply_tp."""
     specs = build_chunk_specs(cfg, dims.pp_rank, dims.moe_ep_rank)
-    chunks = [Transformer(cfg.model, s, seed=cfg.train.seed) for s in specs]
+    tokens = tp_shard(dims, cfg.parallel.sp)
+    chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, tokens=tokens) for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
-    apply_tp(model, dims, cfg.parallel.sp)
+    apply_tp(model)
     return model
 
 

@@ -37,7 +37,7 @@ from ..config.hardware import get_hardware
 from ..parallel.comm import emulate
 from ..observe.runs import run_results
 from ..parallel.dims import ParallelDims
-from ..parallel.tp import apply_tp
+from ..parallel.tp import apply_tp, tp_shard
 from ..run.spawn import run_ranks
 
 PARTS = ("torch", "sp", "layouts")
@@ -153,8 +153,8 @@ def _side_by_side(rank: int, world: int, m: ModelConfig, vocab: int, B: int, S: 
     tgt = torch.randint(0, vocab, (B, S))
     ours = {}
     for sp in (True, False):
-        model = Transformer(m)
-        apply_tp(model, dims, sp)
+        model = Transformer(m, tokens=tp_shard(dims, sp))
+        apply_tp(model)
         ours[sp] = model
     ref = torch_tp(PlainGPT(m, vocab), mesh, sp=True)
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import wgrad
+from .tokens import TokenShard
 from .wgrad import Linear
 
 
@@ -204,14 +205,6 @@ class MoE(nn.Module):
     lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
     """
     lane_local_router_state: bool = False
-    # Tensor parallel (parallel/tp.py): this rank (token_rank of token_shards) routes its shard of each sequence,
-    # positions [token_rank*S, (token_rank+1)*S); token_sum(t) sums t over the ranks holding the rest (gradient
-    # straight through), so the balance loss, the z-loss and the counts are the whole microbatch's; token_gather(t)
-    # concatenates the ranks' (B, S, ..) t along the sequence (no gradient: capacity's ranking).
-    token_sum = None
-    token_gather = None
-    token_shards: int = 1
-    token_rank: int = 0
     # MTP depth k's block (model/mtp.py) runs on every position; the last seq_tail = k of each whole sequence have
     # no target: they are never routed, nor counted in any statistic, as if the block ran on S - k positions.
     seq_tail: int = 0
@@ -220,8 +213,15 @@ class MoE(nn.Module):
                  expert_start: int, expert_end: int, *, shared_ffn_dim: int = 0, shared_gate: bool = False,
                  score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
                  aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
-                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1, experts_impl: str = "loop"):
+                 capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1, experts_impl: str = "loop",
+                 tokens: TokenShard | None = None):
         super().__init__()
+        # The token ranks (tensor parallel, model/tokens.py): this rank routes its `runs` of each sequence's
+        # positions; tokens.sum(t) sums t over the ranks holding the rest (gradient straight through), so the
+        # balance loss, the z-loss and the counts are the whole microbatch's; tokens.gather(t, 1) concatenates the
+        # ranks' (B, S, ..) t in sequence order (no gradient: capacity's ranking). None: every token is here.
+        self.tokens = tokens
+        self.token_shards = 1 if tokens is None else tokens.size
         assert score in ("softmax", "sigmoid") and aux_scope in ("micro", "sequence"), (score, aux_scope)
         self.score, self.routed_scale, self.bias_update_rate = score, routed_scale, bias_update_rate
         self.aux_coef, self.aux_scope, self.z_loss_coef = aux_coef, aux_scope, z_loss_coef
@@ -288,7 +288,7 @@ class MoE(nn.Module):
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
         counts_E = expert_counts(expert_ids_TK, E)  # bincount without its host read on CUDA
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.token_sum is not None:  # TP: the whole microbatch's (or sequence's) counts and mean probabilities
+        if self.tokens is not None:  # the whole microbatch's (or sequence's) counts and mean probabilities
             balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S, whole)
         elif self.aux_scope == "micro":
             f_E = counts_E.to(probs_TE.dtype) / (T * K)
@@ -299,7 +299,7 @@ class MoE(nn.Module):
             balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
             z_TE = logits_TE.logsumexp(dim=-1).square()  # ST-MoE: keeps router logits small
-            z_loss = z_TE.mean() if self.token_sum is None else self.token_sum(z_TE.sum()) / (B * whole)
+            z_loss = z_TE.mean() if self.tokens is None else self.tokens.sum(z_TE.sum()) / (B * whole)
         # 0 + x and 1 * x would be x: no op for the default coefficients (aux_coef 1, z_loss_coef 0)
         aux = (balance if self.aux_coef == 1.0 else self.aux_coef * balance) if self.aux_coef \
             else logits_TE.new_zeros(())
@@ -334,17 +334,16 @@ class MoE(nn.Module):
 
     def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int, whole: int):
         """route's balance loss when this rank holds S of the `whole` positions of each sequence (tensor parallel):
-        the same sums over the TP group's tokens (`token_sum`), divided by the whole counts. Returns it and the
-        counts."""
-        E, K = self.num_experts, self.top_k
-        counts_E = self.token_sum(counts_E)
+        the same sums over the token ranks (`tokens.sum`), divided by the whole counts. Returns it and the counts."""
+        E, K, total = self.num_experts, self.top_k, self.tokens.sum
+        counts_E = total(counts_E)
         if self.aux_scope == "micro":
             nT = B * whole
-            p_E = self.token_sum(probs_TE.sum(dim=0)) / nT
+            p_E = total(probs_TE.sum(dim=0)) / nT
             return E * (counts_E.to(probs_TE.dtype) / (nT * K) * p_E).sum(), counts_E
         hits_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), probs_TE.new_ones(B, S * K))
-        f_BE = self.token_sum(hits_BE) / (whole * K)
-        p_BE = self.token_sum(probs_TE.view(B, S, E).sum(dim=1)) / whole
+        f_BE = total(hits_BE) / (whole * K)
+        p_BE = total(probs_TE.view(B, S, E).sum(dim=1)) / whole
         return E * (f_BE * p_BE).sum(dim=1).mean(), counts_E
 
     def _capacity_keep(self, expert_ids_TK, weights_TK, B: int, S: int, whole: int) -> torch.Tensor:
@@ -354,16 +353,16 @@ class MoE(nn.Module):
         expert", puts them in one process's token order; every rank ranks them all and keeps its own."""
         E, K = self.num_experts, self.top_k
         capacity = math.ceil(self.capacity_factor * B * whole * K / E)
-        if self.token_gather is None:
+        if self.tokens is None:
             return capacity_keep(expert_ids_TK, weights_TK, E, capacity)
         shard = (whole + self.seq_tail) // self.token_shards  # a rank's positions, routed or not
         pairs = weights_TK.new_zeros(B, shard, K, 2)  # (weight, id): ids < 2^24 are exact in fp32
         pairs[..., 1] = E
         pairs[:, :S] = torch.stack([weights_TK.float(), expert_ids_TK.float()], -1).view(B, S, K, 2)
-        every = self.token_gather(pairs)[:, :whole].reshape(B * whole, K, 2)  # the tail sits past `whole`
+        every = self.tokens.gather(pairs, 1)[:, :whole].reshape(B * whole, K, 2)  # the tail sits past `whole`
         keep = capacity_keep(every[..., 1].long(), every[..., 0], E, capacity).view(B, whole, K)
-        start = self.token_rank * shard
-        return keep[:, start:start + S].reshape(B * S, K)
+        mine = torch.cat([keep[:, s:s + n] for s, n in self.tokens.runs(shard)], 1)  # routed: its first S
+        return mine[:, :S].reshape(B * S, K)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
@@ -377,7 +376,8 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         whole = S * self.token_shards - self.seq_tail
-        own = min(S, max(0, whole - self.token_rank * S))  # routed: a prefix of this shard (seq_tail: the rest)
+        runs = [(0, S)] if self.tokens is None else self.tokens.runs(S)
+        own = sum(min(n, max(0, whole - s)) for s, n in runs)  # routed: a prefix of this shard (seq_tail: the rest)
         r_TD = x_TD if own == S else x_BSD[:, :own].reshape(B * own, D)
         expert_ids_TK, weights_TK, aux = self.route(r_TD, B, own, whole)
         y_TD = self.dispatcher(r_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)

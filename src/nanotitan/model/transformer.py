@@ -31,10 +31,11 @@ from . import wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
 from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids
-from .norm import RMSNorm
+from .norm import RMSNorm, full_norm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
+from .tokens import TokenShard, VocabParallelEmbedding
 
 MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
@@ -53,7 +54,7 @@ def rope_dim(cfg: ModelConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
         super().__init__()
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim, self.qk_norm = H, Hkv, Dh, cfg.qk_norm
@@ -64,7 +65,8 @@ class Attention(nn.Module):
         if cfg.qk_norm == "head":  # Qwen3-MoE: one Dh-wide norm shared by every head
             self.q_norm, self.k_norm = RMSNorm(Dh, cfg.norm_eps), RMSNorm(Dh, cfg.norm_eps)
         elif cfg.qk_norm == "full":  # OLMoE: over the whole q (H*Dh) and k (Hkv*Dh) projections
-            self.q_norm, self.k_norm = RMSNorm(H * Dh, cfg.norm_eps), RMSNorm(Hkv * Dh, cfg.norm_eps)
+            self.q_norm, self.k_norm = full_norm(H * Dh, cfg.norm_eps, tokens, H), \
+                full_norm(Hkv * Dh, cfg.norm_eps, tokens, Hkv)
 
     def forward(self, x, rope):
         B, S, _ = x.shape
@@ -89,12 +91,12 @@ class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (MoE or dense). A pipeline cut may fall between
     the halves (model/spec.py): the block then holds, and runs, only the half its shard owns."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard | None = None):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
             self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.attn = MLA(cfg) if cfg.kv_lora_rank else Attention(cfg)
+            self.attn = MLA(cfg) if cfg.kv_lora_rank else Attention(cfg, tokens)
         self.is_moe = self.has_ffn and is_moe_layer(cfg, layer_idx)
         if self.has_ffn:
             self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -105,7 +107,7 @@ class Block(nn.Module):
                            routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
                            aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
                            capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                           experts_impl=cfg.experts_impl)
+                           experts_impl=cfg.experts_impl, tokens=tokens)
         elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
@@ -129,13 +131,17 @@ class Transformer(nn.Module):
     (model/mtp.py) and returns a third loss term, (ce, aux_sum, mtp): mtp_coef * the MTP loss, which the caller adds
     to its objective as it adds the weighted aux_sum (parallel/pp/schedules.py)."""
 
-    def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True):
+    def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True,
+                 tokens: TokenShard | None = None):
         super().__init__()
         assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
-        self.vocab_ce = None  # set by parallel/tp.py: the head is vocab-parallel, so is the loss
+        # The ranks that share this shard's tokens (tensor parallel: parallel/tp.py), None on one device: the
+        # embedding and the head are then vocab-parallel, and so is the loss.
+        self.tokens = tokens
+        self.vocab_ce = None if tokens is None else tokens.cross_entropy
         self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
@@ -147,12 +153,13 @@ class Transformer(nn.Module):
         # planner prices; bounded, so a run that never logs holds no more)
         self.mb_load: dict[str, collections.deque] = {}
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if tokens is None else \
+                VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tokens)
         if spec.has_pos_embed:
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         # Keys are global layer indices, so parameter names are the same in every layout.
         # The MTP blocks follow, numbered after the last decoder layer as in DeepSeek's checkpoints (model/mtp.py).
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec, tokens)
                                      for i in [*spec.layers, *mtp_layer_ids(cfg, spec.mtp_layers)]})
         self.n_trunk = len(spec.layers)
         if spec.has_head:
@@ -209,7 +216,7 @@ class Transformer(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
     def _embed(self, table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-        if self.wgrad_store is None or hasattr(table, "wgrad_store"):  # a table that taps itself (parallel/tp.py)
+        if self.wgrad_store is None or hasattr(table, "wgrad_store"):  # a table that taps itself (model/tokens.py)
             return table(idx)
         return F.embedding(idx, wgrad.tap(table.weight, self.wgrad_store))  # nn.Embedding's defaults
 
@@ -259,7 +266,7 @@ class Transformer(nn.Module):
             logits = self.head(self.norm(x))
             if targets is None:
                 return logits, aux_sum
-            if self.vocab_ce is not None:  # tensor parallel: the logits stay vocab shards (parallel/tp.py)
+            if self.vocab_ce is not None:  # tensor parallel: the logits stay vocab shards (model/tokens.py)
                 return self.vocab_ce(logits, targets), aux_sum
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))

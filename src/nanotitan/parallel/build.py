@@ -1,7 +1,9 @@
 """A rank's stage chunks, built without ever holding the whole stage (docs/tp.md, "How a rank builds its shard").
 
-    1. build    every chunk on the meta device: shapes only, nothing allocated, nothing initialised
-    2. slice    apply_tp on the meta model: TP-sharded parameters take their rank's shape (tagged `tp_part`)
+    1. build    every chunk on the meta device, handed the token shard (TP: the vocab-parallel embedding, full q/k
+                norms over split heads): shapes only, nothing allocated, nothing initialised
+    2. slice    apply_tp on the meta model: TP-sharded parameters take their rank's shape (tagged with their
+                `grad_layout`, its part (dim, rank, n): parallel/shard.py)
     3. fill     each parameter allocated at its shard's size on the device, then filled, one at a time:
                 init.from_hf reads only its slice (interop/hf.py's load_into_shard), else init by global identity
                 generates the whole parameter and keeps the slice (Transformer.init_param); buffers recomputed
@@ -22,20 +24,21 @@ from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer
 from .dims import ParallelDims
 from .pp.chunks import StageChunks
-from .tp import PART, PARTIAL, SHARD_DIM, apply_tp, tp_part
-
-TAGS = (SHARD_DIM, PART, PARTIAL)  # what apply_tp sets on a parameter
+from .shard import grad_layout, keep_layout
+from .tp import apply_tp, tp_shard
 
 
 def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, device: torch.device,
                 load_weights: Callable[[nn.Module], object] | None = None) -> Transformer | StageChunks:
-    """This rank's chunks (one per virtual stage, joined in a StageChunks when V > 1), TP-sliced, filled on
-    `device`: from init.from_hf when `load_weights` is given (it fills every parameter: a checkpoint that lacks
-    one is refused), else by global identity."""
+    """This rank's chunks (one per virtual stage, joined in a StageChunks when V > 1), built with its token shard
+    (`model.tokens`: parallel/tp.py's `tp_shard`, None at tp = 1), TP-sliced, filled on `device`: from
+    init.from_hf when `load_weights` is given (it fills every parameter: a checkpoint that lacks one is refused),
+    else by global identity."""
+    tokens = tp_shard(dims, cfg.parallel.sp)  # what the model needs from the ranks sharing its tokens
     with torch.device("meta"):
-        chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False) for s in specs]
+        chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False, tokens=tokens) for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
-    apply_tp(model, dims, cfg.parallel.sp)  # shapes only: each TP-sharded parameter becomes its rank's slice
+    apply_tp(model)  # shapes only: each TP-sharded parameter becomes its rank's slice
     for chunk in chunks:
         for module in chunk.modules():  # (StageChunks holds these same modules: it sees the new parameters)
             for name, p in module.named_parameters(recurse=False):
@@ -49,14 +52,12 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
             load_weights(chunk)
         else:
             for name, p in chunk.named_parameters():  # one whole parameter at a time, at most
-                chunk.init_param(name, p, cfg.train.seed, tp_part(p))
+                chunk.init_param(name, p, cfg.train.seed, grad_layout(p).part)
     return model
 
 
 def _allocated(p: nn.Parameter, device: torch.device) -> nn.Parameter:
-    """A meta parameter allocated (uninitialised) on `device`, with its tags (tp_shard_dim, tp_part, tp_partial)."""
+    """A meta parameter allocated (uninitialised) on `device`, lying as it did (its grad_layout)."""
     q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-    for tag in TAGS:  # only these: a fake tensor (`plan --dry-run`) keeps its own device in its __dict__
-        if hasattr(p, tag):
-            setattr(q, tag, getattr(p, tag))
+    keep_layout(p, q)  # only that: a fake tensor (`plan --dry-run`) keeps its own device in its __dict__
     return q

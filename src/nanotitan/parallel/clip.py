@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import collectives as comm
+from .shard import Grad, grad_layout
 
 
 def _sq_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -36,16 +37,17 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group,
-                    shard_params=(), shard_group=None, tp: int = 1, shard_once=()) -> torch.Tensor:
+                    shard_params=(), shard_group=None, token_ranks: int = 1, shard_once=()) -> torch.Tensor:
     """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor).
 
     expert_params / replicated_params: full grads as the Reducer leaves them (summed over EP, counted
     once). shard_params: sharded grads, disjoint over `shard_group` (the non-expert-DP group).
-    Tensor parallel (tp > 1, parallel/tp.py): the EP group spans the TP ranks (experts fold over EP x TP); a
-    replicated param's TP slices (`tp_shard_dim`) add up over TP, one replicated over TP counts once, and so do
-    `shard_once`, shards that are identical over TP (the caller passes `shard_group` = the stage group)."""
+    A token shard (`token_ranks` > 1: TP, parallel/tp.py): the EP group spans its ranks, fastest (experts fold over
+    EP x TP); a replicated param's slices (`Grad.SHARDED`, parallel/shard.py) add up over them, one whole on each
+    counts once, and so do `shard_once`, shards that are identical over them (the caller passes `shard_group` =
+    the stage group)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
-    split = [hasattr(p, "tp_shard_dim") for p in replicated_params]  # parallel/tp.py's tag of a TP slice
+    split = [grad_layout(p).kind is Grad.SHARDED for p in replicated_params]
     rep_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and not s]
     split_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and s]
     shard_grads = [_local(p.grad) for p in shard_params if p.grad is not None]
@@ -55,17 +57,17 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     if ep_group is not None:
         # One scalar all-reduce over EP: every EP rank holds the same replicated grads, so only
         # ep rank 0 contributes them (x + 0 + ... = x exactly); expert shards all add up. (Under TP the group
-        # is EP x TP, tp fastest: the ranks of ep rank 0 are its first tp.)
+        # is EP x TP, the token ranks fastest: the ranks of ep rank 0 are its first token_ranks.)
         if dist.get_rank(ep_group) != 0:
             rep_sq = torch.zeros_like(rep_sq)
-        if dist.get_rank(ep_group) >= tp:
+        if dist.get_rank(ep_group) >= token_ranks:
             split_sq = torch.zeros_like(split_sq)
     total_sq = (rep_sq + split_sq + exp_sq).reshape(1)
     if ep_group is not None:
         comm.all_reduce(total_sq, group=ep_group, axis="other")
     if shard_params or shard_group is not None:  # every rank of the group enters the all-reduce
         shard_sq = _sq_norm(shard_grads, device).reshape(1)
-        if once_grads and (shard_group is None or dist.get_rank(shard_group) % tp == 0):  # tp fastest in the group
+        if once_grads and (shard_group is None or dist.get_rank(shard_group) % token_ranks == 0):  # fastest
             shard_sq = shard_sq + _sq_norm(once_grads, device).reshape(1)
         if shard_group is not None:
             comm.all_reduce(shard_sq, group=shard_group, axis="other")

@@ -179,6 +179,8 @@ class ParallelDims:
                 pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
                 if self.rank in ranks:
                     self.groups[kind] = pg if len(ranks) > 1 else None
+        # without TP the stage's ranks are non-expert-DP's: every layout has a stage group, that one at tp = 1
+        self.groups.setdefault("stage", self.groups.get("non_expert_dp"))
         return self
 
     def build_backward_ep_groups(self, timeout_s: float = 300.0) -> "ParallelDims":

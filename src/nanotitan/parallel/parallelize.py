@@ -1,4 +1,4 @@
-"""This rank's trainable shard: shard spec -> Transformer -> EP -> broadcasts -> gradient sync.
+"""This rank's trainable shard: shard spec -> Transformer (TP-sliced) -> EP -> broadcasts -> gradient sync.
 
     spec      which embeddings, layers and experts this (pp_rank, ep_rank) owns (model/spec.py)
     model     the Transformer built from that spec (TP-sliced on the meta device, then filled: build.py),
@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
+from ..model.tokens import TokenShard
 from ..model.transformer import Transformer, is_expert_param
 from .build import build_stage
 from .compile import compile_blocks
@@ -53,7 +54,7 @@ class ModelShard:
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
     tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
-    sp: bool = False  # tensor parallel with sequence parallel: the residual stream is a sequence shard (tp.py)
+    tokens: TokenShard | None = None  # the ranks sharing this shard's tokens (TP, tp.py), its stream's length
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
@@ -106,7 +107,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
                        replicated_params=[(n, p) for n, p in named if not is_expert_param(n)], ep_lanes=lanes,
-                       sp=dims.tp > 1 and cfg.parallel.sp)
+                       tokens=model.tokens)
 
     # Init by global identity already agrees; the broadcast from each group's first rank is the seed's
     # belt and braces (and what makes a replica that diverged by a bug visible to check_replicas).

@@ -54,8 +54,8 @@ def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device,
     """This stage's P2P endpoints for microbatches shaped like xs[0] (m, S): activations (m, S, D) and their
     gradients travel in the compute dtype (bf16 halves the bytes; each stage's residual stream stays fp32)."""
     m, S = xs[0].shape
-    if shard.dims.tp > 1 and shard.sp:  # sequence parallel: a stage's residual stream is a sequence shard
-        S //= shard.dims.tp
+    if shard.tokens is not None:  # sequence parallel: a stage's residual stream may be a sequence shard
+        S = shard.tokens.stream_len(S)
     act_shape, wire = (m, S, shard.model.cfg.d_model), compute_dtype(dtype)
     key = (act_shape, wire, str(device))
     if key not in shard.comms:

@@ -2,11 +2,13 @@
 
     attention     q/k/v column-wise by heads (each rank computes its H/N heads), o row-wise; GQA with fewer KV
                   heads than ranks replicates them; MLA splits its up-projections by heads (`_mla`); full
-                  q/k norms (OLMoE) all-reduce each token's sum of squares over the heads (`FullNormTP`)
+                  q/k norms (OLMoE) all-reduce each token's sum of squares over the heads (model/norm.py's
+                  `FullNorm`, built by the model when handed the token shard)
     dense FFNs    gate/up column-wise, down row-wise; the shared experts alike, on the tokens of the TP group
-    embedding     vocab-parallel: rows [r*V/N, (r+1)*V/N); a token outside them reads zeros, the sum fills it
+    embedding     vocab-parallel (model/tokens.py): rows [r*V/N, (r+1)*V/N); a token outside them reads zeros,
+                  the sum fills it
     head + loss   vocab-parallel: logits stay (.., V/N); the cross-entropy reduces max, target logit and sum
-                  of exponentials over the group (`VocabParallelCE`): the logits are never gathered
+                  of exponentials over the group (`TPShard.cross_entropy`): the logits are never gathered
     experts       folded onto EP (dims.moe_ep = EP*TP shards, parallel/ep.py): each TP rank routes its own
                   tokens, so no token is sent twice and expert bytes per rank fall with TP as with EP; capacity
                   ranks the whole microbatch's assignments (one all-gather of (weight, id) pairs, model/moe.py)
@@ -16,12 +18,15 @@
                   region all-gathers the sequence on entry and reduce-scatters its partial sums on exit.
                   Without SP the stream is whole on every rank: identity / all-reduce at the regions' edges.
 
-Parameters stay plain tensors, each rank's slice of the full one (tagged `tp_shard_dim`, which the checkpoint
-reads to place it: state/keys.py), so every gradient sync (Reducer, ZeRO, FSDP2) and wgrad's deferred GEMMs
-work unchanged. Parameters replicated over TP whose TP ranks see different tokens or heads (norms under SP,
-q/k head norms, the router, the shared-expert gate) get partial gradients: they are tagged `tp_partial`, and
-the gradient sync sums them over the "stage" group (DP x EP x TP of the stage) instead of non-expert-DP —
-the TP sum commutes with the DP average, so it costs no extra collective (parallel/dp/sync.py: gradient_groups).
+The model reaches the group through one object, `TPShard` (model/tokens.py's `TokenShard`), handed to it when it
+is built (`tp_shard`, parallel/build.py); `apply_tp` then slices the parameters and adds the regions' hooks.
+Parameters stay plain tensors, each rank's slice of the full one, so every gradient sync (Reducer, ZeRO, FSDP2)
+and wgrad's deferred GEMMs work unchanged. Each is tagged with how its gradient lies (parallel/shard.py:
+`grad_layout`): SHARDED (this rank's slice: the checkpoint places it by its part, state/keys.py), WHOLE (the same on
+every TP rank: clipping counts it once), or PARTIAL: replicated over TP but its TP ranks see different tokens or
+heads (norms under SP, q/k head norms, the router, the shared-expert gate), so the gradient sync sums it over the
+"stage" group (DP x EP x TP of the stage) instead of non-expert-DP — the TP sum commutes with the DP average, so
+it costs no extra collective (parallel/dp/sync.py: gradient_groups).
 
 Why not DTensor parameters (torch.distributed.tensor.parallel's parallelize_module): our Reducer and ZeRO bind
 .grad and .data to views of flat buckets, which a DTensor parameter refuses, and `loss_parallel` must wrap the
@@ -33,28 +38,58 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..model import wgrad
-from ..model.norm import RMSNorm
+from ..model.norm import FullNorm
+from ..model.transformer import is_expert_param
 from .comm import collectives as comm
 from .dims import ParallelDims
-
-SHARD_DIM = "tp_shard_dim"  # attribute on a TP-sharded parameter: the dimension it is split along
-PARTIAL = "tp_partial"  # attribute on a TP-replicated parameter whose gradient is a partial sum over TP
-PART = "tp_part"  # attribute on a TP-sharded parameter: (dim, rank, n), which slice of the whole it is
+from .shard import Grad, GradLayout, grad_layout, set_layout
 
 
-class TPGroup:
-    """The TP process group, this rank's place in it, and its size."""
+class TPShard:
+    """The TP group as the model's token shard (model/tokens.py: `TokenShard`): its ranks are both the token ranks
+    (each routes its 1/N of every sequence, positions [rank*S, (rank+1)*S)) and the split ranks (heads, vocab
+    rows); `sp`: the residual stream between the regions is a sequence shard too."""
 
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, sp: bool):
+        self.group, self.rank, self.size, self.sp = group, rank, size, sp
+        self.split_rank, self.split_size = rank, size
+
+    def runs(self, S: int) -> list[tuple[int, int]]:
+        return [(self.rank * S, S)]
+
+    def stream_len(self, S: int) -> int:
+        return S // self.size if self.sp else S
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _SumOverTP.apply(t, self)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _gather(t, self, dim)
+
+    def splits(self, heads: int) -> bool:
+        return heads % self.size == 0
+
+    def split_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _SumEverywhere.apply(t, self)
+
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return _Exit.apply(x, self, 1, self.sp)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Megatron's vocab-parallel CE (`_VocabCE`): the logits are never gathered."""
+        return _VocabCE.apply(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                              self.rank * logits.shape[-1], self)
+
+
+def tp_shard(dims: ParallelDims, sp: bool) -> TPShard | None:
+    """The token shard a model of this rank is built with (Transformer(..., tokens=)): None at tp = 1."""
+    return TPShard(dims.group("tp"), dims.tp_rank, dims.tp, sp) if dims.tp > 1 else None
 
 
 # --- the regions' collectives (autograd functions) ------------------------------------------------------------
 
-def _gather(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, g: TPShard, dim: int) -> torch.Tensor:
     """Every rank's x concatenated along `dim` in rank order."""
     x = x.contiguous()
     out = x.new_empty((g.size, *x.shape))
@@ -62,7 +97,7 @@ def _gather(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
     return torch.cat(out.unbind(0), dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, g: TPShard, dim: int) -> torch.Tensor:
     """The sum over ranks of x, this rank's 1/N slice along `dim`."""
     parts = torch.stack(x.chunk(g.size, dim=dim)).contiguous()  # (N, ..): rank r's slice r-th
     out = parts.new_empty(parts.shape[1:])
@@ -70,11 +105,11 @@ def _reduce_scatter(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
     return out
 
 
-def _own(x: torch.Tensor, g: TPGroup, dim: int) -> torch.Tensor:
+def _own(x: torch.Tensor, g: TPShard, dim: int) -> torch.Tensor:
     return x.chunk(g.size, dim=dim)[g.rank].contiguous()
 
 
-def _all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, g: TPShard) -> torch.Tensor:
     x = x.contiguous().clone()
     comm.all_reduce(x, group=g.group, axis="tp")
     return x
@@ -149,34 +184,7 @@ class _SumEverywhere(torch.autograd.Function):
         return _all_reduce(dy, ctx.g), None
 
 
-class FullNormTP(RMSNorm):
-    """RMSNorm over a projection split by heads over TP (model.qk_norm=full): this rank's columns, normalised by
-    the RMS of the whole row, from one (tokens, 1) all-reduce of the ranks' sums of squares."""
-    tp: TPGroup
-    width: int  # the whole projection's width
-
-    def forward(self, x):
-        w = self.weight if self.wgrad_store is None else wgrad.tap(self.weight, self.wgrad_store)
-        ss = _SumEverywhere.apply(x.float().pow(2).sum(-1, keepdim=True), self.tp)
-        return (x.float() * torch.rsqrt(ss / self.width + self.eps)).to(x.dtype) * w
-
-
-# --- vocab-parallel embedding and cross-entropy -------------------------------------------------------------
-
-class VocabParallelEmbedding(nn.Embedding):
-    """nn.Embedding over rows [vocab_start, vocab_start + V/N) of the table; the group's sum is the lookup."""
-    wgrad_store: wgrad.WeightGradStore | None = None  # deferrable like the plain table (Transformer._embed)
-    tp: TPGroup
-    sp: bool
-    vocab_start: int
-
-    def forward(self, idx):
-        local = idx - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), wgrad.tap(self.weight, self.wgrad_store))
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return _Exit.apply(out, self.tp, 1, self.sp)
-
+# --- vocab-parallel cross-entropy (the embedding is model/tokens.py's VocabParallelEmbedding) ---------------
 
 class _VocabCE(torch.autograd.Function):
     """Mean cross-entropy of (N, V/n) logit shards against (N,) targets (Megatron's vocab-parallel CE)."""
@@ -206,57 +214,46 @@ class _VocabCE(torch.autograd.Function):
         return grad.mul_(dloss / grad.shape[0]), None, None, None
 
 
-class VocabParallelCE:
-    """The loss of a Transformer whose head is vocab-parallel (Transformer.vocab_ce): logits (B, S, V/N)."""
-
-    def __init__(self, tp: TPGroup, vocab_start: int):
-        self.tp, self.vocab_start = tp, vocab_start
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _VocabCE.apply(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                              self.vocab_start, self.tp)
-
-
 # --- the plan -------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def _shard(p: nn.Parameter, dim: int, tp: TPGroup) -> None:
+def _shard(p: nn.Parameter, dim: int, tp: TPShard) -> None:
     """Keep this rank's slice of p along dim: on the meta device, its shape (parallel/build.py then fills it);
     else its values (init by global identity built it whole: the slice is exact)."""
     p.data = p.data.chunk(tp.size, dim=dim)[tp.rank].clone()
-    setattr(p, SHARD_DIM, dim)
-    setattr(p, PART, (dim, tp.rank, tp.size))
+    set_layout(p, GradLayout(Grad.SHARDED, (dim, tp.rank, tp.size)))
 
 
 def _partial(*params) -> None:
     for p in params:
         if p is not None:
-            setattr(p, PARTIAL, True)
+            set_layout(p, GradLayout(Grad.PARTIAL))
 
 
-def _region(module: nn.Module, tp: TPGroup, dim: int, sp: bool) -> None:
+def _region(module: nn.Module, tp: TPShard, dim: int, sp: bool) -> None:
     """Enter the TP region at the module's first input, leave it at its output."""
     module.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, dim, sp), *args[1:]))
     module.register_forward_hook(lambda _m, _args, out: _Exit.apply(out, tp, dim, sp))
 
 
-def _swiglu(mlp: nn.Module, tp: TPGroup, dim: int, sp: bool) -> None:
+def _swiglu(mlp: nn.Module, tp: TPShard, dim: int, sp: bool) -> None:
     _shard(mlp.gate_proj.weight, 0, tp)
     _shard(mlp.up_proj.weight, 0, tp)
     _shard(mlp.down_proj.weight, 1, tp)
     _region(mlp, tp, dim, sp)
 
 
-def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
+def _attention(attn: nn.Module, tp: TPShard) -> None:
     H, Hkv, Dh = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    split_kv = Hkv % tp.size == 0
+    split_kv = tp.splits(Hkv)
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj) if split_kv else (attn.q_proj,):
         for p in (proj.weight, proj.bias):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
             if p is not None:
                 _shard(p, 0, tp)
     full = attn.qk_norm == "full"
-    for norm in ((attn.q_norm, attn.k_norm) if split_kv else (attn.q_norm,)) if full else ():
-        _full_norm(norm, tp)
+    for norm in (attn.q_norm, attn.k_norm) if full else ():
+        if isinstance(norm, FullNorm):  # over a head-split projection (model/norm.py): sliced by heads as the rows
+            _shard(norm.weight, 0, tp)
     if not split_kv:  # GQA with fewer KV heads than ranks: every rank's query heads read one KV head, which it
         kv = tp.rank * (H // tp.size) // (H // Hkv)  # takes from the whole (replicated) projection; its ranks'
         for proj in (attn.k_proj, attn.v_proj):  # gradients are partial sums over TP (zero off its rows)
@@ -268,18 +265,10 @@ def _attention(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
     _shard(attn.o_proj.weight, 1, tp)
     if attn.qk_norm == "head":  # one Dh-wide weight shared by every head: each rank's heads give part of its grad
         _partial(attn.q_norm.weight, attn.k_norm.weight)
-    _region(attn, tp, 1, sp)
+    _region(attn, tp, 1, tp.sp)
 
 
-def _full_norm(norm: nn.Module, tp: TPGroup) -> None:
-    """A full q/k norm (model.qk_norm=full) over a head-split projection: its weight sliced by heads as the rows."""
-    width = norm.weight.shape[0]
-    _shard(norm.weight, 0, tp)
-    norm.__class__ = FullNormTP
-    norm.tp, norm.width = tp, width
-
-
-def _mla(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
+def _mla(attn: nn.Module, tp: TPShard) -> None:
     """MLA (model/mla.py): the head-split up-projections column-wise (q_b, or q without a q latent; kv_b), o
     row-wise. The down-projections to the latents (and their norms, and the shared rope key) stay whole: each
     rank's heads give part of their gradients."""
@@ -289,18 +278,16 @@ def _mla(attn: nn.Module, tp: TPGroup, sp: bool) -> None:
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
         if hasattr(attn, name):
             _partial(getattr(attn, name).weight, getattr(getattr(attn, name), "bias", None))
-    _region(attn, tp, 1, sp)
+    _region(attn, tp, 1, tp.sp)
 
 
-def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
-    """Each rank routes its own tokens (sequence shards; without SP the MoE splits the whole sequence and gathers
-    its output); the shared experts are TP-split on the group's tokens, gathered along the token dim."""
-    if not sp:
+def _moe(moe: nn.Module, tp: TPShard) -> None:
+    """Each rank routes its own tokens (sequence shards, model/moe.py reads them from its token shard; without SP
+    the MoE splits the whole sequence and gathers its output); the shared experts are TP-split on the group's
+    tokens, gathered along the token dim."""
+    if not tp.sp:
         moe.register_forward_pre_hook(lambda _m, args: (_Slice.apply(args[0], tp, 1, False), *args[1:]))
         moe.register_forward_hook(lambda _m, _args, out: (_Slice.apply(out[0], tp, 1, True), out[1]))
-    moe.token_sum = lambda t: _SumOverTP.apply(t, tp)
-    moe.token_gather = lambda t: _gather(t, tp, 1)  # capacity's ranking over the whole microbatch (model/moe.py)
-    moe.token_shards, moe.token_rank = tp.size, tp.rank
     _partial(moe.router.weight)
     if moe.shared_expert is not None:
         _swiglu(moe.shared_expert, tp, 0, True)
@@ -308,55 +295,54 @@ def _moe(moe: nn.Module, tp: TPGroup, sp: bool) -> None:
         _partial(moe.shared_expert_gate.weight)
 
 
-def apply_tp(model: nn.Module, dims: ParallelDims, sp: bool) -> None:
-    """Split every chunk of this rank's stage over the TP group (no-op at tp = 1). Call before the EP dispatcher,
-    the gradient sync and the broadcasts; the model must have been built whole on its TP axis (and its experts
-    for dims.moe_ep_rank), on the meta device (parallelize: parallel/build.py) or initialised."""
-    if dims.tp == 1:
-        return
-    tp = TPGroup(dims.group("tp"), dims.tp_rank, dims.tp)
+def apply_tp(model: nn.Module) -> None:
+    """Split every chunk of this rank's stage over the TP group of the token shard it was built with
+    (`Transformer(..., tokens=tp_shard(dims, sp))`; no-op without one). Call before the EP dispatcher, the
+    gradient sync and the broadcasts; the model must have been built whole on its TP axis (and its experts for
+    dims.moe_ep_rank), on the meta device (parallelize: parallel/build.py) or initialised."""
     for chunk in getattr(model, "chunks", [model]):
-        _apply_chunk(chunk, tp, sp)
+        if chunk.tokens is not None:
+            _apply_chunk(chunk, chunk.tokens)
 
 
-def _apply_chunk(chunk: nn.Module, tp: TPGroup, sp: bool) -> None:
-    if hasattr(chunk, "tok_emb"):
-        emb = chunk.tok_emb
-        _shard(emb.weight, 0, tp)
-        emb.__class__ = VocabParallelEmbedding
-        emb.tp, emb.sp, emb.vocab_start = tp, sp, tp.rank * emb.weight.shape[0]
+def _apply_chunk(chunk: nn.Module, tp: TPShard) -> None:
+    sp = tp.sp
+    if hasattr(chunk, "tok_emb"):  # a VocabParallelEmbedding (model/tokens.py): its rows by rank
+        _shard(chunk.tok_emb.weight, 0, tp)
     if hasattr(chunk, "pos_emb") and sp:
         raise ValueError("model.pos_emb=learned with parallel.sp: --model.pos_emb rope, or --parallel.sp false")
     for block in chunk.layers.values():
         if block.has_attn:
-            (_mla if hasattr(block.attn, "kv_b_proj") else _attention)(block.attn, tp, sp)
+            (_mla if hasattr(block.attn, "kv_b_proj") else _attention)(block.attn, tp)
             if sp:
                 _partial(block.attn_norm.weight)
         if block.has_ffn and sp:
             _partial(block.ffn_norm.weight)
         if block.is_moe:
-            _moe(block.moe, tp, sp)
+            _moe(block.moe, tp)
         elif block.has_ffn:
             _swiglu(block.mlp, tp, 1, sp)
-    for mod in getattr(chunk, "mtp", {}).values():  # eh_proj whole: per token, so SP splits its work anyway
+    for mod in getattr(chunk, "mtp", {}).values():  # eh_proj whole: per token, so SP splits their work anyway
         if sp:  # (model/mtp.py: its block is one of chunk.layers, split above; the embedding and head are shared)
             _partial(mod.enorm.weight, mod.hnorm.weight, mod.eh_proj.weight, mod.shared_head.norm.weight)
-    if hasattr(chunk, "head"):
+    if hasattr(chunk, "head"):  # vocab-parallel: its loss is the token shard's (Transformer.vocab_ce)
         _shard(chunk.head.weight, 0, tp)
         chunk.head.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, 1, sp),))
-        chunk.vocab_ce = VocabParallelCE(tp, tp.rank * chunk.head.weight.shape[0])
         if sp:
             _partial(chunk.norm.weight)
+    for name, p in chunk.named_parameters():  # the rest is whole on every TP rank; experts are EP's (ALONE)
+        if grad_layout(p).kind is Grad.ALONE and not is_expert_param(name):
+            set_layout(p, GradLayout(Grad.WHOLE))
 
 
 def is_tp_partial(p: torch.Tensor) -> bool:
-    return getattr(p, PARTIAL, False)
+    return grad_layout(p).kind is Grad.PARTIAL
 
 
 def tp_shard_dim(p: torch.Tensor) -> int | None:
-    return getattr(p, SHARD_DIM, None)
+    return grad_layout(p).dim
 
 
 def tp_part(p: torch.Tensor) -> tuple[int, int, int] | None:
     """(dim, rank, n) of a TP slice: p is rank's 1/n of the whole tensor along dim; None for a whole one."""
-    return getattr(p, PART, None)
+    return grad_layout(p).part

@@ -56,6 +56,7 @@ from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_F
                        storage_line, storage_outside, verify_checkpoint)
 from ..parallel.comm import collectives as comm
 from ..parallel.dims import ParallelDims
+from ..parallel.shard import token_axes
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
@@ -122,7 +123,7 @@ def _quiet_single_process():
 def layout_dict(dims: ParallelDims | None) -> dict:
     if dims is None:
         return {"dp": 1, "pp": 1, "ep": 1}
-    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, **({"tp": dims.tp} if dims.tp > 1 else {})}
+    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, **token_axes(dims)}
 
 
 def _write_text(path: Path, text: str) -> None:

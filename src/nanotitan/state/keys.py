@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ..model.transformer import is_expert_param
 from ..parallel.dp.sync import Pieces, ensure_adam_state, replicated_pieces
-from ..parallel.tp import tp_shard_dim
+from ..parallel.shard import grad_layout
 
 
 class Chunks:
@@ -63,13 +63,12 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         ensure_adam_state(optimizer)
     sync = shard.sync if shard is not None else None
     model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
-    if shard is not None and shard.dims.tp > 1:  # TP slices sit at their rank's offset in the whole tensor
-        for name, q in model.named_parameters():
-            if (dim := tp_shard_dim(q)) is not None:
-                model_state[name] = tp_pieces(model_state[name], dim, shard.dims.tp_rank, shard.dims.tp)
-                for k, pieces in optim_state.get(name, {}).items():
-                    if len(pieces.size):
-                        optim_state[name][k] = tp_pieces(pieces, dim, shard.dims.tp_rank, shard.dims.tp)
+    for name, q in model.named_parameters():  # TP slices sit at their rank's offset in the whole tensor
+        if (part := grad_layout(q).part) is not None:
+            model_state[name] = tp_pieces(model_state[name], *part)
+            for k, pieces in optim_state.get(name, {}).items():
+                if len(pieces.size):
+                    optim_state[name][k] = tp_pieces(pieces, *part)
     # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
     for name, t in model.state_dict(keep_vars=True).items():
         if name not in model_state:

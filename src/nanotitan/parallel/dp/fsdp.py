@@ -45,13 +45,12 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
-from ...model.transformer import is_expert_param
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from .reducer import Reducer
 from .sync import GradSync, Pieces, adam_state
-from ..tp import SHARD_DIM, is_tp_partial, tp_shard_dim
+from ..shard import Grad, grad_layout, keep_layout, token_ranks
 
 
 def shards_experts(dp: int) -> bool:
@@ -87,7 +86,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     mesh = DeviceMesh.from_group(group, device_type)
     expert_mesh = DeviceMesh.from_group(dims.group("expert_dp"), device_type) if shards_experts(dims.dp) else None
     # TP-replicated params with partial gradients stay whole (FSDPSync reduces them over the stage, tp.py)
-    unsharded: list[nn.Parameter] = [q for q in model.parameters() if is_tp_partial(q)]
+    unsharded: list[nn.Parameter] = [q for q in model.parameters() if grad_layout(q).kind is Grad.PARTIAL]
     merge = experts_in_block_unit(dims.dp, dims.ep)
     blocks = list(model.layers.values())
     kept = kept_gathered(len(blocks), dims.pp)
@@ -119,7 +118,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
                 module.set_custom_all_gather(_AllGatherByComm())
                 module.set_custom_reduce_scatter(_ReduceScatterByComm())
-    return [q for q in unsharded if not is_tp_partial(q)]
+    return [q for q in unsharded if grad_layout(q).kind is not Grad.PARTIAL]
 
 
 # On the backends comm.SHARDED_BY_EXCHANGE names (gloo) FSDP2's two collectives go through comm.py as ZeRO-1/2's do:
@@ -190,24 +189,23 @@ class FSDPSync(GradSync):
             raise ValueError(f"FSDPSync takes accumulate shard|full and reshard always|never, got {accumulate!r}, "
                              f"{reshard!r} (sync.zero_memory_choices resolves auto)")
         self.every_backward, self.reshard = accumulate == "shard", reshard == "always"
-        tp_dims = {n: tp_shard_dim(q) for n, q in model.named_parameters()}
+        before = dict(model.named_parameters())
         left = {id(q) for q in apply_fsdp(model, dims, reshard_after_forward=self.reshard)}
         # fully_shard replaced the model's params by DTensor shards; the caller's lists (ModelShard's too) must
         # name those, in place: a reference to an original would keep a full copy of it alive all run.
         current = dict(model.named_parameters())
-        for n, q in current.items():  # a TP slice stays tagged as one (the checkpoint places it by the tag)
-            if tp_dims[n] is not None:
-                setattr(q, SHARD_DIM, tp_dims[n])
+        for n, q in current.items():  # each lies as its original (a TP slice: the checkpoint places it by its part)
+            keep_layout(before[n], q)
+        before.clear()
         for named in (expert_params, replicated_params):
             named[:] = [(n, current[n]) for n, _ in named]
-        # shards of params whole on every TP rank (norms without SP): clipping counts them once over TP
-        self.tp_once = {id(q) for n, q in current.items()
-                        if dims.tp > 1 and tp_shard_dim(q) is None and not is_tp_partial(q) and not is_expert_param(n)}
+        # shards of params whole on every token rank (TP's norms without SP): clipping counts them once among them
+        self.counted_once = {id(q) for q in current.values() if grad_layout(q).kind is Grad.WHOLE}
         self.unsharded = [(n, q) for n, q in expert_params if id(q) in left]
         # experts with no expert-DP group to shard over: scaled by 1/(dp*ep), as at zero 0
         self.reducer = Reducer(self.unsharded, None, bucket_mb, scale) if self.unsharded else None
         # TP-partial params (whole, outside FSDP): summed over the stage, scaled by 1/(dp*ep) (sync.gradient_groups)
-        self.partial = [(n, q) for n, q in replicated_params if is_tp_partial(q)]
+        self.partial = [(n, q) for n, q in replicated_params if grad_layout(q).kind is Grad.PARTIAL]
         self.tp_reducer = Reducer(self.partial, dims.group("stage"), bucket_mb, scale) if self.partial else None
 
     def prepare(self, sync: bool) -> None:
@@ -240,13 +238,13 @@ class FSDPSync(GradSync):
         """DTensor shards are disjoint over non-expert-DP; experts FSDP left whole (dp == 1) differ over EP."""
         whole = [q for _, q in self.unsharded]
         shards = [q for q in self.model.parameters() if hasattr(q, "to_local")]
-        if self.dims.tp > 1:  # TP slices' shards add up over the stage; shards identical over TP count once
-            once = [q for q in shards if id(q) in self.tp_once]
-            return clip_grad_norm_(whole, [q for _, q in self.partial], max_norm, self.dims.group("pp"),
-                                   self.dims.group("ep"), [q for q in shards if id(q) not in self.tp_once],
-                                   self.dims.group("stage"), tp=self.dims.tp, shard_once=once)
-        return clip_grad_norm_(whole, [], max_norm, self.dims.group("pp"), self.dims.group("ep") if whole else None,
-                               shards, self.dims.group("non_expert_dp"))
+        partial = [q for _, q in self.partial]  # whole, summed over the stage: replicated over EP like any
+        # TP slices' shards add up over the stage; shards identical over the token ranks count once among them
+        return clip_grad_norm_(whole, partial, max_norm, self.dims.group("pp"),
+                               self.dims.group("ep") if whole or partial else None,
+                               [q for q in shards if id(q) not in self.counted_once], self.dims.group("stage"),
+                               token_ranks=token_ranks(self.dims),
+                               shard_once=[q for q in shards if id(q) in self.counted_once])
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """A DTensor's local shard of its gradient (FSDP's own storage: a view); a param FSDP left whole, its .grad."""

@@ -37,7 +37,7 @@ import torch.nn as nn
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from .reducer import Reducer, wrap_ddp
-from ..tp import is_tp_partial, tp_shard_dim
+from ..shard import Grad, grad_layout, token_ranks
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -155,7 +155,8 @@ class GradSync:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py)."""
         return clip_grad_norm_([p for _, p in self.expert_params], [p for _, p in self.replicated_params],
-                               max_norm, self.dims.group("pp"), self.dims.group("ep"), tp=self.dims.tp)
+                               max_norm, self.dims.group("pp"), self.dims.group("ep"),
+                               token_ranks=token_ranks(self.dims))
 
     def after_step(self) -> None:
         pass
@@ -248,11 +249,12 @@ def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "au
 
 def gradient_groups(expert_params: NamedParams, replicated_params: NamedParams) -> list[tuple[NamedParams, str]]:
     """(params, the ParallelDims group their gradients are reduced over), skipping an empty side. Under tensor
-    parallel, a replicated param whose TP ranks hold partial gradients (tp.py: `is_tp_partial`) is summed over the
+    parallel, a replicated param whose TP ranks hold partial gradients (shard.py: `Grad.PARTIAL`) is summed over the
     whole stage (DP x EP x TP) instead: the same average over DP x EP, of the TP sum."""
-    split = [(n, q) for n, q in replicated_params if tp_shard_dim(q) is not None]  # TP slices (none at tp = 1)
-    whole = [(n, q) for n, q in replicated_params if tp_shard_dim(q) is None and not is_tp_partial(q)]
-    partial = [(n, q) for n, q in replicated_params if is_tp_partial(q)]
+    lies = {id(q): grad_layout(q).kind for _, q in replicated_params}
+    split = [(n, q) for n, q in replicated_params if lies[id(q)] is Grad.SHARDED]  # TP slices (none at tp = 1)
+    whole = [(n, q) for n, q in replicated_params if lies[id(q)] in (Grad.ALONE, Grad.WHOLE)]
+    partial = [(n, q) for n, q in replicated_params if lies[id(q)] is Grad.PARTIAL]
     # one group per kind of TP replication, so that each reducer's shards are all of one kind (ZeroSync.clip)
     return [(params, kind) for params, kind in ((whole, "non_expert_dp"), (split, "non_expert_dp"),
                                                 (partial, "stage"), (expert_params, "expert_dp")) if params]

@@ -19,8 +19,7 @@ from ..clip import clip_grad_norm_
 from .reducer import Bucket, CopyBack, Reducer
 from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
 from ..tied import apart_tied
-from ...model.transformer import is_expert_param
-from ..tp import is_tp_partial, tp_shard_dim
+from ..shard import Grad, grad_layout, token_ranks
 
 
 @dataclass
@@ -316,15 +315,13 @@ class ZeroSync(BucketedSync):
                 for i in range(2)]
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        if self.dims.tp > 1:  # every reducer's shards are disjoint over the stage, except those identical over TP
-            once = [not any(tp_shard_dim(p) is not None or is_tp_partial(p) or is_expert_param(n)
-                            for b in r.buckets for n, p in zip(b.names, b.params)) for r in self.reducers]
-            return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None,
-                                   [q for r, o in zip(self.reducers, once) if not o for q in r.shard_params],
-                                   self.dims.group("stage"), tp=self.dims.tp,
-                                   shard_once=[q for r, o in zip(self.reducers, once) if o for q in r.shard_params])
-        shards = [q for r in self.reducers for q in r.shard_params]
-        return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None, shards, self.dims.group("non_expert_dp"))
+        # every reducer's shards are disjoint over the stage, except those of params whole on every token rank
+        # (Grad.WHOLE: none without a token shard), which count once among them
+        once = [all(grad_layout(p).kind is Grad.WHOLE for b in r.buckets for p in b.params) for r in self.reducers]
+        return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None,
+                               [q for r, o in zip(self.reducers, once) if not o for q in r.shard_params],
+                               self.dims.group("stage"), token_ranks=token_ranks(self.dims),
+                               shard_once=[q for r, o in zip(self.reducers, once) if o for q in r.shard_params])
 
     def after_step(self) -> None:
         """Post every bucket's all-gather of the updated slices, in the order the next forward needs them, and

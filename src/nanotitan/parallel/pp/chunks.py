@@ -27,6 +27,7 @@ class StageChunks(nn.Module):
         super().__init__()
         first, last = chunks[0], chunks[-1]
         self.cfg, self.spec = first.cfg, first.spec  # spec: the experts this rank owns (the same in every chunk)
+        self.tokens = first.tokens  # the token shard every chunk was built with (model/tokens.py)
         for name in ("tok_emb", "pos_emb"):  # tok_emb: stage 0's, or the MTP's replica on the last (model/mtp.py)
             owner = next((c for c in chunks if hasattr(c, name)), None)
             if owner is not None:
