@@ -1,10 +1,10 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
 A leaf: nothing of the package outside config/ is imported here (errors.py, parse.py for the values, fits.py's
-memory arithmetic), so every layer can read the config. What is written becomes the concrete config a job runs in one step above it,
-resolve.py: every "auto" and 0-for-automatic it lists (layout, device, threads, zero choices, pp_layers, the
-emulation's node size and dilation), model.vocab_size 0 and init.from_hf. (train.resume "auto" is not a value
-but a search: the newest checkpoint that verifies, looked up when the run starts.)
+memory arithmetic), so every layer can read the config. What is written becomes the concrete config a job runs in
+one step above it, resolve.py: every "auto" and 0-for-automatic it lists (layout, device, threads, zero choices,
+pp_layers, the emulation's node size and dilation), model.vocab_size 0 and init.from_hf. (train.resume "auto" is
+not a value but a search: the newest checkpoint that verifies, looked up when the run starts.)
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
@@ -43,7 +43,7 @@ class ModelConfig:
     top_k: int = 2  # experts each token is routed to
     moe_every: int = 1  # MoE FFN in every k-th layer (layer i is MoE if i % moe_every == 0), dense SwiGLU otherwise
     first_k_dense: int = 0  # the first k layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)
-    dense_layers: list[int] = field(default_factory=list)  # indices of layers that are dense whatever moe_every says (docs/config.md)
+    dense_layers: list[int] = field(default_factory=list)  # layers kept dense whatever moe_every says
     dense_ffn_dim: int = 0  # hidden size of the dense SwiGLU layers (0 = ffn_dim)
     shared_experts: int = 0  # always-on experts per MoE layer, replicated like attention weights (Qwen2-MoE: 1)
     shared_ffn_dim: int = 0  # hidden size of each shared expert (0 = ffn_dim)
@@ -120,7 +120,7 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     resume: str = ""  # "", "auto" or a checkpoint path
-    on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop, or skip that update (docs/config.md)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
     verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (docs/config.md)
     ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
@@ -164,7 +164,8 @@ class ParallelConfig:
 
 def virtual_stages(schedule: str, pp: int, V: int) -> int:
     """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1, else 1
-    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (parallel/pp/facts.py re-exports it)."""
+    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (parallel/pp/facts.py
+    re-exports it)."""
     return V if schedule == "interleaved" and pp > 1 else 1
 
 
@@ -371,7 +372,8 @@ def _check_ranges(cfg: Config) -> None:
                     ("model.z_loss_coef", m.z_loss_coef), ("model.bias_update_rate", m.bias_update_rate),
                     ("model.capacity_factor", m.capacity_factor),
                     ("data.max_docs", d.max_docs), ("parallel.world", p.world),
-                    ("parallel.emulate_node_size", p.emulate_node_size), ("parallel.emulate_dilation", p.emulate_dilation)]:
+                    ("parallel.emulate_node_size", p.emulate_node_size),
+                    ("parallel.emulate_dilation", p.emulate_dilation)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
     for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.routed_scale", m.routed_scale),
@@ -437,7 +439,8 @@ def _check_model(cfg: Config) -> None:
     _check(m.mtp_layers < t.seq_len, f"model.mtp_layers={m.mtp_layers} must be < train.seq_len={t.seq_len}: depth k "
            "predicts k + 1 tokens ahead (--model.mtp_layers)")
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0 or m.kv_lora_rank > 0,
-           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
+           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+           "(--model.n_heads, or set --model.head_dim)")
     head_dim = m.head_dim or m.d_model // m.n_heads
     _check(m.pos_emb != "rope" or head_dim % 2 == 0 or m.kv_lora_rank > 0,
            f"rope needs an even head dim, got {head_dim} (--model.head_dim, or --model.pos_emb learned)")
@@ -467,9 +470,11 @@ def _check_pipeline(cfg: Config) -> None:
            f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} (--parallel.ep)")
     _check(p.pp <= m.n_layers,
            f"parallel.pp={p.pp} stages need at least as many layers, model.n_layers={m.n_layers} (--parallel.pp)")
-    _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (--parallel.virtual_stages)")
+    _check(p.virtual_stages >= 1,
+           f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (--parallel.virtual_stages)")
     _check(p.virtual_stages == 1 or p.schedule == "interleaved",
-           f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved (or --parallel.virtual_stages 1)")
+           f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved "
+           "(or --parallel.virtual_stages 1)")
     interleaved = p.pp > 1 and p.schedule == "interleaved"
     n_chunks = p.pp * virtual_stages(p.schedule, p.pp, p.virtual_stages)
     if interleaved:
@@ -526,14 +531,17 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(p.zero3_reshard in ("auto", "always", "never"),
            f"parallel.zero3_reshard={p.zero3_reshard!r} must be auto, always or never (--parallel.zero3_reshard)")
     _check(p.zero == 0 or p.dp_impl == "bucketed",
-           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl bucketed or --parallel.zero 0)")
+           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates "
+           "(--parallel.dp_impl bucketed or --parallel.zero 0)")
     _check(p.zero < 3 or not p.check_replicas,
-           "parallel.check_replicas compares replicas, and zero 3 keeps none (--parallel.check_replicas false or --parallel.zero 2)")
+           "parallel.check_replicas compares replicas, and zero 3 keeps none "
+           "(--parallel.check_replicas false or --parallel.zero 2)")
     _check(p.reduce_dtype == "fp32" or (p.dp_impl == "bucketed" and p.zero < 3),
            f"parallel.reduce_dtype=bf16 is implemented by the bucketed Reducer (zero 0-2), not by "
            f"{'torch DDP' if p.dp_impl == 'torch_ddp' else 'zero 3'} (--parallel.reduce_dtype fp32)")
     _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
-           f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard (--parallel.zero 0, or dp/ep > 1)")
+           f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard "
+           "(--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
@@ -561,7 +569,8 @@ def _check_elastic(cfg: Config) -> None:
     e = cfg.elastic
     _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
     _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
-    _check(e.snapshot_every >= 0, f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
+    _check(e.snapshot_every >= 0,
+           f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
     if not (e.endpoint or e.nodes):
         return
     _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "
