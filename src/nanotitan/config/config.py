@@ -30,6 +30,7 @@ from .tp_rules import check_tp
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    # --- shape and attention ---
     vocab_size: int = 0  # 0 = take it from data.vocab_size (the tokenizer's size)
     d_model: int = 128  # width of the residual stream (hidden size D)
     n_layers: int = 4  # transformer blocks
@@ -39,6 +40,7 @@ class ModelConfig:
     qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k: per head (Qwen3-MoE) (docs/config.md)
     attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     ffn_dim: int = 256  # hidden size of each SwiGLU expert (and of the dense FFN)
+    # --- MoE: experts and routing ---
     num_experts: int = 4  # experts per MoE layer (parallel.ep must divide it)
     top_k: int = 2  # experts each token is routed to
     moe_every: int = 1  # MoE FFN in every k-th layer (layer i is MoE if i % moe_every == 0), dense SwiGLU otherwise
@@ -56,6 +58,7 @@ class ModelConfig:
     routed_scale: float = 1.0  # multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)
     bias_update_rate: float = 0.0  # aux-loss-free balancing (docs/config.md)
     capacity_factor: float = 0.0  # tokens an expert takes per microbatch (docs/config.md)
+    # --- positions, norms and init ---
     pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
@@ -83,6 +86,7 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3 §2.2): module k predicts token t+k+1 from [RMSNorm(h); RMSNorm(emb(t+k))].
     mtp_layers: int = 0  # MTP modules (DeepSeek's num_nextn_predict_layers; 0 = off)
     mtp_coef: float = 0.3  # weight of the mean MTP loss added to the main loss (DeepSeek-V3's lambda)
+    # --- kernels ---
     experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop (docs/config.md)
 
 
@@ -101,6 +105,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    # --- optimizer and LR schedule ---
     steps: int = 300  # optimizer steps to train
     seed: int = 1337  # seeds the init (by global parameter name) and the data order
     lr: float = 3e-3  # peak learning rate, reached after warmup
@@ -109,10 +114,12 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
+    # --- batch and sequence ---
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     micro_batch: int = 4  # m: sequences per microbatch
     global_batch: int = 0  # B sequences per step; 0 = dp*ep*microbatches*micro_batch (kept fixed by --parallel.auto)
     seq_len: int = 128  # S: tokens per sequence
+    # --- evaluation and checkpoints ---
     eval_every: int = 100  # steps between val_loss evals (0 disables periodic eval)
     eval_batches: int = 4  # global batches of the val split per eval
     activation_checkpointing: bool = False  # recompute each block in backward instead of keeping its activations
@@ -120,11 +127,13 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     resume: str = ""  # "", "auto" or a checkpoint path
+    # --- failures ---
     on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
     verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (docs/config.md)
     ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
     max_restarts: int = 0  # torchrun restarts of the whole job after a rank fails
+    # --- device, precision and compile ---
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (docs/config.md)
@@ -135,28 +144,34 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    # --- the axes ---
     dp: int = 1  # data-parallel replicas
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts (docs/config.md)
     sp: bool = True  # with tp > 1: sequence parallel (norms and residuals on sequence shards)
+    # --- pipeline ---
     microbatches: int = 1  # M per data rank per step
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (docs/config.md)
     virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (docs/config.md)
     pp_layers: list[float] | Literal["auto"] = field(default_factory=list)  # layers per stage (docs/config.md)
+    # --- data parallel and ZeRO ---
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
     dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (docs/config.md)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
     zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches (docs/config.md)
     zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered (docs/config.md)
+    # --- EP overlap ---
     ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose (docs/config.md)
     ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
+    # --- process groups and the planner ---
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
     world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
+    # --- network emulation ---
     emulate: str = ""  # network emulation to this hardware profile (docs/emulate.md, docs/config.md)
     emulate_node_size: int = 0  # ranks per emulated node, filled in rank order (0 = the profile's devices_per_node)
     emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (docs/config.md)
@@ -171,6 +186,7 @@ def virtual_stages(schedule: str, pp: int, V: int) -> int:
 
 @dataclass(kw_only=True)
 class RunConfig:
+    # --- where and how often it logs ---
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
     overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (docs/config.md)
     log_every: int = 10  # steps between records in metrics.jsonl
@@ -192,13 +208,16 @@ class InitConfig:
 class ElasticConfig:
     """`nanotitan train --elastic.*`: this process is its node's agent in a job whose nodes may join and leave
     (docs/elastic.md); torchrun's meanings. Off while endpoint is empty."""
+    # --- membership ---
     nodes: str = ""  # "MIN:MAX" (or "N"): the job runs while at least MIN nodes are up and takes up to MAX
     nproc_per_node: int = 1  # ranks each node starts
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
+    # --- snapshots ---
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir (docs/config.md)
     snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI) (docs/config.md)
+    # --- trust ---
     secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET) (docs/config.md)
     insecure: bool = False  # true: a job across hosts runs without a secret (docs/config.md)
 
