@@ -1,10 +1,7 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
 A leaf: nothing of the package outside config/ is imported here (errors.py, parse.py for the values, fits.py's
-memory arithmetic), so every layer can read the config. What is written becomes the concrete config a job runs in
-one step above it, resolve.py: every "auto" and 0-for-automatic it lists (layout, device, threads, zero choices,
-pp_layers, the emulation's node size and dilation), model.vocab_size 0 and init.from_hf. (train.resume "auto" is
-not a value but a search: the newest checkpoint that verifies, looked up when the run starts.)
+memory arithmetic), so every layer can read the config. resolve.py makes it concrete: docs/config.md "Auto values".
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
@@ -64,8 +61,7 @@ class ModelConfig:
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of weight matrices
-    # Multi-head latent attention (DeepSeek-V2/V3; docs/hf.md): on when kv_lora_rank > 0, and then n_kv_heads/head_dim
-    # are unused. Keys and values come from one low-rank latent; the RoPE part of the key is shared across heads.
+    # --- multi-head latent attention (DeepSeek-V2/V3; on when kv_lora_rank > 0; docs/config.md) ---
     q_lora_rank: int = 0  # rank of the query's low-rank path, with its RMSNorm (docs/config.md)
     kv_lora_rank: int = 0  # rank of the key/value latent, with its RMSNorm (0 = no MLA)
     qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (MLA)
@@ -79,14 +75,12 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # YaRN: slow-rotation boundary (beta_slow)
     rope_mscale: float = 1.0  # YaRN: mscale (DeepSeek: also scales MLA's softmax scale, with mscale_all_dim)
     rope_mscale_all_dim: float = 0.0  # YaRN: mscale_all_dim (0 = unused)
-    # DeepSeekMoE's group-limited routing: experts in n_group groups; each token keeps the topk_group groups whose
-    # two best biased scores sum highest, then picks top_k experts among them. 1/1 = plain top-k.
+    # --- DeepSeekMoE's group-limited routing (1/1 = plain top-k; docs/config.md) ---
     n_group: int = 1  # expert groups (must divide num_experts)
     topk_group: int = 1  # groups each token may route into (<= n_group)
     # Multi-token prediction (DeepSeek-V3 §2.2): module k predicts token t+k+1 from [RMSNorm(h); RMSNorm(emb(t+k))].
     mtp_layers: int = 0  # MTP modules (DeepSeek's num_nextn_predict_layers; 0 = off)
     mtp_coef: float = 0.3  # weight of the mean MTP loss added to the main loss (DeepSeek-V3's lambda)
-    # --- kernels ---
     experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop (docs/config.md)
 
 
@@ -186,12 +180,10 @@ def virtual_stages(schedule: str, pp: int, V: int) -> int:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    # --- where and how often it logs ---
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
     overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (docs/config.md)
     log_every: int = 10  # steps between records in metrics.jsonl
     peak_every: int = 10  # how often the memory meters run, in logged steps (docs/config.md)
-    # Python call per tensor op (~3x a tiny model's step), so metering every record slowed the default job ~10%
     tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0
     profile_steps: str = ""  # "A-B": torch.profiler traces of steps A..B to run.dir/profile (empty = off)
@@ -208,16 +200,13 @@ class InitConfig:
 class ElasticConfig:
     """`nanotitan train --elastic.*`: this process is its node's agent in a job whose nodes may join and leave
     (docs/elastic.md); torchrun's meanings. Off while endpoint is empty."""
-    # --- membership ---
     nodes: str = ""  # "MIN:MAX" (or "N"): the job runs while at least MIN nodes are up and takes up to MAX
     nproc_per_node: int = 1  # ranks each node starts
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
-    # --- snapshots ---
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir (docs/config.md)
     snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI) (docs/config.md)
-    # --- trust ---
     secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET) (docs/config.md)
     insecure: bool = False  # true: a job across hosts runs without a secret (docs/config.md)
 
