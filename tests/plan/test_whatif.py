@@ -101,3 +101,14 @@ def test_what_if_dry_run_and_planner_agree_on_the_best_layout_at_the_mixtral_sha
     L = Layout(*(r["best"][k] for k in ("dp", "pp", "ep", "schedule", "microbatches", "micro_batch", "zero")))
     paper = predict(layout_config(cfg, L), L, hw, dataclasses.replace(opts, precision="bf16-master"))
     assert paper.peak_mem - paper.mem_parts["reserved"] < 0.8 * w["peak_bytes"]
+
+
+def test_what_if_with_no_layout_at_its_batch_names_the_batch_and_the_flag(capsys):
+    from nanotitan.plan.cli import main
+
+    # 2048 ranks cannot split a global batch of 16 sequences: the error says which batch it tried and the fix
+    rc = main(["--what-if", "--hardware", "h100", "--ranks", "2048", "--no-dry-run", *TINY])
+    text = capsys.readouterr()
+    line = (text.out + text.err).strip().splitlines()[-1]
+    assert rc == 2 and line.startswith("error: ")
+    assert "no valid layout of 2048 ranks" in line and "global batch 16 sequences" in line and "--global-batch" in line

@@ -1,10 +1,7 @@
 """Typed configuration: TOML file + dotted CLI overrides, validated before anything runs.
 
 A leaf: nothing of the package outside config/ is imported here (errors.py, parse.py for the values, fits.py's
-memory arithmetic), so every layer can read the config. What is written becomes the concrete config a job runs in one step above it,
-resolve.py: every "auto" and 0-for-automatic it lists (layout, device, threads, zero choices, pp_layers, the
-emulation's node size and dilation), model.vocab_size 0 and init.from_hf. (train.resume "auto" is not a value
-but a search: the newest checkpoint that verifies, looked up when the run starts.)
+memory arithmetic), so every layer can read the config. resolve.py makes it concrete: docs/config.md "Auto values".
 
 Every user-facing error is a `ConfigError` whose message is one line naming the field and the fix,
 e.g. "model.top_k=5 must be <= model.num_experts=4 (--model.top_k)".
@@ -30,40 +27,42 @@ from .tp_rules import check_tp
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    # --- shape and attention ---
     vocab_size: int = 0  # 0 = take it from data.vocab_size (the tokenizer's size)
     d_model: int = 128  # width of the residual stream (hidden size D)
     n_layers: int = 4  # transformer blocks
     n_heads: int = 4  # attention heads (must divide d_model)
     n_kv_heads: int = 0  # key/value heads of grouped-query attention (0 = n_heads; must divide n_heads)
     head_dim: int = 0  # width of one attention head (0 = d_model / n_heads; Qwen3-MoE sets it)
-    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k: per head (Qwen3-MoE) or over the whole projection (OLMoE)
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k: per head (Qwen3-MoE) (docs/config.md)
     attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     ffn_dim: int = 256  # hidden size of each SwiGLU expert (and of the dense FFN)
+    # --- MoE: experts and routing ---
     num_experts: int = 4  # experts per MoE layer (parallel.ep must divide it)
     top_k: int = 2  # experts each token is routed to
     moe_every: int = 1  # MoE FFN in every k-th layer (layer i is MoE if i % moe_every == 0), dense SwiGLU otherwise
     first_k_dense: int = 0  # the first k layers are dense whatever moe_every says (DeepSeek's first_k_dense_replace)
-    dense_layers: list[int] = field(default_factory=list)  # indices of layers that are dense whatever moe_every says (Qwen's mlp_only_layers)
+    dense_layers: list[int] = field(default_factory=list)  # layers kept dense whatever moe_every says
     dense_ffn_dim: int = 0  # hidden size of the dense SwiGLU layers (0 = ffn_dim)
     shared_experts: int = 0  # always-on experts per MoE layer, replicated like attention weights (Qwen2-MoE: 1)
     shared_ffn_dim: int = 0  # hidden size of each shared expert (0 = ffn_dim)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w) per token (Qwen2-MoE)
     norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral does)
     aux_coef: float = 0.01  # Switch/GShard load-balancing loss coefficient
-    aux_scope: Literal["micro", "sequence"] = "micro"  # balance loss over each microbatch, or per sequence then averaged (DeepSeek-V3)
-    z_loss_coef: float = 0.0  # router z-loss coefficient: mean squared logsumexp of the router logits (ST-MoE; 1e-3 there)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts (Mixtral) or per-expert sigmoid (DeepSeek-V3)
+    aux_scope: Literal["micro", "sequence"] = "micro"  # balance loss over each microbatch (docs/config.md)
+    z_loss_coef: float = 0.0  # router z-loss coefficient: mean squared logsumexp of the router logits (docs/config.md)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts (docs/config.md)
     routed_scale: float = 1.0  # multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing: per-step bias step gamma toward equal expert load (DeepSeek-V3: 1e-3; 0 = off)
-    capacity_factor: float = 0.0  # tokens an expert takes per microbatch, as a multiple of m*S*top_k/num_experts (0 = dropless)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing (docs/config.md)
+    capacity_factor: float = 0.0  # tokens an expert takes per microbatch (docs/config.md)
+    # --- positions, norms and init ---
     pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of weight matrices
-    # Multi-head latent attention (DeepSeek-V2/V3; docs/hf.md): on when kv_lora_rank > 0, and then n_kv_heads/head_dim
-    # are unused. Keys and values come from one low-rank latent; the RoPE part of the key is shared across heads.
-    q_lora_rank: int = 0  # rank of the query's low-rank path, with its RMSNorm (0 = a full-rank q projection: DeepSeek-V2-Lite)
+    # --- multi-head latent attention (DeepSeek-V2/V3; on when kv_lora_rank > 0; docs/config.md) ---
+    q_lora_rank: int = 0  # rank of the query's low-rank path, with its RMSNorm (docs/config.md)
     kv_lora_rank: int = 0  # rank of the key/value latent, with its RMSNorm (0 = no MLA)
     qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (MLA)
     qk_rope_head_dim: int = 0  # per-head query/key width with RoPE; the key's is one shared head (MLA)
@@ -76,19 +75,18 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # YaRN: slow-rotation boundary (beta_slow)
     rope_mscale: float = 1.0  # YaRN: mscale (DeepSeek: also scales MLA's softmax scale, with mscale_all_dim)
     rope_mscale_all_dim: float = 0.0  # YaRN: mscale_all_dim (0 = unused)
-    # DeepSeekMoE's group-limited routing: experts in n_group groups; each token keeps the topk_group groups whose
-    # two best biased scores sum highest, then picks top_k experts among them. 1/1 = plain top-k.
+    # --- DeepSeekMoE's group-limited routing (1/1 = plain top-k; docs/config.md) ---
     n_group: int = 1  # expert groups (must divide num_experts)
     topk_group: int = 1  # groups each token may route into (<= n_group)
     # Multi-token prediction (DeepSeek-V3 §2.2): module k predicts token t+k+1 from [RMSNorm(h); RMSNorm(emb(t+k))].
     mtp_layers: int = 0  # MTP modules (DeepSeek's num_nextn_predict_layers; 0 = off)
     mtp_coef: float = 0.3  # weight of the mean MTP loss added to the main loss (DeepSeek-V3's lambda)
-    experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop, one grouped GEMM per projection (torch._grouped_mm), or auto (docs/moe.md)
+    experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop (docs/config.md)
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: str = "shakespeare"  # "shakespeare", an HF hub dataset name, or a local file/dir/glob (.txt/.jsonl/.parquet)
+    source: str = "shakespeare"  # "shakespeare", an HF hub dataset name, or a local file/dir/glob (docs/config.md)
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
@@ -101,6 +99,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    # --- optimizer and LR schedule ---
     steps: int = 300  # optimizer steps to train
     seed: int = 1337  # seeds the init (by global parameter name) and the data order
     lr: float = 3e-3  # peak learning rate, reached after warmup
@@ -109,10 +108,12 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
+    # --- batch and sequence ---
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     micro_batch: int = 4  # m: sequences per microbatch
     global_batch: int = 0  # B sequences per step; 0 = dp*ep*microbatches*micro_batch (kept fixed by --parallel.auto)
     seq_len: int = 128  # S: tokens per sequence
+    # --- evaluation and checkpoints ---
     eval_every: int = 100  # steps between val_loss evals (0 disables periodic eval)
     eval_batches: int = 4  # global batches of the val split per eval
     activation_checkpointing: bool = False  # recompute each block in backward instead of keeping its activations
@@ -120,61 +121,69 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     resume: str = ""  # "", "auto" or a checkpoint path
-    on_nonfinite: Literal["stop", "skip"] = "stop"  # a non-finite loss or grad norm: stop (exit 1, nothing saved) or skip that update on every rank
+    # --- failures ---
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
-    verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (false: sizes only; loads pre-manifest checkpoints)
+    verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (docs/config.md)
     ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
     max_restarts: int = 0  # torchrun restarts of the whole job after a rank fails
+    # --- device, precision and compile ---
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)
-    dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (CPU or CUDA), fp32 params/grads/optimizer, bf16 PP/EP traffic (docs/precision.md)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (docs/config.md)
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
-    compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile); compile time goes in the first record
+    compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    # --- the axes ---
     dp: int = 1  # data-parallel replicas
     pp: int = 1  # pipeline stages
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
-    tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts, embedding and head (docs/tp.md)
+    tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts (docs/config.md)
     sp: bool = True  # with tp > 1: sequence parallel (norms and residuals on sequence shards)
+    # --- pipeline ---
     microbatches: int = 1  # M per data rank per step
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (used when pp > 1; docs/pp.md)
-    virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (Megatron's virtual pipeline stages)
-    pp_layers: list[float] | Literal["auto"] = field(default_factory=list)  # layers per stage (per chunk when interleaved): a list (x.5 cuts a block between its attention and its FFN), "auto" (balanced by the planner's costs, half-layer cuts included), or empty = as even as possible
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (docs/config.md)
+    virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (docs/config.md)
+    pp_layers: list[float] | Literal["auto"] = field(default_factory=list)  # layers per stage (docs/config.md)
+    # --- data parallel and ZeRO ---
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
-    dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (pure DP only; "nanotitan" = old name of bucketed)
+    dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (docs/config.md)
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
-    zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches: shard = reduce-scatter every microbatch into the 1/N shard (no full gradient outlives its bucket or module; M x the reduce-scatters), full = accumulate full gradients, reduce-scatter once per step; auto = shard, except zero 2 under interleaved and zero 3 with zero3_reshard never (docs/dp.md)
-    zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered params after its forward and its backward (always: 2M all-gathers per block and step; without PP the last block only after its backward, as torchtitan: M) or keep them from the first forward to the final backward (never: one); auto = always without PP, never with PP, as torchtitan (docs/dp.md)
-    ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose all-to-alls travel while another group's experts compute, forward and backward (docs/ep.md); the same maths bit for bit
-    ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (two lanes, each with its own EP and PP groups; any schedule: gpipe has no forward beside a backward, only its backwards' weight-gradient fill), so each one's all-to-alls travel while the other computes; CPU/gloo, zero 0-2, the same maths bit for bit (docs/ep.md)
-    ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (at most num_experts/ep): more hide more bytes but each adds 4 calls, each paying the link latency (docs/ep.md)
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction: bf16 halves its bytes, rounding each reduced gradient (docs/precision.md)
+    zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches (docs/config.md)
+    zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered (docs/config.md)
+    # --- EP overlap ---
+    ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose (docs/config.md)
+    ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
+    ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
+    # --- process groups and the planner ---
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
     world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
-    emulate: str = ""  # network emulation (docs/emulate.md): hold every collective and P2P to the links of this hardware profile (h100-sxm, h800, ... or a profile JSON file); empty = off
+    # --- network emulation ---
+    emulate: str = ""  # network emulation to this hardware profile (docs/emulate.md, docs/config.md)
     emulate_node_size: int = 0  # ranks per emulated node, filled in rank order (0 = the profile's devices_per_node)
-    emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (0 = this CPU's GEMM peak / the profile's peak, in train.dtype)
+    emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (docs/config.md)
 
 
 def virtual_stages(schedule: str, pp: int, V: int) -> int:
     """Model chunks per pipeline rank: V (parallel.virtual_stages) under the interleaved schedule with pp > 1, else 1
-    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (parallel/pp/facts.py re-exports it)."""
+    (every other schedule, and none without a pipeline, runs one chunk). The rule's one home (parallel/pp/facts.py
+    re-exports it)."""
     return V if schedule == "interleaved" and pp > 1 else 1
 
 
 @dataclass(kw_only=True)
 class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
-    overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (false: it refuses to start)
+    overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (docs/config.md)
     log_every: int = 10  # steps between records in metrics.jsonl
-    peak_every: int = 10  # both memory meters (step peak, saved activations) run on the first two steps and every Nth logged step (1 = every one): it costs a
-    # Python call per tensor op (~3x a tiny model's step), so metering every record slowed the default job ~10%
+    peak_every: int = 10  # how often the memory meters run, in logged steps (docs/config.md)
     tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0
     profile_steps: str = ""  # "A-B": torch.profiler traces of steps A..B to run.dir/profile (empty = off)
@@ -184,7 +193,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class InitConfig:
-    from_hf: str = ""  # transformers checkpoint dir (config.json + safetensors + tokenizer.json): model config, tokenizer and weights come from it (docs/hf.md)
+    from_hf: str = ""  # transformers checkpoint dir (config.json + safetensors + tokenizer.json) (docs/config.md)
 
 
 @dataclass(kw_only=True)
@@ -196,10 +205,10 @@ class ElasticConfig:
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
-    snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir; a failure loses <= K steps (0 = off)
-    snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI): memory that outlives the ranks; a copy also goes to the next node (docs/elastic.md)
-    secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET); a one-host job makes RUN_DIR/elastic.secret (docs/security.md)
-    insecure: bool = False  # true: a job across hosts runs without a secret (its members' messages carry no MAC anyone lacks)
+    snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir (docs/config.md)
+    snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI) (docs/config.md)
+    secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET) (docs/config.md)
+    insecure: bool = False  # true: a job across hosts runs without a secret (docs/config.md)
 
 
 @dataclass(kw_only=True)
@@ -371,7 +380,8 @@ def _check_ranges(cfg: Config) -> None:
                     ("model.z_loss_coef", m.z_loss_coef), ("model.bias_update_rate", m.bias_update_rate),
                     ("model.capacity_factor", m.capacity_factor),
                     ("data.max_docs", d.max_docs), ("parallel.world", p.world),
-                    ("parallel.emulate_node_size", p.emulate_node_size), ("parallel.emulate_dilation", p.emulate_dilation)]:
+                    ("parallel.emulate_node_size", p.emulate_node_size),
+                    ("parallel.emulate_dilation", p.emulate_dilation)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
     for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.routed_scale", m.routed_scale),
@@ -437,7 +447,8 @@ def _check_model(cfg: Config) -> None:
     _check(m.mtp_layers < t.seq_len, f"model.mtp_layers={m.mtp_layers} must be < train.seq_len={t.seq_len}: depth k "
            "predicts k + 1 tokens ahead (--model.mtp_layers)")
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0 or m.kv_lora_rank > 0,
-           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (--model.n_heads, or set --model.head_dim)")
+           f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+           "(--model.n_heads, or set --model.head_dim)")
     head_dim = m.head_dim or m.d_model // m.n_heads
     _check(m.pos_emb != "rope" or head_dim % 2 == 0 or m.kv_lora_rank > 0,
            f"rope needs an even head dim, got {head_dim} (--model.head_dim, or --model.pos_emb learned)")
@@ -467,9 +478,11 @@ def _check_pipeline(cfg: Config) -> None:
            f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} (--parallel.ep)")
     _check(p.pp <= m.n_layers,
            f"parallel.pp={p.pp} stages need at least as many layers, model.n_layers={m.n_layers} (--parallel.pp)")
-    _check(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (--parallel.virtual_stages)")
+    _check(p.virtual_stages >= 1,
+           f"parallel.virtual_stages={p.virtual_stages} must be >= 1 (--parallel.virtual_stages)")
     _check(p.virtual_stages == 1 or p.schedule == "interleaved",
-           f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved (or --parallel.virtual_stages 1)")
+           f"parallel.virtual_stages={p.virtual_stages} needs --parallel.schedule interleaved "
+           "(or --parallel.virtual_stages 1)")
     interleaved = p.pp > 1 and p.schedule == "interleaved"
     n_chunks = p.pp * virtual_stages(p.schedule, p.pp, p.virtual_stages)
     if interleaved:
@@ -521,14 +534,17 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(p.zero3_reshard in ("auto", "always", "never"),
            f"parallel.zero3_reshard={p.zero3_reshard!r} must be auto, always or never (--parallel.zero3_reshard)")
     _check(p.zero == 0 or p.dp_impl == "bucketed",
-           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates (--parallel.dp_impl bucketed or --parallel.zero 0)")
+           f"parallel.zero={p.zero} shards our own DP; torch DDP replicates "
+           "(--parallel.dp_impl bucketed or --parallel.zero 0)")
     _check(p.zero < 3 or not p.check_replicas,
-           "parallel.check_replicas compares replicas, and zero 3 keeps none (--parallel.check_replicas false or --parallel.zero 2)")
+           "parallel.check_replicas compares replicas, and zero 3 keeps none "
+           "(--parallel.check_replicas false or --parallel.zero 2)")
     _check(p.reduce_dtype == "fp32" or (p.dp_impl == "bucketed" and p.zero < 3),
            f"parallel.reduce_dtype=bf16 is implemented by the bucketed Reducer (zero 0-2), not by "
            f"{'torch DDP' if p.dp_impl == 'torch_ddp' else 'zero 3'} (--parallel.reduce_dtype fp32)")
     _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
-           f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard (--parallel.zero 0, or dp/ep > 1)")
+           f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard "
+           "(--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
@@ -556,7 +572,8 @@ def _check_elastic(cfg: Config) -> None:
     e = cfg.elastic
     _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
     _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
-    _check(e.snapshot_every >= 0, f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
+    _check(e.snapshot_every >= 0,
+           f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
     if not (e.endpoint or e.nodes):
         return
     _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "

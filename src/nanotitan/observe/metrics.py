@@ -1,5 +1,5 @@
-"""Throughput, MFU and the per-step record: console, metrics.jsonl and TensorBoard (global rank 0). The memory
-meters are memory.py's."""
+"""MFU's peak FLOP/s (device and job), the bf16 advice, and the per-step record's writers: metrics.jsonl (torn tail
+dropped on resume), TensorBoard and W&B (global rank 0). Console lines are report.py's; memory meters memory.py's."""
 
 from __future__ import annotations
 

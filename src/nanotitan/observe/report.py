@@ -345,7 +345,7 @@ def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=No
     per = "chunk" if p.schedule == "interleaved" else "stage"
     split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
     B = cfg.layout_batch
-    return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} | B={B} seqs = dp*ep*M*m = "
-            f"{data_world}*{p.microbatches}*{t.micro_batch} | {B * t.seq_len} tokens/step | "
+    return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} tp={p.tp} | B={B} seqs = dp*ep*M*m = "
+            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp ranks share them) | {B * t.seq_len} tokens/step | "
             f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {t.threads}"
             + (f"\n{links.describe()}" if links is not None else ""))

@@ -1,9 +1,12 @@
 """This rank's trainable shard: shard spec -> Transformer (TP-sliced) -> EP -> broadcasts -> gradient sync.
 
-    spec      which embeddings, layers and experts this (pp_rank, ep_rank) owns (model/spec.py)
+    spec      which embeddings, layers and experts this (pp_rank, ep_rank) owns (model/spec.py); PP chunks them
+              per stage or virtual stage (pp/chunks.py)
     model     the Transformer built from that spec (TP-sliced on the meta device, then filled: build.py),
               initialised by global identity (DESIGN §4) or read from init.from_hf
+    compile   each block under torch.compile when train.compile is set (compile.py)
     EP        an all-to-all dispatcher on every MoE layer when ep > 1 (ep.py)
+    tied      under PP with MTP, the token embedding shared by the first and last stage (tied.py)
     replicas  replicated params broadcast over the non-expert-DP group, expert shards over expert-DP (init.py)
     grad sync the one place that chooses the DP flavour, a GradSync (sync.py): our bucketed Reducer
               (dp.py, default), torch DDP (a baseline for pure DP), or sharded DP: parallel.zero 1/2

@@ -118,7 +118,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not preds:
-        print(f"error: no valid layout of {args.ranks} ranks for this config and global batch", file=sys.stderr)
+        print(f"error: no valid layout of {args.ranks} ranks for this config at global batch "
+              f"{opts.global_batch or cfg.layout_batch} sequences; set --global-batch to one that dp*ep*M*m can hold",
+              file=sys.stderr)
         return 2
     shape = ModelShape.from_config(cfg, **extra)
     B = opts.global_batch or cfg.layout_batch

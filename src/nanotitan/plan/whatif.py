@@ -56,7 +56,9 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
     preds = plan(cfg, world, hw, opts)
     if not preds:
         return dict(world=world, hardware=hw.name, fits=False, layouts=[], worst_rank=None, dominant=[], advice=[],
-                    error=f"no valid layout of {world} ranks for this config and global batch")
+                    error=f"no valid layout of {world} ranks for this config at global batch "
+                          f"{opts.global_batch or cfg.layout_batch} sequences; set --global-batch to one that "
+                          f"dp*ep*M*m can hold")
     best = preds[0]
     network = not hw.cores_per_node or opts.links_idle  # collectives on a network (else gloo: host work)
     out = dict(world=world, hardware=hw.name, nodes=opts.nodes, layouts_considered=len(preds),
