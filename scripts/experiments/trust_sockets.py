@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import make_corpus
-from tests.elastic.sockets import beyond_loopback, listening, tree
+from tests.elastic.sockets import beyond_loopback, kill_tree, listening, rank_envs
 
 TINY = ["--data.vocab_size", "300", "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48",
         "--model.n_layers", "2", "--model.num_experts", "4", "--train.seq_len", "16", "--train.micro_batch", "2",
@@ -43,29 +43,12 @@ def watch(name: str, cmd: list[str], run: Path, ranks: int) -> dict:
             if p.poll() is not None or time.monotonic() > end:
                 raise SystemExit(f"{name}: ended ({p.returncode}) before a step")
             time.sleep(0.2)
-        socks, outside, ifnames = listening(p.pid), beyond_loopback(p.pid), gloo_ifnames(p.pid)
+        socks, outside, ifnames = listening(p.pid), beyond_loopback(p.pid), {e.get('GLOO_SOCKET_IFNAME') for e in rank_envs(p.pid)}
     finally:
-        for pid in tree(p.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(p.pid)
         p.wait()
     return {"job": name, "listening": len(socks), "beyond_loopback": [a for _, a in outside],
             "gloo_ifname": sorted(ifnames)}
-
-
-def gloo_ifnames(root: int) -> set:
-    """GLOO_SOCKET_IFNAME in the environment of each process of the tree that imported torch.distributed."""
-    out = set()
-    for pid in tree(root):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env:  # a rank
-            out.add(env.get("GLOO_SOCKET_IFNAME"))
-    return out
 
 
 def _rank(rank, world, parent):

@@ -62,3 +62,24 @@ def listening(root: int) -> list[tuple[int, str]]:
 def beyond_loopback(root: int) -> list[tuple[int, str]]:
     """The listening sockets of the tree that another machine could reach (not on a loopback address)."""
     return [(pid, a) for pid, a in listening(root) if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback]
+
+
+def rank_envs(root: int) -> list[dict]:
+    """The starting environment of each rank (RANK and WORLD_SIZE set) in the tree under `root`."""
+    envs = []
+    for pid in tree(root):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env and "WORLD_SIZE" in env:
+            envs.append(env)
+    return envs
+
+
+def kill_tree(root: int) -> None:
+    for pid in tree(root):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass

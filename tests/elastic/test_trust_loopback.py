@@ -5,7 +5,6 @@ on the three launchers of one host: run/spawn.py (tests, benchmarks), `nanotitan
 loopback elastic job (elastic/agent.py), each while it trains."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.sockets import beyond_loopback, listening, tree
+from tests.elastic.sockets import beyond_loopback, kill_tree, listening, rank_envs
 from tests.mp import free_port, run_ranks
 from tests.test_equivalence import base_args
 
@@ -32,18 +31,6 @@ def test_spawned_ranks_listen_on_loopback_only():
     socks, outside, gloo, nccl = run_ranks(_in_rank, 2, args=(os.getpid(),), timeout=120)[0]
     assert socks and outside == [], socks  # the store and both ranks' gloo listeners
     assert gloo == nccl == "lo"
-
-
-def _rank_env(root: int) -> list[dict]:
-    envs = []
-    for pid in tree(root):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env and "WORLD_SIZE" in env:
-            envs.append(env)
-    return envs
 
 
 @pytest.mark.parametrize("how", ["train", "elastic"])
@@ -65,13 +52,9 @@ def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
         while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):  # both ranks in collectives
             assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
             time.sleep(0.2)
-        socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), _rank_env(p.pid)
+        socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), rank_envs(p.pid)
     finally:
-        for pid in tree(p.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(p.pid)
         p.communicate(timeout=60)
     assert len(socks) >= 3 and outside == [], socks  # the store(s) and the ranks' gloo listeners
     if how == "train":  # an elastic rank gets its environment from its agent over a pipe: not in /proc
