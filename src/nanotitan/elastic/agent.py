@@ -23,7 +23,8 @@ from pathlib import Path
 from ..config.config import Config, ConfigError, elastic_nodes
 from ..config.errors import first_line
 from . import snapshot
-from .auth import KEY_ENV, SignedStore, agent_key
+from ..run.loopback import loopback_env, loopback_store
+from .auth import KEY_ENV, SignedStore, agent_key, single_host
 from .coordinator import BEAT_S, TICK_S, Coordinator, job_hash, plan_world
 from .rank import RANK_ENV, WARM_ENV, snapshot_root
 from .transport import SOCKET_TIMEOUT_S, FileServer, fetch_checkpoint, push_unit
@@ -125,6 +126,8 @@ class Agent:
                        TORCHELASTIC_USE_AGENT_STORE="True",  # node 0's agent hosts the store
                        TORCHELASTIC_RESTART_COUNT=str(g - 1),  # namespaces the process group's keys per generation
                        TORCHELASTIC_ERROR_FILE=str(err), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            if single_host(e.endpoint):
+                env.update(loopback_env())  # gloo/NCCL on loopback: no other machine is a member
             env[RANK_ENV], env[KEY_ENV] = info, self.key.hex()  # the ranks sign their store entries too
             rank = self.warm[local]
             try:
@@ -259,7 +262,11 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     raw, is_host = None, False
     if _local_address(host):  # node 0 is the one at HOST; on loopback the first to bind the port
         try:
-            raw, is_host = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout), True
+            if single_host(e.endpoint):  # torch's own bind would be every interface (docs/security.md)
+                raw, is_host = loopback_store(int(port), e.join_timeout_s), True
+            else:
+                raw = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
+                is_host = True
         except (RuntimeError, OSError):
             pass
     if raw is None:

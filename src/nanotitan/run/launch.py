@@ -5,7 +5,8 @@
 with a `[rankN]:` prefix, the other ranks stopped when one fails, and `train.max_restarts` restarts of the
 whole group (ranks then resume from the newest complete checkpoint when `train.resume=auto`).
 
-- One machine: a standalone c10d rendezvous, `dp*pp*ep` ranks (what `torchrun --standalone` does).
+- One machine: a standalone c10d rendezvous, `dp*pp*ep` ranks (what `torchrun --standalone` does), its store
+  and the ranks' gloo/NCCL sockets on 127.0.0.1 only (run/loopback.py; --standalone's store binds every interface).
 - Slurm: under `srun --ntasks-per-node 1` (one task per node, no torchrun), each task is its node's agent.
   `slurm_rendezvous` reads Slurm's variables and points every node at the same c10d rendezvous: the first
   node of the step's node list as endpoint, port MASTER_PORT (or one derived from the job id, the same on
@@ -30,11 +31,13 @@ import shlex
 import signal
 import sys
 import time
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config.config import ConfigError
+from .loopback import HOST, loopback_env, loopback_store
 
 
 def under_torchrun(env=os.environ) -> bool:
@@ -143,7 +146,14 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rende
         old.unlink(missing_ok=True)
     os.environ[LOG_ENV] = str(log_dir)
     world = nproc * (rdzv.nnodes if rdzv else 1)
-    where = ["--standalone", f"--nproc-per-node={nproc}"] if rdzv is None else rdzv.torchrun_args()
+    store = None
+    if rdzv is None:  # one machine: what --standalone does, with its store and the ranks' sockets on loopback
+        store = loopback_store(0, multi_tenant=True)  # torchrun's c10d rendezvous shares this server
+        os.environ.update(loopback_env())
+        rdzv = Rendezvous(nnodes=1, node_rank=0, nproc_per_node=nproc, endpoint=f"{HOST}:{store.port}",
+                          run_id=f"nanotitan-{uuid.uuid4().hex[:12]}")
+        _loopback_worker_store()
+    where = rdzv.torchrun_args() + (["--local-addr", HOST] if store is not None else [])
     # torchrun's agent turns SIGINT (and SIGTERM) into SignalException: it passes the signal to the ranks and
     # kills what is left after SHUTDOWN_S. With ckpt_on_signal, SIGTERM is ours: forwarded to the ranks, which
     # finish their step, save and exit 0 while the agent keeps watching them.
@@ -204,6 +214,28 @@ def _quiet_agent() -> None:
             close(self, death_sig, min(timeout, SHUTDOWN_S))
         close_soon.grace_capped = True
         PContext.close = close_soon
+
+
+def _loopback_worker_store() -> None:
+    """torch 2.13's c10d rendezvous hosts a second store for the ranks (the one their process group meets at),
+    TCPStore(its node's address, 0), which binds every interface. For a node whose address is loopback (a
+    one-machine launch: --local-addr 127.0.0.1), that store is bound to 127.0.0.1 only (run/loopback.py)."""
+    import ipaddress
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    create = DynamicRendezvousHandler._create_tcp_store_server
+    if getattr(create, "loopback", False):
+        return
+
+    def create_here(self, master_addr, master_port):
+        try:
+            local = ipaddress.ip_address(master_addr).is_loopback
+        except ValueError:  # a host name: torch's own store
+            local = False
+        return loopback_store(master_port, multi_tenant=True) if local else create(self, master_addr, master_port)
+    create_here.loopback = True
+    DynamicRendezvousHandler._create_tcp_store_server = create_here
 
 
 def _signal_ranks(signum: int) -> None:

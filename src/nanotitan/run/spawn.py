@@ -10,8 +10,8 @@ WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) plus `env`, joins
 must be picklable (a module-level function); so must the results, which come back by value.
 Used by the multi-rank tests (tests/helpers/mp.py), the benchmarks (`nanotitan bench`) and `nanotitan plan --measure`.
 
-Rendezvous: THIS process hosts the TCPStore, bound to port 0 so the kernel picks a free port at bind
-time and the children connect to it. Picking a "free" port first and binding it later (the old copies)
+Rendezvous: THIS process hosts the TCPStore, bound to 127.0.0.1 port 0 so the kernel picks a free port at bind
+time and the children connect to it; gloo and NCCL bind the loopback interface too (run/loopback.py). Picking a "free" port first and binding it later (the old copies)
 races with every other job on the machine (two test files at once, a benchmark beside the tests); the
 store holding its port from the start cannot collide. gloo's own connections also bind port 0. Hosting
 the store in the parent (as torchrun's agent does) also means it outlives any rank that dies.
@@ -42,8 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .allocator import keep_freed_memory
-
-HOST = "127.0.0.1"
+from .loopback import HOST, loopback_env, loopback_store
 
 
 def _alive(pid: int) -> bool:
@@ -79,7 +78,7 @@ def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir,
         stack_file = open(Path(stack_dir) / f"rank{rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **loopback_env())  # gloo/NCCL on loopback
     os.environ.update(env or {})
     keep_freed_memory()
     torch.set_num_threads(threads)
@@ -128,8 +127,7 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeo
     ctx = mp.get_context(start_method)
     q = ctx.Queue()
     name = f"run_ranks({getattr(fn, '__name__', fn)}, world={world})"
-    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=pg_timeout))
+    store = loopback_store(0, pg_timeout)  # 127.0.0.1 only: torch's own bind is every interface
     results: dict[int, object] = {}
     failure: BaseException | None = None
     with tempfile.TemporaryDirectory(prefix="nanotitan-ranks-") as stack_dir:

@@ -1,0 +1,61 @@
+"""One machine is private (issue 49, item 1; docs/security.md): a job whose processes are all on this machine
+listens on 127.0.0.1 only. torch's TCPStore binds every interface by itself, gloo the address of the hostname;
+here the store gets a socket bound to loopback and the ranks GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME=lo. Checked
+on the three launchers of one host: run/spawn.py (tests, benchmarks), `nanotitan train` (run/launch.py) and a
+loopback elastic job (elastic/agent.py), each while it trains."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.elastic.sockets import beyond_loopback, kill_tree, listening, rank_envs
+from tests.mp import free_port, run_ranks
+from tests.test_equivalence import base_args
+
+
+def _in_rank(rank, world, parent):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank's gloo sockets are up
+    out = (listening(parent), beyond_loopback(parent), os.environ.get("GLOO_SOCKET_IFNAME"),
+           os.environ.get("NCCL_SOCKET_IFNAME"))
+    dist.barrier()
+    return out
+
+
+def test_spawned_ranks_listen_on_loopback_only():
+    socks, outside, gloo, nccl = run_ranks(_in_rank, 2, args=(os.getpid(),), timeout=120)[0]
+    assert socks and outside == [], socks  # the store and both ranks' gloo listeners
+    assert gloo == nccl == "lo"
+
+
+@pytest.mark.parametrize("how", ["train", "elastic"])
+def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
+    run = tmp_path / "run"
+    args = base_args(corpus_dir, run) + ["--train.steps", "100000", "--train.global_batch", "4"]
+    if how == "train":
+        args += ["--parallel.dp", "2", "--parallel.microbatches", "1"]
+    else:
+        args += ["--parallel.auto", "true", "--elastic.nodes", "1", "--elastic.nproc_per_node", "2",
+                 "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "loopback",
+                 "--elastic.snapshot_dir", str(tmp_path / "shm")]
+    p = subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        end = time.monotonic() + 240
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):  # both ranks in collectives
+            assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
+            time.sleep(0.2)
+        socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), rank_envs(p.pid)
+    finally:
+        kill_tree(p.pid)
+        p.communicate(timeout=60)
+    assert len(socks) >= 3 and outside == [], socks  # the store(s) and the ranks' gloo listeners
+    if how == "train":  # an elastic rank gets its environment from its agent over a pipe: not in /proc
+        assert len(envs) == 2 and all(e.get("GLOO_SOCKET_IFNAME") == e.get("NCCL_SOCKET_IFNAME") == "lo" for e in envs)
