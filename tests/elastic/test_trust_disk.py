@@ -127,8 +127,8 @@ def _pack_and_snapshot(rank, world, tmp):
     replaced by a call that fails the test."""
     from nanotitan.state import checkpoint as ckpt
     from nanotitan.elastic import snapshot
-    from tests.specs import build_shard_spec
-    from tests.test_checkpoint import SAVE_KS, build, perturb, tiny_cfg
+    from tests.helpers.specs import build_shard_spec
+    from tests.helpers.checkpoint import SAVE_KS, build, perturb, tiny_cfg
 
     def unpickles(*a, **k):
         raise AssertionError("all_gather_object called: it unpickles what a peer sends")
@@ -148,7 +148,7 @@ def _pack_and_snapshot(rank, world, tmp):
 
 def test_snapshots_gather_no_pickles(tmp_path):
     from nanotitan.state.manifest import unit_mismatch
-    from tests.mp import run_ranks
+    from tests.helpers.mp import run_ranks
 
     out = run_ranks(_pack_and_snapshot, 2, args=(str(tmp_path),), timeout=180)
     assert [o[0] for o in out] == [[{"rank": 0, "deep": []}, {"rank": 1, "deep": [[1]]}]] * 2

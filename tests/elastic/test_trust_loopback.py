@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic.sockets import beyond_loopback, kill_tree, listening, rank_envs
-from tests.mp import free_port, run_ranks
-from tests.test_equivalence import base_args
+from tests.helpers.sockets import beyond_loopback, kill_tree, listening, rank_envs
+from tests.helpers.mp import free_port, run_ranks
+from tests.helpers.equivalence import base_args
 
 
 def _in_rank(rank, world, parent):

@@ -105,7 +105,7 @@ def test_bad_mtp_config_one_line(args, msg):
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_mtp_under_pp_at_every_zero_level_is_accepted(zero):
     """DeepSeek-V3's own layout (PP with ZeRO DP) with MTP: once refused, now trained exactly (parallel/tied.py; the
-    rows are tests/test_equivalence_deepseek.py's)."""
+    rows are tests/equivalence/test_equivalence_deepseek.py's)."""
     cfg = load_config(None, ["--model.mtp_layers", "1", "--parallel.pp", "2", "--parallel.zero", str(zero),
                              "--parallel.dp", "2"])
     assert (cfg.model.mtp_layers, cfg.parallel.pp, cfg.parallel.zero) == (1, 2, zero)

@@ -89,15 +89,15 @@ MODES = ("zero0", "zero1", "zero2", "zero3")
 
 
 def _bench_rows(world: int) -> dict:
-    """`nanotitan bench dp --zero`'s worker on the small model: each mode's bytes, max over ranks (a spawn per mode,
-    as the bench: a mode's count starts from a process that held no other mode's model)."""
-    from nanotitan.bench.dp import zero_worker
+    """`nanotitan bench dp --zero`'s worker (observe/dp_modes.py) on the small model: each mode's bytes, max over
+    ranks (a spawn per mode, as the bench: a mode's count starts from a process that held no other mode's model)."""
+    from nanotitan.observe.dp_modes import zero_worker
     from nanotitan.config.config import ModelConfig
     from tests.helpers.mp import run_ranks
 
     rows = {}
     for mode in MODES:
-        out = run_ranks(zero_worker, world, (mode, 25.0, 0, 1, 1, "", ModelConfig(**SMALL), BATCH), timeout=600)
+        out = run_ranks(zero_worker, world, (mode, 25.0, 0, 1, 1, ModelConfig(**SMALL), BATCH), timeout=600)
         rows[mode] = {k: max(o[2][k] for o in out) for k in out[0][2]}
     return rows
 

@@ -17,8 +17,8 @@ import xxhash
 from nanotitan.state import checkpoint as ckpt
 from nanotitan.state import manifest
 from nanotitan.state.metadata import safe_load_metadata
-from tests.specs import build_shard_spec
-from tests.test_checkpoint import SAVE_KS, build, perturb, tiny_cfg
+from tests.helpers.specs import build_shard_spec
+from tests.helpers.checkpoint import SAVE_KS, build, perturb, tiny_cfg
 
 
 def _relist(step: Path, name: str, drop: str = "") -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.config import load_config
-from ..parallel import step as S
+from ..parallel import step
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import parallelize
 
@@ -76,11 +76,11 @@ class Run:
     def step(self) -> tuple[float, float]:
         """(wall seconds, process CPU seconds) of one optimizer step."""
         t0, c0 = time.perf_counter(), time.process_time()
-        S.forward_backward(self.shard, self.xs, self.ys, schedule="1f1b", aux_weight=0.01 / 4, device=CPU,
+        step.forward_backward(self.shard, self.xs, self.ys, schedule="1f1b", aux_weight=0.01 / 4, device=CPU,
                            dtype=self.dtype)
-        S.finish_grads(self.shard)
+        step.finish_grads(self.shard)
         self.opt.step()
-        S.after_update(self.shard)
+        step.after_update(self.shard)
         return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -119,7 +119,7 @@ def _wire_worker(rank: int, world: int) -> dict:
     model = Transformer(cfg.model, seed=0)
     out = {}
     for dtype in ("fp32", "bf16"):
-        wire = S.compute_dtype(dtype)
+        wire = step.compute_dtype(dtype)
         comm.COMM.reset()
         sc = StageComms(dims, tuple(act.shape), wire, CPU)  # PP: activation forward, its gradient back
         if dims.is_pp_first_stage:
@@ -129,7 +129,7 @@ def _wire_worker(rank: int, world: int) -> dict:
             sc.recv_forward()
             sc.send_backward(act)
         x = x_TD.clone().requires_grad_()  # EP: one MoE layer, forward under autocast, backward outside
-        with S.autocast(CPU, dtype):
+        with step.autocast(CPU, dtype):
             y = EPDispatcher(dist.group.WORLD, world, rank)(x, ids_TK, w_TK, experts, E)
         y.float().sum().backward()
         red = Reducer(list(model.named_parameters()), dist.group.WORLD, 25, 0.5,

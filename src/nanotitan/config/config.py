@@ -21,7 +21,7 @@ from typing import Literal
 
 from .errors import ConfigError
 from .fits import vocab_too_large
-from .parse import parse_overrides, set_value
+from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .tp_rules import check_tp
 
 
@@ -289,23 +289,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def parse_steps(spec: str, steps: int | None = None) -> tuple[int, int] | None:
-    """run.profile_steps: 'A-B' (or 'A') -> (A, B), 1-based and inclusive; '' -> None (profiling off)."""
-    if not spec:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", spec)
-    first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
-    if not m or not 1 <= first <= last:
-        raise ConfigError(f"run.profile_steps={spec!r} must be A-B with 1 <= A <= B (--run.profile_steps 5-7)")
-    if steps is not None and last > steps:
-        raise ConfigError(f"run.profile_steps={spec!r} ends after train.steps={steps} (--run.profile_steps "
-                          f"{min(first, steps)}-{steps})")
-    return first, last
-
-
-def tidy_counts(counts) -> list[float]:
-    """Layer counts (parallel.pp_layers) as ints where whole (2 rather than 2.0), halves as floats."""
-    return [int(c) if float(c).is_integer() else float(c) for c in counts]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -556,16 +539,6 @@ def _check_dp_ep(cfg: Config) -> None:
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
 
-
-def elastic_nodes(spec: str) -> tuple[int, int]:
-    """elastic.nodes "MIN:MAX" or "N" -> (MIN, MAX)."""
-    lo, _, hi = spec.partition(":")
-    try:
-        lo_n, hi_n = int(lo), int(hi or lo)
-    except ValueError:
-        raise ConfigError(f"elastic.nodes={spec!r} must be MIN:MAX or N (--elastic.nodes 2:4)") from None
-    _check(1 <= lo_n <= hi_n, f"elastic.nodes={spec!r} needs 1 <= MIN <= MAX (--elastic.nodes 2:4)")
-    return lo_n, hi_n
 
 
 def _check_elastic(cfg: Config) -> None:

@@ -1,4 +1,5 @@
-"""TOML values and `--section.key VALUE` overrides as the config fields' declared types (load_config's parsing).
+"""TOML values and `--section.key VALUE` overrides as the config fields' declared types (load_config's parsing), and
+the spec-valued fields' parsers (run.profile_steps, parallel.pp_layers, elastic.nodes).
 
 Each refusal is one ConfigError line naming the key and the fix; a value from a TOML file names the file.
 """
@@ -6,6 +7,7 @@ Each refusal is one ConfigError line naming the key and the fix; a value from a 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 import typing
@@ -127,3 +129,34 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
         section, key = k.split(".", 1)
         out.append((section, key, v))
     return out
+
+
+def parse_steps(spec: str, steps: int | None = None) -> tuple[int, int] | None:
+    """run.profile_steps: 'A-B' (or 'A') -> (A, B), 1-based and inclusive; '' -> None (profiling off)."""
+    if not spec:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", spec)
+    first, last = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if not m or not 1 <= first <= last:
+        raise ConfigError(f"run.profile_steps={spec!r} must be A-B with 1 <= A <= B (--run.profile_steps 5-7)")
+    if steps is not None and last > steps:
+        raise ConfigError(f"run.profile_steps={spec!r} ends after train.steps={steps} (--run.profile_steps "
+                          f"{min(first, steps)}-{steps})")
+    return first, last
+
+
+def tidy_counts(counts) -> list[float]:
+    """Layer counts (parallel.pp_layers) as ints where whole (2 rather than 2.0), halves as floats."""
+    return [int(c) if float(c).is_integer() else float(c) for c in counts]
+
+
+def elastic_nodes(spec: str) -> tuple[int, int]:
+    """elastic.nodes "MIN:MAX" or "N" -> (MIN, MAX)."""
+    lo, _, hi = spec.partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise ConfigError(f"elastic.nodes={spec!r} must be MIN:MAX or N (--elastic.nodes 2:4)") from None
+    if not 1 <= lo_n <= hi_n:
+        raise ConfigError(f"elastic.nodes={spec!r} needs 1 <= MIN <= MAX (--elastic.nodes 2:4)")
+    return lo_n, hi_n

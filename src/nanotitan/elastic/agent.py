@@ -20,7 +20,8 @@ from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-from ..config.config import Config, ConfigError, elastic_nodes
+from ..config.config import Config, ConfigError
+from ..config.parse import elastic_nodes
 from ..config.errors import first_line
 from . import snapshot
 from ..run.loopback import loopback_env, loopback_store

@@ -56,7 +56,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..config.config import Config, ConfigError, elastic_nodes, to_toml
+from ..config.config import Config, ConfigError, to_toml
+from ..config.parse import elastic_nodes
 from ..config.errors import CheckpointError, first_line
 from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
 from . import snapshot

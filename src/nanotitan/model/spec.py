@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config.config import Config, ModelConfig, tidy_counts
+from ..config.config import Config, ModelConfig
+from ..config.parse import tidy_counts
 
 
 @dataclass(frozen=True)

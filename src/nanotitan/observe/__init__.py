@@ -6,4 +6,6 @@
     memory.py     the bytes of live tensors per layout (not the process's RSS), and the meters that count them
     profiling.py  `--run.profile_steps A-B`: torch.profiler traces of those steps on every rank, a table per rank
     plot.py       `nanotitan plot RUN_DIR ...`: pictures of runs from their metrics.jsonl
+    runs.py       a finished run read back (its records, summary and tensor bytes), and a layout's CLI arguments
+    dp_modes.py   the DP flavours' bytes and times, one zero mode per process (`nanotitan bench dp --zero`'s worker)
 """

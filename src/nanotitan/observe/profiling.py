@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config.config import parse_steps  # run.profile_steps is parsed, and checked, with the config
+from ..config.parse import parse_steps  # run.profile_steps is parsed, and checked, with the config
 
 # Labels parallel/comm/ puts on every collective: "DP all-reduce", "EP all-to-all", "PP send", "DP wait", ...
 COMM_LABEL = re.compile(r"^(DP|EP|PP|OTHER) ")

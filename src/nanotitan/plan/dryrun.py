@@ -52,7 +52,7 @@ from ..observe.metrics import fmt_bytes
 from ..model.spec import build_chunk_specs, chunk_layer_counts
 from ..model.transformer import num_moe_layers
 from ..parallel.pp import facts as pp_facts
-from ..parallel import step as S
+from ..parallel import step
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import build_optimizer, parallelize
 from ..parallel.dp.sync import ensure_adam_state
@@ -218,7 +218,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             # through the step, not per microbatch) and the output gradient just received (a transient: its wire
             # buffer, and under bf16 its fp32 widening). Not at the forward's end: autocast's cache of bf16 weight
             # copies lives until its region closes.
-            wire = S.compute_dtype(t.dtype).itemsize
+            wire = step.compute_dtype(t.dtype).itemsize
             grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * t.seq_len * cfg.model.d_model
                                                         * (wire + (4 if wire != 4 else 0)))
             before_backward, prepare, start = [], shard.sync.prepare, [0]
@@ -230,17 +230,17 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             shard.sync.prepare = lambda sync: (before_backward.append(_kept(meter, shard.model) - start[0]
                                                                       - grad_buf),
                                                prepare(next(syncs, sync)))[1]
-            run = functools.partial(S.forward_backward, shard, schedule=p.schedule, device=CPU, dtype=t.dtype,
+            run = functools.partial(step.forward_backward, shard, schedule=p.schedule, device=CPU, dtype=t.dtype,
                                     aux_weight=1.0 / max(1, num_moe_layers(cfg.model)))
             with meter:
                 if warmup:
                     run(xs[:1], ys[:1])
                     start[0] = _kept(meter, shard.model)  # the accumulated gradients: not the microbatch's own
                 run(xs[-1:] if warmup else xs, ys[-1:] if warmup else ys)
-                S.finish_grads(shard)
-                S.clip_grads(shard, t.grad_clip)
+                step.finish_grads(shard)
+                step.clip_grads(shard, t.grad_clip)
                 optimizer.step()
-                S.after_update(shard)
+                step.after_update(shard)
             state = live_tensor_bytes(shard.model, optimizer)
             base = _bytes(held)
             shard.close()

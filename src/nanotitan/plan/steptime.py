@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from ..config.config import Config, tidy_counts
+from ..config.config import Config
+from ..config.parse import tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
 from . import tp as tp_plan
