@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..state import checkpoint as ckpt
 from ..config.config import Config
+from ..parallel.step import StepResult
 from .auth import SignedStore, rank_key
 from .snapshot import SnapshotWriter, private_root
 from ..train import Trainer, run
@@ -80,11 +81,11 @@ class ElasticTrainer(Trainer):
         if self.is_main and self.stop_requested:
             self.store.set(f"gen/{self.gen}/saved", json.dumps({"step": step, "save_s": self.save_s, "t": time.time()}))
 
-    def train_step(self, step: int):
+    def train_step(self, step: int) -> StepResult:
         if self.is_main and self.store.get(f"gen/{self.gen}/stop") is not None:
             self.request_stop("elastic coordinator: a node joins or leaves")  # agree_on_step all-reduces it
         out = super().train_step(step)
-        stop = out[-1]  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
+        stop = out.stop  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
         k = self.cfg.elastic.snapshot_every
         if k and (step + 1) % k == 0 and not stop and step + 1 < self.cfg.train.steps:
             self.snapshot(step + 1)
