@@ -125,7 +125,6 @@ def test_ranks_get_only_the_derived_key(tmp_path, monkeypatch):
 def _pack_and_snapshot(rank, world, tmp):
     """Two replicas of a tiny model: the packing's plan and a snapshot's agreement, with all_gather_object
     replaced by a call that fails the test."""
-    from nanotitan.state import checkpoint as ckpt
     from nanotitan.elastic import snapshot
     from tests.helpers.specs import build_shard_spec
     from tests.helpers.checkpoint import SAVE_KS, build, perturb, tiny_cfg
