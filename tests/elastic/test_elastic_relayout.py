@@ -26,7 +26,7 @@ def _snapshot_steps(args, nodes) -> set[int]:
     from nanotitan.elastic.rank import snapshot_root
 
     cfg = load_config(None, args)
-    held = [{int(snapshot.UNIT.match(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
+    held = [{int(snapshot.UNIT.fullmatch(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
     return set.intersection(*held)
 
 

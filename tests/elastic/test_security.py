@@ -118,10 +118,10 @@ def test_a_signed_snapshot_unit_with_planted_metadata_is_refused_at_load(trained
     (unit / "COMPLETE").unlink()
     marker = tmp_path / "pwned"
     _plant(unit, marker)
-    server = transport.FileServer("127.0.0.1", KEY)
-    server.root = tmp_path / "node0"
+    server = transport.FileServer("127.0.0.1", KEY, "job")
+    server.root, server.node = tmp_path / "node0", 0
     try:
-        transport.push_unit(f"127.0.0.1:{server.port}", KEY, unit, "step_4/g1-node1")
+        transport.push_unit(transport.Peer(f"127.0.0.1:{server.port}", "job", 0), KEY, unit, "step_4/g1-node1")
         assert (server.root / "step_4" / "g1-node1" / ".metadata").exists()
         path = assemble_newest(server.root, {}, KEY, -1, print)
     finally:
@@ -151,9 +151,9 @@ def test_a_stranger_gets_nothing_and_a_replay_is_refused(tmp_path, monkeypatch):
     unit.mkdir(parents=True)
     (unit / "__0_0.raw").write_bytes(b"secret weights")
     said: list[str] = []
-    server = transport.FileServer("127.0.0.1", KEY, log=said.append)
-    server.root = root
-    addr = f"127.0.0.1:{server.port}"
+    server = transport.FileServer("127.0.0.1", KEY, "job", log=said.append)
+    server.root, server.node = root, 0
+    addr = transport.Peer(f"127.0.0.1:{server.port}", "job", 0)
     try:
         assert server.host == "127.0.0.1"  # the address asked for, not every interface
         # no MAC at all: one refusal, nothing else
@@ -176,13 +176,13 @@ def test_a_stranger_gets_nothing_and_a_replay_is_refused(tmp_path, monkeypatch):
         assert not (root / "step_99").exists() and not (tmp_path / "got").exists()
         assert len(said) == 6 and all("no valid MAC" in s for s in said), said
         # a member's request, replayed byte for byte: refused
-        req = json.dumps(auth.seal(KEY, {"op": "list"})).encode() + b"\n"
+        req = json.dumps(auth.seal(KEY, {"op": "list", "job": "job", "to": 0})).encode() + b"\n"
         assert b"step_10/g1-node0" in _raw(server.port, req)
         assert _raw(server.port, req) == b'{"error": "refused"}\n'
         assert "a nonce already used (a replay)" in said[-1]
         # a stale one (signed two minutes ago): refused
         monkeypatch.setattr(auth.time, "time", lambda real=time.time: real() - 120)
-        stale = json.dumps(auth.seal(KEY, {"op": "list"})).encode() + b"\n"
+        stale = json.dumps(auth.seal(KEY, {"op": "list", "job": "job", "to": 0})).encode() + b"\n"
         monkeypatch.undo()
         assert _raw(server.port, stale) == b'{"error": "refused"}\n'
         assert "stale timestamp" in said[-1] and len(said) == 8

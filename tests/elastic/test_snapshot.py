@@ -62,23 +62,24 @@ def test_a_lost_nodes_shards_come_from_its_replica(tmp_path):
     from nanotitan.state.manifest import verify_checkpoint
 
     root0, root1 = tmp_path / "node0", tmp_path / "node1"
-    server0, server1 = transport.FileServer("127.0.0.1", KEY), transport.FileServer("127.0.0.1", KEY)
-    server0.root, server1.root = root0, root1
+    server0, server1 = transport.FileServer("127.0.0.1", KEY, "job"), transport.FileServer("127.0.0.1", KEY, "job")
+    server0.root, server1.root, server0.node, server1.node = root0, root1, 0, 1
+    node0, node1 = (transport.Peer(f"127.0.0.1:{s.port}", "job", n) for n, s in enumerate((server0, server1)))
     try:
         shards = {"__0_0.raw": b"a" * 1000, "__1_0.raw": b"b" * 3000}
         for step in (10, 15):
             _unit(root0, step, 0, {"__0_0.raw": shards["__0_0.raw"]}, shards)
             _unit(root1, step, 1, {"__1_0.raw": shards["__1_0.raw"]}, shards)
         # node 1 pushed its step-10 unit to node 0 (its step-15 one was not copied yet when it was lost)
-        transport.push_unit(f"127.0.0.1:{server0.port}", KEY, root1 / "step_10" / "g1-node1", "step_10/g1-node1")
-        assert sorted(transport.list_units(f"127.0.0.1:{server0.port}", KEY)) == [
+        transport.push_unit(node0, KEY, root1 / "step_10" / "g1-node1", "step_10/g1-node1")
+        assert sorted(transport.list_units(node0, KEY)) == [
             "step_10/g1-node0", "step_10/g1-node1", "step_15/g1-node0"]
 
         # A damaged copy is refused by the peer and nothing of it is kept.
         bad = root1 / "step_15" / "g1-node1" / "__1_0.raw"
         bad.write_bytes(b"c" * 3000)
         with pytest.raises(OSError, match="refused: __1_0.raw fails its checksum"):
-            transport.push_unit(f"127.0.0.1:{server0.port}", KEY, bad.parent, "step_15/g1-node1")
+            transport.push_unit(node0, KEY, bad.parent, "step_15/g1-node1")
         assert not (root0 / "step_15" / "g1-node1").exists()
 
         # Node 1 is lost with its snapshot dir: step 15 lacks its shard, step 10 is whole from node 0's replica.
@@ -86,14 +87,14 @@ def test_a_lost_nodes_shards_come_from_its_replica(tmp_path):
 
         shutil.rmtree(root1)
         said = []
-        path = assemble_newest(root0, {1: f"127.0.0.1:{server1.port}"}, KEY, -1, said.append)
+        path = assemble_newest(root0, {1: node1}, KEY, -1, said.append)
         assert path == root0 / "checkpoints" / "step_10", said
         assert said == ["resume: skipped snapshot step_15 (generation 1): __1_0.raw is on no node that answers"]
         assert verify_checkpoint(path) == ""
         assert (path / "__1_0.raw").read_bytes() == shards["__1_0.raw"]
 
         # Another node fetches node 0's assembled copy into its own dir.
-        got = transport.fetch_checkpoint(f"127.0.0.1:{server0.port}", KEY, tmp_path / "node2", 10)
+        got = transport.fetch_checkpoint(node0, KEY, tmp_path / "node2", 10)
         assert verify_checkpoint(got) == ""
     finally:
         server0.close()

@@ -28,7 +28,7 @@ from ..run.loopback import loopback_env, loopback_store
 from .auth import KEY_ENV, SignedStore, agent_key, single_host
 from .coordinator import BEAT_S, TICK_S, Coordinator, job_hash, plan_world
 from .rank import RANK_ENV, WARM_ENV, snapshot_root
-from .transport import SOCKET_TIMEOUT_S, FileServer, fetch_checkpoint, push_unit
+from .transport import SOCKET_TIMEOUT_S, FileServer, Peer, fetch_checkpoint, push_unit
 
 
 class Agent:
@@ -45,7 +45,7 @@ class Agent:
         self.left = False  # whether this node's leave/I is written
         self.beat = 0.0
         # this node's snapshots, for the other agents (on the address towards the endpoint); root set at registration
-        self.files = FileServer(bind, self.key)
+        self.files = FileServer(bind, self.key, cfg.elastic.id)
         self.members: list[int] = []  # of the newest generation this node is a member of
         self.pushed: set[str] = set()  # units already copied to the peer node
         self.pusher: threading.Thread | None = None
@@ -106,7 +106,7 @@ class Agent:
         if plan.get("snapshot") is not None and self.node != 0:  # node 0 assembled it: this node's ranks read a copy
             try:
                 addr = json.loads(self.store.get("node/0"))["files"]
-                resume = str(fetch_checkpoint(addr, self.key, self.files.root, plan["snapshot"]))
+                resume = str(fetch_checkpoint(Peer(addr, e.id, 0), self.key, self.files.root, plan["snapshot"]))
             except (OSError, ValueError, TypeError) as err:  # the generation fails like a rank would, in one line
                 self.store.set(f"gen/{g}/exit/{self.node}", json.dumps({
                     "code": 1, "line": f"node {self.node} could not copy snapshot step_{plan['snapshot']} from node 0: "
@@ -148,7 +148,7 @@ class Agent:
         if self.node not in self.members or len(self.members) < 2 or self.files.root is None:
             return
         mine = sorted((int(m.group(1)), int(m.group(2)), rel) for rel in snapshot.units(self.files.root)
-                      if (m := snapshot.UNIT.match(rel)) and int(m.group(3)) == self.node and rel not in self.pushed)
+                      if (m := snapshot.UNIT.fullmatch(rel)) and int(m.group(3)) == self.node and rel not in self.pushed)
         if not mine:
             return
         step, gen, rel = mine[-1]  # the newest: an older one not copied yet is superseded
@@ -157,11 +157,11 @@ class Agent:
         info = self.store.get(f"node/{peer}")  # here: the store's client is not for threads
         if info is None:
             return
-        addr = json.loads(info)["files"]
+        to = Peer(json.loads(info)["files"], self.cfg.elastic.id, peer)
 
         def push():
             try:
-                push_unit(addr, self.key, self.files.root / rel, rel)
+                push_unit(to, self.key, self.files.root / rel, rel)
             except (OSError, ValueError, RuntimeError) as err:
                 print(f"nanotitan elastic: node {self.node}: snapshot step_{step} not copied to node {peer}: "
                       f"{first_line(err)}", flush=True)
@@ -283,7 +283,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
 
     def register() -> int:
         node = store.add("joined", 1) - 1
-        agent.files.root = snapshot_root(cfg, node)
+        agent.files.node, agent.files.root = node, snapshot_root(cfg, node)
         if cfg.train.resume != "auto":  # an earlier run's snapshots under this node's name, never to be resumed
             shutil.rmtree(agent.files.root, ignore_errors=True)
         store.set(f"beat/{node}", str(time.time()))

@@ -147,8 +147,16 @@ def seal(key: bytes, msg: dict, body_sha256: str = "", reply_to: str = "") -> di
     return msg
 
 
-def valid(key: bytes, msg: dict) -> bool:
-    return isinstance(msg, dict) and isinstance(msg.get("mac"), str) and hmac.compare_digest(msg["mac"], _mac(key, msg))
+def valid(key: bytes, msg) -> bool:
+    """Whether `msg` carries a MAC of `key` over its fields. Never raises, whatever a peer sent: compare_digest
+    raises TypeError on a non-ASCII str, json.dumps RecursionError on a deep one."""
+    mac = msg.get("mac") if isinstance(msg, dict) else None
+    if not (isinstance(mac, str) and mac.isascii()):
+        return False
+    try:
+        return hmac.compare_digest(mac, _mac(key, msg))
+    except (ValueError, TypeError, RecursionError):
+        return False
 
 
 class ReplayGuard:
@@ -161,8 +169,8 @@ class ReplayGuard:
         """'' when the request is to be served, else why it is refused."""
         if not valid(self.key, msg):
             return "no valid MAC (a sender without the job secret)"
-        now = time.time()
-        if not isinstance(msg.get("ts"), (int, float)) or abs(now - msg["ts"]) > WINDOW_S:
+        now, ts = time.time(), msg.get("ts")
+        if type(ts) not in (int, float) or not abs(now - ts) <= WINDOW_S:  # NaN too: it compares false
             return f"a stale timestamp (more than {WINDOW_S:g} s off: a replay, or a clock that is)"
         with self.lock:
             self.seen = {n: t for n, t in self.seen.items() if now - t <= 2 * WINDOW_S}

@@ -62,7 +62,7 @@ from ..config.errors import CheckpointError, first_line
 from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
 from . import snapshot
 from .rank import layout_line, snapshot_root
-from .transport import get_file, list_units
+from .transport import Peer, get_file, list_units
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
 BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
@@ -333,7 +333,7 @@ class Coordinator:
         for node in range(1, self.seen):
             info = self.store.get(f"node/{node}")
             if info is not None and self.store.get(f"refused/{node}") is None and not self._lost(node):
-                peers[node] = json.loads(info)["files"]
+                peers[node] = Peer(json.loads(info)["files"], self.cfg.elastic.id, node)
         snap = assemble_newest(self.snapshots, peers, self.store.key, _step_of(best) if best else -1, self._say)
         return snap or best
 
@@ -355,15 +355,15 @@ def _step_of(path: Path) -> int:
 
 # --- coordinator side: the newest step whose files are all somewhere, assembled on node 0 -------------------
 
-def assemble_newest(root: Path, peers: dict[int, str], key: bytes, newer_than: int, log) -> Path | None:
+def assemble_newest(root: Path, peers: dict[int, Peer], key: bytes, newer_than: int, log) -> Path | None:
     """The newest snapshot step > newer_than whose every file is held by this node (ROOT) or a peer's FileServer
-    (`peers`: node -> HOST:PORT, asked with the job's `key`; one that does not answer is skipped) and verifies: assembled into
+    (`peers`: node -> its transport.Peer, asked with the job's `key`; one that does not answer is skipped) and verifies: assembled into
     ROOT/checkpoints/step_N and returned. Each step passed over is named through `log`, with why."""
     holders: dict[tuple[int, int], dict[str, list]] = {}  # (step, gen) -> file -> [(addr or None, rel path)]
 
     def add(addr, inventory):
         for rel, files in inventory.items():
-            m = snapshot.UNIT.match(rel)
+            m = snapshot.UNIT.fullmatch(rel)
             key = (int(m.group(1)), int(m.group(2)))
             for name in files:
                 holders.setdefault(key, {}).setdefault(name, []).append((addr, f"{rel}/{name}"))

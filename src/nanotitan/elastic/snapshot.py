@@ -45,7 +45,7 @@ from ..state import checkpoint as ckpt
 from ..state.manifest import DCP_METADATA, is_plain_file, unit_mismatch
 from ..state.packing import SnapshotPacking, gather_json
 
-UNIT = re.compile(r"^step_(\d+)/g(\d+)-node(\d+)$")  # a committed unit, relative to ROOT
+UNIT = re.compile(r"step_([0-9]+)/g([0-9]+)-node([0-9]+)")  # fullmatch: a committed unit, relative to ROOT
 KEEP_STEPS = 2  # a node keeps the units of its two newest steps: the newest may be incomplete when a node dies
 
 
@@ -181,7 +181,7 @@ def units(root: Path) -> dict[str, list[str]]:
         try:
             for d in step.iterdir():
                 rel = f"{step.name}/{d.name}"
-                if UNIT.match(rel) and _real_dir(step) and _real_dir(d):
+                if UNIT.fullmatch(rel) and _real_dir(step) and _real_dir(d):
                     out[rel] = sorted(f.name for f in d.iterdir() if is_plain_file(f))
         except FileNotFoundError:  # pruned while listed
             continue

@@ -31,7 +31,7 @@ from ..config.config import ModelConfig
 DEEPSEEK_RULES = [(r"^mtp\.(\d+)\.", r"model.layers.\1."),
                   (r"^layers\.(\d+)\.moe\.shared_expert\.", r"model.layers.\1.mlp.shared_experts."),
                   (r"^layers\.(\d+)\.moe\.router_bias$", r"model.layers.\1.mlp.gate.e_score_correction_bias")]
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 
 
 def rope_parameters(m: ModelConfig) -> dict:

@@ -44,7 +44,7 @@ from .deepseek import DEEPSEEK_RULES, deepseek_config, ignored_key, mtp_shared_c
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16")}
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' default shard size: larger exports are split (+ index)
 EXPERT_WEIGHTS = ("W_gate", "W_val", "W_out")  # ours, in the order of HF's (gate, up, down)
-_EXPERT = re.compile(r"^layers\.(\d+)\.moe\.experts\.(W_gate|W_val|W_out)$")
+_EXPERT = re.compile(r"layers\.([0-9]+)\.moe\.experts\.(W_gate|W_val|W_out)")  # fullmatch
 
 
 def _moe_block(family: str) -> str:
@@ -255,7 +255,7 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
     e0 = model.spec.expert_start
     with _Reader(hf_dir) as r:
         for name, p in _weights(model, family):
-            m = _EXPERT.match(name)
+            m = _EXPERT.fullmatch(name)
             if m:
                 _load_experts(r, family, int(m[1]), EXPERT_WEIGHTS.index(m[2]), p, e0, name)
                 continue
@@ -316,7 +316,7 @@ def _weights(model: Transformer, family: str):
 def hf_tensors(model: Transformer, family: str):
     """(HF name, tensor view) for every parameter of the (full) model, experts split and transposed."""
     for name, p in _weights(model, family):
-        m = _EXPERT.match(name)
+        m = _EXPERT.fullmatch(name)
         if m:
             which = EXPERT_WEIGHTS.index(m[2])
             for l in range(p.shape[0]):

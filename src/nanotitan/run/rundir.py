@@ -39,7 +39,7 @@ from ..config.errors import os_reason
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "NANOTITAN_RUN_DIR_LOCK"  # set by the holder for the ranks it starts: "the launcher holds it"
-_CKPT_ENTRY = re.compile(r"^step_(\d+)(\.tmp)?$")
+_CKPT_ENTRY = re.compile(r"step_([0-9]+)(\.tmp)?")  # fullmatch
 
 
 class RunDirError(ConfigError):
@@ -189,8 +189,8 @@ def _checkpoint_entries(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted((d for d in root.iterdir() if _CKPT_ENTRY.match(d.name)),
-                  key=lambda d: int(_CKPT_ENTRY.match(d.name).group(1)))
+    return sorted((d for d in root.iterdir() if _CKPT_ENTRY.fullmatch(d.name)),
+                  key=lambda d: int(_CKPT_ENTRY.fullmatch(d.name).group(1)))
 
 
 def writable_dir(path: str | Path, flag: str) -> Path:
@@ -218,7 +218,7 @@ def clean_stale_saves(run_dir: str | Path) -> str:
     """Remove RUN_DIR/checkpoints/step_N.tmp dirs: saves that a crashed or killed job never finished. Call it
     holding the run dir's lock (no other job can be writing them). Returns "" or the line saying what went."""
     root = Path(run_dir) / "checkpoints"
-    stale = sorted(d for d in root.iterdir() if d.name.endswith(".tmp") and _CKPT_ENTRY.match(d.name)) \
+    stale = sorted(d for d in root.iterdir() if d.name.endswith(".tmp") and _CKPT_ENTRY.fullmatch(d.name)) \
         if root.is_dir() else []
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)

@@ -335,7 +335,7 @@ def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
     older = [d for s, d in complete if s <= step]
     doomed = newer + (older[:-keep_last] if keep_last > 0 else [])
     for d in root.iterdir():
-        if d.name.endswith(".tmp") or (STEP_DIR.match(d.name) and not (d / COMPLETE).exists()):
+        if d.name.endswith(".tmp") or (STEP_DIR.fullmatch(d.name) and not (d / COMPLETE).exists()):
             doomed.append(d)  # one job owns a run dir (rundir.py) and its save has finished: these are stale
     if newer:
         print(f"removed {', '.join(d.name for d in newer)}: newer than step {step}, from a timeline this run "
@@ -364,8 +364,8 @@ def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
 
 def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     """Global check every rank can do alone: the checkpoint has no more layers/experts than the model."""
-    layers = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.(\d+)\.", k))}
-    experts = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.\d+\.moe\.experts\.W_gate\.(\d+)$", k))}
+    layers = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.([0-9]+)\.", k))}
+    experts = {int(m.group(1)) for k in meta if (m := re.fullmatch(r"model\.layers\.[0-9]+\.moe\.experts\.W_gate\.([0-9]+)", k))}
     cfg = model.cfg
     if layers and max(layers) + 1 != cfg.n_layers + cfg.mtp_layers:  # the MTP blocks follow the decoder's
         mtp = f" + model.mtp_layers={cfg.mtp_layers}" if cfg.mtp_layers else ""

@@ -35,9 +35,9 @@ STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 2  # 2: manifest.json with a checksum per file
-STEP_DIR = re.compile(r"^step_(\d+)$")
-_ENTRY = re.compile(r"^step_(\d+)(\.tmp)?$")  # a checkpoint dir, or a save that never finished
-_SHARD = re.compile(r"^__(\d+)_\d+\.(distcp|raw)$")  # rank r's shards: DCP's __r_<k>.distcp, a snapshot's __r_0.raw
+STEP_DIR = re.compile(r"step_([0-9]+)")  # fullmatch, as the two below
+_ENTRY = re.compile(r"step_([0-9]+)(\.tmp)?")  # a checkpoint dir, or a save that never finished
+_SHARD = re.compile(r"__([0-9]+)_[0-9]+\.(distcp|raw)")  # rank r's shards: DCP's __r_<k>.distcp, a snapshot's __r_0.raw
 _CHUNK = 8 << 20
 
 
@@ -52,13 +52,13 @@ def _entries(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    out = [(int(m.group(1)), d) for d in root.iterdir() if (m := _ENTRY.match(d.name))]
+    out = [(int(m.group(1)), d) for d in root.iterdir() if (m := _ENTRY.fullmatch(d.name))]
     return sorted(out, key=lambda e: (e[0], e[1].name.endswith(".tmp")), reverse=True)
 
 
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, dir) of the step_N dirs that have a COMPLETE marker, oldest first."""
-    return sorted((s, d) for s, d in _entries(run_dir) if STEP_DIR.match(d.name) and (d / COMPLETE).is_file())
+    return sorted((s, d) for s, d in _entries(run_dir) if STEP_DIR.fullmatch(d.name) and (d / COMPLETE).is_file())
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -128,7 +128,7 @@ def _from_i64(v: int) -> str:
 def _checker(name: str, world: int) -> int:
     """The rank that checksums a file: a shard's writer (its bytes are still in that host's page cache;
     mod world when a smaller job loads it), rank 0 for the small files."""
-    m = _SHARD.match(name)
+    m = _SHARD.fullmatch(name)
     return int(m.group(1)) % world if m else 0
 
 
@@ -235,7 +235,7 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> str:
         codes = codes.to(comm.collective_device())
         comm.all_reduce(codes, axis="other")
     for name, (code, size) in zip(names, codes.tolist()):
-        kind = "shard" if _SHARD.match(name) else "file"
+        kind = "shard" if _SHARD.fullmatch(name) else "file"
         if code == 1:
             return f"{kind} {name} is missing"
         if code == 2:
@@ -253,7 +253,7 @@ def extra_shard(path: Path, files: dict) -> str:
     """'' or the line naming a shard in `path` that its manifest does not list (another save's, or planted). Only a
     non-empty one: a rank whose keys were all deduped may leave an empty file that no metadata points at."""
     try:
-        extra = sorted(f.name for f in path.iterdir() if _SHARD.match(f.name) and f.name not in files
+        extra = sorted(f.name for f in path.iterdir() if _SHARD.fullmatch(f.name) and f.name not in files
                        and f.lstat().st_size > 0)
     except OSError as e:
         return f"{path} cannot be listed ({os_reason(e)})"
@@ -313,7 +313,7 @@ def _newest_verified(run_dir: Path, verify: bool) -> tuple[Path | None, list[str
     whether any of those is a complete checkpoint that failed verification). Rank 0's listing is
     broadcast so that every rank verifies the same candidates in the same order."""
     entries = _entries(run_dir) if comm.world_rank() == 0 else []
-    steps = [s for s, d in entries if STEP_DIR.match(d.name)]
+    steps = [s for s, d in entries if STEP_DIR.fullmatch(d.name)]
     if comm.distributed():
         n = torch.tensor([len(steps)], dtype=torch.int64, device=comm.collective_device())
         comm.broadcast(n, src=0)
@@ -347,7 +347,7 @@ def resolve_resume(resume: str, run_dir: str | Path, verify: bool = True,
     if resume == "":
         return None
     p = Path(resume)
-    if resume != "auto" and (STEP_DIR.match(p.name) or (p / COMPLETE).exists() or (p / DCP_METADATA).exists()):
+    if resume != "auto" and (STEP_DIR.fullmatch(p.name) or (p / COMPLETE).exists() or (p / DCP_METADATA).exists()):
         reason = verify_checkpoint(p, checksums=verify)
         if reason:
             raise CheckpointError(f"cannot resume from {p}: {reason} (choose another with --train.resume PATH, "
