@@ -11,7 +11,6 @@ elastic job's transport and store act only on what carries a valid MAC of the jo
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 import xxhash
 
 from tests.helpers.equivalence import base_args, layout_args
+from tests.helpers.sockets import exchange as _raw
 
 KEY = b"k" * 32
 
@@ -130,17 +130,6 @@ def test_a_signed_snapshot_unit_with_planted_metadata_is_refused_at_load(trained
     with pytest.raises(CheckpointError, match=r"step_4/.metadata holds builtins.open, which is not checkpoint"):
         load_checkpoint(path, tr.model, tr.optimizer, tr.dims, shard=tr.shard)
     assert not marker.exists() and (path / ".metadata").exists()
-
-
-def _raw(port: int, line: bytes) -> bytes:
-    """A stranger's request: one line to the port, everything it answers."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(line)
-        s.shutdown(socket.SHUT_WR)
-        out = b""
-        while chunk := s.recv(1 << 16):
-            out += chunk
-    return out
 
 
 def test_a_stranger_gets_nothing_and_a_replay_is_refused(tmp_path, monkeypatch):

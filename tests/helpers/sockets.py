@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
 
 
@@ -83,3 +84,14 @@ def kill_tree(root: int) -> None:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+def exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """A stranger's request to 127.0.0.1:PORT: send `data`, half-close, return everything the server answers."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    return out
