@@ -22,8 +22,12 @@ def _server(root: Path, host: str):
     try:  # after issue 39: transport.py, a job key, the address towards the endpoint
         from nanotitan.elastic import agent, auth, transport
 
-        key = b"k" * 32
-        s = transport.FileServer(agent.address_towards(host), key, log=lambda line: print("  server:", line))
+        key, say = b"k" * 32, (lambda line: print("  server:", line))
+        if hasattr(transport, "Peer"):  # issue 49: a request names its job and node
+            s = transport.FileServer(agent.address_towards(host), key, "job", log=say)
+            s.node = 0
+            return s, json.dumps(auth.seal(key, {"op": "list", "job": "job", "to": 0})).encode() + b"\n", s.host
+        s = transport.FileServer(agent.address_towards(host), key, log=say)
         return s, json.dumps(auth.seal(key, {"op": "list"})).encode() + b"\n", s.host
     except ImportError:  # before: snapshot.FileServer() on every interface, no key
         from nanotitan.elastic import snapshot

@@ -68,6 +68,7 @@ class _Refused(Exception):
 class _TCPServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True  # on this class only: setting it on ThreadingTCPServer would change every user's
     daemon_threads = True  # a request in flight never holds up the agent's exit
+    request_queue_size = 128  # a flood overflowing the accept queue (5) would delay members' connects by seconds
 
     def __init__(self, addr, files: "FileServer"):
         self.files, self.pending = files, threading.BoundedSemaphore(MAX_PENDING)
