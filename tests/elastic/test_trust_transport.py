@@ -69,6 +69,7 @@ def _hostile() -> dict[str, bytes]:
         "truncated line": b'{"op": "list", "ma',
         "huge int": b'{"op": "list", "to": ' + b"9" * 5000 + b"}\n",
         "NaN": b'{"op": "list", "ts": NaN, "mac": "' + b"0" * 64 + b'"}\n',
+        "ts of 400 digits": _signed({"op": "list", "job": "job", "to": 0}, ts=10**400),
         "mac of the wrong length": _signed({"op": "list", "job": "job", "to": 0}, mac="0" * 63),
         "mac as a list": _signed({"op": "list", "job": "job", "to": 0}, mac=["a"]),
         # a valid MAC over fields of the wrong type or shape (a member's broken code, or a future bug)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -148,24 +147,23 @@ class FileServer:
         """One connection: its request line within REQUEST_S, admitted or refused (one refusal, one line), then
         served. Nothing a peer sends escapes as a traceback."""
         try:
-            try:
-                line, rest = _read_line(sock, MAX_REQUEST, time.monotonic() + REQUEST_S, "request")
-                req = self._admit(line)
-            finally:
-                admitted()  # its slot among the pending connections
+            line, rest = _read_line(sock, MAX_REQUEST, time.monotonic() + REQUEST_S, "request")
+            req = self._admit(line)
         except Exception as e:  # noqa: BLE001 - a stranger's bytes: whatever they raise is one refusal
             if isinstance(e, _Refused):
                 self.say(client, str(e), e.op)
             else:
-                self.say(client, f"a request that breaks the parser ({first_line(e)[:120]})")
-            _send(sock, _REFUSED)
+                self.say(client, f"a request that breaks its reader ({first_line(e)[:120]})")
+            _refuse(sock)
             return
+        finally:
+            admitted()  # its slot among the pending connections (a refused one's after its refusal)
         wfile = sock.makefile("wb")
         try:
             sock.settimeout(SOCKET_TIMEOUT_S)
             self._serve(req, _Body(rest, sock.makefile("rb")), wfile)
         except Exception as e:  # noqa: BLE001 - a member's request that fails: its one line goes back to it
-            _send(sock, (json.dumps({"error": first_line(e)}) + "\n").encode(), wfile)
+            _send(wfile, (json.dumps({"error": first_line(e)}) + "\n").encode())
         finally:
             try:
                 wfile.close()
@@ -257,10 +255,10 @@ def _malformed(req) -> str:
     for k, kind in want.items():  # bool is not an int here: type(), not isinstance
         if type(req[k]) not in (kind if isinstance(kind, tuple) else (kind,)):
             return f"field {k!r} is not {'a number' if isinstance(kind, tuple) else 'a ' + kind.__name__}"
-    if not (math.isfinite(req["ts"]) and len(req["nonce"]) == 32 and _HEX.fullmatch(req["nonce"])
+    if not (abs(req["ts"]) < 1e15 and len(req["nonce"]) == 32 and _HEX.fullmatch(req["nonce"])
             and len(req["body"]) in (0, 64) and _HEX.fullmatch(req["body"]) and req["reply_to"] == ""
             and len(req["job"]) <= 200 and req["to"] >= 0):
-        return "a field out of its range (ts, nonce, body, reply_to, job or to)"
+        return "a field out of its range (ts, nonce, body, reply_to, job or to)"  # NaN < 1e15 is false too
     if req["op"] == "get" and not (len(req["path"]) <= 1024 and all(_NAME.fullmatch(p) for p in req["path"].split("/"))):
         return f"path {ascii(req['path'])[:80]} is not plain names under the snapshot dir"
     if req["op"] == "put":
@@ -311,6 +309,8 @@ def _read_line(sock: socket.socket, cap: int, deadline: float, what: str) -> tup
             chunk = sock.recv(1 << 16)
         except TimeoutError:
             continue
+        except OSError as e:  # reset by the peer, say
+            raise _Refused(f"the connection failed before a whole {what} line ({first_line(e)[:80]})") from None
         if not chunk:
             raise _Refused(f"the connection closed before a whole {what} line ({len(buf)} bytes)")
         end = chunk.find(b"\n")
@@ -334,14 +334,27 @@ class _Body:
         return self.rfile.read(n)
 
 
-def _send(sock: socket.socket, data: bytes, wfile=None) -> None:
+def _send(wfile, data: bytes) -> None:
     try:
-        if wfile is not None:
-            wfile.write(data)
-            wfile.flush()
-        else:
-            sock.settimeout(1.0)
-            sock.sendall(data)
+        wfile.write(data)
+        wfile.flush()
+    except OSError:
+        pass
+
+
+def _refuse(sock: socket.socket, linger_s: float = 1.0, drain: int = 1 << 20) -> None:
+    """The one word a stranger gets, then what it still sends read and dropped (at most `drain` bytes, `linger_s`):
+    a close on unread bytes resets the connection, and a reset can discard the refusal before the peer reads it."""
+    end = time.monotonic() + linger_s
+    try:
+        sock.settimeout(linger_s)
+        sock.sendall(_REFUSED)
+        sock.shutdown(socket.SHUT_WR)
+        while drain > 0 and (left := end - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not (chunk := sock.recv(min(drain, 1 << 16))):
+                break
+            drain -= len(chunk)
     except OSError:
         pass
 
