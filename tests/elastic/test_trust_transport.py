@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import xxhash
 
 from nanotitan.elastic import auth, snapshot, transport
 from nanotitan.elastic.coordinator import assemble_newest
@@ -302,7 +303,9 @@ def test_names_are_matched_whole_and_in_ascii(served, tmp_path):
     for rel in bad:
         with pytest.raises(OSError, match="refused"):
             transport.push_unit(peer, KEY, unit, rel)
-    (unit / "\u00e9.raw").write_bytes(b"x")
+    (unit / "\u00e9.raw").write_bytes(b"x")  # listed in its manifest: only its name is wrong
+    (unit / "manifest.json").write_text(json.dumps({"format": 2, "files": {
+        "\u00e9.raw": {"bytes": 1, "xxh3_64": xxhash.xxh3_64_hexdigest(b"x")}}}))
     with pytest.raises(OSError, match="refused"):
         transport.push_unit(peer, KEY, unit, "step_2/g1-node1")
     assert sorted(p.name for p in server.root.iterdir()) == ["step_10"]
