@@ -405,9 +405,9 @@ def _request(peer: Peer, key: bytes, req: dict, body=None, body_sha256: str = ""
              timeout_s: float = SOCKET_TIMEOUT_S):
     """(socket, a reader of what follows the answer line, the answer's JSON) of one signed request to `peer`;
     raises OSError, in one line, on a refusal, an answer without a valid MAC for this request, or any garbage."""
-    host, port = peer.addr.rsplit(":", 1)
     req = seal(key, dict(req, job=peer.job, to=peer.node), body_sha256)
     try:
+        host, port = peer.addr.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     except (OSError, ValueError) as e:
         raise OSError(f"{peer.addr}: {first_line(e)}") from None
