@@ -159,7 +159,7 @@ def test_a_store_error_reads_as_absent_named_once():
     store = _client(raw, launch=new_launch(), log=said.append)
     store.store = _Stranger(store.store, fail=dist.DistStoreError("Socket Timeout"))
     assert [store.get("done") for _ in range(3)] == [None] * 3
-    assert len(said) == 1 and "unreadable (DistStoreError: Socket Timeout)" in said[0], said
+    assert len(said) == 1 and "'done' is unreadable (DistStoreError: Socket Timeout); read as absent" in said[0], said
 
 
 def test_the_memory_of_refused_entries_is_bounded():

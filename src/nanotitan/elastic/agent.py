@@ -304,7 +304,11 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
     agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
     if not is_host:
-        node = register()
+        try:
+            node = register()
+        except ConfigError:  # node 0 gave no id: the warm ranks and the file server go first
+            agent._close()
+            raise
     agent.node, agent.coordinator = node, Coordinator(cfg, store, my_hash) if is_host else None
     with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if is_host else nullcontext():
         code = agent.run()

@@ -229,21 +229,23 @@ class SignedStore:
         try:
             raw = self.store.compare_set(k, ABSENT, ABSENT)
         except Exception as err:  # noqa: BLE001 - a store error (a timeout, a closed connection) reads as absent
-            return self._refuse(k, type(err).__name__.encode(), f"unreadable ({first_line(err)})")
+            return self._refuse(k, type(err).__name__.encode(), f"store entry {k!r} is unreadable ({first_line(err)}); "
+                                                                "read as absent")
         if raw == ABSENT:
             return None
         if len(raw) > ENTRY_MAX:
-            return self._refuse(k, hashlib.sha256(raw).digest(), f"{len(raw)} bytes, more than {ENTRY_MAX}")
+            return self._refuse(k, hashlib.sha256(raw).digest(), f"refused store entry {k!r}: {len(raw)} bytes, more "
+                                                                  f"than {ENTRY_MAX}; ignored")
         try:
             mac, value = raw[:64].decode("ascii"), raw[64:].decode("utf-8")
             if hmac.compare_digest(mac, self._mac(k, value)):
                 return value
         except Exception:  # noqa: BLE001 - not ours, whatever it is
             pass
-        return self._refuse(k, hashlib.sha256(raw).digest(), "no valid MAC (written without the job secret, or "
-                                                                "by another job or an earlier launch of this one)")
+        return self._refuse(k, hashlib.sha256(raw).digest(), f"refused store entry {k!r}: no valid MAC (written "
+                            "without the job secret, or by another job or an earlier launch of this one); ignored")
 
-    def _refuse(self, k: str, digest: bytes, why: str) -> None:
+    def _refuse(self, k: str, digest: bytes, line: str) -> None:
         """Name a refused entry once (while it is among the REFUSED_MAX last ones); it reads as absent."""
         seen = (k, digest)
         if seen in self.refused:
@@ -252,7 +254,7 @@ class SignedStore:
         self.refused[seen] = None
         if len(self.refused) > REFUSED_MAX:
             self.refused.popitem(last=False)
-        self.log(f"nanotitan elastic: refused store entry {k!r}: {why}; ignored")
+        self.log(f"nanotitan elastic: {line}")
         return None
 
     def add(self, k: str, n: int) -> int:
