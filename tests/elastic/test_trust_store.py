@@ -45,6 +45,7 @@ def test_an_entry_of_another_job_copied_under_this_ones_prefix_does_not_verify()
     assert len(said) == 2 and all("no valid MAC" in s and "another job" in s for s in said), said
     b.set("done", "x")
     assert b.get("done") == "x"
+    assert b.get("absent") is None and not b.store.check(["absent"])  # a read (compare_set) creates nothing
 
 
 def test_an_earlier_launchs_done_neither_ends_an_agent_nor_deletes_its_snapshots(corpus_dir, tmp_path, capsys):

@@ -205,8 +205,9 @@ class SignedStore:
     a joiner learns the launch from them, and their keys hold a random token of its own.
 
     `get` is one non-blocking read (compare_set: the current value, or ABSENT, with no wait for a key deleted
-    meanwhile) of at most ENTRY_MAX bytes, checked before anything is parsed, and wrapped against any exception:
-    a bad entry (or a failed read) reads as absent, named once in one line. Counters (`add`) carry no MAC: the
+    meanwhile); an entry over ENTRY_MAX bytes is refused unparsed, the MAC is checked before anything is parsed,
+    and the read is wrapped against any exception: a bad entry (or a failed read) reads as absent, named once in
+    one line. Counters (`add`) carry no MAC: the
     coordinator acts on no counter alone."""
 
     def __init__(self, raw, key: bytes, job: str, launch: str | None = None, log=print):
@@ -233,15 +234,15 @@ class SignedStore:
                                                                 "read as absent")
         if raw == ABSENT:
             return None
-        if len(raw) > ENTRY_MAX:
-            return self._refuse(k, hashlib.sha256(raw).digest(), f"refused store entry {k!r}: {len(raw)} bytes, more "
-                                                                  f"than {ENTRY_MAX}; ignored")
+        if len(raw) > ENTRY_MAX:  # neither parsed nor hashed whole
+            return self._refuse(k, hashlib.sha256(raw[:ENTRY_MAX]).digest() + str(len(raw)).encode(),
+                                f"refused store entry {k!r}: {len(raw)} bytes, more than {ENTRY_MAX}; ignored")
         try:
             mac, value = raw[:64].decode("ascii"), raw[64:].decode("utf-8")
-            if hmac.compare_digest(mac, self._mac(k, value)):
-                return value
-        except Exception:  # noqa: BLE001 - not ours, whatever it is
-            pass
+        except UnicodeDecodeError:  # not ours
+            mac = value = ""
+        if len(mac) == 64 and hmac.compare_digest(mac, self._mac(k, value)):
+            return value
         return self._refuse(k, hashlib.sha256(raw).digest(), f"refused store entry {k!r}: no valid MAC (written "
                             "without the job secret, or by another job or an earlier launch of this one); ignored")
 
