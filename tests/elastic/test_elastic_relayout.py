@@ -104,8 +104,8 @@ def test_world_without_layout_leaves_a_spare_and_a_different_joiner_is_refused(c
     starts on 4; a node with another code or config hash is refused in one line."""
     coord, store, _raw = _coordinator(corpus_dir, tmp_path, "1:8")
     for node in range(5):
-        _register(store, node, coord.hash)
-    _register(store, 5, "0" * 16)
+        _register(coord, store, node, coord.hash)
+    _register(coord, store, 5, "0" * 16)
     coord.since -= 1e6  # whatever the clock, the first generation is due now
     coord.tick()
     plan = json.loads(store.get("gen/1"))

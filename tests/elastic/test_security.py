@@ -187,10 +187,10 @@ def test_a_forged_store_entry_is_refused_once_and_joins_nothing(corpus_dir, tmp_
     from tests.helpers.elastic import _coordinator, _register
 
     coord, store, _raw_store = _coordinator(corpus_dir, tmp_path, "1:2")
-    _register(store, 0, coord.hash)
-    assert store.add("joined", 1) == 2  # a stranger takes id 1 and writes its registration without the key
-    store.store.set("node/1", json.dumps({"v": json.dumps({"host": "evil", "pid": 0, "hash": coord.hash}),
-                                          "mac": "0" * 64}))
+    _register(coord, store, 0, coord.hash)
+    assert store.add("joined", 1) == 1  # a stranger takes a ticket and writes a join request without the key
+    store.store.set("join/0", "0" * 64 + json.dumps({"token": "f" * 32, "host": "evil", "pid": 0, "hash": coord.hash,
+                                                     "files": "", "ts": time.time()}))
     store.store.set("leave/0", "1")  # and tries to make node 0 leave
     coord.since -= 1e6
     coord.tick()
@@ -198,7 +198,7 @@ def test_a_forged_store_entry_is_refused_once_and_joins_nothing(corpus_dir, tmp_
     plan = json.loads(store.get("gen/1"))
     assert plan["members"] == [0], plan
     out = capsys.readouterr().out
-    assert out.count("refused store entry 'node/1'") == 1 and out.count("refused store entry 'leave/0'") == 1, out
+    assert out.count("refused store entry 'join/0'") == 1 and out.count("refused store entry 'leave/0'") == 1, out
     assert "leaves" not in out
 
 

@@ -93,7 +93,7 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
     import torch.distributed as dist
 
     from nanotitan.config.config import load_config
-    from nanotitan.elastic.auth import SignedStore
+    from nanotitan.elastic.auth import SignedStore, new_launch
     from nanotitan.elastic.coordinator import Coordinator, job_hash
 
     cfg = load_config(None, base_args(corpus_dir, run_dir) + [
@@ -101,11 +101,33 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
         "--elastic.endpoint", "127.0.0.1:1", "--elastic.id", "bad", "--elastic.snapshot_dir", str(run_dir / "shm"),
         *extra])
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    store = SignedStore(dist.PrefixStore("nanotitan/elastic/bad", raw), b"k" * 32)
+    store = SignedStore(raw, b"k" * 32, "bad", new_launch())
     return Coordinator(cfg, store, job_hash(cfg)), store, raw
 
 
-def _register(store, node: int, hash_: str) -> None:
-    assert store.add("joined", 1) - 1 == node
+def _register(coord, store, node: int, hash_: str) -> None:
+    """Node `node` registers as its agent does: node 0 is the coordinator's own; a joiner asks for its id
+    (agent.ask_to_join, on a store client of its own) while the coordinator reads the requests. Then its first
+    beat and node/I, with the launch's nonce that node 0's answer carried."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nanotitan.elastic.agent import ask_to_join
+    from nanotitan.elastic.auth import SignedStore
+
+    if node:
+        client = dist.TCPStore("127.0.0.1", store.store.underlying_store.port, is_master=False,
+                               wait_for_workers=False, timeout=timedelta(seconds=10))
+        store = SignedStore(client, store.key, store.prefix.rsplit("/", 1)[1])
+        got = []
+        asker = threading.Thread(target=lambda: got.append(ask_to_join(store, {"host": "h", "pid": 0, "hash": hash_},
+                                                                        10, "test")))
+        asker.start()
+        while asker.is_alive():
+            coord._registrations()
+            asker.join(0.05)
+        assert got == [node], got
     store.set(f"beat/{node}", str(time.time()))
     store.set(f"node/{node}", json.dumps({"host": "h", "pid": 0, "hash": hash_}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,8 +26,8 @@ from ..config.parse import elastic_nodes
 from ..config.errors import first_line
 from . import snapshot
 from ..run.loopback import loopback_env, loopback_store
-from .auth import KEY_ENV, SignedStore, agent_key, single_host
-from .coordinator import BEAT_S, TICK_S, Coordinator, job_hash, plan_world
+from .auth import KEY_ENV, SignedStore, agent_key, default_id_warning, new_launch, single_host
+from .coordinator import BEAT_S, REJOIN_S, TICK_S, Coordinator, job_hash, plan_world
 from .rank import RANK_ENV, WARM_ENV, snapshot_root
 from .transport import SOCKET_TIMEOUT_S, FileServer, Peer, fetch_checkpoint, push_unit
 
@@ -113,7 +114,8 @@ class Agent:
                                        f"{first_line(err)}"}))
                 return
         self._warm_up()  # already warm unless this node's last generation just started
-        info = json.dumps({"endpoint": e.endpoint, "id": e.id, "gen": g, "node": self.node, "spawned": time.time()})
+        info = json.dumps({"endpoint": e.endpoint, "id": e.id, "launch": self.store.launch, "gen": g, "node": self.node,
+                           "spawned": time.time()})
         # `nanotitan train` overrides: the elastic section off (ranks are not agents), the planned layout, and
         # train.ckpt_on_signal (the all-reduced stop flag that makes every rank stop at the same step).
         cmd = [*self.argv, *plan["flags"],
@@ -276,19 +278,23 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
         except (RuntimeError, OSError) as err:
             raise ConfigError(f"no elastic job answers at {e.endpoint} after {e.join_timeout_s:g} s ({err}); start "
                               "node 0 there, or fix --elastic.endpoint") from None
-    store = SignedStore(dist.PrefixStore(f"nanotitan/elastic/{e.id}", raw), key)
+    if warning := default_id_warning(cfg):
+        print(warning, file=sys.stderr, flush=True)
+    # node 0 draws this launch's nonce; a joiner learns it when node 0 answers its request (ask_to_join)
+    store = SignedStore(raw, key, e.id, new_launch() if is_host else None)
     my_hash = job_hash(cfg)
     agent = Agent(cfg, argv, store, bind=address_towards(host))
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "notice", True))
 
     def register() -> int:
-        node = store.add("joined", 1) - 1
+        files = f"{address_towards(host)}:{agent.files.port}"
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash, "files": files}
+        node = 0 if is_host else ask_to_join(store, info, e.join_timeout_s, e.endpoint)
         agent.files.node, agent.files.root = node, snapshot_root(cfg, node)
         if cfg.train.resume != "auto":  # an earlier run's snapshots under this node's name, never to be resumed
             shutil.rmtree(agent.files.root, ignore_errors=True)
         store.set(f"beat/{node}", str(time.time()))
-        store.set(f"node/{node}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash,
-                                              "files": f"{address_towards(host)}:{agent.files.port}"}))
+        store.set(f"node/{node}", json.dumps(info))
         print(f"nanotitan elastic: node {node} ({'hosting the store at ' if is_host else 'joined '}{e.endpoint}, "
               f"job {e.id}, {e.nproc_per_node} ranks)", flush=True)
         return node
@@ -298,19 +304,44 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
     agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
     if not is_host:
-        node = register()
+        try:
+            node = register()
+        except ConfigError:  # node 0 gave no id: the warm ranks and the file server go first
+            agent._close()
+            raise
     agent.node, agent.coordinator = node, Coordinator(cfg, store, my_hash) if is_host else None
     with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if is_host else nullcontext():
         code = agent.run()
         if is_host:  # the store lives in this process: let the other agents read `done` first
-            _wait_for_agents(store)
+            _wait_for_agents(store, len(agent.coordinator.nodes | agent.coordinator.refused_nodes))
     return code
 
 
-def _wait_for_agents(store, timeout_s: float = 10.0) -> None:
+def ask_to_join(store: SignedStore, info: dict, timeout_s: float, endpoint: str) -> int:
+    """A joiner's registration: this node's id from node 0, and this launch's nonce, which the agent's entries
+    carry from then on (store.launch). It takes a ticket of the `joined` counter and writes its request there
+    (join/TICKET, signed), naming a random token; node 0 answers at assign/TOKEN (Coordinator._registrations).
+    A request not answered in REJOIN_S (a stranger overwrote it, or moved the counter past it) is made again."""
+    token, end, asked = secrets.token_hex(16), time.monotonic() + timeout_s, -float("inf")
+    while (answer := store.get(f"assign/{token}")) is None:
+        now = time.monotonic()
+        if now > end:
+            raise ConfigError(f"node 0 at {endpoint} gave this node no id in {timeout_s:g} s: it has another job "
+                              "secret (--elastic.secret_file), or is not coordinating yet (--elastic.join_timeout_s)")
+        if now - asked >= REJOIN_S:
+            ticket = store.add("joined", 1) - 1
+            store.set(f"join/{ticket}", json.dumps(dict(info, token=token, ts=time.time())))
+            asked = now
+        time.sleep(TICK_S)
+    answer = json.loads(answer)
+    store.launch = answer["launch"]
+    return answer["node"]
+
+
+def _wait_for_agents(store, agents: int, timeout_s: float = 10.0) -> None:
     """Every agent says bye when it exits; an agent that never does (lost) costs timeout_s."""
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end and store.add("bye", 0) < store.add("joined", 0):
+    while time.monotonic() < end and store.add("bye", 0) < agents:
         time.sleep(TICK_S)
 
 

@@ -6,8 +6,9 @@ its own in the run dir). From it each process derives one HMAC-SHA256 key, which
 - each request to a node's file transport (transport.py) and each answer: the request's fields, a SHA-256 of
   its body, a timestamp and a nonce (a request older than WINDOW_S or whose nonce was seen is a replay);
   an answer is bound to its request's nonce;
-- each store entry a member acts on (SignedStore): the value, bound to its key, so an entry cannot be forged
-  or moved to another key.
+- each store entry a member acts on (SignedStore): the value, bound to its full key (the job's prefix included)
+  and to the launch's nonce, so an entry cannot be forged, moved to another key or job, or replayed from an
+  earlier launch.
 Something without a valid MAC is refused and named in one line on the node it reached; the job goes on.
 """
 
@@ -23,9 +24,11 @@ import socket
 import stat
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
-from ..config.config import Config, ConfigError
+from ..config.config import Config, ConfigError, ElasticConfig
+from ..config.errors import first_line
 
 SECRET_ENV = "NANOTITAN_ELASTIC_SECRET"  # the secret itself (the file's alternative)
 KEY_ENV = "NANOTITAN_ELASTIC_KEY"  # the derived key, handed by an agent to its ranks
@@ -41,6 +44,14 @@ def single_host(endpoint: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def default_id_warning(cfg: Config) -> str:
+    """A warning line when elastic.id is the default (the same for every job), else ''."""
+    if cfg.elastic.id != ElasticConfig.id:
+        return ""
+    return (f"nanotitan elastic: warning: elastic.id is the default {cfg.elastic.id!r}, the same for every job: give "
+            "each job its own --elastic.id (it names the job's store keys and snapshot dirs)")
 
 
 def derive(secret: bytes) -> bytes:
@@ -182,40 +193,78 @@ class ReplayGuard:
 
 # --- store entries -----------------------------------------------------------------------------------------
 
-class SignedStore:
-    """The job's store (node 0's TCPStore, under the job's prefix) with a MAC on each entry: `set` signs the value
-    and its key; `get` returns the value, or None when the key is absent or its MAC does not verify (named once, in
-    one line). Counters (`add`) carry no MAC: the coordinator acts on no counter alone."""
+ENTRY_MAX = 64 << 10  # bytes: no entry of ours is larger (a plan is ~1 KB); a larger one is a stranger's
+REFUSED_MAX = 256  # refused entries remembered (so each is named once); the oldest is forgotten first
+ABSENT = b"\0nanotitan-absent\0"  # compare_set's answer for a missing key (no entry of ours is this)
+UNBOUND = ("join/", "assign/")  # keys that bootstrap the launch nonce: bound to a fresh random token instead
 
-    def __init__(self, store, key: bytes, log=print):
-        self.store, self.key, self.log = store, key, log
-        self.refused: set[tuple[str, bytes]] = set()
+
+def new_launch() -> str:
+    """An instance nonce for one launch of a job (node 0 draws it when it starts the store)."""
+    return secrets.token_hex(16)
+
+
+class SignedStore:
+    """The job's store (node 0's TCPStore, under the prefix nanotitan/elastic/JOB) with a MAC on each entry.
+
+    `set` writes MAC || value; the MAC covers the full prefixed key (job id included) and this launch's nonce,
+    so an entry copied from another job, another key, or an earlier launch of this job (the one-host secret
+    persists in the run dir; the id may be the default) does not verify. Keys under UNBOUND carry no launch:
+    a joiner learns the launch from them, and their keys hold a random token of its own.
+
+    `get` is one non-blocking read (compare_set: the current value, or ABSENT, with no wait for a key deleted
+    meanwhile); an entry over ENTRY_MAX bytes is refused unparsed, the MAC is checked before anything is parsed,
+    and the read is wrapped against any exception: a bad entry (or a failed read) reads as absent, named once in
+    one line. Counters (`add`) carry no MAC: the
+    coordinator acts on no counter alone."""
+
+    def __init__(self, raw, key: bytes, job: str, launch: str | None = None, log=print):
+        import torch.distributed as dist
+
+        self.prefix = f"nanotitan/elastic/{job}"
+        self.store, self.key, self.launch, self.log = dist.PrefixStore(self.prefix, raw), key, launch, log
+        self.refused: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # (key, digest of what was read)
 
     def _mac(self, k: str, value: str) -> str:
-        return hmac.new(self.key, f"{k}\0{value}".encode(), hashlib.sha256).hexdigest()
+        launch = "" if k.startswith(UNBOUND) else self.launch
+        assert launch is not None, f"{k}: this launch's nonce is not known yet"
+        payload = json.dumps([f"{self.prefix}/{k}", launch, value])
+        return hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
 
     def set(self, k: str, value: str) -> None:
-        self.store.set(k, json.dumps({"v": value, "mac": self._mac(k, value)}))
+        self.store.set(k, self._mac(k, value) + value)
 
     def get(self, k: str) -> str | None:
-        if not self.store.check([k]):
-            return None
-        raw = self.store.get(k)
         try:
-            entry = json.loads(raw)
-            if hmac.compare_digest(str(entry["mac"]), self._mac(k, str(entry["v"]))):
-                return str(entry["v"])
-        except (ValueError, KeyError, TypeError):
-            pass
-        if (k, raw) not in self.refused:
-            self.refused.add((k, raw))
-            self.log(f"nanotitan elastic: refused store entry {k!r}: no valid MAC (written without the job secret); "
-                     "ignored")
-        return None
+            raw = self.store.compare_set(k, ABSENT, ABSENT)
+        except Exception as err:  # noqa: BLE001 - a store error (a timeout, a closed connection) reads as absent
+            return self._refuse(k, type(err).__name__.encode(), f"store entry {k!r} is unreadable ({first_line(err)}); "
+                                                                "read as absent")
+        if raw == ABSENT:
+            return None
+        if len(raw) > ENTRY_MAX:  # neither parsed nor hashed whole
+            return self._refuse(k, hashlib.sha256(raw[:ENTRY_MAX]).digest() + str(len(raw)).encode(),
+                                f"refused store entry {k!r}: {len(raw)} bytes, more than {ENTRY_MAX}; ignored")
+        try:
+            mac, value = raw[:64].decode("ascii"), raw[64:].decode("utf-8")
+        except UnicodeDecodeError:  # not ours
+            mac = value = ""
+        if len(mac) == 64 and hmac.compare_digest(mac, self._mac(k, value)):
+            return value
+        return self._refuse(k, hashlib.sha256(raw).digest(), f"refused store entry {k!r}: no valid MAC (written "
+                            "without the job secret, or by another job or an earlier launch of this one); ignored")
 
-    def has(self, k: str) -> bool:
-        """Whether anything (signed or not) is at `k`."""
-        return self.store.check([k])
+    def _refuse(self, k: str, digest: bytes, line: str) -> None:
+        """Name a refused entry once (while it is among the REFUSED_MAX last ones); it reads as absent."""
+        seen = (k, digest)
+        if seen in self.refused:
+            self.refused.move_to_end(seen)
+            return None
+        self.refused[seen] = None
+        if len(self.refused) > REFUSED_MAX:
+            self.refused.popitem(last=False)
+        self.log(f"nanotitan elastic: {line}")
+        return None
 
     def add(self, k: str, n: int) -> int:
         return self.store.add(k, n)

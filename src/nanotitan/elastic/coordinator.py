@@ -29,9 +29,13 @@ a new layout rebuilds every group, shard and optimizer state anyway, and a joine
 nothing. docs/elastic.md measures what that costs.
 
 Store keys (prefix nanotitan/elastic/JOB), written by the agents (A), the coordinator (C) and rank 0 (R). Every
-entry but the counters (joined, gen, bye) carries a MAC of the job's key (auth.SignedStore): one without a valid
-MAC is named in one line and read as absent.
-    joined        A  counter: node ids in arrival order (node 0 registers first: it hosts the store)
+entry but the counters (joined, gen, bye) carries a MAC of the job's key (auth.SignedStore) over its full key and
+this launch's nonce (node 0 draws it; a joiner learns it from assign/TOKEN): one without a valid MAC, or from
+another job or an earlier launch, is named in one line and read as absent.
+    joined        A  counter of join tickets: a doorbell only (anyone can move it; node 0 reads a bounded window)
+    join/T        A  a joiner's request at ticket T: {"token", "host", "pid", "hash", "files", "ts"} (no launch
+                     nonce yet: bound to its random token, and refused when older than auth.WINDOW_S)
+    assign/TOKEN  C  {"node", "launch"}: the joiner's node id (node 0's own count) and this launch's nonce
     node/I        A  {"host", "pid", "hash", "files"}: the hash of the code and config, which must match node 0's;
                      files: HOST:PORT of its transport.FileServer
     refused/I     C  why node I may not join (it prints it and exits 2)
@@ -61,11 +65,13 @@ from ..config.parse import elastic_nodes
 from ..config.errors import CheckpointError, first_line
 from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
 from . import snapshot
+from .auth import WINDOW_S
 from .rank import layout_line, snapshot_root
 from .transport import Peer, get_file, list_units
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
 BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
+REJOIN_S = 5.0  # a joiner not answered in this time asks again (agent.ask_to_join); node 0 reads a ticket this long
 
 
 def job_hash(cfg: Config) -> str:
@@ -105,10 +111,17 @@ class Coordinator:
         self.cfg, self.store, self.hash, self.planned_flags = cfg, store, my_hash, planned_flags
         self.min_nodes, self.max_nodes = elastic_nodes(cfg.elastic.nodes)
         self.run_dir = Path(cfg.run.dir)
-        self.seen = 0  # node ids taken so far (the `joined` counter)
-        self.pending: dict[int, float] = {}  # ids taken whose registration (node/I) is not read yet: since when
+        # registrations (_registrations): node 0 is node 0; the others ask for an id
+        self.seen = 0  # the `joined` counter's tickets looked at so far
+        self.counter_moved = False  # whether a move of the counter by someone else was named
+        self.tickets: dict[int, float] = {}  # tickets whose request (join/T) is not read yet: since when
+        self.tokens: dict[str, int | None] = {}  # each join request's token: its node id (None: refused)
+        self.next_id = 1
+        self.unconfirmed: dict[int, dict] = {}  # ids assigned whose node has not beaten yet: its request
+        self.nodes: set[int] = {0}  # the nodes that joined (beat with this launch's nonce)
+        self.refused_nodes: set[int] = set()  # ids assigned to nodes told to go (refused/I)
         self.beats: dict[int, float] = {}  # each node's last valid beat
-        self.waiting: list[int] = []  # registered, not yet members
+        self.waiting: list[int] = [0]  # registered, not yet members
         self.members: list[int] = []
         self.leaving: set[int] = set()
         self.gen, self.phase = 0, "waiting"  # waiting | running | stopping | failing | done
@@ -122,30 +135,69 @@ class Coordinator:
 
     # --- what the nodes say ---------------------------------------------------------------------------
     def _registrations(self) -> None:
+        """Joiners (agent.ask_to_join). Each takes a ticket of the `joined` counter, which anyone can move, and so
+        is only a doorbell: node 0 looks at no more than max_nodes tickets past the last it saw (a counter moved
+        further, or back, is looked at from its newest max_nodes), and at each ticket for REJOIN_S at most. A
+        joiner whose request was not answered (overwritten, its ticket passed over) asks again with a new ticket.
+        The request (join/TICKET, signed) names a random token of the joiner's; node 0 assigns the node id from
+        its own count (no counter hands out a taken id) and answers at assign/TOKEN with it and this launch's
+        nonce. The node joins at its first beat that carries the nonce: a request replayed from an earlier
+        launch never beats."""
+        now, window = time.monotonic(), self.max_nodes
         joined = self.store.add("joined", 0)
-        for node in range(self.seen, joined):
-            self.pending.setdefault(node, time.monotonic())
-        for node, since in sorted(self.pending.items()):
-            raw = self.store.get(f"node/{node}")
-            if raw is None and not self.store.has(f"node/{node}"):
-                if time.monotonic() - since > LOST_S:  # an id taken by someone who never registered under it
-                    del self.pending[node]
-                    self._say(f"node id {node} was taken but never registered with the job's key: ignored")
-                continue  # its agent writes it right after taking the id
-            del self.pending[node]
-            if raw is None:  # forged: refused (SignedStore said so, in one line)
+        if not self.seen <= joined <= self.seen + window:
+            if not self.counter_moved:
+                self._say(f"the joined counter moved from {self.seen} to {joined}, not by joiners: only its newest "
+                          f"{window} tickets are read")
+                self.counter_moved = True
+            self.seen = max(0, joined - window)
+        for ticket in range(self.seen, joined):
+            self.tickets.setdefault(ticket, now)
+        self.seen = joined
+        for ticket in sorted(self.tickets)[:-window]:  # the newest `window` pending tickets are kept
+            del self.tickets[ticket]
+        for ticket, since in sorted(self.tickets.items()):
+            raw = self.store.get(f"join/{ticket}")
+            if raw is not None:
+                try:
+                    self._join_request(json.loads(raw))
+                except (KeyError, TypeError, ValueError):  # signed, by another version: its hash would differ
+                    self._say(f"the join request at ticket {ticket} is not one this version reads: ignored")
+            if raw is not None or now - since > REJOIN_S:  # its joiner, if any, asks again
+                del self.tickets[ticket]
+        for node, info in list(self.unconfirmed.items()):
+            if self.store.get(f"beat/{node}") is None:
                 continue
-            info = json.loads(raw)
-            if info["hash"] != self.hash:
-                why = (f"node {node} ({info['host']}) runs different code or config (hash {info['hash']} != node 0's "
+            del self.unconfirmed[node]
+            self.nodes.add(node)
+            self.waiting.append(node)
+            if self.phase != "waiting":
+                self._say(f"node {node} ({info['host']}) asks to join")
+
+    def _join_request(self, req: dict) -> None:
+        """A signed join request: the node id for its token (the same one when it asks again), published with this
+        launch's nonce; a node with other code or config is told why (refused/I)."""
+        token = req["token"]
+        if token not in self.tokens:
+            if abs(time.time() - req["ts"]) > WINDOW_S:
+                self._say(f"a join request from {req['host']} signed {time.time() - req['ts']:.0f} s ago (a replay "
+                          "of an earlier launch's, or a clock that is off): ignored")
+                self.tokens[token] = None
+                return
+            self.tokens[token], node = self.next_id, self.next_id
+            self.next_id += 1
+            if req["hash"] != self.hash:
+                why = (f"node {node} ({req['host']}) runs different code or config (hash {req['hash']} != node 0's "
                        f"{self.hash}): start it with the same nanotitan version and command")
-                self.store.set(f"refused/{node}", why)
+                self.store.set(f"refused/{node}", why)  # before the answer: the joiner reads it right after
+                self.refused_nodes.add(node)
                 self._say(why)
             else:
-                self.waiting.append(node)
-                if self.phase != "waiting":
-                    self._say(f"node {node} ({info['host']}) asks to join")
-        self.seen = joined
+                self.unconfirmed[node] = req
+                while len(self.unconfirmed) > self.max_nodes:  # ids no one took up (replays): the oldest go
+                    del self.unconfirmed[min(self.unconfirmed)]
+        if (node := self.tokens[token]) is not None:
+            self.store.set(f"assign/{token}", json.dumps({"node": node, "launch": self.store.launch}))
 
     def _lost(self, node: int) -> bool:
         beat = self.store.get(f"beat/{node}")
@@ -330,7 +382,7 @@ class Coordinator:
             if path is not None and (best is None or _step_of(path) > _step_of(best)):
                 best = path
         peers = {}
-        for node in range(1, self.seen):
+        for node in sorted(self.nodes - {0}):
             info = self.store.get(f"node/{node}")
             if info is not None and self.store.get(f"refused/{node}") is None and not self._lost(node):
                 peers[node] = Peer(json.loads(info)["files"], self.cfg.elastic.id, node)

@@ -31,7 +31,7 @@ from .auth import SignedStore, rank_key
 from .snapshot import SnapshotWriter, private_root
 from ..train import Trainer, run
 
-RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "gen", "node", "spawned"} as JSON
+RANK_ENV = "NANOTITAN_ELASTIC"  # set by the agent: {"endpoint", "id", "launch", "gen", "node", "spawned"} as JSON
 WARM_ENV = "NANOTITAN_WARM_READY"  # a file a warm rank creates once it has imported
 
 
@@ -43,9 +43,9 @@ def snapshot_root(cfg: Config, node: int) -> Path:
     return private_root(cfg.elastic.snapshot_dir, f"elastic-{cfg.elastic.id}-{run:08x}-node{node}")
 
 
-def job_store(endpoint: str, job: str, timeout_s: float = 60.0) -> SignedStore:
-    """A client of node 0's store, with this job's keys, signing and checking entries with the key the agent
-    handed this rank (auth.py)."""
+def job_store(endpoint: str, job: str, launch: str, timeout_s: float = 60.0) -> SignedStore:
+    """A client of node 0's store, with this job's keys, signing and checking entries with the key and the launch
+    nonce the agent handed this rank (auth.py)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -53,7 +53,7 @@ def job_store(endpoint: str, job: str, timeout_s: float = 60.0) -> SignedStore:
     host, port = endpoint.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
-    return SignedStore(dist.PrefixStore(f"nanotitan/elastic/{job}", store), rank_key())
+    return SignedStore(store, rank_key(), job, launch)
 
 
 class ElasticTrainer(Trainer):
@@ -119,7 +119,7 @@ def layout_line(cfg: Config) -> str:
 def run_rank(cfg: Config) -> dict:
     """train.run for a rank of an elastic generation: trains until the end or the coordinator's stop."""
     info = json.loads(os.environ[RANK_ENV])
-    store = job_store(info["endpoint"], info["id"], cfg.parallel.timeout_s)
+    store = job_store(info["endpoint"], info["id"], info["launch"], cfg.parallel.timeout_s)
     trainer = ElasticTrainer(cfg, store, info["gen"], info["node"], info["spawned"])
     out = run(cfg, trainer)
     if trainer.is_main:
