@@ -1,7 +1,7 @@
 """How fast an elastic job notices a dead or frozen node, and what the kill costs (issue 49, item 8). Runs against
 any tree (PYTHONPATH picks it): two loopback "nodes" of one rank each (the test model, K = 5, collectives paced
 by the link emulation so the job outlasts the slowest detection), node 1 joins, and once its first snapshot unit
-is on node 0 one event hits node 1:
+is on node 0 and node 0's next rank is warm (imported), one event hits node 1:
 
     node     kill -9 of node 1's agent and ranks (the whole node, as tests/elastic/test_elastic_replica.py;
              a rank dies with its agent anyway: cli.warm_rank's parent-death signal)
@@ -48,6 +48,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _warm_ready(agent_pid: int) -> bool:
+    """Whether an agent's next ranks (started ahead: elastic/agent.py's warm ranks) have imported: each touches
+    the file its $NANOTITAN_WARM_READY names. A node dies long after the last change as a rule; the pause then
+    holds no imports."""
+    ready = []
+    for pid in _children(agent_pid):
+        try:
+            env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if "NANOTITAN_WARM_READY" in env:
+            ready.append(Path(env["NANOTITAN_WARM_READY"]).exists())
+    return len(ready) >= 2 and all(ready)  # the running rank (once warm itself) and the next one
+
+
 def _wait(what: str, cond, agents, logs, timeout_s: float = 300.0, poll_s: float = 0.02) -> float:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -75,6 +90,7 @@ def one(event: str, corpus: Path, tmp: Path) -> dict:
         since = _changes(run)[0]["step"]
         _wait("a snapshot after the join", lambda: _records(run) and _records(run)[-1]["step"] >= since + 7,
               agents, logs)
+        _wait("node 0's warm rank", lambda: _warm_ready(agents[0].pid), agents, logs)
         ranks = _children(agents[1].pid)
         victims = ranks + [agents[1].pid]
         before = logs[0].read_text()

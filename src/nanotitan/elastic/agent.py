@@ -312,11 +312,12 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
         return node
 
     node = register() if is_host else -1  # node 0 first: node ids start with the host
+    if not is_host:  # a joiner whose secret is not the job's is told so now, in one line (not after its imports)
+        await_job(store, e.endpoint, e.join_timeout_s)
     prepare_data(cfg.data)  # once per node, before a member's ranks look for it
     cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
     agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner registers once its ranks have imported
     if not is_host:
-        await_job(store, e.endpoint, e.join_timeout_s)  # a joiner with another secret is told so, in one line
         node = register()
     agent.node, agent.coordinator = node, Coordinator(cfg, store, my_hash) if is_host else None
     with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite) if is_host else nullcontext():

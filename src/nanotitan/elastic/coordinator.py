@@ -392,6 +392,8 @@ class Coordinator:
         return f"newest checkpoint {ck}; start the job again with --train.resume auto" if ck else "no checkpoint yet"
 
     def _finish(self, code: int, line: str) -> None:
+        if self.live.summary():
+            self._say(self.live.summary())
         self.store.set("done", json.dumps({"code": code, "line": line}))
         self.phase = "done"
 

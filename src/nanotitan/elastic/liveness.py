@@ -77,6 +77,7 @@ class LiveServer:
         self.up: dict[int, _Conn] = {}  # node -> its authenticated connection
         self.seen: dict[int, float] = {}  # node -> when its last valid line was read (monotonic)
         self.ended: dict[int, str] = {}  # node -> why it is lost
+        self.longest = (0.0, -1)  # the longest gap between two lines of one node so far, and the node
         self.lock = threading.Lock()
         self.refusals, self.said = 0, 0.0
         self.closing = False
@@ -89,6 +90,12 @@ class LiveServer:
             if node in self.ended:
                 return self.ended[node]
             return "" if node in self.up else None
+
+    def summary(self) -> str:
+        """The longest silence seen (how far a job's beats were from a false loss), '' before any beat."""
+        gap, node = self.longest
+        return f"liveness: the longest silence of a node was {gap:.2f} s (node {node}; a loss at {SILENT_S:g} s)" \
+            if node >= 0 else ""
 
     def close(self) -> None:
         self.closing = True
@@ -176,6 +183,8 @@ class LiveServer:
             self.ended.pop(node, None)
         elif node != c.node or seq != c.seq + 1:
             return f"a beat out of sequence for node {c.node}"
+        else:
+            self.longest = max(self.longest, (now - self.seen[node], node))
         c.seq = seq
         self.seen[node] = now
         return ""
