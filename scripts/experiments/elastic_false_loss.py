@@ -37,6 +37,7 @@ def main() -> int:
         t0 = time.monotonic()
         for j in range(a.jobs):
             run = d / f"job{j}" / "run"
+            (d / f"job{j}").mkdir()
             args = elastic_args(corpus, run, d / f"job{j}", a.steps, "2", f"falseloss{j}") + [
                 "--run.log_every", "10", "--parallel.timeout_s", "600"]
             logs = [d / f"job{j}" / f"agent{i}.log" for i in range(2)]

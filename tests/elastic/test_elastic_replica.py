@@ -8,6 +8,7 @@ assembled from node 0's own unit and its replica of node 1's, losing at most K s
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -38,8 +39,12 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
         reached = _records(run)[-1]["step"]
         _kill_ranks(agents[1])  # the whole node: its ranks (and warm ranks), its agent, its memory
         agents[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         agents[1].wait()
         shutil.rmtree(root1)
+        # Noticed when node 1's liveness connection closes (issue 49): was 15 s of missing beats (LOST_S)
+        _await("node 1's loss", lambda: "node 1 lost" in logs[0].read_text(), agents[:1], logs)
+        noticed = time.monotonic() - killed
         agents[0].wait(timeout=AGENT_TIMEOUT_S)
     finally:
         for a in agents:
@@ -56,10 +61,7 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [1, 2]), ("failure", [2, 1])], out
     start, lost = changes[1]["step"], changes[1]["steps_lost"]
     assert start % K == 0 and start > changes[0]["step"] and 0 <= lost <= K, (changes, reached)
-    # Noticed when node 1's liveness connection closed, not after 15 s of missing beats (issue 49): the wait for
-    # it was 14.2 s of the 15.7 s pause, the whole rendezvous now takes seconds.
-    assert "node 1 lost: node 1's agent closed its connection to node 0" in out, out
-    assert changes[1]["parts_s"]["rendezvous"] < 10, changes
+    assert "node 1 lost: node 1's agent closed its connection to node 0" in out and noticed <= 5.0, (noticed, out)
     assert f"resumed from {root0 / 'checkpoints' / f'step_{start}'} at step {start}" in out, out
     assert not root1.exists()  # its shards came from node 0's replica
 

@@ -124,6 +124,8 @@ def test_a_stranger_can_neither_keep_a_node_alive_nor_end_it():
         finally:
             for s in idle:
                 s.close()
+        _until(lambda: len(server.conns) == 1, 5)  # the strangers' closes read: node 1's connection is all that is left
+        assert server.state(1) == ""  # a stranger's close is no death of node 1
         assert said and all("refused a liveness connection from 127.0.0.1:" in l for l in said), said
         assert len(said) <= 4, said  # rate-limited: one line a second at most (the probes take ~2-3 s)
 
