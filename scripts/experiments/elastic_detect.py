@@ -147,8 +147,8 @@ def main() -> None:
         corpus = make_corpus(Path(d) / "corpus")
         os.environ.setdefault("NANOTITAN_CACHE", str(Path(d) / "cache"))
         for i in range(a.repeat):
-            for event in a.events:
-                tmp = Path(d) / f"{event}{i}"
+            for j, event in enumerate(a.events):
+                tmp = Path(d) / f"{event}{i}_{j}"
                 tmp.mkdir()
                 print(json.dumps(one(event, corpus, tmp)), flush=True)
 
