@@ -102,11 +102,12 @@ def test_a_stranger_can_neither_keep_a_node_alive_nor_end_it():
             return hello
 
         other = b"x" * 32  # another job's key
+        mine, theirs = liveness.live_key(KEY), liveness.live_key(other)
         challenge = json.loads(stranger({"node": 1, "seq": 0, "mac": "0" * 64}))["challenge"]
         # a hello for node 1 made under another key, and a real one captured under another challenge (replayed)
-        stranger({"node": 1, "seq": 0, "mac": liveness._mac(other, "job", challenge, 1, 0)})
-        stranger({"node": 1, "seq": 0, "mac": liveness._mac(KEY, "job", challenge, 1, 0)})
-        stranger({"node": 2, "seq": 0, "mac": liveness._mac(KEY, "job", challenge, 2, 0)})
+        stranger({"node": 1, "seq": 0, "mac": liveness._mac(theirs, "job", challenge, 1, 0)})
+        stranger({"node": 1, "seq": 0, "mac": liveness._mac(mine, "job", challenge, 1, 0)})
+        stranger({"node": 2, "seq": 0, "mac": liveness._mac(mine, "job", challenge, 2, 0)})
         for junk in ('{"node": 1, "seq": 0, "mac": "\u00e9"}'.encode(), b"[" * 200, b"{" * 5000):  # non-ASCII, deep, long
             stranger(junk)
         stranger()  # says nothing: closed after HELLO_S

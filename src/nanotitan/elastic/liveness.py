@@ -8,7 +8,7 @@
   ms) are no loss. Silence is measured at the listener's own select passes, after it has read every byte that had
   arrived, so a pause of node 0's process is no silence of the others.
 
-Both ends prove the job's key (auth.py). The listener opens each connection with a random challenge and its MAC,
+Both ends prove the job's key (auth.py; the lines carry MACs of a key derived from it for them alone). The listener opens each connection with a random challenge and its MAC,
 so an agent whose secret differs knows it at once. The agent answers with its node id. Every line it sends (the
 hello, seq 0, then one per beat) carries a MAC of the job, the challenge, the node and a sequence number that
 must grow by one. A stranger therefore can neither keep a dead node alive (no valid beat, and a captured one
@@ -40,8 +40,14 @@ MISMATCH_S = 3.0  # a joiner that can verify none of node 0's `live` entry for t
 LIVE_KEY = "live"  # the store entry (signed, by node 0's coordinator) naming the listener's HOST:PORT
 
 
+def live_key(job_key: bytes) -> bytes:
+    """The liveness lines' own key, derived from the job's: the listener MACs a challenge for anyone who connects,
+    which must not be a MAC anything else of the job (a store entry, a transport request) would accept."""
+    return hashlib.sha256(b"nanotitan-live-v1\0" + job_key).digest()
+
+
 def _mac(key: bytes, *fields) -> str:
-    return hmac.new(key, "\0".join(map(str, ("nanotitan-live", *fields))).encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, "\0".join(map(str, fields)).encode(), hashlib.sha256).hexdigest()
 
 
 def _parse(line: bytes) -> dict | None:
@@ -67,7 +73,7 @@ class LiveServer:
     """Node 0's listener: which nodes hold an authenticated connection, and why one that ended is lost."""
 
     def __init__(self, host: str, key: bytes, job: str, log=print):
-        self.key, self.job, self.log = key, job, log
+        self.key, self.job, self.log = live_key(key), job, log
         self.sock = socket.create_server((host, 0))
         self.sock.setblocking(False)
         self.addr = f"{host}:{self.sock.getsockname()[1]}"
@@ -173,7 +179,7 @@ class LiveServer:
             return "no valid MAC (a sender without the job secret)"
         if c.node is None:
             if seq != 0:
-                return "a hello that is not one"
+                return "a first line that is no hello (its seq is not 0)"
             old = self.up.get(node)
             if old is not None:  # the node's agent connected anew: its old connection is no loss
                 old.node = None
@@ -216,13 +222,13 @@ class Beater:
     (the agent's own ticks, and the store's calls, may take longer than a beat)."""
 
     def __init__(self, addr: str, key: bytes, job: str, node: int, log=print):
-        self.key, self.job, self.node, self.log = key, job, node, log
+        self.key, self.job, self.node, self.log = live_key(key), job, node, log
         host, port = addr.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=HELLO_S)
         try:
             hello = _parse(self._readline())
             if not hello or not isinstance(hello.get("challenge"), str) or not isinstance(hello.get("mac"), str) \
-                    or not hmac.compare_digest(hello["mac"], _mac(key, job, hello["challenge"])):
+                    or not hmac.compare_digest(hello["mac"], _mac(self.key, job, hello["challenge"])):
                 raise ValueError(f"node 0's liveness listener at {addr} does not sign with this node's key: "
                                  "your secret does not match the job's")
             self.challenge, self.seq = hello["challenge"], 0
