@@ -1,12 +1,14 @@
 """Losing a whole node (issue 24, item 2): a loopback "node" of one rank starts alone, a second joins, and the two
 train with a snapshot every K steps; each node's snapshot files are copied to the other's FileServer. Node 1 is lost at once: its agent and
-ranks are killed (-9) and its snapshot dir deleted. The job goes on alone on node 0 from the newest snapshot,
+ranks are killed (-9) and its snapshot dir deleted. Node 0 notices at once (node 1's liveness connection closes,
+issue 49) and the job goes on alone on node 0 from the newest snapshot,
 assembled from node 0's own unit and its replica of node 1's, losing at most K steps, and every logged loss
 (replays included) equals an uninterrupted single-process run at the same global batch (DESIGN §4)."""
 
 import shutil
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -37,8 +39,12 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
         reached = _records(run)[-1]["step"]
         _kill_ranks(agents[1])  # the whole node: its ranks (and warm ranks), its agent, its memory
         agents[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         agents[1].wait()
         shutil.rmtree(root1)
+        # Noticed when node 1's liveness connection closes (issue 49): was 15 s of missing beats (LOST_S)
+        _await("node 1's loss", lambda: "node 1 lost" in logs[0].read_text(), agents[:1], logs)
+        noticed = time.monotonic() - killed
         agents[0].wait(timeout=AGENT_TIMEOUT_S)
     finally:
         for a in agents:
@@ -55,6 +61,7 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [1, 2]), ("failure", [2, 1])], out
     start, lost = changes[1]["step"], changes[1]["steps_lost"]
     assert start % K == 0 and start > changes[0]["step"] and 0 <= lost <= K, (changes, reached)
+    assert "node 1 lost: node 1's agent closed its connection to node 0" in out and noticed <= 5.0, (noticed, out)
     assert f"resumed from {root0 / 'checkpoints' / f'step_{start}'} at step {start}" in out, out
     assert not root1.exists()  # its shards came from node 0's replica
 

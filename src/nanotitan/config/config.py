@@ -126,7 +126,7 @@ class TrainConfig:
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
     verify_ckpt: bool = True  # checksum every checkpoint file against its manifest before loading (docs/config.md)
     ckpt_on_signal: bool = False  # on SIGTERM every rank finishes its step, saves a checkpoint and exits
-    max_restarts: int = 0  # torchrun restarts of the whole job after a rank fails
+    max_restarts: int = 0  # restarts of the whole job after a rank fails; an elastic job: 3 unless set (docs/config.md)
     # --- device, precision and compile ---
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)

@@ -39,7 +39,9 @@ another job or an earlier launch, is named in one line and read as absent.
     node/I        A  {"host", "pid", "hash", "files"}: the hash of the code and config, which must match node 0's;
                      files: HOST:PORT of its transport.FileServer
     refused/I     C  why node I may not join (it prints it and exits 2)
-    beat/I        A  the time, every second: a node whose agent stops beating is lost
+    live          C  HOST:PORT of node 0's liveness listener (liveness.py): each agent's connection there tells
+                     node 0 at once that its processes died, and within SILENT_S that it went silent
+    beat/I        A  the time, every second: until a node's liveness connection is up, the beat it is judged by
     leave/I       A  SIGTERM: node I leaves after the step in flight
     gen, gen/G    C  counter of generations; plan of G: {"members", "flags", "layout", "resume", "snapshot"}
                      (snapshot: the step of node 0's assembled snapshot that `resume` names, which each member
@@ -56,6 +58,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -67,11 +70,19 @@ from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
 from . import snapshot
 from .auth import WINDOW_S
 from .rank import layout_line, snapshot_root
+from .liveness import LIVE_KEY, LiveServer
 from .transport import Peer, get_file, list_units
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
-BEAT_S, LOST_S = 1.0, 15.0  # an agent beats every BEAT_S; a member silent for LOST_S is lost
+# An agent writes beat/I every BEAT_S; one whose liveness connection is not up yet is lost after LOST_S of them
+# missing (once it is up, the connection decides: liveness.py).
+BEAT_S, LOST_S = 1.0, 15.0
 REJOIN_S = 5.0  # a joiner not answered in this time asks again (agent.ask_to_join); node 0 reads a ticket this long
+# train.max_restarts of an elastic job that does not set it: restarts in a row without progress (a generation
+# that trains past the failed one's furthest step refunds them). A node's death costs one; 3 failures that make no
+# progress in between are the job's own (a bug, a node that dies again as soon as it rejoins), and repeating them
+# only burns the cluster.
+ELASTIC_RESTARTS = 3
 
 
 def job_hash(cfg: Config) -> str:
@@ -93,6 +104,13 @@ def job_hash(cfg: Config) -> str:
         for f in sorted(here.rglob("*.py")):
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def restart_budget(cfg: Config) -> int:
+    """train.max_restarts when the user set it, else ELASTIC_RESTARTS: an elastic job survives a node's death by
+    default (the dataclass default, 0, is torchrun's: a plain job's)."""
+    set_it = "train.max_restarts" in cfg.explicit if cfg.explicit is not None else cfg.train.max_restarts != 0
+    return cfg.train.max_restarts if set_it else ELASTIC_RESTARTS
 
 
 def plan_world(cfg: Config, world: int) -> Config:
@@ -129,9 +147,26 @@ class Coordinator:
         self.layout = ""  # of the current generation
         self.change: dict | None = None  # the change being carried out: what, when, the old layout
         self.changes = 0
-        self.failures = 0
+        self.failures = 0  # restarts in a row, since the last generation that trained past a failure
+        self.failed_at = 0  # the furthest step before the last failure
         self.last_step = 0  # the last step the newest generation completed
         self.snapshots = snapshot_root(cfg, 0)  # node 0's: where a resume from snapshots is assembled
+        host = cfg.elastic.endpoint.rsplit(":", 1)[0]  # node 0's address: the agents reach it
+        self.live = LiveServer(socket.gethostbyname(host), store.key, cfg.elastic.id, log=self._say)
+        self.said_lost: set[int] = set()
+        self.published = -1e9  # when `live` was last checked (monotonic)
+        self._publish()
+
+    def _publish(self) -> None:
+        """The listener's address, signed, rewritten when what is there does not verify (a stranger's write lasts
+        a second at most: a joiner that cannot verify it for liveness.MISMATCH_S has another secret)."""
+        if time.monotonic() - self.published >= 1.0:
+            if self.store.get(LIVE_KEY) != self.live.addr:
+                self.store.set(LIVE_KEY, self.live.addr)
+            self.published = time.monotonic()
+
+    def close(self) -> None:
+        self.live.close()
 
     # --- what the nodes say ---------------------------------------------------------------------------
     def _registrations(self) -> None:
@@ -199,11 +234,17 @@ class Coordinator:
         if (node := self.tokens[token]) is not None:
             self.store.set(f"assign/{token}", json.dumps({"node": node, "launch": self.store.launch}))
 
-    def _lost(self, node: int) -> bool:
-        beat = self.store.get(f"beat/{node}")
-        if beat is not None:  # a forged beat is no beat: the last valid one counts
-            self.beats[node] = float(beat)
-        return time.time() - self.beats.get(node, 0.0) > LOST_S
+    def _lost(self, node: int) -> str:
+        """'' while `node` is alive, else why it is lost: its liveness connection's verdict once it had one, else
+        its store beats'."""
+        why = self.live.state(node)
+        if why is None:
+            beat = self.store.get(f"beat/{node}")
+            if beat is not None:  # a forged beat is no beat: the last valid one counts
+                self.beats[node] = float(beat)
+            silent = time.time() - self.beats.get(node, 0.0)
+            why = f"node {node}'s agent stopped answering (no beat for {silent:.0f} s)" if silent > LOST_S else ""
+        return why
 
     def _exits(self) -> dict[int, dict]:
         g = self.gen
@@ -211,14 +252,18 @@ class Coordinator:
         for node in self.members:
             if (ended := self.store.get(f"gen/{g}/exit/{node}")) is not None:
                 out[node] = json.loads(ended)
-            elif node != 0 and self._lost(node):  # node 0 is this process (its own long tick is no loss)
-                out[node] = {"code": -9, "line": f"node {node}'s agent stopped answering", "lost": True}
+            elif node != 0 and (why := self._lost(node)):  # node 0 is this process (its own long tick is no loss)
+                out[node] = {"code": -9, "line": why, "lost": True}
+                if node not in self.said_lost:
+                    self.said_lost.add(node)
+                    self._say(f"node {node} lost: {why}")
         return out
 
     # --- the state machine ----------------------------------------------------------------------------
     def tick(self) -> None:
         if self.phase == "done":
             return
+        self._publish()
         self._registrations()
         for node in self.members + self.waiting:
             if node not in self.leaving and self.store.get(f"leave/{node}") is not None:
@@ -237,6 +282,8 @@ class Coordinator:
         self._report_pause()
         exits = self._exits()
         if self.phase == "running":
+            if self.failures and self._step_reached() > self.failed_at:  # progress: the restarts are refunded
+                self.failures = 0
             failed = {n: e for n, e in exits.items() if e["code"] != 0}
             if failed:
                 return self._fail(failed)
@@ -280,14 +327,17 @@ class Coordinator:
 
     def _restart(self) -> None:
         self.failures += 1
-        if self.failures > self.cfg.train.max_restarts:
-            return self._finish(1, f"generation {self.gen} failed and train.max_restarts={self.cfg.train.max_restarts} "
-                                   "restarts are used up; resume with --train.resume auto (--train.max_restarts)")
+        budget = restart_budget(self.cfg)
+        if self.failures > budget:
+            return self._finish(1, f"generation {self.gen} failed and train.max_restarts={budget} restarts are used "
+                                   "up; resume with --train.resume auto (--train.max_restarts)")
+        self.failed_at = self._step_reached()
         self._next_generation()
 
     def _next_generation(self) -> None:
         """Plan the next world from the members that stay and the nodes waiting, and publish it."""
         step = self._step_reached()
+        self.leaving |= {n for n in self.waiting if n != 0 and self._lost(n)}  # a spare that died meanwhile
         candidates = sorted(set(self.members + self.waiting) - self.leaving)[:self.max_nodes]
         if 0 in self.leaving:  # node 0 hosts the store: its notice ends the job, after the stop's checkpoint
             return self._finish(143, f"stopped by SIGTERM on node 0 at step {step}; {self._resume_hint()}")
@@ -394,6 +444,8 @@ class Coordinator:
         return f"newest checkpoint {ck}; start the job again with --train.resume auto" if ck else "no checkpoint yet"
 
     def _finish(self, code: int, line: str) -> None:
+        if self.live.summary():
+            self._say(self.live.summary())
         self.store.set("done", json.dumps({"code": code, "line": line}))
         self.phase = "done"
 
