@@ -16,7 +16,6 @@ same work at every step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -196,6 +195,8 @@ def _ring_backward(dout, q, payload, out, lse, cp: CPGroup, scale: float, to_kv:
             dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
             dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
         dpay = kv_grad(cur, dk, dv).float()
+        if cp.size == 1:
+            return dq, dpay
         if incoming is not None:
             dpay += incoming.wait()
         incoming = _Exchange(cp, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
@@ -211,11 +212,8 @@ def _split_kv(dk: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
-        if cp.size == 1:
-            out, lse = block_attention(q, k, v, True, scale)
-        else:
-            kv = torch.cat([k, v], dim=-1).contiguous()  # one message per step: Hkv heads of K and V
-            out, lse = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
+        kv = torch.cat([k, v], dim=-1).contiguous()  # one message per step: Hkv heads of K and V
+        out, lse = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.scale = cp, scale
@@ -226,9 +224,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp, scale, dk_ = ctx.cp, ctx.scale, k.shape[-1]
         dout = dout.contiguous()
-        if cp.size == 1:
-            dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
-            return dq, dk, dv, None, None
         kv = torch.cat([k, v], dim=-1).contiguous()
         dq, dkv = _ring_backward(dout, q, kv, out, lse, cp, scale, _split_kv(dk_),
                                  lambda _kv, dk, dv: torch.cat([dk, dv], dim=-1))
@@ -249,3 +244,129 @@ def ring_attention(q, k, v, cp: CPGroup, scale: float):
     Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv)."""
     _check_local(q, k, v, cp)
     return _RingAttention.apply(q, k, v, cp, scale)
+
+
+# --- MLA: the ring carries the latent --------------------------------------------------------------------------
+class _Expander:
+    """expand(latent) -> (k, v) for the ring: values only in forward; in backward each step's expansion keeps its
+    graph so that (dk, dv) turn into d latent (which travels home) and the expand weights' gradient (kept here:
+    every rank's own queries' share, summed over CP by the gradient reduction of params replicated over CP)."""
+
+    def __init__(self, expand, params, grad: bool):
+        self.expand, self.params, self.grad = expand, params, grad
+        self.param_grads = [None] * len(params)
+        self._last = None
+
+    def to_kv(self, latent):
+        if not self.grad:
+            return self.expand(latent)
+        with torch.enable_grad():
+            lat = latent.detach().requires_grad_()
+            k, v = self.expand(lat)
+        self._last = (lat, k, v)
+        return k.detach(), v.detach()
+
+    def kv_grad(self, latent, dk, dv):
+        lat, k, v = self._last
+        self._last = None
+        with torch.enable_grad():
+            grads = torch.autograd.grad((k, v), [lat, *self.params], (dk.to(k.dtype), dv.to(v.dtype)),
+                                        allow_unused=True)
+        for i, g in enumerate(grads[1:]):
+            if g is not None:
+                self.param_grads[i] = g if self.param_grads[i] is None else self.param_grads[i] + g
+        return grads[0] if grads[0] is not None else torch.zeros_like(latent)
+
+
+class _RingLatentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, latent, cp, scale, expand, *params):
+        latent = latent.contiguous()
+        out, lse = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, latent, out, lse)
+        ctx.cp, ctx.scale, ctx.expand, ctx.n_params = cp, scale, expand, len(params)
+        ctx.params = params  # leaves (the module's own parameters): nothing is freed by saving them
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, latent, out, lse = ctx.saved_tensors
+        ex = _Expander(ctx.expand, ctx.params, True)
+        dq, dlat = _ring_backward(dout.contiguous(), q, latent, out, lse, ctx.cp, ctx.scale, ex.to_kv, ex.kv_grad)
+        return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, *ex.param_grads)
+
+
+def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float):
+    """MLA's exact causal attention under CP with the compressed latent on the ring. q: (B, H, S_loc, Dqk);
+    latent: (B, S_loc, kv_lora_rank + rope_dim), the post-norm c_kv and the already roped k_rope; expand: an
+    nn.Module (or a callable with no weights of its own) mapping a latent (B, S, R + Dr) to (k (B, H, S, Dqk),
+    v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv)."""
+    if q.shape[2] % 2 or latent.shape[1] != q.shape[2]:
+        raise ValueError(f"context parallel: the local sequence ({q.shape[2]} queries, {latent.shape[1]} latents) "
+                         f"must be two equal chunks; set --train.seq_len to a multiple of 2 * --parallel.cp "
+                         f"({2 * cp.size})")
+    params = [p for p in expand.parameters() if p.requires_grad] if isinstance(expand, torch.nn.Module) else []
+    return _RingLatentAttention.apply(q, latent, cp, scale, expand, *params)
+
+
+def latent_bytes_per_token(kv_lora_rank: int = 512, rope_dim: int = 64, n_heads: int = 128, nope_dim: int = 128,
+                           v_dim: int = 128, n_kv_heads: int | None = None) -> dict:
+    """Values per token per ring step: MLA's latent against the whole per-head K/V it expands to (DeepSeek-V3's
+    shape by default), and a plain attention's K/V with n_kv_heads heads of nope+rope / v dims."""
+    latent = kv_lora_rank + rope_dim
+    whole = n_heads * (nope_dim + rope_dim) + n_heads * v_dim
+    kv = None if n_kv_heads is None else n_kv_heads * (nope_dim + rope_dim + v_dim)
+    return {"latent": latent, "whole_kv": whole, "ratio": whole / latent, "gqa_kv": kv}
+
+
+# --- Ulysses: all-to-all from sequence shard to head shard -------------------------------------------------------
+def _a2a(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """all_to_all_single over dim 0 (one slab per CP rank)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x, group=cp.group, axis=AXIS)
+    return out
+
+
+def _seq_to_heads(x, cp: CPGroup):
+    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order."""
+    n, s_loc = cp.size, x.shape[2]
+    y = _a2a(x.unflatten(1, (n, -1)).movedim(1, 0), cp)  # (N src, B, H/N, S_loc, D)
+    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's two chunks, rank 1's, ...
+    return y.index_select(2, torch.argsort(balanced_order(n * s_loc, n)).to(y.device))
+
+
+def _heads_to_seq(y, cp: CPGroup):
+    """The inverse of _seq_to_heads."""
+    n = cp.size
+    y = y.index_select(2, balanced_order(y.shape[2], n).to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
+    return _a2a(y, cp).movedim(0, 1).flatten(1, 2)  # (B, N head groups, H/N, S_loc, D) -> (B, H, S_loc, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, inverse):
+        ctx.cp, ctx.inverse = cp, inverse
+        return _heads_to_seq(x, cp) if inverse else _seq_to_heads(x, cp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_seq_to_heads(g, ctx.cp) if ctx.inverse else _heads_to_seq(g, ctx.cp)), None, None
+
+
+def ulysses_attention(q, k, v, cp: CPGroup, scale: float):
+    """Exact causal attention by all-to-all (DeepSpeed-Ulysses): each rank attends the whole sequence for Hq/N
+    query heads. KV heads: Hkv % N == 0 shards them too; Hkv dividing N replicates each KV head N/Hkv times
+    before the exchange, so that every rank receives the one KV head its query heads share."""
+    hq, hkv, n = q.shape[1], k.shape[1], cp.size
+    if hq % n or hq % hkv or (hkv % n and n % hkv):
+        raise ValueError(f"parallel.cp_impl a2a: --model.n_heads ({hq}) must be a multiple of --parallel.cp ({n}) "
+                         f"and --model.n_kv_heads ({hkv}) a multiple or a divisor of it; use --parallel.cp_impl "
+                         f"ring or another --parallel.cp")
+    if hkv % n:
+        k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
+    qh, kh, vh = (_SeqToHeads.apply(t, cp, False) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                           enable_gqa=True)
+    return _SeqToHeads.apply(out, cp, True)
