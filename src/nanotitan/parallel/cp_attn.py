@@ -119,7 +119,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     delta = (do * out.float().unflatten(1, (hkv, -1))).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.float()).flatten(1, 2)
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float())
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().unflatten(1, (hkv, -1)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -153,19 +153,19 @@ class _Exchange:
         return self.out
 
 
-def _ring_forward(q, payload, cp: CPGroup, scale: float, to_kv: Callable):
+def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
     """out (fp32) and lse of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
     c = q.shape[2] // 2
     cur = payload
     out = lse = None
-    for step in range(cp.size):
-        nxt = _Exchange(cp, cur, 0) if step < cp.size - 1 else None  # posted before this block's compute
+    for step in range(ring.size):
+        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None  # posted before this block's compute
         k, v = to_kv(cur)
-        src = (cp.rank - step) % cp.size
+        src = (ring.rank - step) % ring.size
         if step == 0:
             out, lse = block_attention(q, k, v, True, scale)
         else:
-            rows, keys = _step_blocks(src, cp.rank, c)
+            rows, keys = _step_blocks(src, ring.rank, c)
             part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
             _merge(out, lse, part_out, part_lse, rows)
         if nxt is not None:
@@ -173,21 +173,21 @@ def _ring_forward(q, payload, cp: CPGroup, scale: float, to_kv: Callable):
     return out, lse
 
 
-def _ring_backward(dout, q, payload, out, lse, cp: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable):
+def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable):
     """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
     (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it)."""
     c = q.shape[2] // 2
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cur, incoming = payload, None
-    for step in range(cp.size):
-        nxt = _Exchange(cp, cur, 0) if step < cp.size - 1 else None
+    for step in range(ring.size):
+        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None
         k, v = to_kv(cur)
-        src = (cp.rank - step) % cp.size
+        src = (ring.rank - step) % ring.size
         if step == 0:
             dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
             dq += dq_b
         else:
-            rows, keys = _step_blocks(src, cp.rank, c)
+            rows, keys = _step_blocks(src, ring.rank, c)
             dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
                                                         v[:, :, keys], out[:, :, rows], lse[:, :, rows],
                                                         False, scale)
@@ -195,11 +195,11 @@ def _ring_backward(dout, q, payload, out, lse, cp: CPGroup, scale: float, to_kv:
             dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
             dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
         dpay = kv_grad(cur, dk, dv).float()
-        if cp.size == 1:
+        if ring.size == 1:
             return dq, dpay
         if incoming is not None:
             dpay += incoming.wait()
-        incoming = _Exchange(cp, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
+        incoming = _Exchange(ring, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
         if nxt is not None:
             cur = nxt.wait()
     return dq, incoming.wait()
