@@ -207,3 +207,10 @@ def test_latent_bytes_at_deepseek_v3():
     got = cp_attn.latent_bytes_per_token()
     assert got["latent"] == 576 and got["whole_kv"] == 128 * (128 + 64) + 128 * 128
     assert round(got["ratio"], 1) == 71.1
+
+
+def test_local_positions_are_chunks_i_and_2n_minus_1_minus_i():
+    """cp.md's split: at S = 16, N = 2, rank 0 holds [0, 4) + [12, 16), rank 1 [4, 8) + [8, 12); every position once."""
+    assert cp_attn.local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp_attn.local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(balanced_order(48, 4).tolist()) == list(range(48))

@@ -7,7 +7,8 @@
     balance  each CP rank's attention compute (forward + backward: the block kernels the ring runs, nothing else)
              with the balanced split (chunks i and 2N-1-i) against a naive contiguous split (rank i: tokens
              [i S/N, (i+1) S/N), which sees i whole blocks and one causal one); slowest rank / mean, per repeat.
-             One process runs every rank's blocks in turn, so ranks do not share cores with each other.
+             One process runs every rank's blocks in turn on one thread and counts CPU time (process time), so
+             neither the ranks nor other load on the machine move the figure.
     overlap  ring_attention forward + backward on N gloo ranks under the network emulator (PROFILE[:RANKS_PER_NODE]
              as `bench emulate`; dilation 0: this CPU's one-thread fp32 GEMM peak / the profile's bf16 peak):
              exposed ring communication (per transfer, the modelled link time still left when the rank waits for
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -61,14 +63,16 @@ def rank_blocks(split: str, rank: int, n: int, s: int) -> list[tuple[int, int, b
 
 
 def _time_blocks(blocks, sh: dict, scale: float) -> float:
+    """CPU seconds of the blocks' kernels, forward and backward (process time, one thread: what other load on the
+    machine does not move, unlike wall time)."""
     t = 0.0
     for sq, sk, causal in blocks:
         q, k, v, dout = _qkv(sh, max(sq, sk))
         q, dout, k, v = q[:, :, :sq], dout[:, :, :sq], k[:, :, :sk], v[:, :, :sk]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         out, lse = cp_attn.block_attention(q, k, v, causal, scale)
         cp_attn.block_attention_backward(dout, q, k, v, out, lse, causal, scale)
-        t += time.perf_counter() - t0
+        t += time.process_time() - t0
     return t
 
 
@@ -86,7 +90,7 @@ def balance(sh: dict, n: int, repeats: int) -> dict:
     for split, rows in times.items():
         best = [min(t[r] for t in rows) for r in range(n)]
         res[split] = {"slowest_over_mean": _min_median([max(t) / statistics.mean(t) for t in rows]),
-                      "of_per_rank_min": max(best) / statistics.mean(best), "per_rank_min_s": best}
+                      "of_per_rank_min": max(best) / statistics.mean(best), "per_rank_min_cpu_s": best}
     return res
 
 
@@ -273,7 +277,7 @@ def main(argv: list[str]) -> int:
     if a.seq % (2 * a.cp):
         raise SystemExit(f"--seq ({a.seq}) must be a multiple of 2 * --cp ({2 * a.cp})")
     torch.set_num_threads(1)
-    sh, res = _shape(a), {"shape": _shape(a), "cp": a.cp, "repeats": a.repeats}
+    sh, res = _shape(a), {"shape": _shape(a), "cp": a.cp, "repeats": a.repeats, "load_before": os.getloadavg()}
     if "balance" in a.part:
         res["balance"] = balance(sh, a.cp, a.repeats)
         print(json.dumps({"balance": res["balance"]}, indent=1), flush=True)
@@ -283,6 +287,7 @@ def main(argv: list[str]) -> int:
     if "compare" in a.part:
         res["compare"] = compare(sh, a.cp, a.repeats)
         print(json.dumps({"compare": res["compare"]}, indent=1), flush=True)
+    res["load_after"] = os.getloadavg()  # the 1/5/15-minute load: wall-time figures move with it
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

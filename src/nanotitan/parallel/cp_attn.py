@@ -25,7 +25,8 @@ import torch.distributed as dist
 from .comm import collectives as comm
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
-           "block_attention", "block_attention_backward", "balanced_order", "latent_bytes_per_token"]
+           "block_attention", "block_attention_backward", "balanced_order", "local_positions",
+           "latent_bytes_per_token"]
 
 AXIS = "cp"  # the axis name CP's P2P and all-to-all are accounted (and emulated) under
 
@@ -57,11 +58,15 @@ def cp_ring(group) -> CPRing:
     return CPRing(group, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
 
 
+def local_positions(seq_len: int, n: int, rank: int) -> torch.Tensor:
+    """The global positions of CP rank `rank`'s local tokens, in local order (RoPE and YaRN use these)."""
+    c = seq_len // (2 * n)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * n - 1 - rank) * c, (2 * n - rank) * c)])
+
+
 def balanced_order(seq_len: int, n: int) -> torch.Tensor:
     """Global positions in CP's layout: rank 0's local tokens, then rank 1's, ... (chunks i and 2N-1-i each)."""
-    c = seq_len // (2 * n)
-    idx = [torch.arange(i * c, (i + 1) * c) for r in range(n) for i in (r, 2 * n - 1 - r)]
-    return torch.cat(idx)
+    return torch.cat([local_positions(seq_len, n, r) for r in range(n)])
 
 
 # --- one block: out and log-sum-exp, and its backward against the merged out/lse ---------------------------------
