@@ -10,10 +10,11 @@
              One process runs every rank's blocks in turn on one thread and counts CPU time (process time), so
              neither the ranks nor other load on the machine move the figure.
     overlap  ring_attention forward + backward on N gloo ranks under the network emulator (PROFILE[:RANKS_PER_NODE]
-             as `bench emulate`; dilation 0: this CPU's one-thread fp32 GEMM peak / the profile's bf16 peak):
+             as `bench emulate`; dilation 0: this CPU's one-thread fp32 GEMM peak / the profile's bf16 peak, times
+             the share of a core the ranks got in the free run just before: see _overlap_rank):
              exposed ring communication (per transfer, the modelled link time still left when the rank waits for
              it) against the ring's transfer time (the link model's seconds for the same calls), worst rank; beside
-             it the emulated step less the same step free (alternating repeat by repeat) and the wait columns.
+             it the emulated step less the same step free (run just before it) and the wait columns.
     compare  ours (ring, a2a) against an all-gather-KV baseline (every rank gathers all K/V, attends its queries
              under a global causal mask, backward all-reduces dK/dV) on N ranks, and one process's whole-sequence
              SDPA; and torch's own context_parallel (torch.distributed.tensor.experimental), whose error on CPU is
@@ -126,27 +127,35 @@ class _LinkExposure:
 
 def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int, dilation: float,
                   repeats: int) -> dict:
+    """Per repeat the ring free, then emulated with the dilation scaled by the share of a core the ranks got in
+    that free run (the least over ranks): ranks slowed k-fold by sharing cores see links k-fold slower too, so the
+    cluster's compute : link ratio holds (a rank's waits count as idle, which only makes the links slower)."""
     ring = cp_attn.cp_ring(dist.group.WORLD)
     idx = cp_attn.balanced_order(sh["seq"], world).view(world, -1)[rank]
     q, k, v, dout = (t[:, :, idx].contiguous() for t in _qkv(sh, sh["seq"]))
     scale = sh["head_dim"] ** -0.5
     link = emulate.LinkModel(get_hardware(profile), node_size, dilation, rank)
     res = {"free": [], "emulated": []}
-    for i in range(repeats + 1):  # the first a warm-up; free and emulated alternate, so drift hits both
-        for mode in ("free", "emulated") if i % 2 else ("emulated", "free"):
+    share = torch.ones(1)
+    for i in range(repeats + 1):  # the first a warm-up
+        for mode in ("free", "emulated"):
+            link.dilation = dilation * share.item()
             emulate.install(link if mode == "emulated" else None)
             link.modelled_s.clear()
             link.busy_until.clear()
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
             dist.barrier()
             comm.COMM.reset()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with _LinkExposure() as seen:
                 cp_attn.ring_attention(ql, kl, vl, ring, scale).backward(dout)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if mode == "free":
+                share = torch.tensor([min(1.0, cpu / wall)])
+                dist.all_reduce(share, op=dist.ReduceOp.MIN)
             if i:
                 res[mode].append({"wall_s": wall, "wait_s": comm.COMM.wait_s["cp"], "exposed_s": seen.exposed_s,
-                                  "transfer_s": link.modelled_s["cp"]})
+                                  "transfer_s": link.modelled_s["cp"], "core_share": share.item()})
     emulate.install(None)
     return res
 
@@ -164,13 +173,12 @@ def overlap(sh: dict, n: int, repeats: int, topology: str, dilation: float) -> d
     out = {"topology": f"{profile}:{node_size}", "dilation": dilation}
     for m in ("free", "emulated"):
         out[m] = {key: _min_median([max(r[m][i][key] for r in ranks) for i in range(repeats)])
-                  for key in ("wall_s", "wait_s", "exposed_s", "transfer_s")}
+                  for key in ("wall_s", "wait_s", "exposed_s", "transfer_s", "core_share")}
     out["exposed_over_transfer"] = _min_median([max(r["emulated"][i]["exposed_s"] / r["emulated"][i]["transfer_s"]
                                                     for r in ranks) for i in range(repeats)])
-    transfer = out["emulated"]["transfer_s"]["median"]
     out["step_less_free_over_transfer"] = _min_median(
-        [(max(r["emulated"][i]["wall_s"] for r in ranks) - max(r["free"][i]["wall_s"] for r in ranks)) / transfer
-         for i in range(repeats)])
+        [(max(r["emulated"][i]["wall_s"] for r in ranks) - max(r["free"][i]["wall_s"] for r in ranks))
+         / max(r["emulated"][i]["transfer_s"] for r in ranks) for i in range(repeats)])
     return out
 
 

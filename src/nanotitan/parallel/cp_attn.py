@@ -165,7 +165,7 @@ class _Exchange:
 
 
 def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
-    """out (fp32) and lse of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
+    """out and lse (at least fp32) of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
     c = q.shape[2] // 2
     cur = payload
     out = lse = None
