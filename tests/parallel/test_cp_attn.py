@@ -55,6 +55,27 @@ def _case_qkv(fn, cp, idx, hq, hkv, seed):
     return errs, COMM.bytes["cp"]
 
 
+def _case_bf16(cp, idx, seed):
+    """The ring in bf16 and one process's SDPA in bf16, each against the fp32 whole-sequence reference."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, d, bf = 2, idx.numel() * cp.size, 8, torch.bfloat16
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(b, 4, s, d, generator=g)
+    errs = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16 one process", bf)):
+        whole = [t.to(dtype).detach().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*whole, is_causal=True, scale=SCALE, enable_gqa=True)
+        out.backward(dout.to(dtype))
+        errs[name] = [out.float()[:, :, idx]] + [w.grad.float()[:, :, idx] for w in whole]
+    local = [t[:, :, idx].to(bf).requires_grad_() for t in (q, k, v)]
+    out = cp_attn.ring_attention(*local, cp, SCALE)
+    out.backward(dout[:, :, idx].to(bf))
+    mine = [out.float()] + [t.grad.float() for t in local]
+    assert all(t.dtype == bf for t in [out] + [t.grad for t in local])
+    ref = errs.pop("fp32")
+    return [_rel(a, r) for a, r in zip(mine, ref)], [_rel(a, r) for a, r in zip(errs["bf16 one process"], ref)]
+
+
 def _case_latent(cp, idx, seed):
     """MLA latent ring against whole-sequence SDPA of the expanded K/V: out, dq, d latent, d expand weight."""
     from nanotitan.parallel.comm.collectives import COMM
@@ -93,6 +114,7 @@ def _rank(rank: int, world: int) -> dict:
                                   ("a2a kv-rep", cp_attn.ulysses_attention, 8, 2)):
             out[n, name] = _case_qkv(fn, cp, idx, hq, hkv, seed=n)
         out[n, "mla"] = _case_latent(cp, idx, seed=n)
+        out[n, "bf16"] = _case_bf16(cp, idx, seed=n)
     return out
 
 
@@ -120,6 +142,15 @@ def test_ring_sends_kv_heads_and_latent_only(results, n):
         assert res[n, "ring gqa"][1] == 2 * kv * (2 * (n - 1) + n)
         lat = b * s_loc * 24 * 4
         assert res[n, "mla"][1] == 2 * lat * (2 * (n - 1) + n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bf16_ring_within_one_process_bf16_bound(results, n):
+    """In bf16 the ring (blocks merged and gradients summed in fp32) is as close to the fp32 reference as one
+    process's bf16 SDPA is: within twice its error, forward and every input gradient."""
+    for res in results:
+        ring, one = res[n, "bf16"]
+        assert all(r <= 2 * o + 1e-3 for r, o in zip(ring, one)), (n, ring, one)
 
 
 def test_cp1_is_plain_causal_attention():
@@ -176,3 +207,10 @@ def test_latent_bytes_at_deepseek_v3():
     got = cp_attn.latent_bytes_per_token()
     assert got["latent"] == 576 and got["whole_kv"] == 128 * (128 + 64) + 128 * 128
     assert round(got["ratio"], 1) == 71.1
+
+
+def test_local_positions_are_chunks_i_and_2n_minus_1_minus_i():
+    """cp.md's split: at S = 16, N = 2, rank 0 holds [0, 4) + [12, 16), rank 1 [4, 8) + [8, 12); every position once."""
+    assert cp_attn.local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cp_attn.local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert sorted(balanced_order(48, 4).tolist()) == list(range(48))

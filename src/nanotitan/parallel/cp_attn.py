@@ -25,7 +25,8 @@ import torch.distributed as dist
 from .comm import collectives as comm
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
-           "block_attention", "block_attention_backward", "balanced_order", "latent_bytes_per_token"]
+           "block_attention", "block_attention_backward", "balanced_order", "local_positions",
+           "latent_bytes_per_token"]
 
 AXIS = "cp"  # the axis name CP's P2P and all-to-all are accounted (and emulated) under
 
@@ -57,16 +58,21 @@ def cp_ring(group) -> CPRing:
     return CPRing(group, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
 
 
+def local_positions(seq_len: int, n: int, rank: int) -> torch.Tensor:
+    """The global positions of CP rank `rank`'s local tokens, in local order (RoPE and YaRN use these)."""
+    c = seq_len // (2 * n)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * n - 1 - rank) * c, (2 * n - rank) * c)])
+
+
 def balanced_order(seq_len: int, n: int) -> torch.Tensor:
     """Global positions in CP's layout: rank 0's local tokens, then rank 1's, ... (chunks i and 2N-1-i each)."""
-    c = seq_len // (2 * n)
-    idx = [torch.arange(i * c, (i + 1) * c) for r in range(n) for i in (r, 2 * n - 1 - r)]
-    return torch.cat(idx)
+    return torch.cat([local_positions(seq_len, n, r) for r in range(n)])
 
 
 # --- one block: out and log-sum-exp, and its backward against the merged out/lse ---------------------------------
 def block_attention(q, k, v, causal: bool, scale: float):
-    """(out, lse) of softmax(q k^T * scale) v: out (B, Hq, Sq, Dv) in fp32, lse (B, Hq, Sq) fp32. GQA by Hq % Hkv.
+    """(out, lse) of softmax(q k^T * scale) v: out (B, Hq, Sq, Dv), lse (B, Hq, Sq), both at least fp32 (the merge
+    runs there). GQA by Hq % Hkv.
     On CPU torch's flash kernel (which takes GQA but one head size: a narrower V is zero-padded, exactly)."""
     if q.is_cpu:
         dk, dv = q.shape[-1], v.shape[-1]
@@ -74,7 +80,7 @@ def block_attention(q, k, v, causal: bool, scale: float):
         if vp is not None:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, vp, 0.0, causal,
                                                                                   scale=scale)
-            return out[..., :dv].float(), lse.float()
+            return out[..., :dv].to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
     return _math_forward(q, k, v, causal, scale)
 
 
@@ -87,15 +93,20 @@ def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float
             pad = (lambda t: t) if dv_ == dk_ else (lambda t: torch.nn.functional.pad(t, (0, dk_ - dv_)))
             dt = q.dtype
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                pad(dout.to(dt)), q, k, pad(v), pad(out.to(dt)), lse.to(dt), 0.0, causal, scale=scale)
+                pad(dout.to(dt)), q, k, pad(v), pad(out.to(dt)), lse.to(acc_dtype(dt)), 0.0, causal, scale=scale)
             return dq, dk, dv[..., :dv_]
     return _math_backward(dout, q, k, v, out, lse, causal, scale)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What blocks are merged and gradients summed in: fp32 for bf16/fp16 inputs, else their own dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _scores(q, k, causal: bool, scale: float):
-    g = q.shape[1] // k.shape[1]
-    qg = q.float().unflatten(1, (k.shape[1], g))  # (B, Hkv, g, Sq, D): GQA without repeating K
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scale
+    g, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
+    qg = q.to(acc).unflatten(1, (k.shape[1], g))  # (B, Hkv, g, Sq, D): GQA without repeating K
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
     if causal:
         sq, sk = s.shape[-2:]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1), float("-inf"))
@@ -103,23 +114,23 @@ def _scores(q, k, causal: bool, scale: float):
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
-    s = _scores(q, k, causal, scale)
+    s, acc = _scores(q, k, causal, scale), acc_dtype(q.dtype)
     lse = s.logsumexp(-1)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", (s - lse.unsqueeze(-1)).exp(), v.float())
+    out = torch.einsum("bhgqk,bhkd->bhgqd", (s - lse.unsqueeze(-1)).exp(), v.to(acc))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    hkv = k.shape[1]
+    hkv, acc = k.shape[1], acc_dtype(q.dtype)
     s = _scores(q, k, causal, scale)
-    p = (s - lse.float().unflatten(1, (hkv, -1)).unsqueeze(-1)).exp()
-    do = dout.float().unflatten(1, (hkv, -1))
+    p = (s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1)).exp()
+    do = dout.to(acc).unflatten(1, (hkv, -1))
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v.float())
-    delta = (do * out.float().unflatten(1, (hkv, -1))).sum(-1, keepdim=True)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v.to(acc))
+    delta = (do * out.to(acc).unflatten(1, (hkv, -1))).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.float()).flatten(1, 2)
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float().unflatten(1, (hkv, -1)))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)).flatten(1, 2)
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.to(acc).unflatten(1, (hkv, -1)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -154,7 +165,7 @@ class _Exchange:
 
 
 def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
-    """out (fp32) and lse of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
+    """out and lse (at least fp32) of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
     c = q.shape[2] // 2
     cur = payload
     out = lse = None
@@ -177,7 +188,7 @@ def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_k
     """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
     (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it)."""
     c = q.shape[2] // 2
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
     cur, incoming = payload, None
     for step in range(ring.size):
         nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None
@@ -194,7 +205,7 @@ def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_k
             dq[:, :, rows] += dq_b
             dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
             dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
-        dpay = kv_grad(cur, dk, dv).float()
+        dpay = kv_grad(cur, dk, dv).to(acc_dtype(q.dtype))
         if ring.size == 1:
             return dq, dpay
         if incoming is not None:
