@@ -22,6 +22,7 @@ from typing import Literal
 from .errors import ConfigError
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
+from .cp_rules import check_cp
 from .tp_rules import check_tp
 
 
@@ -144,6 +145,8 @@ class ParallelConfig:
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts (docs/config.md)
     sp: bool = True  # with tp > 1: sequence parallel (norms and residuals on sequence shards)
+    cp: int = 1  # context-parallel ranks splitting every sequence, chunks i and 2cp-1-i each (docs/cp.md)
+    cp_impl: Literal["ring", "a2a"] = "ring"  # attention under CP: K/V ring, or Ulysses' all-to-all (docs/config.md)
     # --- pipeline ---
     microbatches: int = 1  # M per data rank per step
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (docs/config.md)
@@ -241,7 +244,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.pp * self.parallel.ep * self.parallel.tp
+        return self.parallel.dp * self.parallel.pp * self.parallel.ep * self.parallel.cp * self.parallel.tp
 
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
@@ -320,13 +323,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
-                  check_tp, _check_elastic):
+                  check_tp, check_cp, _check_elastic):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
         _check(world_size == cfg.world_size,
-               f"world size {world_size} != parallel.dp*pp*ep*tp = {p.dp}*{p.pp}*{p.ep}*{p.tp} = {cfg.world_size} "
-               f"(set --parallel.dp/pp/ep/tp so their product is {world_size})")
+               f"world size {world_size} != parallel.dp*pp*ep*cp*tp = {p.dp}*{p.pp}*{p.ep}*{p.cp}*{p.tp} = "
+               f"{cfg.world_size} (set --parallel.dp/pp/ep/cp/tp so their product is {world_size})")
 
 
 def _check_finite(cfg: Config) -> None:
@@ -350,6 +353,7 @@ def _check_ranges(cfg: Config) -> None:
                     ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
                     ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
+                    ("parallel.cp", p.cp),
                     ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
                     ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
@@ -496,9 +500,9 @@ def _check_dp_ep(cfg: Config) -> None:
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
            "(--parallel.ep_chunks 2)")
-    moe_ep = p.ep * p.tp  # the experts fold over EP x TP (parallel/tp.py)
+    moe_ep = p.ep * p.cp * p.tp  # the experts fold over EP x CP x TP (parallel/tp.py, parallel/cp.py)
     _check(not p.ep_overlap or moe_ep == 1 or p.auto or m.num_experts // moe_ep >= 2,
-           f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/(parallel.ep*tp) = "
+           f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/(parallel.ep*cp*tp) = "
            f"{m.num_experts}/{moe_ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
     if p.ep_overlap_microbatches:  # two lanes: a forward beside a backward (parallel/pp/schedules.py, docs/ep.md)
         off = "--parallel.ep_overlap_microbatches false"

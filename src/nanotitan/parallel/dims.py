@@ -1,16 +1,22 @@
-"""ParallelDims: a rank's (dp, pp, ep, tp) coordinates, its neighbours, and the process groups of DESIGN §3.
+"""ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours, and the process groups of DESIGN §3.
 
-rank = ((dp_rank * PP + pp_rank) * EP + ep_rank) * TP + tp_rank  — tp fastest (its ranks share a node: TP
-talks every layer), then ep, pp, dp — so the world is an `arange(world).view(DP, PP, EP, TP)` grid and every
-group is a slice of it (docs/tp.md). With TP = 1 it is DESIGN §3's identity:
-- TP group          fixed (dp, pp, ep), varies tp  — the dense part's all-reduces / all-gathers / reduce-scatters
-- EP group          fixed (dp, pp), varies (ep, tp) — token all-to-all inside one stage of one replica; the
-                    experts are folded over the TP ranks too (Megatron's parallel folding: `moe_ep` shards)
-- PP group          fixed (dp, ep, tp), varies pp  — activations between stages
-- expert-DP group   fixed (pp, ep, tp), varies dp  — all-reduce of expert gradients
-- non-expert-DP     fixed (pp, tp), varies (dp, ep) — all-reduce of replicated (and TP-sharded) gradients
-- stage             fixed pp, varies (dp, ep, tp)  — gradients of params replicated over TP whose TP ranks
+rank = (((dp_rank * PP + pp_rank) * EP + ep_rank) * CP + cp_rank) * TP + tp_rank  — tp fastest (its ranks share a
+node: TP talks every layer), then cp (the ring's P2P or Ulysses' all-to-all every attention layer: CP x TP ranks
+are contiguous, one node first), then ep, pp, dp (Megatron's and torchtitan's order) — so the world is an
+`arange(world).view(DP, PP, EP, CP, TP)` grid and every group is a slice of it (docs/tp.md, docs/cp.md). With
+CP = TP = 1 it is DESIGN §3's identity:
+- TP group          fixed (dp, pp, ep, cp), varies tp  — the dense part's all-reduces / all-gathers / reduce-scatters
+- CP group          fixed (dp, pp, ep, tp), varies cp  — attention's ring (or all-to-all) over a sequence's chunks
+- EP group          fixed (dp, pp), varies (ep, cp, tp) — token all-to-all inside one stage of one replica; the
+                    experts are folded over the CP and TP ranks too (Megatron's parallel folding: `moe_ep` shards)
+- PP group          fixed (dp, ep, cp, tp), varies pp  — activations between stages
+- expert-DP group   fixed (pp, ep, cp, tp), varies dp  — all-reduce of expert gradients
+- non-expert-DP     fixed (pp, tp), varies (dp, ep, cp) — all-reduce of replicated (and TP-sharded) gradients: a
+                    CP rank holds its own tokens' part of them, so CP joins the DP ranks (torchtitan's dp_shard x cp)
+- stage             fixed pp, varies (dp, ep, cp, tp)  — gradients of params replicated over TP whose TP ranks
                     each hold a partial sum (norm weights under SP, the router, ...: parallel/tp.py)
+Data: data rank = dp_rank * EP + ep_rank as without CP; the CP ranks of one data rank read the same sequences, each
+only its own chunks (parallel/cp.py: `chunk_runs`).
 The coordinate maths is pure (no process groups) so it can be tested exhaustively;
 `build_groups()` makes every group once, in the same order on every rank.
 """
@@ -25,8 +31,8 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "tp", "stage", "ep_backward", "pp_backward"]
-GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)[:6]  # built by build_groups, for every job
+GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "tp", "stage", "cp", "ep_backward", "pp_backward"]
+GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)[:7]  # built by build_groups, for every job
 # "ep_backward", "pp_backward": the EP and PP groups again (same ranks), for the backward lane of
 # parallel.ep_overlap_microbatches only (build_backward_ep_groups)
 
@@ -39,36 +45,40 @@ class ParallelDims:
     rank: int = 0
     groups: dict = field(default_factory=dict, compare=False, repr=False)
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
-        for name, v in (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("tp", self.tp)):
+        for name, v in (("dp", self.dp), ("pp", self.pp), ("ep", self.ep), ("tp", self.tp), ("cp", self.cp)):
             if v < 1:
                 raise ValueError(f"parallel.{name}={v} must be >= 1 (--parallel.{name})")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world dp*pp*ep*tp = "
-                             f"{self.dp}*{self.pp}*{self.ep}*{self.tp} = {self.world_size}")
+            raise ValueError(f"rank {self.rank} outside world dp*pp*ep*cp*tp = "
+                             f"{self.dp}*{self.pp}*{self.ep}*{self.cp}*{self.tp} = {self.world_size}")
 
     # --- coordinates ---------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.ep * self.tp
+        return self.dp * self.pp * self.ep * self.cp * self.tp
 
     def grid(self) -> torch.Tensor:
-        return torch.arange(self.world_size).view(self.dp, self.pp, self.ep, self.tp)
+        return torch.arange(self.world_size).view(self.dp, self.pp, self.ep, self.cp, self.tp)
 
     def coords(self, rank: int | None = None) -> tuple[int, int, int]:
-        """(dp, pp, ep) of `rank` (its tp coordinate: `tp_of`)."""
-        r = (self.rank if rank is None else rank) // self.tp
+        """(dp, pp, ep) of `rank` (its cp and tp coordinates: `cp_of`, `tp_of`)."""
+        r = (self.rank if rank is None else rank) // (self.cp * self.tp)
         return r // (self.pp * self.ep), (r // self.ep) % self.pp, r % self.ep
 
     def tp_of(self, rank: int) -> int:
         return rank % self.tp
 
+    def cp_of(self, rank: int) -> int:
+        return rank // self.tp % self.cp
+
     def rank_of(self, dp_rank: int, pp_rank: int, ep_rank: int, tp_rank: int | None = None) -> int:
         """The global rank at these coordinates; tp_rank None: this rank's own tp coordinate (so that code written
-        for three axes finds its neighbours on the same TP slice)."""
+        for three axes finds its neighbours on the same TP slice); always this rank's own cp coordinate."""
         t = self.tp_rank if tp_rank is None else tp_rank
-        return ((dp_rank * self.pp + pp_rank) * self.ep + ep_rank) * self.tp + t
+        return (((dp_rank * self.pp + pp_rank) * self.ep + ep_rank) * self.cp + self.cp_rank) * self.tp + t
 
     @property
     def dp_rank(self) -> int:
@@ -87,14 +97,18 @@ class ParallelDims:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return self.cp_of(self.rank)
+
+    @property
     def moe_ep(self) -> int:
-        """Ranks the experts of a stage are sharded over: EP folded with TP (docs/tp.md)."""
-        return self.ep * self.tp
+        """Ranks the experts of a stage are sharded over: EP folded with CP and TP (docs/tp.md, docs/cp.md)."""
+        return self.ep * self.cp * self.tp
 
     @property
     def moe_ep_rank(self) -> int:
         """This rank's place among them: its shard of the experts is [moe_ep_rank * L, (moe_ep_rank + 1) * L)."""
-        return self.ep_rank * self.tp + self.tp_rank
+        return (self.ep_rank * self.cp + self.cp_rank) * self.tp + self.tp_rank
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -127,29 +141,38 @@ class ParallelDims:
     @property
     def loss_copies(self) -> int:
         """How many ranks hold each microbatch's loss: the TP ranks of the last stage each hold the same sum, so a
-        SUM over the world counts every microbatch this many times (parallel/step.py divides it out)."""
+        SUM over the world counts every microbatch this many times (parallel/step.py divides it out). The CP ranks
+        each hold their own tokens' part of it (parallel/cp.py): their sum is the microbatch's, counted once."""
         return self.tp
+
+    @property
+    def stat_copies(self) -> int:
+        """How many ranks hold each microbatch's router statistics (balance and z losses, expert counts): every
+        token rank holds the whole microbatch's (model/moe.py sums them over TP x CP)."""
+        return self.tp * self.cp
 
     # --- group membership (global ranks, sorted) ----------------------------------------------
     def all_group_ranks(self, kind: GroupKind) -> list[list[int]]:
         """Every group of one kind, as lists of global ranks, in a fixed order: slices of `grid()`, in plain ints
         (no tensor: `nanotitan plan --dry-run` asks while a FakeTensorMode turns every new tensor into a fake)."""
-        D, P, E, T = range(self.dp), range(self.pp), range(self.ep), range(self.tp)
+        D, P, E, C, T = range(self.dp), range(self.pp), range(self.ep), range(self.cp), range(self.tp)
 
-        def r(d, p, e, t):
-            return ((d * self.pp + p) * self.ep + e) * self.tp + t
+        def r(d, p, e, c, t):
+            return (((d * self.pp + p) * self.ep + e) * self.cp + c) * self.tp + t
         if kind in ("ep", "ep_backward"):
-            return [[r(d, p, e, t) for e in E for t in T] for d in D for p in P]
+            return [[r(d, p, e, c, t) for e in E for c in C for t in T] for d in D for p in P]
         if kind in ("pp", "pp_backward"):
-            return [[r(d, p, e, t) for p in P] for d in D for e in E for t in T]
+            return [[r(d, p, e, c, t) for p in P] for d in D for e in E for c in C for t in T]
         if kind == "expert_dp":
-            return [[r(d, p, e, t) for d in D] for p in P for e in E for t in T]
+            return [[r(d, p, e, c, t) for d in D] for p in P for e in E for c in C for t in T]
         if kind == "non_expert_dp":
-            return [[r(d, p, e, t) for d in D for e in E] for p in P for t in T]
+            return [[r(d, p, e, c, t) for d in D for e in E for c in C] for p in P for t in T]
         if kind == "tp":
-            return [[r(d, p, e, t) for t in T] for d in D for p in P for e in E]
+            return [[r(d, p, e, c, t) for t in T] for d in D for p in P for e in E for c in C]
+        if kind == "cp":
+            return [[r(d, p, e, c, t) for c in C] for d in D for p in P for e in E for t in T]
         if kind == "stage":
-            return [[r(d, p, e, t) for d in D for e in E for t in T] for p in P]
+            return [[r(d, p, e, c, t) for d in D for e in E for c in C for t in T] for p in P]
         raise ValueError(f"unknown group kind {kind!r}")
 
     def group_ranks(self, kind: GroupKind) -> list[int]:
@@ -170,11 +193,11 @@ class ParallelDims:
         assert dist.is_initialized()
         if dist.get_world_size() != self.world_size:
             raise ValueError(
-                f"world size {dist.get_world_size()} != dp*pp*ep*tp = {self.dp}*{self.pp}*{self.ep}*{self.tp} "
-                f"(set --parallel.dp/pp/ep/tp so their product is the world size)")
+                f"world size {dist.get_world_size()} != dp*pp*ep*cp*tp = {self.dp}*{self.pp}*{self.ep}*{self.cp}*"
+                f"{self.tp} (set --parallel.dp/pp/ep/cp/tp so their product is the world size)")
         for kind in GROUP_KINDS:
-            if kind in ("tp", "stage") and self.tp == 1:
-                continue  # TP's groups only with TP: a three-axis job builds exactly the groups it always did
+            if (kind in ("tp", "stage") and self.tp == 1) or (kind == "cp" and self.cp == 1):
+                continue  # TP's (CP's) groups only with TP (CP): a three-axis job builds the groups it always did
             for ranks in self.all_group_ranks(kind):
                 pg = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s), backend=backend)
                 if self.rank in ranks:

@@ -1,0 +1,43 @@
+"""The config rules of context parallel (parallel/cp.py, docs/cp.md): what CP splits must divide, and what it does
+not split yet. A leaf like config.py, which calls it from `validate`."""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+
+def _check(ok: bool, line: str) -> None:
+    if not ok:
+        raise ConfigError(line)
+
+
+def check_cp(cfg) -> None:
+    """Context parallel cuts each sequence into 2*cp chunks, rank i holding chunks i and 2cp-1-i (parallel/cp.py)."""
+    m, p, t, n = cfg.model, cfg.parallel, cfg.train, cfg.parallel.cp
+    _check(p.cp_impl in ("ring", "a2a"), f"parallel.cp_impl={p.cp_impl!r} must be ring or a2a (--parallel.cp_impl)")
+    if n == 1:
+        return
+    S, chunk = t.seq_len, t.seq_len // (2 * n)
+    _check(S % (2 * n) == 0, f"train.seq_len={S} must be a multiple of 2*parallel.cp = {2 * n}: each CP rank holds "
+           f"two of its 2*cp chunks (--train.seq_len {max(2 * n, S // (2 * n) * 2 * n)}, or --parallel.cp)")
+    _check(not (p.tp > 1 and p.sp) or (S // n) % p.tp == 0,
+           f"train.seq_len/parallel.cp = {S // n} must be a multiple of parallel.tp={p.tp}: sequence parallel splits "
+           f"each CP rank's tokens over TP (--train.seq_len, or --parallel.sp false)")
+    _check(m.num_experts % (p.ep * n * p.tp) == 0,
+           f"model.num_experts={m.num_experts} must be divisible by parallel.ep*cp*tp = {p.ep * n * p.tp}: the "
+           "experts fold over EP x CP x TP (--parallel.cp, or --parallel.ep)")
+    if p.cp_impl == "a2a":  # Ulysses trades the sequence shard for a head shard: a TP rank's heads split cp ways
+        heads = m.n_heads // p.tp
+        kv = m.n_heads if m.kv_lora_rank else max((m.n_kv_heads or m.n_heads) // p.tp, 1)  # MLA expands per head
+        _check(heads % n == 0 and (kv % n == 0 or n % kv == 0),
+               f"parallel.cp_impl=a2a splits heads over parallel.cp={n}: model.n_heads={m.n_heads} per TP rank "
+               f"({heads}) must be a multiple of it and its KV heads ({kv}) a multiple or a divisor "
+               "(--parallel.cp_impl ring)")
+    _check(m.mtp_layers < chunk, f"model.mtp_layers={m.mtp_layers} must be < train.seq_len/(2*parallel.cp) = {chunk}: "
+           "MTP's untargeted tail must lie in the last chunk (--train.seq_len, or --parallel.cp)")
+    for bad, line in [(m.pos_emb == "learned", "model.pos_emb=learned (--model.pos_emb rope)"),
+                      (p.dp_impl == "torch_ddp", "parallel.dp_impl=torch_ddp, whose average over its group is not "
+                                                 "the CP ranks' sum (use bucketed)"),
+                      (p.ep_overlap_microbatches, "parallel.ep_overlap_microbatches: two lanes would interleave the "
+                                                  "CP collectives")]:
+        _check(not bad, f"{line}: not with parallel.cp={n} (--parallel.cp 1)")
