@@ -52,14 +52,13 @@ def _warm_ready(agent_pid: int) -> bool:
     """Whether an agent's next ranks (started ahead: elastic/agent.py's warm ranks) have imported: each touches
     the file its $NANOTITAN_WARM_READY names. A node dies long after the last change as a rule; the pause then
     holds no imports."""
-    ready = []
+    ready, var = [], b"NANOTITAN_WARM_READY="
     for pid in _children(agent_pid):
         try:
-            env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if "NANOTITAN_WARM_READY" in env:
-            ready.append(Path(env["NANOTITAN_WARM_READY"]).exists())
+        ready += [Path(os.fsdecode(v[len(var):])).exists() for v in env if v.startswith(var)]
     return len(ready) >= 2 and all(ready)  # the running rank (once warm itself) and the next one
 
 

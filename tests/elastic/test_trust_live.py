@@ -108,8 +108,8 @@ def test_a_stranger_can_neither_keep_a_node_alive_nor_end_it():
         stranger({"node": 1, "seq": 0, "mac": liveness._mac(theirs, "job", challenge, 1, 0)})
         stranger({"node": 1, "seq": 0, "mac": liveness._mac(mine, "job", challenge, 1, 0)})
         stranger({"node": 2, "seq": 0, "mac": liveness._mac(mine, "job", challenge, 2, 0)})
-        for junk in ('{"node": 1, "seq": 0, "mac": "\u00e9"}'.encode(), b"[" * 200, b"{" * 5000):  # non-ASCII, deep, long
-            stranger(junk)
+        for junk in ('{"node": 1, "seq": 0, "mac": "\u00e9"}'.encode(), b"[" * 200, b"{" * 5000):
+            stranger(junk)  # non-ASCII, deep, an endless line
         stranger()  # says nothing: closed after HELLO_S
         with pytest.raises(ValueError, match="your secret does not match the job's"):
             Beater(server.addr, other, "job", 3)  # an agent with another key is told so by the challenge's MAC
@@ -168,8 +168,8 @@ def test_the_coordinator_fails_a_generation_when_a_member_dies_and_restarts_it_b
         assert json.loads(store.get("gen/2"))["members"] == [0]
     finally:
         coord.close()
-    explicit = load_config(None, ["--elastic.endpoint", "127.0.0.1:1", "--elastic.nodes", "1", "--parallel.auto", "true",
-                                  "--train.max_restarts", "0"])
+    explicit = load_config(None, ["--elastic.endpoint", "127.0.0.1:1", "--elastic.nodes", "1",
+                                  "--parallel.auto", "true", "--train.max_restarts", "0"])
     assert restart_budget(explicit) == 0  # set by the user: theirs
 
 

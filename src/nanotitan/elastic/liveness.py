@@ -8,14 +8,15 @@
   ms) are no loss. Silence is measured at the listener's own select passes, after it has read every byte that had
   arrived, so a pause of node 0's process is no silence of the others.
 
-Both ends prove the job's key (auth.py; the lines carry MACs of a key derived from it for them alone). The listener opens each connection with a random challenge and its MAC,
-so an agent whose secret differs knows it at once. The agent answers with its node id. Every line it sends (the
-hello, seq 0, then one per beat) carries a MAC of the job, the challenge, the node and a sequence number that
-must grow by one. A stranger therefore can neither keep a dead node alive (no valid beat, and a captured one
-replays under no other challenge) nor end a live one (only the node's own authenticated connection counts; a
-stranger's connection, or its close, is refused in one line and changes nothing). The listener is one thread
-over every connection (a selector): a connection that says no valid hello within HELLO_S is closed, at most
-MAX_PENDING wait for theirs, a line is at most LINE_MAX bytes, and refusal lines are limited to one a second.
+Both ends prove the job's key (auth.py; the lines carry MACs of a key derived from it for them alone). The listener
+opens each connection with a random challenge and its MAC, so an agent whose secret differs knows it at once. The
+agent answers with its node id. Every line it sends (the hello, seq 0, then one per beat) carries a MAC of the job,
+the challenge, the node and a sequence number that must grow by one. A stranger therefore can neither keep a dead
+node alive (no valid beat, and a captured one replays under no other challenge) nor end a live one (only the node's
+own authenticated connection counts; a stranger's connection, or its close, is refused in one line and changes
+nothing). The listener is one thread over every connection (a selector): a connection that says no valid hello
+within HELLO_S is closed, at most MAX_PENDING wait for theirs, a line is at most LINE_MAX bytes, and refusal lines
+are limited to one a second.
 """
 
 from __future__ import annotations
