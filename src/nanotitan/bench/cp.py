@@ -129,8 +129,8 @@ class _LinkExposure:
 def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int, dilation: float,
                   repeats: int) -> dict:
     """Per repeat the ring free, then emulated with the dilation scaled by the share of a core the ranks got in
-    that free run (the least over ranks): ranks slowed k-fold by sharing cores see links k-fold slower too, so the
-    cluster's compute : link ratio holds (a rank's waits count as idle, which only makes the links slower)."""
+    that free run while not waiting (the least over ranks): ranks slowed k-fold by sharing cores see links k-fold
+    slower too, so the cluster's compute : link ratio holds."""
     ring = cp_attn.cp_ring(dist.group.WORLD)
     idx = cp_attn.balanced_order(sh["seq"], world).view(world, -1)[rank]
     q, k, v, dout = (t[:, :, idx].contiguous() for t in _qkv(sh, sh["seq"]))
@@ -151,8 +151,8 @@ def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int,
             with _LinkExposure() as seen:
                 cp_attn.ring_attention(ql, kl, vl, ring, scale).backward(dout)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if mode == "free":
-                share = torch.tensor([min(1.0, cpu / wall)])
+            if mode == "free":  # CPU seconds per second the rank was not blocked on a peer
+                share = torch.tensor([min(1.0, cpu / max(wall - comm.COMM.wait_s["cp"], 1e-9))])
                 dist.all_reduce(share, op=dist.ReduceOp.MIN)
             if i:
                 res[mode].append({"wall_s": wall, "wait_s": comm.COMM.wait_s["cp"], "exposed_s": seen.exposed_s,
