@@ -19,7 +19,8 @@
              under a global causal mask, backward all-reduces dK/dV) on N ranks, and one process's whole-sequence
              SDPA; and torch's own context_parallel (torch.distributed.tensor.experimental), whose error on CPU is
              recorded as it comes.
-Figures: min and median over repeats (each repeat the slowest rank, after one warm-up).
+Figures: min and median over repeats (each repeat the slowest rank, after one warm-up); compare gives wall time (the
+slowest rank) and CPU time (process time summed over the ranks: the work, whatever else loads the machine).
 """
 
 from __future__ import annotations
@@ -128,8 +129,8 @@ class _LinkExposure:
 def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int, dilation: float,
                   repeats: int) -> dict:
     """Per repeat the ring free, then emulated with the dilation scaled by the share of a core the ranks got in
-    that free run (the least over ranks): ranks slowed k-fold by sharing cores see links k-fold slower too, so the
-    cluster's compute : link ratio holds (a rank's waits count as idle, which only makes the links slower)."""
+    that free run while not waiting (the least over ranks): ranks slowed k-fold by sharing cores see links k-fold
+    slower too, so the cluster's compute : link ratio holds."""
     ring = cp_attn.cp_ring(dist.group.WORLD)
     idx = cp_attn.balanced_order(sh["seq"], world).view(world, -1)[rank]
     q, k, v, dout = (t[:, :, idx].contiguous() for t in _qkv(sh, sh["seq"]))
@@ -150,8 +151,8 @@ def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int,
             with _LinkExposure() as seen:
                 cp_attn.ring_attention(ql, kl, vl, ring, scale).backward(dout)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if mode == "free":
-                share = torch.tensor([min(1.0, cpu / wall)])
+            if mode == "free":  # CPU seconds per second the rank was not blocked on a peer
+                share = torch.tensor([min(1.0, cpu / max(wall - comm.COMM.wait_s["cp"], 1e-9))])
                 dist.all_reduce(share, op=dist.ReduceOp.MIN)
             if i:
                 res[mode].append({"wall_s": wall, "wait_s": comm.COMM.wait_s["cp"], "exposed_s": seen.exposed_s,
@@ -228,10 +229,10 @@ def _compare_rank(rank: int, world: int, sh: dict, repeats: int) -> dict:
         for name, fn in IMPLS.items():
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn(ql, kl, vl, ring, scale).backward(dout)
             if i:
-                res[name].append(time.perf_counter() - t0)
+                res[name].append((time.perf_counter() - t0, time.process_time() - c0))
     res["torch_context_parallel"] = _try_torch_cp(world, sh)
     return res
 
@@ -254,16 +255,19 @@ def _try_torch_cp(world: int, sh: dict) -> str:
 
 def compare(sh: dict, n: int, repeats: int) -> dict:
     ranks = run_ranks(_compare_rank, n, (sh, repeats), timeout=1800)
-    out = {name: _min_median([max(r[name][i] for r in ranks) for i in range(repeats)]) for name in IMPLS}
+    out = {name: {"wall_s (slowest rank)": _min_median([max(r[name][i][0] for r in ranks) for i in range(repeats)]),
+                  "cpu_s (all ranks)": _min_median([sum(r[name][i][1] for r in ranks) for i in range(repeats)])}
+           for name in IMPLS}
     q, k, v, dout = _qkv(sh, sh["seq"])
     whole = []
     for i in range(repeats + 1):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True).backward(dout)
         if i:
-            whole.append(time.perf_counter() - t0)
-    out["whole-seq sdpa (1 process)"] = _min_median(whole)
+            whole.append((time.perf_counter() - t0, time.process_time() - c0))
+    out["whole-seq sdpa (1 process)"] = {"wall_s": _min_median([w for w, _ in whole]),
+                                         "cpu_s": _min_median([c for _, c in whole])}
     out["torch_context_parallel"] = ranks[0]["torch_context_parallel"]
     return out
 

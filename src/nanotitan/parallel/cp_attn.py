@@ -43,6 +43,7 @@ class CPGroup(Protocol):
 
 @dataclass(frozen=True)
 class CPRing:
+    """A CPGroup as plain values (cp_ring builds one from a ProcessGroup; a size-1 one needs no group)."""
     group: object
     rank: int
     size: int
