@@ -31,6 +31,8 @@ from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.tokens import TokenShard
 from ..model.transformer import Transformer, is_expert_param
+from ..optim.families import tag_params
+from ..optim.muon import Muon, shard_pieces
 from .build import build_stage
 from .compile import compile_blocks
 from .dims import ParallelDims
@@ -71,11 +73,16 @@ class ModelShard:
         self.sync.close()
 
 
-def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.AdamW:
+def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.Optimizer:
     """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
-    matrices only. Fused: ~3x faster than the default on CPU (BASELINES). The trainer and the dry run use it."""
-    groups = shard.sync.param_groups(cfg.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
+    matrices only. Fused: ~3x faster than the default on CPU (BASELINES). train.optimizer=muon: Muon on the
+    hidden matrices (tagged by `parallelize`), AdamW on the rest (optim/muon.py). The trainer and the dry run use it."""
+    t = cfg.train
+    groups = shard.sync.param_groups(t.weight_decay)
+    if t.optimizer == "muon":
+        return Muon(groups, t.lr, (t.beta1, t.beta2), t.muon_lr, t.muon_momentum, t.muon_ns_steps,
+                    shard_pieces(shard), shard.dims.group("stage"))
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
@@ -106,6 +113,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
+    if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
+        tag_params(model)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
