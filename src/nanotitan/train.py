@@ -115,8 +115,8 @@ class Trainer:
         self.stop_requested, self.stop_cause = True, self.stop_cause or cause
 
     def resume(self, where: str):
-        self.start_step = resume_step(where, self.run_dir, self.shard, self.optimizer, self.cfg.train.verify_ckpt,
-                                      self.log)
+        optimizer = None if self.cfg.train.reset_optimizer else self.optimizer  # fresh state: weights and step only
+        self.start_step = resume_step(where, self.run_dir, self.shard, optimizer, self.cfg.train.verify_ckpt, self.log)
 
     def save(self, step: int):
         t0 = time.perf_counter()

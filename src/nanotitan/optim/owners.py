@@ -149,7 +149,7 @@ class Orthogonalizer:
             shapes = {k: s for g in every for k, s in g.items()}
         self.plan = make_plan(shapes, geometry, me, mine, steps)
         self.shapes = shapes
-        self.ns_s = 0.0  # seconds of Newton-Schulz in the last step (bench optim reads it)
+        self.ns_s, self.calls = 0.0, 0  # Newton-Schulz seconds and steps so far (scripts/experiments/muon.py)
 
     def _exchange(self, send: list[torch.Tensor], recv_numel: list[int], like: torch.Tensor) -> list[torch.Tensor]:
         inp = torch.cat([t.reshape(-1) for t in send]) if send else like.new_empty(0)
@@ -180,7 +180,7 @@ class Orthogonalizer:
             out = orthogonalize(torch.stack([wholes[k] for k in ks]), self.steps, self.dtype).mul_(rms_scale(m, n))
             for k, o in zip(ks, out):
                 wholes[k] = o
-        self.ns_s = time.perf_counter() - t0
+        self.ns_s, self.calls = self.ns_s + time.perf_counter() - t0, self.calls + 1
         for k in plan.computes:
             for b in plan.mine.get(k, ()):
                 b.view(updates[b.base]).copy_(wholes[k][b.region])

@@ -1,0 +1,133 @@
+"""Muon against AdamW (issue 51), single process on this machine's CPU, every figure of docs/optim.md:
+
+    python scripts/experiments/muon.py sweep [--steps 200]   # default model: the lr sweeps, loss at 100/200, plot
+    python scripts/experiments/muon.py mid [--steps 20]      # MID: step time and optimizer memory, AdamW vs Muon
+    python scripts/experiments/muon.py ns [--steps 6]        # Newton-Schulz seconds per rank: one process vs DP4 zero 1
+
+Each run is `nanotitan train`'s Trainer on configs/default.toml (or mid.toml) at dp=pp=ep=1 with the global batch
+of the config's layout (B = 16 sequences: 8 microbatches of 2), so the losses are those of the 3-D default job.
+Results go to docs/experiments/muon_<what>.json; `sweep` also draws docs/optim_muon.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "docs" / "experiments"
+SINGLE = ["--parallel.dp", "1", "--parallel.pp", "1", "--parallel.ep", "1", "--run.progress", "false",
+          "--run.tensorboard", "false", "--train.ckpt_at_end", "false", "--train.sample_tokens", "0",
+          "--train.threads", "1"]
+ADAMW_LRS = [1e-3, 3e-3, 1e-2]
+MUON_LRS = [3e-3, 1e-2, 2e-2, 4e-2]
+
+
+def train(config: str, args: list[str]) -> dict:
+    from nanotitan.config.config import load_config
+    from nanotitan.observe.memory import live_tensor_bytes
+    from nanotitan.train import Trainer
+
+    trainer = Trainer(load_config(str(ROOT / "configs" / config), args))
+    try:
+        out = trainer.train()
+        orth = getattr(trainer.optimizer, "orthogonalizer", None)
+        ns = (orth.ns_s / max(1, orth.calls)) if orth is not None else None
+        mem = live_tensor_bytes(trainer.model, trainer.optimizer)
+    finally:
+        trainer.shard.close()
+    return {"history": out["history"], "mem": mem, "ns_s_per_step": ns}
+
+
+def sweep(steps: int, run_root: Path) -> dict:
+    res = {}
+    for opt, lrs in (("adamw", ADAMW_LRS), ("muon", MUON_LRS)):
+        for lr in lrs:
+            flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
+            r = train("default.toml", SINGLE + ["--parallel.microbatches", "8", "--train.steps", str(steps),
+                                                "--train.optimizer", opt, "--train.eval_every", "100",
+                                                "--run.log_every", "10", "--run.dir", f"{run_root}/{opt}_{lr}", *flag])
+            h = r["history"]
+            res[f"{opt} lr={lr}"] = {"opt": opt, "lr": lr, "steps": [x["step"] for x in h],
+                                     "loss": [x["loss"] for x in h],
+                                     "val": {x["step"]: x["val_loss"] for x in h if "val_loss" in x}}
+            print(opt, lr, {s: round(v, 4) for s, v in res[f"{opt} lr={lr}"]["val"].items()}, flush=True)
+    return res
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in res.items():
+        ax.plot(r["steps"], r["loss"], ("-" if r["opt"] == "muon" else "--"), label=name, lw=1.2)
+    ax.set_xlabel("step (16 x 128 tokens each)")
+    ax.set_ylabel("train loss")
+    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+    ax.set_title("default model on Shakespeare: Muon (solid) vs AdamW (dashed)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def mid(steps: int, run_root: Path) -> dict:
+    """Median step time (steps 3..; the first two are warm-up) and optimizer bytes, AdamW vs Muon, MID config."""
+    res = {}
+    for rnd in range(2):  # two rounds, alternating, so a drift in the shared machine's speed hits both
+        for opt in ("adamw", "muon"):
+            r = train("mid.toml", SINGLE + ["--train.steps", str(steps), "--train.optimizer", opt,
+                                            "--run.log_every", "1", "--run.dir", f"{run_root}/mid_{opt}_{rnd}"])
+            times = [x["step_time_s"] for x in r["history"][2:]]
+            e = res.setdefault(opt, {"step_time_s": [], "optim_bytes": r["mem"]["optim_bytes"],
+                                     "param_bytes": r["mem"]["param_bytes"], "ns_s_per_step": []})
+            e["step_time_s"].append(statistics.median(times))
+            e["ns_s_per_step"].append(r["ns_s_per_step"])
+    for e in res.values():
+        e["median_step_s"] = statistics.median(e["step_time_s"])
+    res["overhead"] = res["muon"]["median_step_s"] / res["adamw"]["median_step_s"] - 1
+    print(json.dumps(res, indent=1), flush=True)
+    return res
+
+
+def _ns_rank(rank, world, args):
+    return train("mid.toml", args)["ns_s_per_step"]
+
+
+def ns(steps: int, run_root: Path) -> dict:
+    """Newton-Schulz seconds per step on each rank, MID at DP4 zero 1 (4 ranks, one thread each) vs one process."""
+    from tests.helpers.mp import run_ranks
+
+    base = SINGLE + ["--train.steps", str(steps), "--train.optimizer", "muon", "--run.log_every", "1"]
+    one = train("mid.toml", base + ["--run.dir", f"{run_root}/ns1"])["ns_s_per_step"]
+    dp4 = base + ["--parallel.dp", "4", "--parallel.zero", "1", "--run.dir", f"{run_root}/ns4"]
+    per_rank = run_ranks(_ns_rank, 4, args=(dp4,), timeout=900, pg_timeout=300)
+    res = {"one_process_s": one, "dp4_zero1_per_rank_s": per_rank, "ratio_max_rank": max(per_rank) / one}
+    print(json.dumps(res, indent=1), flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["sweep", "mid", "ns"])
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--run-root", default="/tmp/muon_runs")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    steps = a.steps or {"sweep": 200, "mid": 20, "ns": 6}[a.what]
+    res = {"sweep": sweep, "mid": mid, "ns": ns}[a.what](steps, Path(a.run_root))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"muon_{a.what}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
+    if a.what == "sweep":
+        plot(res, ROOT / "docs" / "optim_muon.png")
+
+
+if __name__ == "__main__":
+    main()
