@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .state import checkpoint as ckpt
 from .observe import report
+from .optim import qk_clip
 from .config.config import Config, to_toml
 from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
@@ -160,10 +161,12 @@ class Trainer:
             self.optimizer.step()
         after_update(self.shard)
         update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
+        # QK-clip (train.qk_clip): heads whose max logit topped TAU get their q/k weights scaled back (optim/qk_clip.py)
+        qk_max = qk_clip.clip_step(self.shard, cfg.train.qk_clip, apply=not nonfinite) if cfg.train.qk_clip else None
         # A step that writes a record (a non-finite one too): its losses, means over all DP*EP*M microbatches.
         losses = reduce_losses(self.shard, stats, self.aux_weight, cfg.parallel.microbatches,
                                mtp=cfg.model.mtp_layers > 0) if logged or nonfinite else None
-        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses)
+        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses, qk_max)
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train

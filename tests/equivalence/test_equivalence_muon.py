@@ -6,7 +6,9 @@ over 10 steps, final parameters (each rank's TP slice and experts against the re
 Two launches: 2 ranks run DP2 at zero 0/1/2/3, TP2, EP2, PP2 under 1F1B and zb1, and TP2 resumed from the
 zero-1 run's step-5 checkpoint (the momentum resharded from flat shards into TP slices); 8 ranks run DP2·PP2·EP2 (zero 1),
 DP2·TP2·EP2 at zero 3, and a DeepSeek-V3-shaped model (MLA with a q latent, a dense first layer, a shared expert,
-sigmoid routing with the aux-free bias, MTP) at DP2·PP2·EP2 under zb1 at zero 2.
+sigmoid routing with the aux-free bias, MTP) at DP2·PP2·EP2 under zb1 at zero 2 with QK-clip (only MLA's
+head-specific parts scaled); the 2-rank launch also runs QK-clip under TP2 and DP2 zero 3. A clipped row is also held
+to the reference's per-step qk_max, and must differ from the unclipped run.
 """
 
 import pytest
@@ -24,6 +26,9 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shar
             "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--model.router_score", "sigmoid",
             "--model.bias_update_rate", "1e-3", "--model.mtp_layers", "1", "--model.mtp_coef", "0.3")
 Z = "--parallel.zero"
+# QK-clip at a TAU the tiny models' logits top from step 1 (their max is ~0.05 at init): every step rescales heads
+QK = ("--train.qk_clip", "0.03")
+QK_DS = ("--train.qk_clip", "0.02")
 
 # (name, dp, pp, ep, tp, schedule, extra)
 CKPT = 5
@@ -31,11 +36,12 @@ WORLD2 = [("dp2_zero0", 2, 1, 1, 1, "1f1b", ()), ("dp2_zero1", 2, 1, 1, 1, "1f1b
           ("dp2_zero2", 2, 1, 1, 1, "1f1b", (Z, "2")), ("dp2_zero3", 2, 1, 1, 1, "1f1b", (Z, "3")),
           ("tp2", 1, 1, 1, 2, "1f1b", ()), ("ep2", 1, 1, 2, 1, "1f1b", ()),
           ("pp2_1f1b", 1, 2, 1, 1, "1f1b", ()), ("pp2_zb1", 1, 2, 1, 1, "zb1", ()),
-          ("tp2_from_dp2_zero1", 1, 1, 1, 2, "1f1b", ())]
+          ("tp2_from_dp2_zero1", 1, 1, 1, 2, "1f1b", ()),
+          ("tp2_qkclip", 1, 1, 1, 2, "1f1b", QK), ("dp2_zero3_qkclip", 2, 1, 1, 1, "1f1b", (Z, "3", *QK))]
 # a row resumed from another's step-CKPT checkpoint: Muon's momentum, saved as flat ZeRO-1 shards, read into TP slices
 RESUMES = {"tp2_from_dp2_zero1": "dp2_zero1"}
 WORLD8 = [("dp2pp2ep2_zero1", 2, 2, 2, 1, "1f1b", (Z, "1")), ("dp2tp2ep2_zero3", 2, 1, 2, 2, "1f1b", (Z, "3")),
-          ("deepseek_dp2pp2ep2_zb1_zero2", 2, 2, 2, 1, "zb1", (Z, "2", *DEEPSEEK))]
+          ("deepseek_qkclip_dp2pp2ep2_zb1_zero2", 2, 2, 2, 1, "zb1", (Z, "2", *DEEPSEEK, *QK_DS))]
 
 
 def layout(dp=1, pp=1, ep=1, tp=1, schedule="1f1b", extra=()) -> list[str]:
@@ -54,7 +60,8 @@ def train_muon(args: list[str]) -> dict:
 
     trainer = Trainer(load_config(None, args))
     try:
-        losses = [r["loss"] for r in trainer.train()["history"]]
+        history = trainer.train()["history"]
+        losses, qk = [r["loss"] for r in history], [r.get("qk_max") for r in history]
         live, start = dict(trainer.shard.model.named_parameters()), trainer.shard.spec.expert_start
         held, _ = whole_state(trainer.shard.sync)
         params = {n: (t.detach().clone(), start if is_expert_param(n) else None, tp_shard_dim(live[n]))
@@ -63,7 +70,7 @@ def train_muon(args: list[str]) -> dict:
     finally:
         trainer.shard.close()
     d = trainer.dims
-    return {"losses": losses, "params": params, "tp": (d.tp_rank, d.tp), "coords": d.coords(), "traffic": traffic}
+    return {"losses": losses, "qk_max": qk, "params": params, "tp": (d.tp_rank, d.tp), "coords": d.coords(), "traffic": traffic}
 
 
 def _cases(rank, world, cases, corpus_dir, run_root):
@@ -98,8 +105,13 @@ def check(name: str, ranks: list[dict], ref: dict) -> float:
 
 @pytest.fixture(scope="module")
 def refs(corpus_dir, tmp_path_factory):
-    ref = {"plain": layout(), "deepseek": layout(extra=DEEPSEEK)}
-    return {k: one_process(corpus_dir, tmp_path_factory, f"ref_muon_{k}", v[6:]) for k, v in ref.items()}
+    ref = {"plain": layout(), "plain_qk": layout(extra=QK), "deepseek_qk": layout(extra=(*DEEPSEEK, *QK_DS))}
+    runs = {k: one_process(corpus_dir, tmp_path_factory, f"ref_muon_{k}", v[6:]) for k, v in ref.items()}
+    return {k: {**r, "qk_max": [x.get("qk_max") for x in r["records"]]} for k, r in runs.items()}
+
+
+def model_of(extra) -> str:
+    return ("deepseek" if "--model.kv_lora_rank" in extra else "plain") + ("_qk" if QK[0] in extra else "")
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
@@ -107,7 +119,13 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
                          pg_timeout=120)
     for (name, *case), ranks in zip(cases, zip(*per_rank)):
         extra = case[-1]
-        worst = check(name, list(ranks), refs["deepseek" if "--model.kv_lora_rank" in extra else "plain"])
+        ref = refs[model_of(extra)]
+        worst = check(name, list(ranks), ref)
+        if QK[0] in extra:  # the clip acted (logits over TAU), the same maxima on every layout, and changed training
+            tau = float(extra[extra.index(QK[0]) + 1])
+            assert ranks[0]["qk_max"][0] > tau and max_rel_dev(ranks[0]["qk_max"], ref["qk_max"]) <= 1e-5, name
+            if "plain" in model_of(extra):
+                assert max_rel_dev(ranks[0]["losses"], refs["plain"]["losses"]) > 1e-4, f"{name}: the clip did nothing"
         print(f"muon row {name}: worst loss error {worst:.1e}, owner traffic {any(r['traffic'] for r in ranks)}")
         sliced = case[3] > 1 or Z in extra and extra[extra.index(Z) + 1] != "0"  # TP, or ZeRO's shards
         assert not sliced or any(r["traffic"] for r in ranks), f"{name}: slices orthogonalized with no gather"

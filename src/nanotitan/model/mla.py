@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.config import ModelConfig
+from . import qk_max
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
 from .wgrad import Linear
@@ -54,6 +55,7 @@ class MLA(nn.Module):
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
         k = torch.cat([k_nope, k_rot.expand(B, H, S, Dr)], dim=-1)  # the rope key shared by every head
+        qk_max.observe(self, q, k, self.scale)  # train.qk_clip only (model/qk_max.py)
         # SDPA's flash kernels want v as wide as q and k (HF pads it for flash-attention too): without this the CPU
         # falls back to the math path, which keeps every head's S x S scores for backward (8 GiB a layer at V3's size)
         pad = Dn + Dr - Dv

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
-from . import wgrad
+from . import qk_max, wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
 from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids
@@ -82,6 +82,7 @@ class Attention(nn.Module):
         if rope is not None:
             cos, sin = rope[0][:S], rope[1][:S]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_max.observe(self, q, k, Dh ** -0.5)  # train.qk_clip only (model/qk_max.py)
         # GQA: query head h reads key/value head h // (H / Hkv), as HF's repeat_kv.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))

@@ -31,6 +31,7 @@ from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.tokens import TokenShard
 from ..model.transformer import Transformer, is_expert_param
+from ..optim import qk_clip
 from ..optim.families import tag_params
 from ..optim.muon import Muon, shard_pieces
 from .build import build_stage
@@ -115,6 +116,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
         compile_blocks(model)
     if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
         tag_params(model)
+    if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
+        qk_clip.track(model)
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],
