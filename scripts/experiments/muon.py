@@ -1,6 +1,8 @@
 """Muon against AdamW (issue 51), single process on this machine's CPU, every figure of docs/optim.md:
 
-    python scripts/experiments/muon.py sweep [--steps 200]   # default model: the lr sweeps, loss at 100/200, plot
+    python scripts/experiments/muon.py sweep [--steps 200] [--microbatches 8] [--lrs 'adamw=1e-3,3e-3;muon=1e-2']
+                                                             # default model: the lr sweeps, val loss at steps/2 and
+                                                             # steps, the plot
     python scripts/experiments/muon.py mid [--steps 20]      # MID: step time and optimizer memory, AdamW vs Muon
     python scripts/experiments/muon.py ns [--steps 6]        # Newton-Schulz seconds per rank: one process vs DP4 zero 1
 
@@ -45,13 +47,14 @@ def train(config: str, args: list[str]) -> dict:
     return {"history": out["history"], "mem": mem, "ns_s_per_step": ns}
 
 
-def sweep(steps: int, run_root: Path) -> dict:
+def sweep(steps: int, run_root: Path, microbatches: int = 8) -> dict:
+    """Both optimizers over their lr grids, `steps` steps of `microbatches` x 2 sequences; val loss at steps/2, steps."""
     res = {}
     for opt, lrs in (("adamw", ADAMW_LRS), ("muon", MUON_LRS)):
         for lr in lrs:
             flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
-            r = train("default.toml", SINGLE + ["--parallel.microbatches", "8", "--train.steps", str(steps),
-                                                "--train.optimizer", opt, "--train.eval_every", "100",
+            r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
+                                                "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
                                                 "--run.log_every", "10", "--run.dir", f"{run_root}/{opt}_{lr}", *flag])
             h = r["history"]
             res[f"{opt} lr={lr}"] = {"opt": opt, "lr": lr, "steps": [x["step"] for x in h],
@@ -119,10 +122,18 @@ def main() -> None:
     ap.add_argument("what", choices=["sweep", "mid", "ns"])
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--run-root", default="/tmp/muon_runs")
+    ap.add_argument("--microbatches", type=int, default=8, help="sweep: B = 2 x this (8: the default job's 16)")
+    ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2' instead of the grids")
     a = ap.parse_args()
     torch.set_num_threads(1)
     steps = a.steps or {"sweep": 200, "mid": 20, "ns": 6}[a.what]
-    res = {"sweep": sweep, "mid": mid, "ns": ns}[a.what](steps, Path(a.run_root))
+    for part in filter(None, a.lrs.split(";")):
+        name, vals = part.split("=")
+        (ADAMW_LRS if name == "adamw" else MUON_LRS)[:] = [float(v) for v in vals.split(",")]
+    if a.what == "sweep":
+        res = sweep(steps, Path(a.run_root), a.microbatches)
+    else:
+        res = {"mid": mid, "ns": ns}[a.what](steps, Path(a.run_root))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"muon_{a.what}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
     if a.what == "sweep":

@@ -124,8 +124,10 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
         if QK[0] in extra:  # the clip acted (logits over TAU), the same maxima on every layout, and changed training
             tau = float(extra[extra.index(QK[0]) + 1])
             assert ranks[0]["qk_max"][0] > tau and max_rel_dev(ranks[0]["qk_max"], ref["qk_max"]) <= 1e-5, name
-            if "plain" in model_of(extra):
-                assert max_rel_dev(ranks[0]["losses"], refs["plain"]["losses"]) > 1e-4, f"{name}: the clip did nothing"
+            if "plain" in model_of(extra):  # logits ~0.05 barely move the loss; the q/k weights show the clip
+                q = "layers.0.attn.q_proj.weight"
+                a, b = ref["params"][q][0], refs["plain"]["params"][q][0]
+                assert (a - b).norm() > 0.05 * b.norm(), f"{name}: the clip did nothing to {q}"
         print(f"muon row {name}: worst loss error {worst:.1e}, owner traffic {any(r['traffic'] for r in ranks)}")
         sliced = case[3] > 1 or Z in extra and extra[extra.index(Z) + 1] != "0"  # TP, or ZeRO's shards
         assert not sliced or any(r["traffic"] for r in ranks), f"{name}: slices orthogonalized with no gather"

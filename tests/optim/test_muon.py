@@ -90,3 +90,24 @@ def test_plan_owners_balanced_and_whole_matrices_stay_local():
     assert [k for k, _, _ in plans[o].gather_recv[1 - o]].count("a") == 1
     assert [b.key for b in plans[1 - o].scatter_recv[o]].count("a") == 1
     assert not any(b.key == "w" for p in plans for bs in p.gather_send + p.scatter_recv for b in bs)
+
+
+def test_costs_follow_the_layout():
+    """The planner's Muon figures (optim/cost.py): ZeRO-1 over 4 data ranks splits the Newton-Schulz work 4 ways and
+    moves the non-owned pieces; zero 0 moves nothing; Muon's state is half of AdamW's for the same matrices."""
+    from nanotitan.config.config import load_config
+    from nanotitan.optim.cost import muon_costs
+    from nanotitan.optim.newton_schulz import ns_flops
+
+    def costs(*flags):
+        cfg = load_config(None, ["--model.vocab_size", "512", "--data.vocab_size", "512", "--model.d_model", "64", "--model.ffn_dim", "96",
+                                 "--model.num_experts", "4", "--model.n_layers", "2", *flags])
+        return muon_costs(cfg)
+
+    one, dp4 = costs(), costs("--parallel.dp", "4", "--parallel.zero", "1")
+    assert one["traffic_bytes_rank"] == 0 and dp4["traffic_bytes_rank"] > 0
+    assert dp4["ns_flops_rank"] == pytest.approx(one["ns_flops_rank"] / 4)
+    assert one["muon_state_bytes"] * 2 == one["adamw_state_bytes_same_params"]
+    # 2 layers x (4 attention matrices + 4 experts x 3 matrices)
+    assert one["matrices"] == 2 * (4 + 4 * 3)
+    assert one["largest_matrix_flops"] == ns_flops(64, 96)
