@@ -48,12 +48,14 @@ def train(config: str, args: list[str]) -> dict:
 
 
 def sweep(steps: int, run_root: Path, microbatches: int = 8) -> dict:
-    """Both optimizers over their lr grids, `steps` steps of `microbatches` x 2 sequences; val loss at steps/2, steps."""
+    """Both optimizers over their lr grids, `steps` steps of `microbatches` x 2 sequences; val loss at steps/2 and
+    at the end."""
     res = {}
     for opt, lrs in (("adamw", ADAMW_LRS), ("muon", MUON_LRS)):
         for lr in lrs:
             flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
-            r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
+            r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches),
+                                                "--train.steps", str(steps),
                                                 "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
                                                 "--run.log_every", "10", "--run.dir", f"{run_root}/{opt}_{lr}", *flag])
             h = r["history"]

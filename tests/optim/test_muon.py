@@ -64,7 +64,8 @@ def test_parameter_split_deepseek_shaped():
     for n in ["layers.1.attn.q_a_proj.weight", "layers.1.attn.kv_b_proj.weight", "layers.1.attn.o_proj.weight",
               "layers.1.moe.experts.W_gate", "layers.1.moe.shared_expert.down_proj.weight", "mtp.3.eh_proj.weight"]:
         assert n in muon, n
-    for n in ["tok_emb.weight", "head.weight", "layers.1.moe.router.weight", "layers.1.attn_norm.weight", "norm.weight"]:
+    for n in ["tok_emb.weight", "head.weight", "layers.1.moe.router.weight", "layers.1.attn_norm.weight",
+              "norm.weight"]:
         assert n in named and n not in muon, n
     assert any(".mlp." in n or "ffn" in n for n in muon if n.startswith("layers.0")), sorted(muon)
 
@@ -100,8 +101,8 @@ def test_costs_follow_the_layout():
     from nanotitan.optim.newton_schulz import ns_flops
 
     def costs(*flags):
-        cfg = load_config(None, ["--model.vocab_size", "512", "--data.vocab_size", "512", "--model.d_model", "64", "--model.ffn_dim", "96",
-                                 "--model.num_experts", "4", "--model.n_layers", "2", *flags])
+        cfg = load_config(None, ["--model.vocab_size", "512", "--data.vocab_size", "512", "--model.d_model", "64",
+                                 "--model.ffn_dim", "96", "--model.num_experts", "4", "--model.n_layers", "2", *flags])
         return muon_costs(cfg)
 
     one, dp4 = costs(), costs("--parallel.dp", "4", "--parallel.zero", "1")

@@ -28,7 +28,8 @@ def test_muon_resume_exact_and_optimizer_switch_refused(corpus_dir, tmp_path):
     fresh = _run(corpus_dir, tmp_path / "fresh", *MUON, "--train.resume", ck, "--train.reset_optimizer", "true")
     assert fresh["losses"][0] == full["losses"][2]  # step 3's loss is the saved weights' ...
     assert fresh["losses"][1] != full["losses"][3]  # ... and step 4 moved without the saved momentum
-    with pytest.raises(CheckpointError, match=r"holds muon optimizer state but train.optimizer=adamw .*reset_optimizer"):
+    refused = r"holds muon optimizer state but train.optimizer=adamw .*reset_optimizer"
+    with pytest.raises(CheckpointError, match=refused):
         _run(corpus_dir, tmp_path / "adamw", "--train.resume", ck)
     switched = _run(corpus_dir, tmp_path / "switched", "--train.resume", ck, "--train.reset_optimizer", "true")
     assert [r["step"] for r in switched["records"]] == [3, 4]
