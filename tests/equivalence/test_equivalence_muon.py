@@ -5,8 +5,7 @@ over 10 steps, final parameters (each rank's TP slice and experts against the re
 
 Two launches: 2 ranks run DP2 at zero 0/1/2/3, TP2, EP2, PP2 under 1F1B and zb1, and TP2 resumed from the
 zero-1 run's step-5 checkpoint (the momentum resharded from flat shards into TP slices); 8 ranks run DP2·PP2·EP2
-(zero 1),
-DP2·TP2·EP2 at zero 3, and a DeepSeek-V3-shaped model (MLA with a q latent, a dense first layer, a shared expert,
+(zero 1), DP2·TP2·EP2 at zero 3, and a DeepSeek-V3-shaped model (MLA with a q latent, a dense first layer, a shared expert,
 sigmoid routing with the aux-free bias, MTP) at DP2·PP2·EP2 under zb1 at zero 2 with QK-clip (only MLA's
 head-specific parts scaled); the 2-rank launch also runs QK-clip under TP2 and DP2 zero 3. A clipped row is also held
 to the reference's per-step qk_max, and must differ from the unclipped run.
