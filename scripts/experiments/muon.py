@@ -5,6 +5,7 @@
                                                              # steps, the plot
     python scripts/experiments/muon.py mid [--steps 20]      # MID: step time and optimizer memory, AdamW vs Muon
     python scripts/experiments/muon.py ns [--steps 6]        # Newton-Schulz seconds per rank: one process vs DP4 zero 1
+    python scripts/experiments/muon.py qk [--steps 60]       # QK-clip on a high-lr run: qk_max with and without
 
 Each run is `nanotitan train`'s Trainer on configs/default.toml (or mid.toml) at dp=pp=ep=1 with the global batch
 of the config's layout (B = 16 sequences: 8 microbatches of 2), so the losses are those of the 3-D default job.
@@ -66,7 +67,7 @@ def sweep(steps: int, run_root: Path, microbatches: int = 8) -> dict:
     return res
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, seqs: int = 16) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -74,7 +75,7 @@ def plot(res: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in res.items():
         ax.plot(r["steps"], r["loss"], ("-" if r["opt"] == "muon" else "--"), label=name, lw=1.2)
-    ax.set_xlabel("step (16 x 128 tokens each)")
+    ax.set_xlabel(f"step ({seqs} x 128 tokens each)")
     ax.set_ylabel("train loss")
     ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
     ax.set_title("default model on Shakespeare: Muon (solid) vs AdamW (dashed)")
@@ -119,27 +120,51 @@ def ns(steps: int, run_root: Path) -> dict:
     return res
 
 
+def qk(steps: int, run_root: Path, tau: float = 0.0) -> dict:
+    """QK-clip on a run whose logits grow: the default model at a high lr (muon_lr 3e-2, train.lr 1e-2), 2 sequences
+    of 128 a step, without the clip and with TAU = half the unclipped run's final max logit."""
+    base = SINGLE + ["--parallel.microbatches", "1", "--train.steps", str(steps), "--train.optimizer", "muon",
+                     "--train.muon_lr", "3e-2", "--train.lr", "1e-2", "--train.warmup_steps", "5",
+                     "--train.eval_every", "0", "--run.log_every", "5"]
+    res = {}
+    free = train("default.toml", base + ["--train.qk_clip", "1e9", "--run.dir", f"{run_root}/qk_free"])["history"]
+    tau = tau or round(free[-1]["qk_max"] / 2, 1)
+    clipped = train("default.toml", base + ["--train.qk_clip", str(tau), "--run.dir", f"{run_root}/qk_clip"])["history"]
+    for name, h in (("no clip", free), (f"qk_clip {tau}", clipped)):
+        res[name] = {"steps": [x["step"] for x in h], "qk_max": [x["qk_max"] for x in h],
+                     "loss": [x["loss"] for x in h]}
+    res["tau"] = tau
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["sweep", "mid", "ns"])
+    ap.add_argument("what", choices=["sweep", "mid", "ns", "qk"])
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--run-root", default="/tmp/muon_runs")
     ap.add_argument("--microbatches", type=int, default=8, help="sweep: B = 2 x this (8: the default job's 16)")
+    ap.add_argument("--merge", action="store_true", help="sweep: add these runs to docs/experiments/muon_sweep.json")
     ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2' instead of the grids")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    steps = a.steps or {"sweep": 200, "mid": 20, "ns": 6}[a.what]
+    steps = a.steps or {"sweep": 200, "mid": 20, "ns": 6, "qk": 60}[a.what]
     for part in filter(None, a.lrs.split(";")):
         name, vals = part.split("=")
-        (ADAMW_LRS if name == "adamw" else MUON_LRS)[:] = [float(v) for v in vals.split(",")]
+        (ADAMW_LRS if name == "adamw" else MUON_LRS)[:] = [float(v) for v in vals.split(",") if v]
     if a.what == "sweep":
         res = sweep(steps, Path(a.run_root), a.microbatches)
+        old = OUT / "muon_sweep.json"
+        if a.merge and old.exists():  # more lrs on an earlier sweep of the same steps
+            prev = json.loads(old.read_text())
+            assert prev.pop("steps") == steps, "--merge needs the earlier sweep's --steps"
+            res = {**prev, **res}
     else:
-        res = {"mid": mid, "ns": ns}[a.what](steps, Path(a.run_root))
+        res = {"mid": mid, "ns": ns, "qk": qk}[a.what](steps, Path(a.run_root))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"muon_{a.what}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
     if a.what == "sweep":
-        plot(res, ROOT / "docs" / "optim_muon.png")
+        plot(res, ROOT / "docs" / "optim_muon.png", 2 * a.microbatches)
 
 
 if __name__ == "__main__":
