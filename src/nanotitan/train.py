@@ -28,7 +28,8 @@ from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel.comm import stall
 from .interop.hf import shard_loader
-from .parallel.parallelize import build_optimizer, parallelize
+from .optim.build import build_optimizer
+from .parallel.parallelize import parallelize
 from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve

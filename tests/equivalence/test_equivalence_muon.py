@@ -80,6 +80,12 @@ def _cases(rank, world, cases, corpus_dir, run_root):
             for name, *case in cases]
 
 
+def _held_part(whole: torch.Tensor, t: torch.Tensor, start, dim, tp) -> torch.Tensor:
+    """The part of the reference's `whole` a rank holds as `t`: its experts from `start`, its TP slice along `dim`."""
+    part = whole if start is None else whole[start:start + t.shape[0]]
+    return part if dim is None else part.chunk(tp[1], dim=dim)[tp[0]]
+
+
 def check(name: str, ranks: list[dict], ref: dict) -> float:
     """The row's worst relative loss error, after every check of the bar."""
     want = ref["losses"][CKPT:] if name in RESUMES else ref["losses"]
@@ -88,17 +94,11 @@ def check(name: str, ranks: list[dict], ref: dict) -> float:
     assert worst <= 1e-5, f"{name}: worst relative loss error {worst:.2e} > 1e-5"
     replicas = {}
     for r in ranks:
-        t_rank, n = r["tp"]
         _, p, e = r["coords"]
         for pname, (t, start, dim) in r["params"].items():
-            want = ref["params"][pname][0]
-            if start is not None:
-                want = want[start:start + t.shape[0]]
-            if dim is not None:
-                want = want.chunk(n, dim=dim)[t_rank]
-            torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-3 * LR * STEPS,
-                                       msg=lambda s: f"{name}: {pname} {s}")
-            key = (pname, p, e if start is not None else None, t_rank)
+            torch.testing.assert_close(t, _held_part(ref["params"][pname][0], t, start, dim, r["tp"]), rtol=1e-4,
+                                       atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {pname} {s}")
+            key = (pname, p, e if start is not None else None, r["tp"][0])
             assert key not in replicas or torch.equal(replicas[key], t), f"{name}: replicas of {pname} differ"
             replicas.setdefault(key, t)
     return worst

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanotitan.model.transformer import Transformer
-from nanotitan.optim.families import is_muon_matrix
+from nanotitan.model.families import is_muon_matrix
 from nanotitan.optim.muon import Muon, whole_pieces
 from nanotitan.optim.newton_schulz import orthogonalize
 from nanotitan.optim.owners import Box, make_plan

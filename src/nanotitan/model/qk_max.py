@@ -8,6 +8,13 @@ from __future__ import annotations
 import torch
 
 
+def track(model: torch.nn.Module, kinds: tuple[type, ...]) -> None:
+    """Mark every attention module of `kinds` (Attention, MLA) to observe its heads' max logit."""
+    for mod in model.modules():
+        if isinstance(mod, kinds):
+            mod.qk_track, mod.qk_max = True, None
+
+
 def observe(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
     """module.qk_max <- max(module.qk_max, per-head max of scale * q k^T under the causal mask); q (B, H, S, D),
     k (B, H or Hkv, S, D) (GQA: query head h reads key head h // (H / Hkv))."""

@@ -17,7 +17,7 @@ import torch
 from ..config.config import Config
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, is_expert_param
-from .families import is_muon_matrix
+from ..model.families import is_muon_matrix
 from .newton_schulz import ns_flops
 
 

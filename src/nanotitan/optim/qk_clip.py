@@ -21,16 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..model.mla import MLA
-from ..model.transformer import Attention
 from ..parallel.comm import collectives as comm
 from ..state.keys import keyed_state
-
-
-def track(model: torch.nn.Module) -> None:
-    """Mark every attention module to observe its heads' max logit (model/qk_max.py)."""
-    for mod in model.modules():
-        if isinstance(mod, (Attention, MLA)):
-            mod.qk_track, mod.qk_max = True, None
 
 
 def _attentions(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -30,10 +30,10 @@ import torch.nn as nn
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.tokens import TokenShard
-from ..model.transformer import Transformer, is_expert_param
-from ..optim import qk_clip
-from ..optim.families import tag_params
-from ..optim.muon import Muon, shard_pieces
+from ..model.transformer import Attention, Transformer, is_expert_param
+from ..model import qk_max
+from ..model.families import tag_params
+from ..model.mla import MLA
 from .build import build_stage
 from .compile import compile_blocks
 from .dims import ParallelDims
@@ -74,18 +74,6 @@ class ModelShard:
         self.sync.close()
 
 
-def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
-    matrices only. Fused: ~3x faster than the default on CPU (BASELINES). train.optimizer=muon: Muon on the
-    hidden matrices (tagged by `parallelize`), AdamW on the rest (optim/muon.py). The trainer and the dry run use it."""
-    t = cfg.train
-    groups = shard.sync.param_groups(t.weight_decay)
-    if t.optimizer == "muon":
-        return Muon(groups, t.lr, (t.beta1, t.beta2), t.muon_lr, t.muon_momentum, t.muon_ns_steps,
-                    shard_pieces(shard), shard.dims.group("stage"))
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
-
-
 def pick_device(device: str, local_rank: int) -> torch.device:
     """This rank's device for train.device as resolve.py made it concrete ("cpu" or "cuda")."""
     assert device in ("cpu", "cuda"), f"train.device={device!r} is made concrete by resolve.py"
@@ -117,7 +105,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
         tag_params(model)
     if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
-        qk_clip.track(model)
+        qk_max.track(model, (Attention, MLA))
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],

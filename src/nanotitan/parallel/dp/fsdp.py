@@ -45,7 +45,7 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
-from ...optim.families import is_muon, keep_tag
+from ...model.families import is_muon, keep_tag
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims

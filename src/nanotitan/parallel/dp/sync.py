@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ...optim.families import is_muon
+from ...model.families import is_muon
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from .reducer import Reducer, wrap_ddp
@@ -131,7 +131,7 @@ def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None)
 
 
 def decay_groups(params, weight_decay: float) -> list[dict]:
-    """AdamW groups with weight decay on matrices only (the trainer's rule); Muon's matrices (tagged, optim/families.py)
+    """AdamW groups with weight decay on matrices only (the trainer's rule); Muon's matrices (tagged, model/families.py)
     in a group of their own, marked "muon"."""
     params = list(params)
     groups = [{"params": [q for q in params if q.dim() >= 2 and not is_muon(q)], "weight_decay": weight_decay},

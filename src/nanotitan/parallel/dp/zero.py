@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...optim.families import is_muon
+from ...model.families import is_muon
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from .reducer import Bucket, CopyBack, Reducer
@@ -29,7 +29,7 @@ class _ShardBucket(Bucket):
     offsets: list[int] = field(default_factory=list)  # params[i] occupies [offsets[i], offsets[i] + numel)
     padded: int = 0  # numel rounded up to a multiple of 16 * the group size
     decay: bool = True  # matrices (weight decay) or vectors (none): one optimizer group per bucket
-    muon: bool = False  # Muon's matrices (optim/families.py), bucketed apart from AdamW's
+    muon: bool = False  # Muon's matrices (model/families.py), bucketed apart from AdamW's
     pflat: torch.Tensor | None = None  # the params' storage: every param's .data is a view into it
     shard: nn.Parameter | None = None  # this rank's slice of pflat: what the optimizer steps
     shard_grad: torch.Tensor | None = None  # its reduced gradient (zero 1: a slice of flat; zero 2: its own)
