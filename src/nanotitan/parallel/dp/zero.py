@@ -264,9 +264,10 @@ class ShardedReducer(Reducer):
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups over the shard params: decay on matrices only (the trainer's rule); then Muon's buckets."""
+        muon = [b.shard for b in self.buckets if b.muon]
         return [{"params": [b.shard for b in self.buckets if b.decay and not b.muon], "weight_decay": weight_decay},
-                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0},
-                {"params": [b.shard for b in self.buckets if b.muon], "weight_decay": weight_decay, "muon": True}]
+                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}] + \
+            ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def start_gather(self, buckets: list[_ShardBucket] | None = None) -> None:
         """After the optimizer step: all-gather every bucket's updated slices (async, in place), in the order of
@@ -314,8 +315,9 @@ class ZeroSync(BucketedSync):
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         groups = [r.param_groups(weight_decay) for r in self.reducers]
-        out = [{**groups[0][i], "params": [q for g in groups for q in g[i]["params"]]} for i in range(3)]
-        return out if out[2]["params"] else out[:2]
+        adam = [{**groups[0][i], "params": [q for g in groups for q in g[i]["params"]]} for i in range(2)]
+        muon = [q for g in groups for extra in g[2:] for q in extra["params"]]  # Muon's buckets (optim/muon.py)
+        return adam + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def clip(self, max_norm: float) -> torch.Tensor:
         # every reducer's shards are disjoint over the stage, except those of params whole on every token rank
