@@ -21,13 +21,15 @@ import torch.distributed as dist
 
 from .state import checkpoint as ckpt
 from .observe import report
+from .optim import qk_clip
 from .config.config import Config, to_toml
 from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel.comm import stall
 from .interop.hf import shard_loader
-from .parallel.parallelize import build_optimizer, parallelize
+from .optim.build import build_optimizer
+from .parallel.parallelize import parallelize
 from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve
@@ -115,8 +117,8 @@ class Trainer:
         self.stop_requested, self.stop_cause = True, self.stop_cause or cause
 
     def resume(self, where: str):
-        self.start_step = resume_step(where, self.run_dir, self.shard, self.optimizer, self.cfg.train.verify_ckpt,
-                                      self.log)
+        optimizer = None if self.cfg.train.reset_optimizer else self.optimizer  # fresh state: weights and step only
+        self.start_step = resume_step(where, self.run_dir, self.shard, optimizer, self.cfg.train.verify_ckpt, self.log)
 
     def save(self, step: int):
         t0 = time.perf_counter()
@@ -143,7 +145,7 @@ class Trainer:
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_ratio", 1.0)  # Muon's groups: train.muon_lr on the same schedule
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.data.batch(step)
         with self.meters.activations(metered):
@@ -160,10 +162,12 @@ class Trainer:
             self.optimizer.step()
         after_update(self.shard)
         update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
+        # QK-clip (train.qk_clip): heads whose max logit topped TAU get their q/k weights scaled back (optim/qk_clip.py)
+        qk_max = qk_clip.clip_step(self.shard, cfg.train.qk_clip, apply=not nonfinite) if cfg.train.qk_clip else None
         # A step that writes a record (a non-finite one too): its losses, means over all DP*EP*M microbatches.
         losses = reduce_losses(self.shard, stats, self.aux_weight, cfg.parallel.microbatches,
                                mtp=cfg.model.mtp_layers > 0) if logged or nonfinite else None
-        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses)
+        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses, qk_max)
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train

@@ -46,7 +46,7 @@ def _adamw(groups):
 
 
 def _decay_groups(model: nn.Module):
-    """The trainer's rule (parallelize.build_optimizer): decay on matrices only."""
+    """The trainer's rule (optim/build.py: build_optimizer): decay on matrices only."""
     return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 

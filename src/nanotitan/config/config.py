@@ -109,6 +109,12 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest (docs/optim.md)
+    muon_lr: float = 3e-3  # Muon's peak lr (same schedule as train.lr; updates RMS-matched to AdamW's, docs/optim.md)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
+    qk_clip: float = 0.0  # QK-clip TAU: scale a head's q/k weights when its max logit tops it (0 = off, docs/optim.md)
+    reset_optimizer: bool = False  # on resume: fresh optimizer state (needed to resume under another train.optimizer)
     # --- batch and sequence ---
     grad_clip: float = 1.0  # max global gradient norm (0 disables clipping)
     micro_batch: int = 4  # m: sequences per microbatch
@@ -355,10 +361,12 @@ def _check_ranges(cfg: Config) -> None:
                     ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
                     ("parallel.cp", p.cp),
                     ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
-                    ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips)]:
+                    ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips),
+                    ("train.muon_ns_steps", t.muon_ns_steps)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
     for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
                     ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
+                    ("train.qk_clip", t.qk_clip),
                     ("train.global_batch", t.global_batch), ("train.eval_every", t.eval_every),
                     ("train.eval_batches", t.eval_batches), ("train.ckpt_every", t.ckpt_every),
                     ("train.keep_last", t.keep_last), ("train.max_restarts", t.max_restarts),
@@ -370,13 +378,16 @@ def _check_ranges(cfg: Config) -> None:
                     ("parallel.emulate_node_size", p.emulate_node_size),
                     ("parallel.emulate_dilation", p.emulate_dilation)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
-    for name, v in [("train.lr", t.lr), ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
+    for name, v in [("train.lr", t.lr), ("train.muon_lr", t.muon_lr), ("model.rope_theta", m.rope_theta),
+                    ("model.norm_eps", m.norm_eps),
                     ("model.routed_scale", m.routed_scale),
                     ("model.init_std", m.init_std), ("parallel.bucket_mb", p.bucket_mb)]:
         _check(v > 0, f"{name}={v} must be > 0 (--{name})")
-    for name, v in [("train.beta1", t.beta1), ("train.beta2", t.beta2)]:
+    for name, v in [("train.beta1", t.beta1), ("train.beta2", t.beta2), ("train.muon_momentum", t.muon_momentum)]:
         _check(0.0 <= v < 1.0, f"{name}={v} must be in [0, 1) (--{name})")
     _check(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (--train.seed)")
+    _check(not t.qk_clip or m.qk_norm == "none", f"train.qk_clip={t.qk_clip} needs model.qk_norm none: a normalised "
+           f"q or k ignores its weights' scale (--train.qk_clip 0, or --model.qk_norm none)")
 
 
 def _check_run(cfg: Config) -> None:

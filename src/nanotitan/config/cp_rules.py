@@ -39,5 +39,7 @@ def check_cp(cfg) -> None:
                       (p.dp_impl == "torch_ddp", "parallel.dp_impl=torch_ddp, whose average over its group is not "
                                                  "the CP ranks' sum (use bucketed)"),
                       (p.ep_overlap_microbatches, "parallel.ep_overlap_microbatches: two lanes would interleave the "
-                                                  "CP collectives")]:
+                                                  "CP collectives"),
+                      (t.qk_clip > 0, "train.qk_clip, whose per-head max logit needs every key, not the ring's "
+                                      "blocks (--train.qk_clip 0)")]:
         _check(not bad, f"{line}: not with parallel.cp={n} (--parallel.cp 1)")

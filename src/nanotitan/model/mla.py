@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..config.config import ModelConfig
+from . import qk_max
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
 from .tokens import TokenShard, at_runs, latent_attention, seq_runs
@@ -77,6 +78,10 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rot.squeeze(1)], dim=-1)  # (B, S, R + Dr)
         expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, Dn, Dr, Dv)
+        if getattr(self, "qk_track", False) and torch.is_grad_enabled():  # train.qk_clip only: the keys once more
+            with torch.no_grad():
+                k = expand(latent)[0]
+            qk_max.observe(self, q, k, self.scale)  # (model/qk_max.py; refused under CP)
         y = latent_attention(q, latent, expand, self.scale) if self.tokens is None else \
             self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))

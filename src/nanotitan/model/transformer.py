@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
-from . import wgrad
+from . import qk_max, wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
 from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids, whole_targets
@@ -87,6 +87,7 @@ class Attention(nn.Module):
             runs = seq_runs(self.tokens, S)
             cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk_max.observe(self, q, k, Dh ** -0.5)  # train.qk_clip only (model/qk_max.py; refused under CP)
         y = causal_attention(q, k, v) if self.tokens is None else self.tokens.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))
 

@@ -329,6 +329,7 @@ class StepLogger:
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
         record.update(routing_skew_stats(self.shard.model, dims, self.device))
         extra = {"val_loss": val_loss, "skipped": result.nonfinite, "skipped_steps": skipped_steps,
+                 "qk_max": result.qk_max,
                  **interval_meters(self.meters, dims, self.device), **self.lanes.take(),
                  "compile_s": first_compile_s(self.cfg, not self.history)}
         record.update({k: v for k, v in extra.items() if v is not None})

@@ -30,7 +30,10 @@ import torch.nn as nn
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.tokens import TokenShard
-from ..model.transformer import Transformer, is_expert_param
+from ..model.transformer import Attention, Transformer, is_expert_param
+from ..model import qk_max
+from ..model.families import tag_params
+from ..model.mla import MLA
 from .build import build_stage
 from .compile import compile_blocks
 from .dims import ParallelDims
@@ -71,13 +74,6 @@ class ModelShard:
         self.sync.close()
 
 
-def build_optimizer(shard: ModelShard, cfg: Config) -> torch.optim.AdamW:
-    """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1); decay on
-    matrices only. Fused: ~3x faster than the default on CPU (BASELINES). The trainer and the dry run use it."""
-    groups = shard.sync.param_groups(cfg.train.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), fused=True)
-
-
 def pick_device(device: str, local_rank: int) -> torch.device:
     """This rank's device for train.device as resolve.py made it concrete ("cpu" or "cuda")."""
     assert device in ("cpu", "cuda"), f"train.device={device!r} is made concrete by resolve.py"
@@ -106,6 +102,10 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
+    if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
+        tag_params(model)
+    if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
+        qk_max.track(model, (Attention, MLA))
     named = list(model.named_parameters())
     shard = ModelShard(model, spec, dims,
                        expert_params=[(n, p) for n, p in named if is_expert_param(n)],

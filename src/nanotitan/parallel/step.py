@@ -198,6 +198,7 @@ class StepResult:
     nonfinite: bool  # agreed by every rank: the step made no update anywhere
     stop: bool  # agreed by every rank: a stop was asked (train.ckpt_on_signal)
     losses: StepLosses | None  # on the steps that write a record, else None (no collective)
+    qk_max: float | None = None  # train.qk_clip: the step's largest attention logit, every head, every rank
 
 
 @torch.no_grad()

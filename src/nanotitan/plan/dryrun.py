@@ -54,7 +54,8 @@ from ..model.transformer import num_moe_layers
 from ..parallel.pp import facts as pp_facts
 from ..parallel import step
 from ..parallel.dims import ParallelDims
-from ..parallel.parallelize import build_optimizer, parallelize
+from ..optim.build import build_optimizer
+from ..parallel.parallelize import parallelize
 from ..parallel.dp.sync import ensure_adam_state
 from .fit.measure import TensorBytesMeter
 

@@ -137,7 +137,7 @@ def small_files(cfg: Config, step: int, extra: dict, layout: dict, **more) -> di
     """A checkpoint's config.toml and state.json (rank 0 writes them; the manifest covers them)."""
     return {"config.toml": to_toml(cfg), STATE_FILE: json.dumps({
         "format": FORMAT_VERSION, "step": step, "extra": extra, "layout": layout, "world_size": comm.world_size(),
-        "torch": torch.__version__, **more}, indent=1)}
+        "optimizer": cfg.train.optimizer, "torch": torch.__version__, **more}, indent=1)}
 
 
 def write_small_files(tmp: Path, small: dict[str, str | bytes], manifest: dict) -> None:
@@ -362,6 +362,17 @@ def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
     return ""
 
 
+def _check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None, info: dict) -> str:
+    """'' if the checkpoint's optimizer state is this run's kind (adamw or muon: each has its own state), else one
+    line. A checkpoint from before the field holds AdamW's."""
+    saved = info.get("optimizer", "adamw")
+    want = "muon" if optimizer is not None and any(g.get("muon") for g in optimizer.param_groups) else "adamw"
+    if optimizer is None or saved == want:
+        return ""
+    return (f"checkpoint {path} holds {saved} optimizer state but train.optimizer={want} (--train.optimizer {saved}, "
+            f"or --train.reset_optimizer true to keep the weights and start {want}'s state fresh)")
+
+
 def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     """Global check every rank can do alone: the checkpoint has no more layers/experts than the model."""
     layers = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.([0-9]+)\.", k))}
@@ -413,7 +424,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
     info, meta, err = _read_small(path)
-    err = err or _check_fits(path, live, meta) or _check_counts(path, model, meta)
+    err = (err or _check_optimizer(path, optimizer, info) or _check_fits(path, live, meta)
+           or _check_counts(path, model, meta))
     bad = comm.any_rank(bool(err))
     if bad >= 0:
         raise CheckpointError(err or f"checkpoint {path} does not fit this model (see rank {bad}'s error)")

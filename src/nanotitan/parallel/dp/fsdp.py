@@ -45,6 +45,7 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
+from ...model.families import is_muon, keep_tag
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
@@ -172,8 +173,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups: dict[tuple, list] = {}
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
-        groups.setdefault((p.dim() >= 2, id(mesh) if mesh is not None else None), []).append(p)
-    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0} for (decay, _), ps in groups.items()]
+        groups.setdefault((p.dim() >= 2, id(mesh) if mesh is not None else None, is_muon(p)), []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, **({"muon": True} if muon else {})}
+            for (decay, _, muon), ps in groups.items()]
 
 
 class FSDPSync(GradSync):
@@ -202,6 +204,7 @@ class FSDPSync(GradSync):
         current = dict(model.named_parameters())
         for n, q in current.items():  # each lies as its original (a TP slice: the checkpoint places it by its part)
             keep_layout(before[n], q)
+            keep_tag(before[n], q)
         before.clear()
         for named in (expert_params, replicated_params):
             named[:] = [(n, current[n]) for n, _ in named]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ...model.families import is_muon
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from .reducer import Reducer, wrap_ddp
@@ -46,11 +47,15 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict | 
     """`optimizer.state[p]`, created first if empty exactly as Adam(W)'s lazy init would (zero moments, step 0;
     `step` a float32 tensor on the param's device when fused/capturable, else a CPU scalar of the default
     float dtype; max_exp_avg_sq with amsgrad), so an optimizer that has not stepped can be saved or loaded.
-    The one place that knows Adam's state layout; `group` is p's param group (looked up if not given)."""
+    The one place that knows Adam's state layout; `group` is p's param group (looked up if not given). A Muon
+    group's param (optim/muon.py) holds one buffer, its momentum, as torch.optim.Muon's."""
     state = optimizer.state[p]
     if state:
         return state
     group = group or next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    if group.get("muon"):
+        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
     on_device = group.get("fused") or group.get("capturable")
     fp64 = torch.get_default_dtype() == torch.float64 and not group.get("fused")  # torch's _get_scalar_dtype
     step_dtype = torch.float64 if fp64 else torch.float32
@@ -126,10 +131,13 @@ def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None)
 
 
 def decay_groups(params, weight_decay: float) -> list[dict]:
-    """AdamW groups with weight decay on matrices only (the trainer's rule)."""
+    """AdamW groups with weight decay on matrices only (the trainer's rule); Muon's matrices (tagged, model/families.py)
+    in a group of their own, marked "muon"."""
     params = list(params)
-    return [{"params": [q for q in params if q.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+    groups = [{"params": [q for q in params if q.dim() >= 2 and not is_muon(q)], "weight_decay": weight_decay},
+              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+    muon = [q for q in params if is_muon(q)]
+    return groups + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
 
 class GradSync:

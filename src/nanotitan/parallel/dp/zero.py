@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...model.families import is_muon
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from .reducer import Bucket, CopyBack, Reducer
@@ -28,6 +29,7 @@ class _ShardBucket(Bucket):
     offsets: list[int] = field(default_factory=list)  # params[i] occupies [offsets[i], offsets[i] + numel)
     padded: int = 0  # numel rounded up to a multiple of 16 * the group size
     decay: bool = True  # matrices (weight decay) or vectors (none): one optimizer group per bucket
+    muon: bool = False  # Muon's matrices (model/families.py), bucketed apart from AdamW's
     pflat: torch.Tensor | None = None  # the params' storage: every param's .data is a view into it
     shard: nn.Parameter | None = None  # this rank's slice of pflat: what the optimizer steps
     shard_grad: torch.Tensor | None = None  # its reduced gradient (zero 1: a slice of flat; zero 2: its own)
@@ -95,7 +97,7 @@ class ShardedReducer(Reducer):
 
     @staticmethod
     def _bucket_kind(p: nn.Parameter) -> tuple:
-        return p.dtype, p.device, p.dim() >= 2
+        return p.dtype, p.device, p.dim() >= 2, is_muon(p)
 
     @torch.no_grad()
     def _make_bucket(self, entries: list[tuple[str, nn.Parameter]]) -> _ShardBucket:
@@ -105,7 +107,7 @@ class ShardedReducer(Reducer):
         padded = -(-numel // (N * _SHARD_ALIGN)) * N * _SHARD_ALIGN
         S = padded // N
         b = _ShardBucket(flat=None, params=params, views=[], names=[n for n, _ in entries], padded=padded,
-                         decay=p0.dim() >= 2, pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
+                         decay=p0.dim() >= 2, muon=is_muon(p0), pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
         offset = 0
         for p in params:
             b.offsets.append(offset)
@@ -261,9 +263,11 @@ class ShardedReducer(Reducer):
         return [b.shard for b in self.buckets]
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups over the shard params: decay on matrices only (the trainer's rule)."""
-        return [{"params": [b.shard for b in self.buckets if b.decay], "weight_decay": weight_decay},
-                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}]
+        """AdamW groups over the shard params: decay on matrices only (the trainer's rule); then Muon's buckets."""
+        muon = [b.shard for b in self.buckets if b.muon]
+        return [{"params": [b.shard for b in self.buckets if b.decay and not b.muon], "weight_decay": weight_decay},
+                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}] + \
+            ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def start_gather(self, buckets: list[_ShardBucket] | None = None) -> None:
         """After the optimizer step: all-gather every bucket's updated slices (async, in place), in the order of
@@ -311,8 +315,9 @@ class ZeroSync(BucketedSync):
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         groups = [r.param_groups(weight_decay) for r in self.reducers]
-        return [{"params": [q for g in groups for q in g[i]["params"]], "weight_decay": groups[0][i]["weight_decay"]}
-                for i in range(2)]
+        adam = [{**groups[0][i], "params": [q for g in groups for q in g[i]["params"]]} for i in range(2)]
+        muon = [q for g in groups for extra in g[2:] for q in extra["params"]]  # Muon's buckets (optim/muon.py)
+        return adam + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
     def clip(self, max_norm: float) -> torch.Tensor:
         # every reducer's shards are disjoint over the stage, except those of params whole on every token rank

@@ -1,0 +1,103 @@
+"""train.optimizer=muon: Muon on the hidden matrices, AdamW on the rest, as one torch Optimizer (docs/optim.md).
+
+Per Muon matrix, on whatever part of it this rank holds (the whole, a flat ZeRO shard, an FSDP2 or TP slice):
+
+    buf <- beta buf + (1 - beta) g         the momentum, an EMA (Keller Jordan's reference, torch.optim.Muon)
+    u   <- (1 - beta) g + beta buf         Nesterov, written into the gradient's storage (it is zeroed next)
+    u   <- NS5(u) * 0.2 sqrt(max(m, n))    on the whole matrix (owners.py): Newton-Schulz, RMS-matched to AdamW
+    W   <- W (1 - lr wd) - lr u            decoupled weight decay, as AdamW's
+
+Every step but the orthogonalization is elementwise, so it runs on any slice; the orthogonalization gathers what it
+needs (owners.py). The AdamW groups step with torch's fused AdamW, which shares this optimizer's `state`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..parallel.dp.sync import adam_state
+from ..state.keys import keyed_state
+from .owners import Orthogonalizer
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's storage), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the param groups marked "muon" (lr = train.muon_lr), fused AdamW on the others (train.lr).
+    `pieces()` answers, once (the first step, when the state exists), {matrix key: (whole shape, [(offsets, view
+    of a momentum buffer)])}: this rank's pieces of every Muon matrix (`shard_pieces`, or `whole_pieces`)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], muon_lr: float,
+                 momentum: float = 0.95, ns_steps: int = 5, pieces=None, group=None,
+                 ns_dtype: torch.dtype = torch.float32):
+        adam = [g for g in groups if not g.get("muon")]
+        self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, fused=True)
+        muon = [{**g, "lr": muon_lr, "lr_ratio": muon_lr / lr, "momentum": momentum} for g in groups if g.get("muon")]
+        super().__init__(self.adamw.param_groups + muon, {"lr": lr})
+        self.adamw.state = self.state  # one state: checkpoints and memory meters read `optimizer.state`
+        self.ns_steps, self.pieces, self.group, self.ns_dtype = ns_steps, pieces, group, ns_dtype
+        self.orthogonalizer: Orthogonalizer | None = None
+
+    @property
+    def muon_groups(self) -> list[dict]:
+        return [g for g in self.param_groups if g.get("muon")]
+
+    def _momenta(self) -> list[torch.Tensor]:
+        return [local(adam_state(self, p, g)["momentum_buffer"]) for g in self.muon_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "Muon takes no closure"
+        self.adamw.step()
+        params = [(p, g) for g in self.muon_groups for p in g["params"]]
+        if not params:
+            return None
+        momenta = self._momenta()
+        if self.orthogonalizer is None:  # the geometry is fixed from here on: plan once
+            self.orthogonalizer = Orthogonalizer(self.pieces(self), momenta, self.group, self.ns_steps,
+                                                 self.ns_dtype)
+        updates = []
+        for (p, g), buf in zip(params, momenta):
+            grad = local(p.grad)
+            assert grad.shape == buf.shape and grad.is_contiguous() and buf.is_contiguous(), "update laid out as buf"
+            buf.lerp_(grad, 1 - g["momentum"])
+            updates.append(grad.lerp_(buf, g["momentum"]))
+        self.orthogonalizer.run(updates)
+        for (p, g), u in zip(params, updates):
+            w = local(p.detach())
+            w.mul_(1 - g["lr"] * g["weight_decay"])
+            w.add_(u, alpha=-g["lr"])
+        return None
+
+
+def whole_pieces(named: list[tuple[str, torch.Tensor]]):
+    """`Muon.pieces` for params whole on this rank (one process, tests): each matrix one box, an expert stack
+    [E, d, f] E matrices."""
+    def pieces(opt: Muon) -> dict:
+        state = {id(p): adam_state(opt, p, g)["momentum_buffer"] for g in opt.muon_groups for p in g["params"]}
+        out = {}
+        for name, p in named:
+            if id(p) not in state:
+                continue
+            buf = state[id(p)]
+            if buf.dim() == 2:
+                out[name] = (tuple(buf.shape), [((0, 0), buf)])
+            else:
+                out.update({f"{name}.{e}": (tuple(buf.shape[1:]), [((0, 0), buf[e])]) for e in range(buf.shape[0])})
+        return out
+    return pieces
+
+
+def shard_pieces(shard):
+    """`Muon.pieces` of a ModelShard: the checkpoint's pieces of each momentum (state/keys.py: global offsets, TP
+    slices placed, an expert stack one key per global expert), whatever the zero level."""
+    def pieces(opt: Muon) -> dict:
+        keyed = keyed_state(shard.model, opt, shard)
+        head, tail = "optim.", ".momentum_buffer"
+        return {k[len(head):-len(tail)]: (tuple(c.shape), [(tuple(o), t) for o, t in c.boxes.items()])
+                for k, c in keyed.items() if k.startswith(head) and k.endswith(tail)}
+    return pieces
