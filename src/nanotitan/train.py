@@ -28,6 +28,7 @@ from .model.transformer import num_moe_layers
 from .parallel.comm import stall
 from .interop.hf import shard_loader
 from .parallel.parallelize import build_optimizer, parallelize
+from .parallel.rebalance import Rebalancer
 from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve
@@ -91,6 +92,9 @@ class Trainer:
         self.model = self.shard.model
         stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)
+        p = cfg.parallel  # experts placed by load (parallel/rebalance.py): None with the static placement
+        self.rebalancer = (Rebalancer(self.shard, p.rebalance_every, p.expert_replicas, self.log)
+                           if p.expert_placement == "balanced" and self.dims.moe_ep > 1 else None)
 
         # --- bookkeeping ---------------------------------------------------------------------------------
         self.aux_weight = 1.0 / max(1, num_moe_layers(cfg.model))  # layer mean; each MoE layer weights its own terms
@@ -151,7 +155,9 @@ class Trainer:
                                      device=self.device, dtype=cfg.train.dtype)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
-        grad_norm = clip_grads(self.shard, cfg.train.grad_clip)
+        # a replicated expert's gradient: the sum of its copies' (each counted once in the norm)
+        sq_offset = self.rebalancer.sum_replica_grads() if self.rebalancer is not None else None
+        grad_norm = clip_grads(self.shard, cfg.train.grad_clip, sq_offset)
         # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
         nonfinite, stop = agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
                                         signals=cfg.train.ckpt_on_signal)
@@ -159,6 +165,8 @@ class Trainer:
         if not nonfinite:
             self.optimizer.step()
         after_update(self.shard)
+        if self.rebalancer is not None:  # between two steps: a window's end may move experts
+            self.rebalancer.after_step(step, self.optimizer)
         update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
         # A step that writes a record (a non-finite one too): its losses, means over all DP*EP*M microbatches.
         losses = reduce_losses(self.shard, stats, self.aux_weight, cfg.parallel.microbatches,

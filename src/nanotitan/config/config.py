@@ -160,6 +160,10 @@ class ParallelConfig:
     ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
+    # --- expert placement (docs/ep.md, "Experts placed by load") ---
+    expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute (docs/config.md)
+    rebalance_every: int = 10  # with balanced: steps per routing-count window (docs/config.md)
+    expert_replicas: int = 1  # with balanced: ranks a hot expert may be replicated on (docs/config.md)
     # --- process groups and the planner ---
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
@@ -512,6 +516,7 @@ def _check_dp_ep(cfg: Config) -> None:
         _check(t.device != "cuda", f"parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane "
                                    f"needs its own stream, not built yet (docs/ep.md) (--train.device cpu, or {off})")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
+    _check_placement(cfg)
     _check(p.zero_accumulate in ("auto", "shard", "full"),
            f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")
     _check(p.zero3_reshard in ("auto", "always", "never"),
@@ -539,6 +544,27 @@ def _check_dp_ep(cfg: Config) -> None:
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
 
+
+
+def _check_placement(cfg: Config) -> None:
+    """parallel.expert_placement and its window and replicas (parallel/placement.py)."""
+    p = cfg.parallel
+    moe_ep = p.ep * p.tp  # the experts fold over EP x TP (parallel/tp.py)
+    _check(p.expert_placement in ("static", "balanced"),
+           f"parallel.expert_placement={p.expert_placement!r} must be static or balanced (--parallel.expert_placement)")
+    _check(p.rebalance_every >= 1, f"parallel.rebalance_every={p.rebalance_every} must be >= 1: the steps whose "
+                                   f"routing counts a placement reads (--parallel.rebalance_every 10)")
+    _check(p.expert_replicas >= 1, f"parallel.expert_replicas={p.expert_replicas} must be >= 1 "
+                                   f"(--parallel.expert_replicas 1)")
+    if p.expert_placement == "static":
+        _check(p.expert_replicas == 1, f"parallel.expert_replicas={p.expert_replicas} replicates experts by load: it "
+                                       f"needs --parallel.expert_placement balanced (or --parallel.expert_replicas 1)")
+        return
+    _check(p.auto or moe_ep > 1, "parallel.expert_placement=balanced places experts over the EP ranks, and "
+                                 "parallel.ep*tp=1 has one (--parallel.ep 2, or --parallel.expert_placement static)")
+    _check(p.auto or p.expert_replicas <= moe_ep,
+           f"parallel.expert_replicas={p.expert_replicas} exceeds the {moe_ep} EP ranks (parallel.ep*tp) an expert "
+           f"can be replicated on (--parallel.expert_replicas {moe_ep})")
 
 
 def _check_elastic(cfg: Config) -> None:

@@ -38,6 +38,7 @@ from .ep import apply_ep
 from .dp.fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
+from .rebalance import add_spare_slots
 from .dp.sync import GradSync, ReplicatedSync, TorchDDPSync
 from .tied import TiedEmbedding
 from .dp.zero import ZeroSync
@@ -104,6 +105,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
+    if cfg.parallel.expert_placement == "balanced" and dims.moe_ep > 1:  # slots for replicas (rebalance.py)
+        add_spare_slots(model, cfg.parallel.expert_replicas - 1, dims.moe_ep, dims.moe_ep_rank)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
     named = list(model.named_parameters())
