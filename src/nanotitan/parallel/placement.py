@@ -68,6 +68,14 @@ class Placement:
         """(expert, column, ranks) of every expert with more than one copy."""
         return [(e, c[0][1], [p for p, _ in c]) for e, c in enumerate(self.copies()) if len(c) > 1]
 
+    def shares(self) -> list[list[float]]:
+        """shares[e][p]: the part of expert e's tokens rank p computes (1 / copies for each copy)."""
+        out = [[0.0] * self.P for _ in range(self.num_experts)]
+        for e, c in enumerate(self.copies()):
+            for p, _ in c:
+                out[e][p] += 1.0 / len(c)
+        return out
+
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Device tables for the dispatch (`slot_ids`): slot_of [E + 1, R_max] global slot ids p*C + s (row E:
         the dropped assignments' P*C, past every slot), and copies_of [E + 1] (row E: 1)."""
