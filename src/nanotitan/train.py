@@ -28,7 +28,7 @@ from .model.transformer import num_moe_layers
 from .parallel.comm import stall
 from .interop.hf import shard_loader
 from .parallel.parallelize import build_optimizer, parallelize
-from .parallel.rebalance import Rebalancer
+from .parallel.rebalance import placement_extra
 from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve
@@ -92,9 +92,7 @@ class Trainer:
         self.model = self.shard.model
         stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)
-        p = cfg.parallel  # experts placed by load (parallel/rebalance.py): None with the static placement
-        self.rebalancer = (Rebalancer(self.shard, p.rebalance_every, p.expert_replicas, self.log)
-                           if p.expert_placement == "balanced" and self.dims.moe_ep > 1 else None)
+        self.rebalancer = self.shard.rebalancer  # experts placed by load (parallel/rebalance.py); None: static
 
         # --- bookkeeping ---------------------------------------------------------------------------------
         self.aux_weight = 1.0 / max(1, num_moe_layers(cfg.model))  # layer mean; each MoE layer weights its own terms
@@ -125,7 +123,8 @@ class Trainer:
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
-                                    {"step": step, "samples": step * self.B}, self.cfg.train.keep_last,
+                                    {"step": step, "samples": step * self.B, **placement_extra(self.shard)},
+                                    self.cfg.train.keep_last,
                                     shard=self.shard)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 

@@ -3,7 +3,8 @@ trains, losses per step to fp32 relative 1e-5 and parameters (each slot against 
 over a run whose skewed router (no aux loss, a high learning rate: it collapses in a few steps) makes the placement
 change at least 3 times with replicated experts. The copies of a replicated expert stay bitwise identical.
 Checkpoints are keyed in the model's own expert order: the balanced run's final checkpoint loads into one process
-and exports to HF with the reference's weights. One launch of 4 ranks runs every 4-rank row."""
+and exports to HF with the reference's weights, and its step-6 checkpoint resumes on EP2 with the placement redone
+for 2 ranks (an elastic re-layout). One launch of 4 ranks runs every 4-rank row."""
 
 import json
 
@@ -13,7 +14,7 @@ import torch
 from tests.helpers.equivalence import B, base_args, layout_args, tp_layout
 from tests.helpers.mp import run_ranks
 
-STEPS, EVERY, LR = 6, 2, 1e-2
+STEPS, EVERY, LR = 7, 2, 1e-2
 SKEWED = ("--model.num_experts", "8", "--model.aux_coef", "0", "--train.lr", str(LR), "--train.steps", str(STEPS))
 SMALL = ("--model.n_layers", "2",)  # the plain rows: 2 MoE layers (PP2: one a stage)
 BALANCED = ("--parallel.expert_placement", "balanced", "--parallel.rebalance_every", str(EVERY),
@@ -106,7 +107,7 @@ def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
     ref = reference(corpus_dir, tmp_path_factory, "placement_ref", SMALL)
     ref_ds = reference(corpus_dir, tmp_path_factory, "placement_ref_ds", DEEPSEEK)
     cases = {
-        "EP4": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 4)),
+        "EP4": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 4), "--train.ckpt_every", "6"),
         "TP2·EP2": (*SKEWED, *SMALL, *BALANCED, *tp_layout(1, 1, 2, 2)),
         "PP2·EP2 zb1 lanes": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 2, 2, "zb1", LANES)),
         "DeepSeek-V3 EP4": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 4)),
@@ -115,6 +116,32 @@ def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
     for i, name in enumerate(cases):
         check_placed(name, [o[i] for o in outs], ref_ds if "DeepSeek" in name else ref)
     check_checkpoint(outs[0][0]["run_dir"], ref, tmp_path)
+    # A re-layout (what an elastic join or leave does): EP4's step-6 checkpoint resumed on EP2, its last window
+    # placed afresh over 2 ranks (a replica included), and step 7 as one process trains it
+    resumed = (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 2),
+               "--train.resume", f"{outs[0][0]['run_dir']}/checkpoints/step_6")
+    outs2 = run_ranks(_run_cases, 2, args=([resumed], corpus_dir, tmp_path / "relayout"), timeout=300)
+    check_resumed("EP4 -> EP2 resume", [o[0] for o in outs2], ref)
+
+
+def check_resumed(name: str, ranks: list[dict], ref: dict) -> None:
+    """The resumed run's last step and params against the reference's; its placement the restored one."""
+    (loss,) = ranks[0]["losses"]
+    assert abs(loss - ref["losses"][-1]) <= 1e-5 * abs(ref["losses"][-1]), f"{name}: {loss} vs {ref['losses'][-1]}"
+    (restored,) = [c for c in ranks[0]["changes"] if c["step"] == 0]
+    assert restored["replicated"] > 0 and restored["after"] < restored["before"], f"{name}: {restored}"
+    for r in ranks:
+        for pname, (t, _) in r["params"].items():
+            want = ref["params"][pname][0]
+            for s, e in enumerate(r["slots"].get(pname, [])):
+                if e >= 0:
+                    torch.testing.assert_close(t[s], want[e], rtol=1e-4, atol=1e-3 * LR * STEPS,
+                                               msg=lambda m: f"{name}: {pname} slot {s} {m}")
+            if pname not in r["slots"]:
+                torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-3 * LR * STEPS,
+                                           msg=lambda m: f"{name}: {pname} {m}")
+    print(f"{name}: step {STEPS} loss rel {abs(loss - ref['losses'][-1]) / ref['losses'][-1]:.1e}, restored "
+          f"busiest/mean {restored['before']:.2f}->{restored['after']:.2f}, {restored['replicated']} replicated")
 
 
 def check_checkpoint(run_dir: str, ref: dict, tmp_path) -> None:

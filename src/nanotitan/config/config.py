@@ -22,6 +22,7 @@ from typing import Literal
 from .errors import ConfigError
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
+from .placement_rules import check_placement
 from .tp_rules import check_tp
 
 
@@ -516,7 +517,7 @@ def _check_dp_ep(cfg: Config) -> None:
         _check(t.device != "cuda", f"parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane "
                                    f"needs its own stream, not built yet (docs/ep.md) (--train.device cpu, or {off})")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
-    _check_placement(cfg)
+    check_placement(cfg)
     _check(p.zero_accumulate in ("auto", "shard", "full"),
            f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")
     _check(p.zero3_reshard in ("auto", "always", "never"),
@@ -544,27 +545,6 @@ def _check_dp_ep(cfg: Config) -> None:
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
 
-
-
-def _check_placement(cfg: Config) -> None:
-    """parallel.expert_placement and its window and replicas (parallel/placement.py)."""
-    p = cfg.parallel
-    moe_ep = p.ep * p.tp  # the experts fold over EP x TP (parallel/tp.py)
-    _check(p.expert_placement in ("static", "balanced"),
-           f"parallel.expert_placement={p.expert_placement!r} must be static or balanced (--parallel.expert_placement)")
-    _check(p.rebalance_every >= 1, f"parallel.rebalance_every={p.rebalance_every} must be >= 1: the steps whose "
-                                   f"routing counts a placement reads (--parallel.rebalance_every 10)")
-    _check(p.expert_replicas >= 1, f"parallel.expert_replicas={p.expert_replicas} must be >= 1 "
-                                   f"(--parallel.expert_replicas 1)")
-    if p.expert_placement == "static":
-        _check(p.expert_replicas == 1, f"parallel.expert_replicas={p.expert_replicas} replicates experts by load: it "
-                                       f"needs --parallel.expert_placement balanced (or --parallel.expert_replicas 1)")
-        return
-    _check(p.auto or moe_ep > 1, "parallel.expert_placement=balanced places experts over the EP ranks, and "
-                                 "parallel.ep*tp=1 has one (--parallel.ep 2, or --parallel.expert_placement static)")
-    _check(p.auto or p.expert_replicas <= moe_ep,
-           f"parallel.expert_replicas={p.expert_replicas} exceeds the {moe_ep} EP ranks (parallel.ep*tp) an expert "
-           f"can be replicated on (--parallel.expert_replicas {moe_ep})")
 
 
 def _check_elastic(cfg: Config) -> None:

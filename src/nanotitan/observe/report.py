@@ -108,8 +108,8 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
             comm.all_reduce(c, group=dims.group("ep"), axis="other")
             recv = c.view(*c.shape[:2], dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
             vals[2], vals[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * n_mb
-            placed = [getattr(model.layers[k].moe.dispatcher, "placement", None) for k in loads]
-            if all(pl is not None for pl in placed):  # (layers, microbatches, E) @ (E, EP rank) shares
+            placed = _placements(model, list(loads))
+            if placed and all(pl is not None for pl in placed):  # (layers, microbatches, E) @ (E, EP rank) shares
                 share = torch.tensor([pl.shares() for pl in placed], dtype=c.dtype, device=c.device)
                 got = c @ share
                 vals[4], vals[5] = (got.max(-1).values / got.mean(-1).clamp_min(1e-9)).sum(), got.shape[0] * n_mb
@@ -122,6 +122,12 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
     if p_n:
         out["ep_placed_max_mean"] = round(p_sum / p_n, 4)
     return out
+
+
+def _placements(model, keys: list[str]) -> list:
+    """Each MoE layer's placement in force (parallel.expert_placement=balanced), None for a static one."""
+    layers = getattr(model, "layers", None)
+    return [getattr(layers[k].moe.dispatcher, "placement", None) if layers is not None else None for k in keys]
 
 
 def router_biases(model: Transformer, world_size: int, device: torch.device) -> list[list[float]]:

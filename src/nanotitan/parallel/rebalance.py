@@ -9,8 +9,9 @@
                  from its DP pieces (whatever the zero level: `GradSync.sharded_state`), its rows sent to their new
                  slots in one all-to-all per layer over the EP group, and written back into the live pieces
     replicas     after the gradient sync, a replicated expert's copies (one spare column, placement.py) sum their
-                 gradients: one all-gather over EP of the replica columns' pieces, the same sum in rank order on
-                 every copy, so the copies' AdamW steps stay identical; the extra copies leave the clipping norm
+                 gradients: one all-to-all over EP carrying each copy's pieces to its expert's other copies only,
+                 the same sum in rank order on every copy, so the copies' AdamW steps stay identical; the extra
+                 copies leave the clipping norm
 Exact: the experts' maths is untouched, only where it runs (tests/equivalence/test_equivalence_placement.py).
 """
 
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 from .comm import collectives as comm
 from .ep import EPDispatcher
-from .placement import Placement, choose, identity
+from .placement import Placement, balanced, choose, identity
 from .shard import keep_layout
 
 EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
@@ -56,18 +57,28 @@ def _region(off, shape) -> tuple:
     return tuple(slice(o, o + z) for o, z in zip(off, shape))
 
 
+def placement_extra(shard) -> dict:
+    """The checkpoint's placement record (`Rebalancer.record`; collective), {} with the static placement."""
+    return shard.rebalancer.record() if shard.rebalancer is not None else {}
+
+
 class Rebalancer:
     """One rank's placements (one per MoE layer of its stage) and their moves; train.py calls `sum_replica_grads`
     after the gradient sync and `after_step` after the update."""
 
-    def __init__(self, shard, every: int, replicas: int, log=print):
-        self.shard, self.every, self.R, self.log = shard, every, replicas, log
+    def __init__(self, shard, every: int, replicas: int):
+        self.shard, self.every, self.R = shard, every, replicas
         model = shard.model
         self.keys = [k for k, b in model.layers.items() if b.is_moe and isinstance(b.moe.dispatcher, EPDispatcher)]
         prefix = {id(m): n for n, m in model.named_modules()}
         self.names = {k: [f"{prefix[id(model.layers[k].moe.experts)]}.{t}" for t in EXPERT_TENSORS]
                       for k in self.keys}
         self.changes: list[dict] = []  # one per placement change: step, before, after, bytes, pause_s, replicated
+        self.last_load: dict[str, list[int]] = {}  # the last window's counts per layer (checkpoints keep them)
+
+    def log(self, msg: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(msg, flush=True)
 
     def _device(self) -> torch.device:
         return next(self.shard.model.parameters()).device
@@ -87,20 +98,49 @@ class Rebalancer:
         if dist.is_initialized() and dims.data_world > 1:
             comm.all_reduce(counts, group=dims.group("non_expert_dp"), axis="other")
         loads = counts.tolist()  # one host read per window
+        self.last_load = dict(zip(self.keys, loads))
         old = self.placements()
         new = {k: choose(old[k], load, self.R) for k, load in zip(self.keys, loads)}
+        return self._apply(step + 1, old, new, loads, optimizer, t0)
+
+    def restore(self, loads: dict | None, optimizer) -> dict | None:
+        """After a resume (any layout: an elastic re-layout included): the checkpoint's last window, placed afresh over
+        this layout's EP ranks, so the placement's idea outlives the layout. Collective over the stage."""
+        if not loads or not self.keys or not all(k in loads for k in self.keys):
+            return None
+        t0, old = time.perf_counter(), self.placements()
+        spare = self.R - 1
+        new = {k: balanced(loads[k], old[k].P, spare, self.R) for k in self.keys}
+        self.last_load = {k: loads[k] for k in self.keys}
+        return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
+
+    def record(self) -> dict:
+        """{"placement_load": {layer: counts}} of every stage's layers (a MAX over PP: collective), for a checkpoint."""
+        model, dims = self.shard.model, self.shard.dims
+        n = model.cfg.n_layers + model.cfg.mtp_layers
+        E = model.cfg.num_experts
+        t = torch.full((n, E), -1, dtype=torch.long, device=self._device())
+        for k, load in self.last_load.items():
+            t[int(k)] = torch.tensor(load)
+        if dist.is_initialized() and dims.group("pp") is not None:
+            comm.all_reduce(t, group=dims.group("pp"), axis="other", op=dist.ReduceOp.MAX)
+        return {"placement_load": {str(i): row for i, row in enumerate(t.tolist()) if row[0] >= 0}}
+
+    def _apply(self, step: int, old: dict, new: dict, loads: list, optimizer, t0: float) -> dict | None:
+        """Move the changed layers from `old` to `new` and log the change's line (step 0: a resume's restore)."""
+        model, dims = self.shard.model, self.shard.dims
         changed = [k for k in self.keys if new[k] != old[k]]
         if not changed:
             return None
         moved = self._move(optimizer, [(k, old[k], new[k]) for k in changed])
         for k in changed:
             install(model.layers[k].moe, new[k], dims.moe_ep_rank)
-        record = {"step": step + 1, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
+        record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
                   "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "replicated": sum(len(new[k].replicated()) for k in self.keys)}
         self.changes.append(record)
-        self.log(f"placement step {record['step']}: busiest/mean {record['before']:.2f} -> {record['after']:.2f} "
+        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: busiest/mean {record['before']:.2f} -> {record['after']:.2f} "
                  f"(worst layer), {len(changed)} layer(s) moved, {record['replicated']} expert(s) replicated, "
                  f"{moved / 2**20:.2f} MiB moved, pause {record['pause_s'] * 1e3:.0f} ms")
         return record
@@ -200,29 +240,36 @@ class Rebalancer:
         groups = {k: placements[k].replicated() for k in self.keys}
         dims, sync = self.shard.dims, self.shard.sync
         pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
-        me = dims.moe_ep_rank
-        parts, owners = [], []  # per (layer, tensor, box, column): the view; its column's (ranks, first?)
+        me, device = dims.moe_ep_rank, self._device()
+        entries = []  # (view, its group's ranks): this rank's copies' gradient pieces, in an order every rank shares
         for k in self.keys:
-            columns = sorted({s for _, s, _ in groups[k]})
-            ranks_at = {s: r for _, s, r in groups[k] if me in r}  # the group this rank is in, per column
+            mine = {s: r for _, s, r in groups[k] if me in r}  # column -> the ranks of this rank's group there
             for n in self.names[k]:
                 for off, t in pieces[n].boxes if n in pieces else []:
-                    for s in columns:
-                        if off[0] <= s < off[0] + t.shape[0]:
-                            parts.append(t[s - off[0]])
-                            owners.append(ranks_at.get(s))
-        device = self._device()
-        sizes = [t.numel() for t in parts]
-        v = torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0, device=device)
-        every = v.new_empty(dims.moe_ep, v.numel())
-        comm.all_gather(every.view(-1), v, dims.group("ep"), axis="ep").wait()
+                    entries += [(t[s - off[0]], mine[s]) for s in sorted(mine) if off[0] <= s < off[0] + t.shape[0]]
+        # each copy's pieces to the other copies only (their boxes are the same elements: one spare column)
+        sends = [[v for v, ranks in entries if q in ranks and q != me] for q in range(dims.moe_ep)]
+        splits = [sum(v.numel() for v in vs) for vs in sends]
+        flat = [v.reshape(-1) for vs in sends for v in vs]
+        inp = torch.cat(flat) if flat else torch.zeros(0, device=device)
+        got = inp.new_empty(sum(splits))
+        comm.all_to_all_single(got, inp, splits, splits, group=dims.group("ep"), axis="ep")
+        theirs: dict[tuple[int, int], torch.Tensor] = {}  # (source rank, entry) -> its piece
+        for q, seg in zip(range(dims.moe_ep), got.split(splits)):
+            at = 0
+            for i, (v, ranks) in enumerate(entries):
+                if q in ranks and q != me:
+                    theirs[(q, i)] = seg[at:at + v.numel()].view_as(v)
+                    at += v.numel()
         dup = torch.zeros((), dtype=torch.float32, device=device)
-        for t, seg, ranks in zip(parts, every.split(sizes, dim=1), owners):
-            if ranks is None:
-                continue
-            t.copy_(seg[ranks].sum(0).view_as(t))  # the same sum, in rank order, on every copy
+        for i, (v, ranks) in enumerate(entries):
+            total = None
+            for q in ranks:  # the same sum, in rank order, on every copy
+                g = v if q == me else theirs[(q, i)]
+                total = g.clone() if total is None else total + g
+            v.copy_(total)
             if me != ranks[0]:
-                dup = dup + t.float().square().sum()
+                dup = dup + v.float().square().sum()
         group = dims.group("ep") if sync.grads_whole else dims.group("stage")
         dup = dup.reshape(1)
         if group is not None:
