@@ -26,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ..observe.runs import summarise
+from ..observe.runs import run_results, summarise
 from .layouts import run_layout
 
 BANDWIDTH_BOUND = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.emulate_node_size", "2",
@@ -45,22 +45,24 @@ def variants(every: int, replicas: int, balanced_router: bool) -> dict[str, list
 
 def row(res: dict, steps: int) -> dict:
     s = summarise(res, (steps // 3, steps))
-    return {"step_time_s": s["step_time_s"], "ep_wait_s": s["ep_wait_s"],
+    window = [r["step_time_s"] for r in res["records"] if steps // 3 < r["step"] <= steps]
+    return {"step_time_s": s["step_time_s"], "step_mean_s": statistics.mean(window), "ep_wait_s": s["ep_wait_s"],
+            "dp_wait_s": s["dp_wait_s"],
             "recv_max_mean": s.get("ep_recv_max_mean"), "placed_max_mean": s.get("ep_placed_max_mean"),
             "final_loss": s["final_loss"]}
 
 
 def table(runs: dict[str, list[dict]]) -> str:
     med = lambda rs, k: statistics.median(r[k] for r in rs) if all(r[k] is not None for r in rs) else None  # noqa
-    lines = ["| variant | step time (s) | EP wait (s) | busiest/mean received | step ÷ first row's | repeats |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | step time, median (s) | step time, mean (s) | EP wait (s) | DP wait (s) | busiest/mean | "
+             "median ÷ first row's | repeats |", "|---|---|---|---|---|---|---|---|"]
     first = None
     for name, rs in runs.items():
         step = med(rs, "step_time_s")
         first = first or step
         ratio = med(rs, "placed_max_mean") or med(rs, "recv_max_mean")
-        lines.append(f"| {name} | {step:.2f} | {med(rs, 'ep_wait_s'):.2f} | {ratio:.2f} | {step / first:.3f} | "
-                     f"{len(rs)} |")
+        lines.append(f"| {name} | {step:.2f} | {med(rs, 'step_mean_s'):.2f} | {med(rs, 'ep_wait_s'):.2f} | "
+                     f"{med(rs, 'dp_wait_s'):.2f} | {ratio:.2f} | {step / first:.3f} | {len(rs)} |")
     return "\n".join(lines)
 
 
@@ -79,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/placement.json")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--table-only", action="store_true", help="re-read the runs under OUT's runs/, run nothing")
     args, overrides = ap.parse_known_args(argv)
     out = Path(args.out)
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         for name, extra in variants(args.every, args.replicas, args.balanced_router).items():
             tag = name.split()[0] + ("_aux" if args.balanced_router else "")
+            if args.table_only:
+                runs.setdefault(name, []).append(row(run_results(out.parent / "runs" / f"placement_{tag}_{rep}"),
+                                                     args.steps))
+                continue
             res = run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.steps,
                              out.parent / "runs" / f"placement_{tag}_{rep}",
                              [f"--config={args.config}", *BANDWIDTH_BOUND, *extra, *overrides], args.timeout)
