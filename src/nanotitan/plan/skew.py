@@ -18,8 +18,10 @@ from .shape import Layout, ModelShape
 # parallel.expert_placement=balanced (parallel/placement.py) places experts by each window's routing counts, so the
 # busiest EP rank keeps only the part of the skew a placement cannot follow (within a window, between microbatches)
 # and LPT's residual: this share of the dropless excess (factor - 1). Measured by `nanotitan bench placement` at the
-# bandwidth-bound skew check (docs/ep.md, "Experts placed by load"): static 1.88 -> balanced 1.13 busiest/mean.
-PLACED_RESIDUAL = 0.15
+# bandwidth-bound skew check, a fresh router collapsing over 12 steps (docs/ep.md "Experts placed by load"): E 4, EP 4,
+# R 2, windows of 3 steps: busiest/mean 1.96 static -> 1.55 placed, (1.55 - 1) / (1.96 - 1) = 0.57. (R 1 at E 16:
+# 2.04 -> 1.91, 0.88: one collapsed expert cannot be split without a replica.)
+PLACED_RESIDUAL = 0.57
 
 
 def capacity_bound(cfg: Config, layout: Layout, shape: ModelShape) -> float:
