@@ -249,6 +249,7 @@ BENCHES = {
     "compile": "train.compile: eager vs compiled blocks, side by side",
     "tp": "tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2",
     "cp": "context parallel attention: causal balance, ring overlap (emulated), ours vs all-gather KV and torch",
+    "placement": "experts placed by load vs static vs capacity-capped, under the emulated network",
 }
 
 

@@ -30,6 +30,7 @@ from .parallel.comm import stall
 from .interop.hf import shard_loader
 from .optim.build import build_optimizer
 from .parallel.parallelize import parallelize
+from .parallel.rebalance import placement_extra
 from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             forward_backward, reduce_losses, update_router_bias)
 from .resolve import resolve
@@ -93,6 +94,7 @@ class Trainer:
         self.model = self.shard.model
         stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)
+        self.rebalancer = self.shard.rebalancer  # experts placed by load (parallel/rebalance.py); None: static
 
         # --- bookkeeping ---------------------------------------------------------------------------------
         self.aux_weight = 1.0 / max(1, num_moe_layers(cfg.model))  # layer mean; each MoE layer weights its own terms
@@ -123,7 +125,8 @@ class Trainer:
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
-                                    {"step": step, "samples": step * self.B}, self.cfg.train.keep_last,
+                                    {"step": step, "samples": step * self.B, **placement_extra(self.shard)},
+                                    self.cfg.train.keep_last,
                                     shard=self.shard)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
@@ -153,7 +156,9 @@ class Trainer:
                                      device=self.device, dtype=cfg.train.dtype)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
-        grad_norm = clip_grads(self.shard, cfg.train.grad_clip)
+        # a replicated expert's gradient: the sum of its copies' (each counted once in the norm)
+        sq_offset = self.rebalancer.sum_replica_grads() if self.rebalancer is not None else None
+        grad_norm = clip_grads(self.shard, cfg.train.grad_clip, sq_offset)
         # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
         nonfinite, stop = agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
                                         signals=cfg.train.ckpt_on_signal)
@@ -161,6 +166,8 @@ class Trainer:
         if not nonfinite:
             self.optimizer.step()
         after_update(self.shard)
+        if self.rebalancer is not None:  # between two steps: a window's end may move experts
+            self.rebalancer.after_step(step, self.optimizer)
         update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
         # QK-clip (train.qk_clip): heads whose max logit topped TAU get their q/k weights scaled back (optim/qk_clip.py)
         qk_max = qk_clip.clip_step(self.shard, cfg.train.qk_clip, apply=not nonfinite) if cfg.train.qk_clip else None

@@ -23,6 +23,7 @@ from .errors import ConfigError
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .cp_rules import check_cp
+from .placement_rules import check_placement
 from .tp_rules import check_tp
 
 
@@ -169,6 +170,10 @@ class ParallelConfig:
     ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
+    # --- expert placement (docs/ep.md, "Experts placed by load") ---
+    expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute (docs/config.md)
+    rebalance_every: int = 10  # with balanced: steps per routing-count window (docs/config.md)
+    expert_replicas: int = 1  # with balanced: ranks a hot expert may be replicated on (docs/config.md)
     # --- process groups and the planner ---
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
@@ -527,6 +532,7 @@ def _check_dp_ep(cfg: Config) -> None:
         _check(t.device != "cuda", f"parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane "
                                    f"needs its own stream, not built yet (docs/ep.md) (--train.device cpu, or {off})")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
+    check_placement(cfg)
     _check(p.zero_accumulate in ("auto", "shard", "full"),
            f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")
     _check(p.zero3_reshard in ("auto", "always", "never"),

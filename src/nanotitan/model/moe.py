@@ -54,6 +54,9 @@ class ExpertFFN(nn.Module):
     "grouped" one `torch._grouped_mm` per projection over all L experts, its group offsets a device tensor, so
     the experts need no host count; "auto" picks per device and dtype (`grouped_wins`, docs/moe.md)."""
     wgrad_store: wgrad.WeightGradStore | None = None  # set: weight gradients deferrable (model/wgrad.py)
+    # The global expert each slot holds (-1: an empty slot), when a placement moved them (parallel/rebalance.py);
+    # None: slot l is expert expert_start + l. Checkpoints key expert tensors by it.
+    slot_experts: list[int] | None = None
 
     def __init__(self, num_local: int, d_model: int, ffn_dim: int, impl: str = "loop"):
         super().__init__()
@@ -205,6 +208,7 @@ class MoE(nn.Module):
     lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
     """
     lane_local_router_state: bool = False
+    count_window: bool = False  # expert placement (parallel/rebalance.py): the model sums counts per window
     # MTP depth k's block (model/mtp.py) runs on every position; the last seq_tail = k of each whole sequence have
     # no target: they are never routed, nor counted in any statistic, as if the block ran on S - k positions.
     seq_tail: int = 0

@@ -153,6 +153,9 @@ class Transformer(nn.Module):
         # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
         self.router_stats: dict[str, torch.Tensor] = {}
         self.step_load: dict[str, torch.Tensor] = {}
+        # Training forwards only, per MoE layer with MoE.count_window (expert placement, parallel/rebalance.py): tokens
+        # per expert since the last placement window closed
+        self.window_load: dict[str, torch.Tensor] = {}
         # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order, the last
         # MB_LOAD_KEPT (report.py: the busiest EP rank's received assignments per microbatch, the routing skew the
         # planner prices; bounded, so a run that never logs holds no more)
@@ -240,6 +243,8 @@ class Transformer(nn.Module):
                 self.mb_load.setdefault(key, collections.deque(maxlen=MB_LOAD_KEPT)).append(counts)
                 if block.moe.router_bias is not None:
                     _accumulate(self.step_load, key, counts)
+                if block.moe.count_window:
+                    _accumulate(self.window_load, key, counts)
         return x, aux
 
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):

@@ -93,10 +93,12 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
     the CV over experts of one source rank's tokens per expert (the planner's sigma, `--expert-skew`), averaged;
     under EP, `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over
     layers and microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by
-    (plan/skew.py). One SUM over the EP group (received = its sources' counts) and one over the world."""
+    (plan/skew.py), with expert e on rank e // (E/EP); `ep_placed_max_mean`, the same under the placement in force
+    (parallel.expert_placement=balanced: each copy of an expert receives its share). One SUM over the EP group
+    (received = its sources' counts) and one over the world."""
     loads = dict(model.mb_load)
     model.mb_load.clear()  # shared by a rank's chunks (pp/chunks.py): cleared, not replaced
-    vals = torch.zeros(4, device=device, dtype=torch.float64)  # cv sum, cv count, ratio sum, ratio count
+    vals = torch.zeros(6, device=device, dtype=torch.float64)  # cv sum, count, ratio sum, count, placed sum, count
     if loads:  # every rank of an EP group holds the same layers and microbatches
         n_mb = min(len(v) for v in loads.values())
         c = torch.stack([torch.stack(list(v)[-n_mb:]) for v in loads.values()]).double()  # (layers, microbatches, E)
@@ -106,13 +108,26 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
             comm.all_reduce(c, group=dims.group("ep"), axis="other")
             recv = c.view(*c.shape[:2], dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
             vals[2], vals[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * n_mb
+            placed = _placements(model, list(loads))
+            if placed and all(pl is not None for pl in placed):  # (layers, microbatches, E) @ (E, EP rank) shares
+                share = torch.tensor([pl.shares() for pl in placed], dtype=c.dtype, device=c.device)
+                got = c @ share
+                vals[4], vals[5] = (got.max(-1).values / got.mean(-1).clamp_min(1e-9)).sum(), got.shape[0] * n_mb
     if dist.is_initialized() and dims.world_size > 1:
         comm.all_reduce(vals, axis="other")
-    cv_sum, cv_n, r_sum, r_n = vals.tolist()
+    cv_sum, cv_n, r_sum, r_n, p_sum, p_n = vals.tolist()
     out = {"expert_cv": round(cv_sum / cv_n, 4)} if cv_n else {}
     if r_n:
         out["ep_recv_max_mean"] = round(r_sum / r_n, 4)
+    if p_n:
+        out["ep_placed_max_mean"] = round(p_sum / p_n, 4)
     return out
+
+
+def _placements(model, keys: list[str]) -> list:
+    """Each MoE layer's placement in force (parallel.expert_placement=balanced), None for a static one."""
+    layers = getattr(model, "layers", None)
+    return [getattr(layers[k].moe.dispatcher, "placement", None) if layers is not None else None for k in keys]
 
 
 def router_biases(model: Transformer, world_size: int, device: torch.device) -> list[list[float]]:

@@ -64,7 +64,8 @@ def summarise(res: dict, window: tuple[int, int]) -> dict:
         "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
         "final_loss": res["records"][-1]["loss"],
         # the routing skew the run measured (observe/report.py routing_skew_stats): the planner's --expert-skew
-        **{k: statistics.median(r[k] for r in recs) for k in ("expert_cv", "ep_recv_max_mean") if k in recs[0]},
+        **{k: statistics.median(r[k] for r in recs) for k in ("expert_cv", "ep_recv_max_mean", "ep_placed_max_mean")
+           if k in recs[0]},
     }
 
 

@@ -37,7 +37,8 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group,
-                    shard_params=(), shard_group=None, token_ranks: int = 1, shard_once=()) -> torch.Tensor:
+                    shard_params=(), shard_group=None, token_ranks: int = 1, shard_once=(),
+                    sq_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor).
 
     expert_params / replicated_params: full grads as the Reducer leaves them (summed over EP, counted
@@ -45,7 +46,8 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     A token shard (`token_ranks` > 1: TP, parallel/tp.py): the EP group spans its ranks, fastest (experts fold over
     EP x TP); a replicated param's slices (`Grad.SHARDED`, parallel/shard.py) add up over them, one whole on each
     counts once, and so do `shard_once`, shards that are identical over them (the caller passes `shard_group` =
-    the stage group)."""
+    the stage group). `sq_offset`: a global correction added to the squared norm (expert placement: minus the extra
+    copies of replicated experts, already summed over the ranks)."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
     split = [grad_layout(p).kind is Grad.SHARDED for p in replicated_params]
     rep_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and not s]
@@ -74,6 +76,8 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
         total_sq = total_sq + shard_sq
     if pp_group is not None:
         comm.all_reduce(total_sq, group=pp_group, axis="other")
+    if sq_offset is not None:
+        total_sq = (total_sq - sq_offset.reshape(1)).clamp_min(0)
     total_norm = total_sq.sqrt().reshape(())
     if max_norm > 0:
         # Always multiply (by 1.0 when under the limit) instead of branching on a host-synced value.

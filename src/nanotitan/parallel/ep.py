@@ -35,9 +35,10 @@ import torch
 import torch.nn as nn
 
 from ..model import wgrad
-from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
+from ..model.moe import ExpertFFN, combine, expert_counts, in_backward, pack_expert_major
 from .comm import collectives as comm
 from .lanes import EPLanes
+from .placement import slot_ids
 
 
 def _phase(forward: bool) -> str:
@@ -261,6 +262,10 @@ class EPDispatcher:
         self.lanes = lanes if lanes is not None else EPLanes(group, backward_group)
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
+        # parallel.expert_placement=balanced (rebalance.py installs them): the placement's device tables
+        # (placement.Placement.tables); None: static, expert e on rank e // L
+        self.slot_of: torch.Tensor | None = None
+        self.copies_of: torch.Tensor | None = None
 
     @property
     def group(self):
@@ -270,12 +275,18 @@ class EPDispatcher:
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P = self.ep_size
         L = num_experts // P
-        assert L * P == num_experts and experts.W_gate.shape[0] == L, (
-            f"experts hold {experts.W_gate.shape[0]} experts; expected num_experts/ep = {num_experts}/{P}")
+        C = experts.W_gate.shape[0]  # slots per rank: L, plus spares for replicas under a balanced placement
+        assert L * P == num_experts and (C == L or self.slot_of is not None), (
+            f"experts hold {C} experts; expected num_experts/ep = {num_experts}/{P}")
         T, D = x_TD.shape
 
-        # 1. pack expert-major == destination-major (assignments dropped by capacity sort last: never sent)
-        order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        # 1. pack slot-major == destination-major (assignments dropped by capacity sort last: never sent); static:
+        # slot l of rank p is expert p*L+l, so slot-major is expert-major
+        if self.slot_of is None:
+            order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        else:
+            order_N, token_idx_N, counts_E = self._pack_slots(expert_ids_TK, num_experts, P * C)
+        L = C  # from here on "local expert" is a slot
 
         # 2. counts: send_PL[p, l] = my assignments for expert p*L+l; recv_PL[p, l] = rank p's for my expert l
         send_PL = counts_E.view(P, L)
@@ -309,6 +320,14 @@ class EPDispatcher:
         # 5. combine in this rank's packed order
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
+
+    def _pack_slots(self, expert_ids_TK: torch.Tensor, num_experts: int, slots: int):
+        """pack_expert_major by the placement: (order_N, token_idx_N, counts per global slot p*C+s). A
+        replicated expert's assignments split over its copies by token order (placement.slot_ids)."""
+        order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, self.slot_of, self.copies_of)
+        order_N = order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
+        return order_N, order_N // expert_ids_TK.shape[1], expert_counts(slot_N, slots + 1)[:slots]
 
     def _chunked_trip(self, x_ND, experts: ExpertFFN, plan: _ChunkPlan) -> torch.Tensor:
         def trip(W_gate, W_val, W_out, store):  # inside experts' call: its weights as its wrappers present them

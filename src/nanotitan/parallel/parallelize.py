@@ -41,6 +41,7 @@ from .ep import apply_ep
 from .dp.fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
+from .rebalance import Rebalancer, add_spare_slots
 from .dp.sync import GradSync, ReplicatedSync, TorchDDPSync
 from .tied import TiedEmbedding
 from .dp.zero import ZeroSync
@@ -61,6 +62,7 @@ class ModelShard:
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
     tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
     tokens: TokenShard | None = None  # the ranks sharing this shard's tokens (TP, tp.py), its stream's length
+    rebalancer: Rebalancer | None = None  # parallel.expert_placement=balanced: the placements and their moves
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
@@ -100,6 +102,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
+    if cfg.parallel.expert_placement == "balanced" and dims.moe_ep > 1:  # slots for replicas (rebalance.py)
+        add_spare_slots(model, cfg.parallel.expert_replicas - 1, dims.moe_ep, dims.moe_ep_rank)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
     if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
@@ -136,4 +140,6 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     else:
         shard.sync = ReplicatedSync(*args, p.bucket_mb, scale, reduce_dtype)
     shard.tied = TiedEmbedding.build(model, dims, cfg.model.mtp_layers, p.timeout_s)
+    if p.expert_placement == "balanced" and dims.moe_ep > 1:
+        shard.rebalancer = Rebalancer(shard, p.rebalance_every, p.expert_replicas)
     return shard

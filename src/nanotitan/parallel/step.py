@@ -111,10 +111,11 @@ def finish_grads(shard: ModelShard) -> None:
         shard.tied.sum_grads(shard.sync)
 
 
-def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
+def clip_grads(shard: ModelShard, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank. MTP's
-    embedding replica then takes stage 0's clipped gradient (tied.py)."""
-    norm = shard.sync.clip(max_norm)
+    embedding replica then takes stage 0's clipped gradient (tied.py). sq_offset: added to the squared norm
+    (replicated experts' extra copies, parallel/rebalance.py)."""
+    norm = shard.sync.clip(max_norm) if sq_offset is None else shard.sync.clip(max_norm, sq_offset)
     if shard.tied is not None:
         shard.tied.share_clipped(shard.sync)
     return norm

@@ -15,6 +15,14 @@ from ..config.config import Config
 from .memory import expected_max_normal
 from .shape import Layout, ModelShape
 
+# parallel.expert_placement=balanced (parallel/placement.py) places experts by each window's routing counts, so the
+# busiest EP rank keeps only the part of the skew a placement cannot follow (within a window, between microbatches)
+# and LPT's residual: this share of the dropless excess (factor - 1). Measured by `nanotitan bench placement` at the
+# bandwidth-bound skew check, a fresh router collapsing over 12 steps (docs/ep.md "Experts placed by load"): E 4, EP 4,
+# R 2, windows of 3 steps: busiest/mean 1.96 static -> 1.55 placed, (1.55 - 1) / (1.96 - 1) = 0.57. (R 1 at E 16:
+# 2.04 -> 1.91, 0.88: one collapsed expert cannot be split without a replica.)
+PLACED_RESIDUAL = 0.57
+
 
 def capacity_bound(cfg: Config, layout: Layout, shape: ModelShape) -> float:
     """The most a rank can receive over the mean T*K assignments: every source token sending it min(K, L) of its K,
@@ -41,7 +49,22 @@ def time_imbalance(cfg: Config, layout: Layout, shape: ModelShape, skew: float) 
     if not skew:
         return min(1.0, bound)
     L = shape.num_experts // ep
-    return min(bound, 1.0 + skew * math.sqrt((1 - 1 / ep) / (L * ep)) * expected_max_normal(ep))
+    excess = skew * math.sqrt((1 - 1 / ep) / (L * ep)) * expected_max_normal(ep)
+    if cfg.parallel.expert_placement == "balanced":  # the placed load, not the router's raw one
+        excess *= PLACED_RESIDUAL
+    return min(bound, 1.0 + excess)
+
+
+def rebalance_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
+    """What one rebalance sends per EP rank at most (parallel/rebalance.py): every slot of a rank, C = E/EP + R - 1
+    of them, refilled from another rank in each MoE layer of its stage, each an expert's weights and AdamW's two
+    moments (3*D*F elements, fp32: 12 bytes an element)."""
+    ep = layout.ep * layout.tp
+    if ep == 1:
+        return 0.0
+    slots = shape.num_experts // ep + max(cfg.parallel.expert_replicas, 1) - 1
+    moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers)) / layout.pp
+    return moe_layers * slots * 3 * shape.d_model * shape.ffn_dim * 12.0
 
 
 def skew_of_ratio(ratio: float, ep: int, num_experts: int) -> float:

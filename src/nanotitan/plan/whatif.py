@@ -7,6 +7,7 @@ as JSON (`whatif_json`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..config.config import Config, ConfigError
 from ..config.hardware import GiB, Hardware
@@ -14,7 +15,8 @@ from ..parallel.dims import ParallelDims
 from .cost import PlanOptions, Prediction, predict
 from .fit.interval import Sigmas, mem_interval, step_interval
 from .search import plan
-from .shape import layout_config, trainer_precision
+from .shape import ModelShape, layout_config, trainer_precision
+from .skew import rebalance_bytes
 
 # What to change when a cause dominates the step, by cost name (docs/planner.md §3's causes).
 ADVICE = {
@@ -71,6 +73,8 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
         flat = predict(layout_config(cfg, best.layout), best.layout, hw, dataclasses.replace(opts, expert_skew=0.0))
         out["skew"] = dict(expert_time_factor=best.expert_time_factor,
                            step_time_balanced_s=flat.step_time_s, cost=best.step_time_s / flat.step_time_s - 1)
+    if best.layout.ep * best.layout.tp > 1 and cfg.parallel.expert_placement == "static":
+        out["placement"] = placement_saving(cfg, best, hw, opts)
     faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
@@ -79,6 +83,23 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
     if out["worst_rank"] is not None:
         out["fits"] = out["worst_rank"]["fits"]
     return out
+
+
+def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptions) -> dict:
+    """The best layout again under parallel.expert_placement=balanced (plan/skew.py: the placed load), its moves priced
+    on the EP link once per parallel.rebalance_every steps (skew.rebalance_bytes; the inter-node link when the EP
+    group spans nodes)."""
+    lay = best.layout
+    placed_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert_placement="balanced",
+                                                                       expert_replicas=max(2, cfg.parallel.expert_replicas)))
+    placed = predict(layout_config(placed_cfg, lay), lay, hw, opts)
+    link = hw.inter if lay.ep * lay.tp > hw.devices_per_node else hw.intra
+    move_s = rebalance_bytes(placed_cfg, lay, ModelShape.from_config(cfg)) / link.a2a_bw
+    step = placed.step_time_s + move_s / cfg.parallel.rebalance_every
+    gain = best.step_time_s - placed.step_time_s  # per step, before the moves
+    return dict(expert_time_factor=placed.expert_time_factor, step_time_s=step, move_s=move_s,
+                every=cfg.parallel.rebalance_every, saving=1 - step / best.step_time_s,
+                saving_unmoved=gain / best.step_time_s, break_even_every=move_s / gain if gain > 0 else None)
 
 
 def buildable(cfg: Config, opts: PlanOptions) -> None:
@@ -167,6 +188,13 @@ def format_what_if(r: dict) -> str:
         k = r["skew"]
         lines.append(f"  routing skew: the busiest EP rank receives {k['expert_time_factor']:.2f}x the mean; "
                      f"{100 * k['cost']:.1f}% of the step over a balanced router")
+    if "placement" in r:
+        k = r["placement"]
+        lines.append(f"  balanced expert placement (--parallel.expert_placement balanced): the busiest EP rank "
+                     f"{k['expert_time_factor']:.2f}x the mean ({100 * k['saving_unmoved']:.1f}% off the step), "
+                     f"moves at most {1e3 * k['move_s']:.0f} ms every {k['every']} steps: {100 * k['saving']:.1f}% "
+                     + (f"(pays from --parallel.rebalance_every {math.ceil(k['break_even_every'])})"
+                        if k["break_even_every"] else ""))
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "

@@ -117,6 +117,9 @@ def resume_step(where: str, run_dir: Path, shard: ModelShard, optimizer, verify:
     if path is None:
         log("train.resume=auto: no complete checkpoint yet, starting from step 0")
         return 0
-    step = int(ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, verify, shard=shard)["step"])
+    extra = ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, verify, shard=shard)
+    step = int(extra["step"])
     log(f"resumed from {path} at step {step}")
+    if shard.rebalancer is not None:  # the checkpoint's last placement window, placed over this layout's EP ranks
+        shard.rebalancer.restore(extra.get("placement_load"), optimizer)
     return step

@@ -46,6 +46,10 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
     other's checkpoint (and those written whole, before the pieces)."""
     expert_start = model.spec.expert_start
+    # a placement's slots (parallel/rebalance.py): slot l holds global expert slot_experts[l] (-1: empty, no key;
+    # the copies of a replicated expert write identical boxes, kept once)
+    slot_experts = {f"{n}.{t}": m.slot_experts for n, m in model.named_modules()
+                    if getattr(m, "slot_experts", None) is not None for t in ("W_gate", "W_val", "W_out")}
     out: dict[str, Chunks] = {}
 
     def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
@@ -56,8 +60,10 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
             for l in range(t.shape[0]):
                 per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
-        for l in range(pieces.size[0]):
-            out[f"{prefix}.{name}.{expert_start + l}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
+        ids = slot_experts.get(name) or range(expert_start, expert_start + pieces.size[0])
+        for l, e in enumerate(ids):
+            if e >= 0:
+                out[f"{prefix}.{name}.{e}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
 
     if optimizer is not None:
         ensure_adam_state(optimizer)

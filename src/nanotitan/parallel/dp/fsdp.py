@@ -243,7 +243,7 @@ class FSDPSync(GradSync):
     def param_groups(self, weight_decay: float) -> list[dict]:
         return param_groups(self.model, weight_decay)
 
-    def clip(self, max_norm: float) -> torch.Tensor:
+    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
         """DTensor shards are disjoint over non-expert-DP; experts FSDP left whole (dp == 1) differ over EP."""
         whole = [q for _, q in self.unsharded]
         shards = [q for q in self.model.parameters() if hasattr(q, "to_local")]
@@ -253,11 +253,17 @@ class FSDPSync(GradSync):
                                self.dims.group("ep") if whole or partial else None,
                                [q for q in shards if id(q) not in self.counted_once], self.dims.group("stage"),
                                token_ranks=token_ranks(self.dims),
-                               shard_once=[q for q in shards if id(q) in self.counted_once])
+                               shard_once=[q for q in shards if id(q) in self.counted_once], sq_offset=sq_offset)
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """A DTensor's local shard of its gradient (FSDP's own storage: a view); a param FSDP left whole, its .grad."""
         return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+    def grad_pieces(self, names: set[str]) -> dict[str, Pieces]:
+        """Each named DTensor grad's local shard at its offsets (a param FSDP left whole: whole)."""
+        return {n: _local_pieces(p.grad) for n, p in self.model.named_parameters() if n in names and p.grad is not None}
+
+    grads_whole = False
 
     def resharded(self) -> nn.Module:
         """The model with every FSDP module sharded: a forward outside backward (eval) leaves the modules that do

@@ -160,11 +160,12 @@ class GradSync:
     def param_groups(self, weight_decay: float) -> list[dict]:
         return decay_groups(self.model.parameters(), weight_decay)
 
-    def clip(self, max_norm: float) -> torch.Tensor:
-        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py)."""
+    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py). sq_offset: added
+        to the global squared norm (minus the extra copies of replicated experts, parallel/rebalance.py)."""
         return clip_grad_norm_([p for _, p in self.expert_params], [p for _, p in self.replicated_params],
                                max_norm, self.dims.group("pp"), self.dims.group("ep"),
-                               token_ranks=token_ranks(self.dims))
+                               token_ranks=token_ranks(self.dims), sq_offset=sq_offset)
 
     def after_step(self) -> None:
         pass
@@ -175,6 +176,13 @@ class GradSync:
 
     def sharded_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         return replicated_pieces(self.model, optimizer)
+
+    def grad_pieces(self, names: set[str]) -> dict[str, Pieces]:
+        """After finish(): {name: this rank's Pieces of the averaged gradient} of the named params, views of live
+        storage (expert placement sums a replicated expert's copies in them, parallel/rebalance.py). Whole here."""
+        return {n: Pieces.whole(p.grad) for n, p in self.model.named_parameters() if n in names and p.grad is not None}
+
+    grads_whole = True  # grad_pieces are whole on every DP replica (else disjoint over the stage's ranks)
 
     def close(self) -> None:
         pass

@@ -284,6 +284,24 @@ class ShardedReducer(Reducer):
                 b.gather = None
 
 
+def _flat_pieces(r: ShardedReducer, b: _ShardBucket, v: torch.Tensor) -> dict[str, Pieces]:
+    """{param name: Pieces} of `v`, this rank's flat slice [r.rank*S, (r.rank+1)*S) of bucket b (its optimizer
+    state or its shard grad), cut per param into boxes of the param's shape (`flat_range_boxes`): views of v.
+    A 0-dim v (AdamW's step: one scalar for the bucket, the same on every rank) is whole for every param."""
+    S = b.padded // r.world
+    lo = r.rank * S
+    out = {}
+    for name, p, o in zip(b.names, b.params, b.offsets):
+        if v.dim() == 0:
+            out[name] = Pieces.whole(v)
+            continue
+        a, z = max(o, lo), min(o + p.numel(), lo + S)  # the param's elements in the slice
+        start = o - lo  # where the param's element 0 sits in the slice (may be < 0)
+        out[name] = Pieces(p.shape, [(off, v[start + _flat_offset(p.shape, off):][:math.prod(sz)].view(sz))
+                                     for off, sz in flat_range_boxes(tuple(p.shape), a - o, z - o)])
+    return out
+
+
 def _flat_offset(shape, offsets) -> int:
     """Row-major flat index of the element at `offsets`."""
     flat = 0
@@ -319,14 +337,15 @@ class ZeroSync(BucketedSync):
         muon = [q for g in groups for extra in g[2:] for q in extra["params"]]  # Muon's buckets (optim/muon.py)
         return adam + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
 
-    def clip(self, max_norm: float) -> torch.Tensor:
+    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
         # every reducer's shards are disjoint over the stage, except those of params whole on every token rank
         # (Grad.WHOLE: none without a token shard), which count once among them
         once = [all(grad_layout(p).kind is Grad.WHOLE for b in r.buckets for p in b.params) for r in self.reducers]
         return clip_grad_norm_([], [], max_norm, self.dims.group("pp"), None,
                                [q for r, o in zip(self.reducers, once) if not o for q in r.shard_params],
                                self.dims.group("stage"), token_ranks=token_ranks(self.dims),
-                               shard_once=[q for r, o in zip(self.reducers, once) if o for q in r.shard_params])
+                               shard_once=[q for r, o in zip(self.reducers, once) if o for q in r.shard_params],
+                               sq_offset=sq_offset)
 
     def after_step(self) -> None:
         """Post every bucket's all-gather of the updated slices, in the order the next forward needs them, and
@@ -385,19 +404,17 @@ class ZeroSync(BucketedSync):
             return model_state, optim_state
         for r in self.reducers:
             for b in r.buckets:
-                S = b.padded // r.world
-                lo = r.rank * S  # this rank's slice [lo, lo + S) of the bucket
                 for key, v in adam_state(optimizer, b.shard).items():
-                    for name, p, o in zip(b.names, b.params, b.offsets):
-                        if v.dim() == 0:  # AdamW's step: one scalar for the bucket, the same on every rank
-                            optim_state.setdefault(name, {})[key] = Pieces.whole(v)
-                            continue
-                        a, z = max(o, lo), min(o + p.numel(), lo + S)  # the param's elements in the slice
-                        start = o - lo  # where the param's element 0 sits in the slice (may be < 0)
-                        boxes = [(off, v[start + _flat_offset(p.shape, off):][:math.prod(sz)].view(sz))
-                                 for off, sz in flat_range_boxes(tuple(p.shape), a - o, z - o)]
-                        optim_state.setdefault(name, {})[key] = Pieces(p.shape, boxes)
+                    for name, pieces in _flat_pieces(r, b, v).items():
+                        optim_state.setdefault(name, {})[key] = pieces
         return model_state, optim_state
+
+    def grad_pieces(self, names: set[str]) -> dict[str, Pieces]:
+        """This rank's slices of the named params' reduced gradients (the buckets' shard grads), per param."""
+        return {n: pieces for r in self.reducers for b in r.buckets if names.intersection(b.names)
+                for n, pieces in _flat_pieces(r, b, b.shard_grad).items() if n in names}
+
+    grads_whole = False
 
     def close(self) -> None:
         self.wait_params()

@@ -1,0 +1,102 @@
+"""`nanotitan bench placement`: experts placed by load (parallel.expert_placement) against the static placement and
+the capacity-capped router, side by side, under the network emulator.
+
+    nanotitan bench placement [--dp 2 --ep 4 --microbatches 2 --micro-batch 2] [--steps 12] [--repeats 2]
+                              [--every 3] [--replicas 2] [--balanced-router] [--out docs/experiments/placement.json]
+                              [train overrides ...]
+
+Default shape: the bandwidth-bound skew check (scripts/experiments/plan_intervals.py --bandwidth-bound,
+docs/planner.md §3): configs/bench.toml at d_model 256, ffn 512, EP over the emulated 100 Gb/s network in nodes of 2
+(configs/emulate/h100-100g.json), no aux loss, dropless, so a fresh router collapses and the busiest EP rank
+receives ~2x the mean. Variants, run in turn in each repeat (the same time window for their ratios):
+    static    dropless, expert e on rank e // (E/EP)
+    balanced  dropless, parallel.expert_placement=balanced (rebalance_every --every, expert_replicas --replicas)
+    capped    static with model.capacity_factor 1.0: the busiest rank held to the mean by dropping tokens
+--balanced-router: static and balanced again with the Switch balance loss on (model.aux_coef 1.0), the overhead of
+the placement's bookkeeping and moves where there is little to balance.
+Per run: medians over the steps (steps/3, steps] of step time, EP wait (comm_ep_wait_s) and the busiest EP rank's
+received assignments over the mean (ep_recv_max_mean under the static mapping; ep_placed_max_mean under the
+placement in force); then medians over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from ..observe.runs import run_results, summarise
+from .layouts import run_layout
+
+BANDWIDTH_BOUND = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.emulate_node_size", "2",
+                   "--parallel.emulate_dilation", "0.0006872649146099278", "--model.aux_coef", "0",
+                   "--model.d_model", "256", "--model.ffn_dim", "512"]
+
+
+def variants(every: int, replicas: int, balanced_router: bool) -> dict[str, list[str]]:
+    placed = ["--parallel.expert_placement", "balanced", "--parallel.rebalance_every", str(every),
+              "--parallel.expert_replicas", str(replicas)]
+    if balanced_router:
+        aux = ["--model.aux_coef", "1.0"]
+        return {"static (aux 1.0)": aux, "balanced (aux 1.0)": [*aux, *placed]}
+    return {"static": [], "balanced": placed, "capped": ["--model.capacity_factor", "1.0"]}
+
+
+def row(res: dict, steps: int) -> dict:
+    s = summarise(res, (steps // 3, steps))
+    window = [r["step_time_s"] for r in res["records"] if steps // 3 < r["step"] <= steps]
+    return {"step_time_s": s["step_time_s"], "step_mean_s": statistics.mean(window), "ep_wait_s": s["ep_wait_s"],
+            "dp_wait_s": s["dp_wait_s"],
+            "recv_max_mean": s.get("ep_recv_max_mean"), "placed_max_mean": s.get("ep_placed_max_mean"),
+            "final_loss": s["final_loss"]}
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    med = lambda rs, k: statistics.median(r[k] for r in rs) if all(r[k] is not None for r in rs) else None  # noqa
+    lines = ["| variant | step time, median (s) | step time, mean (s) | EP wait (s) | DP wait (s) | busiest/mean | "
+             "median ÷ first row's | repeats |", "|---|---|---|---|---|---|---|---|"]
+    first = None
+    for name, rs in runs.items():
+        step = med(rs, "step_time_s")
+        first = first or step
+        ratio = med(rs, "placed_max_mean") or med(rs, "recv_max_mean")
+        lines.append(f"| {name} | {step:.2f} | {med(rs, 'step_mean_s'):.2f} | {med(rs, 'ep_wait_s'):.2f} | "
+                     f"{med(rs, 'dp_wait_s'):.2f} | {ratio:.2f} | {step / first:.3f} | {len(rs)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanotitan bench placement", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--every", type=int, default=3, help="parallel.rebalance_every of the balanced runs")
+    ap.add_argument("--replicas", type=int, default=2, help="parallel.expert_replicas of the balanced runs")
+    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: aux loss on")
+    ap.add_argument("--config", default="configs/bench.toml")
+    ap.add_argument("--out", default="docs/experiments/placement.json")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--table-only", action="store_true", help="re-read the runs under OUT's runs/, run nothing")
+    args, overrides = ap.parse_known_args(argv)
+    out = Path(args.out)
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeats):
+        for name, extra in variants(args.every, args.replicas, args.balanced_router).items():
+            tag = name.split()[0] + ("_aux" if args.balanced_router else "")
+            if args.table_only:
+                runs.setdefault(name, []).append(row(run_results(out.parent / "runs" / f"placement_{tag}_{rep}"),
+                                                     args.steps))
+                continue
+            res = run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.steps,
+                             out.parent / "runs" / f"placement_{tag}_{rep}",
+                             [f"--config={args.config}", *BANDWIDTH_BOUND, *extra, *overrides], args.timeout)
+            runs.setdefault(name, []).append(row(res, args.steps))
+            out.write_text(json.dumps({"layout": vars(args), "overrides": overrides, "runs": runs}, indent=1))
+            print(f"{name} repeat {rep}: {runs[name][-1]}", flush=True)
+    print(table(runs))
+    return 0

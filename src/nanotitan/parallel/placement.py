@@ -1,0 +1,171 @@
+"""Experts placed by load (parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
+
+Pure functions of a window's routing counts, so every rank computes the same placement from the same all-reduced
+counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
+slots per rank (spare = parallel.expert_replicas - 1), R replicas at most.
+
+A placement is a table slots[p][s] = the global expert whose weights EP rank p's slot s holds (-1: empty). Every
+expert has at least one slot; a replicated expert's copies all sit in ONE spare column s >= L (the same slot index
+on each of its ranks), so that whatever way the gradient sync shards an expert tensor over DP, the copies' pieces
+are the same elements on every EP rank (rebalance.py sums them without regathering).
+
+The rule (`balanced`):
+  1. replicas, EPLB's: while some copy carries more than REPLICATE_ABOVE x the mean expert load, the expert with
+     the heaviest copy (load / copies; ties to the lower id) gets one more copy, if it has fewer than R and its
+     spare column (the one with the most free slots, at its first copy) has room;
+  2. LPT: the replicated experts' copies first, heaviest first, on the least-loaded ranks (ties to the lower
+     rank) of their column; then the other experts, heaviest first, each on the least-loaded rank with a free
+     slot. Cold experts end up sharing a rank with others; a copy's load is its share, load / copies.
+The tokens of expert e, on each source rank and microbatch, split over its copies by token order (`slot_ids`):
+copy c takes assignments [c*n/r, (c+1)*n/r) of the n this source sends to e. Every assignment is still computed
+once by e's weights, so the maths is unchanged; only where it runs moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REPLICATE_ABOVE = 1.25  # a copy heavier than this x the mean expert load is split further (step 1)
+KEEP_WITHIN = 0.02  # a new placement is adopted only if it cuts the busiest rank's load by more than this share
+
+
+@dataclass(frozen=True)
+class Placement:
+    slots: tuple[tuple[int, ...], ...]  # slots[p][s]: global expert id, -1 empty
+    num_experts: int
+
+    @property
+    def P(self) -> int:
+        return len(self.slots)
+
+    @property
+    def C(self) -> int:
+        return len(self.slots[0])
+
+    def copies(self) -> list[list[tuple[int, int]]]:
+        """copies[e]: e's (rank, slot)s in rank order (a replicated expert's share c is its c-th copy)."""
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_experts)]
+        for p, row in enumerate(self.slots):
+            for s, e in enumerate(row):
+                if e >= 0:
+                    out[e].append((p, s))
+        return out
+
+    def rank_loads(self, load_E: list[float]) -> list[float]:
+        """Each rank's load: every copy carries load / copies of its expert."""
+        n = [len(c) for c in self.copies()]
+        return [sum(load_E[e] / n[e] for e in row if e >= 0) for row in self.slots]
+
+    def imbalance(self, load_E: list[float]) -> float:
+        """Busiest rank / mean rank."""
+        loads = self.rank_loads(load_E)
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def replicated(self) -> list[tuple[int, int, list[int]]]:
+        """(expert, column, ranks) of every expert with more than one copy."""
+        return [(e, c[0][1], [p for p, _ in c]) for e, c in enumerate(self.copies()) if len(c) > 1]
+
+    def shares(self) -> list[list[float]]:
+        """shares[e][p]: the part of expert e's tokens rank p computes (1 / copies for each copy)."""
+        out = [[0.0] * self.P for _ in range(self.num_experts)]
+        for e, c in enumerate(self.copies()):
+            for p, _ in c:
+                out[e][p] += 1.0 / len(c)
+        return out
+
+    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device tables for the dispatch (`slot_ids`): slot_of [E + 1, R_max] global slot ids p*C + s (row E:
+        the dropped assignments' P*C, past every slot), and copies_of [E + 1] (row E: 1)."""
+        copies = self.copies()
+        R = max(len(c) for c in copies)
+        PC = self.P * self.C
+        slot_of = torch.full((self.num_experts + 1, R), PC, dtype=torch.long)
+        for e, c in enumerate(copies):
+            slot_of[e, :len(c)] = torch.tensor([p * self.C + s for p, s in c])
+        n = torch.tensor([len(c) for c in copies] + [1], dtype=torch.long)
+        return slot_of.to(device), n.to(device)
+
+
+def identity(num_experts: int, P: int, spare: int = 0) -> Placement:
+    """The static placement: expert e on rank e // L, slot e % L; spare slots empty."""
+    L = num_experts // P
+    return Placement(tuple(tuple(p * L + s for s in range(L)) + (-1,) * spare for p in range(P)), num_experts)
+
+
+def _replica_counts(load_E: list[float], P: int, L: int, spare: int, R: int) -> tuple[list[int], list[int]]:
+    """Step 1: (copies per expert, spare column per expert or -1)."""
+    E = len(load_E)
+    n, column = [1] * E, [-1] * E
+    free = [P] * spare  # free slots per spare column
+    mean = sum(load_E) / E
+    done = [False] * E
+    while True:
+        live = [e for e in range(E) if not done[e]]
+        e = max(live, key=lambda e: (load_E[e] / n[e], -e), default=-1)
+        if e < 0 or load_E[e] / n[e] <= REPLICATE_ABOVE * mean:
+            break
+        if n[e] >= R:
+            done[e] = True
+            continue
+        if column[e] < 0:  # its first extra copy: the copies move to a spare column with room for two
+            c = max(range(spare), key=lambda c: (free[c], -c), default=-1)
+            if c < 0 or free[c] < 2:
+                done[e] = True
+                continue
+            column[e], free[c] = c, free[c] - 2
+        elif free[column[e]] >= 1:
+            free[column[e]] -= 1
+        else:
+            done[e] = True
+            continue
+        n[e] += 1
+    return n, column
+
+
+def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1) -> Placement:
+    """The LPT placement of `load_E` over P ranks of L + spare slots (module docstring)."""
+    E = len(load_E)
+    L = E // P
+    n, column = _replica_counts(load_E, P, L, spare, R)
+    slots = [[-1] * (L + spare) for _ in range(P)]
+    rank_load = [0.0] * P
+    replicated = sorted((e for e in range(E) if n[e] > 1), key=lambda e: (-load_E[e] / n[e], e))
+    for e in replicated:
+        s = L + column[e]
+        ranks = sorted((p for p in range(P) if slots[p][s] < 0), key=lambda p: (rank_load[p], p))[:n[e]]
+        for p in ranks:
+            slots[p][s] = e
+            rank_load[p] += load_E[e] / n[e]
+    for e in sorted((e for e in range(E) if n[e] == 1), key=lambda e: (-load_E[e], e)):
+        p = min((p for p in range(P) if -1 in slots[p]), key=lambda p: (rank_load[p], p))
+        slots[p][slots[p].index(-1)] = e
+        rank_load[p] += load_E[e]
+    return Placement(tuple(tuple(row) for row in slots), E)
+
+
+def choose(current: Placement, load_E: list[float], R: int) -> Placement:
+    """The next placement: `balanced` on this window's load, unless it beats the current one's busiest rank by no
+    more than KEEP_WITHIN (a balanced router then keeps its placement: no moves)."""
+    new = balanced(load_E, current.P, current.C - current.num_experts // current.P, R)
+    if max(new.rank_loads(load_E)) < (1 - KEEP_WITHIN) * max(current.rank_loads(load_E)):
+        return new
+    return current
+
+
+def slot_ids(flat_ids_N: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor, slot_of: torch.Tensor,
+             copies_of: torch.Tensor) -> torch.Tensor:
+    """Global slot id (p*C + s) of every packed assignment, in the expert-major order `order_N` (pack_expert_major);
+    dropped assignments (id E) get P*C. Copy c of an expert with r copies takes the assignments [c*n/r, (c+1)*n/r)
+    of its n (token order: the packed order is stable). Vectorised: no loop over tokens or experts."""
+    E = counts_E.numel()
+    e_N = flat_ids_N.index_select(0, order_N)  # expert of each packed assignment (E: dropped)
+    counts_x = torch.cat([counts_E, counts_E.new_zeros(1)])
+    start_x = counts_x.cumsum(0) - counts_x
+    pos_N = torch.arange(e_N.numel(), device=e_N.device) - start_x[e_N]  # place in its expert's run
+    r_N = copies_of[e_N]
+    copy_N = pos_N * r_N // counts_x[e_N].clamp_min(1)
+    copy_N = torch.where(e_N == E, torch.zeros_like(copy_N), copy_N)
+    return slot_of[e_N, copy_N]

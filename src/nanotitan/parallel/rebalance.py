@@ -1,0 +1,279 @@
+"""Experts placed by load, at run time (parallel.expert_placement=balanced; the rule is placement.py).
+
+    spare slots  each MoE layer's ExpertFFN holds C = E/P + (R - 1) slots (`add_spare_slots`, before the gradient
+                 sync is built); a slot's expert is `experts.slot_experts[s]` (-1 empty; checkpoints key by it)
+    window       every rebalance_every steps the routing counts the model kept (Transformer.window_load, training
+                 forwards only) are summed over the stage's data ranks (the same on every rank), and
+                 `placement.choose` picks each layer's next placement
+    move         between two steps, every expert tensor (weights, AdamW's moments) is put together per EP rank
+                 from its DP pieces (whatever the zero level: `GradSync.sharded_state`), its rows sent to their new
+                 slots in one all-to-all per layer over the EP group, and written back into the live pieces
+    replicas     after the gradient sync, a replicated expert's copies (one spare column, placement.py) sum their
+                 gradients: one all-to-all over EP carrying each copy's pieces to its expert's other copies only,
+                 the same sum in rank order on every copy, so the copies' AdamW steps stay identical; the extra
+                 copies leave the clipping norm
+Exact: the experts' maths is untouched, only where it runs (tests/equivalence/test_equivalence_placement.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import collectives as comm
+from .ep import EPDispatcher
+from .placement import Placement, balanced, choose, identity
+from .shard import keep_layout
+
+EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
+
+
+def add_spare_slots(model: nn.Module, spare: int, P: int, rank: int) -> None:
+    """Every EP MoE layer: R-1 empty slots after its E/P experts, the identity placement installed."""
+    for moe in model.moe_layers():
+        if not isinstance(moe.dispatcher, EPDispatcher):
+            continue
+        ex = moe.experts
+        for name in EXPERT_TENSORS:
+            w = getattr(ex, name)
+            q = nn.Parameter(torch.cat([w.detach(), w.new_zeros(spare, *w.shape[1:])]), requires_grad=w.requires_grad)
+            keep_layout(w, q)
+            ex._parameters[name] = q
+        install(moe, identity(moe.num_experts, P, spare), rank)
+
+
+def install(moe, placement: Placement, rank: int) -> None:
+    d = moe.dispatcher
+    d.placement = placement
+    d.slot_of, d.copies_of = placement.tables(moe.experts.W_gate.device)
+    moe.experts.slot_experts = list(placement.slots[rank])
+    moe.count_window = True
+
+
+def _region(off, shape) -> tuple:
+    return tuple(slice(o, o + z) for o, z in zip(off, shape))
+
+
+def placement_extra(shard) -> dict:
+    """The checkpoint's placement record (`Rebalancer.record`; collective), {} with the static placement."""
+    return shard.rebalancer.record() if shard.rebalancer is not None else {}
+
+
+class Rebalancer:
+    """One rank's placements (one per MoE layer of its stage) and their moves; train.py calls `sum_replica_grads`
+    after the gradient sync and `after_step` after the update."""
+
+    def __init__(self, shard, every: int, replicas: int):
+        self.shard, self.every, self.R = shard, every, replicas
+        model = shard.model
+        self.keys = [k for k, b in model.layers.items() if b.is_moe and isinstance(b.moe.dispatcher, EPDispatcher)]
+        prefix = {id(m): n for n, m in model.named_modules()}
+        self.names = {k: [f"{prefix[id(model.layers[k].moe.experts)]}.{t}" for t in EXPERT_TENSORS]
+                      for k in self.keys}
+        self.changes: list[dict] = []  # one per placement change: step, before, after, bytes, pause_s, replicated
+        self.last_load: dict[str, list[int]] = {}  # the last window's counts per layer (checkpoints keep them)
+
+    def log(self, msg: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(msg, flush=True)
+
+    def _device(self) -> torch.device:
+        return next(self.shard.model.parameters()).device
+
+    def placements(self) -> dict[str, Placement]:
+        return {k: self.shard.model.layers[k].moe.dispatcher.placement for k in self.keys}
+
+    # --- between two steps ------------------------------------------------------------------------------
+    def after_step(self, step: int, optimizer) -> dict | None:
+        """At the end of a window: the next placements from its counts; moves if any layer changed (collective
+        over the stage: every rank of it calls this at every step). Returns the change's record, else None."""
+        if (step + 1) % self.every or not self.keys:
+            return None
+        t0 = time.perf_counter()
+        model, dims = self.shard.model, self.shard.dims
+        counts = torch.stack([model.window_load.pop(k) for k in self.keys])  # (layers, E), int64: exact
+        if dist.is_initialized() and dims.data_world > 1:
+            comm.all_reduce(counts, group=dims.group("non_expert_dp"), axis="other")
+        loads = counts.tolist()  # one host read per window
+        self.last_load = dict(zip(self.keys, loads))
+        old = self.placements()
+        new = {k: choose(old[k], load, self.R) for k, load in zip(self.keys, loads)}
+        return self._apply(step + 1, old, new, loads, optimizer, t0)
+
+    def restore(self, loads: dict | None, optimizer) -> dict | None:
+        """After a resume (any layout: an elastic re-layout included): the checkpoint's last window, placed afresh over
+        this layout's EP ranks, so the placement's idea outlives the layout. Collective over the stage."""
+        if not loads or not self.keys or not all(k in loads for k in self.keys):
+            return None
+        t0, old = time.perf_counter(), self.placements()
+        spare = self.R - 1
+        new = {k: balanced(loads[k], old[k].P, spare, self.R) for k in self.keys}
+        self.last_load = {k: loads[k] for k in self.keys}
+        return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
+
+    def record(self) -> dict:
+        """{"placement_load": {layer: counts}} of every stage's layers (a MAX over PP: collective), for a checkpoint."""
+        model, dims = self.shard.model, self.shard.dims
+        n = model.cfg.n_layers + model.cfg.mtp_layers
+        E = model.cfg.num_experts
+        t = torch.full((n, E), -1, dtype=torch.long, device=self._device())
+        for k, load in self.last_load.items():
+            t[int(k)] = torch.tensor(load)
+        if dist.is_initialized() and dims.group("pp") is not None:
+            comm.all_reduce(t, group=dims.group("pp"), axis="other", op=dist.ReduceOp.MAX)
+        return {"placement_load": {str(i): row for i, row in enumerate(t.tolist()) if row[0] >= 0}}
+
+    def _apply(self, step: int, old: dict, new: dict, loads: list, optimizer, t0: float) -> dict | None:
+        """Move the changed layers from `old` to `new` and log the change's line (step 0: a resume's restore)."""
+        model, dims = self.shard.model, self.shard.dims
+        changed = [k for k in self.keys if new[k] != old[k]]
+        if not changed:
+            return None
+        moved = self._move(optimizer, [(k, old[k], new[k]) for k in changed])
+        for k in changed:
+            install(model.layers[k].moe, new[k], dims.moe_ep_rank)
+        record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
+                  "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
+                  "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
+                  "replicated": sum(len(new[k].replicated()) for k in self.keys)}
+        self.changes.append(record)
+        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: busiest/mean {record['before']:.2f} -> {record['after']:.2f} "
+                 f"(worst layer), {len(changed)} layer(s) moved, {record['replicated']} expert(s) replicated, "
+                 f"{moved / 2**20:.2f} MiB moved, pause {record['pause_s'] * 1e3:.0f} ms")
+        return record
+
+    @torch.no_grad()
+    def _move(self, optimizer, changes: list[tuple[str, Placement, Placement]]) -> int:
+        """Every expert tensor of the changed layers to its new slots; returns the bytes this EP group sent."""
+        dims, sync = self.shard.dims, self.shard.sync
+        model_state, optim_state = sync.sharded_state(optimizer)
+        layers = []  # per change: its Pieces, their whole tensors [C, ...]
+        for k, _, _ in changes:
+            pieces = []
+            for n in self.names[k]:
+                pieces.append(model_state[n])
+                pieces += [v for _, v in sorted(optim_state.get(n, {}).items()) if len(v.size)]
+            layers.append(pieces)
+        wholes = self._gather_whole([p for ps in layers for p in ps])
+        sent, i = 0, 0
+        for (k, old, new), pieces in zip(changes, layers):
+            rows = torch.cat([w.reshape(w.shape[0], -1) for w in wholes[i:i + len(pieces)]], 1)  # [C, W]
+            new_rows, n_sent = self._exchange(rows, old, new)
+            sent += n_sent * rows.shape[1] * rows.element_size()
+            at = 0
+            for p, w in zip(pieces, wholes[i:i + len(pieces)]):
+                width = w[0].numel()
+                moved = new_rows[:, at:at + width].reshape(w.shape)
+                at += width
+                for off, t in p.boxes:
+                    t.copy_(moved[_region(off, t.shape)])
+            i += len(pieces)
+        return sent
+
+    def _gather_whole(self, pieces: list) -> list[torch.Tensor]:
+        """Each Pieces as its whole tensor on every rank of the expert-DP group: whole already (every replica holds
+        it), else the disjoint pieces summed over the group (x + 0 = x: exact)."""
+        group, device = self.shard.dims.group("expert_dp"), self._device()
+        wholes, partial = [], []
+        for p in pieces:
+            t0 = p.boxes[0][1] if p.boxes else None
+            w = torch.zeros(p.size, dtype=torch.float32 if t0 is None else t0.dtype, device=device)
+            for off, t in p.boxes:
+                w[_region(off, t.shape)] = t
+            wholes.append(w)
+            partial.append(sum(t.numel() for _, t in p.boxes) < w.numel())
+        if group is None:
+            return wholes
+        flags = torch.tensor(partial, dtype=torch.float32, device=device)
+        comm.all_reduce(flags, group=group, axis="other", op=dist.ReduceOp.MAX)  # partial anywhere: sum them
+        idx = [j for j, f in enumerate(flags.tolist()) if f]
+        if idx:
+            buf = torch.cat([wholes[j].reshape(-1) for j in idx])
+            comm.all_reduce(buf, group=group, axis="other")
+            for j, part in zip(idx, buf.split([wholes[j].numel() for j in idx])):
+                wholes[j] = part.view_as(wholes[j])
+        return wholes
+
+    def _exchange(self, rows: torch.Tensor, old: Placement, new: Placement) -> tuple[torch.Tensor, int]:
+        """rows [C, W] of this rank's slots under `old` -> under `new`: a new slot takes its expert from this rank if
+        it held it, else from the expert's first old copy. Returns (new rows, rows sent between ranks by the
+        whole EP group)."""
+        me, P = self.shard.dims.moe_ep_rank, old.P
+        first = old.copies()
+        plan = []  # (src rank, src slot, dst rank, dst slot), in dst order
+        for q, row in enumerate(new.slots):
+            for s2, e in enumerate(row):
+                if e < 0:
+                    continue
+                src = (q, old.slots[q].index(e)) if e in old.slots[q] else first[e][0]
+                plan.append((*src, q, s2))
+        out = torch.zeros_like(rows)
+        for p, s, q, s2 in plan:
+            if p == q == me:
+                out[s2] = rows[s]
+        send = [[s for p, s, q, _ in plan if p == me and q == d] for d in range(P)]
+        recv = [[s2 for p, _, q, s2 in plan if q == me and p == src] for src in range(P)]
+        send[me], recv[me] = [], []
+        inp = rows.index_select(0, torch.tensor([s for d in send for s in d], dtype=torch.long, device=rows.device))
+        buf = rows.new_empty(sum(map(len, recv)), rows.shape[1])
+        if P > 1:
+            comm.all_to_all_single(buf, inp, [len(r) for r in recv], [len(s) for s in send],
+                                   group=self.shard.dims.group("ep"), axis="ep")
+        dst = [s2 for r in recv for s2 in r]
+        if dst:
+            out[torch.tensor(dst, device=rows.device)] = buf
+        return out, sum(1 for p, _, q, _ in plan if p != q)
+
+    # --- inside a step ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sum_replica_grads(self) -> torch.Tensor | None:
+        """After the gradient sync: each replicated expert's gradient is the sum of its copies', on every copy.
+        Returns the squared norm the extra copies add to the clipping norm (summed over the ranks), None without
+        replicas allowed (parallel.expert_replicas 1). Collective over EP, the stage and PP: every rank calls it, with
+        replicas or not (another stage may have some)."""
+        if self.R == 1:
+            return None
+        placements = self.placements()
+        groups = {k: placements[k].replicated() for k in self.keys}
+        dims, sync = self.shard.dims, self.shard.sync
+        pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
+        me, device = dims.moe_ep_rank, self._device()
+        entries = []  # (view, its group's ranks): this rank's copies' gradient pieces, in an order every rank shares
+        for k in self.keys:
+            mine = {s: r for _, s, r in groups[k] if me in r}  # column -> the ranks of this rank's group there
+            for n in self.names[k]:
+                for off, t in pieces[n].boxes if n in pieces else []:
+                    entries += [(t[s - off[0]], mine[s]) for s in sorted(mine) if off[0] <= s < off[0] + t.shape[0]]
+        # each copy's pieces to the other copies only (their boxes are the same elements: one spare column)
+        sends = [[v for v, ranks in entries if q in ranks and q != me] for q in range(dims.moe_ep)]
+        splits = [sum(v.numel() for v in vs) for vs in sends]
+        flat = [v.reshape(-1) for vs in sends for v in vs]
+        inp = torch.cat(flat) if flat else torch.zeros(0, device=device)
+        got = inp.new_empty(sum(splits))
+        comm.all_to_all_single(got, inp, splits, splits, group=dims.group("ep"), axis="ep")
+        theirs: dict[tuple[int, int], torch.Tensor] = {}  # (source rank, entry) -> its piece
+        for q, seg in zip(range(dims.moe_ep), got.split(splits)):
+            at = 0
+            for i, (v, ranks) in enumerate(entries):
+                if q in ranks and q != me:
+                    theirs[(q, i)] = seg[at:at + v.numel()].view_as(v)
+                    at += v.numel()
+        dup = torch.zeros((), dtype=torch.float32, device=device)
+        for i, (v, ranks) in enumerate(entries):
+            total = None
+            for q in ranks:  # the same sum, in rank order, on every copy
+                g = v if q == me else theirs[(q, i)]
+                total = g.clone() if total is None else total + g
+            v.copy_(total)
+            if me != ranks[0]:
+                dup = dup + v.float().square().sum()
+        group = dims.group("ep") if sync.grads_whole else dims.group("stage")
+        dup = dup.reshape(1)
+        if group is not None:
+            comm.all_reduce(dup, group=group, axis="other")
+        if dims.group("pp") is not None:
+            comm.all_reduce(dup, group=dims.group("pp"), axis="other")
+        return dup

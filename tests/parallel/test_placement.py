@@ -1,0 +1,54 @@
+"""The placement rule (parallel/placement.py): pure functions of a window's counts."""
+
+import torch
+
+from nanotitan.model.moe import pack_expert_major
+from nanotitan.parallel.placement import balanced, choose, identity, slot_ids
+
+
+def test_identity_is_static():
+    p = identity(8, 4, spare=1)
+    assert p.slots == ((0, 1, -1), (2, 3, -1), (4, 5, -1), (6, 7, -1))
+    assert p.replicated() == []
+    assert p.imbalance([1.0] * 8) == 1.0
+
+
+def test_balanced_replicates_a_hot_expert_in_one_spare_column():
+    load = [400.0, 10, 10, 10, 10, 10, 10, 10]  # expert 0 alone is more than a rank's mean
+    static, placed = identity(8, 4, 1), balanced(load, 4, spare=1, R=2)
+    (e, column, ranks), = placed.replicated()
+    assert e == 0 and column == 2 and len(ranks) == 2  # spare column s = L = 2, on two ranks
+    assert all(placed.slots[p][column] == 0 for p in ranks)
+    assert sorted(x for row in placed.slots for x in row if x >= 0) == [0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert placed.imbalance(load) < static.imbalance(load)
+    # without replicas a permutation is all it can do, and that cannot split expert 0
+    assert balanced(load, 4).imbalance(load) == static.imbalance(load)
+
+
+def test_balanced_lpt_spreads_cold_and_hot():
+    load = [80.0, 70, 60, 50, 5, 5, 5, 5]  # static: ranks 0 and 1 hold the four hot experts
+    placed = balanced(load, 4)
+    assert placed.imbalance(load) == 85 / 70 < identity(8, 4).imbalance(load)  # the optimum: 80 + 5 on one rank
+    assert all(len([e for e in row if e >= 0]) == 2 for row in placed.slots)  # every slot filled, 2 per rank
+    assert {e for row in placed.slots for e in row} == set(range(8))
+
+
+def test_choose_keeps_a_placement_that_is_good_enough():
+    current = identity(8, 4, 1)
+    assert choose(current, [10.0] * 8, R=2) is current  # a balanced router: no move
+    assert choose(current, [400.0] + [10.0] * 7, R=2) != current
+
+
+def test_slot_ids_split_an_expert_by_token_order():
+    """Expert 0 has 2 copies (global slots 2 and 5); its 6 assignments go 3 and 3, in token order; drops last."""
+    E, P, C = 4, 2, 3
+    ids_TK = torch.tensor([[0, 1], [0, 3], [0, 2], [0, 4], [0, 1], [0, 2]])  # id 4 = dropped
+    order_N, _, counts_E = pack_expert_major(ids_TK, E)
+    slot_of = torch.full((E + 1, 2), P * C)
+    slot_of[0] = torch.tensor([2, 5])
+    slot_of[1, 0], slot_of[2, 0], slot_of[3, 0] = 0, 1, 3
+    copies = torch.tensor([2, 1, 1, 1, 1])
+    s = slot_ids(ids_TK.reshape(-1), order_N, counts_E, slot_of, copies)
+    assert s.tolist() == [2, 2, 2, 5, 5, 5, 0, 0, 1, 1, 3, P * C]
+    tokens = (order_N // 2).tolist()
+    assert tokens[:6] == [0, 1, 2, 3, 4, 5]  # expert 0's tokens in order: 0-2 to the first copy, 3-5 to the second
