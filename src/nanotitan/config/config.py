@@ -170,8 +170,7 @@ class ParallelConfig:
     ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
-    # --- expert placement (docs/ep.md, "Experts placed by load") ---
-    expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute (docs/config.md)
+    expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute, by load (docs/ep.md)
     rebalance_every: int = 10  # with balanced: steps per routing-count window (docs/config.md)
     expert_replicas: int = 1  # with balanced: ranks a hot expert may be replicated on (docs/config.md)
     # --- process groups and the planner ---
@@ -334,7 +333,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
-                  check_tp, check_cp, _check_elastic):
+                  check_tp, check_cp, check_placement, _check_elastic):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -532,11 +531,9 @@ def _check_dp_ep(cfg: Config) -> None:
         _check(t.device != "cuda", f"parallel.ep_overlap_microbatches runs on CPU (gloo) only: on CUDA each lane "
                                    f"needs its own stream, not built yet (docs/ep.md) (--train.device cpu, or {off})")
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3 (--parallel.zero)")
-    check_placement(cfg)
-    _check(p.zero_accumulate in ("auto", "shard", "full"),
-           f"parallel.zero_accumulate={p.zero_accumulate!r} must be auto, shard or full (--parallel.zero_accumulate)")
-    _check(p.zero3_reshard in ("auto", "always", "never"),
-           f"parallel.zero3_reshard={p.zero3_reshard!r} must be auto, always or never (--parallel.zero3_reshard)")
+    for name, ok in (("zero_accumulate", ("auto", "shard", "full")), ("zero3_reshard", ("auto", "always", "never"))):
+        v = getattr(p, name)
+        _check(v in ok, f"parallel.{name}={v!r} must be {', '.join(ok[:-1])} or {ok[-1]} (--parallel.{name})")
     _check(p.zero == 0 or p.dp_impl == "bucketed",
            f"parallel.zero={p.zero} shards our own DP; torch DDP replicates "
            "(--parallel.dp_impl bucketed or --parallel.zero 0)")
