@@ -195,7 +195,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims(p.dp, p.pp, p.ep, rank, tp=p.tp)
+    dims = ParallelDims(p.dp, p.pp, p.ep, rank, tp=p.tp, cp=p.cp)
     # gpipe and 1f1b hold whole microbatches from forward to backward: one is run and the rest composed; interleaved
     # (chunk-microbatches, M a multiple of PP) and zb1 (a deferred W keeps part of one) run their whole step
     whole = p.pp > 1 and p.schedule in ("interleaved", "zb1")
@@ -259,7 +259,7 @@ def _zero3_classes(cfg: Config, world: int, stage: int) -> list[list[int]]:
     from ..model.transformer import Transformer, is_expert_param
 
     p = cfg.parallel
-    ranks = [r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp).pp_rank == stage]
+    ranks = [r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).pp_rank == stage]
     with torch.device("meta"):
         chunks = [Transformer(cfg.model, s, seed=0) for s in build_chunk_specs(cfg, stage, 0)]
     named = [(n, q) for c in chunks for n, q in c.named_parameters()]
@@ -270,7 +270,7 @@ def _zero3_classes(cfg: Config, world: int, stage: int) -> list[list[int]]:
         return parts[pos].numel() if pos < len(parts) else 0
 
     def key(r: int) -> tuple:
-        d = ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp)
+        d = ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp)
         ne, ex = d.group_ranks("non_expert_dp"), d.group_ranks("expert_dp")
         out = []
         for name, q in named:
@@ -299,8 +299,8 @@ class DryRun:
         out = []
         for c in self.classes:
             for r in c.same:
-                out.append({"rank": r, "coords": list(ParallelDims(self.cfg.parallel.dp, self.cfg.parallel.pp,
-                                                                  self.cfg.parallel.ep, r, tp=self.cfg.parallel.tp).coords()),
+                p = self.cfg.parallel
+                out.append({"rank": r, "coords": list(ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).coords()),
                             **{k: getattr(c, k) for k in FIELDS}})
         return sorted(out, key=lambda row: row["rank"])
 
@@ -329,7 +329,7 @@ def dry_run(cfg: Config, world: int, log=None) -> DryRun:
         if p.zero == 3:
             groups = _zero3_classes(cfg, world, stage)
         else:
-            groups = [[r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp).pp_rank == stage]]
+            groups = [[r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).pp_rank == stage]]
         for same in groups:
             rb = measure_rank(cfg, same[0], world)
             rb.same = same
@@ -350,7 +350,7 @@ def compare_with_planner(run: DryRun, hw: Hardware, opts=None) -> list[dict]:
     from .shape import Layout
 
     p, t = run.cfg.parallel, run.cfg.train
-    layout = Layout(p.dp, p.pp, p.ep, p.schedule, p.microbatches, t.micro_batch, p.zero, tp=p.tp)
+    layout = Layout(p.dp, p.pp, p.ep, p.schedule, p.microbatches, t.micro_batch, p.zero, tp=p.tp, cp=p.cp)
     pred = predict(run.cfg, layout, hw, dataclasses.replace(opts or PlanOptions(), expert_skew=0.0))
     out = []
     for c in run.classes:

@@ -1,6 +1,6 @@
 """Search: every valid layout of a world size, predicted and ranked; the recommendation and why.
 
-A layout (dp, pp, ep, schedule, M, m, zero) of world N keeps the global batch B = dp*ep*M*m and passes
+A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch B = dp*ep*M*m and passes
 `config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
 recommendation is the lowest zero level within ZERO_SLACK of the fastest fitting layout, so sharded DP is
 chosen only when memory binds (or it is clearly faster).
@@ -13,7 +13,7 @@ import itertools
 
 from ..config.config import Config, ConfigError, validate
 from ..config.hardware import GiB, Hardware, detect_hardware
-from . import tp as tp_plan
+from . import cp as cp_plan, tp as tp_plan
 from .cost import PlanOptions, Prediction, predict
 from .shape import Layout, ModelShape, layout_config
 
@@ -62,8 +62,12 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
     node = opts.link_node_size or (world // opts.nodes if opts.nodes else min(world, hw.devices_per_node))
-    layouts = [lay for lay in tp_plan.enumerate_tp(cfg, world, node, lambda c, n: enumerate_layouts(
-               c, n, opts.global_batch, zeros), opts.tp) if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
+    def dp_pp_ep_tp(c: Config, n: int) -> list[Layout]:  # the layouts of n ranks at cp 1 (TP's search among them)
+        return tp_plan.enumerate_tp(c, n, node, lambda c1, n1: enumerate_layouts(c1, n1, opts.global_batch, zeros),
+                                    opts.tp)
+
+    layouts = [lay for lay in cp_plan.enumerate_cp(cfg, world, dp_pp_ep_tp, opts.cp)
+               if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
     preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
@@ -77,7 +81,7 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
 def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
               opts: PlanOptions | None = None) -> tuple[int, int, int, str, int, int, int]:
     """(dp, pp, ep, schedule, microbatches, micro_batch, zero) of the fastest layout that fits memory, at the
-    lowest zero level within ZERO_SLACK of it (its tp: `best_layout`)."""
+    lowest zero level within ZERO_SLACK of it (its tp and cp: `best_layout`)."""
     return best_layout(cfg, world, hardware, opts).as_tuple()
 
 
@@ -128,11 +132,11 @@ def reason(preds: list[Prediction]) -> str:
 
 
 def format_table(preds: list[Prediction], top: int) -> str:
-    lines = ["| # | dp | pp | ep | tp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
-             "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| # | dp | pp | ep | tp | cp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | "
+             "dominant cost |", "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
-        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
+        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
                      f"{L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

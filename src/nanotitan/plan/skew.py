@@ -19,8 +19,8 @@ from .shape import Layout, ModelShape
 def capacity_bound(cfg: Config, layout: Layout, shape: ModelShape) -> float:
     """The most a rank can receive over the mean T*K assignments: every source token sending it min(K, L) of its K,
     and under model.capacity_factor at most E * ceil(cf*T*K/E) per microbatch (model/moe.py drops the rest)."""
-    ep, E, K = layout.ep * layout.tp, shape.num_experts, shape.top_k  # TP: EP*TP ranks route T/TP tokens each
-    L, T = E // ep, layout.micro_batch * shape.seq_len // layout.tp
+    ep, E, K = layout.moe_ep, shape.num_experts, shape.top_k  # CP, TP: EP*CP*TP ranks route T/(CP*TP) tokens each
+    L, T = E // ep, layout.micro_batch * shape.seq_len // (layout.cp * layout.tp)
     bound, cf = ep * min(K, L) / K, cfg.model.capacity_factor
     if cf:
         bound = min(bound, E * math.ceil(cf * T * K / E) / (T * K))
@@ -34,7 +34,7 @@ def time_imbalance(cfg: Config, layout: Layout, shape: ModelShape, skew: float) 
     side's sigma, memory.expert_imbalance); a rank sums L = E/EP experts from EP sources, so its load deviates with
     sd skew*sqrt((1 - 1/EP)/(L*EP)), and the busiest of EP ranks sits at the expected max of EP normals. Capped by
     `capacity_bound`; 1 at EP 1 (one rank holds every expert) and for a balanced router (skew 0)."""
-    ep = layout.ep * layout.tp  # experts fold over EP x TP (docs/tp.md): that many ranks share them
+    ep = layout.moe_ep  # experts fold over EP x CP x TP (docs/tp.md, plan/cp.py): that many ranks share them
     if ep == 1:
         return 1.0
     bound = capacity_bound(cfg, layout, shape)
@@ -73,7 +73,7 @@ def group_node_crossings(cfg: Config, layout: Layout, shape: ModelShape, per_nod
     of the nodes it spans) that is at most min(K, topk_group) nodes, one copy each (a dispatcher that forwards
     within the node, DeepSeek's), not K. 1.0 without the limit or where groups straddle nodes."""
     K, G, tg = shape.top_k, cfg.model.n_group, cfg.model.topk_group
-    nodes = math.ceil(layout.ep * layout.tp / max(per_node, 1))
+    nodes = math.ceil(layout.moe_ep / max(per_node, 1))
     if G <= 1 or tg >= G or nodes <= 1 or G % nodes:
         return 1.0
     return min(K, tg) / K

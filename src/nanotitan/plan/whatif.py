@@ -30,6 +30,8 @@ ADVICE = {
                     "or a lower zero level",
     "optimizer": "optimizer step: shard it (--parallel.zero 1)",
     "overhead": "per-layer overhead: larger microbatches (--train.micro_batch)",
+    "cp": "context-parallel exchange: keep CP x TP within a node (a smaller --parallel.cp, more --parallel.tp), or "
+          "the ring (--parallel.cp_impl ring), whose hops hide behind the attention of long sequences",
 }
 
 
@@ -37,7 +39,8 @@ def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
     lo, hi = step_interval(p, sig, network)
     mlo, mhi = mem_interval(p, sig)
     L = p.layout
-    return dict(layout=L.short(), dp=L.dp, pp=L.pp, ep=L.ep, schedule=L.schedule, microbatches=L.microbatches,
+    return dict(layout=L.short(), dp=L.dp, pp=L.pp, ep=L.ep, tp=L.tp, cp=L.cp, schedule=L.schedule,
+                microbatches=L.microbatches,
                 micro_batch=L.micro_batch, zero=L.zero, fits=p.fits, tokens_per_sec=p.tokens_per_sec,
                 tokens_per_sec_interval=[p.tokens_per_sec * p.step_time_s / hi, p.tokens_per_sec * p.step_time_s / lo],
                 step_time_s=p.step_time_s, step_time_interval_s=[lo, hi], peak_mem_bytes=p.peak_mem,
@@ -71,6 +74,11 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
         flat = predict(layout_config(cfg, best.layout), best.layout, hw, dataclasses.replace(opts, expert_skew=0.0))
         out["skew"] = dict(expert_time_factor=best.expert_time_factor,
                            step_time_balanced_s=flat.step_time_s, cost=best.step_time_s / flat.step_time_s - 1)
+    if best.layout.cp > 1:  # why the sequence is split: the best layout that keeps it whole
+        whole = next((p for p in preds if p.layout.cp == 1), None)
+        out["without_cp"] = None if whole is None else dict(
+            layout=whole.layout.short(), fits=whole.fits, tokens_per_sec=whole.tokens_per_sec,
+            peak_mem_bytes=whole.peak_mem, smallest_peak_bytes=min(p.peak_mem for p in preds if p.layout.cp == 1))
     faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
@@ -118,7 +126,7 @@ def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts
     L = best.layout
     flat = predict(c, L, hw, dataclasses.replace(opts, expert_skew=0.0))  # what the dry run routes
     stages = dict.fromkeys((best.mem_by_stage.index(best.peak_mem), 0, L.pp - 1))
-    dims = ParallelDims(L.dp, L.pp, L.ep, tp=L.tp)
+    dims = ParallelDims(L.dp, L.pp, L.ep, tp=L.tp, cp=L.cp)
     built = []
     for s in stages:  # replica 0, EP rank 0, TP rank 0 of stage s
         rb = measure_rank(c, dims.rank_of(0, s, 0, 0), world)
@@ -167,6 +175,11 @@ def format_what_if(r: dict) -> str:
         k = r["skew"]
         lines.append(f"  routing skew: the busiest EP rank receives {k['expert_time_factor']:.2f}x the mean; "
                      f"{100 * k['cost']:.1f}% of the step over a balanced router")
+    if r.get("without_cp"):
+        w = r["without_cp"]
+        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences "
+                     f"{'is ' + w['layout'] + ' at ' + format(w['tokens_per_sec'], ',.0f') + ' tok/s' if w['fits'] else 'fits'}"
+                     f"; the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "
