@@ -110,3 +110,33 @@ def test_cp_degrees_and_refusals():
     a2a = _cfg(4096, 1024, 4, "--parallel.cp_impl", "a2a")
     assert "cp_impl=a2a" in cp_plan.refusal(a2a, Layout(1, 1, 1, "1f1b", 1, 1, tp=2, cp=4))  # 2 KV heads a TP rank
     assert "seq_len" in cp_plan.refusal(_cfg(48), Layout(1, 1, 1, "1f1b", 1, 1, cp=16))
+
+
+DEEPSEEK_V3_128K = ["--model.vocab_size", "129280", "--data.vocab_size", "129280", "--model.d_model", "7168",
+                    "--model.n_layers", "61", "--model.n_heads", "128", "--model.ffn_dim", "2048",
+                    "--model.num_experts", "256", "--model.top_k", "8", "--model.first_k_dense", "3",
+                    "--model.dense_ffn_dim", "18432", "--model.shared_experts", "1", "--model.q_lora_rank", "1536",
+                    "--model.kv_lora_rank", "512", "--model.qk_nope_head_dim", "128", "--model.qk_rope_head_dim",
+                    "64", "--model.v_head_dim", "128", "--model.n_group", "8", "--model.topk_group", "4",
+                    "--model.router_score", "sigmoid", "--model.mtp_layers", "1", "--train.seq_len", "131072",
+                    "--model.max_seq_len", "131072", "--train.dtype", "bf16", "--parallel.pp_layers", "auto"]
+
+
+def test_what_if_deepseek_v3_at_128k_splits_the_sequence():
+    """docs/plans/deepseek-v3-128k-h800.md, its search narrowed to the plan's ZeRO-1, m 1 and TP 8 (the whole search:
+    9,664 layouts, the same answer): 480 sequences of 128k tokens on 2,048 H800s. Whole sequences fit only at TP 8
+    with 16 pipeline stages, a rank's 1F1B holding up to 16 microbatches of 128k tokens; CP shares each sequence's
+    tokens over the ranks of 8 and wins by more than 30%, its ring (MLA's latent, over InfiniBand) hidden behind the
+    attention."""
+    from nanotitan.config.hf_config import resolve_model
+    from nanotitan.plan.fit.interval import load_sigmas
+    from nanotitan.plan.whatif import format_what_if, what_if
+
+    cfg = resolve_model(load_config(None, DEEPSEEK_V3_128K))
+    opts = PlanOptions(zero=1, micro_batch=1, tp=8, nodes=256, global_batch=480, activation_checkpointing=True)
+    r = what_if(cfg, 2048, get_hardware("h800"), opts, load_sigmas(None), dry_run=False)
+    best, whole = r["best"], r["without_cp"]
+    assert r["fits"] and best["cp"] > 1 and whole is not None
+    assert whole["tokens_per_sec"] < 0.77 * best["tokens_per_sec"]
+    assert best["costs_s"]["cp"] < 0.01 * best["step_time_s"]  # the ring hides behind the attention
+    assert "context parallel: the fastest layout with whole sequences" in format_what_if(r)
