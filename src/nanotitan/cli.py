@@ -248,6 +248,7 @@ BENCHES = {
     "gpu": "the MoE step at Mixtral shapes on one GPU: loop / grouped / compiled / nn.Linear",
     "compile": "train.compile: eager vs compiled blocks, side by side",
     "tp": "tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2",
+    "cp": "context parallel attention: causal balance, ring overlap (emulated), ours vs all-gather KV and torch",
 }
 
 

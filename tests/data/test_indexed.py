@@ -58,6 +58,23 @@ def test_rank_slices_concatenate_to_the_global_batch(token_file):
         assert torch.equal(data.rank_batch(step, B, 2, b)[0][1 * m:2 * m], x[2 * b + 1:2 * b + 2])
 
 
+def test_cp_ranks_read_their_chunks_of_the_data_ranks_rows(token_file):
+    """Context parallel: CP rank i reads chunks i and 2cp-1-i of each of its data rank's rows (inputs and targets);
+    the CP ranks' reads put back in global order are the rows themselves, at every step (resume reads the same)."""
+    from nanotitan.parallel.cp import chunk_runs
+
+    data = IndexedBatches(token_file, "uint16", S, seed=0)
+    B, b, cp = 8, 4, 2
+    for step in (0, 3):
+        x, y = data.rank_batch(step, B, 1, b)
+        for i in range(cp):
+            runs = chunk_runs(i, cp, S)
+            cols = torch.cat([torch.arange(s, s + n) for s, n in runs])
+            xi, yi = data.rank_batch(step, B, 1, b, runs)
+            assert torch.equal(xi, x[:, cols]) and torch.equal(yi, y[:, cols]), (step, i)
+            assert [data.eval_batches(1, B, 1, b, runs)[0][0].shape] == [(b, S // cp)]
+
+
 def test_eval_batches_are_fixed_and_spread_over_the_file(token_file):
     val = IndexedBatches(token_file, "uint16", S, seed=0)
     first = val.eval_batches(3, 4)

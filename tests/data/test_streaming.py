@@ -36,6 +36,20 @@ def test_unshuffled_stream_is_the_documents_joined_by_eot(tmp_path):
     assert all(torch.equal(x[1:], y[:-1]) and x.dtype == torch.long for x, y in windows)
 
 
+def test_cp_ranks_read_their_chunks_of_each_window(tmp_path):
+    """Context parallel: with `runs` each window yields only those positions of its inputs and targets (CP rank i's
+    chunks i and 2cp-1-i), the same stream as without them."""
+    docs = make_docs(6)
+    write_txt(tmp_path, docs)
+    tok = train_bpe(docs, 300)
+    whole = _first(PackedTokenDataset(DataConfig(source=str(tmp_path)), tok, S, seed=0, rank=0, world_size=1), 5)
+    runs = [(8, 8), (16, 8)]  # cp 2, rank 1: chunks 1 and 2 of 4
+    part = _first(PackedTokenDataset(DataConfig(source=str(tmp_path)), tok, S, seed=0, rank=0, world_size=1,
+                                     runs=runs), 5)
+    for (x, y), (xi, yi) in zip(whole, part):
+        assert torch.equal(xi, x[8:24]) and torch.equal(yi, y[8:24])
+
+
 def test_same_seed_same_stream_and_new_seed_new_order(tmp_path):
     docs = make_docs(16)
     write_txt(tmp_path, docs)

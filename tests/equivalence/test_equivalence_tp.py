@@ -8,44 +8,9 @@ import pytest
 import torch
 
 from tests.helpers.mp import run_ranks
-from tests.helpers.equivalence import LR, B, base_args, one_process
-from tests.helpers.equivalence import EVAL, bf16_bound, max_rel_dev
-from tests.helpers.equivalence import tp_layout
-
-
-# Shorter than the main matrix (4 steps, microbatches of 4: 4 per step in one process), so the ~20 TP rows fit the
-# suite's time; every TP collective still runs forward and backward in each microbatch of each step.
-STEPS, m = 4, 4
-SHORT = ("--train.steps", str(STEPS), "--train.micro_batch", str(m), "--train.ckpt_at_end", "false")
-REF = (*SHORT, "--parallel.microbatches", str(B // m))  # the one-process reference: the same B sequences a step
-
-
-def short_layout(dp=1, pp=1, ep=1, tp=2, extra=()) -> list[str]:
-    return tp_layout(dp, pp, ep, tp, (*SHORT, *extra), micro_batch=m)
-
-
-def train_tp(args: list[str]) -> dict:
-    """train_once's result (helpers/mp.py) plus, per param, the dim its TP slice is cut along and the rank's tp place."""
-    from nanotitan.config.config import load_config
-    from nanotitan.model.transformer import is_expert_param
-    from nanotitan.parallel.tp import tp_shard_dim
-    from nanotitan.train import Trainer
-    from tests.helpers.whole_state import whole_state
-
-    trainer = Trainer(load_config(None, args))
-    try:
-        records = trainer.train()["history"]
-        full, _ = whole_state(trainer.shard.sync)
-        start = trainer.shard.spec.expert_start
-        live = dict(trainer.shard.model.named_parameters())
-        params = {n: (t.detach().clone(), start if is_expert_param(n) else None, tp_shard_dim(live[n]))
-                  for n, t in full.items()}
-    finally:
-        trainer.shard.close()
-    d = trainer.dims
-    val = next((r["val_loss"] for r in records if "val_loss" in r), None)  # rank 0's final eval, if any
-    return {"losses": [r["loss"] for r in records], "val": val, "params": params, "tp": (d.tp_rank, d.tp),
-            "dropped": [r.get("dropped_frac") for r in records]}
+from tests.helpers.equivalence import B, base_args, bf16_bound, max_rel_dev
+from tests.helpers.equivalence import check_tp_case, short_refs, train_tp
+from tests.helpers.equivalence import BF16, CAP, DEEPSEEK, OPTIONS, short_layout
 
 
 def _run_cases(rank, world, cases, corpus_dir, run_root):
@@ -53,43 +18,9 @@ def _run_cases(rank, world, cases, corpus_dir, run_root):
             for i, case in enumerate(cases)]
 
 
-def check_tp_case(name, ranks: list[dict], ref: dict, rel: float = 1e-5):
-    for r in ranks:
-        for step, (a, b) in enumerate(zip(r["losses"], ref["losses"])):
-            assert abs(a - b) <= rel * abs(b), f"{name}: step {step + 1} loss {a} vs reference {b}"
-        assert not r["losses"] or len(r["losses"]) == STEPS
-        t_rank, n = r["tp"]
-        for pname, (t, expert_start, dim) in r["params"].items():
-            want = ref["params"][pname][0]
-            if expert_start is not None:
-                want = want[expert_start:expert_start + t.shape[0]]
-            if dim is not None:
-                want = want.chunk(n, dim=dim)[t_rank]
-            torch.testing.assert_close(t, want, rtol=1e-4, atol=1e-3 * LR * STEPS,
-                                       msg=lambda s: f"{name}: {pname} {s}")
-        assert n == 1 or any(dim is not None for _, _, dim in r["params"].values()), f"{name}: nothing TP-split"
-    assert ranks[0]["losses"], f"{name}: rank 0 logged nothing"
-
-
-# A second model exercising what the plain one does not: GQA (2 KV heads: split over TP2, replicated over TP4),
-# per-head q/k norms, a gated shared expert, the router bias (buffer updated from the TP-summed counts).
-OPTIONS = ("--model.n_kv_heads", "2", "--model.qk_norm", "head", "--model.shared_experts", "1",
-           "--model.shared_ffn_dim", "16", "--model.shared_expert_gate", "true", "--model.bias_update_rate", "1e-3")
-# DeepSeek-V3's shapes in small: MLA with a q latent, sigmoid group-limited routing with the sequence-wise balance
-# loss, a dense first layer, a shared expert, one MTP module (model/mtp.py: its MoE block leaves out the padded last
-# position; 3 layers + the MTP block cost what the others' 4 layers do); with capacity, so the ranking across TP
-# ranks meets that tail too.
-DEEPSEEK = ("--model.n_layers", "3", "--model.kv_lora_rank", "16", "--model.q_lora_rank", "12", "--model.qk_nope_head_dim", "8",
-            "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "6", "--model.router_score", "sigmoid",
-            "--model.n_group", "2", "--model.topk_group", "1", "--model.aux_scope", "sequence",
-            "--model.first_k_dense", "1", "--model.shared_experts", "1", "--model.mtp_layers", "1",
-            "--model.capacity_factor", "1.0")
 # OPTIONS with OLMoE's q/k norms over the whole projections (one all-reduce of sums of squares each under TP; 2 KV
 # heads: split over TP2, replicated over TP4, where the k norm is whole on every rank) and its unnormalised top-k
 OLMOE = (*("full" if f == "head" else f for f in OPTIONS), "--model.norm_topk", "false")
-# Capacity (model/moe.py): 1.0 on the plain model drops assignments in every step (asserted: `tp_matrix`)
-CAP = ("--model.capacity_factor", "1.0")
-BF16 = ("--train.dtype", "bf16", *EVAL, "--train.eval_every", str(STEPS))
 
 
 # The one-process references, by the model options their rows train
@@ -99,13 +30,7 @@ MODELS = {"fp32": (), "bf16": BF16, "options": OPTIONS, "deepseek": DEEPSEEK, "c
 @pytest.fixture(scope="module")
 def refs(corpus_dir, tmp_path_factory):
     """refs(name): the reference of MODELS[name], run once, when a test first asks for it."""
-    done = {}
-
-    def get(name: str) -> dict:
-        if name not in done:
-            done[name] = one_process(corpus_dir, tmp_path_factory, f"ref_tp_{name}", (*REF, *MODELS[name]))
-        return done[name]
-    return get
+    return short_refs(corpus_dir, tmp_path_factory, MODELS, "tp")
 
 
 def model_of(extra) -> str:

@@ -41,12 +41,12 @@ def whole_tensors(pieces: dict, group, tag: int = 0, own_tag_only=lambda key: Fa
 def whole_state(sync, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
     """({param name: tensor}, {param name: {state key: tensor}}) of this rank's params, whole at any zero level:
     collective over the non-expert-DP group (every rank of it calls it). An expert param is this rank's experts
-    (E/EP of them), put together from the ranks of its EP coordinate only."""
+    (E/(EP*CP*TP) of them), put together from the ranks holding the same experts only (dims.moe_ep_rank)."""
     model_state, optim_state = sync.sharded_state(optimizer)
     pieces = {("model", n, ""): p for n, p in model_state.items()}
     pieces.update({("optim", n, k): p for n, st in optim_state.items() for k, p in st.items()})
     dims = sync.dims
-    whole = whole_tensors(pieces, dims.group("non_expert_dp"), dims.ep_rank, lambda key: is_expert_param(key[1]))
+    whole = whole_tensors(pieces, dims.group("non_expert_dp"), dims.moe_ep_rank, lambda key: is_expert_param(key[1]))
     model = {n: whole[("model", n, "")] for n in model_state}
     optim = {n: {k: whole[("optim", n, k)] for k in st} for n, st in optim_state.items()}
     return model, optim

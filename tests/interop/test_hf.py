@@ -382,3 +382,29 @@ def test_layout_222_loads_slices_trains_like_one_process_and_exports(hf_dirs, co
     with torch.no_grad():
         got, _ = again(X)
     _assert_logits_close(got, _hf_logits(out, X))
+
+
+def _rank_cp2(rank, world, train_args: list[str]):
+    from tests.helpers.equivalence import train_tp
+
+    return train_tp(train_args)
+
+
+def test_init_from_hf_into_cp2_trains_like_one_process(hf_dirs, corpus_dir, tmp_path):
+    """--init.from_hf into a CP layout (parallel.cp 2, experts folded over the CP ranks): every CP rank starts from
+    the imported weights (replicated; its experts' slice), so its 5 steps and final weights are one process's."""
+    from tests.helpers.equivalence import train_tp
+
+    d = hf_dirs["qwen2_moe"]
+    cp2 = ["--parallel.cp", "2", "--parallel.microbatches", str(B // m), "--train.ckpt_at_end", "false"]
+    ranks = run_ranks(_rank_cp2, 2, args=(_train_args(corpus_dir, d, tmp_path / "cp2") + cp2,), timeout=300)
+    torch.set_num_threads(1)
+    ref = train_tp(_train_args(corpus_dir, d, tmp_path / "one") + cp2[2:])
+    assert len(ranks[0]["losses"]) == STEPS
+    for step, (a, b) in enumerate(zip(ranks[0]["losses"], ref["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: CP2 loss {a} vs one process {b}"
+    for r in ranks:
+        for n, (p, start, _) in r["params"].items():
+            want = ref["params"][n][0]
+            want = want[start:start + p.shape[0]] if start is not None else want
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-3 * 3e-3 * STEPS, msg=lambda s: f"{n}: {s}")

@@ -12,6 +12,8 @@
     gpu.py            the MoE step at real shapes on one GPU: loop / grouped / compiled / nn.Linear (`make gpu-check`)
     compile.py        train.compile: eager vs compiled blocks, side by side
     tp.py             tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2
+    cp.py             context parallel attention: causal balance, ring overlap under the emulator, ours vs an
+                      all-gather-KV baseline, one process and torch's context_parallel
 
 One-off experiments that are not commands (the planner's fits, call profiles, side-by-side runs of two trees) live
 outside the package, in scripts/experiments/.

@@ -26,11 +26,13 @@ def check_cp(cfg) -> None:
     _check(m.num_experts % (p.ep * n * p.tp) == 0,
            f"model.num_experts={m.num_experts} must be divisible by parallel.ep*cp*tp = {p.ep * n * p.tp}: the "
            "experts fold over EP x CP x TP (--parallel.cp, or --parallel.ep)")
-    if p.cp_impl == "a2a":  # Ulysses trades the sequence shard for a head shard: every TP rank's heads split cp ways
-        heads, kv = m.n_heads // p.tp, (m.n_kv_heads or m.n_heads) // p.tp if not m.kv_lora_rank else m.n_heads // p.tp
-        _check(m.n_heads % p.tp == 0 and heads % n == 0 and kv % n == 0,
-               f"parallel.cp_impl=a2a splits heads over parallel.cp={n}: model.n_heads={m.n_heads} and n_kv_heads="
-               f"{m.n_kv_heads or m.n_heads} (per TP rank: /{p.tp}) must be multiples of it (--parallel.cp_impl ring)")
+    if p.cp_impl == "a2a":  # Ulysses trades the sequence shard for a head shard: a TP rank's heads split cp ways
+        heads = m.n_heads // p.tp
+        kv = m.n_heads if m.kv_lora_rank else max((m.n_kv_heads or m.n_heads) // p.tp, 1)  # MLA expands per head
+        _check(heads % n == 0 and (kv % n == 0 or n % kv == 0),
+               f"parallel.cp_impl=a2a splits heads over parallel.cp={n}: model.n_heads={m.n_heads} per TP rank "
+               f"({heads}) must be a multiple of it and its KV heads ({kv}) a multiple or a divisor "
+               "(--parallel.cp_impl ring)")
     _check(m.mtp_layers < chunk, f"model.mtp_layers={m.mtp_layers} must be < train.seq_len/(2*parallel.cp) = {chunk}: "
            "MTP's untargeted tail must lie in the last chunk (--train.seq_len, or --parallel.cp)")
     for bad, line in [(m.pos_emb == "learned", "model.pos_emb=learned (--model.pos_emb rope)"),

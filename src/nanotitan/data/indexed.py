@@ -2,7 +2,8 @@
 
 The B sequences of global step t are a fixed function of (seed, t, B, S): B start offsets drawn
 from a generator seeded by hash(seed, t). So every layout sees the same global batch, data rank r
-takes rows [r*b, (r+1)*b) of it, and resuming at step t needs no replay of steps 0..t-1.
+takes rows [r*b, (r+1)*b) of it, and resuming at step t needs no replay of steps 0..t-1. Under context
+parallel a rank reads only its positions of each row (`runs`: (start, length) runs, parallel/cp.py's chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import numpy as np
 import torch
 
 from nanotitan.config.config import ConfigError
+
+
+Runs = "list[tuple[int, int]] | None"  # positions of a sequence as (start, length) runs; None: the whole sequence
+
+
+def columns(runs: list[tuple[int, int]]) -> np.ndarray:
+    """The positions of `runs`, in order."""
+    return np.concatenate([np.arange(s, s + n) for s, n in runs])
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -37,29 +46,35 @@ class IndexedBatches:
         n_starts = self.n_tokens - self.seq_len  # last valid start leaves room for S+1 tokens
         return torch.randint(0, n_starts, (B,), generator=step_generator(self.seed, step))
 
-    def _read(self, offsets_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
         # Re-open the memmap per call, as nanoGPT does: a long-lived np.memmap keeps growing resident memory
         # (https://stackoverflow.com/questions/45132940).
         tokens = np.memmap(str(self.path), dtype=self.dtype, mode="r")  # a str: a Path costs ~100 calls (resolve)
-        idx_BW = offsets_B.numpy()[:, None] + np.arange(self.seq_len + 1)  # W = S + 1
-        window_BW = torch.from_numpy(tokens[idx_BW].astype(np.int64))
-        return window_BW[:, :-1], window_BW[:, 1:]
+        if runs is None or runs == [(0, self.seq_len)]:
+            idx_BW = offsets_B.numpy()[:, None] + np.arange(self.seq_len + 1)  # W = S + 1
+            window_BW = torch.from_numpy(tokens[idx_BW].astype(np.int64))
+            return window_BW[:, :-1], window_BW[:, 1:]
+        idx_BS = offsets_B.numpy()[:, None] + columns(runs)  # only these positions' inputs and targets
+        return (torch.from_numpy(tokens[idx_BS].astype(np.int64)),
+                torch.from_numpy(tokens[idx_BS + 1].astype(np.int64)))
 
     def global_batch(self, step: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All B sequences of global step `step`: (x, y), each [B, S]."""
         return self._read(self.offsets(step, B))
 
-    def rank_batch(self, step: int, B: int, data_rank: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [data_rank*b, (data_rank+1)*b) of `global_batch(step, B)`, reading only those rows."""
+    def rank_batch(self, step: int, B: int, data_rank: int, b: int, runs: Runs = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [data_rank*b, (data_rank+1)*b) of `global_batch(step, B)`, reading only those rows (and of each only
+        the positions `runs`, None: all)."""
         assert 0 <= data_rank and (data_rank + 1) * b <= B, f"data_rank={data_rank} b={b} outside B={B}"
-        return self._read(self.offsets(step, B)[data_rank * b:(data_rank + 1) * b])
+        return self._read(self.offsets(step, B)[data_rank * b:(data_rank + 1) * b], runs)
 
-    def eval_batches(self, n: int, B: int, data_rank: int = 0, b: int | None = None
+    def eval_batches(self, n: int, B: int, data_rank: int = 0, b: int | None = None, runs: Runs = None
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """n fixed batches of B windows spread evenly over the file (the same at every eval, for every seed);
-        with `b`, only rows [data_rank*b, (data_rank+1)*b) of each."""
+        with `b`, only rows [data_rank*b, (data_rank+1)*b) of each (and `runs` of their positions)."""
         b = B if b is None else b
         assert 0 <= data_rank and (data_rank + 1) * b <= B, f"data_rank={data_rank} b={b} outside B={B}"
         n_starts = self.n_tokens - self.seq_len
         offsets_NB = torch.linspace(0, n_starts - 1, n * B, dtype=torch.float64).round().long().view(n, B)
-        return [self._read(offsets_B[data_rank * b:(data_rank + 1) * b]) for offsets_B in offsets_NB]
+        return [self._read(offsets_B[data_rank * b:(data_rank + 1) * b], runs) for offsets_B in offsets_NB]

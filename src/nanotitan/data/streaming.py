@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset
 
 from nanotitan.config.config import Config, DataConfig
+from nanotitan.data.indexed import columns
 from nanotitan.data.prepare import doc_sha1, load_meta
 from nanotitan.data.sources import DataError, stream_dataset
 from nanotitan.data.tokenizer import eot_id
@@ -30,8 +31,10 @@ class PackedTokenDataset(IterableDataset):
 
     def __init__(self, data: DataConfig, tokenizer: Tokenizer, seq_len: int, seed: int, rank: int,
                  world_size: int, shuffle: bool = True, exclude_sha1: frozenset[str] = frozenset(),
-                 epochs: int | None = None):
+                 epochs: int | None = None, runs: list[tuple[int, int]] | None = None):
         self.seq_len, self.rank, self.world_size, self.epochs = seq_len, rank, world_size, epochs
+        # context parallel: yield only these positions of each window (the whole stream is packed as without CP)
+        self.cols = None if runs is None else torch.from_numpy(columns(runs))
         self.tokenizer, self.eot = tokenizer, eot_id(tokenizer)
         self.exclude_sha1 = frozenset(exclude_sha1)  # val documents of the prepared split
         self.source = data.source
@@ -72,13 +75,18 @@ class PackedTokenDataset(IterableDataset):
             n = len(tokens) // W
             carry = tokens[n * W:]
             for window_W in torch.from_numpy(tokens[:n * W].reshape(n, W)):
-                yield window_W[:-1], window_W[1:]
+                if self.cols is None:
+                    yield window_W[:-1], window_W[1:]
+                else:
+                    yield window_W[self.cols], window_W[self.cols + 1]
 
 
 def make_streaming_loader(cfg: Config, tokenizer: Tokenizer, data_rank: int, data_world: int, batch_size: int,
-                          prepared: str | Path | None = None) -> DataLoader:
-    """DataLoader of (x, y) [batch_size, S] for one data rank; with `prepared`, its val documents are skipped."""
+                          prepared: str | Path | None = None, runs: list[tuple[int, int]] | None = None
+                          ) -> DataLoader:
+    """DataLoader of (x, y) [batch_size, S] for one data rank; with `prepared`, its val documents are skipped; with
+    `runs`, only those positions of each sequence."""
     exclude = frozenset(load_meta(prepared)["val_sha1"]) if prepared else frozenset()
     dataset = PackedTokenDataset(cfg.data, tokenizer, cfg.train.seq_len, cfg.train.seed, data_rank, data_world,
-                                 exclude_sha1=exclude)
+                                 exclude_sha1=exclude, runs=runs)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)

@@ -8,23 +8,46 @@ latent, R wide, is what an inference KV cache holds. The RoPE part of the key (D
 heads, straight from x; each head's query and key are [nope part, rope part]. The query has an optional
 low-rank path of its own (q_lora_rank > 0: q_a_proj -> RMSNorm -> q_b_proj; DeepSeek-V2-Lite has a plain
 q_proj). Parameters are replicated (no ".experts." in a name): EP and PP treat them as attention weights.
+
+Attention runs from the per-token latent (B, S, R + Dr): the normed c_kv and the roped shared key, which
+`LatentExpand` up-projects to each head's (k, v). On one device that is the same arithmetic as expanding first;
+under context parallel (parallel/cp.py) the ring carries that latent instead of whole per-head keys and values.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config.config import ModelConfig
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
+from .tokens import TokenShard, at_runs, latent_attention, seq_runs
 from .wgrad import Linear
 
 
-class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class LatentExpand(nn.Module):
+    """latent (B, S, R + Dr) -> (k (B, H, S, Dn + Dr), v (B, H, S, Dv)) through MLA's kv_b_proj; the rope key is
+    one head shared by every head. Built per call around the MLA's own kv_b_proj (not a child: names unchanged)."""
+
+    def __init__(self, kv_b_proj: nn.Module, R: int, Dn: int, Dr: int, Dv: int):
         super().__init__()
+        self.kv_b_proj, self.widths = kv_b_proj, (R, Dn, Dr, Dv)
+
+    def forward(self, latent):
+        R, Dn, Dr, Dv = self.widths
+        B, S, _ = latent.shape
+        c, k_rot = latent.split([R, Dr], dim=-1)
+        kv = self.kv_b_proj(c).view(B, S, -1, Dn + Dv).transpose(1, 2)
+        k_nope, v = kv.split([Dn, Dv], dim=-1)  # (B, H, S, Dn), (B, H, S, Dv)
+        k = torch.cat([k_nope, k_rot.unsqueeze(1).expand(B, kv.shape[1], S, Dr)], dim=-1)
+        return k, v
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
+        super().__init__()
+        self.tokens = tokens
         D, H, bias = cfg.d_model, cfg.n_heads, cfg.attn_bias  # HF's attention_bias: q_a, kv_a and o
         self.n_heads, self.kv_lora_rank = H, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -48,15 +71,12 @@ class MLA(nn.Module):
         H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
         q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, H, Dn + Dv).transpose(1, 2)
-        k_nope, v = kv.split([Dn, Dv], dim=-1)  # (B, H, S, Dn), (B, H, S, Dv)
-        cos, sin = rope[0][:S], rope[1][:S]
+        runs = seq_runs(self.tokens, S)  # each token's global position (context parallel: its chunks)
+        cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
-        k = torch.cat([k_nope, k_rot.expand(B, H, S, Dr)], dim=-1)  # the rope key shared by every head
-        # SDPA's flash kernels want v as wide as q and k (HF pads it for flash-attention too): without this the CPU
-        # falls back to the math path, which keeps every head's S x S scores for backward (8 GiB a layer at V3's size)
-        pad = Dn + Dr - Dv
-        y = F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, is_causal=True,
-                                           scale=self.scale)[..., :Dv]  # (B, H, S, Dv)
+        latent = torch.cat([self.kv_a_layernorm(latent), k_rot.squeeze(1)], dim=-1)  # (B, S, R + Dr)
+        expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, Dn, Dr, Dv)
+        y = latent_attention(q, latent, expand, self.scale) if self.tokens is None else \
+            self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))

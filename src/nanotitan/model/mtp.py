@@ -14,7 +14,9 @@ updates and stall labels see it as one more layer) and enorm, hnorm, eh_proj and
 embedding first, is DeepSeek's checkpoint's (its eh_proj columns).
 
 Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k]
-at positions t < S - k. Each depth runs on all S positions, its last k padded (`future_ids`), so that every depth's
+at positions t < S - k. Both are read from the whole sequence's targets at this rank's positions (`whole_targets`:
+under context parallel a rank holds two chunks, and position t's target t+k may lie in another rank's), the
+untargeted tail marked IGNORE, which the cross-entropy leaves out. Each depth runs on all S positions, its last k padded (`future_ids`), so that every depth's
 tensors keep the trunk's shape: under tensor parallel with SP each rank holds an even shard of the S positions, and
 the embedding, the head and the loss each run once over the main rows and every depth's, stacked along the batch.
 What the padding cannot reach is left out as if the depth ran on S - k positions: attention is causal and the rest
@@ -36,7 +38,10 @@ import torch.nn.functional as F
 
 from ..config.config import ModelConfig
 from .norm import RMSNorm
+from .tokens import at_runs, seq_runs
 from .wgrad import Linear
+
+IGNORE = -100  # a target no loss reads (the shifted tail), F.cross_entropy's ignore_index
 
 
 def mtp_layer_ids(cfg: ModelConfig, mtp_layers: int) -> range:
@@ -85,27 +90,38 @@ class MTP(nn.ModuleDict):
             outs.append(module.shared_head.norm(h))
         return outs, aux
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ce: Callable | None = None) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, whole: torch.Tensor, runs: list, ce: Callable | None = None) -> torch.Tensor:
         """Mean over depths of each depth's mean CE. logits (D*B, S, V): the head's output on every depth's
-        positions, depth k's in rows [(k-1)*B, k*B); `ce(logits, targets)` is the model's cross-entropy (the
-        vocab-parallel one under tensor parallel), plain by default."""
-        S, losses = targets.shape[1], []
+        positions, depth k's in rows [(k-1)*B, k*B); whole, runs: `whole_targets`; `ce(logits, targets)` is the
+        model's cross-entropy (the token shard's under tensor or context parallel), plain by default."""
+        losses = []
         for k, rows in enumerate(logits.chunk(len(self)), start=1):
-            losses.append((ce or cross_entropy)(rows[:, :S - k], targets[:, k:]))
+            losses.append((ce or cross_entropy)(rows, shifted(whole, runs, k, IGNORE)))
         return torch.stack(losses).mean()
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean CE of (.., V) logits (in fp32) against (..) targets."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
 
 
-def future_ids(targets: torch.Tensor, depths: int) -> torch.Tensor:
-    """(depths*B, S): depth k's tokens target[t+k-1] at every position t, the k-1 past the end padded with token 0
-    (read only by positions the loss leaves out)."""
-    B, S = targets.shape
-    pad = targets.new_zeros(B, depths)
-    return torch.cat([torch.cat([targets[:, k - 1:], pad[:, :k - 1]], 1) for k in range(1, depths + 1)])
+def whole_targets(targets: torch.Tensor, tokens) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """(the whole sequences' targets (B, S_whole), the global runs of this rank's S positions): the token shard's
+    (model/tokens.py: seq_gather, seq_runs), or targets itself on one device."""
+    runs = seq_runs(tokens, targets.shape[1])
+    return (targets if tokens is None else tokens.seq_gather(targets, 1)), runs
+
+
+def shifted(whole: torch.Tensor, runs: list, k: int, fill: int) -> torch.Tensor:
+    """(B, S): whole[:, t + k] at this rank's positions t, `fill` where t + k is past the end."""
+    padded = torch.cat([whole[:, k:], whole.new_full((whole.shape[0], k), fill)], 1)
+    return at_runs(padded, runs, 1)
+
+
+def future_ids(whole: torch.Tensor, runs: list, depths: int) -> torch.Tensor:
+    """(depths*B, S): depth k's tokens target[t+k-1] at this rank's positions t, the k-1 past the end padded with
+    token 0 (read only by positions the loss leaves out)."""
+    return torch.cat([shifted(whole, runs, k - 1, 0) for k in range(1, depths + 1)])
 
 
 def mark_tails(layers: nn.ModuleDict, cfg: ModelConfig, mtp_layers: int) -> None:

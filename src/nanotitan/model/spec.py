@@ -88,10 +88,11 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
     """The specs of this rank's V model chunks (Megatron's virtual pipeline stages): chunk v is global chunk
     v*PP + pp_rank, so each rank holds every PP-th slice of the layers; global chunk 0 owns the embeddings,
     global chunk PP*V-1 the head and the MTP modules. With V = 1 the one spec is the rank's pipeline stage. ep_rank
-    is the rank's place among the EP*TP shards of the experts (ParallelDims.moe_ep_rank: EP folded over TP, docs/tp.md)."""
+    is the rank's place among the EP*CP*TP shards of the experts (ParallelDims.moe_ep_rank: EP folded over CP and TP,
+    docs/tp.md, docs/cp.md)."""
     p, m = cfg.parallel, cfg.model
     counts = chunk_layer_counts(cfg)
-    n_chunks, e_local = len(counts), m.num_experts // (p.ep * p.tp)  # experts fold over EP x TP (docs/tp.md)
+    n_chunks, e_local = len(counts), m.num_experts // (p.ep * p.cp * p.tp)  # fold over EP x CP x TP (docs/cp.md)
     specs = []
     for c in range(pp_rank, n_chunks, p.pp):
         start = sum(counts[:c])

@@ -1,10 +1,14 @@
 """TokenShard: what the model needs from the ranks that share its tokens, handed in whole (None on one device).
 
-Tensor parallel (parallel/tp.py: `TPShard`) is the one implementation today; context parallel (issue 50) will
-compose with it behind the same methods (docs/architecture.md, "One object shards tokens"). The model never asks
-which axis it runs under: it calls these methods, and builds the modules below when handed a shard.
+Tensor parallel (parallel/tp.py: `TPShard`) and context parallel (parallel/cp.py: `CPShard`, which composes with
+TP's) implement it (docs/architecture.md, "One object shards tokens"). The model never asks which axis it runs
+under: it calls these methods, and builds the modules below when handed a shard. Without one (None) the module
+functions below are what the model runs: `causal_attention`, `latent_attention`, `seq_runs`.
 
-Two kinds of ranks share a rank's tokens:
+Three kinds of ranks share a rank's tokens:
+- the sequence ranks (CP): each holds its own positions of every sequence (`seq_runs`), which its attention and
+  loss see; attention meets the others' keys and values through `attend` / `attend_latent`, MTP reads the whole
+  sequence's targets through `seq_gather`. Under TP alone the sequence is whole on every rank.
 - the token ranks (`rank` of `size`): they hold the rest of each sequence. The MoE routes its own `runs` of
   positions and sums its statistics over them (`sum`), or gathers them in sequence order (`gather`).
 - the split ranks (`split_rank` of `split_size`): they hold the same tokens and split the weights (heads, vocab
@@ -29,6 +33,22 @@ class TokenShard(Protocol):
     size: int  # token ranks: each holds S_whole / size positions of every sequence
     split_rank: int  # this rank's place among the ranks that split the weights on the same tokens
     split_size: int
+
+    def seq_runs(self, S: int) -> list[tuple[int, int]]:
+        """The S positions of a sequence this rank's attention and loss see, as (global start, length) runs."""
+        ...
+
+    def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The sequence ranks' t (their `seq_runs` along `dim`) as the whole sequence, in global order (no gradient)."""
+        ...
+
+    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        """`causal_attention` of this rank's queries (B, H, S, Dk) over the whole sequence's keys and values."""
+        ...
+
+    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
+        """`latent_attention` (MLA) of this rank's queries over the whole sequence's latents."""
+        ...
 
     def runs(self, S: int) -> list[tuple[int, int]]:
         """This rank's S positions of a sequence as (global start, length) runs, in local order."""
@@ -61,6 +81,34 @@ class TokenShard(Protocol):
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of vocab-sharded logits (B, S, V/split_size) against targets (B, S)."""
         ...
+
+
+def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """Causal SDPA of q (B, H, S, Dk) over k (B, Hkv, S, Dk), v (B, Hkv, S, Dv) -> (B, H, S, Dv). GQA: query head h
+    reads key/value head h // (H / Hkv), as HF's repeat_kv. A v narrower than q is zero-padded: SDPA's flash kernels
+    want it as wide (HF pads it for flash-attention too); without this the CPU falls back to the math path, which
+    keeps every head's S x S scores for backward (8 GiB a layer at DeepSeek-V3's size)."""
+    pad = q.shape[-1] - v.shape[-1]
+    y = F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)) if pad > 0 else v, is_causal=True, scale=scale,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    return y[..., :v.shape[-1]] if pad > 0 else y
+
+
+def latent_attention(q, latent, expand, scale: float) -> torch.Tensor:
+    """MLA's attention from its per-token latent (B, S, R + Dr): expand(latent) -> (k, v), then `causal_attention`."""
+    return causal_attention(q, *expand(latent), scale)
+
+
+def seq_runs(tokens: TokenShard | None, S: int) -> list[tuple[int, int]]:
+    """The global positions of the S positions of a sequence this rank's attention and loss see."""
+    return [(0, S)] if tokens is None else tokens.seq_runs(S)
+
+
+def at_runs(t: torch.Tensor, runs: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:
+    """t's entries at the global positions `runs` along `dim` (a table indexed by position: the rope cache)."""
+    if len(runs) == 1:
+        return t.narrow(dim, *runs[0])
+    return torch.cat([t.narrow(dim, s, n) for s, n in runs], dim=dim)
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -30,12 +30,12 @@ from ..config.config import ModelConfig
 from . import wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
-from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids
+from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids, whole_targets
 from .norm import RMSNorm, full_norm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
-from .tokens import TokenShard, VocabParallelEmbedding
+from .tokens import TokenShard, VocabParallelEmbedding, at_runs, causal_attention, seq_runs
 
 MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
@@ -54,8 +54,12 @@ def rope_dim(cfg: ModelConfig) -> int:
 
 
 class Attention(nn.Module):
+    """Causal self-attention (MHA/GQA, q/k norms, biases). Its sequence is whole, or (context parallel) its token
+    shard's positions (`seq_runs`: RoPE reads the table at them), and `tokens.attend` meets the other ranks' keys."""
+
     def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
         super().__init__()
+        self.tokens = tokens
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim, self.qk_norm = H, Hkv, Dh, cfg.qk_norm
         self.q_proj = Linear(D, H * Dh, bias=cfg.attn_bias)
@@ -79,11 +83,11 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, S, Dh)
-        if rope is not None:
-            cos, sin = rope[0][:S], rope[1][:S]
+        if rope is not None:  # each token's global position (model/tokens.py: seq_runs)
+            runs = seq_runs(self.tokens, S)
+            cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: query head h reads key/value head h // (H / Hkv), as HF's repeat_kv.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        y = causal_attention(q, k, v) if self.tokens is None else self.tokens.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))
 
 
@@ -96,7 +100,7 @@ class Block(nn.Module):
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
             self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.attn = MLA(cfg) if cfg.kv_lora_rank else Attention(cfg, tokens)
+            self.attn = MLA(cfg, tokens) if cfg.kv_lora_rank else Attention(cfg, tokens)
         self.is_moe = self.has_ffn and is_moe_layer(cfg, layer_idx)
         if self.has_ffn:
             self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -246,15 +250,17 @@ class Transformer(nn.Module):
         mtp = spec.mtp_layers > 0 and self.training and targets is not None
         B, S = inp.shape[0], inp.shape[1]
         future = None
+        # MTP's targets are the whole sequence's, read at this rank's positions (context parallel: its chunks)
+        whole, runs = whole_targets(targets, self.tokens) if mtp else (None, None)
         if spec.has_token_embed:
-            x = self._embed(self.tok_emb, torch.cat([inp, future_ids(targets, spec.mtp_layers)]) if mtp else inp)
+            x = self._embed(self.tok_emb, torch.cat([inp, future_ids(whole, runs, spec.mtp_layers)]) if mtp else inp)
             x, future = (x[:B], x[B:]) if mtp else (x, None)
             if spec.has_pos_embed:
                 x = x + self._embed(self.pos_emb, torch.arange(S, device=inp.device))
         else:
             x = inp
             if mtp:  # the last stage's replica of the embedding (parallel/tied.py)
-                future = self._embed(self.tok_emb, future_ids(targets, spec.mtp_layers))
+                future = self._embed(self.tok_emb, future_ids(whole, runs, spec.mtp_layers))
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
         for key in list(self.layers)[:self.n_trunk]:
@@ -266,7 +272,7 @@ class Transformer(nn.Module):
             logits = self.head(self.norm(x))
             if targets is None:
                 return logits, aux_sum
-            if self.vocab_ce is not None:  # tensor parallel: the logits stay vocab shards (model/tokens.py)
+            if self.vocab_ce is not None:  # the token shard's: TP's logits stay vocab shards, CP's loss is its part
                 return self.vocab_ce(logits, targets), aux_sum
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
@@ -274,7 +280,7 @@ class Transformer(nn.Module):
         ce_of = self.vocab_ce or cross_entropy
         ce = ce_of(logits[:B], targets)
         # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
-        return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], targets, ce_of)
+        return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], whole, runs, ce_of)
 
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.is_moe]

@@ -42,7 +42,7 @@ def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float,
         **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
         "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": tok_s, "step_time_s": step_time,
         "mfu": flops_per_token * tok_s / peak_flops, "peak_mem_bytes": peak_mem_bytes(device),
-        "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "microbatches": M,
+        "dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "cp": dims.cp, "microbatches": M,
         "schedule": schedule if dims.pp > 1 else "none", "tokens": step * tokens_per_step, **comm_stats,
     }
     if dims.pp > 1:
@@ -141,7 +141,7 @@ def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
                    run_dir: Path, extra: dict | None = None) -> dict:
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
-    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "peak_mem_bytes": peak_mem_bytes(device),
+    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "cp_rank": dims.cp_rank, "peak_mem_bytes": peak_mem_bytes(device),
             **{f"wait_{a}_s": round(v, 3) for a, v in wait_totals.items()}, **(extra or {})}
     rows = gather_rows(mine, dims, device)
     summary = {"last": last, "ranks": rows}
@@ -345,7 +345,7 @@ def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=No
     per = "chunk" if p.schedule == "interleaved" else "stage"
     split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
     B = cfg.layout_batch
-    return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} tp={p.tp} | B={B} seqs = dp*ep*M*m = "
-            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp ranks share them) | {B * t.seq_len} tokens/step | "
+    return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} tp={p.tp} cp={p.cp} | B={B} seqs = dp*ep*M*m = "
+            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp and cp ranks share them) | {B * t.seq_len} tokens/step | "
             f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {t.threads}"
             + (f"\n{links.describe()}" if links is not None else ""))

@@ -25,20 +25,22 @@ from ..model.transformer import Transformer
 from .dims import ParallelDims
 from .pp.chunks import StageChunks
 from .shard import grad_layout, keep_layout
-from .tp import apply_tp, tp_shard
+from .cp import token_shard
+from .tp import apply_tp
 
 
 def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, device: torch.device,
                 load_weights: Callable[[nn.Module], object] | None = None) -> Transformer | StageChunks:
     """This rank's chunks (one per virtual stage, joined in a StageChunks when V > 1), built with its token shard
-    (`model.tokens`: parallel/tp.py's `tp_shard`, None at tp = 1), TP-sliced, filled on `device`: from
+    (`model.tokens`: parallel/cp.py's `token_shard`, None at tp = cp = 1), TP-sliced, filled on `device`: from
     init.from_hf when `load_weights` is given (it fills every parameter: a checkpoint that lacks one is refused),
     else by global identity."""
-    tokens = tp_shard(dims, cfg.parallel.sp)  # what the model needs from the ranks sharing its tokens
+    # what the model needs from the ranks sharing its tokens (CP's composed with TP's), and its TP part
+    tokens, tp = token_shard(dims, cfg.parallel.sp, cfg.parallel.cp_impl)
     with torch.device("meta"):
         chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False, tokens=tokens) for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
-    apply_tp(model)  # shapes only: each TP-sharded parameter becomes its rank's slice
+    apply_tp(model, tp)  # shapes only: each TP-sharded parameter becomes its rank's slice
     for chunk in chunks:
         for module in chunk.modules():  # (StageChunks holds these same modules: it sees the new parameters)
             for name, p in module.named_parameters(recurse=False):

@@ -1,8 +1,9 @@
-"""How a parameter's gradient lies over the ranks that shard the tokens (TP now, CP next): the one reading that the
+"""How a parameter's gradient lies over the ranks that shard the tokens (TP, CP): the one reading that the
 gradient syncs (sync.py, zero.py, fsdp.py), clipping (clip.py) and the checkpoint's keys (state/keys.py) all make.
 
 parallel/tp.py tags each parameter of a TP chunk when it slices it (`set_layout`); an untagged parameter is ALONE.
-Context parallel adds no kind: a parameter replicated over CP is reduced with the DP groups CP joins, as over DP.
+Context parallel adds no kind: a parameter replicated over CP is reduced with the DP groups CP joins, as over DP
+(each CP rank's gradient is its own tokens' part: parallel/cp.py).
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def keep_layout(old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def token_ranks(dims) -> int:
-    """Ranks that shard one stage's tokens, fastest in every group they join (TP; CP will multiply in)."""
+    """Ranks that split one stage's weights on the same tokens, fastest in every group they join (TP). CP's ranks
+    are not among them: after the gradient sync their replicated gradients are the same, as DP's are."""
     return dims.tp
 
 
 def token_axes(dims) -> dict[str, int]:
     """{axis: size} of the token-sharding axes in use: a layout's record names them only then, so a three-axis
     layout's record is what it always was (state/checkpoint.py: layout_dict)."""
-    return {"tp": dims.tp} if dims.tp > 1 else {}
+    return {**({"tp": dims.tp} if dims.tp > 1 else {}), **({"cp": dims.cp} if dims.cp > 1 else {})}

@@ -162,6 +162,7 @@ def update_router_bias(shard: ModelShard, apply: bool = True) -> None:
         return
     if dist.is_initialized() and shard.dims.data_world > 1:
         comm.all_reduce(counts, group=shard.dims.group("non_expert_dp"), axis="other")
+        counts = counts // shard.dims.cp  # its CP ranks each held the whole microbatch's counts (model/moe.py)
     for k, counts_E in zip(keys, counts):
         model.layers[k].moe.update_bias(counts_E)
 
@@ -184,7 +185,8 @@ def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int
         comm.all_reduce(vals, axis="other")
     ce, aux, mtp_sum = vals.tolist()
     n = M * shard.dims.data_world * shard.dims.loss_copies  # every microbatch's loss, as often as ranks hold it
-    return StepLosses(ce / n, aux_weight * aux / n, mtp_sum / n if mtp else None)
+    n_aux = M * shard.dims.data_world * shard.dims.stat_copies  # the router losses: whole on every token rank
+    return StepLosses(ce / n, aux_weight * aux / n_aux, mtp_sum / n if mtp else None)
 
 
 @dataclass

@@ -39,7 +39,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..model.mtp import IGNORE
 from ..model.norm import FullNorm
+from ..model.tokens import causal_attention, latent_attention
 from ..model.transformer import is_expert_param
 from .comm import collectives as comm
 from .dims import ParallelDims
@@ -57,6 +59,18 @@ class TPShard:
 
     def runs(self, S: int) -> list[tuple[int, int]]:
         return [(self.rank * S, S)]
+
+    def seq_runs(self, S: int) -> list[tuple[int, int]]:
+        return [(0, S)]  # attention and the loss see the whole sequence (the regions gather SP's shards)
+
+    def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, scale)
+
+    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
+        return latent_attention(q, latent, expand, scale)
 
     def stream_len(self, S: int) -> int:
         return S // self.size if self.sp else S
@@ -187,7 +201,8 @@ class _SumEverywhere(torch.autograd.Function):
 # --- vocab-parallel cross-entropy (the embedding is model/tokens.py's VocabParallelEmbedding) ---------------
 
 class _VocabCE(torch.autograd.Function):
-    """Mean cross-entropy of (N, V/n) logit shards against (N,) targets (Megatron's vocab-parallel CE)."""
+    """Mean cross-entropy of (N, V/n) logit shards against (N,) targets (Megatron's vocab-parallel CE); rows whose
+    target is IGNORE (model/mtp.py's shifted tail) are left out, as F.cross_entropy's ignore_index does."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, g):
@@ -201,17 +216,19 @@ class _VocabCE(torch.autograd.Function):
         e = z.exp()
         sums = torch.stack([picked, e.sum(dim=-1)])  # one all-reduce for both
         comm.all_reduce(sums, group=g.group, axis="tp")
-        loss = (sums[1].log() - sums[0]).mean()
-        ctx.save_for_backward(e.div_(sums[1].unsqueeze(-1)), local, outside)
+        kept = (targets != IGNORE).to(logits.dtype)
+        rows = kept.sum()
+        loss = ((sums[1].log() - sums[0]) * kept).sum() / rows
+        ctx.save_for_backward(e.div_(sums[1].unsqueeze(-1)), local, outside, kept / rows)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
-        probs, local, outside = ctx.saved_tensors
+        probs, local, outside, weight = ctx.saved_tensors
         grad = probs.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local] -= (~outside).to(grad.dtype)
-        return grad.mul_(dloss / grad.shape[0]), None, None, None
+        return grad.mul_(weight.unsqueeze(1) * dloss), None, None, None
 
 
 # --- the plan -------------------------------------------------------------------------------------------------
@@ -295,14 +312,16 @@ def _moe(moe: nn.Module, tp: TPShard) -> None:
         _partial(moe.shared_expert_gate.weight)
 
 
-def apply_tp(model: nn.Module) -> None:
-    """Split every chunk of this rank's stage over the TP group of the token shard it was built with
-    (`Transformer(..., tokens=tp_shard(dims, sp))`; no-op without one). Call before the EP dispatcher, the
-    gradient sync and the broadcasts; the model must have been built whole on its TP axis (and its experts for
-    dims.moe_ep_rank), on the meta device (parallelize: parallel/build.py) or initialised."""
+def apply_tp(model: nn.Module, tp: TPShard | None = None) -> None:
+    """Split every chunk of this rank's stage over the TP group: `tp`, the TP part of the token shard the chunks were
+    built with (parallel/cp.py: `token_shard`), by default that token shard itself (`Transformer(...,
+    tokens=tp_shard(dims, sp))`; no-op without TP). Call before the EP dispatcher, the gradient sync and the
+    broadcasts; the model must have been built whole on its TP axis (and its experts for dims.moe_ep_rank), on the
+    meta device (parallelize: parallel/build.py) or initialised."""
     for chunk in getattr(model, "chunks", [model]):
-        if chunk.tokens is not None:
-            _apply_chunk(chunk, chunk.tokens)
+        shard = tp or chunk.tokens
+        if isinstance(shard, TPShard):
+            _apply_chunk(chunk, shard)
 
 
 def _apply_chunk(chunk: nn.Module, tp: TPShard) -> None:

@@ -23,6 +23,7 @@ from ..data.streaming import make_streaming_loader
 from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
 from ..parallel.comm.emulate import LinkModel
+from ..parallel.cp import seq_runs_of
 from ..parallel.parallelize import ModelShard, pick_device
 from ..parallel.step import split_microbatches
 from ..state import checkpoint as ckpt
@@ -36,6 +37,7 @@ class RankData:
     val: IndexedBatches
     stream: Iterator | None  # data.loader=streaming's batches of this data rank (None: the indexed files)
     dims: ParallelDims
+    runs: list[tuple[int, int]]  # the positions of each sequence this rank reads (context parallel: its chunks)
     B: int  # sequences per step, dp*ep*M*m
     m: int  # sequences per microbatch
     device: torch.device
@@ -48,12 +50,12 @@ class RankData:
         """This data rank's M microbatches of global step `step`: rows [r*b, (r+1)*b) of the global batch,
         a pure function of (seed, step) (or the next ones of the streaming loader)."""
         x, y = next(self.stream) if self.stream is not None else \
-            self.train.rank_batch(step, self.B, self.dims.data_rank, self.b)
+            self.train.rank_batch(step, self.B, self.dims.data_rank, self.b, self.runs)
         return split_microbatches(x, y, self.m, self.device)
 
     def val_batches(self, n: int):
         """This data rank's rows of `n` fixed global batches of the val split (the same at every eval)."""
-        return self.val.eval_batches(n, self.B, self.dims.data_rank, self.b)
+        return self.val.eval_batches(n, self.B, self.dims.data_rank, self.b, self.runs)
 
 
 @dataclass
@@ -77,7 +79,7 @@ def setup_rank(cfg: Config) -> RankSetup:
     # parallel.emulate: from here on every collective and P2P is held to a modelled cluster's links
     # (parallel/comm/emulate.py); None when off.
     links = emulate.install(emulate.link_model(cfg, rank))
-    dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp)
+    dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp, cp=p.cp)
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     train, val, stream = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
     if world > 1:  # every group built once, in the same order on every rank
@@ -85,8 +87,8 @@ def setup_rank(cfg: Config) -> RankSetup:
             init_distributed("nccl" if device.type == "cuda" else "gloo", rank, world, timedelta(seconds=p.timeout_s),
                              device)
         dims.build_groups(timeout_s=p.timeout_s)
-    return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, cfg.layout_batch,
-                                                                 t.micro_batch, device))
+    return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, seq_runs_of(dims, t.seq_len),
+                                                                 cfg.layout_batch, t.micro_batch, device))
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):
@@ -104,7 +106,7 @@ def open_data(cfg: Config, dims: ParallelDims, b: int, log):
     stream = None
     if cfg.data.loader == "streaming":
         stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,
-                                            prepared=data_dir))
+                                            prepared=data_dir, runs=seq_runs_of(dims, t.seq_len)))
     return train, val, stream
 
 

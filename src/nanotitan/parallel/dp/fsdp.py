@@ -60,7 +60,8 @@ def shards_experts(dp: int) -> bool:
 
 
 def experts_in_block_unit(dp: int, ep: int) -> bool:
-    """With ep == 1 the experts' group is their block's (the same dp ranks, and the mean over them the default):
+    """With ep == 1 (EP x CP: the CP ranks hold other experts too, docs/cp.md) the experts' group is their block's
+    (the same dp ranks, and the mean over them the default):
     they join the block's FSDP unit, one all-gather and one reduce-scatter per block instead of two (on gloo each
     exchange costs both ranks a rendezvous and the caller its send)."""
     return shards_experts(dp) and ep == 1
@@ -87,7 +88,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     expert_mesh = DeviceMesh.from_group(dims.group("expert_dp"), device_type) if shards_experts(dims.dp) else None
     # TP-replicated params with partial gradients stay whole (FSDPSync reduces them over the stage, tp.py)
     unsharded: list[nn.Parameter] = [q for q in model.parameters() if grad_layout(q).kind is Grad.PARTIAL]
-    merge = experts_in_block_unit(dims.dp, dims.ep)
+    merge = experts_in_block_unit(dims.dp, dims.moe_ep // dims.tp)  # EP x CP: the ranks with other experts
     blocks = list(model.layers.values())
     kept = kept_gathered(len(blocks), dims.pp)
     for i, block in enumerate(blocks):
@@ -111,6 +112,11 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(unsharded) or None,
                     shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
+    if mesh.size() != dims.data_world:  # CP's ranks joined the mesh: their gradients are parts, summed (docs/cp.md)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):  # every fully_shard'ed module
+                module.set_gradient_divide_factor(float(dims.data_world))
+                module.set_force_sum_reduction_for_comms(True)
     # A rank whose tokens never reach some module must still enter that module's reduce-scatter.
     model.set_reduce_scatter_unused_params(True)
     if AllGather is not None and comm.backend(group) in comm.SHARDED_BY_EXCHANGE:

@@ -1,0 +1,383 @@
+"""Attention under context parallelism (docs/cp.md): each CP rank holds two chunks of every sequence, i and 2N-1-i
+(the causal balance), and its queries must still meet every earlier key.
+
+    ring_attention          K/V pass around the ring (P2P posted before each block's compute, so they overlap);
+                            blocks are merged exactly by their log-sum-exp; backward re-runs the ring with dK/dV
+                            travelling back to their owner. GQA sends its Hkv heads.
+    ring_latent_attention   MLA: the ring carries the compressed latent (c_kv + roped k_rope per token) and each
+                            rank up-projects it locally; backward carries the latent's gradient home.
+    ulysses_attention       all-to-all: sequence shard -> head shard, whole-sequence causal attention, back.
+
+Local order (cp.md): local positions [0, c) are global chunk r, [c, 2c) global chunk 2N-1-r (c = S_loc / 2), so a
+local causal mask is the global one, and against another rank s's chunks (s, 2N-1-s) exactly half the block is seen:
+s < r: both query chunks see key chunk s only; s > r: query chunk 2N-1-r sees both key chunks. Every rank does the
+same work at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .comm import collectives as comm
+
+__all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
+           "block_attention", "block_attention_backward", "balanced_order", "local_positions",
+           "latent_bytes_per_token"]
+
+AXIS = "cp"  # the axis name CP's P2P and all-to-all are accounted (and emulated) under
+
+
+class CPGroup(Protocol):
+    """What the CP attention needs of its group: the ProcessGroup, this rank's place in it, its ring neighbours
+    (global ranks)."""
+    group: object
+    rank: int
+    size: int
+    prev: int
+    next: int
+
+
+@dataclass(frozen=True)
+class CPRing:
+    group: object
+    rank: int
+    size: int
+    prev: int
+    next: int
+
+
+def cp_ring(group) -> CPRing:
+    """The CPGroup of `group` (a ProcessGroup over the CP ranks, in cp-rank order) for this process."""
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    n = len(ranks)
+    return CPRing(group, me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
+
+
+def local_positions(seq_len: int, n: int, rank: int) -> torch.Tensor:
+    """The global positions of CP rank `rank`'s local tokens, in local order (RoPE and YaRN use these)."""
+    c = seq_len // (2 * n)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * n - 1 - rank) * c, (2 * n - rank) * c)])
+
+
+def balanced_order(seq_len: int, n: int) -> torch.Tensor:
+    """Global positions in CP's layout: rank 0's local tokens, then rank 1's, ... (chunks i and 2N-1-i each)."""
+    return torch.cat([local_positions(seq_len, n, r) for r in range(n)])
+
+
+# --- one block: out and log-sum-exp, and its backward against the merged out/lse ---------------------------------
+def block_attention(q, k, v, causal: bool, scale: float):
+    """(out, lse) of softmax(q k^T * scale) v: out (B, Hq, Sq, Dv), lse (B, Hq, Sq), both at least fp32 (the merge
+    runs there). GQA by Hq % Hkv.
+    On CPU torch's flash kernel (which takes GQA but one head size: a narrower V is zero-padded, exactly)."""
+    if q.is_cpu:
+        dk, dv = q.shape[-1], v.shape[-1]
+        vp = v if dv == dk else torch.nn.functional.pad(v, (0, dk - dv)) if dv < dk else None
+        if vp is not None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, vp, 0.0, causal,
+                                                                                  scale=scale)
+            return out[..., :dv].to(acc_dtype(q.dtype)), lse.to(acc_dtype(q.dtype))
+    return _math_forward(q, k, v, causal, scale)
+
+
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block, given the MERGED out and lse of its queries (their softmax spans every block):
+    p = exp(s - lse), dS = p * (dP - rowsum(dout * out))."""
+    if q.is_cpu:
+        dk_, dv_ = q.shape[-1], v.shape[-1]
+        if dv_ <= dk_:
+            pad = (lambda t: t) if dv_ == dk_ else (lambda t: torch.nn.functional.pad(t, (0, dk_ - dv_)))
+            dt = q.dtype
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                pad(dout.to(dt)), q, k, pad(v), pad(out.to(dt)), lse.to(acc_dtype(dt)), 0.0, causal, scale=scale)
+            return dq, dk, dv[..., :dv_]
+    return _math_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What blocks are merged and gradients summed in: fp32 for bf16/fp16 inputs, else their own dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q, k, causal: bool, scale: float):
+    g, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
+    qg = q.to(acc).unflatten(1, (k.shape[1], g))  # (B, Hkv, g, Sq, D): GQA without repeating K
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1), float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    s, acc = _scores(q, k, causal, scale), acc_dtype(q.dtype)
+    lse = s.logsumexp(-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", (s - lse.unsqueeze(-1)).exp(), v.to(acc))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    hkv, acc = k.shape[1], acc_dtype(q.dtype)
+    s = _scores(q, k, causal, scale)
+    p = (s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1)).exp()
+    do = dout.to(acc).unflatten(1, (hkv, -1))
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+    dp = torch.einsum("bhgqd,bhkd->bhgqk", do, v.to(acc))
+    delta = (do * out.to(acc).unflatten(1, (hkv, -1))).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)).flatten(1, 2)
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.to(acc).unflatten(1, (hkv, -1)))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _merge(out, lse, part_out, part_lse, rows: slice):
+    """Fold one block's (out, lse) over query rows `rows` into the running (out, lse), in place."""
+    o, l_ = out[:, :, rows], lse[:, :, rows]
+    new = torch.logaddexp(l_, part_lse)
+    o.mul_((l_ - new).exp().unsqueeze(-1)).add_(part_out * (part_lse - new).exp().unsqueeze(-1))
+    l_.copy_(new)
+
+
+# --- the ring ------------------------------------------------------------------------------------------------
+def _step_blocks(src: int, rank: int, c: int):
+    """(query rows, key rows) of the visible half of the block against rank src's chunks (src != rank)."""
+    if src < rank:
+        return slice(None), slice(0, c)
+    return slice(c, None), slice(None)
+
+
+class _Exchange:
+    """One posted ring transfer: send `buf` to the next rank, receive the previous rank's into a fresh buffer."""
+
+    def __init__(self, cp: CPGroup, buf: torch.Tensor, tag: int):
+        self.out = torch.empty_like(buf)
+        ops = [dist.P2POp(dist.isend, buf, cp.next, cp.group, tag), dist.P2POp(dist.irecv, self.out, cp.prev,
+                                                                                 cp.group, tag)]
+        self.work = comm.batch_isend_irecv(ops, axis=AXIS, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
+def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
+    """out and lse (at least fp32) of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
+    c = q.shape[2] // 2
+    cur = payload
+    out = lse = None
+    for step in range(ring.size):
+        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None  # posted before this block's compute
+        k, v = to_kv(cur)
+        src = (ring.rank - step) % ring.size
+        if step == 0:
+            out, lse = block_attention(q, k, v, True, scale)
+        else:
+            rows, keys = _step_blocks(src, ring.rank, c)
+            part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
+            _merge(out, lse, part_out, part_lse, rows)
+        if nxt is not None:
+            cur = nxt.wait()
+    return out, lse
+
+
+def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable):
+    """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
+    (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it)."""
+    c = q.shape[2] // 2
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    cur, incoming = payload, None
+    for step in range(ring.size):
+        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None
+        k, v = to_kv(cur)
+        src = (ring.rank - step) % ring.size
+        if step == 0:
+            dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+            dq += dq_b
+        else:
+            rows, keys = _step_blocks(src, ring.rank, c)
+            dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                                        v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                                        False, scale)
+            dq[:, :, rows] += dq_b
+            dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+            dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
+        dpay = kv_grad(cur, dk, dv).to(acc_dtype(q.dtype))
+        if ring.size == 1:
+            return dq, dpay
+        if incoming is not None:
+            dpay += incoming.wait()
+        incoming = _Exchange(ring, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
+        if nxt is not None:
+            cur = nxt.wait()
+    return dq, incoming.wait()
+
+
+def _split_kv(dk: int):
+    return lambda kv: (kv[..., :dk], kv[..., dk:])
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, scale):
+        kv = torch.cat([k, v], dim=-1).contiguous()  # one message per step: Hkv heads of K and V
+        out, lse = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale, dk_ = ctx.cp, ctx.scale, k.shape[-1]
+        dout = dout.contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        dq, dkv = _ring_backward(dout, q, kv, out, lse, cp, scale, _split_kv(dk_),
+                                 lambda _kv, dk, dv: torch.cat([dk, dv], dim=-1))
+        return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype), None, None
+
+
+def _check_local(q, k, v, cp: CPGroup) -> None:
+    if q.shape[2] % 2:
+        raise ValueError(f"context parallel: the local sequence ({q.shape[2]} tokens) must be two equal chunks; "
+                         f"set --train.seq_len to a multiple of 2 * --parallel.cp ({2 * cp.size})")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"context parallel: --model.n_heads ({q.shape[1]}) must be a multiple of "
+                         f"--model.n_kv_heads ({k.shape[1]})")
+
+
+def ring_attention(q, k, v, cp: CPGroup, scale: float):
+    """Exact causal attention of this CP rank's queries over the whole sequence (module docstring). q: (B, Hq, S_loc,
+    Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv)."""
+    _check_local(q, k, v, cp)
+    return _RingAttention.apply(q, k, v, cp, scale)
+
+
+# --- MLA: the ring carries the latent --------------------------------------------------------------------------
+class _Expander:
+    """expand(latent) -> (k, v) for the ring: values only in forward; in backward each step's expansion keeps its
+    graph so that (dk, dv) turn into d latent (which travels home) and the expand weights' gradient (kept here:
+    every rank's own queries' share, summed over CP by the gradient reduction of params replicated over CP)."""
+
+    def __init__(self, expand, params, grad: bool):
+        self.expand, self.params, self.grad = expand, params, grad
+        self.param_grads = [None] * len(params)
+        self._last = None
+
+    def to_kv(self, latent):
+        if not self.grad:
+            return self.expand(latent)
+        with torch.enable_grad():
+            lat = latent.detach().requires_grad_()
+            k, v = self.expand(lat)
+        self._last = (lat, k, v)
+        return k.detach(), v.detach()
+
+    def kv_grad(self, latent, dk, dv):
+        lat, k, v = self._last
+        self._last = None
+        with torch.enable_grad():
+            grads = torch.autograd.grad((k, v), [lat, *self.params], (dk.to(k.dtype), dv.to(v.dtype)),
+                                        allow_unused=True)
+        for i, g in enumerate(grads[1:]):
+            if g is not None:
+                self.param_grads[i] = g if self.param_grads[i] is None else self.param_grads[i] + g
+        return grads[0] if grads[0] is not None else torch.zeros_like(latent)
+
+
+class _RingLatentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, latent, cp, scale, expand, *params):
+        latent = latent.contiguous()
+        out, lse = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, latent, out, lse)
+        ctx.cp, ctx.scale, ctx.expand, ctx.n_params = cp, scale, expand, len(params)
+        ctx.params = params  # leaves (the module's own parameters): nothing is freed by saving them
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, latent, out, lse = ctx.saved_tensors
+        ex = _Expander(ctx.expand, ctx.params, True)
+        dq, dlat = _ring_backward(dout.contiguous(), q, latent, out, lse, ctx.cp, ctx.scale, ex.to_kv, ex.kv_grad)
+        return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, *ex.param_grads)
+
+
+def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float):
+    """MLA's exact causal attention under CP with the compressed latent on the ring. q: (B, H, S_loc, Dqk);
+    latent: (B, S_loc, kv_lora_rank + rope_dim), the post-norm c_kv and the already roped k_rope; expand: an
+    nn.Module (or a callable with no weights of its own) mapping a latent (B, S, R + Dr) to (k (B, H, S, Dqk),
+    v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv)."""
+    if q.shape[2] % 2 or latent.shape[1] != q.shape[2]:
+        raise ValueError(f"context parallel: the local sequence ({q.shape[2]} queries, {latent.shape[1]} latents) "
+                         f"must be two equal chunks; set --train.seq_len to a multiple of 2 * --parallel.cp "
+                         f"({2 * cp.size})")
+    params = [p for p in expand.parameters() if p.requires_grad] if isinstance(expand, torch.nn.Module) else []
+    return _RingLatentAttention.apply(q, latent, cp, scale, expand, *params)
+
+
+def latent_bytes_per_token(kv_lora_rank: int = 512, rope_dim: int = 64, n_heads: int = 128, nope_dim: int = 128,
+                           v_dim: int = 128, n_kv_heads: int | None = None) -> dict:
+    """Values per token per ring step: MLA's latent against the whole per-head K/V it expands to (DeepSeek-V3's
+    shape by default), and a plain attention's K/V with n_kv_heads heads of nope+rope / v dims."""
+    latent = kv_lora_rank + rope_dim
+    whole = n_heads * (nope_dim + rope_dim) + n_heads * v_dim
+    kv = None if n_kv_heads is None else n_kv_heads * (nope_dim + rope_dim + v_dim)
+    return {"latent": latent, "whole_kv": whole, "ratio": whole / latent, "gqa_kv": kv}
+
+
+# --- Ulysses: all-to-all from sequence shard to head shard -------------------------------------------------------
+def _a2a(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """all_to_all_single over dim 0 (one slab per CP rank)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x, group=cp.group, axis=AXIS)
+    return out
+
+
+def _seq_to_heads(x, cp: CPGroup):
+    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order."""
+    n, s_loc = cp.size, x.shape[2]
+    y = _a2a(x.unflatten(1, (n, -1)).movedim(1, 0), cp)  # (N src, B, H/N, S_loc, D)
+    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's two chunks, rank 1's, ...
+    return y.index_select(2, torch.argsort(balanced_order(n * s_loc, n)).to(y.device))
+
+
+def _heads_to_seq(y, cp: CPGroup):
+    """The inverse of _seq_to_heads."""
+    n = cp.size
+    y = y.index_select(2, balanced_order(y.shape[2], n).to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
+    return _a2a(y, cp).movedim(0, 1).flatten(1, 2)  # (B, N head groups, H/N, S_loc, D) -> (B, H, S_loc, D)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, inverse):
+        ctx.cp, ctx.inverse = cp, inverse
+        return _heads_to_seq(x, cp) if inverse else _seq_to_heads(x, cp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_seq_to_heads(g, ctx.cp) if ctx.inverse else _heads_to_seq(g, ctx.cp)), None, None
+
+
+def ulysses_attention(q, k, v, cp: CPGroup, scale: float):
+    """Exact causal attention by all-to-all (DeepSpeed-Ulysses): each rank attends the whole sequence for Hq/N
+    query heads. KV heads: Hkv % N == 0 shards them too; Hkv dividing N replicates each KV head N/Hkv times
+    before the exchange, so that every rank receives the one KV head its query heads share."""
+    hq, hkv, n = q.shape[1], k.shape[1], cp.size
+    if hq % n or hq % hkv or (hkv % n and n % hkv):
+        raise ValueError(f"parallel.cp_impl a2a: --model.n_heads ({hq}) must be a multiple of --parallel.cp ({n}) "
+                         f"and --model.n_kv_heads ({hkv}) a multiple or a divisor of it; use --parallel.cp_impl "
+                         f"ring or another --parallel.cp")
+    if hkv % n:
+        k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
+    qh, kh, vh = (_SeqToHeads.apply(t, cp, False) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                           enable_gqa=True)
+    return _SeqToHeads.apply(out, cp, True)
