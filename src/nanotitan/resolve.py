@@ -145,8 +145,8 @@ def _plan_layout(c: Config, world: int, log: Callable[[str], None] | None) -> No
     p.tp, p.cp = best.tp, best.cp  # the search covers DP x PP x EP x TP x CP (plan/tp.py, plan/cp.py)
     t.micro_batch, t.global_batch = m, B
     if log:
-        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} tp={p.tp} cp={p.cp} {schedule} M={M} m={m} "
-            f"zero={zero}")
+        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} tp={p.tp} cp={p.cp} {schedule} M={M} "
+            f"m={m} zero={zero}")
 
 
 def auto_layer_counts(cfg: Config, hardware: Hardware | None = None) -> list[float]:

@@ -4,8 +4,8 @@ sends on which link, and which CP degrees a layout search tries.
 The rank identity (tp fastest, cp next, as Megatron and torchtitan):
     rank = ((((dp * PP + pp) * EP + ep) * CP + cp) * TP + tp)
 so a CP group (fixed dp, pp, ep, tp) is TP-strided and its CP x TP ranks are contiguous: inside one node when
-CP*TP ranks fit a node, else the CP group crosses nodes (`placement`, on parallel/dims.py's groups). The other groups: EP varies
-(ep, cp, tp) (the experts fold over EP x CP x TP), non-expert DP (dp, ep, cp), expert DP dp, PP pp.
+CP*TP ranks fit a node, else the CP group crosses nodes (`placement`, on parallel/dims.py's groups). The other
+groups: EP varies (ep, cp, tp) (the experts fold over EP x CP x TP), non-expert DP (dp, ep, cp), expert DP dp, PP pp.
 
 Per rank, CP divides a microbatch's T = m*S tokens by N (each rank holds chunks i and 2N-1-i of 2N): its saved
 activations, its GEMM FLOPs and the bytes of every per-token collective (EP, TP, PP) fall N-fold; a query still

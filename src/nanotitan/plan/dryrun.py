@@ -203,15 +203,16 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         dims.build_groups(timeout_s=p.timeout_s)
-        routing = _BalancedRouting(t.micro_batch * t.seq_len // p.tp, cfg.model.top_k, cfg.model.num_experts)
+        S = t.seq_len // p.cp  # a CP rank's data loader reads its own chunks (parallel/cp.py: seq_runs_of)
+        routing = _BalancedRouting(t.micro_batch * S // p.tp, cfg.model.top_k, cfg.model.num_experts)
         with _fake_tensors(), routing:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
             _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
-            xs = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
-            ys = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
+            xs = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
+            ys = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
             meter = TensorBytesMeter(held)
             # What the microbatch keeps from its forward to its backward: the meter's count when its backward is
             # about to start (the sync's prepare() is called then), less the parameters gathered (zero 3 keeps them
@@ -219,7 +220,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             # buffer, and under bf16 its fp32 widening). Not at the forward's end: autocast's cache of bf16 weight
             # copies lives until its region closes.
             wire = step.compute_dtype(t.dtype).itemsize
-            grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * t.seq_len * cfg.model.d_model
+            grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * S * cfg.model.d_model
                                                         * (wire + (4 if wire != 4 else 0)))
             before_backward, prepare, start = [], shard.sync.prepare, [0]
             # zero 3 "full" keeps the unsharded gradients of every microbatch until the final backward

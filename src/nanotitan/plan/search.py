@@ -1,6 +1,7 @@
 """Search: every valid layout of a world size, predicted and ranked; the recommendation and why.
 
-A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch B = dp*ep*M*m and passes
+A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch
+B = dp*ep*M*m and passes
 `config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
 recommendation is the lowest zero level within ZERO_SLACK of the fastest fitting layout, so sharded DP is
 chosen only when memory binds (or it is clearly faster).
@@ -136,7 +137,7 @@ def format_table(preds: list[Prediction], top: int) -> str:
              "dominant cost |", "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
-        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
-                     f"{L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
+        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | "
+                     f"{L.microbatches} | {L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

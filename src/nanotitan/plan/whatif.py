@@ -177,9 +177,9 @@ def format_what_if(r: dict) -> str:
                      f"{100 * k['cost']:.1f}% of the step over a balanced router")
     if r.get("without_cp"):
         w = r["without_cp"]
-        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences "
-                     f"{'is ' + w['layout'] + ' at ' + format(w['tokens_per_sec'], ',.0f') + ' tok/s' if w['fits'] else 'fits'}"
-                     f"; the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
+        fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
+        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences {fastest}; "
+                     f"the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "
