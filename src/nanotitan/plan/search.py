@@ -3,8 +3,8 @@
 A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch
 B = dp*ep*M*m and passes
 `config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
-recommendation is the lowest zero level within ZERO_SLACK of the fastest fitting layout, so sharded DP is
-chosen only when memory binds (or it is clearly faster).
+recommendation is the lowest CP degree, then zero level, within ZERO_SLACK of the fastest fitting layout, so a
+split sequence and sharded DP are chosen only when memory binds (or they are clearly faster).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-ZERO_SLACK = 0.03  # a sharded-DP layout must beat the best lower zero level by more than this to be recommended
+ZERO_SLACK = 0.03  # a CP or sharded-DP layout must beat the best with less of it by more than this to be recommended
 
 
 def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
@@ -73,7 +73,10 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
         near = [p for p in preds if p.fits and p.tokens_per_sec >= (1 - ZERO_SLACK) * preds[0].tokens_per_sec]
-        pick = min(near, key=lambda p: p.layout.zero)  # min keeps the fastest of that level (list is sorted)
+        # the fewest CP ranks first (the ring's block kernels and its exposed last hop are priced at the whole
+        # layer's efficiency, so a near-tie is not a reason to split the sequence), then the lowest zero level;
+        # min keeps the fastest of them (the list is sorted)
+        pick = min(near, key=lambda p: (p.layout.cp, p.layout.zero))
         preds.remove(pick)
         preds.insert(0, pick)
     return preds
@@ -117,7 +120,8 @@ def reason(preds: list[Prediction]) -> str:
     if nxt:
         d = 100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec)
         line += (f"; next {nxt.layout.short()} is {d:.0f}% slower ({nxt.dominant})" if d >= 0 else
-                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower zero level is preferred by")
+                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower CP degree "
+                 f"or zero level is preferred by")
     if faster_oom:
         line += f"; {faster_oom[0].layout.short()} would be faster but needs {faster_oom[0].peak_mem / GiB:.1f} GiB"
     if best.layout.zero:
