@@ -142,11 +142,11 @@ def _plan_layout(c: Config, world: int, log: Callable[[str], None] | None) -> No
     best = best_layout(c, world, None, PlanOptions(global_batch=B, micro_batch=t.micro_batch, zero=p.zero or None))
     dp, pp, ep, schedule, M, m, zero = best.as_tuple()
     p.dp, p.pp, p.ep, p.schedule, p.microbatches, p.zero, p.auto = dp, pp, ep, schedule, M, zero, False
-    p.tp = best.tp  # the search covers DP x PP x EP x TP (plan/tp.py)
+    p.tp, p.cp = best.tp, best.cp  # the search covers DP x PP x EP x TP x CP (plan/tp.py, plan/cp.py)
     t.micro_batch, t.global_batch = m, B
     if log:
-        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} tp={p.tp} {schedule} M={M} m={m} "
-            f"zero={zero}")
+        log(f"planner: world {world}, global batch {B}: dp={dp} pp={pp} ep={ep} tp={p.tp} cp={p.cp} {schedule} M={M} "
+            f"m={m} zero={zero}")
 
 
 def auto_layer_counts(cfg: Config, hardware: Hardware | None = None) -> list[float]:
@@ -164,7 +164,8 @@ def planned_flags(c: Config) -> list[str]:
     return ["--parallel.dp", str(p.dp), "--parallel.pp", str(p.pp), "--parallel.ep", str(p.ep),
             "--parallel.schedule", p.schedule, "--parallel.microbatches", str(p.microbatches),
             "--train.micro_batch", str(t.micro_batch), "--train.global_batch", str(t.global_batch),
-            "--parallel.zero", str(p.zero), "--parallel.tp", str(p.tp), "--parallel.auto", "false"]
+            "--parallel.zero", str(p.zero), "--parallel.tp", str(p.tp), "--parallel.cp", str(p.cp),
+            "--parallel.auto", "false"]
 
 
 def device_hardware(cfg: Config) -> Hardware:

@@ -200,9 +200,10 @@ def test_recommendation_validates_and_fits():
         dp, pp, ep, schedule, M, m, zero = best
         validate(layout_config(cfg, Layout(*best)), world_size=world)
         assert preds[0].fits and preds[0].layout.as_tuple() == best
-        # fastest that fits, or within ZERO_SLACK of it at a lower zero level (sharding only when it pays)
+        # fastest that fits, or within ZERO_SLACK of it at a lower CP degree or zero level (only when it pays)
         assert all(p.tokens_per_sec <= preds[0].tokens_per_sec or
-                   (p.layout.zero > zero and (1 - ZERO_SLACK) * p.tokens_per_sec <= preds[0].tokens_per_sec)
+                   ((p.layout.cp, p.layout.zero) > (preds[0].layout.cp, zero)
+                    and (1 - ZERO_SLACK) * p.tokens_per_sec <= preds[0].tokens_per_sec)
                    for p in preds if p.fits)
     # tight memory: the fastest layout does not fit, the recommendation must still fit
     cfg = tiny(n_layers=8, m=16)

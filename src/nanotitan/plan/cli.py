@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     from ..config.help import config_help
 
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
-                                 "DP x PP x EP layout, rank them, pick one. Config keys (--section.key VALUE) "
+                                 "DP x PP x EP x TP x CP layout, rank them, pick one. Config keys (--section.key VALUE) "
                                  "describe the model and batch.", epilog=config_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML config (model, train.seq_len, global batch = dp*ep*M*m)")
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan only this parallel.zero level (default: every level a layout allows)")
     ap.add_argument("--zero1", action="store_true", help="same as --zero 1 (old name)")
     ap.add_argument("--tp", type=int, default=0, help="plan only this parallel.tp degree (default: every one)")
+    ap.add_argument("--cp", type=int, default=0, help="plan only this parallel.cp degree (default: every one that "
+                    "splits train.seq_len into 2*cp chunks; parallel.cp_impl from the config)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--expert-skew", type=float, default=None,
@@ -129,7 +131,8 @@ def main(argv: list[str]) -> int:
     best = preds[0].layout
     rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "
            f"--parallel.ep {best.ep} --parallel.schedule {best.schedule} --parallel.microbatches {best.microbatches} "
-           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero} --parallel.tp {best.tp}")
+           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero} --parallel.tp {best.tp} "
+           f"--parallel.cp {best.cp}")
     text = f"{head}\n\n{format_table(preds, args.top)}\n\n{rec}\n"
     print(text)
     if args.out:
@@ -149,7 +152,8 @@ def _options(args, cfg) -> PlanOptions:
 
         skew = measured_skew(args.skew_from, cfg.model.num_experts)
         print(f"routing skew from {args.skew_from}: sigma {skew:.3f}", file=sys.stderr)
-    return PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp, activation_checkpointing=ac,
+    return PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp, cp=args.cp,
+                       activation_checkpointing=ac,
                        global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
                        ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew)
 
@@ -190,8 +194,8 @@ def _dry_run(args, overrides: list[str]) -> int:
     p = cfg.parallel
     hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
                          dtype="bf16" if cfg.train.dtype == "bf16" else "fp32")
-    print(f"dry run: dp={p.dp} pp={p.pp} ep={p.ep} {p.schedule} M={p.microbatches} m={cfg.train.micro_batch} "
-          f"zero={p.zero} on {args.ranks} ranks (fake process group, fake tensors)", flush=True)
+    print(f"dry run: dp={p.dp} pp={p.pp} ep={p.ep} tp={p.tp} cp={p.cp} {p.schedule} M={p.microbatches} "
+          f"m={cfg.train.micro_batch} zero={p.zero} on {args.ranks} ranks (fake process group, fake tensors)", flush=True)
     run = dry_run(cfg, args.ranks, log=lambda line: print(line, flush=True))
     opts = PlanOptions(nodes=args.nodes)
     print(f"\n{len(run.classes)} distinct ranks of {args.ranks} built in {run.seconds:.1f} s. Bytes per rank, from the "

@@ -24,6 +24,7 @@ class PlanOptions:
     zero: int | None = None  # parallel.zero level(s) to plan: None = every level the layout allows (0..3)
     zero1: bool = False  # old alias of zero=1 (`nanotitan plan --zero1`)
     tp: int = 0  # parallel.tp degree to plan: 0 = every degree a node divides (plan/tp.py)
+    cp: int = 0  # parallel.cp degree to plan: 0 = every degree that splits the sequence (plan/cp.py)
     activation_checkpointing: bool | None = None  # None = from train.activation_checkpointing
     global_batch: int = 0  # 0 = cfg.layout_batch
     micro_batch: int = 0  # fix m (0 = free): the MoE balance loss is per microbatch, so equal m = equal maths
@@ -71,7 +72,7 @@ class Context:
     ac: bool  # activation checkpointing
     nodes: int
     ranks_on_node: int
-    T: int  # tokens of one microbatch on one rank (m * S)
+    T: int  # tokens of one microbatch on one rank (m * S / cp)
     peak: float  # the hardware's peak FLOP/s at this precision for a rank sharing a node with ranks_on_node
     eff_dense: float  # GEMM efficiency of the dense and the expert GEMMs (expert rows grow with EP)
     eff_expert: float
@@ -87,8 +88,8 @@ class Context:
 
     @property
     def ne_group(self) -> int:
-        """Ranks of the non-expert-DP group: replicated params shard over it."""
-        return self.layout.dp * self.layout.ep
+        """Ranks of the non-expert-DP group: replicated params shard over it (its CP ranks too)."""
+        return self.layout.dp * self.layout.ep * self.layout.cp
 
     @property
     def ex_group(self) -> int:

@@ -7,6 +7,7 @@ written up in docs/planner.md (§2 memory, §3 time). The names other modules im
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
 from ..parallel.dp.sync import zero_memory_choices
-from . import tp as tp_plan
+from . import cp as cp_plan, tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
@@ -64,16 +65,20 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     pp, ep, M = layout.pp, layout.ep, layout.microbatches
-    world = layout.dp * pp * ep * layout.tp
+    world = layout.world
     nodes = opts.nodes or math.ceil(world / hw.devices_per_node)
     per_node = math.ceil(world / nodes)
     ranks_on_node = min(world, per_node)
-    T = layout.micro_batch * shape.seq_len  # tokens of one microbatch on one rank
-    e_local = shape.num_experts // ep
+    T = layout.micro_batch * shape.seq_len // layout.cp  # tokens of one microbatch on one rank (CP: its chunks)
+    e_local = shape.num_experts // (ep * layout.cp)
     links = {}
     grid = Layout(layout.dp, pp, ep, "1f1b", 1, 1)  # placement depends on the grid alone: one cache entry per grid
-    for kind in ("ep", "pp", "non_expert_dp", "expert_dp"):
-        crosses, off = placement(grid, kind, tp_plan.node_size(opts.link_node_size or per_node, layout.tp))
+    for kind in ("ep", "pp", "non_expert_dp", "expert_dp") + (("cp",) if layout.cp > 1 else ()):
+        if layout.cp > 1:  # the CP identity's own groups (plan/cp.py), on the real nodes
+            crosses, off = cp_plan.placement(Layout(layout.dp, pp, ep, "1f1b", 1, 1, tp=layout.tp, cp=layout.cp),
+                                             kind, opts.link_node_size or per_node)
+        else:
+            crosses, off = placement(grid, kind, tp_plan.node_size(opts.link_node_size or per_node, layout.tp))
         links[kind] = (hw.inter if crosses else hw.intra), off
     n_virt = pp_facts.virtual_stages(layout.schedule, pp, cfg.parallel.virtual_stages)
     counts = cfg.parallel.pp_layers
@@ -84,8 +89,10 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     zero = zero_level(layout, opts)
     z_accumulate, z_reshard = zero_memory_choices(zero, pp, layout.schedule, cfg.parallel.zero_accumulate,
                                                   cfg.parallel.zero3_reshard)
-    stages = tp_plan.shard_stages(shape, layout, stage_summaries(shape, layout, counts, ac, n_virt, prec, trips),
-                                  cfg.parallel.sp, ac)  # what one rank of a TP group holds and does
+    # what one rank of a CP x TP group holds and does: the experts folded over EP x CP (x TP in shard_stages)
+    folded = dataclasses.replace(layout, ep=ep * layout.cp)
+    stages = tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, ac, n_virt, prec, trips),
+                                  cfg.parallel.sp, ac)
     return Context(
         cfg=cfg, layout=layout, hw=hw, opts=opts, shape=tp_plan.sharded_shape(shape, layout.tp), prec=prec, ac=ac,
         nodes=nodes,
@@ -94,7 +101,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         n_virt=n_virt, lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
         stages=stages,
         # zb1 under AC: what a microbatch between its B and its W keeps (memory.py)
-        unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, layout, counts, False, n_virt, prec),
+        unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, False, n_virt, prec),
                                      cfg.parallel.sp, False) if ac and layout.schedule == "zb1" else None),
         zero=zero, z_shard=z_accumulate == "shard", z_reshard=z_reshard == "always",
         skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew)

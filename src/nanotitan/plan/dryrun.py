@@ -196,7 +196,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
 
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims(p.dp, p.pp, p.ep, rank, tp=p.tp)
+    dims = ParallelDims(p.dp, p.pp, p.ep, rank, tp=p.tp, cp=p.cp)
     # gpipe and 1f1b hold whole microbatches from forward to backward: one is run and the rest composed; interleaved
     # (chunk-microbatches, M a multiple of PP) and zb1 (a deferred W keeps part of one) run their whole step
     whole = p.pp > 1 and p.schedule in ("interleaved", "zb1")
@@ -204,15 +204,16 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         dims.build_groups(timeout_s=p.timeout_s)
-        routing = _BalancedRouting(t.micro_batch * t.seq_len // p.tp, cfg.model.top_k, cfg.model.num_experts)
+        S = t.seq_len // p.cp  # a CP rank's data loader reads its own chunks (parallel/cp.py: seq_runs_of)
+        routing = _BalancedRouting(t.micro_batch * S // p.tp, cfg.model.top_k, cfg.model.num_experts)
         with _fake_tensors(), routing:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
             _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
-            xs = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
-            ys = [torch.zeros(t.micro_batch, t.seq_len, dtype=torch.long) for _ in range(M)]
+            xs = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
+            ys = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
             meter = TensorBytesMeter(held)
             # What the microbatch keeps from its forward to its backward: the meter's count when its backward is
             # about to start (the sync's prepare() is called then), less the parameters gathered (zero 3 keeps them
@@ -220,7 +221,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             # buffer, and under bf16 its fp32 widening). Not at the forward's end: autocast's cache of bf16 weight
             # copies lives until its region closes.
             wire = step.compute_dtype(t.dtype).itemsize
-            grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * t.seq_len * cfg.model.d_model
+            grad_buf = 0 if dims.is_pp_last_stage else (t.micro_batch * S * cfg.model.d_model
                                                         * (wire + (4 if wire != 4 else 0)))
             before_backward, prepare, start = [], shard.sync.prepare, [0]
             # zero 3 "full" keeps the unsharded gradients of every microbatch until the final backward
@@ -260,7 +261,7 @@ def _zero3_classes(cfg: Config, world: int, stage: int) -> list[list[int]]:
     from ..model.transformer import Transformer, is_expert_param
 
     p = cfg.parallel
-    ranks = [r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp).pp_rank == stage]
+    ranks = [r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).pp_rank == stage]
     with torch.device("meta"):
         chunks = [Transformer(cfg.model, s, seed=0) for s in build_chunk_specs(cfg, stage, 0)]
     named = [(n, q) for c in chunks for n, q in c.named_parameters()]
@@ -271,7 +272,7 @@ def _zero3_classes(cfg: Config, world: int, stage: int) -> list[list[int]]:
         return parts[pos].numel() if pos < len(parts) else 0
 
     def key(r: int) -> tuple:
-        d = ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp)
+        d = ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp)
         ne, ex = d.group_ranks("non_expert_dp"), d.group_ranks("expert_dp")
         out = []
         for name, q in named:
@@ -300,8 +301,8 @@ class DryRun:
         out = []
         for c in self.classes:
             for r in c.same:
-                out.append({"rank": r, "coords": list(ParallelDims(self.cfg.parallel.dp, self.cfg.parallel.pp,
-                                                                  self.cfg.parallel.ep, r, tp=self.cfg.parallel.tp).coords()),
+                p = self.cfg.parallel
+                out.append({"rank": r, "coords": list(ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).coords()),
                             **{k: getattr(c, k) for k in FIELDS}})
         return sorted(out, key=lambda row: row["rank"])
 
@@ -330,7 +331,7 @@ def dry_run(cfg: Config, world: int, log=None) -> DryRun:
         if p.zero == 3:
             groups = _zero3_classes(cfg, world, stage)
         else:
-            groups = [[r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp).pp_rank == stage]]
+            groups = [[r for r in range(world) if ParallelDims(p.dp, p.pp, p.ep, r, tp=p.tp, cp=p.cp).pp_rank == stage]]
         for same in groups:
             rb = measure_rank(cfg, same[0], world)
             rb.same = same
@@ -351,7 +352,7 @@ def compare_with_planner(run: DryRun, hw: Hardware, opts=None) -> list[dict]:
     from .shape import Layout
 
     p, t = run.cfg.parallel, run.cfg.train
-    layout = Layout(p.dp, p.pp, p.ep, p.schedule, p.microbatches, t.micro_batch, p.zero, tp=p.tp)
+    layout = Layout(p.dp, p.pp, p.ep, p.schedule, p.microbatches, t.micro_batch, p.zero, tp=p.tp, cp=p.cp)
     pred = predict(run.cfg, layout, hw, dataclasses.replace(opts or PlanOptions(), expert_skew=0.0))
     out = []
     for c in run.classes:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..config.config import Config
 from ..parallel.dp import reducer as dp_reducer, fsdp, zero as zero_sharding
 from ..parallel.pp import facts as pp_facts
+from . import cp as cp_plan
 from .context import Context
 from .shape import Layout, ModelShape, StageSummary
 
@@ -60,10 +61,10 @@ def expert_imbalance(cfg: Config, layout: Layout, shape: ModelShape, units: floa
     and the peak is the highest of the run's draws, one per rank, window, replica and step: the sd times the
     expected max of that many standard normals. Either way a rank never receives more than min(K, L) of each
     source token's K assignments. skew 0: a perfectly balanced router."""
-    ep, E, K = layout.ep, shape.num_experts, shape.top_k
+    ep, E, K = layout.ep * layout.cp, shape.num_experts, shape.top_k  # the experts fold over CP (plan/cp.py)
     if ep == 1:
         return 1.0
-    L, T = E // ep, layout.micro_batch * shape.seq_len
+    L, T = E // ep, layout.micro_batch * shape.seq_len // layout.cp
     bound, cf = ep * min(K, L) / K, cfg.model.capacity_factor
     if cf:
         bound = min(bound, E * math.ceil(cf * T * K / E) / (T * K))
@@ -202,7 +203,9 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
     """The step's transients: (bytes, gathered params beside them, unsharded gradients beside them); the largest
     sum is the stage's peak."""
     ag, ag_last, in_block, ag_head = z3
-    T, prec, ac, pp, ep = c.T, c.prec, c.ac, c.layout.pp, c.layout.ep
+    T, prec, ac, pp, ep = c.T, c.prec, c.ac, c.layout.pp, c.layout.ep * c.layout.cp  # experts fold over CP too
+    # CP's attention beside a block's backward: the ring's blocks in flight, or the all-to-all's buffers (plan/cp.py)
+    cp_buffers = cp_plan.buffer_bytes(c.shape, T, c.layout.cp, c.layout.tp, prec.act, c.cfg.parallel.cp_impl)
     V, D, K = c.shape.vocab, c.shape.d_model, c.shape.top_k
     heads = 1 + c.shape.mtp_layers  # the head runs over the main positions and every MTP depth's
     return [(2 * heads * T * V * 4 if st.last else 0.0, ag_head, 0.0),  # gradients of log-softmax, logits (fp32 CE)
@@ -210,7 +213,7 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
             # one block's backward (and its recompute, weight copies included, under AC); the head's
             # activations are freed by then
             (T * (st.act_layer_max_bytes - st.head_act_bytes) + st.cast_layer_max_bytes
-             + (recv_extra * st.received_block_bytes if ac else 0.0), *in_block),
+             + (recv_extra * st.received_block_bytes if ac else 0.0) + cp_buffers, *in_block),
             # an MoE block's end of backward: its experts' weight-gradient pieces beside what it still holds
             # (the head's activations and weight copy freed too, and its experts' activations: on the
             # busiest rank more than the mean's)

@@ -1,9 +1,10 @@
 """Search: every valid layout of a world size, predicted and ranked; the recommendation and why.
 
-A layout (dp, pp, ep, schedule, M, m, zero) of world N keeps the global batch B = dp*ep*M*m and passes
+A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch
+B = dp*ep*M*m and passes
 `config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
-recommendation is the lowest zero level within ZERO_SLACK of the fastest fitting layout, so sharded DP is
-chosen only when memory binds (or it is clearly faster).
+recommendation is the lowest CP degree, then zero level, within ZERO_SLACK of the fastest fitting layout, so a
+split sequence and sharded DP are chosen only when memory binds (or they are clearly faster).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 
 from ..config.config import Config, ConfigError, validate
 from ..config.hardware import GiB, Hardware, detect_hardware
-from . import tp as tp_plan
+from . import cp as cp_plan, tp as tp_plan
 from .cost import PlanOptions, Prediction, predict
 from .shape import Layout, ModelShape, layout_config
 
@@ -22,7 +23,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-ZERO_SLACK = 0.03  # a sharded-DP layout must beat the best lower zero level by more than this to be recommended
+ZERO_SLACK = 0.03  # a CP or sharded-DP layout must beat the best with less of it by more than this to be recommended
 
 
 def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
@@ -62,13 +63,20 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
     node = opts.link_node_size or (world // opts.nodes if opts.nodes else min(world, hw.devices_per_node))
-    layouts = [lay for lay in tp_plan.enumerate_tp(cfg, world, node, lambda c, n: enumerate_layouts(
-               c, n, opts.global_batch, zeros), opts.tp) if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
+    def dp_pp_ep_tp(c: Config, n: int) -> list[Layout]:  # the layouts of n ranks at cp 1 (TP's search among them)
+        return tp_plan.enumerate_tp(c, n, node, lambda c1, n1: enumerate_layouts(c1, n1, opts.global_batch, zeros),
+                                    opts.tp)
+
+    layouts = [lay for lay in cp_plan.enumerate_cp(cfg, world, dp_pp_ep_tp, opts.cp)
+               if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
     preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
         near = [p for p in preds if p.fits and p.tokens_per_sec >= (1 - ZERO_SLACK) * preds[0].tokens_per_sec]
-        pick = min(near, key=lambda p: p.layout.zero)  # min keeps the fastest of that level (list is sorted)
+        # the fewest CP ranks first (the ring's block kernels and its exposed last hop are priced at the whole
+        # layer's efficiency, so a near-tie is not a reason to split the sequence), then the lowest zero level;
+        # min keeps the fastest of them (the list is sorted)
+        pick = min(near, key=lambda p: (p.layout.cp, p.layout.zero))
         preds.remove(pick)
         preds.insert(0, pick)
     return preds
@@ -77,7 +85,7 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
 def recommend(cfg: Config, world: int, hardware: str | Hardware | None = None,
               opts: PlanOptions | None = None) -> tuple[int, int, int, str, int, int, int]:
     """(dp, pp, ep, schedule, microbatches, micro_batch, zero) of the fastest layout that fits memory, at the
-    lowest zero level within ZERO_SLACK of it (its tp: `best_layout`)."""
+    lowest zero level within ZERO_SLACK of it (its tp and cp: `best_layout`)."""
     return best_layout(cfg, world, hardware, opts).as_tuple()
 
 
@@ -112,7 +120,8 @@ def reason(preds: list[Prediction]) -> str:
     if nxt:
         d = 100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec)
         line += (f"; next {nxt.layout.short()} is {d:.0f}% slower ({nxt.dominant})" if d >= 0 else
-                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower zero level is preferred by")
+                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower CP degree "
+                 f"or zero level is preferred by")
     if faster_oom:
         line += f"; {faster_oom[0].layout.short()} would be faster but needs {faster_oom[0].peak_mem / GiB:.1f} GiB"
     if best.layout.zero:
@@ -128,11 +137,11 @@ def reason(preds: list[Prediction]) -> str:
 
 
 def format_table(preds: list[Prediction], top: int) -> str:
-    lines = ["| # | dp | pp | ep | tp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | dominant cost |",
-             "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| # | dp | pp | ep | tp | cp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | "
+             "dominant cost |", "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
-        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.schedule if L.pp > 1 else '-'} | {L.microbatches} | "
-                     f"{L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
+        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | "
+                     f"{L.microbatches} | {L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

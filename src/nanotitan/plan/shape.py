@@ -7,6 +7,7 @@ Shapes: V vocab, D d_model, F expert hidden, Fd dense FFN hidden, E experts, K t
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 from ..config.counts import attention_matmuls, attention_params, ffn_params, mtp_params
@@ -247,12 +248,22 @@ class Layout:
     microbatches: int  # M
     micro_batch: int  # m
     zero: int = 0  # parallel.zero: 0 replicated DP, 1 optimizer state, 2 + gradients, 3 + parameters sharded
-    tp: int = 1  # parallel.tp, the fastest axis: world = dp*pp*ep*tp (plan/tp.py)
+    tp: int = 1  # parallel.tp, the fastest axis: world = dp*pp*ep*cp*tp (plan/tp.py)
+    cp: int = 1  # parallel.cp, next to tp: each sequence split over cp ranks (plan/cp.py)
 
     def short(self) -> str:
         return (f"dp{self.dp} pp{self.pp} ep{self.ep} {self.schedule if self.pp > 1 else '-'} "
                 f"M{self.microbatches} m{self.micro_batch}" + (f" z{self.zero}" if self.zero else "")
-                + (f" tp{self.tp}" if self.tp > 1 else ""))
+                + (f" tp{self.tp}" if self.tp > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else ""))
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.ep * self.cp * self.tp
+
+    @property
+    def moe_ep(self) -> int:
+        """Ranks the experts of a stage are sharded over: EP folded with CP and TP."""
+        return self.ep * self.cp * self.tp
 
     def as_tuple(self) -> tuple[int, int, int, str, int, int, int]:
         return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch, self.zero
@@ -290,7 +301,7 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.dp, p.pp, p.ep, p.schedule, p.microbatches = layout.dp, layout.pp, layout.ep, layout.schedule, layout.microbatches
-    p.zero, p.tp = layout.zero, layout.tp
+    p.zero, p.tp, p.cp = layout.zero, layout.tp, layout.cp
     c.train.micro_batch = layout.micro_batch
     p.virtual_stages = pp_facts.virtual_stages(layout.schedule, layout.pp, p.virtual_stages)
     if p.pp_layers != "auto" and len(p.pp_layers) != layout.pp * p.virtual_stages:
@@ -333,6 +344,7 @@ class StageSummary:
     # in the transients: the block's backward, its gradient landing, the all-to-all's receive buffer)
     received_bytes: float = 0.0
     received_block_bytes: float = 0.0
+    n_attn: float = 0.0  # attention halves the rank holds (MTP blocks' included): CP's ring or all-to-all runs in each
 
 
 def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | None = None,
@@ -341,9 +353,18 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
     """Per-stage (per pipeline rank) parameter, FLOP and activation counts; layers split as `model.spec` does:
     pp_layers are the layers of each of the pp*virtual_stages chunks (even when not given), rank s holding
     chunks s, s+pp, ... (interleaved schedule). The *_bytes fields are at `prec` (default fp32); `ep_overlap`:
-    the experts run in _ExpertTrip's groups (parallel.ep_overlap with more than one group)."""
-    prec = prec or PRECISIONS["fp32"]
-    ac = activation_checkpointing
+    the experts run in _ExpertTrip's groups (parallel.ep_overlap with more than one group). Only pp, ep and m of
+    the layout matter: a search asks for the same summaries many times, so they are cached (read-only)."""
+    grid = Layout(1, layout.pp, layout.ep, "1f1b", 1, layout.micro_batch)
+    return list(_summaries(shape, grid, tuple(pp_layers) if pp_layers else None, bool(activation_checkpointing),
+                           virtual_stages, prec or PRECISIONS["fp32"], ep_overlap))
+
+
+@functools.lru_cache(maxsize=1024)
+def _summaries(shape: ModelShape, layout: Layout, pp_layers: tuple[float, ...] | None, ac: bool, virtual_stages: int,
+               prec: Precision, ep_overlap: bool) -> tuple[StageSummary, ...]:
+    """stage_summaries, on hashable arguments."""
+    activation_checkpointing = ac
     pp, D, V = layout.pp, shape.d_model, shape.vocab
     T = layout.micro_batch * shape.seq_len
     e_local = shape.num_experts // layout.ep
@@ -363,6 +384,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
         n_ex, f_dense, f_expert, act, act_layer_max, n_moe, n_layers = 0, 0.0, 0.0, 0.0, 0.0, 0, 0.0
         act_b, layer_max_b, cast_b, cast_max_b, cache_b = 0.0, 0.0, 0.0, 0.0, 0.0
         recv_b, recv_block_b = 0.0, 0.0
+        n_attn = sum(has_attn for _, has_attn, _ in blocks)
         land = None  # (per token, fixed) of the heaviest MoE block at its weight-gradient landing
         for i, has_attn, has_ffn in blocks:
             halves = [shape.half_bytes(i, part, prec, layout.ep) for part, own in (("attn", has_attn),
@@ -419,5 +441,5 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
             act_b, cast_b = act_b + head_b + mtp * mtp_b, cast_b + head_cast  # the head is never checkpointed
         out.append(StageSummary(n_ne, n_ex, f_dense, f_expert, act, act_layer_max, head_act, n_moe, n_layers,
                                 first, last, act_b, layer_max_b, head_b, cast_b, cast_max_b, cache_b,
-                                *(land or (0.0, 0.0)), head_cast, recv_b, recv_block_b))
-    return out
+                                *(land or (0.0, 0.0)), head_cast, recv_b, recv_block_b, n_attn))
+    return tuple(out)

@@ -27,8 +27,8 @@ PLACED_RESIDUAL = 0.57
 def capacity_bound(cfg: Config, layout: Layout, shape: ModelShape) -> float:
     """The most a rank can receive over the mean T*K assignments: every source token sending it min(K, L) of its K,
     and under model.capacity_factor at most E * ceil(cf*T*K/E) per microbatch (model/moe.py drops the rest)."""
-    ep, E, K = layout.ep * layout.tp, shape.num_experts, shape.top_k  # TP: EP*TP ranks route T/TP tokens each
-    L, T = E // ep, layout.micro_batch * shape.seq_len // layout.tp
+    ep, E, K = layout.moe_ep, shape.num_experts, shape.top_k  # CP, TP: EP*CP*TP ranks route T/(CP*TP) tokens each
+    L, T = E // ep, layout.micro_batch * shape.seq_len // (layout.cp * layout.tp)
     bound, cf = ep * min(K, L) / K, cfg.model.capacity_factor
     if cf:
         bound = min(bound, E * math.ceil(cf * T * K / E) / (T * K))
@@ -42,7 +42,7 @@ def time_imbalance(cfg: Config, layout: Layout, shape: ModelShape, skew: float) 
     side's sigma, memory.expert_imbalance); a rank sums L = E/EP experts from EP sources, so its load deviates with
     sd skew*sqrt((1 - 1/EP)/(L*EP)), and the busiest of EP ranks sits at the expected max of EP normals. Capped by
     `capacity_bound`; 1 at EP 1 (one rank holds every expert) and for a balanced router (skew 0)."""
-    ep = layout.ep * layout.tp  # experts fold over EP x TP (docs/tp.md): that many ranks share them
+    ep = layout.moe_ep  # experts fold over EP x CP x TP (docs/tp.md, plan/cp.py): that many ranks share them
     if ep == 1:
         return 1.0
     bound = capacity_bound(cfg, layout, shape)
@@ -59,7 +59,7 @@ def rebalance_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
     """What one rebalance sends per EP rank at most (parallel/rebalance.py): every slot of a rank, C = E/EP + R - 1
     of them, refilled from another rank in each MoE layer of its stage, each an expert's weights and AdamW's two
     moments (3*D*F elements, fp32: 12 bytes an element)."""
-    ep = layout.ep * layout.tp
+    ep = layout.moe_ep  # EP x CP x TP ranks share the experts
     if ep == 1:
         return 0.0
     slots = shape.num_experts // ep + max(cfg.parallel.expert_replicas, 1) - 1
@@ -96,7 +96,7 @@ def group_node_crossings(cfg: Config, layout: Layout, shape: ModelShape, per_nod
     of the nodes it spans) that is at most min(K, topk_group) nodes, one copy each (a dispatcher that forwards
     within the node, DeepSeek's), not K. 1.0 without the limit or where groups straddle nodes."""
     K, G, tg = shape.top_k, cfg.model.n_group, cfg.model.topk_group
-    nodes = math.ceil(layout.ep * layout.tp / max(per_node, 1))
+    nodes = math.ceil(layout.moe_ep / max(per_node, 1))
     if G <= 1 or tg >= G or nodes <= 1 or G % nodes:
         return 1.0
     return min(K, tg) / K

@@ -6,13 +6,14 @@ Shapes: V vocab, D d_model, K top_k, E experts, S seq_len, T = m*S tokens of one
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ..config.config import Config
 from ..config.parse import tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
-from . import tp as tp_plan
+from . import cp as cp_plan, tp as tp_plan
 from .context import Context
 from .shape import ModelShape, StageSummary, mtp_seconds
 from .skew import group_node_crossings, time_imbalance
@@ -52,18 +53,24 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
     e_local = max(1, shape.num_experts // cfg.parallel.ep)
     peak = hw.peak_flops("bf16" if cfg.train.dtype == "bf16" else "fp32")
     eff_dense, eff_expert = gemm_eff(hw, T), gemm_eff(hw, T * shape.top_k / e_local)
-    passes = 4 if ac else 3
+    return list(_split(shape, n_chunks, T, peak, eff_dense, eff_expert, 4 if ac else 3, hw.layer_overhead_s))
+
+
+@functools.lru_cache(maxsize=256)  # a search asks it once per layout, with a handful of distinct arguments
+def _split(shape: ModelShape, n_chunks: int, T: int, peak: float, eff_dense: float, eff_expert: float, passes: int,
+           layer_overhead_s: float) -> tuple[float, ...]:
+    """balanced_layer_counts' dynamic programme, on the numbers it reads."""
 
     def seconds(f_dense: float, f_expert: float) -> float:  # one half-block: half the per-layer overhead
-        return passes * T * (f_dense / (peak * eff_dense) + f_expert / (peak * eff_expert)) + hw.layer_overhead_s / 2
+        return passes * T * (f_dense / (peak * eff_dense) + f_expert / (peak * eff_expert)) + layer_overhead_s / 2
 
     halves = []  # unit 2i: block i's attention, 2i+1: its FFN
     for i in range(shape.n_layers):
         f_dense, f_expert = shape.layer_fwd_flops(i)
         f_attn = shape.attn_part(i)["f_dense"]
         halves += [seconds(f_attn, 0.0), seconds(f_dense - f_attn, f_expert)]
-    embed = hw.layer_overhead_s
-    head = seconds(2 * shape.d_model * shape.vocab, 0.0) + hw.layer_overhead_s / 2
+    embed = layer_overhead_s
+    head = seconds(2 * shape.d_model * shape.vocab, 0.0) + layer_overhead_s / 2
     head += mtp_seconds(shape, seconds)  # the MTP depths run on the last chunk
     n, K = len(halves), n_chunks
     prefix = [0.0]
@@ -91,7 +98,7 @@ def balanced_layer_counts(cfg: Config, n_chunks: int, hw: Hardware,
         counts.append((i - j) / 2)
         i = j
     counts.append(i / 2)
-    return tidy_counts(counts[::-1])
+    return tuple(tidy_counts(counts[::-1]))
 
 
 def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tail_s: float = 0.0) -> float:
@@ -154,9 +161,9 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
 
     # Every rank's CPU-seconds by cause (dp*ep ranks run each stage, each its M microbatches and its step):
     # where ranks time-share a CPU node's cores, this work / the cores bounds the step too (Hardware.time_shared).
-    ranks = lay.dp * lay.ep * lay.tp
+    ranks = lay.dp * lay.ep * lay.cp * lay.tp
     work = {k: 0.0 for k in ("compute", "ep_a2a", "pp_p2p", "overhead", "dp_allreduce", "grad_norm", "optimizer")
-            + (("tp",) if lay.tp > 1 else ())}
+            + (("tp",) if lay.tp > 1 else ()) + (("cp",) if lay.cp > 1 else ())}
     for s in range(pp):
         for k, v in t_stage[s].items():
             work[k] += ranks * M * max(0.0, v - t_links[s].get(k, 0.0))  # an emulated link's hold is no work
@@ -175,10 +182,10 @@ def grad_norm_sync(c: Context) -> float:
     are tens of milliseconds, on a GPU cluster tens of microseconds."""
     lay, zero = c.layout, c.zero
     groups = []  # (group size, link kind)
-    if lay.ep * lay.tp > 1 and (zero == 0 or (zero == 3 and lay.dp == 1)):
-        groups.append((lay.ep * lay.tp, "ep"))
-    if zero and lay.dp * lay.ep * lay.tp > 1:
-        groups.append((lay.dp * lay.ep * lay.tp, "non_expert_dp"))
+    if lay.moe_ep > 1 and (zero == 0 or (zero == 3 and lay.dp == 1)):
+        groups.append((lay.moe_ep, "ep"))
+    if zero and lay.dp * lay.moe_ep > 1:
+        groups.append((lay.dp * lay.moe_ep, "non_expert_dp"))
     if lay.pp > 1:
         groups.append((lay.pp, "pp"))
     return sum(ring_allreduce_s(4, g, c.links[k][0].allreduce_bw, c.links[k][0].latency_s) for g, k in groups)
@@ -190,7 +197,7 @@ def _stage_time(c: Context, s: int, st: StageSummary,
     cause, forward compute, backward compute, what is waiting rather than work: link holds under opts.links_idle, and
     the skew's excess, which the other ranks of the group spend waiting, not computing)."""
     lay, hw, opts, prec = c.layout, c.hw, c.opts, c.prec
-    pp, ep, n_virt = lay.pp, lay.ep * lay.tp, c.n_virt  # experts folded onto EP: the EP group widened by TP
+    pp, ep, n_virt = lay.pp, lay.moe_ep, c.n_virt  # experts folded onto EP: the EP group widened by CP and TP
     T, D = c.T, c.shape.d_model
     t_x = T * st.f_expert / (c.peak * c.eff_expert)  # the experts' forward at the mean load
     t_f = T * st.f_dense / (c.peak * c.eff_dense) + f * t_x
@@ -207,11 +214,14 @@ def _stage_time(c: Context, s: int, st: StageSummary,
     p2p_link = sends * (T * D * prec.act / pp_link.p2p_bw + pp_link.latency_s)
     p2p = p2p_link + sends * 2 * hw.p2p_call_s  # a send and its recv each cost a call
     tp_s, tp_link = tp_plan.stage_tp_time(c, st)  # TP's collectives on the intra-node link (plan/tp.py)
-    links = dict(ep_a2a=a2a_link, pp_p2p=p2p_link, tp=tp_link) if opts.links_idle else dict(ep_a2a=skew_a2a)
+    cp_s, cp_link = cp_plan.stage_cp_time(c, st)  # CP's ring or all-to-all, what the attention does not hide
+    links = (dict(ep_a2a=a2a_link, pp_p2p=p2p_link, tp=tp_link, cp=cp_link) if opts.links_idle
+             else dict(ep_a2a=skew_a2a))
     links["compute"] = (f - 1) * t_x * passes
     over = st.n_layers * hw.layer_overhead_s
     a2a -= min(opts.ep_overlap * a2a, t_f + t_b)  # what an overlapping schedule hides, at most the compute
-    return (dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over) | ({"tp": tp_s} if lay.tp > 1 else {}),
+    return (dict(compute=t_f + t_b, ep_a2a=a2a, pp_p2p=p2p, overhead=over) | ({"tp": tp_s} if lay.tp > 1 else {})
+            | ({"cp": cp_s} if lay.cp > 1 else {}),
             t_f, t_b, links)
 
 
@@ -229,7 +239,7 @@ def _ep_link_time(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, 
 def _ep_link_at(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f: float) -> tuple[float, int]:
     """(EP all-to-all link seconds of one microbatch on stage `s` at received load `f`, calls per MoE layer)."""
     lay, hw, cfg = c.layout, c.hw, c.cfg
-    pp, ep, M = lay.pp, lay.ep * lay.tp, lay.microbatches  # TP: EP*TP ranks route T/TP tokens each
+    pp, ep, M = lay.pp, lay.moe_ep, lay.microbatches  # TP: EP*CP*TP ranks route T/TP tokens each (T: CP's share)
     ep_link, ep_off = c.links["ep"]
     # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
     # between peers on its node and peers elsewhere; the slower of the two paths bounds it.

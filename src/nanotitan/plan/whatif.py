@@ -32,6 +32,8 @@ ADVICE = {
                     "or a lower zero level",
     "optimizer": "optimizer step: shard it (--parallel.zero 1)",
     "overhead": "per-layer overhead: larger microbatches (--train.micro_batch)",
+    "cp": "context-parallel exchange: keep CP x TP within a node (a smaller --parallel.cp, more --parallel.tp), or "
+          "the ring (--parallel.cp_impl ring), whose hops hide behind the attention of long sequences",
 }
 
 
@@ -39,7 +41,8 @@ def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
     lo, hi = step_interval(p, sig, network)
     mlo, mhi = mem_interval(p, sig)
     L = p.layout
-    return dict(layout=L.short(), dp=L.dp, pp=L.pp, ep=L.ep, schedule=L.schedule, microbatches=L.microbatches,
+    return dict(layout=L.short(), dp=L.dp, pp=L.pp, ep=L.ep, tp=L.tp, cp=L.cp, schedule=L.schedule,
+                microbatches=L.microbatches,
                 micro_batch=L.micro_batch, zero=L.zero, fits=p.fits, tokens_per_sec=p.tokens_per_sec,
                 tokens_per_sec_interval=[p.tokens_per_sec * p.step_time_s / hi, p.tokens_per_sec * p.step_time_s / lo],
                 step_time_s=p.step_time_s, step_time_interval_s=[lo, hi], peak_mem_bytes=p.peak_mem,
@@ -73,8 +76,13 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
         flat = predict(layout_config(cfg, best.layout), best.layout, hw, dataclasses.replace(opts, expert_skew=0.0))
         out["skew"] = dict(expert_time_factor=best.expert_time_factor,
                            step_time_balanced_s=flat.step_time_s, cost=best.step_time_s / flat.step_time_s - 1)
-    if best.layout.ep * best.layout.tp > 1 and cfg.parallel.expert_placement == "static":
+    if best.layout.moe_ep > 1 and cfg.parallel.expert_placement == "static":
         out["placement"] = placement_saving(cfg, best, hw, opts)
+    if best.layout.cp > 1:  # why the sequence is split: the best layout that keeps it whole
+        whole = next((p for p in preds if p.layout.cp == 1), None)
+        out["without_cp"] = None if whole is None else dict(
+            layout=whole.layout.short(), fits=whole.fits, tokens_per_sec=whole.tokens_per_sec,
+            peak_mem_bytes=whole.peak_mem, smallest_peak_bytes=min(p.peak_mem for p in preds if p.layout.cp == 1))
     faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
@@ -93,7 +101,7 @@ def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOpti
     placed_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert_placement="balanced",
                                                                        expert_replicas=max(2, cfg.parallel.expert_replicas)))
     placed = predict(layout_config(placed_cfg, lay), lay, hw, opts)
-    link = hw.inter if lay.ep * lay.tp > hw.devices_per_node else hw.intra
+    link = hw.inter if lay.moe_ep > hw.devices_per_node else hw.intra
     move_s = rebalance_bytes(placed_cfg, lay, ModelShape.from_config(cfg)) / link.a2a_bw
     step = placed.step_time_s + move_s / cfg.parallel.rebalance_every
     gain = best.step_time_s - placed.step_time_s  # per step, before the moves
@@ -139,7 +147,7 @@ def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts
     L = best.layout
     flat = predict(c, L, hw, dataclasses.replace(opts, expert_skew=0.0))  # what the dry run routes
     stages = dict.fromkeys((best.mem_by_stage.index(best.peak_mem), 0, L.pp - 1))
-    dims = ParallelDims(L.dp, L.pp, L.ep, tp=L.tp)
+    dims = ParallelDims(L.dp, L.pp, L.ep, tp=L.tp, cp=L.cp)
     built = []
     for s in stages:  # replica 0, EP rank 0, TP rank 0 of stage s
         rb = measure_rank(c, dims.rank_of(0, s, 0, 0), world)
@@ -195,6 +203,11 @@ def format_what_if(r: dict) -> str:
                      f"moves at most {1e3 * k['move_s']:.0f} ms every {k['every']} steps: {100 * k['saving']:.1f}% "
                      + (f"(pays from --parallel.rebalance_every {math.ceil(k['break_even_every'])})"
                         if k["break_even_every"] else ""))
+    if r.get("without_cp"):
+        w = r["without_cp"]
+        fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
+        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences {fastest}; "
+                     f"the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "

@@ -1,0 +1,188 @@
+"""Context parallelism in the planner (issue 50, docs/planner.md "CP"): what a CP group of N ranks saves, what it
+sends on which link, and which CP degrees a layout search tries.
+
+The rank identity (tp fastest, cp next, as Megatron and torchtitan):
+    rank = ((((dp * PP + pp) * EP + ep) * CP + cp) * TP + tp)
+so a CP group (fixed dp, pp, ep, tp) is TP-strided and its CP x TP ranks are contiguous: inside one node when
+CP*TP ranks fit a node, else the CP group crosses nodes (`placement`, on parallel/dims.py's groups). The other
+groups: EP varies (ep, cp, tp) (the experts fold over EP x CP x TP), non-expert DP (dp, ep, cp), expert DP dp, PP pp.
+
+Per rank, CP divides a microbatch's T = m*S tokens by N (each rank holds chunks i and 2N-1-i of 2N): its saved
+activations, its GEMM FLOPs and the bytes of every per-token collective (EP, TP, PP) fall N-fold; a query still
+meets the keys of its whole causal prefix, so the attention FLOPs per token stay (ModelShape counts 2*S*H*width).
+Dense parameters are replicated over CP (their gradients reduced and zero-sharded over dp*ep*cp), the experts
+sharded over ep*cp*tp. What CP adds, per attention layer of one microbatch on one rank, with B the bytes of its
+local K/V block (T/N tokens x `kv_elems`):
+    ring  forward: N-1 hops, each sending and receiving one block (K and V in one message: 2(N-1) tensor
+          transfers); backward: N-1 hops of K/V again and N of dK/dV in fp32 (parallel/cp_attn.py accumulates
+          them in fp32 as they travel; the last hop brings them home). A K/V hop is posted before the block it
+          overlaps is computed, a dK/dV hop after, overlapping the next block: exposed is what a step's hops
+          last beyond one block's attention (forward: 1/N of the layer's score-and-mix FLOPs; backward: twice
+          that), plus the backward's last dK/dV hop. In flight beside a layer's backward: the block computed and
+          the next (2B), the gradients travelling and arriving (2 fp32 blocks), the step's zero-padded dK/dV (B),
+          dq's fp32 accumulator, and under MLA the block's up-projected per-head K/V and their gradients.
+    a2a   Ulysses: q, k, v to head shards and the output back, (N-1)/N of `a2a_elems` per token each way (KV
+          heads fewer than N are repeated to N first); the backward the same; not overlapped. Buffers: the send
+          and the receive side of q, k, v and the output.
+GQA sends its KV heads (split over TP where they divide), never repeated copies; MLA sends its latent
+(kv_lora_rank + rope dim per token, whole on every TP rank) and up-projects locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..config.config import Config, ConfigError, validate
+from ..config.counts import attention_matmuls
+from ..parallel.dims import ParallelDims
+from .shape import Layout, ModelShape, layout_config
+
+
+def degrees(world: int, seq_len: int) -> list[int]:
+    """CP degrees a search tries: divisors of the world that split the sequence into 2*cp equal chunks."""
+    return [c for c in range(1, world + 1) if world % c == 0 and seq_len % (2 * c) == 0] or [1]
+
+
+def kv_elems(shape: ModelShape, tp: int) -> int:
+    """Elements per token one ring hop carries on a TP rank: MLA's latent (post-norm c_kv and the roped k_rope,
+    whole on every TP rank), else the rank's KV heads' keys and values (all KV heads where they do not split)."""
+    if shape.kv_lora_rank:
+        return shape.kv_lora_rank + shape.qk_rope_head_dim
+    kv, hd = shape.n_kv_heads or shape.n_heads, shape.head_dim or shape.d_model // shape.n_heads
+    return (kv // tp if kv % tp == 0 else kv) * 2 * hd
+
+
+def whole_kv_elems(shape: ModelShape, tp: int = 1) -> int:
+    """Elements per token of whole per-head K and V on a TP rank (MLA up-projected): what a ring would carry
+    without the latent, and what MLA's ring expands each received block to."""
+    H = shape.n_heads // tp
+    if shape.kv_lora_rank:
+        return H * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
+    return kv_elems(shape, tp)
+
+
+def q_elems(shape: ModelShape, tp: int) -> int:
+    """Elements per token of a TP rank's queries (MLA: nope + rope per head)."""
+    hd = shape.qk_nope_head_dim + shape.qk_rope_head_dim if shape.kv_lora_rank else (shape.head_dim or
+                                                                                      shape.d_model // shape.n_heads)
+    return shape.n_heads // tp * hd
+
+
+def a2a_elems(shape: ModelShape, tp: int, cp: int) -> int:
+    """Elements per token Ulysses' all-to-alls move per attention layer forward on a TP rank: q, k, v and the output
+    (MLA: the up-projected per-head k and v; GQA: the KV heads, repeated to cp heads where fewer)."""
+    H = shape.n_heads // tp
+    if shape.kv_lora_rank:
+        qk, dv = shape.qk_nope_head_dim + shape.qk_rope_head_dim, shape.v_head_dim
+        return H * (2 * qk + 2 * dv)
+    hd = shape.head_dim or shape.d_model // shape.n_heads
+    kv = kv_elems(shape, tp) // (2 * hd)
+    return 2 * H * hd + 2 * hd * (kv if kv % cp == 0 else cp)
+
+
+def ring_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends (and receives) per attention layer of a microbatch whose `tokens`
+    are its local T/N: forward N-1 blocks, backward N-1 blocks of K/V and N of dK/dV in fp32 (module docstring)."""
+    if cp == 1:
+        return 0.0, 0.0
+    per_token = tokens * kv_elems(shape, tp)
+    return (cp - 1) * per_token * elem, (cp - 1) * per_token * elem + cp * per_token * 4
+
+
+def a2a_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends to its CP peers per attention layer under cp_impl a2a."""
+    b = tokens * a2a_elems(shape, tp, cp) * elem * (cp - 1) / cp
+    return b, b
+
+
+def buffer_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int, impl: str) -> float:
+    """Bytes CP's attention holds beside one layer's backward (module docstring): the ring's blocks in flight with
+    their gradients, dq's accumulator (and MLA's up-projected block with its gradient), or the all-to-all's send
+    and receive buffers."""
+    if cp == 1:
+        return 0.0
+    if impl == "a2a":
+        return 2 * tokens * a2a_elems(shape, tp, cp) * elem
+    kv = tokens * kv_elems(shape, tp)
+    expand = 2 * tokens * whole_kv_elems(shape, tp) * elem if shape.kv_lora_rank else 0.0
+    return 3 * kv * elem + 2 * kv * 4 + tokens * q_elems(shape, tp) * 4 + expand
+
+
+def core_flops(shape: ModelShape, tp: int) -> float:
+    """Forward FLOPs per token of one layer's scores and mix (what the ring's hops overlap), on a TP rank."""
+    return 2 * shape.seq_len * shape.n_heads * attention_matmuls(shape)[1] / tp
+
+
+def ring_exposed(kv_s: float, grad_s: float, lat_s: float, cp: int, block_s: float) -> tuple[float, float]:
+    """(exposed, link) seconds of one layer's ring, forward + backward: K/V hops of `kv_s` and dK/dV hops of
+    `grad_s` over the link, `lat_s` each, a forward block's compute `block_s` (the backward's twice that)."""
+    fwd = (cp - 1) * max(0.0, kv_s + lat_s - block_s)
+    bwd = (cp - 1) * max(0.0, kv_s + grad_s + 2 * lat_s - 2 * block_s) + grad_s + lat_s  # dK/dV's last hop home
+    link = (cp - 1) * (2 * kv_s + 2 * lat_s) + cp * (grad_s + lat_s)
+    return fwd + bwd, link
+
+
+def stage_cp_time(c, st) -> tuple[float, float]:
+    """(CP seconds of one microbatch on a stage, on the critical path; the link time in it), `c` the plan's Context.
+    On a CPU profile the P2P is the host's work (gloo), so nothing hides behind compute unless the link is an
+    emulated wait (opts.links_idle)."""
+    lay, hw, shape = c.layout, c.hw, c.shape
+    N = lay.cp
+    if N == 1 or not st.n_attn:
+        return 0.0, 0.0
+    link, _ = c.links["cp"]
+    impl = c.cfg.parallel.cp_impl
+    if impl == "a2a":
+        fwd, _ = a2a_bytes(shape, c.T, N, lay.tp, c.prec.act)
+        one = 2 * (fwd / link.a2a_bw + 4 * (N - 1) * link.latency_s)  # q, k, v out and back; the backward's alike
+        calls = 8
+        return st.n_attn * (one + calls * hw.a2a_call_s), st.n_attn * one
+    kv = c.T * kv_elems(shape, lay.tp) / link.p2p_bw
+    block = c.T * core_flops(shape, lay.tp) / (c.peak * c.eff_dense) / N
+    hidden = not hw.cores_per_node or c.opts.links_idle
+    exposed, _ = ring_exposed(kv * c.prec.act, kv * 4, link.latency_s, N, block if hidden else 0.0)
+    calls = 2 * (3 * N - 2)  # every hop an isend and an irecv: N-1 forward, N-1 + N backward
+    return st.n_attn * (exposed + calls * hw.p2p_call_s), st.n_attn * exposed
+
+
+@functools.lru_cache(maxsize=4096)
+def placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
+    """(crosses nodes, fraction of a member's peers on other nodes) of the worst group of `kind` among those of the
+    first and the last rank, nodes of `per_node` ranks filled in rank order (context.placement's rule, on the
+    runtime's own CP identity: `ParallelDims`)."""
+    worst = (False, 0.0)
+    world = layout.dp * layout.pp * layout.ep * layout.cp * layout.tp
+    for rank in (0, world - 1):
+        ranks = ParallelDims(layout.dp, layout.pp, layout.ep, rank, tp=layout.tp, cp=layout.cp).group_ranks(kind)
+        if len(ranks) < 2:
+            continue
+        nodes = [r // per_node for r in ranks]
+        off = max(sum(n != me for n in nodes) / (len(ranks) - 1) for me in set(nodes))
+        worst = max(worst, (len(set(nodes)) > 1, off))
+    return worst
+
+
+def enumerate_cp(cfg: Config, world: int, enumerate_base, only: int = 0) -> list[Layout]:
+    """Layouts of `world` ranks over DP x PP x EP x TP x CP: for each CP degree (`only`: that one) the layouts of
+    world / cp ranks at cp 1 (`enumerate_base(cfg_cp1, ranks)`, TP's search among them) that the runtime's rules
+    accept with that CP (config.validate: 2*cp divides the sequence, the experts fold over ep*cp*tp, a2a's heads)."""
+    base_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=1))
+    out = []
+    for cp in [only] if only else degrees(world, cfg.train.seq_len):
+        if world % cp:
+            continue
+        for lay in enumerate_base(base_cfg, world // cp):
+            lay = dataclasses.replace(lay, cp=cp)
+            if cp == 1 or refusal(cfg, lay) is None:
+                out.append(lay)
+    return out
+
+
+def refusal(cfg: Config, layout: Layout) -> str | None:
+    """Why `layout` cannot run this model (None: it can): config.validate at the layout's world."""
+    try:
+        validate(layout_config(cfg, layout), world_size=layout.dp * layout.pp * layout.ep * layout.cp * layout.tp)
+    except ConfigError as e:
+        return str(e)
+    return None
