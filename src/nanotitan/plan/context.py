@@ -49,9 +49,16 @@ def zero_level(layout: Layout, opts: PlanOptions) -> int:
 def placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
     """(crosses nodes, fraction of a member's peers on other nodes) for the worst group of `kind`
     at stage 0 of replica 0 and of the last replica/stage (ranks fill nodes in order)."""
+    return worst_crossing(lambda r: ParallelDims(layout.dp, layout.pp, layout.ep, r),
+                          layout.dp * layout.pp * layout.ep, kind, per_node)
+
+
+def worst_crossing(dims_of, world: int, kind: str, per_node: int) -> tuple[bool, float]:
+    """`placement`'s rule over the ranks `dims_of(rank)` (a ParallelDims) places: the first and the last rank's
+    groups of `kind`, nodes of `per_node` ranks filled in rank order."""
     worst = (False, 0.0)
-    for rank in (0, layout.dp * layout.pp * layout.ep - 1):
-        ranks = ParallelDims(layout.dp, layout.pp, layout.ep, rank).group_ranks(kind)
+    for rank in (0, world - 1):
+        ranks = dims_of(rank).group_ranks(kind)
         if len(ranks) < 2:
             continue
         nodes = [r // per_node for r in ranks]

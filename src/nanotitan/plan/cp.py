@@ -36,6 +36,7 @@ import functools
 from ..config.config import Config, ConfigError, validate
 from ..config.counts import attention_matmuls
 from ..parallel.dims import ParallelDims
+from .context import worst_crossing
 from .shape import Layout, ModelShape, layout_config
 
 
@@ -151,16 +152,8 @@ def placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
     """(crosses nodes, fraction of a member's peers on other nodes) of the worst group of `kind` among those of the
     first and the last rank, nodes of `per_node` ranks filled in rank order (context.placement's rule, on the
     runtime's own CP identity: `ParallelDims`)."""
-    worst = (False, 0.0)
-    world = layout.dp * layout.pp * layout.ep * layout.cp * layout.tp
-    for rank in (0, world - 1):
-        ranks = ParallelDims(layout.dp, layout.pp, layout.ep, rank, tp=layout.tp, cp=layout.cp).group_ranks(kind)
-        if len(ranks) < 2:
-            continue
-        nodes = [r // per_node for r in ranks]
-        off = max(sum(n != me for n in nodes) / (len(ranks) - 1) for me in set(nodes))
-        worst = max(worst, (len(set(nodes)) > 1, off))
-    return worst
+    return worst_crossing(lambda r: ParallelDims(layout.dp, layout.pp, layout.ep, r, tp=layout.tp, cp=layout.cp),
+                          layout.dp * layout.pp * layout.ep * layout.cp * layout.tp, kind, per_node)
 
 
 def enumerate_cp(cfg: Config, world: int, enumerate_base, only: int = 0) -> list[Layout]:
