@@ -230,7 +230,7 @@ def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer
 
 # The coordinates every layout shows, then the axes a layout shows only when it has them (degree > 1): a new axis
 # (context parallel) joins the second list, with its `{axis}_rank` in the summary rows and its `{axis}` in the record.
-SHOWN_AXES, OPTIONAL_AXES = ("dp", "pp", "ep"), ("tp",)
+SHOWN_AXES, OPTIONAL_AXES = ("dp", "pp", "ep"), ("cp", "tp")
 
 
 def layout_axes(record: dict) -> tuple[str, ...]:

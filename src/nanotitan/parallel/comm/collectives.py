@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from . import emulate
 from .stall import RECORD
 
-AXES = ("dp", "ep", "pp", "tp", "other")
+AXES = ("dp", "ep", "pp", "tp", "cp", "other")
 
 
 class CommStats:
