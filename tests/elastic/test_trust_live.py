@@ -147,7 +147,7 @@ def test_the_coordinator_fails_a_generation_when_a_member_dies_and_restarts_it_b
     try:
         assert restart_budget(coord.cfg) == ELASTIC_RESTARTS == 3
         for node in range(2):
-            _register(store, node, coord.hash)
+            _register(coord, store, node, coord.hash)
             store.set(f"node/{node}", json.dumps({"host": "h", "pid": 0, "hash": coord.hash, "files": "127.0.0.1:1"}))
         coord.since -= 1e6
         coord.tick()
@@ -180,10 +180,8 @@ def test_a_joiner_with_another_secret_is_told_so_in_one_line(corpus_dir, tmp_pat
 
     coord, store, raw = _coordinator(corpus_dir, tmp_path, "1:2")
     try:
-        import torch.distributed as dist
-
         said = []
-        theirs = SignedStore(dist.PrefixStore("nanotitan/elastic/bad", raw), b"y" * 32, log=said.append)
+        theirs = SignedStore(raw, b"y" * 32, "bad", log=said.append)
         t0 = time.monotonic()
         with pytest.raises(ConfigError, match=r"^node 0's entries in the job's store at 127.0.0.1:9 do not verify "
                                               r"with this node's key: your secret does not match the job's"):
@@ -191,7 +189,7 @@ def test_a_joiner_with_another_secret_is_told_so_in_one_line(corpus_dir, tmp_pat
         assert MISMATCH_S <= time.monotonic() - t0 <= MISMATCH_S + 2
         assert len(said) == 1, said  # node 0's entry, refused once
 
-        ours = SignedStore(dist.PrefixStore("nanotitan/elastic/bad", raw), store.key, log=said.append)
+        ours = SignedStore(raw, store.key, "bad", log=said.append)
         assert await_job(ours, "127.0.0.1:9", timeout_s=5) == coord.live.addr
         raw.set(f"nanotitan/elastic/bad/{LIVE_KEY}", b'{"v": "10.0.0.9:1", "mac": "0"}')  # a stranger's write
         coord.published -= 2  # a second later node 0 rewrites its own

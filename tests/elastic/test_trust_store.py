@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from nanotitan.elastic import agent as agent_mod
 from nanotitan.elastic import coordinator as coord_mod
+from nanotitan.run.loopback import loopback_store
 from nanotitan.elastic.auth import ABSENT, ENTRY_MAX, REFUSED_MAX, SignedStore, default_id_warning, new_launch
 from tests.helpers.elastic import _coordinator, _register
 
@@ -21,7 +22,7 @@ KEY = b"k" * 32
 
 
 def _server():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    return loopback_store(timeout_s=2)  # torch's own TCPStore server would listen on every interface
 
 
 def _client(raw, job="bad", launch=None, log=print):

@@ -88,11 +88,8 @@ def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
 
 
 def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from nanotitan.config.config import load_config
+    from nanotitan.run.loopback import loopback_store
     from nanotitan.elastic.auth import SignedStore, new_launch
     from nanotitan.elastic.coordinator import Coordinator, job_hash
 
@@ -100,7 +97,7 @@ def _coordinator(corpus_dir, run_dir, nodes: str, extra=()):
         "--train.global_batch", str(B), "--parallel.auto", "true", "--elastic.nodes", nodes,
         "--elastic.endpoint", "127.0.0.1:1", "--elastic.id", "bad", "--elastic.snapshot_dir", str(run_dir / "shm"),
         *extra])
-    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    raw = loopback_store(timeout_s=10)  # torch's own TCPStore server would listen on every interface
     store = SignedStore(raw, b"k" * 32, "bad", new_launch())
     return Coordinator(cfg, store, job_hash(cfg)), store, raw
 

@@ -196,7 +196,10 @@ class ReplayGuard:
 ENTRY_MAX = 64 << 10  # bytes: no entry of ours is larger (a plan is ~1 KB); a larger one is a stranger's
 REFUSED_MAX = 256  # refused entries remembered (so each is named once); the oldest is forgotten first
 ABSENT = b"\0nanotitan-absent\0"  # compare_set's answer for a missing key (no entry of ours is this)
-UNBOUND = ("join/", "assign/")  # keys that bootstrap the launch nonce: bound to a fresh random token instead
+# Keys a joiner reads before it knows the launch nonce: join/ and assign/ are bound to a fresh random token of the
+# joiner's instead; `live` (node 0's liveness address, elastic/liveness.py) is what a joiner checks its secret
+# against first, and node 0 rewrites it every second (an earlier launch's, replayed, lasts a second at most).
+UNBOUND = ("join/", "assign/", "live")
 
 
 def new_launch() -> str:
@@ -265,6 +268,13 @@ class SignedStore:
             self.refused.popitem(last=False)
         self.log(f"nanotitan elastic: {line}")
         return None
+
+    def has(self, k: str) -> bool:
+        """Whether anything (signed or not) is at `k`: one non-blocking check, False when the store cannot say."""
+        try:
+            return self.store.check([k])
+        except Exception:  # noqa: BLE001 - a store error is "cannot say", as in `get`
+            return False
 
     def add(self, k: str, n: int) -> int:
         return self.store.add(k, n)
