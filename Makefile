@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup setup-test train test test-fast bench gpu-check clean
+.PHONY: setup setup-test train test test-slow test-all bench gpu-check clean
 
 # What the main job imports, nothing more: `make train` on a fresh clone does not wait for the test extras
 # (transformers, wandb and their dependencies: issue 27).
@@ -30,12 +30,17 @@ train: $(STAMP)
 	$(VENV)/bin/nanotitan data prepare
 	$(VENV)/bin/nanotitan train --config configs/default.toml $(ARGS)
 
-# The whole test suite (what CI runs).
+# The test suite without its slow tier (the README's test command; <= 25 min on a 2-core machine).
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -rs --durations=15 $(ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -m "not slow" $(ARGS)
 
-test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+# The slow tier: the longest multi-process launches (world 8, elastic re-layouts, emulated topologies).
+# CI runs it after `make test` (.ci/run); `make test-all` runs both in one session.
+test-slow: $(TEST_STAMP)
+	$(PY) -m pytest -q -rs --durations=15 -m slow $(ARGS)
+
+test-all: $(TEST_STAMP)
+	$(PY) -m pytest -q -rs --durations=15 $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/nanotitan bench dp

@@ -80,6 +80,7 @@ def test_world4_dp2_ep2_lanes_zero(corpus_dir, tmp_path, reference, reference_ba
     _matrix(4, cases, corpus_dir, tmp_path, reference, reference_balance, timeout=300, twins=2)
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 @pytest.mark.timeout(720)
 def test_world4_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
     """PP2·EP2 (M = 4), one launch: 1f1b and zb1, activation checkpointing off and on (each lane's P2P on its own PP
@@ -93,6 +94,7 @@ def test_world4_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
     _matrix(4, cases, corpus_dir, tmp_path, reference, reference, timeout=700, twins=7)
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 def test_world8_dp2_pp2_ep2_lanes(corpus_dir, tmp_path, reference):
     """DP2·PP2·EP2 (M = 2; the default job's layout), activation checkpointing off and on: the DP Reducer's
     buckets in the backward lane beside the forward lane's traffic; each row bitwise its twin without the lanes."""

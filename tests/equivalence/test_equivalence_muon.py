@@ -140,6 +140,7 @@ def test_world2_muon(corpus_dir, tmp_path, refs):
     _matrix(2, WORLD2, corpus_dir, tmp_path, refs, timeout=600)
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 @pytest.mark.timeout(900)
 def test_world8_muon(corpus_dir, tmp_path, refs):
     """DP2·PP2·EP2, DP2·TP2·EP2 at zero 3, and the DeepSeek-V3-shaped model, under Muon."""

@@ -59,6 +59,7 @@ def test_world2_interleaved_zb1(corpus_dir, tmp_path, reference):
     _matrix(2, cases, corpus_dir, tmp_path, {"4": reference}, timeout=300, twins_expected=2)
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_layers):
     """PP4 (interleaved on 8 layers), DP2·PP2 and PP2·EP2: both schedules (the Reducer's buckets see zb1's
     weight gradients arrive in W; EP's all-to-alls pair up in forward and B); DP2·PP2 zb1 with ZeRO-2 too (the
@@ -78,6 +79,7 @@ def test_world4_interleaved_zb1(corpus_dir, tmp_path, reference, reference_8_lay
             twins_expected=4)
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 def test_world8_interleaved_zb1(corpus_dir, tmp_path, reference):
     """DP2·PP2·EP2 (M=2: interleaved runs every forward in its warmup), and zb1 cut at 2.5,1.5 (what
     `pp_layers auto` gives the default job: block 2's MoE, with its all-to-alls, opens stage 1); with

@@ -28,6 +28,7 @@ def _run(rank, world, cases, corpus_dir, run_root):
             for i, case in enumerate(cases)]
 
 
+@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 def test_compiled_blocks_dp2_pp2_ep2(corpus_dir, tmp_path, tmp_path_factory, reference_2):
     # One process first: its row is the tightest check, and it fills inductor's on-disk cache with the block's
     # graphs, which the 8 ranks (one block each, the same shapes) then load instead of compiling them 8 times.
