@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .cp_rules import check_cp
@@ -302,11 +302,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 def _run_dir_blocker(run_dir: str) -> str | None:

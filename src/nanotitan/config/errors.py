@@ -15,6 +15,12 @@ class ConfigError(ValueError):
     """Bad user input: one line naming the field and the fix; exit 2."""
 
 
+def check(ok: bool, line: str) -> None:
+    """Raise the one-line ConfigError `line` unless `ok`: every config rule's check (config.py and the axes' rules)."""
+    if not ok:
+        raise ConfigError(line)
+
+
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. a non-finite step with train.on_nonfinite=stop). Raised on every rank alike,
     after they agreed on it, so none is left inside a collective; the CLI prints it as one line and exits 1."""

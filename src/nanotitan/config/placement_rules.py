@@ -3,12 +3,7 @@ by load"). A leaf like config.py, which calls it from `validate`."""
 
 from __future__ import annotations
 
-from .errors import ConfigError
-
-
-def _check(ok: bool, line: str) -> None:
-    if not ok:
-        raise ConfigError(line)
+from .errors import check as _check
 
 
 def check_placement(cfg) -> None:
