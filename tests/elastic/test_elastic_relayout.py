@@ -77,7 +77,8 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
     # Two changes, each to the planner's layout for its world, nothing lost.
     changes = _changes(run)
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("notice", [3, 2]), ("failure", [2, 2])], out
-    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1", "dp=2 pp=1 ep=1", "dp=2 pp=1 ep=1"], changes
+    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1 tp=1 cp=1", "dp=2 pp=1 ep=1 tp=1 cp=1",
+                                                               "dp=2 pp=1 ep=1 tp=1 cp=1"], changes
     assert 3 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < STEPS, changes
     lost = changes[2]["steps_lost"]
     assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes

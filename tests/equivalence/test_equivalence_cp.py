@@ -21,6 +21,7 @@ def cp(n: int, impl: str = "ring", *extra) -> tuple:
 
 
 AC = ("--train.activation_checkpointing", "true")
+CKPT2 = ("--train.ckpt_every", "2")  # a checkpoint at step 2 of the 4, which a later row of the launch resumes
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,16 @@ def cp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
                          pg_timeout=120)
     for case, ranks in zip(cases, zip(*per_rank)):
         model, extra, ref = case[0], case[5], want[case[0]]
-        worst = max_rel_dev(ranks[0]["losses"], ref["losses"])
+        start = 2 if "--train.resume" in extra else 0  # resumed at step 2 from an earlier row's checkpoint
+        worst = max_rel_dev(ranks[0]["losses"], ref["losses"][start:])
         print(f"CP row {model} dp,pp,ep,tp={case[1:5]} {' '.join(extra)}: worst loss error {worst:.1e}")  # pytest -s
         if model == "bf16":
             for r in ranks:
                 assert not r["losses"] or max_rel_dev(r["losses"], ref["losses"]) <= bf16_bound(), case
             val = next(r["val_loss"] for r in ref["records"] if "val_loss" in r)  # the eval: CP ranks' parts add up
             assert abs(ranks[0]["val"] - val) <= bf16_bound() * abs(val), (case, ranks[0]["val"], val)
+        elif start:
+            check_resumed(str(case), ranks, ref, start)
         else:
             check_tp_case(str(case), list(ranks), ref)
         if model in ("capacity", "deepseek"):  # capacity drops under CP what one process drops, every step
@@ -71,9 +75,12 @@ def test_world2_cp(corpus_dir, tmp_path, refs):
 def test_world4_cp(corpus_dir, tmp_path, refs):
     """CP4 ring (chunks of 2 tokens); DP2*CP2 at zero 1; EP2*CP2 (experts folded over EP x CP: one a rank) on the CAP
     model; TP2*CP2 with SP, on the plain and the DEEPSEEK models (the pair torchtitan refuses: MLA heads split over
-    TP, its latent on the CP ring)."""
-    cases = [("fp32", 1, 1, 1, 1, cp(4)), ("fp32", 2, 1, 1, 1, cp(2, "ring", "--parallel.zero", "1")),
-             ("capacity", 1, 1, 2, 1, cp(2)), ("fp32", 1, 1, 1, 2, cp(2)), ("deepseek", 1, 1, 1, 2, cp(2))]
+    TP, its latent on the CP ring). Last, DP2*CP2's step-2 checkpoint (zero 1: Adam state sharded over DP x CP)
+    resumes at CP4 (zero 0): steps 3-4 and the parameters are the reference's."""
+    step2 = str(tmp_path / "4_1" / "checkpoints" / "step_2")  # row 1's checkpoint (_run_cases: RUN_ROOT/WORLD_I)
+    cases = [("fp32", 1, 1, 1, 1, cp(4)), ("fp32", 2, 1, 1, 1, cp(2, "ring", "--parallel.zero", "1", *CKPT2)),
+             ("capacity", 1, 1, 2, 1, cp(2)), ("fp32", 1, 1, 1, 2, cp(2)), ("deepseek", 1, 1, 1, 2, cp(2)),
+             ("fp32", 1, 1, 1, 1, cp(4, "ring", "--train.resume", step2))]
     cp_matrix(4, cases, corpus_dir, tmp_path, refs, timeout=1200)
 
 
@@ -95,18 +102,27 @@ def test_world8_cp(corpus_dir, tmp_path, refs):
     cp_matrix(8, [("fp32", 2, 2, 1, 1, cp(2, "ring", "--parallel.zero", "1"))], corpus_dir, tmp_path, refs, 900)
 
 
-def test_checkpoint_from_cp2_to_one_process(corpus_dir, tmp_path, refs):
-    """A checkpoint saved at CP2 (step 2) resumes in one process: steps 3-4 train what the reference trains (CP's
-    parameters are replicated: any CP degree reads them as DP does)."""
+def check_resumed(name: str, ranks, ref: dict, start: int) -> None:
+    """A run resumed at step `start`: its losses are the reference's from step start+1 on, its final parameters the
+    reference's (`check_tp_case` on the steps it trained)."""
+    check_tp_case(name, list(ranks), dict(ref, losses=ref["losses"][start:]), steps=SHORT_STEPS - start)
+
+
+def test_checkpoint_reshards_across_cp_degrees(corpus_dir, tmp_path, refs):
+    """A checkpoint saved at CP2 (step 2) resumes at CP1·DP2 in the same launch (the data position and the Adam
+    state move from one data rank read in chunks to two reading whole sequences), and in one process: steps 3-4
+    train what the reference trains, losses and parameters (CP's parameters are replicated: any CP degree reads them
+    as DP does). CP2·DP2 at zero 1 -> CP4: test_world4_cp's last row."""
     ref = refs("fp32")
     run = tmp_path / "cp2"
-    run_ranks(_run_cases, 2, args=([("fp32", 1, 1, 1, 1, cp(2, "ring", "--train.ckpt_every", "2"))], str(corpus_dir),
-                                   str(run)), timeout=600, pg_timeout=120)
-    resumed = train_tp(base_args(corpus_dir, tmp_path / "one") + short_layout(1, 1, 1, 1, (
-        "--train.resume", str(run / "2_0" / "checkpoints" / "step_2"))))
-    assert len(resumed["losses"]) == SHORT_STEPS - 2
-    for a, b in zip(resumed["losses"], ref["losses"][2:]):
-        assert abs(a - b) <= 1e-5 * abs(b), (resumed["losses"], ref["losses"])
+    step2 = str(run / "2_0" / "checkpoints" / "step_2")  # case 0's run dir (_run_cases: RUN_ROOT/WORLD_I)
+    cases = [("fp32", 1, 1, 1, 1, cp(2, "ring", "--train.ckpt_every", "2")),
+             ("fp32", 2, 1, 1, 1, cp(1, "ring", "--train.resume", step2))]
+    per_rank = run_ranks(_run_cases, 2, args=(cases, str(corpus_dir), str(run)), timeout=600, pg_timeout=120)
+    check_tp_case("CP2", [r[0] for r in per_rank], ref)
+    check_resumed("CP2 -> DP2", [r[1] for r in per_rank], ref, 2)
+    resumed = train_tp(base_args(corpus_dir, tmp_path / "one") + short_layout(1, 1, 1, 1, ("--train.resume", step2)))
+    check_resumed("CP2 -> one process", [resumed], ref, 2)
 
 
 def test_cp_layout_is_refused_in_one_line(tmp_path):

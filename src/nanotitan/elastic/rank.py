@@ -113,7 +113,8 @@ class ElasticTrainer(Trainer):
 
 def layout_line(cfg: Config) -> str:
     p = cfg.parallel
-    return f"dp={p.dp} pp={p.pp} ep={p.ep} M={p.microbatches} m={cfg.train.micro_batch} zero={p.zero}"
+    return (f"dp={p.dp} pp={p.pp} ep={p.ep} tp={p.tp} cp={p.cp} M={p.microbatches} m={cfg.train.micro_batch} "
+            f"zero={p.zero}")  # tp, cp: the planner may choose them for a new world (plan/tp.py, plan/cp.py)
 
 
 def run_rank(cfg: Config) -> dict:

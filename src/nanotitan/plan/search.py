@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 
 from ..config.config import Config, ConfigError, validate
-from ..config.hardware import GiB, Hardware, detect_hardware
+from ..config.hardware import GiB, Hardware, detect_hardware, fmt_bytes
 from . import cp as cp_plan, tp as tp_plan
 from .cost import PlanOptions, Prediction, predict
 from .shape import Layout, ModelShape, layout_config
@@ -100,8 +100,9 @@ def best_layout(cfg: Config, world: int, hardware: str | Hardware | None = None,
                           f"(change --parallel.microbatches/--train.micro_batch or the world size)")
     if not preds[0].fits:
         p = min(preds, key=lambda q: q.peak_mem)
-        raise ConfigError(f"no layout of {world} ranks fits memory: the smallest needs {p.peak_mem / GiB:.1f} GiB "
-                          f"per rank > {p.mem_limit / GiB:.1f} GiB ({p.layout.short()}); use more ranks, "
+        # fmt_bytes: a small cap (a test's, a tiny model's) would read "0.0 GiB > 0.0 GiB" in GiB
+        raise ConfigError(f"no layout of {world} ranks fits memory: the smallest needs {fmt_bytes(p.peak_mem)} "
+                          f"per rank > {fmt_bytes(p.mem_limit)} ({p.layout.short()}); use more ranks, "
                           f"--train.activation_checkpointing true or a smaller --train.micro_batch")
     return preds[0].layout
 

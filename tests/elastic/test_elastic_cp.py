@@ -1,0 +1,100 @@
+"""The elastic re-layout chooses context parallel (issue 50 item 4): loopback "nodes" of one rank each share one
+host's memory, which the planner's CPU profile divides among the ranks on it. The test model at a sequence of 128
+tokens, on a host whose memory holds one process's step but, split between two ranks, only a layout that splits the
+sequence: node 0 starts alone (world 1: cp=1), node 1 joins (world 2: the planner's choice has cp=2, the step-N
+checkpoint of the one-process layout resharded onto it), then node 1 gets a notice (world 1 again: cp=1, from the
+CP2 layout's checkpoint). Both changes are planned, so no step is lost, and every logged loss and the final
+parameters equal an uninterrupted single-process run at the same global batch (DESIGN §4)."""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from tests.helpers.equivalence import B, LR, base_args, layout_args, m
+from tests.helpers.elastic import AGENT_TIMEOUT_S, _agent, _await, _changes, _records, elastic_args, losses_match_one_process
+
+STEPS, S = 60, 128
+LONG = ("--train.seq_len", str(S))  # 2 sequences of 128 tokens a microbatch: activations outweigh the weights
+
+
+def capped_host(cfg, path) -> float:
+    """Write a profile (the calibrated CPU one, with less memory) under which 2 ranks fit only by splitting the
+    sequence: the host's memory is twice the geometric middle between the smallest peak per rank of a cp=2 layout
+    and the smallest of any cp=1, tp=1 layout of 2 ranks (DP, PP, EP, zero 0-3 keep a microbatch's activations
+    whole). TP2 with SP would fit too (it cuts them as well); the planner prefers CP2 by its speed. Returns the
+    host's bytes."""
+    from nanotitan.config.hardware import get_hardware
+    from nanotitan.config.hf_config import resolve_model
+    from nanotitan.plan.cost import PlanOptions
+    from nanotitan.plan.search import plan
+
+    hw = get_hardware("cpu-gloo")
+    preds = plan(resolve_model(cfg), 2, hw, PlanOptions(global_batch=B, micro_batch=m))  # as resolve.py plans
+    split = min(p.peak_mem for p in preds if p.layout.cp > 1)
+    whole = min(p.peak_mem for p in preds if p.layout.cp == 1 and p.layout.tp == 1)
+    assert split < whole, (split, whole)  # CP saves what no other axis of 2 ranks does
+    host = 2 * math.sqrt(split * whole)
+    path.write_text(json.dumps(dataclasses.asdict(dataclasses.replace(hw, mem_bytes=host))))
+    return host
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch):
+    from nanotitan.config.config import load_config
+    from nanotitan.train import Trainer
+
+    run = tmp_path / "elastic"
+    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "cp") + list(LONG)
+    capped_host(load_config(None, args), tmp_path / "host.json")
+    monkeypatch.setenv("NANOTITAN_HARDWARE", str(tmp_path / "host.json"))  # the agents' planner reads it
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    files = [open(p, "w") for p in logs]
+    agents: list[subprocess.Popen] = []
+    try:
+        agents.append(_agent(args, files[0]))  # node 0: the first to bind the endpoint hosts the store
+        _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
+        agents.append(_agent(args, files[1]))  # joins once its warm rank has imported
+        _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs, 300)
+        # past a snapshot at CP2 (K = 5), then a preemption notice to node 1's agent
+        at = _changes(run)[0]["step"] + 6
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
+        agents[1].send_signal(signal.SIGTERM)
+        for a in agents:
+            a.wait(timeout=AGENT_TIMEOUT_S)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+        for f in files:
+            f.close()
+    out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+    assert [a.returncode for a in agents] == [0, 0], out
+
+    # The join re-lays the job out with CP (the sequence split over both ranks), the notice without it; nothing lost.
+    changes = _changes(run)
+    assert [(c["event"], c["nodes"]) for c in changes] == [("join", [1, 2]), ("notice", [2, 1])], out
+    assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=1 ep=1 tp=1 cp=2",
+                                                           "dp=1 pp=1 ep=1 tp=1 cp=1"], changes
+    assert [c["steps_lost"] for c in changes] == [0, 0] and changes[0]["step"] < changes[1]["step"] < STEPS, changes
+    by_step = {r["step"]: r["cp"] for r in _records(run)}
+    assert {by_step[s] for s in range(changes[0]["step"] + 1, changes[1]["step"] + 1)} == {2}, by_step
+
+    # Every step logged once, each loss the single process's.
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS, LONG)
+    assert len(steps) == STEPS, steps
+
+    # The final checkpoint, loaded into one process, holds the single process's parameters.
+    final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1) + list(LONG)
+                                + ["--train.steps", str(STEPS), "--train.resume", str(run / "checkpoints" / f"step_{STEPS}")]))
+    assert final.start_step == STEPS
+    want = dict(ref.model.named_parameters())
+    for name, t in final.model.named_parameters():
+        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {s}")
