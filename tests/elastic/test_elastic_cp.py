@@ -9,17 +9,16 @@ parameters equal an uninterrupted single-process run at the same global batch (D
 import dataclasses
 import json
 import math
-import os
 import signal
 import subprocess
 
 import pytest
-import torch
 
-from tests.helpers.equivalence import B, LR, base_args, layout_args, m
-from tests.helpers.elastic import AGENT_TIMEOUT_S, _agent, _await, _changes, _records, elastic_args, losses_match_one_process
+from tests.helpers.equivalence import B, m
+from tests.helpers.elastic import AGENT_TIMEOUT_S, _agent, _await, _changes, _records, elastic_args, final_params_match
+from tests.helpers.elastic import agent_logs, losses_match_one_process, reap, start_host
 
-STEPS, S = 60, 128
+STEPS, S = 40, 128
 LONG = ("--train.seq_len", str(S))  # 2 sequences of 128 tokens a microbatch: activations outweigh the weights
 
 
@@ -48,18 +47,15 @@ def capped_host(cfg, path) -> float:
 @pytest.mark.timeout(900)
 def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch):
     from nanotitan.config.config import load_config
-    from nanotitan.train import Trainer
 
     run = tmp_path / "elastic"
     args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "cp") + list(LONG)
     capped_host(load_config(None, args), tmp_path / "host.json")
     monkeypatch.setenv("NANOTITAN_HARDWARE", str(tmp_path / "host.json"))  # the agents' planner reads it
-    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
-    files = [open(p, "w") for p in logs]
+    logs, files = agent_logs(tmp_path, 2)
     agents: list[subprocess.Popen] = []
     try:
-        agents.append(_agent(args, files[0]))  # node 0: the first to bind the endpoint hosts the store
-        _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
+        start_host(args, agents, files, logs)
         agents.append(_agent(args, files[1]))  # joins once its warm rank has imported
         _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs, 300)
         # past a snapshot at CP2 (K = 5), then a preemption notice to node 1's agent
@@ -69,13 +65,7 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-                a.wait()
-        for f in files:
-            f.close()
-    out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+        out = reap(agents, files, logs)
     assert [a.returncode for a in agents] == [0, 0], out
 
     # The join re-lays the job out with CP (the sequence split over both ranks), the notice without it; nothing lost.
@@ -92,9 +82,4 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
     assert len(steps) == STEPS, steps
 
     # The final checkpoint, loaded into one process, holds the single process's parameters.
-    final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1) + list(LONG)
-                                + ["--train.steps", str(STEPS), "--train.resume", str(run / "checkpoints" / f"step_{STEPS}")]))
-    assert final.start_step == STEPS
-    want = dict(ref.model.named_parameters())
-    for name, t in final.model.named_parameters():
-        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {s}")
+    final_params_match(corpus_dir, tmp_path, run, ref, STEPS, LONG)

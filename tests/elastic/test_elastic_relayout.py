@@ -8,15 +8,15 @@ snapshot. Every logged loss (replays included) and the final parameters equal an
 at the same global batch (the equivalence rule, DESIGN §4)."""
 
 import json
-import os
 import signal
 import subprocess
 
 import pytest
 import torch
 
-from tests.helpers.equivalence import LR, base_args, layout_args
+from tests.helpers.equivalence import base_args, layout_args
 from tests.helpers.elastic import AGENT_TIMEOUT_S, K, STEPS, _agent, _await, _changes, _coordinator, _kill_ranks, _records, _register, elastic_args, losses_match_one_process
+from tests.helpers.elastic import agent_logs, final_params_match, reap, start_host
 
 
 def _snapshot_steps(args, nodes) -> set[int]:
@@ -32,20 +32,15 @@ def _snapshot_steps(args, nodes) -> set[int]:
 
 @pytest.mark.slow
 def test_join_notice_and_kill(corpus_dir, tmp_path):
-    from nanotitan.config.config import load_config
-    from nanotitan.train import Trainer
-
     run = tmp_path / "elastic"
     # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms, so the
     # tiny model's 70 steps outlast the joiner's imports however fast this machine trains it.
     args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout") + [
         "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002"]
-    logs = [tmp_path / f"agent{i}.log" for i in range(3)]
-    files = [open(p, "w") for p in logs]
+    logs, files = agent_logs(tmp_path, 3)
     agents: list[subprocess.Popen] = []
     try:
-        agents.append(_agent(args, files[0]))  # node 0: the first to bind the endpoint hosts the store
-        _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
+        start_host(args, agents, files, logs)
         agents.append(_agent(args, files[1]))
         _await("step 3", lambda: len(_records(run)) >= 3, agents, logs)
         agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported (10-30 steps later here)
@@ -65,13 +60,7 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-                a.wait()
-        for f in files:
-            f.close()
-    out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+        out = reap(agents, files, logs)
     assert [a.returncode for a in agents] == [0, 0, 0], out
 
     # Two changes, each to the planner's layout for its world, nothing lost.
@@ -89,12 +78,7 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
     assert len(steps) - STEPS <= lost, steps
 
     # The final checkpoint, loaded into one process, holds the single process's parameters.
-    final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1)
-                                + ["--train.steps", str(STEPS), "--train.resume", str(run / "checkpoints" / f"step_{STEPS}")]))
-    assert final.start_step == STEPS
-    want = dict(ref.model.named_parameters())
-    for name, t in final.model.named_parameters():
-        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {s}")
+    final_params_match(corpus_dir, tmp_path, run, ref, STEPS)
 
 
 # --- bad cases, decided by node 0's coordinator (one process, a real store, no ranks) ---------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.equivalence import B, base_args, layout_args
+from tests.helpers.equivalence import B, LR, base_args, layout_args
 from tests.helpers.mp import free_port
 
 STEPS, K = 70, 5
@@ -128,3 +128,39 @@ def _register(coord, store, node: int, hash_: str) -> None:
         assert got == [node], got
     store.set(f"beat/{node}", str(time.time()))
     store.set(f"node/{node}", json.dumps({"host": "h", "pid": 0, "hash": hash_}))
+
+
+def reap(agents: list[subprocess.Popen], files, logs) -> str:
+    """The agents' end (a `finally:`): any still running killed with its ranks, the logs closed; their output."""
+    for a in agents:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    for f in files:
+        f.close()
+    return "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
+
+
+def final_params_match(corpus_dir, tmp_path, run, ref, steps: int, extra=()) -> None:
+    """The job's final checkpoint, loaded into one process (base_args + `extra`), holds the reference's parameters."""
+    from nanotitan.config.config import load_config
+    from nanotitan.train import Trainer
+
+    final = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1) + list(extra)
+                                + ["--train.steps", str(steps), "--train.resume", str(run / "checkpoints" / f"step_{steps}")]))
+    assert final.start_step == steps
+    want = dict(ref.model.named_parameters())
+    for name, t in final.model.named_parameters():
+        torch.testing.assert_close(t, want[name], rtol=1e-4, atol=1e-3 * LR * steps, msg=lambda s: f"{name}: {s}")
+
+
+def agent_logs(tmp_path, n: int):
+    """The log paths of n agents, and their open files."""
+    logs = [tmp_path / f"agent{i}.log" for i in range(n)]
+    return logs, [open(p, "w") for p in logs]
+
+
+def start_host(args: list[str], agents: list, files, logs) -> None:
+    """Node 0's agent (the first to bind the endpoint hosts the store), once it hosts the store."""
+    agents.append(_agent(args, files[0]))
+    _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
