@@ -137,6 +137,8 @@ def mid(steps: int, run_root: Path, tokens: list[int], rounds: int = 2, dp: int 
         e["train_flops_rank"] = flops_per_token(cfg.model, cfg.train.seq_len) * 1024 * mb
         e["flop_ratio"] = e["ns_flops_rank"] / e["train_flops_rank"]
         print(tok, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in e.items() if k not in ARMS}, flush=True)
+        OUT.mkdir(parents=True, exist_ok=True)  # each tokens leg as it ends: the long legs may be cut short
+        (OUT / f"muon_mid_dp{dp}.partial.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
     print(json.dumps(res, indent=1), flush=True)
     return res
 

@@ -6,7 +6,7 @@ torch.optim.Muon's `_zeropower_via_newtonschulz` is the same iteration on one 2-
 with the quintic (a, b, c) = (3.4445, -4.7750, 2.0315), on the wide orientation (m <= n) so A is the small Gram.
 It does not converge to U V^T but to U S' V^T, S'_ii ~ U(0.5, 1.5), which trains as well (Keller Jordan).
 Run in fp32 by default, so every layout holds the fp32 equivalence bar (1e-5) against one process; bf16 (the
-reference's and torch.optim.Muon's choice, `--train.muon_ns_dtype bf16`) is ~3x faster on this avx512_bf16 Zen 4
+reference's and torch.optim.Muon's choice, `--train.muon_ns_dtype bf16`) is ~2-2.5x faster on this avx512_bf16 Zen 4
 but its rounding of the input amplifies the layouts' fp32 reduction-order noise to ~1.3e-5 (docs/optim.md).
 """
 
