@@ -3,7 +3,9 @@
     python scripts/experiments/muon.py sweep [--steps 200] [--microbatches 8] [--lrs 'adamw=1e-3,3e-3;muon=1e-2']
                                                              # default model: the lr sweeps, val loss at steps/2 and
                                                              # steps, the plot
-    python scripts/experiments/muon.py mid [--steps 20]      # MID: step time and optimizer memory, AdamW vs Muon
+    python scripts/experiments/muon.py mid [--steps 4] [--tokens 1024,4096] [--rounds 2] [--dp 1]
+                                                             # MID: step time and optimizer memory, AdamW vs Muon,
+                                                             # and Newton-Schulz's fp32 vs bf16 throughput
     python scripts/experiments/muon.py ns [--steps 6]        # Newton-Schulz seconds per rank: one process vs DP4 zero 1
     python scripts/experiments/muon.py qk [--steps 60]       # QK-clip on a high-lr run: qk_max with and without
 
@@ -84,23 +86,88 @@ def plot(res: dict, path: Path, seqs: int = 16) -> None:
     fig.savefig(path, dpi=110)
 
 
-def mid(steps: int, run_root: Path) -> dict:
-    """Median step time (steps 3..; the first two are warm-up) and optimizer bytes, AdamW vs Muon, MID config."""
+# mid's arms: Muon with Newton-Schulz in fp32 (the default, exact across layouts) and in bf16 (the reference's)
+ARMS = {"adamw": ["--train.optimizer", "adamw"], "muon": ["--train.optimizer", "muon"],
+        "muon_bf16": ["--train.optimizer", "muon", "--train.muon_ns_dtype", "bf16"]}
+
+
+def _mid_rank(rank, world, args):
+    r = train("mid.toml", args)
+    return {"history": r["history"], "ns_s_per_step": r["ns_s_per_step"], "mem": r["mem"]}
+
+
+def mid(steps: int, run_root: Path, tokens: list[int], rounds: int = 2, dp: int = 1) -> dict:
+    """MID's step time, AdamW vs Muon (Newton-Schulz fp32, and bf16), at each `tokens` per step (1,024 x microbatches of 8 x 128, the same
+    microbatch: accumulation), `rounds` rounds alternating the optimizers so a drift in the shared machine's speed
+    hits both; per run the steps after the first (warm-up). `dp` > 1: that many ranks at zero 1 (one thread each;
+    tokens per rank), rank 0's step times. Beside each measured overhead, the FLOP ratio: Newton-Schulz FLOPs (the
+    busiest rank's, optim/cost.py) over the step's training FLOPs (model/transformer.py flops_per_token)."""
+    from nanotitan.config.config import load_config
+    from nanotitan.model.transformer import flops_per_token
+    from nanotitan.optim.cost import muon_costs
+    from tests.helpers.mp import run_ranks
+
     res = {}
-    for rnd in range(2):  # two rounds, alternating, so a drift in the shared machine's speed hits both
-        for opt in ("adamw", "muon"):
-            r = train("mid.toml", SINGLE + ["--train.steps", str(steps), "--train.optimizer", opt,
-                                            "--run.log_every", "1", "--run.dir", f"{run_root}/mid_{opt}_{rnd}"])
-            times = [x["step_time_s"] for x in r["history"][2:]]
-            e = res.setdefault(opt, {"step_time_s": [], "optim_bytes": r["mem"]["optim_bytes"],
-                                     "param_bytes": r["mem"]["param_bytes"], "ns_s_per_step": []})
-            e["step_time_s"].append(statistics.median(times))
-            e["ns_s_per_step"].append(r["ns_s_per_step"])
-    for e in res.values():
-        e["median_step_s"] = statistics.median(e["step_time_s"])
-    res["overhead"] = res["muon"]["median_step_s"] / res["adamw"]["median_step_s"] - 1
+    for tok in tokens:
+        mb = max(1, tok // 1024)
+        layout = ["--parallel.dp", str(dp), "--parallel.microbatches", str(mb)] + (
+            ["--parallel.zero", "1"] if dp > 1 else [])
+        e = res[str(tok)] = {"tokens_per_rank_step": 1024 * mb, "dp": dp}
+        for rnd in range(rounds):
+            for opt in ARMS:
+                args = SINGLE + layout + ["--train.steps", str(steps), *ARMS[opt],
+                                          "--run.log_every", "1", "--run.dir", f"{run_root}/mid_{tok}_{opt}_{rnd}"]
+                if dp > 1:  # layout's --parallel.dp comes after SINGLE's: the later flag wins
+                    r = run_ranks(_mid_rank, dp, args=(args,), timeout=1800, pg_timeout=600)[0]
+                else:
+                    r = train("mid.toml", args)
+                o = e.setdefault(opt, {"step_s": [], "ns_s_per_step": [], "optim_bytes": r["mem"]["optim_bytes"]})
+                o["step_s"] += [x["step_time_s"] for x in r["history"][1:]]
+                o["ns_s_per_step"].append(r["ns_s_per_step"])
+                print(tok, rnd, opt, [round(x["step_time_s"], 2) for x in r["history"]], r["ns_s_per_step"],
+                      flush=True)
+        for opt in ARMS:
+            o = e[opt]
+            o["min_s"], o["median_s"] = min(o["step_s"]), statistics.median(o["step_s"])
+            if opt != "adamw":
+                e[f"overhead_min_{opt}"] = o["min_s"] / e["adamw"]["min_s"] - 1
+                e[f"overhead_median_{opt}"] = o["median_s"] / e["adamw"]["median_s"] - 1
+        cfg = load_config(str(ROOT / "configs" / "mid.toml"), args + ["--model.vocab_size", "4096"])  # data.vocab_size
+        e["ns_flops_rank"] = muon_costs(cfg)["ns_flops_rank"]
+        e["train_flops_rank"] = flops_per_token(cfg.model, cfg.train.seq_len) * 1024 * mb
+        e["flop_ratio"] = e["ns_flops_rank"] / e["train_flops_rank"]
+        print(tok, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in e.items() if k not in ARMS}, flush=True)
+        OUT.mkdir(parents=True, exist_ok=True)  # each tokens leg as it ends: the long legs may be cut short
+        (OUT / f"muon_mid_dp{dp}.partial.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
     print(json.dumps(res, indent=1), flush=True)
     return res
+
+
+def bench_ns(repeats: int = 5) -> dict:
+    """MID's Newton-Schulz batches alone (96 expert matrices 256 x 512, 16 attention 256 x 256) and the bmm under
+    them, fp32 against bf16, interleaved, one thread: GFLOP/s min/median-free (best of `repeats`)."""
+    import time
+
+    from nanotitan.optim.newton_schulz import ns_flops, orthogonalize
+
+    g = torch.Generator().manual_seed(0)
+    ex, at = torch.randn(96, 256, 512, generator=g), torch.randn(16, 256, 256, generator=g)
+    cases = {}
+    for dt in (torch.float32, torch.bfloat16):
+        x = ex.to(dt)
+        cases[f"bmm 96x(256x512 @ 512x256) {dt}"] = (2 * 96 * 256 * 256 * 512, lambda x=x: x @ x.mT)
+        cases[f"NS5 MID (96 + 16 matrices) {dt}"] = (
+            96 * ns_flops(256, 512) + 16 * ns_flops(256, 256),
+            lambda dt=dt: (orthogonalize(ex, 5, dt), orthogonalize(at, 5, dt)))
+    best = {k: float("inf") for k in cases}
+    for _ in range(repeats):
+        for k, (_, f) in cases.items():
+            t0 = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    out = {k: {"s": best[k], "gflops": cases[k][0] / best[k] / 1e9} for k in cases}
+    print(json.dumps(out, indent=1), flush=True)
+    return out
 
 
 def _ns_rank(rank, world, args):
@@ -145,10 +212,13 @@ def main() -> None:
     ap.add_argument("--run-root", default="/tmp/muon_runs")
     ap.add_argument("--microbatches", type=int, default=8, help="sweep: B = 2 x this (8: the default job's 16)")
     ap.add_argument("--merge", action="store_true", help="sweep: add these runs to docs/experiments/muon_sweep.json")
+    ap.add_argument("--tokens", default="1024", help="mid: tokens per step (per rank), multiples of 1,024")
+    ap.add_argument("--rounds", type=int, default=2, help="mid: rounds alternating AdamW and Muon")
+    ap.add_argument("--dp", type=int, default=1, help="mid: data ranks (zero 1)")
     ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2' instead of the grids")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    steps = a.steps or {"sweep": 200, "mid": 20, "ns": 6, "qk": 60}[a.what]
+    steps = a.steps or {"sweep": 200, "mid": 4, "ns": 6, "qk": 60}[a.what]
     for part in filter(None, a.lrs.split(";")):
         name, vals = part.split("=")
         (ADAMW_LRS if name == "adamw" else MUON_LRS)[:] = [float(v) for v in vals.split(",") if v]
@@ -159,10 +229,14 @@ def main() -> None:
             prev = json.loads(old.read_text())
             assert prev.pop("steps") == steps, "--merge needs the earlier sweep's --steps"
             res = {**prev, **res}
+    elif a.what == "mid":
+        res = {"ns_bench": bench_ns(), **mid(steps, Path(a.run_root), [int(t) for t in a.tokens.split(",")],
+                                            a.rounds, a.dp)}
     else:
-        res = {"mid": mid, "ns": ns, "qk": qk}[a.what](steps, Path(a.run_root))
+        res = {"ns": ns, "qk": qk}[a.what](steps, Path(a.run_root))
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"muon_{a.what}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
+    name = f"mid_dp{a.dp}" if a.what == "mid" else a.what
+    (OUT / f"muon_{name}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
     if a.what == "sweep":
         plot(res, ROOT / "docs" / "optim_muon.png", 2 * a.microbatches)
 

@@ -112,3 +112,35 @@ def test_costs_follow_the_layout():
     # 2 layers x (4 attention matrices + 4 experts x 3 matrices)
     assert one["matrices"] == 2 * (4 + 4 * 3)
     assert one["largest_matrix_flops"] == ns_flops(64, 96)
+
+
+def test_tall_and_wide_share_a_batch_and_bad_ns_dtype_is_refused():
+    """A tall matrix joins its transpose's Newton-Schulz batch (one bmm chain) and gets what it gets alone; an
+    ns_dtype other than bf16/fp32 is refused in one line."""
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(16, 24), (24, 16), (16, 24)]]
+    grads = [torch.randn(p.shape, generator=g) for p in ps]
+    opt = Muon([{"params": [], "weight_decay": 0.0}, {"params": ps, "weight_decay": 0.0, "muon": True}], lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
+               pieces=whole_pieces([(str(i), p) for i, p in enumerate(ps)]), ns_dtype=torch.float32)
+    before = [p.detach().clone() for p in ps]
+    for p, gr in zip(ps, grads):
+        p.grad = gr.clone()
+    opt.step()
+    assert list(opt.orthogonalizer.batches) == [(16, 24)]
+    for p, w, gr in zip(ps, before, grads):  # first step: buf = 0.05 g, u = 0.05 g + 0.95 buf
+        u = orthogonalize(gr * (0.05 + 0.95 * 0.05)) * 0.2 * 24 ** 0.5
+        torch.testing.assert_close(p.detach(), w - 0.02 * u, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="ns_dtype=torch.float16: use torch.float32"):
+        Muon([{"params": [], "weight_decay": 0.0}, {"params": ps, "weight_decay": 0.0, "muon": True}], lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
+             ns_dtype=torch.float16)
+
+
+def test_muon_ns_dtype_config_refused_in_one_line():
+    """train.muon_ns_dtype takes fp32 (the default) or bf16; anything else is one line naming the field."""
+    from nanotitan.config.config import load_config
+    from nanotitan.config.errors import ConfigError
+
+    assert load_config(None, []).train.muon_ns_dtype == "fp32"
+    assert load_config(None, ["--train.muon_ns_dtype", "bf16"]).train.muon_ns_dtype == "bf16"
+    with pytest.raises(ConfigError, match=r"^train.muon_ns_dtype='fp16' is not one of \['fp32', 'bf16'\]"):
+        load_config(None, ["--train.muon_ns_dtype", "fp16"])

@@ -17,5 +17,6 @@ def build_optimizer(shard, cfg: Config) -> torch.optim.Optimizer:
     groups = shard.sync.param_groups(t.weight_decay)
     if t.optimizer == "muon":
         return Muon(groups, t.lr, (t.beta1, t.beta2), t.muon_lr, t.muon_momentum, t.muon_ns_steps,
-                    shard_pieces(shard), shard.dims.group("stage"))
+                    shard_pieces(shard), shard.dims.group("stage"),
+                    torch.bfloat16 if t.muon_ns_dtype == "bf16" else torch.float32)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)

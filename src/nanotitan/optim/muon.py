@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ..parallel.dp.sync import adam_state
 from ..state.keys import keyed_state
+from .newton_schulz import NS_DTYPES
 from .owners import Orthogonalizer
 
 
@@ -34,6 +35,8 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], muon_lr: float,
                  momentum: float = 0.95, ns_steps: int = 5, pieces=None, group=None,
                  ns_dtype: torch.dtype = torch.float32):
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"Muon ns_dtype={ns_dtype}: use torch.float32 (the default) or torch.bfloat16")
         adam = [g for g in groups if not g.get("muon")]
         self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, fused=True)
         muon = [{**g, "lr": muon_lr, "lr_ratio": muon_lr / lr, "momentum": momentum} for g in groups if g.get("muon")]

@@ -5,7 +5,9 @@ torch.optim.Muon's `_zeropower_via_newtonschulz` is the same iteration on one 2-
     repeat `steps`:  A = X X^T;  B = b A + c A A;  X = a X + B X
 with the quintic (a, b, c) = (3.4445, -4.7750, 2.0315), on the wide orientation (m <= n) so A is the small Gram.
 It does not converge to U V^T but to U S' V^T, S'_ii ~ U(0.5, 1.5), which trains as well (Keller Jordan).
-Run in fp32 here (the reference runs bf16 on GPUs): the equivalence bar is fp32's (docs/optim.md).
+Run in fp32 by default, so every layout holds the fp32 equivalence bar (1e-5) against one process; bf16 (the
+reference's and torch.optim.Muon's choice, `--train.muon_ns_dtype bf16`) is ~2-2.5x faster on this avx512_bf16 Zen 4
+but its rounding of the input amplifies the layouts' fp32 reduction-order noise to ~1.3e-5 (docs/optim.md).
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ COEFFS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
 
 
+NS_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def orthogonalize(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """NS^steps of each matrix of G (m, n) or (k, m, n), in `dtype`, returned in G's dtype."""
+    """NS^steps of each matrix of G (m, n) or (k, m, n), in `dtype`, returned in G's dtype. The a/b/c polynomial is
+    two fused multiply-adds per iteration (baddbmm: B = b A + c A A, X = a X + B X), no temporaries beyond A, B."""
+    assert dtype in NS_DTYPES, f"Newton-Schulz dtype {dtype}: use one of {NS_DTYPES}"
     a, b, c = COEFFS
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)

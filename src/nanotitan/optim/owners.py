@@ -149,6 +149,11 @@ class Orthogonalizer:
             shapes = {k: s for g in every for k, s in g.items()}
         self.plan = make_plan(shapes, geometry, me, mine, steps)
         self.shapes = shapes
+        # one Newton-Schulz batch per wide shape (s, l), s <= l: a tall matrix joins its transpose's batch, so MID's
+        # 96 expert matrices (W_gate, W_val 256 x 512, W_out 512 x 256) are one bmm chain
+        self.batches: dict[tuple[int, int], list[str]] = {}
+        for k in self.plan.computes:
+            self.batches.setdefault(tuple(sorted(shapes[k])), []).append(k)
         self.ns_s, self.calls = 0.0, 0  # Newton-Schulz seconds and steps so far (scripts/experiments/muon.py)
 
     def _exchange(self, send: list[torch.Tensor], recv_numel: list[int], like: torch.Tensor) -> list[torch.Tensor]:
@@ -161,7 +166,11 @@ class Orthogonalizer:
     def run(self, updates: list[torch.Tensor]) -> None:
         """`updates[i]`: the Nesterov update laid out as base i; each Box of it gets the scaled orthogonal update."""
         plan, like = self.plan, updates[0]
-        wholes = {k: like.new_empty(self.shapes[k]) for k in plan.computes}
+        stacks = {sl: like.new_empty((len(ks), *sl)) for sl, ks in self.batches.items()}
+        wholes = {}  # each matrix a view of its batch (transposed if tall): pieces land where Newton-Schulz reads
+        for sl, ks in self.batches.items():
+            for k, x in zip(ks, stacks[sl]):
+                wholes[k] = x if self.shapes[k] == sl else x.mT
         for k in plan.computes:
             for b in plan.mine.get(k, ()):
                 wholes[k][b.region] = b.view(updates[b.base])
@@ -173,13 +182,10 @@ class Orthogonalizer:
                 for (k, off, sz), chunk in zip(rs, flat.split([s[0] * s[1] for _, _, s in rs])):
                     wholes[k][region(off, sz)] = chunk.view(sz)
         t0 = time.perf_counter()
-        by_shape: dict[tuple, list[str]] = {}
-        for k in plan.computes:
-            by_shape.setdefault(self.shapes[k], []).append(k)
-        for (m, n), ks in by_shape.items():  # one batch per shape: a layer's experts together
-            out = orthogonalize(torch.stack([wholes[k] for k in ks]), self.steps, self.dtype).mul_(rms_scale(m, n))
+        for sl, ks in self.batches.items():  # wide already: orthogonalize transposes nothing
+            out = orthogonalize(stacks[sl], self.steps, self.dtype).mul_(rms_scale(*sl))
             for k, o in zip(ks, out):
-                wholes[k] = o
+                wholes[k] = o if self.shapes[k] == sl else o.mT
         self.ns_s, self.calls = self.ns_s + time.perf_counter() - t0, self.calls + 1
         for k in plan.computes:
             for b in plan.mine.get(k, ()):
