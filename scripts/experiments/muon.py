@@ -156,6 +156,8 @@ def main() -> None:
                     "the grids (muon_rest: train.lr for Muon's AdamW parameters, at muon_lr muon_at=3e-3)")
     ap.add_argument("--out", default="", help="sweep: write this json instead of docs/experiments/muon_sweep.json "
                     "(points run side by side as separate processes, then --merge-from joins them)")
+    ap.add_argument("--from-runs", default="", help="sweep: read the points' metrics.jsonl under this run root "
+                    "(runs still going, or stopped) instead of training")
     ap.add_argument("--merge-from", default="", help="sweep: join these comma-separated jsons (no training) and plot")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -164,7 +166,16 @@ def main() -> None:
         name, vals = part.split("=")
         grid = {"adamw": ADAMW_LRS, "muon": MUON_LRS, "muon_rest": MUON_REST_LRS, "muon_at": MUON_REST_AT}[name]
         grid[:] = [float(v) for v in vals.split(",") if v]
-    if a.what == "sweep" and a.merge_from:
+    if a.what == "sweep" and a.from_runs:
+        res = {}
+        for d in sorted(Path(a.from_runs).iterdir()):  # names as _point writes them: "adamw_lr=0.003[_adamw_lr=..]"
+            h = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+            opt, *kv = d.name.split("_lr=")
+            res[d.name.replace("_", " ")] = {"opt": opt, "lr": float(kv[0].split("_")[0]), "steps": [x["step"] for x in h],
+                                            "loss": [x["loss"] for x in h],
+                                            "val": {x["step"]: x["val_loss"] for x in h if "val_loss" in x}}
+            print(d.name, "steps", h[-1]["step"], {k: round(v, 4) for k, v in res[d.name.replace("_", " ")]["val"].items()})
+    elif a.what == "sweep" and a.merge_from:
         res = {}
         for f in a.merge_from.split(","):
             part = json.loads(Path(f).read_text())

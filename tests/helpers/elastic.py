@@ -70,15 +70,15 @@ def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) ->
         "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
 
 
-def losses_match_one_process(corpus_dir, tmp_path, run, steps: int):
-    """Every step 1..steps logged, each loss (replays included) the single process's; returns that reference
-    Trainer and the logged steps."""
+def losses_match_one_process(corpus_dir, tmp_path, run, steps: int, extra=()):
+    """Every step 1..steps logged, each loss (replays included) the single process's (run with `extra` flags, the
+    job's own: e.g. its optimizer); returns that reference Trainer and the logged steps."""
     from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
 
     torch.set_num_threads(1)
     ref = Trainer(load_config(None, base_args(corpus_dir, tmp_path / "ref") + layout_args(1, 1, 1)
-                              + ["--train.steps", str(steps)]))
+                              + ["--train.steps", str(steps), *extra]))
     full = {r["step"]: r["loss"] for r in ref.train()["history"]}
     logged = [r["step"] for r in _records(run)]
     assert sorted(set(logged)) == list(range(1, steps + 1)), logged
