@@ -2,7 +2,9 @@
 
     python scripts/experiments/muon.py sweep [--steps 200] [--microbatches 8] [--lrs 'adamw=1e-3,3e-3;muon=1e-2']
                                                              # default model: the lr sweeps, val loss at steps/2 and
-                                                             # steps, the plot
+                                                             # steps, the plot (muon_rest=...: train.lr, the lr
+                                                             # of Muon's AdamW families; --out one point's json;
+                                                             # --from-runs DIR: read runs' metrics.jsonl instead)
     python scripts/experiments/muon.py mid [--steps 20]      # MID: step time and optimizer memory, AdamW vs Muon
     python scripts/experiments/muon.py ns [--steps 6]        # Newton-Schulz seconds per rank: one process vs DP4 zero 1
     python scripts/experiments/muon.py qk [--steps 60]       # QK-clip on a high-lr run: qk_max with and without
