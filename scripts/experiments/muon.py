@@ -2,7 +2,9 @@
 
     python scripts/experiments/muon.py sweep [--steps 200] [--microbatches 8] [--lrs 'adamw=1e-3,3e-3;muon=1e-2']
                                                              # default model: the lr sweeps, val loss at steps/2 and
-                                                             # steps, the plot
+                                                             # steps, the plot (muon_rest=...: train.lr, the lr
+                                                             # of Muon's AdamW families; --out one point's json;
+                                                             # --from-runs DIR: read runs' metrics.jsonl instead)
     python scripts/experiments/muon.py mid [--steps 4] [--tokens 1024,4096] [--rounds 2] [--dp 1]
                                                              # MID: step time and optimizer memory, AdamW vs Muon,
                                                              # and Newton-Schulz's fp32 vs bf16 throughput
@@ -32,6 +34,8 @@ SINGLE = ["--parallel.dp", "1", "--parallel.pp", "1", "--parallel.ep", "1", "--r
           "--train.threads", "1"]
 ADAMW_LRS = [1e-3, 3e-3, 1e-2]
 MUON_LRS = [3e-3, 1e-2, 2e-2, 4e-2]
+MUON_REST_LRS: list[float] = []  # train.lr under Muon (its AdamW part: embeddings, head, norms, router); [] = default
+MUON_REST_AT = [3e-3]  # the muon_lr those points run at
 
 
 def train(config: str, args: list[str]) -> dict:
@@ -50,23 +54,28 @@ def train(config: str, args: list[str]) -> dict:
     return {"history": out["history"], "mem": mem, "ns_s_per_step": ns}
 
 
+def _point(opt: str, lr: float, rest: float | None, steps: int, run_root: Path, microbatches: int) -> tuple:
+    flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
+    if rest is not None:  # Muon's AdamW half (train.lr); None keeps the config's
+        flag += ["--train.lr", str(rest)]
+    name = f"{opt} lr={lr}" + (f" adamw_lr={rest}" if rest is not None else "")
+    r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
+                                        "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
+                                        "--run.log_every", "10", "--run.dir", f"{run_root}/{name.replace(' ', '_')}",
+                                        *flag])
+    h = r["history"]
+    out = {"opt": opt, "lr": lr, "rest_lr": rest, "steps": [x["step"] for x in h], "loss": [x["loss"] for x in h],
+           "val": {x["step"]: x["val_loss"] for x in h if "val_loss" in x}}
+    print(name, {s: round(v, 4) for s, v in out["val"].items()}, flush=True)
+    return name, out
+
+
 def sweep(steps: int, run_root: Path, microbatches: int = 8) -> dict:
-    """Both optimizers over their lr grids, `steps` steps of `microbatches` x 2 sequences; val loss at steps/2 and
-    at the end."""
-    res = {}
-    for opt, lrs in (("adamw", ADAMW_LRS), ("muon", MUON_LRS)):
-        for lr in lrs:
-            flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
-            r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches),
-                                                "--train.steps", str(steps),
-                                                "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
-                                                "--run.log_every", "10", "--run.dir", f"{run_root}/{opt}_{lr}", *flag])
-            h = r["history"]
-            res[f"{opt} lr={lr}"] = {"opt": opt, "lr": lr, "steps": [x["step"] for x in h],
-                                     "loss": [x["loss"] for x in h],
-                                     "val": {x["step"]: x["val_loss"] for x in h if "val_loss" in x}}
-            print(opt, lr, {s: round(v, 4) for s, v in res[f"{opt} lr={lr}"]["val"].items()}, flush=True)
-    return res
+    """Both optimizers over their lr grids (and Muon's AdamW lr over MUON_REST_LRS at muon_lr MUON_REST_AT), `steps`
+    steps of `microbatches` x 2 sequences; val loss at steps/2 and at the end."""
+    pts = [("adamw", lr, None) for lr in ADAMW_LRS] + [("muon", lr, None) for lr in MUON_LRS]
+    pts += [("muon", MUON_REST_AT[0], rest) for rest in MUON_REST_LRS]
+    return dict(_point(o, lr, rest, steps, run_root, microbatches) for o, lr, rest in pts)
 
 
 def plot(res: dict, path: Path, seqs: int = 16) -> None:
@@ -215,14 +224,36 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024", help="mid: tokens per step (per rank), multiples of 1,024")
     ap.add_argument("--rounds", type=int, default=2, help="mid: rounds alternating AdamW and Muon")
     ap.add_argument("--dp", type=int, default=1, help="mid: data ranks (zero 1)")
-    ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2' instead of the grids")
+    ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2;muon_rest=1e-2' instead of "
+                    "the grids (muon_rest: train.lr for Muon's AdamW parameters, at muon_lr muon_at=3e-3)")
+    ap.add_argument("--out", default="", help="sweep: write this json instead of docs/experiments/muon_sweep.json "
+                    "(points run side by side as separate processes, then --merge-from joins them)")
+    ap.add_argument("--from-runs", default="", help="sweep: read the points' metrics.jsonl under this run root "
+                    "(runs still going, or stopped) instead of training")
+    ap.add_argument("--merge-from", default="", help="sweep: join these comma-separated jsons (no training) and plot")
     a = ap.parse_args()
     torch.set_num_threads(1)
     steps = a.steps or {"sweep": 200, "mid": 4, "ns": 6, "qk": 60}[a.what]
     for part in filter(None, a.lrs.split(";")):
         name, vals = part.split("=")
-        (ADAMW_LRS if name == "adamw" else MUON_LRS)[:] = [float(v) for v in vals.split(",") if v]
-    if a.what == "sweep":
+        grid = {"adamw": ADAMW_LRS, "muon": MUON_LRS, "muon_rest": MUON_REST_LRS, "muon_at": MUON_REST_AT}[name]
+        grid[:] = [float(v) for v in vals.split(",") if v]
+    if a.what == "sweep" and a.from_runs:
+        res = {}
+        for d in sorted(Path(a.from_runs).iterdir()):  # names as _point writes them: "adamw_lr=0.003[_adamw_lr=..]"
+            h = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+            opt, *kv = d.name.split("_lr=")
+            res[d.name.replace("_", " ")] = {"opt": opt, "lr": float(kv[0].split("_")[0]), "steps": [x["step"] for x in h],
+                                            "loss": [x["loss"] for x in h],
+                                            "val": {x["step"]: x["val_loss"] for x in h if "val_loss" in x}}
+            print(d.name, "steps", h[-1]["step"], {k: round(v, 4) for k, v in res[d.name.replace("_", " ")]["val"].items()})
+    elif a.what == "sweep" and a.merge_from:
+        res = {}
+        for f in a.merge_from.split(","):
+            part = json.loads(Path(f).read_text())
+            assert part.pop("steps") == steps, f"{f}: --merge-from needs --steps {steps}"
+            res.update(part)
+    elif a.what == "sweep":
         res = sweep(steps, Path(a.run_root), a.microbatches)
         old = OUT / "muon_sweep.json"
         if a.merge and old.exists():  # more lrs on an earlier sweep of the same steps
@@ -236,8 +267,9 @@ def main() -> None:
         res = {"ns": ns, "qk": qk}[a.what](steps, Path(a.run_root))
     OUT.mkdir(parents=True, exist_ok=True)
     name = f"mid_dp{a.dp}" if a.what == "mid" else a.what
-    (OUT / f"muon_{name}.json").write_text(json.dumps({"steps": steps, **res}, indent=1))
-    if a.what == "sweep":
+    dest = Path(a.out) if a.out else OUT / f"muon_{name}.json"
+    dest.write_text(json.dumps({"steps": steps, **res}, indent=1))
+    if a.what == "sweep" and not a.out:
         plot(res, ROOT / "docs" / "optim_muon.png", 2 * a.microbatches)
 
 

@@ -2,7 +2,8 @@
 
 Two nodes start (world 2: dp=2), a third joins at about step 10 (world 3: pp=3), the second gets a SIGTERM notice
 at about step 30 (world 2 again), the third's processes are killed (-9) at about step 52 (its agent stays), and the
-job finishes at 70.
+job finishes at 70; once under AdamW, once under Muon (issue 51 item 4: its momentum, one buffer per matrix, moves
+with the re-layouts and the snapshot replay as AdamW's moments do).
 Planned changes lose nothing; the kill loses at most K = elastic.snapshot_every steps, replayed from the newest
 snapshot. Every logged loss (replays included) and the final parameters equal an uninterrupted single-process run
 at the same global batch (the equivalence rule, DESIGN §4)."""
@@ -31,12 +32,14 @@ def _snapshot_steps(args, nodes) -> set[int]:
 
 
 @pytest.mark.slow
-def test_join_notice_and_kill(corpus_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
     run = tmp_path / "elastic"
     # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms, so the
     # tiny model's 70 steps outlast the joiner's imports however fast this machine trains it.
     args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout") + [
-        "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002"]
+        "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002",
+        "--train.optimizer", optimizer]
     logs, files = agent_logs(tmp_path, 3)
     agents: list[subprocess.Popen] = []
     try:
@@ -74,11 +77,11 @@ def test_join_notice_and_kill(corpus_dir, tmp_path):
     assert changes[2]["step"] % K == 0, changes  # resumed from a snapshot
 
     # Every step logged, each loss the single process's; only the lost steps were run twice.
-    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS, ("--train.optimizer", optimizer))
     assert len(steps) - STEPS <= lost, steps
 
     # The final checkpoint, loaded into one process, holds the single process's parameters.
-    final_params_match(corpus_dir, tmp_path, run, ref, STEPS)
+    final_params_match(corpus_dir, tmp_path, run, ref, STEPS, ("--train.optimizer", optimizer))
 
 
 # --- bad cases, decided by node 0's coordinator (one process, a real store, no ranks) ---------------------------

@@ -21,11 +21,12 @@ from ..model.families import is_muon_matrix
 from .newton_schulz import ns_flops
 
 
-def muon_costs(cfg: Config, steps: int | None = None) -> dict:
-    """Muon's per-step costs for `cfg`'s model and layout (dp, tp, ep, pp, zero); figures per rank are for the
-    busiest rank of a stage, with the model's layers split evenly over pp."""
-    steps = steps or cfg.train.muon_ns_steps
-    p = cfg.parallel
+_COUNTS: dict[tuple, tuple] = {}
+
+
+def _model_counts(cfg: Config, steps: int) -> tuple:
+    """(Muon matrices, dense and expert NS FLOPs per step, the largest matrix's, dense / expert Muon elements,
+    AdamW elements) of `cfg`'s model."""
     with torch.device("meta"):
         model = Transformer(cfg.model, ModelShardSpec.full(cfg.model), cfg.train.seed)
     matrices, expert_elems, dense_elems, adam_elems = [], 0, 0, 0
@@ -43,16 +44,33 @@ def muon_costs(cfg: Config, steps: int | None = None) -> dict:
     for name, (m, n) in matrices:
         flops[name] += ns_flops(m, n, steps)
     dense_f = sum(f for n, f in flops.items() if not is_expert_param(n))
-    expert_f = sum(flops.values()) - dense_f
+    largest = max((ns_flops(m, n, steps) for _, (m, n) in matrices), default=0)
+    return len(matrices), dense_f, sum(flops.values()) - dense_f, largest, dense_elems, expert_elems, adam_elems
+
+
+def muon_costs(cfg: Config, steps: int | None = None) -> dict:
+    """Muon's per-step costs for `cfg`'s model and layout (dp, tp, ep, pp, zero); figures per rank are for the
+    busiest rank of a stage, with the model's layers split evenly over pp."""
+    steps = steps or cfg.train.muon_ns_steps
+    p = cfg.parallel
+    key = (repr(cfg.model), steps)
+    if key not in _COUNTS:  # the planner asks once per layout; the model's counts are the same for all of them
+        _COUNTS[key] = _model_counts(cfg, steps)
+    n_matrices, dense_f, expert_f, largest, dense_elems, expert_elems, adam_elems = _COUNTS[key]
     # a dense matrix is cut over TP x (at zero >= 1) the stage's data ranks, who share its work as owners; whole
     # elsewhere, each replica orthogonalizes it. An expert is cut over its expert-DP ranks at zero >= 1 only.
     cut = (p.dp * p.ep if p.zero >= 1 else 1) * p.tp
     expert_cut = p.dp if p.zero >= 1 else 1
-    moved = 2 * 4 * (dense_elems * (cut - 1) / cut / cut
-                     + expert_elems / p.ep * (expert_cut - 1) / expert_cut / expert_cut)
-    return {"matrices": len(matrices), "ns_flops_step": dense_f + expert_f,
+    moved_dense = 2 * 4 * dense_elems * (cut - 1) / cut / cut
+    moved_expert = 2 * 4 * expert_elems / p.ep * (expert_cut - 1) / expert_cut / expert_cut
+    moved = moved_dense + moved_expert
+    return {"matrices": n_matrices, "ns_flops_step": dense_f + expert_f,
             "ns_flops_rank": (dense_f / cut + expert_f / p.ep / expert_cut) / p.pp,
-            "largest_matrix_flops": max((ns_flops(m, n, steps) for _, (m, n) in matrices), default=0),
+            "largest_matrix_flops": largest,
             "traffic_bytes_rank": moved / p.pp,
+            # the same split by group (the planner's links): dense matrices over TP x the non-expert DP ranks,
+            # experts over the expert-DP ranks
+            "traffic_bytes_rank_dense": moved_dense / p.pp, "traffic_bytes_rank_expert": moved_expert / p.pp,
+            "dense_elems": dense_elems, "expert_elems": expert_elems, "adam_elems": adam_elems,
             "muon_state_bytes": 4 * (dense_elems + expert_elems), "adamw_state_bytes_same_params":
             8 * (dense_elems + expert_elems), "adamw_rest_state_bytes": 8 * adam_elems}

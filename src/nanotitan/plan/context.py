@@ -92,6 +92,9 @@ class Context:
     z_shard: bool  # zero_accumulate "shard"
     z_reshard: bool  # zero3_reshard "always"
     skew: float  # routing skew (expert_imbalance)
+    # train.optimizer = muon: optim/cost.py's muon_costs at this layout (Newton-Schulz FLOPs, owner traffic, the
+    # Muon matrices' elements); None under AdamW
+    muon: dict | None = None
 
     @property
     def ne_group(self) -> int:
@@ -102,6 +105,20 @@ class Context:
     def ex_group(self) -> int:
         """Ranks of the expert-DP group: expert shards shard over it."""
         return self.layout.dp
+
+    def muon_elements(self, st: StageSummary) -> float:
+        """Elements of stage `st`'s Muon matrices one rank keeps state for (sharded at zero >= 1): its experts, and
+        the Muon share of its blocks' non-expert params (the model's hidden matrices over everything but the
+        embedding, head and final norm, which stay AdamW's)."""
+        if self.muon is None:
+            return 0.0
+        V, D = self.shape.vocab, self.shape.d_model
+        root = (V * D + self.shape.pos_table * D if st.first else 0) + (V * D + D if st.last else 0)
+        m = self.muon
+        whole_root = 2 * m["V"] * m["D"] + m["pos"] * m["D"] + m["D"]
+        blk = m["dense_elems"] / max(1, m["dense_elems"] + m["adam_elems"] - whole_root)
+        ne, ex = blk * max(0, st.n_ne - root), st.n_ex * m["expert_elems"] / max(1, m["expert_elems"])
+        return ne / self.ne_group + ex / self.ex_group if self.zero >= 1 else ne + ex
 
     def kept_blocks(self, st: StageSummary) -> int:
         """Blocks of stage `st` that zero3_reshard "always" keeps gathered from their forward to their backward:

@@ -18,7 +18,8 @@ from ..parallel.dp.sync import zero_memory_choices
 from . import cp as cp_plan, tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
-from .shape import PRECISIONS, Layout, ModelShape, stage_summaries
+from ..optim.cost import muon_costs
+from .shape import PRECISIONS, Layout, ModelShape, layout_config, stage_summaries
 from .skew import time_imbalance
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
                        gemm_eff, step_time)
@@ -104,7 +105,17 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, False, n_virt, prec),
                                      cfg.parallel.sp, False) if ac and layout.schedule == "zb1" else None),
         zero=zero, z_shard=z_accumulate == "shard", z_reshard=z_reshard == "always",
-        skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew)
+        skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew,
+        muon=_muon(cfg, layout, zero, shape) if cfg.train.optimizer == "muon" else None)
+
+
+def _muon(cfg: Config, layout: Layout, zero: int, shape: ModelShape) -> dict:
+    """optim/cost.py's Muon figures at `layout` and zero level `zero`, with the whole model's V, D and position
+    table (Context.muon_elements splits the stages by them)."""
+    c = layout_config(cfg, layout)
+    c.parallel.zero = zero
+    c.model.vocab_size = shape.vocab  # an unresolved config's 0 (= data.vocab_size), as ModelShape read it
+    return {**muon_costs(c), "V": shape.vocab, "D": shape.d_model, "pos": shape.pos_table}
 
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,

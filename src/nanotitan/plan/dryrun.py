@@ -60,6 +60,8 @@ from ..parallel.dp.sync import ensure_adam_state
 from .fit.measure import TensorBytesMeter
 
 CPU = torch.device("cpu")
+MUON_NOT_DRY = ("train.optimizer=muon: the dry run's fake ranks cannot build Muon's owner map yet (it exchanges "
+                "Python objects); the planner prices Muon on its own: drop --dry-run, or add --no-dry-run to --what-if")
 FIELDS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")
 
 
@@ -325,6 +327,8 @@ def dry_run(cfg: Config, world: int, log=None) -> DryRun:
     t0 = time.perf_counter()
     cfg = launch_config(cfg, world)
     layout_errors(cfg, world)
+    if cfg.train.optimizer == "muon":  # optim/owners.py all_gathers Python objects, which fake tensors cannot carry
+        raise ConfigError(MUON_NOT_DRY)
     p = cfg.parallel
     classes = []
     for stage in range(p.pp):

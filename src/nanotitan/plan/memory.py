@@ -110,7 +110,8 @@ def stage_memory(c: Context, s: int, st: StageSummary) -> StageMemory:
     z_shard, z_reshard = c.z_shard, c.z_reshard
     parts = {"params": (n_shard if zero == 3 else n_local) * prec.param,
              "grads": grad_params * prec.grad,
-             "optimizer": opt_params * (prec.master + prec.moments),
+             # Muon keeps one momentum buffer where AdamW keeps two moments (docs/optim.md "State")
+             "optimizer": opt_params * (prec.master + prec.moments) - c.muon_elements(st) * prec.moments / 2,
              "grad_buckets": z2_carry + (0.0 if zero == 2 and z_shard
                                          else n_local if zero == 2 or (zero == 3 and M > 1 and not z_shard)
                                          else block if zero == 3 and not z_reshard else 0.0) * prec.grad

@@ -174,6 +174,24 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node)
 
 
+def muon_time(c: Context) -> float:
+    """Muon's seconds per step on one rank beyond AdamW's element-wise update (docs/planner.md "Muon"): its
+    share of the Newton-Schulz FLOPs at the matmul peak (GEMMs of the matrices' short side, ~d_model rows), and
+    the owner gathers and scatters: the dense matrices' over their non-expert-DP link (TP's node-local link at
+    zero 0), the experts' over the expert-DP link. 0 under AdamW."""
+    if c.muon is None:
+        return 0.0
+    m, hw = c.muon, c.hw
+    t_ns = m["ns_flops_rank"] / (c.peak * gemm_eff(hw, c.shape.d_model))
+    ne_link = c.links["non_expert_dp"][0] if c.zero >= 1 else hw.intra
+    ex_link = c.links["expert_dp"][0]
+    t_dense = (m["traffic_bytes_rank_dense"] / ne_link.allreduce_bw + 2 * ne_link.latency_s
+               if m["traffic_bytes_rank_dense"] else 0.0)
+    t_expert = (m["traffic_bytes_rank_expert"] / ex_link.allreduce_bw + 2 * ex_link.latency_s
+                if m["traffic_bytes_rank_expert"] else 0.0)
+    return t_ns + t_dense + t_expert
+
+
 def grad_norm_sync(c: Context) -> float:
     """The global gradient norm's scalar all-reduces, once per step between the DP sync and the optimizer
     (parallel/clip.py, which every step runs, grad_clip 0 included): over the EP group (whole gradients, zero 0;
@@ -320,8 +338,9 @@ def _dp_sync(c: Context, t_fwd: list[float], t_bwd: list[float],
                          + max(0.0, t_rs_each - hw.dp_overlap * t_bwd[s] - s * mean_bwd) + ag_exposed)
         t_ar = n_rs * t_rs_each + n_ag * t_ag
         n_opt = (st.n_ne / ne_group + st.n_ex / ex_group) if zero else st.n_ne + st.n_ex
-        # AdamW reads param, grad, master, moments and writes param, master, moments.
-        t_opt_by_stage.append(n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments) / hw.mem_bw)
+        # AdamW reads param, grad, master, moments and writes param, master, moments; Muon one buffer for two
+        t_opt_by_stage.append((n_opt * (2 * prec.param + prec.grad + 2 * prec.master + 2 * prec.moments)
+                               - c.muon_elements(st) * prec.moments) / hw.mem_bw + muon_time(c))
         t_opt = max(t_opt, t_opt_by_stage[-1])
         t_ar_by_stage.append(t_ar)
     return exposed_dp, t_opt, t_ar_by_stage, t_opt_by_stage

@@ -1,0 +1,75 @@
+"""The planner prices train.optimizer = muon from optim/cost.py's figures (docs/planner.md "Muon"): one momentum
+buffer where AdamW keeps two, the Newton-Schulz FLOPs of a rank's share at the matmul peak, and the owner
+gathers/scatters on the dense matrices' and the experts' links."""
+
+import pytest
+
+from nanotitan.optim.cost import muon_costs
+from nanotitan.plan import Layout, predict
+from nanotitan.plan.cost import build_context
+from nanotitan.plan.shape import layout_config
+from nanotitan.plan.steptime import gemm_eff, muon_time
+from tests.helpers.plan import CPU, tiny
+
+
+def _cfg(opt: str, pos_emb: str = "rope"):
+    c = tiny(pos_emb=pos_emb)
+    c.train.optimizer = opt
+    return c
+
+
+@pytest.mark.parametrize("lay", [Layout(1, 1, 1, "1f1b", 1, 8), Layout(1, 1, 2, "1f1b", 1, 8),
+                                 Layout(2, 1, 2, "1f1b", 1, 8, zero=1), Layout(2, 1, 1, "1f1b", 1, 8, zero=2)])
+def test_muon_state_is_one_buffer_for_its_matrices(lay):
+    """AdamW's optimizer bytes less Muon's = 4 bytes per Muon element a rank keeps state for, exactly cost.py's
+    dense and expert elements (experts split over EP; both sharded over their DP groups at zero >= 1)."""
+    adam, muon = (predict(_cfg(o), lay, CPU).mem_parts["optimizer"] for o in ("adamw", "muon"))
+    m = muon_costs(layout_config(_cfg("muon"), lay))
+    ne, ex = (lay.dp * lay.ep, lay.dp) if lay.zero else (1, 1)
+    assert adam - muon == pytest.approx(4 * (m["dense_elems"] / ne + m["expert_elems"] / lay.ep / ex))
+    assert 0 < muon < adam
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "learned"])
+def test_stages_split_the_muon_elements_between_them(pos_emb):
+    """Under PP the embedding (and a learned position table) stays AdamW's on stage 0, the head on the last: the
+    stages' Muon elements add up to the model's, and two stages of two equal blocks each hold the same."""
+    lay = Layout(1, 2, 1, "1f1b", 2, 4)
+    c = build_context(_cfg("muon", pos_emb), lay, CPU)
+    per = [c.muon_elements(st) for st in c.stages]
+    assert sum(per) == pytest.approx(c.muon["dense_elems"] + c.muon["expert_elems"])
+    assert per[0] == pytest.approx(per[1]) and c.stages[0].n_ne != c.stages[1].n_ne
+    assert build_context(_cfg("adamw"), lay, CPU).muon_elements(c.stages[0]) == 0
+
+
+def test_muon_step_time_is_cost_py_ns_flops_at_the_matmul_peak_plus_owner_traffic():
+    """muon_time is cost.py's NS FLOPs per rank over peak x GEMM efficiency, plus its gather/scatter bytes on the
+    right link; zero 1 at DP2 halves the busiest rank's NS FLOPs and adds traffic, and the optimizer's critical-path
+    seconds rise over AdamW's by it less the one moment Muon does not stream."""
+    one, z1 = Layout(1, 1, 1, "1f1b", 1, 8), Layout(2, 1, 1, "1f1b", 1, 8, zero=1)
+    c1, c2 = (build_context(_cfg("muon"), lay, CPU) for lay in (one, z1))
+    for c in (c1, c2):
+        m = muon_costs(layout_config(_cfg("muon"), c.layout))
+        t_ns = m["ns_flops_rank"] / (c.peak * gemm_eff(CPU, c.shape.d_model))
+        link = c.links["non_expert_dp"][0] if c.zero else CPU.intra
+        traffic = m["traffic_bytes_rank_dense"] / link.allreduce_bw + 2 * link.latency_s if c.zero else 0.0
+        ex = c.links["expert_dp"][0]
+        traffic += m["traffic_bytes_rank_expert"] / ex.allreduce_bw + 2 * ex.latency_s if c.zero else 0.0
+        assert muon_time(c) == pytest.approx(t_ns + traffic)
+    assert c2.muon["ns_flops_rank"] == pytest.approx(c1.muon["ns_flops_rank"] / 2)
+    assert c1.muon["traffic_bytes_rank"] == 0 < c2.muon["traffic_bytes_rank"]
+    for lay, c in ((one, c1), (z1, c2)):
+        adam, muon = (predict(_cfg(o), lay, CPU) for o in ("adamw", "muon"))
+        less = c.muon_elements(c.stages[0]) * 8 / CPU.mem_bw  # one fp32 buffer read and written, not two
+        assert muon.costs["optimizer"] - adam.costs["optimizer"] == pytest.approx(muon_time(c) - less)
+        assert muon.step_time_s > adam.step_time_s
+
+
+
+def test_dry_run_refuses_muon_in_one_line():
+    """The dry run's fake ranks cannot build Muon's owner map: one line naming train.optimizer and the way out."""
+    from nanotitan.config.config import ConfigError
+    from nanotitan.plan.dryrun import dry_run
+
+    with pytest.raises(ConfigError, match="train.optimizer=muon.*--no-dry-run"):
+        dry_run(_cfg("muon"), 1)
