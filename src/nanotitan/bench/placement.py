@@ -16,10 +16,12 @@ receives ~2x the mean. Variants, run in turn in each repeat (the same time windo
 --warmup W: the steps (0, W] are not measured (default steps // 3): a fresh router collapses over its first steps;
     the measured window (W, steps] is the collapsed router, the skew check's shape ("a skewed router"), not the
     collapse itself.
---balanced-router: static and balanced again on a router held balanced by the aux-loss-free bias from step 1
-(model.bias_update_rate --router-bias, a sign update per step, DeepSeek-V3's; the Switch loss at aux 1.0 does not
-balance this router in 12 steps): the overhead of the placement's bookkeeping and moves where there is little to
-balance. The static row's busiest/mean says how balanced it was.
+--balanced-router: static and balanced again on a router balanced by construction: top-k = E (model.top_k set to
+model.num_experts), every token to every expert, so every EP rank receives the mean whatever the logits (twice
+the assignments of the top-2 shape): the overhead of the placement's bookkeeping and moves where there is nothing
+to balance. --router-bias RATE instead keeps top-2 and balances with the aux-loss-free bias (model.bias_update_rate;
+at 0.05 it did not balance this collapsing router in 15 steps, nor did the Switch loss at aux 1.0 in 12). The static
+row's busiest/mean says how balanced the router was.
 Per run: medians over the steps (W, steps] of step time, EP wait (comm_ep_wait_s) and the busiest EP rank's
 received assignments over the mean (ep_recv_max_mean under the static mapping; ep_placed_max_mean under the
 placement in force); then medians over the repeats.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tomllib
 from pathlib import Path
 
 from ..observe.runs import run_results, summarise
@@ -40,12 +43,12 @@ BANDWIDTH_BOUND = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--pa
                    "--model.d_model", "256", "--model.ffn_dim", "512"]
 
 
-def variants(every: int, replicas: int, balanced_router: float) -> dict[str, list[str]]:
+def variants(every: int, replicas: int, balanced_router: list[str] | None) -> dict[str, list[str]]:
     placed = ["--parallel.expert_placement", "balanced", "--parallel.rebalance_every", str(every),
               "--parallel.expert_replicas", str(replicas)]
-    if balanced_router:
-        bias = ["--model.bias_update_rate", str(balanced_router)]
-        return {f"static (bias {balanced_router})": bias, f"balanced (bias {balanced_router})": [*bias, *placed]}
+    if balanced_router is not None:
+        how = " ".join(balanced_router).replace("--model.", "")
+        return {f"static ({how})": balanced_router, f"balanced ({how})": [*balanced_router, *placed]}
     return {"static": [], "balanced": placed, "capped": ["--model.capacity_factor", "1.0"]}
 
 
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2, help="parallel.expert_replicas of the balanced runs")
     ap.add_argument("--warmup", type=int, default=None, help="steps not measured (default steps // 3)")
     ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: the aux-free bias on")
-    ap.add_argument("--router-bias", type=float, default=0.05, help="model.bias_update_rate of --balanced-router")
+    ap.add_argument("--router-bias", type=float, default=0.0, help="--balanced-router by the aux-free bias at RATE")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/placement.json")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -95,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.steps // 3 if args.warmup is None else args.warmup
     if not 0 <= warmup < args.steps:
         raise SystemExit(f"--warmup {warmup} must be in [0, --steps {args.steps}) (--warmup {args.steps // 3})")
-    bias = args.router_bias if args.balanced_router else 0.0
+    bias = None
+    if args.balanced_router:
+        experts = tomllib.loads(Path(args.config).read_text())["model"]["num_experts"]
+        experts = overrides[overrides.index("--model.num_experts") + 1] if "--model.num_experts" in overrides else experts
+        bias = (["--model.bias_update_rate", str(args.router_bias)] if args.router_bias
+                else ["--model.top_k", str(experts)])
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         for name, extra in variants(args.every, args.replicas, bias).items():
