@@ -52,3 +52,19 @@ def test_slot_ids_split_an_expert_by_token_order():
     assert s.tolist() == [2, 2, 2, 5, 5, 5, 0, 0, 1, 1, 3, P * C]
     tokens = (order_N // 2).tolist()
     assert tokens[:6] == [0, 1, 2, 3, 4, 5]  # expert 0's tokens in order: 0-2 to the first copy, 3-5 to the second
+
+
+def test_sticky_keeps_the_loads_and_moves_fewer_experts():
+    from nanotitan.parallel.placement import sticky
+
+    load = [10.0, 10, 10, 10, 10, 10, 400, 10]
+    current = balanced([400.0] + [10.0] * 7, 4, spare=1, R=2)  # expert 0 replicated
+    fresh = balanced(load, 4, spare=1, R=2)
+    kept = sticky(current, fresh)
+    assert sorted(kept.rank_loads(load)) == sorted(fresh.rank_loads(load))  # ranks relabelled: the same loads
+    assert sorted(x for row in kept.slots for x in row) == sorted(x for row in fresh.slots for x in row)
+    for e, column, ranks in kept.replicated():  # the copies still share one column
+        assert all(kept.slots[p][column] == e for p in ranks)
+    same = lambda p: sum(a == b >= 0 for ra, rb in zip(p.slots, current.slots) for a, b in zip(ra, rb))  # noqa
+    assert same(kept) == 6 > same(fresh) == 1  # experts that stay in their (rank, slot) are not moved
+    assert sticky(current, current) == current

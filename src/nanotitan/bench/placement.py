@@ -2,7 +2,8 @@
 the capacity-capped router, side by side, under the network emulator.
 
     nanotitan bench placement [--dp 2 --ep 4 --microbatches 2 --micro-batch 2] [--steps 12] [--repeats 2]
-                              [--every 3] [--replicas 2] [--balanced-router] [--out docs/experiments/placement.json]
+                              [--warmup 4] [--every 3] [--replicas 2] [--balanced-router [--router-bias 0.05]]
+                              [--out docs/experiments/placement.json]
                               [train overrides ...]
 
 Default shape: the bandwidth-bound skew check (scripts/experiments/plan_intervals.py --bandwidth-bound,
@@ -12,9 +13,16 @@ receives ~2x the mean. Variants, run in turn in each repeat (the same time windo
     static    dropless, expert e on rank e // (E/EP)
     balanced  dropless, parallel.expert_placement=balanced (rebalance_every --every, expert_replicas --replicas)
     capped    static with model.capacity_factor 1.0: the busiest rank held to the mean by dropping tokens
---balanced-router: static and balanced again with the Switch balance loss on (model.aux_coef 1.0), the overhead of
-the placement's bookkeeping and moves where there is little to balance.
-Per run: medians over the steps (steps/3, steps] of step time, EP wait (comm_ep_wait_s) and the busiest EP rank's
+--warmup W: the steps (0, W] are not measured (default steps // 3): a fresh router collapses over its first steps;
+    the measured window (W, steps] is the collapsed router, the skew check's shape ("a skewed router"), not the
+    collapse itself.
+--balanced-router: static and balanced again on a router balanced by construction: top-k = E (model.top_k set to
+model.num_experts), every token to every expert, so every EP rank receives the mean whatever the logits (twice
+the assignments of the top-2 shape): the overhead of the placement's bookkeeping and moves where there is nothing
+to balance. --router-bias RATE instead keeps top-2 and balances with the aux-loss-free bias (model.bias_update_rate;
+at 0.05 it did not balance this collapsing router in 15 steps, nor did the Switch loss at aux 1.0 in 12). The static
+row's busiest/mean says how balanced the router was.
+Per run: medians over the steps (W, steps] of step time, EP wait (comm_ep_wait_s) and the busiest EP rank's
 received assignments over the mean (ep_recv_max_mean under the static mapping; ep_placed_max_mean under the
 placement in force); then medians over the repeats.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tomllib
 from pathlib import Path
 
 from ..observe.runs import run_results, summarise
@@ -34,18 +43,18 @@ BANDWIDTH_BOUND = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--pa
                    "--model.d_model", "256", "--model.ffn_dim", "512"]
 
 
-def variants(every: int, replicas: int, balanced_router: bool) -> dict[str, list[str]]:
+def variants(every: int, replicas: int, balanced_router: list[str] | None) -> dict[str, list[str]]:
     placed = ["--parallel.expert_placement", "balanced", "--parallel.rebalance_every", str(every),
               "--parallel.expert_replicas", str(replicas)]
-    if balanced_router:
-        aux = ["--model.aux_coef", "1.0"]
-        return {"static (aux 1.0)": aux, "balanced (aux 1.0)": [*aux, *placed]}
+    if balanced_router is not None:
+        how = " ".join(balanced_router).replace("--model.", "")
+        return {f"static ({how})": balanced_router, f"balanced ({how})": [*balanced_router, *placed]}
     return {"static": [], "balanced": placed, "capped": ["--model.capacity_factor", "1.0"]}
 
 
-def row(res: dict, steps: int) -> dict:
-    s = summarise(res, (steps // 3, steps))
-    window = [r["step_time_s"] for r in res["records"] if steps // 3 < r["step"] <= steps]
+def row(res: dict, warmup: int, steps: int) -> dict:
+    s = summarise(res, (warmup, steps))
+    window = [r["step_time_s"] for r in res["records"] if warmup < r["step"] <= steps]
     return {"step_time_s": s["step_time_s"], "step_mean_s": statistics.mean(window), "ep_wait_s": s["ep_wait_s"],
             "dp_wait_s": s["dp_wait_s"],
             "recv_max_mean": s.get("ep_recv_max_mean"), "placed_max_mean": s.get("ep_placed_max_mean"),
@@ -77,25 +86,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--every", type=int, default=3, help="parallel.rebalance_every of the balanced runs")
     ap.add_argument("--replicas", type=int, default=2, help="parallel.expert_replicas of the balanced runs")
-    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: aux loss on")
+    ap.add_argument("--warmup", type=int, default=None, help="steps not measured (default steps // 3)")
+    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: the aux-free bias on")
+    ap.add_argument("--router-bias", type=float, default=0.0, help="--balanced-router by the aux-free bias at RATE")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/placement.json")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--table-only", action="store_true", help="re-read the runs under OUT's runs/, run nothing")
     args, overrides = ap.parse_known_args(argv)
     out = Path(args.out)
+    warmup = args.steps // 3 if args.warmup is None else args.warmup
+    if not 0 <= warmup < args.steps:
+        raise SystemExit(f"--warmup {warmup} must be in [0, --steps {args.steps}) (--warmup {args.steps // 3})")
+    bias = None
+    if args.balanced_router:
+        experts = tomllib.loads(Path(args.config).read_text())["model"]["num_experts"]
+        experts = overrides[overrides.index("--model.num_experts") + 1] if "--model.num_experts" in overrides else experts
+        bias = (["--model.bias_update_rate", str(args.router_bias)] if args.router_bias
+                else ["--model.top_k", str(experts)])
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
-        for name, extra in variants(args.every, args.replicas, args.balanced_router).items():
+        for name, extra in variants(args.every, args.replicas, bias).items():
             tag = name.split()[0] + ("_aux" if args.balanced_router else "")
             if args.table_only:
                 runs.setdefault(name, []).append(row(run_results(out.parent / "runs" / f"placement_{tag}_{rep}"),
-                                                     args.steps))
+                                                     warmup, args.steps))
                 continue
             res = run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.steps,
                              out.parent / "runs" / f"placement_{tag}_{rep}",
                              [f"--config={args.config}", *BANDWIDTH_BOUND, *extra, *overrides], args.timeout)
-            runs.setdefault(name, []).append(row(res, args.steps))
+            runs.setdefault(name, []).append(row(res, warmup, args.steps))
             out.write_text(json.dumps({"layout": vars(args), "overrides": overrides, "runs": runs}, indent=1))
             print(f"{name} repeat {rep}: {runs[name][-1]}", flush=True)
     print(table(runs))

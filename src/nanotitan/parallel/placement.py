@@ -24,6 +24,7 @@ once by e's weights, so the maths is unchanged; only where it runs moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import permutations
 
 import torch
 
@@ -146,10 +147,40 @@ def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1) -> Placeme
     return Placement(tuple(tuple(row) for row in slots), E)
 
 
+def sticky(old: Placement, new: Placement) -> Placement:
+    """`new` with its ranks relabelled and each rank's unreplicated experts kept in their old slots, so that as few
+    experts as possible change (rank, slot): the loads are the same (ranks are interchangeable), the move smaller
+    (rebalance.py sends and rewrites only the slots that change). The relabelling maximises the experts a rank
+    keeps (every permutation up to 7 ranks, else greedily); a replicated expert's column stays as it is."""
+    P = new.P
+    keep = [[len((set(new.slots[q]) & set(old.slots[p])) - {-1}) for p in range(P)] for q in range(P)]
+    if P <= 7:
+        to = max(permutations(range(P)), key=lambda perm: (sum(keep[q][perm[q]] for q in range(P)), [-x for x in perm]))
+    else:
+        to, free = [0] * P, set(range(P))
+        for q in range(P):
+            to[q] = max(free, key=lambda p: (keep[q][p], -p))
+            free.discard(to[q])
+    n = [len(c) for c in new.copies()]
+    rows: list[tuple[int, ...]] = [()] * P
+    for q, p in enumerate(to):
+        row = [e if e >= 0 and n[e] > 1 else -1 for e in new.slots[q]]  # the replicas' columns stay
+        rest = [e for e in new.slots[q] if e >= 0 and n[e] == 1]
+        for e in list(rest):
+            s = old.slots[p].index(e) if e in old.slots[p] else -1
+            if s >= 0 and row[s] == -1:
+                row[s] = e
+                rest.remove(e)
+        for e in rest:
+            row[row.index(-1)] = e
+        rows[p] = tuple(row)
+    return Placement(tuple(rows), new.num_experts)
+
+
 def choose(current: Placement, load_E: list[float], R: int) -> Placement:
-    """The next placement: `balanced` on this window's load, unless it beats the current one's busiest rank by no
-    more than KEEP_WITHIN (a balanced router then keeps its placement: no moves)."""
-    new = balanced(load_E, current.P, current.C - current.num_experts // current.P, R)
+    """The next placement: `balanced` on this window's load (made `sticky` to the current one), unless it beats the
+    current one's busiest rank by no more than KEEP_WITHIN (a balanced router then keeps its placement: no moves)."""
+    new = sticky(current, balanced(load_E, current.P, current.C - current.num_experts // current.P, R))
     if max(new.rank_loads(load_E)) < (1 - KEEP_WITHIN) * max(current.rank_loads(load_E)):
         return new
     return current

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .comm import collectives as comm
 from .ep import EPDispatcher
-from .placement import Placement, balanced, choose, identity
+from .placement import Placement, balanced, choose, identity, sticky
 from .shard import keep_layout
 
 EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
@@ -110,7 +110,7 @@ class Rebalancer:
             return None
         t0, old = time.perf_counter(), self.placements()
         spare = self.R - 1
-        new = {k: balanced(loads[k], old[k].P, spare, self.R) for k in self.keys}
+        new = {k: sticky(old[k], balanced(loads[k], old[k].P, spare, self.R)) for k in self.keys}
         self.last_load = {k: loads[k] for k in self.keys}
         return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
 
@@ -147,49 +147,68 @@ class Rebalancer:
 
     @torch.no_grad()
     def _move(self, optimizer, changes: list[tuple[str, Placement, Placement]]) -> int:
-        """Every expert tensor of the changed layers to its new slots; returns the bytes this EP group sent."""
-        dims, sync = self.shard.dims, self.shard.sync
+        """The changed slots of the changed layers to their new experts; returns the bytes this EP group sent.
+        Only the rows a move reads are put together over expert-DP, and only the rows whose expert changes are
+        written: a slot that keeps its expert is not touched."""
+        sync = self.shard.sync
         model_state, optim_state = sync.sharded_state(optimizer)
-        layers = []  # per change: its Pieces, their whole tensors [C, ...]
-        for k, _, _ in changes:
+        layers = []  # per change: its Pieces, the rows it reads here, its moves
+        for k, old, new in changes:
             pieces = []
             for n in self.names[k]:
                 pieces.append(model_state[n])
                 pieces += [v for _, v in sorted(optim_state.get(n, {}).items()) if len(v.size)]
-            layers.append(pieces)
-        wholes = self._gather_whole([p for ps in layers for p in ps])
+            moves = self._plan(old, new)
+            layers.append((pieces, sorted({s for p, s, _, _ in moves if p == self.shard.dims.moe_ep_rank}), moves))
+        wholes = self._gather_rows([(p, src) for ps, src, _ in layers for p in ps])
         sent, i = 0, 0
-        for (k, old, new), pieces in zip(changes, layers):
-            rows = torch.cat([w.reshape(w.shape[0], -1) for w in wholes[i:i + len(pieces)]], 1)  # [C, W]
-            new_rows, n_sent = self._exchange(rows, old, new)
+        for (k, old, new), (pieces, src, moves) in zip(changes, layers):
+            mine = wholes[i:i + len(pieces)]
+            rows = torch.cat([w.reshape(len(src), p.size[1:].numel()) for p, w in zip(pieces, mine)], 1)  # [src, W]
+            dst, new_rows, n_sent = self._exchange(rows, src, moves, old, new)
             sent += n_sent * rows.shape[1] * rows.element_size()
             at = 0
-            for p, w in zip(pieces, wholes[i:i + len(pieces)]):
-                width = w[0].numel()
-                moved = new_rows[:, at:at + width].reshape(w.shape)
+            for p in pieces:
+                width = p.size[1:].numel()
+                moved = new_rows[:, at:at + width].reshape(len(dst), *p.size[1:])
                 at += width
                 for off, t in p.boxes:
-                    t.copy_(moved[_region(off, t.shape)])
+                    for j, s2 in enumerate(dst):
+                        if off[0] <= s2 < off[0] + t.shape[0]:
+                            t[s2 - off[0]].copy_(moved[j][_region(off[1:], t.shape[1:])])
             i += len(pieces)
         return sent
 
-    def _gather_whole(self, pieces: list) -> list[torch.Tensor]:
-        """Each Pieces as its whole tensor on every rank of the expert-DP group: whole already (every replica holds
-        it), else the disjoint pieces summed over the group (x + 0 = x: exact)."""
+    def _plan(self, old: Placement, new: Placement) -> list[tuple[int, int, int, int]]:
+        """(src rank, src slot, dst rank, dst slot) of every slot whose expert changes, in dst order: it takes its
+        expert from its own rank if that held it, else from the expert's first old copy."""
+        first = old.copies()
+        plan = []
+        for q, row in enumerate(new.slots):
+            for s2, e in enumerate(row):
+                if e < 0 or old.slots[q][s2] == e:
+                    continue
+                src = (q, old.slots[q].index(e)) if e in old.slots[q] else first[e][0]
+                plan.append((*src, q, s2))
+        return plan
+
+    def _gather_rows(self, pieces: list) -> list[torch.Tensor]:
+        """Each (Pieces, rows) as those rows of its whole tensor on every rank of the expert-DP group: whole
+        already (every replica holds it), else the disjoint pieces summed over the group (x + 0 = x: exact)."""
         group, device = self.shard.dims.group("expert_dp"), self._device()
         wholes, partial = [], []
-        for p in pieces:
+        for p, rows in pieces:
             t0 = p.boxes[0][1] if p.boxes else None
             w = torch.zeros(p.size, dtype=torch.float32 if t0 is None else t0.dtype, device=device)
             for off, t in p.boxes:
                 w[_region(off, t.shape)] = t
-            wholes.append(w)
+            wholes.append(w[rows])
             partial.append(sum(t.numel() for _, t in p.boxes) < w.numel())
         if group is None:
             return wholes
         flags = torch.tensor(partial, dtype=torch.float32, device=device)
         comm.all_reduce(flags, group=group, axis="other", op=dist.ReduceOp.MAX)  # partial anywhere: sum them
-        idx = [j for j, f in enumerate(flags.tolist()) if f]
+        idx = [j for j, f in enumerate(flags.tolist()) if f and wholes[j].numel()]
         if idx:
             buf = torch.cat([wholes[j].reshape(-1) for j in idx])
             comm.all_reduce(buf, group=group, axis="other")
@@ -197,35 +216,31 @@ class Rebalancer:
                 wholes[j] = part.view_as(wholes[j])
         return wholes
 
-    def _exchange(self, rows: torch.Tensor, old: Placement, new: Placement) -> tuple[torch.Tensor, int]:
-        """rows [C, W] of this rank's slots under `old` -> under `new`: a new slot takes its expert from this rank if
-        it held it, else from the expert's first old copy. Returns (new rows, rows sent between ranks by the
-        whole EP group)."""
+    def _exchange(self, rows: torch.Tensor, src: list[int], moves: list, old: Placement,
+                  new: Placement) -> tuple[list[int], torch.Tensor, int]:
+        """rows [len(src), W] of this rank's source slots `src` -> (the slots that change here, their new rows,
+        rows sent between ranks by the whole EP group). A slot left empty gets zeros."""
         me, P = self.shard.dims.moe_ep_rank, old.P
-        first = old.copies()
-        plan = []  # (src rank, src slot, dst rank, dst slot), in dst order
-        for q, row in enumerate(new.slots):
-            for s2, e in enumerate(row):
-                if e < 0:
-                    continue
-                src = (q, old.slots[q].index(e)) if e in old.slots[q] else first[e][0]
-                plan.append((*src, q, s2))
-        out = torch.zeros_like(rows)
-        for p, s, q, s2 in plan:
+        at = {s: j for j, s in enumerate(src)}
+        emptied = [s for s in range(new.C) if new.slots[me][s] < 0 <= old.slots[me][s]]
+        dst = sorted(emptied + [s2 for _, _, q, s2 in moves if q == me])
+        pos = {s2: j for j, s2 in enumerate(dst)}
+        out = rows.new_zeros(len(dst), rows.shape[1])
+        for p, s, q, s2 in moves:
             if p == q == me:
-                out[s2] = rows[s]
-        send = [[s for p, s, q, _ in plan if p == me and q == d] for d in range(P)]
-        recv = [[s2 for p, _, q, s2 in plan if q == me and p == src] for src in range(P)]
+                out[pos[s2]] = rows[at[s]]
+        send = [[at[s] for p, s, q, _ in moves if p == me and q == d] for d in range(P)]
+        recv = [[pos[s2] for p, _, q, s2 in moves if q == me and p == o] for o in range(P)]
         send[me], recv[me] = [], []
-        inp = rows.index_select(0, torch.tensor([s for d in send for s in d], dtype=torch.long, device=rows.device))
+        inp = rows.index_select(0, torch.tensor([j for d in send for j in d], dtype=torch.long, device=rows.device))
         buf = rows.new_empty(sum(map(len, recv)), rows.shape[1])
         if P > 1:
             comm.all_to_all_single(buf, inp, [len(r) for r in recv], [len(s) for s in send],
                                    group=self.shard.dims.group("ep"), axis="ep")
-        dst = [s2 for r in recv for s2 in r]
-        if dst:
-            out[torch.tensor(dst, device=rows.device)] = buf
-        return out, sum(1 for p, _, q, _ in plan if p != q)
+        got = [j for r in recv for j in r]
+        if got:
+            out[torch.tensor(got, device=rows.device)] = buf
+        return dst, out, sum(1 for p, _, q, _ in moves if p != q)
 
     # --- inside a step ----------------------------------------------------------------------------------------
     @torch.no_grad()
