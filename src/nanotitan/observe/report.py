@@ -317,6 +317,7 @@ class StepLogger:
         # meters) and any one-off stall are averaged in, not reported alone; the lanes' figures likewise.
         self.interval_s, self.interval_steps = 0.0, 0
         self.lanes = LaneMeans(shard.ep_lanes)
+        self.cpu_mark = time.process_time()  # CPU seconds per step (cpu_step_s): this rank's work, whatever the load
         comm.COMM.reset()
 
     @property
