@@ -12,7 +12,7 @@ from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import cp as cp_plan
 from nanotitan.plan.cost import PlanOptions, predict
 from nanotitan.plan.search import plan
-from nanotitan.plan.shape import Layout, ModelShape
+from nanotitan.plan.shape import Layout, ModelShape, Precision
 
 H100 = get_hardware("h100")
 
@@ -164,3 +164,17 @@ def test_dry_run_at_dp2_cp2_ep2_matches_the_planner():
         assert abs(row["gap_peak_bytes"]) < 0.02, row
         rows[cp] = row
     assert 1.7 < rows[1]["peak_bytes"] / rows[2]["peak_bytes"] < 2.0
+
+
+def test_measured_expert_load_prices_the_busiest_cp_rank():
+    """PlanOptions.expert_load (a run's busiest rank's received assignments over the mean) replaces the skew
+    model: 1.0 is the balanced router, and each extra mean's worth adds the rank's T tokens of received bytes
+    (K (D + 4F) per token and MoE layer) to its activations (docs/cp.md "Long context": within 1.3% measured)."""
+    cfg, cpu = _cfg(4096, 256, 4, "--train.dtype", "fp32"), get_hardware("cpu")
+    lay = Layout(1, 1, 1, "1f1b", 1, 1, cp=4)
+    act = lambda **o: predict(cfg, lay, cpu, PlanOptions(**o)).mem_parts["activations"]  # noqa: E731
+    assert act(expert_load=1.0) == act(expert_skew=0.0)
+    shape = ModelShape.from_config(cfg)
+    fp32 = Precision(param=4, grad=4, master=0, moments=8, act=4)
+    per_token = sum(shape.received_bytes(i, fp32) for i in range(cfg.model.n_layers))
+    assert act(expert_load=2.0) - act(expert_load=1.0) == pytest.approx(4096 / 4 * per_token)
