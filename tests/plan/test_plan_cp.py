@@ -12,7 +12,7 @@ from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import cp as cp_plan
 from nanotitan.plan.cost import PlanOptions, predict
 from nanotitan.plan.search import plan
-from nanotitan.plan.shape import Layout, ModelShape
+from nanotitan.plan.shape import Layout, ModelShape, Precision
 
 H100 = get_hardware("h100")
 
@@ -47,13 +47,13 @@ def test_activation_memory_falls_n_fold_with_cp(impl):
 
 def test_ring_and_a2a_bytes():
     """The ring carries the KV heads (GQA: never repeated copies; split over TP where they divide) N-1 times
-    forward, N-1 times again and the fp32 dK/dV N times backward; MLA carries its latent; Ulysses moves (N-1)/N of
+    forward, N-1 times again and the fp32 dK/dV N-1 times backward; MLA carries its latent; Ulysses moves (N-1)/N of
     q, k, v and the output each way."""
     gqa = ModelShape.from_config(_cfg(4096))  # 16 heads of 64, 4 KV heads
     assert cp_plan.kv_elems(gqa, 1) == 4 * 2 * 64 and cp_plan.kv_elems(gqa, 2) == 2 * 2 * 64
     assert cp_plan.kv_elems(gqa, 8) == 4 * 2 * 64  # 4 KV heads over 8 TP ranks: replicated, all sent
     fwd, bwd = cp_plan.ring_bytes(gqa, 1000, 4, 1, 2)
-    assert fwd == 3 * 1000 * 512 * 2 and bwd == 3 * 1000 * 512 * 2 + 4 * 1000 * 512 * 4
+    assert fwd == 3 * 1000 * 512 * 2 and bwd == 3 * 1000 * 512 * 2 + 3 * 1000 * 512 * 4
     assert cp_plan.ring_bytes(gqa, 1000, 1, 1, 2) == (0.0, 0.0)
     fwd, bwd = cp_plan.a2a_bytes(gqa, 1000, 4, 1, 2)
     assert fwd == bwd == 1000 * (2 * 16 * 64 + 4 * 2 * 64) * 2 * 3 / 4
@@ -67,10 +67,12 @@ def test_ring_and_a2a_bytes():
 
 
 def test_ring_overlap_and_link():
-    """A K/V hop hides behind one block's attention, a dK/dV hop behind the next; the last dK/dV hop is exposed. CP
+    """A K/V hop hides behind one block's attention, a dK/dV hop behind the next; the last dK/dV hop behind the own
+    block's query chunk [0, c), a quarter of a backward block (exposed when there is nothing to hide behind). CP
     ranks are TP-strided: CP x TP inside a node stays on NVLink, beyond it the group crosses nodes."""
-    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 10.0) == (2.0, 3 * 2.0 + 4 * 2.0)
-    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 0.0) == (3 * 1.0 + 3 * 3.0 + 2.0, 14.0)  # nothing to hide behind
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 10.0) == (0.0, 3 * 2.0 + 3 * 2.0)
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 2.0) == (1.0, 12.0)  # the last hop: 2.0 behind 1.0
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 0.0) == (3 * 1.0 + 3 * 3.0 + 2.0, 12.0)  # nothing to hide behind
     lay = Layout(2, 1, 1, "1f1b", 1, 1, tp=2, cp=4)
     assert cp_plan.placement(lay, "cp", 8) == (False, 0.0)  # ranks 0, 2, 4, 6
     assert cp_plan.placement(dataclasses.replace(lay, tp=4), "cp", 8) == (True, 2 / 3)  # 0, 4 | 8, 12
@@ -162,3 +164,17 @@ def test_dry_run_at_dp2_cp2_ep2_matches_the_planner():
         assert abs(row["gap_peak_bytes"]) < 0.02, row
         rows[cp] = row
     assert 1.7 < rows[1]["peak_bytes"] / rows[2]["peak_bytes"] < 2.0
+
+
+def test_measured_expert_load_prices_the_busiest_cp_rank():
+    """PlanOptions.expert_load (a run's busiest rank's received assignments over the mean) replaces the skew
+    model: 1.0 is the balanced router, and each extra mean's worth adds the rank's T tokens of received bytes
+    (K (D + 4F) per token and MoE layer) to its activations (docs/cp.md "Long context": within 1.3% measured)."""
+    cfg, cpu = _cfg(4096, 256, 4, "--train.dtype", "fp32"), get_hardware("cpu")
+    lay = Layout(1, 1, 1, "1f1b", 1, 1, cp=4)
+    act = lambda **o: predict(cfg, lay, cpu, PlanOptions(**o)).mem_parts["activations"]  # noqa: E731
+    assert act(expert_load=1.0) == act(expert_skew=0.0)
+    shape = ModelShape.from_config(cfg)
+    fp32 = Precision(param=4, grad=4, master=0, moments=8, act=4)
+    per_token = sum(shape.received_bytes(i, fp32) for i in range(cfg.model.n_layers))
+    assert act(expert_load=2.0) - act(expert_load=1.0) == pytest.approx(4096 / 4 * per_token)

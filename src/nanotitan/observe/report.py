@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -222,7 +223,7 @@ def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer
         print(profile, flush=True)
     shard = logger.shard
     mem = {**live_tensor_bytes(model, optimizer), "act_peak_bytes": meters.act_peak_bytes,
-           "peak_tensor_bytes": meters.peak_tensor_bytes}
+           "peak_tensor_bytes": meters.peak_tensor_bytes, "cpu_step_s": logger.last.get("cpu_step_s")}
     summary = gather_summary(logger.last, shard.dims.rank, shard.dims, logger.device, logger.wait_totals, run_dir, mem)
     writer.close()
     return summary
@@ -316,6 +317,7 @@ class StepLogger:
         # meters) and any one-off stall are averaged in, not reported alone; the lanes' figures likewise.
         self.interval_s, self.interval_steps = 0.0, 0
         self.lanes = LaneMeans(shard.ep_lanes)
+        self.cpu_mark = time.process_time()  # CPU seconds per step (cpu_step_s): this rank's work, whatever the load
         comm.COMM.reset()
 
     @property
@@ -340,6 +342,8 @@ class StepLogger:
                              peak_flops=self.peak_flops, device=self.device, dims=dims, M=self.M,
                              schedule=self.schedule, stats=result.stats, comm_stats=cstats,
                              virtual_stages=self.virtual_stages, mtp_loss=losses.mtp)
+        cpu, self.cpu_mark = self.cpu_mark, time.process_time()
+        record["cpu_step_s"] = (self.cpu_mark - cpu) / self.interval_steps
         self.interval_s, self.interval_steps = 0.0, 0
         record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
         record.update(routing_skew_stats(self.shard.model, dims, self.device))

@@ -187,34 +187,53 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
 
 def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable):
     """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
-    (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it)."""
-    c = q.shape[2] // 2
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    cur, incoming = payload, None
-    for step in range(ring.size):
+    (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it).
+
+    The own (causal) block is split so that both ends of the ring have compute to hide behind: its query chunk
+    [c, 2c) runs first (while the first payload travels), its chunk [0, c) last (while the other ranks' summed
+    gradient of this rank's payload makes its final hop home); its own share joins that sum at the very end."""
+    c, acc = q.shape[2] // 2, acc_dtype(q.dtype)
+    if ring.size == 1:
+        k, v = to_kv(payload)
+        dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+        return dq.to(acc), kv_grad(payload, dk, dv).to(acc)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lo, hi = slice(0, c), slice(c, None)
+    nxt = _Exchange(ring, payload, 0)  # posted before the first block's compute
+    k, v = to_kv(payload)
+    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
+    part = (dout[:, :, hi], q[:, :, hi])
+    for keys, causal in ((lo, False), (hi, True)):  # query chunk [c, 2c): all of key chunk 0, causal on chunk 1
+        dq_b, dk_b, dv_b = block_attention_backward(*part, k[:, :, keys], v[:, :, keys], out[:, :, hi],
+                                                    lse[:, :, hi], causal, scale)
+        dq[:, :, hi] += dq_b
+        dk_own[:, :, keys] += dk_b
+        dv_own[:, :, keys] += dv_b
+    incoming = None
+    for step in range(1, ring.size):
+        cur = nxt.wait()
         nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None
         k, v = to_kv(cur)
-        src = (ring.rank - step) % ring.size
-        if step == 0:
-            dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
-            dq += dq_b
-        else:
-            rows, keys = _step_blocks(src, ring.rank, c)
-            dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
-                                                        v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                                        False, scale)
-            dq[:, :, rows] += dq_b
-            dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
-            dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
-        dpay = kv_grad(cur, dk, dv).to(acc_dtype(q.dtype))
-        if ring.size == 1:
-            return dq, dpay
+        rows, keys = _step_blocks((ring.rank - step) % ring.size, ring.rank, c)
+        dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                                    v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                                    False, scale)
+        dq[:, :, rows] += dq_b
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+        dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
+        dpay = kv_grad(cur, dk, dv).to(acc)
         if incoming is not None:
             dpay += incoming.wait()
         incoming = _Exchange(ring, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
-        if nxt is not None:
-            cur = nxt.wait()
-    return dq, incoming.wait()
+    k, v = to_kv(payload)  # again: MLA's expander keeps one payload's graph at a time
+    dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, lo], q[:, :, lo], k[:, :, lo], v[:, :, lo],
+                                                out[:, :, lo], lse[:, :, lo], True, scale)
+    dq[:, :, lo] += dq_b
+    dk_own[:, :, lo] += dk_b
+    dv_own[:, :, lo] += dv_b
+    own = kv_grad(payload, dk_own, dv_own).to(acc)
+    return dq, own + incoming.wait()
 
 
 def _split_kv(dk: int):

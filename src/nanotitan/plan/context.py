@@ -38,6 +38,9 @@ class PlanOptions:
     # routing skew behind the busiest EP rank's load (expert_imbalance): the CV of an expert's share of one
     # microbatch's assignments; None = EXPERT_SKEW, 0 = a perfectly balanced router (what the dry run routes)
     expert_skew: float | None = None
+    # a measured load instead of the skew model: the busiest EP (or CP-folded) rank's received assignments over
+    # the mean at the peak (a run whose router collapsed, far beyond the fitted skew: docs/cp.md "Long context")
+    expert_load: float | None = None
 
 
 def zero_level(layout: Layout, opts: PlanOptions) -> int:

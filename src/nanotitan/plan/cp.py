@@ -14,11 +14,13 @@ Dense parameters are replicated over CP (their gradients reduced and zero-sharde
 sharded over ep*cp*tp. What CP adds, per attention layer of one microbatch on one rank, with B the bytes of its
 local K/V block (T/N tokens x `kv_elems`):
     ring  forward: N-1 hops, each sending and receiving one block (K and V in one message: 2(N-1) tensor
-          transfers); backward: N-1 hops of K/V again and N of dK/dV in fp32 (parallel/cp_attn.py accumulates
-          them in fp32 as they travel; the last hop brings them home). A K/V hop is posted before the block it
-          overlaps is computed, a dK/dV hop after, overlapping the next block: exposed is what a step's hops
-          last beyond one block's attention (forward: 1/N of the layer's score-and-mix FLOPs; backward: twice
-          that), plus the backward's last dK/dV hop. In flight beside a layer's backward: the block computed and
+          transfers); backward: N-1 hops of K/V again and N-1 of dK/dV in fp32 (parallel/cp_attn.py accumulates
+          them in fp32 as they travel from the first rank that used them; the last hop brings them home, and
+          the owner adds its own share there). A K/V hop is posted before the block it overlaps is computed, a
+          dK/dV hop after, overlapping the next block: exposed is what a step's hops last beyond one block's
+          attention (forward: 1/N of the layer's score-and-mix FLOPs; backward: twice that), plus what the
+          backward's last dK/dV hop lasts beyond the own block's query chunk [0, c) (a quarter of a block),
+          which runs last for it. In flight beside a layer's backward: the block computed and
           the next (2B), the gradients travelling and arriving (2 fp32 blocks), the step's zero-padded dK/dV (B),
           dq's fp32 accumulator, and under MLA the block's up-projected per-head K/V and their gradients.
     a2a   Ulysses: q, k, v to head shards and the output back, (N-1)/N of `a2a_elems` per token each way (KV
@@ -84,11 +86,11 @@ def a2a_elems(shape: ModelShape, tp: int, cp: int) -> int:
 
 def ring_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
     """(forward, backward) bytes one rank sends (and receives) per attention layer of a microbatch whose `tokens`
-    are its local T/N: forward N-1 blocks, backward N-1 blocks of K/V and N of dK/dV in fp32 (module docstring)."""
+    are its local T/N: forward N-1 blocks, backward N-1 blocks of K/V and N-1 of dK/dV in fp32 (module docstring)."""
     if cp == 1:
         return 0.0, 0.0
     per_token = tokens * kv_elems(shape, tp)
-    return (cp - 1) * per_token * elem, (cp - 1) * per_token * elem + cp * per_token * 4
+    return (cp - 1) * per_token * elem, (cp - 1) * per_token * (elem + 4)
 
 
 def a2a_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
@@ -119,8 +121,9 @@ def ring_exposed(kv_s: float, grad_s: float, lat_s: float, cp: int, block_s: flo
     """(exposed, link) seconds of one layer's ring, forward + backward: K/V hops of `kv_s` and dK/dV hops of
     `grad_s` over the link, `lat_s` each, a forward block's compute `block_s` (the backward's twice that)."""
     fwd = (cp - 1) * max(0.0, kv_s + lat_s - block_s)
-    bwd = (cp - 1) * max(0.0, kv_s + grad_s + 2 * lat_s - 2 * block_s) + grad_s + lat_s  # dK/dV's last hop home
-    link = (cp - 1) * (2 * kv_s + 2 * lat_s) + cp * (grad_s + lat_s)
+    # dK/dV's last hop home overlaps the own block's query chunk [0, c): a quarter of a backward block
+    bwd = (cp - 1) * max(0.0, kv_s + grad_s + 2 * lat_s - 2 * block_s) + max(0.0, grad_s + lat_s - block_s / 2)
+    link = (cp - 1) * (2 * kv_s + 3 * lat_s + grad_s)
     return fwd + bwd, link
 
 

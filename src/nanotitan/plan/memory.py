@@ -134,8 +134,8 @@ def _activations(c: Context, s: int, st: StageSummary) -> tuple[float, float, fl
     held = pp_facts.in_flight(lay.schedule, lay.pp, s, lay.microbatches, c.n_virt, c.lanes)
     in_flight = held / c.n_virt
     # the busiest EP rank receives more than the mean T*K assignments (docs/planner.md "Expert imbalance")
-    imb = expert_imbalance(c.cfg, lay, c.shape, st.n_moe * in_flight, max(1.0, lay.microbatches * c.n_virt / held),
-                           c.skew)
+    imb = c.opts.expert_load or expert_imbalance(c.cfg, lay, c.shape, st.n_moe * in_flight,
+                                                 max(1.0, lay.microbatches * c.n_virt / held), c.skew)
     recv_extra = (imb - 1) * T  # tokens' worth of received bytes beyond the mean
     act_bytes = in_flight * (T * st.act_bytes + recv_extra * st.received_bytes + st.cast_bytes)
     if c.unckpt is not None and lay.pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
