@@ -2,7 +2,7 @@
 
     python scripts/experiments/muon.py sweep [--steps 200] [--microbatches 8] [--lrs 'adamw=1e-3,3e-3;muon=1e-2']
                                                              # default model: the lr sweeps, val loss at steps/2 and
-                                                             # steps, the plot (muon_rest=...: train.lr, the lr
+                                                             # steps, the plot (muon_rest=...: train.muon_adamw_lr, the lr
                                                              # of Muon's AdamW families; --out one point's json;
                                                              # --from-runs DIR: read runs' metrics.jsonl instead)
     python scripts/experiments/muon.py mid [--steps 4] [--tokens 1024,4096] [--rounds 2] [--dp 1]
@@ -34,7 +34,7 @@ SINGLE = ["--parallel.dp", "1", "--parallel.pp", "1", "--parallel.ep", "1", "--r
           "--train.threads", "1"]
 ADAMW_LRS = [1e-3, 3e-3, 1e-2]
 MUON_LRS = [3e-3, 1e-2, 2e-2, 4e-2]
-MUON_REST_LRS: list[float] = []  # train.lr under Muon (its AdamW part: embeddings, head, norms, router); [] = default
+MUON_REST_LRS: list[float] = []  # train.muon_adamw_lr under Muon (its AdamW part: embeddings, head, norms, router); [] = default
 MUON_REST_AT = [3e-3]  # the muon_lr those points run at
 
 
@@ -56,8 +56,8 @@ def train(config: str, args: list[str]) -> dict:
 
 def _point(opt: str, lr: float, rest: float | None, steps: int, run_root: Path, microbatches: int) -> tuple:
     flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
-    if rest is not None:  # Muon's AdamW half (train.lr); None keeps the config's
-        flag += ["--train.lr", str(rest)]
+    if opt == "muon":  # Muon's AdamW half (train.muon_adamw_lr); the muon_lr points hold it at AdamW-alone's 3e-3
+        flag += ["--train.muon_adamw_lr", str(3e-3 if rest is None else rest)]
     name = f"{opt} lr={lr}" + (f" adamw_lr={rest}" if rest is not None else "")
     r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
                                         "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="mid: rounds alternating AdamW and Muon")
     ap.add_argument("--dp", type=int, default=1, help="mid: data ranks (zero 1)")
     ap.add_argument("--lrs", default="", help="sweep: 'adamw=1e-3,3e-3;muon=3e-3,1e-2;muon_rest=1e-2' instead of "
-                    "the grids (muon_rest: train.lr for Muon's AdamW parameters, at muon_lr muon_at=3e-3)")
+                    "the grids (muon_rest: train.muon_adamw_lr for Muon's AdamW parameters, at muon_lr muon_at=3e-3)")
     ap.add_argument("--out", default="", help="sweep: write this json instead of docs/experiments/muon_sweep.json "
                     "(points run side by side as separate processes, then --merge-from joins them)")
     ap.add_argument("--from-runs", default="", help="sweep: read the points' metrics.jsonl under this run root "

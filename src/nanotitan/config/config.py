@@ -112,6 +112,7 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW beta2
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest (docs/optim.md)
     muon_lr: float = 3e-3  # Muon's peak lr (same schedule as train.lr; updates RMS-matched to AdamW's, docs/optim.md)
+    muon_adamw_lr: float = 1e-2  # under Muon: AdamW's peak lr for the rest (embeddings, head, norms, router; optim.md)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
     muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: ~2x faster on avx512_bf16, not held to 1e-5 (optim.md)
@@ -378,8 +379,8 @@ def _check_ranges(cfg: Config) -> None:
                     ("parallel.emulate_node_size", p.emulate_node_size),
                     ("parallel.emulate_dilation", p.emulate_dilation)]:
         _check(v >= 0, f"{name}={v} must be >= 0 (--{name})")
-    for name, v in [("train.lr", t.lr), ("train.muon_lr", t.muon_lr), ("model.rope_theta", m.rope_theta),
-                    ("model.norm_eps", m.norm_eps),
+    for name, v in [("train.lr", t.lr), ("train.muon_lr", t.muon_lr), ("train.muon_adamw_lr", t.muon_adamw_lr),
+                    ("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
                     ("model.routed_scale", m.routed_scale),
                     ("model.init_std", m.init_std), ("parallel.bucket_mb", p.bucket_mb)]:
         _check(v > 0, f"{name}={v} must be > 0 (--{name})")

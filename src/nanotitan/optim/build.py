@@ -18,5 +18,5 @@ def build_optimizer(shard, cfg: Config) -> torch.optim.Optimizer:
     if t.optimizer == "muon":
         return Muon(groups, t.lr, (t.beta1, t.beta2), t.muon_lr, t.muon_momentum, t.muon_ns_steps,
                     shard_pieces(shard), shard.dims.group("stage"),
-                    torch.bfloat16 if t.muon_ns_dtype == "bf16" else torch.float32)
+                    torch.bfloat16 if t.muon_ns_dtype == "bf16" else torch.float32, t.muon_adamw_lr)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)

@@ -28,17 +28,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on the param groups marked "muon" (lr = train.muon_lr), fused AdamW on the others (train.lr).
+    """Muon on the param groups marked "muon" (lr = train.muon_lr), fused AdamW on the others (`adamw_lr`:
+    train.muon_adamw_lr; both follow train.lr's schedule through their groups' lr_ratio).
     `pieces()` answers, once (the first step, when the state exists), {matrix key: (whole shape, [(offsets, view
     of a momentum buffer)])}: this rank's pieces of every Muon matrix (`shard_pieces`, or `whole_pieces`)."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], muon_lr: float,
                  momentum: float = 0.95, ns_steps: int = 5, pieces=None, group=None,
-                 ns_dtype: torch.dtype = torch.float32):
+                 ns_dtype: torch.dtype = torch.float32, adamw_lr: float | None = None):
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"Muon ns_dtype={ns_dtype}: use torch.float32 (the default) or torch.bfloat16")
-        adam = [g for g in groups if not g.get("muon")]
-        self.adamw = torch.optim.AdamW(adam, lr=lr, betas=betas, fused=True)
+        rest = lr if adamw_lr is None else adamw_lr
+        adam = [{**g, "lr": rest, "lr_ratio": rest / lr} for g in groups if not g.get("muon")]
+        self.adamw = torch.optim.AdamW(adam, lr=rest, betas=betas, fused=True)
         muon = [{**g, "lr": muon_lr, "lr_ratio": muon_lr / lr, "momentum": momentum} for g in groups if g.get("muon")]
         super().__init__(self.adamw.param_groups + muon, {"lr": lr})
         self.adamw.state = self.state  # one state: checkpoints and memory meters read `optimizer.state`
