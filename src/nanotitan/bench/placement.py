@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=3, help="parallel.rebalance_every of the balanced runs")
     ap.add_argument("--replicas", type=int, default=2, help="parallel.expert_replicas of the balanced runs")
     ap.add_argument("--warmup", type=int, default=None, help="steps not measured (default steps // 3)")
-    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: the aux-free bias on")
+    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: a router balanced by top-k = E (or --router-bias)")
     ap.add_argument("--router-bias", type=float, default=0.0, help="--balanced-router by the aux-free bias at RATE")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/placement.json")

@@ -183,13 +183,9 @@ def muon_time(c: Context) -> float:
         return 0.0
     m, hw = c.muon, c.hw
     t_ns = m["ns_flops_rank"] / (c.peak * gemm_eff(hw, c.shape.d_model))
-    ne_link = c.links["non_expert_dp"][0] if c.zero >= 1 else hw.intra
-    ex_link = c.links["expert_dp"][0]
-    t_dense = (m["traffic_bytes_rank_dense"] / ne_link.allreduce_bw + 2 * ne_link.latency_s
-               if m["traffic_bytes_rank_dense"] else 0.0)
-    t_expert = (m["traffic_bytes_rank_expert"] / ex_link.allreduce_bw + 2 * ex_link.latency_s
-                if m["traffic_bytes_rank_expert"] else 0.0)
-    return t_ns + t_dense + t_expert
+    moves = ((m["traffic_bytes_rank_dense"], c.links["non_expert_dp"][0] if c.zero >= 1 else hw.intra),
+             (m["traffic_bytes_rank_expert"], c.links["expert_dp"][0]))
+    return t_ns + sum(b / link.allreduce_bw + 2 * link.latency_s for b, link in moves if b)  # gather + scatter
 
 
 def grad_norm_sync(c: Context) -> float:
