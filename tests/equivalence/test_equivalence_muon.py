@@ -7,7 +7,8 @@ Two launches: 2 ranks run DP2 at zero 0/1/2/3, TP2, EP2, PP2 under 1F1B and zb1,
 zero-1 run's step-5 checkpoint (the momentum resharded from flat shards into TP slices); 8 ranks run DP2·PP2·EP2
 (zero 1), DP2·TP2·EP2 at zero 3, and a DeepSeek-V3-shaped model (MLA with a q latent, a dense first layer, a shared expert,
 sigmoid routing with the aux-free bias, MTP) at DP2·PP2·EP2 under zb1 at zero 2 with QK-clip (only MLA's
-head-specific parts scaled); the 2-rank launch also runs QK-clip under TP2 and DP2 zero 3. A clipped row is also held
+head-specific parts scaled); the 2-rank launch also runs QK-clip under TP2 and DP2 zero 3, and DP2 zero 1 with
+Newton-Schulz in bf16 (train.muon_ns_dtype, at its own bound: NS_BF16_BOUND). A clipped row is also held
 to the reference's per-step qk_max, and must differ from the unclipped run.
 """
 
@@ -29,6 +30,13 @@ Z = "--parallel.zero"
 # QK-clip at a TAU the tiny models' logits top from step 1 (their max is ~0.05 at init): every step rescales heads
 QK = ("--train.qk_clip", "0.03")
 QK_DS = ("--train.qk_clip", "0.02")
+# Newton-Schulz in bf16 (train.muon_ns_dtype): its rounding of each gathered momentum turns the layouts' fp32
+# reduction-order differences (~1e-7) into whole bf16 steps of the update, so its row is held to the loss bound
+# below against one process running bf16 NS too (measured 1.1-1.3e-5 over 10 steps, docs/optim.md). Like the bf16
+# matrix (test_equivalence_bf16.py) it is held on its losses, not element-wise on its parameters: a flipped bf16
+# rounding moves an orthogonalized update's entries by whole bf16 steps (measured up to 7e-4 absolute, 2% of
+# LR x STEPS, where fp32 NS holds 1e-3 of it); its replicas must still be bitwise equal
+NS_BF16, NS_BF16_BOUND = ("--train.muon_ns_dtype", "bf16"), 1e-4
 
 # (name, dp, pp, ep, tp, schedule, extra)
 CKPT = 5
@@ -37,7 +45,8 @@ WORLD2 = [("dp2_zero0", 2, 1, 1, 1, "1f1b", ()), ("dp2_zero1", 2, 1, 1, 1, "1f1b
           ("tp2", 1, 1, 1, 2, "1f1b", ()), ("ep2", 1, 1, 2, 1, "1f1b", ()),
           ("pp2_1f1b", 1, 2, 1, 1, "1f1b", ()), ("pp2_zb1", 1, 2, 1, 1, "zb1", ()),
           ("tp2_from_dp2_zero1", 1, 1, 1, 2, "1f1b", ()),
-          ("tp2_qkclip", 1, 1, 1, 2, "1f1b", QK), ("dp2_zero3_qkclip", 2, 1, 1, 1, "1f1b", (Z, "3", *QK))]
+          ("tp2_qkclip", 1, 1, 1, 2, "1f1b", QK), ("dp2_zero3_qkclip", 2, 1, 1, 1, "1f1b", (Z, "3", *QK)),
+          ("dp2_zero1_ns_bf16", 2, 1, 1, 1, "1f1b", (Z, "1", *NS_BF16))]
 # a row resumed from another's step-CKPT checkpoint: Muon's momentum, saved as flat ZeRO-1 shards, read into TP slices
 RESUMES = {"tp2_from_dp2_zero1": "dp2_zero1"}
 WORLD8 = [("dp2pp2ep2_zero1", 2, 2, 2, 1, "1f1b", (Z, "1")), ("dp2tp2ep2_zero3", 2, 1, 2, 2, "1f1b", (Z, "3")),
@@ -86,18 +95,19 @@ def _held_part(whole: torch.Tensor, t: torch.Tensor, start, dim, tp) -> torch.Te
     return part if dim is None else part.chunk(tp[1], dim=dim)[tp[0]]
 
 
-def check(name: str, ranks: list[dict], ref: dict) -> float:
+def check(name: str, ranks: list[dict], ref: dict, bound: float = 1e-5, params: bool = True) -> float:
     """The row's worst relative loss error, after every check of the bar."""
     want = ref["losses"][CKPT:] if name in RESUMES else ref["losses"]
     assert ranks[0]["losses"] and len(ranks[0]["losses"]) == len(want), f"{name}: rank 0 logged {ranks[0]['losses']}"
     worst = max_rel_dev(ranks[0]["losses"], want)
-    assert worst <= 1e-5, f"{name}: worst relative loss error {worst:.2e} > 1e-5"
+    assert worst <= bound, f"{name}: worst relative loss error {worst:.2e} > {bound:.0e}"
     replicas = {}
     for r in ranks:
         _, p, e = r["coords"]
         for pname, (t, start, dim) in r["params"].items():
-            torch.testing.assert_close(t, _held_part(ref["params"][pname][0], t, start, dim, r["tp"]), rtol=1e-4,
-                                       atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {pname} {s}")
+            if params:
+                torch.testing.assert_close(t, _held_part(ref["params"][pname][0], t, start, dim, r["tp"]),
+                                           rtol=1e-4, atol=1e-3 * LR * STEPS, msg=lambda s: f"{name}: {pname} {s}")
             key = (pname, p, e if start is not None else None, r["tp"][0])
             assert key not in replicas or torch.equal(replicas[key], t), f"{name}: replicas of {pname} differ"
             replicas.setdefault(key, t)
@@ -106,13 +116,15 @@ def check(name: str, ranks: list[dict], ref: dict) -> float:
 
 @pytest.fixture(scope="module")
 def refs(corpus_dir, tmp_path_factory):
-    ref = {"plain": layout(), "plain_qk": layout(extra=QK), "deepseek_qk": layout(extra=(*DEEPSEEK, *QK_DS))}
+    ref = {"plain": layout(), "plain_qk": layout(extra=QK), "deepseek_qk": layout(extra=(*DEEPSEEK, *QK_DS)),
+           "plain_nsbf16": layout(extra=NS_BF16)}
     runs = {k: one_process(corpus_dir, tmp_path_factory, f"ref_muon_{k}", v[6:]) for k, v in ref.items()}
     return {k: {**r, "qk_max": [x.get("qk_max") for x in r["records"]]} for k, r in runs.items()}
 
 
 def model_of(extra) -> str:
-    return ("deepseek" if "--model.kv_lora_rank" in extra else "plain") + ("_qk" if QK[0] in extra else "")
+    return (("deepseek" if "--model.kv_lora_rank" in extra else "plain") + ("_qk" if QK[0] in extra else "")
+            + ("_nsbf16" if NS_BF16[0] in extra else ""))
 
 
 def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
@@ -121,7 +133,9 @@ def _matrix(world, cases, corpus_dir, tmp_path, refs, timeout):
     for (name, *case), ranks in zip(cases, zip(*per_rank)):
         extra = case[-1]
         ref = refs[model_of(extra)]
-        worst = check(name, list(ranks), ref)
+        bf16_ns = NS_BF16[0] in extra
+        worst = check(name, list(ranks), ref, *((NS_BF16_BOUND, False) if bf16_ns else (1e-5, True)))
+        assert not bf16_ns or ref["losses"] != refs["plain"]["losses"], f"{name}: bf16 NS trained fp32's losses"
         if QK[0] in extra:  # the clip acted (logits over TAU), the same maxima on every layout, and changed training
             tau = float(extra[extra.index(QK[0]) + 1])
             assert ranks[0]["qk_max"][0] > tau and max_rel_dev(ranks[0]["qk_max"], ref["qk_max"]) <= 1e-5, name
