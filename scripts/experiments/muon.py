@@ -54,12 +54,13 @@ def train(config: str, args: list[str]) -> dict:
     return {"history": out["history"], "mem": mem, "ns_s_per_step": ns}
 
 
-def _point(opt: str, lr: float, rest: float | None, steps: int, run_root: Path, microbatches: int) -> tuple:
+def _point(opt: str, lr: float, rest: float | None, steps: int, run_root: Path, microbatches: int,
+           config: str = "default.toml") -> tuple:
     flag = ["--train.lr", str(lr)] if opt == "adamw" else ["--train.muon_lr", str(lr)]
     if opt == "muon":  # Muon's AdamW half (train.muon_adamw_lr); the muon_lr points hold it at AdamW-alone's 3e-3
         flag += ["--train.muon_adamw_lr", str(3e-3 if rest is None else rest)]
     name = f"{opt} lr={lr}" + (f" adamw_lr={rest}" if rest is not None else "")
-    r = train("default.toml", SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
+    r = train(config, SINGLE + ["--parallel.microbatches", str(microbatches), "--train.steps", str(steps),
                                         "--train.optimizer", opt, "--train.eval_every", str(steps // 2),
                                         "--run.log_every", "10", "--run.dir", f"{run_root}/{name.replace(' ', '_')}",
                                         *flag])
@@ -70,15 +71,15 @@ def _point(opt: str, lr: float, rest: float | None, steps: int, run_root: Path, 
     return name, out
 
 
-def sweep(steps: int, run_root: Path, microbatches: int = 8) -> dict:
+def sweep(steps: int, run_root: Path, microbatches: int = 8, config: str = "default.toml") -> dict:
     """Both optimizers over their lr grids (and Muon's AdamW lr over MUON_REST_LRS at muon_lr MUON_REST_AT), `steps`
     steps of `microbatches` x 2 sequences; val loss at steps/2 and at the end."""
     pts = [("adamw", lr, None) for lr in ADAMW_LRS] + [("muon", lr, None) for lr in MUON_LRS]
     pts += [("muon", MUON_REST_AT[0], rest) for rest in MUON_REST_LRS]
-    return dict(_point(o, lr, rest, steps, run_root, microbatches) for o, lr, rest in pts)
+    return dict(_point(o, lr, rest, steps, run_root, microbatches, config) for o, lr, rest in pts)
 
 
-def plot(res: dict, path: Path, seqs: int = 16) -> None:
+def plot(res: dict, path: Path, seqs: int = 16, model: str = "default model") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -89,7 +90,7 @@ def plot(res: dict, path: Path, seqs: int = 16) -> None:
     ax.set_xlabel(f"step ({seqs} x 128 tokens each)")
     ax.set_ylabel("train loss")
     ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
-    ax.set_title("default model on Shakespeare: Muon (solid) vs AdamW (dashed)")
+    ax.set_title(f"{model} on Shakespeare: Muon (solid) vs AdamW (dashed)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -130,17 +131,20 @@ def mid(steps: int, run_root: Path, tokens: list[int], rounds: int = 2, dp: int 
                     r = run_ranks(_mid_rank, dp, args=(args,), timeout=1800, pg_timeout=600)[0]
                 else:
                     r = train("mid.toml", args)
-                o = e.setdefault(opt, {"step_s": [], "ns_s_per_step": [], "optim_bytes": r["mem"]["optim_bytes"]})
+                o = e.setdefault(opt, {"step_s": [], "cpu_s": [], "ns_s_per_step": [],
+                                       "optim_bytes": r["mem"]["optim_bytes"]})
                 o["step_s"] += [x["step_time_s"] for x in r["history"][1:]]
+                o["cpu_s"] += [x["cpu_step_s"] for x in r["history"][1:]]  # the rank's CPU: other jobs do not move it
                 o["ns_s_per_step"].append(r["ns_s_per_step"])
                 print(tok, rnd, opt, [round(x["step_time_s"], 2) for x in r["history"]], r["ns_s_per_step"],
                       flush=True)
         for opt in ARMS:
             o = e[opt]
             o["min_s"], o["median_s"] = min(o["step_s"]), statistics.median(o["step_s"])
+            o["cpu_min_s"], o["cpu_median_s"] = min(o["cpu_s"]), statistics.median(o["cpu_s"])
             if opt != "adamw":
-                e[f"overhead_min_{opt}"] = o["min_s"] / e["adamw"]["min_s"] - 1
-                e[f"overhead_median_{opt}"] = o["median_s"] / e["adamw"]["median_s"] - 1
+                for m in ("min", "median", "cpu_min", "cpu_median"):
+                    e[f"overhead_{m}_{opt}"] = o[f"{m}_s"] / e["adamw"][f"{m}_s"] - 1
         cfg = load_config(str(ROOT / "configs" / "mid.toml"), args + ["--model.vocab_size", "4096"])  # data.vocab_size
         e["ns_flops_rank"] = muon_costs(cfg)["ns_flops_rank"]
         e["train_flops_rank"] = flops_per_token(cfg.model, cfg.train.seq_len) * 1024 * mb
@@ -220,6 +224,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--run-root", default="/tmp/muon_runs")
     ap.add_argument("--microbatches", type=int, default=8, help="sweep: B = 2 x this (8: the default job's 16)")
+    ap.add_argument("--config", default="default.toml", help="sweep: the configs/ file (mid.toml: MID at its own batch, --microbatches 1)")
+    ap.add_argument("--plot", default="", help="sweep: write the loss plot here (default: docs/optim_muon.png unless --out)")
     ap.add_argument("--merge", action="store_true", help="sweep: add these runs to docs/experiments/muon_sweep.json")
     ap.add_argument("--tokens", default="1024", help="mid: tokens per step (per rank), multiples of 1,024")
     ap.add_argument("--rounds", type=int, default=2, help="mid: rounds alternating AdamW and Muon")
@@ -254,7 +260,7 @@ def main() -> None:
             assert part.pop("steps") == steps, f"{f}: --merge-from needs --steps {steps}"
             res.update(part)
     elif a.what == "sweep":
-        res = sweep(steps, Path(a.run_root), a.microbatches)
+        res = sweep(steps, Path(a.run_root), a.microbatches, a.config)
         old = OUT / "muon_sweep.json"
         if a.merge and old.exists():  # more lrs on an earlier sweep of the same steps
             prev = json.loads(old.read_text())
@@ -269,8 +275,11 @@ def main() -> None:
     name = f"mid_dp{a.dp}" if a.what == "mid" else a.what
     dest = Path(a.out) if a.out else OUT / f"muon_{name}.json"
     dest.write_text(json.dumps({"steps": steps, **res}, indent=1))
-    if a.what == "sweep" and not a.out:
-        plot(res, ROOT / "docs" / "optim_muon.png", 2 * a.microbatches)
+    if a.what == "sweep" and (a.plot or not a.out):
+        import tomllib
+        mb = tomllib.loads((ROOT / "configs" / a.config).read_text()).get("train", {}).get("micro_batch", 2)
+        plot(res, Path(a.plot) if a.plot else ROOT / "docs" / "optim_muon.png", mb * a.microbatches,
+             "default model" if a.config == "default.toml" else a.config.removesuffix(".toml").upper())
 
 
 if __name__ == "__main__":
