@@ -121,24 +121,32 @@ def _real_rank(rank, world, cases, corpus_dir, run_root):
         held = _held(trainer.shard, trainer.optimizer)
         with TensorBytesMeter(held) as meter:
             trainer.train_step(1)
+        orth = getattr(trainer.optimizer, "orthogonalizer", None)  # Muon's: did its owners gather anything
         out.append({**live_tensor_bytes(trainer.model, trainer.optimizer), "peak_bytes": _bytes(held) + meter.peak,
-                    "cfg": trainer.cfg})
+                    "cfg": trainer.cfg, "traffic": orth is not None and orth.plan.traffic})
         trainer.shard.close()  # the process group stays for the next case (as test_equivalence.train_once)
     return out
 
 
+# Muon (its state one momentum buffer; its step's Newton-Schulz stacks and owner gathers): ZeRO buckets of a few
+# matrices so that zero 1's flat shards cut some (owner traffic), and zero 3's rows under PP
+MUON_Z1 = ("--train.optimizer", "muon", "--parallel.zero", "1", "--parallel.bucket_mb", "0.02")
+MUON_Z3 = ("--train.optimizer", "muon", "--parallel.zero", "3")
+
+
 def test_dry_run_matches_the_live_bytes_of_real_ranks(corpus_dir, tmp_path):
     """The same config run for real on 4 gloo ranks (d_model 32; PP, EP, ZeRO-1 and ZeRO-3 layouts): every rank's
-    live param/grad/optim bytes equal the dry run's; without EP (routing imbalance moves expert rows between EP
+    live param/grad/optim bytes equal the dry run's (Muon's at zero 1 and zero 3 too); without EP (routing imbalance moves expert rows between EP
     ranks, the dry run routes evenly) its step's tensor peak is within 5%. Zero 3 under PP keeps each microbatch's
     unsharded gradients until the final backward: the dry run, which runs one microbatch, was 18-33% low there
     until it ran a non-syncing one before it (docs/planner.md "Peak memory at large shapes")."""
     cases = [(2, 2, 1, "1f1b"), (1, 2, 2, "gpipe", ("--train.activation_checkpointing", "true")),
              (2, 1, 2, "1f1b", ("--parallel.zero", "1", "--train.dtype", "bf16")),
-             (2, 2, 1, "1f1b", ("--parallel.zero", "3"))]
+             (2, 2, 1, "1f1b", ("--parallel.zero", "3")), (4, 1, 1, "1f1b", MUON_Z1), (2, 2, 1, "1f1b", MUON_Z3)]
     real = run_ranks(_real_rank, 4, args=(cases, str(corpus_dir), str(tmp_path)), timeout=400, pg_timeout=120)
     for i, case in enumerate(cases):
         run = dry_run(real[0][i]["cfg"], 4)  # the config the trainer ran, resolved
+        assert "muon" not in case[-1] or any(r[i]["traffic"] for r in real), (case, "no owner gathered")
         for row in run.rows():
             mine = real[row["rank"]][i]
             for k in ("param_bytes", "grad_bytes", "optim_bytes"):

@@ -79,3 +79,34 @@ def test_newton_schulz_is_priced_at_the_peak_of_its_own_dtype(dtype, ns_dtype):
     assert hw.peak_flops("bf16") > 10 * hw.peak_flops("fp32")
     want = c.muon["ns_flops_rank"] / (hw.peak_flops(ns_dtype, c.ranks_on_node) * gemm_eff(hw, c.shape.d_model))
     assert muon_time(c) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_dry_run_builds_muon_and_holds_the_planners_bytes(zero):
+    """The dry run builds Muon (optim/geometry.py: every rank's pieces of every matrix from the sharding rules,
+    nothing exchanged, so its fake ranks can): at DP2 its optimizer bytes (one momentum buffer per Muon matrix) are
+    the planner's, fewer than AdamW's, and its peak, Newton-Schulz step included, is the planner's within 1%."""
+    from nanotitan.plan.dryrun import compare_with_planner, dry_run
+
+    rows = {}
+    for opt in ("adamw", "muon"):
+        c = tiny(dp=2)
+        c.train.optimizer, c.parallel.zero = opt, zero
+        (rows[opt],) = compare_with_planner(dry_run(c, 2), CPU)
+    m = rows["muon"]
+    assert m["optim_bytes"] == pytest.approx(m["planned_optim_bytes"], rel=1e-3), m
+    assert m["optim_bytes"] < rows["adamw"]["optim_bytes"] and abs(m["gap_peak_bytes"]) < 0.01, (m, rows["adamw"])
+
+
+def test_what_if_runs_its_dry_run_under_muon(tmp_path):
+    """`plan --what-if` with train.optimizer=muon builds the best layout's heaviest ranks (it refused before)."""
+    import json
+
+    from nanotitan.plan.cli import main
+    from tests.plan.test_whatif import TINY
+
+    out = tmp_path / "whatif.json"
+    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--json", str(out), *TINY,
+                 "--train.optimizer", "muon"]) == 0
+    w = json.loads(out.read_text())["worst_rank"]
+    assert w is not None and w["peak_bytes"] > 0 and abs(w["gap"]) < 0.2, w

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -312,7 +313,9 @@ def _local_pieces(t: torch.Tensor) -> Pieces:
     tensor (AdamW's step, an expert FSDP left whole) whole."""
     if not isinstance(t, DTensor):
         return Pieces.whole(t)
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with unset_fake_temporarily():  # torch finds the offsets with tensors and reads them: real ones under the dry
+        # run's FakeTensorMode, whose routing answer to a host read (plan/dryrun.py) is no offset
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t.to_local().detach()
     assert tuple(local.shape) == tuple(sizes), (local.shape, sizes)
     return Pieces(t.shape, [(tuple(offsets), local)] if local.numel() else [])
