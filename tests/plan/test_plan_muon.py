@@ -103,10 +103,12 @@ def test_what_if_runs_its_dry_run_under_muon(tmp_path):
     import json
 
     from nanotitan.plan.cli import main
-    from tests.plan.test_whatif import TINY
+    from tests.helpers.tiny import tiny_args
 
+    tiny_job = tiny_args("seq_len", "micro_batch", data_vocab_size=288, vocab_size=288, n_layers=2, n_heads=2,
+                         ffn_dim=64, max_seq_len=16) + ["--parallel.microbatches", "2", "--global-batch", "16"]
     out = tmp_path / "whatif.json"
-    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--json", str(out), *TINY,
+    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--json", str(out), *tiny_job,
                  "--train.optimizer", "muon"]) == 0
     w = json.loads(out.read_text())["worst_rank"]
     assert w is not None and w["peak_bytes"] > 0 and abs(w["gap"]) < 0.2, w
