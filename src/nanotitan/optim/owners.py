@@ -166,9 +166,14 @@ class Orthogonalizer:
         if geometry is None:
             shapes, geometry = gathered_geometry(shapes, local, group)
         else:  # the rule's row for this rank is what it holds: a drifted rule fails here, not in the all-to-all
-            ruled = {k: sorted(v) for k, v in geometry[1][me].items() if v}
-            assert ruled == local, f"Muon geometry rule disagrees with this rank's pieces: {ruled} != {local}"
-            assert all(geometry[0][k] == s for k, s in shapes.items()), "Muon geometry rule: a matrix's shape"
+            world = dist.get_world_size(group) if group is not None else 1
+            ruled = {k: sorted(v) for k, v in geometry[1][me].items() if v} if len(geometry[1]) == world else {}
+            bad = next((k for k in sorted({*ruled, *local, *shapes}) if ruled.get(k) != local.get(k)
+                        or geometry[0].get(k) != shapes.get(k)), None)
+            if bad is not None:
+                raise RuntimeError(f"Muon geometry (optim/geometry.py, {len(geometry[1])} ranks for a group of "
+                                   f"{world}) disagrees with this rank's pieces of {bad}: rule {ruled.get(bad)} of "
+                                   f"{geometry[0].get(bad)}, held {local.get(bad)} of {shapes.get(bad)}")
             shapes, geometry = geometry
         self.geometry = (shapes, geometry)
         self.plan = make_plan(shapes, geometry, me, mine, steps)
