@@ -57,6 +57,14 @@ class Muon(torch.optim.Optimizer):
     def _momenta(self) -> list[torch.Tensor]:
         return [local(adam_state(self, p, g)["momentum_buffer"]) for g in self.muon_groups for p in g["params"]]
 
+    def plan(self) -> None:
+        """Make the owner plan, once (the geometry is fixed from here on; a placement move drops it): the first
+        step does, once the state exists; the dry run before its byte meter, as a real rank's later steps find it
+        made (on fake tensors the checkpoint pieces it reads are new tensors, on real ones views)."""
+        if self.orthogonalizer is None and any(g["params"] for g in self.muon_groups):
+            self.orthogonalizer = Orthogonalizer(self.pieces(self), self._momenta(), self.group, self.ns_steps,
+                                                 self.ns_dtype, self.geometry(self) if self.geometry else None)
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
@@ -65,9 +73,7 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return None
         momenta = self._momenta()
-        if self.orthogonalizer is None:  # the geometry is fixed from here on: plan once
-            self.orthogonalizer = Orthogonalizer(self.pieces(self), momenta, self.group, self.ns_steps,
-                                                 self.ns_dtype, self.geometry(self) if self.geometry else None)
+        self.plan()
         updates = []
         for (p, g), buf in zip(params, momenta):
             grad = local(p.grad)

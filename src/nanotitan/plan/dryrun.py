@@ -217,6 +217,8 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
+            if hasattr(optimizer, "plan"):  # Muon's owner plan, which a real rank's steps find made
+                optimizer.plan()
             _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
             xs = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
