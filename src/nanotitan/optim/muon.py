@@ -60,7 +60,7 @@ class Muon(torch.optim.Optimizer):
     def plan(self) -> None:
         """Make the owner plan, once (the geometry is fixed from here on; a placement move drops it): the first
         step does, once the state exists; the dry run before its byte meter, as a real rank's later steps find it
-        made (on fake tensors the checkpoint pieces it reads are new tensors, on real ones views)."""
+        made (built under the meter on fake tensors it counted bytes no real step allocates)."""
         if self.orthogonalizer is None and any(g["params"] for g in self.muon_groups):
             self.orthogonalizer = Orthogonalizer(self.pieces(self), self._momenta(), self.group, self.ns_steps,
                                                  self.ns_dtype, self.geometry(self) if self.geometry else None)
