@@ -2,6 +2,8 @@
 matrices, so every layout that slices them (ZeRO 1/2 flat shards, FSDP2 rows, TP slices) gathers each on an owner
 (optim/owners.py); every layout trains what one process running Muon trains: losses per step to fp32 relative 1e-5
 over 10 steps, final parameters (each rank's TP slice and experts against the reference's), replicas bitwise.
+Every row also checks that the geometry each rank computes from the sharding rules (optim/geometry.py), and the
+owner plan made of it, are the all-gathered ones (`same_geometry_as_gathered`).
 
 Two launches: 2 ranks run DP2 at zero 0/1/2/3, TP2, EP2, PP2 under 1F1B and zb1, and TP2 resumed from the
 zero-1 run's step-5 checkpoint (the momentum resharded from flat shards into TP slices); 8 ranks run DP2·PP2·EP2
@@ -76,11 +78,24 @@ def train_muon(args: list[str]) -> dict:
         params = {n: (t.detach().clone(), start if is_expert_param(n) else None, tp_shard_dim(live[n]))
                   for n, t in held.items()}
         traffic = trainer.optimizer.orthogonalizer.plan.traffic
+        same_geometry_as_gathered(trainer.optimizer)
     finally:
         trainer.shard.close()
     d = trainer.dims
     return {"losses": losses, "qk_max": qk, "params": params, "tp": (d.tp_rank, d.tp), "coords": d.coords(),
             "traffic": traffic}
+
+
+def same_geometry_as_gathered(opt) -> None:
+    """The geometry every rank computed from the sharding rules (optim/geometry.py) is the all-gathered one, and so
+    is the plan made of it: the same owners, the same traffic, box for box (collective: every rank calls it)."""
+    from nanotitan.optim.owners import Orthogonalizer
+
+    ours = opt.orthogonalizer
+    gathered = Orthogonalizer(opt.pieces(opt), opt._momenta(), opt.group, opt.ns_steps)  # geometry None: exchanged
+    rows = [[{k: sorted(v) for k, v in row.items() if v} for row in o.geometry[1]] for o in (ours, gathered)]
+    assert ours.geometry[0] == gathered.geometry[0] and rows[0] == rows[1], "computed geometry is not the gathered"
+    assert ours.plan == gathered.plan and ours.batches == gathered.batches, "computed geometry: another plan"
 
 
 def _cases(rank, world, cases, corpus_dir, run_root):

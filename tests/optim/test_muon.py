@@ -144,3 +144,16 @@ def test_muon_ns_dtype_config_refused_in_one_line():
     assert load_config(None, ["--train.muon_ns_dtype", "bf16"]).train.muon_ns_dtype == "bf16"
     with pytest.raises(ConfigError, match=r"^train.muon_ns_dtype='fp16' is not one of \['fp32', 'bf16'\]"):
         load_config(None, ["--train.muon_ns_dtype", "fp16"])
+
+
+def test_a_geometry_that_disagrees_with_the_rank_s_own_pieces_fails_in_one_line():
+    """The Orthogonalizer takes the computed geometry (optim/geometry.py) only if its row for this rank is what the
+    rank holds: the plan of a right one is the gathered one's; a wrong box fails at once, naming the matrix."""
+    from nanotitan.optim.owners import Orthogonalizer
+
+    buf = torch.zeros(4, 6)
+    pieces = {"w": ((4, 6), [((0, 0), buf)])}
+    right = Orthogonalizer(pieces, [buf], None, 5, geometry=({"w": (4, 6)}, [{"w": [((0, 0), (4, 6))]}]))
+    assert right.plan == Orthogonalizer(pieces, [buf], None, 5).plan and right.plan.computes == ["w"]
+    with pytest.raises(RuntimeError, match="disagrees with this rank's pieces of w: rule .*2, 6"):
+        Orthogonalizer(pieces, [buf], None, 5, geometry=({"w": (4, 6)}, [{"w": [((0, 0), (2, 6))]}]))

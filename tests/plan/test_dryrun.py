@@ -3,12 +3,14 @@ fake tensors and a fake process group — fast at N = 512, the same bytes as a r
 
 import json
 import time
+import types
 
 import pytest
 import torch
 
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import get_hardware
+from nanotitan.optim.muon import Muon
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.plan import cli as plan_cli
 from nanotitan.plan.dryrun import FIELDS, compare_with_planner, dry_run
@@ -105,6 +107,19 @@ def test_meter_counts_storage_resizes():
     assert meter.peak == 11200 and "resize_" not in vars(torch.UntypedStorage)  # torch's own again
 
 
+def metered(inner, peaks: list[int]):
+    """`inner` (an optimizer class's step) that appends the bytes it allocates at its peak (its own meter) to
+    `peaks`: Muon's step, Newton-Schulz stacks and owner gathers included."""
+    from nanotitan.plan.fit.measure import TensorBytesMeter
+
+    def step(self, *args, **kwargs):
+        with TensorBytesMeter() as m:
+            out = inner(self, *args, **kwargs)
+        peaks.append(m.peak)
+        return out
+    return step
+
+
 def _real_rank(rank, world, cases, corpus_dir, run_root):
     """Per case: this rank's live bytes after 2 real steps, and the tensor peak of the second step (a
     TensorBytesMeter around it, everything the rank held before counted as its base)."""
@@ -118,27 +133,44 @@ def _real_rank(rank, world, cases, corpus_dir, run_root):
         cfg = load_config(None, base_args(corpus_dir, f"{run_root}/{i}") + layout_args(*case))
         trainer = Trainer(cfg)
         trainer.train_step(0)
-        held = _held(trainer.shard, trainer.optimizer)
+        held, opt_steps = _held(trainer.shard, trainer.optimizer), []
+        trainer.optimizer.step = types.MethodType(metered(type(trainer.optimizer).step, opt_steps), trainer.optimizer)
         with TensorBytesMeter(held) as meter:
             trainer.train_step(1)
+        orth = getattr(trainer.optimizer, "orthogonalizer", None)  # Muon's: did its owners gather anything
         out.append({**live_tensor_bytes(trainer.model, trainer.optimizer), "peak_bytes": _bytes(held) + meter.peak,
-                    "cfg": trainer.cfg})
+                    "cfg": trainer.cfg, "traffic": orth is not None and orth.plan.traffic, "opt_step": opt_steps})
         trainer.shard.close()  # the process group stays for the next case (as test_equivalence.train_once)
     return out
 
 
-def test_dry_run_matches_the_live_bytes_of_real_ranks(corpus_dir, tmp_path):
+# Muon (its state one momentum buffer; its step's Newton-Schulz stacks and owner gathers): ZeRO buckets of a few
+# matrices so that zero 1's flat shards cut some (owner traffic), and zero 3's rows under PP
+MUON_Z1 = ("--train.optimizer", "muon", "--parallel.zero", "1", "--parallel.bucket_mb", "0.02")
+MUON_Z3 = ("--train.optimizer", "muon", "--parallel.zero", "3")
+
+
+def test_dry_run_matches_the_live_bytes_of_real_ranks(corpus_dir, tmp_path, monkeypatch):
     """The same config run for real on 4 gloo ranks (d_model 32; PP, EP, ZeRO-1 and ZeRO-3 layouts): every rank's
-    live param/grad/optim bytes equal the dry run's; without EP (routing imbalance moves expert rows between EP
-    ranks, the dry run routes evenly) its step's tensor peak is within 5%. Zero 3 under PP keeps each microbatch's
+    live param/grad/optim bytes equal the dry run's (Muon's at zero 1 and zero 3 too, and what Muon's step allocates
+    at its peak within 1%); without EP (routing imbalance moves expert rows between EP ranks, the dry run routes
+    evenly) its step's tensor peak is within 5%. Zero 3 under PP keeps each microbatch's
     unsharded gradients until the final backward: the dry run, which runs one microbatch, was 18-33% low there
     until it ran a non-syncing one before it (docs/planner.md "Peak memory at large shapes")."""
     cases = [(2, 2, 1, "1f1b"), (1, 2, 2, "gpipe", ("--train.activation_checkpointing", "true")),
              (2, 1, 2, "1f1b", ("--parallel.zero", "1", "--train.dtype", "bf16")),
-             (2, 2, 1, "1f1b", ("--parallel.zero", "3"))]
+             (2, 2, 1, "1f1b", ("--parallel.zero", "3")), (4, 1, 1, "1f1b", MUON_Z1), (2, 2, 1, "1f1b", MUON_Z3)]
     real = run_ranks(_real_rank, 4, args=(cases, str(corpus_dir), str(tmp_path)), timeout=400, pg_timeout=120)
     for i, case in enumerate(cases):
+        dry_steps = []
+        if "muon" in case[-1]:
+            monkeypatch.setattr(Muon, "step", metered(Muon.step, dry_steps))
         run = dry_run(real[0][i]["cfg"], 4)  # the config the trainer ran, resolved
+        monkeypatch.undo()
+        assert "muon" not in case[-1] or any(r[i]["traffic"] for r in real), (case, "no owner gathered")
+        for c, dry in zip(run.classes, dry_steps):  # Muon's step: Newton-Schulz stacks, owner gathers, scatters
+            assert dry == pytest.approx(real[c.rank][i]["opt_step"][0], rel=0.01), (case, c.rank, dry, real[c.rank][i])
+        assert len(dry_steps) == (len(run.classes) if "muon" in case[-1] else 0)
         for row in run.rows():
             mine = real[row["rank"]][i]
             for k in ("param_bytes", "grad_bytes", "optim_bytes"):

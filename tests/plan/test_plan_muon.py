@@ -65,11 +65,50 @@ def test_muon_step_time_is_cost_py_ns_flops_at_the_matmul_peak_plus_owner_traffi
         assert muon.step_time_s > adam.step_time_s
 
 
+@pytest.mark.parametrize("dtype, ns_dtype", [("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")])
+def test_newton_schulz_is_priced_at_the_peak_of_its_own_dtype(dtype, ns_dtype):
+    """Newton-Schulz runs in train.muon_ns_dtype whatever train.dtype is (optim/newton_schulz.py): on an H100, whose
+    bf16 peak is 15x its fp32 one, fp32 NS under bf16 training is priced at the fp32 peak and bf16 NS under fp32
+    training at the bf16 one (both were priced at train.dtype's: the first 15x too fast, the second 15x too slow)."""
+    from nanotitan.config.hardware import get_hardware
 
-def test_dry_run_refuses_muon_in_one_line():
-    """The dry run's fake ranks cannot build Muon's owner map: one line naming train.optimizer and the way out."""
-    from nanotitan.config.config import ConfigError
-    from nanotitan.plan.dryrun import dry_run
+    hw, cfg = get_hardware("h100"), _cfg("muon")
+    cfg.train.dtype, cfg.train.muon_ns_dtype = dtype, ns_dtype
+    c = build_context(cfg, Layout(1, 1, 1, "1f1b", 1, 8), hw)
+    assert c.muon["traffic_bytes_rank"] == 0 < c.muon["ns_flops_rank"]  # one rank: Newton-Schulz alone
+    assert hw.peak_flops("bf16") > 10 * hw.peak_flops("fp32")
+    want = c.muon["ns_flops_rank"] / (hw.peak_flops(ns_dtype, c.ranks_on_node) * gemm_eff(hw, c.shape.d_model))
+    assert muon_time(c) == pytest.approx(want)
 
-    with pytest.raises(ConfigError, match="train.optimizer=muon.*--no-dry-run"):
-        dry_run(_cfg("muon"), 1)
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_dry_run_builds_muon_and_holds_the_planners_bytes(zero):
+    """The dry run builds Muon (optim/geometry.py: every rank's pieces of every matrix from the sharding rules,
+    nothing exchanged, so its fake ranks can): at DP2 its optimizer bytes (one momentum buffer per Muon matrix) are
+    the planner's, fewer than AdamW's, and its peak, Newton-Schulz step included, is the planner's within 1%."""
+    from nanotitan.plan.dryrun import compare_with_planner, dry_run
+
+    rows = {}
+    for opt in ("adamw", "muon"):
+        c = tiny(dp=2)
+        c.train.optimizer, c.parallel.zero = opt, zero
+        (rows[opt],) = compare_with_planner(dry_run(c, 2), CPU)
+    m = rows["muon"]
+    assert m["optim_bytes"] == pytest.approx(m["planned_optim_bytes"], rel=1e-3), m
+    assert m["optim_bytes"] < rows["adamw"]["optim_bytes"] and abs(m["gap_peak_bytes"]) < 0.01, (m, rows["adamw"])
+
+
+def test_what_if_runs_its_dry_run_under_muon(tmp_path):
+    """`plan --what-if` with train.optimizer=muon builds the best layout's heaviest ranks (it refused before)."""
+    import json
+
+    from nanotitan.plan.cli import main
+    from tests.helpers.tiny import tiny_args
+
+    tiny_job = tiny_args("seq_len", "micro_batch", data_vocab_size=288, vocab_size=288, n_layers=2, n_heads=2,
+                         ffn_dim=64, max_seq_len=16) + ["--parallel.microbatches", "2", "--global-batch", "16"]
+    out = tmp_path / "whatif.json"
+    assert main(["--what-if", "--hardware", "h100", "--nodes", "1", "--json", str(out), *tiny_job,
+                 "--train.optimizer", "muon"]) == 0
+    w = json.loads(out.read_text())["worst_rank"]
+    assert w is not None and w["peak_bytes"] > 0 and abs(w["gap"]) < 0.2, w

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config.config import Config
+from .geometry import shard_geometry
 from .muon import Muon, shard_pieces
 
 
@@ -18,5 +19,6 @@ def build_optimizer(shard, cfg: Config) -> torch.optim.Optimizer:
     if t.optimizer == "muon":
         return Muon(groups, t.lr, (t.beta1, t.beta2), t.muon_lr, t.muon_momentum, t.muon_ns_steps,
                     shard_pieces(shard), shard.dims.group("stage"),
-                    torch.bfloat16 if t.muon_ns_dtype == "bf16" else torch.float32, t.muon_adamw_lr)
+                    torch.bfloat16 if t.muon_ns_dtype == "bf16" else torch.float32, t.muon_adamw_lr,
+                    shard_geometry(shard))
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)

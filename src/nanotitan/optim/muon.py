@@ -31,11 +31,13 @@ class Muon(torch.optim.Optimizer):
     """Muon on the param groups marked "muon" (lr = train.muon_lr), fused AdamW on the others (`adamw_lr`:
     train.muon_adamw_lr; both follow train.lr's schedule through their groups' lr_ratio).
     `pieces()` answers, once (the first step, when the state exists), {matrix key: (whole shape, [(offsets, view
-    of a momentum buffer)])}: this rank's pieces of every Muon matrix (`shard_pieces`, or `whole_pieces`)."""
+    of a momentum buffer)])}: this rank's pieces of every Muon matrix (`shard_pieces`, or `whole_pieces`);
+    `geometry()` every group rank's (optim/geometry.py: `shard_geometry`, computed, not exchanged; None: the
+    Orthogonalizer all-gathers it)."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], muon_lr: float,
                  momentum: float = 0.95, ns_steps: int = 5, pieces=None, group=None,
-                 ns_dtype: torch.dtype = torch.float32, adamw_lr: float | None = None):
+                 ns_dtype: torch.dtype = torch.float32, adamw_lr: float | None = None, geometry=None):
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"Muon ns_dtype={ns_dtype}: use torch.float32 (the default) or torch.bfloat16")
         rest = lr if adamw_lr is None else adamw_lr
@@ -45,6 +47,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(self.adamw.param_groups + muon, {"lr": lr})
         self.adamw.state = self.state  # one state: checkpoints and memory meters read `optimizer.state`
         self.ns_steps, self.pieces, self.group, self.ns_dtype = ns_steps, pieces, group, ns_dtype
+        self.geometry = geometry
         self.orthogonalizer: Orthogonalizer | None = None
 
     @property
@@ -54,6 +57,14 @@ class Muon(torch.optim.Optimizer):
     def _momenta(self) -> list[torch.Tensor]:
         return [local(adam_state(self, p, g)["momentum_buffer"]) for g in self.muon_groups for p in g["params"]]
 
+    def plan(self) -> None:
+        """Make the owner plan, once (the geometry is fixed from here on; a placement move drops it): the first
+        step does, once the state exists; the dry run before its byte meter, as a real rank's later steps find it
+        made (built under the meter on fake tensors it counted bytes no real step allocates)."""
+        if self.orthogonalizer is None and any(g["params"] for g in self.muon_groups):
+            self.orthogonalizer = Orthogonalizer(self.pieces(self), self._momenta(), self.group, self.ns_steps,
+                                                 self.ns_dtype, self.geometry(self) if self.geometry else None)
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"
@@ -62,9 +73,7 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return None
         momenta = self._momenta()
-        if self.orthogonalizer is None:  # the geometry is fixed from here on: plan once
-            self.orthogonalizer = Orthogonalizer(self.pieces(self), momenta, self.group, self.ns_steps,
-                                                 self.ns_dtype)
+        self.plan()
         updates = []
         for (p, g), buf in zip(params, momenta):
             grad = local(p.grad)

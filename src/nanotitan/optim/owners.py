@@ -12,7 +12,8 @@ below is one rule for every layout:
                                      sends every holder its pieces back
 Per step: one all-to-all over the stage's ranks gathers every owner's pieces, one sends the results back; each rank
 orthogonalizes its matrices batched by shape (the experts of a layer are one batch). Each element travels to its
-owner once and back once, the least any owner design moves. The geometry is exchanged once (the first step).
+owner once and back once, the least any owner design moves. The geometry (every rank's boxes) is computed on
+every rank from the sharding rules (geometry.py), nothing exchanged; the plan is made once (the first step).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..observe.memory import storage_key
 from ..parallel.comm import collectives as comm
 from .newton_schulz import ns_flops, orthogonalize, rms_scale
 
@@ -53,7 +55,8 @@ def region(offsets, sizes) -> tuple[slice, ...]:
 
 def boxes_of(pieces: dict, bases: list[torch.Tensor]) -> tuple[dict[str, tuple], list[Box]]:
     """({key: whole shape}, this rank's Boxes) from {key: (shape, [(offsets, view of a base)])}."""
-    where = {b.untyped_storage().data_ptr(): i for i, b in enumerate(bases)}
+    # storages by identity, not data_ptr(): 0 for every fake tensor (`nanotitan plan --dry-run` builds Muon too)
+    where = {storage_key(b.untyped_storage()): i for i, b in enumerate(bases)}
     shapes, boxes = {}, []
     for key, (shape, views) in pieces.items():
         assert len(shape) == 2, f"{key}: Muon orthogonalizes 2-D matrices, got {tuple(shape)}"
@@ -61,7 +64,7 @@ def boxes_of(pieces: dict, bases: list[torch.Tensor]) -> tuple[dict[str, tuple],
         for off, v in views:
             if not v.numel():
                 continue
-            i = where[v.untyped_storage().data_ptr()]
+            i = where[storage_key(v.untyped_storage())]
             boxes.append(Box(key, tuple(off), tuple(v.shape), i, v.storage_offset() - bases[i].storage_offset(),
                              tuple(v.stride())))
     return shapes, boxes
@@ -129,24 +132,50 @@ def make_plan(shapes: dict[str, tuple], geometry: list[dict[str, list[tuple]]], 
     return plan
 
 
+def own_geometry(mine: list[Box]) -> dict[str, list[tuple]]:
+    """{key: sorted [(offsets, sizes)]} of a rank's Boxes: its row of the geometry."""
+    local: dict[str, list[tuple]] = {}
+    for b in mine:
+        local.setdefault(b.key, []).append((b.offsets, b.sizes))
+    return {k: sorted(v) for k, v in local.items()}
+
+
+def gathered_geometry(shapes: dict[str, tuple], local: dict[str, list[tuple]], group) -> tuple[dict, list]:
+    """Every rank's (shapes, geometry row) by all_gather_object: the exchange `geometry.stage_geometry` replaces
+    (a caller without the sharding rules, and the tests that compare the two)."""
+    if group is None:
+        return shapes, [local]
+    world = dist.get_world_size(group)
+    geometry, every = [None] * world, [None] * world
+    dist.all_gather_object(geometry, local, group=group)
+    dist.all_gather_object(every, shapes, group=group)
+    return {k: s for g in every for k, s in g.items()}, geometry
+
+
 class Orthogonalizer:
-    """Replaces, in every Muon update tensor, each matrix's pieces by its orthogonalized, RMS-matched update."""
+    """Replaces, in every Muon update tensor, each matrix's pieces by its orthogonalized, RMS-matched update.
+    `geometry`: ({key: whole shape}, every group rank's {key: [(offsets, sizes)]}), computed by the caller from
+    the sharding rules (optim/geometry.py; it must agree with this rank's own pieces); None: all-gathered."""
 
     def __init__(self, pieces: dict, bases: list[torch.Tensor], group, steps: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, geometry: tuple | None = None):
         shapes, mine = boxes_of(pieces, bases)
         self.group, self.steps, self.dtype = group, steps, dtype  # dtype: Newton-Schulz's (tests: bf16 as torch's)
-        me, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-        local = {}
-        for b in mine:
-            local.setdefault(b.key, []).append((b.offsets, b.sizes))
-        geometry = [local]
-        if group is not None:
-            geometry = [None] * world
-            dist.all_gather_object(geometry, local, group=group)
-            every = [None] * world
-            dist.all_gather_object(every, shapes, group=group)
-            shapes = {k: s for g in every for k, s in g.items()}
+        me = dist.get_rank(group) if group is not None else 0
+        local = own_geometry(mine)
+        if geometry is None:
+            shapes, geometry = gathered_geometry(shapes, local, group)
+        else:  # the rule's row for this rank is what it holds: a drifted rule fails here, not in the all-to-all
+            world = dist.get_world_size(group) if group is not None else 1
+            ruled = {k: sorted(v) for k, v in geometry[1][me].items() if v} if len(geometry[1]) == world else {}
+            bad = next((k for k in sorted({*ruled, *local, *shapes}) if ruled.get(k) != local.get(k)
+                        or geometry[0].get(k) != shapes.get(k)), None)
+            if bad is not None:
+                raise RuntimeError(f"Muon geometry (optim/geometry.py, {len(geometry[1])} ranks for a group of "
+                                   f"{world}) disagrees with this rank's pieces of {bad}: rule {ruled.get(bad)} of "
+                                   f"{geometry[0].get(bad)}, held {local.get(bad)} of {shapes.get(bad)}")
+            shapes, geometry = geometry
+        self.geometry = (shapes, geometry)
         self.plan = make_plan(shapes, geometry, me, mine, steps)
         self.shapes = shapes
         # one Newton-Schulz batch per wide shape (s, l), s <= l: a tall matrix joins its transpose's batch, so MID's

@@ -180,6 +180,16 @@ class ParallelDims:
         (ranks,) = [r for r in self.all_group_ranks(kind) if self.rank in r]
         return ranks
 
+    def place_like(self, ranks: list[int], peer: int) -> int:
+        """`peer`'s place in its group of the kind whose group of this rank is `ranks` (a process group's ranks, in
+        its order): every group of a kind is the same slice of the grid, so any rank's place in any group follows
+        from the coordinates alone (optim/geometry.py computes a peer's shards with it, nothing exchanged)."""
+        for kind in GROUP_KINDS:
+            if self.group_ranks(kind) == list(ranks):
+                (like,) = [g for g in self.all_group_ranks(kind) if peer in g]
+                return like.index(peer)
+        raise ValueError(f"ranks {list(ranks)} are no group of rank {self.rank}'s ParallelDims")
+
     # --- process groups --------------------------------------------------------------------
     def group(self, kind: GroupKind):
         """This rank's ProcessGroup of `kind` (None when the group is just this rank, or before

@@ -60,8 +60,6 @@ from ..parallel.dp.sync import ensure_adam_state
 from .fit.measure import TensorBytesMeter
 
 CPU = torch.device("cpu")
-MUON_NOT_DRY = ("train.optimizer=muon: the dry run's fake ranks cannot build Muon's owner map yet (it exchanges "
-                "Python objects); the planner prices Muon on its own: drop --dry-run, or add --no-dry-run to --what-if")
 FIELDS = ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")
 
 
@@ -98,7 +96,8 @@ class _BalancedRouting(TorchDispatchMode):
     `bincount(ids, minlength=n)` has n bins, and reading an integer tensor to the host (`.tolist()` of the
     counts per expert, or of the [send, recv] counts per EP peer) gives element i the N/E assignments of expert
     i mod E (the remainder to the first experts), N the assignments of the last bincount (T*K; fewer in an MTP
-    depth's block). Floats read to the host are 0, booleans True."""
+    depth's block). Floats read to the host are 0, booleans True; a real tensor read is its value (FSDP2's offsets,
+    fsdp.py, computed outside the fake mode)."""
 
     def __init__(self, tokens: int, top_k: int, num_experts: int):
         super().__init__()
@@ -112,7 +111,7 @@ class _BalancedRouting(TorchDispatchMode):
             self.per_expert = divmod(args[0].numel(), self.E)
             minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
             return torch.zeros(minlength, dtype=torch.long, device=args[0].device)
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):  # a real one reads its value
             t = args[0]
             if t.dtype.is_floating_point:
                 return 0.0
@@ -121,6 +120,12 @@ class _BalancedRouting(TorchDispatchMode):
             base, rem = self.per_expert
             return base + int(t.storage_offset() % self.E < rem)  # each element read is a 0-d view at its offset
         return func(*args, **kwargs)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 @contextlib.contextmanager
@@ -212,6 +217,8 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
             ensure_adam_state(optimizer)  # the state a running job holds from its first step on
+            if hasattr(optimizer, "plan"):  # Muon's owner plan, which a real rank's steps find made
+                optimizer.plan()
             _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
             xs = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]
@@ -327,8 +334,6 @@ def dry_run(cfg: Config, world: int, log=None) -> DryRun:
     t0 = time.perf_counter()
     cfg = launch_config(cfg, world)
     layout_errors(cfg, world)
-    if cfg.train.optimizer == "muon":  # optim/owners.py all_gathers Python objects, which fake tensors cannot carry
-        raise ConfigError(MUON_NOT_DRY)
     p = cfg.parallel
     classes = []
     for stage in range(p.pp):

@@ -176,13 +176,15 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
 
 def muon_time(c: Context) -> float:
     """Muon's seconds per step on one rank beyond AdamW's element-wise update (docs/planner.md "Muon"): its
-    share of the Newton-Schulz FLOPs at the matmul peak (GEMMs of the matrices' short side, ~d_model rows), and
+    share of the Newton-Schulz FLOPs at the matmul peak of train.muon_ns_dtype (fp32, or bf16: Newton-Schulz runs
+    in it whatever train.dtype is, optim/newton_schulz.py; GEMMs of the matrices' short side, ~d_model rows), and
     the owner gathers and scatters: the dense matrices' over their non-expert-DP link (TP's node-local link at
     zero 0), the experts' over the expert-DP link. 0 under AdamW."""
     if c.muon is None:
         return 0.0
     m, hw = c.muon, c.hw
-    t_ns = m["ns_flops_rank"] / (c.peak * gemm_eff(hw, c.shape.d_model))
+    peak = hw.peak_flops("bf16" if c.cfg.train.muon_ns_dtype == "bf16" else "fp32", c.ranks_on_node)
+    t_ns = m["ns_flops_rank"] / (peak * gemm_eff(hw, c.shape.d_model))
     moves = ((m["traffic_bytes_rank_dense"], c.links["non_expert_dp"][0] if c.zero >= 1 else hw.intra),
              (m["traffic_bytes_rank_expert"], c.links["expert_dp"][0]))
     return t_ns + sum(b / link.allreduce_bw + 2 * link.latency_s for b, link in moves if b)  # gather + scatter

@@ -115,10 +115,6 @@ def buildable(cfg: Config, opts: PlanOptions) -> None:
     questions: a `--precision` of another stack (bf16-master: bf16 parameters and residual stream) priced the Mixtral
     plan's best layout at 62.4 GiB where the code holds 92.3 (the planner at the trainer's precision: 90.0), and
     shape options (--first-dense ...) describe a model the config does not build. One line each, before planning."""
-    if cfg.train.optimizer == "muon":
-        from .dryrun import MUON_NOT_DRY  # the dry run's own line (dryrun.py imports torch's fake-tensor machinery)
-
-        raise ConfigError(MUON_NOT_DRY)
     own = trainer_precision(cfg.train.dtype)
     if opts.precision and opts.precision != own:
         raise ConfigError(f"--precision {opts.precision}: the what-if's dry run builds our trainer, which runs "

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -286,13 +287,35 @@ class FSDPSync(GradSync):
                 optim_state[n] = {k: _local_pieces(v) for k, v in state.items() if torch.is_tensor(v)}
         return model_state, optim_state
 
+    def state_boxes(self, names: set[str], peer: int) -> dict[str, list[tuple]]:
+        """`peer`'s chunk of each named DTensor (one Shard(dim) over its mesh's group, torch.chunk's sizes: ceil(n
+        / ranks) each, the last ones short or empty, as `_local_pieces` finds this rank's); a plain tensor whole."""
+        out = {}
+        for n, q in self.resharded().named_parameters():
+            if n not in names:
+                continue
+            if not isinstance(q, DTensor):
+                out[n] = [((0,) * q.dim(), tuple(q.shape))]
+                continue
+            (place,) = q.placements  # apply_fsdp: a 1-D mesh of one ParallelDims group
+            ranks = dist.get_process_group_ranks(q.device_mesh.get_group())
+            d, at, size = place.dim, self.dims.place_like(ranks, peer), q.shape[place.dim]
+            step = -(-size // len(ranks))
+            lo, hi = min(at * step, size), min((at + 1) * step, size)
+            offsets, sizes = [0] * q.dim(), list(q.shape)
+            offsets[d], sizes[d] = lo, hi - lo
+            out[n] = [(tuple(offsets), tuple(sizes))] if hi > lo else []
+        return out
+
 
 def _local_pieces(t: torch.Tensor) -> Pieces:
     """A DTensor as this rank's one box (none when its shard is empty: FSDP's uneven last ranks); a plain
     tensor (AdamW's step, an expert FSDP left whole) whole."""
     if not isinstance(t, DTensor):
         return Pieces.whole(t)
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with unset_fake_temporarily():  # torch finds the offsets with tensors and reads them: real ones under the dry
+        # run's FakeTensorMode, whose routing answer to a host read (plan/dryrun.py) is no offset
+        sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t.to_local().detach()
     assert tuple(local.shape) == tuple(sizes), (local.shape, sizes)
     return Pieces(t.shape, [(tuple(offsets), local)] if local.numel() else [])

@@ -177,6 +177,13 @@ class GradSync:
     def sharded_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
         return replicated_pieces(self.model, optimizer)
 
+    def state_boxes(self, names: set[str], peer: int) -> dict[str, list[tuple]]:
+        """{name: [(offsets, sizes)]}: where `peer` (a global rank of this stage) holds each named param's
+        optimizer state, in the param's own coordinates (its TP slice, its local experts), by this rank's sharding
+        rule alone: every rank of a stage builds the same buckets and FSDP units. `sharded_state`'s boxes on that
+        rank, nothing exchanged (optim/geometry.py). Whole here."""
+        return {n: [((0,) * q.dim(), tuple(q.shape))] for n, q in self.model.named_parameters() if n in names}
+
     def grad_pieces(self, names: set[str]) -> dict[str, Pieces]:
         """After finish(): {name: this rank's Pieces of the averaged gradient} of the named params, views of live
         storage (expert placement sums a replicated expert's copies in them, parallel/rebalance.py). Whole here."""

@@ -409,6 +409,20 @@ class ZeroSync(BucketedSync):
                         optim_state.setdefault(name, {})[key] = pieces
         return model_state, optim_state
 
+    def state_boxes(self, names: set[str], peer: int) -> dict[str, list[tuple]]:
+        """`peer`'s flat slice of every bucket (its place in its reducer's group: the same buckets on every rank
+        of the stage), cut per named param as `_flat_pieces` cuts this rank's."""
+        out = {}
+        for r in self.reducers:
+            at = 0 if r.group is None else self.dims.place_like(dist.get_process_group_ranks(r.group), peer)
+            for b in r.buckets:
+                S = b.padded // r.world
+                for name, p, o in zip(b.names, b.params, b.offsets):
+                    if name in names:
+                        a, z = max(o, at * S), min(o + p.numel(), (at + 1) * S)
+                        out[name] = flat_range_boxes(tuple(p.shape), a - o, z - o)
+        return out
+
     def grad_pieces(self, names: set[str]) -> dict[str, Pieces]:
         """This rank's slices of the named params' reduced gradients (the buckets' shard grads), per param."""
         return {n: pieces for r in self.reducers for b in r.buckets if names.intersection(b.names)
