@@ -5,7 +5,7 @@ import torch
 
 from nanotitan.model.moe import pack_expert_major
 from nanotitan.parallel.dp.sync import Pieces
-from nanotitan.parallel.placement import balanced, choose, identity, slot_ids
+from nanotitan.parallel.placement import Placement, balanced, choose, dp_shares, identity, slot_ids, water_fill
 
 
 def test_identity_is_static():
@@ -72,6 +72,20 @@ def test_sticky_keeps_the_loads_and_moves_fewer_experts():
     assert sticky(current, current) == current
 
 
+def test_water_fill_and_dp_shares_even_out_the_dp_load():
+    assert water_fill(15, [30, 15]) == [0, 15] and water_fill(16, [30, 15]) == [0, 16]
+    assert water_fill(7, [0, 0, 0]) == [3, 2, 2] and water_fill(0, [5, 1]) == [0, 0] and water_fill(9, [4]) == [9]
+    # EP4, E 4: experts 1 and 2 replicated in column 1; ranks 0 and 1 hold a single expert, 2 and 3 none
+    pl = Placement(((0, 1), (3, 1), (-1, 2), (-1, 2)), 4)
+    (shares,) = dp_shares([pl], [[10]], balance=True)
+    assert shares == {1: [[0, 5, 10]], 2: [[0, 5, 10]]}  # every rank 10 + 5 or 0 + 5: rows split evenly
+    pl = Placement(((0, 1), (3, 2), (-1, 1), (-1, 2)), 4)  # each copy beside a rank that holds a single expert
+    (shares,) = dp_shares([pl], [[10, 4]], balance=True)
+    assert shares == {1: [[0, 0, 10], [0, 0, 4]], 2: [[0, 0, 10], [0, 0, 4]]}  # the empty-home ranks take all
+    (shares,) = dp_shares([pl], [[10, 4]], balance=False)
+    assert shares == {1: [[0, 5, 10], [0, 2, 4]], 2: [[0, 5, 10], [0, 2, 4]]}
+
+
 # --- the gradient sync of replicated experts (zero 0: rebalance.Rebalancer._fold and Reducer.skip_rows) ---------------
 # DP2 x EP2. EP2 with E 4, L 2, one spare column: expert 3 replicated in column 2 on both EP ranks, rank 1's slot 1
 # empty. Rank g (global) contributes 2**g to every element: the sum over the 4 ranks is 15, over one DP pair 1+4 or
@@ -109,7 +123,8 @@ def _fold_world4(rank, world):
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = w
+            self.experts = nn.Module()
+            self.experts.w = w
             self.layers = {"0": SimpleNamespace(moe=SimpleNamespace(dispatcher=SimpleNamespace(
                 placement=Placement(FOLD_SLOTS, 4))))}
 

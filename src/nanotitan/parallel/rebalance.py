@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .comm import collectives as comm
 from .ep import EPDispatcher
-from .placement import Placement, balanced, choose, identity, sticky
+from .placement import Placement, balanced, choose, dp_shares, identity, sticky
 from .shard import keep_layout
 
 EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
@@ -271,16 +271,19 @@ class Rebalancer:
         dims, sync = self.shard.dims, self.shard.sync
         pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
         me, device = dims.moe_ep_rank, self._device()
-        entries = []  # (view, its group's ranks): this rank's copies' gradient pieces, in an order every rank shares
-        for k in self.keys:
-            mine = {s: r for _, s, r in groups[k] if me in r}  # column -> the ranks of this rank's group there
-            for n in self.names[k]:
+        # (view, its group's ranks, (layer, tensor, expert)): this rank's copies' gradient pieces, in an order every
+        # rank shares
+        entries = []
+        for li, k in enumerate(self.keys):
+            mine = {s: (e, r) for e, s, r in groups[k] if me in r}  # column -> its expert, this rank's group there
+            for j, n in enumerate(self.names[k]):
                 for off, t in pieces[n].boxes if n in pieces else []:
-                    entries += [(t[s - off[0]], mine[s]) for s in sorted(mine) if off[0] <= s < off[0] + t.shape[0]]
+                    entries += [(t[s - off[0]], mine[s][1], (li, j, mine[s][0])) for s in sorted(mine)
+                                if off[0] <= s < off[0] + t.shape[0]]
         if any(groups.values()):  # the placements are the stage's: every rank of the EP group agrees
             (self._fold if self.folded else self._sum_pieces)(entries)
         dup = torch.zeros((), dtype=torch.float32, device=device)
-        for v, ranks in entries:
+        for v, ranks, _ in entries:
             if me != ranks[0]:
                 dup = dup + v.float().square().sum()
         group = dims.group("ep") if sync.grads_whole else dims.group("stage")
@@ -293,50 +296,56 @@ class Rebalancer:
 
     def _fold(self, entries: list) -> None:
         """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's
-        gradient is one sum over its r copies x DP, done in three moves of a 1/r share each: copy c sums share c of
-        every copy's row (all-to-all over EP, in rank order), reduces it over DP (one all-reduce of every share this
-        rank owns) and hands it to the other copies (all-to-all over EP). So DP carries each replicated expert once
-        (1/r of it per copy), not once per copy, and every copy ends with the same bits."""
+        gradient is one sum over its r copies x DP, done in three moves of a share each: copy c sums share c of every
+        copy's row (all-to-all over EP, in rank order), reduces it over DP (one all-reduce of every share this rank
+        owns) and hands it to the other copies (all-to-all over EP). So DP carries each replicated expert once, not
+        once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
+        EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
+        1/r each."""
         dims = self.shard.dims
         me, P = dims.moe_ep_rank, dims.moe_ep
+        group = dims.group("expert_dp")
+        params, placements = dict(self.shard.model.named_parameters()), self.placements()
+        rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]
+        cuts = dp_shares([placements[k] for k in self.keys], rows, balance=group is not None)
 
-        def share(v, ranks, q):  # copy q's share of row v
-            n, r, c = v.numel(), len(ranks), ranks.index(q)
-            return v.reshape(-1)[c * n // r:(c + 1) * n // r]
+        def of(i: int, q: int) -> torch.Tensor:  # copy q's share of entry i's row
+            v, ranks, (layer, tensor, expert) = entries[i]
+            bounds, c = cuts[layer][expert][tensor], ranks.index(q)
+            return v.reshape(-1)[bounds[c]:bounds[c + 1]]
 
-        peers = [[(i, v, r) for i, (v, r) in enumerate(entries) if q in r and q != me] for q in range(P)]
-        got = self._swap([[share(v, r, q) for _, v, r in peers[q]] for q in range(P)],
-                         [[share(v, r, me).numel() for _, v, r in peers[q]] for q in range(P)])
-        theirs = {(q, i): g for q in range(P) for (i, _, _), g in zip(peers[q], got[q])}
+        peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
+        got = self._swap([[of(i, q) for i in peers[q]] for q in range(P)],
+                         [[of(i, me).numel() for i in peers[q]] for q in range(P)])
+        theirs = {(q, i): g for q in range(P) for i, g in zip(peers[q], got[q])}
         mine = []  # this rank's share of each row, summed over the copies
-        for i, (v, ranks) in enumerate(entries):
+        for i, (_, ranks, _) in enumerate(entries):
             total = None
             for q in ranks:
-                g = share(v, ranks, me) if q == me else theirs[(q, i)]
+                g = of(i, me) if q == me else theirs[(q, i)]
                 total = g.clone() if total is None else total + g
             mine.append(total)
-        group = dims.group("expert_dp")
-        if mine and group is not None:  # DP replicas hold the same placement: the same shares
+        if sum(m.numel() for m in mine) and group is not None:  # DP replicas hold the same placement: the same shares
             flat = torch.cat(mine)
             comm.all_reduce(flat, group=group, axis="dp")
             mine = list(flat.split([m.numel() for m in mine]))
-        got = self._swap([[mine[i] for i, _, _ in peers[q]] for q in range(P)],
-                         [[share(v, r, q).numel() for _, v, r in peers[q]] for q in range(P)])
-        for (v, ranks), m in zip(entries, mine):
-            share(v, ranks, me).copy_(m)
+        got = self._swap([[mine[i] for i in peers[q]] for q in range(P)],
+                         [[of(i, q).numel() for i in peers[q]] for q in range(P)])
+        for i, m in enumerate(mine):
+            of(i, me).copy_(m)
         for q in range(P):
-            for (_, v, r), g in zip(peers[q], got[q]):
-                share(v, r, q).copy_(g)
+            for i, g in zip(peers[q], got[q]):
+                of(i, q).copy_(g)
 
     def _sum_pieces(self, entries: list) -> None:
         """zero 1-3: the pieces were reduced over DP with the rest (a copy's pieces are the same elements on every EP
         rank: one spare column); each copy's pieces go to the other copies only, the same sum in rank order on each."""
         me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
-        peers = [[(i, v) for i, (v, r) in enumerate(entries) if q in r and q != me] for q in range(P)]
+        peers = [[(i, v) for i, (v, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
         got = self._swap([[v for _, v in peers[q]] for q in range(P)],
                          [[v.numel() for _, v in peers[q]] for q in range(P)])
         theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
-        for i, (v, ranks) in enumerate(entries):
+        for i, (v, ranks, _) in enumerate(entries):
             total = None
             for q in ranks:  # the same sum, in rank order, on every copy
                 g = v if q == me else theirs[(q, i)]
