@@ -89,7 +89,7 @@ def test_water_fill_and_dp_shares_even_out_the_dp_load():
 # --- the gradient sync of replicated experts (zero 0: rebalance.Rebalancer._fold and Reducer.skip_rows) ---------------
 # DP2 x EP2. EP2 with E 4, L 2, one spare column: expert 3 replicated in column 2 on both EP ranks, rank 1's slot 1
 # empty. Rank g (global) contributes 2**g to every element: the sum over the 4 ranks is 15, over one DP pair 1+4 or
-# 2+8, and a copy missing (or counted twice) gives another number.
+# 2+8, and a copy missing (or counted twice) gives another number. The shares are water-filled (one copy gets none).
 FOLD_SLOTS = ((0, 1, 3), (2, -1, 3))
 
 
@@ -101,12 +101,11 @@ def _fold_world4(rank, world):
 
     from nanotitan.parallel.dims import ParallelDims
     from nanotitan.parallel.dp.reducer import Reducer
-    from nanotitan.parallel.placement import Placement
     from nanotitan.parallel.rebalance import Rebalancer
 
     dims = ParallelDims(2, 1, 2, rank=rank).build_groups()
     me = dims.moe_ep_rank
-    w = nn.Parameter(torch.zeros(3, 5, 3))  # 15 elements a row: the two shares are 7 and 8
+    w = nn.Parameter(torch.zeros(3, 5, 3))  # rows of 15: EP rank 1 (one single expert, rank 0 two) takes all
     reducer = Reducer([("experts.w", w)], dims.group("expert_dp"), 1.0, 0.5)
     skipped = [s for s, e in enumerate(FOLD_SLOTS[me]) if e < 0 or e == 3]
     assert reducer.skip_rows({"experts.w": skipped}) == {"experts.w"}
