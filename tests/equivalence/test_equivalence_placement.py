@@ -103,12 +103,15 @@ def reference(corpus_dir, tmp_path_factory, name: str, extra=()) -> dict:
 
 
 def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
-    """EP4, TP2·EP2, PP2·EP2 under zb1 with the EP lanes, and DeepSeek-V3-shaped EP4 (with capacity), all balanced."""
+    """EP4, TP2·EP2, DP2·EP2 (zero 0), PP2·EP2 under zb1 with the EP lanes, and DeepSeek-V3-shaped EP4 (with
+    capacity), all balanced."""
     ref = reference(corpus_dir, tmp_path_factory, "placement_ref", SMALL)
     ref_ds = reference(corpus_dir, tmp_path_factory, "placement_ref_ds", DEEPSEEK)
     cases = {
         "EP4": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 4), "--train.ckpt_every", "6"),
         "TP2·EP2": (*SKEWED, *SMALL, *BALANCED, *tp_layout(1, 1, 2, 2)),
+        # zero 0 with DP: the copies' rows and the empty slots skip the DP reduction, the fold sums copies x DP
+        "DP2·EP2 zero 0": (*SKEWED, *SMALL, *BALANCED, *layout_args(2, 1, 2)),
         "PP2·EP2 zb1 lanes": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 2, 2, "zb1", LANES)),
         "DeepSeek-V3 EP4": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 4)),
     }

@@ -1,9 +1,11 @@
-"""The placement rule (parallel/placement.py): pure functions of a window's counts."""
+"""The placement rule (parallel/placement.py): pure functions of a window's counts; and the gradient sync of
+replicated experts at zero 0 (the Reducer's skipped rows, the Rebalancer's fold over copies x DP) on 4 ranks."""
 
 import torch
 
 from nanotitan.model.moe import pack_expert_major
-from nanotitan.parallel.placement import balanced, choose, identity, slot_ids
+from nanotitan.parallel.dp.sync import Pieces
+from nanotitan.parallel.placement import Placement, balanced, choose, dp_shares, identity, slot_ids, water_fill
 
 
 def test_identity_is_static():
@@ -68,3 +70,76 @@ def test_sticky_keeps_the_loads_and_moves_fewer_experts():
     same = lambda p: sum(a == b >= 0 for ra, rb in zip(p.slots, current.slots) for a, b in zip(ra, rb))  # noqa
     assert same(kept) == 6 > same(fresh) == 1  # experts that stay in their (rank, slot) are not moved
     assert sticky(current, current) == current
+
+
+def test_water_fill_and_dp_shares_even_out_the_dp_load():
+    assert water_fill(15, [30, 15]) == [0, 15] and water_fill(16, [30, 15]) == [0, 16]
+    assert water_fill(7, [0, 0, 0]) == [3, 2, 2] and water_fill(0, [5, 1]) == [0, 0] and water_fill(9, [4]) == [9]
+    # EP4, E 4: experts 1 and 2 replicated in column 1; ranks 0 and 1 hold a single expert, 2 and 3 none
+    pl = Placement(((0, 1), (3, 1), (-1, 2), (-1, 2)), 4)
+    (shares,) = dp_shares([pl], [[10]], balance=True)
+    assert shares == {1: [[0, 5, 10]], 2: [[0, 5, 10]]}  # every rank 10 + 5 or 0 + 5: rows split evenly
+    pl = Placement(((0, 1), (3, 2), (-1, 1), (-1, 2)), 4)  # each copy beside a rank that holds a single expert
+    (shares,) = dp_shares([pl], [[10, 4]], balance=True)
+    assert shares == {1: [[0, 0, 10], [0, 0, 4]], 2: [[0, 0, 10], [0, 0, 4]]}  # the empty-home ranks take all
+    (shares,) = dp_shares([pl], [[10, 4]], balance=False)
+    assert shares == {1: [[0, 5, 10], [0, 2, 4]], 2: [[0, 5, 10], [0, 2, 4]]}
+
+
+# --- the gradient sync of replicated experts (zero 0: rebalance.Rebalancer._fold and Reducer.skip_rows) ---------------
+# DP2 x EP2. EP2 with E 4, L 2, one spare column: expert 3 replicated in column 2 on both EP ranks, rank 1's slot 1
+# empty. Rank g (global) contributes 2**g to every element: the sum over the 4 ranks is 15, over one DP pair 1+4 or
+# 2+8, and a copy missing (or counted twice) gives another number. The shares are water-filled (one copy gets none).
+FOLD_SLOTS = ((0, 1, 3), (2, -1, 3))
+
+
+def _fold_world4(rank, world):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from nanotitan.parallel.dims import ParallelDims
+    from nanotitan.parallel.dp.reducer import Reducer
+    from nanotitan.parallel.rebalance import Rebalancer
+
+    dims = ParallelDims(2, 1, 2, rank=rank).build_groups()
+    me = dims.moe_ep_rank
+    w = nn.Parameter(torch.zeros(3, 5, 3))  # rows of 15: EP rank 1 (one single expert, rank 0 two) takes all
+    reducer = Reducer([("experts.w", w)], dims.group("expert_dp"), 1.0, 0.5)
+    skipped = [s for s, e in enumerate(FOLD_SLOTS[me]) if e < 0 or e == 3]
+    assert reducer.skip_rows({"experts.w": skipped}) == {"experts.w"}
+    reducer.zero_grad()
+    reducer.prepare(sync=True)
+    (w * 2.0 ** rank).sum().backward()  # d/dw = 2**rank everywhere (the empty slot too: a test of the skip alone)
+    reducer.finish()
+    g = w.grad
+    pair = sum(2.0 ** r for r in dist.get_process_group_ranks(dims.group("expert_dp")))
+    home = [s for s in range(3) if s not in skipped]
+    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "a kept row is not the scaled DP sum"
+    assert torch.equal(g[skipped], torch.full_like(g[skipped], 0.5 * 2.0 ** rank)), "a skipped row was reduced"
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.Module()
+            self.experts.w = w
+            self.layers = {"0": SimpleNamespace(moe=SimpleNamespace(dispatcher=SimpleNamespace(
+                placement=Placement(FOLD_SLOTS, 4))))}
+
+    sync = SimpleNamespace(grads_whole=True, grad_pieces=lambda names: {n: Pieces.whole(w.grad) for n in names})
+    rb = Rebalancer.__new__(Rebalancer)  # the replica sum alone: a stage of one MoE layer, no trainer
+    rb.shard, rb.R, rb.keys, rb.names, rb.folded = SimpleNamespace(dims=dims, model=Model(), sync=sync), 2, ["0"], \
+        {"0": ["experts.w"]}, True
+    dup = rb.sum_replica_grads()
+    assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"copy on EP rank {me}: {g[2].unique()}, want 7.5"
+    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "the fold touched a row of no copy"
+    assert dup.item() == (0.5 * 15) ** 2 * 15, dup  # EP rank 1's copy, once
+    return g.numpy()
+
+
+def test_fold_sums_every_copy_once_world4():
+    from tests.helpers.mp import run_ranks
+
+    grads = run_ranks(_fold_world4, 4, timeout=120)
+    assert all((grads[0][2] == g[2]).all() for g in grads), "the copies' gradients differ"

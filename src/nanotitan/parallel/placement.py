@@ -186,6 +186,49 @@ def choose(current: Placement, load_E: list[float], R: int) -> Placement:
     return current
 
 
+def water_fill(n: int, loads: list[int]) -> list[int]:
+    """n elements shared over len(loads) takers so that the highest load + share is as low as integers allow: share
+    i = max(0, t - loads[i]) at the level t where the shares sum to n (the remainder to the least loaded, then the
+    lower index)."""
+    order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
+    for k in range(len(order), 0, -1):  # the most takers whose level reaches the k-th lowest load
+        low = [loads[i] for i in order[:k]]
+        if n + sum(low) >= k * low[-1]:
+            break
+    t, extra = divmod(n + sum(low), k)
+    share = [0] * len(loads)
+    for j, i in enumerate(order[:k]):
+        share[i] = t - loads[i] + (j < extra)
+    return share
+
+
+def dp_shares(placements: list[Placement], rows: list[list[int]], balance: bool) -> list[dict[int, list[list[int]]]]:
+    """How each replicated expert's DP reduction splits over its copies at zero 0 (rebalance.Rebalancer._fold): per
+    layer, {expert: one list per tensor of the bounds [0, ..., n] of each copy's share of its row, copies in rank
+    order}; `rows[layer]` are the row sizes (elements) of its tensors. `balance`: water-filled so that every EP rank
+    reduces as many elements over DP as the rows allow (its single experts' rows, which the DP reduction carries,
+    plus its shares); else 1/r each. The same on every rank: a function of the placements."""
+    load = [0] * placements[0].P
+    if balance:
+        for pl, sizes in zip(placements, rows):
+            n = [len(c) for c in pl.copies()]
+            for p, row in enumerate(pl.slots):
+                load[p] += sum(sizes) * sum(1 for e in row if e >= 0 and n[e] == 1)
+    out = []
+    for pl, sizes in zip(placements, rows):
+        layer = {}
+        for e, _, ranks in pl.replicated():
+            layer[e] = []
+            for n in sizes:
+                part = water_fill(n, [load[q] for q in ranks]) if balance else \
+                    [(c + 1) * n // len(ranks) - c * n // len(ranks) for c in range(len(ranks))]
+                for q, z in zip(ranks, part):
+                    load[q] += z
+                layer[e].append([sum(part[:c]) for c in range(len(part) + 1)])
+        out.append(layer)
+    return out
+
+
 def slot_ids(flat_ids_N: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor, slot_of: torch.Tensor,
              copies_of: torch.Tensor) -> torch.Tensor:
     """Global slot id (p*C + s) of every packed assignment, in the expert-major order `order_N` (pack_expert_major);

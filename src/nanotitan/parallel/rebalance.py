@@ -8,10 +8,12 @@
     move         between two steps, every expert tensor (weights, AdamW's moments) is put together per EP rank
                  from its DP pieces (whatever the zero level: `GradSync.sharded_state`), its rows sent to their new
                  slots in one all-to-all per layer over the EP group, and written back into the live pieces
-    replicas     after the gradient sync, a replicated expert's copies (one spare column, placement.py) sum their
-                 gradients: one all-to-all over EP carrying each copy's pieces to its expert's other copies only,
-                 the same sum in rank order on every copy, so the copies' AdamW steps stay identical; the extra
-                 copies leave the clipping norm
+    replicas     a replicated expert's gradient is the sum over its copies (one spare column, placement.py) and DP.
+                 zero 0: the DP reduction skips the copies' rows and the empty slots' (`_skip`); `_fold` reduces
+                 the copies over copies x DP, each copy moving a 1/r share over DP. zero 1-3: the DP reduction
+                 reduces every row; the copies then sum their reduced pieces over EP (`_sum_pieces`). Either way
+                 every copy ends with the same bits, so their AdamW steps stay identical; the extra copies leave
+                 the clipping norm
 Exact: the experts' maths is untouched, only where it runs (tests/equivalence/test_equivalence_placement.py).
 """
 
@@ -25,7 +27,7 @@ import torch.nn as nn
 
 from .comm import collectives as comm
 from .ep import EPDispatcher
-from .placement import Placement, balanced, choose, identity, sticky
+from .placement import Placement, balanced, choose, dp_shares, identity, sticky
 from .shard import keep_layout
 
 EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
@@ -75,6 +77,7 @@ class Rebalancer:
                       for k in self.keys}
         self.changes: list[dict] = []  # one per placement change: step, before, after, bytes, pause_s, replicated
         self.last_load: dict[str, list[int]] = {}  # the last window's counts per layer (checkpoints keep them)
+        self._skip()
 
     def log(self, msg: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -137,6 +140,7 @@ class Rebalancer:
             install(model.layers[k].moe, new[k], dims.moe_ep_rank)
         if getattr(optimizer, "orthogonalizer", None) is not None:  # Muon's owner plan knows each slot's expert (an
             optimizer.orthogonalizer = None  # empty one none, so no box): its next step plans the new slots
+        self._skip()
         record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
                   "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
@@ -245,12 +249,23 @@ class Rebalancer:
         return dst, out, sum(1 for p, _, q, _ in moves if p != q)
 
     # --- inside a step ----------------------------------------------------------------------------------------
+    def _skip(self) -> None:
+        """Tell the gradient sync the expert rows it leaves out from the next step on: this rank's empty slots (no
+        token reaches them: a zero gradient, nothing to reduce) and its copies of replicated experts (reduced by
+        `sum_replica_grads`). `folded`: the flavour can (zero 0); else it reduces every row (zero 1-3)."""
+        me, rows = self.shard.dims.moe_ep_rank, {}
+        for k, placement in self.placements().items():
+            n = [len(c) for c in placement.copies()]
+            skip = [s for s, e in enumerate(placement.slots[me]) if e < 0 or n[e] > 1]
+            rows.update({name: skip for name in self.names[k]})
+        self.folded = self.shard.sync.skip_rows(rows)
+
     @torch.no_grad()
     def sum_replica_grads(self) -> torch.Tensor | None:
-        """After the gradient sync: each replicated expert's gradient is the sum of its copies', on every copy.
-        Returns the squared norm the extra copies add to the clipping norm (summed over the ranks), None without
-        replicas allowed (parallel.expert_replicas 1). Collective over EP, the stage and PP: every rank calls it, with
-        replicas or not (another stage may have some)."""
+        """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
+        copy (`_fold` at zero 0, `_sum_pieces` at zero 1-3). Returns the squared norm the extra copies add to the
+        clipping norm (summed over the ranks), None without replicas allowed (parallel.expert_replicas 1). Collective
+        over EP, DP, the stage and PP: every rank calls it, with replicas or not (another stage may have some)."""
         if self.R == 1:
             return None
         placements = self.placements()
@@ -258,33 +273,19 @@ class Rebalancer:
         dims, sync = self.shard.dims, self.shard.sync
         pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
         me, device = dims.moe_ep_rank, self._device()
-        entries = []  # (view, its group's ranks): this rank's copies' gradient pieces, in an order every rank shares
-        for k in self.keys:
-            mine = {s: r for _, s, r in groups[k] if me in r}  # column -> the ranks of this rank's group there
-            for n in self.names[k]:
+        # (view, its group's ranks, (layer, tensor, expert)): this rank's copies' gradient pieces, in an order every
+        # rank shares
+        entries = []
+        for li, k in enumerate(self.keys):
+            mine = {s: (e, r) for e, s, r in groups[k] if me in r}  # column -> its expert, this rank's group there
+            for j, n in enumerate(self.names[k]):
                 for off, t in pieces[n].boxes if n in pieces else []:
-                    entries += [(t[s - off[0]], mine[s]) for s in sorted(mine) if off[0] <= s < off[0] + t.shape[0]]
-        # each copy's pieces to the other copies only (their boxes are the same elements: one spare column)
-        sends = [[v for v, ranks in entries if q in ranks and q != me] for q in range(dims.moe_ep)]
-        splits = [sum(v.numel() for v in vs) for vs in sends]
-        flat = [v.reshape(-1) for vs in sends for v in vs]
-        inp = torch.cat(flat) if flat else torch.zeros(0, device=device)
-        got = inp.new_empty(sum(splits))
-        comm.all_to_all_single(got, inp, splits, splits, group=dims.group("ep"), axis="ep")
-        theirs: dict[tuple[int, int], torch.Tensor] = {}  # (source rank, entry) -> its piece
-        for q, seg in zip(range(dims.moe_ep), got.split(splits)):
-            at = 0
-            for i, (v, ranks) in enumerate(entries):
-                if q in ranks and q != me:
-                    theirs[(q, i)] = seg[at:at + v.numel()].view_as(v)
-                    at += v.numel()
+                    entries += [(t[s - off[0]], mine[s][1], (li, j, mine[s][0])) for s in sorted(mine)
+                                if off[0] <= s < off[0] + t.shape[0]]
+        if any(groups.values()):  # the placements are the stage's: every rank of the EP group agrees
+            (self._fold if self.folded else self._sum_pieces)(entries)
         dup = torch.zeros((), dtype=torch.float32, device=device)
-        for i, (v, ranks) in enumerate(entries):
-            total = None
-            for q in ranks:  # the same sum, in rank order, on every copy
-                g = v if q == me else theirs[(q, i)]
-                total = g.clone() if total is None else total + g
-            v.copy_(total)
+        for v, ranks, _ in entries:
             if me != ranks[0]:
                 dup = dup + v.float().square().sum()
         group = dims.group("ep") if sync.grads_whole else dims.group("stage")
@@ -294,3 +295,72 @@ class Rebalancer:
         if dims.group("pp") is not None:
             comm.all_reduce(dup, group=dims.group("pp"), axis="other")
         return dup
+
+    def _fold(self, entries: list) -> None:
+        """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's
+        gradient is one sum over its r copies x DP, done in three moves of a share each: copy c sums share c of every
+        copy's row (all-to-all over EP, in rank order), reduces it over DP (one all-reduce of every share this rank
+        owns) and hands it to the other copies (all-to-all over EP). So DP carries each replicated expert once, not
+        once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
+        EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
+        1/r each."""
+        dims = self.shard.dims
+        me, P = dims.moe_ep_rank, dims.moe_ep
+        group = dims.group("expert_dp")
+        params, placements = dict(self.shard.model.named_parameters()), self.placements()
+        rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]
+        cuts = dp_shares([placements[k] for k in self.keys], rows, balance=group is not None)
+
+        def of(i: int, q: int) -> torch.Tensor:  # copy q's share of entry i's row
+            v, ranks, (layer, tensor, expert) = entries[i]
+            bounds, c = cuts[layer][expert][tensor], ranks.index(q)
+            return v.reshape(-1)[bounds[c]:bounds[c + 1]]
+
+        peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
+        got = self._swap([[of(i, q) for i in peers[q]] for q in range(P)],
+                         [[of(i, me).numel() for i in peers[q]] for q in range(P)])
+        theirs = {(q, i): g for q in range(P) for i, g in zip(peers[q], got[q])}
+        mine = []  # this rank's share of each row, summed over the copies
+        for i, (_, ranks, _) in enumerate(entries):
+            total = None
+            for q in ranks:
+                g = of(i, me) if q == me else theirs[(q, i)]
+                total = g.clone() if total is None else total + g
+            mine.append(total)
+        if sum(m.numel() for m in mine) and group is not None:  # DP replicas hold the same placement: the same shares
+            flat = torch.cat(mine)
+            comm.all_reduce(flat, group=group, axis="dp")
+            mine = list(flat.split([m.numel() for m in mine]))
+        got = self._swap([[mine[i] for i in peers[q]] for q in range(P)],
+                         [[of(i, q).numel() for i in peers[q]] for q in range(P)])
+        for i, m in enumerate(mine):
+            of(i, me).copy_(m)
+        for q in range(P):
+            for i, g in zip(peers[q], got[q]):
+                of(i, q).copy_(g)
+
+    def _sum_pieces(self, entries: list) -> None:
+        """zero 1-3: the pieces were reduced over DP with the rest (a copy's pieces are the same elements on every EP
+        rank: one spare column); each copy's pieces go to the other copies only, the same sum in rank order on each."""
+        me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
+        peers = [[(i, v) for i, (v, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
+        got = self._swap([[v for _, v in peers[q]] for q in range(P)],
+                         [[v.numel() for _, v in peers[q]] for q in range(P)])
+        theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
+        for i, (v, ranks, _) in enumerate(entries):
+            total = None
+            for q in ranks:  # the same sum, in rank order, on every copy
+                g = v if q == me else theirs[(q, i)]
+                total = g.clone() if total is None else total + g
+            v.copy_(total)
+
+    def _swap(self, sends: list[list[torch.Tensor]], sizes: list[list[int]]) -> list[list[torch.Tensor]]:
+        """One all-to-all over EP: sends[q]'s tensors (flattened) to EP rank q; returns from each rank q the flat
+        tensors of sizes[q]."""
+        flat = [v.reshape(-1) for vs in sends for v in vs]
+        inp = torch.cat(flat) if flat else torch.zeros(0, device=self._device())
+        splits = [sum(z) for z in sizes]
+        got = inp.new_empty(sum(splits))
+        comm.all_to_all_single(got, inp, splits, [sum(v.numel() for v in vs) for vs in sends],
+                               group=self.shard.dims.group("ep"), axis="ep")
+        return [list(seg.split(z)) for seg, z in zip(got.split(splits), sizes)]

@@ -19,6 +19,9 @@ How the Reducer gets communication out of the way of compute:
   the collective is about to read anyway), never in a separate pass after the wait.
 - `reduce_dtype` (parallel.reduce_dtype=bf16): the scaled fp32 bucket is narrowed to a bf16 copy, that copy
   is reduced (half the bytes; the sum rounds to bf16) and widened back into the fp32 bucket at wait().
+- `skip_rows`: rows (dim 0) of named params left out of the all-reduce (still scaled): expert placement's empty
+  slots (zero gradient) and replicated copies, which parallel/rebalance.py reduces itself. A bucket with skipped
+  rows all-reduces a packed copy of the rest and copies it back at wait().
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Bucket:
     work: comm.TimedWork | None = None
     launched: bool = False
     names: list[str] = field(default_factory=list)
+    runs: list[tuple[int, int]] | None = None  # `skip_rows`: the [a, b) ranges of flat reduced; None: all of it
 
 
 def bucket_bytes(bucket_mb: float) -> float:
@@ -169,15 +173,42 @@ class Reducer:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
+    def skip_rows(self, rows: dict[str, list[int]]) -> set[str]:
+        """From the next launch on, leave rows[name] (indices along dim 0) of the named params out of the all-reduce
+        (they are still scaled); {} reduces everything again. Every rank of the group must skip the same rows.
+        Returns the names found here."""
+        found = set()
+        for b in self.buckets:
+            keep, at = [], 0
+            for name, p in zip(b.names, b.params):
+                skip = set(rows.get(name, ()))
+                if skip:
+                    found.add(name)
+                    row = p.numel() // p.shape[0]
+                    keep += [(at + s * row, at + (s + 1) * row) for s in range(p.shape[0]) if s not in skip]
+                else:
+                    keep.append((at, at + p.numel()))
+                at += p.numel()
+            runs: list[tuple[int, int]] = []
+            for a, z in keep:  # adjacent ranges as one
+                if runs and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], z)
+                elif z > a:
+                    runs.append((a, z))
+            b.runs = None if runs == [(0, b.flat.numel())] else runs
+        return found
+
     def _launch(self, b: Bucket) -> None:
         if self.scale != 1.0:
             b.flat.mul_(self.scale)  # pre-scale: the collective reads this memory next anyway
-        if self.group is not None and self.reduce_dtype not in (None, b.flat.dtype):
-            low = b.flat.to(self.reduce_dtype)
-            b.work = CopyBack(comm.all_reduce(low, group=self.group, axis="dp", async_op=True), low, b.flat)
-        elif self.group is not None:
-            b.work = comm.all_reduce(b.flat, group=self.group, axis="dp", async_op=True)
         b.launched = True
+        if self.group is None or b.runs == []:  # alone, or every row skipped
+            return
+        src = b.flat if b.runs is None else torch.cat([b.flat[a:z] for a, z in b.runs])
+        if self.reduce_dtype not in (None, src.dtype):
+            src = src.to(self.reduce_dtype)
+        work = comm.all_reduce(src, group=self.group, axis="dp", async_op=True)
+        b.work = work if src is b.flat else CopyBack(work, src, b.flat, b.runs)
 
     def finish(self) -> None:
         """Launch what is left (params that got no gradient are reduced as zeros), wait for all."""
@@ -220,14 +251,22 @@ def _rebind(p: nn.Parameter, view: torch.Tensor) -> None:
 
 
 class CopyBack:
-    """An async collective on a narrowed copy (parallel.reduce_dtype): wait() widens the result into `dst`."""
+    """An async collective on a copy (narrowed: parallel.reduce_dtype; packed: `Reducer.skip_rows`): wait() writes the
+    result back into `dst` (widened), into its ranges `runs` [a, b) when packed."""
 
-    def __init__(self, work: comm.TimedWork, low: torch.Tensor, dst: torch.Tensor):
-        self.work, self.low, self.dst = work, low, dst
+    def __init__(self, work: comm.TimedWork, low: torch.Tensor, dst: torch.Tensor,
+                 runs: list[tuple[int, int]] | None = None):
+        self.work, self.low, self.dst, self.runs = work, low, dst, runs
 
     def wait(self) -> None:
         self.work.wait()
-        self.dst.copy_(self.low)
+        if self.runs is None:
+            self.dst.copy_(self.low)
+            return
+        at = 0
+        for a, z in self.runs:
+            self.dst[a:z].copy_(self.low[at:at + z - a])
+            at += z - a
 
 
 def wrap_ddp(model: nn.Module, group, bucket_mb: float) -> nn.Module:

@@ -10,6 +10,8 @@ A rank's `GradSync` owns, for its flavour of DP:
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
     local_grad(p)            after finish(): this rank's part of p's averaged gradient, a view of live storage (the
                              pair of embedding copies sums it, tied.py)
+    skip_rows(rows)          rows of expert tensors the DP reduction leaves to the caller (expert placement's empty
+                             slots and replicated copies, parallel/rebalance.py); False: this flavour reduces all
     sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
                              each whole tensor, views of the live state (save writes them, load reads into them);
                              nothing is ever gathered whole
@@ -191,6 +193,12 @@ class GradSync:
 
     grads_whole = True  # grad_pieces are whole on every DP replica (else disjoint over the stage's ranks)
 
+    def skip_rows(self, rows: dict[str, list[int]]) -> bool:
+        """Leave rows[name] (dim 0) of these expert params out of the DP reduction from the next step on (scaled as
+        the rest); False where the flavour cannot (zero 1-3 shard flat buckets or FSDP units: every row is reduced,
+        and the caller sums copies in the reduced pieces)."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -220,8 +228,15 @@ class ReplicatedSync(BucketedSync):
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
                  reduce_dtype: torch.dtype | None = None):
         super().__init__(model, dims, expert_params, replicated_params)
-        self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype)
-                         for params, kind in gradient_groups(expert_params, replicated_params)]
+        groups = gradient_groups(expert_params, replicated_params)
+        self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype) for params, kind in groups]
+        self.expert_reducers = [r for r, (_, kind) in zip(self.reducers, groups) if kind == "expert_dp"]
+
+    def skip_rows(self, rows: dict[str, list[int]]) -> bool:
+        found = set().union(*(r.skip_rows(rows) for r in self.expert_reducers))
+        missing = {n for n, s in rows.items() if s} - found
+        assert not missing, f"skip_rows: {sorted(missing)} are not expert params of this rank's reducers"
+        return True
 
 
 class TorchDDPSync(GradSync):

@@ -99,6 +99,9 @@ class ShardedReducer(Reducer):
     def _bucket_kind(p: nn.Parameter) -> tuple:
         return p.dtype, p.device, p.dim() >= 2, is_muon(p)
 
+    def skip_rows(self, rows: dict[str, list[int]]) -> set[str]:
+        raise NotImplementedError("ZeRO-1/2 reduce-scatter whole flat buckets (GradSync.skip_rows is False here)")
+
     @torch.no_grad()
     def _make_bucket(self, entries: list[tuple[str, nn.Parameter]]) -> _ShardBucket:
         params = [p for _, p in entries]
