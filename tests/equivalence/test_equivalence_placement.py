@@ -27,6 +27,7 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.kv_lora_rank", "16", "--model.q_lo
             "--model.aux_scope", "sequence", "--model.first_k_dense", "1", "--model.shared_experts", "1",
             "--model.mtp_layers", "1", "--model.capacity_factor", "1.0")
 LANES = ("--parallel.ep_overlap_microbatches", "true")
+MUON = ("--train.optimizer", "muon")
 
 
 def train_placed(args: list[str]) -> dict:
@@ -103,10 +104,11 @@ def reference(corpus_dir, tmp_path_factory, name: str, extra=()) -> dict:
 
 
 def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
-    """EP4, TP2·EP2, DP2·EP2 (zero 0), PP2·EP2 under zb1 with the EP lanes, and DeepSeek-V3-shaped EP4 (with
-    capacity), all balanced."""
+    """EP4, TP2·EP2, DP2·EP2 (zero 0), PP2·EP2 under zb1 with the EP lanes, DeepSeek-V3-shaped EP4 (with
+    capacity), and Muon on EP4 and DP2·EP2 zero 1, all balanced."""
     ref = reference(corpus_dir, tmp_path_factory, "placement_ref", SMALL)
     ref_ds = reference(corpus_dir, tmp_path_factory, "placement_ref_ds", DEEPSEEK)
+    ref_muon = reference(corpus_dir, tmp_path_factory, "placement_ref_muon", SMALL + MUON)
     cases = {
         "EP4": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 4), "--train.ckpt_every", "6"),
         "TP2·EP2": (*SKEWED, *SMALL, *BALANCED, *tp_layout(1, 1, 2, 2)),
@@ -114,10 +116,13 @@ def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
         "DP2·EP2 zero 0": (*SKEWED, *SMALL, *BALANCED, *layout_args(2, 1, 2)),
         "PP2·EP2 zb1 lanes": (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 2, 2, "zb1", LANES)),
         "DeepSeek-V3 EP4": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 4)),
+        # Muon: each copy orthogonalizes its expert whole (EP4); at zero 1 the owner plan follows the moved slots
+        "EP4 Muon": (*SKEWED, *SMALL, *BALANCED, *MUON, *layout_args(1, 1, 4)),
+        "DP2·EP2 zero 1 Muon": (*SKEWED, *SMALL, *BALANCED, *MUON, *layout_args(2, 1, 2, extra=("--parallel.zero", "1"))),
     }
     outs = run_ranks(_run_cases, 4, args=(list(cases.values()), corpus_dir, tmp_path), timeout=600)
     for i, name in enumerate(cases):
-        check_placed(name, [o[i] for o in outs], ref_ds if "DeepSeek" in name else ref)
+        check_placed(name, [o[i] for o in outs], ref_ds if "DeepSeek" in name else ref_muon if "Muon" in name else ref)
     check_checkpoint(outs[0][0]["run_dir"], ref, tmp_path)
     # A re-layout (what an elastic join or leave does): EP4's step-6 checkpoint resumed on EP2, its last window
     # placed afresh over 2 ranks (a replica included), and step 7 as one process trains it
