@@ -101,8 +101,8 @@ class _LinkExposure:
     """Within `with`: each async P2P batch cp_attn posts (comm.batch_isend_irecv, wrapped for the measurement
     only) charges, when the rank starts waiting for it, the modelled link time still left (what the compute since
     its post did not cover). Unlike the wait column, a peer computing late (ranks sharing cores) is not in it.
-    Per hop (`hops`, in post order): its name (phase, what travels: the tag, 0 K/V and 1 dK|dV, and its index),
-    its link seconds, the seconds it queued behind an earlier call still on the axis, and the part left exposed."""
+    Per hop (`hops`, in post order): its name (phase, its index in the phase's post order, what travels: by tag,
+    0 K/V and 1 dK|dV), its link seconds, the seconds it queued behind an earlier call still on the axis, and the part left exposed."""
 
     def __init__(self):
         self.exposed_s, self._real = 0.0, comm.batch_isend_irecv
@@ -122,10 +122,9 @@ class _LinkExposure:
         if not async_op:
             return work
         what = " + ".join(HOP_KINDS.get(op.tag, f"tag {op.tag}") for op in ops if op.op is dist.isend)
-        key = (self.phase, what)
-        self._count[key] = self._count.get(key, 0) + 1
+        self._count[self.phase] = self._count.get(self.phase, 0) + 1
         link_s = (m.modelled_s[axis] - before) if m else 0.0
-        hop = {"hop": f"{self.phase} {what} {self._count[key]}", "link_s": link_s,
+        hop = {"hop": f"{self.phase} {self._count[self.phase]}: {what}", "link_s": link_s,
                "queued_s": max(0.0, work.done_by - t0 - link_s) if work.done_by else 0.0, "exposed_s": 0.0}
         self.hops.append(hop)
         outer = self
