@@ -102,7 +102,8 @@ class _LinkExposure:
     only) charges, when the rank starts waiting for it, the modelled link time still left (what the compute since
     its post did not cover). Unlike the wait column, a peer computing late (ranks sharing cores) is not in it.
     Per hop (`hops`, in post order): its name (phase, its index in the phase's post order, what travels: by tag,
-    0 K/V and 1 dK|dV), its link seconds, the seconds it queued behind an earlier call still on the axis, and the part left exposed."""
+    0 K/V and 1 dK|dV), its link seconds, the seconds it queued behind an earlier call still on the axis, and the
+    part left exposed."""
 
     def __init__(self):
         self.exposed_s, self._real = 0.0, comm.batch_isend_irecv
@@ -149,7 +150,8 @@ def hop_table(ranks: list[dict], repeats: int) -> dict:
     for i in range(repeats):
         worst = max(ranks, key=lambda r: r["emulated"][i]["exposed_s"] / r["emulated"][i]["transfer_s"])["emulated"][i]
         for h in worst["hops"]:
-            row = rows.setdefault(h["hop"], {"link_s": [], "queued_s": [], "exposed_s": [], "exposed_over_transfer": []})
+            row = rows.setdefault(h["hop"], {key: [] for key in ("link_s", "queued_s", "exposed_s",
+                                                                 "exposed_over_transfer")})
             for key in ("link_s", "queued_s", "exposed_s"):
                 row[key].append(h[key])
             row["exposed_over_transfer"].append(h["exposed_s"] / worst["transfer_s"])
