@@ -134,14 +134,15 @@ def test_equals_whole_sequence_sdpa(results, n, name):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_sends_kv_heads_and_latent_only(results, n):
-    """Forward N-1 sends of Hkv heads' K|V (GQA never repeats them), backward N-1 more plus N-1 of dK|dV (fp32): each
-    counted sent and received. MLA: the latent (R + Dr = 24 values per token) instead of 4 heads of K|V."""
+    """Forward N-1 sends of Hkv heads' K|V (GQA never repeats them), backward N-2 more (forward kept the first it
+    received) plus N-1 of dK|dV (fp32): each counted sent and received. MLA: the latent (R + Dr = 24 values per
+    token) instead of 4 heads of K|V."""
     b, s_loc, d = 2, 8, 8
     for res in results:
         kv = b * 1 * s_loc * 2 * d * 4  # one KV head, K and V, fp32
-        assert res[n, "ring gqa"][1] == 2 * kv * 3 * (n - 1)
+        assert res[n, "ring gqa"][1] == 2 * kv * (3 * (n - 1) - 1)
         lat = b * s_loc * 24 * 4
-        assert res[n, "mla"][1] == 2 * lat * 3 * (n - 1)
+        assert res[n, "mla"][1] == 2 * lat * (3 * (n - 1) - 1)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -47,14 +47,17 @@ def test_activation_memory_falls_n_fold_with_cp(impl):
 
 def test_ring_and_a2a_bytes():
     """The ring carries the KV heads (GQA: never repeated copies; split over TP where they divide) N-1 times
-    forward, N-1 times again and the fp32 dK/dV N-1 times backward; MLA carries its latent; Ulysses moves (N-1)/N of
-    q, k, v and the output each way."""
+    forward, N-2 times again (forward kept the first it received) and the fp32 dK/dV N-1 times backward; MLA
+    carries its latent; Ulysses moves (N-1)/N of q, k, v and the output each way."""
     gqa = ModelShape.from_config(_cfg(4096))  # 16 heads of 64, 4 KV heads
     assert cp_plan.kv_elems(gqa, 1) == 4 * 2 * 64 and cp_plan.kv_elems(gqa, 2) == 2 * 2 * 64
     assert cp_plan.kv_elems(gqa, 8) == 4 * 2 * 64  # 4 KV heads over 8 TP ranks: replicated, all sent
     fwd, bwd = cp_plan.ring_bytes(gqa, 1000, 4, 1, 2)
-    assert fwd == 3 * 1000 * 512 * 2 and bwd == 3 * 1000 * 512 * 2 + 3 * 1000 * 512 * 4
+    assert fwd == 3 * 1000 * 512 * 2 and bwd == 2 * 1000 * 512 * 2 + 3 * 1000 * 512 * 4
     assert cp_plan.ring_bytes(gqa, 1000, 1, 1, 2) == (0.0, 0.0)
+    # the first received block, kept per attention layer for the backward: the ring's alone, and only under CP
+    assert cp_plan.saved_bytes(gqa, 1000, 4, 1, 2, "ring") == 1000 * 512 * 2
+    assert cp_plan.saved_bytes(gqa, 1000, 4, 1, 2, "a2a") == cp_plan.saved_bytes(gqa, 1000, 1, 1, 2, "ring") == 0.0
     fwd, bwd = cp_plan.a2a_bytes(gqa, 1000, 4, 1, 2)
     assert fwd == bwd == 1000 * (2 * 16 * 64 + 4 * 2 * 64) * 2 * 3 / 4
     assert cp_plan.a2a_elems(gqa, 1, 8) == 2 * 16 * 64 + 8 * 2 * 64  # 4 KV heads repeated to 8 for Ulysses
@@ -70,9 +73,12 @@ def test_ring_overlap_and_link():
     """A K/V hop hides behind one block's attention, a dK/dV hop behind the next; the last dK/dV hop behind the own
     block's query chunk [0, c), a quarter of a backward block (exposed when there is nothing to hide behind). CP
     ranks are TP-strided: CP x TP inside a node stays on NVLink, beyond it the group crosses nodes."""
-    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 10.0) == (0.0, 3 * 2.0 + 3 * 2.0)
-    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 2.0) == (1.0, 12.0)  # the last hop: 2.0 behind 1.0
-    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 0.0) == (3 * 1.0 + 3 * 3.0 + 2.0, 12.0)  # nothing to hide behind
+    # forward 3 K/V hops; backward K/V alone, dK/dV batched with the last K/V hop, two dK/dV alone
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 10.0) == (0.0, 3 * 1.0 + 1.0 + 3.0 + 2 * 2.0)
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 1.25) == (0.5, 11.0)  # the batched pair: 3.0 behind 2.5
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 4, 0.0) == (11.0, 11.0)  # nothing to hide behind: all of it
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.5, 4, 0.0) == (11.0 + 7 * 0.5, 11.0 + 7 * 0.5)  # 7 messages
+    assert cp_plan.ring_exposed(1.0, 2.0, 0.0, 2, 0.0) == (3.0, 3.0)  # cp 2: one K/V hop, one dK/dV hop
     lay = Layout(2, 1, 1, "1f1b", 1, 1, tp=2, cp=4)
     assert cp_plan.placement(lay, "cp", 8) == (False, 0.0)  # ranks 0, 2, 4, 6
     assert cp_plan.placement(dataclasses.replace(lay, tp=4), "cp", 8) == (True, 2 / 3)  # 0, 4 | 8, 12

@@ -100,10 +100,14 @@ def balance(sh: dict, n: int, repeats: int) -> dict:
 class _LinkExposure:
     """Within `with`: each async P2P batch cp_attn posts (comm.batch_isend_irecv, wrapped for the measurement
     only) charges, when the rank starts waiting for it, the modelled link time still left (what the compute since
-    its post did not cover). Unlike the wait column, a peer computing late (ranks sharing cores) is not in it."""
+    its post did not cover). Unlike the wait column, a peer computing late (ranks sharing cores) is not in it.
+    Per hop (`hops`, in post order): its name (phase, its index in the phase's post order, what travels: by tag,
+    0 K/V and 1 dK|dV), its link seconds, the seconds it queued behind an earlier call still on the axis, and the
+    part left exposed."""
 
     def __init__(self):
         self.exposed_s, self._real = 0.0, comm.batch_isend_irecv
+        self.phase, self.hops, self._count = "forward", [], {}
 
     def __enter__(self):
         comm.batch_isend_irecv = self._post
@@ -113,17 +117,54 @@ class _LinkExposure:
         comm.batch_isend_irecv = self._real
 
     def _post(self, ops, axis: str = "pp", async_op: bool = False):
+        m, t0 = emulate.ACTIVE, time.perf_counter()
+        before = m.modelled_s[axis] if m else 0.0
         work = self._real(ops, axis=axis, async_op=async_op)
         if not async_op:
             return work
+        what = " + ".join(HOP_KINDS.get(op.tag, f"tag {op.tag}") for op in ops if op.op is dist.isend)
+        self._count[self.phase] = self._count.get(self.phase, 0) + 1
+        link_s = (m.modelled_s[axis] - before) if m else 0.0
+        hop = {"hop": f"{self.phase} {self._count[self.phase]}: {what}", "link_s": link_s,
+               "queued_s": max(0.0, work.done_by - t0 - link_s) if work.done_by else 0.0, "exposed_s": 0.0}
+        self.hops.append(hop)
         outer = self
 
         class _Charged:
             def wait(self):
                 if work.done_by:
-                    outer.exposed_s += max(0.0, work.done_by - time.perf_counter())
+                    left = max(0.0, work.done_by - time.perf_counter())
+                    outer.exposed_s += left
+                    hop["exposed_s"] = left
                 work.wait()
         return _Charged()
+
+
+HOP_KINDS = {0: "K/V", 1: "dK|dV"}  # cp_attn's P2P tags
+
+
+def hop_table(ranks: list[dict], repeats: int) -> dict:
+    """Per hop of the worst rank of each repeat (the one the headline ratio takes): link, queued and exposed
+    seconds and exposed / the ring's transfer time (these sum to the headline), min / median over repeats."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for i in range(repeats):
+        worst = max(ranks, key=lambda r: r["emulated"][i]["exposed_s"] / r["emulated"][i]["transfer_s"])["emulated"][i]
+        for h in worst["hops"]:
+            row = rows.setdefault(h["hop"], {key: [] for key in ("link_s", "queued_s", "exposed_s",
+                                                                 "exposed_over_transfer")})
+            for key in ("link_s", "queued_s", "exposed_s"):
+                row[key].append(h[key])
+            row["exposed_over_transfer"].append(h["exposed_s"] / worst["transfer_s"])
+    return {hop: {key: _min_median(xs) for key, xs in row.items()} for hop, row in rows.items()}
+
+
+def format_hops(hops: dict) -> str:
+    """The hop table as text: medians, seconds on the emulated (dilated) clock."""
+    lines = [f"{'hop':<28} {'link s':>8} {'queued s':>9} {'exposed s':>10} {'exposed/transfer':>17}"]
+    for hop, r in hops.items():
+        lines.append(f"{hop:<28} {r['link_s']['median']:8.3f} {r['queued_s']['median']:9.3f} "
+                     f"{r['exposed_s']['median']:10.3f} {r['exposed_over_transfer']['median']:17.3f}")
+    return "\n".join(lines)
 
 
 def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int, dilation: float,
@@ -149,14 +190,17 @@ def _overlap_rank(rank: int, world: int, sh: dict, profile: str, node_size: int,
             comm.COMM.reset()
             t0, c0 = time.perf_counter(), time.process_time()
             with _LinkExposure() as seen:
-                cp_attn.ring_attention(ql, kl, vl, ring, scale).backward(dout)
+                out = cp_attn.ring_attention(ql, kl, vl, ring, scale)
+                seen.phase = "backward"
+                out.backward(dout)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if mode == "free":  # CPU seconds per second the rank was not blocked on a peer
                 share = torch.tensor([min(1.0, cpu / max(wall - comm.COMM.wait_s["cp"], 1e-9))])
                 dist.all_reduce(share, op=dist.ReduceOp.MIN)
             if i:
                 res[mode].append({"wall_s": wall, "wait_s": comm.COMM.wait_s["cp"], "exposed_s": seen.exposed_s,
-                                  "transfer_s": link.modelled_s["cp"], "core_share": share.item()})
+                                  "transfer_s": link.modelled_s["cp"], "core_share": share.item(),
+                                  "hops": seen.hops if mode == "emulated" else []})
     emulate.install(None)
     return res
 
@@ -180,6 +224,7 @@ def overlap(sh: dict, n: int, repeats: int, topology: str, dilation: float) -> d
     out["step_less_free_over_transfer"] = _min_median(
         [(max(r["emulated"][i]["wall_s"] for r in ranks) - max(r["free"][i]["wall_s"] for r in ranks))
          / max(r["emulated"][i]["transfer_s"] for r in ranks) for i in range(repeats)])
+    out["hops"] = hop_table(ranks, repeats)
     return out
 
 
@@ -295,7 +340,9 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"balance": res["balance"]}, indent=1), flush=True)
     if "overlap" in a.part:
         res["overlap"] = overlap(sh, a.cp, a.repeats, a.topology, a.dilation)
-        print(json.dumps({"overlap": res["overlap"]}, indent=1), flush=True)
+        print(json.dumps({"overlap": {k: v for k, v in res["overlap"].items() if k != "hops"}}, indent=1), flush=True)
+        print("per hop, the worst rank of each repeat (median over repeats):\n" + format_hops(res["overlap"]["hops"]),
+              flush=True)
     if "compare" in a.part:
         res["compare"] = compare(sh, a.cp, a.repeats)
         print(json.dumps({"compare": res["compare"]}, indent=1), flush=True)

@@ -152,26 +152,36 @@ def _step_blocks(src: int, rank: int, c: int):
 
 
 class _Exchange:
-    """One posted ring transfer: send `buf` to the next rank, receive the previous rank's into a fresh buffer."""
+    """One posted ring transfer: send each of `bufs` (name -> tensor) to the next rank, receive the previous rank's
+    into fresh buffers. Tensors posted together go as one batch: one link latency for all of them (NCCL's group
+    call; the emulator's batch), where separate posts on the axis would queue one behind the other."""
 
-    def __init__(self, cp: CPGroup, buf: torch.Tensor, tag: int):
-        self.out = torch.empty_like(buf)
-        ops = [dist.P2POp(dist.isend, buf, cp.next, cp.group, tag), dist.P2POp(dist.irecv, self.out, cp.prev,
-                                                                                 cp.group, tag)]
+    def __init__(self, cp: CPGroup, bufs: dict):
+        self.out = {name: torch.empty_like(buf) for name, buf in bufs.items()}
+        ops = []
+        for name, buf in bufs.items():
+            tag = TAGS[name]
+            ops += [dist.P2POp(dist.isend, buf, cp.next, cp.group, tag),
+                    dist.P2POp(dist.irecv, self.out[name], cp.prev, cp.group, tag)]
         self.work = comm.batch_isend_irecv(ops, axis=AXIS, async_op=True)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> dict:
         self.work.wait()
         return self.out
 
 
+TAGS = {"kv": 0, "grad": 1}  # a payload (K|V or MLA's latent); a payload's gradient on its way home
+
+
 def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
-    """out and lse (at least fp32) of q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v))."""
+    """(out, lse, first): q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v)), out and lse
+    at least fp32, and the first payload received (the previous rank's; None at cp 1), which backward keeps so
+    that its ring starts one hop ahead."""
     c = q.shape[2] // 2
-    cur = payload
+    cur, first = payload, None
     out = lse = None
     for step in range(ring.size):
-        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None  # posted before this block's compute
+        nxt = _Exchange(ring, {"kv": cur}) if step < ring.size - 1 else None  # posted before this block's compute
         k, v = to_kv(cur)
         src = (ring.rank - step) % ring.size
         if step == 0:
@@ -181,39 +191,30 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
             part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
             _merge(out, lse, part_out, part_lse, rows)
         if nxt is not None:
-            cur = nxt.wait()
-    return out, lse
+            cur = nxt.wait()["kv"]
+            first = cur if first is None else first
+    return out, lse, first
 
 
-def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable):
+def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: float, to_kv: Callable,
+                   kv_grad: Callable):
     """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
     (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it).
 
-    The own (causal) block is split so that both ends of the ring have compute to hide behind: its query chunk
-    [c, 2c) runs first (while the first payload travels), its chunk [0, c) last (while the other ranks' summed
-    gradient of this rank's payload makes its final hop home); its own share joins that sum at the very end."""
-    c, acc = q.shape[2] // 2, acc_dtype(q.dtype)
+    Forward kept `first` (the previous rank's payload), so the ring starts with a block to compute and one payload
+    hop in flight; from then on each step's gradient leaves in one batch with the next payload hop (one latency for
+    both), posted once the block is done and waited for after the next. The own (causal) block runs last, while
+    the other ranks' summed gradient of this rank's payload makes its final hop home; its own share joins there."""
+    acc = acc_dtype(q.dtype)
+    c = q.shape[2] // 2
     if ring.size == 1:
         k, v = to_kv(payload)
         dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
         return dq.to(acc), kv_grad(payload, dk, dv).to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lo, hi = slice(0, c), slice(c, None)
-    nxt = _Exchange(ring, payload, 0)  # posted before the first block's compute
-    k, v = to_kv(payload)
-    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-    part = (dout[:, :, hi], q[:, :, hi])
-    for keys, causal in ((lo, False), (hi, True)):  # query chunk [c, 2c): all of key chunk 0, causal on chunk 1
-        dq_b, dk_b, dv_b = block_attention_backward(*part, k[:, :, keys], v[:, :, keys], out[:, :, hi],
-                                                    lse[:, :, hi], causal, scale)
-        dq[:, :, hi] += dq_b
-        dk_own[:, :, keys] += dk_b
-        dv_own[:, :, keys] += dv_b
-    incoming = None
+    pending = _Exchange(ring, {"kv": first}) if ring.size > 2 else None  # step 2's payload, behind step 1's block
+    cur = first
     for step in range(1, ring.size):
-        cur = nxt.wait()
-        nxt = _Exchange(ring, cur, 0) if step < ring.size - 1 else None
         k, v = to_kv(cur)
         rows, keys = _step_blocks((ring.rank - step) % ring.size, ring.rank, c)
         dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
@@ -223,17 +224,17 @@ def _ring_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_k
         dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
         dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
         dpay = kv_grad(cur, dk, dv).to(acc)
-        if incoming is not None:
-            dpay += incoming.wait()
-        incoming = _Exchange(ring, dpay, 1)  # on to the next rank that holds this payload (the owner, at the end)
-    k, v = to_kv(payload)  # again: MLA's expander keeps one payload's graph at a time
-    dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, lo], q[:, :, lo], k[:, :, lo], v[:, :, lo],
-                                                out[:, :, lo], lse[:, :, lo], True, scale)
-    dq[:, :, lo] += dq_b
-    dk_own[:, :, lo] += dk_b
-    dv_own[:, :, lo] += dv_b
+        got = pending.wait() if pending is not None else {}
+        if "grad" in got:  # the previous ranks' share of this payload's gradient
+            dpay += got["grad"]
+        cur = got.get("kv")
+        # on to the next rank that holds this payload (the owner, at the end), beside the next payload hop
+        pending = _Exchange(ring, {"grad": dpay, "kv": cur} if step + 2 < ring.size else {"grad": dpay})
+    k, v = to_kv(payload)
+    dq_b, dk_own, dv_own = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+    dq += dq_b
     own = kv_grad(payload, dk_own, dv_own).to(acc)
-    return dq, own + incoming.wait()
+    return dq, own + pending.wait()["grad"]
 
 
 def _split_kv(dk: int):
@@ -244,19 +245,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, scale):
         kv = torch.cat([k, v], dim=-1).contiguous()  # one message per step: Hkv heads of K and V
-        out, lse = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
+        out, lse, first = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, first)
         ctx.cp, ctx.scale = cp, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, first = ctx.saved_tensors
         cp, scale, dk_ = ctx.cp, ctx.scale, k.shape[-1]
         dout = dout.contiguous()
         kv = torch.cat([k, v], dim=-1).contiguous()
-        dq, dkv = _ring_backward(dout, q, kv, out, lse, cp, scale, _split_kv(dk_),
+        dq, dkv = _ring_backward(dout, q, kv, first, out, lse, cp, scale, _split_kv(dk_),
                                  lambda _kv, dk, dv: torch.cat([dk, dv], dim=-1))
         return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype), None, None
 
@@ -313,18 +314,19 @@ class _RingLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, latent, cp, scale, expand, *params):
         latent = latent.contiguous()
-        out, lse = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv)
+        out, lse, first = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, latent, out, lse)
+        ctx.save_for_backward(q, latent, out, lse, first)
         ctx.cp, ctx.scale, ctx.expand, ctx.n_params = cp, scale, expand, len(params)
         ctx.params = params  # leaves (the module's own parameters): nothing is freed by saving them
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, latent, out, lse = ctx.saved_tensors
+        q, latent, out, lse, first = ctx.saved_tensors
         ex = _Expander(ctx.expand, ctx.params, True)
-        dq, dlat = _ring_backward(dout.contiguous(), q, latent, out, lse, ctx.cp, ctx.scale, ex.to_kv, ex.kv_grad)
+        dq, dlat = _ring_backward(dout.contiguous(), q, latent, first, out, lse, ctx.cp, ctx.scale, ex.to_kv,
+                                  ex.kv_grad)
         return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, *ex.param_grads)
 
 

@@ -14,15 +14,17 @@ Dense parameters are replicated over CP (their gradients reduced and zero-sharde
 sharded over ep*cp*tp. What CP adds, per attention layer of one microbatch on one rank, with B the bytes of its
 local K/V block (T/N tokens x `kv_elems`):
     ring  forward: N-1 hops, each sending and receiving one block (K and V in one message: 2(N-1) tensor
-          transfers); backward: N-1 hops of K/V again and N-1 of dK/dV in fp32 (parallel/cp_attn.py accumulates
-          them in fp32 as they travel from the first rank that used them; the last hop brings them home, and
-          the owner adds its own share there). A K/V hop is posted before the block it overlaps is computed, a
-          dK/dV hop after, overlapping the next block: exposed is what a step's hops last beyond one block's
-          attention (forward: 1/N of the layer's score-and-mix FLOPs; backward: twice that), plus what the
-          backward's last dK/dV hop lasts beyond the own block's query chunk [0, c) (a quarter of a block),
-          which runs last for it. In flight beside a layer's backward: the block computed and
-          the next (2B), the gradients travelling and arriving (2 fp32 blocks), the step's zero-padded dK/dV (B),
-          dq's fp32 accumulator, and under MLA the block's up-projected per-head K/V and their gradients.
+          transfers), each posted before the block it overlaps; forward keeps the first block it received
+          (`saved_bytes`, per attention layer) so that the backward needs N-2 K/V hops, and N-1 of dK/dV in fp32
+          (parallel/cp_attn.py accumulates them in fp32 as they travel from the first rank that used them; the
+          last hop brings them home, and the owner adds its own share there). Backward: the second K/V block
+          travels behind the first's compute; from then on each step's dK/dV hop leaves in one batch with the
+          next K/V hop (one latency for both), posted after the block, overlapping the next one; the last dK/dV
+          hop home overlaps the own block, which runs last. Exposed is what a message lasts beyond one block's
+          attention (forward: 1/N of the layer's score-and-mix FLOPs; backward: twice that). In flight beside a
+          layer's backward: the block computed and the next (2B), the gradients travelling and arriving (2 fp32
+          blocks), the step's zero-padded dK/dV (B), dq's fp32 accumulator, and under MLA the block's up-projected
+          per-head K/V and their gradients.
     a2a   Ulysses: q, k, v to head shards and the output back, (N-1)/N of `a2a_elems` per token each way (KV
           heads fewer than N are repeated to N first); the backward the same; not overlapped. Buffers: the send
           and the receive side of q, k, v and the output.
@@ -86,11 +88,17 @@ def a2a_elems(shape: ModelShape, tp: int, cp: int) -> int:
 
 def ring_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
     """(forward, backward) bytes one rank sends (and receives) per attention layer of a microbatch whose `tokens`
-    are its local T/N: forward N-1 blocks, backward N-1 blocks of K/V and N-1 of dK/dV in fp32 (module docstring)."""
+    are its local T/N: forward N-1 blocks, backward N-2 blocks of K/V and N-1 of dK/dV in fp32 (module docstring)."""
     if cp == 1:
         return 0.0, 0.0
     per_token = tokens * kv_elems(shape, tp)
-    return (cp - 1) * per_token * elem, (cp - 1) * per_token * (elem + 4)
+    return (cp - 1) * per_token * elem, (cp - 2) * per_token * elem + (cp - 1) * per_token * 4
+
+
+def saved_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int, impl: str) -> float:
+    """Bytes the ring's forward keeps per attention layer for its backward beyond the local q, k, v, out and lse:
+    the first block it received (its backward then starts one hop ahead)."""
+    return tokens * kv_elems(shape, tp) * elem if cp > 1 and impl == "ring" else 0.0
 
 
 def a2a_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int) -> tuple[float, float]:
@@ -119,11 +127,13 @@ def core_flops(shape: ModelShape, tp: int) -> float:
 
 def ring_exposed(kv_s: float, grad_s: float, lat_s: float, cp: int, block_s: float) -> tuple[float, float]:
     """(exposed, link) seconds of one layer's ring, forward + backward: K/V hops of `kv_s` and dK/dV hops of
-    `grad_s` over the link, `lat_s` each, a forward block's compute `block_s` (the backward's twice that)."""
+    `grad_s` over the link, `lat_s` per message, a forward block's compute `block_s` (the backward's twice that).
+    Every message hides behind one block: forward N-1 K/V hops; backward the second K/V block alone (N > 2),
+    then after each of the N-1 blocks its dK/dV hop, batched with the next K/V hop while one is left."""
     fwd = (cp - 1) * max(0.0, kv_s + lat_s - block_s)
-    # dK/dV's last hop home overlaps the own block's query chunk [0, c): a quarter of a backward block
-    bwd = (cp - 1) * max(0.0, kv_s + grad_s + 2 * lat_s - 2 * block_s) + max(0.0, grad_s + lat_s - block_s / 2)
-    link = (cp - 1) * (2 * kv_s + 3 * lat_s + grad_s)
+    bwd_msgs = ([kv_s] if cp > 2 else []) + [grad_s + (kv_s if s + 2 < cp else 0.0) for s in range(1, cp)]
+    bwd = sum(max(0.0, m + lat_s - 2 * block_s) for m in bwd_msgs)
+    link = (cp - 1) * (kv_s + lat_s) + sum(m + lat_s for m in bwd_msgs)
     return fwd + bwd, link
 
 
@@ -146,7 +156,7 @@ def stage_cp_time(c, st) -> tuple[float, float]:
     block = c.T * core_flops(shape, lay.tp) / (c.peak * c.eff_dense) / N
     hidden = not hw.cores_per_node or c.opts.links_idle
     exposed, _ = ring_exposed(kv * c.prec.act, kv * 4, link.latency_s, N, block if hidden else 0.0)
-    calls = 2 * (3 * N - 2)  # every hop an isend and an irecv: N-1 forward, N-1 + N backward
+    calls = 2 * (3 * N - 4)  # every hop an isend and an irecv: N-1 forward; backward N-2 K/V and N-1 dK/dV
     return st.n_attn * (exposed + calls * hw.p2p_call_s), st.n_attn * exposed
 
 

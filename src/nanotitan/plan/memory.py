@@ -138,6 +138,9 @@ def _activations(c: Context, s: int, st: StageSummary) -> tuple[float, float, fl
                                                  max(1.0, lay.microbatches * c.n_virt / held), c.skew)
     recv_extra = (imb - 1) * T  # tokens' worth of received bytes beyond the mean
     act_bytes = in_flight * (T * st.act_bytes + recv_extra * st.received_bytes + st.cast_bytes)
+    if not c.ac:  # the CP ring's forward keeps one received K/V block per attention layer (plan/cp.py)
+        act_bytes += in_flight * st.n_attn * cp_plan.saved_bytes(c.shape, T, lay.cp, lay.tp, c.prec.act,
+                                                                 c.cfg.parallel.cp_impl)
     if c.unckpt is not None and lay.pp > 1 and s > 0:  # zb1's first stage runs 1F1B: no deferred W
         # zb1 under AC: a microbatch between its B and its W keeps what the deferred weight GEMMs read
         # (model/wgrad.py), about its uncheckpointed activations; stage s holds s of them beside its checkpointed ones
@@ -207,6 +210,8 @@ def _transients(c: Context, st: StageSummary, recv_extra: float, imb: float, z3:
     T, prec, ac, pp, ep = c.T, c.prec, c.ac, c.layout.pp, c.layout.ep * c.layout.cp  # experts fold over CP too
     # CP's attention beside a block's backward: the ring's blocks in flight, or the all-to-all's buffers (plan/cp.py)
     cp_buffers = cp_plan.buffer_bytes(c.shape, T, c.layout.cp, c.layout.tp, prec.act, c.cfg.parallel.cp_impl)
+    if ac:  # the recomputed block's forward kept its ring's first K/V block (without AC: in the activations)
+        cp_buffers += cp_plan.saved_bytes(c.shape, T, c.layout.cp, c.layout.tp, prec.act, c.cfg.parallel.cp_impl)
     V, D, K = c.shape.vocab, c.shape.d_model, c.shape.top_k
     heads = 1 + c.shape.mtp_layers  # the head runs over the main positions and every MTP depth's
     return [(2 * heads * T * V * 4 if st.last else 0.0, ag_head, 0.0),  # gradients of log-softmax, logits (fp32 CE)
