@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..observe.memory import storage_key
 from ..parallel.comm import collectives as comm
 from .newton_schulz import ns_flops, orthogonalize, rms_scale
 
@@ -53,10 +52,15 @@ def region(offsets, sizes) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
+def _storage_id(t: torch.Tensor) -> int:
+    """A storage's identity (its StorageImpl, which views share), not data_ptr(): 0 for every fake tensor, and
+    `nanotitan plan --dry-run` builds Muon too (observe/memory.py's storage_key, a floor up, is the same rule)."""
+    return t.untyped_storage()._cdata
+
+
 def boxes_of(pieces: dict, bases: list[torch.Tensor]) -> tuple[dict[str, tuple], list[Box]]:
     """({key: whole shape}, this rank's Boxes) from {key: (shape, [(offsets, view of a base)])}."""
-    # storages by identity, not data_ptr(): 0 for every fake tensor (`nanotitan plan --dry-run` builds Muon too)
-    where = {storage_key(b.untyped_storage()): i for i, b in enumerate(bases)}
+    where = {_storage_id(b): i for i, b in enumerate(bases)}
     shapes, boxes = {}, []
     for key, (shape, views) in pieces.items():
         assert len(shape) == 2, f"{key}: Muon orthogonalizes 2-D matrices, got {tuple(shape)}"
@@ -64,7 +68,7 @@ def boxes_of(pieces: dict, bases: list[torch.Tensor]) -> tuple[dict[str, tuple],
         for off, v in views:
             if not v.numel():
                 continue
-            i = where[storage_key(v.untyped_storage())]
+            i = where[_storage_id(v)]
             boxes.append(Box(key, tuple(off), tuple(v.shape), i, v.storage_offset() - bases[i].storage_offset(),
                              tuple(v.stride())))
     return shapes, boxes
