@@ -131,6 +131,7 @@ def _fold_world4(rank, world):
     rb = Rebalancer.__new__(Rebalancer)  # the replica sum alone: a stage of one MoE layer, no trainer
     rb.shard, rb.R, rb.keys, rb.names, rb.folded = SimpleNamespace(dims=dims, model=Model(), sync=sync), 2, ["0"], \
         {"0": ["experts.w"]}, True
+    rb.cuts = rb._dp_shares()  # what Rebalancer._skip makes at each placement change
     dup = rb.sum_replica_grads()
     assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"copy on EP rank {me}: {g[2].unique()}, want 7.5"
     assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "the fold touched a row of no copy"

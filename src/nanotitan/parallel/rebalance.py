@@ -259,6 +259,8 @@ class Rebalancer:
             skip = [s for s, e in enumerate(placement.slots[me]) if e < 0 or n[e] > 1]
             rows.update({name: skip for name in self.names[k]})
         self.folded = self.shard.sync.skip_rows(rows)
+        # the copies' DP shares (`_fold`): a function of the placements, so made here, where they change
+        self.cuts = self._dp_shares() if self.folded else None
 
     @torch.no_grad()
     def sum_replica_grads(self) -> torch.Tensor | None:
@@ -307,26 +309,19 @@ class Rebalancer:
         dims = self.shard.dims
         me, P = dims.moe_ep_rank, dims.moe_ep
         group = dims.group("expert_dp")
-        params, placements = dict(self.shard.model.named_parameters()), self.placements()
-        rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]
-        cuts = dp_shares([placements[k] for k in self.keys], rows, balance=group is not None)
 
         def of(i: int, q: int) -> torch.Tensor:  # copy q's share of entry i's row
             v, ranks, (layer, tensor, expert) = entries[i]
-            bounds, c = cuts[layer][expert][tensor], ranks.index(q)
+            bounds, c = self.cuts[layer][expert][tensor], ranks.index(q)
             return v.reshape(-1)[bounds[c]:bounds[c + 1]]
 
         peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
         got = self._swap([[of(i, q) for i in peers[q]] for q in range(P)],
                          [[of(i, me).numel() for i in peers[q]] for q in range(P)])
         theirs = {(q, i): g for q in range(P) for i, g in zip(peers[q], got[q])}
-        mine = []  # this rank's share of each row, summed over the copies
-        for i, (_, ranks, _) in enumerate(entries):
-            total = None
-            for q in ranks:
-                g = of(i, me) if q == me else theirs[(q, i)]
-                total = g.clone() if total is None else total + g
-            mine.append(total)
+        # this rank's share of each row, summed over the copies
+        mine = [_in_rank_order([of(i, me) if q == me else theirs[(q, i)] for q in ranks])
+                for i, (_, ranks, _) in enumerate(entries)]
         if sum(m.numel() for m in mine) and group is not None:  # DP replicas hold the same placement: the same shares
             flat = torch.cat(mine)
             comm.all_reduce(flat, group=group, axis="dp")
@@ -348,11 +343,14 @@ class Rebalancer:
                          [[v.numel() for _, v in peers[q]] for q in range(P)])
         theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
         for i, (v, ranks, _) in enumerate(entries):
-            total = None
-            for q in ranks:  # the same sum, in rank order, on every copy
-                g = v if q == me else theirs[(q, i)]
-                total = g.clone() if total is None else total + g
-            v.copy_(total)
+            v.copy_(_in_rank_order([v if q == me else theirs[(q, i)] for q in ranks]))
+
+    def _dp_shares(self) -> list[dict[int, list[list[int]]]]:
+        """`placement.dp_shares` of this stage's placements and expert rows (water-filled with DP, 1/r without)."""
+        params, placements = dict(self.shard.model.named_parameters()), self.placements()
+        rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]
+        return dp_shares([placements[k] for k in self.keys], rows,
+                         balance=self.shard.dims.group("expert_dp") is not None)
 
     def _swap(self, sends: list[list[torch.Tensor]], sizes: list[list[int]]) -> list[list[torch.Tensor]]:
         """One all-to-all over EP: sends[q]'s tensors (flattened) to EP rank q; returns from each rank q the flat
@@ -364,3 +362,8 @@ class Rebalancer:
         comm.all_to_all_single(got, inp, splits, [sum(v.numel() for v in vs) for vs in sends],
                                group=self.shard.dims.group("ep"), axis="ep")
         return [list(seg.split(z)) for seg, z in zip(got.split(splits), sizes)]
+
+
+def _in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The copies' sum, `parts` in rank order, added left to right: the same bits on every copy."""
+    return sum(parts[1:], parts[0].clone())
