@@ -41,19 +41,41 @@ def test_choose_keeps_a_placement_that_is_good_enough():
     assert choose(current, [400.0] + [10.0] * 7, R=2) != current
 
 
-def test_slot_ids_split_an_expert_by_token_order():
-    """Expert 0 has 2 copies (global slots 2 and 5); its 6 assignments go 3 and 3, in token order; drops last."""
-    E, P, C = 4, 2, 3
-    ids_TK = torch.tensor([[0, 1], [0, 3], [0, 2], [0, 4], [0, 1], [0, 2]])  # id 4 = dropped
-    order_N, _, counts_E = pack_expert_major(ids_TK, E)
-    slot_of = torch.full((E + 1, 2), P * C)
-    slot_of[0] = torch.tensor([2, 5])
-    slot_of[1, 0], slot_of[2, 0], slot_of[3, 0] = 0, 1, 3
-    copies = torch.tensor([2, 1, 1, 1, 1])
-    s = slot_ids(ids_TK.reshape(-1), order_N, counts_E, slot_of, copies)
-    assert s.tolist() == [2, 2, 2, 5, 5, 5, 0, 0, 1, 1, 3, P * C]
-    tokens = (order_N // 2).tolist()
-    assert tokens[:6] == [0, 1, 2, 3, 4, 5]  # expert 0's tokens in order: 0-2 to the first copy, 3-5 to the second
+def test_route_cuts_each_microbatch_where_the_ranks_even_out():
+    """Expert 0 has copies on both ranks (column 2); this microbatch it carries 10 assignments (6 from source 0, 4
+    from source 1) and each rank's single experts carry 2, so the copies take 5 and 5, each source giving each copy
+    its share of its own assignments (3 + 2 each: the same mix of near and far sources on every copy), in token
+    order. Send and receive counts agree across the two ranks; drops go last."""
+    pl = Placement(((1, 2, 0), (3, -1, 0)), 4)
+    counts_PE = torch.tensor([[6, 1, 1, 0], [4, 0, 0, 2]])
+    assert pl.rank_loads(counts_PE.sum(0).tolist()) == [7, 7]
+    (send0, recv0, start0), (send1, recv1, start1) = pl.route(counts_PE, 0), pl.route(counts_PE, 1)
+    assert send0 == [[1, 1, 3], [0, 0, 3]] and send1 == [[0, 0, 2], [2, 0, 2]]
+    assert recv0 == [[1, 1, 3], [0, 0, 2]] and recv1 == [[0, 0, 3], [2, 0, 2]]
+    assert start0[0].tolist() == [0, 3] and start1[0].tolist() == [0, 2]
+    ids_TK = torch.tensor([[0], [0], [1], [0], [2], [0], [0], [0], [4]])  # source 0's; id 4 = dropped
+    order_N, _, counts_E = pack_expert_major(ids_TK, 4)
+    slots = slot_ids(ids_TK.reshape(-1), order_N, counts_E, pl.tables("cpu"), start0)
+    assert slots.tolist() == [2, 2, 2, 5, 5, 5, 0, 1, 6]  # global slots p*C + s; the dropped one past them all
+    assert (order_N[:6]).tolist() == [0, 1, 3, 5, 6, 7]  # expert 0's tokens in order: 0, 1, 3 to rank 0
+    # the cut follows the microbatch: the same placement, expert 0 cold and expert 1 hot, puts expert 0 where it fits
+    assert pl.rank_loads([4, 6, 0, 0]) == [6, 4]
+
+
+def test_balanced_keeps_copies_on_one_node_and_sticky_keeps_nodes():
+    """Two nodes of two EP ranks: each hot expert's two copies on one node (the copies' gradient sum on the fast
+    link), the two hot experts on different nodes; a relabelling never splits a node's copies."""
+    nodes = [0, 0, 1, 1]
+    load = [26, 4073, 3, 4090]  # a collapsed top-2 router
+    placed = balanced(load, 4, spare=1, R=2, nodes=nodes)
+    reps = {e: ranks for e, _, ranks in placed.replicated()}
+    assert set(reps) == {1, 3} and {tuple(nodes[p] for p in r) for r in reps.values()} == {(0, 0), (1, 1)}
+    assert placed.imbalance(load) < 1.01
+    from nanotitan.parallel.placement import sticky
+    moved = sticky(identity(4, 4, 1), balanced([4000, 30, 4000, 10], 4, spare=1, R=2, nodes=nodes), nodes)
+    for e, _, ranks in moved.replicated():
+        assert len({nodes[p] for p in ranks}) == 1, (e, ranks, moved.slots)
+    assert choose(placed, load, R=2, nodes=nodes) is placed
 
 
 def test_sticky_keeps_the_loads_and_moves_fewer_experts():

@@ -95,7 +95,7 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
     under EP, `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over
     layers and microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by
     (plan/skew.py), with expert e on rank e // (E/EP); `ep_placed_max_mean`, the same under the placement in force
-    (parallel.expert_placement=balanced: each copy of an expert receives its share). One SUM over the EP group
+    (parallel.expert_placement=balanced: each copy of an expert receives its cut of the microbatch). One SUM over the EP group
     (received = its sources' counts) and one over the world."""
     loads = dict(model.mb_load)
     model.mb_load.clear()  # shared by a rank's chunks (pp/chunks.py): cleared, not replaced
@@ -110,9 +110,9 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
             recv = c.view(*c.shape[:2], dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
             vals[2], vals[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * n_mb
             placed = _placements(model, list(loads))
-            if placed and all(pl is not None for pl in placed):  # (layers, microbatches, E) @ (E, EP rank) shares
-                share = torch.tensor([pl.shares() for pl in placed], dtype=c.dtype, device=c.device)
-                got = c @ share
+            if placed and all(pl is not None for pl in placed):  # each microbatch cut as its dispatch cut it
+                got = torch.tensor([[pl.rank_loads(mb) for mb in layer] for pl, layer in
+                                    zip(placed, c.long().tolist())], dtype=c.dtype, device=c.device)
                 vals[4], vals[5] = (got.max(-1).values / got.mean(-1).clamp_min(1e-9)).sum(), got.shape[0] * n_mb
     if dist.is_initialized() and dims.world_size > 1:
         comm.all_reduce(vals, axis="other")

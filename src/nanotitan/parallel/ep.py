@@ -262,10 +262,10 @@ class EPDispatcher:
         self.lanes = lanes if lanes is not None else EPLanes(group, backward_group)
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
-        # parallel.expert_placement=balanced (rebalance.py installs them): the placement's device tables
+        # parallel.expert_placement=balanced (rebalance.py installs them): the placement and its device table
         # (placement.Placement.tables); None: static, expert e on rank e // L
+        self.placement = None
         self.slot_of: torch.Tensor | None = None
-        self.copies_of: torch.Tensor | None = None
 
     @property
     def group(self):
@@ -282,16 +282,15 @@ class EPDispatcher:
 
         # 1. pack slot-major == destination-major (assignments dropped by capacity sort last: never sent); static:
         # slot l of rank p is expert p*L+l, so slot-major is expert-major
+        # 2. counts: send_PL[p, l] = my assignments for expert p*L+l; recv_PL[p, l] = rank p's for my expert l
         if self.slot_of is None:
             order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        else:
-            order_N, token_idx_N, counts_E = self._pack_slots(expert_ids_TK, num_experts, P * C)
-        L = C  # from here on "local expert" is a slot
-
-        # 2. counts: send_PL[p, l] = my assignments for expert p*L+l; recv_PL[p, l] = rank p's for my expert l
-        send_PL = counts_E.view(P, L)
-        recv_PL = self._exchange_counts(send_PL)
-        send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # the one host sync per call
+            send_PL = counts_E.view(P, L)
+            recv_PL = self._exchange_counts(send_PL)
+            send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # the one host sync per call
+        else:  # by the placement: "local expert" is a slot from here on
+            order_N, token_idx_N, counts_E, send_host, recv_host, recv_PL = self._route(expert_ids_TK, num_experts)
+        L = C
         in_splits = [sum(row) for row in send_host]
         out_splits = [sum(row) for row in recv_host]
         counts_L = [sum(col) for col in zip(*recv_host)]
@@ -321,13 +320,24 @@ class EPDispatcher:
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
 
-    def _pack_slots(self, expert_ids_TK: torch.Tensor, num_experts: int, slots: int):
-        """pack_expert_major by the placement: (order_N, token_idx_N, counts per global slot p*C+s). A
-        replicated expert's assignments split over its copies by token order (placement.slot_ids)."""
+    def _route(self, expert_ids_TK: torch.Tensor, num_experts: int):
+        """Steps 1-2 by the placement: every source's counts per expert (one small all-to-all that gathers them, in
+        place of the static count exchange, and its one host read), this microbatch's cuts of the replicated experts
+        over their copies (`Placement.route`), and the packed order slot-major. Returns (order_N, token_idx_N,
+        counts per global slot p*C+s, send_host, recv_host, recv_PL)."""
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, self.slot_of, self.copies_of)
+        counts_PE = counts_E.expand(self.ep_size, num_experts).contiguous()
+        if self.ep_size > 1:
+            counts_PE = torch.empty_like(counts_PE)
+            _all_to_all(counts_PE, counts_E.expand(self.ep_size, num_experts).contiguous(), None, None, self.lanes,
+                        _phase(True) + ":counts")
+        send_host, recv_host, start_of = self.placement.route(counts_PE.cpu(), self.ep_rank)  # the one host sync
+        device = counts_E.device
+        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, self.slot_of, start_of.to(device))
         order_N = order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
-        return order_N, order_N // expert_ids_TK.shape[1], expert_counts(slot_N, slots + 1)[:slots]
+        counts = torch.tensor(send_host, dtype=torch.long).view(-1).to(device)
+        recv_PL = torch.tensor(recv_host, dtype=torch.long).to(device)
+        return order_N, order_N // expert_ids_TK.shape[1], counts, send_host, recv_host, recv_PL
 
     def _chunked_trip(self, x_ND, experts: ExpertFFN, plan: _ChunkPlan) -> torch.Tensor:
         def trip(W_gate, W_val, W_out, store):  # inside experts' call: its weights as its wrappers present them

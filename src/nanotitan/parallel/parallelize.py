@@ -20,6 +20,7 @@ the seed's division by EP). torch DDP divides by its group size, which is the sa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -141,5 +142,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
         shard.sync = ReplicatedSync(*args, p.bucket_mb, scale, reduce_dtype)
     shard.tied = TiedEmbedding.build(model, dims, cfg.model.mtp_layers, p.timeout_s)
     if p.expert_placement == "balanced" and dims.moe_ep > 1:
-        shard.rebalancer = Rebalancer(shard, p.rebalance_every, p.expert_replicas)
+        # a node: the emulated one, else this host's ranks (torchrun's LOCAL_WORLD_SIZE; the whole world on one host)
+        node_size = p.emulate_node_size if p.emulate else int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        shard.rebalancer = Rebalancer(shard, p.rebalance_every, p.expert_replicas, node_size)
     return shard

@@ -16,9 +16,15 @@ The rule (`balanced`):
   2. LPT: the replicated experts' copies first, heaviest first, on the least-loaded ranks (ties to the lower
      rank) of their column; then the other experts, heaviest first, each on the least-loaded rank with a free
      slot. Cold experts end up sharing a rank with others; a copy's load is its share, load / copies.
-The tokens of expert e, on each source rank and microbatch, split over its copies by token order (`slot_ids`):
-copy c takes assignments [c*n/r, (c+1)*n/r) of the n this source sends to e. Every assignment is still computed
-once by e's weights, so the maths is unchanged; only where it runs moves.
+Nodes (`nodes[p]`: the node of EP rank p, from the emulated or real hosts): a replicated expert's copies go to the
+ranks of one node where its column has room there (EPLB's hierarchical rule), so the copies' gradient sum and the
+moves between them ride the node's fast link, not the network; `sticky` relabels ranks only node for node.
+The tokens (`Placement.route`, per microbatch, from every source's counts, which the dispatch exchanges anyway):
+a replicated expert's n assignments are cut over its copies where they even out the ranks' loads *this
+microbatch* (water-filled over its copies' ranks after the single experts, heaviest expert first), not in fixed
+1/r shares: a placement made from one window still balances the next, as long as the experts that turned hot
+have copies. The cut runs through the sources in rank order, each source's assignments in token order. Every
+assignment is still computed once by e's weights, so the maths is unchanged; only where it runs moves.
 """
 
 from __future__ import annotations
@@ -54,12 +60,27 @@ class Placement:
                     out[e].append((p, s))
         return out
 
-    def rank_loads(self, load_E: list[float]) -> list[float]:
-        """Each rank's load: every copy carries load / copies of its expert."""
-        n = [len(c) for c in self.copies()]
-        return [sum(load_E[e] / n[e] for e in row if e >= 0) for row in self.slots]
+    def parts(self, load_E: list) -> tuple[list, list[list]]:
+        """(each rank's load, parts[e]: e's load per copy, copies in rank order) when this microbatch's (or window's)
+        load is placed: the single experts where they sit, then each replicated expert, heaviest first (ties to the
+        lower id), water-filled over its copies' ranks. Integer loads give integer parts (the dispatch's cuts)."""
+        copies = self.copies()
+        rank = [0] * self.P
+        parts: list[list] = [[load_E[e]] if len(c) == 1 else [] for e, c in enumerate(copies)]
+        for e, c in enumerate(copies):
+            if len(c) == 1:
+                rank[c[0][0]] += load_E[e]
+        for e in sorted((e for e, c in enumerate(copies) if len(c) > 1), key=lambda e: (-load_E[e], e)):
+            parts[e] = water_fill(load_E[e], [rank[p] for p, _ in copies[e]])
+            for (p, _), z in zip(copies[e], parts[e]):
+                rank[p] += z
+        return rank, parts
 
-    def imbalance(self, load_E: list[float]) -> float:
+    def rank_loads(self, load_E: list) -> list:
+        """Each rank's load, the replicated experts' tokens cut as the dispatch cuts them (`parts`)."""
+        return self.parts(load_E)[0]
+
+    def imbalance(self, load_E: list) -> float:
         """Busiest rank / mean rank."""
         loads = self.rank_loads(load_E)
         mean = sum(loads) / len(loads)
@@ -69,25 +90,43 @@ class Placement:
         """(expert, column, ranks) of every expert with more than one copy."""
         return [(e, c[0][1], [p for p, _ in c]) for e, c in enumerate(self.copies()) if len(c) > 1]
 
-    def shares(self) -> list[list[float]]:
-        """shares[e][p]: the part of expert e's tokens rank p computes (1 / copies for each copy)."""
-        out = [[0.0] * self.P for _ in range(self.num_experts)]
-        for e, c in enumerate(self.copies()):
-            for p, _ in c:
-                out[e][p] += 1.0 / len(c)
-        return out
-
-    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device tables for the dispatch (`slot_ids`): slot_of [E + 1, R_max] global slot ids p*C + s (row E:
-        the dropped assignments' P*C, past every slot), and copies_of [E + 1] (row E: 1)."""
+    def tables(self, device) -> torch.Tensor:
+        """The dispatch's device table (`slot_ids`): slot_of [E + 1, R_max], the global slot ids p*C + s of each
+        expert's copies in rank order (row E: the dropped assignments' P*C, past every slot; unused: P*C)."""
         copies = self.copies()
         R = max(len(c) for c in copies)
         PC = self.P * self.C
         slot_of = torch.full((self.num_experts + 1, R), PC, dtype=torch.long)
         for e, c in enumerate(copies):
             slot_of[e, :len(c)] = torch.tensor([p * self.C + s for p, s in c])
-        n = torch.tensor([len(c) for c in copies] + [1], dtype=torch.long)
-        return slot_of.to(device), n.to(device)
+        return slot_of.to(device)
+
+    def route(self, counts_PE: torch.Tensor, me: int) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+        """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
+        sends to expert e): (send[p][s], what this rank `me` sends to rank p's slot s; recv[q][s], what it receives
+        from source q into its slot s; start_of [E + 1, R_max], where copy c's assignments begin among this source's
+        n of expert e, in token order: `slot_ids`'s cuts). Expert e's load is cut into `parts`, and every source
+        gives each copy the same fraction of its own assignments (floor of the cumulative share): each copy then
+        receives the same mix of near and far sources, so the bytes on a node's link even out as the loads do.
+        The same on every rank (a function of the counts); vectorised over sources, experts and copies."""
+        P, C, E = self.P, self.C, self.num_experts
+        copies = self.copies()
+        R = max(len(c) for c in copies)
+        load = counts_PE.sum(0)
+        _, parts = self.parts(load.tolist())
+        upto = torch.zeros(E, R + 1, dtype=torch.long)  # upto[e, c]: e's parts of copies before c (then e's load)
+        for e, part in enumerate(parts):
+            upto[e, 1:len(part) + 1] = torch.tensor(part).cumsum(0)
+            upto[e, len(part) + 1:] = upto[e, len(part)]
+        cut = counts_PE[:, :, None] * upto[None] // load.clamp_min(1)[None, :, None]  # [P, E, R + 1]
+        over = cut[:, :, 1:] - cut[:, :, :-1]  # [P, E, R]: what source q sends to e's copy c
+        slot = self.tables("cpu")[:E]  # [E, R]; unused copies point past the slots (P*C) with zero counts
+        flat = torch.zeros(P, P * C + 1, dtype=torch.long).index_add_(1, slot.reshape(-1), over.reshape(P, -1))
+        send = flat[me, :P * C].view(P, C).tolist()
+        recv = flat[:, me * C:(me + 1) * C].tolist()
+        dropped = torch.full((1, R), torch.iinfo(torch.long).max)  # row E: every dropped assignment in "copy" 0
+        dropped[0, 0] = 0
+        return send, recv, torch.cat([cut[me, :, :-1], dropped])
 
 
 def identity(num_experts: int, P: int, spare: int = 0) -> Placement:
@@ -126,17 +165,23 @@ def _replica_counts(load_E: list[float], P: int, L: int, spare: int, R: int) -> 
     return n, column
 
 
-def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1) -> Placement:
-    """The LPT placement of `load_E` over P ranks of L + spare slots (module docstring)."""
+def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1, nodes: list[int] | None = None) -> Placement:
+    """The LPT placement of `load_E` over P ranks of L + spare slots (module docstring); `nodes[p]`: EP rank p's node
+    (None: one node), where a replicated expert's copies stay together when its column has room on one node."""
     E = len(load_E)
     L = E // P
+    nodes = nodes or [0] * P
     n, column = _replica_counts(load_E, P, L, spare, R)
     slots = [[-1] * (L + spare) for _ in range(P)]
     rank_load = [0.0] * P
     replicated = sorted((e for e in range(E) if n[e] > 1), key=lambda e: (-load_E[e] / n[e], e))
     for e in replicated:
         s = L + column[e]
-        ranks = sorted((p for p in range(P) if slots[p][s] < 0), key=lambda p: (rank_load[p], p))[:n[e]]
+        free = sorted((p for p in range(P) if slots[p][s] < 0), key=lambda p: (rank_load[p], p))
+        # the node whose n[e] least-loaded free ranks are the least loaded in all; none with room: any ranks
+        fits = {nd: [p for p in free if nodes[p] == nd][:n[e]] for nd in sorted(set(nodes))}
+        fits = [r for r in fits.values() if len(r) == n[e]]
+        ranks = min(fits, key=lambda r: (sum(rank_load[p] for p in r), r)) if fits else free[:n[e]]
         for p in ranks:
             slots[p][s] = e
             rank_load[p] += load_E[e] / n[e]
@@ -147,19 +192,28 @@ def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1) -> Placeme
     return Placement(tuple(tuple(row) for row in slots), E)
 
 
-def sticky(old: Placement, new: Placement) -> Placement:
+def sticky(old: Placement, new: Placement, nodes: list[int] | None = None) -> Placement:
     """`new` with its ranks relabelled and each rank's unreplicated experts kept in their old slots, so that as few
     experts as possible change (rank, slot): the loads are the same (ranks are interchangeable), the move smaller
     (rebalance.py sends and rewrites only the slots that change). The relabelling maximises the experts a rank
-    keeps (every permutation up to 7 ranks, else greedily); a replicated expert's column stays as it is."""
+    keeps (every permutation up to 7 ranks, else greedily); a replicated expert's column stays as it is. With
+    `nodes`, only relabellings that map whole nodes onto whole nodes: copies placed on one node stay on one."""
     P = new.P
+    nodes = nodes or [0] * P
     keep = [[len((set(new.slots[q]) & set(old.slots[p])) - {-1}) for p in range(P)] for q in range(P)]
+
+    def node_for_node(perm) -> bool:  # ranks on one node go to ranks on one node, two nodes to two
+        pairs = {(nodes[q], nodes[p]) for q, p in enumerate(perm)}
+        return len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs})
     if P <= 7:
-        to = max(permutations(range(P)), key=lambda perm: (sum(keep[q][perm[q]] for q in range(P)), [-x for x in perm]))
-    else:
+        to = max((perm for perm in permutations(range(P)) if node_for_node(perm)),
+                 key=lambda perm: (sum(keep[q][perm[q]] for q in range(P)), [-x for x in perm]))
+    else:  # greedily, node for node when the nodes are alike, then rank for rank
         to, free = [0] * P, set(range(P))
         for q in range(P):
-            to[q] = max(free, key=lambda p: (keep[q][p], -p))
+            same = [p for p in free if all(nodes[p] == nodes[to[q2]] for q2 in range(q) if nodes[q2] == nodes[q])
+                    and all(nodes[p] != nodes[to[q2]] for q2 in range(q) if nodes[q2] != nodes[q])]
+            to[q] = max(same or free, key=lambda p: (keep[q][p], -p))
             free.discard(to[q])
     n = [len(c) for c in new.copies()]
     rows: list[tuple[int, ...]] = [()] * P
@@ -177,24 +231,27 @@ def sticky(old: Placement, new: Placement) -> Placement:
     return Placement(tuple(rows), new.num_experts)
 
 
-def choose(current: Placement, load_E: list[float], R: int) -> Placement:
+def choose(current: Placement, load_E: list[float], R: int, nodes: list[int] | None = None) -> Placement:
     """The next placement: `balanced` on this window's load (made `sticky` to the current one), unless it beats the
     current one's busiest rank by no more than KEEP_WITHIN (a balanced router then keeps its placement: no moves)."""
-    new = sticky(current, balanced(load_E, current.P, current.C - current.num_experts // current.P, R))
+    new = sticky(current, balanced(load_E, current.P, current.C - current.num_experts // current.P, R, nodes), nodes)
     if max(new.rank_loads(load_E)) < (1 - KEEP_WITHIN) * max(current.rank_loads(load_E)):
         return new
     return current
 
 
-def water_fill(n: int, loads: list[int]) -> list[int]:
+def water_fill(n, loads: list) -> list:
     """n elements shared over len(loads) takers so that the highest load + share is as low as integers allow: share
     i = max(0, t - loads[i]) at the level t where the shares sum to n (the remainder to the least loaded, then the
-    lower index)."""
+    lower index); non-integer loads get the exact level."""
     order = sorted(range(len(loads)), key=lambda i: (loads[i], i))
     for k in range(len(order), 0, -1):  # the most takers whose level reaches the k-th lowest load
         low = [loads[i] for i in order[:k]]
         if n + sum(low) >= k * low[-1]:
             break
+    if not all(isinstance(x, int) for x in (n, *loads)):  # a window's weighted load: the level itself
+        t = (n + sum(low)) / k
+        return [max(0.0, t - x) if i in order[:k] else 0.0 for i, x in enumerate(loads)]
     t, extra = divmod(n + sum(low), k)
     share = [0] * len(loads)
     for j, i in enumerate(order[:k]):
@@ -230,16 +287,15 @@ def dp_shares(placements: list[Placement], rows: list[list[int]], balance: bool)
 
 
 def slot_ids(flat_ids_N: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor, slot_of: torch.Tensor,
-             copies_of: torch.Tensor) -> torch.Tensor:
+             start_of: torch.Tensor) -> torch.Tensor:
     """Global slot id (p*C + s) of every packed assignment, in the expert-major order `order_N` (pack_expert_major);
-    dropped assignments (id E) get P*C. Copy c of an expert with r copies takes the assignments [c*n/r, (c+1)*n/r)
-    of its n (token order: the packed order is stable). Vectorised: no loop over tokens or experts."""
+    dropped assignments (id E) get P*C. Copy c of expert e takes this source's assignments of e from position
+    start_of[e, c] on (token order: the packed order is stable; `Placement.route` makes the cuts). Vectorised: no
+    loop over tokens or experts."""
     E = counts_E.numel()
     e_N = flat_ids_N.index_select(0, order_N)  # expert of each packed assignment (E: dropped)
     counts_x = torch.cat([counts_E, counts_E.new_zeros(1)])
     start_x = counts_x.cumsum(0) - counts_x
     pos_N = torch.arange(e_N.numel(), device=e_N.device) - start_x[e_N]  # place in its expert's run
-    r_N = copies_of[e_N]
-    copy_N = pos_N * r_N // counts_x[e_N].clamp_min(1)
-    copy_N = torch.where(e_N == E, torch.zeros_like(copy_N), copy_N)
+    copy_N = (pos_N[:, None] >= start_of.index_select(0, e_N)[:, 1:]).sum(1)
     return slot_of[e_N, copy_N]

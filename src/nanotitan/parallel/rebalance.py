@@ -50,9 +50,21 @@ def add_spare_slots(model: nn.Module, spare: int, P: int, rank: int) -> None:
 def install(moe, placement: Placement, rank: int) -> None:
     d = moe.dispatcher
     d.placement = placement
-    d.slot_of, d.copies_of = placement.tables(moe.experts.W_gate.device)
+    d.slot_of = placement.tables(moe.experts.W_gate.device)
     moe.experts.slot_experts = list(placement.slots[rank])
     moe.count_window = True
+
+
+def ep_nodes(dims, node_size: int) -> list[int] | None:
+    """The node of each EP rank (dims.moe_ep of them), numbered in order of appearance, for `placement.balanced`:
+    the stage's first EP group's, so that every data replica of the group computes the same placement (None: one
+    node, or nodes that do not split an EP group)."""
+    if node_size <= 0:
+        return None
+    group = [g for g in dims.all_group_ranks("ep") if dims.pp_rank == dims.coords(g[0])[1]][0]
+    seen: dict[int, int] = {}
+    nodes = [seen.setdefault(r // node_size, len(seen)) for r in group]
+    return nodes if len(seen) > 1 else None
 
 
 def _region(off, shape) -> tuple:
@@ -68,8 +80,9 @@ class Rebalancer:
     """One rank's placements (one per MoE layer of its stage) and their moves; train.py calls `sum_replica_grads`
     after the gradient sync and `after_step` after the update."""
 
-    def __init__(self, shard, every: int, replicas: int):
+    def __init__(self, shard, every: int, replicas: int, node_size: int = 0):
         self.shard, self.every, self.R = shard, every, replicas
+        self.nodes = ep_nodes(shard.dims, node_size)
         model = shard.model
         self.keys = [k for k, b in model.layers.items() if b.is_moe and isinstance(b.moe.dispatcher, EPDispatcher)]
         prefix = {id(m): n for n, m in model.named_modules()}
@@ -103,7 +116,7 @@ class Rebalancer:
         loads = counts.tolist()  # one host read per window
         self.last_load = dict(zip(self.keys, loads))
         old = self.placements()
-        new = {k: choose(old[k], load, self.R) for k, load in zip(self.keys, loads)}
+        new = {k: choose(old[k], load, self.R, self.nodes) for k, load in zip(self.keys, loads)}
         return self._apply(step + 1, old, new, loads, optimizer, t0)
 
     def restore(self, loads: dict | None, optimizer) -> dict | None:
@@ -113,7 +126,7 @@ class Rebalancer:
             return None
         t0, old = time.perf_counter(), self.placements()
         spare = self.R - 1
-        new = {k: sticky(old[k], balanced(loads[k], old[k].P, spare, self.R)) for k in self.keys}
+        new = {k: sticky(old[k], balanced(loads[k], old[k].P, spare, self.R, self.nodes), self.nodes) for k in self.keys}
         self.last_load = {k: loads[k] for k in self.keys}
         return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
 
