@@ -1,6 +1,7 @@
 """The placement rule (parallel/placement.py): pure functions of a window's counts; and the gradient sync of
 replicated experts at zero 0 (the Reducer's skipped rows, the Rebalancer's fold over copies x DP) on 4 ranks."""
 
+import pytest
 import torch
 
 from nanotitan.model.moe import pack_expert_major
@@ -115,15 +116,12 @@ def test_water_fill_and_dp_shares_even_out_the_dp_load():
 FOLD_SLOTS = ((0, 1, 3), (2, -1, 3))
 
 
-def _fold_world4(rank, world):
-    from types import SimpleNamespace
-
+def _fold_world4(rank, world, early=False):
     import torch.distributed as dist
     import torch.nn as nn
 
     from nanotitan.parallel.dims import ParallelDims
     from nanotitan.parallel.dp.reducer import Reducer
-    from nanotitan.parallel.rebalance import Rebalancer
 
     dims = ParallelDims(2, 1, 2, rank=rank).build_groups()
     me = dims.moe_ep_rank
@@ -134,12 +132,30 @@ def _fold_world4(rank, world):
     reducer.zero_grad()
     reducer.prepare(sync=True)
     (w * 2.0 ** rank).sum().backward()  # d/dw = 2**rank everywhere (the empty slot too: a test of the skip alone)
+    rb = _replica_sum(dims, w, reducer)
+    if early:  # as train.py runs it: the fold's first moves while the DP buckets are still on the wire
+        rb.start_replica_sum()
     reducer.finish()
     g = w.grad
     pair = sum(2.0 ** r for r in dist.get_process_group_ranks(dims.group("expert_dp")))
     home = [s for s in range(3) if s not in skipped]
     assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "a kept row is not the scaled DP sum"
     assert torch.equal(g[skipped], torch.full_like(g[skipped], 0.5 * 2.0 ** rank)), "a skipped row was reduced"
+
+    dup = rb.sum_replica_grads()
+    assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"copy on EP rank {me}: {g[2].unique()}, want 7.5"
+    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "the fold touched a row of no copy"
+    assert dup.item() == (0.5 * 15) ** 2 * 15, dup  # EP rank 1's copy, once
+    return g.numpy()
+
+
+def _replica_sum(dims, w, reducer):
+    """A Rebalancer for the replica sum alone: a stage of one MoE layer, no trainer."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    from nanotitan.parallel.rebalance import Rebalancer
 
     class Model(nn.Module):
         def __init__(self):
@@ -149,20 +165,18 @@ def _fold_world4(rank, world):
             self.layers = {"0": SimpleNamespace(moe=SimpleNamespace(dispatcher=SimpleNamespace(
                 placement=Placement(FOLD_SLOTS, 4))))}
 
-    sync = SimpleNamespace(grads_whole=True, grad_pieces=lambda names: {n: Pieces.whole(w.grad) for n in names})
-    rb = Rebalancer.__new__(Rebalancer)  # the replica sum alone: a stage of one MoE layer, no trainer
-    rb.shard, rb.R, rb.keys, rb.names, rb.folded = SimpleNamespace(dims=dims, model=Model(), sync=sync), 2, ["0"], \
-        {"0": ["experts.w"]}, True
+    sync = SimpleNamespace(grads_whole=True, grad_pieces=lambda names: {n: Pieces.whole(w.grad) for n in names},
+                           launch_rest=reducer.launch_rest)
+    rb = Rebalancer.__new__(Rebalancer)
+    rb.shard, rb.R, rb.keys, rb.names, rb.folded, rb._pending = SimpleNamespace(dims=dims, model=Model(), sync=sync), \
+        2, ["0"], {"0": ["experts.w"]}, True, None
     rb.cuts = rb._dp_shares()  # what Rebalancer._skip makes at each placement change
-    dup = rb.sum_replica_grads()
-    assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"copy on EP rank {me}: {g[2].unique()}, want 7.5"
-    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "the fold touched a row of no copy"
-    assert dup.item() == (0.5 * 15) ** 2 * 15, dup  # EP rank 1's copy, once
-    return g.numpy()
+    return rb
 
 
-def test_fold_sums_every_copy_once_world4():
+@pytest.mark.parametrize("early", [False, True], ids=["after-sync", "started-behind-buckets"])
+def test_fold_sums_every_copy_once_world4(early):
     from tests.helpers.mp import run_ranks
 
-    grads = run_ranks(_fold_world4, 4, timeout=120)
+    grads = run_ranks(_fold_world4, 4, (early,), timeout=120)
     assert all((grads[0][2] == g[2]).all() for g in grads), "the copies' gradients differ"

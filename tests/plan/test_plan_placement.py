@@ -8,7 +8,7 @@ import pytest
 from nanotitan.config.config import Config
 from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import Layout, ModelShape, PlanOptions, layout_config, predict
-from nanotitan.plan.skew import PLACED_RESIDUAL, rebalance_bytes, time_imbalance
+from nanotitan.plan.skew import PLACED_RESIDUAL, rebalance_bytes, replica_sync_bytes, time_imbalance
 from nanotitan.plan.whatif import placement_saving
 
 
@@ -40,14 +40,20 @@ def test_the_moves_are_every_slot_of_every_moe_layer_once_per_window():
     moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers))
     assert rebalance_bytes(cfg, lay, shape) == moe_layers * (8 // 4 + 1) * 3 * 64 * 128 * 12
     assert rebalance_bytes(cfg, Layout(4, 1, 1, "1f1b", 2, 2), shape) == 0.0  # no EP: nothing to place
+    # each step: a copy in each rank's one spare slot sends half its fp32 gradient row twice (reduce, hand-back)
+    assert replica_sync_bytes(cfg, lay, shape) == moe_layers * 1 * 2 * 1 / 2 * 3 * 64 * 128 * 4
+    assert replica_sync_bytes(_cfg("balanced", 1), lay, shape) == 0.0  # no replicas: no sum
 
 
 def test_what_if_prices_balanced_placement_for_the_best_layout():
-    cfg, lay, hw = _cfg(), Layout(1, 1, 4, "1f1b", 2, 2), get_hardware("h100-sxm")
+    cfg, lay, hw = _cfg(), Layout(1, 1, 4, "1f1b", 2, 16), get_hardware("h100-sxm")
+    # tokens enough that the skew outweighs the copies' gradient sum (its two all-to-alls' latency alone outweighs
+    # the skew at 2 x 64 tokens a microbatch)
+    cfg.train.seq_len, cfg.model.max_seq_len, cfg.train.micro_batch = 2048, 2048, 16
     opts = PlanOptions(expert_skew=0.8)
     best = predict(layout_config(cfg, lay), lay, hw, opts)
     k = placement_saving(cfg, best, hw, opts)
     assert k["expert_time_factor"] < best.expert_time_factor and k["saving_unmoved"] > 0
-    assert k["move_s"] > 0 and k["step_time_s"] == pytest.approx(best.step_time_s * (1 - k["saving"]))
+    assert k["move_s"] > 0 and k["sync_s"] > 0 and k["step_time_s"] == pytest.approx(best.step_time_s * (1 - k["saving"]))
     rare = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, rebalance_every=10**6))
     assert placement_saving(rare, best, hw, opts)["saving"] == pytest.approx(k["saving_unmoved"], rel=1e-3)

@@ -38,9 +38,21 @@ from pathlib import Path
 from ..observe.runs import run_results, summarise
 from .layouts import run_layout
 
+SHAPE = ["--model.aux_coef", "0", "--model.d_model", "256", "--model.ffn_dim", "512"]
 BANDWIDTH_BOUND = ["--parallel.emulate", "configs/emulate/h100-100g.json", "--parallel.emulate_node_size", "2",
-                   "--parallel.emulate_dilation", "0.0006872649146099278", "--model.aux_coef", "0",
-                   "--model.d_model", "256", "--model.ffn_dim", "512"]
+                   "--parallel.emulate_dilation", "0.0006872649146099278", *SHAPE]
+
+
+def trained(args, overrides: list[str], out: Path) -> list[str]:
+    """--trained N: the shape's model trained N steps (static, dropless, no emulation: the same maths, faster) once
+    under OUT's runs/, and the arguments that resume every variant from its checkpoint (a router whose skew has
+    settled: the hot experts persist over windows, as in a trained model, instead of a fresh router's collapse)."""
+    run_dir = out.parent / "runs" / f"placement_trained_{args.trained}"
+    ckpt = run_dir / "checkpoints" / f"step_{args.trained}"
+    if not ckpt.exists():
+        run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.trained, run_dir,
+                   [f"--config={args.config}", *SHAPE, "--train.ckpt_every", str(args.trained), *overrides], args.timeout)
+    return ["--train.resume", str(ckpt), "--train.ckpt_every", "0"]
 
 
 def variants(every: int, replicas: int, balanced_router: list[str] | None) -> dict[str, list[str]]:
@@ -89,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="steps not measured (default steps // 3)")
     ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: a router balanced by top-k = E (or --router-bias)")
     ap.add_argument("--router-bias", type=float, default=0.0, help="--balanced-router by the aux-free bias at RATE")
+    ap.add_argument("--trained", type=int, default=0, help="resume every variant from the model trained N steps "
+                    "(static, no emulation; made once under OUT's runs/): a settled router's persistent skew")
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/placement.json")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -105,17 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         bias = (["--model.bias_update_rate", str(args.router_bias)] if args.router_bias
                 else ["--model.top_k", str(experts)])
     runs: dict[str, list[dict]] = {}
+    resume = trained(args, overrides, out) if args.trained and not args.table_only else []
+    first, last = args.trained + warmup, args.trained + args.steps  # the measured steps (first, last]
     for rep in range(args.repeats):
         for name, extra in variants(args.every, args.replicas, bias).items():
-            tag = name.split()[0] + ("_aux" if args.balanced_router else "")
+            tag = name.split()[0] + ("_aux" if args.balanced_router else "") + \
+                (f"_trained{args.trained}" if args.trained else "")
             if args.table_only:
                 runs.setdefault(name, []).append(row(run_results(out.parent / "runs" / f"placement_{tag}_{rep}"),
-                                                     warmup, args.steps))
+                                                     first, last))
                 continue
-            res = run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.steps,
+            res = run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, last,
                              out.parent / "runs" / f"placement_{tag}_{rep}",
-                             [f"--config={args.config}", *BANDWIDTH_BOUND, *extra, *overrides], args.timeout)
-            runs.setdefault(name, []).append(row(res, warmup, args.steps))
+                             [f"--config={args.config}", *BANDWIDTH_BOUND, *extra, *resume, *overrides], args.timeout)
+            runs.setdefault(name, []).append(row(res, first, last))
             out.write_text(json.dumps({"layout": vars(args), "overrides": overrides, "runs": runs}, indent=1))
             print(f"{name} repeat {rep}: {runs[name][-1]}", flush=True)
     print(table(runs))

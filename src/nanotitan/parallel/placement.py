@@ -34,7 +34,7 @@ from itertools import permutations
 
 import torch
 
-REPLICATE_ABOVE = 1.25  # a copy heavier than this x the mean expert load is split further (step 1)
+REPLICATE_ABOVE = 0.75  # a copy heavier than this x the mean expert load is split further while its column has room
 KEEP_WITHIN = 0.02  # a new placement is adopted only if it cuts the busiest rank's load by more than this share
 
 
@@ -185,8 +185,12 @@ def balanced(load_E: list[float], P: int, spare: int = 0, R: int = 1, nodes: lis
         for p in ranks:
             slots[p][s] = e
             rank_load[p] += load_E[e] / n[e]
+    size = {nd: nodes.count(nd) for nd in nodes}
+
+    def node_mean(p: int, extra: float) -> float:  # what p's node would carry a rank: its copies even it out
+        return (sum(rank_load[q] for q in range(P) if nodes[q] == nodes[p]) + extra) / size[nodes[p]]
     for e in sorted((e for e in range(E) if n[e] == 1), key=lambda e: (-load_E[e], e)):
-        p = min((p for p in range(P) if -1 in slots[p]), key=lambda p: (rank_load[p], p))
+        p = min((p for p in range(P) if -1 in slots[p]), key=lambda p: (node_mean(p, load_E[e]), rank_load[p], p))
         slots[p][slots[p].index(-1)] = e
         rank_load[p] += load_E[e]
     return Placement(tuple(tuple(row) for row in slots), E)

@@ -90,6 +90,7 @@ class Rebalancer:
                       for k in self.keys}
         self.changes: list[dict] = []  # one per placement change: step, before, after, bytes, pause_s, replicated
         self.last_load: dict[str, list[int]] = {}  # the last window's counts per layer (checkpoints keep them)
+        self._pending = None  # the fold started after the final backward (`start_replica_sum`), not yet finished
         self._skip()
 
     def log(self, msg: str) -> None:
@@ -275,31 +276,54 @@ class Rebalancer:
         # the copies' DP shares (`_fold`): a function of the placements, so made here, where they change
         self.cuts = self._dp_shares() if self.folded else None
 
-    @torch.no_grad()
-    def sum_replica_grads(self) -> torch.Tensor | None:
-        """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
-        copy (`_fold` at zero 0, `_sum_pieces` at zero 1-3). Returns the squared norm the extra copies add to the
-        clipping norm (summed over the ranks), None without replicas allowed (parallel.expert_replicas 1). Collective
-        over EP, DP, the stage and PP: every rank calls it, with replicas or not (another stage may have some)."""
-        if self.R == 1:
-            return None
+    def _entries(self) -> tuple[list, bool]:
+        """(this rank's copies' gradient pieces as (view, its group's ranks, (layer, tensor, expert)), in an order
+        every rank shares; whether any layer of the stage has a replicated expert: the EP group agrees on it)."""
         placements = self.placements()
         groups = {k: placements[k].replicated() for k in self.keys}
-        dims, sync = self.shard.dims, self.shard.sync
-        pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
-        me, device = dims.moe_ep_rank, self._device()
-        # (view, its group's ranks, (layer, tensor, expert)): this rank's copies' gradient pieces, in an order every
-        # rank shares
-        entries = []
+        pieces = self.shard.sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
+        me, entries = self.shard.dims.moe_ep_rank, []
         for li, k in enumerate(self.keys):
             mine = {s: (e, r) for e, s, r in groups[k] if me in r}  # column -> its expert, this rank's group there
             for j, n in enumerate(self.names[k]):
                 for off, t in pieces[n].boxes if n in pieces else []:
                     entries += [(t[s - off[0]], mine[s][1], (li, j, mine[s][0])) for s in sorted(mine)
                                 if off[0] <= s < off[0] + t.shape[0]]
-        if any(groups.values()):  # the placements are the stage's: every rank of the EP group agrees
-            (self._fold if self.folded else self._sum_pieces)(entries)
-        dup = torch.zeros((), dtype=torch.float32, device=device)
+        return entries, any(groups.values())
+
+    @torch.no_grad()
+    def start_replica_sum(self) -> None:
+        """After the final backward, before the gradient sync is waited for (train.py): at zero 0 the fold's first
+        move (the copies' shares summed over EP) and its DP all-reduce, posted behind the DP buckets still on the
+        wire (`ReplicatedSync.launch_rest` first: every bucket scaled and posted), so the copies' DP traffic queues
+        with the rest instead of starting after it; `sum_replica_grads` finishes it. zero 1-3: nothing yet."""
+        self._pending = None
+        if self.R == 1 or not self.folded:
+            return
+        entries, any_copies = self._entries()
+        if any_copies:
+            self.shard.sync.launch_rest()
+            self._pending = (entries, self._fold_start(entries))
+
+    @torch.no_grad()
+    def sum_replica_grads(self) -> torch.Tensor | None:
+        """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
+        copy (`_fold` at zero 0, begun by `start_replica_sum` when train.py called it; `_sum_pieces` at zero 1-3).
+        Returns the squared norm the extra copies add to the clipping norm (summed over the ranks), None without
+        replicas allowed (parallel.expert_replicas 1). Collective over EP, DP, the stage and PP: every rank calls it,
+        with replicas or not (another stage may have some)."""
+        if self.R == 1:
+            return None
+        dims, sync = self.shard.dims, self.shard.sync
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            entries = pending[0]
+            self._fold_finish(*pending)
+        else:
+            entries, any_copies = self._entries()
+            if any_copies:
+                (self._fold if self.folded else self._sum_pieces)(entries)
+        me, dup = dims.moe_ep_rank, torch.zeros((), dtype=torch.float32, device=self._device())
         for v, ranks, _ in entries:
             if me != ranks[0]:
                 dup = dup + v.float().square().sum()
@@ -318,34 +342,45 @@ class Rebalancer:
         owns) and hands it to the other copies (all-to-all over EP). So DP carries each replicated expert once, not
         once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
         EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
-        1/r each."""
-        dims = self.shard.dims
-        me, P = dims.moe_ep_rank, dims.moe_ep
-        group = dims.group("expert_dp")
+        1/r each. `_fold_start` makes the first two moves (the DP all-reduce posted, not waited for), `_fold_finish`
+        the last."""
+        self._fold_finish(entries, self._fold_start(entries))
 
-        def of(i: int, q: int) -> torch.Tensor:  # copy q's share of entry i's row
-            v, ranks, (layer, tensor, expert) = entries[i]
-            bounds, c = self.cuts[layer][expert][tensor], ranks.index(q)
-            return v.reshape(-1)[bounds[c]:bounds[c + 1]]
+    def _share(self, entries: list, i: int, q: int) -> torch.Tensor:
+        """Copy q's share of entry i's row."""
+        v, ranks, (layer, tensor, expert) = entries[i]
+        bounds, c = self.cuts[layer][expert][tensor], ranks.index(q)
+        return v.reshape(-1)[bounds[c]:bounds[c + 1]]
 
+    def _fold_start(self, entries: list) -> tuple:
+        me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
+        group = self.shard.dims.group("expert_dp")
         peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
-        got = self._swap([[of(i, q) for i in peers[q]] for q in range(P)],
-                         [[of(i, me).numel() for i in peers[q]] for q in range(P)])
+        got = self._swap([[self._share(entries, i, q) for i in peers[q]] for q in range(P)],
+                         [[self._share(entries, i, me).numel() for i in peers[q]] for q in range(P)])
         theirs = {(q, i): g for q in range(P) for i, g in zip(peers[q], got[q])}
         # this rank's share of each row, summed over the copies
-        mine = [_in_rank_order([of(i, me) if q == me else theirs[(q, i)] for q in ranks])
+        mine = [_in_rank_order([self._share(entries, i, me) if q == me else theirs[(q, i)] for q in ranks])
                 for i, (_, ranks, _) in enumerate(entries)]
+        flat, work = None, None
         if sum(m.numel() for m in mine) and group is not None:  # DP replicas hold the same placement: the same shares
             flat = torch.cat(mine)
-            comm.all_reduce(flat, group=group, axis="dp")
+            work = comm.all_reduce(flat, group=group, axis="dp", async_op=True)
+        return peers, mine, flat, work
+
+    def _fold_finish(self, entries: list, state: tuple) -> None:
+        peers, mine, flat, work = state
+        if work is not None:
+            work.wait()
             mine = list(flat.split([m.numel() for m in mine]))
+        P, me = self.shard.dims.moe_ep, self.shard.dims.moe_ep_rank
         got = self._swap([[mine[i] for i in peers[q]] for q in range(P)],
-                         [[of(i, q).numel() for i in peers[q]] for q in range(P)])
+                         [[self._share(entries, i, q).numel() for i in peers[q]] for q in range(P)])
         for i, m in enumerate(mine):
-            of(i, me).copy_(m)
+            self._share(entries, i, me).copy_(m)
         for q in range(P):
             for i, g in zip(peers[q], got[q]):
-                of(i, q).copy_(g)
+                self._share(entries, i, q).copy_(g)
 
     def _sum_pieces(self, entries: list) -> None:
         """zero 1-3: the pieces were reduced over DP with the rest (a copy's pieces are the same elements on every EP

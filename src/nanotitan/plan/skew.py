@@ -67,6 +67,18 @@ def rebalance_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
     return moe_layers * slots * 3 * shape.d_model * shape.ffn_dim * 12.0
 
 
+def replica_sync_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
+    """What the replicated experts' gradient sum sends per EP rank and step at most (parallel/rebalance.py, the fold
+    at zero 0; zero 1-3 send less, a 1/DP piece): each of a rank's R - 1 spare slots per MoE layer of its stage holds
+    a copy of an expert with r = R copies, which sends (r - 1)/r of its gradient row (3*D*F elements, fp32) to the
+    other copies in the reduce and again in the hand-back."""
+    R = max(cfg.parallel.expert_replicas, 1)
+    if layout.moe_ep == 1 or R == 1:
+        return 0.0
+    moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers)) / layout.pp
+    return moe_layers * (R - 1) * 2 * (R - 1) / R * 3 * shape.d_model * shape.ffn_dim * 4.0
+
+
 def skew_of_ratio(ratio: float, ep: int, num_experts: int) -> float:
     """The sigma at which `time_imbalance` (dropless) equals a measured busiest-over-mean `ratio` at this EP: the
     inverse of its formula, so a run's record gives sigma without a fit."""

@@ -16,7 +16,7 @@ from .cost import PlanOptions, Prediction, predict
 from .fit.interval import Sigmas, mem_interval, step_interval
 from .search import plan
 from .shape import ModelShape, layout_config, trainer_precision
-from .skew import rebalance_bytes
+from .skew import rebalance_bytes, replica_sync_bytes
 
 # What to change when a cause dominates the step, by cost name (docs/planner.md §3's causes).
 ADVICE = {
@@ -94,18 +94,22 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
 
 
 def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptions) -> dict:
-    """The best layout again under parallel.expert_placement=balanced (plan/skew.py: the placed load), its moves priced
-    on the EP link once per parallel.rebalance_every steps (skew.rebalance_bytes; the inter-node link when the EP
-    group spans nodes)."""
+    """The best layout again under parallel.expert_placement=balanced (plan/skew.py: the placed load), with what the
+    placement costs: each step the replicated experts' gradient sum (skew.replica_sync_bytes, two all-to-alls over
+    EP; on the node's link, where the copies sit when a node holds R EP ranks), and its moves once per
+    parallel.rebalance_every steps (skew.rebalance_bytes; the inter-node link when the EP group spans nodes)."""
     lay = best.layout
     placed_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert_placement="balanced",
                                                                        expert_replicas=max(2, cfg.parallel.expert_replicas)))
     placed = predict(layout_config(placed_cfg, lay), lay, hw, opts)
+    shape = ModelShape.from_config(cfg)
     link = hw.inter if lay.moe_ep > hw.devices_per_node else hw.intra
-    move_s = rebalance_bytes(placed_cfg, lay, ModelShape.from_config(cfg)) / link.a2a_bw
-    step = placed.step_time_s + move_s / cfg.parallel.rebalance_every
-    gain = best.step_time_s - placed.step_time_s  # per step, before the moves
-    return dict(expert_time_factor=placed.expert_time_factor, step_time_s=step, move_s=move_s,
+    move_s = rebalance_bytes(placed_cfg, lay, shape) / link.a2a_bw
+    near = hw.intra if hw.devices_per_node >= placed_cfg.parallel.expert_replicas else hw.inter
+    sync_s = replica_sync_bytes(placed_cfg, lay, shape) / near.a2a_bw + 2 * (lay.moe_ep - 1) * link.latency_s
+    step = placed.step_time_s + sync_s + move_s / cfg.parallel.rebalance_every
+    gain = best.step_time_s - placed.step_time_s - sync_s  # per step, before the moves
+    return dict(expert_time_factor=placed.expert_time_factor, step_time_s=step, move_s=move_s, sync_s=sync_s,
                 every=cfg.parallel.rebalance_every, saving=1 - step / best.step_time_s,
                 saving_unmoved=gain / best.step_time_s, break_even_every=move_s / gain if gain > 0 else None)
 
@@ -199,7 +203,8 @@ def format_what_if(r: dict) -> str:
     if "placement" in r:
         k = r["placement"]
         lines.append(f"  balanced expert placement (--parallel.expert_placement balanced): the busiest EP rank "
-                     f"{k['expert_time_factor']:.2f}x the mean ({100 * k['saving_unmoved']:.1f}% off the step), "
+                     f"{k['expert_time_factor']:.2f}x the mean ({100 * k['saving_unmoved']:.1f}% off the step, "
+                     f"the copies' gradient sum of {1e3 * k['sync_s']:.1f} ms included), "
                      f"moves at most {1e3 * k['move_s']:.0f} ms every {k['every']} steps: {100 * k['saving']:.1f}% "
                      + (f"(pays from --parallel.rebalance_every {math.ceil(k['break_even_every'])})"
                         if k["break_even_every"] else ""))

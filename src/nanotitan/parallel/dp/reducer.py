@@ -210,13 +210,18 @@ class Reducer:
         work = comm.all_reduce(src, group=self.group, axis="dp", async_op=True)
         b.work = work if src is b.flat else CopyBack(work, src, b.flat, b.runs)
 
-    def finish(self) -> None:
-        """Launch what is left (params that got no gradient are reduced as zeros), wait for all."""
+    def launch_rest(self) -> None:
+        """Launch what is left (params that got no gradient are reduced as zeros), without waiting: every bucket is
+        then scaled, its skipped rows included (parallel/rebalance.py reads those next)."""
         if not self._sync:
             raise RuntimeError("Reducer.finish() without prepare(sync=True) before the final backward")
         for b in self.buckets[self._next_launch:]:
             b.pending = 0
         self._launch_ready()
+
+    def finish(self) -> None:
+        """Launch what is left, wait for all."""
+        self.launch_rest()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

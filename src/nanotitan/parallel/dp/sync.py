@@ -232,6 +232,12 @@ class ReplicatedSync(BucketedSync):
         self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype) for params, kind in groups]
         self.expert_reducers = [r for r, (_, kind) in zip(self.reducers, groups) if kind == "expert_dp"]
 
+    def launch_rest(self) -> None:
+        """The final backward's buckets all on the wire, none waited for (`Reducer.launch_rest`): the replicated
+        experts' fold starts behind them (parallel/rebalance.py)."""
+        for r in self.reducers:
+            r.launch_rest()
+
     def skip_rows(self, rows: dict[str, list[int]]) -> bool:
         found = set().union(*(r.skip_rows(rows) for r in self.expert_reducers))
         missing = {n for n, s in rows.items() if s} - found
