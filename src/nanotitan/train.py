@@ -155,8 +155,6 @@ class Trainer:
             stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
                                      device=self.device, dtype=cfg.train.dtype)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
-        if self.rebalancer is not None:  # replicated experts' DP traffic posted behind the buckets still in flight
-            self.rebalancer.start_replica_sum()
         finish_grads(self.shard)
         # a replicated expert's gradient: the sum of its copies' (each counted once in the norm)
         sq_offset = self.rebalancer.sum_replica_grads() if self.rebalancer is not None else None

@@ -338,8 +338,8 @@ class Rebalancer:
     def _fold(self, entries: list) -> None:
         """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's
         gradient is one sum over its r copies x DP, done in three moves of a share each: copy c sums share c of every
-        copy's row (all-to-all over EP, in rank order), reduces it over DP (one all-reduce of every share this rank
-        owns) and hands it to the other copies (all-to-all over EP). So DP carries each replicated expert once, not
+        copy's row (P2P between the copies' ranks, in rank order), reduces it over DP (one all-reduce of every share this rank
+        owns) and hands it to the other copies (the same pairs). So DP carries each replicated expert once, not
         once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
         EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
         1/r each. `_fold_start` makes the first two moves (the DP all-reduce posted, not waited for), `_fold_finish`
@@ -357,7 +357,7 @@ class Rebalancer:
         group = self.shard.dims.group("expert_dp")
         peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
         got = self._swap([[self._share(entries, i, q) for i in peers[q]] for q in range(P)],
-                         [[self._share(entries, i, me).numel() for i in peers[q]] for q in range(P)])
+                         [[self._share(entries, i, me).numel() for i in peers[q]] for q in range(P)], entries)
         theirs = {(q, i): g for q in range(P) for i, g in zip(peers[q], got[q])}
         # this rank's share of each row, summed over the copies
         mine = [_in_rank_order([self._share(entries, i, me) if q == me else theirs[(q, i)] for q in ranks])
@@ -375,7 +375,7 @@ class Rebalancer:
             mine = list(flat.split([m.numel() for m in mine]))
         P, me = self.shard.dims.moe_ep, self.shard.dims.moe_ep_rank
         got = self._swap([[mine[i] for i in peers[q]] for q in range(P)],
-                         [[self._share(entries, i, q).numel() for i in peers[q]] for q in range(P)])
+                         [[self._share(entries, i, q).numel() for i in peers[q]] for q in range(P)], entries)
         for i, m in enumerate(mine):
             self._share(entries, i, me).copy_(m)
         for q in range(P):
@@ -388,7 +388,7 @@ class Rebalancer:
         me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
         peers = [[(i, v) for i, (v, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
         got = self._swap([[v for _, v in peers[q]] for q in range(P)],
-                         [[v.numel() for _, v in peers[q]] for q in range(P)])
+                         [[v.numel() for _, v in peers[q]] for q in range(P)], entries)
         theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
         for i, (v, ranks, _) in enumerate(entries):
             v.copy_(_in_rank_order([v if q == me else theirs[(q, i)] for q in ranks]))
@@ -400,16 +400,24 @@ class Rebalancer:
         return dp_shares([placements[k] for k in self.keys], rows,
                          balance=self.shard.dims.group("expert_dp") is not None)
 
-    def _swap(self, sends: list[list[torch.Tensor]], sizes: list[list[int]]) -> list[list[torch.Tensor]]:
-        """One all-to-all over EP: sends[q]'s tensors (flattened) to EP rank q; returns from each rank q the flat
-        tensors of sizes[q]."""
-        flat = [v.reshape(-1) for vs in sends for v in vs]
-        inp = torch.cat(flat) if flat else torch.zeros(0, device=self._device())
-        splits = [sum(z) for z in sizes]
-        got = inp.new_empty(sum(splits))
-        comm.all_to_all_single(got, inp, splits, [sum(v.numel() for v in vs) for vs in sends],
-                               group=self.shard.dims.group("ep"), axis="ep")
-        return [list(seg.split(z)) for seg, z in zip(got.split(splits), sizes)]
+    def _swap(self, sends: list[list[torch.Tensor]], sizes: list[list[int]], entries: list) -> list[list[torch.Tensor]]:
+        """sends[q]'s tensors (flattened) to EP rank q, from each rank q the flat tensors of sizes[q]: sends and
+        receives to the copies' ranks only (one batch of P2P ops; the exchange is symmetric: a rank receives from
+        the ranks it sends to), so the copies' traffic costs the latency of the links it uses (one node's, where the
+        copies sit) and not an all-to-all's over the whole EP group."""
+        dims = self.shard.dims
+        me, ranks, group = dims.moe_ep_rank, dims.group_ranks("ep"), dims.group("ep")
+        dtype = entries[0][0].dtype if entries else torch.float32  # the gradients' (no entries: nothing moves)
+        bufs = [torch.empty(sum(z), dtype=dtype, device=self._device()) for z in sizes]
+        ops = []
+        for q, vs in enumerate(sends):
+            if q != me and bufs[q].numel():
+                ops.append(dist.P2POp(dist.irecv, bufs[q], ranks[q], group))
+            if q != me and sum(v.numel() for v in vs):
+                ops.append(dist.P2POp(dist.isend, torch.cat([v.reshape(-1) for v in vs]), ranks[q], group))
+        if ops:
+            comm.batch_isend_irecv(ops, axis="ep")
+        return [list(buf.split(z)) for buf, z in zip(bufs, sizes)]
 
 
 def _in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:

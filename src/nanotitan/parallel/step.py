@@ -105,7 +105,10 @@ def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepSt
 
 def finish_grads(shard: ModelShard) -> None:
     """Wait for the gradient sync (DDP finished inside its last backward); then MTP's embedding replica and stage 0's
-    copy sum their gradients (tied.py)."""
+    copy sum their gradients (tied.py). Replicated experts (parallel/rebalance.py): their fold's DP traffic is
+    posted first, behind the buckets still on the wire."""
+    if shard.rebalancer is not None:
+        shard.rebalancer.start_replica_sum()
     shard.sync.finish()
     if shard.tied is not None:
         shard.tied.sum_grads(shard.sync)
