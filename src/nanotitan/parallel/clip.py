@@ -46,8 +46,9 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     A token shard (`token_ranks` > 1: TP, parallel/tp.py): the EP group spans its ranks, fastest (experts fold over
     EP x TP); a replicated param's slices (`Grad.SHARDED`, parallel/shard.py) add up over them, one whole on each
     counts once, and so do `shard_once`, shards that are identical over them (the caller passes `shard_group` =
-    the stage group). `sq_offset`: a global correction added to the squared norm (expert placement: minus the extra
-    copies of replicated experts, already summed over the ranks)."""
+    the stage group). `sq_offset`: this rank's part of a correction subtracted from the squared norm (expert
+    placement: its extra copies of replicated experts), summed over the ranks in the all-reduce that sums its
+    expert grads (the shards' over `shard_group`, else the EP one): no collective of its own."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
     split = [grad_layout(p).kind is Grad.SHARDED for p in replicated_params]
     rep_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and not s]
@@ -65,10 +66,15 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
         if dist.get_rank(ep_group) >= token_ranks:
             split_sq = torch.zeros_like(split_sq)
     total_sq = (rep_sq + split_sq + exp_sq).reshape(1)
+    sharded = bool(shard_params) or shard_group is not None
+    if sq_offset is not None and not sharded:
+        total_sq = total_sq - sq_offset.reshape(1)
     if ep_group is not None:
         comm.all_reduce(total_sq, group=ep_group, axis="other")
-    if shard_params or shard_group is not None:  # every rank of the group enters the all-reduce
+    if sharded:  # every rank of the group enters the all-reduce
         shard_sq = _sq_norm(shard_grads, device).reshape(1)
+        if sq_offset is not None:
+            shard_sq = shard_sq - sq_offset.reshape(1)
         if once_grads and (shard_group is None or dist.get_rank(shard_group) % token_ranks == 0):  # fastest
             shard_sq = shard_sq + _sq_norm(once_grads, device).reshape(1)
         if shard_group is not None:
@@ -77,7 +83,7 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     if pp_group is not None:
         comm.all_reduce(total_sq, group=pp_group, axis="other")
     if sq_offset is not None:
-        total_sq = (total_sq - sq_offset.reshape(1)).clamp_min(0)
+        total_sq = total_sq.clamp_min(0)
     total_norm = total_sq.sqrt().reshape(())
     if max_norm > 0:
         # Always multiply (by 1.0 when under the limit) instead of branching on a host-synced value.

@@ -309,12 +309,12 @@ class Rebalancer:
     def sum_replica_grads(self) -> torch.Tensor | None:
         """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
         copy (`_fold` at zero 0, begun by `start_replica_sum` when train.py called it; `_sum_pieces` at zero 1-3).
-        Returns the squared norm the extra copies add to the clipping norm (summed over the ranks), None without
-        replicas allowed (parallel.expert_replicas 1). Collective over EP, DP, the stage and PP: every rank calls it,
-        with replicas or not (another stage may have some)."""
+        Returns this rank's part of the squared norm the extra copies add to the clipping norm (the clip sums it
+        over the ranks in its own all-reduce), None without replicas allowed (parallel.expert_replicas 1).
+        Collective over EP and DP: every rank calls it, with replicas or not."""
         if self.R == 1:
             return None
-        dims, sync = self.shard.dims, self.shard.sync
+        dims = self.shard.dims
         pending, self._pending = self._pending, None
         if pending is not None:
             entries = pending[0]
@@ -323,17 +323,11 @@ class Rebalancer:
             entries, any_copies = self._entries()
             if any_copies:
                 (self._fold if self.folded else self._sum_pieces)(entries)
-        me, dup = dims.moe_ep_rank, torch.zeros((), dtype=torch.float32, device=self._device())
+        me, dup = dims.moe_ep_rank, torch.zeros(1, dtype=torch.float32, device=self._device())
         for v, ranks, _ in entries:
             if me != ranks[0]:
                 dup = dup + v.float().square().sum()
-        group = dims.group("ep") if sync.grads_whole else dims.group("stage")
-        dup = dup.reshape(1)
-        if group is not None:
-            comm.all_reduce(dup, group=group, axis="other")
-        if dims.group("pp") is not None:
-            comm.all_reduce(dup, group=dims.group("pp"), axis="other")
-        return dup
+        return dup  # this rank's part: the clip sums it with the expert grads' squares (clip.clip_grad_norm_)
 
     def _fold(self, entries: list) -> None:
         """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's

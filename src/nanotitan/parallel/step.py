@@ -116,8 +116,8 @@ def finish_grads(shard: ModelShard) -> None:
 
 def clip_grads(shard: ModelShard, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank. MTP's
-    embedding replica then takes stage 0's clipped gradient (tied.py). sq_offset: added to the squared norm
-    (replicated experts' extra copies, parallel/rebalance.py)."""
+    embedding replica then takes stage 0's clipped gradient (tied.py). sq_offset: this rank's part of what leaves
+    the squared norm (replicated experts' extra copies, parallel/rebalance.py; clip.py sums it over the ranks)."""
     norm = shard.sync.clip(max_norm) if sq_offset is None else shard.sync.clip(max_norm, sq_offset)
     if shard.tied is not None:
         shard.tied.share_clipped(shard.sync)

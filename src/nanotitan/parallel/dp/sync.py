@@ -163,8 +163,8 @@ class GradSync:
         return decay_groups(self.model.parameters(), weight_decay)
 
     def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py). sq_offset: added
-        to the global squared norm (minus the extra copies of replicated experts, parallel/rebalance.py)."""
+        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py). sq_offset: this
+        rank's part of what leaves the squared norm (its extra copies of replicated experts, parallel/rebalance.py)."""
         return clip_grad_norm_([p for _, p in self.expert_params], [p for _, p in self.replicated_params],
                                max_norm, self.dims.group("pp"), self.dims.group("ep"),
                                token_ranks=token_ranks(self.dims), sq_offset=sq_offset)
