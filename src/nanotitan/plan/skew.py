@@ -15,13 +15,14 @@ from ..config.config import Config
 from .memory import expected_max_normal
 from .shape import Layout, ModelShape
 
-# parallel.expert_placement=balanced (parallel/placement.py) places experts by each window's routing counts, so the
-# busiest EP rank keeps only the part of the skew a placement cannot follow (within a window, between microbatches)
-# and LPT's residual: this share of the dropless excess (factor - 1). Measured by `nanotitan bench placement` at the
-# bandwidth-bound skew check, a fresh router collapsing over 12 steps (docs/ep.md "Experts placed by load"): E 4, EP 4,
-# R 2, windows of 3 steps: busiest/mean 1.96 static -> 1.55 placed, (1.55 - 1) / (1.96 - 1) = 0.57. (R 1 at E 16:
-# 2.04 -> 1.91, 0.88: one collapsed expert cannot be split without a replica.)
-PLACED_RESIDUAL = 0.57
+# parallel.expert_placement=balanced (parallel/placement.py) places experts by each window's routing counts and cuts
+# each microbatch's tokens of a replicated expert over its copies where the ranks even out, so the busiest EP rank
+# keeps only what a placement cannot follow (an expert that turns hot without a copy) and the cut's residual: this
+# share of the dropless excess (factor - 1). Measured by `nanotitan bench placement --trained 120` at the
+# bandwidth-bound skew check, a settled router (docs/ep.md "Experts placed by load"): E 4, EP 4, R 2, windows of 3
+# steps: busiest/mean 1.70 static -> 1.06 placed, 0.06 / 0.70 = 0.09. (A fresh router still collapsing, which moves
+# its hot experts between windows, keeps more: 1.96 -> 1.40 on 5 Dec, 0.42; the planner prices a run's steady state.)
+PLACED_RESIDUAL = 0.09
 
 
 def capacity_bound(cfg: Config, layout: Layout, shape: ModelShape) -> float:
