@@ -6,7 +6,7 @@ import torch
 
 from nanotitan.model.moe import pack_expert_major
 from nanotitan.parallel.dp.sync import Pieces
-from nanotitan.parallel.placement import Placement, balanced, choose, dp_shares, identity, slot_ids, water_fill
+from nanotitan.parallel.placement import Placement, balanced, choose, dp_shares, identity, slot_ids, sticky, water_fill
 
 
 def test_identity_is_static():
@@ -180,3 +180,23 @@ def test_fold_sums_every_copy_once_world4(early):
 
     grads = run_ranks(_fold_world4, 4, (early,), timeout=120)
     assert all((grads[0][2] == g[2]).all() for g in grads), "the copies' gradients differ"
+
+
+def test_sticky_relabels_many_ranks_node_for_node_quickly():
+    """Above 7 ranks the relabelling is greedy, node for node: 64 EP ranks in nodes of 8 (a replicated expert's
+    copies on one node), in well under a second; a placement relabelled against itself stays as it is (no move)."""
+    import random
+    import time
+
+    P, nodes = 64, [p // 8 for p in range(64)]
+    load = [random.Random(e).randint(0, 1000) for e in range(128)]
+    load[5] = 40000  # hot: replicated
+    old = balanced(load, P, spare=1, R=8, nodes=nodes)
+    t0 = time.perf_counter()
+    again = sticky(old, balanced(load, P, spare=1, R=8, nodes=nodes), nodes)
+    assert time.perf_counter() - t0 < 1.0
+    assert again == old
+    swap = [p + 8 if p < 8 else p - 8 if p < 16 else p for p in range(P)]  # nodes 0 and 1 trade places
+    assert sticky(old, Placement(tuple(old.slots[swap[p]] for p in range(P)), 128), nodes) == old
+    for e, _, ranks in old.replicated():
+        assert len({nodes[p] for p in ranks}) == 1, (e, ranks)

@@ -212,13 +212,19 @@ def sticky(old: Placement, new: Placement, nodes: list[int] | None = None) -> Pl
     if P <= 7:
         to = max((perm for perm in permutations(range(P)) if node_for_node(perm)),
                  key=lambda perm: (sum(keep[q][perm[q]] for q in range(P)), [-x for x in perm]))
-    else:  # greedily, node for node when the nodes are alike, then rank for rank
-        to, free = [0] * P, set(range(P))
-        for q in range(P):
-            same = [p for p in free if all(nodes[p] == nodes[to[q2]] for q2 in range(q) if nodes[q2] == nodes[q])
-                    and all(nodes[p] != nodes[to[q2]] for q2 in range(q) if nodes[q2] != nodes[q])]
-            to[q] = max(same or free, key=lambda p: (keep[q][p], -p))
-            free.discard(to[q])
+    else:  # greedily: each node onto the free node of its size that keeps most, then rank for rank within it
+        to, ranks_of = [0] * P, {}
+        for p, nd in enumerate(nodes):
+            ranks_of.setdefault(nd, []).append(p)
+        free_nodes = set(ranks_of)
+        for nd, qs in ranks_of.items():
+            m = max((m for m in free_nodes if len(ranks_of[m]) == len(qs)),
+                    key=lambda m: (sum(max(keep[q][p] for p in ranks_of[m]) for q in qs), -m))
+            free_nodes.discard(m)
+            free = set(ranks_of[m])
+            for q in qs:
+                to[q] = max(free, key=lambda p: (keep[q][p], -p))
+                free.discard(to[q])
     n = [len(c) for c in new.copies()]
     rows: list[tuple[int, ...]] = [()] * P
     for q, p in enumerate(to):
