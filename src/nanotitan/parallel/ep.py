@@ -8,7 +8,10 @@ One layer call (seed, "Dispatch, expert computation and combine"):
   1. pack the local assignments expert-major (`pack_expert_major`); since rank p owns experts
      [p*L, (p+1)*L), expert-major is also destination-major: the all-to-all send order.
   2. exchange the per-destination counts send_PL -> recv_PL with one small all-to-all, and read both
-     matrices to the host in ONE `.tolist()` (the only host sync: split sizes must be Python ints).
+     matrices to the host in ONE `.tolist()` (the only host sync: split sizes must be Python ints). Under a
+     balanced placement (placement.py) the small all-to-all gathers every source's counts per expert instead, and
+     every rank computes the same routes from them (`Placement.route`: this microbatch's cut of each replicated
+     expert over its copies), after the one host read.
   3. payload all-to-all with uneven splits, in the compute dtype (bf16 under autocast: half the bytes);
      received rows are source-major (p, then l).
   4. permute source-major -> expert-major (vectorised, `source_to_expert_major`), run the L experts,
