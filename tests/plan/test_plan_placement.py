@@ -43,6 +43,9 @@ def test_the_moves_are_every_slot_of_every_moe_layer_once_per_window():
     # each step: a copy in each rank's one spare slot sends half its fp32 gradient row twice (reduce, hand-back)
     assert replica_sync_bytes(cfg, lay, shape) == moe_layers * 1 * 2 * 1 / 2 * 3 * 64 * 128 * 4
     assert replica_sync_bytes(_cfg("balanced", 1), lay, shape) == 0.0  # no replicas: no sum
+    # zero 1-3: the rows were reduce-scattered over DP with the rest; a copy sends its 1/DP piece to the other copy
+    z1 = Layout(4, 1, 4, "1f1b", 2, 2, zero=1)
+    assert replica_sync_bytes(cfg, z1, shape) == moe_layers * 1 * 1 * 3 * 64 * 128 * 4 / 4
 
 
 def test_what_if_prices_balanced_placement_for_the_best_layout():

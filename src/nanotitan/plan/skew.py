@@ -21,7 +21,7 @@ from .shape import Layout, ModelShape
 # share of the dropless excess (factor - 1). Measured by `nanotitan bench placement --trained 120` at the
 # bandwidth-bound skew check, a settled router (docs/ep.md "Experts placed by load"): E 4, EP 4, R 2, windows of 3
 # steps: busiest/mean 1.70 static -> 1.06 placed, 0.06 / 0.70 = 0.09. (A fresh router still collapsing, which moves
-# its hot experts between windows, keeps more: 1.96 -> 1.40 on 5 Dec, 0.42; the planner prices a run's steady state.)
+# its hot experts between windows, keeps more: 1.96 -> 1.50 on 5 Dec, 0.52; the planner prices a run's steady state.)
 PLACED_RESIDUAL = 0.09
 
 
@@ -69,15 +69,18 @@ def rebalance_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
 
 
 def replica_sync_bytes(cfg: Config, layout: Layout, shape: ModelShape) -> float:
-    """What the replicated experts' gradient sum sends per EP rank and step at most (parallel/rebalance.py, the fold
-    at zero 0; zero 1-3 send less, a 1/DP piece): each of a rank's R - 1 spare slots per MoE layer of its stage holds
-    a copy of an expert with r = R copies, which sends (r - 1)/r of its gradient row (3*D*F elements, fp32) to the
-    other copies in the reduce and again in the hand-back."""
+    """What the replicated experts' gradient sum sends per EP rank and step at most (parallel/rebalance.py): each of a
+    rank's R - 1 spare slots per MoE layer of its stage holds a copy of an expert with r = R copies. Zero 0 (the
+    fold): the copy sends (r - 1)/r of its gradient row (3*D*F elements, fp32) to the other copies in the reduce and
+    again in the hand-back. Zero 1-3: the rows were reduce-scattered over DP with the rest, and the copy sends its
+    1/DP piece to each of the r - 1 others."""
     R = max(cfg.parallel.expert_replicas, 1)
     if layout.moe_ep == 1 or R == 1:
         return 0.0
     moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers)) / layout.pp
-    return moe_layers * (R - 1) * 2 * (R - 1) / R * 3 * shape.d_model * shape.ffn_dim * 4.0
+    row = 3 * shape.d_model * shape.ffn_dim * 4.0
+    per_copy = 2 * (R - 1) / R * row if layout.zero == 0 else (R - 1) * row / layout.dp
+    return moe_layers * (R - 1) * per_copy
 
 
 def skew_of_ratio(ratio: float, ep: int, num_experts: int) -> float:
