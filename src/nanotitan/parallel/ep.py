@@ -329,11 +329,10 @@ class EPDispatcher:
         over their copies (`Placement.route`), and the packed order slot-major. Returns (order_N, token_idx_N,
         counts per global slot p*C+s, send_host, recv_host, recv_PL)."""
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        counts_PE = counts_E.expand(self.ep_size, num_experts).contiguous()
+        counts_PE = mine = counts_E.expand(self.ep_size, num_experts).contiguous()  # row p goes to rank p
         if self.ep_size > 1:
-            counts_PE = torch.empty_like(counts_PE)
-            _all_to_all(counts_PE, counts_E.expand(self.ep_size, num_experts).contiguous(), None, None, self.lanes,
-                        _phase(True) + ":counts")
+            counts_PE = torch.empty_like(mine)
+            _all_to_all(counts_PE, mine, None, None, self.lanes, _phase(True) + ":counts")
         send_host, recv_host, start_of = self.placement.route(counts_PE.cpu(), self.ep_rank)  # the one host sync
         device = counts_E.device
         slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, self.slot_of, start_of.to(device))

@@ -14,8 +14,9 @@ The rule (`balanced`):
      the heaviest copy (load / copies; ties to the lower id) gets one more copy, if it has fewer than R and its
      spare column (the one with the most free slots, at its first copy) has room;
   2. LPT: the replicated experts' copies first, heaviest first, on the least-loaded ranks (ties to the lower
-     rank) of their column; then the other experts, heaviest first, each on the least-loaded rank with a free
-     slot. Cold experts end up sharing a rank with others; a copy's load is its share, load / copies.
+     rank) of their column, of one node where it has room (below); then the other experts, heaviest first, each
+     on a rank with a free slot of the node that would carry least per rank, its least-loaded one. Cold experts
+     end up sharing a rank with others; a copy's load here is load / copies (the dispatch cuts it finer).
 Nodes (`nodes[p]`: the node of EP rank p, from the emulated or real hosts): a replicated expert's copies go to the
 ranks of one node where its column has room there (EPLB's hierarchical rule), so the copies' gradient sum and the
 moves between them ride the node's fast link, not the network; `sticky` relabels ranks only node for node.
@@ -23,13 +24,14 @@ The tokens (`Placement.route`, per microbatch, from every source's counts, which
 a replicated expert's n assignments are cut over its copies where they even out the ranks' loads *this
 microbatch* (water-filled over its copies' ranks after the single experts, heaviest expert first), not in fixed
 1/r shares: a placement made from one window still balances the next, as long as the experts that turned hot
-have copies. The cut runs through the sources in rank order, each source's assignments in token order. Every
+have copies. Each source gives each copy the same fraction of its own assignments, in token order. Every
 assignment is still computed once by e's weights, so the maths is unchanged; only where it runs moves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import permutations
 
 import torch
@@ -52,7 +54,11 @@ class Placement:
         return len(self.slots[0])
 
     def copies(self) -> list[list[tuple[int, int]]]:
-        """copies[e]: e's (rank, slot)s in rank order (a replicated expert's share c is its c-th copy)."""
+        """copies[e]: e's (rank, slot)s in rank order (a replicated expert's share c is its c-th copy). Read only."""
+        return self._copies
+
+    @cached_property
+    def _copies(self) -> list[list[tuple[int, int]]]:  # made once a placement: the dispatch asks every call
         out: list[list[tuple[int, int]]] = [[] for _ in range(self.num_experts)]
         for p, row in enumerate(self.slots):
             for s, e in enumerate(row):
@@ -93,13 +99,17 @@ class Placement:
     def tables(self, device) -> torch.Tensor:
         """The dispatch's device table (`slot_ids`): slot_of [E + 1, R_max], the global slot ids p*C + s of each
         expert's copies in rank order (row E: the dropped assignments' P*C, past every slot; unused: P*C)."""
+        return self._slot_of.to(device)
+
+    @cached_property
+    def _slot_of(self) -> torch.Tensor:  # on the host, made once (`route` reads it every call); read only
         copies = self.copies()
         R = max(len(c) for c in copies)
         PC = self.P * self.C
         slot_of = torch.full((self.num_experts + 1, R), PC, dtype=torch.long)
         for e, c in enumerate(copies):
             slot_of[e, :len(c)] = torch.tensor([p * self.C + s for p, s in c])
-        return slot_of.to(device)
+        return slot_of
 
     def route(self, counts_PE: torch.Tensor, me: int) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
         """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
@@ -120,7 +130,7 @@ class Placement:
             upto[e, len(part) + 1:] = upto[e, len(part)]
         cut = counts_PE[:, :, None] * upto[None] // load.clamp_min(1)[None, :, None]  # [P, E, R + 1]
         over = cut[:, :, 1:] - cut[:, :, :-1]  # [P, E, R]: what source q sends to e's copy c
-        slot = self.tables("cpu")[:E]  # [E, R]; unused copies point past the slots (P*C) with zero counts
+        slot = self._slot_of[:E]  # [E, R]; unused copies point past the slots (P*C) with zero counts
         flat = torch.zeros(P, P * C + 1, dtype=torch.long).index_add_(1, slot.reshape(-1), over.reshape(P, -1))
         send = flat[me, :P * C].view(P, C).tolist()
         recv = flat[:, me * C:(me + 1) * C].tolist()

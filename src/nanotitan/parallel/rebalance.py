@@ -127,7 +127,8 @@ class Rebalancer:
             return None
         t0, old = time.perf_counter(), self.placements()
         spare = self.R - 1
-        new = {k: sticky(old[k], balanced(loads[k], old[k].P, spare, self.R, self.nodes), self.nodes) for k in self.keys}
+        new = {k: sticky(old[k], balanced(loads[k], old[k].P, spare, self.R, self.nodes), self.nodes)
+               for k in self.keys}
         self.last_load = {k: loads[k] for k in self.keys}
         return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
 
@@ -293,8 +294,8 @@ class Rebalancer:
 
     @torch.no_grad()
     def start_replica_sum(self) -> None:
-        """After the final backward, before the gradient sync is waited for (train.py): at zero 0 the fold's first
-        move (the copies' shares summed over EP) and its DP all-reduce, posted behind the DP buckets still on the
+        """After the final backward, before the gradient sync is waited for (step.finish_grads): at zero 0 the fold's
+        first move (the copies' shares summed over EP) and its DP all-reduce, posted behind the DP buckets still on the
         wire (`ReplicatedSync.launch_rest` first: every bucket scaled and posted), so the copies' DP traffic queues
         with the rest instead of starting after it; `sum_replica_grads` finishes it. zero 1-3: nothing yet."""
         self._pending = None
@@ -308,7 +309,7 @@ class Rebalancer:
     @torch.no_grad()
     def sum_replica_grads(self) -> torch.Tensor | None:
         """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
-        copy (`_fold` at zero 0, begun by `start_replica_sum` when train.py called it; `_sum_pieces` at zero 1-3).
+        copy (`_fold` at zero 0, begun by `start_replica_sum` when finish_grads called it; `_sum_pieces` at zero 1-3).
         Returns this rank's part of the squared norm the extra copies add to the clipping norm (the clip sums it
         over the ranks in its own all-reduce), None without replicas allowed (parallel.expert_replicas 1).
         Collective over EP and DP: every rank calls it, with replicas or not."""
@@ -332,9 +333,9 @@ class Rebalancer:
     def _fold(self, entries: list) -> None:
         """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's
         gradient is one sum over its r copies x DP, done in three moves of a share each: copy c sums share c of every
-        copy's row (P2P between the copies' ranks, in rank order), reduces it over DP (one all-reduce of every share this rank
-        owns) and hands it to the other copies (the same pairs). So DP carries each replicated expert once, not
-        once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
+        copy's row (P2P between the copies' ranks, in rank order), reduces it over DP (one all-reduce of every share
+        this rank owns) and hands it to the other copies (the same pairs). So DP carries each replicated expert once,
+        not once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
         EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
         1/r each. `_fold_start` makes the first two moves (the DP all-reduce posted, not waited for), `_fold_finish`
         the last."""
