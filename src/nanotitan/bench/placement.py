@@ -3,6 +3,7 @@ the capacity-capped router, side by side, under the network emulator.
 
     nanotitan bench placement [--dp 2 --ep 4 --microbatches 2 --micro-batch 2] [--steps 12] [--repeats 2]
                               [--warmup 4] [--every 3] [--replicas 2] [--balanced-router [--router-bias 0.05]]
+                              [--trained N]
                               [--out docs/experiments/placement.json]
                               [train overrides ...]
 
@@ -13,6 +14,9 @@ receives ~2x the mean. Variants, run in turn in each repeat (the same time windo
     static    dropless, expert e on rank e // (E/EP)
     balanced  dropless, parallel.expert_placement=balanced (rebalance_every --every, expert_replicas --replicas)
     capped    static with model.capacity_factor 1.0: the busiest rank held to the mean by dropping tokens
+--trained N: every variant resumes from the model trained N steps (static, dropless, without the emulator; made once
+    under OUT's runs/), and measures steps (N + W, N + steps]: a settled router, whose hot experts persist over
+    windows as a trained model's do (docs/ep.md "5 Dec"), instead of a fresh one still collapsing.
 --warmup W: the steps (0, W] are not measured (default steps // 3): a fresh router collapses over its first steps;
     the measured window (W, steps] is the collapsed router, the skew check's shape ("a skewed router"), not the
     collapse itself.

@@ -95,8 +95,8 @@ def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.dev
     under EP, `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over
     layers and microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by
     (plan/skew.py), with expert e on rank e // (E/EP); `ep_placed_max_mean`, the same under the placement in force
-    (parallel.expert_placement=balanced: each copy of an expert receives its cut of the microbatch). One SUM over the EP group
-    (received = its sources' counts) and one over the world."""
+    (parallel.expert_placement=balanced: each copy of an expert receives its cut of the microbatch). One SUM over
+    the EP group (received = its sources' counts) and one over the world."""
     loads = dict(model.mb_load)
     model.mb_load.clear()  # shared by a rank's chunks (pp/chunks.py): cleared, not replaced
     vals = torch.zeros(6, device=device, dtype=torch.float64)  # cv sum, count, ratio sum, count, placed sum, count
