@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..model import wgrad
-from ..model.moe import ExpertFFN, combine, expert_counts, in_backward, pack_expert_major
+from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
 from .comm import collectives as comm
 from .lanes import EPLanes
 from .placement import slot_ids
