@@ -23,6 +23,7 @@ from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .cp_rules import check_cp
+from .layout import expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
 
@@ -512,7 +513,9 @@ def _check_dp_ep(cfg: Config) -> None:
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
            "(--parallel.ep_chunks 2)")
-    moe_ep = p.ep * p.cp * p.tp  # the experts fold over EP x CP x TP (parallel/tp.py, parallel/cp.py)
+    moe_ep = expert_ranks(p.ep, p.cp, p.tp)  # the experts fold over EP x CP x TP (parallel/tp.py, parallel/cp.py)
+    _check(m.num_experts % moe_ep == 0, f"model.num_experts={m.num_experts} must be divisible by parallel.ep*cp*tp = "
+           f"{moe_ep}: the experts fold over EP x CP x TP (--parallel.ep, --parallel.cp or --parallel.tp)")
     _check(not p.ep_overlap or moe_ep == 1 or p.auto or m.num_experts // moe_ep >= 2,
            f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/(parallel.ep*cp*tp) = "
            f"{m.num_experts}/{moe_ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")
