@@ -34,6 +34,7 @@ def train_placed(args: list[str]) -> dict:
     """The trainer's losses, this rank's whole params, every MoE layer's slot -> expert table, the placement
     changes rank 0 saw, its tp place."""
     from nanotitan.config.config import load_config
+    from nanotitan.model.transformer import held_experts
     from nanotitan.parallel.tp import tp_shard_dim
     from nanotitan.train import Trainer
     from tests.helpers.whole_state import whole_state
@@ -43,10 +44,9 @@ def train_placed(args: list[str]) -> dict:
         records = trainer.train()["history"]
         full, _ = whole_state(trainer.shard.sync)
         live = dict(trainer.shard.model.named_parameters())
-        slots = {f"{n}.{t}": list(m.slot_experts) for n, m in trainer.shard.model.named_modules()
-                 if getattr(m, "slot_experts", None) is not None for t in ("W_gate", "W_val", "W_out")}
+        slots = {n: list(ids) for n, ids in held_experts(trainer.shard.model).items()}  # each slot's expert
         params = {n: (t.detach().clone(), tp_shard_dim(live[n])) for n, t in full.items()}
-        changes = list(trainer.rebalancer.changes) if trainer.rebalancer is not None else []
+        changes = list(trainer.shard.rebalancer.changes)
     finally:
         trainer.shard.close()
     d = trainer.dims

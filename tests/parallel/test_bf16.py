@@ -24,6 +24,7 @@ from nanotitan.parallel.dp import reducer as dp, zero
 from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher
+from nanotitan.parallel.placement import EPShard, identity
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.resolve import resolve
 from tests.helpers.mp import run_ranks
@@ -107,7 +108,7 @@ def _wire_and_reduce(rank, world):
     ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w_TK = torch.rand(T, K, generator=g)
     L = E // world
-    disp = EPDispatcher(dist.group.WORLD, world, rank)
+    disp = EPDispatcher(EPShard(identity(E, world), rank), dist.group.WORLD)
     for dtype in ("fp32", "bf16"):
         experts = _experts(E, D, F, rank * L, L)
         x = x_TD.clone().requires_grad_()

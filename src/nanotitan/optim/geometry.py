@@ -6,8 +6,8 @@ the rules that cut the state, which every rank of a stage applies to the same mo
     the DP shard       `GradSync.state_boxes(names, peer)`: whole (zero 0), the peer's flat slice of each ZeRO
                        1/2 bucket (its place in the reducer's group), its torch.chunk of FSDP2's Shard(dim)
     the TP slice       the peer's tp coordinate places it in the whole (`keyed_state`'s `tp_pieces` rule)
-    the experts        the peer's stack is experts [moe_ep_rank * L, (moe_ep_rank + 1) * L), or under a
-                       balanced placement its slots (`placement.slots[moe_ep_rank]`, the same table on every rank)
+    the experts        the peer's slots hold the experts its layer's expert shard says (`held_experts` at its
+                       moe_ep_rank: [moe_ep_rank * L, (moe_ep_rank + 1) * L) when static; the same table on every rank)
 
 So each rank computes the same geometry, the one `keyed_state` gives on each rank (Orthogonalizer checks its own
 against its live pieces every run), without an all_gather_object (which unpickles what a peer sends) and on the
@@ -20,20 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..model.families import is_muon
-from ..model.transformer import is_expert_param
+from ..model.transformer import held_experts, is_expert_param
 from ..parallel.shard import grad_layout
 
 Geometry = tuple[dict[str, tuple], list[dict[str, list[tuple]]]]  # ({key: whole shape}, per stage rank: boxes)
-
-
-def _placed(model) -> dict[str, object]:
-    """{expert param name: its layer's Placement} under parallel.expert_placement=balanced (parallel/rebalance.py)."""
-    out = {}
-    for n, m in model.named_modules():
-        ex = getattr(m, "experts", None)
-        if getattr(ex, "slot_experts", None) is not None:
-            out.update({f"{n}.experts.{t}": m.dispatcher.placement for t in ("W_gate", "W_val", "W_out")})
-    return out
 
 
 def _in_whole(q, boxes: list[tuple], tp_rank: int) -> tuple[tuple, list[tuple]]:
@@ -52,20 +42,17 @@ def stage_geometry(shard) -> Geometry:
     (an expert stack one key per global expert)."""
     model, dims = shard.model, shard.dims
     named = {n: q for n, q in model.named_parameters() if is_muon(q)}
-    placed = _placed(model)
     shapes, geometry = {}, []
     for peer in dims.group_ranks("stage"):  # the stage group's ranks, in its order
         at = dataclasses.replace(dims, rank=peer, groups={})
+        held = held_experts(model, at.moe_ep_rank)  # the peer's slots: each expert tensor's global experts
         boxes_of_peer = {}
         for name, local in shard.sync.state_boxes(set(named), peer).items():
             shape, boxes = _in_whole(named[name], local, at.tp_rank)
             if not is_expert_param(name):
                 shapes[name], boxes_of_peer[name] = shape, boxes
                 continue
-            n = shape[0]  # the peer's slots: experts [moe_ep_rank * n, ...), or a placement's (-1: empty)
-            ids = placed[name].slots[at.moe_ep_rank] if name in placed else range(at.moe_ep_rank * n,
-                                                                                  (at.moe_ep_rank + 1) * n)
-            for slot, e in enumerate(ids):
+            for slot, e in enumerate(held[name]):  # -1: an empty slot, no key
                 if e >= 0:
                     shapes[f"{name}.{e}"] = shape[1:]
                     boxes_of_peer[f"{name}.{e}"] = [(off[1:], sz[1:]) for off, sz in boxes

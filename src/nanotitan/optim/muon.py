@@ -65,6 +65,11 @@ class Muon(torch.optim.Optimizer):
             self.orthogonalizer = Orthogonalizer(self.pieces(self), self._momenta(), self.group, self.ns_steps,
                                                  self.ns_dtype, self.geometry(self) if self.geometry else None)
 
+    def on_layout_change(self) -> None:
+        """Where the shard's elements live changed (an expert placement moved slots, parallel/rebalance.py): the owner
+        plan knows each slot's expert (an empty slot has no box), so the next step plans anew."""
+        self.orthogonalizer = None
+
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Muon takes no closure"

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..model.transformer import is_expert_param
+from ..model.transformer import held_experts, is_expert_param
 from ..parallel.dp.sync import Pieces, ensure_adam_state, replicated_pieces
 from ..parallel.shard import grad_layout
 
@@ -45,11 +45,9 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
     keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
     other's checkpoint (and those written whole, before the pieces)."""
-    expert_start = model.spec.expert_start
-    # a placement's slots (parallel/rebalance.py): slot l holds global expert slot_experts[l] (-1: empty, no key;
-    # the copies of a replicated expert write identical boxes, kept once)
-    slot_experts = {f"{n}.{t}": m.slot_experts for n, m in model.named_modules()
-                    if getattr(m, "slot_experts", None) is not None for t in ("W_gate", "W_val", "W_out")}
+    # slot l of an expert tensor holds global expert held[name][l] (its layer's expert shard, model/experts.py; -1:
+    # empty, no key; the copies of a replicated expert write identical boxes, kept once)
+    held = held_experts(model)
     out: dict[str, Chunks] = {}
 
     def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
@@ -60,8 +58,7 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
             for l in range(t.shape[0]):
                 per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
-        ids = slot_experts.get(name) or range(expert_start, expert_start + pieces.size[0])
-        for l, e in enumerate(ids):
+        for l, e in enumerate(held[name]):
             if e >= 0:
                 out[f"{prefix}.{name}.{e}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
 
