@@ -125,7 +125,7 @@ def _wire_and_reduce(rank, world):
                 y = LocalDispatcher()(x, ids_TK, w_TK, _experts(E, D, F, 0, E), E)
             y.float().square().sum().backward()
             out["local_y_bf16"], out["local_xgrad_bf16"] = y.detach(), x.grad
-    out["count_bytes"] = E * 8  # the one int64 count exchange per forward
+    out["count_bytes"] = world * E * 8  # the one int64 count exchange per forward: every expert's count to each rank
     # --- DP: replicated and sharded reducers, fp32 and bf16 reduction ---------------------------------------
     n, scale = 1000, 0.5
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]

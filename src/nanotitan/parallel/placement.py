@@ -1,7 +1,9 @@
-"""Experts placed by load (parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
+"""Which expert each slot of each EP rank holds: a MoE layer's expert shard (`EPShard`: the identity placement when
+static, expert e in slot e % L of rank e // L), the routes by it, and experts placed by load
+(parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
 
-Pure functions of a window's routing counts, so every rank computes the same placement from the same all-reduced
-counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
+The rule is pure functions of a window's routing counts, so every rank computes the same placement from the same
+all-reduced counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
 slots per rank (spare = parallel.expert_replicas - 1), R replicas at most.
 
 A placement is a table slots[p][s] = the global expert whose weights EP rank p's slot s holds (-1: empty). Every

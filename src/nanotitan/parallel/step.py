@@ -9,7 +9,8 @@
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
     StepEnd           after the update, from the step's routing counts: the router biases (aux-loss-free balancing),
                       the experts' placement window, QK-clip; on a record's step the losses (`reduce_losses`) and
-                      the router's figures over the world. Every small collective of a step: at most three
+                      the router's figures over the world: at most three small collectives (with agree_on_step's
+                      stop flag, four: every small collective of a step is issued in this module)
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
@@ -208,8 +209,8 @@ class StepEnd:
     (`qk`: optim/qk_clip.py's QKClip, handed in); on a record's step (train.py's `logs`, or a non-finite one) the
     losses and the router's figures since the previous record over the world, and the interval's step peak.
 
-    Every small collective of a step, at most three, over the world: the losses' SUM (fp32, `reduce_losses`: a
-    record's), one packed SUM in float64 (exact for counts: this step's counts for the biases, the window's at its
+    Every small collective of a step's figures, at most three (agree_on_step's stop flag aside), over the world: the
+    losses' SUM (fp32, `reduce_losses`: a record's), one packed SUM in float64 (exact for counts: this step's counts for the biases, the window's at its
     end, a record's loads, router statistics and routing-skew sums) and one packed MAX (the QK-clip table, a record's
     biases after their update and its step peak). Each MoE layer's row is its global index, filled by the stage that
     holds it; counts are whole on every token rank (TP, CP: dims.stat_copies), which the sums divide out. Collective:
@@ -231,10 +232,10 @@ class StepEnd:
         self.received: list[torch.Tensor] = []
 
     def __call__(self, step: int, result: StepResult, optimizer, record: bool,
-                 peak: Callable[[], int | None]) -> StepResult:
+                 peak_of: Callable[[], int | None]) -> StepResult:
         """`result` of step `step` (0-based) with its figures: on a record's step its losses, router figures and step
-        peak (`peak()`: this rank's highest since the previous record, this step's so far included; None: no metered
-        step), and with train.qk_clip the step's max logit."""
+        peak (`peak_of()`: this rank's highest since the previous record, this step's so far included; None: no
+        metered step), and with train.qk_clip the step's max logit."""
         routing, rebalancer, dims = result.stats.routing, self.shard.rebalancer, self.shard.dims
         at = [int(k) for k in routing.keys]
         step_E = routing.counts.sum(1)  # (layers, E) int64: this step's tokens per expert
@@ -258,7 +259,7 @@ class StepEnd:
 
         # one packed MAX: QK-clip's table (every step), a record's biases after their update and its step peak
         table = self.qk.table()  # this rank's heads' max logits of the step per global layer (None: no QK-clip)
-        peak = peak() if record else None  # the step's move included (QK-clip's rescale, after it, holds little)
+        peak = peak_of() if record else None  # the step's move included (QK-clip's rescale, after it, holds little)
         maxima = _reduce(([table.double()] if table is not None else [])
                          + ([self._biases()] if record and self.biased else [])
                          + ([torch.tensor([float(peak)], dtype=torch.float64, device=self.device)]
