@@ -34,14 +34,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config.config import ModelConfig
 from .norm import RMSNorm
-from .tokens import at_runs, seq_runs
+from .tokens import IGNORE, TokenShard, at_runs
 from .wgrad import Linear
-
-IGNORE = -100  # a target no loss reads (the shifted tail), F.cross_entropy's ignore_index
 
 
 def mtp_layer_ids(cfg: ModelConfig, mtp_layers: int) -> range:
@@ -90,26 +87,20 @@ class MTP(nn.ModuleDict):
             outs.append(module.shared_head.norm(h))
         return outs, aux
 
-    def loss(self, logits: torch.Tensor, whole: torch.Tensor, runs: list, ce: Callable | None = None) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, whole: torch.Tensor, runs: list, ce: Callable) -> torch.Tensor:
         """Mean over depths of each depth's mean CE. logits (D*B, S, V): the head's output on every depth's
         positions, depth k's in rows [(k-1)*B, k*B); whole, runs: `whole_targets`; `ce(logits, targets)` is the
-        model's cross-entropy (the token shard's under tensor or context parallel), plain by default."""
+        model's cross-entropy (its token shard's: plain on one device, model/tokens.py)."""
         losses = []
         for k, rows in enumerate(logits.chunk(len(self)), start=1):
-            losses.append((ce or cross_entropy)(rows, shifted(whole, runs, k, IGNORE)))
+            losses.append(ce(rows, shifted(whole, runs, k, IGNORE)))
         return torch.stack(losses).mean()
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
-
-
-def whole_targets(targets: torch.Tensor, tokens) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def whole_targets(targets: torch.Tensor, tokens: TokenShard) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """(the whole sequences' targets (B, S_whole), the global runs of this rank's S positions): the token shard's
-    (model/tokens.py: seq_gather, seq_runs), or targets itself on one device."""
-    runs = seq_runs(tokens, targets.shape[1])
-    return (targets if tokens is None else tokens.seq_gather(targets, 1)), runs
+    (model/tokens.py: seq_gather, seq_runs; targets itself on one device)."""
+    return tokens.seq_gather(targets, 1), tokens.seq_runs(targets.shape[1])
 
 
 def shifted(whole: torch.Tensor, runs: list, k: int, fill: int) -> torch.Tensor:
