@@ -10,8 +10,9 @@ Muon orthogonalizes the update of a matrix that maps hidden activations to hidde
             and bias (vectors), the router (Moonlight keeps it on AdamW: a tiny E x D gate whose rows compete in
             a softmax/sigmoid) and the aux-free selection bias (a buffer, moved by its own sign rule, never an
             optimizer's)
-Floor 1 (model/): the gradient syncs (parallel/dp/) read the tag. A parameter is tagged once (`tag_params`, before the gradient sync is built): ZeRO 1/2 buckets Muon's matrices
-apart (zero.py), FSDP2 keeps the tag on its DTensor shards (fsdp.py), every flavour's `param_groups` splits by it.
+Floor 1 (model/): the gradient syncs (parallel/dp/) read the tag. A parameter is tagged once (`tag_params`, before the
+gradient sync is built): ZeRO 1/2 buckets Muon's matrices apart (zero.py), FSDP2 keeps the tag on its DTensor shards
+(fsdp.py), every flavour's `param_groups` splits by it.
 """
 
 from __future__ import annotations

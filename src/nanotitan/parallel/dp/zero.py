@@ -110,7 +110,8 @@ class ShardedReducer(Reducer):
         padded = -(-numel // (N * _SHARD_ALIGN)) * N * _SHARD_ALIGN
         S = padded // N
         b = _ShardBucket(flat=None, params=params, views=[], names=[n for n, _ in entries], padded=padded,
-                         decay=p0.dim() >= 2, muon=is_muon(p0), pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
+                         decay=p0.dim() >= 2, muon=is_muon(p0),
+                         pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
         offset = 0
         for p in params:
             b.offsets.append(offset)
