@@ -316,6 +316,8 @@ class CopyFold:
         """(this rank's copies' gradient pieces as (view, its group's ranks, (layer, tensor, expert)), in an order
         every rank shares; whether any layer of the stage has a replicated expert: the EP group agrees on it)."""
         groups = {k: sh.placement.replicated() for k, sh in self.experts.items()}
+        if not any(groups.values()):  # no copy anywhere (the static placement): nothing to read
+            return [], False
         pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
         me, entries = self.dims.moe_ep_rank, []
         for li, k in enumerate(self.keys):
