@@ -15,7 +15,7 @@ from nanotitan.parallel.dp.sync import Pieces
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.parallel.placement import Placement
 from nanotitan.parallel.rebalance import install
-from nanotitan.parallel.shard import Grad, GradLayout, set_layout
+from nanotitan.parallel.shard import Grad, GradLayout, grad_layout
 from nanotitan.parallel.where import global_experts, held_boxes, placed
 from nanotitan.state.keys import keyed_state
 from tests.helpers.checkpoint import tiny_cfg
@@ -31,15 +31,14 @@ def test_a_tp_slice_sits_at_its_rank_s_offset():
     """A SHARDED param's pieces shift by its TP rank's slice along its dim, in a whole n times as long: its own
     rank by default, another's when asked (a peer's geometry)."""
     model = Transformer(tiny_cfg().model, ModelShardSpec.full(tiny_cfg().model), 0)
-    q = torch.zeros(6, 4)
-    set_layout(q, GradLayout(Grad.SHARDED, (1, 2, 3)))  # rank 2 of 3 along dim 1
+    q, name = torch.zeros(6, 4), "layers.0.attn.q_proj.weight"
+    layout = GradLayout(Grad.SHARDED, (1, 2, 3))  # rank 2 of 3 along dim 1
     pieces = Pieces(q.shape, [((1, 0), q[1:3]), ((3, 2), q[3:, 2:])])
-    assert _keys(placed(model, "layers.0.attn.q_proj.weight", q, pieces)) == \
-        {"": ((6, 12), [((1, 8), (2, 4)), ((3, 10), (3, 2))])}
-    assert _keys(placed(model, "layers.0.attn.q_proj.weight", q, pieces, tp_rank=0)) == \
-        {"": ((6, 12), [((1, 0), (2, 4)), ((3, 2), (3, 2))])}
+    assert _keys(placed(model, name, layout, pieces)) == {"": ((6, 12), [((1, 8), (2, 4)), ((3, 10), (3, 2))])}
+    assert _keys(placed(model, name, layout.at(0), pieces)) == {"": ((6, 12), [((1, 0), (2, 4)), ((3, 2), (3, 2))])}
+    assert _keys(placed(model, name, grad_layout(q), pieces)) == _keys({"": pieces})  # untagged: ALONE, as held
     step = torch.zeros(())  # AdamW's step: whole, under the param's own key
-    assert _keys(placed(model, "layers.0.attn.q_proj.weight", q, Pieces.whole(step))) == {"": ((), [((), ())])}
+    assert _keys(placed(model, name, layout, Pieces.whole(step))) == {"": ((), [((), ())])}
 
 
 def test_expert_slots_are_global_experts_static_or_placed():
@@ -50,15 +49,16 @@ def test_expert_slots_are_global_experts_static_or_placed():
     model = Transformer(cfg, spec, 0)
     w = model.get_parameter(W)
     assert list(global_experts(model, W)) == [4, 5, 6, 7] and list(global_experts(model, W, 0)) == [0, 1, 2, 3]
-    out = _keys(placed(model, W, w, Pieces(w.shape, [((1, 0, 0), w[1:3])])))  # a ZeRO-like box over slots 1, 2
+    alone = grad_layout(w)
+    out = _keys(placed(model, W, alone, Pieces(w.shape, [((1, 0, 0), w[1:3])])))  # a ZeRO-like box over slots 1, 2
     assert set(out) == {".4", ".5", ".6", ".7"} and out[".4"] == (tuple(w.shape[1:]), [])
     assert out[".5"] == out[".6"] == (tuple(w.shape[1:]), [((0, 0), tuple(w.shape[1:]))])
     table = Placement(((0, 3, -1, 3), (5, 1, 2, 4)), 8)  # toy slots: rank 0 holds 0 and 3 twice, one empty
     install(model.layers["0"].moe, table, 0)
     assert list(global_experts(model, W)) == [0, 3, -1, 3] and list(global_experts(model, W, 1)) == [5, 1, 2, 4]
-    out = placed(model, W, w, Pieces.whole(w))
+    out = placed(model, W, alone, Pieces.whole(w))
     assert set(out) == {".0", ".3"} and torch.equal(out[".0"].boxes[0][1], w[0].detach())
-    assert set(placed(model, W, w, Pieces.whole(w), moe_ep_rank=1)) == {".5", ".1", ".2", ".4"}
+    assert set(placed(model, W, alone, Pieces.whole(w), moe_ep_rank=1)) == {".5", ".1", ".2", ".4"}
 
 
 def test_held_boxes_of_this_rank_are_its_live_keys():

@@ -6,8 +6,8 @@ A parameter, and each tensor of its optimizer state, is cut three ways before a 
 
     the DP shard    the gradient sync's flavour, in the param's own coordinates: `GradSync.sharded_state` (this
                     rank's live views) and `GradSync.state_boxes(names, rank)` (the same boxes for any stage rank)
-    the TP slice    a SHARDED param is its TP rank's 1/n along dim (parallel/shard.py: `grad_layout(p).part`): its
-                    boxes sit shifted by that rank's slice in the whole tensor
+    the TP slice    a SHARDED param is its TP rank's 1/n along dim (parallel/shard.py: `grad_layout(p).part`, and
+                    `.at(rank)` for another rank's): its boxes sit shifted by that rank's slice in the whole tensor
     the experts     an expert stack [L, ...] is L global tensors, one key per expert: slot l on EP rank r holds
                     global expert `global_experts(model, name, r)[l]` (-1: an empty slot, no key)
 
@@ -23,7 +23,7 @@ import torch
 
 from ..model.transformer import is_expert_param
 from .dp.sync import Pieces
-from .shard import grad_layout
+from .shard import GradLayout, grad_layout
 
 
 def global_experts(model: torch.nn.Module, name: str, moe_ep_rank: int | None = None) -> Sequence[int]:
@@ -37,16 +37,18 @@ def global_experts(model: torch.nn.Module, name: str, moe_ep_rank: int | None = 
     return range(start, start + n)
 
 
-def placed(model: torch.nn.Module, name: str, q: torch.Tensor, pieces: Pieces, tp_rank: int | None = None,
+def placed(model: torch.nn.Module, name: str, layout: GradLayout, pieces: Pieces,
            moe_ep_rank: int | None = None) -> dict[str, Pieces]:
-    """{key suffix: Pieces in the global tensor} of `pieces` (param `q`'s, or one tensor of its state, in q's own
-    coordinates) held at (tp_rank, moe_ep_rank), None: this rank's. The suffix is "" or, for an expert stack,
-    f".{global expert}". A box is anything indexed as a tensor (a live view, or a meta tensor of its shape)."""
+    """{key suffix: Pieces in the global tensor} of `pieces` (param `name`'s, or one tensor of its state, in the
+    param's own coordinates) on the rank whose slice `layout` is (parallel/shard.py: `grad_layout(p)`, this rank's;
+    `.at(rank)` another's) and whose experts are EP rank `moe_ep_rank`'s (None: this model's own). The suffix is ""
+    or, for an expert stack, f".{global expert}". A box is anything indexed as a tensor (a live view, or a meta
+    tensor of its shape)."""
     if not pieces.size:  # a scalar (AdamW's step): whole, under the param's own key
         return {"": pieces}
-    if (part := grad_layout(q).part) is not None:  # a TP slice: shift its boxes by its rank's place
-        dim, own, n = part
-        shift = (own if tp_rank is None else tp_rank) * pieces.size[dim]
+    if (part := layout.part) is not None:  # a TP slice: shift its boxes by its rank's place
+        dim, rank, n = part
+        shift = rank * pieces.size[dim]
         size = list(pieces.size)
         size[dim] *= n
         pieces = Pieces(torch.Size(size), [(tuple(o + shift * (i == dim) for i, o in enumerate(off)), t)
@@ -72,6 +74,6 @@ def held_boxes(shard, names: set[str], rank: int) -> dict[str, tuple[tuple, list
     for name, boxes in shard.sync.state_boxes(names, rank).items():
         q = named[name]  # each box a meta tensor of its shape: placed as a live view is, nothing allocated
         pieces = Pieces(q.shape, [(off, torch.empty(sz, device="meta")) for off, sz in boxes])
-        for suffix, p in placed(shard.model, name, q, pieces, at.tp_rank, at.moe_ep_rank).items():
+        for suffix, p in placed(shard.model, name, grad_layout(q).at(at.tp_rank), pieces, at.moe_ep_rank).items():
             out[name + suffix] = (tuple(p.size), [(tuple(o), tuple(t.shape)) for o, t in p.boxes])
     return out

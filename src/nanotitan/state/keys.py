@@ -9,6 +9,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..parallel.dp.sync import Pieces, replicated_pieces
+from ..parallel.shard import grad_layout
 from ..parallel.where import placed
 
 
@@ -55,11 +56,11 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
         model_state.setdefault(name, Pieces.whole(t))
     out: dict[str, Chunks] = {}
     for name, pieces in model_state.items():
-        for suffix, p in placed(model, name, tensors[name], pieces).items():
+        for suffix, p in placed(model, name, grad_layout(tensors[name]), pieces).items():
             out[f"model.{name}{suffix}"] = Chunks(p.size, p.boxes)
     for name, st in optim_state.items():
         for k, pieces in st.items():
-            for suffix, p in placed(model, name, tensors[name], pieces).items():
+            for suffix, p in placed(model, name, grad_layout(tensors[name]), pieces).items():
                 out[f"optim.{name}{suffix}.{k}"] = Chunks(p.size, p.boxes)
     return out
 
