@@ -42,8 +42,7 @@ def placed(model: torch.nn.Module, name: str, layout: GradLayout, pieces: Pieces
     """{key suffix: Pieces in the global tensor} of `pieces` (param `name`'s, or one tensor of its state, in the
     param's own coordinates) on the rank whose slice `layout` is (parallel/shard.py: `grad_layout(p)`, this rank's;
     `.at(rank)` another's) and whose experts are EP rank `moe_ep_rank`'s (None: this model's own). The suffix is ""
-    or, for an expert stack, f".{global expert}". A box is anything indexed as a tensor (a live view, or a meta
-    tensor of its shape)."""
+    or, for an expert stack, f".{global expert}". A box is a live view, or a peer's box as its `Extent`."""
     if not pieces.size:  # a scalar (AdamW's step): whole, under the param's own key
         return {"": pieces}
     if (part := layout.part) is not None:  # a TP slice: shift its boxes by its rank's place
@@ -64,6 +63,18 @@ def placed(model: torch.nn.Module, name: str, layout: GradLayout, pieces: Pieces
             for slot, e in enumerate(global_experts(model, name, moe_ep_rank)) if e >= 0}
 
 
+class Extent(tuple):
+    """A box's sizes standing in for a tensor of that shape (a peer's box): `placed` reads a box's `.shape` and its
+    rows, nothing allocated (the dry run computes thousands of them per rank)."""
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self)
+
+    def __getitem__(self, row: int) -> "Extent":  # one row of the box: its sizes less the first
+        return Extent(tuple(self)[1:])
+
+
 def held_boxes(shard, names: set[str], rank: int) -> dict[str, tuple[tuple, list[tuple]]]:
     """{global key: (whole shape, [(offsets, sizes)])} of the named params' optimizer state on global rank `rank`
     of this stage, from the sharding rules alone: every rank of a stage builds the same buckets and FSDP units,
@@ -72,8 +83,8 @@ def held_boxes(shard, names: set[str], rank: int) -> dict[str, tuple[tuple, list
     named = dict(shard.model.named_parameters())
     out = {}
     for name, boxes in shard.sync.state_boxes(names, rank).items():
-        q = named[name]  # each box a meta tensor of its shape: placed as a live view is, nothing allocated
-        pieces = Pieces(q.shape, [(off, torch.empty(sz, device="meta")) for off, sz in boxes])
+        q = named[name]
+        pieces = Pieces(q.shape, [(off, Extent(sz)) for off, sz in boxes])
         for suffix, p in placed(shard.model, name, grad_layout(q).at(at.tp_rank), pieces, at.moe_ep_rank).items():
             out[name + suffix] = (tuple(p.size), [(tuple(o), tuple(t.shape)) for o, t in p.boxes])
     return out
