@@ -9,9 +9,9 @@ what each rank would hold. For each distinct rank, in this one process, with no 
        group of the job, constructed as a launch constructs them
     3. under a FakeTensorMode (tensors with shapes and dtypes, no data): the real `parallelize` (shard, EP
        dispatcher, broadcasts, gradient sync), the trainer's optimizer (optim/build.py) with what its first step
-       creates (its state, Muon's owner plan: the optimizer's `prepare`), then one training step through the real step code
-       (`forward_backward`, `finish_grads`, `clip_grads`, the optimizer step, `after_update`) of ONE microbatch,
-       the final one (so the DP sync runs), under a byte meter (`TensorBytesMeter`)
+       creates (its state, Muon's owner plan: the optimizer's `prepare`), then one training step through the real
+       step code (`forward_backward`, `finish_grads`, `clip_grads`, the optimizer step, `after_update`) of ONE
+       microbatch, the final one (so the DP sync runs), under a byte meter (`TensorBytesMeter`)
 
 A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors after the step, as summary.json
 measures them: `memory.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
