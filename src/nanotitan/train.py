@@ -69,7 +69,8 @@ class NonFiniteGuard:
         if self.policy == "stop":
             return f"step {step}: non-finite loss or grad norm"
         if self.in_a_row > self.max_skips:
-            return f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > train.max_skips={self.max_skips})"
+            return (f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > "
+                    f"train.max_skips={self.max_skips})")
         log(f"step {step}: non-finite loss or grad norm, update skipped on every rank")
         return None
 

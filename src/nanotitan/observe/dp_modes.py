@@ -28,7 +28,8 @@ def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, 
     the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step beside glibc's heap
     over it (`heap_peak_bytes`: the count's start plus the heap's rise, observe/memory.py HeapInUse), and with
     `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py).
-    `batch` sequences of model_cfg.max_seq_len tokens per rank and step (`nanotitan bench dp --zero`: the MID model's 8x128)."""
+    `batch` sequences of model_cfg.max_seq_len tokens per rank and step (`nanotitan bench dp --zero`: the MID
+    model's 8x128)."""
     from ..observe.memory import HeapInUse, PeakTensorBytes, SavedActivations, live_tensor_bytes
     from ..optim.adamw import AdamW, decay_groups
     from ..parallel.dims import ParallelDims

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
-from ..model.tokens import TokenShard
+from ..model.tokens import LOCAL, TokenShard
 from ..model.transformer import Attention, Transformer, is_expert_param
 from ..model import qk_max
 from ..model.families import tag_params
@@ -62,7 +62,7 @@ class ModelShard:
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
     tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
-    tokens: TokenShard | None = None  # the ranks sharing this shard's tokens (TP, tp.py), its stream's length
+    tokens: TokenShard = LOCAL  # the ranks sharing this shard's tokens (model/tokens.py), its stream's length
     rebalancer: Rebalancer | None = None  # parallel.expert_placement=balanced: the placements and their moves
 
     def num_params(self) -> int:

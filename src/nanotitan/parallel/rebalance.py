@@ -161,8 +161,9 @@ class Rebalancer:
                   "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "replicated": sum(len(new[k].replicated()) for k in self.keys)}
         self.changes.append(record)
-        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: busiest/mean {record['before']:.2f} -> {record['after']:.2f} "
-                 f"(worst layer), {len(changed)} layer(s) moved, {record['replicated']} expert(s) replicated, "
+        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: "
+                 f"busiest/mean {record['before']:.2f} -> {record['after']:.2f} (worst layer), {len(changed)} "
+                 f"layer(s) moved, {record['replicated']} expert(s) replicated, "
                  f"{moved / 2**20:.2f} MiB moved, pause {record['pause_s'] * 1e3:.0f} ms")
         return record
 

@@ -16,8 +16,8 @@ what each rank would hold. For each distinct rank, in this one process, with no 
 A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors after the step, as summary.json
 measures them: `memory.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
 microbatches = the one-microbatch step's peak + (in_flight - 1) x the bytes one microbatch keeps from its forward to
-its backward, in_flight being what the schedule holds at once (`parallel.pp.facts.in_flight`: M under GPipe, PP - s under
-1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
+its backward, in_flight being what the schedule holds at once (`parallel.pp.facts.in_flight`: M under GPipe, PP - s
+under 1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
 weight gradients that keep part of a microbatch, do not compose that simply).
 
 Which ranks are distinct: a rank's bytes depend on its pipeline stage and, at zero 3, on its place in its FSDP

@@ -376,7 +376,8 @@ def _check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None, info: 
 def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     """Global check every rank can do alone: the checkpoint has no more layers/experts than the model."""
     layers = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.([0-9]+)\.", k))}
-    experts = {int(m.group(1)) for k in meta if (m := re.fullmatch(r"model\.layers\.[0-9]+\.moe\.experts\.W_gate\.([0-9]+)", k))}
+    expert_key = r"model\.layers\.[0-9]+\.moe\.experts\.W_gate\.([0-9]+)"
+    experts = {int(m.group(1)) for k in meta if (m := re.fullmatch(expert_key, k))}
     cfg = model.cfg
     if layers and max(layers) + 1 != cfg.n_layers + cfg.mtp_layers:  # the MTP blocks follow the decoder's
         mtp = f" + model.mtp_layers={cfg.mtp_layers}" if cfg.mtp_layers else ""

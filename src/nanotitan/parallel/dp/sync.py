@@ -2,6 +2,8 @@
 
 A rank's `GradSync` owns, for its flavour of DP:
 
+    forward_backward(..)     the step's forwards and backwards: the pipeline schedule it is handed (torch DDP: its own
+                             microbatch loop)
     prepare(sync)            before each microbatch's backward; sync=True before the step's final one
     finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards
     param_groups()           what this rank updates (params, or its 1/N shards), one group per family tag
@@ -32,8 +34,11 @@ shards summed over expert-DP and divided by DP*EP.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -41,6 +46,7 @@ import torch.nn as nn
 from ...model.families import tag_of
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
+from ..pp.schedules import StepStats
 from .reducer import Reducer, wrap_ddp
 from ..shard import Grad, grad_layout, token_ranks
 
@@ -118,6 +124,12 @@ class GradSync:
                  replicated_params: NamedParams):
         self.model, self.dims = model, dims
         self.expert_params, self.replicated_params = expert_params, replicated_params
+
+    def forward_backward(self, pipeline: Callable[[], StepStats], xs: list[torch.Tensor], ys: list[torch.Tensor],
+                         aux_weight: float, forward_ctx: Callable) -> StepStats:
+        """This rank's forwards and backwards of the step's microbatches xs, ys (parallel/step.py): `pipeline()`
+        runs them through the stage's schedule, which calls `prepare` before each backward."""
+        return pipeline()
 
     def prepare(self, sync: bool) -> None:
         raise NotImplementedError
@@ -217,11 +229,29 @@ class ReplicatedSync(BucketedSync):
 class TorchDDPSync(GradSync):
     """torch DDP over the non-expert-DP group: a baseline for pure DP (config refuses it with PP or EP, where
     DDP's average over its group is not DESIGN §4's). DDP decides in each *forward* whether the backward
-    syncs (`no_sync()`), so it needs its own microbatch loop (step.py); prepare/finish have nothing to do."""
+    syncs (`no_sync()`), so it runs its own microbatch loop (`forward_backward`); prepare/finish have nothing to do."""
 
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float):
         super().__init__(model, dims, expert_params, replicated_params)
         self.ddp = wrap_ddp(model, dims.group("non_expert_dp"), bucket_mb)
+
+    def forward_backward(self, pipeline, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
+        """No pipeline (pure DP): each microbatch through the DDP wrapper, no_sync on all but the last."""
+        t0, M = time.perf_counter(), len(xs)
+        ce_sum = aux_sum = mtp_sum = None
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            with contextlib.nullcontext() if i == M - 1 else self.ddp.no_sync():
+                with forward_ctx():
+                    ce, aux, *mtp = self.ddp(x, y)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                objective = ce + mtp[0] if mtp else ce
+                ((objective + aux_weight * aux) / M).backward()
+            ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
+            aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+            if mtp:
+                mtp_sum = mtp[0].detach() if mtp_sum is None else mtp_sum + mtp[0].detach()
+        wall = time.perf_counter() - t0
+        return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall,
+                         max_in_flight=1, mtp_sum=mtp_sum)
 
     def prepare(self, sync: bool) -> None:
         pass
