@@ -35,8 +35,9 @@ def train_placed(args: list[str]) -> dict:
     """The trainer's losses, this rank's whole params, every MoE layer's slot -> expert table, the placement
     changes rank 0 saw, its tp place."""
     from nanotitan.config.config import load_config
-    from nanotitan.model.transformer import held_experts
+    from nanotitan.model.transformer import is_expert_param
     from nanotitan.parallel.tp import tp_shard_dim
+    from nanotitan.parallel.where import global_experts
     from nanotitan.train import Trainer
     from tests.helpers.whole_state import whole_state
 
@@ -45,7 +46,7 @@ def train_placed(args: list[str]) -> dict:
         records = trainer.train()["history"]
         full, _ = whole_state(trainer.shard.sync)
         live = dict(trainer.shard.model.named_parameters())
-        slots = {n: list(ids) for n, ids in held_experts(trainer.shard.model).items()}  # each slot's expert
+        slots = {n: list(global_experts(trainer.shard.model, n)) for n in live if is_expert_param(n)}  # slot -> expert
         params = {n: (t.detach().clone(), tp_shard_dim(live[n])) for n, t in full.items()}
         changes = list(trainer.shard.rebalancer.changes)
     finally:

@@ -316,13 +316,6 @@ def take_routing(model: nn.Module) -> Routing:
                    torch.stack([torch.stack([s for _, s in records[k]]) for k in keys]))
 
 
-def held_experts(model: nn.Module, rank: int | None = None) -> dict[str, tuple[int, ...]]:
-    """{expert tensor name: the global expert of each of its slots} on `rank` of each layer's expert shard (default:
-    this rank; -1: an empty slot): what a checkpoint keys each slot by (state/keys.py) and where a peer's are."""
-    return {f"{n}.experts.{t}": m.expert_shard.experts_at(m.expert_shard.rank if rank is None else rank)
-            for n, m in model.named_modules() if isinstance(m, MoE) for t in ("W_gate", "W_val", "W_out")}
-
-
 def is_expert_param(name: str) -> bool:
     return ".experts." in name
 

@@ -170,7 +170,7 @@ class Rebalancer:
         shards = self.shards()
         for k in changed:
             shards[k].swap(new[k])  # the dispatch routes by it from the next step; the sync re-reads its copies
-        if hasattr(type(optimizer), "on_layout_change"):  # what an optimizer keeps per slot (Muon's owner plan)
+        if optimizer is not None:  # what knew the old slots (Muon's owner plan) goes: its next step plans the new
             optimizer.on_layout_change()
         record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
                   "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
