@@ -20,9 +20,10 @@ from .state import checkpoint as ckpt
 from .state import manifest
 from .config.config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
+from .data.tokenizer import load_tokenizer_file
+from .interop.hf import run_tokenizer
 from .model.transformer import Transformer
 from .parallel.dims import ParallelDims
-from .config.hf_config import resolve_model
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,16 @@ def picker(s: Sampling):
     return lambda logits_BV: torch.multinomial(filter_logits(logits_BV, s).softmax(-1), 1, generator=g)
 
 
-def load_full_model(cfg: Config, run_dir: Path) -> Transformer:
-    path = manifest.resolve_resume("auto", run_dir, verify=cfg.train.verify_ckpt)  # newest that verifies
+def load_full_model(run_dir: str | Path, overrides: list[str] | None = None) -> tuple[Config, Transformer]:
+    """The run's newest checkpoint that verifies, as one full model, with the config it was saved with (its own
+    config.toml, resolved when it was written, as `export` reads it; `overrides` on top)."""
+    path = manifest.resolve_resume("auto", run_dir, verify=True)
     if path is None:
         raise ConfigError(f"no complete checkpoint under {run_dir} (train with --train.ckpt_at_end true)")
+    cfg = load_config(path / "config.toml", overrides)
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
-    return model.eval()
+    return cfg, model.eval()
 
 
 def sample(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling()) -> str:
@@ -92,12 +96,9 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, overrides:
                       sampling: Sampling | None = None) -> str:
     """`nanotitan generate --run.dir`: the run's newest checkpoint continues `prompt`, drawn as `sampling` says
     (default: Sampling's defaults); without a seed, with the run's train.seed."""
-    cfg_path = Path(run_dir) / "config.toml"
-    # The run's config.toml is the resolved config it trained with; without one, the defaults, resolved here.
-    cfg = load_config(cfg_path, overrides) if cfg_path.exists() else resolve_model(load_config(None, overrides))
-    sampling = (sampling or Sampling()).seeded(cfg.train.seed)
-    sampling.check()  # before the checkpoint is read
+    (sampling or Sampling()).check()  # before the checkpoint is read
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model = load_full_model(cfg, Path(run_dir))
-    tokenizer = load_tokenizer(prepare_data(cfg.data))
-    return sample(model, tokenizer, prompt, max_new_tokens, sampling)
+    cfg, model = load_full_model(run_dir, overrides)
+    path = run_tokenizer(cfg)  # the prepared data's or data.tokenizer: nothing to encode
+    tokenizer = load_tokenizer_file(path) if path else load_tokenizer(prepare_data(cfg.data))
+    return sample(model, tokenizer, prompt, max_new_tokens, (sampling or Sampling()).seeded(cfg.train.seed))

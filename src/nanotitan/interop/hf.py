@@ -390,7 +390,7 @@ def save_pretrained(model: Transformer, cfg: Config | ModelConfig, out_dir: str 
     return out
 
 
-def _run_tokenizer(cfg: Config) -> Path | None:
+def run_tokenizer(cfg: Config) -> Path | None:
     """The tokenizer a run trained with: its prepared data dir's tokenizer.json, else data.tokenizer."""
     from ..data.prepare import prepared_dir
 
@@ -440,7 +440,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
         raise CheckpointError(f"{path / 'config.toml'}: {why}")  # config says so, and nothing can fit it here
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
-    tok = _run_tokenizer(cfg)
+    tok = run_tokenizer(cfg)
     if tok is None:
         print(f"export: no tokenizer found for {run} (prepare its data, or set data.tokenizer); "
               "writing weights and config only")
