@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .config.config import Config, ConfigError, ParallelConfig, load_config
-from .config.parse import parse_overrides, set_value
+from .config.parse import parse_mix, parse_overrides, set_value
 from .data.prepare import prepared_dir
 from .parallel.parallelize import parallelize
 from .parallel.step import evaluate
@@ -43,8 +43,8 @@ def eval_config(run_dir: str | Path, step: int | None, overrides: list[str]) -> 
     if given & {"data.source", "data.mix"}:
         if "data.mix" not in given:
             cfg.data.mix = ""  # another source instead of the run's mix
-        if "data.tokenizer" not in given and not run_cfg.data.tokenizer:  # the run trained its own BPE: encode with it
-            tokenizer = prepared_dir(run_cfg.data) / "tokenizer.json"
+        if "data.tokenizer" not in given and not run_cfg.data.tokenizer and first_source(cfg) != first_source(run_cfg):
+            tokenizer = prepared_dir(run_cfg.data) / "tokenizer.json"  # the BPE the run trained: encode with it
             if not tokenizer.is_file():
                 raise ConfigError(f"the run's tokenizer {tokenizer} is not in the data cache: prepare the run's data "
                                   f"again (nanotitan data prepare --config {path / 'config.toml'}), or give "
@@ -59,6 +59,11 @@ def eval_config(run_dir: str | Path, step: int | None, overrides: list[str]) -> 
     m = math.gcd(b, cfg.train.micro_batch)  # the run's micro_batch, or the largest divisor of b below it
     cfg.parallel.microbatches, cfg.train.micro_batch, cfg.train.global_batch = b // m, m, B
     return resolve(cfg), path  # validated there
+
+
+def first_source(cfg: Config) -> str:
+    """The source a config's own BPE is trained on: data.source, or data.mix's first."""
+    return parse_mix(cfg.data.mix)[0][0] if cfg.data.mix else cfg.data.source
 
 
 def evaluate_checkpoint(cfg: Config, path: Path) -> dict:

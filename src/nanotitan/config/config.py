@@ -22,7 +22,7 @@ from typing import Literal
 from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
-from .controls import check_controls
+from .controls_rules import check_controls
 from .cp_rules import check_cp
 from .placement_rules import check_placement
 from .tp_rules import check_tp

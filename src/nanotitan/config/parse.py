@@ -171,6 +171,8 @@ def parse_mix(spec: str) -> list[tuple[str, Fraction]]:
     """data.mix: "SRC:W,SRC:W" -> [(source, weight)], each weight the exact fraction its decimal writes (0.7 is 7/10),
     >= 0, summing to > 0; a source is what data.source takes. '' -> [] (no mix)."""
     out: list[tuple[str, Fraction]] = []
+    if ";" in spec:
+        raise ConfigError(f"data.mix={spec!r}: separate the entries with commas ({MIX_EXAMPLE})")
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         source, sep, text = item.rpartition(":")
         source = source.strip()
