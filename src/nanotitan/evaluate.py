@@ -5,7 +5,8 @@
 The config is the checkpoint's own (its config.toml, resolved when it was saved) with the layout reset to one process,
 then the flags applied: --parallel.dp/pp/ep/tp/cp name the layout the checkpoint is resharded onto (local ranks, or
 torchrun's), as a resume reshards. The held-out set is the val split of the run's data, or of --data.source /
---data.mix encoded with the run's tokenizer (prepared on first use, as `train` prepares). It is read as training's eval
+--data.mix encoded with the run's tokenizer (a source is prepared on first use, as `train` prepares; a mix's sources
+must be prepared already). It is read as training's eval
 reads it: train.eval_batches global batches of the run's size B (train.global_batch overrides it), the same n*B
 sequences spread over the val file for every layout, each data rank taking its rows in microbatches of at most
 train.micro_batch; the loss is training's eval (parallel/step.py `evaluate`: the mean cross-entropy of their

@@ -47,7 +47,8 @@ def test_parse_mix_reads_exact_fractions_and_refuses_in_one_line():
     for spec, msg in [("a,b:1", "data.mix entry 'a' needs a source and a weight"),
                       ("a:x,b:1", "data.mix weight 'x' of 'a' is not a number"),
                       ("a:-1,b:1", "data.mix weight -1 of 'a' must be >= 0"),
-                      ("a:0,b:0", "the weights sum to 0"), ("a:0.8;b:0.2", "separate the entries with commas"), ("a:1,a:2", "data.mix names 'a' twice"),
+                      ("a:0,b:0", "the weights sum to 0"), ("a:0.8;b:0.2", "separate the entries with commas"),
+                      ("a:1,a:2", "data.mix names 'a' twice"),
                       ("a:0.1234567891,b:0.33333333331", "common denominator exceeds 2**31")]:
         with pytest.raises(ConfigError) as e:
             load_config(None, ["--data.mix", spec])

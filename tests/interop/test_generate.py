@@ -93,6 +93,6 @@ def test_bad_flags_and_a_full_export_folder_are_refused_in_one_line(tokenizer, t
     with pytest.raises(ConfigError, match="top-p"):
         generate_from_run(str(run), "x", 3, sampling=Sampling(top_p=2.0))
     assert cli.main(["export", "--run.dir", str(run), "--out", str(out)]) == 2  # written by _run: not empty
-    assert capsys.readouterr().err == (f"nanotitan: config error: --out {str(out)!r} is not empty: export into a new or "
-                                       "empty directory, or add --force to write over it\n")
+    assert capsys.readouterr().err == (f"nanotitan: config error: --out {str(out)!r} is not empty: export into a new "
+                                       "or empty directory, or add --force to write over it\n")
     assert cli.main(["export", "--run.dir", str(run), "--out", str(out), "--force"]) == 0

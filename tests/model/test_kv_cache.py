@@ -11,6 +11,7 @@ from nanotitan.config.config import load_config
 from nanotitan.generate import Sampling, picker
 from nanotitan.model.kv_cache import KVCache
 from nanotitan.model.transformer import Transformer
+from tests.helpers.hf import greedy_full_forward
 
 V, L = 300, 24
 BASE = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "24", "--model.n_layers", "3",
@@ -35,13 +36,6 @@ def _model(extra) -> Transformer:
     return model
 
 
-def _greedy_without_cache(model, x, n):
-    for _ in range(n):
-        logits, _ = model(x)
-        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return x
-
-
 @pytest.mark.parametrize("name", ATTENTION)
 def test_cached_logits_and_greedy_tokens_equal_the_full_forward(name):
     model = _model(ATTENTION[name])
@@ -56,7 +50,7 @@ def test_cached_logits_and_greedy_tokens_equal_the_full_forward(name):
     assert (got - full).abs().max() <= 1e-5 * full.abs().max(), name
     prompt = x[:, :5]
     assert torch.equal(model.generate(prompt, 12, picker(Sampling(greedy=True))),
-                       _greedy_without_cache(model, prompt, 12)), name
+                       greedy_full_forward(model, prompt, 12)), name
 
 
 def test_generation_slides_past_max_seq_len_and_seeds_its_draws():
