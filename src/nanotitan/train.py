@@ -166,7 +166,7 @@ class Trainer:
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_ratio", 1.0)  # Muon's groups: train.muon_lr on the same schedule
+            g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.data.batch(step)
         with self.meters.activations(metered):
