@@ -23,8 +23,8 @@ EVAL = ("--train.eval_every", str(STEPS), "--train.eval_batches", "1")
 
 
 def _controls(mix: str, export_dir) -> tuple[str, ...]:
-    return ("--train.steps", str(STEPS), "--data.mix", mix, "--train.lr_schedule", "wsd", "--train.lr_decay_frac", "0.3",
-            *EVAL, "--train.export_hf", str(export_dir))
+    return ("--train.steps", str(STEPS), "--data.mix", mix, "--train.lr_schedule", "wsd",
+            "--train.lr_decay_frac", "0.3", *EVAL, "--train.export_hf", str(export_dir))
 
 
 def _train(args: list[str]) -> dict:
