@@ -1,5 +1,5 @@
 """Hugging Face interop test helpers: tensors of a safetensors checkpoint, weights moved off their init, logits
-compared, and DeepSeek-V3's tiny config."""
+compared, greedy decoding without a cache, and DeepSeek-V3's tiny config."""
 
 from pathlib import Path
 
@@ -15,6 +15,14 @@ def _randomise(params, seed: int) -> None:
     with torch.no_grad():
         for p in params:
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() == 1 else 0.2) + (p.dim() == 1))
+
+
+def greedy_full_forward(model, x, n: int):
+    """x (B, T) and n greedy tokens after it, each from a full forward over the whole context (no cache)."""
+    for _ in range(n):
+        logits, _ = model(x)
+        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return x
 
 
 def _assert_logits_close(got, want):
