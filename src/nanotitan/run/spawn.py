@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import pickle
 import queue
 import signal
@@ -35,6 +36,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 
 import torch
@@ -113,6 +115,22 @@ def _stacks(procs, stack_dir: str) -> str:
         text = f.read_text().strip() if f.exists() else ""
         parts.append(f"--- rank {r} ---\n{text or '(no stack written)'}")
     return "\n".join(parts)
+
+
+def start_forkserver(preload: list[str]) -> None:
+    """Start the server start_method="forkserver" forks ranks from (if not running), with `preload` imported once
+    there and this process's sys.path: Python 3.11's forkserver drops the one it is handed, and without it neither
+    the preloads nor the ranks' functions would import."""
+    mp.set_forkserver_preload(preload)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 60.0,

@@ -45,6 +45,30 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
     keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
     other's checkpoint (and those written whole, before the pieces)."""
+    if optimizer is not None:
+        ensure_adam_state(optimizer)
+    sync = shard.sync if shard is not None else None
+    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
+    # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in model_state:
+            model_state[name] = Pieces.whole(t)
+    return global_keys(model, {"model": model_state}, {"optim": optim_state})
+
+
+def keyed_grads(model: torch.nn.Module, shard) -> dict[str, Chunks]:
+    """{"grad.<param name>[.<expert id>]": this rank's Chunks of its averaged gradient}, by the keys' rules (TP slices
+    at their offsets, experts split per global id, ZeRO/FSDP pieces where they lie): after the gradient sync, before
+    the optimizer step (`nanotitan verify` compares every layout's against one process's)."""
+    names = {n for n, _ in model.named_parameters()}
+    return global_keys(model, {"grad": shard.sync.grad_pieces(names)}, {})
+
+
+def global_keys(model: torch.nn.Module, tensors: dict[str, dict[str, Pieces]],
+                states: dict[str, dict[str, dict[str, Pieces]]]) -> dict[str, Chunks]:
+    """{prefix.name[.expert][.state]: Chunks}: `tensors` ({prefix: {param name: Pieces}}) and `states` ({prefix:
+    {param name: {state key: Pieces}}}), each piece in the parameter's own coordinates (its TP slice, its local
+    experts), keyed globally: a TP slice moved to its rank's offset, an expert tensor split per global expert id."""
     expert_start = model.spec.expert_start
     # a placement's slots (parallel/rebalance.py): slot l holds global expert slot_experts[l] (-1: empty, no key;
     # the copies of a replicated expert write identical boxes, kept once)
@@ -65,25 +89,23 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
             if e >= 0:
                 out[f"{prefix}.{name}.{e}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
 
-    if optimizer is not None:
-        ensure_adam_state(optimizer)
-    sync = shard.sync if shard is not None else None
-    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
     for name, q in model.named_parameters():  # TP slices sit at their rank's offset in the whole tensor
-        if (part := grad_layout(q).part) is not None:
-            model_state[name] = tp_pieces(model_state[name], *part)
-            for k, pieces in optim_state.get(name, {}).items():
+        if (part := grad_layout(q).part) is None:
+            continue
+        for by_name in tensors.values():
+            if name in by_name:
+                by_name[name] = tp_pieces(by_name[name], *part)
+        for by_name in states.values():
+            for k, pieces in by_name.get(name, {}).items():
                 if len(pieces.size):
-                    optim_state[name][k] = tp_pieces(pieces, *part)
-    # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name not in model_state:
-            model_state[name] = Pieces.whole(t)
-    for name, pieces in model_state.items():
-        put("model", name, pieces)
-    for name, st in optim_state.items():
-        for k, pieces in st.items():
-            put("optim", name, pieces, f".{k}")
+                    by_name[name][k] = tp_pieces(pieces, *part)
+    for prefix, by_name in tensors.items():
+        for name, pieces in by_name.items():
+            put(prefix, name, pieces)
+    for prefix, by_name in states.items():
+        for name, st in by_name.items():
+            for k, pieces in st.items():
+                put(prefix, name, pieces, f".{k}")
     return out
 
 
