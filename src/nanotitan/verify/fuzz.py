@@ -76,10 +76,30 @@ LAYOUT_DRAWS = [
     ("experts impl", [("--model.experts_impl", "grouped")]),
 ]
 DEFAULT_P = 0.5  # how often each row keeps its default
+# Where an option means something, by its first flag: off the layouts it fits, it is drawn only MISFIT_P of the
+# time (so that the config's refusals of it stay in the counts, without spending most cases on them).
+FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
+        "--parallel.schedule": lambda l: l["pp"] > 1,
+        "--parallel.expert_placement": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
+        "--parallel.sp": lambda l: l["tp"] > 1,
+        "--parallel.cp_impl": lambda l: l["cp"] > 1,
+        "--parallel.ep_overlap": lambda l: l["ep"] > 1,
+        "--parallel.ep_overlap_microbatches": lambda l: l["ep"] > 1 and l["tp"] * l["cp"] == 1,
+        "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"]}
+MISFIT_P = 0.1
 
 
-def _pick(rng: random.Random, rows: list) -> list[str]:
-    return [f for _, bundles in rows for f in (() if rng.random() < DEFAULT_P else rng.choice(bundles))]
+def _pick(rng: random.Random, rows: list, layout: dict | None = None) -> list[str]:
+    out = []
+    for _, bundles in rows:
+        if rng.random() < DEFAULT_P:
+            continue
+        fit = [b for b in bundles if layout is None or FITS.get(b[0], lambda l: True)(layout)]
+        if rng.random() < MISFIT_P:
+            out += rng.choice(bundles)
+        elif fit:
+            out += rng.choice(fit)
+    return out
 
 
 # The refusal table: one row per forbidden combination (docs/verify.md "Refusals"): (key, the ConfigError's pattern,
@@ -165,7 +185,7 @@ def draw(n: int, seed: int) -> list[Case]:
             lay = rng.choice(every)
             flags = [f for a in AXES for f in (f"--parallel.{a}", str(lay[a]))]
             flags += ["--parallel.microbatches", str(B // (lay["dp"] * lay["ep"] * m))]
-            flags += _pick(rng, LAYOUT_DRAWS)
+            flags += _pick(rng, LAYOUT_DRAWS, lay)
             cases.append(Case(len(cases), group, family, model + flags))
     return cases[:n]
 
