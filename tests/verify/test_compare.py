@@ -21,7 +21,8 @@ def test_rel_error_over_boxes_and_their_coverage():
     assert rel_error(ref, halves) == (0.0, "")
     wrong = [((0, 0), ref[:, :2] + 1e-3), ((0, 2), ref[:, 2:].clone())]
     rel, note = rel_error(ref, wrong)
-    assert not note and rel == pytest.approx(1e-3 * math.sqrt(6) / ref.norm().item(), rel=1e-3)  # fp32 rounding of +1e-3
+    # (fp32 rounds the +1e-3)
+    assert not note and rel == pytest.approx(1e-3 * math.sqrt(6) / ref.norm().item(), rel=1e-3)
     rel, note = rel_error(ref, halves[:1])  # an expert, a slice no rank holds
     assert rel == math.inf and "6 of its 12 elements" in note
     # a replica that drifted counts as a wrong slice does

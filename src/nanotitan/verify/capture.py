@@ -16,6 +16,7 @@ Every box is a CPU copy (offsets, tensor) under a global key; `verify/compare.py
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -56,6 +57,7 @@ class Capture:
         self.seq_len = sum(n for _, n in trainer.data.runs)  # the positions this rank's loader reads
         self.row0 = trainer.dims.data_rank * (self.B // trainer.dims.data_world)
         self.calls: dict[str, list[torch.Tensor]] = {}
+        self.seconds = 0.0  # spent recording (the hooks, the copies): verify's own cost in this rank's step
         self.tensors: dict[str, tuple[tuple[int, ...], Boxes]] = {}
         # the parameters whose gradient a TP rank holds a slice or a partial sum of (a report row's axes)
         self.sliced = [n for n, p in model.named_parameters() if grad_layout(p).kind in (Grad.SHARDED, Grad.PARTIAL)]
@@ -70,13 +72,17 @@ class Capture:
         def record(_module, _args, out):
             if in_backward():  # a checkpointed block's recompute: the forward's output is recorded already
                 return
+            t0 = time.perf_counter()
             y = out[0] if isinstance(out, tuple) else out
             self.calls.setdefault(name, []).append(y.detach().float().cpu().clone())
+            self.seconds += time.perf_counter() - t0
         return record
 
     def _grads(self) -> None:
         if not any(k.startswith("grad.") for k in self.tensors):  # the first step's only
+            t0 = time.perf_counter()
             self.tensors.update(_copied(keyed_grads(self.trainer.model, self.trainer.shard)))
+            self.seconds += time.perf_counter() - t0
 
     @property
     def order(self) -> list[str]:
@@ -90,6 +96,7 @@ class Capture:
     def finish(self) -> None:
         """After the first step: hooks off, the forward's outputs as global boxes, the state after the update."""
         self.close()
+        t0 = time.perf_counter()
         for name, outs in self.calls.items():
             assert len(outs) == self.M, f"{name}: {len(outs)} forward calls in a step of {self.M} microbatches"
             size, boxes = None, []
@@ -99,6 +106,7 @@ class Capture:
             self.tensors[f"act.{name}"] = (size, boxes)
         t = self.trainer
         self.tensors.update(_copied(keyed_state(t.model, t.optimizer, t.shard)))
+        self.seconds += time.perf_counter() - t0
 
     def _place(self, name: str, y: torch.Tensor, row: int) -> tuple[tuple[int, ...], Boxes]:
         """(the global size, the boxes) of one microbatch's output y (m or k*m rows: MTP stacks its depths along

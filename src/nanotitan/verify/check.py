@@ -20,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..config.config import Config, ConfigError, ParallelConfig, to_toml
 from ..resolve import resolve
 from .compare import FP32, Layout, Row, as_json, bf16, compare, first_loss_step, verdict
-from .world import WorldFailed, run_world
+from ..run.spawn import start_forkserver
+from .world import PRELOAD, WorldFailed, run_world
 
 AXES = ("dp", "pp", "ep", "tp", "cp")
 FAULT_ENV = "NANOTITAN_VERIFY_FAULT"  # AXIS[:CALL[:RANK]]: a planted fault in the layout's run (parallel/comm/fault.py)
@@ -69,9 +72,19 @@ def configs(cfg: Config, layout: dict[str, int] | None, run_dir: str) -> tuple[C
     p.microbatches = B // (p.dp * p.ep * m)
     if lay.world_size == 1:
         raise ConfigError("the layout is one process: nothing to compare (--layout dp=2,pp=2,ep=2)")
+    if cfg.train.compile:  # the recording's hooks would sit inside the compiled blocks' graphs
+        raise ConfigError("train.compile: verify compares eager runs (--train.compile false; compiled blocks are held "
+                          "to eager ones by tests/parallel/test_compile.py)")
+    if cfg.data.loader != "indexed":  # the streaming loader splits its stream by data rank: not one process's batch
+        raise ConfigError(f"data.loader={cfg.data.loader} reads another batch on every layout: verify compares the "
+                          "same global batch (--data.loader indexed)")
     ref = _for_verify(cfg, f"{run_dir}/reference")
     ref.parallel = ParallelConfig(microbatches=B // m, timeout_s=p.timeout_s)
-    return resolve(ref), resolve(lay)
+    ref, lay = resolve(ref), resolve(lay)
+    if lay.train.device == "cuda" and lay.world_size > torch.cuda.device_count():
+        raise ConfigError(f"the layout's {lay.world_size} ranks need as many GPUs, {torch.cuda.device_count()} are "
+                          "visible (--train.device cpu: local gloo ranks)")
+    return ref, lay
 
 
 @dataclass
@@ -106,7 +119,10 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
         sizes = {a: getattr(lay_cfg.parallel, a) for a in AXES}
         dtype = lay_cfg.train.dtype
         key = _reference_key(ref_cfg, steps)
-        seconds = {}
+        t0 = time.perf_counter()
+        if start_method == "forkserver":  # the ranks' server imports torch and the trainer once, timed apart
+            start_forkserver(PRELOAD)
+        seconds = {"start": time.perf_counter() - t0}
         t0 = time.perf_counter()
         try:
             ref = references[key] if references is not None and key in references else \
@@ -127,6 +143,8 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     sliced = {n for r in ranks for n in r["sliced"]}
+    seconds["capture"] = max(r["capture_s"] for r in ranks)  # the slowest rank's recording, inside "layout"
+    seconds["steps"] = [max(r["steps"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
     tol = bf16(ref_cfg.layout_batch * ref_cfg.train.seq_len) if dtype == "bf16" else FP32
     rows = compare(ref, ranks, tol, Layout(sizes, sliced))
     line = verdict(rows)
@@ -141,8 +159,9 @@ def _reference_key(ref_cfg: Config, steps: int) -> str:
 
 
 PHASES = (("forward", "forward outputs"), ("backward", "gradients"), ("update", "parameters and optimizer state"),
-          ("loss", "per-step loss (ce, mtp, total)"), ("norm", "per-step balance loss, grad norm, max logit"),
-          ("exact", "per-step lr and skip verdict"))
+          ("counts", "router bias (from routing counts)"),
+          ("loss", "loss per step (ce, mtp, total)"), ("norm", "balance loss, grad norm, max logit"),
+          ("exact", "lr and skip verdict per step"))
 
 
 def report(o: Outcome) -> list[str]:
@@ -166,6 +185,13 @@ def report(o: Outcome) -> list[str]:
         lines.append(f"  first divergence: {first.name}, {first.phase} at step {first.step}{where}{note}")
     if o.loss_step is not None:
         lines.append(f"  the loss first diverges at step {o.loss_step}")
+    if o.seconds.get("layout"):
+        s = o.seconds
+        total = s["start"] + s["reference"] + s["layout"]
+        steps = ", ".join(f"{t:.2f}" for t in s["steps"])
+        lines.append(f"  took {total:.0f} s: starting {s['start']:.1f} s, one process {s['reference']:.1f} s, "
+                     f"the layout {s['layout']:.1f} s (its steps {steps} s; recording {s['capture']:.2f} s of the "
+                     "first)")
     lines.append(o.line)
     return lines
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import time
 
 from ..config.config import Config, ConfigError
 from ..parallel.comm import fault as faults
@@ -54,10 +55,11 @@ def _train(trainer, cfg: Config, steps: int, fault: str | None) -> dict:
     out = []
     try:
         for step in range(steps):
+            t0 = time.perf_counter()
             result = trainer.train_step(step)
             if step == 0:
                 capture.finish()
-            out.append(figures(result))
+            out.append({**figures(result), "seconds": time.perf_counter() - t0})
             if result.nonfinite and cfg.train.on_nonfinite == "stop":
                 break
     finally:
@@ -66,7 +68,7 @@ def _train(trainer, cfg: Config, steps: int, fault: str | None) -> dict:
         trainer.writer.close()
         trainer.shard.close()  # not trainer.close(): the world may run another case (tests share one)
     return {"steps": out, "tensors": capture.tensors, "order": capture.order, "sliced": capture.sliced,
-            "fault": planted.planted if planted else ""}
+            "fault": planted.planted if planted else "", "capture_s": capture.seconds}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[Config, int, str | None]]) -> list[dict]:
@@ -76,7 +78,8 @@ def run_cases(rank: int, world: int, cases: list[tuple[Config, int, str | None]]
 
 def run_world(cfg: Config, steps: int, fault: str | None = None, start_method: str = "forkserver",
               timeout: float = 900.0) -> list[dict]:
-    """`run_rank` on cfg.world_size local gloo ranks; their results in rank order."""
+    """`run_rank` on cfg.world_size local ranks (gloo on CPU, NCCL with one GPU each on CUDA); their results in rank
+    order."""
     return launch(run_rank, cfg.world_size, (cfg, steps, fault), cfg, start_method, timeout)
 
 
@@ -85,7 +88,8 @@ def launch(fn, world: int, args: tuple, cfg: Config, start_method: str, timeout:
         spawn.start_forkserver(PRELOAD)
     try:
         return spawn.run_ranks(fn, world, args, timeout=timeout, pg_timeout=cfg.parallel.timeout_s,
-                               threads=cfg.train.threads, start_method=start_method)
+                               threads=cfg.train.threads, start_method=start_method,
+                               backend="nccl" if cfg.train.device == "cuda" else "gloo")  # GPU r for rank r
     except (RuntimeError, TimeoutError) as e:
         raise failure(str(e)) from None
 
