@@ -1,9 +1,9 @@
 """`nanotitan verify` end to end on real gloo ranks: a one-element error planted in one collective of each axis (a TP
 all-reduce, an EP all-to-all, a CP ring hop, a DP gradient bucket, a PP send) is named by a tensor of that axis as
-the first divergence, and the same layout without it is equal; the command's exit codes, last line and JSON.
+the first divergence; the command's exit codes (the same EP layout without the fault is equal), last line and JSON.
 
-Cost: one one-process reference and one 2-rank world running the six cases one after another (~20 s on an idle
-2-core machine), two CLI runs of one step (~15 s).
+Cost: one one-process reference and one 2-rank world running the five cases one after another, two CLI runs of one
+step each.
 """
 
 import json
@@ -18,16 +18,15 @@ from nanotitan.verify.fuzz import BASE
 from nanotitan.verify.world import run_cases, run_world
 from tests.helpers.mp import run_ranks
 
-STEPS = 2
+STEPS = 1  # every fault lands in the first step, the one compared tensor by tensor
 # (layout, extra flags, the fault planted: AXIS[:CALL[:RANK]], the first divergence's name, its phase)
 FAULTS = {
     # without SP a TP region's exit is an all-reduce: the vocab-parallel embedding's lookups are the first
-    "tp": (dict(tp=2), ("--parallel.sp", "false"), "tp", "tok_emb", "forward"),
+    "tp": (dict(tp=2), ("--parallel.sp", "false"), "tp", "embed", "forward"),
     "ep": (dict(ep=2), (), "ep", "layers.0.moe", "forward"),  # layer 0's dispatch
     "cp": (dict(cp=2), (), "cp", "layers.0.attn", "forward"),  # layer 0's first ring hop
     "dp": (dict(dp=2), (), "dp", None, "backward"),  # the final backward's first bucket
     "pp": (dict(pp=2), (), "pp", "layers.2.attn", "forward"),  # the first activation into stage 1
-    "none": (dict(ep=2), (), None, None, None),
 }
 
 
@@ -48,9 +47,6 @@ def test_a_planted_fault_is_named_by_a_tensor_of_its_axis(corpus_dir, tmp_path):
         ranks = [results[r][i] for r in range(2)]
         rows = compare(ref, ranks, FP32, layouts[i])
         first = next((r for r in rows if not r.ok), None)
-        if fault is None:
-            assert first is None, f"{name}: {verdict(rows)}"
-            continue
         assert any(r["fault"] for r in ranks), f"{name}: the fault was never planted"
         assert first is not None and first.phase == phase and fault in first.axes, f"{name}: {verdict(rows)}"
         assert where is None or first.name == where, f"{name}: {verdict(rows)}"

@@ -98,6 +98,7 @@ class Outcome:
     dtype: str
     loss_step: int | None = None  # the first step whose loss diverges
     failed: str = ""  # the layout's (or the reference's) failure line, when a run did not finish
+    detail: str = ""  # and the failing rank's traceback
     fault: str = ""  # where a planted fault went
     seconds: dict = field(default_factory=dict)  # wall time of each run: reference, layout
 
@@ -129,7 +130,7 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
                 run_world(ref_cfg, steps, start_method=start_method)[0]
         except WorldFailed as e:
             return Outcome([], f"verify: the one-process reference failed: {e.line}", 1, sizes, steps, dtype,
-                           failed=e.line)
+                           failed=e.line, detail=e.detail)
         if references is not None:
             references[key] = ref
         seconds["reference"] = time.perf_counter() - t0
@@ -138,7 +139,7 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
             ranks = run_world(lay_cfg, steps, fault, start_method=start_method)
         except WorldFailed as e:
             return Outcome([], f"verify: the layout failed: {e.line}", 1, sizes, steps, dtype, failed=e.line,
-                           seconds=seconds)
+                           detail=e.detail, seconds=seconds)
         seconds["layout"] = time.perf_counter() - t0
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

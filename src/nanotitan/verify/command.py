@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ..config.config import ConfigError, load_config
 
 VALUED = {"--layout": str, "--steps": int, "--json": str, "--fuzz": int, "--seed": int, "--log": str, "--hf": str,
@@ -60,6 +62,8 @@ def main(argv: list[str]) -> int:
     from .check import parse_layout, report, verify, write_json
 
     outcome = verify(cfg, parse_layout(own["--layout"]) if "--layout" in own else None, own.get("--steps", 3))
+    if outcome.detail:  # a run that did not finish: its failing rank's traceback, then the report
+        print(outcome.detail, file=sys.stderr, flush=True)
     print("\n".join(report(outcome)), flush=True)
     if "--json" in own:
         write_json(own["--json"], outcome, cfg)
