@@ -280,6 +280,17 @@ class _TensorCounter:
         self.mode = _CountOps(self)
 
     def __enter__(self):
+        self._track_reachable()  # in a call of its own: no local of the scan keeps a tensor alive into the window
+        watch_resizes(self.track_storage)
+        self.mode.__enter__()
+        # The baseline once the window is open: opening it allocates, and a garbage collection there may free
+        # storages the scan counted (an earlier step's cycles); a peak taken before it would report them as the step's.
+        with self.lock:
+            self.peak = self.current
+        return self
+
+    def _track_reachable(self) -> None:
+        """Count every storage the collector knows of: its plain tensors (cyclic garbage too) and each leaf's .grad."""
         import gc
 
         # The tensors among the collector's objects, picked in C (map/compress): a Python loop over the ~300k
@@ -292,10 +303,6 @@ class _TensorCounter:
                 self.track(obj)
                 if obj.is_leaf and obj.requires_grad and obj.grad is not None:
                     self.track(obj.grad)
-        self.peak = self.current
-        watch_resizes(self.track_storage)
-        self.mode.__enter__()
-        return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
