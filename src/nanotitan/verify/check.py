@@ -25,8 +25,7 @@ import torch
 from ..config.config import Config, ConfigError, ParallelConfig, to_toml
 from ..resolve import resolve
 from .compare import FP32, Layout, Row, as_json, bf16, compare, first_loss_step, verdict
-from ..run.spawn import start_forkserver
-from .world import PRELOAD, WorldFailed, run_world
+from .world import WorldFailed, run_world, start
 
 AXES = ("dp", "pp", "ep", "tp", "cp")
 FAULT_ENV = "NANOTITAN_VERIFY_FAULT"  # AXIS[:CALL[:RANK]]: a planted fault in the layout's run (parallel/comm/fault.py)
@@ -121,8 +120,7 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
         dtype = lay_cfg.train.dtype
         key = _reference_key(ref_cfg, steps)
         t0 = time.perf_counter()
-        if start_method == "forkserver":  # the ranks' server imports torch and the trainer once, timed apart
-            start_forkserver(PRELOAD)
+        start(start_method)  # the ranks' server imports torch and the trainer once: timed apart
         seconds = {"start": time.perf_counter() - t0}
         t0 = time.perf_counter()
         try:

@@ -71,6 +71,17 @@ def _train(trainer, cfg: Config, steps: int, fault: str | None) -> dict:
             "fault": planted.planted if planted else "", "capture_s": capture.seconds}
 
 
+def _ready(rank: int, world: int) -> None:
+    return None
+
+
+def start(start_method: str = "forkserver") -> None:
+    """The ranks' server started and its imports done (a world of one that does nothing): timed apart from the runs."""
+    if start_method == "forkserver":
+        spawn.start_forkserver(PRELOAD)
+        spawn.run_ranks(_ready, 1, timeout=600, start_method=start_method)
+
+
 def run_cases(rank: int, world: int, cases: list[tuple[Config, int, str | None]]) -> list[dict]:
     """Several runs one after another on the same ranks (one process start for all: the tests')."""
     return [run_rank(rank, world, cfg, steps, fault) for cfg, steps, fault in cases]
