@@ -158,7 +158,6 @@ def _reference_key(ref_cfg: Config, steps: int) -> str:
 
 
 PHASES = (("forward", "forward outputs"), ("backward", "gradients"), ("update", "parameters and optimizer state"),
-          ("counts", "router bias (from routing counts)"),
           ("loss", "loss per step (ce, mtp, total)"), ("norm", "balance loss, grad norm, max logit"),
           ("exact", "lr and skip verdict per step"))
 
@@ -173,9 +172,11 @@ def report(o: Outcome) -> list[str]:
         rows = [r for r in o.rows if r.phase == phase]
         if not rows:
             continue
-        worst = max(rows, key=lambda r: r.rel)
+        held = [r for r in rows if math.isfinite(r.tol)]
+        worst = max(held or rows, key=lambda r: r.rel)
         bad = sum(not r.ok for r in rows)
-        mark = f", {bad} over" if bad else ""
+        mark = (f", {bad} over" if bad else "") + (f", {len(rows) - len(held)} not held" if len(held) < len(rows)
+                                                   else "")
         lines.append(f"  {what:<36} {len(rows):>4} compared, worst {worst.rel:.2g} ({worst.name}), "
                      f"tol {worst.tol:.2g}{mark}")
     if (first := o.first) is not None:
