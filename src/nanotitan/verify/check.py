@@ -99,7 +99,7 @@ class Outcome:
     failed: str = ""  # the layout's (or the reference's) failure line, when a run did not finish
     detail: str = ""  # and the failing rank's traceback
     fault: str = ""  # where a planted fault went
-    seconds: dict = field(default_factory=dict)  # wall time of each run: reference, layout
+    seconds: dict = field(default_factory=dict)  # wall time: start, reference, layout (steps, capture), compare
 
     @property
     def first(self) -> Row | None:
@@ -145,7 +145,9 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
     seconds["capture"] = max(r["capture_s"] for r in ranks)  # the slowest rank's recording, inside "layout"
     seconds["steps"] = [max(r["steps"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
     tol = bf16(ref_cfg.layout_batch * ref_cfg.train.seq_len) if dtype == "bf16" else FP32
+    t0 = time.perf_counter()
     rows = compare(ref, ranks, tol, Layout(sizes, sliced))
+    seconds["compare"] = time.perf_counter() - t0
     line = verdict(rows)
     return Outcome(rows, line, 0 if line.startswith("verify: equal") else 1, sizes, steps, dtype,
                    first_loss_step(rows), fault=next((r["fault"] for r in ranks if r["fault"]), ""), seconds=seconds)
@@ -187,11 +189,11 @@ def report(o: Outcome) -> list[str]:
         lines.append(f"  the loss first diverges at step {o.loss_step}")
     if o.seconds.get("layout"):
         s = o.seconds
-        total = s["start"] + s["reference"] + s["layout"]
+        total = s["start"] + s["reference"] + s["layout"] + s["compare"]
         steps = ", ".join(f"{t:.2f}" for t in s["steps"])
         lines.append(f"  took {total:.0f} s: starting {s['start']:.1f} s, one process {s['reference']:.1f} s, "
                      f"the layout {s['layout']:.1f} s (its steps {steps} s; recording {s['capture']:.2f} s of the "
-                     "first)")
+                     f"first), comparing {s['compare']:.1f} s")
     lines.append(o.line)
     return lines
 

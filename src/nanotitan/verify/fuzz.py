@@ -16,6 +16,7 @@ per forbidden combination, why, and whether it is planned; docs/verify.md prints
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import time
@@ -214,8 +215,12 @@ def run_case(case: Case, path: str | None, overrides: list[str], steps: int, ref
                 "seconds": round(time.perf_counter() - t0, 1)}
     result = "passed" if outcome.code == 0 else "failed" if outcome.failed else "diverged"
     first = outcome.first
+    worst: dict[str, float] = {}  # per phase, over the rows held to a bar
+    for r in outcome.rows:
+        if math.isfinite(r.tol) and math.isfinite(r.rel):
+            worst[r.phase] = max(worst.get(r.phase, 0.0), r.rel)
     return {**entry, "result": result, "line": outcome.line, "first": first.name if first else None,
-            "loss_step": outcome.loss_step, "seconds": round(time.perf_counter() - t0, 1)}
+            "loss_step": outcome.loss_step, "worst": worst, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def read_log(path: str | None, seed: int) -> dict[int, dict]:
