@@ -133,7 +133,8 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
 
         try:
             text = generate_from_run(cfg.run.dir, "\n", cfg.train.sample_tokens)
-            print("\n--- sample from the trained model ---\n" + text.strip() + "\n-------------------------------------")
+            print("\n--- sample from the trained model ---\n" + text.strip()
+                  + "\n-------------------------------------")
         except (ConfigError, CheckpointError) as e:
             print(f"(no sample: {e})")
     return code

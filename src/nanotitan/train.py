@@ -69,7 +69,8 @@ class NonFiniteGuard:
         if self.policy == "stop":
             return f"step {step}: non-finite loss or grad norm"
         if self.in_a_row > self.max_skips:
-            return f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > train.max_skips={self.max_skips})"
+            return (f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > "
+                    f"train.max_skips={self.max_skips})")
         log(f"step {step}: non-finite loss or grad norm, update skipped on every rank")
         return None
 
@@ -148,7 +149,7 @@ class Trainer:
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_ratio", 1.0)  # Muon's groups: train.muon_lr on the same schedule
+            g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.data.batch(step)
         with self.meters.activations(metered):

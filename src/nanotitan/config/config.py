@@ -570,7 +570,8 @@ def _check_elastic(cfg: Config) -> None:
     host, _, port = e.endpoint.rpartition(":")
     _check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
            f"elastic.endpoint={e.endpoint!r} must be HOST:PORT (--elastic.endpoint node0:29500)")
-    _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", e.id)), f"elastic.id={e.id!r} must be letters, digits, . _ - (--elastic.id)")
+    _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", e.id)),
+           f"elastic.id={e.id!r} must be letters, digits, . _ - (--elastic.id)")
     _check(cfg.data.loader == "indexed", "an elastic job resumes by step: --data.loader indexed")
 
 

@@ -461,8 +461,8 @@ def _step_of(path: Path) -> int:
 
 def assemble_newest(root: Path, peers: dict[int, Peer], key: bytes, newer_than: int, log) -> Path | None:
     """The newest snapshot step > newer_than whose every file is held by this node (ROOT) or a peer's FileServer
-    (`peers`: node -> its transport.Peer, asked with the job's `key`; one that does not answer is skipped) and verifies: assembled into
-    ROOT/checkpoints/step_N and returned. Each step passed over is named through `log`, with why."""
+    (`peers`: node -> its transport.Peer, asked with the job's `key`; one that does not answer is skipped) and verifies:
+    assembled into ROOT/checkpoints/step_N and returned. Each step passed over is named through `log`, with why."""
     holders: dict[tuple[int, int], dict[str, list]] = {}  # (step, gen) -> file -> [(addr or None, rel path)]
 
     def add(addr, inventory):
@@ -524,5 +524,6 @@ def _fetch(root: Path, files: dict[str, list], key: bytes, name: str, dest_dir: 
             continue
         if want is None or hash_file(dest) == (want["bytes"], want["xxh3_64"]):
             return ""
-        why = f"{'shard' if name.endswith(('.distcp', '.raw')) else 'file'} {name} fails its checksum (xxh3_64) on every node that holds it"
+        why = (f"{'shard' if name.endswith(('.distcp', '.raw')) else 'file'} {name} fails its checksum (xxh3_64) on "
+               f"every node that holds it")
     return why

@@ -1,7 +1,9 @@
 """Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 checkpoints in and out (docs/hf.md).
 
-    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (config/hf_config.py)
-    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (config/hf_config.py)
+    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies
+                                                   (config/hf_config.py)
+    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR
+                                                   (config/hf_config.py)
     load_into_shard(model, DIR)                    this shard's slice only: its layers, its experts
     load_pretrained(DIR) -> (Config, Transformer)  one process, eval-ready
     save_pretrained(model, cfg, DIR, dtype=...)    config.json + model.safetensors (+ shards and index)
@@ -35,7 +37,8 @@ from safetensors.torch import save_file
 from ..config.config import Config, ConfigError, ModelConfig, load_config, validate
 from ..config.errors import CheckpointError, first_line
 from ..config.fits import does_not_fit
-from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
+from ..config.hf_config import (ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf,  # noqa: F401
+                                read_hf_config)  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
 from ..parallel.tp import tp_part

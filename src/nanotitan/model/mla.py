@@ -23,7 +23,7 @@ from ..config.config import ModelConfig
 from . import qk_max
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
-from .tokens import TokenShard, at_runs, latent_attention, seq_runs
+from .tokens import LOCAL, TokenShard, at_runs
 from .wgrad import Linear
 
 
@@ -46,7 +46,7 @@ class LatentExpand(nn.Module):
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard = LOCAL):
         super().__init__()
         self.tokens = tokens
         D, H, bias = cfg.d_model, cfg.n_heads, cfg.attn_bias  # HF's attention_bias: q_a, kv_a and o
@@ -72,7 +72,7 @@ class MLA(nn.Module):
         H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
         q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
-        runs = seq_runs(self.tokens, S)  # each token's global position (context parallel: its chunks)
+        runs = self.tokens.seq_runs(S)  # each token's global position (context parallel: its chunks)
         cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
@@ -82,6 +82,5 @@ class MLA(nn.Module):
             with torch.no_grad():
                 k = expand(latent)[0]
             qk_max.observe(self, q, k, self.scale)  # (model/qk_max.py; refused under CP)
-        y = latent_attention(q, latent, expand, self.scale) if self.tokens is None else \
-            self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
+        y = self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))

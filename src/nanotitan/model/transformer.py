@@ -30,12 +30,12 @@ from ..config.config import ModelConfig
 from . import qk_max, wgrad
 from .mla import MLA
 from .moe import MoE, SwiGLU
-from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids, whole_targets
+from .mtp import MTP, future_ids, mark_tails, mtp_layer_ids, whole_targets
 from .norm import RMSNorm, full_norm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
-from .tokens import TokenShard, VocabParallelEmbedding, at_runs, causal_attention, seq_runs
+from .tokens import LOCAL, TokenShard, at_runs
 
 MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
@@ -57,7 +57,7 @@ class Attention(nn.Module):
     """Causal self-attention (MHA/GQA, q/k norms, biases). Its sequence is whole, or (context parallel) its token
     shard's positions (`seq_runs`: RoPE reads the table at them), and `tokens.attend` meets the other ranks' keys."""
 
-    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard = LOCAL):
         super().__init__()
         self.tokens = tokens
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
@@ -84,11 +84,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, S, Dh)
         if rope is not None:  # each token's global position (model/tokens.py: seq_runs)
-            runs = seq_runs(self.tokens, S)
+            runs = self.tokens.seq_runs(S)
             cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         qk_max.observe(self, q, k, Dh ** -0.5)  # train.qk_clip only (model/qk_max.py; refused under CP)
-        y = causal_attention(q, k, v) if self.tokens is None else self.tokens.attend(q, k, v)
+        y = self.tokens.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))
 
 
@@ -96,7 +96,7 @@ class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (MoE or dense). A pipeline cut may fall between
     the halves (model/spec.py): the block then holds, and runs, only the half its shard owns."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard = LOCAL):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
@@ -137,16 +137,15 @@ class Transformer(nn.Module):
     to its objective as it adds the weighted aux_sum (parallel/pp/schedules.py)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True,
-                 tokens: TokenShard | None = None):
+                 tokens: TokenShard = LOCAL):
         super().__init__()
         assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
-        # The ranks that share this shard's tokens (tensor parallel: parallel/tp.py), None on one device: the
-        # embedding and the head are then vocab-parallel, and so is the loss.
+        # The ranks that share this shard's tokens (model/tokens.py; LOCAL on one device): under tensor parallel the
+        # embedding and the head are vocab-parallel, and so is the loss (`tokens.cross_entropy`).
         self.tokens = tokens
-        self.vocab_ce = None if tokens is None else tokens.cross_entropy
         self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
@@ -161,8 +160,7 @@ class Transformer(nn.Module):
         # planner prices; bounded, so a run that never logs holds no more)
         self.mb_load: dict[str, collections.deque] = {}
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if tokens is None else \
-                VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tokens)
+            self.tok_emb = tokens.embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         # Keys are global layer indices, so parameter names are the same in every layout.
@@ -278,12 +276,11 @@ class Transformer(nn.Module):
             logits = self.head(self.norm(x))
             if targets is None:
                 return logits, aux_sum
-            if self.vocab_ce is not None:  # the token shard's: TP's logits stay vocab shards, CP's loss is its part
-                return self.vocab_ce(logits, targets), aux_sum
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
+            # the token shard's: plain on one device, TP's logits stay vocab shards, CP's loss is its part
+            return self.tokens.cross_entropy(logits, targets), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
         logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
-        ce_of = self.vocab_ce or cross_entropy
+        ce_of = self.tokens.cross_entropy
         ce = ce_of(logits[:B], targets)
         # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
         return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], whole, runs, ce_of)

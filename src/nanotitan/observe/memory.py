@@ -472,12 +472,12 @@ class StepMeters:
         meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
         meters.take_interval_peak(), take_interval_acts()    # since the previous record (then reset; None: none)
 
-    Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th logged step (run.peak_every): a
-    step's peaks vary little from step to step, and a metered step costs much more than a plain one (the default
-    8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with its scan of the
-    garbage collector's objects). The second step is the first steady one: the first makes AdamW's moments only
-    in its update, after the activations are freed (on MID at DP4, zero 0: 300 MiB against 420 MiB every later
-    step), and FSDP2 initialises itself in it.
+    Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th
+    logged step (run.peak_every): a step's peaks vary little from step to step, and a metered step costs much more than
+    a plain one (the default 8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with
+    its scan of the garbage collector's objects). The second step is the first steady one: the first makes AdamW's
+    moments only in its update, after the activations are freed (on MID at DP4, zero 0: 300 MiB against 420 MiB every
+    later step), and FSDP2 initialises itself in it.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, peak_every: int = 1, compiled: bool = False):

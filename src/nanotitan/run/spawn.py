@@ -12,10 +12,10 @@ come back by value. Used by the multi-rank tests (tests/helpers/mp.py), the benc
 `nanotitan plan --measure` and `nanotitan verify`.
 
 Rendezvous: THIS process hosts the TCPStore, bound to 127.0.0.1 port 0 so the kernel picks a free port at bind
-time and the children connect to it; gloo and NCCL bind the loopback interface too (run/loopback.py). Picking a "free" port first and binding it later (the old copies)
-races with every other job on the machine (two test files at once, a benchmark beside the tests); the
-store holding its port from the start cannot collide. gloo's own connections also bind port 0. Hosting
-the store in the parent (as torchrun's agent does) also means it outlives any rank that dies.
+time and the children connect to it; gloo and NCCL bind the loopback interface too (run/loopback.py). Picking a "free"
+port first and binding it later (the old copies) races with every other job on the machine (two test files at once, a
+benchmark beside the tests); the store holding its port from the start cannot collide. gloo's own connections also bind
+port 0. Hosting the store in the parent (as torchrun's agent does) also means it outlives any rank that dies.
 
 Failure: the first rank that raises ends the run: every rank is killed first, then joined, and the
 RuntimeError carries that rank's traceback. A rank that dies without reporting (os._exit, a signal)
