@@ -33,17 +33,6 @@ EMBED = "embed"
 Boxes = list[tuple[tuple[int, ...], torch.Tensor]]
 
 
-class WholeSequence:
-    """The token shard of one device: every position of the sequence (what `Transformer.tokens` None means)."""
-    split_rank = 0
-
-    def seq_runs(self, S: int) -> list[tuple[int, int]]:
-        return [(0, S)]
-
-    def runs(self, S: int) -> list[tuple[int, int]]:
-        return [(0, S)]
-
-
 class Capture:
     """Records the first step of `trainer` (see the module docstring): `tensors` {key: (whole size, boxes)} and
     `order` (the forward's module names in call order) once `finish` ran after that step."""
@@ -51,7 +40,7 @@ class Capture:
     def __init__(self, trainer):
         self.trainer = trainer
         model, cfg = trainer.model, trainer.cfg
-        self.tokens = model.tokens or WholeSequence()
+        self.tokens = model.tokens  # which positions (and vocab columns) this rank's outputs hold
         self.m, self.M = cfg.train.micro_batch, cfg.parallel.microbatches
         self.S, self.V, self.B = cfg.train.seq_len, cfg.model.vocab_size, trainer.B
         self.seq_len = sum(n for _, n in trainer.data.runs)  # the positions this rank's loader reads
