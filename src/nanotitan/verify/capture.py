@@ -2,11 +2,11 @@
 
 Installed on a built Trainer from outside (no branch of the training path knows it is there) and taken off after
 the first step:
-    forward   a forward hook on each module whose output has a meaning in every layout (the embedding, each block,
-              its attention, MoE or dense FFN, the final norm, the head, MTP's projections and norms): each
-              microbatch's output becomes a box of the global (B, S, ...) tensor at this data rank's rows and this
-              token rank's positions (`TokenShard.seq_runs` / `runs`), the vocab split's columns for the head's
-              logit shards; a checkpointed block's recompute (inside the backward) is not recorded
+    forward   a forward hook on each module whose output has a meaning in every layout (the embeddings' output as the
+              first block's input, each block, its attention, MoE or dense FFN, the final norm, the head, MTP's
+              projections and norms): each microbatch's output becomes a box of the global (B, S, ...) tensor at this
+              data rank's rows and this token rank's positions (`TokenShard.seq_runs` / `runs`), the vocab split's
+              columns for the head's logit shards; a checkpointed block's recompute (in the backward) is not recorded
     backward  an optimizer step pre-hook: every parameter's averaged (clipped) gradient as the checkpoint's keys cut
               it (state/keys.py `keyed_grads`: TP slices, experts per global id, ZeRO/FSDP pieces)
     update    after the step: every parameter, buffer and optimizer state (`keyed_state`, what a checkpoint saves)
@@ -82,9 +82,11 @@ class Capture:
             h.remove()
         self.handles = []
 
-    def finish(self) -> None:
-        """After the first step: hooks off, the forward's outputs as global boxes, the state after the update."""
+    def finish(self, skipped: bool) -> None:
+        """After the first step: hooks off, the forward's outputs as global boxes, the state after the update.
+        `skipped`: the step made no update (non-finite), so no gradient was recorded."""
         self.close()
+        assert skipped or any(k.startswith("grad.") for k in self.tensors), "the optimizer's step pre-hook never ran"
         t0 = time.perf_counter()
         for name, outs in self.calls.items():
             assert len(outs) == self.M, f"{name}: {len(outs)} forward calls in a step of {self.M} microbatches"
