@@ -263,13 +263,16 @@ def fuzz(n: int, seed: int, path: str | None, overrides: list[str], log: str | N
     """Verify the first n cases of `seed`: those `log` lacks (at most `chunk` of them, 0: all), appended to it as
     they finish. Returns every case's entry, in order (those still to run left out)."""
     done = read_log(log, seed)
-    references: dict = {}
-    ran = 0
+    references: dict = {}  # the one-process runs of the current group's model draw
+    ran, group = 0, -1
     for case in draw(n, seed):
         if case.index in done:
             continue
         if chunk and ran >= chunk:
             break
+        if case.group != group:  # a new model draw: the last one's reference is not needed again
+            references.clear()
+            group = case.group
         entry = {"seed": seed, **run_case(case, path, overrides, steps, references)}
         ran += 1
         done[case.index] = entry

@@ -1,9 +1,9 @@
 """One verify run of a config on its world: every rank trains a few steps with the real Trainer, its first step
 recorded by `Capture` (capture.py), and hands back its boxes and each step's figures.
 
-`run_world(cfg, steps)` starts the ranks (run/spawn.py: local gloo ranks; the one-process reference is a world of
-one) and returns their results in rank order; a rank's failure comes back as a `WorldFailed` with its last line,
-a config error as the ConfigError it was.
+`run_world(cfg, steps)` starts the ranks (run/spawn.py: local gloo ranks, or NCCL's with a GPU each; the one-process
+reference is a world of one) and returns their results in rank order; a rank's failure comes back as a `WorldFailed`
+with its last line and traceback, a config error as the ConfigError it was.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from ..config.config import Config, ConfigError
 from ..parallel.comm import fault as faults
 from ..run import spawn
+from ..train import Trainer
 from .capture import Capture
 
 # What a verify rank imports, preloaded once in the forkserver its ranks fork from (start_method="forkserver").
@@ -43,8 +44,6 @@ def figures(result) -> dict:
 def run_rank(rank: int, world: int, cfg: Config, steps: int, fault: str | None) -> dict:
     """One rank: build the Trainer, plant the fault (if asked: parallel/comm/fault.py), train `steps` steps with the
     first one captured. {"steps": [figures], "tensors": {key: (size, boxes)}, "order": [module], "sliced": [param]}"""
-    from ..train import Trainer
-
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own lines (layout, data, placement) stay out
         return _train(Trainer(cfg), cfg, steps, fault)
 
@@ -91,25 +90,23 @@ def run_world(cfg: Config, steps: int, fault: str | None = None, start_method: s
               timeout: float = 900.0) -> list[dict]:
     """`run_rank` on cfg.world_size local ranks (gloo on CPU, NCCL with one GPU each on CUDA); their results in rank
     order."""
-    return launch(run_rank, cfg.world_size, (cfg, steps, fault), cfg, start_method, timeout)
-
-
-def launch(fn, world: int, args: tuple, cfg: Config, start_method: str, timeout: float) -> list:
     if start_method == "forkserver":
         spawn.start_forkserver(PRELOAD)
     try:
-        return spawn.run_ranks(fn, world, args, timeout=timeout, pg_timeout=cfg.parallel.timeout_s,
-                               threads=cfg.train.threads, start_method=start_method,
+        return spawn.run_ranks(run_rank, cfg.world_size, (cfg, steps, fault), timeout=timeout,
+                               pg_timeout=cfg.parallel.timeout_s, threads=cfg.train.threads, start_method=start_method,
                                backend="nccl" if cfg.train.device == "cuda" else "gloo")  # GPU r for rank r
-    except (RuntimeError, TimeoutError) as e:
+    except TimeoutError as e:  # its first line names the ranks still running; their stacks follow
+        raise WorldFailed(str(e).splitlines()[0], str(e)) from None
+    except RuntimeError as e:
         raise failure(str(e)) from None
 
 
 def failure(text: str) -> Exception:
-    """A rank's failure (run_ranks' message with its traceback) as the ConfigError it was, or a WorldFailed."""
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    config = [l for l in lines if re.match(r"\S*ConfigError: ", l)]
+    """A failed rank's message (run_ranks': its traceback) as the ConfigError it was, or a WorldFailed named by the
+    traceback's last line (the exception)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()] or [text]
+    config = [line for line in lines if re.match(r"\S*ConfigError: ", line)]
     if config:
         return ConfigError(config[-1].split("ConfigError: ", 1)[1])
-    last = lines[-1] if lines else text
-    return WorldFailed(last if len(lines) > 1 else lines[0][:300] if lines else text, text)
+    return WorldFailed(lines[-1][:300], text)
