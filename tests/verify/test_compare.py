@@ -90,19 +90,52 @@ def test_layout_and_flags_parse_or_fail_in_one_line():
         split_flags(["--steps", "x"])
 
 
-def test_the_fuzzer_draws_the_same_cases_for_a_seed_and_classifies_refusals():
+def test_the_fuzzer_draws_the_same_cases_for_a_seed():
     a, b = fuzz.draw(12, seed=3), fuzz.draw(5, seed=3)
     assert [c.flags for c in a[:5]] == [c.flags for c in b]
     assert [c.flags for c in fuzz.draw(12, seed=4)] != [c.flags for c in a]
     worlds = {math.prod(int(f) for k, f in zip(c.flags[::2], c.flags[1::2]) if k in (
         "--parallel.dp", "--parallel.pp", "--parallel.ep", "--parallel.tp", "--parallel.cp")) for c in a}
     assert worlds <= set(range(1, 9))
-    line = "train.qk_clip=0.03 needs model.qk_norm none: a normalised q or k ignores its weights' scale"
-    assert fuzz.refusal(line) == "qk-clip-qk-norm" and fuzz.refusal("something new") == "other"
-    # every row's pattern matches the line the config really gives for one such combination
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [*fuzz.BASE, "--parallel.zero", "3", "--parallel.pp", "2", "--parallel.schedule", "zb1"])
-    assert fuzz.refusal(str(e.value)) == "zero3-schedule"
+
+
+# One combination per row of the refusal table (docs/verify.md "Refusals"), on the fuzzer's tiny model
+REFUSED = {
+    "ddp-not-pure-dp": ["--parallel.dp_impl", "torch_ddp", "--parallel.ep", "2"],
+    "zero-with-ddp": ["--parallel.dp_impl", "torch_ddp", "--parallel.dp", "2", "--parallel.zero", "1"],
+    "zero-nothing-to-shard": ["--parallel.zero", "1"],
+    "zero3-schedule": ["--parallel.zero", "3", "--parallel.dp", "2", "--parallel.pp", "2", "--parallel.schedule", "zb1"],
+    "interleaved-microbatches": ["--parallel.pp", "2", "--parallel.schedule", "interleaved",
+                                 "--parallel.virtual_stages", "2", "--parallel.microbatches", "3"],
+    "interleaved-chunks": ["--parallel.pp", "4", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
+                           "--parallel.microbatches", "4"],
+    "lanes-need-ep": ["--parallel.ep_overlap_microbatches", "true", "--parallel.microbatches", "2"],
+    "lanes-need-microbatches": ["--parallel.ep_overlap_microbatches", "true", "--parallel.ep", "2"],
+    "lanes-zero3": ["--parallel.ep_overlap_microbatches", "true", "--parallel.ep", "2", "--parallel.microbatches", "2",
+                    "--parallel.zero", "3"],
+    "lanes-tp-cp": ["--parallel.ep_overlap_microbatches", "true", "--parallel.ep", "2", "--parallel.microbatches", "2",
+                    "--parallel.tp", "2"],
+    "ep-overlap-one-expert": ["--parallel.ep_overlap", "true", "--parallel.ep", "8"],
+    "qk-clip-qk-norm": ["--train.qk_clip", "1", "--model.qk_norm", "head"],
+    "qk-clip-cp": ["--train.qk_clip", "1", "--parallel.cp", "2"],
+    "placement-one-rank": ["--parallel.expert_placement", "balanced", "--parallel.dp", "2"],
+    "replicas-over-ranks": ["--parallel.expert_placement", "balanced", "--parallel.ep", "2",
+                            "--parallel.expert_replicas", "3"],
+    "a2a-heads": ["--parallel.cp", "4", "--parallel.cp_impl", "a2a", "--parallel.tp", "2"],
+    "kv-heads-tp": ["--model.n_heads", "6", "--model.n_kv_heads", "3", "--model.d_model", "48", "--parallel.tp", "2"],
+    "tp-divides": ["--parallel.tp", "8"],
+    "experts-fold": ["--parallel.ep", "4", "--parallel.tp", "4"],
+    "bf16-reduce": ["--parallel.reduce_dtype", "bf16", "--parallel.zero", "3", "--parallel.dp", "2"],
+}
+
+
+def test_every_refusal_row_names_the_line_the_config_gives():
+    assert sorted(REFUSED) == sorted(key for key, *_ in fuzz.REFUSALS)
+    for key, flags in REFUSED.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*fuzz.BASE, *flags])
+        assert fuzz.refusal(str(e.value)) == key, (key, str(e.value))
+    assert fuzz.refusal("something new") == "other"
 
 
 def test_a_fault_spec_names_an_axis_call_and_rank():

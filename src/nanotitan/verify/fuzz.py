@@ -104,45 +104,46 @@ def _pick(rng: random.Random, rows: list, layout: dict | None = None) -> list[st
 
 
 # The refusal table: one row per forbidden combination (docs/verify.md "Refusals"): (key, the ConfigError's pattern,
-# why it is refused, planned?). A refusal that matches no row is "other" (a row to add, or a draw to fix).
+# why it is refused, its plan: "by design" (nothing to lift), "open" (liftable, no work planned yet), "planned" (work
+# filed)). A refusal that matches no row is "other" (a row to add, or a draw to fix).
 REFUSALS = [
     ("ddp-not-pure-dp", r"torch_ddp supports pure DP only|dp_impl=torch_ddp.*not with parallel\.(tp|cp)|"
      r"dp_impl=torch_ddp \(use bucketed\): not with parallel\.tp",
-     "torch DDP averages over its own group, which is DESIGN's average only for pure DP: it is a baseline", "no"),
+     "torch DDP averages over its own group, which is DESIGN's average only for pure DP: it is a baseline", "by design"),
     ("zero-with-ddp", r"parallel\.zero=\d shards our own DP; torch DDP replicates",
-     "ZeRO shards our own reducer's buckets; DDP is the replicated baseline", "no"),
-    ("zero-nothing-to-shard", r"shards over dp\*ep ranks, here 1", "ZeRO needs dp*ep > 1 ranks to shard over", "no"),
+     "ZeRO shards our own reducer's buckets; DDP is the replicated baseline", "by design"),
+    ("zero-nothing-to-shard", r"shards over dp\*ep ranks, here 1", "ZeRO needs dp*ep > 1 ranks to shard over", "by design"),
     ("zero3-schedule", r"zero=3 \(FSDP2\) runs with the gpipe and 1f1b",
      "FSDP2 reduce-scatters a block when its input gradient is done (before zb1's deferred W) and gathers on the root "
-     "forward, which interleaved chunks never call", "yes"),
+     "forward, which interleaved chunks never call", "open"),
     ("interleaved-microbatches", r"interleaved needs parallel\.microbatches",
-     "Megatron's interleaved schedule runs the microbatches in groups of pp", "no"),
-    ("interleaved-chunks", r"chunks need at least as many layers", "every virtual stage needs a layer", "no"),
+     "Megatron's interleaved schedule runs the microbatches in groups of pp", "by design"),
+    ("interleaved-chunks", r"chunks need at least as many layers", "every virtual stage needs a layer", "by design"),
     ("lanes-need-ep", r"ep_overlap_microbatches hides EP all-to-alls", "two lanes overlap EP's all-to-alls: none at "
-     "ep=1", "no"),
+     "ep=1", "by design"),
     ("lanes-need-microbatches", r"ep_overlap_microbatches runs one microbatch's forward beside",
-     "a forward beside another microbatch's backward needs two microbatches", "no"),
-    ("lanes-zero3", r"ep_overlap_microbatches runs with zero 0-2", "FSDP2's hooks are not safe in two threads", "yes"),
+     "a forward beside another microbatch's backward needs two microbatches", "by design"),
+    ("lanes-zero3", r"ep_overlap_microbatches runs with zero 0-2", "FSDP2's hooks are not safe in two threads", "open"),
     ("lanes-tp-cp", r"ep_overlap_microbatches: two lanes would interleave the (TP|CP) collectives",
-     "the two lanes would interleave TP's (CP's) collectives on one group", "yes"),
+     "the two lanes would interleave TP's (CP's) collectives on one group", "open"),
     ("ep-overlap-one-expert", r"ep_overlap pipelines groups of an EP rank's experts",
-     "EP overlap pipelines groups of a rank's experts: one expert per rank makes one group", "no"),
+     "EP overlap pipelines groups of a rank's experts: one expert per rank makes one group", "by design"),
     ("qk-clip-qk-norm", r"qk_clip=.* needs model\.qk_norm none",
-     "a normalised q or k ignores its weights' scale: clipping them changes nothing", "no"),
+     "a normalised q or k ignores its weights' scale: clipping them changes nothing", "by design"),
     ("qk-clip-cp", r"train\.qk_clip, whose per-head max logit needs every key",
-     "QK-clip's per-head max logit needs every key, and CP's ring sees blocks", "yes"),
+     "QK-clip's per-head max logit needs every key, and CP's ring sees blocks", "open"),
     ("placement-one-rank", r"expert_placement=balanced places experts over the EP ranks",
      "balanced placement moves experts between EP ranks; the rule reads ep*tp, so ep=1 cp=2 is refused although "
-     "the runtime folds experts over CP too", "yes"),
+     "the runtime folds experts over CP too", "planned"),
     ("replicas-over-ranks", r"expert_replicas=\d exceeds the \d EP ranks",
-     "an expert cannot have more copies than the ranks its layer's experts fold over", "no"),
-    ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "no"),
+     "an expert cannot have more copies than the ranks its layer's experts fold over", "by design"),
+    ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
     ("kv-heads-tp", r"parallel\.tp=\d and model\.n_kv_heads", "KV heads are split, or replicated when fewer than the "
-     "TP ranks: one must divide the other", "no"),
-    ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence", "no"),
-    ("experts-fold", r"must be divisible by parallel\.ep\*(cp\*)?tp", "the experts fold over EP x CP x TP", "no"),
+     "TP ranks: one must divide the other", "by design"),
+    ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence", "by design"),
+    ("experts-fold", r"must be divisible by parallel\.ep\*(cp\*)?tp", "the experts fold over EP x CP x TP", "by design"),
     ("bf16-reduce", r"reduce_dtype=bf16 is implemented by the bucketed Reducer", "only our Reducer reduces in bf16",
-     "no"),
+     "open"),
 ]
 
 
