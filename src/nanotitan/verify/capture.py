@@ -7,8 +7,9 @@ the first step:
               projections and norms): each microbatch's output becomes a box of the global (B, S, ...) tensor at this
               data rank's rows and this token rank's positions (`TokenShard.seq_runs` / `runs`), the vocab split's
               columns for the head's logit shards; a checkpointed block's recompute (in the backward) is not recorded
-    backward  an optimizer step pre-hook: every parameter's averaged (clipped) gradient as the checkpoint's keys cut
-              it (state/keys.py `keyed_grads`: TP slices, experts per global id, ZeRO/FSDP pieces)
+    backward  an optimizer step pre-hook: every parameter's averaged (clipped) gradient placed as a checkpoint places
+              the parameter (state/keys.py `keyed_grads`, parallel/where.py: TP slices, experts per global id,
+              ZeRO/FSDP pieces)
     update    after the step: every parameter, buffer and optimizer state (`keyed_state`, what a checkpoint saves)
 Every box is a CPU copy (offsets, tensor) under a global key; `verify/compare.py` puts them against one process's.
 """
