@@ -87,9 +87,10 @@ def run_cases(rank: int, world: int, cases: list[tuple[Config, int, str | None]]
 
 
 def run_world(cfg: Config, steps: int, fault: str | None = None, start_method: str = "forkserver",
-              timeout: float = 900.0) -> list[dict]:
+              timeout: float | None = None) -> list[dict]:
     """`run_rank` on cfg.world_size local ranks (gloo on CPU, NCCL with one GPU each on CUDA); their results in rank
-    order."""
+    order. timeout: for the whole run (default: 10 minutes of start-up, then a collective's timeout per step)."""
+    timeout = timeout or 600.0 + steps * cfg.parallel.timeout_s
     if start_method == "forkserver":
         spawn.start_forkserver(PRELOAD)
     try:
