@@ -1,4 +1,4 @@
-"""`nanotitan` entry point: train, data prepare, generate, export, eval, bench, plan, plot.
+"""`nanotitan` entry point: train, data prepare, generate, export, eval, bench, plan, plot, verify.
 
     nanotitan train [--config FILE] [--section.key VALUE ...]
     nanotitan data prepare [--config FILE] [--data.source ...]
@@ -9,6 +9,9 @@
     nanotitan bench NAME [...]
     nanotitan plan --config FILE --ranks N [...]
     nanotitan plot RUN_DIR [RUN_DIR ...] [--out DIR]
+    nanotitan verify [--layout dp=2,pp=2,ep=2] [--steps N] [--json PATH] [--config FILE] [--section.key VALUE ...]
+    nanotitan verify --fuzz N [--seed S] [--log PATH] [--chunk K] [--section.key VALUE ...]
+    nanotitan verify --hf HF_DIR [--hf-export]
 """
 
 from __future__ import annotations
@@ -364,12 +367,27 @@ def cmd_plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
+def cmd_verify(argv: list[str]) -> int:
+    """Check that a layout trains exactly what one process trains (docs/verify.md):
+    `nanotitan verify [--layout dp=2,pp=2,ep=2] [--steps N] [--json PATH] [--config FILE] [--section.key VALUE ...]`.
+
+    Runs the config on one process and on the layout (default: the config's own) for --steps steps (default 3) and
+    compares every module's forward output, every gradient, every parameter and optimizer state after the update
+    (first step) and each step's loss terms, grad norm, lr and skip verdict. Exit 0 equal, 1 diverged, 2 config
+    error; the last line names the first tensor that diverges. `--fuzz N [--seed S] [--log PATH] [--chunk K]` verifies
+    N configurations drawn from the whole composition space (the flags given fix the data and the rest);
+    `--hf DIR [--hf-export]` checks a Hugging Face checkpoint's import (and export) against transformers."""
+    from .verify.command import main as verify_main
+
+    return verify_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "export": cmd_export, "eval": cmd_eval,
-            "bench": cmd_bench, "plan": cmd_plan, "plot": cmd_plot}
+            "bench": cmd_bench, "plan": cmd_plan, "plot": cmd_plot, "verify": cmd_verify}
 
 
 HELP = ("-h", "--help")
-CONFIG_COMMANDS = ("train", "data")  # they read --config FILE and --section.key overrides
+CONFIG_COMMANDS = ("train", "data", "verify")  # they read --config FILE and --section.key overrides
 
 
 def usage() -> str:

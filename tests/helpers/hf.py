@@ -4,9 +4,9 @@ compared, greedy decoding without a cache, and DeepSeek-V3's tiny config."""
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from nanotitan.config.config import load_config
+from nanotitan.interop.hf import read_tensors
 
 
 def _randomise(params, seed: int) -> None:
@@ -31,11 +31,7 @@ def _assert_logits_close(got, want):
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
+    return read_tensors(d)
 
 
 def tiny_config(vocab: int, num_experts: int, max_seq_len: int, *extra: str):

@@ -65,6 +65,18 @@ def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     return out
 
 
+def keyed_grads(model: torch.nn.Module, shard) -> dict[str, Chunks]:
+    """{"grad.<param name>[.<expert id>]": this rank's Chunks of its averaged gradient}, placed as `keyed_state`
+    places the parameter (TP slices at their offsets, experts per global id, ZeRO/FSDP pieces where they lie): after
+    the gradient sync, before the optimizer step (`nanotitan verify` compares every layout's with one process's)."""
+    params = dict(model.named_parameters())
+    out: dict[str, Chunks] = {}
+    for name, pieces in shard.sync.grad_pieces(set(params)).items():
+        for suffix, p in placed(model, name, grad_layout(params[name]), pieces).items():
+            out[f"grad.{name}{suffix}"] = Chunks(p.size, p.boxes)
+    return out
+
+
 def rng_key(rank: int) -> str:
     return f"rng.cpu.{rank}"
 
