@@ -111,13 +111,38 @@ def test_config_is_a_leaf():
     graph = import_graph()
     leaf = {f"{PKG}.config.errors", f"{PKG}.config.hf_config", f"{PKG}.config.config", f"{PKG}.config.parse",
             f"{PKG}.config.fits", f"{PKG}.config.hardware", f"{PKG}.config.counts", f"{PKG}.config.tp_rules",
-                f"{PKG}.config.cp_rules", f"{PKG}.config.placement_rules", f"{PKG}.config.controls_rules"}
-    assert not graph[f"{PKG}.config.counts"]
+            f"{PKG}.config.cp_rules", f"{PKG}.config.placement_rules", f"{PKG}.config.controls_rules",
+            f"{PKG}.config.layout"}
+    assert not graph[f"{PKG}.config.counts"] and graph[f"{PKG}.config.layout"] <= {f"{PKG}.config.errors"}
     assert graph[f"{PKG}.config.fits"] <= leaf and graph[f"{PKG}.config.hardware"] <= leaf
     assert graph[f"{PKG}.config.config"] <= leaf
     assert graph[f"{PKG}.config.hf_config"] <= leaf
     assert graph[f"{PKG}.config.parse"] <= {f"{PKG}.config.errors", f"{PKG}.config"}
     assert graph[f"{PKG}.config"] <= leaf
+
+
+def _fold_products(path: Path) -> list[int]:
+    """Lines of `path` whose code multiplies exactly the ep, cp and tp degrees (names or attributes, any order):
+    the experts' fold written out (comments and strings are not code)."""
+    def leaves(n: ast.AST) -> list[str] | None:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            a, b = leaves(n.left), leaves(n.right)
+            return None if a is None or b is None else a + b
+        name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else None
+        return [name] if name else None
+
+    tree = ast.parse(path.read_text())
+    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+            and not (isinstance(parents.get(n), ast.BinOp) and isinstance(parents[n].op, ast.Mult))  # whole products
+            and sorted(leaves(n) or []) == ["cp", "ep", "tp"]]
+
+
+def test_the_expert_fold_has_one_home():
+    """The rule that a stage's experts are sharded over ep*cp*tp ranks is written once (config/layout.py:
+    `expert_ranks`); dims, the shard spec, the config rules and the planner call it, so no copy can drift."""
+    homes = {f"{path.relative_to(SRC)}:{line}" for path in _modules().values() for line in _fold_products(path)}
+    assert len(homes) == 1 and next(iter(homes)).startswith(f"{PKG}/config/layout.py:"), sorted(homes)
 
 
 def test_layers_import_downward_only():

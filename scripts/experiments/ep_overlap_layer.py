@@ -28,6 +28,7 @@ def _rank(rank, world, args):
     from nanotitan.model.moe import ExpertFFN
     from nanotitan.parallel.comm import collectives as comm, emulate
     from nanotitan.parallel.ep import EPDispatcher
+    from nanotitan.parallel.placement import EPShard, identity
 
     cfg = load_config(None, ["--parallel.emulate", args.profile, "--parallel.emulate_node_size", "1",
                              "--parallel.emulate_dilation", str(args.dilation)])
@@ -49,7 +50,7 @@ def _rank(rank, world, args):
                 x = torch.randn(T, D, requires_grad=True)
                 dist.barrier()
                 comm.COMM.reset()
-                y = EPDispatcher(group, 2, rank, n)(x, ids, w, experts, E)
+                y = EPDispatcher(EPShard(identity(E, 2), rank), group, n)(x, ids, w, experts, E)
                 fwd = comm.COMM.wait_s["ep"]
                 y.sum().backward()
                 out.setdefault((routing, n), []).append((fwd, comm.COMM.wait_s["ep"] - fwd))

@@ -3,7 +3,8 @@
     setup: identity -> validate -> threads, device, emulated links -> data -> process groups (run/setup.py)
            -> parallelize (shard, TP, EP, broadcasts, gradient sync) -> optimizer -> resume
     step:  LR -> this data rank's microbatches -> forward_backward -> finish grads -> clip -> agree -> optimizer
-           step -> router biases -> on a record's step, the losses over the world: every collective of the step
+           step -> from the step's routing counts: router biases, the experts' placement, QK-clip, and on a record's
+           step the losses and figures over the world (parallel/step.py: every collective of the step is there)
     loop:  step -> eval -> log -> checkpoint -> stop
 
 How each step works in a given layout lives in parallel/ (parallelize.py builds, step.py runs); what the
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from .state import checkpoint as ckpt
 from .observe import report
-from .optim import qk_clip
+from .optim.qk_clip import QKClip
 from .config.config import Config, to_toml
 from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
@@ -30,9 +31,8 @@ from .parallel.comm import stall
 from .interop.hf import export_checkpoint, shard_loader
 from .optim.build import build_optimizer
 from .parallel.parallelize import parallelize
-from .parallel.rebalance import placement_extra
-from .parallel.step import (StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
-                            forward_backward, reduce_losses, update_router_bias)
+from .parallel.step import (StepEnd, StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
+                            forward_backward)
 from .resolve import resolve
 from .run.setup import resume_step, setup_rank
 
@@ -112,10 +112,10 @@ class Trainer:
         self.model = self.shard.model
         stall.label_layers(self.model)  # a stalled collective is named with its layer ("layer 2, backward")
         self.optimizer = build_optimizer(self.shard, cfg)
-        self.rebalancer = self.shard.rebalancer  # experts placed by load (parallel/rebalance.py); None: static
 
         # --- bookkeeping ---------------------------------------------------------------------------------
         self.aux_weight = 1.0 / max(1, num_moe_layers(cfg.model))  # layer mean; each MoE layer weights its own terms
+        self.step_end = StepEnd(self.shard, cfg, self.aux_weight, QKClip(self.shard, t.qk_clip))  # after each update
         self.peak_flops = job_peak_flops(self.device, t.dtype, t.threads, self.world, t.peak_flops)
         self.run_dir = Path(cfg.run.dir)
         # metrics.jsonl (+ TensorBoard, W&B) on rank 0, the profiler of run.profile_steps, the memory meters
@@ -143,7 +143,7 @@ class Trainer:
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
-                                    {"step": step, "samples": step * self.B, **placement_extra(self.shard)},
+                                    {"step": step, "samples": step * self.B, **self.shard.checkpoint_extra()},
                                     self.cfg.train.keep_last,
                                     shard=self.shard)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
@@ -159,9 +159,14 @@ class Trainer:
         all ranks. The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters)."""
         logged = self.logs(step)
         with self.meters.step(logged) as metered:
-            return self._step(step, logged, metered)
+            result = self._step(step, metered)
+            # After the update, from the step's routing counts: router biases, the experts' placement, QK-clip; a step
+            # that writes a record (a non-finite one too) gets its losses (means over all DP*EP*M microbatches),
+            # router figures and the interval's step peak
+            return self.step_end(step, result, self.optimizer, logged or result.nonfinite,
+                                 self.meters.take_interval_peak)
 
-    def _step(self, step: int, logged: bool, metered: bool) -> StepResult:
+    def _step(self, step: int, metered: bool) -> StepResult:
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
@@ -174,9 +179,7 @@ class Trainer:
                                      device=self.device, dtype=cfg.train.dtype)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
-        # a replicated expert's gradient: the sum of its copies' (each counted once in the norm)
-        sq_offset = self.rebalancer.sum_replica_grads() if self.rebalancer is not None else None
-        grad_norm = clip_grads(self.shard, cfg.train.grad_clip, sq_offset)
+        grad_norm = clip_grads(self.shard, cfg.train.grad_clip)
         # Every rank agrees whether the step is finite (and whether to stop) before anyone updates.
         nonfinite, stop = agree_on_step(self.shard, grad_norm, self.stop_requested, self.device,
                                         signals=cfg.train.ckpt_on_signal)
@@ -184,22 +187,14 @@ class Trainer:
         if not nonfinite:
             self.optimizer.step()
         after_update(self.shard)
-        if self.rebalancer is not None:  # between two steps: a window's end may move experts
-            self.rebalancer.after_step(step, self.optimizer)
-        update_router_bias(self.shard, apply=not nonfinite)  # aux-loss-free balancing: the step's global counts
-        # QK-clip (train.qk_clip): heads whose max logit topped TAU get their q/k weights scaled back (optim/qk_clip.py)
-        qk_max = qk_clip.clip_step(self.shard, cfg.train.qk_clip, apply=not nonfinite) if cfg.train.qk_clip else None
-        # A step that writes a record (a non-finite one too): its losses, means over all DP*EP*M microbatches.
-        losses = reduce_losses(self.shard, stats, self.aux_weight, cfg.parallel.microbatches,
-                               mtp=cfg.model.mtp_layers > 0) if logged or nonfinite else None
-        return StepResult(stats, grad_norm, lr, nonfinite, stop, losses, qk_max)
+        return StepResult(stats, grad_norm, lr, nonfinite, stop)
 
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         logger = report.StepLogger(self.writer, self.shard, self.device, cfg, self.peak_flops, self.meters)
         guard = NonFiniteGuard(t.on_nonfinite, t.max_skips)
-        if cfg.parallel.check_replicas and self.world > 1:
-            assert self.shard.check_replicas(), "replicas differ after the initial broadcast"
+        if cfg.parallel.check_replicas and self.world > 1:  # debug: every rank raises if any replica differs
+            self.shard.check_replicas()
             self.log("check_replicas: all replicas identical")
         progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
         step = self.start_step

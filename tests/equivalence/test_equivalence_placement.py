@@ -27,6 +27,7 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.kv_lora_rank", "16", "--model.q_lo
             "--model.aux_scope", "sequence", "--model.first_k_dense", "1", "--model.shared_experts", "1",
             "--model.mtp_layers", "1", "--model.capacity_factor", "1.0")
 LANES = ("--parallel.ep_overlap_microbatches", "true")
+CP2 = ("--parallel.cp", "2")  # each sequence in 2*2 chunks of 4 (MTP's tail of 1 in the last one)
 MUON = ("--train.optimizer", "muon")
 
 
@@ -34,7 +35,9 @@ def train_placed(args: list[str]) -> dict:
     """The trainer's losses, this rank's whole params, every MoE layer's slot -> expert table, the placement
     changes rank 0 saw, its tp place."""
     from nanotitan.config.config import load_config
+    from nanotitan.model.transformer import is_expert_param
     from nanotitan.parallel.tp import tp_shard_dim
+    from nanotitan.parallel.where import global_experts
     from nanotitan.train import Trainer
     from tests.helpers.whole_state import whole_state
 
@@ -43,10 +46,9 @@ def train_placed(args: list[str]) -> dict:
         records = trainer.train()["history"]
         full, _ = whole_state(trainer.shard.sync)
         live = dict(trainer.shard.model.named_parameters())
-        slots = {f"{n}.{t}": list(m.slot_experts) for n, m in trainer.shard.model.named_modules()
-                 if getattr(m, "slot_experts", None) is not None for t in ("W_gate", "W_val", "W_out")}
+        slots = {n: list(global_experts(trainer.shard.model, n)) for n in live if is_expert_param(n)}  # slot -> expert
         params = {n: (t.detach().clone(), tp_shard_dim(live[n])) for n, t in full.items()}
-        changes = list(trainer.rebalancer.changes) if trainer.rebalancer is not None else []
+        changes = list(trainer.shard.rebalancer.changes)
     finally:
         trainer.shard.close()
     d = trainer.dims
@@ -105,7 +107,9 @@ def reference(corpus_dir, tmp_path_factory, name: str, extra=()) -> dict:
 
 def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
     """EP4, TP2·EP2, DeepSeek-V3-shaped (MLA, MTP, capacity) DP2·EP2 at zero 0, PP2·EP2 under zb1 with the EP lanes,
-    EP4 and PP2·EP2 with a first stage of dense layers only, and Muon on EP4 and DP2·EP2 zero 1, all balanced."""
+    EP4, EP2·CP2 (the experts over EP x CP) and PP2·EP2 with a first stage of dense layers only, and Muon on EP4
+    and DP2·EP2 zero 1, all balanced; then on 2 ranks the EP4 checkpoint resumed on EP2 and DeepSeek-V3-shaped CP2
+    (the experts placed over the CP ranks, ep = 1)."""
     ref = reference(corpus_dir, tmp_path_factory, "placement_ref", SMALL)
     ref_ds = reference(corpus_dir, tmp_path_factory, "placement_ref_ds", DEEPSEEK)
     ref_muon = reference(corpus_dir, tmp_path_factory, "placement_ref_muon", SMALL + MUON)
@@ -118,6 +122,8 @@ def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
         "DeepSeek-V3 DP2·EP2 zero 0": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(2, 1, 2)),
         "DeepSeek-V3 PP2·EP2 zb1 lanes": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 2, 2, "zb1", LANES)),
         "DeepSeek-V3 EP4": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 4)),
+        # context parallel: the experts fold over EP x CP (4 ranks of a placement), the CP ranks share each sequence
+        "DeepSeek-V3 EP2·CP2": (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 2), *CP2),
         # a first stage of the dense layer alone: no MoE layer, no placement there (its zero-0 fold once failed,
         # IndexError in dp_shares: found by `nanotitan verify --fuzz`)
         "DeepSeek-V3 PP2·EP2 dense stage 0": (*SKEWED, *DEEPSEEK, *BALANCED,
@@ -134,8 +140,10 @@ def test_placement_world4(corpus_dir, tmp_path_factory, tmp_path):
     # placed afresh over 2 ranks (a replica included), and step 7 as one process trains it
     resumed = (*SKEWED, *SMALL, *BALANCED, *layout_args(1, 1, 2),
                "--train.resume", f"{outs[0][0]['run_dir']}/checkpoints/step_6")
-    outs2 = run_ranks(_run_cases, 2, args=([resumed], corpus_dir, tmp_path / "relayout"), timeout=300)
+    cp_only = (*SKEWED, *DEEPSEEK, *BALANCED, *layout_args(1, 1, 1), *CP2)  # ep = 1: placed over the 2 CP ranks
+    outs2 = run_ranks(_run_cases, 2, args=([resumed, cp_only], corpus_dir, tmp_path / "relayout"), timeout=600)
     check_resumed("EP4 -> EP2 resume", [o[0] for o in outs2], ref)
+    check_placed("DeepSeek-V3 CP2 (ep 1)", [o[1] for o in outs2], ref_ds)
 
 
 def check_resumed(name: str, ranks: list[dict], ref: dict) -> None:

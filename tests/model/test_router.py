@@ -13,7 +13,7 @@ from nanotitan.state.checkpoint import load_checkpoint, save_checkpoint
 from tests.helpers.whole_state import keyed_tensors
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.model.moe import MoE, capacity_keep
-from nanotitan.model.transformer import Transformer
+from nanotitan.model.transformer import Transformer, take_routing
 from nanotitan.resolve import resolve
 from tests.helpers.tiny import tiny_args
 
@@ -168,21 +168,20 @@ TINY = tiny_args("seq_len", ffn_dim=24, n_layers=2, bias_update_rate=0.01, capac
 def test_activation_checkpointing_counts_once_and_bias_is_checkpointed():
     cfg = resolve(load_config(None, TINY))
     x = torch.randint(0, 300, (2, 16))
-    loads, stats = [], []
+    records = []
     for ac in (False, True):
         model = Transformer(cfg.model, seed=3)
         model.activation_checkpointing = ac
         ce, aux = model(x, x)
         (ce + aux).backward()  # the recompute runs the MoE a second time
-        loads.append({k: v.clone() for k, v in model.step_load.items()})
-        stats.append({k: v.clone() for k, v in model.router_stats.items()})
-    assert loads[0].keys() == {"0", "1"} and all(v.sum() == 2 * 16 * 2 for v in loads[0].values())
-    for k in loads[0]:
-        assert torch.equal(loads[0][k], loads[1][k])
-        assert torch.equal(stats[0][k], stats[1][k])  # calls == 1, not 2
+        records.append(take_routing(model))  # the step's record: one row per MoE layer, one column per forward
+    plain, checkpointed = records
+    assert plain.keys == ["0", "1"] and plain.counts.shape == (2, 1, 4) and (plain.counts.sum(-1) == 2 * 16 * 2).all()
+    assert torch.equal(plain.counts, checkpointed.counts)
+    assert torch.equal(plain.stats, checkpointed.stats)  # calls == 1, not 2
     model.eval()
-    model(x)  # eval forwards are not counted
-    assert all(torch.equal(model.step_load[k], loads[1][k]) for k in loads[1])
+    model(x)  # eval forwards leave no record
+    assert take_routing(model).keys == [] and model.routing == {}
     keys = keyed_tensors(model, None)
     assert "model.layers.0.moe.router_bias" in keys and "model.layers.1.moe.router_bias" in keys
 

@@ -24,6 +24,7 @@ from nanotitan.parallel.dp import reducer as dp, zero
 from nanotitan.parallel import step as S
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher
+from nanotitan.parallel.placement import EPShard, identity
 from nanotitan.parallel.parallelize import parallelize
 from nanotitan.resolve import resolve
 from tests.helpers.mp import run_ranks
@@ -107,7 +108,7 @@ def _wire_and_reduce(rank, world):
     ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w_TK = torch.rand(T, K, generator=g)
     L = E // world
-    disp = EPDispatcher(dist.group.WORLD, world, rank)
+    disp = EPDispatcher(EPShard(identity(E, world), rank), dist.group.WORLD)
     for dtype in ("fp32", "bf16"):
         experts = _experts(E, D, F, rank * L, L)
         x = x_TD.clone().requires_grad_()
@@ -124,7 +125,7 @@ def _wire_and_reduce(rank, world):
                 y = LocalDispatcher()(x, ids_TK, w_TK, _experts(E, D, F, 0, E), E)
             y.float().square().sum().backward()
             out["local_y_bf16"], out["local_xgrad_bf16"] = y.detach(), x.grad
-    out["count_bytes"] = E * 8  # the one int64 count exchange per forward
+    out["count_bytes"] = world * E * 8  # the one int64 count exchange per forward: every expert's count to each rank
     # --- DP: replicated and sharded reducers, fp32 and bf16 reduction ---------------------------------------
     n, scale = 1000, 0.5
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]

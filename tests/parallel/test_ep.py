@@ -20,6 +20,7 @@ from nanotitan.model.transformer import Transformer
 from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import EPDispatcher, apply_ep, inverse_permutation, source_to_expert_major
+from nanotitan.parallel.placement import EPShard, expert_shards, identity
 from tests.helpers.mp import run_ranks
 
 D, F_HID = 16, 24
@@ -76,7 +77,8 @@ def _full_moe(E: int, K: int, seed: int) -> MoE:
 
 def _shard(full: MoE, ep_rank: int, P: int) -> MoE:
     E, L = full.num_experts, full.num_experts // P
-    moe = MoE(D, F_HID, E, full.top_k, full.norm_topk, ep_rank * L, (ep_rank + 1) * L)
+    moe = MoE(D, F_HID, E, full.top_k, full.norm_topk, ep_rank * L, (ep_rank + 1) * L,
+              expert_shard=EPShard(identity(E, P), ep_rank))
     with torch.no_grad():
         moe.router.weight.copy_(full.router.weight)
         for name in ("W_gate", "W_val", "W_out"):
@@ -112,7 +114,7 @@ def _moe_case(rank: int, P: int, group, E: int, K: int, scenario: str, seed: int
 
     # EP shard, this rank's tokens
     moe = _shard(full, rank, P)
-    moe.dispatcher = EPDispatcher(group, P, rank)
+    moe.dispatcher = EPDispatcher(moe.expert_shard, group)
     x = xs[rank].clone().requires_grad_(True)
     y, _ = moe(x.unsqueeze(0))
     (y.squeeze(0) * gs[rank]).sum().backward()
@@ -156,7 +158,7 @@ def _self_only_case(rank: int, P: int, group, E: int, K: int, seed: int) -> dict
         for name in ("W_gate", "W_val", "W_out"):
             getattr(shard, name).copy_(getattr(full, name)[rank * L:(rank + 1) * L])
     x = xs[rank].clone().requires_grad_(True)
-    y = EPDispatcher(group, P, rank)(x, ids[rank], ws[rank], shard, E)
+    y = EPDispatcher(EPShard(identity(E, P), rank), group)(x, ids[rank], ws[rank], shard, E)
     y.sum().backward()
     lo = sum(Ts[:rank])
     errs = {"y": _close(y, y_ref[lo:lo + Ts[rank]].detach()), "x_grad": _close(x.grad, x_ref.grad[lo:lo + Ts[rank]])}
@@ -185,7 +187,8 @@ def _apply_ep_case(rank: int, P: int) -> dict:
     cfg = _tiny_cfg(P)
     dims = ParallelDims(1, 1, P, rank=rank).build_groups(timeout_s=60)
     full = Transformer(cfg.model, seed=3)
-    shard = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), seed=3), dims)
+    shard = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), seed=3, experts=expert_shards(cfg, dims)),
+                     dims)
     assert all(isinstance(m.dispatcher, EPDispatcher) for m in shard.moe_layers())
     toks = torch.randint(0, 64, (2 * P, 8), generator=torch.Generator().manual_seed(5))
     logits_ref, _ = full(toks)
@@ -226,7 +229,7 @@ def _overlap_case(rank: int, P: int, group, dtype: str, chunks: int, scenario: s
         comm.COMM.reset()
         moe = _shard(full, rank, P)
         moe.capacity_factor = full.capacity_factor
-        moe.dispatcher = EPDispatcher(group, P, rank, overlap_chunks=n)
+        moe.dispatcher = EPDispatcher(moe.expert_shard, group, overlap_chunks=n)
         store = wgrad.WeightGradStore() if how in ("defer", "store") else None
         wgrad.attach(moe, store)
         x = x0.clone().requires_grad_(True)
@@ -296,6 +299,10 @@ def test_apply_ep_is_noop_at_ep1_and_rejects_wrong_shard():
     # a full (unsharded) model cannot take the EP dispatcher of ep=2
     with pytest.raises(ValueError, match="build_chunk_specs"):
         apply_ep(model, ParallelDims(1, 1, 2, rank=1))
+    # nor can a shard built alone: its MoE layers hold the model's own expert shard, not one the dispatch routes by
+    cfg = _tiny_cfg(2)
+    with pytest.raises(ValueError, match="expert_shards"):
+        apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, 1), seed=0), ParallelDims(1, 1, 2, rank=1))
 
 
 @pytest.mark.timeout(90)

@@ -12,13 +12,14 @@ import torch
 from nanotitan.config.config import Config, ModelConfig, ParallelConfig
 from nanotitan.model.spec import build_chunk_specs
 from tests.helpers.specs import build_shard_spec
-from nanotitan.model.transformer import Transformer
+from nanotitan.model.transformer import Transformer, take_routing
 from nanotitan.parallel.comm import collectives as comm
 from nanotitan.parallel import ep
 from nanotitan.parallel.pp import runner as pp_runner, schedules as pp_mod
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.ep import apply_ep
 from nanotitan.parallel.lanes import exposed_ep_wait, lanes_overlap
+from nanotitan.parallel.placement import expert_shards
 from nanotitan.parallel.pp.facts import in_flight, warmup as pp_warmup
 from nanotitan.parallel.pp.schedules import pipeline_forward_backward
 from nanotitan.parallel.pp.chunks import StageChunks
@@ -51,6 +52,13 @@ def _step(model, dims, xs, ys, lanes: bool, timeline=None, schedule: str = "1f1b
     return stats, grads
 
 
+def _routing(model) -> list[torch.Tensor]:
+    """The step's routing record, drained: each MoE layer's counts and router statistics per training forward, in
+    forward order (a recompute's never), and what each forward's EP dispatch received."""
+    r = take_routing(model)
+    return [r.counts, r.stats, ep.take_received(model, r.keys)]
+
+
 def _lanes_rank(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     cfg = _cfg(world)
@@ -77,12 +85,12 @@ def _lanes_rank(rank: int, world: int) -> dict:
     out = {}
     try:
         for ac in (False, True):
-            model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), SEED), dims, lanes=True)
+            model = apply_ep(Transformer(cfg.model, build_shard_spec(cfg, 0, rank), SEED,
+                                         experts=expert_shards(cfg, dims)), dims, lanes=True)
             model.activation_checkpointing = ac
             xs, ys = _batches(rank)
             one, g_one = _step(model, dims, xs, ys, lanes=False)
-            load_one = {k: v.clone() for k, v in model.step_load.items()}
-            model.step_load.clear()
+            load_one = _routing(model)
             calls.clear()
             async_posts.clear()
             fills.clear()
@@ -92,7 +100,7 @@ def _lanes_rank(rank: int, world: int) -> dict:
             out[ac] = {
                 "same_grads": all(torch.equal(g_one[n], g_two[n]) for n in g_one),
                 "same_loss": torch.equal(one.ce_sum, two.ce_sum) and torch.equal(one.aux_sum, two.aux_sum),
-                "same_load": all(torch.equal(load_one[k], model.step_load[k]) for k in load_one),
+                "same_load": all(torch.equal(a, b) for a, b in zip(load_one, _routing(model))),
                 "one_overlap": one.lanes_overlap_s, "two_overlap": two.lanes_overlap_s,
                 # F(j+1) started before B(j) ended and ended after B(j) started
                 "pairs_overlapping": sum(spans[("F", j + 1)][0] < spans[("B", j)][1]
@@ -229,7 +237,8 @@ def _pp_cfg(schedule: str, pp: int = 2, ep: int = 2, n_layers: int = 4) -> Confi
 
 def _stage(cfg: Config, dims: ParallelDims):
     """This rank's stage: one Transformer, or the interleaved schedule's V chunks."""
-    chunks = [Transformer(cfg.model, s, SEED) for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
+    chunks = [Transformer(cfg.model, s, SEED, experts=expert_shards(cfg, dims))
+              for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
     return chunks[0] if len(chunks) == 1 else StageChunks(chunks)
 
 
@@ -269,8 +278,7 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
                 chunk.activation_checkpointing = ac
             xs, ys = _batches(dims.ep_rank)
             one, g_one = _step(model, dims, xs, ys, lanes=False, schedule=schedule)
-            load_one = {k: v.clone() for k, v in model.step_load.items()}
-            model.step_load.clear()
+            load_one = _routing(model)
             p2p.clear()
             a2a.clear()
             timeline = []
@@ -284,7 +292,7 @@ def _pp_lanes_rank(rank: int, world: int) -> dict:
                 "same_grads": all(torch.equal(g_one[n], g_two[n]) for n in g_one),
                 "same_loss": (one.ce_sum is None and two.ce_sum is None or torch.equal(one.ce_sum, two.ce_sum))
                 and torch.equal(one.aux_sum, two.aux_sum),
-                "same_load": all(torch.equal(load_one[k], model.step_load[k]) for k in load_one),
+                "same_load": all(torch.equal(a, b) for a, b in zip(load_one, _routing(model))),
                 "in_flight": (one.max_in_flight, in_flight(schedule, 2, dims.pp_rank, M, V), two.max_in_flight,
                               in_flight(schedule, 2, dims.pp_rank, M, V, lanes=True)),
                 "one_overlap": one.lanes_overlap_s, "two_overlap": two.lanes_overlap_s,

@@ -1,12 +1,13 @@
-"""The placement rule (parallel/placement.py): pure functions of a window's counts; and the gradient sync of
-replicated experts at zero 0 (the Reducer's skipped rows, the Rebalancer's fold over copies x DP) on 4 ranks."""
+"""The placement rule (parallel/placement.py): pure functions of a window's counts; the expert shard's routes; and the
+gradient sync of replicated experts at zero 0 (the Reducer's skipped rows, CopyFold's fold over copies x DP, the
+clip's count of the copies) on 4 ranks."""
 
 import pytest
 import torch
 
 from nanotitan.model.moe import pack_expert_major
-from nanotitan.parallel.dp.sync import Pieces
-from nanotitan.parallel.placement import Placement, balanced, choose, dp_shares, identity, slot_ids, sticky, water_fill
+from nanotitan.parallel.placement import (EPShard, Placement, balanced, choose, dp_shares, identity, slot_ids, sticky,
+                                          water_fill)
 
 
 def test_identity_is_static():
@@ -63,6 +64,32 @@ def test_route_cuts_each_microbatch_where_the_ranks_even_out():
     assert pl.rank_loads([4, 6, 0, 0]) == [6, 4]
 
 
+def test_expert_shard_routes_as_the_placement_says():
+    """The static placement is the identity one: its routes are the static count exchange's (send_PL[p][l]: mine to
+    rank p's expert l; recv_PL[q][l]: source q's to my expert l), and expert-major is already the send order. A
+    placement without copies routes each expert's column whole (what `Placement.route` gives, without its cuts);
+    the copies' and empty slots' rows, and a swap, are the gradient sync's to read."""
+    counts_PE = torch.tensor([[3, 0, 2, 5, 1, 1, 0, 4], [0, 2, 2, 1, 6, 0, 3, 3]])
+    for me in (0, 1):
+        shard = EPShard(identity(8, 2, spare=1), me)
+        route = shard.route(counts_PE)
+        assert route.send == [counts_PE[me, 0:4].tolist() + [0], counts_PE[me, 4:8].tolist() + [0]]
+        assert route.recv == [counts_PE[q, 4 * me:4 * me + 4].tolist() + [0] for q in (0, 1)]
+        ids_TK = torch.tensor([[1, 6], [0, 7], [4, 8]])  # 8: dropped
+        order_N, _, counts_E = pack_expert_major(ids_TK, 8)
+        assert shard.slot_major(ids_TK, order_N, counts_E, route) is order_N
+        assert shard.copy_rows() == [4] and shard.extra_rows() == []  # the empty spare
+    moved = Placement(((5, 2, 7, 0), (1, 4, 3, 6)), 8)  # single experts, out of order
+    for me in (0, 1):
+        shard = EPShard(moved, me)
+        send, recv, _ = moved.route(counts_PE, me)
+        assert (shard.route(counts_PE).send, shard.route(counts_PE).recv) == (send, recv)
+    shard = EPShard(identity(4, 2, spare=1), 1)
+    shard.swap(Placement(FOLD_SLOTS, 4))
+    assert shard.moves == 1 and shard.copy_rows() == [1, 2] and shard.extra_rows() == [2]
+    assert shard.experts_at(0) == (0, 1, 3) and EPShard(Placement(FOLD_SLOTS, 4), 0).extra_rows() == []
+
+
 def test_balanced_keeps_copies_on_one_node_and_sticky_keeps_nodes():
     """Two nodes of two EP ranks: each hot expert's two copies on one node (the copies' gradient sum on the fast
     link), the two hot experts on different nodes; a relabelling never splits a node's copies."""
@@ -109,76 +136,58 @@ def test_water_fill_and_dp_shares_even_out_the_dp_load():
     assert shares == {1: [[0, 5, 10], [0, 2, 4]], 2: [[0, 5, 10], [0, 2, 4]]}
 
 
-# --- the gradient sync of replicated experts (zero 0: rebalance.Rebalancer._fold and Reducer.skip_rows) ---------------
+# --- the gradient sync of replicated experts (zero 0: rebalance.CopyFold inside ReplicatedSync.finish) ---------------
 # DP2 x EP2. EP2 with E 4, L 2, one spare column: expert 3 replicated in column 2 on both EP ranks, rank 1's slot 1
 # empty. Rank g (global) contributes 2**g to every element: the sum over the 4 ranks is 15, over one DP pair 1+4 or
 # 2+8, and a copy missing (or counted twice) gives another number. The shares are water-filled (one copy gets none).
 FOLD_SLOTS = ((0, 1, 3), (2, -1, 3))
 
 
-def _fold_world4(rank, world, early=False):
+def _fold_world4(rank, world):
     import torch.distributed as dist
     import torch.nn as nn
 
+    from nanotitan.model.moe import MoE
     from nanotitan.parallel.dims import ParallelDims
-    from nanotitan.parallel.dp.reducer import Reducer
+    from nanotitan.parallel.dp.sync import ReplicatedSync
+    from nanotitan.parallel.placement import EPShard
 
     dims = ParallelDims(2, 1, 2, rank=rank).build_groups()
     me = dims.moe_ep_rank
-    w = nn.Parameter(torch.zeros(3, 5, 3))  # rows of 15: EP rank 1 (one single expert, rank 0 two) takes all
-    reducer = Reducer([("experts.w", w)], dims.group("expert_dp"), 1.0, 0.5)
-    skipped = [s for s, e in enumerate(FOLD_SLOTS[me]) if e < 0 or e == 3]
-    assert reducer.skip_rows({"experts.w": skipped}) == {"experts.w"}
-    reducer.zero_grad()
-    reducer.prepare(sync=True)
-    (w * 2.0 ** rank).sum().backward()  # d/dw = 2**rank everywhere (the empty slot too: a test of the skip alone)
-    rb = _replica_sum(dims, w, reducer)
-    if early:  # as train.py runs it: the fold's first moves while the DP buckets are still on the wire
-        rb.start_replica_sum()
-    reducer.finish()
-    g = w.grad
+    model = nn.Module()  # one MoE layer whose expert tensors have rows of 15 (5 x 3): EP rank 1 takes all the shares
+    model.moe = MoE(5, 3, 4, 1, True, 2 * me, 2 * me + 2, expert_shard=EPShard(Placement(FOLD_SLOTS, 4), me))
+    experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+    sync = ReplicatedSync(model, dims, experts, [], 1.0, 0.5)  # its fold reads the layer's expert shard
+    sync.zero_grad()
+    sync.prepare(sync=True)  # the copies' rows and the empty slot leave the DP reduction here
+    sum((p * 2.0 ** rank).sum() for _, p in experts).backward()  # d/dp = 2**rank everywhere, the empty slot too
+    sync.finish()  # the DP reduction, the fold's first moves posted behind its buckets, its last after them
     pair = sum(2.0 ** r for r in dist.get_process_group_ranks(dims.group("expert_dp")))
-    home = [s for s in range(3) if s not in skipped]
-    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "a kept row is not the scaled DP sum"
-    assert torch.equal(g[skipped], torch.full_like(g[skipped], 0.5 * 2.0 ** rank)), "a skipped row was reduced"
-
-    dup = rb.sum_replica_grads()
-    assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"copy on EP rank {me}: {g[2].unique()}, want 7.5"
-    assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), "the fold touched a row of no copy"
-    assert dup.item() == ((0.5 * 15) ** 2 * 15 if me == 1 else 0.0), dup  # EP rank 1's copy, once (its own part)
-    return g.numpy()
-
-
-def _replica_sum(dims, w, reducer):
-    """A Rebalancer for the replica sum alone: a stage of one MoE layer, no trainer."""
-    from types import SimpleNamespace
-
-    import torch.nn as nn
-
-    from nanotitan.parallel.rebalance import Rebalancer
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = nn.Module()
-            self.experts.w = w
-            self.layers = {"0": SimpleNamespace(moe=SimpleNamespace(dispatcher=SimpleNamespace(
-                placement=Placement(FOLD_SLOTS, 4))))}
-
-    sync = SimpleNamespace(grads_whole=True, grad_pieces=lambda names: {n: Pieces.whole(w.grad) for n in names},
-                           launch_rest=reducer.launch_rest)
-    rb = Rebalancer.__new__(Rebalancer)
-    rb.shard, rb.R, rb.keys, rb.names, rb.folded, rb._pending = SimpleNamespace(dims=dims, model=Model(), sync=sync), \
-        2, ["0"], {"0": ["experts.w"]}, True, None
-    rb.cuts = rb._dp_shares()  # what Rebalancer._skip makes at each placement change
-    return rb
+    home = [s for s, e in enumerate(FOLD_SLOTS[me]) if e >= 0 and e != 3]
+    for n, p in experts:
+        g = p.grad
+        assert torch.equal(g[home], torch.full_like(g[home], 0.5 * pair)), f"{n}: a kept row is not the DP sum"
+        assert torch.equal(g[2], torch.full_like(g[2], 0.5 * 15)), f"{n} copy on EP rank {me}: {g[2].unique()}"
+        if me == 1:  # the empty slot: left out of the reduction (a zero gradient in a run), only scaled
+            assert torch.equal(g[1], torch.full_like(g[1], 0.5 * 2.0 ** rank)), f"{n}: the empty slot was reduced"
+    # the copy counts once in the norm: EP rank 1's is its extra one (its gradient layout says so)
+    assert [v.data_ptr() for v in sync.counted_elsewhere()] == \
+        ([p.grad[2].data_ptr() for _, p in experts] if me == 1 else [])
+    # the global norm: every row of the EP group once, the copy by rank 0 (its first holder): rank 0's two homes and
+    # its copy, rank 1's home and its empty slot; 3 tensors of rows of 15 elements
+    rows = [2 * (0.5 * 5) ** 2, (0.5 * 15) ** 2, (0.5 * 10) ** 2, (0.5 * 2.0 ** (2 * dims.dp_rank + 1)) ** 2]
+    want = 3 * 15 * sum(rows)
+    norm = sync.clip(0.0)
+    assert abs(norm.item() ** 2 - want) <= 1e-6 * want, (norm.item() ** 2, want)
+    return model.moe.experts.W_gate.grad.numpy()
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["after-sync", "started-behind-buckets"])
-def test_fold_sums_every_copy_once_world4(early):
+def test_fold_sums_every_copy_once_world4():
+    """zero 0 at DP2·EP2: the gradient sync sums a replicated expert's copies over copies x DP inside its finish()
+    (every copy the same bits), leaves the empty slot out of the reduction, and its clip counts the copy once."""
     from tests.helpers.mp import run_ranks
 
-    grads = run_ranks(_fold_world4, 4, (early,), timeout=120)
+    grads = run_ranks(_fold_world4, 4, timeout=120)
     assert all((grads[0][2] == g[2]).all() for g in grads), "the copies' gradients differ"
 
 

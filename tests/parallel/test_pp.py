@@ -316,6 +316,7 @@ def _ep_in_w(rank, world, cases):
     """PP2 x EP2 under zb1: the EP all-to-alls each W runs (and the grads against the single process)."""
     import nanotitan.parallel.pp.runner as P
     from nanotitan.parallel.ep import apply_ep
+    from nanotitan.parallel.placement import expert_shards
 
     dims = ParallelDims(1, 2, 2, rank).build_groups(timeout_s=60)  # new groups over the same 4 processes
     run_weights, in_w = P.run_weights, []
@@ -335,7 +336,8 @@ def _ep_in_w(rank, world, cases):
             full = Transformer(cfg.model, None, SEED)
             reference_step(full, xs, ys)
             ref = dict(full.named_parameters())
-            chunks = [Transformer(cfg.model, s, SEED) for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
+            chunks = [Transformer(cfg.model, s, SEED, experts=expert_shards(cfg, dims))
+                      for s in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
             (stage,) = chunks
             stage.activation_checkpointing = ckpt
             apply_ep(stage, dims)

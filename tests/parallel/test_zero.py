@@ -335,6 +335,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     from tests.helpers.specs import build_shard_spec
     from nanotitan.model.transformer import Transformer, is_expert_param
     from nanotitan.parallel.ep import apply_ep
+    from nanotitan.parallel.placement import expert_shards
     from nanotitan.parallel.dp.fsdp import FSDPSync
 
     cfg = Config()
@@ -344,7 +345,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     name = f"zero3 dp={dp} ep={ep} clip={max_norm} {accumulate} {reshard}"
     models = []
     for _ in range(2):
-        m = Transformer(cfg.model, build_shard_spec(cfg, 0, dims.ep_rank), seed=0)
+        m = Transformer(cfg.model, build_shard_spec(cfg, 0, dims.ep_rank), seed=0, experts=expert_shards(cfg, dims))
         models.append(apply_ep(m, dims))
     a, b = models
     scale = 1.0 / dims.data_world

@@ -1,5 +1,5 @@
 """Routing skew and group-limited routing in the planner's time model (plan/skew.py, docs/planner.md §3), and the
-per-microbatch skew record a run writes (observe/report.py routing_skew_stats)."""
+per-microbatch skew record a run writes (parallel/step.py StepEnd, observe/report.py router_record)."""
 
 import dataclasses
 import json
@@ -94,29 +94,38 @@ def test_group_limited_routing_lowers_the_inter_node_bytes_by_its_bound():
     assert a2a[1] / a2a[0] == pytest.approx(1 / 4, rel=0.05)
 
 
-def test_the_run_records_the_busiest_ep_ranks_received_assignments_per_microbatch(monkeypatch):
+def test_the_run_records_the_busiest_ep_ranks_received_assignments_per_microbatch():
     """2 EP ranks, 4 experts, seen from rank 0: microbatch 1's group load is even (ratio 1), microbatch 2 sends
     everything to rank 0's two experts (ratio 2); the CV of its source microbatches' counts is 1/sqrt(2) and 1. The EP
-    group's SUM (one collective) is played by adding rank 1's counts; the real one runs in every `bench layouts` row."""
+    group's loads are what the dispatch's count exchange gathered (`Routing.received`, no collective of their own);
+    the record's one packed SUM over the world is this rank's alone here (no process group)."""
     from types import SimpleNamespace
 
-    from nanotitan.observe import report
+    from nanotitan.model.transformer import Routing
+    from nanotitan.observe.report import router_record
+    from nanotitan.optim.qk_clip import QKClip
     from nanotitan.parallel.dims import ParallelDims
+    from nanotitan.parallel.pp.schedules import StepStats
+    from nanotitan.parallel.rebalance import Rebalancer
+    from nanotitan.parallel.step import StepEnd, StepResult
 
     mine, peer = [[4, 0, 2, 2], [4, 4, 0, 0]], [[0, 4, 2, 2], [4, 4, 0, 0]]
-    calls = []
+    cfg = _cfg()
 
-    def all_reduce(t, group=None, axis="dp", **kw):
-        calls.append(axis)
-        t += torch.tensor(peer, dtype=t.dtype).unsqueeze(0)  # (layers, microbatches, E)
+    def record(ep: int) -> dict:
+        shard = SimpleNamespace(model=torch.nn.Linear(1, 1), dims=ParallelDims(1, 1, ep, 0))
+        shard.rebalancer = Rebalancer(shard, 0, 1)  # the static placement's: no window, no placed figure
+        received = torch.tensor([mine]) + torch.tensor([peer]) if ep > 1 else None  # (layers, microbatches, E)
+        routing = Routing(["0"], torch.tensor([mine]), torch.zeros(1, 2, 5), received)
+        stats = StepStats(torch.zeros(()), torch.zeros(()), 0.0, 0.0, 0.0, 1, routing=routing)
+        result = StepEnd(shard, cfg, 1.0, QKClip(shard, 0))(0, StepResult(stats, torch.zeros(()), 0.0, False, False),
+                                                         None, True, lambda: None)
+        return router_record(result.router, cfg.model)
 
-    monkeypatch.setattr(report.comm, "all_reduce", all_reduce)
-    model = SimpleNamespace(mb_load={"0": [torch.tensor(c) for c in mine]})
-    out = report.routing_skew_stats(model, ParallelDims(1, 1, 2, 0), torch.device("cpu"))
-    assert model.mb_load == {} and calls == ["other"]
-    assert out["ep_recv_max_mean"] == pytest.approx(1.5)
+    out = record(2)
+    assert out["ep_recv_max_mean"] == pytest.approx(1.5) and "ep_placed_max_mean" not in out
     assert out["expert_cv"] == pytest.approx((2 ** -0.5 + 1) / 2, abs=1e-4)
-    # without EP only the CV, and no collective
-    model = SimpleNamespace(mb_load={"0": [torch.tensor(c) for c in mine]})
-    assert report.routing_skew_stats(model, ParallelDims(1, 1, 1, 0), torch.device("cpu")) == {
-        "expert_cv": pytest.approx((2 ** -0.5 + 1) / 2, abs=1e-4)}
+    assert out["expert_load"][0] == [8, 4, 2, 2]  # this rank's two microbatches
+    # without EP only the CV
+    out = record(1)
+    assert "ep_recv_max_mean" not in out and out["expert_cv"] == pytest.approx((2 ** -0.5 + 1) / 2, abs=1e-4)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..model.moe import LocalDispatcher, MoE, pack_expert_major
 from ..parallel.comm import collectives as comm
 from ..parallel.ep import EPDispatcher, source_to_expert_major
+from ..parallel.placement import EPShard, identity
 from ..run.spawn import run_ranks
 from .seed_ep_naive import SeedEPDispatcher, seed_pack, seed_permute
 
@@ -37,7 +38,7 @@ D, E, F_HID, K, B, S = 256, 8, 512, 2, 8, 128
 
 def build_moe(P: int, ep_rank: int) -> MoE:
     L = E // P
-    moe = MoE(D, F_HID, E, K, True, ep_rank * L, (ep_rank + 1) * L)
+    moe = MoE(D, F_HID, E, K, True, ep_rank * L, (ep_rank + 1) * L, expert_shard=EPShard(identity(E, P), ep_rank))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # same global weights in every layout; expert slice by ep_rank
         moe.router.weight.copy_(torch.randn(E, D, generator=g) * 0.02)
@@ -120,7 +121,7 @@ def rank_main(rank: int, world: int, args) -> tuple[dict, dict]:
     g = torch.randn(B, S, D)
     modes = {"ep1": (build_moe(1, 0), LocalDispatcher())} if world == 1 else {
         f"control{world}": (build_moe(1, 0), LocalDispatcher()),
-        f"ep{world}": (build_moe(world, rank), EPDispatcher(group, world, rank)),
+        f"ep{world}": (build_moe(world, rank), EPDispatcher(EPShard(identity(E, world), rank), group)),
     }
     if world == 2:
         modes["seed_ep2"] = (build_moe(2, rank), SeedEPDispatcher(group, 2, rank))

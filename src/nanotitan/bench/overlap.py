@@ -197,6 +197,7 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
     from ..parallel.comm import collectives as comm
     from ..parallel.dims import ParallelDims
     from ..parallel.ep import apply_ep
+    from ..parallel.placement import expert_shards
     from ..parallel.ep import lanes_of
     from ..parallel.pp.schedules import RunOptions, pipeline_forward_backward
     from ..parallel.pp.chunks import StageChunks
@@ -209,7 +210,7 @@ def _interleaved_rank(rank: int, world: int, cfg, pp: int, ep: int, schedule: st
         emulate.install(emulate.link_model(cfg, rank))
     dims = ParallelDims(1, pp, ep, rank=rank).build_groups(timeout_s=600).build_backward_ep_groups(timeout_s=600)
     # the stage: one Transformer, or under the interleaved schedule its V chunks (parallel.virtual_stages)
-    chunks = [Transformer(cfg.model, spec, cfg.train.seed)
+    chunks = [Transformer(cfg.model, spec, cfg.train.seed, experts=expert_shards(cfg, dims))
               for spec in build_chunk_specs(cfg, dims.pp_rank, dims.ep_rank)]
     model = apply_ep(chunks[0] if len(chunks) == 1 else StageChunks(chunks), dims, lanes=True)
     g = torch.Generator().manual_seed(1 + dims.ep_rank)

@@ -104,6 +104,7 @@ def _wire_worker(rank: int, world: int) -> dict:
     from ..parallel.comm import collectives as comm
     from ..parallel.dp.reducer import Reducer
     from ..parallel.ep import EPDispatcher
+    from ..parallel.placement import EPShard, identity
     from ..parallel.pp.comms import StageComms
 
     cfg = load_config(None, MID_ARGS)
@@ -130,7 +131,7 @@ def _wire_worker(rank: int, world: int) -> dict:
             sc.send_backward(act)
         x = x_TD.clone().requires_grad_()  # EP: one MoE layer, forward under autocast, backward outside
         with step.autocast(CPU, dtype):
-            y = EPDispatcher(dist.group.WORLD, world, rank)(x, ids_TK, w_TK, experts, E)
+            y = EPDispatcher(EPShard(identity(E, world), rank), dist.group.WORLD)(x, ids_TK, w_TK, experts, E)
         y.float().sum().backward()
         red = Reducer(list(model.named_parameters()), dist.group.WORLD, 25, 0.5,
                       reduce_dtype=torch.bfloat16 if dtype == "bf16" else None)

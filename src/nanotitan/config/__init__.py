@@ -3,6 +3,7 @@
     config.py     Config and its sections, load_config (TOML + dotted CLI overrides), validate, to_toml
     parse.py      TOML values and `--section.key VALUE` overrides as the fields' declared types
     errors.py     errors that end a run in one line, each kind with its exit code (ConfigError among them)
+    layout.py     the experts' fold over EP x CP x TP (`expert_ranks`): the one rule dims, spec, rules and planner call
     tp_rules.py   tensor parallel's config rules: what TP splits must divide (validate calls it)
     fits.py       whether a job's model can fit at all, checked before anything is allocated
     counts.py     parameter and FLOP counts by formula, the one count fits.py and the planner both use

@@ -24,6 +24,7 @@ from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .controls_rules import check_controls
 from .cp_rules import check_cp
+from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
 
@@ -331,8 +332,8 @@ def _run_dir_blocker(run_dir: str) -> str | None:
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
-    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
-                  check_tp, check_cp, check_placement, _check_elastic, check_controls):
+    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, check_expert_fold,
+                  _check_dp_ep, check_tp, check_cp, check_placement, _check_elastic, check_controls):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -514,7 +515,7 @@ def _check_dp_ep(cfg: Config) -> None:
            "parallel.dp_impl=torch_ddp supports pure DP only (pp=1, ep=1); use --parallel.dp_impl bucketed")
     _check(p.ep_chunks >= 2, f"parallel.ep_chunks={p.ep_chunks} must be >= 2: the groups a trip is pipelined in "
            "(--parallel.ep_chunks 2)")
-    moe_ep = p.ep * p.cp * p.tp  # the experts fold over EP x CP x TP (parallel/tp.py, parallel/cp.py)
+    moe_ep = expert_ranks(p.ep, p.cp, p.tp)  # the experts fold over EP x CP x TP (parallel/tp.py, parallel/cp.py)
     _check(not p.ep_overlap or moe_ep == 1 or p.auto or m.num_experts // moe_ep >= 2,
            f"parallel.ep_overlap pipelines groups of an EP rank's experts, and model.num_experts/(parallel.ep*cp*tp) = "
            f"{m.num_experts}/{moe_ep} leaves one (--parallel.ep {p.ep // 2 or 1}, or --parallel.ep_overlap false)")

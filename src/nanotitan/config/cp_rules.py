@@ -18,9 +18,6 @@ def check_cp(cfg) -> None:
     _check(not (p.tp > 1 and p.sp) or (S // n) % p.tp == 0,
            f"train.seq_len/parallel.cp = {S // n} must be a multiple of parallel.tp={p.tp}: sequence parallel splits "
            f"each CP rank's tokens over TP (--train.seq_len, or --parallel.sp false)")
-    _check(m.num_experts % (p.ep * n * p.tp) == 0,
-           f"model.num_experts={m.num_experts} must be divisible by parallel.ep*cp*tp = {p.ep * n * p.tp}: the "
-           "experts fold over EP x CP x TP (--parallel.cp, or --parallel.ep)")
     if p.cp_impl == "a2a":  # Ulysses trades the sequence shard for a head shard: a TP rank's heads split cp ways
         heads = m.n_heads // p.tp
         kv = m.n_heads if m.kv_lora_rank else max((m.n_kv_heads or m.n_heads) // p.tp, 1)  # MLA expands per head

@@ -8,7 +8,8 @@ from .errors import check as _check
 
 def check_tp(cfg) -> None:
     """Tensor parallel splits heads, hidden units, vocabulary and sequence N ways (parallel/tp.py, docs/tp.md)."""
-    m, p, n, no = cfg.model, cfg.parallel, cfg.parallel.tp, f"with parallel.tp={cfg.parallel.tp}"
+    m, p, n, no = cfg.model, cfg.parallel, cfg.parallel.tp, f"with parallel.tp={cfg.parallel.tp}"  # the experts' fold:
+    # config.py (`expert_ranks`)
     for name, v in [("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim),
                     ("model.dense_ffn_dim", m.dense_ffn_dim or m.ffn_dim),
                     ("model.shared_ffn_dim", m.shared_experts * (m.shared_ffn_dim or m.ffn_dim)),
@@ -17,8 +18,6 @@ def check_tp(cfg) -> None:
     kv = m.n_kv_heads or m.n_heads
     _check(kv % n == 0 or n % kv == 0, f"parallel.tp={n} and model.n_kv_heads={kv}: one must divide the other "
            "(KV heads are split, or replicated when fewer than the TP ranks) (--parallel.tp)")
-    _check(m.num_experts % (p.ep * n) == 0, f"model.num_experts={m.num_experts} must be divisible by parallel.ep*tp = "
-           f"{p.ep * n}: the experts fold over EP x TP (--parallel.tp, or --parallel.ep)")
     for bad, line in [(m.kv_lora_rank > 0 and m.attn_bias, "model.attn_bias with MLA (a row-parallel o bias)"),
                       (p.sp and m.pos_emb == "learned", "model.pos_emb=learned (--parallel.sp false, or rope)"),
                       (p.dp_impl == "torch_ddp", "parallel.dp_impl=torch_ddp (use bucketed)"),

@@ -259,8 +259,10 @@ def load_into_shard(model: Transformer, hf_dir: str | Path) -> list[str]:
     with _Reader(hf_dir) as r:
         for name, p in _weights(model, family):
             m = _EXPERT.fullmatch(name)
-            if m:
-                _load_experts(r, family, int(m[1]), EXPERT_WEIGHTS.index(m[2]), p, e0, name)
+            if m:  # the shard's experts [e0, expert_end) in its first slots; a placement's spare slots stay empty
+                n = model.spec.expert_end - e0
+                _load_experts(r, family, int(m[1]), EXPERT_WEIGHTS.index(m[2]), p[:n], e0, name)
+                p[n:].zero_()
                 continue
             key = hf_name(family, name)
             if key == "lm_head.weight" and not r.has(key):

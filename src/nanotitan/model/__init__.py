@@ -3,6 +3,7 @@
     transformer.py  the Transformer, built from a ModelShardSpec (full model or one stage/expert shard)
     spec.py         ModelShardSpec: which embeddings, layers and experts a rank owns
     moe.py          the mixture-of-experts FFN: fp32 router, top-k, SwiGLU experts, dropless by default
+    experts.py      ExpertShard: which global expert each slot of a layer's experts holds (handed in at build)
     mla.py          multi-head latent attention (DeepSeek-V2/V3)
     mtp.py          multi-token prediction (DeepSeek-V3 §2.2)
     rope.py         rotary position embeddings (plain RoPE or YaRN-scaled)

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import wgrad
+from .experts import ExpertShard, LocalExperts
 from .tokens import LOCAL, TokenShard
 from .wgrad import Linear
 
@@ -54,9 +55,6 @@ class ExpertFFN(nn.Module):
     "grouped" one `torch._grouped_mm` per projection over all L experts, its group offsets a device tensor, so
     the experts need no host count; "auto" picks per device and dtype (`grouped_wins`, docs/moe.md)."""
     wgrad_store: wgrad.WeightGradStore | None = None  # set: weight gradients deferrable (model/wgrad.py)
-    # The global expert each slot holds (-1: an empty slot), when a placement moved them (parallel/rebalance.py);
-    # None: slot l is expert expert_start + l. Checkpoints key expert tensors by it.
-    slot_experts: list[int] | None = None
 
     def __init__(self, num_local: int, d_model: int, ffn_dim: int, impl: str = "loop"):
         super().__init__()
@@ -189,7 +187,8 @@ def combine(y_ND: torch.Tensor, w_N: torch.Tensor, token_idx_N: torch.Tensor, T:
 
 
 class MoE(nn.Module):
-    """Routed experts [expert_start, expert_end) of this shard, plus optional shared experts.
+    """Routed experts [expert_start, expert_end) of this shard (in the slots its `expert_shard` says), plus optional
+    shared experts.
 
     Shared experts (`shared_ffn_dim` > 0: Qwen2-MoE, DeepSeek) see every token. n shared experts of hidden F
     are one SwiGLU of hidden n*F (SwiGLU is a sum over hidden units, so that is the same function). They
@@ -204,11 +203,11 @@ class MoE(nn.Module):
     `lane_local_router_state` (set by parallel/ep.py's apply_ep for parallel.ep_overlap_microbatches): keep what
     `route` leaves for Transformer.forward (`last_counts_E`, `last_router_stats`) once per lane. With two lanes a
     checkpointed block's recompute (backward lane) runs `route` too, and could land between the forward lane's
-    route and its read: the wrong microbatch's counts would reach expert_load and the router-bias update. Per
-    lane (`in_backward`, the rule that picks a call's EP group), a recompute never touches what a forward reads.
+    route and its read: the wrong microbatch's counts would reach the step's routing record (the log, the router-bias
+    update, the placement window). Per lane (`in_backward`, the rule that picks a call's EP group), a recompute never
+    touches what a forward reads.
     """
     lane_local_router_state: bool = False
-    count_window: bool = False  # expert placement (parallel/rebalance.py): the model sums counts per window
     # MTP depth k's block (model/mtp.py) runs on every position; the last seq_tail = k of each whole sequence have
     # no target: they are never routed, nor counted in any statistic, as if the block ran on S - k positions.
     seq_tail: int = 0
@@ -218,7 +217,7 @@ class MoE(nn.Module):
                  score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
                  aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
                  capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1, experts_impl: str = "loop",
-                 tokens: TokenShard = LOCAL):
+                 tokens: TokenShard = LOCAL, expert_shard: ExpertShard | None = None):
         super().__init__()
         # The token ranks (tensor or context parallel, model/tokens.py; LOCAL: every token is here): this rank routes
         # its `runs` of each sequence's positions; tokens.sum / tokens.mean sum over the ranks holding the rest
@@ -239,8 +238,12 @@ class MoE(nn.Module):
         self._stats_tail: dict[tuple, torch.Tensor] = {}  # (T*K, dtype, device) -> [0 dropped, T*K, 1]
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
+        # Which global expert each slot of `experts` holds (model/experts.py): one slot per expert of [expert_start,
+        # expert_end), and under a balanced placement spare slots for copies (parallel/placement.py)
+        self.expert_shard = expert_shard if expert_shard is not None else LocalExperts(expert_start, expert_end)
         self.router = Linear(d_model, num_experts, bias=False)  # scores against all E experts
-        self.experts = ExpertFFN(expert_end - expert_start, d_model, ffn_dim, experts_impl)
+        slots = len(self.expert_shard.experts_at(self.expert_shard.rank))
+        self.experts = ExpertFFN(slots, d_model, ffn_dim, experts_impl)
         self.dispatcher = LocalDispatcher(may_drop=bool(capacity_factor))
         self.shared_expert = SwiGLU(d_model, shared_ffn_dim) if shared_ffn_dim else None
         self.shared_expert_gate = Linear(d_model, 1, bias=False) if shared_ffn_dim and shared_gate else None

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ..config.config import Config, ModelConfig
+from ..config.layout import expert_ranks
 from ..config.parse import tidy_counts
 
 
@@ -92,7 +93,7 @@ def build_chunk_specs(cfg: Config, pp_rank: int = 0, ep_rank: int = 0) -> list[M
     docs/tp.md, docs/cp.md)."""
     p, m = cfg.parallel, cfg.model
     counts = chunk_layer_counts(cfg)
-    n_chunks, e_local = len(counts), m.num_experts // (p.ep * p.cp * p.tp)  # fold over EP x CP x TP (docs/cp.md)
+    n_chunks, e_local = len(counts), m.num_experts // expert_ranks(p.ep, p.cp, p.tp)
     specs = []
     for c in range(pp_rank, n_chunks, p.pp):
         start = sum(counts[:c])

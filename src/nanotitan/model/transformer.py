@@ -17,9 +17,10 @@ parallel/build.py slices them for TP first, then fills each with `init_param` an
 
 from __future__ import annotations
 
-import collections
 import math
 import zlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
 from . import qk_max, wgrad
+from .experts import ExpertShard
 from .kv_cache import KVCache, cached_attention
 from .mla import MLA
 from .moe import MoE, SwiGLU
@@ -37,8 +39,6 @@ from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
 from .tokens import LOCAL, TokenShard, at_runs
-
-MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -111,7 +111,8 @@ class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (MoE or dense). A pipeline cut may fall between
     the halves (model/spec.py): the block then holds, and runs, only the half its shard owns."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard = LOCAL):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard = LOCAL,
+                 expert_shard: ExpertShard | None = None):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
@@ -127,7 +128,7 @@ class Block(nn.Module):
                            routed_scale=cfg.routed_scale, bias_update_rate=cfg.bias_update_rate,
                            aux_coef=cfg.aux_coef, aux_scope=cfg.aux_scope, z_loss_coef=cfg.z_loss_coef,
                            capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                           experts_impl=cfg.experts_impl, tokens=tokens)
+                           experts_impl=cfg.experts_impl, tokens=tokens, expert_shard=expert_shard)
         elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
@@ -161,7 +162,7 @@ class Transformer(nn.Module):
     to its objective as it adds the weighted aux_sum (parallel/pp/schedules.py)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True,
-                 tokens: TokenShard = LOCAL):
+                 tokens: TokenShard = LOCAL, experts: Callable[[int], ExpertShard] | None = None):
         super().__init__()
         assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
@@ -171,25 +172,17 @@ class Transformer(nn.Module):
         # embedding and the head are vocab-parallel, and so is the loss (`tokens.cross_entropy`).
         self.tokens = tokens
         self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
-        self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
-        # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
-        # tokens per expert since the last router-bias update (parallel/step.py: update_router_bias).
-        self.router_stats: dict[str, torch.Tensor] = {}
-        self.step_load: dict[str, torch.Tensor] = {}
-        # Training forwards only, per MoE layer with MoE.count_window (expert placement, parallel/rebalance.py): tokens
-        # per expert since the last placement window closed
-        self.window_load: dict[str, torch.Tensor] = {}
-        # Training forwards only, per MoE layer: each microbatch's tokens per expert, in forward order, the last
-        # MB_LOAD_KEPT (report.py: the busiest EP rank's received assignments per microbatch, the routing skew the
-        # planner prices; bounded, so a run that never logs holds no more)
-        self.mb_load: dict[str, collections.deque] = {}
+        # Training forwards only, per MoE layer, in forward order: (tokens per expert, MoE.last_router_stats) of each
+        # forward; the step drains it (`take_routing`) and hands the counts on in its result (parallel/step.py)
+        self.routing: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
             self.tok_emb = tokens.embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         # Keys are global layer indices, so parameter names are the same in every layout.
         # The MTP blocks follow, numbered after the last decoder layer as in DeepSeek's checkpoints (model/mtp.py).
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec, tokens)
+        # Each MoE layer's expert shard (model/experts.py): handed in per global layer index, else this spec's experts
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, spec, tokens, experts(i) if experts is not None else None)
                                      for i in [*spec.layers, *mtp_layer_ids(cfg, spec.mtp_layers)]})
         self.n_trunk = len(spec.layers)
         if spec.has_head:
@@ -235,9 +228,12 @@ class Transformer(nn.Module):
         std = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "W_out")) else cfg.init_std
         if ".experts." in name:  # never TP-sliced (experts fold onto EP: parallel/tp.py)
             assert part is None, name
-            start = self.spec.expert_start
-            for l in range(p.shape[0]):  # one RNG per global expert id: shard == slice of full
-                p[l].copy_(_normal(p[l].shape, std, seed, name, start + l))
+            shard = self.layers[name.split(".")[1]].moe.expert_shard
+            for l, e in enumerate(shard.experts_at(shard.rank)):  # one RNG per global expert id: shard == slice of full
+                if e >= 0:
+                    p[l].copy_(_normal(p[l].shape, std, seed, name, e))
+                else:  # an empty slot (a placement's spare): zeros
+                    p[l].zero_()
             return
         dim, rank, n = part or (0, 0, 1)
         shape = list(p.shape)
@@ -256,17 +252,8 @@ class Transformer(nn.Module):
             x, aux = checkpoint(block, x, rope, use_reentrant=False)
         else:
             x, aux = block(x, rope)
-        if block.is_moe:  # read here, not in the MoE: a checkpoint recompute must not count twice
-            load = self.expert_load.get(key)
-            counts = block.moe.last_counts_E
-            self.expert_load[key] = counts if load is None else load + counts
-            if self.training:
-                _accumulate(self.router_stats, key, block.moe.last_router_stats)
-                self.mb_load.setdefault(key, collections.deque(maxlen=MB_LOAD_KEPT)).append(counts)
-                if block.moe.router_bias is not None:
-                    _accumulate(self.step_load, key, counts)
-                if block.moe.count_window:
-                    _accumulate(self.window_load, key, counts)
+        if block.is_moe and self.training:  # read here, not in the MoE: a checkpoint recompute must not count twice
+            self.routing.setdefault(key, []).append((block.moe.last_counts_E, block.moe.last_router_stats))
         return x, aux
 
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):
@@ -348,8 +335,28 @@ class Transformer(nn.Module):
         return idx
 
 
-def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    sums[key] = value if key not in sums else sums[key] + value
+@dataclass
+class Routing:
+    """A step's routing record of this rank's MoE layers: one row per layer, one column per training forward, in
+    forward order (what `take_routing` drains; parallel/step.py hands it on in the step's result)."""
+    keys: list[str]  # the MoE layers' global indices: the rows below
+    counts: torch.Tensor  # (layers, forwards, E) int64: tokens per expert the router asked for (drops included)
+    stats: torch.Tensor  # (layers, forwards, 5): each forward's MoE.last_router_stats
+    received: torch.Tensor | None = None  # (layers, forwards, E): under EP, the assignments per expert the whole EP
+    #                                       group's dispatch moved (parallel/ep.py `take_received`)
+
+
+def take_routing(model: nn.Module) -> Routing:
+    """The training forwards' records since the last call (`Transformer.routing`, shared by a StageChunks' chunks),
+    cleared."""
+    records = dict(model.routing)
+    model.routing.clear()
+    keys = [k for k in model.layers if k in records]
+    if not keys:
+        E = model.cfg.num_experts
+        return Routing([], torch.zeros(0, 0, E, dtype=torch.long), torch.zeros(0, 0, 5))
+    return Routing(keys, torch.stack([torch.stack([c for c, _ in records[k]]) for k in keys]),
+                   torch.stack([torch.stack([s for _, s in records[k]]) for k in keys]))
 
 
 def is_expert_param(name: str) -> bool:

@@ -242,6 +242,12 @@ class PeakTensorBytes:
         else:
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
 
+    def peak_so_far(self) -> int:
+        """The most bytes live at any moment so far (inside the `with`)."""
+        if self._counter is not None:
+            return self._counter.peak
+        return int(torch.cuda.max_memory_allocated(self.device))
+
     def live(self) -> int:
         """Bytes live right now (inside the `with`)."""
         if self._counter is not None:
@@ -470,7 +476,8 @@ class StepMeters:
             with meters.activations(metered):   # around the forwards and backwards
                 ...
         meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
-        meters.take_interval_peak(), take_interval_acts()    # since the previous record (then reset; None: none)
+        meters.take_interval_peak(), take_interval_acts()    # since the previous record (then reset; None: none);
+                                                             # inside a step, its peak so far counts with this record
 
     Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th
     logged step (run.peak_every): a step's peaks vary little from step to step, and a metered step costs much more than
@@ -490,6 +497,7 @@ class StepMeters:
         self.act_peak_bytes = self.peak_tensor_bytes = 0
         # since the last record; None: no metered step (on every rank alike)
         self._interval_peak = self._interval_acts = None
+        self._inside = self._taken = False  # in a metered step; its peak taken (so far) by a record
 
     def step(self, logged: bool):
         """Around a whole step; its context yields whether it is metered (an unmetered step: a shared no-op
@@ -504,9 +512,15 @@ class StepMeters:
 
     @contextlib.contextmanager
     def _metered_step(self):
-        with self.step_peak, torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext():
-            yield True
-        self._interval_peak = max(self._interval_peak or 0, self.step_peak.peak)
+        self._inside, self._taken = True, False
+        try:
+            with self.step_peak, torch.compiler.set_stance("force_eager") if self.compiled else \
+                    contextlib.nullcontext():
+                yield True
+        finally:
+            self._inside = False
+        if not self._taken:  # a record taken inside the step counted it already
+            self._interval_peak = max(self._interval_peak or 0, self.step_peak.peak)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
 
     def activations(self, metered: bool):
@@ -525,5 +539,10 @@ class StepMeters:
         return acts
 
     def take_interval_peak(self) -> int | None:
+        """The highest metered step peak since the previous record (then reset; None: none). Inside a metered step (a
+        record's step, as parallel/step.py reduces its figures at its end) that step's peak so far counts, and the
+        step belongs to this record, not the next."""
         peak, self._interval_peak = self._interval_peak, None
+        if self._inside:
+            peak, self._taken = max(peak or 0, self.step_peak.peak_so_far()), True
         return peak

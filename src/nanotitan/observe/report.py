@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
@@ -21,14 +20,14 @@ from .memory import StepMeters, live_tensor_bytes, peak_mem_bytes
 from .metrics import MetricsWriter, fmt_bytes
 from .profiling import StepProfiler
 from ..model.spec import chunk_layer_counts
-from ..model.transformer import Transformer, flops_per_token, is_moe_layer
+from ..model.transformer import flops_per_token, is_moe_layer
 from ..parallel.comm import collectives as comm
 from ..parallel.compile import first_compile_s
 from ..parallel.dims import ParallelDims
 from ..parallel.lanes import LaneMeans
 from ..parallel.pp.facts import theoretical_bubble
 from ..parallel.pp.schedules import StepStats
-from ..parallel.step import StepResult
+from ..parallel.step import RouterFigures, StepResult
 
 
 def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float, lr: float, step_time: float,
@@ -53,26 +52,22 @@ def step_record(*, step: int, ce_loss: float, aux_loss: float, grad_norm: float,
     return record
 
 
-def expert_load_stats(model: Transformer, world_size: int, device: torch.device) -> dict:
-    """The router's record since the last call, over every data rank and microbatch (then reset): tokens per expert
-    per MoE layer (`expert_load`, what the router chose, drops included) and each layer's max/mean of it
-    (`expert_max_mean`; `expert_imbalance` is the worst layer), the balance loss and z-loss unweighted and averaged
-    over MoE layers and microbatches, the share of assignments dropped by capacity (`dropped_frac`, when
-    model.capacity_factor > 0) and the router biases after this step (`router_bias`, when model.bias_update_rate
-    > 0). One SUM all-reduce over the world (each layer lives on one stage; data ranks add up), one MAX for biases."""
-    cfg = model.cfg
+def router_record(fig: RouterFigures, cfg) -> dict:
+    """The record's router fields from the figures the step reduced over the world (parallel/step.py `StepEnd`), since
+    the previous record: tokens per expert per MoE layer (`expert_load`, what the router chose, drops included) and
+    each layer's max/mean of it (`expert_max_mean`; `expert_imbalance` is the worst layer), the balance loss and z-loss
+    unweighted and averaged over MoE layers and microbatches, the share of assignments dropped by capacity
+    (`dropped_frac`, when model.capacity_factor > 0), the router biases after this step (`router_bias`, when
+    model.bias_update_rate > 0); and the routing skew of each training microbatch, per MoE layer: `expert_cv`, the CV
+    over experts of one source rank's tokens per expert (the planner's sigma, `--expert-skew`), averaged; under EP,
+    `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over layers and
+    microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by (plan/skew.py), with
+    expert e on rank e // (E/EP); `ep_placed_max_mean`, the same under the placement in force
+    (parallel.expert_placement=balanced: each copy of an expert receives its cut of the microbatch). `cfg`: the
+    model's config."""
     E = cfg.num_experts
     n = cfg.n_layers + cfg.mtp_layers  # the MTP blocks are layers n_layers.. (model/mtp.py)
-    rows = torch.zeros(n, E + 5, device=device, dtype=torch.float64)  # load | MoE.last_router_stats
-    for key, counts in model.expert_load.items():
-        rows[int(key), :E] = counts.double()
-    for key, sums in model.router_stats.items():
-        rows[int(key), E:] = sums.double()
-    model.expert_load.clear()
-    model.router_stats.clear()
-    if dist.is_initialized() and world_size > 1:
-        comm.all_reduce(rows, axis="other")
-    moe_rows = rows[[i for i in range(n) if is_moe_layer(cfg, i)]]
+    moe_rows = fig.rows[[i for i in range(n) if is_moe_layer(cfg, i)]]
     load, sums = moe_rows[:, :E], moe_rows[:, E:].sum(dim=0)  # sums: [balance, z, dropped, assignments, calls]
     max_mean = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
     calls = sums[4].clamp_min(1)
@@ -85,73 +80,15 @@ def expert_load_stats(model: Transformer, world_size: int, device: torch.device)
     if cfg.capacity_factor:
         out["dropped_frac"] = dropped
     if cfg.bias_update_rate:
-        out["router_bias"] = router_biases(model, world_size, device)
-    return out
-
-
-def routing_skew_stats(model: Transformer, dims: ParallelDims, device: torch.device) -> dict:
-    """The routing skew of each training microbatch since the last call (then reset), per MoE layer: `expert_cv`,
-    the CV over experts of one source rank's tokens per expert (the planner's sigma, `--expert-skew`), averaged;
-    under EP, `ep_recv_max_mean`: the busiest EP rank's received assignments over its group's mean, averaged over
-    layers and microbatches: what the time model charges the busiest rank's expert GEMMs and all-to-all by
-    (plan/skew.py), with expert e on rank e // (E/EP); `ep_placed_max_mean`, the same under the placement in force
-    (parallel.expert_placement=balanced: each copy of an expert receives its cut of the microbatch). One SUM over
-    the EP group (received = its sources' counts) and one over the world."""
-    loads = dict(model.mb_load)
-    model.mb_load.clear()  # shared by a rank's chunks (pp/chunks.py): cleared, not replaced
-    vals = torch.zeros(6, device=device, dtype=torch.float64)  # cv sum, count, ratio sum, count, placed sum, count
-    if loads:  # every rank of an EP group holds the same layers and microbatches
-        n_mb = min(len(v) for v in loads.values())
-        c = torch.stack([torch.stack(list(v)[-n_mb:]) for v in loads.values()]).double()  # (layers, microbatches, E)
-        mean = c.mean(-1).clamp_min(1e-9)
-        vals[0], vals[1] = (c.std(-1, unbiased=False) / mean).sum(), mean.numel()
-        if dims.ep > 1:
-            comm.all_reduce(c, group=dims.group("ep"), axis="other")
-            recv = c.view(*c.shape[:2], dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
-            vals[2], vals[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * n_mb
-            placed = _placements(model, list(loads))
-            if placed and all(pl is not None for pl in placed):  # each microbatch cut as its dispatch cut it
-                got = torch.tensor([[pl.rank_loads(mb) for mb in layer] for pl, layer in
-                                    zip(placed, c.long().tolist())], dtype=c.dtype, device=c.device)
-                vals[4], vals[5] = (got.max(-1).values / got.mean(-1).clamp_min(1e-9)).sum(), got.shape[0] * n_mb
-    if dist.is_initialized() and dims.world_size > 1:
-        comm.all_reduce(vals, axis="other")
-    cv_sum, cv_n, r_sum, r_n, p_sum, p_n = vals.tolist()
-    out = {"expert_cv": round(cv_sum / cv_n, 4)} if cv_n else {}
+        out["router_bias"] = fig.biases
+    cv_sum, cv_n, r_sum, r_n, p_sum, p_n = fig.skew
+    if cv_n:
+        out["expert_cv"] = round(cv_sum / cv_n, 4)
     if r_n:
         out["ep_recv_max_mean"] = round(r_sum / r_n, 4)
     if p_n:
         out["ep_placed_max_mean"] = round(p_sum / p_n, 4)
     return out
-
-
-def _placements(model, keys: list[str]) -> list:
-    """Each MoE layer's placement in force (parallel.expert_placement=balanced), None for a static one."""
-    layers = getattr(model, "layers", None)
-    return [getattr(layers[k].moe.dispatcher, "placement", None) if layers is not None else None for k in keys]
-
-
-def router_biases(model: Transformer, world_size: int, device: torch.device) -> list[list[float]]:
-    """Every MoE layer's router bias, gathered from the stage that holds it (a MAX over the world: every replica of a
-    layer holds the same bias, the other stages -inf)."""
-    cfg = model.cfg
-    n = cfg.n_layers + cfg.mtp_layers
-    bias = torch.full((n, cfg.num_experts), -math.inf, device=device)
-    for key, block in model.layers.items():
-        if block.is_moe:
-            bias[int(key)] = block.moe.router_bias
-    if dist.is_initialized() and world_size > 1:
-        comm.all_reduce(bias, op=dist.ReduceOp.MAX, axis="other")
-    return bias[[i for i in range(n) if is_moe_layer(cfg, i)]].tolist()
-
-
-def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
-    """`value` maximised over every rank: one all-reduce (the rank with the highest peak decides what fits)."""
-    if not (dist.is_initialized() and dims.world_size > 1):
-        return value
-    t = torch.tensor([float(value)], device=device, dtype=torch.float64)
-    comm.all_reduce(t, op=dist.ReduceOp.MAX, axis="other")
-    return int(t.item())
 
 
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
@@ -204,15 +141,6 @@ def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWrite
                            wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
     return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
             StepMeters(model, device, cfg.run.peak_every, cfg.train.compile))
-
-
-def interval_meters(meters, dims: ParallelDims, device: torch.device) -> dict:
-    """A record's memory figures (metrics.StepMeters): the saved activations and the step peak, the latter maximised
-    over ranks. None (left out of the record) when no metered step fell in the interval: the same steps are
-    metered on every rank, so every rank skips the peak's all-reduce alike."""
-    peak = meters.take_interval_peak()
-    return {"act_peak_bytes": meters.take_interval_acts(),
-            "peak_tensor_bytes": None if peak is None else max_over_ranks(peak, dims, device)}
 
 
 def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer, run_dir: Path) -> dict:
@@ -301,10 +229,9 @@ class Progress:
 class StepLogger:
     """Builds the step records of a run, writes them (metrics.jsonl, TensorBoard, W&B: global rank 0 only)
     and keeps them, with the run's per-axis communication waits for the summary. Every step is `count`ed (its
-    time, its lanes' figures); `log` writes a record of the step's reduced losses (train.py's train_step reduced
-    them) with its own figures: the means over the steps since the previous record, the memory meters, the
-    compile time (first record), the expert loads. `log` is collective (the expert loads, the routing skew, the
-    meters' peak): every rank calls it on the same steps."""
+    time, its lanes' figures); `log` writes a record of what the step reduced over the world (parallel/step.py: the
+    losses, the router's figures, the step peak) with its own figures: the means over the steps since the previous
+    record, the memory meters, the compile time (first record). No collective of its own."""
 
     def __init__(self, writer, shard, device: torch.device, cfg, peak_flops: float, meters: StepMeters):
         p, t = cfg.parallel, cfg.train
@@ -346,11 +273,12 @@ class StepLogger:
         cpu, self.cpu_mark = self.cpu_mark, time.process_time()
         record["cpu_step_s"] = (self.cpu_mark - cpu) / self.interval_steps
         self.interval_s, self.interval_steps = 0.0, 0
-        record.update(expert_load_stats(self.shard.model, dims.world_size, self.device))
-        record.update(routing_skew_stats(self.shard.model, dims, self.device))
+        record.update(router_record(result.router, self.cfg.model))
+        # the memory meters since the previous record (metrics.StepMeters; None: no metered step, left out): the saved
+        # activations, and the step peak maximised over ranks (the step did it)
         extra = {"val_loss": val_loss, "skipped": result.nonfinite, "skipped_steps": skipped_steps,
-                 "qk_max": result.qk_max,
-                 **interval_meters(self.meters, dims, self.device), **self.lanes.take(),
+                 "qk_max": result.qk_max, "act_peak_bytes": self.meters.take_interval_acts(),
+                 "peak_tensor_bytes": result.peak, **self.lanes.take(),
                  "compile_s": first_compile_s(self.cfg, not self.history)}
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)

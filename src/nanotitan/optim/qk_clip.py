@@ -7,21 +7,20 @@ logit in the step exceeded TAU has its query and key weights scaled so that logi
     MLA        q's nope rows x sqrt(gamma_h), q's rope rows x gamma_h (q_b_proj, or q_proj without a q latent),
                kv_b_proj's k_nope rows x sqrt(gamma_h); the rope key, shared by every head, untouched (Kimi K2)
 
-max_h is the whole step's: every microbatch's training forward (model/qk_max.py), then one MAX all-reduce of a
-[layers, heads] table over the stage's ranks (DP, EP, TP: each TP rank fills its own heads), so every layout scales
-the same heads by the same factors. The scaling acts on the live weights through the checkpoint's pieces
-(state/keys.py: whole rows at zero 0/1/2 once the gathers landed, FSDP2's rows, TP's head slices), an
-elementwise product the single process does identically. `qk_max` (the max over every layer, every stage) goes into
-the step's record. Refused with model.qk_norm (a normalised q or k ignores its weights' scale).
+max_h is the whole step's: every microbatch's training forward (model/qk_max.py), then a MAX over the world of a
+[layers, heads] table (`QKClip.table`: a row per global layer, filled by the stage that holds it, each TP rank its own
+heads; parallel/step.py's StepEnd packs it in the step's one MAX), so every layout scales the same heads by the same
+factors. The scaling (`QKClip.rescale`) acts on the live weights through the checkpoint's pieces (state/keys.py:
+whole rows at zero 0/1/2 once the gathers landed, FSDP2's rows, TP's head slices), an elementwise product the single
+process does identically. `qk_max` (the table's max: every layer, every stage) goes into the step's record. Refused
+with model.qk_norm (a normalised q or k ignores its weights' scale).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..model.mla import MLA
-from ..parallel.comm import collectives as comm
 from ..state.keys import keyed_state
 
 
@@ -52,33 +51,47 @@ def _row_scales(mod, gamma: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
-def clip_step(shard, tau: float, apply: bool = True) -> float:
-    """The step's max logit over the whole model (the same on every rank); heads over `tau` rescaled (`apply`:
-    not on a skipped step). Collective over the stage's ranks, then the pipeline's."""
-    attns, dims = _attentions(shard.model), shard.dims
-    H = max((m.n_heads for _, m in attns), default=1)
-    device = next(shard.model.parameters()).device
-    table = torch.full((max(1, len(attns)), H), float("-inf"), device=device)
-    for i, (_, m) in enumerate(attns):
-        if m.qk_max is not None:
-            h = m.qk_max.shape[0]  # this rank's heads: TP slices them contiguously
-            table[i, dims.tp_rank * h:(dims.tp_rank + 1) * h] = m.qk_max
-        m.qk_max = None
-    distributed = dist.is_initialized() and dims.world_size > 1
-    if distributed and dims.group("stage") is not None:
-        comm.all_reduce(table, dims.group("stage"), axis="other", op=dist.ReduceOp.MAX)
-    over = table > tau
-    if apply and attns and bool(over.any()):
+class QKClip:
+    """QK-clip over a shard (train.qk_clip = `tau`; 0: off, no table). Every step: `table` (this rank's), the step's
+    MAX of it over the world (parallel/step.py), `rescale`."""
+
+    def __init__(self, shard, tau: float):
+        self.shard, self.tau = shard, tau
+
+    def table(self) -> torch.Tensor | None:
+        """[layers, heads] of the step's max logits this rank saw, per global layer (its heads' columns: TP slices
+        them contiguously), -inf elsewhere; each attention module's record then cleared. None when off."""
+        if not self.tau:
+            return None
+        model, dims = self.shard.model, self.shard.dims
+        attns, rows = _attentions(model), model.cfg.n_layers + model.cfg.mtp_layers  # MTP blocks: rows n_layers..
+        H = max((m.n_heads for _, m in attns), default=1)
+        table = torch.full((rows, H), float("-inf"), device=next(model.parameters()).device)
+        for prefix, m in attns:
+            if m.qk_max is not None:
+                h = m.qk_max.shape[0]  # this rank's heads
+                table[_layer(prefix), dims.tp_rank * h:(dims.tp_rank + 1) * h] = m.qk_max
+            m.qk_max = None
+        return table
+
+    @torch.no_grad()
+    def rescale(self, table: torch.Tensor, apply: bool = True) -> None:
+        """`table` maximised over the world: the heads over tau get their q/k weights scaled back (`apply`: not on a
+        skipped step)."""
+        attns, tau = _attentions(self.shard.model), self.tau
+        over = table > tau
+        if not (apply and attns and bool(over.any())):
+            return
         gammas = torch.where(over, tau / table, torch.ones_like(table))
-        scales = {f"model.{prefix}.{k}": v for (prefix, m), g in zip(attns, gammas)
-                  for k, v in _row_scales(m, g[:m.n_heads].cpu()).items()}
-        for key, chunks in keyed_state(shard.model, None, shard).items():
+        scales = {f"model.{prefix}.{k}": v for prefix, m in attns
+                  for k, v in _row_scales(m, gammas[_layer(prefix), :m.n_heads].cpu()).items()}
+        for key, chunks in keyed_state(self.shard.model, None, self.shard).items():
             if key in scales:
                 for off, t in chunks.boxes.items():
                     r = scales[key][off[0]:off[0] + t.shape[0]].to(t.device, t.dtype)
                     t.mul_(r.view(-1, *[1] * (t.dim() - 1)))
-    top = table.max().reshape(1)
-    if distributed and dims.group("pp") is not None:
-        comm.all_reduce(top, dims.group("pp"), axis="other", op=dist.ReduceOp.MAX)
-    return float(top)
+
+
+def _layer(prefix: str) -> int:
+    """The global layer of an attention module's prefix "layers.L.attn"."""
+    return int(prefix.split(".")[1])

@@ -7,6 +7,9 @@
     step.py         one training step's mechanics on one rank
     clip.py         global-norm gradient clipping across the axes, each parameter counted once
     ep.py           expert parallelism: each token's top-k assignments to their experts' ranks and back
+    placement.py    which expert each slot of each EP rank holds (EPShard: a layer's table, identity when static), the
+                    routes by it, and the balanced placement's rule
+    rebalance.py    a balanced placement at run time: its window and moves (Rebalancer), its copies' gradient (CopyFold)
     lanes.py        parallel.ep_overlap_microbatches: two lanes, a forward beside a backward, hiding EP's all-to-alls
     tp.py           tensor parallel with sequence parallel: Megatron's split of a stage's dense part
     tied.py         the token embedding shared by the first and the last pipeline stage (MTP)

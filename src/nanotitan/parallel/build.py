@@ -1,7 +1,8 @@
 """A rank's stage chunks, built without ever holding the whole stage (docs/tp.md, "How a rank builds its shard").
 
     1. build    every chunk on the meta device, handed the token shard (TP: the vocab-parallel embedding, full q/k
-                norms over split heads): shapes only, nothing allocated, nothing initialised
+                norms over split heads) and each MoE layer's expert shard (placement.py: its slots, spares included):
+                shapes only, nothing allocated, nothing initialised
     2. slice    apply_tp on the meta model: TP-sharded parameters take their rank's shape (tagged with their
                 `grad_layout`, its part (dim, rank, n): parallel/shard.py)
     3. fill     each parameter allocated at its shard's size on the device, then filled, one at a time:
@@ -26,6 +27,7 @@ from .dims import ParallelDims
 from .pp.chunks import StageChunks
 from .shard import grad_layout, keep_layout
 from .cp import token_shard
+from .placement import expert_shards
 from .tp import apply_tp
 
 
@@ -37,8 +39,10 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
     else by global identity."""
     # what the model needs from the ranks sharing its tokens (CP's composed with TP's), and its TP part
     tokens, tp = token_shard(dims, cfg.parallel.sp, cfg.parallel.cp_impl)
+    experts = expert_shards(cfg, dims)  # which global expert each slot of a layer holds: the identity placement
     with torch.device("meta"):
-        chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False, tokens=tokens) for s in specs]
+        chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False, tokens=tokens, experts=experts)
+                  for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     apply_tp(model, tp)  # shapes only: each TP-sharded parameter becomes its rank's slice
     for chunk in chunks:

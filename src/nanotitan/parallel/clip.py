@@ -4,7 +4,8 @@ torch.nn.utils.clip_grad_norm_ sees only this rank's shard; here the norm is tha
 model (DESIGN §4, seed "Gradient clipping"):
 - replicated params: every PP stage owns different ones -> squared norms summed over PP;
   within a stage they are identical on every EP/DP rank after the Reducer, so counted once;
-- expert shards: disjoint over EP and over PP -> summed over EP and PP;
+- expert shards: disjoint over EP and over PP -> summed over EP and PP; the extra copies of a replicated expert
+  (expert placement: every copy holds the same gradient) count once, by their gradient layout (shard.py);
 - never summed over DP: replicas hold identical gradients after the all-reduce.
 Sharded DP (parallel.zero >= 1) leaves each rank a slice instead: the shard grads of ZeRO-1/2 and the
 local shards of FSDP2's DTensor grads are disjoint over the non-expert-DP group (replicated params are
@@ -38,7 +39,7 @@ def _local(g: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group, ep_group,
                     shard_params=(), shard_group=None, token_ranks: int = 1, shard_once=(),
-                    sq_offset: torch.Tensor | None = None) -> torch.Tensor:
+                    counted_elsewhere=()) -> torch.Tensor:
     """Clip in place to global norm `max_norm` (0 = only measure); returns the global norm (0-dim tensor).
 
     expert_params / replicated_params: full grads as the Reducer leaves them (summed over EP, counted
@@ -46,9 +47,10 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
     A token shard (`token_ranks` > 1: TP, parallel/tp.py): the EP group spans its ranks, fastest (experts fold over
     EP x TP); a replicated param's slices (`Grad.SHARDED`, parallel/shard.py) add up over them, one whole on each
     counts once, and so do `shard_once`, shards that are identical over them (the caller passes `shard_group` =
-    the stage group). `sq_offset`: this rank's part of a correction subtracted from the squared norm (expert
-    placement: its extra copies of replicated experts), summed over the ranks in the all-reduce that sums its
-    expert grads (the shards' over `shard_group`, else the EP one): no collective of its own."""
+    the stage group). `counted_elsewhere`: views of rows of those gradients that another rank holds too and counts
+    (a replicated expert's extra copies, whose `grad_layout` names them: shard.py): their squares leave this rank's
+    part, in the all-reduce that sums its expert grads (the shards' over `shard_group`, else the EP one): no
+    collective of its own."""
     exp_grads = [p.grad for p in expert_params if p.grad is not None]
     split = [grad_layout(p).kind is Grad.SHARDED for p in replicated_params]
     rep_grads = [p.grad for p, s in zip(replicated_params, split) if p.grad is not None and not s]
@@ -67,14 +69,17 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
             split_sq = torch.zeros_like(split_sq)
     total_sq = (rep_sq + split_sq + exp_sq).reshape(1)
     sharded = bool(shard_params) or shard_group is not None
-    if sq_offset is not None and not sharded:
-        total_sq = total_sq - sq_offset.reshape(1)
+    once = torch.zeros(1, dtype=torch.float32, device=device)  # what the extra copies add, taken out again
+    for v in counted_elsewhere:
+        once = once + v.float().square().sum()
+    if counted_elsewhere and not sharded:
+        total_sq = total_sq - once
     if ep_group is not None:
         comm.all_reduce(total_sq, group=ep_group, axis="other")
     if sharded:  # every rank of the group enters the all-reduce
         shard_sq = _sq_norm(shard_grads, device).reshape(1)
-        if sq_offset is not None:
-            shard_sq = shard_sq - sq_offset.reshape(1)
+        if counted_elsewhere:
+            shard_sq = shard_sq - once
         if once_grads and (shard_group is None or dist.get_rank(shard_group) % token_ranks == 0):  # fastest
             shard_sq = shard_sq + _sq_norm(once_grads, device).reshape(1)
         if shard_group is not None:
@@ -82,7 +87,7 @@ def clip_grad_norm_(expert_params, replicated_params, max_norm: float, pp_group,
         total_sq = total_sq + shard_sq
     if pp_group is not None:
         comm.all_reduce(total_sq, group=pp_group, axis="other")
-    if sq_offset is not None:
+    if counted_elsewhere:  # a rounding below zero, never more
         total_sq = total_sq.clamp_min(0)
     total_norm = total_sq.sqrt().reshape(())
     if max_norm > 0:

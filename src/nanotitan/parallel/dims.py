@@ -31,6 +31,8 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
+from ..config.layout import expert_ranks
+
 GroupKind = Literal["ep", "pp", "expert_dp", "non_expert_dp", "tp", "stage", "cp", "ep_backward", "pp_backward"]
 GROUP_KINDS: tuple[str, ...] = get_args(GroupKind)[:7]  # built by build_groups, for every job
 # "ep_backward", "pp_backward": the EP and PP groups again (same ranks), for the backward lane of
@@ -103,7 +105,7 @@ class ParallelDims:
     @property
     def moe_ep(self) -> int:
         """Ranks the experts of a stage are sharded over: EP folded with CP and TP (docs/tp.md, docs/cp.md)."""
-        return self.ep * self.cp * self.tp
+        return expert_ranks(self.ep, self.cp, self.tp)
 
     @property
     def moe_ep_rank(self) -> int:

@@ -7,13 +7,14 @@ received by this rank (from all P sources).
 One layer call (seed, "Dispatch, expert computation and combine"):
   1. pack the local assignments expert-major (`pack_expert_major`); since rank p owns experts
      [p*L, (p+1)*L), expert-major is also destination-major: the all-to-all send order.
-  2. exchange the per-destination counts send_PL -> recv_PL with one small all-to-all, and read both
-     matrices to the host in ONE `.tolist()` (the only host sync: split sizes must be Python ints). Under a
-     balanced placement (placement.py) the small all-to-all gathers every source's counts per expert instead, and
-     every rank computes the same routes from them (`Placement.route`: this microbatch's cut of each replicated
-     expert over its copies), after the one host read.
+  2. gather every source's counts per expert with one small all-to-all and read them to the host once (the only
+     host sync: split sizes must be Python ints); every rank computes the same routes from them, by the layer's
+     expert shard (placement.EPShard.route): which slot of which rank each assignment goes to. The static
+     placement is the identity one (expert e in slot e % L of rank e // L: expert-major is already the send order);
+     a balanced placement cuts each replicated expert's assignments over its copies, this microbatch's cut
+     (`Placement.route`), and the packed order becomes slot-major. "Local expert" below is a slot.
   3. payload all-to-all with uneven splits, in the compute dtype (bf16 under autocast: half the bytes);
-     received rows are source-major (p, then l).
+     received rows are source-major (p, then slot).
   4. permute source-major -> expert-major (vectorised, `source_to_expert_major`), run the L experts,
      undo the permutation, and send every row back with the splits swapped.
   5. `combine`: weight each output by its router weight and sum the K outputs of each token.
@@ -41,7 +42,7 @@ from ..model import wgrad
 from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
 from .comm import collectives as comm
 from .lanes import EPLanes
-from .placement import slot_ids
+from .placement import EPShard
 
 
 def _phase(forward: bool) -> str:
@@ -246,29 +247,26 @@ class _ExpertTrip(torch.autograd.Function):
 
 
 class EPDispatcher:
-    """Drop-in for `LocalDispatcher` under EP: same call, experts spread over the EP group.
+    """Drop-in for `LocalDispatcher` under EP: same call, experts spread over the EP group by `shard`.
 
-    `experts` must hold the L = num_experts / ep_size experts [ep_rank*L, (ep_rank+1)*L).
-    Every rank of the group must call it the same number of times (it is collective), even with
-    zero tokens.
+    `shard` (placement.EPShard): which global expert each slot of every rank holds; `experts` must hold this rank's
+    slots (`shard.experts_at(shard.rank)`: experts [ep_rank*L, (ep_rank+1)*L) under the static placement).
+    Every rank of the group must call it the same number of times (it is collective), even with zero tokens.
+    Each training forward's call records the whole group's assignments per expert (`received`, drained by the step:
+    `take_received`): the routing skew of the step's record, known here without a collective of its own.
     """
 
-    def __init__(self, group, ep_size: int, ep_rank: int, overlap_chunks: int = 1, backward_group=None,
+    def __init__(self, shard: EPShard, group, overlap_chunks: int = 1, backward_group=None,
                  lanes: EPLanes | None = None):
-        if ep_size > 1 and group is None:
-            raise ValueError(f"EPDispatcher with ep_size={ep_size} needs the EP process group (dims.group('ep'))")
-        if not 0 <= ep_rank < ep_size:
-            raise ValueError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
+        if shard.P > 1 and group is None:
+            raise ValueError(f"EPDispatcher over {shard.P} ranks needs the EP process group (dims.group('ep'))")
         # backward_group (parallel.ep_overlap_microbatches): a second group over the same ranks for the backward
         # lane's collectives; without it forwards and backwards share `group`. lanes: the EPLanes this dispatcher
         # shares with the shard's others and the lanes' runtime (apply_ep), else one of its own over these groups.
         self.lanes = lanes if lanes is not None else EPLanes(group, backward_group)
-        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.shard = shard
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
-        # parallel.expert_placement=balanced (rebalance.py installs them): the placement and its device table
-        # (placement.Placement.tables); None: static, expert e on rank e // L
-        self.placement = None
-        self.slot_of: torch.Tensor | None = None
+        self.received: list[torch.Tensor] = []  # per training forward: the EP group's assignments per expert (E,)
 
     @property
     def group(self):
@@ -276,29 +274,30 @@ class EPDispatcher:
         return self.lanes.group()
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
-        P = self.ep_size
-        L = num_experts // P
-        C = experts.W_gate.shape[0]  # slots per rank: L, plus spares for replicas under a balanced placement
-        assert L * P == num_experts and (C == L or self.slot_of is not None), (
-            f"experts hold {C} experts; expected num_experts/ep = {num_experts}/{P}")
+        P, C = self.shard.P, experts.W_gate.shape[0]  # C slots per rank: E/P, and spares for a placement's copies
+        assert C == self.shard.C and num_experts % P == 0, (
+            f"experts hold {C} slots; the expert shard places {num_experts} experts in {self.shard.C} slots on {P} ranks")
         T, D = x_TD.shape
 
-        # 1. pack slot-major == destination-major (assignments dropped by capacity sort last: never sent); static:
-        # slot l of rank p is expert p*L+l, so slot-major is expert-major
-        # 2. counts: send_PL[p, l] = my assignments for expert p*L+l; recv_PL[p, l] = rank p's for my expert l
-        if self.slot_of is None:
-            order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-            send_PL = counts_E.view(P, L)
-            recv_PL = self._exchange_counts(send_PL)
-            send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # the one host sync per call
-        else:  # by the placement: "local expert" is a slot from here on
-            order_N, token_idx_N, counts_E, send_host, recv_host, recv_PL = self._route(expert_ids_TK, num_experts)
+        # 1. pack expert-major; 2. every source's counts per expert (one small all-to-all), read to the host once: the
+        # shard's routes (send_PC[p][s]: mine to rank p's slot s; recv_PC[q][s]: rank q's to my slot s), the same on
+        # every rank; then the packed order slot-major, the send order (dropped assignments last: never sent)
+        order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        counts_PE = self._gather_counts(counts_E).cpu()  # the one host sync per call
+        if torch.is_grad_enabled() and not in_backward():  # a training forward (a recompute is in the backward)
+            self.received.append(counts_PE.sum(0))
+        route = self.shard.route(counts_PE)
+        order_N = self.shard.slot_major(expert_ids_TK, order_N, counts_E, route)
+        send_host, recv_host = route.send, route.recv
+        device = counts_E.device
+        recv_PL = torch.tensor(recv_host, dtype=torch.long).to(device)  # "local expert" is a slot from here on
         L = C
         in_splits = [sum(row) for row in send_host]
         out_splits = [sum(row) for row in recv_host]
         counts_L = [sum(col) for col in zip(*recv_host)]
         R, N = sum(out_splits), sum(in_splits)
-        order_N, token_idx_N = order_N[:N], token_idx_N[:N]  # the kept prefix
+        order_N = order_N[:N]  # the kept prefix
+        token_idx_N = order_N // expert_ids_TK.shape[1]
         x_ND = x_TD.index_select(0, token_idx_N)
         # Under autocast the experts' GEMMs read x in the compute dtype anyway, so casting before the
         # dispatch changes no value and halves the bytes on the wire (bf16); the combine trip (expert
@@ -310,7 +309,8 @@ class EPDispatcher:
         # The grouped experts read their counts from the device (recv_PL), the loop from the host ints it has.
         n, grouped = min(self.overlap_chunks, L), experts.grouped(x_TD)
         if n > 1 and P > 1:  # parallel.ep_overlap: the same trip in n pipelined groups of experts
-            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_E, counts_L, L, n, self.lanes, grouped)
+            counts_PC = torch.tensor(send_host, dtype=torch.long).view(-1).to(device)  # mine per global slot p*C + s
+            plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_PC, counts_L, L, n, self.lanes, grouped)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
             x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
@@ -323,23 +323,15 @@ class EPDispatcher:
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
 
-    def _route(self, expert_ids_TK: torch.Tensor, num_experts: int):
-        """Steps 1-2 by the placement: every source's counts per expert (one small all-to-all that gathers them, in
-        place of the static count exchange, and its one host read), this microbatch's cuts of the replicated experts
-        over their copies (`Placement.route`), and the packed order slot-major. Returns (order_N, token_idx_N,
-        counts per global slot p*C+s, send_host, recv_host, recv_PL)."""
-        order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
-        counts_PE = mine = counts_E.expand(self.ep_size, num_experts).contiguous()  # row p goes to rank p
-        if self.ep_size > 1:
-            counts_PE = torch.empty_like(mine)
-            _all_to_all(counts_PE, mine, None, None, self.lanes, _phase(True) + ":counts")
-        send_host, recv_host, start_of = self.placement.route(counts_PE.cpu(), self.ep_rank)  # the one host sync
-        device = counts_E.device
-        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, self.slot_of, start_of.to(device))
-        order_N = order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
-        counts = torch.tensor(send_host, dtype=torch.long).view(-1).to(device)
-        recv_PL = torch.tensor(recv_host, dtype=torch.long).to(device)
-        return order_N, order_N // expert_ids_TK.shape[1], counts, send_host, recv_host, recv_PL
+    def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """counts_PE [P, E]: every source's assignments per expert (row q: source q's), by one all-to-all of this
+        rank's counts to every rank (what each rank needs to compute every rank's routes)."""
+        mine = counts_E.expand(self.shard.P, counts_E.numel()).contiguous()  # row p goes to rank p
+        if self.shard.P == 1:
+            return mine
+        counts_PE = torch.empty_like(mine)
+        _all_to_all(counts_PE, mine, None, None, self.lanes, _phase(True) + ":counts")
+        return counts_PE
 
     def _chunked_trip(self, x_ND, experts: ExpertFFN, plan: _ChunkPlan) -> torch.Tensor:
         def trip(W_gate, W_val, W_out, store):  # inside experts' call: its weights as its wrappers present them
@@ -349,15 +341,8 @@ class EPDispatcher:
             return _ExpertTrip.apply(x_ND, *params, None, plan, params, None)
         return experts(x_ND, plan.counts_L, trip=trip)
 
-    def _exchange_counts(self, send_PL: torch.Tensor) -> torch.Tensor:
-        if self.ep_size == 1:
-            return send_PL
-        recv_PL = torch.empty_like(send_PL)
-        _all_to_all(recv_PL, send_PL, None, None, self.lanes, _phase(True) + ":counts")  # row p goes to rank p
-        return recv_PL
-
     def _a2a(self, x_ND, out_splits, in_splits, call: str):
-        return x_ND if self.ep_size == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
+        return x_ND if self.shard.P == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
 
 
 def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False) -> nn.Module:
@@ -367,9 +352,11 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
     collectives on dims.group("ep_backward"), and each MoE's router statistics kept per lane
     (MoE.lane_local_router_state).
 
-    The shard must have been built for this rank's experts (`build_chunk_specs(cfg, pp_rank, ep_rank)`).
+    The shard must have been built for this rank's experts (`build_chunk_specs(cfg, pp_rank, ep_rank)`), each MoE
+    layer with its expert shard over the EP ranks (`placement.expert_shards(cfg, dims)`), which its dispatcher
+    routes by.
     """
-    if dims.moe_ep == 1:  # the experts are sharded over EP x TP (parallel/tp.py: folded)
+    if dims.moe_ep == 1:  # the experts are sharded over EP x CP x TP (parallel/tp.py, cp.py: folded)
         return model
     group = dims.group("ep")
     backward_group = dims.group("ep_backward") if lanes else None
@@ -379,15 +366,32 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
         n, r = dims.moe_ep, dims.moe_ep_rank
         L = moe.num_experts // n
         if moe.num_experts % n:
-            raise ValueError(f"model.num_experts={moe.num_experts} must be divisible by parallel.ep*tp={n} "
+            raise ValueError(f"model.num_experts={moe.num_experts} must be divisible by parallel.ep*cp*tp={n} "
                              f"(--model.num_experts or --parallel.ep)")
         if (moe.expert_start, moe.expert_end) != (r * L, (r + 1) * L):
             raise ValueError(f"MoE shard holds experts [{moe.expert_start}, {moe.expert_end}) but expert shard "
                              f"{r} owns [{r * L}, {(r + 1) * L}): build the "
                              f"model with build_chunk_specs(cfg, pp_rank, ep_rank={r})")
-        moe.dispatcher = EPDispatcher(group, n, r, overlap_chunks, lanes=shared)
+        shard = moe.expert_shard
+        if not isinstance(shard, EPShard) or (shard.P, shard.rank) != (n, r):
+            raise ValueError(f"MoE layer's expert shard is {shard!r}, not EP rank {r} of {n}: build the model with "
+                             f"experts=placement.expert_shards(cfg, dims)")
+        moe.dispatcher = EPDispatcher(shard, group, overlap_chunks, lanes=shared)
         moe.lane_local_router_state = lanes
     return model
+
+
+def take_received(model: nn.Module, keys: list[str]) -> torch.Tensor | None:
+    """(layers, forwards, E): each EP dispatcher's records since the last call (`EPDispatcher.received`: the EP
+    group's assignments per expert, one per training forward), rows in `keys` order (global layer indices), cleared;
+    None without EP."""
+    dispatchers = [model.layers[k].moe.dispatcher for k in keys]
+    if not dispatchers or not isinstance(dispatchers[0], EPDispatcher):
+        return None
+    out = torch.stack([torch.stack(d.received) for d in dispatchers])
+    for d in dispatchers:
+        d.received.clear()
+    return out
 
 
 def lanes_of(model: nn.Module) -> EPLanes:

@@ -5,7 +5,9 @@
     model     the Transformer built from that spec (TP-sliced on the meta device, then filled: build.py),
               initialised by global identity (DESIGN §4) or read from init.from_hf
     compile   each block under torch.compile when train.compile is set (compile.py)
-    EP        an all-to-all dispatcher on every MoE layer when ep > 1 (ep.py)
+    experts   each MoE layer built with its expert shard (placement.py `EPShard`: the identity placement over
+              dims.moe_ep ranks, spare slots under a balanced one), and when moe_ep > 1 an all-to-all dispatcher that
+              routes by it (ep.py); the placement's window and moves (rebalance.py `Rebalancer`: static, none)
     tied      under PP with MTP, the token embedding shared by the first and last stage (tied.py)
     replicas  replicated params broadcast over the non-expert-DP group, expert shards over expert-DP (init.py)
     grad sync the one place that chooses the DP flavour, a GradSync (sync.py): our bucketed Reducer
@@ -20,7 +22,6 @@ the seed's division by EP). torch DDP divides by its group size, which is the sa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config.config import Config, ConfigError
+from ..config.errors import TrainingError
 from ..model.spec import ModelShardSpec, build_chunk_specs
 from ..model.tokens import LOCAL, TokenShard
 from ..model.transformer import Attention, Transformer, is_expert_param
@@ -42,7 +44,7 @@ from .ep import apply_ep
 from .dp.fsdp import FSDPSync
 from .pp.chunks import StageChunks
 from .init import broadcast_params, check_replicas
-from .rebalance import Rebalancer, add_spare_slots
+from .rebalance import Rebalancer
 from .dp.sync import GradSync, ReplicatedSync, TorchDDPSync
 from .tied import TiedEmbedding
 from .dp.zero import ZeroSync
@@ -63,15 +65,27 @@ class ModelShard:
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
     tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
     tokens: TokenShard = LOCAL  # the ranks sharing this shard's tokens (model/tokens.py), its stream's length
-    rebalancer: Rebalancer | None = None  # parallel.expert_placement=balanced: the placements and their moves
+    rebalancer: Rebalancer | None = None  # the experts' placements, their window and moves (parallelize sets one)
 
     def num_params(self) -> int:
         return sum(p.numel() for _, p in self.expert_params + self.replicated_params)
 
-    def check_replicas(self) -> bool:
-        """True iff every replica of every parameter is bitwise identical (debug: parallel.check_replicas)."""
-        return (check_replicas(self.replicated_params, self.dims.group("non_expert_dp"))
+    def check_replicas(self) -> None:
+        """Every replica of every parameter bitwise identical, else a TrainingError on every rank alike (debug:
+        parallel.check_replicas; collective)."""
+        same = (check_replicas(self.replicated_params, self.dims.group("non_expert_dp"))
                 and check_replicas(self.expert_params, self.dims.group("expert_dp")))
+        if not same:
+            raise TrainingError("parallel.check_replicas: replicas differ after the initial broadcast")
+
+    def checkpoint_extra(self) -> dict:
+        """What a checkpoint keeps of this shard beside its tensors: the placement's last window (collective)."""
+        return self.rebalancer.record()
+
+    def resumed(self, extra: dict, optimizer) -> None:
+        """After a checkpoint was loaded (any layout): its placement window placed afresh over this layout's EP
+        ranks, before the first step (collective over the stage)."""
+        self.rebalancer.restore(extra.get("placement_load"), optimizer)
 
     def close(self) -> None:
         self.sync.close()
@@ -103,8 +117,6 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
-    if cfg.parallel.expert_placement == "balanced" and dims.moe_ep > 1:  # slots for replicas (rebalance.py)
-        add_spare_slots(model, cfg.parallel.expert_replicas - 1, dims.moe_ep, dims.moe_ep_rank)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
     tag_params(model, cfg.train.optimizer)  # each param's family, before the sync: its buckets and groups read it
@@ -140,8 +152,5 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     else:
         shard.sync = ReplicatedSync(*args, p.bucket_mb, scale, reduce_dtype)
     shard.tied = TiedEmbedding.build(model, dims, cfg.model.mtp_layers, p.timeout_s)
-    if p.expert_placement == "balanced" and dims.moe_ep > 1:
-        # a node: the emulated one, else this host's ranks (torchrun's LOCAL_WORLD_SIZE; the whole world on one host)
-        node_size = p.emulate_node_size if p.emulate else int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
-        shard.rebalancer = Rebalancer(shard, p.rebalance_every, p.expert_replicas, node_size)
+    shard.rebalancer = Rebalancer.build(shard, p)
     return shard

@@ -1,7 +1,9 @@
-"""Experts placed by load (parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
+"""Which expert each slot of each EP rank holds: a MoE layer's expert shard (`EPShard`: the identity placement when
+static, expert e in slot e % L of rank e // L), the routes by it, and experts placed by load
+(parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
 
-Pure functions of a window's routing counts, so every rank computes the same placement from the same all-reduced
-counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
+The rule is pure functions of a window's routing counts, so every rank computes the same placement from the same
+all-reduced counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
 slots per rank (spare = parallel.expert_replicas - 1), R replicas at most.
 
 A placement is a table slots[p][s] = the global expert whose weights EP rank p's slot s holds (-1: empty). Every
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import permutations
+from typing import Callable
 
 import torch
 
@@ -65,6 +68,24 @@ class Placement:
                 if e >= 0:
                     out[e].append((p, s))
         return out
+
+    @cached_property
+    def single(self) -> bool:
+        """Every expert in one slot (the identity placement, a balanced one without copies): a slot takes all its
+        expert's assignments, no cut."""
+        return all(len(c) == 1 for c in self.copies())
+
+    @cached_property
+    def in_order(self) -> bool:
+        """`single`, and the global slots p*C + s ascend with the expert id (the identity placement): the packed
+        expert-major order is already the send order."""
+        slots = [p * self.C + s for c in self.copies() for p, s in c]
+        return self.single and slots == sorted(slots)
+
+    @cached_property
+    def expert_of_slot(self) -> torch.Tensor:
+        """[P*C] int64 on the host: the expert of each global slot p*C + s, E for an empty one (made once)."""
+        return torch.tensor([e if e >= 0 else self.num_experts for row in self.slots for e in row], dtype=torch.long)
 
     def parts(self, load_E: list) -> tuple[list, list[list]]:
         """(each rank's load, parts[e]: e's load per copy, copies in rank order) when this microbatch's (or window's)
@@ -137,6 +158,93 @@ class Placement:
         dropped = torch.full((1, R), torch.iinfo(torch.long).max)  # row E: every dropped assignment in "copy" 0
         dropped[0, 0] = 0
         return send, recv, torch.cat([cut[me, :, :-1], dropped])
+
+
+@dataclass(frozen=True)
+class Route:
+    """One microbatch's routes on one rank (`EPShard.route`): the dispatch's split sizes, and its cuts."""
+    send: list[list[int]]  # send[p][s]: this rank's assignments to rank p's slot s
+    recv: list[list[int]]  # recv[q][s]: source q's assignments to this rank's slot s
+    start_of: torch.Tensor  # [E + 1, R_max] on the host: where copy c's assignments of expert e begin (`slot_ids`)
+
+
+class EPShard:
+    """One MoE layer's routed experts over the EP ranks (dims.moe_ep of them: EP folded with CP and TP), as rank
+    `rank` holds them: a placement's table, the identity one when static (one rank included), a balanced one after
+    a move (`swap`). The model holds it (model/experts.py: `ExpertShard`, handed in at build: its slots, spares
+    included, sized and initialised from it); the EP dispatch routes by it (`route`, `slot_major`); the gradient
+    sync reads its copies' rows (`copy_rows`, `extra_rows`: parallel/rebalance.py's `CopyFold`, shard.py's layout)."""
+
+    def __init__(self, placement: Placement, rank: int):
+        self.placement, self.rank = placement, rank
+        self.moves = 0  # tables swapped in so far: who reads the copies' rows re-reads them after a change
+        self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def P(self) -> int:
+        return self.placement.P
+
+    @property
+    def C(self) -> int:
+        return self.placement.C
+
+    def experts_at(self, rank: int) -> tuple[int, ...]:
+        """The global expert each slot of EP rank `rank` holds (-1: empty)."""
+        return self.placement.slots[rank]
+
+    def copy_rows(self) -> list[int]:
+        """This rank's slots that a single expert does not hold alone: the empty ones and the copies of replicated
+        experts (the DP reduction leaves them to the copies' fold, parallel/rebalance.py)."""
+        n = [len(c) for c in self.placement.copies()]
+        return [s for s, e in enumerate(self.placement.slots[self.rank]) if e < 0 or n[e] > 1]
+
+    def extra_rows(self) -> list[int]:
+        """This rank's copies of replicated experts that a copy on a lower rank also holds: after the fold every copy
+        has the same gradient, counted once among them (by the first copy)."""
+        return sorted(s for _, s, ranks in self.placement.replicated() if self.rank in ranks[1:])
+
+    def swap(self, placement: Placement) -> None:
+        """A move's new table (parallel/rebalance.py moved the weights and their optimizer state first)."""
+        self.placement = placement
+        self.moves += 1
+        self._device_tables = {}
+
+    def route(self, counts_PE: torch.Tensor) -> Route:
+        """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
+        sends to expert e; the same on every rank, so every rank computes the same routes). A single expert's slot
+        takes all of its assignments; a replicated expert's are cut over its copies (`Placement.route`)."""
+        if self.placement.single:  # the slot of each expert gets its column: no cut (what `Placement.route` gives)
+            P, C, me = self.P, self.C, self.rank
+            flat = torch.cat([counts_PE, counts_PE.new_zeros(P, 1)], 1)[:, self.placement.expert_of_slot]  # [P, P*C]
+            return Route(flat[me].view(P, C).tolist(), flat[:, me * C:(me + 1) * C].tolist(),
+                         torch.zeros(self.placement.num_experts + 1, 1, dtype=torch.long))
+        return Route(*self.placement.route(counts_PE, self.rank))
+
+    def slot_major(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
+                   route: Route) -> torch.Tensor:
+        """The packed assignments (`order_N`, expert-major: `pack_expert_major`) put slot-major: the send order
+        (destination rank, then slot), token order kept within a slot; dropped assignments last."""
+        if self.placement.in_order:  # each expert's one slot, in expert order: nothing moves
+            return order_N
+        slot_of, start_of = self._tables(order_N.device, route)
+        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, slot_of, start_of)
+        return order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
+
+    def _tables(self, device: torch.device, route: Route) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Placement.tables` on `device` (made once a table) and this microbatch's cuts there."""
+        key = str(device)
+        if key not in self._device_tables:
+            self._device_tables[key] = self.placement.tables(device)
+        return self._device_tables[key], route.start_of.to(device)
+
+
+def expert_shards(cfg, dims) -> Callable[[int], EPShard]:
+    """Each MoE layer's expert shard at build (the model is built with it: parallel/build.py): the identity placement
+    over dims.moe_ep ranks, with parallel.expert_replicas - 1 empty spare slots per rank under a balanced placement
+    (a move fills them with copies)."""
+    p, E = cfg.parallel, cfg.model.num_experts
+    spare = p.expert_replicas - 1 if p.expert_placement == "balanced" and dims.moe_ep > 1 else 0
+    return lambda layer: EPShard(identity(E, dims.moe_ep, spare), dims.moe_ep_rank)
 
 
 def identity(num_experts: int, P: int, spare: int = 0) -> Placement:
@@ -280,7 +388,7 @@ def water_fill(n, loads: list) -> list:
 
 
 def dp_shares(placements: list[Placement], rows: list[list[int]], balance: bool) -> list[dict[int, list[list[int]]]]:
-    """How each replicated expert's DP reduction splits over its copies at zero 0 (rebalance.Rebalancer._fold): per
+    """How each replicated expert's DP reduction splits over its copies at zero 0 (rebalance.py: CopyFold's fold): per
     layer, {expert: one list per tensor of the bounds [0, ..., n] of each copy's share of its row, copies in rank
     order}; `rows[layer]` are the row sizes (elements) of its tensors. `balance`: water-filled so that every EP rank
     reduces as many elements over DP as the rows allow (its single experts' rows, which the DP reduction carries,

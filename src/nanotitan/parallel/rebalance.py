@@ -1,58 +1,40 @@
-"""Experts placed by load, at run time (parallel.expert_placement=balanced; the rule is placement.py).
+"""Experts placed by load, at run time (parallel.expert_placement=balanced; the rule is placement.py): the window,
+the moves, and the gradient of a replicated expert.
 
-    spare slots  each MoE layer's ExpertFFN holds C = E/P + (R - 1) slots (`add_spare_slots`, before the gradient
-                 sync is built); a slot's expert is `experts.slot_experts[s]` (-1 empty; checkpoints key by it)
-    window       every rebalance_every steps the routing counts the model kept (Transformer.window_load, training
-                 forwards only) are summed over the stage's data ranks (the same on every rank), and
-                 `placement.choose` picks each layer's next placement
+    spare slots  each MoE layer's ExpertFFN holds C = E/P + (R - 1) slots, built so (placement.expert_shards: the
+                 identity placement with empty spares); slot s of rank p holds the expert its EPShard says
+                 (`experts_at`; -1 empty; checkpoints key by it)
+    window       the step hands this rank's routing counts on (`Rebalancer.count`, training forwards only); every
+                 rebalance_every steps their sum over the stage's data ranks (in the step's one packed all-reduce,
+                 parallel/step.py) picks each layer's next placement (`placement.choose`)
     move         between two steps, every expert tensor (weights, AdamW's moments) is put together per EP rank
                  from its DP pieces (whatever the zero level: `GradSync.sharded_state`), its rows sent to their new
-                 slots in one all-to-all per layer over the EP group, and written back into the live pieces
-    replicas     a replicated expert's gradient is the sum over its copies (one spare column, placement.py) and DP.
-                 zero 0: the DP reduction skips the copies' rows and the empty slots' (`_skip`); `_fold` reduces
-                 the copies over copies x DP, each copy moving a 1/r share over DP. zero 1-3: the DP reduction
-                 reduces every row; the copies then sum their reduced pieces over EP (`_sum_pieces`). Either way
-                 every copy ends with the same bits, so their AdamW steps stay identical; the extra copies leave
-                 the clipping norm
+                 slots in one all-to-all per layer over the EP group, and written back into the live pieces; then
+                 each changed layer's EPShard swaps its table and the optimizer hears of it (`on_layout_change`)
+    replicas     a replicated expert's gradient is the sum over its copies (one spare column, placement.py) and DP,
+                 inside the gradient sync's finish() (`CopyFold`). zero 0: the DP reduction skips the copies' rows
+                 and the empty slots' (`CopyFold.skip`); the fold reduces the copies over copies x DP, each copy
+                 moving a 1/r share over DP. zero 1-3: the DP reduction reduces every row; the copies then sum their
+                 reduced pieces over EP. Either way every copy ends with the same bits, so their AdamW steps stay
+                 identical; the extra copies count once in the clipping norm (their gradient layout, shard.py)
 Exact: the experts' maths is untouched, only where it runs (tests/equivalence/test_equivalence_placement.py).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..model.moe import MoE
 from .comm import collectives as comm
-from .ep import EPDispatcher
-from .placement import Placement, balanced, choose, dp_shares, identity, sticky
-from .shard import keep_layout
+from .placement import EPShard, Placement, balanced, choose, dp_shares, sticky
+from .shard import GradLayout, grad_layout, set_layout
 
 EXPERT_TENSORS = ("W_gate", "W_val", "W_out")
-
-
-def add_spare_slots(model: nn.Module, spare: int, P: int, rank: int) -> None:
-    """Every EP MoE layer: R-1 empty slots after its E/P experts, the identity placement installed."""
-    for moe in model.moe_layers():
-        if not isinstance(moe.dispatcher, EPDispatcher):
-            continue
-        ex = moe.experts
-        for name in EXPERT_TENSORS:
-            w = getattr(ex, name)
-            q = nn.Parameter(torch.cat([w.detach(), w.new_zeros(spare, *w.shape[1:])]), requires_grad=w.requires_grad)
-            keep_layout(w, q)
-            ex._parameters[name] = q
-        install(moe, identity(moe.num_experts, P, spare), rank)
-
-
-def install(moe, placement: Placement, rank: int) -> None:
-    d = moe.dispatcher
-    d.placement = placement
-    d.slot_of = placement.tables(moe.experts.W_gate.device)
-    moe.experts.slot_experts = list(placement.slots[rank])
-    moe.count_window = True
 
 
 def ep_nodes(dims, node_size: int) -> list[int] | None:
@@ -71,27 +53,35 @@ def _region(off, shape) -> tuple:
     return tuple(slice(o, o + z) for o, z in zip(off, shape))
 
 
-def placement_extra(shard) -> dict:
-    """The checkpoint's placement record (`Rebalancer.record`; collective), {} with the static placement."""
-    return shard.rebalancer.record() if shard.rebalancer is not None else {}
+def _expert_names(model: nn.Module, keys: list[str]) -> dict[str, list[str]]:
+    """{MoE layer: the global names of its three expert tensors}."""
+    prefix = {id(m): n for n, m in model.named_modules()}
+    return {k: [f"{prefix[id(model.layers[k].moe.experts)]}.{t}" for t in EXPERT_TENSORS] for k in keys}
 
 
 class Rebalancer:
-    """One rank's placements (one per MoE layer of its stage) and their moves; train.py calls `sum_replica_grads`
-    after the gradient sync and `after_step` after the update."""
+    """One rank's placements (one per MoE layer of its stage, each in the layer's EPShard), their window and their
+    moves. Under the static placement (or one EP rank) it holds no layer: nothing is counted, placed or moved.
+    The step (parallel/step.py) calls `count` every step and `close_window` at a window's end, after its packed
+    all-reduce; a checkpoint keeps `record`, a resume `restore`s it."""
 
     def __init__(self, shard, every: int, replicas: int, node_size: int = 0):
         self.shard, self.every, self.R = shard, every, replicas
-        self.nodes = ep_nodes(shard.dims, node_size)
         model = shard.model
-        self.keys = [k for k, b in model.layers.items() if b.is_moe and isinstance(b.moe.dispatcher, EPDispatcher)]
-        prefix = {id(m): n for n, m in model.named_modules()}
-        self.names = {k: [f"{prefix[id(model.layers[k].moe.experts)]}.{t}" for t in EXPERT_TENSORS]
-                      for k in self.keys}
+        self.keys = [k for k, b in model.layers.items() if b.is_moe] if every else []
+        self.nodes = ep_nodes(shard.dims, node_size) if self.keys else None
+        self.names = _expert_names(model, self.keys)
         self.changes: list[dict] = []  # one per placement change: step, before, after, bytes, pause_s, replicated
         self.last_load: dict[str, list[int]] = {}  # the last window's counts per layer (checkpoints keep them)
-        self._pending = None  # the fold started after the final backward (`start_replica_sum`), not yet finished
-        self._skip()
+        self.window: torch.Tensor | None = None  # (layers, E) int64: this rank's counts since the window opened
+
+    @classmethod
+    def build(cls, shard, p) -> "Rebalancer":
+        """The run's (`p`: the parallel config): balanced over more than one EP rank, else one with no layer. A node:
+        the emulated one, else this host's ranks (torchrun's LOCAL_WORLD_SIZE; the whole world on one host)."""
+        placed = p.expert_placement == "balanced" and shard.dims.moe_ep > 1
+        node_size = p.emulate_node_size if p.emulate else int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        return cls(shard, p.rebalance_every if placed else 0, p.expert_replicas, node_size)
 
     def log(self, msg: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -100,25 +90,49 @@ class Rebalancer:
     def _device(self) -> torch.device:
         return next(self.shard.model.parameters()).device
 
+    def shards(self) -> dict[str, EPShard]:
+        return {k: self.shard.model.layers[k].moe.expert_shard for k in self.keys}
+
     def placements(self) -> dict[str, Placement]:
-        return {k: self.shard.model.layers[k].moe.dispatcher.placement for k in self.keys}
+        return {k: sh.placement for k, sh in self.shards().items()}
 
     # --- between two steps ------------------------------------------------------------------------------
-    def after_step(self, step: int, optimizer) -> dict | None:
-        """At the end of a window: the next placements from its counts; moves if any layer changed (collective
-        over the stage: every rank of it calls this at every step). Returns the change's record, else None."""
-        if (step + 1) % self.every or not self.keys:
+    def count(self, keys: list[str], counts: torch.Tensor, step: int) -> torch.Tensor | None:
+        """`counts` (the MoE layers `keys`, E): this rank's tokens per expert of step `step` (0-based), what the router
+        asked for, drops included; they join the window. Returns the window's counts, (self.keys, E), when it closes
+        after this step (then restarted; the same steps on every rank), for the step to sum over the stage's data
+        ranks; else None. Static: never."""
+        if not self.every:
             return None
+        mine = counts[[keys.index(k) for k in self.keys]]
+        self.window = mine if self.window is None else self.window + mine
+        if (step + 1) % self.every:
+            return None
+        window, self.window = self.window, None
+        return window
+
+    def close_window(self, step: int, loads: torch.Tensor, optimizer) -> dict | None:
+        """At the end of a window (after step `step`): the next placements from its counts (`loads`: (layers, E),
+        summed over the stage's data ranks: the same on every rank); moves if any layer changed (collective over the
+        stage: every rank of it calls this at the same steps). Returns the change's record, else None."""
         t0 = time.perf_counter()
-        model, dims = self.shard.model, self.shard.dims
-        counts = torch.stack([model.window_load.pop(k) for k in self.keys])  # (layers, E), int64: exact
-        if dist.is_initialized() and dims.data_world > 1:
-            comm.all_reduce(counts, group=dims.group("non_expert_dp"), axis="other")
-        loads = counts.tolist()  # one host read per window
+        loads = loads.tolist()  # one host read per window
         self.last_load = dict(zip(self.keys, loads))
         old = self.placements()
         new = {k: choose(old[k], load, self.R, self.nodes) for k, load in zip(self.keys, loads)}
         return self._apply(step + 1, old, new, loads, optimizer, t0)
+
+    def placed_skew(self, keys: list[str], received: torch.Tensor) -> tuple[float, int]:
+        """(sum, count) over layers and microbatches of the busiest EP rank's assignments over the mean under the
+        placement in force, each microbatch cut as its dispatch cut it (`Placement.rank_loads`): the record's
+        `ep_placed_max_mean`. `received` (layers in `keys` order, microbatches, E): the EP group's assignments per
+        expert. (0, 0) under the static placement, whose figure is the record's ep_recv_max_mean."""
+        placed = self.placements()
+        if not placed or any(k not in placed for k in keys):
+            return 0.0, 0
+        got = torch.tensor([[placed[k].rank_loads(mb) for mb in layer] for k, layer in
+                            zip(keys, received.long().tolist())], dtype=received.dtype, device=received.device)
+        return float((got.max(-1).values / got.mean(-1).clamp_min(1e-9)).sum()), got.shape[0] * got.shape[1]
 
     def restore(self, loads: dict | None, optimizer) -> dict | None:
         """After a resume (any layout: an elastic re-layout included): the checkpoint's last window, placed afresh over
@@ -133,7 +147,10 @@ class Rebalancer:
         return self._apply(0, old, new, [loads[k] for k in self.keys], optimizer, t0)
 
     def record(self) -> dict:
-        """{"placement_load": {layer: counts}} of every stage's layers (a MAX over PP: collective), for a checkpoint."""
+        """{"placement_load": {layer: counts}} of every stage's layers (a MAX over PP: collective), for a checkpoint;
+        {} under the static placement."""
+        if not self.every:
+            return {}
         model, dims = self.shard.model, self.shard.dims
         n = model.cfg.n_layers + model.cfg.mtp_layers
         E = model.cfg.num_experts
@@ -146,16 +163,15 @@ class Rebalancer:
 
     def _apply(self, step: int, old: dict, new: dict, loads: list, optimizer, t0: float) -> dict | None:
         """Move the changed layers from `old` to `new` and log the change's line (step 0: a resume's restore)."""
-        model, dims = self.shard.model, self.shard.dims
         changed = [k for k in self.keys if new[k] != old[k]]
         if not changed:
             return None
         moved = self._move(optimizer, [(k, old[k], new[k]) for k in changed])
+        shards = self.shards()
         for k in changed:
-            install(model.layers[k].moe, new[k], dims.moe_ep_rank)
+            shards[k].swap(new[k])  # the dispatch routes by it from the next step; the sync re-reads its copies
         if optimizer is not None:  # what knew the old slots (Muon's owner plan) goes: its next step plans the new
             optimizer.on_layout_change()
-        self._skip()
         record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
                   "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
@@ -264,27 +280,46 @@ class Rebalancer:
             out[torch.tensor(got, device=rows.device)] = buf
         return dst, out, sum(1 for p, _, q, _ in moves if p != q)
 
-    # --- inside a step ----------------------------------------------------------------------------------------
-    def _skip(self) -> None:
-        """Tell the gradient sync the expert rows it leaves out from the next step on: this rank's empty slots (no
-        token reaches them: a zero gradient, nothing to reduce) and its copies of replicated experts (reduced by
-        `sum_replica_grads`). `folded`: the flavour can (zero 0); else it reduces every row (zero 1-3)."""
-        me, rows = self.shard.dims.moe_ep_rank, {}
-        for k, placement in self.placements().items():
-            n = [len(c) for c in placement.copies()]
-            skip = [s for s, e in enumerate(placement.slots[me]) if e < 0 or n[e] > 1]
-            rows.update({name: skip for name in self.names[k]})
-        self.folded = self.shard.sync.skip_rows(rows)
-        # the copies' DP shares (`_fold`): a function of the placements, so made here, where they change
-        self.cuts = self._dp_shares() if self.folded else None
 
-    def _entries(self) -> tuple[list, bool]:
+class CopyFold:
+    """The gradient of a replicated expert: one sum over its copies and DP, inside the gradient sync's finish()
+    (every GradSync builds one over its model: dp/sync.py), read from each EP MoE layer's EPShard. Built, it tags each
+    expert tensor's gradient layout with its shard (shard.py: `GradLayout.copies`), so the clip counts the extra copies
+    once. With no replicated expert (the static placement, one EP rank, R = 1) every call does nothing."""
+
+    def __init__(self, model: nn.Module, dims):
+        self.dims = dims
+        # {the MoE's module name: its expert shard}, in the model's layer order (the same on every rank of a stage)
+        self.experts = {n: m.expert_shard for n, m in model.named_modules()
+                        if isinstance(m, MoE) and isinstance(m.expert_shard, EPShard) and m.expert_shard.P > 1}
+        self.keys = list(self.experts)
+        self.names = {k: [f"{k}.experts.{t}" for t in EXPERT_TENSORS] for k in self.keys}
+        params = dict(model.named_parameters())
+        self.rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]  # elements of one row
+        for k in self.keys:
+            for n in self.names[k]:
+                set_layout(params[n], GradLayout(grad_layout(params[n]).kind, copies=self.experts[k]))
+        self.seen: tuple | None = None  # the shards' moves when the DP reduction last read their rows
+        self.cuts: list | None = None  # zero 0: each copy's share of its row (`placement.dp_shares`)
+
+    def skip(self) -> dict[str, list[int]] | None:
+        """zero 0, before the step's final backward: after a placement change (and at the first step) {expert tensor:
+        this rank's rows the DP reduction leaves out}: its empty slots (no token reaches them: a zero gradient,
+        nothing to reduce) and its copies of replicated experts (the fold reduces them); None: no change."""
+        moves = tuple(sh.moves for sh in self.experts.values())
+        if moves == self.seen:
+            return None
+        self.seen, self.cuts = moves, None
+        return {n: sh.copy_rows() for k, sh in self.experts.items() for n in self.names[k]}
+
+    def _entries(self, sync) -> tuple[list, bool]:
         """(this rank's copies' gradient pieces as (view, its group's ranks, (layer, tensor, expert)), in an order
         every rank shares; whether any layer of the stage has a replicated expert: the EP group agrees on it)."""
-        placements = self.placements()
-        groups = {k: placements[k].replicated() for k in self.keys}
-        pieces = self.shard.sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
-        me, entries = self.shard.dims.moe_ep_rank, []
+        groups = {k: sh.placement.replicated() for k, sh in self.experts.items()}
+        if not any(groups.values()):  # no copy anywhere (the static placement): nothing to read
+            return [], False
+        pieces = sync.grad_pieces({n for k in self.keys if groups[k] for n in self.names[k]})
+        me, entries = self.dims.moe_ep_rank, []
         for li, k in enumerate(self.keys):
             mine = {s: (e, r) for e, s, r in groups[k] if me in r}  # column -> its expert, this rank's group there
             for j, n in enumerate(self.names[k]):
@@ -294,54 +329,47 @@ class Rebalancer:
         return entries, any(groups.values())
 
     @torch.no_grad()
-    def start_replica_sum(self) -> None:
-        """After the final backward, before the gradient sync is waited for (step.finish_grads): at zero 0 the fold's
-        first move (the copies' shares summed over EP) and its DP all-reduce, posted behind the DP buckets still on the
-        wire (`ReplicatedSync.launch_rest` first: every bucket scaled and posted), so the copies' DP traffic queues
-        with the rest instead of starting after it; `sum_replica_grads` finishes it. zero 1-3: nothing yet."""
-        self._pending = None
-        if self.R == 1 or not self.folded:
-            return
-        entries, any_copies = self._entries()
-        if any_copies:
-            self.shard.sync.launch_rest()
-            self._pending = (entries, self._fold_start(entries))
+    def start(self, sync) -> tuple | None:
+        """zero 0, after the final backward, before the DP reduction is waited for: the fold's first move (the copies'
+        shares summed over EP) and its DP all-reduce, posted behind the DP buckets still on the wire
+        (`sync.launch_rest` first: every bucket scaled and posted), so the copies' DP traffic queues with the rest
+        instead of starting after it. Returns what `finish` completes (None: no replicated expert)."""
+        entries, any_copies = self._entries(sync)
+        if not any_copies:
+            return None
+        sync.launch_rest()
+        return entries, self._fold_start(entries)
 
     @torch.no_grad()
-    def sum_replica_grads(self) -> torch.Tensor | None:
-        """After the gradient sync: each replicated expert's gradient is the sum over its copies and over DP, on every
-        copy (`_fold` at zero 0, begun by `start_replica_sum` when finish_grads called it; `_sum_pieces` at zero 1-3).
-        Returns this rank's part of the squared norm the extra copies add to the clipping norm (the clip sums it
-        over the ranks in its own all-reduce), None without replicas allowed (parallel.expert_replicas 1).
-        Collective over EP and DP: every rank calls it, with replicas or not."""
-        if self.R == 1:
-            return None
-        dims = self.shard.dims
-        pending, self._pending = self._pending, None
+    def finish(self, pending: tuple | None) -> None:
+        """zero 0, after the DP reduction: the fold's last move; every copy of a replicated expert holds the sum over
+        its copies and DP (`_fold`)."""
         if pending is not None:
-            entries = pending[0]
             self._fold_finish(*pending)
-        else:
-            entries, any_copies = self._entries()
-            if any_copies:
-                (self._fold if self.folded else self._sum_pieces)(entries)
-        me, dup = dims.moe_ep_rank, torch.zeros(1, dtype=torch.float32, device=self._device())
-        for v, ranks, _ in entries:
-            if me != ranks[0]:
-                dup = dup + v.float().square().sum()
-        return dup  # this rank's part: the clip sums it with the expert grads' squares (clip.clip_grad_norm_)
 
-    def _fold(self, entries: list) -> None:
-        """zero 0: the copies' rows (whole, scaled, left out of the DP reduction by `_skip`). A replicated expert's
-        gradient is one sum over its r copies x DP, done in three moves of a share each: copy c sums share c of every
-        copy's row (P2P between the copies' ranks, in rank order), reduces it over DP (one all-reduce of every share
-        this rank owns) and hands it to the other copies (the same pairs). So DP carries each replicated expert once,
-        not once per copy, and every copy ends with the same bits. The shares (`placement.dp_shares`) even out what each
-        EP rank reduces over DP (a rank holding fewer single experts takes more of its copies' rows); without DP,
-        1/r each. `_fold_start` makes the first two moves (the DP all-reduce posted, not waited for), `_fold_finish`
-        the last."""
-        self._fold_finish(entries, self._fold_start(entries))
+    @torch.no_grad()
+    def sum_pieces(self, sync) -> None:
+        """zero 1-3, after the DP reduction: the pieces were reduced over DP with the rest (a copy's pieces are the same
+        elements on every EP rank: one spare column); each copy's pieces go to the other copies only, the same sum in
+        rank order on each."""
+        entries, any_copies = self._entries(sync)
+        if not any_copies:
+            return
+        me, P = self.dims.moe_ep_rank, self.dims.moe_ep
+        peers = [[(i, v) for i, (v, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
+        got = self._swap([[v for _, v in peers[q]] for q in range(P)],
+                         [[v.numel() for _, v in peers[q]] for q in range(P)], entries)
+        theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
+        for i, (v, ranks, _) in enumerate(entries):
+            v.copy_(_in_rank_order([v if q == me else theirs[(q, i)] for q in ranks]))
 
+    # zero 0: the fold. A replicated expert's gradient is one sum over its r copies x DP, done in three moves of a share
+    # each: copy c sums share c of every copy's row (P2P between the copies' ranks, in rank order), reduces it over DP
+    # (one all-reduce of every share this rank owns) and hands it to the other copies (the same pairs). So DP carries
+    # each replicated expert once, not once per copy, and every copy ends with the same bits. The shares
+    # (`placement.dp_shares`) even out what each EP rank reduces over DP (a rank holding fewer single experts takes more
+    # of its copies' rows); without DP, 1/r each. `_fold_start` makes the first two moves (the DP all-reduce posted, not
+    # waited for), `_fold_finish` the last.
     def _share(self, entries: list, i: int, q: int) -> torch.Tensor:
         """Copy q's share of entry i's row."""
         v, ranks, (layer, tensor, expert) = entries[i]
@@ -349,8 +377,11 @@ class Rebalancer:
         return v.reshape(-1)[bounds[c]:bounds[c + 1]]
 
     def _fold_start(self, entries: list) -> tuple:
-        me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
-        group = self.shard.dims.group("expert_dp")
+        if self.cuts is None:  # a function of the placements: made once per change
+            self.cuts = dp_shares([sh.placement for sh in self.experts.values()], self.rows,
+                                  balance=self.dims.group("expert_dp") is not None)
+        me, P = self.dims.moe_ep_rank, self.dims.moe_ep
+        group = self.dims.group("expert_dp")
         peers = [[i for i, (_, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
         got = self._swap([[self._share(entries, i, q) for i in peers[q]] for q in range(P)],
                          [[self._share(entries, i, me).numel() for i in peers[q]] for q in range(P)], entries)
@@ -369,7 +400,7 @@ class Rebalancer:
         if work is not None:
             work.wait()
             mine = list(flat.split([m.numel() for m in mine]))
-        P, me = self.shard.dims.moe_ep, self.shard.dims.moe_ep_rank
+        P, me = self.dims.moe_ep, self.dims.moe_ep_rank
         got = self._swap([[mine[i] for i in peers[q]] for q in range(P)],
                          [[self._share(entries, i, q).numel() for i in peers[q]] for q in range(P)], entries)
         for i, m in enumerate(mine):
@@ -378,33 +409,15 @@ class Rebalancer:
             for i, g in zip(peers[q], got[q]):
                 self._share(entries, i, q).copy_(g)
 
-    def _sum_pieces(self, entries: list) -> None:
-        """zero 1-3: the pieces were reduced over DP with the rest (a copy's pieces are the same elements on every EP
-        rank: one spare column); each copy's pieces go to the other copies only, the same sum in rank order on each."""
-        me, P = self.shard.dims.moe_ep_rank, self.shard.dims.moe_ep
-        peers = [[(i, v) for i, (v, r, _) in enumerate(entries) if q in r and q != me] for q in range(P)]
-        got = self._swap([[v for _, v in peers[q]] for q in range(P)],
-                         [[v.numel() for _, v in peers[q]] for q in range(P)], entries)
-        theirs = {(q, i): g.view_as(v) for q in range(P) for (i, v), g in zip(peers[q], got[q])}
-        for i, (v, ranks, _) in enumerate(entries):
-            v.copy_(_in_rank_order([v if q == me else theirs[(q, i)] for q in ranks]))
-
-    def _dp_shares(self) -> list[dict[int, list[list[int]]]]:
-        """`placement.dp_shares` of this stage's placements and expert rows (water-filled with DP, 1/r without)."""
-        params, placements = dict(self.shard.model.named_parameters()), self.placements()
-        rows = [[params[n][0].numel() for n in self.names[k]] for k in self.keys]
-        return dp_shares([placements[k] for k in self.keys], rows,
-                         balance=self.shard.dims.group("expert_dp") is not None)
-
     def _swap(self, sends: list[list[torch.Tensor]], sizes: list[list[int]], entries: list) -> list[list[torch.Tensor]]:
         """sends[q]'s tensors (flattened) to EP rank q, from each rank q the flat tensors of sizes[q]: sends and
         receives to the copies' ranks only (one batch of P2P ops; the exchange is symmetric: a rank receives from
         the ranks it sends to), so the copies' traffic costs the latency of the links it uses (one node's, where the
         copies sit) and not an all-to-all's over the whole EP group."""
-        dims = self.shard.dims
+        dims = self.dims
         me, ranks, group = dims.moe_ep_rank, dims.group_ranks("ep"), dims.group("ep")
-        dtype = entries[0][0].dtype if entries else torch.float32  # the gradients' (no entries: nothing moves)
-        bufs = [torch.empty(sum(z), dtype=dtype, device=self._device()) for z in sizes]
+        dtype, device = (entries[0][0].dtype, entries[0][0].device) if entries else (torch.float32, "cpu")
+        bufs = [torch.empty(sum(z), dtype=dtype, device=device) for z in sizes]
         ops = []
         for q, vs in enumerate(sends):
             if q != me and bufs[q].numel():

@@ -1,9 +1,13 @@
-"""How a parameter's gradient lies over the ranks that shard the tokens (TP, CP): the one reading that the
-gradient syncs (sync.py, zero.py, fsdp.py), clipping (clip.py) and the checkpoint's keys (state/keys.py) all make.
+"""How a parameter's gradient lies over the ranks that shard the tokens (TP, CP), and over the copies of a replicated
+expert: the one reading that the gradient syncs (sync.py, zero.py, fsdp.py), clipping (clip.py) and the checkpoint's
+keys (state/keys.py) all make.
 
 parallel/tp.py tags each parameter of a TP chunk when it slices it (`set_layout`); an untagged parameter is ALONE.
 Context parallel adds no kind: a parameter replicated over CP is reduced with the DP groups CP joins, as over DP
-(each CP rank's gradient is its own tokens' part: parallel/cp.py).
+(each CP rank's gradient is its own tokens' part: parallel/cp.py). An EP layer's expert tensors carry their expert
+shard (`copies`, tagged by rebalance.py's `CopyFold`): the rows that are extra copies of a replicated expert hold, after
+the sync, the same gradient as the first copy, and count once among the copies, as a WHOLE gradient does among the
+token ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class Grad(enum.Enum):
 class GradLayout:
     kind: Grad
     part: tuple[int, int, int] | None = None  # SHARDED: (dim, rank, n), p is rank's 1/n of the whole along dim
+    # an expert tensor's shard (placement.EPShard): its `extra_rows()` (dim 0) are copies whose gradient the first copy
+    # also holds, counted once among the copies (by the first: clip.py)
+    copies: object | None = None
 
     @property
     def dim(self) -> int | None:

@@ -2,14 +2,17 @@
 
     forward_backward  M microbatches through this rank's stage, as its sync flavour runs them (a pipeline schedule,
                       pp/schedules.py: plain gradient accumulation when pp == 1; torch DDP's own loop), the gradient
-                      sync launched during the final backward
-    finish_grads      wait for the gradient sync: .grad (or the ZeRO shards) hold the averaged gradients
+                      sync launched during the final backward; the result carries each MoE layer's routing counts
+                      per microbatch
+    finish_grads      wait for the gradient sync: .grad (or the ZeRO shards) hold the averaged gradients (a
+                      replicated expert's copies summed inside it: the sync's own finish)
     clip_grads        global-norm clipping over the whole model (PP stages and EP shards counted once)
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
+    StepEnd           after the update, from the step's routing counts: the router biases (aux-loss-free balancing),
+                      the experts' placement window, QK-clip; on a record's step the losses (`reduce_losses`) and
+                      the router's figures over the world: at most three small collectives (with agree_on_step's
+                      stop flag, four: every small collective of a step is issued in this module)
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
-    reduce_losses     the step's CE, balance and multi-token-prediction (model/mtp.py) losses, averaged over all
-                      DP*EP*M microbatches in one all-reduce (on the steps that write a record)
-    update_router_bias  aux-loss-free balancing after the optimizer step, from the step's global expert counts
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
 normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
@@ -20,18 +23,23 @@ buffers) live on the ModelShard, one per activation shape, built here on first u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..model.transformer import is_moe_layer, take_routing
 from .comm import collectives as comm
-from .ep import lanes_of
+from .ep import lanes_of, take_received
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
+
+MB_KEPT = 1024  # microbatch records per MoE layer a record's routing skew reads (the last ones; bounded, so a run that
+#                 never logs holds no more)
 
 
 def compute_dtype(dtype: str) -> torch.dtype:
@@ -77,25 +85,24 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
                                          schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / len(xs),
                                          before_backward=shard.sync.prepare, autocast=forward_ctx,
                                          ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
-    return shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx)
+    stats = shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx)
+    stats.routing = take_routing(shard.model)  # the training forwards' records, read once (never a recompute's)
+    stats.routing.received = take_received(shard.model, stats.routing.keys)
+    return stats
 
 
 def finish_grads(shard: ModelShard) -> None:
     """Wait for the gradient sync (DDP finished inside its last backward); then MTP's embedding replica and stage 0's
-    copy sum their gradients (tied.py). Replicated experts (parallel/rebalance.py): their fold's DP traffic is
-    posted first, behind the buckets still on the wire."""
-    if shard.rebalancer is not None:
-        shard.rebalancer.start_replica_sum()
+    copy sum their gradients (tied.py)."""
     shard.sync.finish()
     if shard.tied is not None:
         shard.tied.sum_grads(shard.sync)
 
 
-def clip_grads(shard: ModelShard, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
+def clip_grads(shard: ModelShard, max_norm: float) -> torch.Tensor:
     """Clip to the global norm of the whole model (0 = only measure); returns that norm on every rank. MTP's
-    embedding replica then takes stage 0's clipped gradient (tied.py). sq_offset: this rank's part of what leaves
-    the squared norm (replicated experts' extra copies, parallel/rebalance.py; clip.py sums it over the ranks)."""
-    norm = shard.sync.clip(max_norm) if sq_offset is None else shard.sync.clip(max_norm, sq_offset)
+    embedding replica then takes stage 0's clipped gradient (tied.py)."""
+    norm = shard.sync.clip(max_norm)
     if shard.tied is not None:
         shard.tied.share_clipped(shard.sync)
     return norm
@@ -127,27 +134,6 @@ def agree_on_step(shard: ModelShard, grad_norm: torch.Tensor, stop_requested: bo
     return nonfinite, bool(flag.item())
 
 
-def update_router_bias(shard: ModelShard, apply: bool = True) -> None:
-    """Once per optimizer step (after it): every MoE layer with a router bias moves it by gamma * sign(mean load -
-    load), load = its tokens per expert over the whole step. Summed over the non-expert-DP group (the dp x ep ranks
-    of this stage: every data rank of its layers, all M microbatches each), so every replica applies the same
-    update, and every layout the single process's. Activation-checkpoint recomputes are not counted (the model
-    counts in its outer forward). A stage without such layers does nothing (nor do its group peers).
-    apply=False (a skipped step, agreed by every rank) only drops the step's counts."""
-    model = shard.model
-    keys = [k for k, b in model.layers.items() if b.is_moe and b.moe.router_bias is not None]
-    if not keys:
-        return
-    counts = torch.stack([model.step_load.pop(k) for k in keys])  # (MoE layers of this stage, E), int64: exact
-    if not apply:
-        return
-    if dist.is_initialized() and shard.dims.data_world > 1:
-        comm.all_reduce(counts, group=shard.dims.group("non_expert_dp"), axis="other")
-        counts = counts // shard.dims.cp  # its CP ranks each held the whole microbatch's counts (model/moe.py)
-    for k, counts_E in zip(keys, counts):
-        model.layers[k].moe.update_bias(counts_E)
-
-
 class StepLosses(NamedTuple):
     """A step's losses, each the mean over all DP*EP*M microbatches (the record's ce_loss, aux_loss, mtp_loss)."""
     ce: float
@@ -171,23 +157,173 @@ def reduce_losses(shard: ModelShard, stats: StepStats, aux_weight: float, M: int
 
 
 @dataclass
+class RouterFigures:
+    """A record's router figures since the previous record, summed over the world (`StepEnd`): report.py formats
+    them (observe/report.py `router_record`)."""
+    rows: torch.Tensor  # (n_layers + mtp_layers, E + 5) float64, per global layer: tokens per expert | summed
+    #                     MoE.last_router_stats [balance, z, dropped, assignments, forwards]
+    skew: list[float]  # sums and counts: [expert CV, n, EP busiest/mean received, n, the same placed, n]
+    biases: list[list[float]] | None  # every MoE layer's router bias after this step (model.bias_update_rate > 0)
+
+
+@dataclass
 class StepResult:
     """What one optimizer step (train.py's `train_step`) hands the loop."""
-    stats: StepStats  # what this rank's forwards and backwards measured
+    stats: StepStats  # what this rank's forwards and backwards measured, its routing counts included
     grad_norm: torch.Tensor  # the global norm before clipping, the same on every rank
     lr: float
     nonfinite: bool  # agreed by every rank: the step made no update anywhere
     stop: bool  # agreed by every rank: a stop was asked (train.ckpt_on_signal)
-    losses: StepLosses | None  # on the steps that write a record, else None (no collective)
+    losses: StepLosses | None = None  # on the steps that write a record, else None (no collective)
     qk_max: float | None = None  # train.qk_clip: the step's largest attention logit, every head, every rank
+    router: RouterFigures | None = None  # on the steps that write a record
+    peak: int | None = None  # on a record's step after a metered one: the highest step peak of any rank (bytes)
+
+
+class StepEnd:
+    """What follows a step's update on every rank, from the step's routing counts (`StepStats.routing`): the router
+    biases (aux-loss-free balancing: `MoE.update_bias`), the experts' placement window (shard.rebalancer), QK-clip
+    (`qk`: optim/qk_clip.py's QKClip, handed in); on a record's step (train.py's `logs`, or a non-finite one) the
+    losses and the router's figures since the previous record over the world, and the interval's step peak.
+
+    Every small collective of a step's figures, at most three (agree_on_step's stop flag aside), over the world: the
+    losses' SUM (fp32, `reduce_losses`: a record's), one packed SUM in float64 (exact for counts: this step's counts for the biases, the window's at its
+    end, a record's loads, router statistics and routing-skew sums) and one packed MAX (the QK-clip table, a record's
+    biases after their update and its step peak). Each MoE layer's row is its global index, filled by the stage that
+    holds it; counts are whole on every token rank (TP, CP: dims.stat_copies), which the sums divide out. Collective:
+    every rank calls it after every step, and every rank packs the same parts."""
+
+    def __init__(self, shard: ModelShard, cfg, aux_weight: float, qk):
+        self.shard, self.aux_weight, self.qk = shard, aux_weight, qk
+        self.M, self.mtp = cfg.parallel.microbatches, cfg.model.mtp_layers > 0
+        self.rows, self.E = cfg.model.n_layers + cfg.model.mtp_layers, cfg.model.num_experts
+        self.moe_rows = [i for i in range(self.rows) if is_moe_layer(cfg.model, i)]
+        self.biased = cfg.model.bias_update_rate > 0 and bool(self.moe_rows)  # the same on every rank
+        # this rank's routing since the previous record: tokens per expert and the router statistics per global layer
+        # (summed forward by forward, in order), and per step each microbatch's counts and, under EP, its EP group's
+        # received assignments per expert, (layers, microbatches, E)
+        self.device = next(shard.model.parameters()).device  # NCCL: the figures stay on the GPU, no host sync
+        self.loads = torch.zeros(self.rows, self.E, dtype=torch.long, device=self.device)
+        self.stats = torch.zeros(self.rows, 5, device=self.device)
+        self.counts: list[torch.Tensor] = []
+        self.received: list[torch.Tensor] = []
+
+    def __call__(self, step: int, result: StepResult, optimizer, record: bool,
+                 peak_of: Callable[[], int | None]) -> StepResult:
+        """`result` of step `step` (0-based) with its figures: on a record's step its losses, router figures and step
+        peak (`peak_of()`: this rank's highest since the previous record, this step's so far included; None: no
+        metered step), and with train.qk_clip the step's max logit."""
+        routing, rebalancer, dims = result.stats.routing, self.shard.rebalancer, self.shard.dims
+        at = [int(k) for k in routing.keys]
+        step_E = routing.counts.sum(1)  # (layers, E) int64: this step's tokens per expert
+        self._tally(routing, at)
+        window = rebalancer.count(routing.keys, step_E, step)  # the window's counts when it closes, else None
+        losses = reduce_losses(self.shard, result.stats, self.aux_weight, self.M, self.mtp) if record else None
+
+        # one packed SUM: the step's counts (router biases), the window's (placement), a record's figures
+        sums = _reduce(([self._rows(at, step_E)] if self.biased else [])
+                       + ([self._rows([int(k) for k in rebalancer.keys], window)] if window is not None else [])
+                       + (self._record_parts(routing.keys) if record else []), dist.ReduceOp.SUM, dims)
+        if self.biased:
+            counts = sums.pop(0).long() // dims.stat_copies  # every token rank held the whole microbatch's counts
+            if not result.nonfinite:  # a skipped step moves no bias
+                for key, i in zip(routing.keys, at):
+                    self.shard.model.layers[key].moe.update_bias(counts[i])
+        if window is not None:  # the window's end: the next placements, and a move if any layer changed
+            counts = sums.pop(0).long() // dims.stat_copies
+            rebalancer.close_window(step, counts[[int(k) for k in rebalancer.keys]], optimizer)
+        router = RouterFigures(sums[0], sums[1].tolist(), None) if record else None
+
+        # one packed MAX: QK-clip's table (every step), a record's biases after their update and its step peak
+        table = self.qk.table()  # this rank's heads' max logits of the step per global layer (None: no QK-clip)
+        peak = peak_of() if record else None  # the step's move included (QK-clip's rescale, after it, holds little)
+        maxima = _reduce(([table.double()] if table is not None else [])
+                         + ([self._biases()] if record and self.biased else [])
+                         + ([torch.tensor([float(peak)], dtype=torch.float64, device=self.device)]
+                            if record and peak is not None else []), dist.ReduceOp.MAX, dims)
+        qk_max = None
+        if table is not None:  # the heads over tau scaled back (not on a skipped step)
+            table = maxima.pop(0).float()
+            self.qk.rescale(table, apply=not result.nonfinite)
+            qk_max = float(table.max())
+        if record and self.biased:
+            router.biases = maxima.pop(0)[self.moe_rows].tolist()
+        peak = int(maxima.pop(0).item()) if record and peak is not None else None
+        return dataclasses.replace(result, losses=losses, qk_max=qk_max, router=router, peak=peak)
+
+    def _tally(self, routing, at: list[int]) -> None:
+        """This step's routing joins the record's interval (no collective)."""
+        if not at:
+            return
+        self.loads[at] += routing.counts.sum(1)
+        for i in range(routing.stats.shape[1]):  # forward by forward: the sums a record has always held
+            self.stats[at] = self.stats[at] + routing.stats[:, i]
+        self.counts = _last(self.counts + [routing.counts])
+        if routing.received is not None:
+            self.received = _last(self.received + [routing.received])
+
+    def _rows(self, at: list[int], values: torch.Tensor) -> torch.Tensor:
+        """(rows, E) float64: `values`' rows at the global layers `at`, zeros elsewhere."""
+        out = torch.zeros(self.rows, self.E, dtype=torch.float64, device=self.device)
+        out[at] = values.to(self.device, torch.float64)
+        return out
+
+    def _record_parts(self, keys: list[str]) -> list[torch.Tensor]:
+        """A record's parts of the SUM, this rank's since the previous record (then reset): per global layer its tokens
+        per expert and summed router statistics (rows, E + 5); and the routing skew's sums over this rank's MoE
+        layers and microbatches (the last MB_KEPT of each): [expert CV (over experts, of this rank's counts), n, EP
+        group's busiest rank over the mean (received assignments, expert e on EP rank e // (E/EP): what the planner
+        prices, plan/skew.py), n, the same under the placement in force (`Rebalancer.placed_skew`), n]."""
+        rows = torch.cat([self.loads.double(), self.stats.double()], 1)
+        skew = torch.zeros(6, dtype=torch.float64, device=self.device)
+        if self.counts:  # every rank of an EP group holds the same layers and microbatches
+            c = torch.cat(self.counts, 1)[:, -MB_KEPT:].double()  # (layers, microbatches, E)
+            mean = c.mean(-1).clamp_min(1e-9)
+            skew[0], skew[1] = (c.std(-1, unbiased=False) / mean).sum(), mean.numel()
+        if self.received and self.shard.dims.ep > 1:
+            g = torch.cat(self.received, 1)[:, -MB_KEPT:].double()
+            recv = g.view(*g.shape[:2], self.shard.dims.ep, -1).sum(-1)  # (layers, microbatches, EP rank)
+            skew[2], skew[3] = (recv.max(-1).values / recv.mean(-1).clamp_min(1e-9)).sum(), recv.shape[0] * g.shape[1]
+            skew[4], skew[5] = self.shard.rebalancer.placed_skew(keys, g)
+        self.loads.zero_()
+        self.stats.zero_()
+        self.counts, self.received = [], []
+        return [rows, skew]
+
+    def _biases(self) -> torch.Tensor:
+        """(rows, E) float64: this stage's router biases at their layers' rows, -inf elsewhere (the MAX picks the
+        holder's: every replica of a layer holds the same bias)."""
+        out = torch.full((self.rows, self.E), -float("inf"), dtype=torch.float64, device=self.device)
+        for key, block in self.shard.model.layers.items():
+            if block.is_moe:
+                out[int(key)] = block.moe.router_bias.double()
+        return out
+
+
+def _last(records: list[torch.Tensor]) -> list[torch.Tensor]:
+    """(layers, microbatches, E) records, joined along the microbatches once they hold twice MB_KEPT, the last MB_KEPT
+    of them kept (a run that never logs holds no more)."""
+    if sum(r.shape[1] for r in records) < 2 * MB_KEPT:
+        return records
+    return [torch.cat(records, 1)[:, -MB_KEPT:]]
+
+
+def _reduce(parts: list[torch.Tensor], op, dims) -> list[torch.Tensor]:
+    """`parts` (float64) reduced over the world with `op` in ONE all-reduce, packed flat and unpacked in their
+    shapes; nothing to reduce: no collective."""
+    if not parts:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in parts])
+    if dist.is_initialized() and dims.world_size > 1:
+        comm.all_reduce(flat, op=op, axis="other")
+    return [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
 
 @torch.no_grad()
 def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: str = "fp32") -> float:
     """Mean CE over this data rank's `batches` ((x, y) of b rows each) and over every data rank: a forward-only
-    pass through the pipeline (no balance loss). The MoE load statistics of training are left untouched."""
+    pass through the pipeline (no balance loss). Eval forwards leave no routing record (model/transformer.py)."""
     model, dims = shard.model, shard.dims
-    saved_load = dict(model.expert_load)
     model.eval()
     total, n = torch.zeros((), device=device), 0
     with autocast(device, dtype):
@@ -198,8 +334,6 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
                 total += ce_sum
             n += len(xs)
     model.train()
-    model.expert_load.clear()
-    model.expert_load.update(saved_load)
     if dist.is_initialized() and dims.world_size > 1:
         comm.all_reduce(total, axis="other")  # only last-stage ranks contribute
     return total.item() / (n * dims.data_world * dims.loss_copies)

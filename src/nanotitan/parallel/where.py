@@ -8,8 +8,9 @@ A parameter, and each tensor of its optimizer state, is cut three ways before a 
                     rank's live views) and `GradSync.state_boxes(names, rank)` (the same boxes for any stage rank)
     the TP slice    a SHARDED param is its TP rank's 1/n along dim (parallel/shard.py: `grad_layout(p).part`, and
                     `.at(rank)` for another rank's): its boxes sit shifted by that rank's slice in the whole tensor
-    the experts     an expert stack [L, ...] is L global tensors, one key per expert: slot l on EP rank r holds
-                    global expert `global_experts(model, name, r)[l]` (-1: an empty slot, no key)
+    the experts     an expert stack [C, ...] is C global tensors, one key per expert: slot l on EP rank r holds
+                    global expert `global_experts(model, name, r)[l]` (-1: an empty slot, no key), as the layer's
+                    expert shard says
 
 `placed` applies the last two to a param's Pieces; `held_boxes` runs all three for any rank of the stage.
 """
@@ -28,13 +29,10 @@ from .shard import GradLayout, grad_layout
 
 def global_experts(model: torch.nn.Module, name: str, moe_ep_rank: int | None = None) -> Sequence[int]:
     """The global expert each slot of expert tensor `name` holds on EP rank `moe_ep_rank` (ParallelDims.moe_ep_rank;
-    None: this model's own), -1 for an empty slot."""
-    moe = model.get_submodule(name.rsplit(".", 2)[0])
-    if moe.experts.slot_experts is not None:  # a placement moved them (parallel/rebalance.py): its table
-        return moe.experts.slot_experts if moe_ep_rank is None else moe.dispatcher.placement.slots[moe_ep_rank]
-    n = moe.experts.W_gate.shape[0]
-    start = model.spec.expert_start if moe_ep_rank is None else moe_ep_rank * n
-    return range(start, start + n)
+    None: this model's own), -1 for an empty slot: its MoE layer's expert shard says (model/experts.py; the
+    identity placement when static, a balanced placement's table after a move, parallel/placement.py)."""
+    shard = model.get_submodule(name.rsplit(".", 2)[0]).expert_shard
+    return shard.experts_at(shard.rank if moe_ep_rank is None else moe_ep_rank)
 
 
 def placed(model: torch.nn.Module, name: str, layout: GradLayout, pieces: Pieces,

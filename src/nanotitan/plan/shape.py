@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..config.counts import attention_matmuls, attention_params, ffn_params, mtp_params
 from ..config.config import Config
+from ..config.layout import expert_ranks
 from ..model.spec import block_halves, even_counts, layer_bounds
 from ..parallel.pp import facts as pp_facts
 
@@ -263,7 +264,7 @@ class Layout:
     @property
     def moe_ep(self) -> int:
         """Ranks the experts of a stage are sharded over: EP folded with CP and TP."""
-        return self.ep * self.cp * self.tp
+        return expert_ranks(self.ep, self.cp, self.tp)
 
     def as_tuple(self) -> tuple[int, int, int, str, int, int, int]:
         return self.dp, self.pp, self.ep, self.schedule, self.microbatches, self.micro_batch, self.zero

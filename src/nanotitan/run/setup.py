@@ -122,6 +122,5 @@ def resume_step(where: str, run_dir: Path, shard: ModelShard, optimizer, verify:
     extra = ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, verify, shard=shard)
     step = int(extra["step"])
     log(f"resumed from {path} at step {step}")
-    if shard.rebalancer is not None:  # the checkpoint's last placement window, placed over this layout's EP ranks
-        shard.rebalancer.restore(extra.get("placement_load"), optimizer)
+    shard.resumed(extra, optimizer)  # what the shard keeps beside its tensors (the placement's window), re-laid out
     return step

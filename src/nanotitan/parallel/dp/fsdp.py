@@ -95,14 +95,14 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
     kept = kept_gathered(len(blocks), dims.pp)
     for i, block in enumerate(blocks):
         reshard = reshard_after_forward and i not in kept
-        placement = None
+        shard_dim_of = None  # FSDP2's shard_placement_fn: Shard(dim) per param
         if block.is_moe and expert_mesh is not None:
             experts = block.moe.experts
             # Shard(0) splits the local experts; with fewer local experts than DP ranks, split D instead.
             dim = 0 if experts.W_gate.shape[0] % expert_mesh.size() == 0 else 1
             if merge:
                 ids = {id(q) for q in experts.parameters()}
-                placement = lambda p, d=dim, ids=ids: Shard(d if id(p) in ids else 0)
+                shard_dim_of = lambda p, d=dim, ids=ids: Shard(d if id(p) in ids else 0)
             else:
                 fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
                             shard_placement_fn=lambda p, d=dim: Shard(d))
@@ -112,7 +112,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
         elif block.is_moe:
             unsharded += list(block.moe.experts.parameters())
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(unsharded) or None,
-                    shard_placement_fn=placement)
+                    shard_placement_fn=shard_dim_of)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=set(unsharded) or None)
     if mesh.size() != dims.data_world:  # CP's ranks joined the mesh: their gradients are parts, summed (docs/cp.md)
         for module in model.modules():
@@ -229,6 +229,7 @@ class FSDPSync(GradSync):
         for r in (self.reducer, self.tp_reducer):
             if r is not None:
                 r.finish()
+        self.copies.sum_pieces(self)  # a replicated expert's copies: their reduced pieces summed (rebalance.py)
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -242,7 +243,7 @@ class FSDPSync(GradSync):
     def param_groups(self) -> list[dict]:
         return param_groups(self.model)
 
-    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
+    def clip(self, max_norm: float) -> torch.Tensor:
         """DTensor shards are disjoint over non-expert-DP; experts FSDP left whole (dp == 1) differ over EP."""
         whole = [q for _, q in self.unsharded]
         shards = [q for q in self.model.parameters() if hasattr(q, "to_local")]
@@ -252,7 +253,8 @@ class FSDPSync(GradSync):
                                self.dims.group("ep") if whole or partial else None,
                                [q for q in shards if id(q) not in self.counted_once], self.dims.group("stage"),
                                token_ranks=token_ranks(self.dims),
-                               shard_once=[q for q in shards if id(q) in self.counted_once], sq_offset=sq_offset)
+                               shard_once=[q for q in shards if id(q) in self.counted_once],
+                               counted_elsewhere=self.counted_elsewhere())
 
     def local_grad(self, p: nn.Parameter) -> torch.Tensor:
         """A DTensor's local shard of its gradient (FSDP's own storage: a view); a param FSDP left whole, its .grad."""

@@ -5,7 +5,8 @@ A rank's `GradSync` owns, for its flavour of DP:
     forward_backward(..)     the step's forwards and backwards: the pipeline schedule it is handed (torch DDP: its own
                              microbatch loop)
     prepare(sync)            before each microbatch's backward; sync=True before the step's final one
-    finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards
+    finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards; a
+                             replicated expert's copies summed (`copies`, rebalance.py's CopyFold: expert placement)
     param_groups()           what this rank updates (params, or its 1/N shards), one group per family tag
                              (model/families.py: {"params", "tag"}); optim/ decides what each tag means
     clip(max_norm)           global-norm clipping over exactly what this rank holds (each element once)
@@ -13,8 +14,7 @@ A rank's `GradSync` owns, for its flavour of DP:
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
     local_grad(p)            after finish(): this rank's part of p's averaged gradient, a view of live storage (the
                              pair of embedding copies sums it, tied.py)
-    skip_rows(rows)          rows of expert tensors the DP reduction leaves to the caller (expert placement's empty
-                             slots and replicated copies, parallel/rebalance.py); False: this flavour reduces all
+    grad_pieces(names)       after finish(): this rank's pieces of the named params' averaged gradients
     sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
                              each whole tensor, views of the live state (save writes them, load reads into them);
                              nothing is ever gathered whole. The optimizer state is read through the optimizer's
@@ -47,6 +47,7 @@ from ...model.families import tag_of
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from ..pp.schedules import StepStats
+from ..rebalance import CopyFold
 from .reducer import Reducer, wrap_ddp
 from ..shard import Grad, grad_layout, token_ranks
 
@@ -124,6 +125,8 @@ class GradSync:
                  replicated_params: NamedParams):
         self.model, self.dims = model, dims
         self.expert_params, self.replicated_params = expert_params, replicated_params
+        # the copies of replicated experts, read from the model's expert shards: summed in finish() (rebalance.py)
+        self.copies = CopyFold(model, dims)
 
     def forward_backward(self, pipeline: Callable[[], StepStats], xs: list[torch.Tensor], ys: list[torch.Tensor],
                          aux_weight: float, forward_ctx: Callable) -> StepStats:
@@ -143,12 +146,22 @@ class GradSync:
     def param_groups(self) -> list[dict]:
         return tag_groups((tag_of(q), q) for q in self.model.parameters())
 
-    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
-        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py). sq_offset: this
-        rank's part of what leaves the squared norm (its extra copies of replicated experts, parallel/rebalance.py)."""
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py)."""
         return clip_grad_norm_([p for _, p in self.expert_params], [p for _, p in self.replicated_params],
                                max_norm, self.dims.group("pp"), self.dims.group("ep"),
-                               token_ranks=token_ranks(self.dims), sq_offset=sq_offset)
+                               token_ranks=token_ranks(self.dims), counted_elsewhere=self.counted_elsewhere())
+
+    def counted_elsewhere(self) -> list[torch.Tensor]:
+        """After finish(): views of this rank's gradient rows that another rank holds too and counts in the global
+        norm: the extra copies of replicated experts, as each expert tensor's `grad_layout` names them (shard.py), in
+        this rank's pieces (`grad_pieces`), param by param, row by row."""
+        rows = {n: grad_layout(q).copies.extra_rows() for n, q in self.expert_params
+                if grad_layout(q).copies is not None}
+        rows = {n: r for n, r in rows.items() if r}
+        pieces = self.grad_pieces(set(rows)) if rows else {}
+        return [t[s - off[0]] for n, r in rows.items() if n in pieces for off, t in pieces[n].boxes
+                for s in r if off[0] <= s < off[0] + t.shape[0]]
 
     def after_step(self) -> None:
         pass
@@ -173,12 +186,6 @@ class GradSync:
         return {n: Pieces.whole(p.grad) for n, p in self.model.named_parameters() if n in names and p.grad is not None}
 
     grads_whole = True  # grad_pieces are whole on every DP replica (else disjoint over the stage's ranks)
-
-    def skip_rows(self, rows: dict[str, list[int]]) -> bool:
-        """Leave rows[name] (dim 0) of these expert params out of the DP reduction from the next step on (scaled as
-        the rest); False where the flavour cannot (zero 1-3 shard flat buckets or FSDP units: every row is reduced,
-        and the caller sums copies in the reduced pieces)."""
-        return False
 
     def close(self) -> None:
         pass
@@ -213,17 +220,32 @@ class ReplicatedSync(BucketedSync):
         self.reducers = [Reducer(params, dims.group(kind), bucket_mb, scale, reduce_dtype) for params, kind in groups]
         self.expert_reducers = [r for r, (_, kind) in zip(self.reducers, groups) if kind == "expert_dp"]
 
+    def prepare(self, sync: bool) -> None:
+        if sync:  # after a placement change, before any bucket of the final backward launches
+            rows = self.copies.skip()
+            if rows is not None:
+                self.skip_rows(rows)
+        super().prepare(sync)
+
+    def finish(self) -> None:
+        """The DP reduction; a replicated expert's copies are folded over copies x DP around it: the fold's first
+        moves posted behind the buckets still on the wire, its last after them (rebalance.py `CopyFold`)."""
+        folding = self.copies.start(self)
+        super().finish()
+        self.copies.finish(folding)
+
     def launch_rest(self) -> None:
         """The final backward's buckets all on the wire, none waited for (`Reducer.launch_rest`): the replicated
         experts' fold starts behind them (parallel/rebalance.py)."""
         for r in self.reducers:
             r.launch_rest()
 
-    def skip_rows(self, rows: dict[str, list[int]]) -> bool:
+    def skip_rows(self, rows: dict[str, list[int]]) -> None:
+        """Leave rows[name] (dim 0) of these expert params out of the DP reduction from now on (scaled as the rest):
+        the copies' fold reduces them (`CopyFold.skip`)."""
         found = set().union(*(r.skip_rows(rows) for r in self.expert_reducers))
         missing = {n for n, s in rows.items() if s} - found
         assert not missing, f"skip_rows: {sorted(missing)} are not expert params of this rank's reducers"
-        return True
 
 
 class TorchDDPSync(GradSync):

@@ -334,7 +334,7 @@ class ZeroSync(BucketedSync):
     def param_groups(self) -> list[dict]:
         return tag_groups((b.tag, b.shard) for r in self.reducers for b in r.buckets)
 
-    def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
+    def clip(self, max_norm: float) -> torch.Tensor:
         # every reducer's shards are disjoint over the stage, except those of params whole on every token rank
         # (Grad.WHOLE: none without a token shard), which count once among them
         once = [all(grad_layout(p).kind is Grad.WHOLE for b in r.buckets for p in b.params) for r in self.reducers]
@@ -342,7 +342,7 @@ class ZeroSync(BucketedSync):
                                [q for r, o in zip(self.reducers, once) if not o for q in r.shard_params],
                                self.dims.group("stage"), token_ranks=token_ranks(self.dims),
                                shard_once=[q for r, o in zip(self.reducers, once) if o for q in r.shard_params],
-                               sq_offset=sq_offset)
+                               counted_elsewhere=self.counted_elsewhere())
 
     def after_step(self) -> None:
         """Post every bucket's all-gather of the updated slices, in the order the next forward needs them, and
@@ -389,6 +389,7 @@ class ZeroSync(BucketedSync):
     def finish(self) -> None:
         self.wait_params()  # a param no forward waited for (unused this step) is whole before the optimizer runs
         super().finish()
+        self.copies.sum_pieces(self)  # a replicated expert's copies: their reduced pieces summed (rebalance.py)
 
     def sharded_state(self, optimizer):
         """The live params (whole on every rank between steps) and this rank's slices of the optimizer state, cut

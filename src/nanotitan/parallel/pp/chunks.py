@@ -9,8 +9,8 @@ Everything else walks `model.named_parameters()` -- checkpoints, the DP Reducer'
 report -- and must see one module with the GLOBAL names. `StageChunks` registers the chunks' submodules
 under their global names (`tok_emb`, `layers.{i}`, `norm`, `head`: the same Parameter objects, not copies)
 and keeps the chunks themselves in a plain list, so every parameter is listed once, under its global name.
-The per-forward records the Transformer keeps (expert_load, router_stats, ... keyed by global layer index)
-are one dict shared by all chunks, so the report and the router-bias update read them as from one stage.
+The per-forward record the Transformer keeps (`routing`, keyed by global layer index) is one dict shared by all
+chunks, so the step drains it as from one stage (parallel/step.py).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from typing import Callable, ContextManager, Literal, Protocol
 
 import torch
 
+from ...model.transformer import Routing
 from ..dims import ParallelDims
 from .comms import StageComms
 from .facts import (SCHEDULES, in_flight, interleaved_chunk, interleaved_microbatch, lane_orders, lane_window,
@@ -112,6 +113,8 @@ class StepStats:
     lanes_overlap_s: float = 0.0  # time a forward and a backward ran at once (`lanes.lanes_overlap`)
     ep_waits: list | None = None  # the lanes' raw EP records (lanes.EPLanes.waits: lane, start, end, kind, posted)
     mtp_sum: torch.Tensor | None = None  # sum over microbatches of the weighted MTP loss (model/mtp.py); its stage
+    routing: Routing | None = None  # each MoE layer's routing counts per training forward (parallel/step.py drains
+    #                                 the model's record into it: model/transformer.py `take_routing`)
 
     @property
     def bubble(self) -> float:
