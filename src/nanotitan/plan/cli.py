@@ -12,7 +12,8 @@ from ..config.hf_config import resolve_model
 from .fit.calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
                         format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
-from .search import format_table, plan, reason
+from .search import plan
+from .table import batch_changes, format_table, layout_rows, no_layout, reason
 from .shape import PRECISIONS, ModelShape
 
 
@@ -54,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --measure/--calibrate: profile JSON path; else: also write the table there")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
-    ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
+    ap.add_argument("--micro-batch", default="", metavar="M|any",
+                    help="sequences per microbatch m to plan (default: the config's train.micro_batch, so every "
+                         "layout trains the config's model; 'any': every m that divides the batch, each change of m "
+                         "named as the different model it trains)")
     ap.add_argument("--precision", default="", choices=["", *PRECISIONS],
                     help="state/activation bytes (default: train.dtype's; --what-if's dry run builds only that one)")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
@@ -121,25 +125,51 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not preds:
-        print(f"error: no valid layout of {args.ranks} ranks for this config at global batch "
-              f"{opts.global_batch or cfg.layout_batch} sequences; set --global-batch to one that dp*ep*M*m can hold",
+        print(f"error: {no_layout(args.ranks, opts.global_batch or cfg.layout_batch, opts.micro_batch)}",
               file=sys.stderr)
         return 2
     shape = ModelShape.from_config(cfg, **extra)
     B = opts.global_batch or cfg.layout_batch
+    rows = layout_rows(preds)
     head = (f"{shape.total_params() / 1e9:.3g}B params, {B} x {shape.seq_len} tokens/step on {args.ranks} x {hw.name} "
-            f"({len(preds)} layouts, {sum(p.fits for p in preds)} fit)")
-    best = preds[0].layout
-    rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "
-           f"--parallel.ep {best.ep} --parallel.schedule {best.schedule} --parallel.microbatches {best.microbatches} "
-           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero} --parallel.tp {best.tp} "
-           f"--parallel.cp {best.cp}")
-    text = f"{head}\n\n{format_table(preds, args.top)}\n\n{rec}\n"
+            f"({len(preds)} (layout, schedule, zero) variants planned, {sum(p.fits for p in preds)} fit; "
+            f"{_m_scope(opts)})")
+    text = f"{head}\n\n{format_table(rows, args.top, cfg)}\n\n{_recommendation(cfg, rows, opts)}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+def _m_scope(opts: PlanOptions) -> str:
+    return f"m = {opts.micro_batch} as configured" if opts.micro_batch else "every m (--micro-batch any)"
+
+
+def _recommendation(cfg, rows, opts: PlanOptions) -> str:
+    """The recommended layout, why, the flags that run it, and each change to the config's batch it makes."""
+    rec = next((r for r in rows if r.recommended), None)
+    if rec is None:
+        return f"No recommendation: {reason(rows)}"
+    best = rec.layout
+    lines = [f"Recommended (row {rec.rank}): {best.short()} — {reason(rows)}",
+             f"  --parallel.dp {best.dp} --parallel.pp {best.pp} --parallel.ep {best.ep} --parallel.schedule "
+             f"{best.schedule} --parallel.microbatches {best.microbatches} --train.micro_batch {best.micro_batch} "
+             f"--parallel.zero {best.zero} --parallel.tp {best.tp} --parallel.cp {best.cp}"]
+    changes = batch_changes(cfg, best, opts)
+    lines += ["Changes to the config's batch:"] + [f"  - {c}" for c in changes] if changes else []
+    return "\n".join(lines)
+
+
+def _micro_batch(value: str, cfg) -> int:
+    """--micro-batch: '' = the config's m, 'any' = free (0), else that m."""
+    if value == "":
+        return cfg.train.micro_batch
+    if value == "any":
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--micro-batch {value}: give a positive number of sequences, or 'any' for every m")
+    return int(value)
 
 
 def _options(args, cfg) -> PlanOptions:
@@ -155,7 +185,8 @@ def _options(args, cfg) -> PlanOptions:
         print(f"routing skew from {args.skew_from}: sigma {skew:.3f}", file=sys.stderr)
     return PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp, cp=args.cp,
                        activation_checkpointing=ac,
-                       global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
+                       global_batch=args.global_batch, micro_batch=_micro_batch(args.micro_batch, cfg),
+                       nodes=args.nodes,
                        ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew)
 
 

@@ -34,29 +34,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config.config import Config, ConfigError, validate
 from ..config.counts import mtp_params
 from ..config.hardware import ring_allreduce_s, ring_half_s
-from .shape import Layout, ModelShape, StageSummary, layout_config
+from .shape import Layout, ModelShape, StageSummary
 
 # The host's cost of a TP block beyond its GEMMs and calls (the regions' autograd functions, slicing and stacking the
 # shards for the collectives), per block per microbatch, forward + backward, on CPU profiles only (on a GPU it
 # overlaps the kernels). An estimate, not fitted: the load on the machine it was written on (docs/tp.md "Measured")
 # buried it; `nanotitan bench tp --part layouts` on a quiet machine is the measurement to fit it to.
 TP_BLOCK_OVERHEAD_S = 1.5e-3
-
-
-def refusal(cfg: Config, layout: Layout, node_size: int) -> str | None:
-    """Why `layout` cannot run this model (None: it can): the runtime's rules (config.validate asks
-    config/tp_rules.py: heads, widths, vocabulary and sequence divide by tp, the experts by ep*tp, zero < 3), and a
-    TP group inside one node."""
-    if node_size % layout.tp:
-        return f"tp={layout.tp} does not divide a node of {node_size} ranks (a TP group stays inside one node)"
-    try:
-        validate(layout_config(cfg, layout), world_size=layout.dp * layout.pp * layout.ep * layout.tp)
-    except ConfigError as e:
-        return str(e)
-    return None
 
 
 def degrees(world: int, node_size: int) -> list[int]:
@@ -218,16 +204,3 @@ def stage_tp_time(c, st: StageSummary) -> tuple[float, float]:
                               c.cfg.parallel.sp, lay.tp, c.T, c.prec.act, link.allreduce_bw, link.latency_s)
     over = calls * hw.p2p_call_s + (TP_BLOCK_OVERHEAD_S * st.n_layers if hw.cores_per_node else 0.0)
     return link_s + over, link_s
-
-
-def enumerate_tp(cfg: Config, world: int, node: int, enumerate_base, only: int = 0) -> list[Layout]:
-    """Layouts of `world` ranks over DP x PP x EP x TP: for each TP degree the search allows (`only`: that one),
-    the DP x PP x EP layouts of world / tp ranks (`enumerate_base(cfg_tp1, ranks)`) that the model splits over it."""
-    base_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
-    out = []
-    for tp in [only] if only else degrees(world, node):
-        for lay in enumerate_base(base_cfg, world // tp):
-            lay = dataclasses.replace(lay, tp=tp)
-            if tp == 1 or refusal(cfg, lay, node) is None:
-                out.append(lay)
-    return out
