@@ -15,7 +15,7 @@ import itertools
 from ..config.config import Config, ConfigError, validate
 from ..config.hardware import Hardware, detect_hardware, fmt_bytes
 from . import cp as cp_plan, tp as tp_plan
-from .cost import PlanOptions, Prediction, predict
+from .cost import PlanOptions, Prediction, predict_zero_levels
 from .shape import Layout, ModelShape, layout_config
 
 
@@ -95,7 +95,10 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
     node = opts.link_node_size or (world // opts.nodes if opts.nodes else min(world, hw.devices_per_node))
-    preds = [predict(cfg, lay, hw, opts, shape) for lay in search_layouts(cfg, world, node, opts, zeros)]
+    # consecutive layouts that differ only in their zero level share their context (cost.predict_zero_levels)
+    preds = [p for _, same in itertools.groupby(search_layouts(cfg, world, node, opts, zeros),
+                                                key=lambda lay: dataclasses.replace(lay, zero=0))
+             for p in predict_zero_levels(cfg, list(same), hw, opts, shape)]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
         near = [p for p in preds if p.fits and p.tokens_per_sec >= (1 - ZERO_SLACK) * preds[0].tokens_per_sec]

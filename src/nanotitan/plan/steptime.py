@@ -141,7 +141,8 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     # the busiest EP rank's received assignments over the mean (routing skew, capped by capacity): its expert GEMMs
     # and all-to-all bytes set each MoE layer's pace (plan/skew.py)
     f = time_imbalance(c.cfg, lay, c.shape, c.skew)
-    per_stage = [_stage_time(c, s, st, f) for s, st in enumerate(c.stages)]
+    per_stage = c.shared.get("stage_times") or c.shared.setdefault(
+        "stage_times", [_stage_time(c, s, st, f) for s, st in enumerate(c.stages)])
     t_stage, t_fwd, t_bwd, t_links = (list(x) for x in zip(*per_stage))
     totals = [sum(x.values()) for x in t_stage]
     slow = max(range(pp), key=totals.__getitem__)

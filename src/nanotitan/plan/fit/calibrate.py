@@ -81,7 +81,7 @@ def layout_of(r: dict, cfg: Config) -> Layout:
                   int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
 
 
-def _nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> list[float]:
+def nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> list[float]:
     """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants)."""
     n = len(x0)
     pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
@@ -116,6 +116,22 @@ def _nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> lis
 FIT_TIME_FIELDS = {"compute_efficiency": 0.5, "a2a_call_s": 1e-4, "p2p_call_s": 1e-4, "step_overhead_s": 1e-3}
 
 
+def fit_constants(hw: Hardware, fields: dict[str, float], measured_s: list[float], step_of) -> Hardware:
+    """`hw` with the constants `fields` names (all positive; a 0 in `hw` starts from the field's value) fitted to
+    `measured_s`: Nelder-Mead on their logs minimising the sum over rows i of log(step_of(h, i) / measured_s[i])^2,
+    so every row weighs by its relative error."""
+    x0 = [math.log(getattr(hw, k) or v) for k, v in fields.items()]
+
+    def with_x(x):
+        return dataclasses.replace(hw, **{k: math.exp(v) for k, v in zip(fields, x)})
+
+    def loss(x):
+        h = with_x(x)
+        return sum(math.log(step_of(h, i) / y) ** 2 for i, y in enumerate(measured_s))
+
+    return with_x(nelder_mead(loss, x0)) if fields else hw
+
+
 def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware,
                 opts: PlanOptions | None = None, fields: dict[str, float] | None = None) -> Hardware:
     """The profile with its free time constants fitted to measured step times, and its per-rank memory
@@ -132,17 +148,7 @@ def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware
     cfgs = [layout_config(cfg, lay) for lay in lays]
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     meas = [float(r["step_time_s"]) for r in measured_rows]
-    x0 = [math.log(getattr(hw, k) or v) for k, v in fields.items()]
-
-    def with_x(x):
-        return dataclasses.replace(hw, **{k: math.exp(v) for k, v in zip(fields, x)})
-
-    def loss(x):
-        h = with_x(x)
-        return sum(math.log(predict(c, lay, h, opts, shape).step_time_s / y) ** 2
-                   for c, lay, y in zip(cfgs, lays, meas))
-
-    hw = with_x(_nelder_mead(loss, x0)) if fields else hw
+    hw = fit_constants(hw, fields, meas, lambda h, i: predict(cfgs[i], lays[i], h, opts, shape).step_time_s)
     extra = []
     for r, c, lay in zip(measured_rows, cfgs, lays):
         pred = predict(c, lay, hw, opts, shape)
