@@ -76,7 +76,7 @@ def _others(row: Row) -> str:
         return "-"
     fit = [p.tokens_per_sec / row.pred.tokens_per_sec - 1 for p in row.others if p.fits]
     oom = len(row.others) - len(fit)
-    spread = f" {100 * min(fit):+.0f}…{100 * max(fit):+.0f}%" if fit else ""
+    spread = f": {100 * min(fit):+.0f} to {100 * max(fit):+.0f}%" if fit else ""
     return f"{len(row.others)}{spread}" + (f", {oom} over memory" if oom else "")
 
 

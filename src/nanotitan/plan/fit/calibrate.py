@@ -81,15 +81,17 @@ def layout_of(r: dict, cfg: Config) -> Layout:
                   int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
 
 
-def nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> list[float]:
-    """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants)."""
+def nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400, xtol: float = 1e-6) -> list[float]:
+    """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants). Stops when
+    the values agree to 1e-12 or the simplex is within `xtol` of its best point in every coordinate (the fits run
+    on the constants' logs: 1e-6 is a relative 1e-6 on each)."""
     n = len(x0)
     pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
     vals = [f(x) for x in pts]
     for _ in range(iters):
         order = sorted(range(n + 1), key=vals.__getitem__)
         pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if vals[-1] - vals[0] < 1e-12:
+        if vals[-1] - vals[0] < 1e-12 or max(abs(a - b) for p in pts[1:] for a, b in zip(p, pts[0])) < xtol:
             break
         c = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
         towards = lambda a: [cj + a * (w - cj) for cj, w in zip(c, pts[-1])]
