@@ -20,9 +20,8 @@ from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from ..optim.cost import muon_costs
 from .shape import PRECISIONS, Layout, ModelShape, layout_config, stage_summaries
-from .skew import time_imbalance
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
-                       gemm_eff, step_time)
+                       gemm_eff, imbalance, step_time)
 
 __all__ = ["EXPERT_SKEW", "LANES_SHARED_SKEW", "ZB1_SPLIT_COST", "PlanOptions", "Prediction",
            "balanced_layer_counts", "build_context", "ep_lanes_time", "ep_overlap_exposed", "expected_max_normal",
@@ -144,7 +143,7 @@ def predict_zero_levels(cfg: Config, layouts: list[Layout], hw: Hardware, opts: 
 
 
 def _predict(c: Context) -> Prediction:
-    cfg, layout, hw = c.cfg, c.layout, c.hw
+    layout, hw = c.layout, c.hw
     mem = [stage_memory(c, s, st) for s, st in enumerate(c.stages)]
     step, costs = step_time(c, [m.block for m in mem])
     mem_by_stage = [m.peak for m in mem]
@@ -153,5 +152,4 @@ def _predict(c: Context) -> Prediction:
     links = {k: "inter" if link is hw.inter and hw.inter is not hw.intra else "intra"
              for k, (link, _) in c.links.items()}
     return Prediction(layout, step, tokens / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      [m.parts for m in mem], [m.ckpt for m in mem], links,
-                      time_imbalance(cfg, layout, c.shape, c.skew))
+                      [m.parts for m in mem], [m.ckpt for m in mem], links, imbalance(c))

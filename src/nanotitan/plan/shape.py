@@ -364,7 +364,7 @@ def stage_summaries(shape: ModelShape, layout: Layout, pp_layers: list[float] | 
                            virtual_stages, prec or PRECISIONS["fp32"], ep_overlap))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=4096)
 def _summaries(shape: ModelShape, layout: Layout, pp_layers: tuple[float, ...] | None, ac: bool, virtual_stages: int,
                prec: Precision, ep_overlap: bool) -> tuple[StageSummary, ...]:
     """stage_summaries, on hashable arguments."""

@@ -150,7 +150,7 @@ def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], 
     return stages if layout.tp == 1 else list(_shard(shape, layout.tp, tuple(stages), sp, ac))
 
 
-@functools.lru_cache(maxsize=1024)  # a layout's schedules and zero levels share its stages
+@functools.lru_cache(maxsize=4096)  # a layout's schedules and zero levels share its stages
 def _shard(shape: ModelShape, tp: int, stages: tuple[StageSummary, ...], sp: bool,
            ac: bool) -> tuple[StageSummary, ...]:
     act, layer_max = _act_ratio(shape, tp, sp, ac)
