@@ -22,6 +22,7 @@ from typing import Literal
 from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
+from .controls_rules import check_controls
 from .cp_rules import check_cp
 from .placement_rules import check_placement
 from .tp_rules import check_tp
@@ -89,6 +90,7 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "shakespeare"  # "shakespeare", an HF hub dataset name, or a local file/dir/glob (docs/config.md)
+    mix: str = ""  # "SRC:W,SRC:W": batches blend these prepared sources by weight, instead of source (docs/data.md)
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
@@ -107,6 +109,8 @@ class TrainConfig:
     lr: float = 3e-3  # peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30  # steps of linear LR warmup
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the lr after warmup (docs/config.md)
+    lr_decay_frac: float = 0.2  # wsd: the last share of train.steps, decayed on a cosine to lr * min_lr_ratio
     weight_decay: float = 0.1  # AdamW decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
@@ -130,6 +134,7 @@ class TrainConfig:
     ckpt_every: int = 0  # 0 = only at the end (when ckpt_at_end)
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
+    export_hf: str = ""  # a directory: at the end, rank 0 exports the final checkpoint for transformers (docs/hf.md)
     resume: str = ""  # "", "auto" or a checkpoint path
     # --- failures ---
     on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
@@ -262,7 +267,6 @@ class Config:
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
 
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file.
 
@@ -304,8 +308,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-
-
 def _run_dir_blocker(run_dir: str) -> str | None:
     """Why run_dir could never be created (None: nothing on its path is in the way): a file where a directory
     must be, or a directory this user cannot enter (Path.exists raises PermissionError below it: the nearest
@@ -330,7 +332,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep,
-                  check_tp, check_cp, check_placement, _check_elastic):
+                  check_tp, check_cp, check_placement, _check_elastic, check_controls):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -553,7 +555,6 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
-
 
 
 def _check_elastic(cfg: Config) -> None:

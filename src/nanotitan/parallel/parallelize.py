@@ -107,8 +107,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
         add_spare_slots(model, cfg.parallel.expert_replicas - 1, dims.moe_ep, dims.moe_ep_rank)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
-    if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
-        tag_params(model)
+    tag_params(model, cfg.train.optimizer)  # each param's family, before the sync: its buckets and groups read it
     if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
         qk_max.track(model, (Attention, MLA))
     named = list(model.named_parameters())

@@ -363,12 +363,12 @@ def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
 
 
 def _check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None, info: dict) -> str:
-    """'' if the checkpoint's optimizer state is this run's kind (adamw or muon: each has its own state), else one
-    line. A checkpoint from before the field holds AdamW's."""
+    """'' if the checkpoint's optimizer state is this run's kind (the optimizer declares it, optim/adamw.py: each
+    kind has its own state), else one line. A checkpoint from before the field holds AdamW's."""
     saved = info.get("optimizer", "adamw")
-    want = "muon" if optimizer is not None and any(g.get("muon") for g in optimizer.param_groups) else "adamw"
-    if optimizer is None or saved == want:
+    if optimizer is None or saved == optimizer.kind:
         return ""
+    want = optimizer.kind
     return (f"checkpoint {path} holds {saved} optimizer state but train.optimizer={want} (--train.optimizer {saved}, "
             f"or --train.reset_optimizer true to keep the weights and start {want}'s state fresh)")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from ..config.errors import CheckpointError, first_line, os_reason
+from ..config.errors import CheckpointError, ConfigError, first_line, os_reason
 from ..config.hardware import fmt_bytes
 from ..parallel.comm import collectives as comm
 
@@ -66,6 +66,20 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     choosing what to resume from use resolve_resume (it verifies)."""
     steps = complete_steps(run_dir)
     return steps[-1][1] if steps else None
+
+
+def saved_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """A run's complete checkpoint, the newest or step's (what `export` and `eval` read), or a ConfigError line
+    naming the flag to fix."""
+    if step is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ConfigError(f"no complete checkpoint under {run_dir} (--run.dir of a run that saved one)")
+        return path
+    path = checkpoint_dir(run_dir) / f"step_{step}"
+    if not (path / COMPLETE).is_file():
+        raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
+    return path
 
 
 # --- a checkpoint's own files: plain names, regular files, never through a symlink -------------------------
