@@ -44,6 +44,7 @@ from ..parallel.comm import collectives as comm
 from ..state import checkpoint as ckpt
 from ..state.manifest import DCP_METADATA, is_plain_file, unit_mismatch
 from ..state.packing import SnapshotPacking, gather_json
+from ..state.swap import swap_in
 
 UNIT = re.compile(r"step_([0-9]+)/g([0-9]+)-node([0-9]+)")  # fullmatch: a committed unit, relative to ROOT
 KEEP_STEPS = 2  # a node keeps the units of its two newest steps: the newest may be incomplete when a node dies
@@ -156,12 +157,10 @@ def _bytes(small: dict) -> dict:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """Make a written unit (or checkpoint) visible: an older copy of it is removed, then the .tmp dir renamed into
-    place. A crash before the rename leaves the .tmp dir (and, between the two, no copy of that unit: the peer's
-    or the next snapshot's serves)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    """Make a written unit (or an assembled checkpoint, COMPLETE already in it) visible: an older copy of it is set
+    aside, the .tmp dir renamed into place, then the old copy deleted (state/swap.py): a kill at any point leaves a
+    whole copy."""
+    swap_in(tmp, final)
 
 
 def prune(root: Path) -> None:

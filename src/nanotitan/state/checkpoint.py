@@ -17,7 +17,8 @@ a checkpoint written by any other, including those written whole before the piec
 On disk (RUN_DIR/checkpoints/step_N/): DCP's `.metadata` + `__<rank>_*.distcp` shards, `config.toml`
 (the resolved config), `state.json` (step, trainer extras such as the data position, saved layout),
 `manifest.json` (every other file's size and xxh3-64 checksum) and `COMPLETE`. Atomicity: ranks write
-`step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`. Trust: nothing is loaded before every file
+`step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`; a re-save of a step first sets the old copy aside and
+deletes it only once the new one is complete (swap.py). Trust: nothing is loaded before every file
 matches the manifest (manifest.py: checksums, verification, what to resume from), `.metadata` is unpickled
 only through an allow-list (metadata.py: a checkpoint's bytes never run as code), and nothing non-finite is
 ever saved. See docs/checkpoint.md and docs/security.md.
@@ -60,6 +61,7 @@ from ..parallel.shard import token_axes
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
+from .swap import ASIDE, settle, swap_in
 
 
 class NonFiniteStateError(CheckpointError):
@@ -219,6 +221,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     if rank == 0:
         err = _no_room(run_dir, step)
         try:
+            settle(root)  # a re-save a kill cut short: its old copy back in place (swap.py)
             if not err and tmp.exists():
                 shutil.rmtree(tmp)
             if not err:
@@ -252,12 +255,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                                 save_s=round(time.perf_counter() - t0, 3))
             write_small_files(tmp, small, manifest)
             _fsync_dir(tmp)
-            if final.exists():  # re-save of the same step (e.g. after a resume): the new one wins
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic on POSIX
-            _write_text(final / COMPLETE, f"step {step}\n")
-            _fsync_dir(final)
-            _fsync_dir(root)
+            swap_in(tmp, final, f"step {step}\n")  # a re-save sets the old step_N aside until the new one is COMPLETE
             _prune(run_dir, keep_last, step)
         except OSError as e:
             err = f"writing {Path(e.filename or tmp)} failed: {os_reason(e)}"
@@ -317,6 +315,8 @@ def _failed_save(run_dir: str | Path, step: int, what: str, tmp: Path) -> Storag
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if comm.world_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            settle(final.parent)  # an old copy set aside by this re-save goes back in place
         if final.is_dir() and not (final / COMPLETE).exists():
             shutil.rmtree(final, ignore_errors=True)
     comm.barrier()
@@ -335,7 +335,7 @@ def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
     older = [d for s, d in complete if s <= step]
     doomed = newer + (older[:-keep_last] if keep_last > 0 else [])
     for d in root.iterdir():
-        if d.name.endswith(".tmp") or (STEP_DIR.fullmatch(d.name) and not (d / COMPLETE).exists()):
+        if d.name.endswith((".tmp", ASIDE)) or (STEP_DIR.fullmatch(d.name) and not (d / COMPLETE).exists()):
             doomed.append(d)  # one job owns a run dir (rundir.py) and its save has finished: these are stale
     if newer:
         print(f"removed {', '.join(d.name for d in newer)}: newer than step {step}, from a timeline this run "
