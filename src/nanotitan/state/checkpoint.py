@@ -388,8 +388,9 @@ def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     return ""
 
 
-def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
-    """(state.json, DCP metadata, error) of a checkpoint: one line naming the file, never a traceback."""
+def _read_small(path: Path) -> tuple[dict | None, object, str]:
+    """(state.json, DCP's Metadata, error) of a checkpoint: one line naming the file, never a traceback. The load
+    hands DCP this Metadata, the one checked here (storage_outside), and never reads the file again."""
     try:
         info = json.loads(read_plain(path / STATE_FILE))
         int(info["step"]), info["extra"], info["layout"]
@@ -403,7 +404,7 @@ def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
         return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({first_line(e)})"
     if err := storage_outside(path, md.storage_data):  # its tensors' bytes come from its own listed files only
         return None, None, err
-    return info, md.state_dict_metadata, ""
+    return info, md, ""
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -423,7 +424,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
-    info, meta, err = _read_small(path)
+    info, checked, err = _read_small(path)
+    meta = checked.state_dict_metadata if checked is not None else None
     err = (err or _check_optimizer(path, optimizer, info) or _check_fits(path, live, meta)
            or _check_counts(path, model, meta))
     bad = comm.any_rank(bool(err))
@@ -437,7 +439,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         live[rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(live, storage_reader=CheckpointReader(path), planner=_LoadChunks(),
+            dcp.load(live, storage_reader=CheckpointReader(path, metadata=checked), planner=_LoadChunks(),
                      no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None
