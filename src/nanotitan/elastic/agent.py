@@ -25,7 +25,7 @@ from ..config.config import Config, ConfigError
 from ..config.parse import elastic_nodes
 from ..config.errors import first_line
 from . import snapshot
-from ..run.loopback import loopback_env, loopback_store
+from ..run.loopback import family, host_ip, join_endpoint, loopback_env, loopback_store, split_endpoint
 from .auth import KEY_ENV, SignedStore, agent_key, default_id_warning, new_launch, single_host
 from .coordinator import BEAT_S, REJOIN_S, TICK_S, Coordinator, job_hash, plan_world
 from .liveness import LIVE_KEY, Beater, await_job
@@ -114,7 +114,7 @@ class Agent:
 
     def _start(self, plan: dict) -> None:
         e, g = self.cfg.elastic, self.gen
-        host, port = e.endpoint.rsplit(":", 1)
+        host, port = split_endpoint(e.endpoint)
         n = e.nproc_per_node
         first = plan["members"].index(self.node) * n
         world = len(plan["members"]) * n
@@ -141,7 +141,7 @@ class Agent:
         for local in range(n):
             err = self.err_dir / f"gen{g}_rank{first + local}.json"
             env = dict(os.environ, RANK=str(first + local), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                       LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=host, MASTER_PORT=port,
+                       LOCAL_WORLD_SIZE=str(n), MASTER_ADDR=host, MASTER_PORT=str(port),
                        TORCHELASTIC_USE_AGENT_STORE="True",  # node 0's agent hosts the store
                        TORCHELASTIC_RESTART_COUNT=str(g - 1),  # namespaces the process group's keys per generation
                        TORCHELASTIC_ERROR_FILE=str(err), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -278,21 +278,21 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     min_nodes, _ = elastic_nodes(e.nodes)
     first = plan_world(cfg, min_nodes * e.nproc_per_node)  # a job that cannot even start fails here, in one line
     key = agent_key(cfg)  # and one across hosts without a secret (docs/security.md); ranks get only the key
-    host, port = e.endpoint.rsplit(":", 1)
+    host, port = split_endpoint(e.endpoint)
     timeout = timedelta(seconds=e.join_timeout_s)
     raw, is_host = None, False
     if _local_address(host):  # node 0 is the one at HOST; on loopback the first to bind the port
         try:
             if single_host(e.endpoint):  # torch's own bind would be every interface (docs/security.md)
-                raw, is_host = loopback_store(int(port), e.join_timeout_s), True
+                raw, is_host = loopback_store(port, e.join_timeout_s, host=host), True
             else:
-                raw = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
+                raw = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
                 is_host = True
         except (RuntimeError, OSError):
             pass
     if raw is None:
         try:
-            raw = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+            raw = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
         except (RuntimeError, OSError) as err:
             raise ConfigError(f"no elastic job answers at {e.endpoint} after {e.join_timeout_s:g} s ({err}); start "
                               "node 0 there, or fix --elastic.endpoint") from None
@@ -305,7 +305,7 @@ def run_agent(cfg: Config, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "notice", True))
 
     def register() -> int:
-        files = f"{address_towards(host)}:{agent.files.port}"
+        files = join_endpoint(address_towards(host), agent.files.port)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "hash": my_hash, "files": files}
         node = 0 if is_host else ask_to_join(store, info, e.join_timeout_s, e.endpoint)
         agent.files.node, agent.files.root = node, snapshot_root(cfg, node)
@@ -367,16 +367,18 @@ def _wait_for_agents(store, agents: int, timeout_s: float = 10.0) -> None:
 
 def address_towards(host: str) -> str:
     """This machine's address on the route to HOST (where the other nodes can reach it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), 1))  # UDP: picks the route, sends nothing
+    ip = host_ip(host)
+    with socket.socket(family(ip), socket.SOCK_DGRAM) as s:
+        s.connect((ip, 1))  # UDP: picks the route, sends nothing
         return s.getsockname()[0]
 
 
 def _local_address(host: str) -> bool:
     """Whether HOST is an address of this machine (a socket can bind it)."""
     try:
-        with socket.socket() as s:
-            s.bind((socket.gethostbyname(host), 0))
+        ip = host_ip(host)
+        with socket.socket(family(ip)) as s:
+            s.bind((ip, 0))
         return True
     except OSError:
         return False

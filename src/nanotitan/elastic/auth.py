@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
@@ -29,6 +27,7 @@ from pathlib import Path
 
 from ..config.config import Config, ConfigError, ElasticConfig
 from ..config.errors import first_line
+from ..run.loopback import is_loopback, split_endpoint
 
 SECRET_ENV = "NANOTITAN_ELASTIC_SECRET"  # the secret itself (the file's alternative)
 KEY_ENV = "NANOTITAN_ELASTIC_KEY"  # the derived key, handed by an agent to its ranks
@@ -38,12 +37,9 @@ INSECURE_KEY = hashlib.sha256(b"nanotitan-elastic-insecure").digest()  # --elast
 
 
 def single_host(endpoint: str) -> bool:
-    """Whether an elastic job at HOST:PORT can only have members on this machine (HOST is a loopback address)."""
-    host = endpoint.rsplit(":", 1)[0]
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+    """Whether an elastic job at HOST:PORT can only have members on this machine (HOST names a loopback address:
+    any of 127.0.0.0/8, or ::1)."""
+    return is_loopback(split_endpoint(endpoint)[0])
 
 
 def default_id_warning(cfg: Config) -> str:

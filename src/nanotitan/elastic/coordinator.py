@@ -58,7 +58,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -68,6 +67,7 @@ from ..config.parse import elastic_nodes
 from ..config.errors import CheckpointError, first_line
 from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
 from . import snapshot
+from ..run.loopback import host_ip, split_endpoint
 from .auth import WINDOW_S
 from .rank import layout_line, snapshot_root
 from .liveness import LIVE_KEY, LiveServer
@@ -151,8 +151,8 @@ class Coordinator:
         self.failed_at = 0  # the furthest step before the last failure
         self.last_step = 0  # the last step the newest generation completed
         self.snapshots = snapshot_root(cfg, 0)  # node 0's: where a resume from snapshots is assembled
-        host = cfg.elastic.endpoint.rsplit(":", 1)[0]  # node 0's address: the agents reach it
-        self.live = LiveServer(socket.gethostbyname(host), store.key, cfg.elastic.id, log=self._say)
+        host = split_endpoint(cfg.elastic.endpoint)[0]  # node 0's address: the agents reach it
+        self.live = LiveServer(host_ip(host), store.key, cfg.elastic.id, log=self._say)
         self.said_lost: set[int] = set()
         self.published = -1e9  # when `live` was last checked (monotonic)
         self._publish()

@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..config.config import ConfigError
+from ..run.loopback import family, join_endpoint, split_endpoint
 
 BEAT_S = 0.25  # an agent beats this often on its connection
 SILENT_S = 4.0  # an open connection silent this long is a lost node (a frozen one: detected in <= 5 s)
@@ -75,9 +76,9 @@ class LiveServer:
 
     def __init__(self, host: str, key: bytes, job: str, log=print):
         self.key, self.job, self.log = live_key(key), job, log
-        self.sock = socket.create_server((host, 0))
+        self.sock = socket.create_server((host, 0), family=family(host))
         self.sock.setblocking(False)
-        self.addr = f"{host}:{self.sock.getsockname()[1]}"
+        self.addr = join_endpoint(host, self.sock.getsockname()[1])
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.sock, selectors.EVENT_READ)
         self.conns: dict[socket.socket, _Conn] = {}
@@ -224,8 +225,8 @@ class Beater:
 
     def __init__(self, addr: str, key: bytes, job: str, node: int, log=print):
         self.key, self.job, self.node, self.log = live_key(key), job, node, log
-        host, port = addr.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=HELLO_S)
+        host, port = split_endpoint(addr)
+        self.sock = socket.create_connection((host, port), timeout=HELLO_S)
         try:
             hello = _parse(self._readline())
             if not hello or not isinstance(hello.get("challenge"), str) or not isinstance(hello.get("mac"), str) \

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..config.errors import first_line
 from ..state.manifest import COMPLETE, MANIFEST
+from ..run.loopback import family, split_endpoint
 from .auth import ReplayGuard, seal, valid
 from .snapshot import UNIT, check_unit, commit, prune, units
 
@@ -71,6 +72,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 
     def __init__(self, addr, files: "FileServer"):
         self.files, self.pending = files, threading.BoundedSemaphore(MAX_PENDING)
+        self.address_family = family(addr[0])
         super().__init__(addr, _Handler)
 
     def process_request(self, request, client_address):
@@ -407,8 +409,8 @@ def _request(peer: Peer, key: bytes, req: dict, body=None, body_sha256: str = ""
     raises OSError, in one line, on a refusal, an answer without a valid MAC for this request, or any garbage."""
     req = seal(key, dict(req, job=peer.job, to=peer.node), body_sha256)
     try:
-        host, port = peer.addr.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        host, port = split_endpoint(peer.addr)
+        sock = socket.create_connection((host, port), timeout=timeout_s)
     except (OSError, ValueError) as e:
         raise OSError(f"{peer.addr}: {first_line(e)}") from None
     try:
