@@ -11,7 +11,6 @@ import shutil
 import signal
 import sys
 
-import pytest
 import torch
 
 from nanotitan.state import checkpoint as ckpt

@@ -220,6 +220,7 @@ class ElasticConfig:
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
+    silent_s: float = 4.0  # a node whose liveness connection is silent this long is lost (docs/elastic.md)
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir (docs/config.md)
     snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI) (docs/config.md)
     secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET) (docs/config.md)
@@ -560,6 +561,8 @@ def _check_elastic(cfg: Config) -> None:
     e = cfg.elastic
     _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
     _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
+    _check(1.0 <= e.silent_s <= 600, f"elastic.silent_s={e.silent_s} must be in [1, 600] seconds: a node beats every "
+           "0.25 s, and a loaded machine pauses a process for hundreds of ms (--elastic.silent_s)")
     _check(e.snapshot_every >= 0,
            f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
     if not (e.endpoint or e.nodes):

@@ -33,7 +33,7 @@ from ..config.errors import first_line
 from ..state.manifest import COMPLETE, MANIFEST
 from ..run.loopback import family, split_endpoint
 from .auth import ReplayGuard, seal, valid
-from .snapshot import UNIT, check_unit, commit, prune, units
+from .snapshot import UNIT, check_unit, commit, units
 
 SOCKET_TIMEOUT_S = 60.0  # a member's transfer, per socket operation, once its request is admitted
 REQUEST_S = 5.0  # connect to the request line's newline: a client that trickles it (slow loris) is cut
@@ -231,8 +231,7 @@ class FileServer:
         if why:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ValueError(f"replica {req['unit']} refused: {why}")
-        commit(tmp, unit)
-        prune(root)
+        commit(tmp, unit)  # the agent decides what is kept (replicas.prune)
 
 
 # --- what a request and an answer must look like ------------------------------------------------------------
