@@ -46,16 +46,23 @@ def cmd_train(argv: list[str]) -> int:
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun
     from .config.fits import does_not_fit
-    from .resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
     if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic/agent.py)
+        # The agent's console holds its own lines: torch's C++ warnings (a store connection that failed, with its
+        # frames) are read once, at torch's import; its ranks keep them (in their logs).
+        quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         from .elastic.agent import run_agent
 
+        if quiet:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
         code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
         _exit_soon()
         return code
+    from .resolve import planned_flags, resolve
+
     # The job's config, concrete (resolve.py): under parallel.auto the planner's layout for this world (under
     # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it); device,
     # threads for the ranks on this host, zero choices, the emulated network (a bad profile fails here).

@@ -412,6 +412,7 @@ def _agent(cfg: Config, argv: list[str]) -> int:
         agent.files.node, agent.files.root = node, snapshot_root(cfg, node)
         if cfg.train.resume != "auto":  # an earlier run's snapshots under this node's name, never to be resumed
             shutil.rmtree(agent.files.root, ignore_errors=True)
+            snapshot_root(cfg, node)  # made again, 0700
         if is_host:  # node ids start with the host
             _register(store, node, agent.info, e, is_host)
         prepare_data(cfg.data)  # once per node, before a member's ranks look for it

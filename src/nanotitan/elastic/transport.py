@@ -218,7 +218,8 @@ class FileServer:
         unit = root / req["unit"]  # _malformed: step_N/gG-nodeI, plain names
         tmp = unit.with_name(unit.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.parent.mkdir(exist_ok=True)  # the step's dir, in ROOT (never ROOT itself: made 0700 by its agent)
+        tmp.mkdir()
         h = hashlib.sha256()
         try:
             for name, size in req["files"]:
