@@ -58,3 +58,52 @@ def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
     assert len(socks) >= 3 and outside == [], socks  # the store(s) and the ranks' gloo listeners
     if how == "train":  # an elastic rank gets its environment from its agent over a pipe: not in /proc
         assert len(envs) == 2 and all(e.get("GLOO_SOCKET_IFNAME") == e.get("NCCL_SOCKET_IFNAME") == "lo" for e in envs)
+
+
+STRANGER = ("import socket, sys\n"
+            "for port in map(int, sys.argv[1:]):\n"
+            "    try:\n"
+            "        socket.create_connection(('127.0.0.1', port), timeout=5).close(); print(port, 'open')\n"
+            "    except OSError as e:\n"
+            "        print(port, 'refused' if isinstance(e, ConnectionRefusedError) else type(e).__name__)\n")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="acts as another user (uid 65534) through setpriv, which needs root")
+def test_another_local_user_reaches_no_channel_of_a_one_host_job(corpus_dir, tmp_path):
+    """A process of another uid connected to a one-host job's store, read its keys and wrote one (was: `num_keys 8`,
+    `set` succeeded; from there torch's pickled plan exchange runs its code in the ranks). Now a one-host job (the
+    launcher's ranks, or every agent of an elastic job) runs in a network namespace of its own (run/netns.py):
+    uid 65534 finds every port the job listens on (its store, the ranks' gloo, the liveness listener, the snapshot
+    transport) refused on the host's loopback."""
+    runs, procs = {}, []
+    for how in ("train", "elastic"):
+        run = tmp_path / how
+        args = base_args(corpus_dir, run) + ["--train.steps", "100000", "--train.global_batch", "4"]
+        if how == "train":
+            args += ["--parallel.dp", "2", "--parallel.microbatches", "1"]
+        else:
+            args += ["--parallel.auto", "true", "--elastic.nodes", "1", "--elastic.nproc_per_node", "2",
+                     "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "stranger",
+                     "--elastic.snapshot_dir", str(tmp_path / "shm")]
+        runs[how] = run
+        procs.append(subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+    try:
+        end = time.monotonic() + 300
+        for p, run in zip(procs, runs.values()):
+            metrics = run / "metrics.jsonl"
+            while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+                assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
+                time.sleep(0.2)
+        ports = {how: sorted({int(a.rsplit(":", 1)[1]) for _, a in listening(p.pid)}) for how, p in zip(runs, procs)}
+        probe = {how: subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                      sys.executable, "-c", STRANGER, *map(str, ps)],
+                                     capture_output=True, text=True, timeout=120, cwd="/") for how, ps in ports.items()}
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+            p.communicate(timeout=60)
+    for how, r in probe.items():
+        assert len(ports[how]) >= 3 and r.returncode == 0, (how, ports[how], r.stderr)
+        assert r.stdout.split("\n")[:-1] == [f"{port} refused" for port in ports[how]], (how, r.stdout)
