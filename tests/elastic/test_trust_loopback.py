@@ -107,3 +107,61 @@ def test_another_local_user_reaches_no_channel_of_a_one_host_job(corpus_dir, tmp
     for how, r in probe.items():
         assert len(ports[how]) >= 3 and r.returncode == 0, (how, ports[how], r.stderr)
         assert r.stdout.split("\n")[:-1] == [f"{port} refused" for port in ports[how]], (how, r.stdout)
+
+
+def test_any_loopback_endpoint_is_one_host():
+    """An endpoint on 127.0.0.2 (or a hostname mapped to 127.0.1.1, as Debian and Ubuntu do), or [::1], is one host
+    (was: the store bound 127.0.0.1 whatever the endpoint said, and the job never started: exit 1 after 176 s). The
+    store, the liveness listener and the snapshot transport listen on the endpoint's own address."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nanotitan.elastic.auth import single_host
+    from nanotitan.elastic.liveness import Beater, LiveServer
+    from nanotitan.elastic.transport import FileServer, Peer, list_units
+    from nanotitan.run.loopback import join_endpoint, loopback_store, split_endpoint
+
+    assert split_endpoint("[::1]:29500") == ("::1", 29500) and join_endpoint("::1", 1) == "[::1]:1"
+    assert all(single_host(e) for e in ("127.0.0.2:1", "127.0.1.1:1", "[::1]:1", "localhost:1"))
+    assert not single_host("10.1.2.3:1")
+    for host in ("127.0.0.2", "::1"):
+        store = loopback_store(0, 10, host=host)
+        client = dist.TCPStore(host, store.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+        client.set("k", "v")
+        assert store.get("k") == b"v"
+        if host == "127.0.0.2":  # only there: not on 127.0.0.1
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", store.port), timeout=5)
+        live = LiveServer(host, b"k" * 32, "job", log=lambda line: None)
+        beater = Beater(live.addr, b"k" * 32, "job", 1)
+        files = FileServer(host, b"k" * 32, "job")
+        files.node = 1
+        try:
+            end = time.monotonic() + 10
+            while live.state(1) != "":
+                assert time.monotonic() < end, live.state(1)
+                time.sleep(0.05)
+            assert list_units(Peer(join_endpoint(host, files.port), "job", 1), b"k" * 32) == {}
+        finally:
+            beater.close()
+            live.close()
+            files.close()
+
+
+@pytest.mark.slow
+def test_a_one_host_elastic_job_at_127_0_0_2_or_ipv6_trains(corpus_dir, tmp_path):
+    procs = []
+    for i, host in enumerate(("127.0.0.2", "[::1]")):
+        run = tmp_path / f"run{i}"
+        args = base_args(corpus_dir, run) + [
+            "--train.steps", "6", "--train.global_batch", "4", "--parallel.auto", "true", "--elastic.nodes", "1",
+            "--elastic.endpoint", f"{host}:{free_port()}", "--elastic.id", f"lo{i}",
+            "--elastic.snapshot_dir", str(tmp_path / "shm")]
+        procs.append(subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "finished at step 6" in out, out
