@@ -7,7 +7,9 @@
   elastic.silent_s) over the SIGTERM, which opened the race every time on the old tree.
 - Ctrl-C to a one-node job: one line, exit 130 (was: an 18-line traceback), nothing left behind.
 - An agent whose store is gone (node 0 killed -9): one line, exit 1, never a traceback nor torch's C++ frames; its
-  snapshot dir freed."""
+  snapshot dir freed.
+- A node leaving on its notice while the job goes on: exit 143 with one line, its snapshot dir freed (was: left in
+  RAM); the job finishes (0) without it."""
 
 import os
 import signal
@@ -17,17 +19,17 @@ import time
 
 import pytest
 
-from tests.helpers.elastic import _agent, _kill_ranks, _records, agent_logs, agent_tmp, elastic_args, leftovers, reap
+from tests.helpers.elastic import _agent, _changes, _kill_ranks, _records, agent_logs, agent_tmp, elastic_args, leftovers, reap
 
 RUNS = 5
 HELD = (0, 2, 4)  # the runs whose node 1 agent is held over the SIGTERM
 
 
-def _job(corpus_dir, tmp_path, i: int, nodes: str) -> dict:
+def _job(corpus_dir, tmp_path, i: int, nodes: str, steps: int = 100000) -> dict:
     base = tmp_path / f"job{i}"
     base.mkdir()
     run = base / "run"
-    args = elastic_args(corpus_dir, run, base, 100000, nodes, f"end{i}")
+    args = elastic_args(corpus_dir, run, base, steps, nodes, f"end{i}")
     logs, files = agent_logs(base, int(nodes.split(":")[-1]))
     return {"base": base, "run": run, "args": args, "logs": logs, "files": files, "agents": [], "t": None}
 
@@ -42,7 +44,8 @@ def test_sigterm_to_node_0_alone_ends_every_node_truthfully_and_ctrl_c_in_one_li
     jobs = [_job(corpus_dir, tmp_path, i, "2") for i in range(RUNS)]
     ctrl_c = _job(corpus_dir, tmp_path, RUNS, "1")
     gone = _job(corpus_dir, tmp_path, RUNS + 1, "2")  # node 0 killed -9: node 1's store is gone
-    everyone = jobs + [ctrl_c, gone]
+    leave = _job(corpus_dir, tmp_path, RUNS + 2, "1:2", steps=60)  # node 1 leaves on its notice, the job goes on
+    everyone = jobs + [ctrl_c, gone, leave]
     try:
         for job in everyone:
             env = agent_tmp(job["base"])
@@ -69,6 +72,12 @@ def test_sigterm_to_node_0_alone_ends_every_node_truthfully_and_ctrl_c_in_one_li
                     _kill_ranks(job["agents"][0])
                     job["agents"][0].kill()
                     continue
+                if job is leave:
+                    if not _changes(job["run"]):  # node 1 is a member (generation 2) first
+                        pending.append(job)
+                        continue
+                    job["agents"][1].send_signal(signal.SIGTERM)
+                    continue
                 held = jobs.index(job) in HELD
                 if held:
                     job["agents"][1].send_signal(signal.SIGSTOP)
@@ -82,6 +91,7 @@ def test_sigterm_to_node_0_alone_ends_every_node_truthfully_and_ctrl_c_in_one_li
                 a.wait(timeout=300)
     finally:
         outs = [reap(job["agents"], job["files"], job["logs"]) for job in everyone]
+    outs = outs[:len(jobs) + 2]
 
     for job, out in zip(jobs, outs):
         codes = [a.returncode for a in job["agents"]]
@@ -143,3 +153,8 @@ def test_an_agent_whose_store_is_gone_ends_in_one_line(corpus_dir, tmp_path, cap
     assert gone["agents"][1].returncode == 1, outs[-1]
     assert text.count("node 0's store does not answer") == 1 and "Traceback" not in text and "frame #" not in text, text
     assert [p for p in leftovers(gone["base"]) if "node1" in p] == []  # node 0 could clean nothing: it was killed
+
+    assert [a.returncode for a in leave["agents"]] == [0, 143], reap(leave["agents"], [], leave["logs"])
+    text = leave["logs"][1].read_text()
+    assert text.count("node 1 left the job on its notice (SIGTERM); the job goes on without it") == 1, text
+    assert "Traceback" not in text and leftovers(leave["base"]) == [], leftovers(leave["base"])
