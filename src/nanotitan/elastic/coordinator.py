@@ -388,8 +388,8 @@ class Coordinator:
                                                        "layout": self.layout, "resume": resume, "snapshot": snap}))
         self.store.add("gen", 1)
         if self.change is not None:
-            self.change.update(published=time.time(), nodes_after=len(self.members), step_reached=step,
-                               saved=self._saved(self.gen - 1))
+            self.change.update(published=time.time(), nodes_after=len(self.members), members=self.members,
+                               step_reached=step, saved=self._saved(self.gen - 1))
         else:
             self._say(f"generation 1: nodes {self.members}, world {world}: {self.layout}")
         self.phase = "running"
@@ -415,8 +415,8 @@ class Coordinator:
         self.changes += 1
         rec = {"change": self.changes, "event": ch["event"], "step": up["start_step"],
                "step_reached": ch["step_reached"], "steps_lost": ch["step_reached"] - up["start_step"],
-               "nodes": [ch["nodes_before"], ch["nodes_after"]], "old": ch["old"], "new": up["layout"],
-               "pause_s": up["up"] - ch["t"], "parts_s": parts}
+               "nodes": [ch["nodes_before"], ch["nodes_after"]], "members": ch["members"], "old": ch["old"],
+               "new": up["layout"], "pause_s": up["up"] - ch["t"], "parts_s": parts}
         self._say(f"change {self.changes} ({rec['event']}) at step {rec['step']}: nodes {ch['nodes_before']} -> "
                   f"{ch['nodes_after']}, {rec['old']} -> {rec['new']}, steps lost {rec['steps_lost']}, pause "
                   f"{rec['pause_s']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ")")
