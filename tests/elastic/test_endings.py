@@ -108,6 +108,16 @@ def test_sigterm_to_node_0_alone_ends_every_node_truthfully_and_ctrl_c_in_one_li
     assert text.count("interrupted (SIGINT) on node 0 at step") == 1 and "Traceback" not in text, text
     assert leftovers(ctrl_c["base"]) == [], leftovers(ctrl_c["base"])
 
+    text = gone["logs"][1].read_text()  # node 1, after node 0's kill -9
+    assert gone["agents"][1].returncode == 1, outs[-1]
+    assert text.count("node 0's store does not answer") == 1 and "Traceback" not in text and "frame #" not in text, text
+    assert [p for p in leftovers(gone["base"]) if "node1" in p] == []  # node 0 could clean nothing: it was killed
+
+    assert [a.returncode for a in leave["agents"]] == [0, 143], reap(leave["agents"], [], leave["logs"])
+    text = leave["logs"][1].read_text()
+    assert text.count("node 1 left the job on its notice (SIGTERM); the job goes on without it") == 1, text
+    assert "Traceback" not in text and leftovers(leave["base"]) == [], leftovers(leave["base"])
+
 
 def test_an_agent_whose_store_is_gone_ends_in_one_line(corpus_dir, tmp_path, capfd):
     """Node 0 (here: the process hosting the store) killed -9: the agent's next write fails; it ends with exit 1 and
@@ -148,13 +158,3 @@ def test_an_agent_whose_store_is_gone_ends_in_one_line(corpus_dir, tmp_path, cap
         lines[-1].endswith("the job ended without its coordinator's word; start it again on every node with "
                            "--train.resume auto"), lines
     assert not agent.files.root.exists()
-
-    text = gone["logs"][1].read_text()  # node 1, after node 0's kill -9
-    assert gone["agents"][1].returncode == 1, outs[-1]
-    assert text.count("node 0's store does not answer") == 1 and "Traceback" not in text and "frame #" not in text, text
-    assert [p for p in leftovers(gone["base"]) if "node1" in p] == []  # node 0 could clean nothing: it was killed
-
-    assert [a.returncode for a in leave["agents"]] == [0, 143], reap(leave["agents"], [], leave["logs"])
-    text = leave["logs"][1].read_text()
-    assert text.count("node 1 left the job on its notice (SIGTERM); the job goes on without it") == 1, text
-    assert "Traceback" not in text and leftovers(leave["base"]) == [], leftovers(leave["base"])

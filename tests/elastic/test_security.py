@@ -120,6 +120,7 @@ def test_a_signed_snapshot_unit_with_planted_metadata_is_refused_at_load(trained
     _plant(unit, marker)
     server = transport.FileServer("127.0.0.1", KEY, "job")
     server.root, server.node = tmp_path / "node0", 0
+    server.root.mkdir()  # (its agent makes it, 0700)
     try:
         transport.push_unit(transport.Peer(f"127.0.0.1:{server.port}", "job", 0), KEY, unit, "step_4/g1-node1")
         assert (server.root / "step_4" / "g1-node1" / ".metadata").exists()
