@@ -36,15 +36,12 @@ def test_a_paused_agent_is_dropped_then_joins_again(corpus_dir, tmp_path):
         agents[1].send_signal(signal.SIGSTOP)
         time.sleep(PAUSE_S)
         agents[1].send_signal(signal.SIGCONT)
-        for a in agents:
-            a.wait(timeout=AGENT_TIMEOUT_S)
+        codes = [a.wait(timeout=AGENT_TIMEOUT_S) for a in agents]
     finally:
         out = reap(agents, files, logs)
-    assert [a.returncode for a in agents] == [0, 0], out
-
-    changes = _changes(run)
-    assert [(c["event"], c["nodes"]) for c in changes] == [("join", [1, 2]), ("failure", [2, 1]), ("join", [1, 2])], \
-        (changes, out)
+    changes = _changes(run)  # shrinks at the loss, grows back at the next generation
+    events = [(c["event"], c["nodes"]) for c in changes]
+    assert codes == [0, 0] and events == [("join", [1, 2]), ("failure", [2, 1]), ("join", [1, 2])], (changes, out)
     failure = changes[1]
     assert failure["step"] >= reached - K and 0 <= failure["steps_lost"] <= K, (failure, reached)
     node1 = logs[1].read_text()

@@ -32,25 +32,34 @@ def test_spawned_ranks_listen_on_loopback_only():
     assert gloo == nccl == "lo"
 
 
-@pytest.mark.parametrize("how", ["train", "elastic"])
-def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
-    run = tmp_path / "run"
+def _one_host_job(how: str, corpus_dir, run, tmp_path) -> subprocess.Popen:
+    """A 2-rank one-host job that trains until killed: `nanotitan train` (dp=2), or a one-node elastic job."""
     args = base_args(corpus_dir, run) + ["--train.steps", "100000", "--train.global_batch", "4"]
     if how == "train":
         args += ["--parallel.dp", "2", "--parallel.microbatches", "1"]
     else:
         args += ["--parallel.auto", "true", "--elastic.nodes", "1", "--elastic.nproc_per_node", "2",
-                 "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "loopback",
+                 "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", f"loopback-{run.name}",
                  "--elastic.snapshot_dir", str(tmp_path / "shm")]
-    p = subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _until_training(p: subprocess.Popen, run, end: float) -> None:
+    """Until both ranks are in collectives (2 steps logged)."""
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+        assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["train", "elastic"])
+def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
+    run = tmp_path / "run"
+    p = _one_host_job(how, corpus_dir, run, tmp_path)
     try:
-        end = time.monotonic() + 240
-        metrics = run / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):  # both ranks in collectives
-            assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
-            time.sleep(0.2)
+        _until_training(p, run, time.monotonic() + 240)
         socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), rank_envs(p.pid)
     finally:
         kill_tree(p.pid)
@@ -75,27 +84,12 @@ def test_another_local_user_reaches_no_channel_of_a_one_host_job(corpus_dir, tmp
     launcher's ranks, or every agent of an elastic job) runs in a network namespace of its own (run/netns.py):
     uid 65534 finds every port the job listens on (its store, the ranks' gloo, the liveness listener, the snapshot
     transport) refused on the host's loopback."""
-    runs, procs = {}, []
-    for how in ("train", "elastic"):
-        run = tmp_path / how
-        args = base_args(corpus_dir, run) + ["--train.steps", "100000", "--train.global_batch", "4"]
-        if how == "train":
-            args += ["--parallel.dp", "2", "--parallel.microbatches", "1"]
-        else:
-            args += ["--parallel.auto", "true", "--elastic.nodes", "1", "--elastic.nproc_per_node", "2",
-                     "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", "stranger",
-                     "--elastic.snapshot_dir", str(tmp_path / "shm")]
-        runs[how] = run
-        procs.append(subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+    runs = {how: tmp_path / how for how in ("train", "elastic")}
+    procs = [_one_host_job(how, corpus_dir, run, tmp_path) for how, run in runs.items()]
     try:
         end = time.monotonic() + 300
         for p, run in zip(procs, runs.values()):
-            metrics = run / "metrics.jsonl"
-            while not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
-                assert p.poll() is None and time.monotonic() < end, p.stdout.read() if p.poll() is not None else "timeout"
-                time.sleep(0.2)
+            _until_training(p, run, end)
         ports = {how: sorted({int(a.rsplit(":", 1)[1]) for _, a in listening(p.pid)}) for how, p in zip(runs, procs)}
         probe = {how: subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
                                       sys.executable, "-c", STRANGER, *map(str, ps)],

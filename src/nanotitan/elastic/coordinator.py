@@ -29,7 +29,7 @@ a new layout rebuilds every group, shard and optimizer state anyway, and a joine
 nothing. docs/elastic.md measures what that costs.
 
 Store keys (prefix nanotitan/elastic/JOB), written by the agents (A), the coordinator (C) and rank 0 (R). Every
-entry but the counters (joined, gen, bye) carries a MAC of the job's key (auth.SignedStore) over its full key and
+entry but the counters (joined, gen) carries a MAC of the job's key (auth.SignedStore) over its full key and
 this launch's nonce (node 0 draws it; a joiner learns it from assign/TOKEN): one without a valid MAC, or from
 another job or an earlier launch, is named in one line and read as absent.
     joined        A  counter of join tickets: a doorbell only (anyone can move it; node 0 reads a bounded window)
@@ -39,9 +39,13 @@ another job or an earlier launch, is named in one line and read as absent.
     node/I        A  {"host", "pid", "hash", "files"}: the hash of the code and config, which must match node 0's;
                      files: HOST:PORT of its transport.FileServer
     refused/I     C  why node I may not join (it prints it and exits 2)
+    job           C  the job id, signed but bound to no launch: a joiner checks its secret against it
     live          C  HOST:PORT of node 0's liveness listener (liveness.py): each agent's connection there tells
-                     node 0 at once that its processes died, and within SILENT_S that it went silent
+                     node 0 at once that its processes died, and within elastic.silent_s that it went silent
     beat/I        A  the time, every second: until a node's liveness connection is up, the beat it is judged by
+                     (timed by when node 0 reads a new one: a node's clock may be off)
+    dropped/I     C  {"n", "gen", "why"}: node I was judged lost; its agent, if it lives, asks to join again
+    held/I        A  the snapshot units node I holds, [step, gen, origin] (replicas.py: what each node keeps)
     leave/I       A  SIGTERM: node I leaves after the step in flight
     gen, gen/G    C  counter of generations; plan of G: {"members", "flags", "layout", "resume", "snapshot"}
                      (snapshot: the step of node 0's assembled snapshot that `resume` names, which each member
@@ -49,7 +53,8 @@ another job or an earlier launch, is named in one line and read as absent.
     gen/G/stop    C  stop after the step in flight        gen/G/abort  C  kill the ranks (a failure elsewhere)
     gen/G/exit/I  A  {"code", "line"} once all of node I's ranks have exited
     gen/G/step, up, saved, result  R  (rank.py)
-    done          C  {"code", "line"}: the job is over; every agent exits with that code
+    done          C  {"code", "line"}: the job is over; every agent prints the line and exits with that code
+    bye/I         A  node I read `done` and exits: node 0 keeps the store up until every node's is there
 """
 
 from __future__ import annotations

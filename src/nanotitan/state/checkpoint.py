@@ -61,7 +61,7 @@ from ..parallel.shard import token_axes
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
-from .swap import ASIDE, settle, swap_in
+from .swap import ASIDE, fsync_dir, settle, swap_in
 
 
 class NonFiniteStateError(CheckpointError):
@@ -158,14 +158,6 @@ def write_small_files(tmp: Path, small: dict[str, str | bytes], manifest: dict) 
     _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": manifest}, indent=1))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- save -----------------------------------------------------------------------------------------
 
 def _first_nonfinite(state: dict[str, torch.Tensor]) -> str:
@@ -254,7 +246,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
             small = small_files(cfg, step, json.loads(extra_json), layout_dict(dims),
                                 save_s=round(time.perf_counter() - t0, 3))
             write_small_files(tmp, small, manifest)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             swap_in(tmp, final, f"step {step}\n")  # a re-save sets the old step_N aside until the new one is COMPLETE
             _prune(run_dir, keep_last, step)
         except OSError as e:

@@ -31,7 +31,7 @@ def _whole(d: Path, marked: bool) -> bool:
     return (d / COMPLETE).is_file() if marked else d.is_dir()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -55,8 +55,8 @@ def swap_in(tmp: Path, final: Path, complete: str | None = None) -> None:
             f.write(complete)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(final)
-    _fsync_dir(final.parent)  # the new one is durable before the old one goes
+        fsync_dir(final)
+    fsync_dir(final.parent)  # the new one is durable before the old one goes
     shutil.rmtree(old, ignore_errors=True)
 
 
