@@ -19,6 +19,7 @@ PAUSE_S = 6.0
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several agents' jobs on the shared cores: 3-5 min under load
 def test_a_paused_agent_is_dropped_then_joins_again(corpus_dir, tmp_path):
     from nanotitan.config.config import load_config
     from nanotitan.elastic.rank import snapshot_root

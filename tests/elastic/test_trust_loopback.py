@@ -54,21 +54,6 @@ def _until_training(p: subprocess.Popen, run, end: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("how", ["train", "elastic"])
-def test_a_one_host_job_listens_on_loopback_only(how, corpus_dir, tmp_path):
-    run = tmp_path / "run"
-    p = _one_host_job(how, corpus_dir, run, tmp_path)
-    try:
-        _until_training(p, run, time.monotonic() + 240)
-        socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), rank_envs(p.pid)
-    finally:
-        kill_tree(p.pid)
-        p.communicate(timeout=60)
-    assert len(socks) >= 3 and outside == [], socks  # the store(s) and the ranks' gloo listeners
-    if how == "train":  # an elastic rank gets its environment from its agent over a pipe: not in /proc
-        assert len(envs) == 2 and all(e.get("GLOO_SOCKET_IFNAME") == e.get("NCCL_SOCKET_IFNAME") == "lo" for e in envs)
-
-
 STRANGER = ("import socket, sys\n"
             "for port in map(int, sys.argv[1:]):\n"
             "    try:\n"
@@ -77,30 +62,42 @@ STRANGER = ("import socket, sys\n"
             "        print(port, 'refused' if isinstance(e, ConnectionRefusedError) else type(e).__name__)\n")
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="acts as another user (uid 65534) through setpriv, which needs root")
-def test_another_local_user_reaches_no_channel_of_a_one_host_job(corpus_dir, tmp_path):
-    """A process of another uid connected to a one-host job's store, read its keys and wrote one (was: `num_keys 8`,
-    `set` succeeded; from there torch's pickled plan exchange runs its code in the ranks). Now a one-host job (the
-    launcher's ranks, or every agent of an elastic job) runs in a network namespace of its own (run/netns.py):
-    uid 65534 finds every port the job listens on (its store, the ranks' gloo, the liveness listener, the snapshot
-    transport) refused on the host's loopback."""
-    runs = {how: tmp_path / how for how in ("train", "elastic")}
-    procs = [_one_host_job(how, corpus_dir, run, tmp_path) for how, run in runs.items()]
+def _as_another_user(ports: list[int]) -> list[str]:
+    """What uid 65534 (setpriv, as root) gets connecting to each port on the host's loopback."""
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-c",
+                        STRANGER, *map(str, ports)], capture_output=True, text=True, timeout=120, cwd="/")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("how", ["train", "elastic"])
+def test_a_one_host_job_listens_on_loopback_only_and_no_other_user_reaches_it(how, corpus_dir, tmp_path):
+    """Every socket of the job on loopback, and (as root here: setpriv) every port refused to uid 65534. A process of
+    another uid connected to a one-host job's store, read its keys and wrote one (was: `num_keys 8`, `set`
+    succeeded; from there torch's pickled plan exchange runs its code in the ranks): now the job runs in a network
+    namespace of its own (run/netns.py)."""
+    run = tmp_path / "run"
+    p = _one_host_job(how, corpus_dir, run, tmp_path)
     try:
-        end = time.monotonic() + 300
-        for p, run in zip(procs, runs.values()):
-            _until_training(p, run, end)
-        ports = {how: sorted({int(a.rsplit(":", 1)[1]) for _, a in listening(p.pid)}) for how, p in zip(runs, procs)}
-        probe = {how: subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-                                      sys.executable, "-c", STRANGER, *map(str, ps)],
-                                     capture_output=True, text=True, timeout=120, cwd="/") for how, ps in ports.items()}
+        _until_training(p, run, time.monotonic() + 240)
+        socks, outside, envs = listening(p.pid), beyond_loopback(p.pid), rank_envs(p.pid)
+        ports = sorted({int(a.rsplit(":", 1)[1]) for _, a in socks})
+        seen = _as_another_user(ports) if os.getuid() == 0 else None
     finally:
-        for p in procs:
-            kill_tree(p.pid)
-            p.communicate(timeout=60)
-    for how, r in probe.items():
-        assert len(ports[how]) >= 3 and r.returncode == 0, (how, ports[how], r.stderr)
-        assert r.stdout.split("\n")[:-1] == [f"{port} refused" for port in ports[how]], (how, r.stdout)
+        kill_tree(p.pid)
+        p.communicate(timeout=60)
+    assert len(socks) >= 3 and outside == [], socks  # the store(s), the ranks' gloo listeners (elastic: the agent's)
+    if how == "train":  # an elastic rank gets its environment from its agent over a pipe: not in /proc
+        assert len(envs) == 2 and all(e.get("GLOO_SOCKET_IFNAME") == e.get("NCCL_SOCKET_IFNAME") == "lo" for e in envs)
+    assert seen is None or seen == [f"{port} refused" for port in ports], seen
+
+
+STRANGER = ("import socket, sys\n"
+            "for port in map(int, sys.argv[1:]):\n"
+            "    try:\n"
+            "        socket.create_connection(('127.0.0.1', port), timeout=5).close(); print(port, 'open')\n"
+            "    except OSError as e:\n"
+            "        print(port, 'refused' if isinstance(e, ConnectionRefusedError) else type(e).__name__)\n")
 
 
 def test_any_loopback_endpoint_is_one_host():

@@ -484,8 +484,9 @@ class Coordinator:
         self._finish(130, f"interrupted (SIGINT) on node 0 at step {self._step_reached()}; {self._resume_hint()}")
 
     def departed(self) -> set[int]:
-        """The nodes node 0 waits for at the end (their `bye/I`): every one that joined and was not lost."""
-        return {n for n in self.nodes - {0} if n not in self.said_lost}
+        """The nodes node 0 waits for at the end (their `bye/I`): every one that joined or was refused (it reads
+        why from the store) and was not lost."""
+        return {n for n in (self.nodes | self.refused_nodes) - {0} if n not in self.said_lost}
 
     def _finish(self, code: int, line: str) -> None:
         if self.live.summary():
