@@ -111,7 +111,7 @@ def test_config_is_a_leaf():
     graph = import_graph()
     leaf = {f"{PKG}.config.errors", f"{PKG}.config.hf_config", f"{PKG}.config.config", f"{PKG}.config.parse",
             f"{PKG}.config.fits", f"{PKG}.config.hardware", f"{PKG}.config.counts", f"{PKG}.config.tp_rules",
-                f"{PKG}.config.cp_rules", f"{PKG}.config.placement_rules"}
+                f"{PKG}.config.cp_rules", f"{PKG}.config.placement_rules", f"{PKG}.config.controls_rules"}
     assert not graph[f"{PKG}.config.counts"]
     assert graph[f"{PKG}.config.fits"] <= leaf and graph[f"{PKG}.config.hardware"] <= leaf
     assert graph[f"{PKG}.config.config"] <= leaf
@@ -149,7 +149,8 @@ def test_scanner_sees_function_level_and_package_imports(tmp_path):
 
 # The floors of the house (docs/architecture.md), bottom up: a module imports only from its own floor or below.
 FLOORS = {"config": 0, "model": 1, "data": 1, "parallel": 2, "state": 3, "optim": 3, "interop": 4, "run": 4, "observe": 5,
-          "plan": 6, "resolve": 7, "train": 8, "generate": 8, "elastic": 9, "bench": 10, "cli": 10, "hf": 10}
+          "plan": 6, "resolve": 7, "train": 8, "generate": 8, "evaluate": 8, "elastic": 9, "verify": 9, "bench": 10,
+          "cli": 10, "hf": 10}
 # The one import that runs back up, and why: a dry run builds what a launch at N ranks builds, so it resolves the
 # config as the launch does (plan/dryrun.py `launch_config`).
 UPWARD = {(f"{PKG}.plan.dryrun", f"{PKG}.resolve")}

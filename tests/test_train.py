@@ -3,6 +3,7 @@
 torchrun agents as two "nodes"."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -171,3 +172,42 @@ def test_nonfinite_step_is_skipped_or_stops_without_saving(tmp_path, corpus_dir)
                                "--train.max_skips", "2"]))
     recs = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in recs if r["skipped"]] == [1, 2, 3]
+
+
+def test_lr_schedules_are_pure_functions_of_the_step():
+    """cosine: warmup, then decay to lr * min_lr_ratio; wsd: warmup, lr held, then its last round(frac * steps) steps
+    on a cosine ending exactly at the floor; constant: warmup, then lr."""
+    from nanotitan.train import lr_at
+
+    def lrs(*args):
+        cfg = load_config(None, ["--train.steps", "100", "--train.warmup_steps", "10", "--train.lr", "1.0",
+                                 "--train.min_lr_ratio", "0.1", *args])
+        return [lr_at(s, cfg) for s in range(100)]
+
+    cos, wsd, const = lrs(), lrs("--train.lr_schedule", "wsd", "--train.lr_decay_frac", "0.25"), \
+        lrs("--train.lr_schedule", "constant")
+    warm = [(s + 1) / 10 for s in range(10)]
+    assert cos[:10] == wsd[:10] == const[:10] == warm
+    assert cos[10] == 1.0 and abs(cos[55] - 0.55) < 1e-12 and all(a > b for a, b in zip(cos[10:], cos[11:]))
+    assert wsd[10:75] == [1.0] * 65 and all(a > b for a, b in zip(wsd[74:], wsd[75:]))  # stable, then 25 down
+    assert abs(wsd[99] - 0.1) < 1e-12 and abs(wsd[86] - 0.1 - 0.9 * 0.5 * (1 + math.cos(math.pi * 12 / 25))) < 1e-12
+    assert const[10:] == [1.0] * 90
+    # a decay longer than what the warmup leaves starts right after it
+    assert lrs("--train.lr_schedule", "wsd", "--train.lr_decay_frac", "1")[10] < 1.0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--train.lr_schedule", "linear"], "train.lr_schedule='linear' is not one of ['cosine', 'wsd', 'constant'] "
+                                        "(--train.lr_schedule)"),
+    (["--train.lr_decay_frac", "0"], "train.lr_decay_frac=0.0 must be in (0, 1]: the share of train.steps that "
+                                     "train.lr_schedule=wsd spends decaying (--train.lr_decay_frac 0.2)"),
+    (["--train.lr_decay_frac", "1.5"], "train.lr_decay_frac=1.5 must be in (0, 1]"),
+    (["--train.export_hf", "out", "--train.ckpt_at_end", "false"], "train.export_hf='out' exports the final "
+                                                                   "checkpoint: --train.ckpt_at_end true"),
+])
+def test_schedule_and_export_refusals_are_one_line(args, msg):
+    from nanotitan.config.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value)

@@ -1,12 +1,17 @@
-"""`nanotitan` entry point: train, data prepare, generate, bench, plan.
+"""`nanotitan` entry point: train, data prepare, generate, export, eval, bench, plan, plot, verify.
 
     nanotitan train [--config FILE] [--section.key VALUE ...]
     nanotitan data prepare [--config FILE] [--data.source ...]
-    nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--tokens N]
-    nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16]
+    nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--max-new-tokens N] [--greedy]
+                       [--temperature T] [--top-k K] [--top-p P] [--seed S]
+    nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16] [--force]
+    nanotitan eval --run.dir DIR [--step N] [--data.source SRC] [--parallel.dp N ...]
     nanotitan bench NAME [...]
     nanotitan plan --config FILE --ranks N [...]
     nanotitan plot RUN_DIR [RUN_DIR ...] [--out DIR]
+    nanotitan verify [--layout dp=2,pp=2,ep=2] [--steps N] [--json PATH] [--config FILE] [--section.key VALUE ...]
+    nanotitan verify --fuzz N [--seed S] [--log PATH] [--chunk K] [--section.key VALUE ...]
+    nanotitan verify --hf HF_DIR [--hf-export]
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ def cmd_train(argv: list[str]) -> int:
     cfg = resolve(cfg, log=lambda line: print(line, flush=True))
     if why := does_not_fit(cfg):  # an absurd size: one line with the GiB, before anything is allocated
         raise ConfigError(why)
+    if cfg.train.export_hf:  # the export at the end: its directory and the model checked before anything trains
+        from .interop.hf import check_export_hf
+        from .run.rundir import writable_dir
+
+        check_export_hf(cfg)
+        writable_dir(cfg.train.export_hf, "--train.export_hf")
     if planned:  # the ranks this process starts run the planned layout instead of planning again
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
@@ -157,7 +168,8 @@ def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
 
         try:
             text = generate_from_run(cfg.run.dir, "\n", cfg.train.sample_tokens)
-            print("\n--- sample from the trained model ---\n" + text.strip() + "\n-------------------------------------")
+            print("\n--- sample from the trained model ---\n" + text.strip()
+                  + "\n-------------------------------------")
         except (ConfigError, CheckpointError) as e:
             print(f"(no sample: {e})")
     return code
@@ -202,33 +214,49 @@ def cmd_data(argv: list[str]) -> int:
     """Prepare a corpus: `nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]`.
 
     Trains (or loads) the tokenizer and writes the tokenized train/val files to the cache; `nanotitan train`
-    prepares on first use too, so this is only needed to do it ahead of a job."""
+    prepares on first use too, so this is only needed to do it ahead of a job. With --data.mix 'A:0.7,B:0.3' it
+    prepares every source of the mix with one tokenizer (the first source's BPE, or data.tokenizer), which a
+    mix needs before `train` (docs/data.md)."""
     if not argv or argv[0] != "prepare":
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
-    from .data.prepare import load_meta, prepare_data
+    from .data.prepare import load_meta, prepare_data, prepare_mix
 
     from .config.hf_config import resolve_model
 
     path, overrides = _split_config(argv[1:])
     cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer
-    out = prepare_data(cfg.data)
-    meta = load_meta(out)
-    print(f"prepared {out}: {({k: v for k, v in meta.items() if k != 'files'})}")  # files: a checksum per block
+    for out in prepare_mix(cfg.data) if cfg.data.mix else [prepare_data(cfg.data)]:  # a mix: each of its sources
+        meta = load_meta(out)
+        print(f"prepared {out}: {({k: v for k, v in meta.items() if k != 'files'})}")  # files: a checksum per block
     return 0
 
 
 def cmd_generate(argv: list[str]) -> int:
     import argparse
 
-    from .generate import generate_from_run
+    from .generate import Sampling, generate_from_run
 
-    ap = argparse.ArgumentParser(prog="nanotitan generate", description="Sample text from a run's newest checkpoint.")
+    ap = argparse.ArgumentParser(prog="nanotitan generate", description="Continue a prompt with a run's newest "
+                                 "checkpoint (or a transformers checkpoint dir), KV-cached, on one process.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--run.dir", dest="run_dir", help="the run directory of `nanotitan train`")
     src.add_argument("--init.from_hf", dest="from_hf", help="a transformers checkpoint dir (docs/hf.md)")
-    ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    ap.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    ap.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    ap.add_argument("--max-new-tokens", "--tokens", dest="tokens", type=int, default=200,
+                    help="how many tokens to generate (default: 200)")
+    ap.add_argument("--greedy", action="store_true", help="take the likeliest token each time: no draw, no seed")
+    ap.add_argument("--temperature", type=float, default=0.8, help="divides the logits before the draw; above 0 "
+                    "(default: 0.8)")
+    ap.add_argument("--top-k", type=int, default=50, help="draw among the k likeliest tokens; 0 keeps all "
+                    "(default: 50)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="draw among the likeliest tokens whose probabilities "
+                    "reach p, in (0, 1]; 1 keeps all (default: 1)")
+    ap.add_argument("--seed", type=int, default=None, help="seeds the draws (default: the run's train.seed)")
     args = ap.parse_args(argv)
+    if args.tokens < 0:
+        raise ConfigError(f"--max-new-tokens {args.tokens} must be >= 0")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.greedy, args.seed)
+    sampling.check()  # before any weight is read
     if args.from_hf:  # the imported weights, sampled with the imported tokenizer
         from .data.tokenizer import load_tokenizer_file
         from .generate import sample
@@ -238,16 +266,17 @@ def cmd_generate(argv: list[str]) -> int:
         if not cfg.data.tokenizer:  # load_pretrained needs none; encoding the prompt does
             raise ConfigError(f"init.from_hf={args.from_hf!r} has no tokenizer.json to encode the prompt with (save "
                               "the model's fast tokenizer there: tokenizer.save_pretrained(DIR))")
-        print(sample(model, load_tokenizer_file(cfg.data.tokenizer), args.prompt, args.tokens, seed=cfg.train.seed))
+        print(sample(model, load_tokenizer_file(cfg.data.tokenizer), args.prompt, args.tokens,
+                     sampling.seeded(cfg.train.seed)))
         return 0
-    print(generate_from_run(args.run_dir, args.prompt, args.tokens))
+    print(generate_from_run(args.run_dir, args.prompt, args.tokens, sampling=sampling))
     return 0
 
 
 def cmd_export(argv: list[str]) -> int:
     import argparse
 
-    from .interop.hf import DTYPES, export_checkpoint
+    from .interop.hf import DTYPES, export_checkpoint, export_target
 
     ap = argparse.ArgumentParser(prog="nanotitan export", description="Write a run's checkpoint (any layout) as a "
                                  "transformers checkpoint dir: config.json, safetensors, tokenizer (docs/hf.md).")
@@ -255,12 +284,71 @@ def cmd_export(argv: list[str]) -> int:
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="tensor dtype on disk (default: fp32)")
+    ap.add_argument("--force", action="store_true", help="write into a directory that is not empty (the export's "
+                    "files are replaced, others stay)")
     args = ap.parse_args(argv)
     from .run.rundir import writable_dir
 
-    out = export_checkpoint(args.run_dir, writable_dir(args.out, "--out"), args.step, args.dtype)
+    target = export_target(args.out, args.force, "--out", "export into a new or empty directory, or add --force to "
+                           "write over it")
+    out = export_checkpoint(args.run_dir, writable_dir(target, "--out"), args.step, args.dtype)
     print(f"exported {args.run_dir} to {out}")
     return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    """Loss and perplexity of a run's checkpoint on a held-out set:
+    `nanotitan eval --run.dir R [--step N] [--data.source S | --data.mix M] [--section.key VALUE ...]`.
+
+    The val split of the run's data, or of --data.source / --data.mix encoded with the run's tokenizer:
+    train.eval_batches global batches of the run's size, so the loss is the val_loss training logs. On one process,
+    or on the layout --parallel.dp/pp/ep/tp/cp name (local ranks, or torchrun's); the checkpoint is resharded onto it.
+    --step N reads step N's checkpoint (default: the newest). Details: docs/eval.md."""
+    from .evaluate import eval_config, eval_line, eval_rank, evaluate_checkpoint
+    from .run.launch import under_torchrun
+
+    run_dir, step, overrides = _split_eval(argv)
+    cfg, path = eval_config(run_dir, step, overrides)
+    if under_torchrun():
+        from .run.launch import fail_rank, start_rank
+
+        _die_with_parent()
+        start_rank(str(Path(run_dir) / "eval"), cfg.parallel.timeout_s)
+        try:
+            eval_rank(cfg, path)
+        except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
+            fail_rank(e)
+        _exit_soon()
+        return 0
+    if cfg.world_size > 1:
+        from .data.prepare import prepare_data
+        from .run.launch import launch_local
+
+        prepare_data(cfg.data)  # once, here: bad data fails in one line before any rank starts
+        return launch_local(cfg.world_size, argv, run_dir=str(Path(run_dir) / "eval"), command="eval")
+    print(eval_line(evaluate_checkpoint(cfg, path), cfg, path))
+    return 0
+
+
+def _split_eval(argv: list[str]) -> tuple[str, int | None, list[str]]:
+    """`nanotitan eval`'s argv as (--run.dir, --step or None, the --section.key overrides)."""
+    run_dir, step, rest, i = None, None, [], 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in ("--run.dir", "--step"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{flag} needs a value ({flag} {'RUN_DIR' if flag == '--run.dir' else 'N'})")
+                value, i = argv[i + 1], i + 1
+            if flag == "--step" and not value.isdigit():
+                raise ConfigError(f"--step {value!r} must be a checkpoint's step number (--step 300)")
+            run_dir, step = (value, step) if flag == "--run.dir" else (run_dir, int(value))
+        else:
+            rest.append(argv[i])
+        i += 1
+    if run_dir is None:
+        raise ConfigError("nanotitan eval needs the run to read: --run.dir RUN_DIR")
+    return run_dir, step, rest
 
 
 # `nanotitan bench NAME`: the module under nanotitan/bench/ and what it measures (one home for benchmarks).
@@ -306,12 +394,27 @@ def cmd_plot(argv: list[str]) -> int:
     return plot_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "export": cmd_export, "bench": cmd_bench,
-            "plan": cmd_plan, "plot": cmd_plot}
+def cmd_verify(argv: list[str]) -> int:
+    """Check that a layout trains exactly what one process trains (docs/verify.md):
+    `nanotitan verify [--layout dp=2,pp=2,ep=2] [--steps N] [--json PATH] [--config FILE] [--section.key VALUE ...]`.
+
+    Runs the config on one process and on the layout (default: the config's own) for --steps steps (default 3) and
+    compares every module's forward output, every gradient, every parameter and optimizer state after the update
+    (first step) and each step's loss terms, grad norm, lr and skip verdict. Exit 0 equal, 1 diverged, 2 config
+    error; the last line names the first tensor that diverges. `--fuzz N [--seed S] [--log PATH] [--chunk K]` verifies
+    N configurations drawn from the whole composition space (the flags given fix the data and the rest);
+    `--hf DIR [--hf-export]` checks a Hugging Face checkpoint's import (and export) against transformers."""
+    from .verify.command import main as verify_main
+
+    return verify_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "data": cmd_data, "generate": cmd_generate, "export": cmd_export, "eval": cmd_eval,
+            "bench": cmd_bench, "plan": cmd_plan, "plot": cmd_plot, "verify": cmd_verify}
 
 
 HELP = ("-h", "--help")
-CONFIG_COMMANDS = ("train", "data")  # they read --config FILE and --section.key overrides
+CONFIG_COMMANDS = ("train", "data", "verify")  # they read --config FILE and --section.key overrides
 
 
 def usage() -> str:

@@ -7,7 +7,8 @@ concrete, once, above model/ and parallel/ (DESIGN §2).
                              planner's layout for the world size, at the same global batch (plan/search.py)
     train.device auto        cuda when CUDA is visible, else cpu
     train.threads 0          this host's cores / the ranks it runs (at least 1)
-    parallel.virtual_stages  the model chunks each pipeline rank runs: 1 unless interleaved with pp > 1 (parallel/pp/facts.py)
+    parallel.virtual_stages  the model chunks each pipeline rank runs: 1 unless interleaved with pp > 1
+                             (parallel/pp/facts.py)
     parallel.pp_layers auto  layers per chunk, balanced by the planner's costs on the device kind's profile
     parallel.zero_accumulate, zero3_reshard auto   sync.zero_memory_choices, the rule the planner prices too
     parallel.emulate_node_size 0, emulate_dilation 0   the profile's devices per node; this CPU's GEMM peak /

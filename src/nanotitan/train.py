@@ -27,7 +27,7 @@ from .config.errors import TrainingError
 from .observe.metrics import job_peak_flops
 from .model.transformer import num_moe_layers
 from .parallel.comm import stall
-from .interop.hf import shard_loader
+from .interop.hf import export_checkpoint, shard_loader
 from .optim.build import build_optimizer
 from .parallel.parallelize import parallelize
 from .parallel.rebalance import placement_extra
@@ -38,13 +38,30 @@ from .run.setup import resume_step, setup_rank
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step."""
+    """The learning rate of step (0-based), a pure function of it: linear warmup over train.warmup_steps, then
+    train.lr_schedule: cosine decays from lr to lr * min_lr_ratio over the rest of train.steps; wsd holds lr (stable)
+    until its last `wsd_decay_steps` steps, which decay on a cosine to lr * min_lr_ratio at the last step (DeepSeek-V3's
+    and Kimi K2's shape); constant holds lr."""
     t = cfg.train
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
+    if t.lr_schedule == "constant":
+        return t.lr
+    if t.lr_schedule == "wsd":
+        start = max(t.warmup_steps, t.steps - wsd_decay_steps(cfg))
+        if step < start:
+            return t.lr
+        progress = min(1.0, (step + 1 - start) / max(1, t.steps - start))  # 1 at the last step: trained at the floor
+    else:
+        span = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def wsd_decay_steps(cfg: Config) -> int:
+    """train.lr_schedule=wsd: the steps of its decay, train.lr_decay_frac of train.steps (rounded, at least 1; the
+    warmup is never cut: a decay longer than what follows it starts when it ends)."""
+    return max(1, round(cfg.train.lr_decay_frac * cfg.train.steps))
 
 
 def eval_due(step: int, cfg: Config) -> bool:
@@ -69,7 +86,8 @@ class NonFiniteGuard:
         if self.policy == "stop":
             return f"step {step}: non-finite loss or grad norm"
         if self.in_a_row > self.max_skips:
-            return f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > train.max_skips={self.max_skips})"
+            return (f"step {step}: non-finite loss or grad norm ({self.in_a_row} in a row > "
+                    f"train.max_skips={self.max_skips})")
         log(f"step {step}: non-finite loss or grad norm, update skipped on every rank")
         return None
 
@@ -148,7 +166,7 @@ class Trainer:
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr * g.get("lr_ratio", 1.0)  # Muon's groups: train.muon_lr on the same schedule
+            g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         xs, ys = self.data.batch(step)
         with self.meters.activations(metered):
@@ -211,7 +229,8 @@ class Trainer:
                 break
         progress.close()
         final_step = step + 1 if t.steps > self.start_step else 0  # 0: no step since the resume, nothing to save again
-        if t.ckpt_at_end and final_step and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
+        if t.ckpt_at_end and final_step and not (t.ckpt_every and final_step % t.ckpt_every == 0) \
+                and not self.stop_requested:
             self.save(final_step)
         summary = report.run_summary(logger, self.profiler, self.writer, self.meters, self.model, self.optimizer,
                                      self.run_dir)
@@ -234,7 +253,8 @@ class Trainer:
 def run(cfg: Config, trainer: Trainer | None = None) -> dict:
     """Train (`trainer`, default a Trainer of `cfg`); the result says whether a signal or a planned membership
     change stopped it early ("stopped", after its checkpoint). Every failure tears the rank down without a
-    collective."""
+    collective. With train.export_hf, rank 0 then exports the final checkpoint (its global keys: any layout) alone,
+    once every rank has left the process group."""
     trainer = trainer or Trainer(cfg)
     try:
         out = trainer.train()
@@ -242,4 +262,8 @@ def run(cfg: Config, trainer: Trainer | None = None) -> dict:
         trainer.close(failed=True)
         raise
     trainer.close()
+    if trainer.cfg.train.export_hf and trainer.is_main and not trainer.stop_requested:
+        t0 = time.perf_counter()
+        path = export_checkpoint(trainer.run_dir, trainer.cfg.train.export_hf)  # the newest: the final one
+        trainer.log(f"exported the final checkpoint to {path} in {time.perf_counter() - t0:.1f}s (transformers)")
     return {**out, "stopped": trainer.stop_requested}

@@ -92,14 +92,6 @@ def test_a_one_host_job_listens_on_loopback_only_and_no_other_user_reaches_it(ho
     assert seen is None or seen == [f"{port} refused" for port in ports], seen
 
 
-STRANGER = ("import socket, sys\n"
-            "for port in map(int, sys.argv[1:]):\n"
-            "    try:\n"
-            "        socket.create_connection(('127.0.0.1', port), timeout=5).close(); print(port, 'open')\n"
-            "    except OSError as e:\n"
-            "        print(port, 'refused' if isinstance(e, ConnectionRefusedError) else type(e).__name__)\n")
-
-
 def test_any_loopback_endpoint_is_one_host():
     """An endpoint on 127.0.0.2 (or a hostname mapped to 127.0.1.1, as Debian and Ubuntu do), or [::1], is one host
     (was: the store bound 127.0.0.1 whatever the endpoint said, and the job never started: exit 1 after 176 s). The

@@ -13,7 +13,8 @@ from tests.helpers.equivalence import BF16, CAP, DEEPSEEK, OPTIONS, SHORT_STEPS,
 # The one-process references, by the model options their rows train (OPTIONS: GQA with 2 KV heads, per-head q/k
 # norms, a gated shared expert, the router bias; DEEPSEEK: MLA with a q latent, group-limited sigmoid routing with
 # the sequence-wise balance loss, one MTP module, capacity; CAP: capacity 1.0, dropping in every step).
-MODELS = {"fp32": (), "bf16": BF16, "options": OPTIONS, "deepseek": DEEPSEEK, "capacity": CAP}
+MODELS = {"fp32": (), "bf16": BF16, "options": OPTIONS, "deepseek": DEEPSEEK, "capacity": CAP,
+          "deepseek-bf16": (*DEEPSEEK, *BF16)}
 
 
 def cp(n: int, impl: str = "ring", *extra) -> tuple:
@@ -46,7 +47,7 @@ def cp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
         start = 2 if "--train.resume" in extra else 0  # resumed at step 2 from an earlier row's checkpoint
         worst = max_rel_dev(ranks[0]["losses"], ref["losses"][start:])
         print(f"CP row {model} dp,pp,ep,tp={case[1:5]} {' '.join(extra)}: worst loss error {worst:.1e}")  # pytest -s
-        if model == "bf16":
+        if model.endswith("bf16"):
             for r in ranks:
                 assert not r["losses"] or max_rel_dev(r["losses"], ref["losses"]) <= bf16_bound(), case
             val = next(r["val_loss"] for r in ref["records"] if "val_loss" in r)  # the eval: CP ranks' parts add up
@@ -64,10 +65,13 @@ def cp_matrix(world: int, cases: list, corpus_dir, tmp_path, refs, timeout: floa
 def test_world2_cp(corpus_dir, tmp_path, refs):
     """CP2 ring and a2a; with activation checkpointing (the ring's backward under a recompute); the OPTIONS model
     (GQA: the ring sends 2 KV heads; the router bias from counts summed over CP); the DEEPSEEK model (MLA's latent on
-    the ring, MTP's shifted targets across the chunks, capacity ranked over the whole sequence) ring and a2a; bf16."""
+    the ring, MTP's shifted targets across the chunks, capacity ranked over the whole sequence) ring and a2a; bf16, on
+    the plain model and on the DEEPSEEK one (MLA's latent expanded on the ring under bf16 autocast: the attention
+    kernel once met an fp32 k beside autocast's bf16 v, found by `nanotitan verify --fuzz`)."""
     cases = [("fp32", 1, 1, 1, 1, cp(2)), ("fp32", 1, 1, 1, 1, cp(2, "a2a")),
              ("capacity", 1, 1, 1, 1, cp(2, "ring", *AC)), ("options", 1, 1, 1, 1, cp(2)),
-             ("deepseek", 1, 1, 1, 1, cp(2)), ("deepseek", 1, 1, 1, 1, cp(2, "a2a")), ("bf16", 1, 1, 1, 1, cp(2))]
+             ("deepseek", 1, 1, 1, 1, cp(2)), ("deepseek", 1, 1, 1, 1, cp(2, "a2a")), ("bf16", 1, 1, 1, 1, cp(2)),
+             ("deepseek-bf16", 1, 1, 1, 1, cp(2))]
     cp_matrix(2, cases, corpus_dir, tmp_path, refs, timeout=900)
 
 

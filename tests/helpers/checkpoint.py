@@ -9,6 +9,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from nanotitan.config.config import Config, validate
 from nanotitan.model.spec import ModelShardSpec
 from nanotitan.model.transformer import Transformer, is_expert_param
+from nanotitan.optim.adamw import AdamW
 from tests.helpers.equivalence import base_args, layout_args
 
 SEED = 7
@@ -32,7 +33,7 @@ def tiny_cfg(layout=(1, 1, 1), **model) -> Config:
 
 def build(cfg: Config, spec: ModelShardSpec):
     model = Transformer(cfg.model, spec, SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)  # the trainer's (optim/)
     return model, opt
 
 

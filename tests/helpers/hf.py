@@ -1,12 +1,12 @@
 """Hugging Face interop test helpers: tensors of a safetensors checkpoint, weights moved off their init, logits
-compared, and DeepSeek-V3's tiny config."""
+compared, greedy decoding without a cache, and DeepSeek-V3's tiny config."""
 
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from nanotitan.config.config import load_config
+from nanotitan.interop.hf import read_tensors
 
 
 def _randomise(params, seed: int) -> None:
@@ -17,17 +17,21 @@ def _randomise(params, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() == 1 else 0.2) + (p.dim() == 1))
 
 
+def greedy_full_forward(model, x, n: int):
+    """x (B, T) and n greedy tokens after it, each from a full forward over the whole context (no cache)."""
+    for _ in range(n):
+        logits, _ = model(x)
+        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return x
+
+
 def _assert_logits_close(got, want):
     err = (got - want).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), f"max |diff| {err} vs logit scale {want.abs().max().item()}"
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as s:
-            out.update({k: s.get_tensor(k) for k in s.keys()})
-    return out
+    return read_tensors(d)
 
 
 def tiny_config(vocab: int, num_experts: int, max_seq_len: int, *extra: str):

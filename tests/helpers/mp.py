@@ -2,12 +2,7 @@
 fn(rank, world, *args) on `world` gloo processes (see nanotitan/run/spawn.py). `train_once` is what every rank of
 an equivalence test runs: the real trainer, end to end."""
 
-import os
 import socket
-import sys
-from multiprocessing import forkserver
-
-import torch.multiprocessing as mp
 
 from nanotitan.run import spawn
 
@@ -15,28 +10,14 @@ __all__ = ["run_ranks", "free_port", "train_once"]
 
 # The ranks fork from one server process that imported these once (started at the first launch, it lives as long
 # as pytest): a spawned rank re-imports torch and the trainer, ~2.5 s of CPU each, ~11 s for 8 ranks on 2 cores.
-mp.set_forkserver_preload(["pytest", "nanotitan.train", "nanotitan.parallel.dp.fsdp", "tests.helpers.mp",
-                          "tests.helpers.whole_state"])
+PRELOAD = ["pytest", "nanotitan.train", "nanotitan.parallel.dp.fsdp", "nanotitan.verify.world", "tests.helpers.mp",
+           "tests.helpers.whole_state"]
 
 
 def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, **kw) -> list:
     """nanotitan.run.spawn.run_ranks, the ranks forked from the preloaded server."""
-    _ensure_server()
+    spawn.start_forkserver(PRELOAD)
     return spawn.run_ranks(fn, world, args, timeout, start_method="forkserver", **kw)
-
-
-def _ensure_server() -> None:
-    """Start the server (if not running) with this process's sys.path: Python 3.11's forkserver drops the one it is
-    handed, and without it neither the preloads nor the tests' rank functions would import."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from nanotitan.interop import hf
 from nanotitan.model.transformer import Transformer, flops_per_token
 from nanotitan.resolve import resolve
 from tests.helpers.hf import _assert_logits_close, _randomise, _tensors
-from tests.helpers.hf import DS_OPTIONS, tiny_config
+from tests.helpers.hf import DS_OPTIONS, greedy_full_forward, tiny_config
 
 V = 300
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=3,
@@ -64,13 +64,6 @@ def ds_dirs(tmp_path_factory):
     return {s: _tiny_deepseek(s, root / s, seed=i) for i, s in enumerate(SHAPES)}
 
 
-def _greedy_ours(model, x, n):
-    for _ in range(n):
-        logits, _ = model(x)
-        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return x
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_import_logits_and_greedy_decoding_equal_transformers(ds_dirs, shape):
     d = ds_dirs[shape]
@@ -84,7 +77,7 @@ def test_import_logits_and_greedy_decoding_equal_transformers(ds_dirs, shape):
         got, _ = model(X)
         _assert_logits_close(got, ref(X).logits)
         if shape == "v3":  # greedy decoding (transformers with its latent cache): the same tokens
-            ours = _greedy_ours(model, X[:, :6], 8)
+            ours = greedy_full_forward(model, X[:, :6], 8)
             theirs = ref.generate(X[:, :6], max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(X[:, :6]))
             assert torch.equal(ours, theirs), (ours, theirs)
 

@@ -266,14 +266,14 @@ def test_checkpoint_of_an_imported_model_exports_after_its_hf_dir_is_gone(hf_dir
 def test_generate_cli_samples_with_the_imported_tokenizer(hf_dirs, capsys):
     from tokenizers import Tokenizer
 
-    from nanotitan.generate import sample
+    from nanotitan.generate import Sampling, sample
 
     d = hf_dirs["olmoe"]
     assert cli.main(["generate", "--init.from_hf", str(d), "--prompt", "the king", "--tokens", "8"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
     cfg, model = hf.load_pretrained(d)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    assert text == sample(model, tok, "the king", 8, seed=cfg.train.seed)
+    assert text == sample(model, tok, "the king", 8, Sampling(seed=cfg.train.seed))
     assert text.startswith("the king") and len(tok.encode(text).ids) >= len(tok.encode("the king").ids) + 1
 
 

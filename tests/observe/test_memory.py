@@ -1,6 +1,8 @@
 """Memory that means something per layout: live bytes of parameters, gradients and optimizer state (each
 storage once: gradients are views of flat buffers), and the peak bytes autograd keeps for backward."""
 
+import gc
+
 import pytest
 import torch
 
@@ -95,6 +97,7 @@ def test_step_peak_counts_storages_created_resized_and_freed():
     adds nothing), and storage resizes (how FSDP2 frees and re-gathers its unsharded params) both ways."""
     from nanotitan.observe.memory import PeakTensorBytes
 
+    gc.collect()  # earlier tests' cyclic garbage (1.5 MB of tensors after the one above) must not be freed inside
     before = torch.zeros(1000)  # 4000 bytes live on entry (among whatever else this process holds)
     meter = PeakTensorBytes(torch.device("cpu"))
     with meter:
@@ -112,6 +115,32 @@ def test_step_peak_counts_storages_created_resized_and_freed():
         del c
         assert meter.live() == start + 8000
     assert meter.peak == start + 28000
+
+
+def test_step_peak_is_not_raised_by_garbage_freed_as_the_meter_opens(monkeypatch):
+    """A garbage collection while the meter opens (it allocates) frees storages the entry scan counted: the peak
+    starts from what is live once the window is open, not from before that collection."""
+    from nanotitan.observe import memory
+    from nanotitan.observe.memory import PeakTensorBytes
+
+    class Cycle:
+        pass
+
+    gc.collect()
+    a, b = Cycle(), Cycle()
+    a.other, b.other, a.t = b, a, torch.zeros(64000)  # 256 KB that only the collector frees
+    del a, b
+    watch = memory.watch_resizes
+
+    def watch_and_collect(watcher):  # the collection lands where opening the window allocates
+        gc.collect()
+        watch(watcher)
+    monkeypatch.setattr(memory, "watch_resizes", watch_and_collect)
+    with PeakTensorBytes(torch.device("cpu")) as meter:
+        start = meter.live()
+        c = torch.empty(5000)  # +20000: the window's peak
+        del c
+    assert start == meter.start and meter.peak == start + 20000
 
 
 def test_step_peak_sees_through_the_autograd_engine():

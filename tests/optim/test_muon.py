@@ -4,11 +4,17 @@ import pytest
 import torch
 
 from nanotitan.model.transformer import Transformer
-from nanotitan.model.families import is_muon_matrix
+from nanotitan.model.families import HIDDEN, VECTOR, is_muon_matrix
 from nanotitan.optim.muon import Muon, whole_pieces
 from nanotitan.optim.newton_schulz import orthogonalize
 from nanotitan.optim.owners import Box, make_plan
 from tests.helpers.tiny import tiny_model
+
+
+def _groups(ps, weight_decay=0.0):
+    """Tagged groups as optim/build.py hands them to Muon: an empty AdamW one, and `ps` in Muon's (HIDDEN)."""
+    return [{"params": [], "weight_decay": 0.0, "tag": VECTOR},
+            {"params": ps, "weight_decay": weight_decay, "tag": HIDDEN}]
 
 
 def _problem(seed=0):
@@ -24,9 +30,8 @@ def test_muon_matches_torch_muon():
     ws, grads = _problem()
     ours = [torch.nn.Parameter(w.clone()) for w in ws]
     theirs = [torch.nn.Parameter(w.clone()) for w in ws]
-    opt = Muon([{"params": [], "weight_decay": 0.0}, {"params": ours, "weight_decay": 0.1, "muon": True}], lr=1e-3,
-               betas=(0.9, 0.95), muon_lr=0.02, pieces=whole_pieces([(str(i), p) for i, p in enumerate(ours)]),
-               ns_dtype=torch.bfloat16)
+    opt = Muon(_groups(ours, 0.1), lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
+               pieces=whole_pieces([(str(i), p) for i, p in enumerate(ours)]), ns_dtype=torch.bfloat16)
     ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
                            adjust_lr_fn="match_rms_adamw")
     for step in grads:
@@ -120,7 +125,7 @@ def test_tall_and_wide_share_a_batch_and_bad_ns_dtype_is_refused():
     g = torch.Generator().manual_seed(3)
     ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(16, 24), (24, 16), (16, 24)]]
     grads = [torch.randn(p.shape, generator=g) for p in ps]
-    opt = Muon([{"params": [], "weight_decay": 0.0}, {"params": ps, "weight_decay": 0.0, "muon": True}], lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
+    opt = Muon(_groups(ps), lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
                pieces=whole_pieces([(str(i), p) for i, p in enumerate(ps)]), ns_dtype=torch.float32)
     before = [p.detach().clone() for p in ps]
     for p, gr in zip(ps, grads):
@@ -131,8 +136,7 @@ def test_tall_and_wide_share_a_batch_and_bad_ns_dtype_is_refused():
         u = orthogonalize(gr * (0.05 + 0.95 * 0.05)) * 0.2 * 24 ** 0.5
         torch.testing.assert_close(p.detach(), w - 0.02 * u, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="ns_dtype=torch.float16: use torch.float32"):
-        Muon([{"params": [], "weight_decay": 0.0}, {"params": ps, "weight_decay": 0.0, "muon": True}], lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02,
-             ns_dtype=torch.float16)
+        Muon(_groups(ps), lr=1e-3, betas=(0.9, 0.95), muon_lr=0.02, ns_dtype=torch.float16)
 
 
 def test_muon_ns_dtype_config_refused_in_one_line():
@@ -155,5 +159,5 @@ def test_a_geometry_that_disagrees_with_the_rank_s_own_pieces_fails_in_one_line(
     pieces = {"w": ((4, 6), [((0, 0), buf)])}
     right = Orthogonalizer(pieces, [buf], None, 5, geometry=({"w": (4, 6)}, [{"w": [((0, 0), (4, 6))]}]))
     assert right.plan == Orthogonalizer(pieces, [buf], None, 5).plan and right.plan.computes == ["w"]
-    with pytest.raises(RuntimeError, match="disagrees with this rank's pieces of w: rule .*2, 6"):
+    with pytest.raises(AssertionError, match="disagrees with this rank's pieces of w: rule .*2, 6"):
         Orthogonalizer(pieces, [buf], None, 5, geometry=({"w": (4, 6)}, [{"w": [((0, 0), (2, 6))]}]))

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from nanotitan.model.tokens import LOCAL
 from nanotitan.parallel.cp import CPShard, chunk_runs
 from nanotitan.parallel.dims import ParallelDims
 
@@ -44,7 +45,7 @@ def test_token_ranks_partition_each_sequence(cp, tp):
     S_whole = 32
     seen = []
     for c, t in itertools.product(range(cp), range(tp)):
-        tp_part = SimpleNamespace(size=tp, rank=t, split_rank=t, split_size=tp, sp=True) if tp > 1 else None
+        tp_part = SimpleNamespace(size=tp, rank=t, split_rank=t, split_size=tp, sp=True) if tp > 1 else LOCAL
         shard = CPShard(SimpleNamespace(rank=c, size=cp, group=None), tp_part, "ring")
         assert shard.size == cp * tp and shard.rank == c * tp + t
         S_cp = S_whole // cp

@@ -32,7 +32,9 @@ from nanotitan.parallel.comm.collectives import COMM
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.observe.memory import PeakTensorBytes, live_tensor_bytes
 from nanotitan.parallel.dp.reducer import Reducer
-from nanotitan.parallel.dp.sync import ReplicatedSync, adam_state, flat_range_boxes
+from nanotitan.model.families import MATRIX
+from nanotitan.optim.adamw import AdamW, decay_groups
+from nanotitan.parallel.dp.sync import ReplicatedSync, flat_range_boxes
 from nanotitan.parallel.dp.zero import ShardedReducer, ZeroSync
 from tests.helpers.mp import run_ranks
 from tests.helpers.dp import _build, _loss
@@ -42,11 +44,11 @@ LR, WD, STEPS = 1e-2, 0.1, 3
 
 
 def _adamw(groups):
-    return torch.optim.AdamW(groups, lr=LR, fused=True)
+    return AdamW(groups, lr=LR, fused=True)
 
 
 def _decay_groups(model: nn.Module):
-    """The trainer's rule (optim/build.py: build_optimizer): decay on matrices only."""
+    """The trainer's rule (optim/adamw.py: decay_groups), written out: decay on matrices only."""
     return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
@@ -64,7 +66,7 @@ def _gathered_state(rb: ShardedReducer, optimizer: torch.optim.Optimizer) -> dic
     Collective; independent of `sharded_state`, whose boxes are checked against it."""
     out: dict[str, dict] = {}
     for b in rb.buckets:
-        state = adam_state(optimizer, b.shard)
+        state = optimizer.state_of(b.shard)
         for key in sorted(state):  # same collective order on every rank
             v = state[key]
             if v.dim() == 0:
@@ -100,9 +102,11 @@ def _one_case(rank, world, kind, zero, accumulate, bucket_mb, M, max_norm):
     rb = ShardedReducer(list(b.named_parameters()), group, bucket_mb, 1.0 / world, zero, accumulate=accumulate)
     every = zero == 2 and accumulate == "shard"
     assert rb.every_backward == every, name
-    oa, ob, oc = _adamw(_decay_groups(a)), _adamw(rb.param_groups(WD)), _adamw(_decay_groups(c))
-    assert [len(g["params"]) for g in ob.param_groups] == [sum(x.decay for x in rb.buckets),
-                                                           sum(not x.decay for x in rb.buckets)]
+    oa, ob, oc = _adamw(_decay_groups(a)), _adamw(decay_groups(rb.param_groups(), WD)), _adamw(_decay_groups(c))
+    # one group per tag, each bucket's shard in its tag's group, matrices (and only they) decayed
+    assert sorted((g["tag"], len(g["params"])) for g in ob.param_groups) == \
+        sorted((t, sum(x.tag == t for x in rb.buckets)) for t in {x.tag for x in rb.buckets})
+    assert all((g["weight_decay"] == WD) == (g["tag"] == MATRIX) for g in ob.param_groups)
     most_buffers = []  # every=True: full buffers alive, sampled as each param's gradient lands
     for q in b.parameters():
         q.register_post_accumulate_grad_hook(lambda q: most_buffers.append(_full_buffers(rb)))
@@ -284,7 +288,7 @@ def test_single_rank_shard_is_whole_bucket(zero, accumulate):
     a, b = _build("tinynet"), _build("tinynet")
     ra, rb = Reducer(list(a.named_parameters()), None, 0.001, 0.25), \
         ShardedReducer(list(b.named_parameters()), None, 0.001, 0.25, zero, accumulate=accumulate)
-    oa, ob = _adamw(_decay_groups(a)), _adamw(rb.param_groups(WD))
+    oa, ob = _adamw(_decay_groups(a)), _adamw(decay_groups(rb.param_groups(), WD))
     COMM.reset()
     for step in range(2):
         for r, m in ((ra, a), (rb, b)):
@@ -353,7 +357,7 @@ def _fsdp_vs_reducer(rank, world, dp, ep, max_norm, accumulate="full", reshard="
     sync_b = FSDPSync(b, dims, *by_group(b), 0.002, scale, accumulate, reshard)
     # experts are left to a Reducer only when expert-DP is one rank
     assert bool(sync_b.unsharded) == (dp == 1), name
-    oa, ob = _adamw(sync_a.param_groups(WD)), _adamw(sync_b.param_groups(WD))
+    oa, ob = _adamw(decay_groups(sync_a.param_groups(), WD)), _adamw(decay_groups(sync_b.param_groups(), WD))
     M, meter, held = 2, PeakTensorBytes(torch.device("cpu")), []
     for step in range(STEPS):
         for model, sync in ((a, sync_a), (b, sync_b)):
@@ -446,7 +450,7 @@ def _gather_overlap_ranks(rank, world):
     named = list(model.named_parameters())
     sync = ZeroSync(model, dims, [(n, p) for n, p in named if is_expert_param(n)],
                     [(n, p) for n, p in named if not is_expert_param(n)], bucket_mb=1e-3, scale=0.5, zero=1)
-    opt = torch.optim.AdamW(sync.param_groups(0.0), lr=1e-2)
+    opt = AdamW(sync.param_groups(), lr=1e-2)
     buckets = [b for r in sync.reducers for b in r.buckets]
     block = {k: [id(p) for p in blk.parameters()] for k, blk in model.layers.items()}
     seen = {}

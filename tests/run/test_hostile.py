@@ -50,13 +50,14 @@ def good(tmp_path_factory, corpus_dir):
     from nanotitan.data.tokenizer import train_bpe
     from nanotitan.interop import hf
     from nanotitan.model.transformer import Transformer
+    from nanotitan.optim.adamw import AdamW
     from nanotitan.state.checkpoint import save_checkpoint
 
     root = tmp_path_factory.mktemp("good")
     run = root / "run"
     cfg = resolve(load_config(None, [*TINY, "--data.source", str(corpus_dir), "--run.dir", str(run)]))
     model = Transformer(cfg.model, seed=cfg.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = AdamW(model.parameters(), lr=1e-3)
     for step in (2, 4):
         save_checkpoint(run, step, model, opt, None, cfg, {"samples_consumed": 4 * step})
     tok = root / "tokenizer.json"

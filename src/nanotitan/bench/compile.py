@@ -4,12 +4,13 @@
 
 A 3-step compiled warm-up run first, on an empty inductor cache of its own (its compile_s: the cold compile; it fills
 the cache), then the compiled job (warm cache) and, once its first record is out (compile done), the eager job, so
-their steps run at the same time (the machine is shared: only ratios taken within one run mean anything), each the real trainer (`nanotitan train`) in its own run dir under /tmp, with eval, checkpoints and samples off. From
-each metrics.jsonl: the compile time (`compile_s`, the first record's), the first record's step time, and the
-steady step time: the median of the records' step times from --from-step on (each record's step time is the mean
-over the steps since the previous record; a record holding a metered step, which runs eagerly, is among them),
-with its MFU by our FLOP count. Prints one row per job and compiled / eager; the compile pays for itself after
-compile_s / (eager - compiled step time) steps when the compiled step is faster.
+their steps run at the same time (the machine is shared: only ratios taken within one run mean anything), each the real
+trainer (`nanotitan train`) in its own run dir under /tmp, with eval, checkpoints and samples off. From each
+metrics.jsonl: the compile time (`compile_s`, the first record's), the first record's step time, and the steady step
+time: the median of the records' step times from --from-step on (each record's step time is the mean over the steps
+since the previous record; a record holding a metered step, which runs eagerly, is among them), with its MFU by our FLOP
+count. Prints one row per job and compiled / eager; the compile pays for itself after compile_s / (eager - compiled step
+time) steps when the compiled step is faster.
 """
 
 from __future__ import annotations

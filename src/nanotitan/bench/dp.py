@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", action="store_true",
                     help="--zero: also save and load a checkpoint of each mode (seconds per GiB of state, peak bytes)")
     ap.add_argument("--collectives", type=float, default=0.0, metavar="MB",
-                    help="instead: gloo's all-reduce, reduce-scatter and all-gather of an MB buffer at 2 ranks, native, "
-                         "as all-reduces and as ZeRO's direct exchanges (wall and process CPU per call)")
+                    help="instead: gloo's all-reduce, reduce-scatter and all-gather of an MB buffer at 2 ranks, "
+                         "native, as all-reduces and as ZeRO's direct exchanges (wall and process CPU per call)")
     ap.add_argument("--microbatches", type=int, default=1,
                     help="--zero: microbatches per step, the same 8 sequences per rank split M ways (default 1)")
     args = ap.parse_args(argv)

@@ -222,7 +222,8 @@ def write_memory_markdown(path: Path, rows, B, S, args, overrides):
              "Live tensors at the end of the run (each storage once) and the peak bytes autograd saved for backward "
              "in a step; RSS is the process's peak resident memory (on CPU mostly the Python/torch runtime). "
              "Picture: `memory_per_rank.png`.", "",
-             "| N | dp/pp/ep | sched | M x m | rank | params | grads | optimizer | activations (peak) | tensors | RSS |",
+             "| N | dp/pp/ep | sched | M x m | rank | params | grads | optimizer | activations (peak) | tensors "
+             "| RSS |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for rank, (t, rss) in enumerate(zip(r.get("tensor_mem_per_rank") or [], r["peak_mem_per_rank"])):

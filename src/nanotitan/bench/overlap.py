@@ -16,10 +16,10 @@ Modes: off; `--chunks N ...`: parallel.ep_overlap with N groups of experts per t
 each repeat runs the EP job (dp = 1; pp = 1, or `--pp` stages under `--schedule`) in every mode, in an order that
 alternates between repeats, as real `nanotitan train` processes. Per run: the median over the window of the step
 time and of the exposed EP wait (`comm_ep_wait_s` of rank 0, the first stage: time an EP call was pending and no
-lane computed; with one lane, what the EP calls and waits held the rank). Reported: min and median over repeats, the ratios against off, and the planner's step time and
-exposed EP time for the same run (`plan/cost.py`) under the emulated links (PlanOptions.links_idle). With "none"
-among the topologies, each emulated mode also gets "step − free": its step less the same mode's step without
-emulation, the link time it left exposed measured without the wait columns.
+lane computed; with one lane, what the EP calls and waits held the rank). Reported: min and median over repeats, the
+ratios against off, and the planner's step time and exposed EP time for the same run (`plan/cost.py`) under the emulated
+links (PlanOptions.links_idle). With "none" among the topologies, each emulated mode also gets "step − free": its step
+less the same mode's step without emulation, the link time it left exposed measured without the wait columns.
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ def main(argv: list[str]) -> int:
     modes = ["off"] + [f"{n} groups" for n in args.chunks] + (["lanes"] if args.lanes else [])
     M, m = args.microbatches, args.micro_batch
     lines = [f"# EP overlap: `nanotitan bench overlap {' '.join(argv)}`", "",
-             f"EP={args.ep}, PP={args.pp} ({args.schedule}), M={M} microbatches of m={m} sequences of {cfg.train.seq_len}, {cfg.model.num_experts} "
-             f"experts (top {cfg.model.top_k}), d_model {cfg.model.d_model}, ffn {cfg.model.ffn_dim}, "
+             f"EP={args.ep}, PP={args.pp} ({args.schedule}), M={M} microbatches of m={m} sequences of "
+             f"{cfg.train.seq_len}, {cfg.model.num_experts} experts (top {cfg.model.top_k}), "
+             f"d_model {cfg.model.d_model}, ffn {cfg.model.ffn_dim}, "
              f"{cfg.train.dtype}; median over steps ({args.window[0]}, {args.window[1]}] per run, min / median over "
              f"{args.repeats} repeats (order alternating). Predictions: `{args.hardware}` prices compute, "
              "uncalibrated on these runs.", ""]
@@ -289,7 +290,8 @@ def interleaved(cfg, pp: int, ep: int, schedule: str, M: int, m: int, steps: int
         over = [per_rank[0][i]["overlap_s"] for i in idx]
         med[mode] = (min(step), statistics.median(step), min(cpu), statistics.median(cpu), min(wait),
                      statistics.median(wait))
-        p_step, p_ep = overlap_prediction(plain, ep, M, m, "off" if mode == "off" else "lanes", links, "cpu-gloo", pp, schedule)
+        p_step, p_ep = overlap_prediction(plain, ep, M, m, "off" if mode == "off" else "lanes", links, "cpu-gloo", pp,
+                                          schedule)
         lines.append(f"| {mode} | {min(step) * 1e3:.0f} / {statistics.median(step) * 1e3:.0f}"
                      f" | {min(cpu):.2f} / {statistics.median(cpu):.2f} | {min(wait) * 1e3:.0f} / "
                      f"{statistics.median(wait) * 1e3:.0f} | {statistics.median(over) * 1e3:.0f} | "

@@ -55,7 +55,8 @@ def trained(args, overrides: list[str], out: Path) -> list[str]:
     ckpt = run_dir / "checkpoints" / f"step_{args.trained}"
     if not ckpt.exists():
         run_layout(args.dp, 1, args.ep, "1f1b", args.microbatches, args.micro_batch, args.trained, run_dir,
-                   [f"--config={args.config}", *SHAPE, "--train.ckpt_every", str(args.trained), *overrides], args.timeout)
+                   [f"--config={args.config}", *SHAPE, "--train.ckpt_every", str(args.trained), *overrides],
+                   args.timeout)
     return ["--train.resume", str(ckpt), "--train.ckpt_every", "0"]
 
 
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=3, help="parallel.rebalance_every of the balanced runs")
     ap.add_argument("--replicas", type=int, default=2, help="parallel.expert_replicas of the balanced runs")
     ap.add_argument("--warmup", type=int, default=None, help="steps not measured (default steps // 3)")
-    ap.add_argument("--balanced-router", action="store_true", help="the overhead rows: a router balanced by top-k = E (or --router-bias)")
+    ap.add_argument("--balanced-router", action="store_true",
+                    help="the overhead rows: a router balanced by top-k = E (or --router-bias)")
     ap.add_argument("--router-bias", type=float, default=0.0, help="--balanced-router by the aux-free bias at RATE")
     ap.add_argument("--trained", type=int, default=0, help="resume every variant from the model trained N steps "
                     "(static, no emulation; made once under OUT's runs/): a settled router's persistent skew")
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     bias = None
     if args.balanced_router:
         experts = tomllib.loads(Path(args.config).read_text())["model"]["num_experts"]
-        experts = overrides[overrides.index("--model.num_experts") + 1] if "--model.num_experts" in overrides else experts
+        if "--model.num_experts" in overrides:
+            experts = overrides[overrides.index("--model.num_experts") + 1]
         bias = (["--model.bias_update_rate", str(args.router_bias)] if args.router_bias
                 else ["--model.top_k", str(experts)])
     runs: dict[str, list[dict]] = {}

@@ -22,7 +22,8 @@ from ..parallel.ep import all_to_all_rows
 
 
 def seed_pack(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, num_experts: int):
-    """Expert-major packing with a loop per expert (the seed's listing). Returns (x_ND, token_idx_N, order_N, counts_E)."""
+    """Expert-major packing with a loop per expert (the seed's listing). Returns (x_ND, token_idx_N, order_N,
+    counts_E)."""
     T, K = expert_ids_TK.shape
     counts_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.long)

@@ -71,7 +71,8 @@ class Hardware:
     dp_overlap: float  # fraction of the last backward that can hide DP all-reduce (0: comm competes for the cores)
     cores_per_node: int = 0  # CPU only: local ranks share these cores and the node's memory (0 = one device per rank)
     gemm_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured fp32 GEMM FLOP/s
-    gemm_bf16_flops_by_threads: dict[int, float] = field(default_factory=dict)  # CPU: measured bf16 GEMM FLOP/s (empty: unmeasured, the fp32 table stands in)
+    # CPU: measured bf16 GEMM FLOP/s (empty: unmeasured, the fp32 table stands in)
+    gemm_bf16_flops_by_threads: dict[int, float] = field(default_factory=dict)
     layer_overhead_s: float = 0.0  # per layer per microbatch (fwd+bwd): launches, Python, dispatch bookkeeping
     # Fixed host costs per call / per step beyond bandwidth and link latency (0 on GPU profiles; on CPU+gloo
     # fitted by `nanotitan plan --calibrate`): an all-to-all call (wrapper, split-size host sync, packing),

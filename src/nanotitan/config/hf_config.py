@@ -1,6 +1,7 @@
 """A transformers checkpoint's config.json as our model config: pure config mapping, no torch (docs/hf.md).
 
-    read_hf_config(DIR) -> (family, config.json)   Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3, or one line refusing
+    read_hf_config(DIR) -> (family, config.json)   Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or DeepSeek-V3, or one line
+                                                   refusing
     config_from_hf(DIR) -> {model key: value}      the model config a checkpoint implies
     apply_init_config(cfg)                         init.from_hf: model keys and tokenizer path from DIR
 

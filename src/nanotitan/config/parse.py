@@ -1,17 +1,19 @@
 """TOML values and `--section.key VALUE` overrides as the config fields' declared types (load_config's parsing), and
-the spec-valued fields' parsers (run.profile_steps, parallel.pp_layers, elastic.nodes).
+the spec-valued fields' parsers (run.profile_steps, parallel.pp_layers, elastic.nodes, data.mix).
 
 Each refusal is one ConfigError line naming the key and the fix; a value from a TOML file names the file.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
 import types
 import typing
 from dataclasses import fields
+from fractions import Fraction
 from typing import Literal
 
 from .errors import ConfigError
@@ -160,3 +162,47 @@ def elastic_nodes(spec: str) -> tuple[int, int]:
     if not 1 <= lo_n <= hi_n:
         raise ConfigError(f"elastic.nodes={spec!r} needs 1 <= MIN <= MAX (--elastic.nodes 2:4)")
     return lo_n, hi_n
+
+
+MIX_EXAMPLE = "--data.mix 'corpus_a:0.7,corpus_b:0.3'"
+
+
+def parse_mix(spec: str) -> list[tuple[str, Fraction]]:
+    """data.mix: "SRC:W,SRC:W" -> [(source, weight)], each weight the exact fraction its decimal writes (0.7 is 7/10),
+    >= 0, summing to > 0; a source is what data.source takes. '' -> [] (no mix)."""
+    out: list[tuple[str, Fraction]] = []
+    if ";" in spec:
+        raise ConfigError(f"data.mix={spec!r}: separate the entries with commas ({MIX_EXAMPLE})")
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        source, sep, text = item.rpartition(":")
+        source = source.strip()
+        if not sep or not source:
+            raise ConfigError(f"data.mix entry {item!r} needs a source and a weight, SOURCE:WEIGHT ({MIX_EXAMPLE})")
+        try:
+            weight = Fraction(text.strip())
+        except (ValueError, ZeroDivisionError):
+            raise ConfigError(f"data.mix weight {text.strip()!r} of {source!r} is not a number ({MIX_EXAMPLE})") \
+                from None
+        if weight < 0:
+            raise ConfigError(f"data.mix weight {text.strip()} of {source!r} must be >= 0 ({MIX_EXAMPLE})")
+        if any(source == s for s, _ in out):
+            raise ConfigError(f"data.mix names {source!r} twice: give each source once ({MIX_EXAMPLE})")
+        out.append((source, weight))
+    if spec.strip() and sum(w for _, w in out) == 0:
+        raise ConfigError(f"data.mix={spec!r}: the weights sum to 0; give a source a weight > 0 ({MIX_EXAMPLE})")
+    if out and sum(mix_counts([w for _, w in out])) > MIX_PERIOD_MAX:
+        raise ConfigError(f"data.mix={spec!r}: the weights' common denominator exceeds 2**31; write them with fewer "
+                          f"decimal digits ({MIX_EXAMPLE})")
+    return out
+
+
+MIX_PERIOD_MAX = 2**31  # keeps data/mix.py's integer arithmetic inside int64 (a product of two counts < 2**62)
+
+
+def mix_counts(weights: list[Fraction]) -> list[int]:
+    """The smallest integers a_i in the weights' exact proportions: a period of sum(a_i) samples holds a_i of source i
+    (data/mix.py). [7/10, 3/10] -> [7, 3]; [2, 1] -> [2, 1]; [1/3, 1/6] -> [2, 1]."""
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    period = math.lcm(*(s.denominator for s in shares))
+    return [int(s * period) for s in shares]

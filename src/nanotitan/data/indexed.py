@@ -46,7 +46,8 @@ class IndexedBatches:
         n_starts = self.n_tokens - self.seq_len  # last valid start leaves room for S+1 tokens
         return torch.randint(0, n_starts, (B,), generator=step_generator(self.seed, step))
 
-    def _read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows starting at offsets_B: (x, y), each [len(offsets_B), S] (of each only the positions `runs`)."""
         # Re-open the memmap per call, as nanoGPT does: a long-lived np.memmap keeps growing resident memory
         # (https://stackoverflow.com/questions/45132940).
         tokens = np.memmap(str(self.path), dtype=self.dtype, mode="r")  # a str: a Path costs ~100 calls (resolve)
@@ -60,14 +61,14 @@ class IndexedBatches:
 
     def global_batch(self, step: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All B sequences of global step `step`: (x, y), each [B, S]."""
-        return self._read(self.offsets(step, B))
+        return self.read(self.offsets(step, B))
 
     def rank_batch(self, step: int, B: int, data_rank: int, b: int, runs: Runs = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [data_rank*b, (data_rank+1)*b) of `global_batch(step, B)`, reading only those rows (and of each only
         the positions `runs`, None: all)."""
         assert 0 <= data_rank and (data_rank + 1) * b <= B, f"data_rank={data_rank} b={b} outside B={B}"
-        return self._read(self.offsets(step, B)[data_rank * b:(data_rank + 1) * b], runs)
+        return self.read(self.offsets(step, B)[data_rank * b:(data_rank + 1) * b], runs)
 
     def eval_batches(self, n: int, B: int, data_rank: int = 0, b: int | None = None, runs: Runs = None
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,6 +76,9 @@ class IndexedBatches:
         with `b`, only rows [data_rank*b, (data_rank+1)*b) of each (and `runs` of their positions)."""
         b = B if b is None else b
         assert 0 <= data_rank and (data_rank + 1) * b <= B, f"data_rank={data_rank} b={b} outside B={B}"
+        return [self.read(offsets_B[data_rank * b:(data_rank + 1) * b], runs) for offsets_B in self.eval_offsets(n, B)]
+
+    def eval_offsets(self, n: int, B: int) -> torch.Tensor:
+        """Start offsets of `eval_batches`' n batches, int64 [n, B]: n*B windows spread evenly over the file."""
         n_starts = self.n_tokens - self.seq_len
-        offsets_NB = torch.linspace(0, n_starts - 1, n * B, dtype=torch.float64).round().long().view(n, B)
-        return [self._read(offsets_B[data_rank * b:(data_rank + 1) * b], runs) for offsets_B in offsets_NB]
+        return torch.linspace(0, n_starts - 1, n * B, dtype=torch.float64).round().long().view(n, B)

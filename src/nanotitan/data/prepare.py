@@ -19,6 +19,7 @@ Directories prepared before the checksums were recorded get the id check only.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -30,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from itertools import islice
 from pathlib import Path
 
@@ -38,6 +40,7 @@ import xxhash
 from tokenizers import Tokenizer
 
 from nanotitan.config.config import DataConfig
+from nanotitan.config.parse import parse_mix
 from nanotitan.data.sources import DataError, cache_root, iter_documents, source_fingerprint
 from nanotitan.data.tokenizer import eot_id, load_tokenizer_file, train_bpe
 from nanotitan.config.errors import StorageError, first_line, os_reason
@@ -45,7 +48,7 @@ from nanotitan.config.errors import StorageError, first_line, os_reason
 FORMAT_VERSION = 1  # part of the cache key: bumping it re-prepares every corpus (the checksums were added without)
 ENCODE_BATCH = 256  # documents per encode_batch call (the Rust side parallelises within a batch)
 BLOCK_BYTES = 4 << 20  # checksum granularity: a damaged file is named with its first bad 4 MiB block
-VERIFIED_ENV = "NANOTITAN_DATA_VERIFIED"  # set once a process verified a prepared dir: the ranks it starts skip it
+VERIFIED_ENV = "NANOTITAN_DATA_VERIFIED"  # the prepared dirs a process verified, one a line: its ranks skip them
 SPLITS = ("train", "val")
 UNWRITABLE = "point --data.cache_dir (or $NANOTITAN_CACHE) at a writable directory"
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write that did not fit: a storage fault, not bad input
@@ -79,7 +82,10 @@ def split_by_document(shas: list[str], lengths: list[int], val_fraction: float) 
 
 
 def prepared_dir(cfg: DataConfig) -> Path:
-    """Where `prepare_data(cfg)` puts (or has put) its output; computing it reads no documents."""
+    """Where `prepare_data(cfg)` puts (or has put) its output; computing it reads no documents. With data.mix: the
+    first source's, whose tokenizer every source of the mix is encoded with (`mix_sources`)."""
+    if cfg.mix:
+        cfg = mix_sources(cfg)[0][0]
     key = {"format": FORMAT_VERSION, "source": source_fingerprint(cfg), "val_fraction": cfg.val_fraction}
     if cfg.tokenizer:
         tok_path = Path(cfg.tokenizer).expanduser().resolve()
@@ -121,9 +127,42 @@ def _file_lock(path: Path, log: Callable[[str], None]):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def mix_sources(cfg: DataConfig) -> list[tuple[DataConfig, Fraction]]:
+    """data.mix's sources, each as the DataConfig it is prepared with, and their weights. One tokenizer for all:
+    data.tokenizer, else the BPE trained on the first source (the others are encoded with its tokenizer.json)."""
+    entries = parse_mix(cfg.mix)
+    first = dataclasses.replace(cfg, source=entries[0][0], mix="")
+    tokenizer = cfg.tokenizer or str(prepared_dir(first) / "tokenizer.json")
+    return [(first, entries[0][1])] + [(dataclasses.replace(cfg, source=source, mix="", tokenizer=tokenizer), w)
+                                       for source, w in entries[1:]]
+
+
+def prepare_mix(cfg: DataConfig, log: Callable[[str], None] = print) -> list[Path]:
+    """`nanotitan data prepare --data.mix`: every source of the mix prepared (the first first: its tokenizer encodes
+    the others); their directories, in the mix's order."""
+    return [prepare_data(part, log) for part, _ in mix_sources(cfg)]
+
+
+def mix_dirs(cfg: DataConfig) -> list[Path]:
+    """The prepared directories of data.mix's sources, verified, in the mix's order; a source not prepared with the
+    mix's tokenizer is refused in one line naming the command that prepares it."""
+    dirs = []
+    for part, _ in mix_sources(cfg):
+        out = prepared_dir(part)  # the first is checked before the others' keys read its tokenizer
+        if not (out / "meta.json").exists():
+            raise DataError(f"data.mix source {part.source!r} is not prepared with the mix's tokenizer: run "
+                            f"`nanotitan data prepare --data.mix '{cfg.mix}'` with the same --data options")
+        verify_prepared(out)
+        dirs.append(out)
+    return dirs
+
+
 def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Path:
     """Tokenized train/val token files for data.source, built once and cached; returns their directory, verified
-    (`verify_prepared`) when it was prepared earlier."""
+    (`verify_prepared`) when it was prepared earlier. With data.mix, nothing is prepared (`prepare_mix` does): the
+    directory of the mix's tokenizer (its first source's), once every source is found prepared (`mix_dirs`)."""
+    if cfg.mix:
+        return mix_dirs(cfg)[0]
     out = prepared_dir(cfg)
     if (out / "meta.json").exists():
         verify_prepared(out)
@@ -198,7 +237,7 @@ def verify_prepared(prepared: str | Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"prepared data {prepared / 'meta.json'} is unreadable ({first_line(e)}); {redo}") from None
     try:
-        if os.environ.get(VERIFIED_ENV) == _verified_mark(prepared):
+        if _verified_mark(prepared) in os.environ.get(VERIFIED_ENV, "").split("\n"):
             return
     except OSError:
         pass  # a file is missing: the checks below name it
@@ -230,7 +269,8 @@ def verify_prepared(prepared: str | Path) -> None:
                 raise DataError(f"prepared data {path} is damaged: tokens from offset {offset // dtype.itemsize} "
                                 f"to {(offset + len(chunk)) // dtype.itemsize} fail their checksum (xxh3_64 of "
                                 f"meta.json); {redo}")
-    os.environ[VERIFIED_ENV] = _verified_mark(prepared)
+    others = [m for m in os.environ.get(VERIFIED_ENV, "").split("\n") if m and not m.startswith(f"{prepared}|")]
+    os.environ[VERIFIED_ENV] = "\n".join([_verified_mark(prepared), *others])  # a mix's sources: one mark each
 
 
 def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:

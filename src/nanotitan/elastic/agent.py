@@ -219,7 +219,8 @@ class Agent:
         if self.node not in self.members or len(self.members) < 2 or self.files.root is None:
             return
         mine = sorted((int(m.group(1)), int(m.group(2)), rel) for rel in snapshot.units(self.files.root)
-                      if (m := snapshot.UNIT.fullmatch(rel)) and int(m.group(3)) == self.node and rel not in self.pushed)
+                      if (m := snapshot.UNIT.fullmatch(rel)) and int(m.group(3)) == self.node
+                      and rel not in self.pushed)
         if not mine:
             return
         step, gen, rel = mine[-1]  # the newest: an older one not copied yet is superseded
@@ -292,7 +293,8 @@ class Agent:
     def _watch(self) -> int | None:
         """Ranks running: stop them on an abort or when one failed; report once all have exited."""
         s, g = self.store, self.gen
-        if not self.warm and s.get(f"gen/{g}/up") is not None:  # warm the next set once this one trains (not while it starts)
+        # warm the next set once this one trains (not while it starts)
+        if not self.warm and s.get(f"gen/{g}/up") is not None:
             self._warm_up()
         codes = [p.poll() for p in self.procs]
         aborted = s.get(f"gen/{g}/abort") is not None

@@ -316,9 +316,10 @@ class Coordinator:
             if len(exits) == len(self.members):  # every rank ended without being asked: the run is complete
                 return self._finish(0, f"finished at step {self.cfg.train.steps}")
             joiners = [n for n in self.waiting if n not in self.leaving]
+            leaving = self.leaving & set(self.members)
             # a generation takes its first step (the last change's record) before the next change stops it
-            if self.change is None and ((self.leaving & set(self.members)) or (joiners and len(self.members) < self.max_nodes)):
-                why = "notice" if self.leaving & set(self.members) else "join"
+            if self.change is None and (leaving or (joiners and len(self.members) < self.max_nodes)):
+                why = "notice" if leaving else "join"
                 self.change = {"event": why, "t": time.time(), "old": self.layout, "nodes_before": len(self.members)}
                 self.store.set(f"gen/{self.gen}/stop", "1")
                 self.phase = "stopping"

@@ -104,8 +104,9 @@ class SnapshotWriter:
 
     def summary(self) -> str:
         n, c = max(1, self.count), self.cost_s
-        return (f"{self.count} snapshots, each {1e3 * c['stage'] / n:.0f} ms at the step boundary (copy to host memory) "
-                f"+ {1e3 * c['write_cpu'] / n:.0f} ms CPU on its thread; {1e3 * c['pack']:.0f} ms once to plan who "
+        return (f"{self.count} snapshots, each {1e3 * c['stage'] / n:.0f} ms at the step boundary "
+                f"(copy to host memory) + {1e3 * c['write_cpu'] / n:.0f} ms CPU on its thread; "
+                f"{1e3 * c['pack']:.0f} ms once to plan who "
                 f"writes what; {c['wait']:.2f} s waited for one in flight")
 
     def _write(self, step: int, small: dict | None) -> None:

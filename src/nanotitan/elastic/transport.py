@@ -191,7 +191,8 @@ class FileServer:
     def _serve(self, req: dict, rfile, wfile) -> None:
         op = req["op"]
         if op == "list":
-            self._answer(wfile, req, {"units": units(self.root) if self.root is not None and self.root.is_dir() else {}})
+            held = units(self.root) if self.root is not None and self.root.is_dir() else {}
+            self._answer(wfile, req, {"units": held})
         elif op == "get":
             with os.fdopen(_open_under(self._root(), req["path"]), "rb") as f:
                 size, digest = os.fstat(f.fileno()).st_size, _sha256_file(f)
@@ -261,7 +262,8 @@ def _malformed(req) -> str:
             and len(req["body"]) in (0, 64) and _HEX.fullmatch(req["body"]) and req["reply_to"] == ""
             and len(req["job"]) <= 200 and req["to"] >= 0):
         return "a field out of its range (ts, nonce, body, reply_to, job or to)"  # NaN < 1e15 is false too
-    if req["op"] == "get" and not (len(req["path"]) <= 1024 and all(_NAME.fullmatch(p) for p in req["path"].split("/"))):
+    if req["op"] == "get" and not (len(req["path"]) <= 1024
+                                   and all(_NAME.fullmatch(p) for p in req["path"].split("/"))):
         return f"path {ascii(req['path'])[:80]} is not plain names under the snapshot dir"
     if req["op"] == "put":
         files = req["files"]

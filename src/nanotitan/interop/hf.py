@@ -1,7 +1,9 @@
 """Hugging Face interop: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3 checkpoints in and out (docs/hf.md).
 
-    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies (config/hf_config.py)
-    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR (config/hf_config.py)
+    config_from_hf(DIR) -> {model key: value}      the model config a transformers checkpoint implies
+                                                   (config/hf_config.py)
+    apply_init_config(cfg)                         init.from_hf: model config and tokenizer from DIR
+                                                   (config/hf_config.py)
     load_into_shard(model, DIR)                    this shard's slice only: its layers, its experts
     load_pretrained(DIR) -> (Config, Transformer)  one process, eval-ready
     save_pretrained(model, cfg, DIR, dtype=...)    config.json + model.safetensors (+ shards and index)
@@ -35,7 +37,8 @@ from safetensors.torch import save_file
 from ..config.config import Config, ConfigError, ModelConfig, load_config, validate
 from ..config.errors import CheckpointError, first_line
 from ..config.fits import does_not_fit
-from ..config.hf_config import ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf, read_hf_config  # noqa: F401
+from ..config.hf_config import (ARCHITECTURES, FAMILY_ARCH, apply_init_config, config_from_hf,  # noqa: F401
+                                read_hf_config)  # noqa: F401
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer, head_dim, is_moe_layer, kv_heads, shared_hidden
 from ..parallel.tp import tp_part
@@ -304,6 +307,15 @@ def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
     return cfg, model.eval()
 
 
+def read_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint dir's safetensors files, whole (a check's, not a load's: `nanotitan verify --hf`)."""
+    out = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(f, framework="pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
 # --- weights out --------------------------------------------------------------------------------
 
 def _weights(model: Transformer, family: str):
@@ -387,7 +399,7 @@ def save_pretrained(model: Transformer, cfg: Config | ModelConfig, out_dir: str 
     return out
 
 
-def _run_tokenizer(cfg: Config) -> Path | None:
+def run_tokenizer(cfg: Config) -> Path | None:
     """The tokenizer a run trained with: its prepared data dir's tokenizer.json, else data.tokenizer."""
     from ..data.prepare import prepared_dir
 
@@ -399,6 +411,26 @@ def _run_tokenizer(cfg: Config) -> Path | None:
     return p if p is not None and p.is_file() else None
 
 
+def export_target(out_dir: str | Path, force: bool, name: str, fix: str) -> Path:
+    """The directory an export writes into: new, or empty; one holding anything (an earlier export, other files) is
+    refused in one line naming it as `name` ("--out" or "train.export_hf") and `fix`, unless `force` (the export then
+    writes over its own file names)."""
+    out = Path(out_dir)
+    if not force and out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{name} {str(out)!r} is not empty: {fix}")
+    return out
+
+
+def check_export_hf(cfg: Config) -> None:
+    """train.export_hf, before anything trains: a new or empty directory, a model transformers can represent, and one
+    that fits one process (rank 0 exports the whole model at the end)."""
+    export_target(cfg.train.export_hf, False, "train.export_hf", "give a new or empty directory (--train.export_hf "
+                  "DIR), or export later with `nanotitan export --force`")
+    hf_config(cfg.model)  # an option transformers cannot represent: its one line now, not after training
+    if why := does_not_fit(cfg, training=False, whole=True):
+        raise ConfigError(f"train.export_hf={cfg.train.export_hf!r}: the whole model must fit one process: {why}")
+
+
 def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
                       dtype: str = "fp32") -> Path:
     """`nanotitan export`: a run's checkpoint (newest, or step N; any layout and zero level: checkpoints use
@@ -408,14 +440,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
     from ..parallel.dims import ParallelDims
 
     run = Path(run_dir)
-    if step is None:
-        path = manifest.latest_checkpoint(run)
-        if path is None:
-            raise ConfigError(f"no complete checkpoint under {run} (--run.dir of a run that saved one)")
-    else:
-        path = manifest.checkpoint_dir(run) / f"step_{step}"
-        if not (path / manifest.COMPLETE).is_file():
-            raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
+    path = manifest.saved_checkpoint(run, step)
     # The checkpoint's own config, as saved: resolved (resolve.py) before it was written, so it is used as it
     # is, and init.from_hf's directory need not exist any more.
     cfg = load_config(path / "config.toml")
@@ -424,7 +449,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
         raise CheckpointError(f"{path / 'config.toml'}: {why}")  # config says so, and nothing can fit it here
     model = Transformer(cfg.model, seed=cfg.train.seed)
     ckpt.load_checkpoint(path, model, None, ParallelDims(1, 1, 1))
-    tok = _run_tokenizer(cfg)
+    tok = run_tokenizer(cfg)
     if tok is None:
         print(f"export: no tokenizer found for {run} (prepare its data, or set data.tokenizer); "
               "writing weights and config only")

@@ -10,8 +10,10 @@ Muon orthogonalizes the update of a matrix that maps hidden activations to hidde
             and bias (vectors), the router (Moonlight keeps it on AdamW: a tiny E x D gate whose rows compete in
             a softmax/sigmoid) and the aux-free selection bias (a buffer, moved by its own sign rule, never an
             optimizer's)
-Floor 1 (model/): the gradient syncs (parallel/dp/) read the tag. A parameter is tagged once (`tag_params`, before the gradient sync is built): ZeRO 1/2 buckets Muon's matrices
-apart (zero.py), FSDP2 keeps the tag on its DTensor shards (fsdp.py), every flavour's `param_groups` splits by it.
+Floor 1 (model/): every parameter carries a family tag (`tag_params`, before the gradient sync is built), a plain
+string the gradient syncs (parallel/dp/) group and bucket by without knowing what it means: ZeRO 1/2 keep one tag
+per flat bucket (zero.py), FSDP2 keeps the tag on its DTensor shards (fsdp.py), every flavour's `param_groups` hands
+out one group per tag. What a tag means is optim/'s: which optimizer takes it, and whether it decays.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-MUON = "muon_matrix"  # the attribute a Muon-family parameter carries (True)
+TAG = "family"  # the attribute a parameter's family tag rides on (kept across FSDP2's re-wrap: keep_tag)
+VECTOR, MATRIX, HIDDEN = "vector", "matrix", "hidden"  # norms and biases; other matrices; Muon's hidden matrices
 _ADAMW_PARTS = ("tok_emb", "pos_emb", "head", "router")  # name components that keep a matrix on AdamW
 
 
@@ -31,21 +34,26 @@ def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2 or (p.dim() == 3 and ".experts." in name)
 
 
-def tag_params(model: nn.Module) -> int:
-    """Tag every Muon-family parameter of `model`; returns how many."""
-    n = 0
+def family(name: str, p: torch.Tensor, optimizer: str) -> str:
+    """p's tag under train.optimizer: HIDDEN for a matrix Muon takes (only under muon, so that AdamW's ZeRO buckets
+    stay the two families they always were), else MATRIX or VECTOR by rank."""
+    if optimizer == "muon" and is_muon_matrix(name, p):
+        return HIDDEN
+    return MATRIX if p.dim() >= 2 else VECTOR
+
+
+def tag_params(model: nn.Module, optimizer: str) -> None:
+    """Tag every parameter of `model` with its family under train.optimizer."""
     for name, p in model.named_parameters():
-        if is_muon_matrix(name, p):
-            setattr(p, MUON, True)
-            n += 1
-    return n
+        setattr(p, TAG, family(name, p, optimizer))
 
 
-def is_muon(p: torch.Tensor) -> bool:
-    return bool(getattr(p, MUON, False))
+def tag_of(p: torch.Tensor) -> str:
+    """p's family tag; an untagged parameter (a test's sync built without `parallelize`) is a MATRIX or a VECTOR."""
+    return getattr(p, TAG, None) or (MATRIX if p.dim() >= 2 else VECTOR)
 
 
 def keep_tag(old: torch.Tensor, new: torch.Tensor) -> None:
     """A parameter that replaces another (FSDP2's DTensor shard) keeps its family."""
-    if is_muon(old):
-        setattr(new, MUON, True)
+    if hasattr(old, TAG):
+        setattr(new, TAG, getattr(old, TAG))

@@ -21,9 +21,10 @@ import torch.nn as nn
 
 from ..config.config import ModelConfig
 from . import qk_max
+from .kv_cache import KVCache, cached_attention
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
-from .tokens import TokenShard, at_runs, latent_attention, seq_runs
+from .tokens import LOCAL, TokenShard, at_runs
 from .wgrad import Linear
 
 
@@ -46,7 +47,7 @@ class LatentExpand(nn.Module):
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard = LOCAL):
         super().__init__()
         self.tokens = tokens
         D, H, bias = cfg.d_model, cfg.n_heads, cfg.attn_bias  # HF's attention_bias: q_a, kv_a and o
@@ -67,21 +68,35 @@ class MLA(nn.Module):
 
     def forward(self, x, rope):
         B, S, _ = x.shape
-        Dn, Dr, Dv = self.nope, self.rope, self.v_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
-        H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
-        q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
-        runs = seq_runs(self.tokens, S)  # each token's global position (context parallel: its chunks)
-        cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
-        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
-        q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
-        latent = torch.cat([self.kv_a_layernorm(latent), k_rot.squeeze(1)], dim=-1)  # (B, S, R + Dr)
-        expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, Dn, Dr, Dv)
+        q, latent = self.project(x, rope, self.tokens.seq_runs)  # global positions (context parallel: its chunks)
+        expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, self.nope, self.rope, self.v_dim)
         if getattr(self, "qk_track", False) and torch.is_grad_enabled():  # train.qk_clip only: the keys once more
             with torch.no_grad():
                 k = expand(latent)[0]
             qk_max.observe(self, q, k, self.scale)  # (model/qk_max.py; refused under CP)
-        y = latent_attention(q, latent, expand, self.scale) if self.tokens is None else \
-            self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dv))
+        y = self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.v_dim))
+
+    def decode(self, x, rope, cache: KVCache, key: str):
+        """forward for generation: the cache holds each earlier token's latent (B, T, R + Dr), up-projected here."""
+        B, S, _ = x.shape
+        q, latent = self.project(x, rope, cache.positions)
+        (latent,) = cache.extend(key, 1, latent)
+        expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, self.nope, self.rope, self.v_dim)
+        y = cached_attention(q, *expand(latent), self.scale)  # (B, H, S, Dv)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.v_dim))
+
+    def project(self, x, rope, positions):
+        """q (B, H, S, Dn + Dr) and the per-token latent (B, S, R + Dr) of x's S tokens, roped at `positions(S)`,
+        their global positions as (start, length) runs."""
+        B, S, _ = x.shape
+        Dn, Dr = self.nope, self.rope
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        H = q.shape[-1] // (Dn + Dr)  # from the shape: under tensor parallel a rank holds H/N heads (parallel/tp.py)
+        q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
+        runs = positions(S)
+        cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
+        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
+        q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
+        return q, torch.cat([self.kv_a_layernorm(latent), k_rot.squeeze(1)], dim=-1)  # (B, S, R + Dr)

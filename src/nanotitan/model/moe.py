@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import wgrad
-from .tokens import TokenShard
+from .tokens import LOCAL, TokenShard
 from .wgrad import Linear
 
 
@@ -218,14 +218,14 @@ class MoE(nn.Module):
                  score: str = "softmax", routed_scale: float = 1.0, bias_update_rate: float = 0.0,
                  aux_coef: float = 1.0, aux_scope: str = "micro", z_loss_coef: float = 0.0,
                  capacity_factor: float = 0.0, n_group: int = 1, topk_group: int = 1, experts_impl: str = "loop",
-                 tokens: TokenShard | None = None):
+                 tokens: TokenShard = LOCAL):
         super().__init__()
-        # The token ranks (tensor parallel, model/tokens.py): this rank routes its `runs` of each sequence's
-        # positions; tokens.sum(t) sums t over the ranks holding the rest (gradient straight through), so the
-        # balance loss, the z-loss and the counts are the whole microbatch's; tokens.gather(t, 1) concatenates the
-        # ranks' (B, S, ..) t in sequence order (no gradient: capacity's ranking). None: every token is here.
+        # The token ranks (tensor or context parallel, model/tokens.py; LOCAL: every token is here): this rank routes
+        # its `runs` of each sequence's positions; tokens.sum / tokens.mean sum over the ranks holding the rest
+        # (gradient straight through), so the balance loss, the z-loss and the counts are the whole microbatch's;
+        # tokens.gather_routing puts the ranks' routing in sequence order (no gradient: capacity's ranking).
         self.tokens = tokens
-        self.token_shards = 1 if tokens is None else tokens.size
+        self.token_shards = tokens.size
         assert score in ("softmax", "sigmoid") and aux_scope in ("micro", "sequence"), (score, aux_scope)
         self.score, self.routed_scale, self.bias_update_rate = score, routed_scale, bias_update_rate
         self.aux_coef, self.aux_scope, self.z_loss_coef = aux_coef, aux_scope, z_loss_coef
@@ -292,18 +292,10 @@ class MoE(nn.Module):
         # probability of e (sigmoid scores normalised per token, DeepSeek-V3); per microbatch or per sequence.
         counts_E = expert_counts(expert_ids_TK, E)  # bincount without its host read on CUDA
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.tokens is not None:  # the whole microbatch's (or sequence's) counts and mean probabilities
-            balance, counts_E = self._balance_of_shards(expert_ids_TK, probs_TE, counts_E, B, S, whole)
-        elif self.aux_scope == "micro":
-            f_E = counts_E.to(probs_TE.dtype) / (T * K)
-            balance = E * (f_E * probs_TE.mean(dim=0)).sum()
-        else:  # DeepSeek-V3's sequence-wise loss: the same per sequence, averaged over the B sequences
-            ones = probs_TE.new_ones(B, S * K)
-            f_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), ones) / (S * K)
-            balance = E * (f_BE * probs_TE.view(B, S, E).mean(dim=1)).sum(dim=1).mean()
+        balance, counts_E = self._balance(expert_ids_TK, probs_TE, counts_E, B, S, whole)
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.z_loss_coef)):  # a statistic only: no graph
-            z_TE = logits_TE.logsumexp(dim=-1).square()  # ST-MoE: keeps router logits small
-            z_loss = z_TE.mean() if self.tokens is None else self.tokens.sum(z_TE.sum()) / (B * whole)
+            z_T = logits_TE.logsumexp(dim=-1).square()  # ST-MoE: keeps router logits small
+            z_loss = self.tokens.mean(z_T, 0, B * whole)
         # 0 + x and 1 * x would be x: no op for the default coefficients (aux_coef 1, z_loss_coef 0)
         aux = (balance if self.aux_coef == 1.0 else self.aux_coef * balance) if self.aux_coef \
             else logits_TE.new_zeros(())
@@ -336,36 +328,34 @@ class MoE(nn.Module):
         keep_TG.scatter_(1, group_TG.topk(self.topk_group, dim=-1).indices, True)
         return per_group_TGE.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
-    def _balance_of_shards(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int, whole: int):
-        """route's balance loss when this rank holds S of the `whole` positions of each sequence (tensor parallel):
-        the same sums over the token ranks (`tokens.sum`), divided by the whole counts. Returns it and the counts."""
-        E, K, total = self.num_experts, self.top_k, self.tokens.sum
-        counts_E = total(counts_E)
+    def _balance(self, expert_ids_TK, probs_TE, counts_E, B: int, S: int, whole: int):
+        """route's balance loss over the whole microbatch, and its counts: this rank holds S of the `whole` routed
+        positions of each sequence (all of them on one device), whose counts and probabilities the token shard sums
+        over the token ranks (`tokens.sum`, `tokens.mean`). Per microbatch, or (aux_scope "sequence", DeepSeek-V3's
+        sequence-wise loss) per sequence, averaged over the B sequences."""
+        E, K, tokens = self.num_experts, self.top_k, self.tokens
+        counts_E = tokens.sum(counts_E)
         if self.aux_scope == "micro":
-            nT = B * whole
-            p_E = total(probs_TE.sum(dim=0)) / nT
-            return E * (counts_E.to(probs_TE.dtype) / (nT * K) * p_E).sum(), counts_E
+            f_E = counts_E.to(probs_TE.dtype) / (B * whole * K)
+            return E * (f_E * tokens.mean(probs_TE, 0, B * whole)).sum(), counts_E
         hits_BE = probs_TE.new_zeros(B, E).scatter_add_(1, expert_ids_TK.view(B, S * K), probs_TE.new_ones(B, S * K))
-        f_BE = total(hits_BE) / (whole * K)
-        p_BE = total(probs_TE.view(B, S, E).sum(dim=1)) / whole
-        return E * (f_BE * p_BE).sum(dim=1).mean(), counts_E
+        f_BE = tokens.sum(hits_BE) / (whole * K)
+        return E * (f_BE * tokens.mean(probs_TE.view(B, S, E), 1, whole)).sum(dim=1).mean(), counts_E
 
     def _capacity_keep(self, expert_ids_TK, weights_TK, B: int, S: int, whole: int) -> torch.Tensor:
         """capacity_keep over the whole microbatch (B sequences of `whole` routed positions), this rank's (B, S)
-        part of it. Under tensor parallel the ranking crosses the ranks (weights first, so no per-expert offset
-        would do): one all-gather of every rank's (weight, id) pairs, padded to the shard's length with "no
-        expert", puts them in one process's token order; every rank ranks them all and keeps its own."""
+        part of it. Across token ranks the ranking crosses them (weights first, so no per-expert offset would do):
+        `tokens.gather_routing` (one all-gather of every rank's (weight, id) pairs, padded to the shard's length with
+        "no expert"; the pairs themselves on one device) puts them in one process's token order; every rank ranks
+        them all and keeps its own."""
         E, K = self.num_experts, self.top_k
         capacity = math.ceil(self.capacity_factor * B * whole * K / E)
-        if self.tokens is None:
-            return capacity_keep(expert_ids_TK, weights_TK, E, capacity)
         shard = (whole + self.seq_tail) // self.token_shards  # a rank's positions, routed or not
-        pairs = weights_TK.new_zeros(B, shard, K, 2)  # (weight, id): ids < 2^24 are exact in fp32
-        pairs[..., 1] = E
-        pairs[:, :S] = torch.stack([weights_TK.float(), expert_ids_TK.float()], -1).view(B, S, K, 2)
-        every = self.tokens.gather(pairs, 1)[:, :whole].reshape(B * whole, K, 2)  # the tail sits past `whole`
-        keep = capacity_keep(every[..., 1].long(), every[..., 0], E, capacity).view(B, whole, K)
-        mine = torch.cat([keep[:, s:s + n] for s, n in self.tokens.runs(shard)], 1)  # routed: its first S
+        w_BXK, ids_BXK = self.tokens.gather_routing(weights_TK.view(B, S, K), expert_ids_TK.view(B, S, K), shard, E)
+        keep = capacity_keep(ids_BXK[:, :whole].reshape(B * whole, K), w_BXK[:, :whole].reshape(B * whole, K), E,
+                             capacity).view(B, whole, K)  # the tail sits past `whole`
+        parts = [keep[:, s:s + n] for s, n in self.tokens.runs(shard)]  # routed: its first S
+        mine = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         return mine[:, :S].reshape(B * S, K)
 
     @torch.no_grad()
@@ -380,7 +370,7 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         whole = S * self.token_shards - self.seq_tail
-        runs = [(0, S)] if self.tokens is None else self.tokens.runs(S)
+        runs = self.tokens.runs(S)
         own = sum(min(n, max(0, whole - s)) for s, n in runs)  # routed: a prefix of this shard (seq_tail: the rest)
         r_TD = x_TD if own == S else x_BSD[:, :own].reshape(B * own, D)
         expert_ids_TK, weights_TK, aux = self.route(r_TD, B, own, whole)

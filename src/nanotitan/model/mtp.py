@@ -16,16 +16,16 @@ embedding first, is DeepSeek's checkpoint's (its eh_proj columns).
 Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k]
 at positions t < S - k. Both are read from the whole sequence's targets at this rank's positions (`whole_targets`:
 under context parallel a rank holds two chunks, and position t's target t+k may lie in another rank's), the
-untargeted tail marked IGNORE, which the cross-entropy leaves out. Each depth runs on all S positions, its last k padded (`future_ids`), so that every depth's
-tensors keep the trunk's shape: under tensor parallel with SP each rank holds an even shard of the S positions, and
-the embedding, the head and the loss each run once over the main rows and every depth's, stacked along the batch.
-What the padding cannot reach is left out as if the depth ran on S - k positions: attention is causal and the rest
-works per token, so no kept position reads the tail; the MoE of depth k's block routes none of its last k positions
-and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss reads positions t < S - k. Loss: each
-depth's mean CE over its positions, averaged over the depths, times mtp_coef: a loss term of its own, which the
-shard's forward returns beside the router losses and the pipeline runner adds to the objective and sums over the
-microbatches as it sums those (parallel/pp/schedules.py); the trainer logs it apart as `mtp_loss`. A block's MoE
-router losses join the shard's aux sum like any layer's.
+untargeted tail marked IGNORE, which the cross-entropy leaves out. Each depth runs on all S positions, its last k padded
+(`future_ids`), so that every depth's tensors keep the trunk's shape: under tensor parallel with SP each rank holds an
+even shard of the S positions, and the embedding, the head and the loss each run once over the main rows and every
+depth's, stacked along the batch. What the padding cannot reach is left out as if the depth ran on S - k positions:
+attention is causal and the rest works per token, so no kept position reads the tail; the MoE of depth k's block routes
+none of its last k positions and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss reads positions
+t < S - k. Loss: each depth's mean CE over its positions, averaged over the depths, times mtp_coef: a loss term of its
+own, which the shard's forward returns beside the router losses and the pipeline runner adds to the objective and sums
+over the microbatches as it sums those (parallel/pp/schedules.py); the trainer logs it apart as `mtp_loss`. A block's
+MoE router losses join the shard's aux sum like any layer's.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config.config import ModelConfig
 from .norm import RMSNorm
-from .tokens import at_runs, seq_runs
+from .tokens import IGNORE, TokenShard, at_runs
 from .wgrad import Linear
-
-IGNORE = -100  # a target no loss reads (the shifted tail), F.cross_entropy's ignore_index
 
 
 def mtp_layer_ids(cfg: ModelConfig, mtp_layers: int) -> range:
@@ -90,26 +87,20 @@ class MTP(nn.ModuleDict):
             outs.append(module.shared_head.norm(h))
         return outs, aux
 
-    def loss(self, logits: torch.Tensor, whole: torch.Tensor, runs: list, ce: Callable | None = None) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, whole: torch.Tensor, runs: list, ce: Callable) -> torch.Tensor:
         """Mean over depths of each depth's mean CE. logits (D*B, S, V): the head's output on every depth's
         positions, depth k's in rows [(k-1)*B, k*B); whole, runs: `whole_targets`; `ce(logits, targets)` is the
-        model's cross-entropy (the token shard's under tensor or context parallel), plain by default."""
+        model's cross-entropy (its token shard's: plain on one device, model/tokens.py)."""
         losses = []
         for k, rows in enumerate(logits.chunk(len(self)), start=1):
-            losses.append((ce or cross_entropy)(rows, shifted(whole, runs, k, IGNORE)))
+            losses.append(ce(rows, shifted(whole, runs, k, IGNORE)))
         return torch.stack(losses).mean()
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
-
-
-def whole_targets(targets: torch.Tensor, tokens) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def whole_targets(targets: torch.Tensor, tokens: TokenShard) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """(the whole sequences' targets (B, S_whole), the global runs of this rank's S positions): the token shard's
-    (model/tokens.py: seq_gather, seq_runs), or targets itself on one device."""
-    runs = seq_runs(tokens, targets.shape[1])
-    return (targets if tokens is None else tokens.seq_gather(targets, 1)), runs
+    (model/tokens.py: seq_gather, seq_runs; targets itself on one device)."""
+    return tokens.seq_gather(targets, 1), tokens.seq_runs(targets.shape[1])
 
 
 def shifted(whole: torch.Tensor, runs: list, k: int, fill: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ class FullNorm(RMSNorm):
         return (x.float() * torch.rsqrt(ss / self.width + self.eps)).to(x.dtype) * w
 
 
-def full_norm(width: int, eps: float, tokens: TokenShard | None, heads: int) -> RMSNorm:
+def full_norm(width: int, eps: float, tokens: TokenShard, heads: int) -> RMSNorm:
     """The norm over a whole projection of `heads` heads: a FullNorm when the split ranks divide those heads, else
     a plain RMSNorm (one device; or GQA's KV heads fewer than the ranks: each reads the whole, replicated k)."""
-    return FullNorm(width, eps, tokens) if tokens is not None and tokens.splits(heads) else RMSNorm(width, eps)
+    return FullNorm(width, eps, tokens) if tokens.splits(heads) else RMSNorm(width, eps)

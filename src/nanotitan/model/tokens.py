@@ -1,19 +1,21 @@
-"""TokenShard: what the model needs from the ranks that share its tokens, handed in whole (None on one device).
+"""TokenShard: what the model needs from the ranks that share its tokens, handed in whole, on one device too.
 
-Tensor parallel (parallel/tp.py: `TPShard`) and context parallel (parallel/cp.py: `CPShard`, which composes with
-TP's) implement it (docs/architecture.md, "One object shards tokens"). The model never asks which axis it runs
-under: it calls these methods, and builds the modules below when handed a shard. Without one (None) the module
-functions below are what the model runs: `causal_attention`, `latent_attention`, `seq_runs`.
+`LocalTokenShard` (`LOCAL`, the default of every module) stands for one device: plain causal SDPA, identity sums and
+gathers, the plain mean cross-entropy. Tensor parallel (parallel/tp.py: `TPShard`) and context parallel
+(parallel/cp.py: `CPShard`, which composes with TP's part) implement it for their ranks (docs/architecture.md, "One
+object shards tokens"). The model never asks which axis it runs under, nor whether it runs under one: it calls these
+methods, one path for every layout.
 
 Three kinds of ranks share a rank's tokens:
 - the sequence ranks (CP): each holds its own positions of every sequence (`seq_runs`), which its attention and
   loss see; attention meets the others' keys and values through `attend` / `attend_latent`, MTP reads the whole
   sequence's targets through `seq_gather`. Under TP alone the sequence is whole on every rank.
 - the token ranks (`rank` of `size`): they hold the rest of each sequence. The MoE routes its own `runs` of
-  positions and sums its statistics over them (`sum`), or gathers them in sequence order (`gather`).
+  positions and sums its statistics over them (`sum`, `mean`), or gathers their routing in sequence order
+  (`gather_routing`).
 - the split ranks (`split_rank` of `split_size`): they hold the same tokens and split the weights (heads, vocab
-  rows). A full q/k norm sums its squares over them (`split_sum`), the vocab-parallel embedding its lookups
-  (`vocab_sum`), the loss its logit shards (`cross_entropy`).
+  rows). A full q/k norm sums its squares over them (`split_sum`), the vocab-parallel embedding (`embedding`) its
+  lookups (`vocab_sum`), the loss its logit shards (`cross_entropy`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ import torch.nn.functional as F
 
 from . import wgrad
 
+IGNORE = -100  # a target no loss reads (MTP's shifted tail, model/mtp.py): F.cross_entropy's ignore_index
+
 
 class TokenShard(Protocol):
-    """The interface (parallel/tp.py: `TPShard`). Positions are global indices into a whole sequence."""
+    """The interface (`LocalTokenShard` below; parallel/tp.py: `TPShard`). Positions are global indices into a whole
+    sequence."""
     rank: int  # this rank's place among the token ranks
     size: int  # token ranks: each holds S_whole / size positions of every sequence
     split_rank: int  # this rank's place among the ranks that split the weights on the same tokens
@@ -62,8 +67,19 @@ class TokenShard(Protocol):
         """t summed over the token ranks; the gradient goes straight through (each rank's, for its own tokens)."""
         ...
 
+    def mean(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        """t's mean along `dim` over the token ranks' n entries (this rank's t.sum(dim), summed as `sum` does, / n)."""
+        ...
+
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The token ranks' t concatenated along the sequence dim `dim`, in global position order (no gradient)."""
+        ...
+
+    def gather_routing(self, weights_BSK: torch.Tensor, ids_BSK: torch.Tensor, length: int,
+                       none_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token ranks' routing (weights, expert ids) as the whole microbatch's, in global position order (no
+        gradient). Each rank routes the first S of its `length` positions; past the routed ones (MTP's tail) come
+        pads (weight 0, `none_id`), which the caller cuts: (B, >= routed positions of a whole sequence, K) each."""
         ...
 
     def splits(self, heads: int) -> bool:
@@ -72,6 +88,10 @@ class TokenShard(Protocol):
 
     def split_sum(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the split ranks, its gradient summed too: every rank's part reaches every rank's output."""
+        ...
+
+    def embedding(self, num: int, dim: int) -> nn.Embedding:
+        """The token table: whole, or vocab-parallel over the split ranks (`VocabParallelEmbedding`)."""
         ...
 
     def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,9 +119,80 @@ def latent_attention(q, latent, expand, scale: float) -> torch.Tensor:
     return causal_attention(q, *expand(latent), scale)
 
 
-def seq_runs(tokens: TokenShard | None, S: int) -> list[tuple[int, int]]:
-    """The global positions of the S positions of a sequence this rank's attention and loss see."""
-    return [(0, S)] if tokens is None else tokens.seq_runs(S)
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+
+
+class WholeSequence:
+    """The sequence ranks' part of a token shard whose rank holds every sequence whole (one device; tensor parallel
+    alone, whose regions gather SP's shards): attention and the loss see positions [0, S), attention is local."""
+
+    def seq_runs(self, S: int) -> list[tuple[int, int]]:
+        return [(0, S)]
+
+    def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, scale)
+
+    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
+        return latent_attention(q, latent, expand, scale)
+
+
+class LocalTokenShard(WholeSequence):
+    """One device as the model's token shard: every position of every sequence is here, in order, and nothing is
+    split. Each method is what a module runs alone (the identities return their tensor itself: no op is added)."""
+    rank, size, split_rank, split_size = 0, 1, 0, 1
+
+    def runs(self, S: int) -> list[tuple[int, int]]:
+        return [(0, S)]
+
+    def stream_len(self, S: int) -> int:
+        return S
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def mean(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        return t.mean(dim)
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def gather_routing(self, weights_BSK, ids_BSK, length: int, none_id: int):
+        return weights_BSK, ids_BSK
+
+    def splits(self, heads: int) -> bool:
+        return False  # no split ranks: a q/k norm over the whole projection is a plain RMSNorm
+
+    def split_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def embedding(self, num: int, dim: int) -> nn.Embedding:
+        return nn.Embedding(num, dim)
+
+    def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets)
+
+
+LOCAL = LocalTokenShard()  # stateless: every module of a one-device model shares it
+
+
+def gather_pairs(tokens: TokenShard, weights_BSK: torch.Tensor, ids_BSK: torch.Tensor, length: int,
+                 none_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_routing` for token ranks that hold parts (TP, CP): the (weight, id) pairs in one tensor (ids < 2^24
+    are exact in fp32), padded to `length` positions, so that one all-gather (`tokens.gather`) carries both."""
+    B, S, K = ids_BSK.shape
+    pairs = weights_BSK.new_zeros(B, length, K, 2)
+    pairs[..., 1] = none_id
+    pairs[:, :S] = torch.stack([weights_BSK.float(), ids_BSK.float()], -1)
+    every = tokens.gather(pairs, 1)
+    return every[..., 0], every[..., 1].long()
 
 
 def at_runs(t: torch.Tensor, runs: list[tuple[int, int]], dim: int = 0) -> torch.Tensor:

@@ -28,14 +28,15 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
 from . import qk_max, wgrad
+from .kv_cache import KVCache, cached_attention
 from .mla import MLA
 from .moe import MoE, SwiGLU
-from .mtp import MTP, cross_entropy, future_ids, mark_tails, mtp_layer_ids, whole_targets
+from .mtp import MTP, future_ids, mark_tails, mtp_layer_ids, whole_targets
 from .norm import RMSNorm, full_norm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
-from .tokens import TokenShard, VocabParallelEmbedding, at_runs, causal_attention, seq_runs
+from .tokens import LOCAL, TokenShard, at_runs
 
 MB_LOAD_KEPT = 1024  # microbatch records per MoE layer kept between two metric records (Transformer.mb_load)
 
@@ -57,7 +58,7 @@ class Attention(nn.Module):
     """Causal self-attention (MHA/GQA, q/k norms, biases). Its sequence is whole, or (context parallel) its token
     shard's positions (`seq_runs`: RoPE reads the table at them), and `tokens.attend` meets the other ranks' keys."""
 
-    def __init__(self, cfg: ModelConfig, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, tokens: TokenShard = LOCAL):
         super().__init__()
         self.tokens = tokens
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
@@ -74,6 +75,22 @@ class Attention(nn.Module):
 
     def forward(self, x, rope):
         B, S, _ = x.shape
+        q, k, v = self.project(x, rope, self.tokens.seq_runs)  # each token's global position (model/tokens.py)
+        qk_max.observe(self, q, k, self.head_dim ** -0.5)  # train.qk_clip only (model/qk_max.py; refused under CP)
+        y = self.tokens.attend(q, k, v)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.head_dim))
+
+    def decode(self, x, rope, cache: KVCache, key: str):
+        """forward for generation: x's S new tokens attend over the cache's earlier ones and themselves."""
+        B, S, _ = x.shape
+        q, k, v = self.project(x, rope, cache.positions)
+        y = cached_attention(q, *cache.extend(key, 2, k, v))  # (B, H, S, Dh)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.head_dim))
+
+    def project(self, x, rope, positions):
+        """q (B, H, S, Dh), k, v (B, Hkv, S, Dh) of x's S tokens: projected, normed, and roped at `positions(S)`,
+        their global positions as (start, length) runs."""
+        B, S, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, S, H*Dh), (B, S, Hkv*Dh) x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -83,20 +100,18 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, S, Dh)
-        if rope is not None:  # each token's global position (model/tokens.py: seq_runs)
-            runs = seq_runs(self.tokens, S)
+        if rope is not None:
+            runs = positions(S)
             cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        qk_max.observe(self, q, k, Dh ** -0.5)  # train.qk_clip only (model/qk_max.py; refused under CP)
-        y = causal_attention(q, k, v) if self.tokens is None else self.tokens.attend(q, k, v)
-        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * Dh))
+        return q, k, v
 
 
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (MoE or dense). A pipeline cut may fall between
     the halves (model/spec.py): the block then holds, and runs, only the half its shard owns."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, spec: ModelShardSpec, tokens: TokenShard = LOCAL):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
         if self.has_attn:
@@ -119,6 +134,15 @@ class Block(nn.Module):
     def forward(self, x, rope):
         if self.has_attn:
             x = x + self.attn(self.attn_norm(x), rope)
+        return self.feed_forward(x)
+
+    def decode(self, x, rope, cache: KVCache, key: str):
+        """forward for generation (a whole block: generate runs the full model), attention over the cache."""
+        return self.feed_forward(x + self.attn.decode(self.attn_norm(x), rope, cache, key))[0]
+
+    def feed_forward(self, x):
+        """x + the FFN half of the block (MoE or dense; x itself on a shard without it), and the MoE's weighted
+        router losses."""
         if self.is_moe:
             y, aux = self.moe(self.ffn_norm(x))
             return x + y, aux
@@ -137,16 +161,15 @@ class Transformer(nn.Module):
     to its objective as it adds the weighted aux_sum (parallel/pp/schedules.py)."""
 
     def __init__(self, cfg: ModelConfig, spec: ModelShardSpec | None = None, seed: int = 0, init: bool = True,
-                 tokens: TokenShard | None = None):
+                 tokens: TokenShard = LOCAL):
         super().__init__()
         assert cfg.vocab_size > 0, "model.vocab_size=0 stands for data.vocab_size: resolve the config (resolve.py)"
         spec = spec or ModelShardSpec.full(cfg)
         self.cfg, self.spec = cfg, spec
         self.activation_checkpointing = False
-        # The ranks that share this shard's tokens (tensor parallel: parallel/tp.py), None on one device: the
-        # embedding and the head are then vocab-parallel, and so is the loss.
+        # The ranks that share this shard's tokens (model/tokens.py; LOCAL on one device): under tensor parallel the
+        # embedding and the head are vocab-parallel, and so is the loss (`tokens.cross_entropy`).
         self.tokens = tokens
-        self.vocab_ce = None if tokens is None else tokens.cross_entropy
         self.wgrad_store: wgrad.WeightGradStore | None = None  # set by wgrad.attach: deferrable weight gradients
         self.expert_load: dict[str, torch.Tensor] = {}  # tokens per expert per MoE layer since last reset
         # Training forwards only, per MoE layer: summed MoE.last_router_stats since the last record (report.py), and
@@ -161,8 +184,7 @@ class Transformer(nn.Module):
         # planner prices; bounded, so a run that never logs holds no more)
         self.mb_load: dict[str, collections.deque] = {}
         if spec.has_token_embed or spec.embed_replica:  # the MTP reads it on the last stage (parallel/tied.py)
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model) if tokens is None else \
-                VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tokens)
+            self.tok_emb = tokens.embedding(cfg.vocab_size, cfg.d_model)
         if spec.has_pos_embed:
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         # Keys are global layer indices, so parameter names are the same in every layout.
@@ -278,12 +300,11 @@ class Transformer(nn.Module):
             logits = self.head(self.norm(x))
             if targets is None:
                 return logits, aux_sum
-            if self.vocab_ce is not None:  # the token shard's: TP's logits stay vocab shards, CP's loss is its part
-                return self.vocab_ce(logits, targets), aux_sum
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), aux_sum
+            # the token shard's: plain on one device, TP's logits stay vocab shards, CP's loss is its part
+            return self.tokens.cross_entropy(logits, targets), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
         logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
-        ce_of = self.vocab_ce or cross_entropy
+        ce_of = self.tokens.cross_entropy
         ce = ce_of(logits[:B], targets)
         # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
         return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], whole, runs, ce_of)
@@ -292,19 +313,38 @@ class Transformer(nn.Module):
         return [b.moe for b in self.layers.values() if b.is_moe]
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample continuations (full model only)."""
+    def decode(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, S, V) of ids (B, S), the tokens that follow the cache's: the full model run over the new tokens
+        only, each attending over the cache and the new ones before it (inference: no router records, no losses)."""
+        S = ids.shape[1]
+        x = self.tok_emb(ids)
+        if self.spec.has_pos_embed:
+            x = x + self.pos_emb(torch.arange(cache.length, cache.length + S, device=ids.device))
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
+        for key in list(self.layers)[:self.n_trunk]:
+            x = self.layers[key].decode(x, rope, cache, key)
+        cache.advance(S)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, pick) -> torch.Tensor:
+        """idx (B, T) and max_new_tokens tokens after it, each pick(logits (B, V), fp32) -> (B, 1) of the last
+        position's logits (full model only), with a KV cache: each new token runs through the model once. A context
+        longer than model.max_seq_len slides: the cache restarts from the newest max_seq_len // 2 tokens."""
         assert self.spec == ModelShardSpec.full(self.cfg), "generate needs the full model"
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.max_seq_len:]
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-5)
-            if top_k:
-                v, _ = logits.topk(min(top_k, logits.shape[-1]))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        L = self.cfg.max_seq_len
+        cache = KVCache(L)
+        logits = self.decode(idx[:, -L:], cache)[:, -1]
+        for i in range(max_new_tokens):
+            nxt = pick(logits.float())
             idx = torch.cat([idx, nxt], dim=1)
+            if i + 1 == max_new_tokens:
+                break
+            if cache.length == L:  # full: read the newest half again, at positions from 0
+                cache.clear()
+                logits = self.decode(idx[:, -max(1, L // 2):], cache)[:, -1]
+            else:
+                logits = self.decode(nxt, cache)[:, -1]
         return idx
 
 

@@ -28,8 +28,10 @@ def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, 
     the optimizer step, the high-water mark of live tensor bytes over one more (untimed) step beside glibc's heap
     over it (`heap_peak_bytes`: the count's start plus the heap's rise, observe/memory.py HeapInUse), and with
     `ckpt_dir` the seconds and the high-water mark of saving and loading a checkpoint of it (checkpoint.py).
-    `batch` sequences of model_cfg.max_seq_len tokens per rank and step (`nanotitan bench dp --zero`: the MID model's 8x128)."""
+    `batch` sequences of model_cfg.max_seq_len tokens per rank and step (`nanotitan bench dp --zero`: the MID
+    model's 8x128)."""
     from ..observe.memory import HeapInUse, PeakTensorBytes, SavedActivations, live_tensor_bytes
+    from ..optim.adamw import AdamW, decay_groups
     from ..parallel.dims import ParallelDims
     from ..parallel.dp.fsdp import FSDPSync
     from ..parallel.dp.sync import ReplicatedSync, TorchDDPSync
@@ -49,7 +51,7 @@ def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, 
         sync = FSDPSync(*args, bucket_mb, 1.0 / world, accumulate, reshard)
     del args  # FSDPSync re-pointed its lists at the DTensor shards; nothing else may hold the full params
     step_model = sync.ddp if mode == "ddp" else model
-    opt = torch.optim.AdamW(sync.param_groups(0.1), lr=1e-4, fused=True)
+    opt = AdamW(decay_groups(sync.param_groups(), 0.1), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.max_seq_len + 1), generator=g).chunk(M)
             for _ in range(4)]

@@ -280,6 +280,17 @@ class _TensorCounter:
         self.mode = _CountOps(self)
 
     def __enter__(self):
+        self._track_reachable()  # in a call of its own: no local of the scan keeps a tensor alive into the window
+        watch_resizes(self.track_storage)
+        self.mode.__enter__()
+        # The baseline once the window is open: opening it allocates, and a garbage collection there may free
+        # storages the scan counted (an earlier step's cycles); a peak taken before it would report them as the step's.
+        with self.lock:
+            self.peak = self.current
+        return self
+
+    def _track_reachable(self) -> None:
+        """Count every storage the collector knows of: its plain tensors (cyclic garbage too) and each leaf's .grad."""
         import gc
 
         # The tensors among the collector's objects, picked in C (map/compress): a Python loop over the ~300k
@@ -292,10 +303,6 @@ class _TensorCounter:
                 self.track(obj)
                 if obj.is_leaf and obj.requires_grad and obj.grad is not None:
                     self.track(obj.grad)
-        self.peak = self.current
-        watch_resizes(self.track_storage)
-        self.mode.__enter__()
-        return self
 
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
@@ -465,12 +472,12 @@ class StepMeters:
         meters.act_peak_bytes, meters.peak_tensor_bytes      # over the run
         meters.take_interval_peak(), take_interval_acts()    # since the previous record (then reset; None: none)
 
-    Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th logged step (run.peak_every): a
-    step's peaks vary little from step to step, and a metered step costs much more than a plain one (the default
-    8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with its scan of the
-    garbage collector's objects). The second step is the first steady one: the first makes AdamW's moments only
-    in its update, after the activations are freed (on MID at DP4, zero 0: 300 MiB against 420 MiB every later
-    step), and FSDP2 initialises itself in it.
+    Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th
+    logged step (run.peak_every): a step's peaks vary little from step to step, and a metered step costs much more than
+    a plain one (the default 8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with
+    its scan of the garbage collector's objects). The second step is the first steady one: the first makes AdamW's
+    moments only in its update, after the activations are freed (on MID at DP4, zero 0: 300 MiB against 420 MiB every
+    later step), and FSDP2 initialises itself in it.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, peak_every: int = 1, compiled: bool = False):

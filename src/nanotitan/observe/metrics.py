@@ -13,7 +13,8 @@ import torch
 
 from ..config.errors import first_line
 from ..config.errors import StorageError, os_reason
-from ..config.hardware import GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops, fmt_bytes, isa_limit  # noqa: F401 (re-used names)
+from ..config.hardware import (GPU_PEAKS, cpu_native_bf16, cpu_peak_env, cpu_peak_flops,  # noqa: F401 (re-used names)
+                               fmt_bytes, isa_limit)  # noqa: F401
 
 
 def bf16_advice(threads: int) -> str:

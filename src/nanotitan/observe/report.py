@@ -157,7 +157,8 @@ def max_over_ranks(value: int, dims: ParallelDims, device: torch.device) -> int:
 def gather_summary(last: dict, rank: int, dims: ParallelDims, device: torch.device, wait_totals: dict,
                    run_dir: Path, extra: dict | None = None) -> dict:
     """Per-rank peak memory and communication waits, gathered to every rank; rank 0 prints and saves them."""
-    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "cp_rank": dims.cp_rank, "peak_mem_bytes": peak_mem_bytes(device),
+    mine = {"rank": rank, "coords": dims.coords(), "tp_rank": dims.tp_rank, "cp_rank": dims.cp_rank,
+            "peak_mem_bytes": peak_mem_bytes(device),
             **{f"wait_{a}_s": round(v, 3) for a, v in wait_totals.items()}, **(extra or {})}
     rows = gather_rows(mine, dims, device)
     summary = {"last": last, "ranks": rows}
@@ -366,6 +367,7 @@ def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=No
     split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
     B = cfg.layout_batch
     return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} tp={p.tp} cp={p.cp} | B={B} seqs = dp*ep*M*m = "
-            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp and cp ranks share them) | {B * t.seq_len} tokens/step | "
+            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp and cp ranks share them) | "
+            f"{B * t.seq_len} tokens/step | "
             f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {t.threads}"
             + (f"\n{links.describe()}" if links is not None else ""))

@@ -1,76 +1,32 @@
 """Every stage rank's pieces of every Muon matrix, computed on each rank from the sharding rules: nothing exchanged.
 
-The owner map (owners.py) needs each rank's boxes of each matrix. A rank's boxes follow from its coordinates and
-the rules that cut the state, which every rank of a stage applies to the same model:
-
-    the DP shard       `GradSync.state_boxes(names, peer)`: whole (zero 0), the peer's flat slice of each ZeRO
-                       1/2 bucket (its place in the reducer's group), its torch.chunk of FSDP2's Shard(dim)
-    the TP slice       the peer's tp coordinate places it in the whole (`keyed_state`'s `tp_pieces` rule)
-    the experts        the peer's stack is experts [moe_ep_rank * L, (moe_ep_rank + 1) * L), or under a
-                       balanced placement its slots (`placement.slots[moe_ep_rank]`, the same table on every rank)
-
-So each rank computes the same geometry, the one `keyed_state` gives on each rank (Orthogonalizer checks its own
-against its live pieces every run), without an all_gather_object (which unpickles what a peer sends) and on the
-dry run's fake ranks, which cannot exchange Python objects. tests/equivalence/test_equivalence_muon.py compares
-it with the all-gathered one on every layout of the Muon matrix.
+The owner map (owners.py) needs each rank's boxes of each matrix. Where a rank holds each element of a global
+tensor is parallel/where.py's answer (`held_boxes`: the DP shard of the sync's flavour, the TP slice, the expert
+slots), the one the checkpoint's keys read too (state/keys.py), so each rank computes the same geometry without an
+all_gather_object (which unpickles what a peer sends) and on the dry run's fake ranks, which cannot exchange Python
+objects. The Orthogonalizer checks the row for itself against its live pieces (a sync flavour whose `state_boxes`
+drifted from its `sharded_state` fails there); tests/equivalence/test_equivalence_muon.py compares the whole
+geometry with the all-gathered one on every layout of the Muon matrix.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..model.families import is_muon
-from ..model.transformer import is_expert_param
-from ..parallel.shard import grad_layout
+from ..model.families import tag_of
+from ..parallel.where import held_boxes
+from .muon import TAKES
 
 Geometry = tuple[dict[str, tuple], list[dict[str, list[tuple]]]]  # ({key: whole shape}, per stage rank: boxes)
-
-
-def _placed(model) -> dict[str, object]:
-    """{expert param name: its layer's Placement} under parallel.expert_placement=balanced (parallel/rebalance.py)."""
-    out = {}
-    for n, m in model.named_modules():
-        ex = getattr(m, "experts", None)
-        if getattr(ex, "slot_experts", None) is not None:
-            out.update({f"{n}.experts.{t}": m.dispatcher.placement for t in ("W_gate", "W_val", "W_out")})
-    return out
-
-
-def _in_whole(q, boxes: list[tuple], tp_rank: int) -> tuple[tuple, list[tuple]]:
-    """(the whole shape, the boxes in it) of boxes of q's TP slice held at tp coordinate `tp_rank`."""
-    shape = list(q.shape)
-    if (part := grad_layout(q).part) is None:
-        return tuple(shape), boxes
-    dim, _, n = part
-    shift = tp_rank * shape[dim]
-    shape[dim] *= n
-    return tuple(shape), [(tuple(o + shift * (i == dim) for i, o in enumerate(off)), sz) for off, sz in boxes]
 
 
 def stage_geometry(shard) -> Geometry:
     """({Muon key: whole shape}, [rank i of the stage group: {key: [(offsets, sizes)]}]), keys as `shard_pieces`'s
     (an expert stack one key per global expert)."""
-    model, dims = shard.model, shard.dims
-    named = {n: q for n, q in model.named_parameters() if is_muon(q)}
-    placed = _placed(model)
+    names = {n for n, q in shard.model.named_parameters() if tag_of(q) in TAKES}
     shapes, geometry = {}, []
-    for peer in dims.group_ranks("stage"):  # the stage group's ranks, in its order
-        at = dataclasses.replace(dims, rank=peer, groups={})
-        boxes_of_peer = {}
-        for name, local in shard.sync.state_boxes(set(named), peer).items():
-            shape, boxes = _in_whole(named[name], local, at.tp_rank)
-            if not is_expert_param(name):
-                shapes[name], boxes_of_peer[name] = shape, boxes
-                continue
-            n = shape[0]  # the peer's slots: experts [moe_ep_rank * n, ...), or a placement's (-1: empty)
-            ids = placed[name].slots[at.moe_ep_rank] if name in placed else range(at.moe_ep_rank * n,
-                                                                                  (at.moe_ep_rank + 1) * n)
-            for slot, e in enumerate(ids):
-                if e >= 0:
-                    shapes[f"{name}.{e}"] = shape[1:]
-                    boxes_of_peer[f"{name}.{e}"] = [(off[1:], sz[1:]) for off, sz in boxes
-                                                    if off[0] <= slot < off[0] + sz[0]]
-        geometry.append(boxes_of_peer)
+    for peer in shard.dims.group_ranks("stage"):  # the stage group's ranks, in its order
+        held = held_boxes(shard, names, peer)
+        shapes.update({k: shape for k, (shape, _) in held.items()})
+        geometry.append({k: boxes for k, (_, boxes) in held.items()})
     return shapes, geometry
 
 

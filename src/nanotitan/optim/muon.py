@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..parallel.dp.sync import adam_state
+from ..model.families import HIDDEN
 from ..state.keys import keyed_state
+from .adamw import Declared
 from .newton_schulz import NS_DTYPES
 from .owners import Orthogonalizer
 
@@ -27,13 +28,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon on the param groups marked "muon" (lr = train.muon_lr), fused AdamW on the others (`adamw_lr`:
-    train.muon_adamw_lr; both follow train.lr's schedule through their groups' lr_ratio).
+TAKES = (HIDDEN,)  # the family tags (model/families.py) whose groups Muon updates; AdamW takes the others
+
+
+class Muon(Declared, torch.optim.Optimizer):
+    """Muon on the groups of the family tags it TAKES (lr = train.muon_lr), fused AdamW on the others
+    (`adamw_lr`: train.muon_adamw_lr; both follow train.lr's schedule through their groups' lr_ratio). Its
+    declarations (adamw.py): kind "muon", a Muon param's state is its momentum, a layout change drops the plan.
     `pieces()` answers, once (the first step, when the state exists), {matrix key: (whole shape, [(offsets, view
     of a momentum buffer)])}: this rank's pieces of every Muon matrix (`shard_pieces`, or `whole_pieces`);
     `geometry()` every group rank's (optim/geometry.py: `shard_geometry`, computed, not exchanged; None: the
     Orthogonalizer all-gathers it)."""
+    kind = "muon"
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], muon_lr: float,
                  momentum: float = 0.95, ns_steps: int = 5, pieces=None, group=None,
@@ -41,9 +47,10 @@ class Muon(torch.optim.Optimizer):
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"Muon ns_dtype={ns_dtype}: use torch.float32 (the default) or torch.bfloat16")
         rest = lr if adamw_lr is None else adamw_lr
-        adam = [{**g, "lr": rest, "lr_ratio": rest / lr} for g in groups if not g.get("muon")]
+        adam = [{**g, "lr": rest, "lr_ratio": rest / lr} for g in groups if g["tag"] not in TAKES]
         self.adamw = torch.optim.AdamW(adam, lr=rest, betas=betas, fused=True)
-        muon = [{**g, "lr": muon_lr, "lr_ratio": muon_lr / lr, "momentum": momentum} for g in groups if g.get("muon")]
+        muon = [{**g, "lr": muon_lr, "lr_ratio": muon_lr / lr, "momentum": momentum} for g in groups
+                if g["tag"] in TAKES]
         super().__init__(self.adamw.param_groups + muon, {"lr": lr})
         self.adamw.state = self.state  # one state: checkpoints and memory meters read `optimizer.state`
         self.ns_steps, self.pieces, self.group, self.ns_dtype = ns_steps, pieces, group, ns_dtype
@@ -52,10 +59,28 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def muon_groups(self) -> list[dict]:
-        return [g for g in self.param_groups if g.get("muon")]
+        return [g for g in self.param_groups if g["tag"] in TAKES]
+
+    def state_of(self, p: torch.Tensor, group: dict | None = None) -> dict:
+        """A Muon param's state is one buffer, its momentum (as torch.optim.Muon's); an AdamW param's, Adam's."""
+        group = group or self.group_of(p)
+        if group["tag"] not in TAKES:
+            return super().state_of(p, group)
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def prepare(self) -> None:
+        self.ensure_state()
+        self.plan()
+
+    def on_layout_change(self) -> None:
+        """The owner plan knows each slot's expert (an empty one none, so no box): the next step plans anew."""
+        self.orthogonalizer = None
 
     def _momenta(self) -> list[torch.Tensor]:
-        return [local(adam_state(self, p, g)["momentum_buffer"]) for g in self.muon_groups for p in g["params"]]
+        return [local(self.state_of(p, g)["momentum_buffer"]) for g in self.muon_groups for p in g["params"]]
 
     def plan(self) -> None:
         """Make the owner plan, once (the geometry is fixed from here on; a placement move drops it): the first
@@ -92,7 +117,7 @@ def whole_pieces(named: list[tuple[str, torch.Tensor]]):
     """`Muon.pieces` for params whole on this rank (one process, tests): each matrix one box, an expert stack
     [E, d, f] E matrices."""
     def pieces(opt: Muon) -> dict:
-        state = {id(p): adam_state(opt, p, g)["momentum_buffer"] for g in opt.muon_groups for p in g["params"]}
+        state = {id(p): opt.state_of(p, g)["momentum_buffer"] for g in opt.muon_groups for p in g["params"]}
         out = {}
         for name, p in named:
             if id(p) not in state:

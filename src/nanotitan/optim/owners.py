@@ -169,15 +169,15 @@ class Orthogonalizer:
         local = own_geometry(mine)
         if geometry is None:
             shapes, geometry = gathered_geometry(shapes, local, group)
-        else:  # the rule's row for this rank is what it holds: a drifted rule fails here, not in the all-to-all
-            world = dist.get_world_size(group) if group is not None else 1
-            ruled = {k: sorted(v) for k, v in geometry[1][me].items() if v} if len(geometry[1]) == world else {}
+        else:  # the rule's row for this rank is what it holds (a sync's state_boxes against its sharded_state):
+            # a drift fails here, not as mismatched all-to-all sizes
+            assert len(geometry[1]) == (dist.get_world_size(group) if group is not None else 1), "a row per rank"
+            ruled = {k: sorted(v) for k, v in geometry[1][me].items() if v}
             bad = next((k for k in sorted({*ruled, *local, *shapes}) if ruled.get(k) != local.get(k)
                         or geometry[0].get(k) != shapes.get(k)), None)
-            if bad is not None:
-                raise RuntimeError(f"Muon geometry (optim/geometry.py, {len(geometry[1])} ranks for a group of "
-                                   f"{world}) disagrees with this rank's pieces of {bad}: rule {ruled.get(bad)} of "
-                                   f"{geometry[0].get(bad)}, held {local.get(bad)} of {shapes.get(bad)}")
+            assert bad is None, (f"Muon geometry (parallel/where.py) disagrees with this rank's pieces of {bad}: "
+                                 f"rule {ruled.get(bad)} of {geometry[0].get(bad)}, held {local.get(bad)} of "
+                                 f"{shapes.get(bad)}")
             shapes, geometry = geometry
         self.geometry = (shapes, geometry)
         self.plan = make_plan(shapes, geometry, me, mine, steps)

@@ -10,6 +10,7 @@
     lanes.py        parallel.ep_overlap_microbatches: two lanes, a forward beside a backward, hiding EP's all-to-alls
     tp.py           tensor parallel with sequence parallel: Megatron's split of a stage's dense part
     tied.py         the token embedding shared by the first and the last pipeline stage (MTP)
+    where.py        where each element of a global tensor lives on any rank (DP shard, TP slice, expert slots)
     compile.py      train.compile: torch.compile each transformer block in place
     dp/             data parallelism: the gradient-sync flavours (GradSync), the Reducer, ZeRO-1/2, ZeRO-3 (FSDP2)
     comm/           every collective and P2P (calls, bytes, waits per axis), the stall record, the network emulator

@@ -32,7 +32,7 @@ from .tp import apply_tp
 def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, device: torch.device,
                 load_weights: Callable[[nn.Module], object] | None = None) -> Transformer | StageChunks:
     """This rank's chunks (one per virtual stage, joined in a StageChunks when V > 1), built with its token shard
-    (`model.tokens`: parallel/cp.py's `token_shard`, None at tp = cp = 1), TP-sliced, filled on `device`: from
+    (`model.tokens`: parallel/cp.py's `token_shard`, the local one at tp = cp = 1), TP-sliced, filled on `device`: from
     init.from_hf when `load_weights` is given (it fills every parameter: a checkpoint that lacks one is refused),
     else by global identity."""
     # what the model needs from the ranks sharing its tokens (CP's composed with TP's), and its TP part

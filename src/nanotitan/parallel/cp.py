@@ -15,7 +15,8 @@
                   join the DP ranks in the non-expert-DP sum (dims.py), as torchtitan's FSDP over dp_shard x cp
 
 With TP on top, CP is the outer split and TP (with SP) splits each CP rank's local stream further: the token ranks
-are CP x TP, the split ranks (heads, vocab rows) stay TP's, and `CPShard` holds the `TPShard` it composes with.
+are CP x TP, the split ranks (heads, vocab rows) stay TP's, and `CPShard` holds the TP part it composes with: the
+`TPShard`, or at tp = 1 the local token shard (one rank, nothing split: its sums and gathers return their tensor).
 The model never asks which axis it runs under: it calls the token shard's methods (model/tokens.py).
 """
 
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..model.mtp import IGNORE, cross_entropy
+import torch.nn as nn
+
+from ..model.tokens import IGNORE, LocalTokenShard, gather_pairs
 from .comm import collectives as comm
 from .cp_attn import CPRing, ring_attention, ring_latent_attention, ulysses_attention
 from .dims import ParallelDims
@@ -50,15 +53,14 @@ def local_runs(runs: list[tuple[int, int]], start: int, n: int) -> list[tuple[in
 
 
 class CPShard:
-    """The CP group, composed with TP's (`tp`, None without TP), as the model's token shard (model/tokens.py:
-    `TokenShard`). Token ranks: CP x TP, cp-major (rank = cp_rank * tp + tp_rank); split ranks: TP's."""
+    """The CP group, composed with its TP part (`tp`: the `TPShard`, or the local token shard at tp = 1), as the
+    model's token shard (model/tokens.py: `TokenShard`). Token ranks: CP x TP, cp-major (rank = cp_rank * tp +
+    tp_rank); split ranks: TP's."""
 
-    def __init__(self, ring, tp: TPShard | None, impl: str):
+    def __init__(self, ring, tp: TPShard | LocalTokenShard, impl: str):
         self.ring, self.tp, self.impl = ring, tp, impl
-        n_tp = 1 if tp is None else tp.size
-        self.size, self.rank = ring.size * n_tp, ring.rank * n_tp + (0 if tp is None else tp.rank)
-        self.split_rank, self.split_size = (0, 1) if tp is None else (tp.split_rank, tp.split_size)
-        self.sp = tp is not None and tp.sp
+        self.size, self.rank = ring.size * tp.size, ring.rank * tp.size + tp.rank
+        self.split_rank, self.split_size = tp.split_rank, tp.split_size
 
     # --- the token ranks ------------------------------------------------------------------------------------
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
@@ -67,19 +69,24 @@ class CPShard:
 
     def runs(self, S: int) -> list[tuple[int, int]]:
         """This token rank's S positions: TP rank j holds local positions [j*S, (j+1)*S) of its CP rank's stream."""
-        n_tp, j = (1, 0) if self.tp is None else (self.tp.size, self.tp.rank)
-        return local_runs(self.seq_runs(S * n_tp), j * S, S)
+        return local_runs(self.seq_runs(S * self.tp.size), self.tp.rank * S, S)
 
     def stream_len(self, S: int) -> int:
         """S is already the CP rank's (its loader reads only its chunks): SP splits it over TP."""
-        return S if self.tp is None else self.tp.stream_len(S)
+        return self.tp.stream_len(S)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return _SumOverCP.apply(t if self.tp is None else self.tp.sum(t), self.ring.group)
+        return _SumOverCP.apply(self.tp.sum(t), self.ring.group)
+
+    def mean(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        return self.sum(t.sum(dim)) / n
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Over TP (the CP rank's stream, in order), then over CP, with the chunks put back in global order."""
-        return self.seq_gather(t if self.tp is None else self.tp.gather(t, dim), dim)
+        return self.seq_gather(self.tp.gather(t, dim), dim)
+
+    def gather_routing(self, weights_BSK, ids_BSK, length: int, none_id: int):
+        return gather_pairs(self, weights_BSK, ids_BSK, length, none_id)
 
     def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The CP ranks' t (each its two chunks along `dim`) as the whole sequence, in global order (no gradient)."""
@@ -106,18 +113,22 @@ class CPShard:
 
     # --- the split ranks: TP's ------------------------------------------------------------------------------
     def splits(self, heads: int) -> bool:
-        return self.tp is None or self.tp.splits(heads)
+        """TP's rule, heads % split ranks == 0, also at tp = 1 (a full q/k norm whose split sum is the identity)."""
+        return heads % self.split_size == 0
 
     def split_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.tp is None else self.tp.split_sum(t)
+        return self.tp.split_sum(t)
+
+    def embedding(self, num: int, dim: int) -> nn.Embedding:
+        return self.tp.embedding(num, dim)
 
     def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp is None else self.tp.vocab_sum(x)
+        return self.tp.vocab_sum(x)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This CP rank's part of the whole sequence's mean CE: its rows' mean times its share of the sequence's
         targeted rows (one tiny all-reduce of the count: MTP's shifted tail leaves rank 0 fewer)."""
-        mean = cross_entropy(logits, targets) if self.tp is None else self.tp.cross_entropy(logits, targets)
+        mean = self.tp.cross_entropy(logits, targets)
         rows = (targets != IGNORE).sum().to(mean.dtype)
         total = rows.clone()
         comm.all_reduce(total, group=self.ring.group, axis="cp")
@@ -139,9 +150,10 @@ class _SumOverCP(torch.autograd.Function):
         return dy, None
 
 
-def token_shard(dims: ParallelDims, sp: bool, cp_impl: str) -> tuple[CPShard | TPShard | None, TPShard | None]:
+def token_shard(dims: ParallelDims, sp: bool, cp_impl: str
+                ) -> tuple[CPShard | TPShard | LocalTokenShard, TPShard | LocalTokenShard]:
     """(the token shard a model of this rank is built with, its TP part for apply_tp): CP's composed with TP's at
-    cp > 1, else TP's (parallel/tp.py: `tp_shard`), None on one device."""
+    cp > 1, else TP's (parallel/tp.py: `tp_shard`), the local token shard on one device."""
     tp = tp_shard(dims, sp)
     if dims.cp == 1:
         return tp, tp

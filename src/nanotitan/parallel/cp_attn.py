@@ -290,11 +290,15 @@ class _Expander:
         self._last = None
 
     def to_kv(self, latent):
-        if not self.grad:
-            return self.expand(latent)
-        with torch.enable_grad():
-            lat = latent.detach().requires_grad_()
-            k, v = self.expand(lat)
+        # Autocast off, in forward as in backward's recompute: one function both ways, and (k, v) in the roped
+        # queries' fp32 under bf16 autocast (as the plain ring's K|V): autocast's bf16 v beside an fp32 k and q
+        # failed in the attention kernel (verify's fuzzer: MLA, bf16, CP ring).
+        with torch.autocast(latent.device.type, enabled=False):
+            if not self.grad:
+                return self.expand(latent.to(acc_dtype(latent.dtype)))
+            with torch.enable_grad():
+                lat = latent.detach().requires_grad_()
+                k, v = self.expand(lat.to(acc_dtype(lat.dtype)))
         self._last = (lat, k, v)
         return k.detach(), v.detach()
 

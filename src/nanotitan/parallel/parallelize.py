@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..config.config import Config, ConfigError
 from ..model.spec import ModelShardSpec, build_chunk_specs
-from ..model.tokens import TokenShard
+from ..model.tokens import LOCAL, TokenShard
 from ..model.transformer import Attention, Transformer, is_expert_param
 from ..model import qk_max
 from ..model.families import tag_params
@@ -62,7 +62,7 @@ class ModelShard:
     comms: dict = field(default_factory=dict)  # the stage's P2P endpoints per activation shape (step.py)
     ep_lanes: bool = False  # parallel.ep_overlap_microbatches: a forward beside a backward, two lanes (lanes.py)
     tied: TiedEmbedding | None = None  # MTP under PP: the embedding shared by the first and last stage (tied.py)
-    tokens: TokenShard | None = None  # the ranks sharing this shard's tokens (TP, tp.py), its stream's length
+    tokens: TokenShard = LOCAL  # the ranks sharing this shard's tokens (model/tokens.py), its stream's length
     rebalancer: Rebalancer | None = None  # parallel.expert_placement=balanced: the placements and their moves
 
     def num_params(self) -> int:
@@ -107,8 +107,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
         add_spare_slots(model, cfg.parallel.expert_replicas - 1, dims.moe_ep, dims.moe_ep_rank)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
-    if cfg.train.optimizer == "muon":  # before the sync: ZeRO buckets and FSDP2 groups read the tag
-        tag_params(model)
+    tag_params(model, cfg.train.optimizer)  # each param's family, before the sync: its buckets and groups read it
     if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
         qk_max.track(model, (Attention, MLA))
     named = list(model.named_parameters())

@@ -284,7 +284,10 @@ def dp_shares(placements: list[Placement], rows: list[list[int]], balance: bool)
     layer, {expert: one list per tensor of the bounds [0, ..., n] of each copy's share of its row, copies in rank
     order}; `rows[layer]` are the row sizes (elements) of its tensors. `balance`: water-filled so that every EP rank
     reduces as many elements over DP as the rows allow (its single experts' rows, which the DP reduction carries,
-    plus its shares); else 1/r each. The same on every rank: a function of the placements."""
+    plus its shares); else 1/r each. The same on every rank: a function of the placements (none on a pipeline stage
+    of dense layers only)."""
+    if not placements:
+        return []
     load = [0] * placements[0].P
     if balance:
         for pl, sizes in zip(placements, rows):

@@ -153,16 +153,17 @@ class Rebalancer:
         moved = self._move(optimizer, [(k, old[k], new[k]) for k in changed])
         for k in changed:
             install(model.layers[k].moe, new[k], dims.moe_ep_rank)
-        if getattr(optimizer, "orthogonalizer", None) is not None:  # Muon's owner plan knows each slot's expert (an
-            optimizer.orthogonalizer = None  # empty one none, so no box): its next step plans the new slots
+        if optimizer is not None:  # what knew the old slots (Muon's owner plan) goes: its next step plans the new
+            optimizer.on_layout_change()
         self._skip()
         record = {"step": step, "layers": len(changed), "bytes": moved, "pause_s": time.perf_counter() - t0,
                   "before": max(old[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "after": max(new[k].imbalance(load) for k, load in zip(self.keys, loads)),
                   "replicated": sum(len(new[k].replicated()) for k in self.keys)}
         self.changes.append(record)
-        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: busiest/mean {record['before']:.2f} -> {record['after']:.2f} "
-                 f"(worst layer), {len(changed)} layer(s) moved, {record['replicated']} expert(s) replicated, "
+        self.log(f"placement {'step ' + str(step) if step else 'restored from the checkpoint'}: "
+                 f"busiest/mean {record['before']:.2f} -> {record['after']:.2f} (worst layer), {len(changed)} "
+                 f"layer(s) moved, {record['replicated']} expert(s) replicated, "
                  f"{moved / 2**20:.2f} MiB moved, pause {record['pause_s'] * 1e3:.0f} ms")
         return record
 

@@ -32,6 +32,10 @@ class GradLayout:
     def dim(self) -> int | None:
         return None if self.part is None else self.part[0]
 
+    def at(self, rank: int) -> "GradLayout":
+        """This layout on the token shard's rank `rank`: a SHARDED part is that rank's slice (a peer's, where.py)."""
+        return self if self.part is None else GradLayout(self.kind, (self.part[0], rank, self.part[2]))
+
 
 _ALONE = GradLayout(Grad.ALONE)
 

@@ -1,8 +1,8 @@
 """One training step's mechanics on one rank, for any layout.
 
-    forward_backward  M microbatches through this rank's stage (a pipeline schedule, pp/schedules.py: plain gradient
-                      accumulation when pp == 1; torch DDP's own loop), the gradient sync launched during
-                      the final backward
+    forward_backward  M microbatches through this rank's stage, as its sync flavour runs them (a pipeline schedule,
+                      pp/schedules.py: plain gradient accumulation when pp == 1; torch DDP's own loop), the gradient
+                      sync launched during the final backward
     finish_grads      wait for the gradient sync: .grad (or the ZeRO shards) hold the averaged gradients
     clip_grads        global-norm clipping over the whole model (PP stages and EP shards counted once)
     after_update      after the optimizer step: full params again (ZeRO-1/2), gradients zeroed
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,7 +32,6 @@ from .ep import lanes_of
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
-from .dp.sync import TorchDDPSync
 
 
 def compute_dtype(dtype: str) -> torch.dtype:
@@ -54,8 +52,7 @@ def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device,
     """This stage's P2P endpoints for microbatches shaped like xs[0] (m, S): activations (m, S, D) and their
     gradients travel in the compute dtype (bf16 halves the bytes; each stage's residual stream stays fp32)."""
     m, S = xs[0].shape
-    if shard.tokens is not None:  # sequence parallel: a stage's residual stream may be a sequence shard
-        S = shard.tokens.stream_len(S)
+    S = shard.tokens.stream_len(S)  # sequence parallel: a stage's residual stream may be a sequence shard
     act_shape, wire = (m, S, shard.model.cfg.d_model), compute_dtype(dtype)
     key = (act_shape, wire, str(device))
     if key not in shard.comms:
@@ -73,34 +70,14 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
                      aux_weight: float, device: torch.device, dtype: str = "fp32") -> StepStats:
     """Forwards and backwards of this rank's M microbatches, gradients accumulated into .grad and their
     sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches."""
-    M = len(xs)
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
-    if isinstance(shard.sync, TorchDDPSync):  # DDP decides in each forward whether its backward syncs
-        return _ddp_forward_backward(shard.sync.ddp, xs, ys, aux_weight, forward_ctx)
-    stats = pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
-                                      schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / M,
-                                      before_backward=shard.sync.prepare, autocast=forward_ctx,
-                                      ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
-    return stats
 
-
-def _ddp_forward_backward(ddp, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
-    """torch DDP baseline (pure DP): no_sync on all but the last microbatch."""
-    t0, M = time.perf_counter(), len(xs)
-    ce_sum = aux_sum = mtp_sum = None
-    for i, (x, y) in enumerate(zip(xs, ys)):
-        with contextlib.nullcontext() if i == M - 1 else ddp.no_sync():
-            with forward_ctx():
-                ce, aux, *mtp = ddp(x, y)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
-            objective = ce + mtp[0] if mtp else ce
-            ((objective + aux_weight * aux) / M).backward()
-        ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
-        aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
-        if mtp:
-            mtp_sum = mtp[0].detach() if mtp_sum is None else mtp_sum + mtp[0].detach()
-    wall = time.perf_counter() - t0
-    return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall, max_in_flight=1,
-                     mtp_sum=mtp_sum)
+    def pipeline() -> StepStats:
+        return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
+                                         schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / len(xs),
+                                         before_backward=shard.sync.prepare, autocast=forward_ctx,
+                                         ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
+    return shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx)
 
 
 def finish_grads(shard: ModelShard) -> None:

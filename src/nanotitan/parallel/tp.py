@@ -39,19 +39,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..model.mtp import IGNORE
 from ..model.norm import FullNorm
-from ..model.tokens import causal_attention, latent_attention
+from ..model.tokens import IGNORE, LOCAL, LocalTokenShard, VocabParallelEmbedding, WholeSequence, gather_pairs
 from ..model.transformer import is_expert_param
 from .comm import collectives as comm
 from .dims import ParallelDims
 from .shard import Grad, GradLayout, grad_layout, set_layout
 
 
-class TPShard:
+class TPShard(WholeSequence):
     """The TP group as the model's token shard (model/tokens.py: `TokenShard`): its ranks are both the token ranks
     (each routes its 1/N of every sequence, positions [rank*S, (rank+1)*S)) and the split ranks (heads, vocab
-    rows); `sp`: the residual stream between the regions is a sequence shard too."""
+    rows); `sp`: the residual stream between the regions is a sequence shard too. Attention and the loss see the
+    whole sequence (`WholeSequence`: the regions gather SP's shards)."""
 
     def __init__(self, group, rank: int, size: int, sp: bool):
         self.group, self.rank, self.size, self.sp = group, rank, size, sp
@@ -60,32 +60,29 @@ class TPShard:
     def runs(self, S: int) -> list[tuple[int, int]]:
         return [(self.rank * S, S)]
 
-    def seq_runs(self, S: int) -> list[tuple[int, int]]:
-        return [(0, S)]  # attention and the loss see the whole sequence (the regions gather SP's shards)
-
-    def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t
-
-    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
-        return causal_attention(q, k, v, scale)
-
-    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
-        return latent_attention(q, latent, expand, scale)
-
     def stream_len(self, S: int) -> int:
         return S // self.size if self.sp else S
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return _SumOverTP.apply(t, self)
 
+    def mean(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        return self.sum(t.sum(dim)) / n
+
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return _gather(t, self, dim)
+
+    def gather_routing(self, weights_BSK, ids_BSK, length: int, none_id: int):
+        return gather_pairs(self, weights_BSK, ids_BSK, length, none_id)
 
     def splits(self, heads: int) -> bool:
         return heads % self.size == 0
 
     def split_sum(self, t: torch.Tensor) -> torch.Tensor:
         return _SumEverywhere.apply(t, self)
+
+    def embedding(self, num: int, dim: int) -> VocabParallelEmbedding:
+        return VocabParallelEmbedding(num, dim, self)
 
     def vocab_sum(self, x: torch.Tensor) -> torch.Tensor:
         return _Exit.apply(x, self, 1, self.sp)
@@ -96,9 +93,9 @@ class TPShard:
                               self.rank * logits.shape[-1], self)
 
 
-def tp_shard(dims: ParallelDims, sp: bool) -> TPShard | None:
-    """The token shard a model of this rank is built with (Transformer(..., tokens=)): None at tp = 1."""
-    return TPShard(dims.group("tp"), dims.tp_rank, dims.tp, sp) if dims.tp > 1 else None
+def tp_shard(dims: ParallelDims, sp: bool) -> TPShard | LocalTokenShard:
+    """The token shard a model of this rank is built with (Transformer(..., tokens=)): the local one at tp = 1."""
+    return TPShard(dims.group("tp"), dims.tp_rank, dims.tp, sp) if dims.tp > 1 else LOCAL
 
 
 # --- the regions' collectives (autograd functions) ------------------------------------------------------------
@@ -312,10 +309,10 @@ def _moe(moe: nn.Module, tp: TPShard) -> None:
         _partial(moe.shared_expert_gate.weight)
 
 
-def apply_tp(model: nn.Module, tp: TPShard | None = None) -> None:
+def apply_tp(model: nn.Module, tp: TPShard | LocalTokenShard | None = None) -> None:
     """Split every chunk of this rank's stage over the TP group: `tp`, the TP part of the token shard the chunks were
     built with (parallel/cp.py: `token_shard`), by default that token shard itself (`Transformer(...,
-    tokens=tp_shard(dims, sp))`; no-op without TP). Call before the EP dispatcher, the gradient sync and the
+    tokens=tp_shard(dims, sp))`; no-op at tp = 1). Call before the EP dispatcher, the gradient sync and the
     broadcasts; the model must have been built whole on its TP axis (and its experts for dims.moe_ep_rank), on the
     meta device (parallelize: parallel/build.py) or initialised."""
     for chunk in getattr(model, "chunks", [model]):

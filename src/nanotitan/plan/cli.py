@@ -20,8 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     from ..config.help import config_help
 
     ap = argparse.ArgumentParser(prog="nanotitan plan", description="Predict memory and step time of every "
-                                 "DP x PP x EP x TP x CP layout, rank them, pick one. Config keys (--section.key VALUE) "
-                                 "describe the model and batch.", epilog=config_help(),
+                                 "DP x PP x EP x TP x CP layout, rank them, pick one. Config keys "
+                                 "(--section.key VALUE) describe the model and batch.", epilog=config_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML config (model, train.seq_len, global batch = dp*ep*M*m)")
     ap.add_argument("--ranks", "--gpus", dest="ranks", type=int,
@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--peaks", default="", metavar="LAYOUTS_JSON",
                     help="the planner's per-rank peak of live tensor bytes (save transient included) against each "
                          "layout's measured step high-water mark in `nanotitan bench layouts` output (its --config)")
-    ap.add_argument("--out", default="", help="with --measure/--calibrate: profile JSON path; else: also write the table there")
+    ap.add_argument("--out", default="",
+                    help="with --measure/--calibrate: profile JSON path; else: also write the table there")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
     ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
@@ -65,9 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--expert-skew", type=float, default=None,
-                    help="routing skew behind the busiest EP rank's peak: the CV of an expert's share of a microbatch's "
-                         "assignments (default: plan.cost.EXPERT_SKEW, from the calibration; 0: a balanced router; "
-                         "unused where model.capacity_factor bounds it)")
+                    help="routing skew behind the busiest EP rank's peak: the CV of an expert's share of a "
+                         "microbatch's assignments (default: plan.cost.EXPERT_SKEW, from the calibration; 0: a "
+                         "balanced router; unused where model.capacity_factor bounds it)")
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
     ap.add_argument("--dense-ffn", type=int, default=0, help="hidden size of dense FFN layers (default model.ffn_dim)")
     ap.add_argument("--shared-experts", type=int, default=0, help="always-on experts per MoE layer")
@@ -82,8 +83,8 @@ def main(argv: list[str]) -> int:
 
             out = args.out or "hardware.json"
             hw = measure_hardware(out)
-            print(f"wrote {out}: {hw.name}, GEMM {hw.gemm_flops_by_threads}, all-reduce {hw.intra.allreduce_bw / 1e9:.2f} "
-                  f"GB/s, reserve {hw.mem_reserved_bytes / 2**20:.0f} MiB")
+            print(f"wrote {out}: {hw.name}, GEMM {hw.gemm_flops_by_threads}, "
+                  f"all-reduce {hw.intra.allreduce_bw / 1e9:.2f} GB/s, reserve {hw.mem_reserved_bytes / 2**20:.0f} MiB")
             return 0
         if args.calibrate:
             if args.hardware == "auto" or not args.out:
@@ -195,7 +196,8 @@ def _dry_run(args, overrides: list[str]) -> int:
     hw = detect_hardware(None if args.hardware == "auto" else args.hardware,
                          dtype="bf16" if cfg.train.dtype == "bf16" else "fp32")
     print(f"dry run: dp={p.dp} pp={p.pp} ep={p.ep} tp={p.tp} cp={p.cp} {p.schedule} M={p.microbatches} "
-          f"m={cfg.train.micro_batch} zero={p.zero} on {args.ranks} ranks (fake process group, fake tensors)", flush=True)
+          f"m={cfg.train.micro_batch} zero={p.zero} on {args.ranks} ranks (fake process group, fake tensors)",
+          flush=True)
     run = dry_run(cfg, args.ranks, log=lambda line: print(line, flush=True))
     opts = PlanOptions(nodes=args.nodes)
     print(f"\n{len(run.classes)} distinct ranks of {args.ranks} built in {run.seconds:.1f} s. Bytes per rank, from the "

@@ -40,7 +40,8 @@ class Prediction:
     costs: dict[str, float]  # seconds per step on the critical path, by cause
     mem_parts_by_stage: list[dict[str, float]]  # bytes by cause, per stage
     ckpt_by_stage: list[float] = field(default_factory=list)  # peak bytes while saving or loading a checkpoint
-    links: dict[str, str] = field(default_factory=dict)  # group kind -> "intra" | "inter": the link its worst group crosses
+    # group kind -> "intra" | "inter": the link its worst group crosses
+    links: dict[str, str] = field(default_factory=dict)
     expert_time_factor: float = 1.0  # the busiest EP rank's received assignments over the mean (plan/skew.py)
 
     @property
@@ -99,7 +100,8 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         nodes=nodes,
         ranks_on_node=ranks_on_node, T=T, peak=hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node),
         eff_dense=gemm_eff(hw, T), eff_expert=gemm_eff(hw, T * shape.top_k / max(e_local, 1)), links=links,
-        n_virt=n_virt, lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
+        n_virt=n_virt,
+        lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
         stages=stages,
         # zb1 under AC: what a microbatch between its B and its W keeps (memory.py)
         unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, False, n_virt, prec),
@@ -130,4 +132,5 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     links = {k: "inter" if link is hw.inter and hw.inter is not hw.intra else "intra"
              for k, (link, _) in c.links.items()}
     return Prediction(layout, step, tokens / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      [m.parts for m in mem], [m.ckpt for m in mem], links, time_imbalance(cfg, layout, c.shape, c.skew))
+                      [m.parts for m in mem], [m.ckpt for m in mem], links,
+                      time_imbalance(cfg, layout, c.shape, c.skew))

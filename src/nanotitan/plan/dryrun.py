@@ -8,16 +8,16 @@ what each rank would hold. For each distinct rank, in this one process, with no 
     2. torch's fake process group at the rank's global rank and world N, and `ParallelDims.build_groups`: every
        group of the job, constructed as a launch constructs them
     3. under a FakeTensorMode (tensors with shapes and dtypes, no data): the real `parallelize` (shard, EP
-       dispatcher, broadcasts, gradient sync), AdamW over `sync.param_groups` with its state as its first step
-       creates it (`sync.ensure_adam_state`), then one training step through the real step code
-       (`forward_backward`, `finish_grads`, `clip_grads`, the optimizer step, `after_update`) of ONE microbatch,
-       the final one (so the DP sync runs), under a byte meter (`TensorBytesMeter`)
+       dispatcher, broadcasts, gradient sync), the trainer's optimizer (optim/build.py) with what its first step
+       creates (its state, Muon's owner plan: the optimizer's `prepare`), then one training step through the real
+       step code (`forward_backward`, `finish_grads`, `clip_grads`, the optimizer step, `after_update`) of ONE
+       microbatch, the final one (so the DP sync runs), under a byte meter (`TensorBytesMeter`)
 
 A rank reports `param_bytes`, `grad_bytes`, `optim_bytes` (its live tensors after the step, as summary.json
 measures them: `memory.live_tensor_bytes`) and `peak_bytes`: the most tensor bytes it holds at once in a step of M
 microbatches = the one-microbatch step's peak + (in_flight - 1) x the bytes one microbatch keeps from its forward to
-its backward, in_flight being what the schedule holds at once (`parallel.pp.facts.in_flight`: M under GPipe, PP - s under
-1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
+its backward, in_flight being what the schedule holds at once (`parallel.pp.facts.in_flight`: M under GPipe, PP - s
+under 1F1B). The interleaved and zb1 schedules run their real M microbatches instead (chunk-microbatches, and deferred
 weight gradients that keep part of a microbatch, do not compose that simply).
 
 Which ranks are distinct: a rank's bytes depend on its pipeline stage and, at zero 3, on its place in its FSDP
@@ -56,7 +56,6 @@ from ..parallel import step
 from ..parallel.dims import ParallelDims
 from ..optim.build import build_optimizer
 from ..parallel.parallelize import parallelize
-from ..parallel.dp.sync import ensure_adam_state
 from .fit.measure import TensorBytesMeter
 
 CPU = torch.device("cpu")
@@ -216,9 +215,7 @@ def measure_rank(cfg: Config, rank: int, world: int) -> RankBytes:
         with _fake_tensors(), routing:
             shard = parallelize(cfg, dims, CPU)
             optimizer = build_optimizer(shard, cfg)
-            ensure_adam_state(optimizer)  # the state a running job holds from its first step on
-            if hasattr(optimizer, "plan"):  # Muon's owner plan, which a real rank's steps find made
-                optimizer.plan()
+            optimizer.prepare()  # what a running job holds from its first step on: the state, Muon's owner plan
             _zero3_grads(shard.model)  # and zero 3's gradient shards
             held = _held(shard, optimizer)
             xs = [torch.zeros(t.micro_batch, S, dtype=torch.long) for _ in range(M)]

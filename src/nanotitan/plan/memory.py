@@ -167,7 +167,7 @@ def _zero3_always(c: Context, st: StageSummary, root: float) -> tuple[float, flo
     ne_block = (st.n_ne - root) / max(st.n_layers, 1)
     ex_block = st.n_ex / max(st.n_layers, 1) if fsdp.shards_experts(lay.dp) else 0.0  # dp == 1: experts not FSDP's
     gathered, ag, ag_last = root * prec.param, ne_block * prec.param, (ex_block or ne_block) * prec.param
-    if fsdp.experts_in_block_unit(lay.dp, lay.ep):  # the experts in their block's FSDP unit: a whole block per all-gather
+    if fsdp.experts_in_block_unit(lay.dp, lay.ep):  # the experts in their block's FSDP unit: a block per all-gather
         ag = ag_last = (ne_block + ex_block) * prec.param
     # Under checkpointing a block's recompute runs FSDP2's forward hooks: the all-gather result copied out there is
     # kept, as in a forward, until the next forward copy-out (the next recompute), so one more is alive through

@@ -47,7 +47,8 @@ def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tup
                     try:
                         validate(layout_config(cfg, layout), world_size=world)
                     except ConfigError:
-                        continue  # ep does not divide the experts, pp > layers, torch_ddp with pp/ep, zero at dp*ep=1...
+                        # ep does not divide the experts, pp > layers, torch_ddp with pp/ep, zero at dp*ep=1...
+                        continue
                     out.append(layout)
     return out
 
@@ -133,7 +134,8 @@ def reason(preds: list[Prediction]) -> str:
             line += (f"; zero {best.layout.zero} needed to fit: the smallest below it ({p.layout.short()}) needs "
                      f"{p.peak_mem / GiB:.1f} GiB")
         elif fit:
-            line += f"; {100 * (best.tokens_per_sec / fit[0].tokens_per_sec - 1):.0f}% faster than zero {fit[0].layout.zero} ({fit[0].layout.short()})"
+            line += (f"; {100 * (best.tokens_per_sec / fit[0].tokens_per_sec - 1):.0f}% faster than zero "
+                     f"{fit[0].layout.zero} ({fit[0].layout.short()})")
     return line
 
 
@@ -143,6 +145,7 @@ def format_table(preds: list[Prediction], top: int) -> str:
     for i, p in enumerate(preds[:top], 1):
         L = p.layout
         lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | "
-                     f"{L.microbatches} | {L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | {1e3 * p.step_time_s:,.1f} | "
+                     f"{L.microbatches} | {L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | "
+                     f"{1e3 * p.step_time_s:,.1f} | "
                      f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
     return "\n".join(lines)

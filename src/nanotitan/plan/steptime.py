@@ -114,13 +114,13 @@ def ep_overlap_exposed(a2a_s: float, lat_s: float, n: int, compute_s: float, tai
 
 def ep_lanes_time(c_f: float, c_b: float, w_f: float, w_b: float, M: int, unpaired: int = 1, c_w: float = 0.0,
                   skew: float = 0.0) -> float:
-    """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches (parallel/pp/schedules.py
-    `lanes.two_lanes`): `unpaired` forwards alone, M - unpaired pairs (a forward beside a backward), `unpaired` backwards
-    alone. pp = 1 and a pipeline's last stage: 1 (F(0) alone, F(j+1) beside B(j), B(M-1) alone); an earlier 1f1b /
-    zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside B(j) between).
-    c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link, carrying one
-    call at a time). c_w: the part of c_b that is weight-gradient GEMMs the backward lane runs while its own trips
-    travel (pp/runner.py `FillRunner`'s fill; on zb1's split stages the W due after it), so a backward
+    """Forwards and backwards of M microbatches on one stage under parallel.ep_overlap_microbatches
+    (parallel/pp/schedules.py `lanes.two_lanes`): `unpaired` forwards alone, M - unpaired pairs (a forward beside a
+    backward), `unpaired` backwards alone. pp = 1 and a pipeline's last stage: 1 (F(0) alone, F(j+1) beside B(j), B(M-1)
+    alone); an earlier 1f1b / zb1 stage: its warmup w (the warmup's forwards and the cooldown's backwards, F(w+j) beside
+    B(j) between). c_f, c_b: a microbatch's forward and backward compute; w_f, w_b: their EP link time (one link,
+    carrying one call at a time). c_w: the part of c_b that is weight-gradient GEMMs the backward lane runs while its
+    own trips travel (pp/runner.py `FillRunner`'s fill; on zb1's split stages the W due after it), so a backward
     alone exposes only max(w_b - c_w, 0). A lane cannot compute while it waits for its own trip, the two lanes share
     the rank's compute, and the link carries both lanes' trips, so a pair lasts at least each of max(c_f + c_b,
     w_f + w_b, c_f + w_f, c_b + max(w_b - c_w, 0)); the model takes that bound (the lanes interleave layer by

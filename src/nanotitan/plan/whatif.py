@@ -99,8 +99,9 @@ def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOpti
     EP; on the node's link, where the copies sit when a node holds R EP ranks), and its moves once per
     parallel.rebalance_every steps (skew.rebalance_bytes; the inter-node link when the EP group spans nodes)."""
     lay = best.layout
-    placed_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert_placement="balanced",
-                                                                       expert_replicas=max(2, cfg.parallel.expert_replicas)))
+    placed_par = dataclasses.replace(cfg.parallel, expert_placement="balanced",
+                                     expert_replicas=max(2, cfg.parallel.expert_replicas))
+    placed_cfg = dataclasses.replace(cfg, parallel=placed_par)
     placed = predict(layout_config(placed_cfg, lay), lay, hw, opts)
     shape = ModelShape.from_config(cfg)
     link = hw.inter if lay.moe_ep > hw.devices_per_node else hw.intra
@@ -211,8 +212,8 @@ def format_what_if(r: dict) -> str:
     if r.get("without_cp"):
         w = r["without_cp"]
         fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
-        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences {fastest}; "
-                     f"the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
+        lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences "
+                     f"{fastest}; the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "

@@ -5,9 +5,9 @@ up to 32 MiB) a fresh mmap and returns it with munmap on free. A training step a
 activations, gradients and GEMM outputs every step, so each of them faults its pages in again, a kernel page
 fault and a zeroed page per 4 KiB: on the MID stage of `nanotitan bench pp` a third of the experts' weight
 gradients' time went there (docs/pp.md). Pinning the threshold at glibc's maximum and trimming the heap only
-past 2 GiB of free top keeps freed blocks mapped for the next step to reuse: what jemalloc and tcmalloc do, and what PyTorch's CPU
-performance guide gets by preloading one of them. The price is that the process keeps its peak footprint mapped
-(its RSS stays at the peak it reached; the peak itself is unchanged).
+past 2 GiB of free top keeps freed blocks mapped for the next step to reuse: what jemalloc and tcmalloc do, and what
+PyTorch's CPU performance guide gets by preloading one of them. The price is that the process keeps its peak footprint
+mapped (its RSS stays at the peak it reached; the peak itself is unchanged).
 
 Left alone when the process runs another allocator (LD_PRELOAD) or the user set glibc's own MALLOC_* tunables,
 or with NANOTITAN_MALLOC=system. CUDA memory is torch's caching allocator's, untouched; host tensors (data,

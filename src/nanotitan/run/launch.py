@@ -130,9 +130,9 @@ SHUTDOWN_S = 1  # after a failure or SIGINT, ranks still alive this long are kil
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rendezvous | None = None,
-                 run_dir: str = "run", ckpt_on_signal: bool = False) -> int:
-    """Run `nanotitan train <argv>` on `nproc` ranks of this machine (standalone), or as one node of
-    `rdzv`; returns the exit code (0 = all ranks ok, 130/143 = stopped by SIGINT/SIGTERM) after printing
+                 run_dir: str = "run", ckpt_on_signal: bool = False, command: str = "train") -> int:
+    """Run `nanotitan <command> <argv>` (train, or eval) on `nproc` ranks of this machine (standalone), or as one
+    node of `rdzv`; returns the exit code (0 = all ranks ok, 130/143 = stopped by SIGINT/SIGTERM) after printing
     one line for a failure or a stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -161,7 +161,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, rdzv: Rende
     args = get_args_parser().parse_args([
         *where, f"--max-restarts={max_restarts}", "--tee=1", "--monitor-interval=0.5",
         f"--signals-to-handle={signals}", f"--shutdown-timeout={SHUTDOWN_S}",
-        "-m", "nanotitan.cli", "train", *argv,
+        "-m", "nanotitan.cli", command, *argv,
     ])
     _quiet_agent()
     got: list[int] = []

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from .allocator import keep_freed_memory
 from ..config.config import Config, ConfigError, validate
 from ..data.indexed import IndexedBatches
-from ..data.prepare import load_meta, load_tokenizer, prepare_data
+from ..data.mix import MixedBatches, open_split
+from ..data.prepare import load_meta, load_tokenizer, mix_dirs, prepare_data
 from ..data.streaming import make_streaming_loader
 from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
@@ -33,8 +34,8 @@ from ..state import manifest
 @dataclass
 class RankData:
     """This data rank's share of every global batch of B sequences: b = M*m of them (DESIGN §4)."""
-    train: IndexedBatches
-    val: IndexedBatches
+    train: IndexedBatches | MixedBatches
+    val: IndexedBatches | MixedBatches
     stream: Iterator | None  # data.loader=streaming's batches of this data rank (None: the indexed files)
     dims: ParallelDims
     runs: list[tuple[int, int]]  # the positions of each sequence this rank reads (context parallel: its chunks)
@@ -92,17 +93,18 @@ def setup_rank(cfg: Config) -> RankSetup:
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):
-    """(train, val, stream): the prepared token files read by global index (DESIGN §4), and the seed's streaming
-    loader when data.loader=streaming (HF streaming, split by data rank; else None). Prepared once: a file lock
-    makes the other ranks wait."""
+    """(train, val, stream): the prepared token files read by global index (DESIGN §4; with data.mix, its sources'
+    blended, data/mix.py), and the seed's streaming loader when data.loader=streaming (HF streaming, split by data
+    rank; else None). Prepared once: a file lock makes the other ranks wait (a mix's sources are prepared ahead)."""
     t = cfg.train
-    data_dir = prepare_data(cfg.data, log=log)
+    dirs = mix_dirs(cfg.data) if cfg.data.mix else [prepare_data(cfg.data, log=log)]  # a mix: its sources, prepared
+    data_dir = dirs[0]  # the tokenizer's
     meta = load_meta(data_dir)
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer has {meta['vocab_size']} tokens > model.vocab_size={cfg.model.vocab_size} "
                           f"(--model.vocab_size {meta['vocab_size']})")
-    train = IndexedBatches(data_dir / "train.bin", meta["dtype"], t.seq_len, t.seed)
-    val = IndexedBatches(data_dir / "val.bin", meta["dtype"], t.seq_len, t.seed + 1)
+    train = open_split(cfg.data, dirs, "train", t.seq_len, t.seed)
+    val = open_split(cfg.data, dirs, "val", t.seq_len, t.seed + 1)
     stream = None
     if cfg.data.loader == "streaming":
         stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,

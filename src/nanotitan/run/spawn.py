@@ -6,15 +6,16 @@ Each rank is a fresh `spawn`ed process (or, with start_method="forkserver", fork
 imported torch once: the test suite's choice, tests/helpers/mp.py) that takes the caller's environment and working
 directory as they are now, sets `torch.set_num_threads(threads)`, the torchrun-style environment (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) plus `env`, joins
-`init_process_group("gloo", timeout=pg_timeout)` and calls `fn(rank, world, *args)`. `fn` and `args`
-must be picklable (a module-level function); so must the results, which come back by value.
-Used by the multi-rank tests (tests/helpers/mp.py), the benchmarks (`nanotitan bench`) and `nanotitan plan --measure`.
+`init_process_group("gloo", timeout=pg_timeout)` (backend="nccl": rank r on GPU r) and calls
+`fn(rank, world, *args)`. `fn` and `args` must be picklable (a module-level function); so must the results, which
+come back by value. Used by the multi-rank tests (tests/helpers/mp.py), the benchmarks (`nanotitan bench`),
+`nanotitan plan --measure` and `nanotitan verify`.
 
 Rendezvous: THIS process hosts the TCPStore, bound to 127.0.0.1 port 0 so the kernel picks a free port at bind
-time and the children connect to it; gloo and NCCL bind the loopback interface too (run/loopback.py). Picking a "free" port first and binding it later (the old copies)
-races with every other job on the machine (two test files at once, a benchmark beside the tests); the
-store holding its port from the start cannot collide. gloo's own connections also bind port 0. Hosting
-the store in the parent (as torchrun's agent does) also means it outlives any rank that dies.
+time and the children connect to it; gloo and NCCL bind the loopback interface too (run/loopback.py). Picking a "free"
+port first and binding it later (the old copies) races with every other job on the machine (two test files at once, a
+benchmark beside the tests); the store holding its port from the start cannot collide. gloo's own connections also bind
+port 0. Hosting the store in the parent (as torchrun's agent does) also means it outlives any rank that dies.
 
 Failure: the first rank that raises ends the run: every rank is killed first, then joined, and the
 RuntimeError carries that rank's traceback. A rank that dies without reporting (os._exit, a signal)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import pickle
 import queue
 import signal
@@ -35,6 +37,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 
 import torch
@@ -68,7 +71,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir, parent_pid, caller):
+def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir, parent_pid, caller, backend="gloo"):
     _exit_with_parent(parent_pid)
     caller_env, caller_cwd = caller  # the caller's as they are now (a forkserver's child starts with the server's)
     os.environ.clear()
@@ -85,7 +88,11 @@ def _worker(rank, world, port, fn, args, q, pg_timeout, threads, env, stack_dir,
     try:
         timeout = timedelta(seconds=pg_timeout)
         store = dist.TCPStore(HOST, port, world, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        device = None
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device)
         out = fn(rank, world, *args)
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
         q.put((rank, True, pickle.dumps(out)))
@@ -115,9 +122,25 @@ def _stacks(procs, stack_dir: str) -> str:
     return "\n".join(parts)
 
 
-def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 60.0,
-              threads: int = 1, env: dict | None = None, start_method: str = "spawn") -> list:
-    """fn(rank, world, *args) on `world` gloo ranks; their return values in rank order. Raises
+def start_forkserver(preload: list[str]) -> None:
+    """Start the server start_method="forkserver" forks ranks from (if not running), with `preload` imported once
+    there and this process's sys.path: Python 3.11's forkserver drops the one it is handed, and without it neither
+    the preloads nor the ranks' functions would import."""
+    mp.set_forkserver_preload(preload)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeout: float = 60.0, threads: int = 1,
+              env: dict | None = None, start_method: str = "spawn", backend: str = "gloo") -> list:
+    """fn(rank, world, *args) on `world` gloo ranks (or NCCL's, a GPU each); their results in rank order. Raises
     RuntimeError (with the failing rank's traceback) if a rank fails or dies, TimeoutError (with the
     live ranks' stacks) after `timeout` seconds; either way every rank has been killed and joined.
     start_method "forkserver" forks each rank from one server process that imported its preload modules
@@ -133,7 +156,7 @@ def run_ranks(fn, world: int, args: tuple = (), timeout: float = 120.0, pg_timeo
     with tempfile.TemporaryDirectory(prefix="nanotitan-ranks-") as stack_dir:
         procs = [ctx.Process(target=_worker, daemon=True,
                              args=(r, world, store.port, fn, args, q, pg_timeout, threads, env, stack_dir,
-                                   os.getpid(), (dict(os.environ), os.getcwd())))
+                                   os.getpid(), (dict(os.environ), os.getcwd()), backend))
                  for r in range(world)]
         try:
             for p in procs:

@@ -355,12 +355,12 @@ def _check_fits(path: Path, want: dict[str, torch.Tensor], meta: dict) -> str:
 
 
 def _check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None, info: dict) -> str:
-    """'' if the checkpoint's optimizer state is this run's kind (adamw or muon: each has its own state), else one
-    line. A checkpoint from before the field holds AdamW's."""
+    """'' if the checkpoint's optimizer state is this run's kind (the optimizer declares it, optim/adamw.py: each
+    kind has its own state), else one line. A checkpoint from before the field holds AdamW's."""
     saved = info.get("optimizer", "adamw")
-    want = "muon" if optimizer is not None and any(g.get("muon") for g in optimizer.param_groups) else "adamw"
-    if optimizer is None or saved == want:
+    if optimizer is None or saved == optimizer.kind:
         return ""
+    want = optimizer.kind
     return (f"checkpoint {path} holds {saved} optimizer state but train.optimizer={want} (--train.optimizer {saved}, "
             f"or --train.reset_optimizer true to keep the weights and start {want}'s state fresh)")
 
@@ -368,7 +368,8 @@ def _check_optimizer(path: Path, optimizer: torch.optim.Optimizer | None, info: 
 def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     """Global check every rank can do alone: the checkpoint has no more layers/experts than the model."""
     layers = {int(m.group(1)) for k in meta if (m := re.match(r"model\.layers\.([0-9]+)\.", k))}
-    experts = {int(m.group(1)) for k in meta if (m := re.fullmatch(r"model\.layers\.[0-9]+\.moe\.experts\.W_gate\.([0-9]+)", k))}
+    expert_key = r"model\.layers\.[0-9]+\.moe\.experts\.W_gate\.([0-9]+)"
+    experts = {int(m.group(1)) for k in meta if (m := re.fullmatch(expert_key, k))}
     cfg = model.cfg
     if layers and max(layers) + 1 != cfg.n_layers + cfg.mtp_layers:  # the MTP blocks follow the decoder's
         mtp = f" + model.mtp_layers={cfg.mtp_layers}" if cfg.mtp_layers else ""

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..model.transformer import is_expert_param
-from ..parallel.dp.sync import Pieces, ensure_adam_state, replicated_pieces
+from ..parallel.dp.sync import Pieces, replicated_pieces
 from ..parallel.shard import grad_layout
+from ..parallel.where import placed
 
 
 class Chunks:
@@ -42,58 +42,39 @@ class Chunks:
 
 def keyed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, shard) -> dict[str, Chunks]:
     """{global key: this rank's Chunks of it}: `GradSync.sharded_state` (the live tensors' pieces, whatever
-    the zero level), keyed by global name, an expert tensor [E_local, ...] split per global expert id. The
-    keys and each tensor's whole shape do not depend on the zero level or the layout, so any layout reads any
-    other's checkpoint (and those written whole, before the pieces)."""
-    expert_start = model.spec.expert_start
-    # a placement's slots (parallel/rebalance.py): slot l holds global expert slot_experts[l] (-1: empty, no key;
-    # the copies of a replicated expert write identical boxes, kept once)
-    slot_experts = {f"{n}.{t}": m.slot_experts for n, m in model.named_modules()
-                    if getattr(m, "slot_experts", None) is not None for t in ("W_gate", "W_val", "W_out")}
-    out: dict[str, Chunks] = {}
-
-    def put(prefix: str, name: str, pieces: Pieces, suffix: str = "") -> None:
-        if not (is_expert_param(name) and len(pieces.size) > 0):
-            out[f"{prefix}.{name}{suffix}"] = Chunks(pieces.size, pieces.boxes)
-            return
-        per_expert: dict[int, list] = {}
-        for off, t in pieces.boxes:  # a box over experts [e0, e0 + n) is n boxes, one per expert's key
-            for l in range(t.shape[0]):
-                per_expert.setdefault(off[0] + l, []).append((off[1:], t[l]))
-        ids = slot_experts.get(name) or range(expert_start, expert_start + pieces.size[0])
-        for l, e in enumerate(ids):
-            if e >= 0:
-                out[f"{prefix}.{name}.{e}{suffix}"] = Chunks(pieces.size[1:], per_expert.get(l, []))
-
+    the zero level) placed in the global tensors by parallel/where.py (TP slices at their offsets, an expert
+    tensor [E_local, ...] split per global expert id). The keys and each tensor's whole shape do not depend on the
+    zero level or the layout, so any layout reads any other's checkpoint (and those written whole, before the
+    pieces)."""
     if optimizer is not None:
-        ensure_adam_state(optimizer)
-    sync = shard.sync if shard is not None else None
-    model_state, optim_state = sync.sharded_state(optimizer) if sync else replicated_pieces(model, optimizer)
-    for name, q in model.named_parameters():  # TP slices sit at their rank's offset in the whole tensor
-        if (part := grad_layout(q).part) is not None:
-            model_state[name] = tp_pieces(model_state[name], *part)
-            for k, pieces in optim_state.get(name, {}).items():
-                if len(pieces.size):
-                    optim_state[name][k] = tp_pieces(pieces, *part)
+        optimizer.ensure_state()  # an optimizer that has not stepped is saved and loaded as one that has
+    model_state, optim_state = shard.sync.sharded_state(optimizer) if shard is not None else \
+        replicated_pieces(model, optimizer)
     # sharded_state holds the parameters; persistent buffers (router_bias) are never sharded: the live ones
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name not in model_state:
-            model_state[name] = Pieces.whole(t)
+    tensors = {**dict(model.state_dict(keep_vars=True)), **dict(model.named_parameters())}
+    for name, t in tensors.items():
+        model_state.setdefault(name, Pieces.whole(t))
+    out: dict[str, Chunks] = {}
     for name, pieces in model_state.items():
-        put("model", name, pieces)
+        for suffix, p in placed(model, name, grad_layout(tensors[name]), pieces).items():
+            out[f"model.{name}{suffix}"] = Chunks(p.size, p.boxes)
     for name, st in optim_state.items():
         for k, pieces in st.items():
-            put("optim", name, pieces, f".{k}")
+            for suffix, p in placed(model, name, grad_layout(tensors[name]), pieces).items():
+                out[f"optim.{name}{suffix}.{k}"] = Chunks(p.size, p.boxes)
     return out
 
 
-def tp_pieces(pieces: Pieces, dim: int, rank: int, n: int) -> Pieces:
-    """Pieces of a TP slice (rank's 1/n along dim) as pieces of the whole tensor."""
-    size = list(pieces.size)
-    shift = rank * size[dim]
-    size[dim] *= n
-    return Pieces(torch.Size(size), [(tuple(o + shift * (i == dim) for i, o in enumerate(off)), t)
-                                     for off, t in pieces.boxes])
+def keyed_grads(model: torch.nn.Module, shard) -> dict[str, Chunks]:
+    """{"grad.<param name>[.<expert id>]": this rank's Chunks of its averaged gradient}, placed as `keyed_state`
+    places the parameter (TP slices at their offsets, experts per global id, ZeRO/FSDP pieces where they lie): after
+    the gradient sync, before the optimizer step (`nanotitan verify` compares every layout's with one process's)."""
+    params = dict(model.named_parameters())
+    out: dict[str, Chunks] = {}
+    for name, pieces in shard.sync.grad_pieces(set(params)).items():
+        for suffix, p in placed(model, name, grad_layout(params[name]), pieces).items():
+            out[f"grad.{name}{suffix}"] = Chunks(p.size, p.boxes)
+    return out
 
 
 def rng_key(rank: int) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from ..config.errors import CheckpointError, first_line, os_reason
+from ..config.errors import CheckpointError, ConfigError, first_line, os_reason
 from ..config.hardware import fmt_bytes
 from ..parallel.comm import collectives as comm
 from .swap import aside_of
@@ -72,6 +72,20 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     choosing what to resume from use resolve_resume (it verifies)."""
     steps = complete_steps(run_dir)
     return steps[-1][1] if steps else None
+
+
+def saved_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """A run's complete checkpoint, the newest or step's (what `export` and `eval` read), or a ConfigError line
+    naming the flag to fix."""
+    if step is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ConfigError(f"no complete checkpoint under {run_dir} (--run.dir of a run that saved one)")
+        return path
+    path = checkpoint_dir(run_dir) / f"step_{step}"
+    if not (path / COMPLETE).is_file():
+        raise ConfigError(f"{path} is not a complete checkpoint (--step of a saved step)")
+    return path
 
 
 # --- a checkpoint's own files: plain names, regular files, never through a symlink -------------------------
@@ -364,7 +378,8 @@ def resolve_resume(resume: str, run_dir: str | Path, verify: bool = True,
     if resume != "auto" and (STEP_DIR.fullmatch(p.name) or (p / COMPLETE).exists() or (p / DCP_METADATA).exists()):
         reason = verify_checkpoint(p, checksums=verify)
         if reason and not verify_checkpoint(aside_of(p), checksums=verify):  # a re-save cut short (swap.py)
-            log(f"resume: {p.name}: {reason} (a re-save cut short); using {aside_of(p).name}, the old copy it set aside")
+            log(f"resume: {p.name}: {reason} (a re-save cut short); using {aside_of(p).name}, the old copy it set "
+                "aside")
             return aside_of(p)
         if reason:
             raise CheckpointError(f"cannot resume from {p}: {reason} (choose another with --train.resume PATH, "

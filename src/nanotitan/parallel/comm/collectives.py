@@ -65,7 +65,8 @@ _BACKEND: dict[int, tuple] = {}  # id(process group) -> (a weak reference to it,
 def _group_entry(group) -> tuple:
     """(weakref, backend name, takes CPU tensors) of the group, looked up once per group (dist.get_backend costs
     microseconds on every call, and a step makes dozens). Keyed by id and checked by the weak reference (a
-    WeakKeyDictionary builds a weakref per lookup): a re-initialised world is a new group, its id maybe a freed one's."""
+    WeakKeyDictionary builds a weakref per lookup): a re-initialised world is a new group, its id maybe a freed
+    one's."""
     pg = group if group is not None else dist.group.WORLD
     hit = _BACKEND.get(id(pg))
     if hit is not None and hit[0]() is pg:

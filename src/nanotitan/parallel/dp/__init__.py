@@ -1,7 +1,7 @@
 """Data parallelism: the gradient-sync flavours, each behind one `GradSync` object (docs/dp.md).
 
     sync.py     the GradSync protocol and the replicated flavours (ReplicatedSync over the Reducer, TorchDDPSync),
-                the gradient groups, and the checkpoint-form helpers (Pieces, adam_state, flat_range_boxes)
+                the gradient groups, the family-tag groups, and the checkpoint-form helpers (Pieces, flat_range_boxes)
     reducer.py  the bucketed gradient Reducer (the seed's DP) and the torch DDP baseline (wrap_ddp)
     zero.py     ZeRO-1/2: the Reducer's buckets reduce-scattered (ShardedReducer), ZeroSync over them
     fsdp.py     ZeRO-3 through torch FSDP2 (FSDPSync)

@@ -46,12 +46,12 @@ try:  # FSDP2's pluggable collectives (torch >= 2.8; not re-exported, so the pri
 except ImportError:  # pragma: no cover
     AllGather = ReduceScatter = None
 
-from ...model.families import is_muon, keep_tag
+from ...model.families import keep_tag, tag_of
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
 from .reducer import Reducer
-from .sync import GradSync, Pieces, adam_state
+from .sync import GradSync, Pieces
 from ..shard import Grad, grad_layout, keep_layout, token_ranks
 
 
@@ -167,16 +167,14 @@ if AllGather is not None:
             return True
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups, decay on matrices only (the trainer's rule), one group per (decay, mesh): a fused
-    optimizer kernel takes one list of tensors, and DTensors of different meshes (or plain tensors:
-    experts FSDP leaves alone) cannot share a call."""
+def param_groups(model: nn.Module) -> list[dict]:
+    """One group per (family tag, mesh): a fused optimizer kernel takes one list of tensors, and DTensors of
+    different meshes (or plain tensors: experts FSDP leaves alone) cannot share a call. {"params", "tag"}."""
     groups: dict[tuple, list] = {}
     for p in model.parameters():
         mesh = getattr(p, "device_mesh", None)
-        groups.setdefault((p.dim() >= 2, id(mesh) if mesh is not None else None, is_muon(p)), []).append(p)
-    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, **({"muon": True} if muon else {})}
-            for (decay, _, muon), ps in groups.items()]
+        groups.setdefault((tag_of(p), id(mesh) if mesh is not None else None), []).append(p)
+    return [{"params": ps, "tag": tag} for (tag, _), ps in groups.items()]
 
 
 class FSDPSync(GradSync):
@@ -241,8 +239,8 @@ class FSDPSync(GradSync):
             if r is not None:
                 r.zero_grad()
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return param_groups(self.model, weight_decay)
+    def param_groups(self) -> list[dict]:
+        return param_groups(self.model)
 
     def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
         """DTensor shards are disjoint over non-expert-DP; experts FSDP left whole (dp == 1) differ over EP."""
@@ -283,7 +281,7 @@ class FSDPSync(GradSync):
         optim_state = {}
         if optimizer is not None:
             for n, p in named.items():
-                state = adam_state(optimizer, p)
+                state = optimizer.state_of(p)
                 optim_state[n] = {k: _local_pieces(v) for k, v in state.items() if torch.is_tensor(v)}
         return model_state, optim_state
 

@@ -2,9 +2,12 @@
 
 A rank's `GradSync` owns, for its flavour of DP:
 
+    forward_backward(..)     the step's forwards and backwards: the pipeline schedule it is handed (torch DDP: its own
+                             microbatch loop)
     prepare(sync)            before each microbatch's backward; sync=True before the step's final one
     finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards
-    param_groups(wd)         the AdamW groups over what this rank updates (params, or its 1/N shards)
+    param_groups()           what this rank updates (params, or its 1/N shards), one group per family tag
+                             (model/families.py: {"params", "tag"}); optim/ decides what each tag means
     clip(max_norm)           global-norm clipping over exactly what this rank holds (each element once)
     after_step()             after the optimizer step: the full params again on every rank (ZeRO-1/2)
     zero_grad()              ready for the next step (gradients stay bound to their buffers)
@@ -14,7 +17,8 @@ A rank's `GradSync` owns, for its flavour of DP:
                              slots and replicated copies, parallel/rebalance.py); False: this flavour reduces all
     sharded_state(opt)       checkpoint form: ({name: Pieces}, {name: {state key: Pieces}}), this rank's pieces of
                              each whole tensor, views of the live state (save writes them, load reads into them);
-                             nothing is ever gathered whole
+                             nothing is ever gathered whole. The optimizer state is read through the optimizer's
+                             own `state_of(p, group)` (optim/: it creates p's state if it has not stepped yet)
     close()                  before the process groups go
 
 Flavours (`parallel/parallelize.py` is the one place that picks one):
@@ -30,51 +34,23 @@ shards summed over expert-DP and divided by DP*EP.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ...model.families import is_muon
+from ...model.families import tag_of
 from ..clip import clip_grad_norm_
 from ..dims import ParallelDims
+from ..pp.schedules import StepStats
 from .reducer import Reducer, wrap_ddp
 from ..shard import Grad, grad_layout, token_ranks
 
 NamedParams = list[tuple[str, nn.Parameter]]
-
-
-def adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict | None = None) -> dict:
-    """`optimizer.state[p]`, created first if empty exactly as Adam(W)'s lazy init would (zero moments, step 0;
-    `step` a float32 tensor on the param's device when fused/capturable, else a CPU scalar of the default
-    float dtype; max_exp_avg_sq with amsgrad), so an optimizer that has not stepped can be saved or loaded.
-    The one place that knows Adam's state layout; `group` is p's param group (looked up if not given). A Muon
-    group's param (optim/muon.py) holds one buffer, its momentum, as torch.optim.Muon's."""
-    state = optimizer.state[p]
-    if state:
-        return state
-    group = group or next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    if group.get("muon"):
-        state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
-    on_device = group.get("fused") or group.get("capturable")
-    fp64 = torch.get_default_dtype() == torch.float64 and not group.get("fused")  # torch's _get_scalar_dtype
-    step_dtype = torch.float64 if fp64 else torch.float32
-    state["step"] = torch.zeros((), dtype=step_dtype, device=p.device if on_device else "cpu")
-    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    if group.get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
-def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Every param of the optimizer gets its state (`adam_state`). torch's own state-dict init (zero 3) skips an
-    optimizer whose params have a .grad, so the checkpoint path creates it here for every flavour alike."""
-    for g in optimizer.param_groups:
-        for q in g["params"]:
-            adam_state(optimizer, q, g)
 
 
 @dataclass
@@ -127,19 +103,18 @@ def replicated_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None)
     for g in optimizer.param_groups:
         for q in g["params"]:
             assert id(q) in name_of, "optimizer holds a tensor that is not a parameter of the model"
-            optim_state[name_of[id(q)]] = {k: Pieces.whole(v) for k, v in adam_state(optimizer, q, g).items()
+            optim_state[name_of[id(q)]] = {k: Pieces.whole(v) for k, v in optimizer.state_of(q, g).items()
                                            if torch.is_tensor(v)}
     return model_state, optim_state
 
 
-def decay_groups(params, weight_decay: float) -> list[dict]:
-    """AdamW groups with weight decay on matrices only (the trainer's rule); Muon's matrices (tagged, model/families.py)
-    in a group of their own, marked "muon"."""
-    params = list(params)
-    groups = [{"params": [q for q in params if q.dim() >= 2 and not is_muon(q)], "weight_decay": weight_decay},
-              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
-    muon = [q for q in params if is_muon(q)]
-    return groups + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
+def tag_groups(tagged) -> list[dict]:
+    """(tag, param) pairs as one group per family tag (model/families.py), in the order the tags first appear:
+    [{"params", "tag"}]."""
+    groups: dict[str, list] = {}
+    for tag, q in tagged:
+        groups.setdefault(tag, []).append(q)
+    return [{"params": ps, "tag": tag} for tag, ps in groups.items()]
 
 
 class GradSync:
@@ -150,6 +125,12 @@ class GradSync:
         self.model, self.dims = model, dims
         self.expert_params, self.replicated_params = expert_params, replicated_params
 
+    def forward_backward(self, pipeline: Callable[[], StepStats], xs: list[torch.Tensor], ys: list[torch.Tensor],
+                         aux_weight: float, forward_ctx: Callable) -> StepStats:
+        """This rank's forwards and backwards of the step's microbatches xs, ys (parallel/step.py): `pipeline()`
+        runs them through the stage's schedule, which calls `prepare` before each backward."""
+        return pipeline()
+
     def prepare(self, sync: bool) -> None:
         raise NotImplementedError
 
@@ -159,8 +140,8 @@ class GradSync:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return decay_groups(self.model.parameters(), weight_decay)
+    def param_groups(self) -> list[dict]:
+        return tag_groups((tag_of(q), q) for q in self.model.parameters())
 
     def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
         """Whole gradients: expert shards summed over EP and PP, replicated ones over PP (clip.py). sq_offset: this
@@ -248,11 +229,29 @@ class ReplicatedSync(BucketedSync):
 class TorchDDPSync(GradSync):
     """torch DDP over the non-expert-DP group: a baseline for pure DP (config refuses it with PP or EP, where
     DDP's average over its group is not DESIGN §4's). DDP decides in each *forward* whether the backward
-    syncs (`no_sync()`), so it needs its own microbatch loop (step.py); prepare/finish have nothing to do."""
+    syncs (`no_sync()`), so it runs its own microbatch loop (`forward_backward`); prepare/finish have nothing to do."""
 
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float):
         super().__init__(model, dims, expert_params, replicated_params)
         self.ddp = wrap_ddp(model, dims.group("non_expert_dp"), bucket_mb)
+
+    def forward_backward(self, pipeline, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
+        """No pipeline (pure DP): each microbatch through the DDP wrapper, no_sync on all but the last."""
+        t0, M = time.perf_counter(), len(xs)
+        ce_sum = aux_sum = mtp_sum = None
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            with contextlib.nullcontext() if i == M - 1 else self.ddp.no_sync():
+                with forward_ctx():
+                    ce, aux, *mtp = self.ddp(x, y)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                objective = ce + mtp[0] if mtp else ce
+                ((objective + aux_weight * aux) / M).backward()
+            ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
+            aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+            if mtp:
+                mtp_sum = mtp[0].detach() if mtp_sum is None else mtp_sum + mtp[0].detach()
+        wall = time.perf_counter() - t0
+        return StepStats(ce_sum=ce_sum, aux_sum=aux_sum, wall_s=wall, p2p_wait_s=0.0, compute_s=wall,
+                         max_in_flight=1, mtp_sum=mtp_sum)
 
     def prepare(self, sync: bool) -> None:
         pass

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...model.families import is_muon
+from ...model.families import tag_of
 from ..comm import collectives as comm
 from ..clip import clip_grad_norm_
 from .reducer import Bucket, CopyBack, Reducer
-from .sync import BucketedSync, Pieces, adam_state, flat_range_boxes, gradient_groups
+from .sync import BucketedSync, Pieces, flat_range_boxes, gradient_groups, tag_groups
 from ..tied import apart_tied
 from ..shard import Grad, grad_layout, token_ranks
 
@@ -28,8 +28,7 @@ class _ShardBucket(Bucket):
     """A Reducer bucket whose params, gradients and optimizer state are split into `world` equal slices."""
     offsets: list[int] = field(default_factory=list)  # params[i] occupies [offsets[i], offsets[i] + numel)
     padded: int = 0  # numel rounded up to a multiple of 16 * the group size
-    decay: bool = True  # matrices (weight decay) or vectors (none): one optimizer group per bucket
-    muon: bool = False  # Muon's matrices (model/families.py), bucketed apart from AdamW's
+    tag: str = ""  # its params' family tag (model/families.py): one optimizer group per bucket
     pflat: torch.Tensor | None = None  # the params' storage: every param's .data is a view into it
     shard: nn.Parameter | None = None  # this rank's slice of pflat: what the optimizer steps
     shard_grad: torch.Tensor | None = None  # its reduced gradient (zero 1: a slice of flat; zero 2: its own)
@@ -56,10 +55,11 @@ class ShardedReducer(Reducer):
     an optimizer built on `param_groups()`, `start_gather()` and `wait_gather()` (the full params again on every
     rank), `zero_grad()`. Between finish() and the next step only the shard grads mean anything.
 
-    Layout: each bucket holds params of one dtype and one weight-decay kind (decay on matrices only, as
-    the trainer's AdamW), in a flat param buffer padded to a multiple of 16 * N; the model's params are views
-    into it, and the shard param is a view of this rank's slice [r*S, (r+1)*S). An elementwise optimizer
-    (AdamW) gives exactly the same update on a slice as on the whole tensor; padding stays zero.
+    Layout: each bucket holds params of one dtype and one family tag (model/families.py), so that its shard is in
+    one optimizer group whatever optim/ makes of the tag, in a flat param buffer padded to a multiple of 16 * N;
+    the model's params are views into it, and the shard param is a view of this rank's slice [r*S, (r+1)*S). An
+    elementwise optimizer (AdamW) gives exactly the same update on a slice as on the whole tensor; padding stays
+    zero.
 
     zero=1: gradients accumulate over microbatches in the full flat buffer (gradient-as-bucket-view);
             the final backward reduce-scatters each bucket in place, so the shard grad is a slice of it.
@@ -97,7 +97,7 @@ class ShardedReducer(Reducer):
 
     @staticmethod
     def _bucket_kind(p: nn.Parameter) -> tuple:
-        return p.dtype, p.device, p.dim() >= 2, is_muon(p)
+        return p.dtype, p.device, tag_of(p)
 
     def skip_rows(self, rows: dict[str, list[int]]) -> set[str]:
         raise NotImplementedError("ZeRO-1/2 reduce-scatter whole flat buckets (GradSync.skip_rows is False here)")
@@ -110,7 +110,7 @@ class ShardedReducer(Reducer):
         padded = -(-numel // (N * _SHARD_ALIGN)) * N * _SHARD_ALIGN
         S = padded // N
         b = _ShardBucket(flat=None, params=params, views=[], names=[n for n, _ in entries], padded=padded,
-                         decay=p0.dim() >= 2, muon=is_muon(p0), pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
+                         tag=tag_of(p0), pflat=torch.zeros(padded, dtype=p0.dtype, device=p0.device))
         offset = 0
         for p in params:
             b.offsets.append(offset)
@@ -265,12 +265,9 @@ class ShardedReducer(Reducer):
     def shard_params(self) -> list[nn.Parameter]:
         return [b.shard for b in self.buckets]
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups over the shard params: decay on matrices only (the trainer's rule); then Muon's buckets."""
-        muon = [b.shard for b in self.buckets if b.muon]
-        return [{"params": [b.shard for b in self.buckets if b.decay and not b.muon], "weight_decay": weight_decay},
-                {"params": [b.shard for b in self.buckets if not b.decay], "weight_decay": 0.0}] + \
-            ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
+    def param_groups(self) -> list[dict]:
+        """The shard params, one group per family tag (each bucket holds one tag)."""
+        return tag_groups((b.tag, b.shard) for b in self.buckets)
 
     def start_gather(self, buckets: list[_ShardBucket] | None = None) -> None:
         """After the optimizer step: all-gather every bucket's updated slices (async, in place), in the order of
@@ -334,11 +331,8 @@ class ZeroSync(BucketedSync):
         assert len(b.params) == 1, f"{b.names}: a shard of a bucket of several params is no part of one of them"
         return b.shard_grad
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        groups = [r.param_groups(weight_decay) for r in self.reducers]
-        adam = [{**groups[0][i], "params": [q for g in groups for q in g[i]["params"]]} for i in range(2)]
-        muon = [q for g in groups for extra in g[2:] for q in extra["params"]]  # Muon's buckets (optim/muon.py)
-        return adam + ([{"params": muon, "weight_decay": weight_decay, "muon": True}] if muon else [])
+    def param_groups(self) -> list[dict]:
+        return tag_groups((b.tag, b.shard) for r in self.reducers for b in r.buckets)
 
     def clip(self, max_norm: float, sq_offset: torch.Tensor | None = None) -> torch.Tensor:
         # every reducer's shards are disjoint over the stage, except those of params whole on every token rank
@@ -407,7 +401,7 @@ class ZeroSync(BucketedSync):
             return model_state, optim_state
         for r in self.reducers:
             for b in r.buckets:
-                for key, v in adam_state(optimizer, b.shard).items():
+                for key, v in optimizer.state_of(b.shard).items():
                     for name, pieces in _flat_pieces(r, b, v).items():
                         optim_state.setdefault(name, {})[key] = pieces
         return model_state, optim_state

@@ -18,8 +18,8 @@ group; torch's P2P API takes global ranks together with the group.
 The paired calls (`send_forward_recv_backward`, `send_backward_recv_forward`) issue both directions in
 one `batch_isend_irecv`, so two neighbours that both send before they receive cannot deadlock.
 
-The interleaved schedule runs on a ring (`exchange`, `post_exchange`): the last rank's chunk v feeds the first rank's chunk v+1,
-so the first rank receives activations from, and sends gradients to, the last. With PP=2 both neighbours are
+The interleaved schedule runs on a ring (`exchange`, `post_exchange`): the last rank's chunk v feeds the first rank's
+chunk v+1, so the first rank receives activations from, and sends gradients to, the last. With PP=2 both neighbours are
 the same rank; every rank lists its ops activations first, then gradients, so each direction's messages are
 matched in the same order at both ends (NCCL matches point-to-point messages between two ranks by order).
 zb1 passes `during`: local work (deferred weight gradients) that runs while a send is in flight, so the

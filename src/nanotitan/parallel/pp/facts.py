@@ -1,8 +1,9 @@
 """Facts of the pipeline schedules: counts that are pure functions of (schedule, PP, pp_rank, M, V).
 
-The schedules (schedules.py), the two lanes (lanes.py), the planner (plan/cost.py) and the tests all ask these functions,
-never a copy of them; schedules.py re-exports them, so `schedules.warmup`, `schedules.in_flight`, ... are the same functions. The
-virtual-stages rule itself lives in config/config.py (`validate` asks it too, and the config is a leaf).
+The schedules (schedules.py), the two lanes (lanes.py), the planner (plan/cost.py) and the tests all ask these
+functions, never a copy of them; schedules.py re-exports them, so `schedules.warmup`, `schedules.in_flight`, ... are the
+same functions. The virtual-stages rule itself lives in config/config.py (`validate` asks it too, and the config is a
+leaf).
 """
 
 from __future__ import annotations
