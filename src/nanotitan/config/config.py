@@ -226,6 +226,7 @@ class ElasticConfig:
     endpoint: str = ""  # HOST:PORT of node 0, which hosts the membership store (node 0 is the one at HOST)
     id: str = "nanotitan"  # job id: the nodes of one job share it (several jobs may share an endpoint host)
     join_timeout_s: float = 120.0  # a node waits this long for node 0's store, node 0 this long for MIN nodes
+    silent_s: float = 4.0  # a node silent this long on its liveness connection is lost (>= 1: beats every 0.25 s)
     snapshot_every: int = 10  # K: every K steps a snapshot (a verified checkpoint) to snapshot_dir (docs/config.md)
     snapshot_dir: str = "/dev/shm"  # where each node keeps snapshots (its own dir: ID-RUNHASH-nodeI) (docs/config.md)
     secret_file: str = ""  # the job secret, the same file on every node (or $NANOTITAN_ELASTIC_SECRET) (docs/config.md)
@@ -560,10 +561,10 @@ def _check_dp_ep(cfg: Config) -> None:
 
 def _check_elastic(cfg: Config) -> None:
     e = cfg.elastic
-    _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
     _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
-    _check(e.snapshot_every >= 0,
-           f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
+    for name, v, low in (("nproc_per_node", e.nproc_per_node, 1), ("snapshot_every", e.snapshot_every, 0),
+                         ("silent_s", e.silent_s, 1)):
+        _check(v >= low, f"elastic.{name}={v} must be >= {low} (--elastic.{name}{', 0 = off' * (low == 0)})")
     if not (e.endpoint or e.nodes):
         return
     _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "
