@@ -96,10 +96,11 @@ def format_table(rows: list[Row], top: int, cfg: Config | None = None) -> str:
             lines.append("| … |" + " |" * 15)
         L, p = r.layout, r.pred
         m = f"{L.micro_batch}" + (f" (config {m0})" if m0 is not None and L.micro_batch != m0 else "")
-        lines.append(f"| {r.rank}{'*' if r.recommended else ''} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.microbatches} | "
-                     f"{m} | {L.schedule if L.pp > 1 else '-'} | {L.zero} | {p.tokens_per_sec:,.0f} | "
-                     f"{1e3 * p.step_time_s:,.1f} | {p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | "
-                     f"{p.dominant} | {_others(r)} |")
+        cells = [f"{r.rank}{'*' if r.recommended else ''}", *(str(v) for v in (L.dp, L.pp, L.ep, L.tp, L.cp)),
+                 str(L.microbatches), m, L.schedule if L.pp > 1 else "-", str(L.zero), f"{p.tokens_per_sec:,.0f}",
+                 f"{1e3 * p.step_time_s:,.1f}", f"{p.peak_mem / GiB:.2f}", "yes" if p.fits else "NO", p.dominant,
+                 _others(r)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
