@@ -334,8 +334,9 @@ def _run_dir_blocker(run_dir: str) -> str | None:
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
-    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, check_expert_fold,
-                  _check_dp_ep, check_tp, check_cp, check_placement, check_elastic, check_controls):
+    # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
+    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
+                  check_cp, check_expert_fold, check_placement, check_elastic, check_controls):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
