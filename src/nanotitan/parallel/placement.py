@@ -220,6 +220,25 @@ class EPShard:
                          torch.zeros(self.placement.num_experts + 1, 1, dtype=torch.long))
         return Route(*self.placement.route(counts_PE, self.rank))
 
+    def device_slots(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert_of_slot [P*C]: the expert of each global slot, E if empty; slot_of [E + 1]: each expert's one global
+        slot, P*C for the dropped id E) on `device`, made once a table: the static dispatch's routes, no host read.
+        Single placements only (a replicated expert's cut is `Placement.route`'s, on the host)."""
+        key = "slots:" + str(device)
+        if key not in self._device_tables:
+            assert self.placement.single, "a replicated expert's tokens are cut on the host (Placement.route)"
+            slot_of = self.placement.tables(device)[:, 0]
+            self._device_tables[key] = (self.placement.expert_of_slot.to(device), slot_of)
+        return self._device_tables[key]
+
+    def slot_major_on_device(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
+        """`slot_major` of a single placement, from the device tables alone (the static dispatch: no route)."""
+        if self.placement.in_order:
+            return order_N
+        _, slot_of = self.device_slots(order_N.device)  # each expert's one slot, dropped assignments last
+        slot_N = slot_of.index_select(0, expert_ids_TK.reshape(-1).index_select(0, order_N))
+        return order_N.index_select(0, torch.argsort(slot_N, stable=True))
+
     def slot_major(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
                    route: Route) -> torch.Tensor:
         """The packed assignments (`order_N`, expert-major: `pack_expert_major`) put slot-major: the send order
