@@ -64,20 +64,22 @@ def _target(args, kwargs) -> str | None:
 
 class HostSyncs(TorchFunctionMode):
     """Counts the host reads of device values while entered (`count`); `reads` names each one (its function) in
-    order, for a test to say which it found."""
+    order, for a test to say which it found. Entered in a second thread too (the EP lanes' forward lane)."""
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = torch.device(device)  # the training device: `.to(device)` puts a host value there
-        self.count = 0
-        self.reads: list[str] = []
+        self.reads: list[str] = []  # appended from either lane's thread (parallel/lanes.py enters the mode in both)
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         host_in = all(is_host(t) for t in tensors)
         if tensors and not host_in and (func in READS or _sized_by_data(func, args, kwargs)):
-            self.count += 1
             self.reads.append(getattr(func, "__name__", str(func)))
         out = func(*args, **kwargs)
         if func is T.to and _target(args, kwargs) == self.device.type:  # onto the device (a copy there, no wait)
