@@ -275,9 +275,6 @@ WHY_STATIC = "parallel.ep_dispatch=static keeps every split size on the device, 
      "expert, sized by counts read to the host (--model.experts_impl grouped, or --parallel.ep_dispatch dynamic)"),
     (STATIC + ["--parallel.ep_overlap", "true"], WHY_STATIC + "parallel.ep_overlap cuts each trip into groups by host "
      "counts (--parallel.ep_overlap false, or --parallel.ep_dispatch dynamic)"),
-    (STATIC + ["--parallel.expert_placement", "balanced", "--parallel.expert_replicas", "2"], WHY_STATIC +
-     "parallel.expert_replicas=2 cuts a replicated expert's tokens over its copies on the host "
-     "(--parallel.expert_replicas 1, or --parallel.ep_dispatch dynamic)"),
 ])
 def test_static_dispatch_refuses_what_needs_host_sizes(args, msg):
     """parallel.ep_dispatch static is refused, in one line naming the field and the fix, beside an option that would
@@ -289,7 +286,8 @@ def test_static_dispatch_refuses_what_needs_host_sizes(args, msg):
 
 def test_static_dispatch_is_off_by_default_and_accepted_with_grouped_experts():
     assert (Config().parallel.ep_dispatch, Config().parallel.ep_capacity) == ("dynamic", 1.25)
-    cfg = load_config(None, STATIC + ["--parallel.expert_placement", "balanced", "--parallel.ep_capacity", "1"])
+    cfg = load_config(None, STATIC + ["--parallel.expert_placement", "balanced", "--parallel.expert_replicas", "2",
+                                      "--parallel.ep_capacity", "1"])
     assert (cfg.parallel.ep_dispatch, cfg.parallel.ep_capacity) == ("static", 1.0)
 
 

@@ -25,6 +25,3 @@ def check_dispatch(cfg) -> None:
            f"host (--model.experts_impl grouped, or --parallel.ep_dispatch dynamic)")
     _check(not p.ep_overlap, f"{why}, and parallel.ep_overlap cuts each trip into groups by host counts "
                              f"(--parallel.ep_overlap false, or --parallel.ep_dispatch dynamic)")
-    _check(p.expert_replicas == 1,
-           f"{why}, and parallel.expert_replicas={p.expert_replicas} cuts a replicated expert's tokens over its copies "
-           f"on the host (--parallel.expert_replicas 1, or --parallel.ep_dispatch dynamic)")

@@ -345,10 +345,8 @@ class EPDispatcher:
         counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
         if torch.is_grad_enabled() and not in_backward():
             self.received.append(counts_PE.sum(0))
-        expert_of_slot, _ = self.shard.device_slots(counts_E.device)  # [P*C]: the expert of each global slot
-        order_N = self.shard.slot_major_on_device(expert_ids_TK, order_N)
-        slots_PE = torch.cat([counts_PE, counts_PE.new_zeros(P, 1)], 1).index_select(1, expert_of_slot)  # [P, P*C]
-        n_P = slots_PE[me].view(P, C).sum(1)  # mine per destination
+        slots_PG, order_N = self.shard.route_on_device(counts_PE, expert_ids_TK, order_N, counts_E)  # [P, P*C]
+        n_P = slots_PG[me].view(P, C).sum(1)  # mine per destination
         # the send buffer: row (p, i) is my i-th assignment to rank p, if it has one and i < S
         i_S = torch.arange(S, device=x_TD.device)
         sent_PS = i_S < n_P.clamp(max=S)[:, None]
@@ -359,7 +357,7 @@ class EPDispatcher:
         if torch.is_autocast_enabled(x_RD.device.type):  # as the dynamic path: the GEMMs' dtype on the wire
             x_RD = x_RD.to(torch.get_autocast_dtype(x_RD.device.type))
         # the receiver: source q's rows of my slot s, as many as fit its buffer (rows of a slot are consecutive)
-        recv_PC = slots_PE[:, me * C:(me + 1) * C]
+        recv_PC = slots_PG[:, me * C:(me + 1) * C]
         end_PC = recv_PC.cumsum(1).clamp(max=S)
         slot_PS = torch.searchsorted(end_PC, i_S.expand(P, S).contiguous(), right=True)  # C: padding
         x_RD = self._a2a(x_RD, [S] * P, [S] * P, "dispatch")

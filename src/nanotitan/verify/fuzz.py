@@ -150,8 +150,7 @@ REFUSALS = [
     ("static-nothing", r"ep_dispatch=static keeps every split size on the device, and parallel\.ep\*cp\*tp=1",
      "static dispatch shapes the EP all-to-alls: there are none", "by design"),
     ("static-host-sizes", r"ep_dispatch=static keeps every split size on the device, and (model\.experts_impl|"
-     r"parallel\.ep_overlap|parallel\.expert_replicas)", "the loop experts, EP overlap's groups and a replicated "
-     "expert's cut read sizes to the host", "open"),
+     r"parallel\.ep_overlap)", "the loop experts and EP overlap's groups read sizes to the host", "open"),
     ("bf16-reduce", r"reduce_dtype=bf16 is implemented by the bucketed Reducer", "only our Reducer reduces in bf16",
      "open"),
 ]
