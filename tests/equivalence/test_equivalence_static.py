@@ -13,7 +13,8 @@ from tests.helpers.mp import run_ranks
 STEPS, LR = 4, 1e-2
 SKEWED = ("--model.num_experts", "8", "--model.aux_coef", "0", "--train.lr", str(LR), "--train.steps", str(STEPS),
           "--model.n_layers", "2", "--model.experts_impl", "grouped", "--run.peak_every", "1",
-          "--train.ckpt_at_end", "false")
+          "--train.ckpt_at_end", "false",
+          "--train.eval_every", str(STEPS), "--train.eval_batches", "1")  # an eval's buffers hold all: no overflow
 STATIC = ("--parallel.ep_dispatch", "static", "--parallel.ep_capacity", "1")  # overflows: the replay's rows
 # DeepSeek-V3's shapes in small (test_equivalence_placement.py's): MLA, sigmoid group-limited routing, a dense first
 # layer, a shared expert, MTP, and capacity (dropped assignments never enter a buffer)
@@ -46,6 +47,7 @@ def train_static(args: list[str]) -> dict:
     finally:
         trainer.shard.close()
     return {"losses": [r["loss"] for r in records], "syncs": [r.get("host_syncs") for r in records],
+            "val": next((r["val_loss"] for r in records if "val_loss" in r), None),
             "replays": [r.get("ep_replays") for r in records], "params": params, "slots": slots,
             "tp": (trainer.dims.tp_rank, trainer.dims.tp)}
 
@@ -67,6 +69,7 @@ def check_static(name: str, ranks: list[dict], ref: dict, overflow: bool = True)
     assert len(r0["losses"]) == STEPS, f"{name}: rank 0 logged {r0['losses']}"
     worst = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], ref["losses"]))
     assert worst <= 1e-5, f"{name}: losses {r0['losses']} vs reference {ref['losses']}"
+    assert abs(r0["val"] - ref["val"]) <= 1e-5 * ref["val"], f"{name}: val loss {r0['val']} vs {ref['val']}"
     worst_p = 0.0
     for r in ranks:
         t_rank, n = r["tp"]

@@ -356,7 +356,8 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
     model, dims = shard.model, shard.dims
     model.eval()
     total, n = torch.zeros((), device=device), 0
-    with autocast(device, dtype):
+    # static EP dispatch: buffers no routing overflows (an eval has no replay; it reads the host anyway)
+    with autocast(device, dtype), worst_case_capacity(model):
         for xb, yb in batches:
             xs, ys = split_microbatches(xb, yb, m, device)
             ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype))
