@@ -25,6 +25,9 @@ dispatchers of a shard share one `lanes.EPLanes`: two EP groups over the same ra
 first, backward ones (the recompute of activation checkpointing included: it runs inside the backward) on the
 second (`EPLanes.group`), so each group sees one lane's calls in one deterministic order on every rank; it also
 records every blocked EP interval for the lanes' figures and holds the backward lane's filler.
+parallel.ep_dispatch static (`EPDispatcher._static`, docs/ep.md "A step that never waits on the host"): the same trip
+in fixed-size buffers, equal splits known before the step and every count kept on the device, so step 2's host read
+goes; an overflowing buffer turns the layer NaN and the step is replayed with buffers that cannot overflow.
 Dropless by default: every assignment reaches its expert, so EP computes exactly what one process would.
 With a capacity factor the router has already dropped assignments (expert id E, model/moe.py) on the
 source rank, per source microbatch, before step 1: they are never packed into a send, and each rank's
@@ -335,7 +338,7 @@ class EPDispatcher:
         (`_gather_counts`) and tell each receiver where each slot's rows sit in its buffer, the grouped experts take
         their offsets from them. A peer owed more than S rows overflows: its rows past S are not sent, and the
         layer's output turns NaN on that rank, which the step's finiteness verdict carries to every rank (the
-        trainer then replays the step with buffers no source can overflow: train.py). The rows an expert reads, and
+        step is then replayed with buffers no source can overflow: parallel/step.py `replay_on_overflow`). The rows an expert reads, and
         their order (source, then token), are the dynamic path's, so the maths is the same."""
         P, C, me = self.shard.P, self.shard.C, self.shard.rank
         (T, _), K = x_TD.shape, expert_ids_TK.shape[1]
@@ -401,7 +404,7 @@ def static_slots(assignments: int, P: int, capacity: float) -> int:
 @contextlib.contextmanager
 def worst_case_capacity(model: nn.Module):
     """Within: every static dispatcher's buffers hold all of a source's assignments (capacity P), so none overflows:
-    the replay of a step that did (train.py)."""
+    the replay of a step that did (parallel/step.py `replay_on_overflow`) and an evaluation (`evaluate`)."""
     static = [m.dispatcher for m in model.moe_layers()
               if isinstance(m.dispatcher, EPDispatcher) and m.dispatcher.capacity is not None]
     saved = [d.capacity for d in static]
