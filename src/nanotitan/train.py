@@ -32,6 +32,7 @@ from .interop.hf import export_checkpoint, shard_loader
 from .optim.build import build_optimizer
 from .parallel.parallelize import parallelize
 from .parallel.step import (StepEnd, StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
+                            replay_on_overflow,
                             forward_backward)
 from .resolve import resolve
 from .run.setup import resume_step, setup_rank
@@ -159,21 +160,23 @@ class Trainer:
         all ranks. The first two steps and every run.peak_every-th logged step are metered (memory.StepMeters)."""
         logged = self.logs(step)
         with self.meters.step(logged) as metered:
-            result = self._step(step, metered)
+            with self.meters.host_syncs(metered):  # the step proper's host reads (observe/host_syncs.py)
+                xs, ys = self.data.batch(step)  # once: a replay (static EP dispatch) trains the same batch
+                result = replay_on_overflow(lambda: self._step(step, metered, xs, ys), self.shard,
+                                            self.cfg.parallel.ep_dispatch == "static", self.step_end.qk)
             # After the update, from the step's routing counts: router biases, the experts' placement, QK-clip; a step
             # that writes a record (a non-finite one too) gets its losses (means over all DP*EP*M microbatches),
             # router figures and the interval's step peak
             return self.step_end(step, result, self.optimizer, logged or result.nonfinite,
-                                 self.meters.take_interval_peak)
+                                 self.meters.take_interval_peak, self.meters.take_interval_syncs)
 
-    def _step(self, step: int, metered: bool) -> StepResult:
+    def _step(self, step: int, metered: bool, xs, ys) -> StepResult:
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
-        xs, ys = self.data.batch(step)
         with self.meters.activations(metered):
             stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
                                      device=self.device, dtype=cfg.train.dtype)

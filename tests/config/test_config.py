@@ -260,6 +260,37 @@ def test_ep_overlap_microbatches_is_off_by_default_and_accepted_at_pp1():
         assert cfg.parallel.ep_overlap_microbatches
 
 
+STATIC = ["--parallel.ep_dispatch", "static", "--parallel.ep", "2", "--model.experts_impl", "grouped"]
+WHY_STATIC = "parallel.ep_dispatch=static keeps every split size on the device, and "
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--parallel.ep_capacity", "0.9"], "parallel.ep_capacity=0.9 must be >= 1: each peer's buffer holds that many "
+     "times its expected share, and below 1 even a balanced router overflows (--parallel.ep_capacity 1.25)"),
+    (STATIC[:2], WHY_STATIC + "parallel.ep*cp*tp=1 dispatches nothing (--parallel.ep 2, or --parallel.ep_dispatch "
+     "dynamic)"),
+    (STATIC[:4], WHY_STATIC + "model.experts_impl=loop may run one GEMM per expert, sized by counts read to the host "
+     "(--model.experts_impl grouped, or --parallel.ep_dispatch dynamic)"),
+    (STATIC[:4] + ["--model.experts_impl", "auto"], WHY_STATIC + "model.experts_impl=auto may run one GEMM per "
+     "expert, sized by counts read to the host (--model.experts_impl grouped, or --parallel.ep_dispatch dynamic)"),
+    (STATIC + ["--parallel.ep_overlap", "true"], WHY_STATIC + "parallel.ep_overlap cuts each trip into groups by host "
+     "counts (--parallel.ep_overlap false, or --parallel.ep_dispatch dynamic)"),
+])
+def test_static_dispatch_refuses_what_needs_host_sizes(args, msg):
+    """parallel.ep_dispatch static is refused, in one line naming the field and the fix, beside an option that would
+    read a split size to the host."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert str(e.value) == msg
+
+
+def test_static_dispatch_is_off_by_default_and_accepted_with_grouped_experts():
+    assert (Config().parallel.ep_dispatch, Config().parallel.ep_capacity) == ("dynamic", 1.25)
+    cfg = load_config(None, STATIC + ["--parallel.expert_placement", "balanced", "--parallel.expert_replicas", "2",
+                                      "--parallel.ep_capacity", "1"])
+    assert (cfg.parallel.ep_dispatch, cfg.parallel.ep_capacity) == ("static", 1.0)
+
+
 def _unenterable(monkeypatch, locked):
     """os.stat as a user without search permission on `locked` sees it: anything below it raises EACCES. Root is
     not stopped by chmod, so the tests that run as root simulate the kernel's answer this way."""

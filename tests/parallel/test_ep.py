@@ -318,3 +318,31 @@ def test_ep_dispatch_matches_single_process_moe(ep):
             E = case[1]
             T = sum(r[case]["T"] for r in results)
             assert counts[0] == T and counts[E - 1] == 0 and results[-1][case]["T"] == 0, counts
+
+
+def test_static_dispatch_is_the_local_one_and_an_overflow_turns_nan():
+    """parallel.ep_dispatch static on one rank (no all-to-all: the buffers, the receiver's slot labels, the padding and
+    the combine): outputs and gradients those of the grouped LocalDispatcher, dropped assignments (id E) left out;
+    a buffer smaller than the rank's assignments turns the layer's output NaN, which the step's verdict sees."""
+    torch.manual_seed(0)
+    E, K, T, D = 4, 2, 12, 8
+    experts = ExpertFFN(E, D, 16, impl="grouped")
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randint(0, E, (T, K))
+    ids[3, 1] = E  # a dropped assignment (capacity_factor): never sent
+    w = torch.rand(T, K)
+    outs = []
+    for dispatch in (LocalDispatcher(may_drop=True), EPDispatcher(EPShard(identity(E, 1), 0), None, capacity=1.0)):
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = dispatch(x, ids, w, experts, E)
+        y.square().sum().backward()
+        outs.append((y.detach(), x.grad, [p.grad.clone() for p in experts.parameters()]))
+        experts.zero_grad()
+    (y0, gx0, gw0), (y1, gx1, gw1) = outs
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(gx1, gx0)
+    for a, b in zip(gw1, gw0):
+        torch.testing.assert_close(a, b)
+    small = EPDispatcher(EPShard(identity(E, 1), 0), None, capacity=0.5)  # the config refuses < 1; the layer overflows
+    assert torch.isnan(small(torch.randn(T, D), ids, w, experts, E)).all()

@@ -23,7 +23,7 @@ RECORD_KEYS = {
     "dp", "pp", "ep", "tp", "cp", "microbatches", "schedule", "tokens", "cpu_step_s", "expert_load", "expert_load_min",
     "expert_load_max", "expert_imbalance", "expert_max_mean", "balance_loss", "z_loss", "dropped_frac", "router_bias",
     "expert_cv", "ep_recv_max_mean", "ep_placed_max_mean", "skipped", "skipped_steps", "qk_max", "act_peak_bytes",
-    "peak_tensor_bytes", *(f"comm_{a}_{k}" for a in ("dp", "ep", "pp", "tp", "cp", "other")
+    "peak_tensor_bytes", "host_syncs", *(f"comm_{a}_{k}" for a in ("dp", "ep", "pp", "tp", "cp", "other")
                            for k in ("calls", "bytes", "wait_s"))}
 # what issues a small collective outside the figures: the clip's norm and a placement move's gathers (rebalance.py)
 MECHANICS = ("parallel/clip.py", "parallel/rebalance.py")

@@ -4,7 +4,7 @@ A sync is what makes the host wait for the device on CUDA: reading a value (`.it
 `.tolist()`; aten._local_scalar_dense underneath all but tolist) or an op whose output shape depends on the data
 (nonzero, masked_select, unique, bincount — CUDA reads max(ids) —, repeat_interleave without output_size). On CPU
 none of them costs a wait, but they are the same calls: `SyncCounter` counts them by the nanotitan function that
-made them (the innermost frame under src/nanotitan), during one unlogged training step (step 1, after step 0).
+made them (the innermost frame under src/nanotitan), during one unlogged, unmetered training step (step 2).
 A device-to-host `.cpu()` / `.to("cpu")` is invisible on a CPU run (a no-op there); on a GPU,
 torch.cuda.set_sync_debug_mode covers it (`nanotitan bench gpu`).
 
@@ -34,7 +34,8 @@ DATA_SHAPED = {aten.nonzero.default, aten.masked_select.default, aten.bincount.d
 
 def _site() -> str:
     for frame in reversed(traceback.extract_stack()):
-        if "/nanotitan/" in frame.filename and frame.name != "__torch_dispatch__":  # not a meter's mode
+        # not a meter's mode (the step peak's dispatch mode, the host-sync meter's function mode)
+        if "/nanotitan/" in frame.filename and frame.name not in ("__torch_dispatch__", "__torch_function__"):
             return frame.filename.split("/nanotitan/")[-1] + ":" + frame.name
     return "?"
 
@@ -68,14 +69,16 @@ class SyncCounter(TorchDispatchMode):
 
 
 def count_step(args: list[str]) -> dict:
-    """Syncs by site of the unlogged step 1 of a Trainer on `args` (step 0 run first)."""
+    """Syncs by site of the unlogged step 2 of a Trainer on `args` (steps 0 and 1 run first: the trainer's own meters,
+    memory and host syncs (observe/host_syncs.py), meter them, and a step counted twice would count twice)."""
     from nanotitan.config.config import load_config
     from nanotitan.train import Trainer
     trainer = Trainer(load_config(None, args))
     try:
         trainer.train_step(0)
+        trainer.train_step(1)
         with SyncCounter() as c:
-            trainer.train_step(1)
+            trainer.train_step(2)
     finally:
         trainer.shard.close()
     return dict(c.sites)
@@ -88,7 +91,7 @@ def _cases(rank, world, cases, corpus_dir, run_root):
 def _args(corpus_dir, run_dir, case):
     dp, pp, ep, impl, *extra = case
     return (base_args(corpus_dir, run_dir) + layout_args(dp, pp, ep)
-            + ["--train.steps", "3", "--run.log_every", "100", "--train.ckpt_at_end", "false",
+            + ["--train.steps", "4", "--run.log_every", "100", "--train.ckpt_at_end", "false",
                "--model.experts_impl", impl, *extra])
 
 

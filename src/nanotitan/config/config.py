@@ -24,6 +24,7 @@ from .fits import vocab_too_large
 from .parse import parse_overrides, parse_steps, set_value, tidy_counts
 from .controls_rules import check_controls
 from .cp_rules import check_cp
+from .dispatch_rules import check_dispatch
 from .elastic_rules import check_elastic
 from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
@@ -178,6 +179,8 @@ class ParallelConfig:
     ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose (docs/config.md)
     ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
+    ep_dispatch: Literal["dynamic", "static"] = "dynamic"  # EP: split sizes read per call, or fixed (docs/ep.md)
+    ep_capacity: float = 1.25  # with static: each peer's buffer, in multiples of its expected share (docs/ep.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
     expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute, by load (docs/ep.md)
     rebalance_every: int = 10  # with balanced: steps per routing-count window (docs/config.md)
@@ -336,7 +339,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
-                  check_cp, check_expert_fold, check_placement, check_elastic, check_controls):
+                  check_cp, check_expert_fold, check_placement, check_elastic, check_controls,
+                  check_dispatch):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -362,25 +366,22 @@ def _check_ranges(cfg: Config) -> None:
     _check(m.vocab_size >= 0, f"model.vocab_size={m.vocab_size} must be >= 0 (--model.vocab_size, 0 = data.vocab_size)")
     for name, v in [("model.d_model", m.d_model), ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads),
                     ("model.ffn_dim", m.ffn_dim), ("model.num_experts", m.num_experts), ("model.top_k", m.top_k),
-                    ("model.moe_every", m.moe_every),
-                    ("model.max_seq_len", m.max_seq_len), ("data.shuffle_buffer", d.shuffle_buffer),
-                    ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-                    ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
-                    ("parallel.cp", p.cp),
-                    ("parallel.microbatches", p.microbatches), ("run.log_every", cfg.run.log_every),
-                    ("run.peak_every", cfg.run.peak_every), ("train.max_skips", t.max_skips),
-                    ("train.muon_ns_steps", t.muon_ns_steps)]:
+                    ("model.moe_every", m.moe_every), ("model.max_seq_len", m.max_seq_len),
+                    ("data.shuffle_buffer", d.shuffle_buffer), ("train.micro_batch", t.micro_batch),
+                    ("train.seq_len", t.seq_len), ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
+                    ("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.microbatches", p.microbatches),
+                    ("run.log_every", cfg.run.log_every), ("run.peak_every", cfg.run.peak_every),
+                    ("train.max_skips", t.max_skips), ("train.muon_ns_steps", t.muon_ns_steps)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
     for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
                     ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
-                    ("train.qk_clip", t.qk_clip),
-                    ("train.global_batch", t.global_batch), ("train.eval_every", t.eval_every),
-                    ("train.eval_batches", t.eval_batches), ("train.ckpt_every", t.ckpt_every),
-                    ("train.keep_last", t.keep_last), ("train.max_restarts", t.max_restarts),
-                    ("train.threads", t.threads), ("train.peak_flops", t.peak_flops),
-                    ("train.sample_tokens", t.sample_tokens), ("model.aux_coef", m.aux_coef),
-                    ("model.z_loss_coef", m.z_loss_coef), ("model.bias_update_rate", m.bias_update_rate),
-                    ("model.capacity_factor", m.capacity_factor),
+                    ("train.qk_clip", t.qk_clip), ("train.global_batch", t.global_batch),
+                    ("train.eval_every", t.eval_every), ("train.eval_batches", t.eval_batches),
+                    ("train.ckpt_every", t.ckpt_every), ("train.keep_last", t.keep_last),
+                    ("train.max_restarts", t.max_restarts), ("train.threads", t.threads),
+                    ("train.peak_flops", t.peak_flops), ("train.sample_tokens", t.sample_tokens),
+                    ("model.aux_coef", m.aux_coef), ("model.z_loss_coef", m.z_loss_coef),
+                    ("model.bias_update_rate", m.bias_update_rate), ("model.capacity_factor", m.capacity_factor),
                     ("data.max_docs", d.max_docs), ("parallel.world", p.world),
                     ("parallel.emulate_node_size", p.emulate_node_size),
                     ("parallel.emulate_dilation", p.emulate_dilation)]:

@@ -27,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .host_syncs import HostSyncs
+
 
 def storage_key(storage) -> int:
     """Identity of a storage while it lives: its StorageImpl, which views share. data_ptr() would do on a real
@@ -493,10 +495,11 @@ class StepMeters:
         self.compiled = compiled
         self.saved_acts = SavedActivations(model)
         self.step_peak = PeakTensorBytes(device)
+        self.device = device
         self.peak_every, self._logged, self._steps = peak_every, 0, 0
         self.act_peak_bytes = self.peak_tensor_bytes = 0
         # since the last record; None: no metered step (on every rank alike)
-        self._interval_peak = self._interval_acts = None
+        self._interval_peak = self._interval_acts = self._interval_syncs = None
         self._inside = self._taken = False  # in a metered step; its peak taken (so far) by a record
 
     def step(self, logged: bool):
@@ -522,6 +525,22 @@ class StepMeters:
         if not self._taken:  # a record taken inside the step counted it already
             self._interval_peak = max(self._interval_peak or 0, self.step_peak.peak)
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.step_peak.peak)
+
+    def host_syncs(self, metered: bool):
+        """Around the step proper (train.py `_step`): its host reads counted on a metered step (host_syncs.py)."""
+        return self._metered_syncs() if metered else _UNMETERED
+
+    @contextlib.contextmanager
+    def _metered_syncs(self):
+        meter = HostSyncs(self.device)
+        with meter:
+            yield
+        self._interval_syncs = meter.count  # the interval's latest metered step
+
+    def take_interval_syncs(self) -> int | None:
+        """The host reads of the latest metered step since the previous record (then reset; None: none)."""
+        syncs, self._interval_syncs = self._interval_syncs, None
+        return syncs
 
     def activations(self, metered: bool):
         return self._metered_activations() if metered else _UNMETERED

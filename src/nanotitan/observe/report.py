@@ -245,6 +245,7 @@ class StepLogger:
         # meters) and any one-off stall are averaged in, not reported alone; the lanes' figures likewise.
         self.interval_s, self.interval_steps = 0.0, 0
         self.lanes = LaneMeans(shard.ep_lanes)
+        self.replays = 0  # parallel.ep_dispatch static: steps replayed after an overflow, so far (ep_replays)
         self.cpu_mark = time.process_time()  # CPU seconds per step (cpu_step_s): this rank's work, whatever the load
         comm.COMM.reset()
 
@@ -256,6 +257,7 @@ class StepLogger:
         """One step done in `seconds`: it joins the next record's interval."""
         self.interval_s, self.interval_steps = self.interval_s + seconds, self.interval_steps + 1
         self.lanes.add(result.stats)
+        self.replays += result.replayed
 
     def log(self, step: int, result: StepResult, val_loss: float | None = None, skipped_steps: int = 0) -> dict:
         """The record of `step` (1-based), whose losses the step reduced (result.losses); written and kept."""
@@ -278,7 +280,8 @@ class StepLogger:
         # activations, and the step peak maximised over ranks (the step did it)
         extra = {"val_loss": val_loss, "skipped": result.nonfinite, "skipped_steps": skipped_steps,
                  "qk_max": result.qk_max, "act_peak_bytes": self.meters.take_interval_acts(),
-                 "peak_tensor_bytes": result.peak, **self.lanes.take(),
+                 "peak_tensor_bytes": result.peak, "host_syncs": result.host_syncs, **self.lanes.take(),
+                 "ep_replays": self.replays if self.cfg.parallel.ep_dispatch == "static" else None,
                  "compile_s": first_compile_s(self.cfg, not self.history)}
         record.update({k: v for k, v in extra.items() if v is not None})
         self.writer.write(record)

@@ -25,6 +25,9 @@ dispatchers of a shard share one `lanes.EPLanes`: two EP groups over the same ra
 first, backward ones (the recompute of activation checkpointing included: it runs inside the backward) on the
 second (`EPLanes.group`), so each group sees one lane's calls in one deterministic order on every rank; it also
 records every blocked EP interval for the lanes' figures and holds the backward lane's filler.
+parallel.ep_dispatch static (`EPDispatcher._static`, docs/ep.md "A step that never waits on the host"): the same trip
+in fixed-size buffers, equal splits known before the step and every count kept on the device, so step 2's host read
+goes; an overflowing buffer turns the layer NaN and the step is replayed with buffers that cannot overflow.
 Dropless by default: every assignment reaches its expert, so EP computes exactly what one process would.
 With a capacity factor the router has already dropped assignments (expert id E, model/moe.py) on the
 source rank, per source microbatch, before step 1: they are never packed into a send, and each rank's
@@ -33,6 +36,8 @@ drops are the ones one process would make on the same microbatch.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 
 import torch
@@ -257,7 +262,7 @@ class EPDispatcher:
     """
 
     def __init__(self, shard: EPShard, group, overlap_chunks: int = 1, backward_group=None,
-                 lanes: EPLanes | None = None):
+                 lanes: EPLanes | None = None, capacity: float | None = None):
         if shard.P > 1 and group is None:
             raise ValueError(f"EPDispatcher over {shard.P} ranks needs the EP process group (dims.group('ep'))")
         # backward_group (parallel.ep_overlap_microbatches): a second group over the same ranks for the backward
@@ -266,6 +271,7 @@ class EPDispatcher:
         self.lanes = lanes if lanes is not None else EPLanes(group, backward_group)
         self.shard = shard
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
+        self.capacity = capacity  # parallel.ep_dispatch static: each peer's buffer in expected shares; None: dynamic
         self.received: list[torch.Tensor] = []  # per training forward: the EP group's assignments per expert (E,)
 
     @property
@@ -278,6 +284,8 @@ class EPDispatcher:
         assert C == self.shard.C and num_experts % P == 0, (
             f"experts hold {C} slots; the expert shard places {num_experts} experts in {self.shard.C} slots on {P} ranks")
         T, D = x_TD.shape
+        if self.capacity is not None:
+            return self._static(x_TD, expert_ids_TK, weights_TK, experts, num_experts)
 
         # 1. pack expert-major; 2. every source's counts per expert (one small all-to-all), read to the host once: the
         # shard's routes (send_PC[p][s]: mine to rank p's slot s; recv_PC[q][s]: rank q's to my slot s), the same on
@@ -323,6 +331,48 @@ class EPDispatcher:
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
 
+    def _static(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int) -> torch.Tensor:
+        """parallel.ep_dispatch static: the same trip with every size known before the step. Each rank sends each peer
+        S = `static_slots` rows (its assignments to that peer's slots, slot-major, then zeros), so both all-to-alls
+        have equal splits; every count stays on the device: the senders' counts travel as in the dynamic path
+        (`_gather_counts`) and tell each receiver where each slot's rows sit in its buffer, the grouped experts take
+        their offsets from them. A peer owed more than S rows overflows: its rows past S are not sent, and the
+        layer's output turns NaN on that rank, which the step's finiteness verdict carries to every rank (the
+        step is then replayed with buffers no source can overflow: parallel/step.py `replay_on_overflow`). The rows an expert reads, and
+        their order (source, then token), are the dynamic path's, so the maths is the same."""
+        P, C, me = self.shard.P, self.shard.C, self.shard.rank
+        (T, _), K = x_TD.shape, expert_ids_TK.shape[1]
+        S = static_slots(T * K, P, self.capacity)
+        assert experts.grouped(x_TD), "static dispatch runs the grouped experts (config: model.experts_impl grouped)"
+        order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
+        counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
+        if torch.is_grad_enabled() and not in_backward():
+            self.received.append(counts_PE.sum(0))
+        slots_PG, order_N = self.shard.route_on_device(counts_PE, expert_ids_TK, order_N, counts_E)  # [P, P*C]
+        n_P = slots_PG[me].view(P, C).sum(1)  # mine per destination
+        # the send buffer: row (p, i) is my i-th assignment to rank p, if it has one and i < S
+        i_S = torch.arange(S, device=x_TD.device)
+        sent_PS = i_S < n_P.clamp(max=S)[:, None]
+        pick_PS = ((n_P.cumsum(0) - n_P)[:, None] + i_S).clamp(max=order_N.numel() - 1)
+        a_R = order_N.index_select(0, pick_PS.reshape(-1))  # flat assignment t*K + k of every buffer row
+        token_R = a_R // K
+        x_RD = torch.where(sent_PS.view(-1, 1), x_TD.index_select(0, token_R), 0)
+        if torch.is_autocast_enabled(x_RD.device.type):  # as the dynamic path: the GEMMs' dtype on the wire
+            x_RD = x_RD.to(torch.get_autocast_dtype(x_RD.device.type))
+        # the receiver: source q's rows of my slot s, as many as fit its buffer (rows of a slot are consecutive)
+        recv_PC = slots_PG[:, me * C:(me + 1) * C]
+        end_PC = recv_PC.cumsum(1).clamp(max=S)
+        slot_PS = torch.searchsorted(end_PC, i_S.expand(P, S).contiguous(), right=True)  # C: padding
+        x_RD = self._a2a(x_RD, [S] * P, [S] * P, "dispatch")
+        perm_R = torch.argsort(slot_PS.view(-1), stable=True)  # slot-major, source order within a slot, padding last
+        kept_C = torch.diff(end_PC, dim=1, prepend=end_PC.new_zeros(P, 1)).sum(0)
+        y_RD = experts(x_RD.index_select(0, perm_R), kept_C).index_select(0, inverse_permutation(perm_R))
+        y_RD = torch.where((slot_PS < C).view(-1, 1), y_RD, 0)  # padding rows: no expert wrote them
+        y_RD = self._a2a(y_RD, [S] * P, [S] * P, "combine")
+        w_R = torch.where(sent_PS.view(-1), weights_TK.reshape(-1).index_select(0, a_R), 0)
+        out_TD = combine(torch.where(sent_PS.view(-1, 1), y_RD, 0), w_R, token_R, T)
+        return out_TD.masked_fill((n_P > S).any(), float("nan"))  # overflow: the step's verdict sees it
+
     def _gather_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """counts_PE [P, E]: every source's assignments per expert (row q: source q's), by one all-to-all of this
         rank's counts to every rank (what each rank needs to compute every rank's routes)."""
@@ -345,12 +395,35 @@ class EPDispatcher:
         return x_ND if self.shard.P == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
 
 
-def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False) -> nn.Module:
+def static_slots(assignments: int, P: int, capacity: float) -> int:
+    """Rows of each peer's static buffer: `capacity` times a peer's expected share of this rank's assignments, at least
+    one (capacity P: every assignment fits, whatever the routing)."""
+    return max(1, math.ceil(capacity * assignments / P - 1e-9))
+
+
+@contextlib.contextmanager
+def worst_case_capacity(model: nn.Module):
+    """Within: every static dispatcher's buffers hold all of a source's assignments (capacity P), so none overflows:
+    the replay of a step that did (parallel/step.py `replay_on_overflow`) and an evaluation (`evaluate`)."""
+    static = [m.dispatcher for m in model.moe_layers()
+              if isinstance(m.dispatcher, EPDispatcher) and m.dispatcher.capacity is not None]
+    saved = [d.capacity for d in static]
+    for d in static:
+        d.capacity = float(d.shard.P)
+    try:
+        yield
+    finally:
+        for d, c in zip(static, saved):
+            d.capacity = c
+
+
+def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = False,
+             capacity: float | None = None) -> nn.Module:
     """Install an EPDispatcher on every MoE layer of a Transformer shard (in place); no-op when ep == 1.
     overlap_chunks > 1 (parallel.ep_overlap): each trip pipelined over that many groups of the local experts.
     Every dispatcher shares one `lanes.EPLanes` (`lanes_of`). lanes (parallel.ep_overlap_microbatches): backward
     collectives on dims.group("ep_backward"), and each MoE's router statistics kept per lane
-    (MoE.lane_local_router_state).
+    (MoE.lane_local_router_state). capacity (parallel.ep_dispatch static): parallel.ep_capacity; None: dynamic.
 
     The shard must have been built for this rank's experts (`build_chunk_specs(cfg, pp_rank, ep_rank)`), each MoE
     layer with its expert shard over the EP ranks (`placement.expert_shards(cfg, dims)`), which its dispatcher
@@ -376,7 +449,7 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
         if not isinstance(shard, EPShard) or (shard.P, shard.rank) != (n, r):
             raise ValueError(f"MoE layer's expert shard is {shard!r}, not EP rank {r} of {n}: build the model with "
                              f"experts=placement.expert_shards(cfg, dims)")
-        moe.dispatcher = EPDispatcher(shard, group, overlap_chunks, lanes=shared)
+        moe.dispatcher = EPDispatcher(shard, group, overlap_chunks, lanes=shared, capacity=capacity)
         moe.lane_local_router_state = lanes
     return model
 

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from ..model.moe import in_backward
 from .comm import collectives as comm
@@ -98,8 +99,8 @@ class EPLanes:
 class _ThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
     intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
-    (the trainer's SavedActivations meter on logged steps) and the dispatch modes (its step-peak meter, which
-    counts every op's output). Autocast is entered by the runner's forward itself
+    (the trainer's SavedActivations meter on logged steps), the dispatch modes (its step-peak meter, which
+    counts every op's output) and the function modes (its host-sync meter). Autocast is entered by the runner's forward itself
     (pp/runner.py `StageRunner.forward`)."""
 
     def __init__(self):
@@ -107,6 +108,7 @@ class _ThreadState:
         self.threads = torch.get_num_threads()
         self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.modes = _get_current_dispatch_mode_stack()
+        self.function_modes = _get_current_function_mode_stack()  # the trainer's host-sync meter (host_syncs.py)
 
     @contextlib.contextmanager
     def entered(self):
@@ -114,7 +116,7 @@ class _ThreadState:
             torch.set_num_threads(self.threads)  # setting it anyway would clear oneDNN's caches every step
         hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks) if self.hooks else contextlib.nullcontext()
         with torch.set_grad_enabled(self.grad), hooks, contextlib.ExitStack() as modes:
-            for mode in self.modes:  # bottom of the stack first, as the caller entered them
+            for mode in (*self.function_modes, *self.modes):  # bottom of each stack first, as the caller entered them
                 modes.enter_context(mode)
             yield
 

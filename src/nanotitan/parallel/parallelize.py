@@ -116,7 +116,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     lanes = cfg.parallel.ep_overlap_microbatches and dims.ep > 1
     if lanes and dist.is_initialized():  # collective over the world: every rank builds them, in the same order
         dims.build_backward_ep_groups(cfg.parallel.timeout_s)
-    apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes)
+    apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes,
+             capacity=cfg.parallel.ep_capacity if cfg.parallel.ep_dispatch == "static" else None)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
         compile_blocks(model)
     tag_params(model, cfg.train.optimizer)  # each param's family, before the sync: its buckets and groups read it

@@ -220,6 +220,38 @@ class EPShard:
                          torch.zeros(self.placement.num_experts + 1, 1, dtype=torch.long))
         return Route(*self.placement.route(counts_PE, self.rank))
 
+    def route_on_device(self, counts_PE: torch.Tensor, expert_ids_TK: torch.Tensor, order_N: torch.Tensor,
+                        counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static dispatch's routes, every count on the device (counts_PE [P, E]: what source q sends to expert
+        e, on the device; order_N: this rank's packed order, `pack_expert_major`): (slots_PG [P, P*C], what source q
+        sends to global slot g = p*C + s; order_N slot-major, dropped assignments last). A replicated expert's
+        assignments are cut over its r copies in equal shares, each source's in token order (copy c takes positions
+        [c*n/r, (c+1)*n/r) of its n): not `Placement.route`'s water-fill, which reads the loads to the host. Every
+        assignment is still computed once by its expert's weights: the maths is the same."""
+        P, C, E = self.P, self.C, self.placement.num_experts
+        slot_of, copies_E = self._static_tables(counts_PE.device)  # [E + 1, R] (unused: P*C), [E]
+        R = slot_of.shape[1]
+        c_1 = torch.arange(R + 1, device=counts_PE.device)
+        upto_ER1 = torch.minimum(c_1[None, :], copies_E[:, None])  # copies before c, at most r
+        cut_PER1 = counts_PE[:, :, None] * upto_ER1[None] // copies_E[None, :, None]  # [P, E, R + 1]
+        over = (cut_PER1[:, :, 1:] - cut_PER1[:, :, :-1]).reshape(P, -1)  # [P, E*R]: source q to e's copy c
+        slots_PG = counts_PE.new_zeros(P, P * C + 1).index_add_(1, slot_of[:E].reshape(-1), over)[:, :P * C]
+        if self.placement.in_order:  # each expert's one slot, in expert order: nothing moves
+            return slots_PG, order_N
+        dropped = torch.full((1, R), torch.iinfo(torch.long).max, device=counts_PE.device)
+        dropped[0, 0] = 0  # row E: every dropped assignment in "copy" 0, slot P*C (past every slot)
+        start_of = torch.cat([cut_PER1[self.rank, :, :-1], dropped])
+        slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, slot_of, start_of)
+        return slots_PG, order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
+
+    def _static_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table."""
+        key = "static:" + str(device)
+        if key not in self._device_tables:
+            copies = torch.tensor([len(c) for c in self.placement.copies()], dtype=torch.long)
+            self._device_tables[key] = (self.placement.tables(device), copies.to(device))
+        return self._device_tables[key]
+
     def slot_major(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
                    route: Route) -> torch.Tensor:
         """The packed assignments (`order_N`, expert-major: `pack_expert_major`) put slot-major: the send order

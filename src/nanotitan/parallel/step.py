@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..model.transformer import is_moe_layer, take_routing
 from .comm import collectives as comm
-from .ep import lanes_of, take_received
+from .ep import lanes_of, take_received, worst_case_capacity
 from .parallelize import ModelShard
 from .pp.schedules import StepStats, pipeline_forward, pipeline_forward_backward
 from .pp.comms import StageComms
@@ -134,6 +134,29 @@ def agree_on_step(shard: ModelShard, grad_norm: torch.Tensor, stop_requested: bo
     return nonfinite, bool(flag.item())
 
 
+def replay_on_overflow(run: Callable[[], "StepResult"], shard: ModelShard, static: bool, qk) -> "StepResult":
+    """`run()`, the step; under parallel.ep_dispatch static a non-finite one again, once, with buffers no source can
+    overflow (`ep.worst_case_capacity`). An overflowing rank's MoE output is NaN (`EPDispatcher._static`), so the
+    step's one host read, the finiteness verdict, is also the overflow flag, agreed by every rank and costing no read
+    of its own. The replay is exact: the same batch (the caller's), the same RNG state and the same weights and
+    optimizer state (a non-finite step updates nothing; its gradients were zeroed, its routing records are replaced
+    by the replay's, `qk`'s max logits dropped). A replay non-finite again was non-finite for another reason: the
+    step is skipped as any other (train.on_nonfinite)."""
+    if not static:
+        return run()
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+    result = run()
+    if not result.nonfinite:
+        return result
+    torch.set_rng_state(rng[0])
+    if cuda:
+        torch.cuda.set_rng_state(rng[1])
+    qk.table()  # drops the first try's max logits (NaN past the overflowing layer)
+    with worst_case_capacity(shard.model):
+        return dataclasses.replace(run(), replayed=True)
+
+
 class StepLosses(NamedTuple):
     """A step's losses, each the mean over all DP*EP*M microbatches (the record's ce_loss, aux_loss, mtp_loss)."""
     ce: float
@@ -178,6 +201,8 @@ class StepResult:
     qk_max: float | None = None  # train.qk_clip: the step's largest attention logit, every head, every rank
     router: RouterFigures | None = None  # on the steps that write a record
     peak: int | None = None  # on a record's step after a metered one: the highest step peak of any rank (bytes)
+    host_syncs: int | None = None  # likewise: the most host reads any rank's latest metered step made
+    replayed: bool = False  # parallel.ep_dispatch static: the step overflowed a buffer and ran again
 
 
 class StepEnd:
@@ -209,10 +234,11 @@ class StepEnd:
         self.received: list[torch.Tensor] = []
 
     def __call__(self, step: int, result: StepResult, optimizer, record: bool,
-                 peak_of: Callable[[], int | None]) -> StepResult:
+                 peak_of: Callable[[], int | None], syncs_of: Callable[[], int | None] = lambda: None) -> StepResult:
         """`result` of step `step` (0-based) with its figures: on a record's step its losses, router figures and step
         peak (`peak_of()`: this rank's highest since the previous record, this step's so far included; None: no
-        metered step), and with train.qk_clip the step's max logit."""
+        metered step) and host reads (`syncs_of()`: this rank's latest metered step's, observe/host_syncs.py), both
+        maximised over the world, and with train.qk_clip the step's max logit."""
         routing, rebalancer, dims = result.stats.routing, self.shard.rebalancer, self.shard.dims
         at = [int(k) for k in routing.keys]
         step_E = routing.counts.sum(1)  # (layers, E) int64: this step's tokens per expert
@@ -237,10 +263,13 @@ class StepEnd:
         # one packed MAX: QK-clip's table (every step), a record's biases after their update and its step peak
         table = self.qk.table()  # this rank's heads' max logits of the step per global layer (None: no QK-clip)
         peak = peak_of() if record else None  # the step's move included (QK-clip's rescale, after it, holds little)
+        syncs = syncs_of() if record else None
         maxima = _reduce(([table.double()] if table is not None else [])
                          + ([self._biases()] if record and self.biased else [])
                          + ([torch.tensor([float(peak)], dtype=torch.float64, device=self.device)]
-                            if record and peak is not None else []), dist.ReduceOp.MAX, dims)
+                            if record and peak is not None else [])
+                         + ([torch.tensor([float(syncs)], dtype=torch.float64, device=self.device)]
+                            if record and syncs is not None else []), dist.ReduceOp.MAX, dims)
         qk_max = None
         if table is not None:  # the heads over tau scaled back (not on a skipped step)
             table = maxima.pop(0).float()
@@ -249,7 +278,8 @@ class StepEnd:
         if record and self.biased:
             router.biases = maxima.pop(0)[self.moe_rows].tolist()
         peak = int(maxima.pop(0).item()) if record and peak is not None else None
-        return dataclasses.replace(result, losses=losses, qk_max=qk_max, router=router, peak=peak)
+        syncs = int(maxima.pop(0).item()) if record and syncs is not None else None
+        return dataclasses.replace(result, losses=losses, qk_max=qk_max, router=router, peak=peak, host_syncs=syncs)
 
     def _tally(self, routing, at: list[int]) -> None:
         """This step's routing joins the record's interval (no collective)."""
@@ -326,7 +356,8 @@ def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: st
     model, dims = shard.model, shard.dims
     model.eval()
     total, n = torch.zeros((), device=device), 0
-    with autocast(device, dtype):
+    # static EP dispatch: buffers no routing overflows (an eval has no replay; it reads the host anyway)
+    with autocast(device, dtype), worst_case_capacity(model):
         for xb, yb in batches:
             xs, ys = split_microbatches(xb, yb, m, device)
             ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype))

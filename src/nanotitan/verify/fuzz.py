@@ -75,6 +75,10 @@ LAYOUT_DRAWS = [
     ("ep overlap", [("--parallel.ep_overlap", "true"), ("--parallel.ep_overlap_microbatches", "true")]),
     ("dp flavour", [("--parallel.dp_impl", "torch_ddp"), ("--parallel.bucket_mb", "1e-4")]),
     ("experts impl", [("--model.experts_impl", "grouped")]),
+    # static EP dispatch (its grouped experts with it); capacity 1 overflows on a skewed router: the step's replay
+    ("ep dispatch", [("--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped"),
+                     ("--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped",
+                      "--parallel.ep_capacity", "1")]),
 ]
 DEFAULT_P = 0.5  # how often each row keeps its default
 # Where an option means something, by its first flag: off the layouts it fits, it is drawn only MISFIT_P of the
@@ -85,6 +89,7 @@ FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
         "--parallel.sp": lambda l: l["tp"] > 1,
         "--parallel.cp_impl": lambda l: l["cp"] > 1,
         "--parallel.ep_overlap": lambda l: l["ep"] > 1,
+        "--parallel.ep_dispatch": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
         "--parallel.ep_overlap_microbatches": lambda l: l["ep"] > 1 and l["tp"] * l["cp"] == 1,
         "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"]}
 MISFIT_P = 0.1
@@ -142,6 +147,10 @@ REFUSALS = [
      "TP ranks: one must divide the other", "by design"),
     ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence", "by design"),
     ("experts-fold", r"must be divisible by parallel\.ep\*(cp\*)?tp", "the experts fold over EP x CP x TP", "by design"),
+    ("static-nothing", r"ep_dispatch=static keeps every split size on the device, and parallel\.ep\*cp\*tp=1",
+     "static dispatch shapes the EP all-to-alls: there are none", "by design"),
+    ("static-host-sizes", r"ep_dispatch=static keeps every split size on the device, and (model\.experts_impl|"
+     r"parallel\.ep_overlap)", "the loop experts and EP overlap's groups read sizes to the host", "open"),
     ("bf16-reduce", r"reduce_dtype=bf16 is implemented by the bucketed Reducer", "only our Reducer reduces in bf16",
      "open"),
 ]
