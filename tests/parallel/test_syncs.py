@@ -1,12 +1,12 @@
-"""Host syncs of one training step, counted per layout (issue 42 item 2): a new one cannot slip in.
+"""Host syncs of one training step, counted per layout and by site: a new one cannot slip in.
 
 A sync is what makes the host wait for the device on CUDA: reading a value (`.item()`, `float()`, `bool()`,
 `.tolist()`; aten._local_scalar_dense underneath all but tolist) or an op whose output shape depends on the data
-(nonzero, masked_select, unique, bincount — CUDA reads max(ids) —, repeat_interleave without output_size). On CPU
-none of them costs a wait, but they are the same calls: `SyncCounter` counts them by the nanotitan function that
-made them (the innermost frame under src/nanotitan), during one unlogged, unmetered training step (step 2).
-A device-to-host `.cpu()` / `.to("cpu")` is invisible on a CPU run (a no-op there); on a GPU,
-torch.cuda.set_sync_debug_mode covers it (`nanotitan bench gpu`).
+(nonzero, masked_select, unique, bincount — CUDA reads max(ids) —, repeat_interleave without output_size), and a
+device-to-host `.cpu()`. On CPU none of them costs a wait, but they are the same calls: the trainer's own meter
+(observe/host_syncs.py `HostSyncs`, which counts only reads of device values: a `.tolist()` of counts already
+copied to the host is free) counts them by the nanotitan function that made them, during one unlogged, unmetered
+training step (step 2).
 
 The documented counts (docs/moe.md, "Host syncs"), per rank, for the tiny 4-layer MoE of tests/helpers/equivalence.py
 (every layer MoE, 4 microbatches of this rank per step):
@@ -17,55 +17,12 @@ The documented counts (docs/moe.md, "Host syncs"), per rank, for the tiny 4-laye
 """
 
 import sys
-import traceback
-from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanotitan.observe.host_syncs import HostSyncs
 from tests.helpers.mp import run_ranks
 from tests.helpers.equivalence import base_args, layout_args
-
-aten = torch.ops.aten
-# ops whose output shape depends on the data (a host read of a count on CUDA)
-DATA_SHAPED = {aten.nonzero.default, aten.masked_select.default, aten.bincount.default, aten._unique2.default,
-               aten.unique_dim.default, aten.unique_consecutive.default, aten._local_scalar_dense.default}
-
-
-def _site() -> str:
-    for frame in reversed(traceback.extract_stack()):
-        # not a meter's mode (the step peak's dispatch mode, the host-sync meter's function mode)
-        if "/nanotitan/" in frame.filename and frame.name not in ("__torch_dispatch__", "__torch_function__"):
-            return frame.filename.split("/nanotitan/")[-1] + ":" + frame.name
-    return "?"
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts syncs by site while entered (also `Tensor.tolist`, which never reaches the dispatcher)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sites = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in DATA_SHAPED or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
-            self.sites[_site() + ":" + func.__name__.split(".")[0]] += 1
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        counter = self
-
-        def tolist(t):
-            counter.sites[_site() + ":tolist"] += 1
-            return counter._tolist(t)
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
 
 
 def count_step(args: list[str]) -> dict:
@@ -77,11 +34,11 @@ def count_step(args: list[str]) -> dict:
     try:
         trainer.train_step(0)
         trainer.train_step(1)
-        with SyncCounter() as c:
+        with HostSyncs(torch.device("cpu")) as meter:
             trainer.train_step(2)
     finally:
         trainer.shard.close()
-    return dict(c.sites)
+    return dict(meter.sites)
 
 
 def _cases(rank, world, cases, corpus_dir, run_root):
@@ -96,14 +53,14 @@ def _args(corpus_dir, run_dir, case):
 
 
 CAP = ("--model.capacity_factor", "1.0")
-STEP = {"parallel/step.py:agree_on_step:_local_scalar_dense": 1}  # the finite check every rank agrees on
+STEP = {"parallel/step.py:agree_on_step:__bool__": 1}  # the finite check every rank agrees on
 
 
 def expected(calls: int, impl: str, ep: bool) -> dict:
     """The documented syncs of one step on a rank making `calls` MoE layer calls (docs/moe.md, "Host syncs")."""
     want = dict(STEP)
     if ep:
-        want["parallel/ep.py:__call__:tolist"] = calls  # the all-to-all's split sizes: the one EP sync
+        want["parallel/ep.py:__call__:cpu"] = calls  # the all-to-all's split sizes: the one EP sync
     elif impl == "loop":
         want["model/moe.py:__call__:tolist"] = calls  # the loop's split sizes
     return want

@@ -22,6 +22,9 @@ Each call runs through Python under the mode, so the trainer meters the same ste
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -52,6 +55,14 @@ def _sized_by_data(func, args, kwargs) -> bool:
     return False
 
 
+def _site() -> str:
+    """Where a read was made: the innermost frame under nanotitan/ outside this meter (file:function)."""
+    f = sys._getframe(2)
+    while f is not None and ("/nanotitan/" not in f.f_code.co_filename or f.f_code.co_filename == __file__):
+        f = f.f_back
+    return "?" if f is None else f.f_code.co_filename.split("/nanotitan/")[-1] + ":" + f.f_code.co_name
+
+
 def _target(args, kwargs) -> str | None:
     """The device type a `Tensor.to` call names (None: a dtype only)."""
     for a in (*args[1:], kwargs.get("device")):
@@ -70,6 +81,7 @@ class HostSyncs(TorchFunctionMode):
         super().__init__()
         self.device = torch.device(device)  # the training device: `.to(device)` puts a host value there
         self.reads: list[str] = []  # appended from either lane's thread (parallel/lanes.py enters the mode in both)
+        self.sites: Counter[str] = Counter()  # site:function of each read (a test holds the documented table)
 
     @property
     def count(self) -> int:
@@ -81,6 +93,7 @@ class HostSyncs(TorchFunctionMode):
         host_in = all(is_host(t) for t in tensors)
         if tensors and not host_in and (func in READS or _sized_by_data(func, args, kwargs)):
             self.reads.append(getattr(func, "__name__", str(func)))
+            self.sites[_site() + ":" + self.reads[-1]] += 1
         out = func(*args, **kwargs)
         if func is T.to and _target(args, kwargs) == self.device.type:  # onto the device (a copy there, no wait)
             return out.view(out.shape) if out is args[0] and is_host(out) else out
