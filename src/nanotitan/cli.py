@@ -77,7 +77,16 @@ def cmd_train(argv: list[str]) -> int:
     if planned:  # the ranks this process starts run the planned layout instead of planning again
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
-    from .run.rundir import owned_run_dir
+    from .config.config import to_toml
+    from .run.rundir import owned_run_dir, settle_resume
+
+    # train.resume's default made concrete: continue this run dir's own checkpoints (the same command run again),
+    # else start fresh; another config's checkpoints are refused. The ranks this process starts are told.
+    resume, line = settle_resume(cfg.run.dir, cfg.train.resume, cfg.run.overwrite, to_toml(cfg))
+    if resume != cfg.train.resume:
+        cfg.train.resume, argv = resume, argv + ["--train.resume", resume]
+    if line and int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
     if under_torchrun():
         from .run.launch import fail_rank, start_rank

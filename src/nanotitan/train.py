@@ -123,7 +123,7 @@ class Trainer:
         self.start_step, self.stop_requested, self.stop_cause = 0, False, ""
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop("SIGTERM"))
-        if t.resume:
+        if t.resume not in ("", "never"):
             self.resume(t.resume)
         self.writer.start_run(to_toml(cfg), self.start_step)  # only once a resume has succeeded (rank 0)
         self.log(report.layout_line(cfg, self.dims.data_world, self.shard.num_params(), self.peak_flops, self.links))
@@ -138,14 +138,13 @@ class Trainer:
 
     def resume(self, where: str):
         optimizer = None if self.cfg.train.reset_optimizer else self.optimizer  # fresh state: weights and step only
-        self.start_step = resume_step(where, self.run_dir, self.shard, optimizer, self.cfg.train.verify_ckpt, self.log)
+        self.start_step = resume_step(where, self.cfg, self.shard, optimizer, self.data, lr_at, self.log)
 
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
                                     {"step": step, "samples": step * self.B, **self.shard.checkpoint_extra()},
-                                    self.cfg.train.keep_last,
-                                    shard=self.shard)
+                                    self.cfg.train.keep_last, shard=self.shard, provenance=self.data.fingerprints)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
     def logs(self, step: int) -> bool:

@@ -136,7 +136,8 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     export_hf: str = ""  # a directory: at the end, rank 0 exports the final checkpoint for transformers (docs/hf.md)
-    resume: str = ""  # "", "auto" or a checkpoint path
+    resume: str = ""  # "": continue run.dir's own checkpoints; "auto", "never" or a PATH (docs/checkpoint.md)
+    allow_data_change: bool = False  # on resume: accept data prepared with another tokenizer (docs/checkpoint.md)
     # --- failures ---
     on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
@@ -414,10 +415,9 @@ def _check_run(cfg: Config) -> None:
     blocker = _run_dir_blocker(cfg.run.dir)
     _check(blocker is None, f"run.dir={cfg.run.dir!r} cannot be created: {blocker} (--run.dir DIR)")
     _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
-    _check(0.0 <= t.min_lr_ratio <= 1.0,
-           f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
-    _check(t.resume in ("", "auto") or Path(t.resume).exists(),
-           f"train.resume={t.resume!r}: no such checkpoint (use 'auto' or an existing path; --train.resume)")
+    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
+    _check(t.resume in ("", "auto", "never") or Path(t.resume).exists(),
+           f"train.resume={t.resume!r}: no such checkpoint (use auto, never or an existing path; --train.resume)")
 
 
 def _check_model(cfg: Config) -> None:
@@ -546,7 +546,7 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
            f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard "
            "(--parallel.zero 0, or dp/ep > 1)")
-    _check(d.loader == "indexed" or t.resume == "",
+    _check(d.loader == "indexed" or t.resume in ("", "never"),
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
            "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "

@@ -105,6 +105,17 @@ def load_meta(prepared: str | Path) -> dict:
     return json.loads((Path(prepared) / "meta.json").read_text())
 
 
+def fingerprints(dirs: list[Path], mix: str = "") -> dict[str, str]:
+    """What a checkpoint records of the data its run read (12 hex digits each): `data_fingerprint` hashes every
+    source's token files (their checksums in meta.json; a directory prepared before those, its cache key) and
+    data.mix's weights; `tokenizer_fingerprint` hashes the tokenizer.json the ids were made with."""
+    data = hashlib.sha1(mix.encode())
+    for d in dirs:
+        data.update(json.dumps(load_meta(d).get("files") or Path(d).name, sort_keys=True).encode())
+    tokenizer = hashlib.sha1((Path(dirs[0]) / "tokenizer.json").read_bytes())
+    return {"data_fingerprint": data.hexdigest()[:12], "tokenizer_fingerprint": tokenizer.hexdigest()[:12]}
+
+
 def load_tokenizer(prepared: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(Path(prepared) / "tokenizer.json"))
 

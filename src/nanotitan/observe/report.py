@@ -137,7 +137,7 @@ def gather_rows(mine: dict, dims: ParallelDims, device: torch.device) -> list[di
 def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWriter, StepProfiler, StepMeters]:
     """(writer, profiler, meters) of a rank's run: metrics.jsonl, TensorBoard and W&B on rank 0 (appended to on
     resume), torch.profiler over run.profile_steps, and the memory meters (metrics.StepMeters, some logged steps)."""
-    writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=bool(cfg.train.resume),
+    writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=cfg.train.resume not in ("", "never"),
                            wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
     return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
             StepMeters(model, device, cfg.run.peak_every, cfg.train.compile))
