@@ -21,7 +21,7 @@ from . import config
 
 def field_comments(cls) -> dict[str, str]:
     """{field name: its comment} for a dataclass: the trailing `# ...` of the field's line (or, failing that,
-    the comment lines right above it)."""
+    the comment lines right above it, up to a `# --- group ---` line, which heads a group and is no field's)."""
     src = inspect.getsource(cls)
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
@@ -34,7 +34,7 @@ def field_comments(cls) -> dict[str, str]:
         text = comments.get(stmt.end_lineno) or comments.get(stmt.lineno)
         if not text:  # a comment block directly above the field
             above, i = [], stmt.lineno - 1
-            while i >= 1 and lines[i - 1].strip().startswith("#"):
+            while i >= 1 and lines[i - 1].strip().startswith("#") and not lines[i - 1].strip().startswith("# ---"):
                 above.insert(0, comments[i])
                 i -= 1
             text = " ".join(above)
