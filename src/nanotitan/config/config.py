@@ -105,7 +105,8 @@ class DataConfig:
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
-    loader: Literal["indexed", "streaming"] = "indexed"  # indexed: by global index, resumable; streaming: HF
+    # indexed reads the prepared token files by global index (resumable); streaming reads an HF dataset as it goes
+    loader: Literal["indexed", "streaming"] = "indexed"
     val_fraction: float = 0.05  # share of the corpus held out for val_loss
     max_docs: int = 0  # cap on documents read from a streaming/hub source when preparing (0 = all)
     cache_dir: str = ""  # where prepared corpora live (default: ~/.cache/nanotitan)

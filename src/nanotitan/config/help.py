@@ -80,9 +80,9 @@ def section_keys(name: str, cls) -> list[tuple[str, str, str, str]]:
              comments.get(f.name, "")) for f in dataclasses.fields(cls)]
 
 
-def config_help() -> str:
-    """All config keys, one line each, grouped by section."""
-    rows = {name: section_keys(name, cls) for name, cls in sections().items()}
+def config_help(only: tuple[str, ...] | None = None) -> str:
+    """All config keys (or those of the sections `only` names), one line each, grouped by section."""
+    rows = {name: section_keys(name, cls) for name, cls in sections().items() if only is None or name in only}
     width = max(len(f"{k} {t} ({d})") for keys in rows.values() for k, t, d, _ in keys)
     out = ["Config keys (set them in a TOML file's [section] or as --section.key VALUE; later wins):"]
     for name, keys in rows.items():
