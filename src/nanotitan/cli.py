@@ -78,14 +78,13 @@ def cmd_train(argv: list[str]) -> int:
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
     from .config.config import to_toml
-    from .run.rundir import owned_run_dir, settle_resume
+    from .run.rundir import LOCK_ENV, owned_run_dir, settle_resume
 
-    # train.resume's default made concrete: continue this run dir's own checkpoints (the same command run again),
-    # else start fresh; another config's checkpoints are refused. The ranks this process starts are told.
-    resume, line = settle_resume(cfg.run.dir, cfg.train.resume, cfg.run.overwrite, to_toml(cfg))
-    if resume != cfg.train.resume:
-        cfg.train.resume, argv = resume, argv + ["--train.resume", resume]
-    if line and int(os.environ.get("RANK", "0")) == 0:
+    # train.resume's default made concrete: continue this run dir's own checkpoints (the same command run again, or a
+    # restarted attempt), else start fresh; another config's are refused. Every rank settles it alike from the same
+    # files; the line is the launcher's (its ranks find LOCK_ENV set), or rank 0's under an outside torchrun.
+    cfg.train.resume, line = settle_resume(cfg.run.dir, cfg.train.resume, cfg.run.overwrite, to_toml(cfg))
+    if line and LOCK_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0:
         print(line, flush=True)
 
     if under_torchrun():

@@ -48,3 +48,11 @@ def test_checkpoints_without_a_readable_config_are_another_runs(tmp_path):
     with pytest.raises(rundir.RunDirError, match=r"\(step_4, its step_4/config\.toml is unreadable\) and this is a "
                                                  r"fresh run: continue it with --train\.resume auto, delete them"):
         rundir.settle_resume(tmp_path, "", False, to_toml(load_config(None, [])))
+
+
+def test_a_restarted_attempt_continues_the_jobs_own_checkpoints(tmp_path, monkeypatch):
+    """Under train.max_restarts torchrun restarts every rank with the same command: the default then resumes, even
+    where run.overwrite deleted an earlier run's checkpoints at the first attempt."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert rundir.settle_resume(tmp_path, "", True, "") == ("auto", "")
+    assert rundir.settle_resume(tmp_path, "never", False, "") == ("never", "")

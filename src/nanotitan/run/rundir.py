@@ -235,8 +235,11 @@ def settle_resume(run_dir: str | Path, resume: str, overwrite: bool, config_toml
     complete checkpoint holds this config (`config_toml`, the job's resolved config; every key equal but those that
     say what to do with the dir: the same command run again, say after a crash), else "never" (no checkpoint, or
     run.overwrite deletes them). Checkpoints of another config (or whose config cannot be read) are refused with the
-    three ways out and the first keys that differ. Any other value is returned as it is. (value, line to print)."""
+    three ways out and the first keys that differ. In a restarted attempt of a torchrun job (max_restarts) it is
+    "auto". Any other value is returned as it is. (value, line to print)."""
     run_dir = Path(run_dir)
+    if resume == "" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "auto", ""  # a restarted attempt of this job: what the dir holds now is the job's own
     complete = [d for d in _checkpoint_entries(run_dir) if not d.name.endswith(".tmp") and (d / "COMPLETE").is_file()]
     if resume != "" or overwrite or not complete:
         return resume or "never", ""
