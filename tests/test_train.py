@@ -213,6 +213,7 @@ def test_schedule_and_export_refusals_are_one_line(args, msg):
     assert str(e.value).startswith(msg) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # four launches; the parts are held in tests/observe/test_console.py, tests/run/test_re*.py
 def test_the_console_shows_training_and_a_rerun_resumes_saying_what_changed(tmp_path, corpus_dir):
     """`nanotitan train` with its output in a file: one line per record with val loss at the eval; the same command
     again continues its checkpoints; a changed train.steps is refused with the three ways out, and with
