@@ -17,6 +17,9 @@ def test_changes_list_every_differing_key_but_the_intent_keys():
     assert change_lines(changes) == ['train.steps: 300 -> 600', 'data.source: "a" -> "b"', "model.gone: 1 -> (unset)"]
     assert config_changes(new, new) == [] and config_changes({"t": {"x": 3}}, {"t": {"x": 3.0}}) == []
     assert changes_in_brief(changes * 2, most=4).endswith("; and 2 more")
+    # a key the old config lacks (a checkpoint older than the key) at its default is no change; off it, it is one
+    assert config_changes({"train": {}}, {"train": {"lr_schedule": "cosine"}}) == []
+    assert config_changes({"train": {}}, {"train": {"lr_schedule": "wsd"}}) == [("train.lr_schedule", UNSET, "wsd")]
 
 
 @pytest.mark.parametrize("section, key, hint", [

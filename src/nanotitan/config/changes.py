@@ -27,13 +27,19 @@ def read_toml(path: Path) -> dict | None:
 
 def config_changes(old: dict, new: dict, skip: frozenset[str] = INTENT_KEYS) -> list[tuple[str, object, object]]:
     """[(section.key, old value, new value)] for every key whose value differs, in `new`'s order (then keys only
-    `old` has); a side without the key gives UNSET. Numbers compare by value (a TOML 3 is the 3.0 of a float key)."""
+    `old` has); a side without the key gives UNSET, except that a key `old` lacks (a checkpoint older than the key)
+    whose new value is its default is no change. Numbers compare by value (a TOML 3 is the 3.0 of a float key)."""
+    from .config import Config, to_toml
+
+    defaults = tomllib.loads(to_toml(Config()))
     out = []
     keys = [(s, k) for s, body in new.items() for k in body]
     keys += [(s, k) for s, body in old.items() for k in body if k not in new.get(s, {})]
     for section, key in keys:
         name = f"{section}.{key}"
         a, b = old.get(section, {}).get(key, UNSET), new.get(section, {}).get(key, UNSET)
+        if a is UNSET and _same(defaults.get(section, {}).get(key, UNSET), b):
+            continue
         if name not in skip and not _same(a, b):
             out.append((name, a, b))
     return out
