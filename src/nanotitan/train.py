@@ -224,7 +224,9 @@ class Trainer:
                 break
         console.close()
         final_step = step + 1 if t.steps > self.start_step else self.start_step
-        if t.ckpt_at_end and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
+        if final_step == self.start_step:  # resumed at (or past) train.steps: the checkpoint is already the end
+            self.log(f"nothing to train: resumed at step {final_step}, train.steps={t.steps} (raise --train.steps)")
+        elif t.ckpt_at_end and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
             self.save(final_step)
         summary = report.run_summary(logger, self.profiler, self.writer, self.meters, self.model, self.optimizer,
                                      self.run_dir)
