@@ -26,7 +26,8 @@ def _sections():
     return {f.name: hints[f.name] for f in dataclasses.fields(config.Config)}
 
 
-@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "--config", "nope.toml", "--model.d_model", "8", "-h"]])
+@pytest.mark.parametrize("argv", [["train", "--help"],
+                                  ["train", "--config", "nope.toml", "--model.d_model", "8", "-h"]])
 def test_config_help_lists_every_key_with_type_default_and_meaning(argv, capsys):
     """Each field appears once as `--section.key TYPE (default) — meaning`; the default, typed back on the
     command line, gives the field's real default, and the type names the field's type or its choices."""

@@ -219,7 +219,7 @@ def test_the_console_shows_training_and_a_rerun_resumes_saying_what_changed(tmp_
     again continues its checkpoints; a changed train.steps is refused with the three ways out, and with
     --train.resume auto it resumes, printing `train.steps: 3 -> 6` and the learning rate it moves."""
     base = ["--train.steps", "3", "--train.warmup_steps", "1", "--run.log_every", "1", "--train.eval_every", "3",
-            "--train.eval_batches", "1", "--run.progress", "true"]  # the bar is asked for, but stdout is a pipe: plain lines
+            "--train.eval_batches", "1", "--run.progress", "true"]  # a bar is asked for; stdout is a pipe: lines
 
     def run(*args):
         p = _launch([*base, *args], tmp_path, corpus_dir)

@@ -123,8 +123,11 @@ def resume_step(where: str, cfg: Config, shard: ModelShard, optimizer, data: Ran
     if path is None:
         log("train.resume=auto: no complete checkpoint yet, starting from step 0")
         return 0
-    for line in resume_changes(path, cfg, data.fingerprints, lr_at):
+    lines, refusal = resume_changes(path, cfg, data.fingerprints, lr_at)
+    for line in lines:
         log(line)
+    if refusal:  # after the lines: what else changed is said too
+        raise ConfigError(refusal)
     extra = ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, cfg.train.verify_ckpt, shard=shard)
     step = int(extra["step"])
     log(f"resumed from {path} at step {step}")

@@ -196,7 +196,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
     returns it with "step" added. `provenance` ({"data_fingerprint", "tokenizer_fingerprint"}) goes into state.json
-    beside the layout, for a resume to compare (run/resume.py). When this returns on any rank the checkpoint is complete on disk.
+    beside the layout, for a resume to compare (run/resume.py). When this returns on any rank the checkpoint is
+    complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
     state holds NaN/inf; StorageError on every rank if the save cannot fit (checked against the newest
     checkpoint's size before writing) or any rank fails to write (no space, quota, permission): the partial
