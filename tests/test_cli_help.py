@@ -26,8 +26,8 @@ def _sections():
     return {f.name: hints[f.name] for f in dataclasses.fields(config.Config)}
 
 
-@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "--config", "nope.toml", "--model.d_model", "8", "-h"],
-                                  ["data", "prepare", "--help"]])
+@pytest.mark.parametrize("argv", [["train", "--help"],
+                                  ["train", "--config", "nope.toml", "--model.d_model", "8", "-h"]])
 def test_config_help_lists_every_key_with_type_default_and_meaning(argv, capsys):
     """Each field appears once as `--section.key TYPE (default) — meaning`; the default, typed back on the
     command line, gives the field's real default, and the type names the field's type or its choices."""
@@ -71,3 +71,31 @@ def test_sub_command_help_is_its_own_and_unknown_commands_fail(capsys):
     assert code == 0 and "--gpus" in out  # bench layouts' argparse, not the bench docstring
     assert cli.main(["nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_every_meaning_is_whole_and_names_each_choice():
+    """A key with choices explains each of them by name; no meaning stops mid-phrase (on an article, a conjunction
+    or a relative pronoun, before an optional docs pointer)."""
+    from nanotitan.config.help import section_keys
+
+    dangling = {"a", "an", "the", "of", "whose", "which", "and", "or", "its", "by", "with", "per", "gathered"}
+    for section, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        for key, _, _, meaning in section_keys(section, cls):
+            typ = hints[key.split(".")[1]]
+            choices = [c for t in (typ, *typing.get_args(typ)) if typing.get_origin(t) is Literal
+                       for c in typing.get_args(t)]
+            words = set(re.findall(r"[\w-]+", meaning))
+            assert all(str(c) in words for c in choices), (key, choices, meaning)
+            last = re.sub(r"\s*\([^()]*\)$", "", meaning).split()[-1].lower()
+            assert last not in dangling, (key, meaning)
+
+
+def test_bench_help_lists_the_benches_and_data_help_only_data_keys(capsys):
+    code, out = _help(["bench", "--help"], capsys)
+    assert code == 0 and "BENCHES" not in out
+    for name, what in cli.BENCHES.items():
+        assert re.search(rf"^  {name} +{re.escape(what)}$", out, re.MULTILINE), name
+    code, out = _help(["data", "prepare", "--help"], capsys)
+    keys = set(re.findall(r"^\s+--(\w+)\.\w+ ", out, re.MULTILINE))
+    assert code == 0 and keys == {"data"} and "[train]" not in out, keys

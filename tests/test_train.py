@@ -211,3 +211,34 @@ def test_schedule_and_export_refusals_are_one_line(args, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
     assert str(e.value).startswith(msg) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # four launches; the parts are held in tests/observe/test_console.py, tests/run/test_re*.py
+def test_the_console_shows_training_and_a_rerun_resumes_saying_what_changed(tmp_path, corpus_dir):
+    """`nanotitan train` with its output in a file: one line per record with val loss at the eval; the same command
+    again continues its checkpoints; a changed train.steps is refused with the three ways out, and with
+    --train.resume auto it resumes, printing `train.steps: 3 -> 6` and the learning rate it moves."""
+    base = ["--train.steps", "3", "--train.warmup_steps", "1", "--run.log_every", "1", "--train.eval_every", "3",
+            "--train.eval_batches", "1", "--run.progress", "true"]  # a bar is asked for; stdout is a pipe: lines
+
+    def run(*args):
+        p = _launch([*base, *args], tmp_path, corpus_dir)
+        out, _ = p.communicate(timeout=300)
+        return p.returncode, out
+
+    code, out = run()
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"], out
+    assert all(" tok/s | MFU " in line and " | lr " in line and " | grad norm " in line for line in lines)
+    assert "val loss" not in lines[1] and " | val loss " in lines[2]
+    assert "layout dp=1 pp=1 ep=1 tp=1 cp=1 | B=2 seqs = dp*ep*M*m = 1*1*1*2" in out
+    code, out = run()
+    assert code == 0 and "holds this config's checkpoints (step_3): continuing from the newest" in out, out
+    code, out = run("--train.steps", "6")
+    assert code == 2 and "(step_3, another config: train.steps: 3 -> 6) and this is a fresh run: continue it with " \
+                         "--train.resume auto, delete them with --run.overwrite true, or choose another --run.dir" \
+        in out, out
+    code, out = run("--train.steps", "6", "--train.resume", "auto")
+    assert code == 0 and "\n  train.steps: 3 -> 6\n  the learning rate of step 4 moves from " in out, out
+    assert "step 6/6" in out

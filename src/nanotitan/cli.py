@@ -46,7 +46,7 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
 def cmd_train(argv: list[str]) -> int:
     """Train a model: `nanotitan train [--config FILE] [--section.key VALUE ...]`.
 
-    With no torchrun around it, starts parallel.dp*pp*ep*tp local ranks itself; under torchrun (any number of
+    With no torchrun around it, starts parallel.dp*pp*ep*tp*cp local ranks itself; under torchrun (any number of
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun
@@ -85,7 +85,15 @@ def cmd_train(argv: list[str]) -> int:
     if planned:  # the ranks this process starts run the planned layout instead of planning again
         argv = ([f"--config={path}"] if path else []) + overrides + planned_flags(cfg)
 
-    from .run.rundir import owned_run_dir
+    from .config.config import to_toml
+    from .run.rundir import LOCK_ENV, owned_run_dir, settle_resume
+
+    # train.resume's default made concrete: continue this run dir's own checkpoints (the same command run again, or a
+    # restarted attempt), else start fresh; another config's are refused. Every rank settles it alike from the same
+    # files; the line is the launcher's (its ranks find LOCK_ENV set), or rank 0's under an outside torchrun.
+    cfg.train.resume, line = settle_resume(cfg.run.dir, cfg.train.resume, cfg.run.overwrite, to_toml(cfg))
+    if line and LOCK_ENV not in os.environ and int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
     if under_torchrun():
         from .run.launch import fail_rank, start_rank
@@ -211,23 +219,22 @@ def _die_with_parent() -> None:
 
 
 def cmd_data(argv: list[str]) -> int:
-    """Prepare a corpus: `nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]`.
+    """Prepare a corpus: `nanotitan data prepare [--config FILE] [--data.KEY VALUE ...] [--init.from_hf DIR]`.
 
     Trains (or loads) the tokenizer and writes the tokenized train/val files to the cache; `nanotitan train`
     prepares on first use too, so this is only needed to do it ahead of a job. With --data.mix 'A:0.7,B:0.3' it
     prepares every source of the mix with one tokenizer (the first source's BPE, or data.tokenizer), which a
-    mix needs before `train` (docs/data.md)."""
+    mix needs before `train` (docs/data.md). With --init.from_hf DIR the data is encoded with that model's tokenizer."""
     if not argv or argv[0] != "prepare":
         raise ConfigError("usage: nanotitan data prepare [--config FILE] [--data.source SRC] [--data.vocab_size N]")
-    from .data.prepare import load_meta, prepare_data, prepare_mix
+    from .data.prepare import prepare_data, prepare_mix, prepared_summary
 
     from .config.hf_config import resolve_model
 
     path, overrides = _split_config(argv[1:])
     cfg = resolve_model(load_config(path, overrides))  # init.from_hf: the data is encoded with its tokenizer
     for out in prepare_mix(cfg.data) if cfg.data.mix else [prepare_data(cfg.data)]:  # a mix: each of its sources
-        meta = load_meta(out)
-        print(f"prepared {out}: {({k: v for k, v in meta.items() if k != 'files'})}")  # files: a checksum per block
+        print(prepared_summary(out))
     return 0
 
 
@@ -357,7 +364,7 @@ BENCHES = {
     "pp": "pipeline step time, bubble and activation memory per schedule",
     "ep": "one MoE layer under EP against its controls",
     "precision": "bf16 vs fp32: bytes on the wire per axis, step time and where it goes",
-    "layouts": "every DP x PP x EP layout of N ranks at equal tokens per step (the seed's experiment)",
+    "layouts": "every DP x PP x EP layout of N ranks at equal tokens per step: step time, memory, loss",
     "emulate": "the network emulator's measured vs modelled communication per layout and axis",
     "overlap": "parallel.ep_overlap against the same EP job without it, emulated and not",
     "gpu": "the MoE step at Mixtral shapes on one GPU: loop / grouped / compiled / nn.Linear",
@@ -369,8 +376,8 @@ BENCHES = {
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """Benchmarks: `nanotitan bench NAME [...]`, NAME one of BENCHES (nanotitan/bench/NAME.py);
-    `nanotitan bench NAME --help` for its options."""
+    """Benchmarks: `nanotitan bench NAME [...]`, NAME one of the benches below; `nanotitan bench NAME --help` shows
+    its options."""
     names = ",".join(BENCHES)
     if not argv:
         raise ConfigError(f"usage: nanotitan bench {{{names}}} [...]")
@@ -434,7 +441,9 @@ def command_help(name: str) -> str | None:
     if name in CONFIG_COMMANDS:
         from .config.help import config_help
 
-        doc += "\n\n" + config_help()
+        doc += "\n\n" + config_help(only=("data",) if name == "data" else None)  # data prepare reads [data]
+    if name == "bench":
+        doc += "\n\nBenches:\n" + "\n".join(f"  {bench:<10} {what}" for bench, what in BENCHES.items())
     return doc
 
 

@@ -8,7 +8,7 @@
     loop:  step -> eval -> log -> checkpoint -> stop
 
 How each step works in a given layout lives in parallel/ (parallelize.py builds, step.py runs); what the
-user sees (the record, the summary table, the progress bar) in report.py.
+user sees in observe/ (the record and the summary table: report.py; the step lines and the bar: console.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .state import checkpoint as ckpt
 from .observe import report
+from .observe.console import TrainConsole
 from .optim.qk_clip import QKClip
 from .config.config import Config, to_toml
 from .config.errors import TrainingError
@@ -124,10 +125,10 @@ class Trainer:
         self.start_step, self.stop_requested, self.stop_cause = 0, False, ""
         if t.ckpt_on_signal:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.request_stop("SIGTERM"))
-        if t.resume:
+        if t.resume not in ("", "never"):
             self.resume(t.resume)
         self.writer.start_run(to_toml(cfg), self.start_step)  # only once a resume has succeeded (rank 0)
-        self.log(report.layout_line(cfg, self.dims.data_world, self.shard.num_params(), self.peak_flops, self.links))
+        self.log(report.layout_line(cfg, self.shard.num_params(), self.peak_flops, self.links))
 
     def log(self, msg: str):
         if self.is_main:
@@ -139,14 +140,13 @@ class Trainer:
 
     def resume(self, where: str):
         optimizer = None if self.cfg.train.reset_optimizer else self.optimizer  # fresh state: weights and step only
-        self.start_step = resume_step(where, self.run_dir, self.shard, optimizer, self.cfg.train.verify_ckpt, self.log)
+        self.start_step = resume_step(where, self.cfg, self.shard, optimizer, self.data, lr_at, self.log)
 
     def save(self, step: int):
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.dims, self.cfg,
                                     {"step": step, "samples": step * self.B, **self.shard.checkpoint_extra()},
-                                    self.cfg.train.keep_last,
-                                    shard=self.shard)
+                                    self.cfg.train.keep_last, shard=self.shard, provenance=self.data.fingerprints)
         self.log(f"saved {path} in {time.perf_counter() - t0:.2f}s")
 
     def logs(self, step: int) -> bool:
@@ -199,7 +199,7 @@ class Trainer:
         if cfg.parallel.check_replicas and self.world > 1:  # debug: every rank raises if any replica differs
             self.shard.check_replicas()
             self.log("check_replicas: all replicas identical")
-        progress = report.Progress(t.steps - self.start_step, enabled=self.is_main and cfg.run.progress)
+        console = TrainConsole(t.steps, self.start_step, self.is_main, cfg.run.progress)  # bar, or a line a record
         step = self.start_step
         for step in range(self.start_step, t.steps):
             self.profiler.step_begin(step + 1)
@@ -212,9 +212,9 @@ class Trainer:
             # --- eval on fixed val batches; the record of a step whose losses were reduced (`logs`) ----------
             val = self.evaluate() if eval_due(step, cfg) else None
             record = logger.log(step + 1, result, val, guard.skipped) if result.losses is not None else None
-            progress.update(step + 1 - self.start_step, record)
+            console.update(step + 1, record)
             if failure is not None:
-                progress.close()
+                console.close()
                 self.writer.close()
                 raise TrainingError(guard.failure_line(failure, record))
 
@@ -225,10 +225,11 @@ class Trainer:
                 self.request_stop("by another rank")
                 self.log(f"stop requested ({self.stop_cause}) at step {step + 1}")
                 break
-        progress.close()
-        final_step = step + 1 if t.steps > self.start_step else 0  # 0: no step since the resume, nothing to save again
-        if t.ckpt_at_end and final_step and not (t.ckpt_every and final_step % t.ckpt_every == 0) \
-                and not self.stop_requested:
+        console.close()
+        final_step = step + 1 if t.steps > self.start_step else self.start_step
+        if final_step == self.start_step:  # resumed at (or past) train.steps: the checkpoint is already the end
+            self.log(f"nothing to train: resumed at step {final_step}, train.steps={t.steps} (raise --train.steps)")
+        elif t.ckpt_at_end and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
             self.save(final_step)
         summary = report.run_summary(logger, self.profiler, self.writer, self.meters, self.model, self.optimizer,
                                      self.run_dir)

@@ -141,3 +141,24 @@ def test_val_split_depends_on_content_not_order():
     assert val == set(shas[:len(val)]) and 0.1 * sum(lengths) <= val_tokens < 0.1 * sum(lengths) + 120
     assert split_by_document(shas[:2], [10, 10_000], 0.01) == {shas[0]}  # always one doc each side
     assert split_by_document([shas[0], shas[0], shas[1]], [5, 5, 100], 0.01) == {shas[0]}  # copies stay together
+
+
+def test_a_bpe_short_of_its_vocab_says_so_and_the_summary_reads(tmp_path):
+    """A tiny corpus runs out of merges before data.vocab_size: one line says how far it got; `data prepare`'s report
+    names the source, the counts and the tokenizer, not a dict of checksums."""
+    write_txt(tmp_path / "corpus", ["ab ab ab", "ba ba"])
+    lines = []
+    out = prepare_data(DataConfig(source=str(tmp_path / "corpus"), vocab_size=4000, val_fraction=0.4,
+                                  cache_dir=str(tmp_path / "cache")), log=lines.append)
+    reached = load_meta(out)["vocab_size"]
+    assert reached < 4000
+    assert lines.count(prepare_mod.bpe_shortfall(reached, 4000)) == 1
+    assert prepare_mod.bpe_shortfall(reached, 4000) == (
+        f"data: warning: the BPE reached {reached} tokens, short of data.vocab_size=4000: the corpus has no more pairs "
+        f"to merge (--data.vocab_size {reached} sizes the model to it, or give a larger corpus)")
+    assert prepare_mod.bpe_shortfall(300, 300) == ""
+    summary = prepare_mod.prepared_summary(out).splitlines()
+    assert summary[0] == f"prepared {tmp_path / 'corpus'} -> {out}"
+    assert summary[2] == (f"  tokenizer: byte-level BPE trained on the source (data.vocab_size 4000); {reached} tokens, "
+                          f"end-of-text id {load_meta(out)['eot_id']}")
+    assert "documents" in summary[1] and "sha1" not in "".join(summary)

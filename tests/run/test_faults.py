@@ -294,7 +294,8 @@ CHEAP = [  # (fault, setup -> extra args, exit code, the one line, seconds)
     ("run dir under a file", _run_dir_under_a_file, 2, r"file is a file, not a directory", 20),
     ("second job into a locked run dir", _locked_run_dir, 2, r"run dir \S+ is in use by pid \d+ on ", 20),
     ("fresh run into a dir with checkpoints", _fresh_run_over_checkpoints, 2,
-     r"holds checkpoints of an earlier run \(step_4\).*--train\.resume auto.*--run\.overwrite true", 20),
+     r"holds checkpoints of an earlier run \(step_4, its step_4/config\.toml is unreadable\) and this is a fresh "
+     r"run: continue it with --train\.resume auto, delete them with --run\.overwrite true", 20),
     ("run dir without write permission", lambda t, c: ["--run.dir", "/sys/kernel"], 2,
      r"run\.dir=/sys/kernel is not writable: cannot create /sys/kernel/\.lock \(Permission denied \(EACCES\)\); "
      r"choose a writable --run\.dir$", 20),

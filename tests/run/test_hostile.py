@@ -220,7 +220,7 @@ CASES = [
     ("TOML: a list for a string", _toml("[run]\ndir = [1]\n"), CONFIG, r"c\.toml: run\.dir must be a string"),
     ("TOML: a table for a number", _toml("[train.lr]\nvalue = 1\n"), CONFIG, r"c\.toml: train\.lr must be a number"),
     ("TOML: an unknown key", _toml("[train]\nlrr = 1e-3\n"), CONFIG,
-     r"c\.toml: unknown config key train\.lrr \(valid keys in \[train\]: steps, "),
+     r"c\.toml: unknown config key train\.lrr; did you mean train\.lr\? \(valid keys in \[train\]: steps, "),
     ("TOML: an unknown section", _toml("[trainer]\nlr = 1e-3\n"), CONFIG,
      r"c\.toml: unknown config section \[trainer\]"),
     ("TOML: a bare top-level key", _toml("steps = 3\n"), CONFIG,

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import stat
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,11 +19,12 @@ from typing import Literal
 
 from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
-from .parse import parse_overrides, parse_steps, set_value, tidy_counts
+from .parse import parse_overrides, set_value, tidy_counts
 from .controls_rules import check_controls
+from .elastic_rules import check_elastic
+from .run_rules import check_run
 from .cp_rules import check_cp
 from .dispatch_rules import check_dispatch
-from .elastic_rules import check_elastic
 from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
@@ -40,7 +39,8 @@ class ModelConfig:
     n_heads: int = 4  # attention heads (must divide d_model)
     n_kv_heads: int = 0  # key/value heads of grouped-query attention (0 = n_heads; must divide n_heads)
     head_dim: int = 0  # width of one attention head (0 = d_model / n_heads; Qwen3-MoE sets it)
-    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm on q and k: per head (Qwen3-MoE) (docs/config.md)
+    # RMSNorm on q and k: none, per head (head: Qwen3-MoE) or over the whole projection (full: OLMoE)
+    qk_norm: Literal["none", "head", "full"] = "none"
     attn_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     ffn_dim: int = 256  # hidden size of each SwiGLU expert (and of the dense FFN)
     # --- MoE: experts and routing ---
@@ -55,26 +55,34 @@ class ModelConfig:
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w) per token (Qwen2-MoE)
     norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral does)
     aux_coef: float = 0.01  # Switch/GShard load-balancing loss coefficient
-    aux_scope: Literal["micro", "sequence"] = "micro"  # balance loss over each microbatch (docs/config.md)
-    z_loss_coef: float = 0.0  # router z-loss coefficient: mean squared logsumexp of the router logits (docs/config.md)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts (docs/config.md)
+    # balance loss over each microbatch (micro), or per sequence then averaged (sequence: DeepSeek-V3)
+    aux_scope: Literal["micro", "sequence"] = "micro"
+    # router z-loss coefficient: the mean squared logsumexp of the router logits (ST-MoE: 1e-3; 0 = off)
+    z_loss_coef: float = 0.0
+    # router scores: a softmax over experts (softmax: Mixtral), or a sigmoid per expert (sigmoid: DeepSeek-V3)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
     routed_scale: float = 1.0  # multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing (docs/config.md)
-    capacity_factor: float = 0.0  # tokens an expert takes per microbatch (docs/config.md)
+    # aux-loss-free balancing: each step moves the router biases by this toward equal load (DeepSeek-V3: 1e-3; 0 = off)
+    bias_update_rate: float = 0.0
+    # tokens an expert takes per microbatch, as a multiple of m*S*top_k/num_experts (0 = dropless)
+    capacity_factor: float = 0.0
     # --- positions, norms and init ---
-    pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
+    # positions: rotary embeddings (rope), or a learned position table (learned)
+    pos_emb: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of weight matrices
     # --- multi-head latent attention (DeepSeek-V2/V3; on when kv_lora_rank > 0; docs/config.md) ---
-    q_lora_rank: int = 0  # rank of the query's low-rank path, with its RMSNorm (docs/config.md)
+    # rank of the query's low-rank path, with its RMSNorm (0 = a full-rank q projection, as DeepSeek-V2-Lite)
+    q_lora_rank: int = 0
     kv_lora_rank: int = 0  # rank of the key/value latent, with its RMSNorm (0 = no MLA)
     qk_nope_head_dim: int = 0  # per-head query/key width without RoPE (MLA)
     qk_rope_head_dim: int = 0  # per-head query/key width with RoPE; the key's is one shared head (MLA)
     v_head_dim: int = 0  # per-head value width (MLA)
-    # YaRN RoPE scaling (DeepSeek-V3, and the other families where their HF configs carry it).
-    rope_scaling: Literal["none", "yarn"] = "none"  # RoPE frequency scaling for long contexts
+    # --- YaRN RoPE scaling (DeepSeek-V3, and the other families where their HF configs carry it) ---
+    # RoPE frequency scaling for long contexts: none, or yarn (YaRN, set by the rope_* keys below)
+    rope_scaling: Literal["none", "yarn"] = "none"
     rope_factor: float = 1.0  # YaRN: context extension factor
     rope_original_max_len: int = 0  # YaRN: original_max_position_embeddings (0 = max_seq_len)
     rope_beta_fast: float = 32.0  # YaRN: fast-rotation boundary (beta_fast)
@@ -87,7 +95,8 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3 §2.2): module k predicts token t+k+1 from [RMSNorm(h); RMSNorm(emb(t+k))].
     mtp_layers: int = 0  # MTP modules (DeepSeek's num_nextn_predict_layers; 0 = off)
     mtp_coef: float = 0.3  # weight of the mean MTP loss added to the main loss (DeepSeek-V3's lambda)
-    experts_impl: Literal["loop", "grouped", "auto"] = "loop"  # routed experts: per-expert GEMM loop (docs/config.md)
+    # routed experts: a GEMM per expert (loop), one grouped GEMM per projection (grouped), or auto (docs/moe.md)
+    experts_impl: Literal["loop", "grouped", "auto"] = "loop"
 
 
 @dataclass(kw_only=True)
@@ -97,7 +106,8 @@ class DataConfig:
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
-    loader: Literal["indexed", "streaming"] = "indexed"  # indexed: by global index, resumable; streaming: HF
+    # indexed reads the prepared token files by global index (resumable); streaming reads an HF dataset as it goes
+    loader: Literal["indexed", "streaming"] = "indexed"
     val_fraction: float = 0.05  # share of the corpus held out for val_loss
     max_docs: int = 0  # cap on documents read from a streaming/hub source when preparing (0 = all)
     cache_dir: str = ""  # where prepared corpora live (default: ~/.cache/nanotitan)
@@ -112,17 +122,20 @@ class TrainConfig:
     lr: float = 3e-3  # peak learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30  # steps of linear LR warmup
-    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # the lr after warmup (docs/config.md)
+    # the lr after warmup: cosine decay, wsd (stable, then a final decay) or constant (docs/config.md)
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     lr_decay_frac: float = 0.2  # wsd: the last share of train.steps, decayed on a cosine to lr * min_lr_ratio
     weight_decay: float = 0.1  # AdamW decay, on matrices only
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on hidden matrices, AdamW on the rest (docs/optim.md)
+    # adamw on every parameter, or muon: Muon on the hidden matrices and AdamW on the rest (docs/optim.md)
+    optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = 3e-3  # Muon's peak lr (same schedule as train.lr; updates RMS-matched to AdamW's, docs/optim.md)
     muon_adamw_lr: float = 1e-2  # under Muon: AdamW's peak lr for the rest (embeddings, head, norms, router; optim.md)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
-    muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: ~2x faster on avx512_bf16, not held to 1e-5 (optim.md)
+    # Newton-Schulz dtype: fp32 (held to 1e-5), or bf16 (~2x faster on avx512_bf16, not held to it; docs/optim.md)
+    muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"
     qk_clip: float = 0.0  # QK-clip TAU: scale a head's q/k weights when its max logit tops it (0 = off, docs/optim.md)
     reset_optimizer: bool = False  # on resume: fresh optimizer state (needed to resume under another train.optimizer)
     # --- batch and sequence ---
@@ -138,7 +151,10 @@ class TrainConfig:
     ckpt_at_end: bool = True  # the sample at the end and `nanotitan generate` load it
     keep_last: int = 2  # checkpoints kept in run.dir (older ones are deleted; 0 keeps all)
     export_hf: str = ""  # a directory: at the end, rank 0 exports the final checkpoint for transformers (docs/hf.md)
-    resume: str = ""  # "", "auto" or a checkpoint path
+    # "" continues run.dir's own checkpoints (same config), else starts fresh; auto, never or a PATH
+    # (docs/checkpoint.md)
+    resume: str = ""
+    allow_data_change: bool = False  # on resume: accept data prepared with another tokenizer (docs/checkpoint.md)
     # --- failures ---
     on_nonfinite: Literal["stop", "skip"] = "stop"  # on a non-finite loss or grad norm: stop or skip (docs/config.md)
     max_skips: int = 3  # with on_nonfinite=skip: stop after this many skipped steps in a row
@@ -147,8 +163,10 @@ class TrainConfig:
     max_restarts: int = 0  # restarts of the whole job after a rank fails; an elastic job: 3 unless set (docs/config.md)
     # --- device, precision and compile ---
     threads: int = 0  # torch threads per rank (0 = cores / local ranks)
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto = CUDA when visible, else CPU (gloo)
-    dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype: bf16 = forward under bf16 autocast (docs/config.md)
+    # where ranks compute: auto = CUDA when visible, else CPU (gloo); or cpu, or cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # compute dtype: fp32, or bf16 (the forward under bf16 autocast, fp32 weights and optimizer; docs/precision.md)
+    dtype: Literal["fp32", "bf16"] = "fp32"
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
     compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
@@ -163,26 +181,38 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks splitting attention, dense FFNs, shared experts (docs/config.md)
     sp: bool = True  # with tp > 1: sequence parallel (norms and residuals on sequence shards)
     cp: int = 1  # context-parallel ranks splitting every sequence, chunks i and 2cp-1-i each (docs/cp.md)
-    cp_impl: Literal["ring", "a2a"] = "ring"  # attention under CP: K/V ring, or Ulysses' all-to-all (docs/config.md)
+    # attention under CP: ring passes K/V around the CP ring, a2a is Ulysses' all-to-all over heads (docs/cp.md)
+    cp_impl: Literal["ring", "a2a"] = "ring"
     # --- pipeline ---
     microbatches: int = 1  # M per data rank per step
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"  # pipeline schedule (docs/config.md)
+    # pipeline schedule when pp > 1: gpipe, 1f1b, interleaved (with virtual_stages) or zb1 (zero bubble; docs/pp.md)
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb1"] = "1f1b"
     virtual_stages: int = 1  # model chunks per pipeline rank under schedule=interleaved (docs/config.md)
-    pp_layers: list[float] | Literal["auto"] = field(default_factory=list)  # layers per stage (docs/config.md)
+    # layers per stage: a list such as 1.5,2.5 (x.5 cuts a block), auto (balanced by cost), or empty = even
+    pp_layers: list[float] | Literal["auto"] = field(default_factory=list)
     # --- data parallel and ZeRO ---
     bucket_mb: float = 25.0  # gradient all-reduce bucket size (MiB)
-    dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"  # our bucketed Reducer, or torch DDP (docs/config.md)
+    # DP gradient sync: bucketed (our Reducer, every layout) or torch_ddp (torch DDP, pure DP only)
+    dp_impl: Literal["bucketed", "torch_ddp"] = "bucketed"
     zero: int = 0  # sharded DP (docs/dp.md): 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP2)
-    zero_accumulate: Literal["auto", "shard", "full"] = "auto"  # zero 2/3, gradients over microbatches (docs/config.md)
-    zero3_reshard: Literal["auto", "always", "never"] = "auto"  # zero 3: free a block's gathered (docs/config.md)
+    # zero 2/3, gradients over microbatches: shard (reduce-scatter each), full (once per step) or auto (docs/dp.md)
+    zero_accumulate: Literal["auto", "shard", "full"] = "auto"
+    # zero 3 frees a block's gathered parameters after each use (always), keeps them for the step (never), or auto
+    # (docs/dp.md)
+    zero3_reshard: Literal["auto", "always", "never"] = "auto"
     # --- EP overlap ---
-    ep_overlap: bool = False  # EP: each MoE layer's local experts in ep_chunks groups whose (docs/config.md)
-    ep_overlap_microbatches: bool = False  # EP: a forward runs beside another microbatch's backward (docs/config.md)
+    # EP: each MoE layer's local experts run in ep_chunks groups, one group's all-to-alls travelling while another
+    # computes
+    ep_overlap: bool = False
+    # EP: a microbatch's forward runs beside another's backward, each hiding the other's all-to-alls (docs/ep.md)
+    ep_overlap_microbatches: bool = False
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
     ep_dispatch: Literal["dynamic", "static"] = "dynamic"  # EP: split sizes read per call, or fixed (docs/ep.md)
     ep_capacity: float = 1.25  # with static: each peer's buffer, in multiples of its expected share (docs/ep.md)
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype of the DP gradient reduction (docs/config.md)
-    expert_placement: Literal["static", "balanced"] = "static"  # EP: where experts compute, by load (docs/ep.md)
+    # dtype of the DP gradient reduction: fp32, or bf16 (half the bytes, each sum rounded; docs/precision.md)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # EP: static puts expert e on EP rank e // (E/EP); balanced places the experts by their routed load (docs/ep.md)
+    expert_placement: Literal["static", "balanced"] = "static"
     rebalance_every: int = 10  # with balanced: steps per routing-count window (docs/config.md)
     expert_replicas: int = 1  # with balanced: ranks a hot expert may be replicated on (docs/config.md)
     # --- process groups and the planner ---
@@ -191,7 +221,9 @@ class ParallelConfig:
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
     world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
     # --- network emulation ---
-    emulate: str = ""  # network emulation to this hardware profile (docs/emulate.md, docs/config.md)
+    # hold every collective to this hardware profile's network (h100-sxm, ... or a JSON file; empty = off;
+    # docs/emulate.md)
+    emulate: str = ""
     emulate_node_size: int = 0  # ranks per emulated node, filled in rank order (0 = the profile's devices_per_node)
     emulate_dilation: float = 0.0  # emulated seconds = modelled seconds / dilation (docs/config.md)
 
@@ -308,37 +340,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         validate(cfg)
     except ConfigError as e:
-        if any(re.search(rf"(?<![\w.]){re.escape(k)}\b", str(e)) for k in from_file):
+        # Blamed on the file when the key the line is about (the first it names) is the file's, or is a default set
+        # against one of the file's; a value from the command line is the command line's (its flag is in the line).
+        named = [m.group(0) for m in re.finditer(rf"(?<![\w.])(?:{'|'.join(SECTIONS)})\.\w+", str(e))]
+        if named and named[0] not in cfg.explicit - from_file and any(k in from_file for k in named):
             raise ConfigError(f"{path}: {e}") from None  # the flag it names still overrides the file
         raise
     return cfg
-
-
-def _run_dir_blocker(run_dir: str) -> str | None:
-    """Why run_dir could never be created (None: nothing on its path is in the way): a file where a directory
-    must be, or a directory this user cannot enter (Path.exists raises PermissionError below it: the nearest
-    ancestor that can be looked up is the one that cannot be entered). os.stat, whose PermissionError is caught
-    and named here (Path.exists raised it from inside validate: a traceback, issue 39)."""
-    p, denied = Path(run_dir), False
-    for q in (p, *p.parents):
-        try:
-            mode = os.stat(q).st_mode
-        except PermissionError:
-            denied = True
-            continue
-        except OSError:  # not there (or a file on the way, named when the walk reaches it): look further up
-            continue
-        if denied:
-            return f"{q} cannot be entered (permission denied)"
-        return None if stat.S_ISDIR(mode) else f"{q} is a file, not a directory"
-    return None
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
-    for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
+    for check in (_check_finite, _check_ranges, check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
                   check_cp, check_expert_fold, check_placement, check_elastic, check_controls,
                   check_dispatch):
         check(cfg)
@@ -396,32 +411,6 @@ def _check_ranges(cfg: Config) -> None:
     _check(t.seed < 2**63, f"train.seed={t.seed} must be < 2**63 (--train.seed)")
     _check(not t.qk_clip or m.qk_norm == "none", f"train.qk_clip={t.qk_clip} needs model.qk_norm none: a normalised "
            f"q or k ignores its weights' scale (--train.qk_clip 0, or --model.qk_norm none)")
-
-
-def _check_run(cfg: Config) -> None:
-    """Training, data and run keys that stand alone."""
-    t, p, d = cfg.train, cfg.parallel, cfg.data
-    if cfg.run.profile_steps:
-        parse_steps(cfg.run.profile_steps, t.steps)  # "A-B" inside 1..train.steps, or one line naming the fix
-    if cfg.run.wandb:
-        import importlib.util
-
-        _check(importlib.util.find_spec("wandb") is not None,
-               "run.wandb=true needs the wandb package: pip install 'nanotitan[wandb]' (or --run.wandb false)")
-    _check(t.eval_every == 0 or t.eval_batches >= 1,
-           f"train.eval_batches=0 with train.eval_every={t.eval_every}: eval needs >= 1 batch "
-           "(--train.eval_batches 4, or --train.eval_every 0 to disable eval)")
-    _check(0 < p.timeout_s <= 1e9,
-           f"parallel.timeout_s={p.timeout_s} must be in (0, 1e9] seconds (--parallel.timeout_s)")
-    for name, v in [("data.source", d.source), ("data.text_field", d.text_field), ("run.dir", cfg.run.dir)]:
-        _check(v.strip() != "", f"{name} must not be empty (--{name})")
-    blocker = _run_dir_blocker(cfg.run.dir)
-    _check(blocker is None, f"run.dir={cfg.run.dir!r} cannot be created: {blocker} (--run.dir DIR)")
-    _check(0.0 < d.val_fraction < 0.5, f"data.val_fraction={d.val_fraction} must be in (0, 0.5) (--data.val_fraction)")
-    _check(0.0 <= t.min_lr_ratio <= 1.0,
-           f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (--train.min_lr_ratio)")
-    _check(t.resume in ("", "auto") or Path(t.resume).exists(),
-           f"train.resume={t.resume!r}: no such checkpoint (use 'auto' or an existing path; --train.resume)")
 
 
 def _check_model(cfg: Config) -> None:
@@ -550,7 +539,7 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(p.zero == 0 or p.auto or p.dp * p.ep > 1,
            f"parallel.zero={p.zero} shards over dp*ep ranks, here 1: nothing to shard "
            "(--parallel.zero 0, or dp/ep > 1)")
-    _check(d.loader == "indexed" or t.resume == "",
+    _check(d.loader == "indexed" or t.resume in ("", "never"),
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
            "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "

@@ -1,5 +1,5 @@
-"""The config rules of an elastic job: its bounds, node 0's endpoint, the job id, and the indexed loader it resumes
-by. A leaf like config.py, which calls it from `validate`."""
+"""The config rules of an elastic job (docs/elastic.md). A leaf like config.py, which calls `check_elastic` from
+`validate`."""
 
 from __future__ import annotations
 

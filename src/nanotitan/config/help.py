@@ -21,7 +21,7 @@ from . import config
 
 def field_comments(cls) -> dict[str, str]:
     """{field name: its comment} for a dataclass: the trailing `# ...` of the field's line (or, failing that,
-    the comment lines right above it)."""
+    the comment lines right above it, up to a `# --- group ---` line, which heads a group and is no field's)."""
     src = inspect.getsource(cls)
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
@@ -34,7 +34,7 @@ def field_comments(cls) -> dict[str, str]:
         text = comments.get(stmt.end_lineno) or comments.get(stmt.lineno)
         if not text:  # a comment block directly above the field
             above, i = [], stmt.lineno - 1
-            while i >= 1 and lines[i - 1].strip().startswith("#"):
+            while i >= 1 and lines[i - 1].strip().startswith("#") and not lines[i - 1].strip().startswith("# ---"):
                 above.insert(0, comments[i])
                 i -= 1
             text = " ".join(above)
@@ -80,9 +80,9 @@ def section_keys(name: str, cls) -> list[tuple[str, str, str, str]]:
              comments.get(f.name, "")) for f in dataclasses.fields(cls)]
 
 
-def config_help() -> str:
-    """All config keys, one line each, grouped by section."""
-    rows = {name: section_keys(name, cls) for name, cls in sections().items()}
+def config_help(only: tuple[str, ...] | None = None) -> str:
+    """All config keys (or those of the sections `only` names), one line each, grouped by section."""
+    rows = {name: section_keys(name, cls) for name, cls in sections().items() if only is None or name in only}
     width = max(len(f"{k} {t} ({d})") for keys in rows.values() for k, t, d, _ in keys)
     out = ["Config keys (set them in a TOML file's [section] or as --section.key VALUE; later wins):"]
     for name, keys in rows.items():

@@ -6,6 +6,7 @@ Each refusal is one ConfigError line naming the key and the fix; a value from a 
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -95,18 +96,27 @@ def set_value(cfg, section: str, key: str, value, where: str | None = None) -> N
     at = f"{where}: " if where else ""
     sections = [f.name for f in fields(cfg)]
     if section not in sections:
-        raise ConfigError(f"{at}unknown config section [{section}] (valid: {', '.join(sections)})")
+        raise ConfigError(f"{at}unknown config section [{section}]{did_you_mean(cfg, section, key)} "
+                          f"(valid: {', '.join(sections)})")
     sec = getattr(cfg, section)
     types = section_types(type(sec))
     if key not in types:
-        raise ConfigError(
-            f"{at}unknown config key {section}.{key} (valid keys in [{section}]: {', '.join(types)})"
-        )
+        raise ConfigError(f"{at}unknown config key {section}.{key}{did_you_mean(cfg, section, key)} "
+                          f"(valid keys in [{section}]: {', '.join(types)})")
     if (section, key) in RENAMED_VALUES and value in RENAMED_VALUES[section, key]:
         old, value = value, RENAMED_VALUES[section, key][value]
         if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
             print(f"nanotitan: {section}.{key}={old} is deprecated; use {value}", file=sys.stderr)
     setattr(sec, key, coerce(value, types[key], f"{section}.{key}", where))
+
+
+def did_you_mean(cfg, section: str, key: str) -> str:
+    """"; did you mean train.lr?" naming the closest keys to section.key (difflib's ratio >= 0.8 on the dotted
+    name, or the same key under another section), or "" when none is close."""
+    names = [f"{f.name}.{k}" for f in fields(cfg) for k in section_types(type(getattr(cfg, f.name)))]
+    close = difflib.get_close_matches(f"{section}.{key}", names, n=3, cutoff=0.8)
+    close += [n for n in names if n.split(".", 1)[1] == key and n not in close]
+    return f"; did you mean {' or '.join(close[:3])}?" if close else ""
 
 
 # Old values kept as aliases: (section, key) -> {old: new}.

@@ -105,6 +105,36 @@ def load_meta(prepared: str | Path) -> dict:
     return json.loads((Path(prepared) / "meta.json").read_text())
 
 
+def fingerprints(dirs: list[Path], mix: str = "") -> dict[str, str]:
+    """What a checkpoint records of the data its run read (12 hex digits each): `data_fingerprint` hashes every
+    source's token files (their checksums in meta.json; a directory prepared before those, its cache key) and
+    data.mix's weights; `tokenizer_fingerprint` hashes the tokenizer.json the ids were made with."""
+    data = hashlib.sha1(mix.encode())
+    for d in dirs:
+        data.update(json.dumps(load_meta(d).get("files") or Path(d).name, sort_keys=True).encode())
+    tokenizer = hashlib.sha1((Path(dirs[0]) / "tokenizer.json").read_bytes())
+    return {"data_fingerprint": data.hexdigest()[:12], "tokenizer_fingerprint": tokenizer.hexdigest()[:12]}
+
+
+def bpe_shortfall(reached: int, asked: int) -> str:
+    """'' when the BPE reached data.vocab_size, else the one line that says it did not: a small corpus runs out of
+    pairs to merge (the ids above `reached` are never seen; the model's table still has data.vocab_size rows)."""
+    if reached >= asked:
+        return ""
+    return (f"data: warning: the BPE reached {reached} tokens, short of data.vocab_size={asked}: the corpus has no "
+            f"more pairs to merge (--data.vocab_size {reached} sizes the model to it, or give a larger corpus)")
+
+
+def prepared_summary(prepared: str | Path) -> str:
+    """`nanotitan data prepare`'s report of one prepared directory, for a person: where, from what, how much."""
+    meta = load_meta(prepared)
+    docs = (f"{meta['train_docs']:,} train + {meta['val_docs']:,} val documents" if meta.get("split_by") == "documents"
+            else f"{meta['train_docs']:,} document, split by tokens")
+    return (f"prepared {meta['source']} -> {prepared}\n"
+            f"  {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens ({meta['dtype']}), {docs}\n"
+            f"  tokenizer: {meta['tokenizer']}; {meta['vocab_size']} tokens, end-of-text id {meta['eot_id']}")
+
+
 def load_tokenizer(prepared: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(Path(prepared) / "tokenizer.json"))
 
@@ -285,9 +315,11 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         tok_desc = str(Path(cfg.tokenizer).expanduser().resolve())
     else:
         tok = train_bpe(iter_documents(cfg), cfg.vocab_size)
-        tok_desc = f"byte-level BPE trained on the source, vocab {cfg.vocab_size}"
+        tok_desc = f"byte-level BPE trained on the source (data.vocab_size {cfg.vocab_size})"
         log(f"data: trained a {tok.get_vocab_size()}-token byte-level BPE on {cfg.source} "
             f"in {time.perf_counter() - t0:.1f}s")
+        if line := bpe_shortfall(tok.get_vocab_size(), cfg.vocab_size):
+            log(line)
     tok.save(str(tmp / "tokenizer.json"))
     eot, vocab = eot_id(tok), tok.get_vocab_size()
     dtype = token_dtype(vocab)

@@ -1,5 +1,5 @@
-"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary and progress, and
-the observers a rank opens for them (writer, profiler, memory meters).
+"""What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary, and the observers a
+rank opens for them (writer, profiler, memory meters). The console's step lines and bar are console.py's.
 
 The record's fields are the `metrics.jsonl` surface (DESIGN §5); the summary gathers one row per rank
 (coordinates, peak memory, communication waits per axis) to global rank 0, which prints it as a table
@@ -137,7 +137,7 @@ def gather_rows(mine: dict, dims: ParallelDims, device: torch.device) -> list[di
 def observers(cfg, rank: int, device: torch.device, model) -> tuple[MetricsWriter, StepProfiler, StepMeters]:
     """(writer, profiler, meters) of a rank's run: metrics.jsonl, TensorBoard and W&B on rank 0 (appended to on
     resume), torch.profiler over run.profile_steps, and the memory meters (metrics.StepMeters, some logged steps)."""
-    writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=bool(cfg.train.resume),
+    writer = MetricsWriter(cfg.run.dir, rank == 0, cfg.run.tensorboard, append=cfg.train.resume not in ("", "never"),
                            wandb_project=cfg.run.wandb_project if cfg.run.wandb else "", config=dataclasses.asdict(cfg))
     return (writer, StepProfiler(cfg.run.profile_steps, rank, Path(cfg.run.dir), device),
             StepMeters(model, device, cfg.run.peak_every, cfg.train.compile))
@@ -175,7 +175,9 @@ def print_summary(last: dict, rows: list[dict]) -> None:
     axes = layout_axes(last)
     extra = axes[len(SHOWN_AXES):]
     console = Console(width=max(150, Console().width))  # 12 columns: rich's 80 off a terminal would fold them
-    t = Table(title=f"nanoTitan summary — step {last['step']}, layout " + " ".join(f"{a}={last[a]}" for a in axes))
+    title = f"nanoTitan summary — step {last['step']}, layout " + " ".join(
+        f"{a}={last.get(a, 1)}" for a in ("dp", "pp", "ep", "tp", "cp"))  # every factor, as the first line's
+    t = Table(title=title, min_width=len(title))
     for col in ("loss", "val loss", "tokens/s", "MFU", "step time"):
         t.add_column(col)
     t.add_row(f"{last['loss']:.4f}", f"{last.get('val_loss', float('nan')):.4f}", f"{last['tokens_per_sec']:.0f}",
@@ -194,36 +196,6 @@ def print_summary(last: dict, rows: list[dict]) -> None:
         r.add_row(str(row["rank"]), str(coords), *tensors, fmt_bytes(row["peak_mem_bytes"]),
                   *(f"{row.get(f'wait_{a}_s', 0.0):.2f} s" for a in waits))
     console.print(r)
-
-
-class Progress:
-    """A rich progress bar with loss and tokens/s on rank 0 (plain lines when not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.enabled, self.total = enabled, total
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-        self.task = self.bar.add_task("train", total=total, info="")
-        self.bar.start()
-
-    def update(self, done: int, record: dict | None):
-        if not self.enabled:
-            return
-        if record is None:
-            self.bar.update(self.task, completed=done)
-            return
-        info = f"loss {record['loss']:.4f} | {record['tokens_per_sec']:.0f} tok/s | mfu {100 * record['mfu']:.1f}%"
-        self.bar.update(self.task, completed=done, info=info)
-        if not self.bar.console.is_terminal:
-            self.bar.console.print(f"step {record['step']:>5} | {info} | lr {record['lr']:.2e}")
-
-    def close(self):
-        if self.enabled:
-            self.bar.stop()
 
 
 class StepLogger:
@@ -289,7 +261,7 @@ class StepLogger:
         return record
 
 
-def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=None) -> str:
+def layout_line(cfg, n_params: int, peak_flops: float, links=None) -> str:
     """The run's first line: the layout (with the layers per stage that pp_layers auto chose, halves shown), the
     batch arithmetic B = dp*ep*M*m, tokens per step, this rank's parameters, the MFU peak and threads per rank;
     then, under parallel.emulate, a line describing the emulated network (`links`, emulate.LinkModel)."""
@@ -298,7 +270,7 @@ def layout_line(cfg, data_world: int, n_params: int, peak_flops: float, links=No
     split = f" (layers per {per}: {chunk_layer_counts(cfg)})" if p.pp > 1 else ""
     B = cfg.layout_batch
     return (f"layout dp={p.dp} pp={p.pp}{split} ep={p.ep} tp={p.tp} cp={p.cp} | B={B} seqs = dp*ep*M*m = "
-            f"{data_world}*{p.microbatches}*{t.micro_batch} (tp and cp ranks share them) | "
+            f"{p.dp}*{p.ep}*{p.microbatches}*{t.micro_batch} (tp and cp ranks share them) | "
             f"{B * t.seq_len} tokens/step | "
             f"params on rank 0: {n_params / 1e6:.2f}M | peak {peak_flops / 1e9:.0f} GFLOP/s | threads/rank {t.threads}"
             + (f"\n{links.describe()}" if links is not None else ""))

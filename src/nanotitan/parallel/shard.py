@@ -67,8 +67,3 @@ def token_ranks(dims) -> int:
     are not among them: after the gradient sync their replicated gradients are the same, as DP's are."""
     return dims.tp
 
-
-def token_axes(dims) -> dict[str, int]:
-    """{axis: size} of the token-sharding axes in use: a layout's record names them only then, so a three-axis
-    layout's record is what it always was (state/checkpoint.py: layout_dict)."""
-    return {**({"tp": dims.tp} if dims.tp > 1 else {}), **({"cp": dims.cp} if dims.cp > 1 else {})}

@@ -32,8 +32,10 @@ import socket
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
+from ..config.changes import changes_in_brief, config_changes, read_toml
 from ..config.config import ConfigError
 from ..config.errors import os_reason
 from ..state.swap import settle
@@ -233,6 +235,33 @@ def clean_stale_saves(run_dir: str | Path) -> str:
     return "; ".join(lines)
 
 
+def settle_resume(run_dir: str | Path, resume: str, overwrite: bool, config_toml: str) -> tuple[str, str]:
+    """train.resume made concrete for a `nanotitan train` job: its default "" becomes "auto" when run_dir's newest
+    complete checkpoint holds this config (`config_toml`, the job's resolved config; every key equal but those that
+    say what to do with the dir: the same command run again, say after a crash), else "never" (no checkpoint, or
+    run.overwrite deletes them). Checkpoints of another config (or whose config cannot be read) are refused with the
+    three ways out and the first keys that differ. In a restarted attempt of a torchrun job (max_restarts) it is
+    "auto". Any other value is returned as it is. (value, line to print)."""
+    run_dir = Path(run_dir)
+    if resume == "" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "auto", ""  # a restarted attempt of this job: what the dir holds now is the job's own
+    complete = [d for d in _checkpoint_entries(run_dir) if not d.name.endswith(".tmp") and (d / "COMPLETE").is_file()]
+    if resume != "" or overwrite or not complete:
+        return resume or "never", ""
+    newest = complete[-1]
+    saved = read_toml(newest / "config.toml")
+    changes = None if saved is None else config_changes(saved, tomllib.loads(config_toml))
+    names = newest.name if len(complete) == 1 else f"{complete[0].name}..{newest.name}"
+    if changes == []:
+        return "auto", (f"run dir {run_dir} holds this config's checkpoints ({names}): continuing from the newest "
+                        "(--train.resume never --run.overwrite true starts over)")
+    why = f"its {newest.name}/config.toml is unreadable" if changes is None else \
+        f"another config: {changes_in_brief(changes)}"
+    raise RunDirError(f"run dir {run_dir} holds checkpoints of an earlier run ({names}, {why}) and this is a fresh "
+                      "run: continue it with --train.resume auto, delete them with --run.overwrite true, or choose "
+                      "another --run.dir")
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path.resolve().is_relative_to(root.resolve())
 
@@ -243,14 +272,14 @@ def check_fresh(run_dir: str | Path, resume: str, overwrite: bool) -> str:
     (pruning and `resume auto` pick by step number). With `overwrite` those checkpoints are deleted.
     Returns "" or one line to print. Call it once per job, before any rank starts training."""
     run_dir = Path(run_dir)
-    if resume == "auto" or (resume and _inside(Path(resume), run_dir)):
+    if resume == "auto" or (resume not in ("", "never") and _inside(Path(resume), run_dir)):
         return ""  # continues this dir (overwrite would delete what it resumes from: ignored)
     entries = _checkpoint_entries(run_dir)
     if not entries:
         return ""
     names = entries[0].name if len(entries) == 1 else f"{entries[0].name}..{entries[-1].name}"
     if not overwrite:
-        fresh = "a fresh run" if not resume else f"a run resuming from {resume}"
+        fresh = "a fresh run" if resume in ("", "never") else f"a run resuming from {resume}"
         raise RunDirError(f"run dir {run_dir} holds checkpoints of an earlier run ({names}) and this is {fresh}: "
                           "continue it with --train.resume auto, delete them with --run.overwrite true, "
                           "or choose another --run.dir")

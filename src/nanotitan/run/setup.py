@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .allocator import keep_freed_memory
+from .resume import resume_changes
 from ..config.config import Config, ConfigError, validate
 from ..data.indexed import IndexedBatches
 from ..data.mix import MixedBatches, open_split
-from ..data.prepare import load_meta, load_tokenizer, mix_dirs, prepare_data
+from ..data.prepare import fingerprints, load_meta, load_tokenizer, mix_dirs, prepare_data
 from ..data.streaming import make_streaming_loader
 from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
@@ -42,6 +43,7 @@ class RankData:
     B: int  # sequences per step, dp*ep*M*m
     m: int  # sequences per microbatch
     device: torch.device
+    fingerprints: dict[str, str]  # the data's and tokenizer's (data/prepare.py), recorded by every checkpoint
 
     @property
     def b(self) -> int:
@@ -82,20 +84,21 @@ def setup_rank(cfg: Config) -> RankSetup:
     links = emulate.install(emulate.link_model(cfg, rank))
     dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp, cp=p.cp)
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    train, val, stream = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
+    train, val, stream, prints = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
     if world > 1:  # every group built once, in the same order on every rank
         if not dist.is_initialized():
             init_distributed("nccl" if device.type == "cuda" else "gloo", rank, world, timedelta(seconds=p.timeout_s),
                              device)
         dims.build_groups(timeout_s=p.timeout_s)
     return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, seq_runs_of(dims, t.seq_len),
-                                                                 cfg.layout_batch, t.micro_batch, device))
+                                                                 cfg.layout_batch, t.micro_batch, device, prints))
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):
-    """(train, val, stream): the prepared token files read by global index (DESIGN §4; with data.mix, its sources'
-    blended, data/mix.py), and the seed's streaming loader when data.loader=streaming (HF streaming, split by data
-    rank; else None). Prepared once: a file lock makes the other ranks wait (a mix's sources are prepared ahead)."""
+    """(train, val, stream, fingerprints): the prepared token files read by global index (DESIGN §4; with data.mix,
+    its sources' blended, data/mix.py), the seed's streaming loader when data.loader=streaming (HF streaming, split
+    by data rank; else None), and the data's and tokenizer's fingerprints (what a checkpoint records). Prepared
+    once: a file lock makes the other ranks wait (a mix's sources are prepared ahead)."""
     t = cfg.train
     dirs = mix_dirs(cfg.data) if cfg.data.mix else [prepare_data(cfg.data, log=log)]  # a mix: its sources, prepared
     data_dir = dirs[0]  # the tokenizer's
@@ -109,17 +112,23 @@ def open_data(cfg: Config, dims: ParallelDims, b: int, log):
     if cfg.data.loader == "streaming":
         stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,
                                             prepared=data_dir, runs=seq_runs_of(dims, t.seq_len)))
-    return train, val, stream
+    return train, val, stream, fingerprints(dirs, cfg.data.mix)
 
 
-def resume_step(where: str, run_dir: Path, shard: ModelShard, optimizer, verify: bool, log) -> int:
+def resume_step(where: str, cfg: Config, shard: ModelShard, optimizer, data: RankData, lr_at, log) -> int:
     """train.resume: load "auto" (the newest checkpoint that verifies; skipped newer ones are named), a step dir or a
-    run dir into the shard and its optimizer; the step to go on from (0 when "auto" finds none yet)."""
-    path = manifest.resolve_resume(where, run_dir, verify=verify, log=log)
+    run dir into the shard and its optimizer; the step to go on from (0 when "auto" finds none yet). First, what the
+    resume changes is said (run/resume.py: config keys, data, the learning rate), and another tokenizer refused."""
+    path = manifest.resolve_resume(where, cfg.run.dir, verify=cfg.train.verify_ckpt, log=log)
     if path is None:
         log("train.resume=auto: no complete checkpoint yet, starting from step 0")
         return 0
-    extra = ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, verify, shard=shard)
+    lines, refusal = resume_changes(path, cfg, data.fingerprints, lr_at)
+    for line in lines:
+        log(line)
+    if refusal:  # after the lines: what else changed is said too
+        raise ConfigError(refusal)
+    extra = ckpt.load_checkpoint(path, shard.model, optimizer, shard.dims, cfg.train.verify_ckpt, shard=shard)
     step = int(extra["step"])
     log(f"resumed from {path} at step {step}")
     shard.resumed(extra, optimizer)  # what the shard keeps beside its tensors (the placement's window), re-laid out

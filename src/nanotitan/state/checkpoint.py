@@ -57,7 +57,6 @@ from .manifest import (COMPLETE, DCP_METADATA, FORMAT_VERSION, MANIFEST, STATE_F
                        storage_line, storage_outside, verify_checkpoint)
 from ..parallel.comm import collectives as comm
 from ..parallel.dims import ParallelDims
-from ..parallel.shard import token_axes
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
@@ -123,9 +122,16 @@ def _quiet_single_process():
 
 
 def layout_dict(dims: ParallelDims | None) -> dict:
+    """The saving layout, every axis named (a checkpoint from before tp and cp were recorded names only those > 1:
+    `saved_layout` reads either)."""
     if dims is None:
-        return {"dp": 1, "pp": 1, "ep": 1}
-    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, **token_axes(dims)}
+        return {"dp": 1, "pp": 1, "ep": 1, "tp": 1, "cp": 1}
+    return {"dp": dims.dp, "pp": dims.pp, "ep": dims.ep, "tp": dims.tp, "cp": dims.cp}
+
+
+def saved_layout(info: dict) -> dict:
+    """A checkpoint's state.json layout with every axis (an axis it does not name was 1)."""
+    return {"dp": 1, "pp": 1, "ep": 1, "tp": 1, "cp": 1, **info["layout"]}
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -175,14 +181,17 @@ def _first_nonfinite(state: dict[str, torch.Tensor]) -> str:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, dims: ParallelDims | None, cfg: Config,
-                    extra: dict | None = None, keep_last: int = 0, shard=None) -> Path:
+                    extra: dict | None = None, keep_last: int = 0, shard=None,
+                    provenance: dict | None = None) -> Path:
     """Collective (every rank calls it): write RUN_DIR/checkpoints/step_<step>/ atomically, with a
     manifest of checksums, and prune to the newest `keep_last` complete checkpoints (0 keeps all).
     `shard` (the trainer's ModelShard) is needed at parallel.zero >= 1: each rank saves only the pieces it
     holds (`GradSync.sharded_state`) at their offsets in the whole tensors, so any zero level and layout can
     load it.
     `extra` is JSON-serialisable trainer state (e.g. {"samples_consumed": ...}); `load_checkpoint`
-    returns it with "step" added. When this returns on any rank the checkpoint is complete on disk.
+    returns it with "step" added. `provenance` ({"data_fingerprint", "tokenizer_fingerprint"}) goes into state.json
+    beside the layout, for a resume to compare (run/resume.py). When this returns on any rank the checkpoint is
+    complete on disk.
     Raises NonFiniteStateError on every rank, before writing anything, if any rank's model or optimizer
     state holds NaN/inf; StorageError on every rank if the save cannot fit (checked against the newest
     checkpoint's size before writing) or any rank fails to write (no space, quota, permission): the partial
@@ -244,7 +253,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     if rank == 0:
         try:
             small = small_files(cfg, step, json.loads(extra_json), layout_dict(dims),
-                                save_s=round(time.perf_counter() - t0, 3))
+                                save_s=round(time.perf_counter() - t0, 3), **(provenance or {}))
             write_small_files(tmp, small, manifest)
             fsync_dir(tmp)
             swap_in(tmp, final, f"step {step}\n")  # a re-save sets the old step_N aside until the new one is COMPLETE
@@ -428,7 +437,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     # DCP reads each stored chunk that overlaps one of this rank's boxes (one at a time) and copy_s the overlap
     # into the live tensor: CUDA params and Adam's `step` (CPU float, or float32 on device when fused) included.
     rank = comm.world_rank()
-    if info["layout"] == layout_dict(dims) and rng_key(rank) in meta:  # a rank's stream means nothing in another layout
+    if saved_layout(info) == layout_dict(dims) and rng_key(rank) in meta:  # a rank's stream is its layout's only
         live[rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
