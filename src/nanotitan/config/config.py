@@ -207,7 +207,9 @@ class ParallelConfig:
     # EP: a microbatch's forward runs beside another's backward, each hiding the other's all-to-alls (docs/ep.md)
     ep_overlap_microbatches: bool = False
     ep_chunks: int = 2  # with ep_overlap: groups of local experts per layer call (docs/config.md)
-    ep_dispatch: Literal["dynamic", "static"] = "dynamic"  # EP: split sizes read per call, or fixed (docs/ep.md)
+    # EP dispatch: dynamic reads each call's split sizes to the host; static sends fixed-size buffers, no host read,
+    # replaying a step whose buffers overflow (docs/ep.md)
+    ep_dispatch: Literal["dynamic", "static"] = "dynamic"
     ep_capacity: float = 1.25  # with static: each peer's buffer, in multiples of its expected share (docs/ep.md)
     # dtype of the DP gradient reduction: fp32, or bf16 (half the bytes, each sum rounded; docs/precision.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
