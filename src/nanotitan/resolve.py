@@ -1,5 +1,5 @@
 """The one step from the config as written to the config a job runs: every "auto" and derived value made
-concrete, once, above model/ and parallel/ (DESIGN §2).
+concrete, once, above model/ and parallel/ (docs/design.md §2).
 
     init.from_hf             model.* from DIR's config.json, data.tokenizer = DIR/tokenizer.json (config/hf_config.py)
     model.vocab_size 0       data.vocab_size (the size of the BPE the data step trains)

@@ -246,7 +246,7 @@ def measure_cpu_gemm_flops(threads: int, n: int = 0, repeats: int = 5, dtype: st
 
     Bounded by `budget_s`: with n=0 the size grows from 128 by doubling up to MAX_GEMM_N while the next size
     (8x the work) still fits the time left, then repeats run while time is left. A fixed 2048^2 bf16 GEMM took
-    ~14 s per call on a CPU without native bf16 (issue 27: six minutes per launch); grown, it stops at 256^2.
+    ~14 s per call on a CPU without native bf16 (six minutes per launch); grown, it stops at 256^2.
     A fixed `n` (`nanotitan plan --measure`) is timed at least once, repeats within the budget.
     The rate returned is the best over every size timed: a peak, and the rate is not monotonic in the size
     where bf16 is emulated (AMD AVX2 here: 3.0 GFLOP/s at 128^2, 0.2 at 256^2), so the last size's rate alone

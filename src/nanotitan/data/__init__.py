@@ -3,6 +3,6 @@
     sources.py    the Shakespeare corpus (default), an HF hub dataset, or local files
     tokenizer.py  byte-level BPE: trained on the corpus with HF `tokenizers`, or loaded from a tokenizer.json
     prepare.py    tokenize data.source once into a cached directory of flat token files
-    indexed.py    the default loader: data by global index (DESIGN §4)
+    indexed.py    the default loader: data by global index (docs/design.md §4)
     streaming.py  the seed's streaming loader: stream, shuffle, split by data rank, tokenize, pack
 """

@@ -11,7 +11,7 @@ dense layers by index, DeepSeek-V3's multi-head latent attention (model/mla.py, 
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
-of the full model whatever rank builds it (DESIGN §4). `init=False` leaves them as built (on the meta device:
+of the full model whatever rank builds it (docs/design.md §4). `init=False` leaves them as built (on the meta device:
 parallel/build.py slices them for TP first, then fills each with `init_param` and the buffers with `init_buffers`).
 """
 

@@ -57,7 +57,7 @@ def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
          opts: PlanOptions | None = None) -> list[Prediction]:
     """Every valid layout of `world`, best first: fitting ones by tokens/s, then less memory."""
     opts = opts or PlanOptions()
-    # an unmeasured CPU host is planned at its own bf16/fp32 GEMM ratio when the plan is for bf16 (issue 27)
+    # an unmeasured CPU host is planned at its own bf16/fp32 GEMM ratio when the plan is for bf16
     hw = detect_hardware(hardware, dtype="bf16" if (opts.precision or cfg.train.dtype).startswith("bf16") else "fp32")
     if opts.nodes and world % opts.nodes:
         raise ConfigError(f"--ranks {world} must be a multiple of --nodes {opts.nodes}")

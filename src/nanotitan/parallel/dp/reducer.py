@@ -5,7 +5,7 @@ ZeRO-1/2 (sharded buckets) is zero.py, ZeRO-3 fsdp.py; sync.py puts each behind 
 Contract of every implementation here: after `finish()`, each parameter's `.grad` equals
 `scale * SUM over the group of the local .grad` (group None = this rank alone: only the scale).
 The trainer passes `scale = 1/(DP*EP)` and the parameter's group (non-expert-DP for replicated
-params, expert-DP for expert shards), which gives DESIGN §4's averages.
+params, expert-DP for expert shards), which gives docs/design.md §4's averages.
 
 How the Reducer gets communication out of the way of compute:
 - Gradient-as-bucket-view: each param's `.grad` is a view into one flat buffer per bucket,
