@@ -46,7 +46,7 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
 def cmd_train(argv: list[str]) -> int:
     """Train a model: `nanotitan train [--config FILE] [--section.key VALUE ...]`.
 
-    With no torchrun around it, starts parallel.dp*pp*ep*tp local ranks itself; under torchrun (any number of
+    With no torchrun around it, starts parallel.dp*pp*ep*tp*cp local ranks itself; under torchrun (any number of
     nodes) it runs as one rank; under Slurm's `srun --ntasks-per-node 1` it is its node's torchrun agent.
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun

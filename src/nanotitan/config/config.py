@@ -120,7 +120,7 @@ class TrainConfig:
     muon_adamw_lr: float = 1e-2  # under Muon: AdamW's peak lr for the rest (embeddings, head, norms, router; optim.md)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
-    muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: ~2x faster on avx512_bf16, not held to 1e-5 (optim.md)
+    muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: 2.2x faster on avx512_bf16, not held to 1e-5 (optim.md)
     qk_clip: float = 0.0  # QK-clip TAU: scale a head's q/k weights when its max logit tops it (0 = off, docs/optim.md)
     reset_optimizer: bool = False  # on resume: fresh optimizer state (needed to resume under another train.optimizer)
     # --- batch and sequence ---

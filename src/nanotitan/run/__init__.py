@@ -5,4 +5,5 @@
     setup.py      one rank before its first step: identity, threads, device, emulated network, data, process groups
     rundir.py     one job owns a run dir: its lock, and no fresh run over an old run's checkpoints
     allocator.py  host allocator settings: keep a step's freed memory for the next step
+    loopback.py   a job whose processes are all on this machine listens on the loopback address only
 """
