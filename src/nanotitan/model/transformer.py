@@ -401,7 +401,7 @@ def attn_flop_widths(cfg: ModelConfig) -> tuple[int, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 6 * L * S * H * (qk + v width) for
     attention scores and mix (12 * L * S * H * Dh without MLA), counting top_k experts, the router, shared experts
-    and their gate per MoE layer, GQA's narrower k/v projections and MLA's low-rank paths (MID model of BASELINES:
+    and their gate per MoE layer, GQA's narrower k/v projections and MLA's low-rank paths (MID, docs/design.md:
     ~33 MFLOP). Biases and norms are not matmuls."""
     D, L, H = cfg.d_model, cfg.n_layers, cfg.n_heads
     n_moe = num_moe_layers(cfg)

@@ -279,7 +279,7 @@ def wrap_ddp(model: nn.Module, group, bucket_mb: float) -> nn.Module:
 
     DDP averages over its group, i.e. scale = 1/group size: this matches our Reducer only when the
     group is the whole data world (ep == 1). Use `model.no_sync()` on non-final microbatches, and
-    drop the DDP module before destroy_process_group (BASELINES: SIGABRT at exit otherwise).
+    drop the DDP module before destroy_process_group (the baselines: SIGABRT at exit otherwise).
     With group None (one rank) the model is returned unwrapped.
     """
     if group is None:

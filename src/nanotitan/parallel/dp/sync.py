@@ -287,7 +287,7 @@ class TorchDDPSync(GradSync):
                 q.grad.zero_()  # never None: DDP's gradient-as-bucket-view keeps them bound
 
     def close(self) -> None:
-        self.ddp = None  # DDP must go before the process group (BASELINES: SIGABRT at exit otherwise)
+        self.ddp = None  # DDP must go before the process group (the baselines: SIGABRT at exit otherwise)
 
 
 def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "auto",
