@@ -185,7 +185,7 @@ class ParallelConfig:
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
-    world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
+    world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep*tp*cp
     # --- network emulation ---
     emulate: str = ""  # network emulation to this hardware profile (docs/emulate.md, docs/config.md)
     emulate_node_size: int = 0  # ranks per emulated node, filled in rank order (0 = the profile's devices_per_node)
