@@ -87,6 +87,7 @@ def test_every_command_runs_or_validates(tmp_path):
             for c in commands(p)]
     assert len(cmds) >= 30, f"only {len(cmds)} commands found in README and the how-tos"
     write_txt(tmp_path / "corpus", make_docs(n_docs=16, words=200))
+    write_txt(tmp_path / "corpus_b", make_docs(n_docs=8, words=200, seed=1))
     (tmp_path / "cmds.json").write_text(json.dumps(cmds))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "docs.py"), str(tmp_path / "cmds.json"),

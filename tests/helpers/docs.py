@@ -158,7 +158,9 @@ def tiny_argv(argv: list[str], work: Path, i: int) -> list[str]:
         for flag, value in (("--train.steps", "2"), ("--train.seq_len", "16"), ("--train.micro_batch", "2"),
                             ("--run.dir", str(work / f"run{i}")), ("--data.source", corpus)):
             out = _set(out, flag, value)
-        return ["train", *out]
+        if "--train.export_hf" in out:
+            out = _set(out, "--train.export_hf", str(work / f"hf{i}"))
+        return ["train", *_mixed(out, work)]
     if name in ("generate", "eval", "export"):
         out = _set(argv[1:], "--run.dir", str(work / "run0"))
         if name == "export":
@@ -168,16 +170,36 @@ def tiny_argv(argv: list[str], work: Path, i: int) -> list[str]:
         if name == "eval":
             out = _set(_set(out, "--data.source", corpus), "--train.eval_batches", "2")
         return [name, *out]
+    if name == "plan" and "--out" in argv:  # what plan writes (a profile, a table) goes to the test's folder
+        argv = _set(argv, "--out", str(work / f"plan{i}.out"))
+    if name == "plan" and "--what-if" in argv:  # the what-if's dry run builds a rank of the real shapes: skipped
+        return [*argv, "--no-dry-run"]
+    if name == "plan" and "--dry-run" in argv:  # every distinct rank built: the first two only (--ranks 2)
+        return _set(argv, "--ranks", "2")
     if name == "plot":
         return ["plot", str(work / "run0"), "--out", str(work / f"plots{i}")]
     if argv[:2] == ["data", "prepare"]:
-        return ["data", "prepare", *_set(_set(argv[2:], "--data.source", corpus), "--data.vocab_size", "300")]
+        out = _set(_set(argv[2:], "--data.source", corpus), "--data.vocab_size", "300")
+        return ["data", "prepare", *_mixed(out, work)]
     return argv
+
+
+def _mixed(argv: list[str], work: Path) -> list[str]:
+    """A --data.mix of the page's sources becomes one of the two tiny corpora, at the page's weights."""
+    if "--data.mix" not in argv:
+        return argv
+    weights = [part.rsplit(":", 1)[1] for part in argv[argv.index("--data.mix") + 1].split(",")]
+    corpora = [str(work / "corpus"), str(work / "corpus_b")]
+    return _set(argv, "--data.mix", ",".join(f"{c}:{w}" for c, w in zip(corpora, weights)))
 
 
 def too_long(argv: list[str]) -> bool:
     """A train command of more than one rank (or a node's elastic agent): checked, not run (each rank is a process
     that imports torch; the equivalence tests run the layouts)."""
+    if argv[0] == "bench":  # a benchmark runs for minutes: its options are checked (bench NAME --help)
+        return len(argv) > 1
+    if argv[0] == "verify":  # it runs a layout's ranks beside one process: its configs are checked
+        return True
     if argv[0] != "train":
         return False
     from nanotitan.cli import _split_config
@@ -222,6 +244,7 @@ def run_all(cmds: list[dict], work: Path) -> list[dict]:
     import contextlib
     import io
     import os
+    import time
     import traceback
 
     from nanotitan.cli import main
@@ -235,7 +258,7 @@ def run_all(cmds: list[dict], work: Path) -> list[dict]:
     results = []
     for i, c in enumerate(cmds):
         argv = [a.replace("job.secret", str(work / "job.secret")) for a in c["argv"]]
-        rc, error, out = 0, "", io.StringIO()
+        rc, error, out, t0 = 0, "", io.StringIO(), time.perf_counter()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 if c["check"] or too_long(argv):
@@ -246,7 +269,10 @@ def run_all(cmds: list[dict], work: Path) -> list[dict]:
             rc = e.code if isinstance(e.code, int) else 1
         except BaseException:  # noqa: BLE001 - reported with its page and line
             rc, error = 1, traceback.format_exc(limit=-3)
-        results.append({**c, "rc": rc, "error": error or out.getvalue()[-1500:]})
+        results.append({**c, "rc": rc, "error": error or out.getvalue()[-1500:], "s": time.perf_counter() - t0,
+                        "cpu_s": time.process_time()})
+        print(f"{time.perf_counter() - t0:6.1f} s  {c['page']}: nanotitan {' '.join(c['argv'])[:100]}", file=sys.stderr,
+              flush=True)
     return results
 
 
