@@ -174,8 +174,6 @@ def tiny_argv(argv: list[str], work: Path, i: int) -> list[str]:
         argv = _set(argv, "--out", str(work / f"plan{i}.out"))
     if name == "plan" and "--what-if" in argv:  # the what-if's dry run builds a rank of the real shapes: skipped
         return [*argv, "--no-dry-run"]
-    if name == "plan" and "--dry-run" in argv:  # every distinct rank built: the first two only (--ranks 2)
-        return _set(argv, "--ranks", "2")
     if name == "plot":
         return ["plot", str(work / "run0"), "--out", str(work / f"plots{i}")]
     if argv[:2] == ["data", "prepare"]:
