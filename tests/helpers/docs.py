@@ -129,7 +129,7 @@ def commands(path: Path) -> list[Command]:
 
 # --- the runner: one process, every command through cli.main --------------------------------------------------
 
-TINY_MODEL = ["--model.d_model", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_dim", "48",
+TINY_MODEL = ["--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "4", "--model.ffn_dim", "48",
               "--model.num_experts", "4", "--model.top_k", "2", "--data.vocab_size", "300"]
 QUIET = ["--run.progress", "false", "--run.tensorboard", "false", "--train.sample_tokens", "0",
          "--train.eval_every", "0", "--run.log_every", "1"]
@@ -150,19 +150,19 @@ def _set(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def tiny_argv(argv: list[str], work: Path, i: int) -> list[str]:
-    """A command as the test runs it: tiny model and data, two steps, its own run dir; commands that read a run read
-    the tiny run the first train made (work/run0)."""
+    """A command as the test runs it: tiny model and data, one step, its own run dir; commands that read a run read
+    the tiny run made first (work/run-1)."""
     name, corpus = argv[0], str(work / "corpus")
     if name == "train":
         out = argv[1:] + TINY_MODEL + QUIET
-        for flag, value in (("--train.steps", "2"), ("--train.seq_len", "16"), ("--train.micro_batch", "2"),
+        for flag, value in (("--train.steps", "1"), ("--train.seq_len", "16"), ("--train.micro_batch", "2"),
                             ("--run.dir", str(work / f"run{i}")), ("--data.source", corpus)):
             out = _set(out, flag, value)
         if "--train.export_hf" in out:
             out = _set(out, "--train.export_hf", str(work / f"hf{i}"))
         return ["train", *_mixed(out, work)]
     if name in ("generate", "eval", "export"):
-        out = _set(argv[1:], "--run.dir", str(work / "run0"))
+        out = _set(argv[1:], "--run.dir", str(work / "run-1"))
         if name == "export":
             out = _set(out, "--out", str(work / f"hf{i}"))
         if name == "generate":
@@ -172,10 +172,10 @@ def tiny_argv(argv: list[str], work: Path, i: int) -> list[str]:
         return [name, *out]
     if name == "plan" and "--out" in argv:  # what plan writes (a profile, a table) goes to the test's folder
         argv = _set(argv, "--out", str(work / f"plan{i}.out"))
-    if name == "plan" and "--what-if" in argv:  # the what-if's dry run builds a rank of the real shapes: skipped
-        return [*argv, "--no-dry-run"]
+    if name == "plan" and "--what-if" in argv:  # one node, and no dry run (it builds a rank at the real shapes)
+        return [*_set(argv, "--nodes", "1"), "--no-dry-run"]
     if name == "plot":
-        return ["plot", str(work / "run0"), "--out", str(work / f"plots{i}")]
+        return ["plot", str(work / "run-1"), "--out", str(work / f"plots{i}")]
     if argv[:2] == ["data", "prepare"]:
         out = _set(_set(argv[2:], "--data.source", corpus), "--data.vocab_size", "300")
         return ["data", "prepare", *_mixed(out, work)]
@@ -250,9 +250,9 @@ def run_all(cmds: list[dict], work: Path) -> list[dict]:
     os.chdir(ROOT)
     (work / "job.secret").write_bytes(os.urandom(32))
     (work / "job.secret").chmod(0o600)
-    # the run the commands that read one read (generate, eval, export, plot): tiny, two steps, a checkpoint
+    # the run the commands that read one read (generate, eval, export, plot): tiny, one step, a checkpoint
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(tiny_argv(["train"], work, 0)) == 0, "the tiny run the docs' commands read did not train"
+        assert main(tiny_argv(["train"], work, -1)) == 0, "the tiny run the docs' commands read did not train"
     results = []
     for i, c in enumerate(cmds):
         argv = [a.replace("job.secret", str(work / "job.secret")) for a in c["argv"]]
