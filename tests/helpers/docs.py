@@ -135,6 +135,11 @@ QUIET = ["--run.progress", "false", "--run.tensorboard", "false", "--train.sampl
          "--train.eval_every", "0", "--run.log_every", "1"]
 
 
+def _drop(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag VALUE`."""
+    return _set(argv, flag, "")[:-2]
+
+
 def _set(argv: list[str], flag: str, value: str) -> list[str]:
     """argv with `flag value` in place of any value the page gave it (or added)."""
     out, i = [], 0
@@ -198,6 +203,9 @@ def too_long(argv: list[str]) -> bool:
         return len(argv) > 1
     if argv[0] == "verify":  # it runs a layout's ranks beside one process: its configs are checked
         return True
+    if argv[0] == "eval":  # another layout than one process starts its ranks
+        return any(a in argv and int(argv[argv.index(a) + 1]) > 1 for a in
+                   ("--parallel.dp", "--parallel.pp", "--parallel.ep", "--parallel.tp", "--parallel.cp"))
     if argv[0] != "train":
         return False
     from nanotitan.cli import _split_config
@@ -215,7 +223,7 @@ def check(argv: list[str], work: Path) -> None:
 
     name = argv[0]
     if name in ("train", "eval"):
-        path, overrides = _split_config(argv[1:])
+        path, overrides = _split_config(_drop(argv[1:], "--step") if name == "eval" else argv[1:])
         load_config(path, _set(overrides, "--data.source", str(work / "corpus")) if name == "eval" else overrides)
     elif argv[:2] == ["data", "prepare"]:
         path, overrides = _split_config(argv[2:])
