@@ -17,8 +17,8 @@ from tests.helpers.data import make_docs, write_txt
 from tests.helpers.docs import ROOT, broken_links, commands, pages, prose_lines
 
 # The pages of a feature: each opens with "## How to" (when, the flags, an example with its output, the limits).
-FEATURES = ("calibration", "compile", "cp", "data", "dp", "elastic", "emulate", "ep", "eval", "generate", "hf",
-            "moe", "optim", "planner", "pp", "precision", "reliability", "security", "tools", "tp", "verify")
+FEATURES = ("calibration", "checkpoint", "compile", "cp", "data", "dp", "elastic", "emulate", "ep", "eval", "generate",
+            "hf", "moe", "optim", "planner", "pp", "precision", "reliability", "security", "tools", "tp", "verify")
 
 
 def test_every_link_and_anchor_resolves():
@@ -105,6 +105,7 @@ def test_the_command_check_can_fail(tmp_path):
 
     from tests.helpers.docs import check
 
-    for argv in (["train", "--no.such_key", "1"], ["train", "--parallel.ep", "3"], ["data", "prepare", "--data.nope", "1"]):
+    bad = (["train", "--no.such_key", "1"], ["train", "--parallel.ep", "3"], ["data", "prepare", "--data.nope", "1"])
+    for argv in bad:
         with pytest.raises(ConfigError):
             check(argv, tmp_path)
