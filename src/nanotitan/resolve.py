@@ -1,5 +1,5 @@
 """The one step from the config as written to the config a job runs: every "auto" and derived value made
-concrete, once, above model/ and parallel/ (DESIGN §2).
+concrete, once, above model/ and parallel/ (docs/design.md §2).
 
     init.from_hf             model.* from DIR's config.json, data.tokenizer = DIR/tokenizer.json (config/hf_config.py)
     model.vocab_size 0       data.vocab_size (the size of the BPE the data step trains)
@@ -48,8 +48,8 @@ def resolve(cfg: Config, world: int | None = None, hardware: Hardware | None = N
     """The config a job runs, as a copy with every value concrete (module docstring), validated and marked
     `resolved`; a config that already is comes back as it is, so a job resolves once.
 
-    world: the ranks the job runs on, also checked against dp*pp*ep*tp; None: parallel.auto plans for WORLD_SIZE
-    under torchrun, else parallel.world, else dp*pp*ep*tp. hardware: the profile the pp_layers=auto split is
+    world: the ranks the job runs on, also checked against dp*pp*ep*tp*cp; None: parallel.auto plans for WORLD_SIZE
+    under torchrun, else parallel.world, else dp*pp*ep*tp*cp. hardware: the profile the pp_layers=auto split is
     balanced on (default: the built-in one of the device kind, device_hardware). log: where the planner's
     choice is reported."""
     if cfg.resolved:

@@ -1,4 +1,4 @@
-"""The training loop, readable top to bottom: one rank of a DP x PP x EP x TP job (or a single process).
+"""The training loop, readable top to bottom: one rank of a DP x PP x EP x TP x CP job (or a single process).
 
     setup: identity -> validate -> threads, device, emulated links -> data -> process groups (run/setup.py)
            -> parallelize (shard, TP, EP, broadcasts, gradient sync) -> optimizer -> resume

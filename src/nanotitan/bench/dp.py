@@ -5,7 +5,7 @@ processes, in one run.
     nanotitan bench dp --zero [--zero-worlds 2,4] [--zero-modes zero0,zero1,...] [--microbatches 1] [--rounds 2]
                               [--steps 6]   (sharded DP: zero 0/1/2/3 vs DDP, step time and peak bytes per rank)
 
-Model: BASELINES' MID (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
+Model: MID (docs/design.md) (d_model 256, 4 layers, 4 heads, seq 128, vocab 4096, 8 experts of 512, top-2),
 8x128 random tokens per rank per step, M=1, AdamW(fused=True), 1 thread per rank. Modes run in
 interleaved rounds (the machine is shared and noisy, so ratios are taken within the run):
   single       one process alone
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, warm
             cpu_s.append(dc)
             wait_s.append(COMM.wait_s["dp"])
     if mode == "ddp":
-        del model  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
+        del model  # tear DDP down before the process group (the baselines: SIGABRT otherwise)
         dist.barrier()
     return times, wait_s, cpu_s
 

@@ -2,7 +2,7 @@
 
     nanotitan bench ep [--iters 10] [--rounds 3] [--warmup 3] [--worlds 1,2,4]
 
-Shapes: BASELINES "MID" MoE layer — d_model 256, 8 SwiGLU experts of hidden 512, top-2, 1,024 tokens
+Shapes: MID (docs/design.md) MoE layer — d_model 256, 8 SwiGLU experts of hidden 512, top-2, 1,024 tokens
 per rank (8 x 128), fp32, 1 thread per rank, gloo. Every rank keeps 1,024 tokens, so EP=P does P
 times the work of EP=1 on P processes: the fair control is P independent EP=1 processes side by side.
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"EP=2 / control2 (median): {table['ep2']['med_ms'] / table['control2']['med_ms']:.3f}   "
               f"(min): {table['ep2']['min_ms'] / table['control2']['min_ms']:.3f}")
         print(f"EP=2 / seed-style EP=2 (median): {table['ep2']['med_ms'] / table['seed_ep2']['med_ms']:.3f}   "
-              f"vs BASELINES seed repo ~120 ms: {table['ep2']['med_ms'] / 120:.3f}")
+              f"vs the seed's ~120 ms: {table['ep2']['med_ms'] / 120:.3f}")
     if "ep4" in table and "control4" in table:
         print(f"EP=4 / control4 (median): {table['ep4']['med_ms'] / table['control4']['med_ms']:.3f}")
     if "pack" in table:

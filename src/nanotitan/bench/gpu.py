@@ -1,4 +1,4 @@
-"""`nanotitan bench gpu`: the MoE step at real shapes on one GPU (issue 42 item 4; `make gpu-check` runs it).
+"""`nanotitan bench gpu`: the MoE step at real shapes on one GPU (`make gpu-check` runs it).
 
     nanotitan bench gpu [--shape mixtral|tiny] [--layers 2] [--seq 4096] [--steps 8] [--configs ...]
                         [--compile-backend inductor] [--peak-tflops X] [--json PATH]

@@ -1,5 +1,5 @@
 """`nanotitan bench pp`: pipeline schedules side by side -- step time, bubble, activation memory, timelines --
-on the MID model (BASELINES), PP=2, M=8, m=2.
+on the MID model (docs/design.md), PP=2, M=8, m=2.
 
     nanotitan bench pp [--repeats 5] [--layers 4] [--splits even auto] [--schedules ...] [--json out.json]
                        [--timeline docs/pp_timeline.png]

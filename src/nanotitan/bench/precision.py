@@ -3,7 +3,7 @@
     python -m nanotitan.bench.precision [--rounds 8] [--profile-steps 3] [--d-model 256]
     python -m nanotitan.bench.precision --wire      (bytes on the wire per axis, fp32 vs bf16, 2 gloo ranks)
 
-Model: BASELINES' MID (d_model 256, 4 layers, 8 experts of 512, top-2, vocab 4096), 8x128 random tokens
+Model: MID (docs/design.md) (d_model 256, 4 layers, 8 experts of 512, top-2, vocab 4096), 8x128 random tokens
 per step, one process, 1 thread, the product's step (`parallel.step.forward_backward`, finish, fused AdamW).
 Two shards with the same init, one per dtype, step in alternating order (the machine is shared: only
 ratios taken within one run mean anything); reports min/median step time per dtype and bf16 / fp32, in

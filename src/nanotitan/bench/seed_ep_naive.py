@@ -1,7 +1,7 @@
 """The seed's EP layer as its write-up describes it, re-implemented for comparison (NOT used in training).
 
 Faithful to the seed's text (three-axes-of-parallelism.txt, "Producing assignments" and "Dispatch,
-expert computation and combine") and to what BASELINES.md saw in the seed repo's profiles:
+expert computation and combine") and to what the baselines, docs/design.md saw in the seed repo's profiles:
 - packing: a Python loop over experts, `argwhere` + two `.item()` offsets per expert, slice assignment;
 - the source-major -> expert-major permutation of the received buffer (and back) is built by a
   Python loop with one tensor assignment per assignment (~8 us each; 43-45% of the seed's EP forward);

@@ -5,8 +5,12 @@
     errors.py     errors that end a run in one line, each kind with its exit code (ConfigError among them)
     layout.py     the experts' fold over EP x CP x TP (`expert_ranks`): the one rule dims, spec, rules and planner call
     tp_rules.py   tensor parallel's config rules: what TP splits must divide (validate calls it)
+    cp_rules.py   context parallel's config rules: what CP splits must divide, and what it does not split yet
+    placement_rules.py  expert placement's config rules (parallel.expert_placement, expert_replicas)
+    controls_rules.py   the everyday controls' rules: the lr schedule, the data mixture, the export at the end
     run_rules.py, elastic_rules.py   the rules of the keys that stand alone (training, data, run dir) and of elastic
     changes.py    what differs between two configs (`key: old -> new`), for a resume to say
+    dispatch_rules.py  the EP dispatch's rules (parallel.ep_dispatch static, ep_capacity)
     fits.py       whether a job's model can fit at all, checked before anything is allocated
     counts.py     parameter and FLOP counts by formula, the one count fits.py and the planner both use
     hardware.py   hardware profiles: what one device computes, holds and moves per second

@@ -134,7 +134,7 @@ class TrainConfig:
     muon_adamw_lr: float = 1e-2  # under Muon: AdamW's peak lr for the rest (embeddings, head, norms, router; optim.md)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
-    # Newton-Schulz dtype: fp32 (held to 1e-5), or bf16 (~2x faster on avx512_bf16, not held to it; docs/optim.md)
+    # Newton-Schulz dtype: fp32 (held to 1e-5), or bf16 (2.2x faster on avx512_bf16, not held to it; docs/optim.md)
     muon_ns_dtype: Literal["fp32", "bf16"] = "fp32"
     qk_clip: float = 0.0  # QK-clip TAU: scale a head's q/k weights when its max logit tops it (0 = off, docs/optim.md)
     reset_optimizer: bool = False  # on resume: fresh optimizer state (needed to resume under another train.optimizer)
@@ -221,7 +221,7 @@ class ParallelConfig:
     timeout_s: float = 300.0  # process-group timeout
     check_replicas: bool = False  # debug: checksum all-reduce proving replicas are identical
     auto: bool = False  # choose dp/pp/ep/schedule/M/m with the planner (nanotitan plan) for the world size
-    world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep
+    world: int = 0  # ranks for parallel.auto: 0 = WORLD_SIZE under torchrun, else dp*pp*ep*tp*cp
     # --- network emulation ---
     # hold every collective to this hardware profile's network (h100-sxm, ... or a JSON file; empty = off;
     # docs/emulate.md)

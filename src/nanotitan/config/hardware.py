@@ -178,7 +178,7 @@ BUILTIN: dict[str, Hardware] = {
                         dp_overlap=0.9, layer_overhead_s=50e-6, source="NVIDIA GA106 spec (RTX 3060 12GB)"),
     # This project's CPU machine, calibrated (docs/calibration.md): 2 cores, 24 GiB; used by name only (another
     # host gets `cpu_profile` of its own cores and memory, which borrows these figures). `nanotitan plan --measure`
-    # (quiet machine): fp32 GEMM 1024^2 115 GFLOP/s on 1 thread, 222 on 2 (BASELINES.md: ~142/270 at 2048^2);
+    # (quiet machine): fp32 GEMM 1024^2 115 GFLOP/s on 1 thread, 222 on 2 (the baselines: ~142/270 at 2048^2);
     # gloo all-reduce 1.5 GB/s bus bandwidth, all-to-all 1.9 GB/s, send/recv 3.7 GB/s, 54 us per call.
     # `nanotitan plan --calibrate` on 17 measured layouts (N = 2, 4, 8): a step reaches 59% of GEMM peak;
     # an EP all-to-all costs ~0.8 ms of host time beyond its bytes (split-size host sync, packing, autograd),
@@ -234,7 +234,7 @@ def get_hardware(name_or_path: str | Hardware) -> Hardware:
 
 
 PEAK_BUDGET_S = 1.0  # per measurement: a bf16 launch measures bf16 and fp32 at most, so <= ~2 s before ranks start
-MAX_GEMM_N = 2048  # the size the first waves measured at (BASELINES.md): growth stops here
+MAX_GEMM_N = 2048  # the size the first waves measured at (the baselines, docs/design.md): growth stops here
 PEAK_CACHE = "hardware/gemm_peak.json"  # under the cache root: measured once per machine, dtype, threads, torch
 
 
@@ -246,7 +246,7 @@ def measure_cpu_gemm_flops(threads: int, n: int = 0, repeats: int = 5, dtype: st
 
     Bounded by `budget_s`: with n=0 the size grows from 128 by doubling up to MAX_GEMM_N while the next size
     (8x the work) still fits the time left, then repeats run while time is left. A fixed 2048^2 bf16 GEMM took
-    ~14 s per call on a CPU without native bf16 (issue 27: six minutes per launch); grown, it stops at 256^2.
+    ~14 s per call on a CPU without native bf16 (six minutes per launch); grown, it stops at 256^2.
     A fixed `n` (`nanotitan plan --measure`) is timed at least once, repeats within the budget.
     The rate returned is the best over every size timed: a peak, and the rate is not monotonic in the size
     where bf16 is emulated (AMD AVX2 here: 3.0 GFLOP/s at 128^2, 0.2 at 256^2), so the last size's rate alone

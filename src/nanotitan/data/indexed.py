@@ -1,4 +1,4 @@
-"""The default loader: data by global index (DESIGN §4).
+"""The default loader: data by global index (docs/design.md §4).
 
 The B sequences of global step t are a fixed function of (seed, t, B, S): B start offsets drawn
 from a generator seeded by hash(seed, t). So every layout sees the same global batch, data rank r

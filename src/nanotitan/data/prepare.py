@@ -13,7 +13,7 @@ exists: an fcntl lock lets one prepare while the others wait, and the result app
 
 Opening prepared data verifies it (`verify_prepared`): sizes, every id below the vocabulary (a vectorised max per
 block) and each block's checksum, so a damaged or mismatched file is refused in one line naming the file, the
-first bad offset and how to re-prepare, never an IndexError per rank or a device assert mid-run (issue 27).
+first bad offset and how to re-prepare, never an IndexError per rank or a device assert mid-run.
 Directories prepared before the checksums were recorded get the id check only.
 """
 

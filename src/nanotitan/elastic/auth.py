@@ -1,5 +1,5 @@
-"""The job secret, and the MACs an elastic job's members put on what they tell each other (issue 39,
-docs/security.md).
+"""The job secret, and the MACs an elastic job's members put on what they tell each other
+(docs/security.md).
 
 Every node holds the same secret (--elastic.secret_file, or $NANOTITAN_ELASTIC_SECRET; a job on one host makes
 its own in the run dir). From it each process derives one HMAC-SHA256 key, which signs:

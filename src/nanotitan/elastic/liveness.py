@@ -1,4 +1,4 @@
-"""A dead node noticed in seconds (issue 49, item 8; docs/elastic.md): each agent holds one TCP connection to node
+"""A dead node noticed in seconds (docs/elastic.md): each agent holds one TCP connection to node
 0's liveness listener and beats on it every BEAT_S from a thread of its own.
 
 - A node whose processes die (kill -9, an OOM kill) is noticed at once: the kernel closes a dead process's

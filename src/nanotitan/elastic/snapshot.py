@@ -1,4 +1,4 @@
-"""Snapshots of an elastic job (issue 24, docs/elastic.md): every elastic.snapshot_every = K steps, each rank's
+"""Snapshots of an elastic job (docs/elastic.md): every elastic.snapshot_every = K steps, each rank's
 state is written to memory on its node while training goes on, and each node's files are copied to a peer node.
 Losing a node (its processes and its /dev/shm) then costs at most K steps.
 

@@ -8,5 +8,9 @@
     mtp.py          multi-token prediction (DeepSeek-V3 §2.2)
     rope.py         rotary position embeddings (plain RoPE or YaRN-scaled)
     norm.py         RMSNorm, with a deferrable weight gradient
+    tokens.py       TokenShard: what the model needs from the ranks that share its tokens (LOCAL on one device)
+    families.py     which parameters Muon takes: each parameter's family tag
+    qk_max.py       QK-clip's observation: each head's largest attention logit over a step
+    kv_cache.py     the inference-only KV cache (`Transformer.decode`)
     wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
 """

@@ -86,7 +86,7 @@ class ExpertFFN(nn.Module):
         if isinstance(counts_L, torch.Tensor):
             return wgrad.grouped_swiglu(x_ND, self.W_gate, self.W_val, self.W_out, counts_L)
         # Split the weights once per call (backward is one stack), never W[e] in the loop:
-        # indexing allocates a full-size zero gradient per expert (BASELINES: ~45% of backward).
+        # indexing allocates a full-size zero gradient per expert (the baselines: ~45% of backward).
         gates, vals, outs = self.W_gate.unbind(0), self.W_val.unbind(0), self.W_out.unbind(0)
         ys = []
         for x, wg, wv, wo in zip(x_ND.split(counts_L), gates, vals, outs):

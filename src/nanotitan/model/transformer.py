@@ -11,7 +11,7 @@ dense layers by index, DeepSeek-V3's multi-head latent attention (model/mla.py, 
 
 Parameters are initialised by global identity: each tensor (and each expert slice) gets its own RNG
 seeded by (run seed, global parameter name, global expert id), so a shard equals the matching slice
-of the full model whatever rank builds it (DESIGN §4). `init=False` leaves them as built (on the meta device:
+of the full model whatever rank builds it (docs/design.md §4). `init=False` leaves them as built (on the meta device:
 parallel/build.py slices them for TP first, then fills each with `init_param` and the buffers with `init_buffers`).
 """
 
@@ -401,7 +401,7 @@ def attn_flop_widths(cfg: ModelConfig) -> tuple[int, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (nanoGPT/PaLM): 6 * active matmul params + 6 * L * S * H * (qk + v width) for
     attention scores and mix (12 * L * S * H * Dh without MLA), counting top_k experts, the router, shared experts
-    and their gate per MoE layer, GQA's narrower k/v projections and MLA's low-rank paths (MID model of BASELINES:
+    and their gate per MoE layer, GQA's narrower k/v projections and MLA's low-rank paths (MID, docs/design.md:
     ~33 MFLOP). Biases and norms are not matmuls."""
     D, L, H = cfg.d_model, cfg.n_layers, cfg.n_heads
     n_moe = num_moe_layers(cfg)

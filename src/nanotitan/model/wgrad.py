@@ -13,7 +13,7 @@ changed and no gradient sync has been told anything: every term lands when the s
 Landing a term: `accumulate(p, g)` does what autograd's AccumulateGrad does (`p.grad = g` when None, else an
 in-place add), or, when a gradient sync registered a sink for p (`set_grad_sink`: the DP Reducer, ZeRO-1/2's
 ShardedReducer), calls the sink, which adds the term into its bucket and counts p ready -- the hook autograd's
-post-accumulate-grad would have fired. model/ never imports parallel/ (DESIGN §2): the sync hands the sink in.
+post-accumulate-grad would have fired. model/ never imports parallel/ (docs/design.md §2): the sync hands the sink in.
 
 Exactness: the backward functions are the ones autograd's nodes run for F.linear / mm / silu / mul / unbind
 (`mm_mat1_backward`, `mm_mat2_backward`, `silu_backward`, `stack`), on the same saved tensors, so input and

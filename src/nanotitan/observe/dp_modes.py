@@ -94,7 +94,7 @@ def zero_worker(rank: int, world: int, mode: str, bucket_mb: float, steps: int, 
     if ckpt_dir and mode != "ddp":
         nbytes.update(_time_checkpoint(model, opt, sync, world, rank, ckpt_dir, sum(nbytes[k] for k in BYTE_KEYS[:3])))
     del step_model
-    sync.close()  # tear DDP down before the process group (BASELINES: SIGABRT otherwise)
+    sync.close()  # tear DDP down before the process group (the baselines: SIGABRT otherwise)
     dist.barrier()
     return times, phases, nbytes, cpu
 

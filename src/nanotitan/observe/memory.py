@@ -189,7 +189,7 @@ def _unpack_saved(saved):
 
 
 # --- the high-water mark of live tensor bytes during a step (or a save, a load) ------------------------------
-# The peak, not the steady state, decides whether a layout fits (issue 23). CUDA's caching allocator counts it
+# The peak, not the steady state, decides whether a layout fits. CUDA's caching allocator counts it
 # (max_memory_allocated); a CPU has no such counter, and its RSS counts glibc's arenas and freed pages, so on
 # CPU the tensors themselves are counted.
 _CUDA_PEAK_BEFORE_RESET: dict[int, int] = {}  # device index -> max_memory_allocated before a step meter reset it

@@ -22,7 +22,7 @@ def bf16_advice(threads: int) -> str:
     /proc/cpuinfo), or one whose bf16 kernels an ISA cap in the environment turns off (ONEDNN_MAX_CPU_ISA,
     ATEN_CPU_CAPABILITY). Then, if the measured bf16 GEMM (bounded, cached) is slower than fp32, one line with
     both rates and the advice to train in fp32. Emulated bf16 ran at 1.2 GFLOP/s against 69-83 in fp32 on a
-    2-core AVX2 machine (issue 27)."""
+    2-core AVX2 machine."""
     native, limit = cpu_native_bf16(), isa_limit()
     if native is None or (native and not limit):
         return ""

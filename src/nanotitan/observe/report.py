@@ -1,7 +1,7 @@
 """What a run tells its user: the per-step record, MoE load statistics, the end-of-run summary, and the observers a
 rank opens for them (writer, profiler, memory meters). The console's step lines and bar are console.py's.
 
-The record's fields are the `metrics.jsonl` surface (DESIGN §5); the summary gathers one row per rank
+The record's fields are the `metrics.jsonl` surface (docs/design.md §5); the summary gathers one row per rank
 (coordinates, peak memory, communication waits per axis) to global rank 0, which prints it as a table
 and writes `summary.json`.
 """
@@ -113,7 +113,7 @@ _NONE, _INT, _FLOAT = 0.0, 1.0, 2.0
 def gather_rows(mine: dict, dims: ParallelDims, device: torch.device) -> list[dict]:
     """Every rank's summary row, in rank order, on every rank: one SUM all-reduce of a (world, 2 * fields) float64
     table in which each rank fills its own row (x + 0 is exact), so no rank unpickles what a peer sends, as an
-    object collective would (issue 49). Every rank builds its row with the same code, hence the same keys in the same
+    object collective would. Every rank builds its row with the same code, hence the same keys in the same
     order, each value an int, a float, None, or a list/tuple of ints (the coordinates); the table is read back by
     this rank's own keys."""
     if not (dist.is_initialized() and dims.world_size > 1):

@@ -68,7 +68,7 @@ class Declared:
 
 
 class AdamW(Declared, torch.optim.AdamW):
-    """torch's AdamW (fused on the trainer's path, ~3x faster than the default on CPU: BASELINES), every group on
+    """torch's AdamW (fused on the trainer's path, ~3x faster than the default on CPU: the baselines), every group on
     train.lr's schedule (lr_ratio 1)."""
 
     def __init__(self, params, *args, **kwargs):

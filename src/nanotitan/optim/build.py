@@ -12,7 +12,7 @@ from .muon import Muon, shard_pieces
 
 def build_optimizer(shard, cfg: Config) -> torch.optim.Optimizer:
     """AdamW over what this rank updates (its params, or its 1/N shards at parallel.zero >= 1), the sync's groups
-    by family tag; decay on matrices only. Fused: ~3x faster than the default on CPU (BASELINES).
+    by family tag; decay on matrices only. Fused: ~3x faster than the default on CPU (the baselines, docs/design.md).
     train.optimizer=muon: Muon on the hidden matrices (tagged by `parallelize`, model/families.py), AdamW on the
     rest (muon.py). The trainer and the dry run use it."""
     t = cfg.train

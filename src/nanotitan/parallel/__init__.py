@@ -1,6 +1,6 @@
-"""Parallelism: how one rank's shard is built, synchronised and stepped, for any DP x PP x EP x TP layout.
+"""Parallelism: how one rank's shard is built, synchronised and stepped, for any DP x PP x EP x TP x CP layout.
 
-    dims.py         ParallelDims: a rank's (dp, pp, ep, tp) coordinates, its neighbours and process groups (DESIGN §3)
+    dims.py         ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours and process groups (docs/design.md §3)
     parallelize.py  this rank's trainable shard: shard spec -> Transformer -> EP -> broadcasts -> gradient sync
     build.py        a rank's stage chunks, built without ever holding the whole stage
     init.py         start-of-training agreement between replicas: broadcast parameters, check they agree
@@ -12,6 +12,9 @@
     rebalance.py    a balanced placement at run time: its window and moves (Rebalancer), its copies' gradient (CopyFold)
     lanes.py        parallel.ep_overlap_microbatches: two lanes, a forward beside a backward, hiding EP's all-to-alls
     tp.py           tensor parallel with sequence parallel: Megatron's split of a stage's dense part
+    cp.py           context parallel: each sequence cut into 2N chunks, CP rank i holding i and 2N-1-i (CPShard)
+    cp_attn.py      attention under CP: the ring, all-to-all (Ulysses) and MLA-latent ring
+    shard.py        each parameter's gradient layout over the ranks (grad_layout: ALONE, WHOLE, SHARDED, PARTIAL)
     tied.py         the token embedding shared by the first and the last pipeline stage (MTP)
     where.py        where each element of a global tensor lives on any rank (DP shard, TP slice, expert slots)
     compile.py      train.compile: torch.compile each transformer block in place

@@ -1,7 +1,7 @@
 """Global-norm gradient clipping across the PP and EP axes, each parameter counted exactly once.
 
 torch.nn.utils.clip_grad_norm_ sees only this rank's shard; here the norm is that of the whole
-model (DESIGN §4, seed "Gradient clipping"):
+model (docs/design.md §4):
 - replicated params: every PP stage owns different ones -> squared norms summed over PP;
   within a stage they are identical on every EP/DP rank after the Reducer, so counted once;
 - expert shards: disjoint over EP and over PP -> summed over EP and PP; the extra copies of a replicated expert

@@ -1,10 +1,10 @@
-"""ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours, and the process groups of DESIGN §3.
+"""ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours, and the process groups of docs/design.md §3.
 
 rank = (((dp_rank * PP + pp_rank) * EP + ep_rank) * CP + cp_rank) * TP + tp_rank  — tp fastest (its ranks share a
 node: TP talks every layer), then cp (the ring's P2P or Ulysses' all-to-all every attention layer: CP x TP ranks
 are contiguous, one node first), then ep, pp, dp (Megatron's and torchtitan's order) — so the world is an
 `arange(world).view(DP, PP, EP, CP, TP)` grid and every group is a slice of it (docs/tp.md, docs/cp.md). With
-CP = TP = 1 it is DESIGN §3's identity:
+CP = TP = 1 it is docs/design.md §3's identity:
 - TP group          fixed (dp, pp, ep, cp), varies tp  — the dense part's all-reduces / all-gathers / reduce-scatters
 - CP group          fixed (dp, pp, ep, tp), varies cp  — attention's ring (or all-to-all) over a sequence's chunks
 - EP group          fixed (dp, pp), varies (ep, cp, tp) — token all-to-all inside one stage of one replica; the

@@ -58,7 +58,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, lan
                 kind: str = "f:counts") -> None:
     """A blocking EP all-to-all on the calling lane's group; the blocked interval goes to the lanes' recording, if
     any. Timed inline, not by a context manager: the default job makes 20 of these per rank-step, and a context
-    object cost four more Python calls each (issue 27 item 8). In the backward lane with a filler
+    object cost four more Python calls each. In the backward lane with a filler
     (`EPLanes.filling`): posted async, the filler runs while it travels, then waited for (the filler's compute is
     not a wait)."""
     fill = lanes.fill

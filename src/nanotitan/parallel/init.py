@@ -1,6 +1,6 @@
 """Start-of-training agreement between replicas: broadcast parameters, and a cheap check that they agree.
 
-Params are initialised by global identity (DESIGN §4), so replicas already agree; the broadcast from
+Params are initialised by global identity (docs/design.md §4), so replicas already agree; the broadcast from
 the first rank of each DP group is the seed's belt and braces, and `check_replicas` (debug option
 parallel.check_replicas) proves it, or catches a divergence later in training.
 """

@@ -3,7 +3,7 @@
     spec      which embeddings, layers and experts this (pp_rank, ep_rank) owns (model/spec.py); PP chunks them
               per stage or virtual stage (pp/chunks.py)
     model     the Transformer built from that spec (TP-sliced on the meta device, then filled: build.py),
-              initialised by global identity (DESIGN §4) or read from init.from_hf
+              initialised by global identity (docs/design.md §4) or read from init.from_hf
     compile   each block under torch.compile when train.compile is set (compile.py)
     experts   each MoE layer built with its expert shard (placement.py `EPShard`: the identity placement over
               dims.moe_ep ranks, spare slots under a balanced one), and when moe_ep > 1 an all-to-all dispatcher that

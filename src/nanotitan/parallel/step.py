@@ -15,7 +15,7 @@
     evaluate          forward-only pass of fixed batches through the pipeline, mean CE over the world
 
 What depends on the DP flavour is a method of `shard.sync` (sync.py); the schedule is pp/schedules.py's. Loss
-normalisation (DESIGN §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
+normalisation (docs/design.md §4): every rank backwards loss_mb / M; the gradient sync scales by 1/(DP*EP) and
 sums over the parameter's group. The stage's P2P endpoints (`StageComms`, with their reusable receive
 buffers) live on the ModelShard, one per activation shape, built here on first use.
 """

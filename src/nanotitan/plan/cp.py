@@ -1,4 +1,4 @@
-"""Context parallelism in the planner (issue 50, docs/planner.md "CP"): what a CP group of N ranks saves, what it
+"""Context parallelism in the planner (docs/planner.md "CP"): what a CP group of N ranks saves, what it
 sends on which link, and which CP degrees a layout search tries.
 
 The rank identity (tp fastest, cp next, as Megatron and torchtitan):

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the planner (issue 41, docs/planner.md "TP"): what a TP group of N ranks saves, what it
+"""Tensor parallelism in the planner (docs/planner.md "TP"): what a TP group of N ranks saves, what it
 sends, and which TP degrees a layout search tries.
 
 The rank identity (docs/tp.md): tp is the fastest-varying axis, rank = ((dp*PP + pp)*EP + ep)*TP + tp, and a TP

@@ -107,7 +107,7 @@ def slurm_rendezvous(world_size: int, env=os.environ) -> Rendezvous | None:
     if nnodes == 1:
         return None  # one node: the standalone launch
     if world_size % nnodes:
-        raise ConfigError(f"parallel.dp*pp*ep*tp = {world_size} ranks do not split evenly over {nnodes} Slurm nodes "
+        raise ConfigError(f"parallel.dp*pp*ep*tp*cp = {world_size} ranks do not split evenly over {nnodes} Slurm nodes "
                           f"(choose a layout whose product is a multiple of {nnodes}, or srun --nodes N)")
     nproc = world_size // nnodes
     gpus = env.get("SLURM_GPUS_ON_NODE")

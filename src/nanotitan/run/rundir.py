@@ -2,7 +2,7 @@
 
 Two jobs writing one `run.dir` corrupt each other (one save deletes the other's temp dir, both truncate
 metrics.jsonl, pruning keeps whichever steps are highest), and a fresh run into an old run dir has its new
-checkpoints pruned in favour of the old run's (issue 12). So:
+checkpoints pruned in favour of the old run's. So:
 
 - `RunDirLock(run_dir)`: `RUN_DIR/.lock` holds {pid, host, started, proc_start, job, cmd} of the holder. It is
   created with O_EXCL; a second job refuses in one line naming the holder. A lock whose PID is dead on this

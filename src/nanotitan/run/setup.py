@@ -1,5 +1,5 @@
 """One rank's process before its first step: who it is, its threads and device, the emulated network, its data and
-its process groups, in the order that makes bad input fail before any process group exists (DESIGN §5); then, once
+its process groups, in the order that makes bad input fail before any process group exists (docs/design.md §5); then, once
 the shard is built, the checkpoint it resumes from. The Trainer's setup; every value it reads is concrete
 (resolve.py), so nothing here chooses or measures.
 """
@@ -34,7 +34,7 @@ from ..state import manifest
 
 @dataclass
 class RankData:
-    """This data rank's share of every global batch of B sequences: b = M*m of them (DESIGN §4)."""
+    """This data rank's share of every global batch of B sequences: b = M*m of them (docs/design.md §4)."""
     train: IndexedBatches | MixedBatches
     val: IndexedBatches | MixedBatches
     stream: Iterator | None  # data.loader=streaming's batches of this data rank (None: the indexed files)
@@ -95,7 +95,7 @@ def setup_rank(cfg: Config) -> RankSetup:
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):
-    """(train, val, stream, fingerprints): the prepared token files read by global index (DESIGN §4; with data.mix,
+    """(train, val, stream, fingerprints): the prepared token files read by global index (docs/design.md §4; with data.mix,
     its sources' blended, data/mix.py), the seed's streaming loader when data.loader=streaming (HF streaming, split
     by data rank; else None), and the data's and tokenizer's fingerprints (what a checkpoint records). Prepared
     once: a file lock makes the other ranks wait (a mix's sources are prepared ahead)."""

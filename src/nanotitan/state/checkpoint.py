@@ -206,7 +206,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     t0 = time.perf_counter()
 
     # Nothing non-finite is ever written: a NaN checkpoint would be resumed into, and would rotate
-    # the last good one out (issue 12). Agreed, so every rank raises and none waits in the save.
+    # the last good one out. Agreed, so every rank raises and none waits in the save.
     state: dict = keyed_state(model, optimizer, shard)  # this rank's pieces: views of the live state, nothing gathered
     key = _first_nonfinite({k: t for k, c in state.items() for t in c.boxes.values()})
     bad = comm.any_rank(bool(key))
@@ -216,7 +216,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         raise NonFiniteStateError(f"refusing to save step {step}: {what}; nothing was written, the newest "
                                   f"checkpoint stays {kept or 'none'}")
 
-    # A save that cannot fit is refused before it starts: the previous one's size is known (issue 27). Then a
+    # A save that cannot fit is refused before it starts: the previous one's size is known. Then a
     # tmp dir left by a crashed save of the same step must go before anyone writes into it.
     err = ""
     if rank == 0:

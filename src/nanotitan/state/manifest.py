@@ -6,7 +6,7 @@ A checkpoint dir (step_N/) holds DCP's `.metadata` and `__<rank>_*.distcp` shard
 `step_N.tmp/`. checkpoint.py writes them; this module reads them. Verification is collective: every rank
 returns the same verdict (each file is checked by one rank, the results agreed by one all-reduce).
 
-A checkpoint reads only itself (issue 49): every name its manifest gives is a plain file name in its dir, and each
+A checkpoint reads only itself: every name its manifest gives is a plain file name in its dir, and each
 file is opened without following a symlink and only if it is a regular file (`open_plain`), so a manifest or a
 `.metadata` naming `../x`, `/etc/shadow` or `/dev/zero`, or a symlink or FIFO planted in the dir, is refused in
 one line instead of being read (or hanging every rank's verification).

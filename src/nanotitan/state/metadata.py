@@ -1,9 +1,9 @@
-"""Reading a checkpoint's `.metadata` without running its bytes (issue 39): DCP writes it with pickle and its
+"""Reading a checkpoint's `.metadata` without running its bytes: DCP writes it with pickle and its
 FileSystemReader reads it back with `pickle.load`, which calls whatever the file names. A checkpoint copied from
 elsewhere, or a snapshot unit a peer pushed, is then code. Here the same bytes are unpickled through an
 allow-list: DCP's metadata dataclasses, torch.Size, torch dtypes and layouts, a path, and the containers pickle
 builds without naming a class. Anything else stops the load before it is called, in one line naming it.
-The unpickler is pickle's own Python one with its mutating opcodes checked (issue 49): BUILD sets attributes, and
+The unpickler is pickle's own Python one with its mutating opcodes checked: BUILD sets attributes, and
 on a class (BUILD on `PosixPath` set `PosixPath.is_relative_to` for the rest of the process) it bent the allowed
 classes themselves. Here BUILD is refused unless its target is an instance of an allowed dataclass and its state
 names only that class's declared fields (or is the tuple of TensorProperties' own __setstate__), and items are

@@ -154,7 +154,7 @@ class SnapshotPacking:
 def gather_json(obj, group=None) -> list:
     """Collective on `group` (CPU tensors: a gloo group): every rank's `obj`, sent as JSON bytes in two all_gathers
     of uint8 tensors. Not torch's all_gather_object, which unpickles what each peer sends: whoever joins the
-    rendezvous could run code in every rank (issue 49); JSON is only ever data."""
+    rendezvous could run code in every rank; JSON is only ever data."""
     dist = torch.distributed
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     world = dist.get_world_size(group)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 # Relative tolerances by class (docs/verify.md "Tolerances"). fp32: a sum reassociated over ranks moves a result by
-# ~1e-7 relative per operation; forward outputs, gradients, loss terms and norms are held to DESIGN's 1e-5 (the
+# ~1e-7 relative per operation; forward outputs, gradients, loss terms and norms are held to docs/design.md's 1e-5 (the
 # fuzzer's fp32 cases: at most 6.7e-7). One AdamW step moves a coordinate whose gradient is ~0 by up to lr whatever
 # its sign: the update is held to 1e-4 (measured: at most 3.1e-5). A planted one-element error in any collective lands
 # 28-13000x above the bar of the first tensor it reaches (docs/experiments/verify_fuzz.md).

@@ -114,7 +114,7 @@ def _pick(rng: random.Random, rows: list, layout: dict | None = None) -> list[st
 REFUSALS = [
     ("ddp-not-pure-dp", r"torch_ddp supports pure DP only|dp_impl=torch_ddp.*not with parallel\.(tp|cp)|"
      r"dp_impl=torch_ddp \(use bucketed\): not with parallel\.tp",
-     "torch DDP averages over its own group, which is DESIGN's average only for pure DP: it is a baseline", "by design"),
+     "torch DDP averages over its own group, which is docs/design.md's average only for pure DP: it is a baseline", "by design"),
     ("zero-with-ddp", r"parallel\.zero=\d shards our own DP; torch DDP replicates",
      "ZeRO shards our own reducer's buckets; DDP is the replicated baseline", "by design"),
     ("zero-nothing-to-shard", r"shards over dp\*ep ranks, here 1", "ZeRO needs dp*ep > 1 ranks to shard over", "by design"),

@@ -3,7 +3,7 @@
 Two meshes, as torchtitan shards an MoE (models/llama4/infra/parallelize.py), each a `DeviceMesh.from_group`
 of a ParallelDims group, so FSDP reduces each gradient over exactly the ranks our Reducer would:
 - the non-expert-DP group (dp*ep ranks of one stage) for everything replicated: each Block, and the root
-  (embedding, final norm, head). FSDP's default average over it is DESIGN §4's rule for replicated grads.
+  (embedding, final norm, head). FSDP's default average over it is docs/design.md §4's rule for replicated grads.
 - the expert-DP group (dp ranks) for each MoE layer's `experts` (disjoint over EP, replicated over DP).
   Their grads are summed over it and divided by dp*ep, not by its size dp (the seed's division by EP):
   `set_gradient_divide_factor(dp*ep)`. With ep == 1 that group is the block's and dp*ep its size: the experts

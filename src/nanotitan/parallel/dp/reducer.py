@@ -5,7 +5,7 @@ ZeRO-1/2 (sharded buckets) is zero.py, ZeRO-3 fsdp.py; sync.py puts each behind 
 Contract of every implementation here: after `finish()`, each parameter's `.grad` equals
 `scale * SUM over the group of the local .grad` (group None = this rank alone: only the scale).
 The trainer passes `scale = 1/(DP*EP)` and the parameter's group (non-expert-DP for replicated
-params, expert-DP for expert shards), which gives DESIGN §4's averages.
+params, expert-DP for expert shards), which gives docs/design.md §4's averages.
 
 How the Reducer gets communication out of the way of compute:
 - Gradient-as-bucket-view: each param's `.grad` is a view into one flat buffer per bucket,
@@ -279,7 +279,7 @@ def wrap_ddp(model: nn.Module, group, bucket_mb: float) -> nn.Module:
 
     DDP averages over its group, i.e. scale = 1/group size: this matches our Reducer only when the
     group is the whole data world (ep == 1). Use `model.no_sync()` on non-final microbatches, and
-    drop the DDP module before destroy_process_group (BASELINES: SIGABRT at exit otherwise).
+    drop the DDP module before destroy_process_group (the baselines: SIGABRT at exit otherwise).
     With group None (one rank) the model is returned unwrapped.
     """
     if group is None:

@@ -5,7 +5,7 @@ A rank's `GradSync` owns, for its flavour of DP:
     forward_backward(..)     the step's forwards and backwards: the pipeline schedule it is handed (torch DDP: its own
                              microbatch loop)
     prepare(sync)            before each microbatch's backward; sync=True before the step's final one
-    finish()                 after the last backward: gradients averaged (DESIGN §4), in .grad or in shards; a
+    finish()                 after the last backward: gradients averaged (docs/design.md §4), in .grad or in shards; a
                              replicated expert's copies summed (`copies`, rebalance.py's CopyFold: expert placement)
     param_groups()           what this rank updates (params, or its 1/N shards), one group per family tag
                              (model/families.py: {"params", "tag"}); optim/ decides what each tag means
@@ -250,7 +250,7 @@ class ReplicatedSync(BucketedSync):
 
 class TorchDDPSync(GradSync):
     """torch DDP over the non-expert-DP group: a baseline for pure DP (config refuses it with PP or EP, where
-    DDP's average over its group is not DESIGN §4's). DDP decides in each *forward* whether the backward
+    DDP's average over its group is not docs/design.md §4's). DDP decides in each *forward* whether the backward
     syncs (`no_sync()`), so it runs its own microbatch loop (`forward_backward`); prepare/finish have nothing to do."""
 
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float):
@@ -287,7 +287,7 @@ class TorchDDPSync(GradSync):
                 q.grad.zero_()  # never None: DDP's gradient-as-bucket-view keeps them bound
 
     def close(self) -> None:
-        self.ddp = None  # DDP must go before the process group (BASELINES: SIGABRT at exit otherwise)
+        self.ddp = None  # DDP must go before the process group (the baselines: SIGABRT at exit otherwise)
 
 
 def zero_memory_choices(zero: int, pp: int, schedule: str, accumulate: str = "auto",

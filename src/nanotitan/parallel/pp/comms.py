@@ -1,6 +1,6 @@
 """Point-to-point traffic between neighbouring pipeline stages: activations forward, their gradients back.
 
-Every message is one `[m, S, D]` tensor (DESIGN, seed "Communications across ranks") in the compute dtype:
+Every message is one `[m, S, D]` tensor (docs/design.md) in the compute dtype:
 under bf16 mixed precision the sender narrows the fp32 activation (or gradient) to bf16, half the bytes,
 and the receiving stage widens it again (schedules.py). The receiver must
 own a buffer of that shape and dtype before the message arrives; `StageComms` keeps a pool of them so

@@ -13,7 +13,7 @@ Per microbatch, the objective a chunk backpropagates is
     other chunks: loss_scale * aux_weight * aux_sum   +   <received output gradient, output>
 
 so every chunk's own MoE router losses are part of its own backward (the trainer passes loss_scale = 1/M
-and aux_weight = 1 / n_moe_layers_total, DESIGN §4). Summed over chunks this is exactly the single-process
+and aux_weight = 1 / n_moe_layers_total, docs/design.md §4). Summed over chunks this is exactly the single-process
 gradient of  sum_i loss_scale * (ce_i + aux_weight * aux_i), whatever the order the schedule runs them in.
 
 Schedules (seed "GPipe Schedule" / "1F1B schedule"; Narayanan et al. 2021, Megatron-LM's
