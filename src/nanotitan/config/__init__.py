@@ -8,7 +8,8 @@
     cp_rules.py   context parallel's config rules: what CP splits must divide, and what it does not split yet
     placement_rules.py  expert placement's config rules (parallel.expert_placement, expert_replicas)
     controls_rules.py   the everyday controls' rules: the lr schedule, the data mixture, the export at the end
-    run_rules.py, elastic_rules.py   the rules of the keys that stand alone (training, data, run dir) and of elastic
+    run_rules.py  the rules of the keys that stand alone: training, data, the run dir
+    elastic_rules.py  an elastic job's rules: its bounds, node 0's endpoint, the job id, the indexed loader
     changes.py    what differs between two configs (`key: old -> new`), for a resume to say
     dispatch_rules.py  the EP dispatch's rules (parallel.ep_dispatch static, ep_capacity)
     fits.py       whether a job's model can fit at all, checked before anything is allocated

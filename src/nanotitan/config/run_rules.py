@@ -40,7 +40,7 @@ def run_dir_blocker(run_dir: str) -> str | None:
     """Why run_dir could never be created (None: nothing on its path is in the way): a file where a directory
     must be, or a directory this user cannot enter (Path.exists raises PermissionError below it: the nearest
     ancestor that can be looked up is the one that cannot be entered). os.stat, whose PermissionError is caught
-    and named here (Path.exists raised it from inside validate: a traceback, issue 39)."""
+    and named here (Path.exists raised it from inside validate: a traceback)."""
     p, denied = Path(run_dir), False
     for q in (p, *p.parents):
         try:

@@ -7,5 +7,5 @@
     loopback.py   a one-host job listens on its loopback endpoint only (any of 127.0.0.0/8, or ::1)
     netns.py      a one-host job in a network namespace of its own: no other local user reaches its ports
     allocator.py  host allocator settings: keep a step's freed memory for the next step
-    loopback.py   a job whose processes are all on this machine listens on the loopback address only
+    resume.py     what a resume prints: the config keys and fingerprints that changed, and the lr they move
 """

@@ -2,5 +2,6 @@
 
     calibrate.py  score predictions against measured layouts (calibrate), fit a profile's constants (fit_profile)
     interval.py   prediction intervals from the calibration residuals of each term (docs/planner.md §7)
+    machine.py    this machine kind's calibration: fitted once, cached per kind, scored on held-out layouts
     measure.py    `nanotitan plan --measure` (this machine's profile) and TensorBytesMeter
 """
