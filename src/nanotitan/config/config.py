@@ -24,6 +24,7 @@ from .fits import vocab_too_large
 from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
 from .controls_rules import check_controls
 from .cp_rules import check_cp
+from .fp8_rules import FP8_SKIP, check_fp8
 from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
@@ -150,6 +151,8 @@ class TrainConfig:
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
     compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # FP8 GEMMs with torchao's dynamic scaling (docs/fp8.md)
+    fp8_skip: list[str] = field(default_factory=lambda: list(FP8_SKIP))  # modules kept out of FP8 (docs/fp8.md)
 
 
 @dataclass(kw_only=True)
@@ -243,11 +246,10 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
-        # Where the values stand, not values: plain attributes of each instance, not dataclass fields, so asdict,
-        # to_toml and == ignore them (dataclasses.replace, a new instance, starts them afresh). `explicit`: the
-        # keys the user set in the file or on the command line, as "section.key" (None: a Config built in code,
-        # not by load_config), which tells resolve.py which model keys init.from_hf may fill and which it must
-        # refuse to change. `resolved`: whether resolve.py has made every value concrete (the copy it returns).
+        # Where the values stand: plain attributes, not dataclass fields, so asdict, to_toml and == ignore them
+        # (dataclasses.replace starts them afresh). `explicit`: the keys set in the file or on the command line, as
+        # "section.key" (None: a Config built in code), which tell resolve.py which model keys init.from_hf may
+        # fill and which it must refuse to change. `resolved`: resolve.py made every value concrete (its copy).
         self.explicit: frozenset[str] | None = None
         self.resolved = False
 
@@ -270,7 +272,6 @@ SECTIONS = {f.name: f.type for f in fields(Config)}
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file.
-
     The config as written: "auto" values, model.vocab_size 0 and init.from_hf are left for resolve.py, which
     turns them into the concrete config a job runs (and validates that one)."""
     cfg = Config()
@@ -312,8 +313,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _run_dir_blocker(run_dir: str) -> str | None:
     """Why run_dir could never be created (None: nothing on its path is in the way): a file where a directory
     must be, or a directory this user cannot enter (Path.exists raises PermissionError below it: the nearest
-    ancestor that can be looked up is the one that cannot be entered). os.stat, whose PermissionError is caught
-    and named here (Path.exists raised it from inside validate: a traceback, issue 39)."""
+    ancestor that can be looked up is the one that cannot be entered). os.stat: its PermissionError is named here."""
     p, denied = Path(run_dir), False
     for q in (p, *p.parents):
         try:
@@ -333,7 +333,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, check_expert_fold,
-                  _check_dp_ep, check_tp, check_cp, check_placement, _check_elastic, check_controls):
+                  _check_dp_ep, check_tp, check_cp, check_placement, _check_elastic, check_controls, check_fp8):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
