@@ -54,10 +54,29 @@ class Fp8:
         return self.config.round_scales_to_power_of_2
 
 
+def _import_torchao() -> None:
+    """torchao's first import, quiet where its warnings say nothing to a user: its CUDA-only extensions' load
+    failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how torchao 0.18 registers
+    an enum with torch.compile."""
+    import logging
+
+    logs = [logging.getLogger("torch.utils._pytree")]
+    logs += [] if torch.cuda.is_available() else [logging.getLogger("torchao")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
 def recipe(name: str) -> Fp8 | None:
     """The Fp8 of train.fp8 `name` (None for "off"). torchao is imported only here: fp8 off never needs it."""
     if name == "off":
         return None
+    _import_torchao()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
