@@ -586,15 +586,15 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section, body in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        for k, v in body.items():
-            if isinstance(v, bool):
-                s = "true" if v else "false"
-            elif isinstance(v, str):
-                s = '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            elif isinstance(v, list):
-                s = "[" + ", ".join(str(x) for x in v) + "]"
-            else:
-                s = repr(v)
-            lines.append(f"{k} = {s}")
-        lines.append("")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()] + [""]
     return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):  # pp_layers' numbers, train.fp8_skip's patterns
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
