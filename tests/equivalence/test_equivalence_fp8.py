@@ -4,9 +4,9 @@ the same recipe over 10 steps: replicas bitwise, losses to relative 1e-6 while n
 
 FP8 rounds each GEMM operand to 3 (e4m3) or 2 (e5m2) mantissa bits, so a layout that computed a scale over other
 values than one process, or fed a GEMM other bits, misses the early steps' 1e-6 at once (a planted one does: the
-experts' activation scale over a whole call), where float reassociation alone stays near 1e-7. The scales here are one microbatch's (dense projections, torchao's recipes),
-one assignment row's and one expert's (routed experts, model/fp8.py), so DP, ZeRO 1/3, EP, PP and balanced
-placement compute the same ones.
+experts' activation scale over a whole call), where float reassociation alone stays near 1e-7. The scales here
+are one microbatch's (dense projections, torchao's recipes), one assignment row's and one expert's (routed experts,
+model/fp8.py), so DP, ZeRO 1/3, EP, PP and balanced placement compute the same ones.
 
 The default tier's launch: 2 ranks run DP2 zero 1, EP2 and PP2 under zb1 at rowwise, EP2 at tensorwise. The slow
 tier: 2 ranks run DP2 zero 3, Muon at DP2 zero 1 and balanced placement at EP2 at rowwise, DP2 zero 1 at tensorwise,
@@ -38,16 +38,17 @@ CKPT = 5
 RESUME_FROM = "ref_off_ckpt"  # one process, fp8 off, checkpoint at step CKPT: the resumed row's start
 
 # The bar (docs/fp8.md, "Equivalence rows"). Every scale is one process's, so a row's first steps are one process's
-# to float reassociation (measured <= 1.7e-7 over steps 1-3, every row). From then on the fp32 reassociation of the gradient
-# sums (~1e-7, DP's and EP's order of adding) moves a weight or activation across an FP8 rounding boundary, or a
-# rowwise power-of-2 scale across a power of 2: a flip, one e4m3 step (12.5%) of one element or a whole row, which
-# Adam and Muon then carry (`nanotitan verify` on DP2: step 1 forward bitwise, gradients 9.7e-8, first over 1e-5
-# step 4's grad norm). Measured worst over 10 steps: 2.8e-5 AdamW rowwise, 5.7e-5 tensorwise, 1.3e-4 Muon.
+# to float reassociation (measured <= 1.7e-7 over steps 1-3, every row). From then on the fp32 reassociation of the
+# gradient sums (~1e-7, DP's and EP's order of adding) moves a weight or activation across an FP8 rounding boundary,
+# or a rowwise power-of-2 scale across a power of 2: a flip, one e4m3 step (12.5%) of one element or a whole row,
+# which Adam and Muon then carry (`nanotitan verify` on DP2: step 1 forward bitwise, gradients 9.7e-8, first over
+# 1e-5 step 4's grad norm). Measured worst over 10 steps: 2.8e-5 AdamW rowwise, 5.7e-5 tensorwise, 1.3e-4 Muon.
 # The loss is a coarse witness of FP8's bits: a planted scale bug (every expert activation scaled over its whole
 # call) moves step 1's loss by only 1.6e-5, so the first steps are held to 1e-6, 6x the rows' worst.
 EXACT_STEPS, EXACT = 3, 1e-6
 FLIP_BOUND = 3e-4
-PARAM_BOUND = 0.1  # of lr * steps, the most a parameter can move (measured 2.6e-2 AdamW, 5.9e-2 tensorwise, 4.4e-2 Muon)
+# parameters: a share of lr * steps, the most one can move (measured 2.6e-2 AdamW, 5.9e-2 tensorwise, 4.4e-2 Muon)
+PARAM_BOUND = 0.1
 
 # (name, reference, dp, pp, ep, schedule, extra)
 WORLD2 = [("dp2_zero1", "row", 2, 1, 1, "1f1b", (Z, "1", *ROW)), ("ep2", "row", 1, 1, 2, "1f1b", ROW),
@@ -162,21 +163,16 @@ def test_the_bar_catches_a_planted_scale_bug(corpus_dir, tmp_path_factory, refs,
     assert max(per_step) > 10 * EXACT, per_step
 
 
-@pytest.mark.timeout(900)
-def test_world2_fp8(corpus_dir, run_root, refs):
-    """DP2 zero 1, EP2, PP2 zb1 at rowwise; EP2 at tensorwise."""
-    _matrix(2, WORLD2, corpus_dir, run_root, refs, timeout=800)
+# The default tier's launch, and the slow tier's two (CI's second tier, make test-slow)
+LAUNCHES = [pytest.param(2, WORLD2, id="world2"),
+            pytest.param(2, WORLD2_SLOW, id="world2_more", marks=pytest.mark.slow),
+            pytest.param(8, WORLD8, id="world8", marks=pytest.mark.slow)]
 
 
-@pytest.mark.slow  # the longest launches: CI's second tier (make test-slow)
 @pytest.mark.timeout(1200)
-def test_world2_fp8_more(corpus_dir, run_root, refs):
-    """DP2 zero 3, Muon, balanced placement at rowwise; DP2 zero 1 at tensorwise; fp8 off -> rowwise resumed."""
-    _matrix(2, WORLD2_SLOW, corpus_dir, run_root, refs, timeout=1000)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_world8_fp8(corpus_dir, run_root, refs):
-    """DP2·PP2·EP2 and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under zb1, rowwise."""
-    _matrix(8, WORLD8, corpus_dir, run_root, refs, timeout=1000)
+@pytest.mark.parametrize("world, cases", LAUNCHES)
+def test_fp8_rows(world, cases, corpus_dir, run_root, refs):
+    """world2: DP2 zero 1, EP2, PP2 zb1 at rowwise, EP2 at tensorwise. world2_more: DP2 zero 3, Muon, balanced
+    placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed. world8: DP2·PP2·EP2 and the
+    DeepSeek-V3-shaped model at DP2·PP2·EP2 under zb1, rowwise."""
+    _matrix(world, cases, corpus_dir, run_root, refs, timeout=1000)

@@ -11,12 +11,13 @@ Two kinds of GEMM, two sources:
   several ranks' microbatches: a per-layout quantity. So the experts scale what is the same in every layout:
   each assignment's row (its own amax), each expert's weight per output column (rowwise) or whole (tensorwise),
   and keep the weight gradient in high precision (torchao's rowwise_with_gw_hp choice). The GEMM is
-  `torch._scaled_mm` per expert group, fp32 accumulate: bitwise the dequantized fp32 matmul, the numbers
-  `torch._scaled_grouped_mm` computes from the same scales in one launch.
+  `torch._scaled_mm` per expert group, fp32 accumulate: bitwise the dequantized fp32 matmul. On a GPU the same
+  per-row and per-column scales are what `torch._scaled_grouped_mm` takes for one launch; not wired yet, the
+  experts loop there too.
 
-`convert` marks the modules: a Linear gets `.fp8`, an ExpertFFN its `.fp8`; train.fp8_skip's patterns keep some
-in high precision (fnmatch on the qualified name or its last component; the defaults and why: config/fp8_rules.py). Parameters stay fp32 masters: checkpoints,
-optimizers and gradient syncs see no difference.
+`convert` marks the modules: a Linear gets `.fp8`, an ExpertFFN its `.fp8`; train.fp8_skip's patterns keep some in
+high precision (fnmatch on the qualified name or its last component; the defaults and why: config/fp8_rules.py).
+Parameters stay fp32 masters: checkpoints, optimizers and gradient syncs see no difference.
 """
 
 from __future__ import annotations
