@@ -51,16 +51,24 @@ def cmd_train(argv: list[str]) -> int:
     Writes RUN_DIR/metrics.jsonl, config.toml, summary.json and checkpoints (run.dir)."""
     from .run.launch import slurm_rendezvous, under_torchrun
     from .config.fits import does_not_fit
-    from .resolve import planned_flags, resolve
 
     path, overrides = _split_config(argv)
     cfg = load_config(path, overrides)
     if cfg.elastic.endpoint and not under_torchrun():  # this process is its node's agent (elastic/agent.py)
+        # The agent's console holds its own lines: torch's C++ warnings (a store connection that failed, with its
+        # frames) are read once, at torch's import; its ranks keep them (in their logs).
+        quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        _private_net(cfg, shared=True)  # before torch's import: a user namespace is entered with one thread only
         from .elastic.agent import run_agent
 
+        if quiet:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
         code = run_agent(cfg, ([f"--config={path}"] if path else []) + overrides)
         _exit_soon()
         return code
+    from .resolve import planned_flags, resolve
+
     # The job's config, concrete (resolve.py): under parallel.auto the planner's layout for this world (under
     # torchrun WORLD_SIZE: an elastic restart on another world re-plans, and resume reshards onto it); device,
     # threads for the ranks on this host, zero choices, the emulated network (a bad profile fails here).
@@ -112,12 +120,31 @@ def cmd_train(argv: list[str]) -> int:
     return code
 
 
+def _private_net(cfg, shared: bool) -> None:
+    """A one-host job in a network namespace of its own (run/netns.py): its loopback reachable by its own processes
+    only. An elastic job's agents share the first one's (RUN_DIR/elastic.net). Where the kernel refuses, or the
+    ranks need the network (W&B), one line, and the job runs on the host's loopback."""
+    from .run.loopback import is_loopback, split_endpoint
+    from .run.netns import NET_FILE, enter_private_net
+
+    if cfg.elastic.endpoint and not is_loopback(split_endpoint(cfg.elastic.endpoint)[0]):
+        return
+    if cfg.run.wandb:
+        line = "run.wandb: the ranks log over the network, so the job listens on the host's loopback (docs/security.md)"
+    else:
+        line = enter_private_net(Path(cfg.run.dir) / NET_FILE if shared else None)
+    if line:
+        print(f"nanotitan: {line}", file=sys.stderr, flush=True)
+
+
 def _launch_and_sample(cfg, argv: list[str], nproc: int, rdzv) -> int:
     from .resolve import cpu_peak_for_ranks
     from .run.launch import launch_local
 
     cpu_peak_for_ranks(cfg)  # CPU: the MFU peak, measured once for this launch's ranks (and bf16 advice)
     if cfg.world_size > 1:
+        if rdzv is None:  # one machine: its store and ranks in a network namespace of their own
+            _private_net(cfg, shared=False)
         code = launch_local(nproc, argv, cfg.train.max_restarts, rdzv, run_dir=cfg.run.dir,
                             ckpt_on_signal=cfg.train.ckpt_on_signal)
     else:

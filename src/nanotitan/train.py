@@ -223,8 +223,9 @@ class Trainer:
                 self.log(f"stop requested ({self.stop_cause}) at step {step + 1}")
                 break
         progress.close()
-        final_step = step + 1 if t.steps > self.start_step else self.start_step
-        if t.ckpt_at_end and not (t.ckpt_every and final_step % t.ckpt_every == 0) and not self.stop_requested:
+        final_step = step + 1 if t.steps > self.start_step else 0  # 0: no step since the resume, nothing to save again
+        if t.ckpt_at_end and final_step and not (t.ckpt_every and final_step % t.ckpt_every == 0) \
+                and not self.stop_requested:
             self.save(final_step)
         summary = report.run_summary(logger, self.profiler, self.writer, self.meters, self.model, self.optimizer,
                                      self.run_dir)

@@ -64,7 +64,7 @@ def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
         out = reap(agents, files, logs)
-    assert [a.returncode for a in agents] == [0, 0, 0], out
+    assert [a.returncode for a in agents] == [0, 143, 0], out  # node 1 left on its notice (SIGTERM): 143
 
     # Two changes, each to the planner's layout for its world, nothing lost.
     changes = _changes(run)

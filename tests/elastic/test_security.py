@@ -108,7 +108,7 @@ def test_a_signed_snapshot_unit_with_planted_metadata_is_refused_at_load(trained
     from nanotitan.config.config import load_config
     from nanotitan.config.errors import CheckpointError
     from nanotitan.elastic import transport
-    from nanotitan.elastic.coordinator import assemble_newest
+    from nanotitan.elastic.replicas import assemble_newest
     from nanotitan.state.checkpoint import load_checkpoint
     from nanotitan.train import Trainer
 
@@ -120,6 +120,7 @@ def test_a_signed_snapshot_unit_with_planted_metadata_is_refused_at_load(trained
     _plant(unit, marker)
     server = transport.FileServer("127.0.0.1", KEY, "job")
     server.root, server.node = tmp_path / "node0", 0
+    server.root.mkdir()  # (its agent makes it, 0700)
     try:
         transport.push_unit(transport.Peer(f"127.0.0.1:{server.port}", "job", 0), KEY, unit, "step_4/g1-node1")
         assert (server.root / "step_4" / "g1-node1" / ".metadata").exists()
@@ -215,11 +216,11 @@ def test_a_job_across_hosts_needs_a_secret(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"needs a job secret.*--elastic.secret_file PATH.*--elastic.insecure true"):
         auth.job_key(cfg("10.1.2.3:29500"))
     assert auth.job_key(cfg("10.1.2.3:29500", "--elastic.insecure", "true")) == auth.INSECURE_KEY
-    (tmp_path / "s").write_text("hunter2\n")
+    (tmp_path / "s").write_text("correct-horse-battery\n")
     (tmp_path / "s").chmod(0o600)  # the README's `chmod 600`: a 0644 secret is refused (tests/elastic/test_trust_disk.py)
-    assert auth.job_key(cfg("10.1.2.3:29500", "--elastic.secret_file", str(tmp_path / "s"))) == auth.derive(b"hunter2")
-    monkeypatch.setenv(auth.SECRET_ENV, "hunter2")
-    assert auth.job_key(cfg("10.1.2.3:29500")) == auth.derive(b"hunter2")
+    assert auth.job_key(cfg("10.1.2.3:29500", "--elastic.secret_file", str(tmp_path / "s"))) == auth.derive(b"correct-horse-battery")
+    monkeypatch.setenv(auth.SECRET_ENV, "correct-horse-battery")
+    assert auth.job_key(cfg("10.1.2.3:29500")) == auth.derive(b"correct-horse-battery")
     monkeypatch.delenv(auth.SECRET_ENV)
     one = auth.job_key(cfg("127.0.0.1:29500"))  # one host: the run dir's own secret, made once, 0600
     assert auth.job_key(cfg("127.0.0.1:29500")) == one != auth.INSECURE_KEY

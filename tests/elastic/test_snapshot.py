@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nanotitan.elastic.coordinator import assemble_newest
+from nanotitan.elastic.replicas import assemble_newest
 from tests.helpers.equivalence import base_args, layout_args
 
 KEY = b"k" * 32  # the job's MAC key (auth.py)

@@ -111,9 +111,12 @@ def test_a_stranger_can_neither_keep_a_node_alive_nor_end_it():
         for junk in ('{"node": 1, "seq": 0, "mac": "\u00e9"}'.encode(), b"[" * 200, b"{" * 5000):
             stranger(junk)  # non-ASCII, deep, an endless line
         stranger()  # says nothing: closed after HELLO_S
-        with pytest.raises(ValueError, match="your secret does not match the job's"):
-            Beater(server.addr, other, "job", 3)  # an agent with another key is told so by the challenge's MAC
-        assert server.state(1) == "" and server.state(2) is None  # node 1 still alive; node 2 never was
+        told = []  # an agent with another key is told so by the challenge's MAC (and keeps trying, never up)
+        wrong = Beater(server.addr, other, "job", 3, log=told.append)
+        _until(lambda: told, 5)
+        wrong.close()
+        assert len(told) == 1 and "does not sign with this node's key" in told[0] and not wrong.up.is_set(), told
+        assert server.state(1) == "" and server.state(2) is None and server.state(3) is None  # node 1 still alive
         assert threading.active_count() == threads  # one listener thread, however many connect
 
         idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_PENDING + 3)]
@@ -173,27 +176,52 @@ def test_the_coordinator_fails_a_generation_when_a_member_dies_and_restarts_it_b
     assert restart_budget(explicit) == 0  # set by the user: theirs
 
 
-def test_a_joiner_with_another_secret_is_told_so_in_one_line(corpus_dir, tmp_path):
+def test_a_joiner_with_another_secret_is_told_so_and_a_strangers_writes_end_no_joiner(corpus_dir, tmp_path):
+    """A joiner whose secret is not the job's is told so in one line (node 0's `job` entry never verifies, and no
+    answer comes). One with the job's secret joins although a stranger keeps `job` garbled (was: `live`, rewritten
+    by a stranger, made it exit with "your secret does not match"): node 0's answer to its request proves the
+    secret. And `live` is bound to the launch: an earlier launch's, written again, sends no agent elsewhere."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from nanotitan.config.config import ConfigError
-    from nanotitan.elastic.auth import SignedStore
-    from nanotitan.elastic.liveness import LIVE_KEY, MISMATCH_S, await_job
+    from nanotitan.elastic.agent import ask_to_join
+    from nanotitan.elastic.auth import SignedStore, new_launch
+    from nanotitan.elastic.liveness import JOB_KEY, LIVE_KEY, MISMATCH_S
 
     coord, store, raw = _coordinator(corpus_dir, tmp_path, "1:2")
+    info = {"host": "h", "pid": 0, "hash": coord.hash, "files": "127.0.0.1:1"}
     try:
         said = []
         theirs = SignedStore(raw, b"y" * 32, "bad", log=said.append)
         t0 = time.monotonic()
         with pytest.raises(ConfigError, match=r"^node 0's entries in the job's store at 127.0.0.1:9 do not verify "
                                               r"with this node's key: your secret does not match the job's"):
-            await_job(theirs, "127.0.0.1:9", timeout_s=60)
+            ask_to_join(theirs, info, 60, "127.0.0.1:9")
         assert MISMATCH_S <= time.monotonic() - t0 <= MISMATCH_S + 2
         assert len(said) == 1, said  # node 0's entry, refused once
 
-        ours = SignedStore(raw, store.key, "bad", log=said.append)
-        assert await_job(ours, "127.0.0.1:9", timeout_s=5) == coord.live.addr
-        raw.set(f"nanotitan/elastic/bad/{LIVE_KEY}", b'{"v": "10.0.0.9:1", "mac": "0"}')  # a stranger's write
+        client = dist.TCPStore("127.0.0.1", raw.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=10))
+        ours = SignedStore(client, store.key, "bad", log=said.append)
+        got = []
+        asker = threading.Thread(target=lambda: got.append(ask_to_join(ours, info, 60, "127.0.0.1:9")))
+        asker.start()
+        t0 = time.monotonic()
+        while asker.is_alive():  # node 0 at work, and a stranger writing over `job` after each of its rewrites
+            coord.published -= 2
+            coord._publish()
+            raw.set(f"nanotitan/elastic/bad/{JOB_KEY}", b"0" * 64 + b"bad")
+            coord._registrations()
+            asker.join(0.02)
+        assert got == [1] and ours.launch == store.launch and time.monotonic() - t0 < MISMATCH_S, got
+
+        earlier = SignedStore(raw, store.key, "bad", new_launch())
+        earlier.set(LIVE_KEY, "10.0.0.9:1")  # an earlier launch's address, signed with the same (run dir) secret
+        assert ours.get(LIVE_KEY) is None
         coord.published -= 2  # a second later node 0 rewrites its own
         coord.tick()
-        assert await_job(ours, "127.0.0.1:9", timeout_s=5) == coord.live.addr
+        assert ours.get(LIVE_KEY) == coord.live.addr
     finally:
         coord.close()

@@ -65,7 +65,9 @@ def test_an_earlier_launchs_done_neither_ends_an_agent_nor_deletes_its_snapshots
         out = capsys.readouterr().out
         assert out.count("refused store entry 'done': no valid MAC") == 1 and "earlier launch" in out, out
         store.set("done", json.dumps({"code": 0, "line": "finished at step 70"}))
-        assert agent.tick() == 0 and not agent.files.root.exists()
+        assert agent.tick() == 0
+        agent._close()  # every ending frees the node's snapshot dir
+        assert not agent.files.root.exists()
     finally:
         agent.files.close()
 
@@ -91,7 +93,7 @@ def test_a_joiner_learns_the_launch_and_an_earlier_launchs_request_joins_nothing
         coord._registrations()
     assert coord.waiting == [0, 1] and coord.nodes == {0, 1}, (coord.waiting, coord.nodes)
     out = capsys.readouterr().out
-    assert out.count("a join request from old signed 120 s ago") == 1, out
+    assert out.count("a join request from old signed at a time 120 s behind node 0's clock") == 1, out
     assert out.count("refused store entry 'beat/2'") == 1, out
 
 
@@ -234,3 +236,60 @@ def test_garbage_at_the_next_ticket_does_not_starve_a_joiner(corpus_dir, tmp_pat
     assert coord.waiting == [0, 1]
     out = capsys.readouterr().out
     assert "refused store entry 'join/0'" in out, out
+
+
+def test_bye_is_signed_per_node(corpus_dir, tmp_path):
+    """Node 0 keeps the store up until every agent has said bye (read `done`). `bye` was a counter anyone could move
+    (a stranger's `add` let node 0 leave first, and the others lost the store before reading `done`); now each agent
+    signs its own `bye/I`, and node 0 waits for those."""
+    from nanotitan.elastic.agent import _wait_for_byes
+
+    coord, store, raw = _coordinator(corpus_dir, tmp_path, "1:2")
+    try:
+        store.store.add("bye", 5)  # a stranger's, on the old counter
+        store.store.set("bye/1", "1")  # and an unsigned entry
+        t0 = time.monotonic()
+        _wait_for_byes(store, {1}, timeout_s=1.0)
+        assert time.monotonic() - t0 >= 1.0  # still waiting for node 1's own
+        store.set("bye/1", "1")
+        t0 = time.monotonic()
+        _wait_for_byes(store, {1}, timeout_s=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        coord.close()
+
+
+def test_a_clock_that_is_off_is_named_on_the_joiner_and_beats_are_timed_by_node_0(corpus_dir, tmp_path, monkeypatch):
+    """A joiner whose clock is 120 s behind node 0's was told its secret is wrong (node 0 ignored its request as a
+    replay): node 0 now answers such a request with its time, and the joiner names the skew in one line. A node
+    without a liveness connection is judged by its store beats as node 0 reads them (was: by the time written in
+    them, so a clock 120 s behind was 120 s of silence)."""
+    from nanotitan.config.config import ConfigError
+    from nanotitan.elastic import agent as agent_mod
+
+    coord, store, raw = _coordinator(corpus_dir, tmp_path, "1:2")
+    try:
+        info = {"host": "late", "pid": 0, "hash": coord.hash, "files": "127.0.0.1:1"}
+        ticket = store.add("joined", 1) - 1
+        store.set(f"join/{ticket}", json.dumps(dict(info, token="a" * 32, ts=time.time() - 120)))
+        coord._registrations()
+        assert abs(json.loads(store.get(f"assign/{'a' * 32}"))["clock"] - time.time()) < 5
+        store.set(f"assign/{'b' * 32}", json.dumps({"clock": time.time() + 120}))  # node 0's answer to this joiner
+        with monkeypatch.context() as m, pytest.raises(
+                ConfigError, match=r"^this node's clock is 120 s behind node 0's, more than the 60 s the job's signed "
+                                   r"requests allow: synchronise the clocks"):
+            m.setattr(agent_mod.secrets, "token_hex", lambda n: "b" * 32)
+            agent_mod.ask_to_join(store, info, 10, "127.0.0.1:9")
+
+        _register(coord, store, 0, coord.hash)
+        _register(coord, store, 1, coord.hash)
+        store.set("beat/1", str(time.time() - 120))  # node 1's clock, 120 s behind
+        assert coord._lost(1) == ""
+        monkeypatch.setattr(coord_mod, "LOST_S", 0.5)
+        time.sleep(0.3)
+        store.set("beat/1", str(time.time() - 119))  # its next beat: it lives
+        assert coord._lost(1) == ""
+        time.sleep(0.7)  # no beat since: silent past LOST_S, as node 0 counts it
+        assert coord._lost(1).startswith("node 1's agent stopped answering (no beat for")
+    finally:
+        coord.close()

@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 from nanotitan.elastic import auth, snapshot, transport
-from nanotitan.elastic.coordinator import assemble_newest
+from nanotitan.elastic.replicas import assemble_newest
 from tests.helpers.sockets import exchange as _raw
 
 KEY = b"k" * 32

@@ -20,11 +20,11 @@ STEPS, K = 70, 5
 AGENT_TIMEOUT_S = 400
 
 
-def _agent(args: list[str], log) -> subprocess.Popen:
+def _agent(args: list[str], log, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nanotitan.cli", "train", *args], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True,
                             # one code id for all nodes: a commit landing between two agents' starts is not a new version
-                            env=dict(os.environ, OMP_NUM_THREADS="1", NANOTITAN_CODE_ID="test"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", NANOTITAN_CODE_ID="test", **(env or {})))
 
 
 def _records(run) -> list[dict]:
@@ -164,3 +164,17 @@ def start_host(args: list[str], agents: list, files, logs) -> None:
     """Node 0's agent (the first to bind the endpoint hosts the store), once it hosts the store."""
     agents.append(_agent(args, files[0]))
     _await("node 0's store", lambda: "hosting the store" in logs[0].read_text(), agents, logs)
+
+
+def leftovers(tmp_path) -> list[str]:
+    """What an elastic job left behind under tmp_path: snapshot dirs (tmp_path/shm/nanotitan-UID/*) and the agents'
+    temp dirs (tmp_path/tmp, their $TMPDIR when started with env=agent_tmp(tmp_path))."""
+    shm, tmp = tmp_path / "shm" / f"nanotitan-{os.getuid()}", tmp_path / "tmp"
+    return sorted([str(p) for p in shm.iterdir()] if shm.is_dir() else []) + sorted(
+        str(p) for p in (tmp.iterdir() if tmp.is_dir() else []) if not p.name.startswith("torchinductor_"))  # torch's cache
+
+
+def agent_tmp(tmp_path) -> dict:
+    """An agent's environment with $TMPDIR under tmp_path (its temp dirs then show in `leftovers`)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmp_path / "tmp")}

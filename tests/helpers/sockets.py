@@ -1,5 +1,6 @@
-"""The TCP ports a process tree listens on, read from /proc (what `ss -ltnp` shows), for the one-host tests of
-docs/security.md: a job on one machine listens on 127.0.0.1 only."""
+"""The TCP ports a process tree listens on, read from /proc (what `ss -ltnp` shows, in each process's own network
+namespace), for the one-host tests of docs/security.md: a job on one machine listens on loopback only, in a network
+namespace of its own where the kernel allows."""
 
 from __future__ import annotations
 
@@ -51,12 +52,17 @@ def listening(root: int) -> list[tuple[int, str]]:
                     inodes[link[8:-1]] = pid
         except OSError:
             pass
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
-                out.append((inodes[f[9]], _address(f[1])))
+    out = set()
+    for pid in set(inodes.values()):  # each process's own view: a job may run in a network namespace of its own
+        for table in ("tcp", "tcp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                    out.add((inodes[f[9]], _address(f[1])))
     return sorted(out)
 
 

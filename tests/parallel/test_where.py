@@ -13,8 +13,7 @@ from nanotitan.optim.build import build_optimizer
 from nanotitan.parallel.dims import ParallelDims
 from nanotitan.parallel.dp.sync import Pieces
 from nanotitan.parallel.parallelize import parallelize
-from nanotitan.parallel.placement import Placement
-from nanotitan.parallel.rebalance import install
+from nanotitan.parallel.placement import EPShard, Placement, identity
 from nanotitan.parallel.shard import Grad, GradLayout, grad_layout
 from nanotitan.parallel.where import global_experts, held_boxes, placed
 from nanotitan.state.keys import keyed_state
@@ -46,7 +45,7 @@ def test_expert_slots_are_global_experts_static_or_placed():
     its spec), or under a placement the slot table's entry on any rank (-1: no key; a copy: the same key)."""
     cfg = tiny_cfg(num_experts=8).model
     spec = build_chunk_specs(tiny_cfg(layout=(1, 1, 2), num_experts=8), 0, 1)[0]  # EP rank 1 of 2: experts 4..7
-    model = Transformer(cfg, spec, 0)
+    model = Transformer(cfg, spec, 0, experts=lambda layer: EPShard(identity(8, 2), 1))
     w = model.get_parameter(W)
     assert list(global_experts(model, W)) == [4, 5, 6, 7] and list(global_experts(model, W, 0)) == [0, 1, 2, 3]
     alone = grad_layout(w)
@@ -54,7 +53,10 @@ def test_expert_slots_are_global_experts_static_or_placed():
     assert set(out) == {".4", ".5", ".6", ".7"} and out[".4"] == (tuple(w.shape[1:]), [])
     assert out[".5"] == out[".6"] == (tuple(w.shape[1:]), [((0, 0), tuple(w.shape[1:]))])
     table = Placement(((0, 3, -1, 3), (5, 1, 2, 4)), 8)  # toy slots: rank 0 holds 0 and 3 twice, one empty
-    install(model.layers["0"].moe, table, 0)
+    spec = build_chunk_specs(tiny_cfg(layout=(1, 1, 2), num_experts=8), 0, 0)[0]  # EP rank 0 of 2
+    model = Transformer(cfg, spec, 0, experts=lambda layer: EPShard(identity(8, 2), 0))
+    model.layers["0"].moe.expert_shard.swap(table)  # what a move does (parallel/rebalance.py)
+    w = model.get_parameter(W)
     assert list(global_experts(model, W)) == [0, 3, -1, 3] and list(global_experts(model, W, 1)) == [5, 1, 2, 4]
     out = placed(model, W, alone, Pieces.whole(w))
     assert set(out) == {".0", ".3"} and torch.equal(out[".0"].boxes[0][1], w[0].detach())

@@ -406,7 +406,7 @@ def test_cli_prints_ranked_table_and_recommendation(tmp_path, capsys):
     rc = main(["--ranks", "4", "--hardware", "cpu-gloo", "--out", str(out), "--model.d_model", "64",
                "--model.n_heads", "4", "--model.ffn_dim", "128", "--data.vocab_size", "512", "--train.micro_batch", "8"])
     text = capsys.readouterr().out
-    assert rc == 0 and "Recommended:" in text and "| # | dp | pp | ep | tp |" in text and out.read_text().strip() == text.strip()
+    assert rc == 0 and "Recommended (row " in text and "| # | dp | pp | ep | tp |" in text and out.read_text().strip() == text.strip()
     assert main(["--gpus", "5", "--hardware", "cpu-gloo"]) == 2  # 5 divides neither B=4, E=4 nor fits 4 layers
 
 

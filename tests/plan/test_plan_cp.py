@@ -11,7 +11,7 @@ from nanotitan.config.config import load_config
 from nanotitan.config.hardware import get_hardware
 from nanotitan.plan import cp as cp_plan
 from nanotitan.plan.cost import PlanOptions, predict
-from nanotitan.plan.search import plan
+from nanotitan.plan.search import plan, refusal
 from nanotitan.plan.shape import Layout, ModelShape, Precision
 
 H100 = get_hardware("h100")
@@ -113,12 +113,12 @@ def test_cp_degrees_and_refusals():
     the rest (experts folded over ep*cp*tp; a2a needs cp to divide the heads)."""
     assert cp_plan.degrees(16, 48) == [1, 2, 4, 8]  # 48 % 32 != 0
     cfg = _cfg(4096)
-    assert cp_plan.refusal(cfg, Layout(1, 1, 1, "1f1b", 1, 1, cp=4)) is None
-    assert "num_experts" in cp_plan.refusal(cfg, Layout(1, 1, 8, "1f1b", 1, 1, cp=4))
+    assert refusal(cfg, Layout(1, 1, 1, "1f1b", 1, 1, cp=4)) is None
+    assert "num_experts" in refusal(cfg, Layout(1, 1, 8, "1f1b", 1, 1, cp=4))
     a2a = _cfg(4096, 1024, 4, "--parallel.cp_impl", "a2a", "--model.num_experts", "64")
-    assert cp_plan.refusal(a2a, Layout(1, 1, 1, "1f1b", 1, 1, tp=2, cp=4)) is None  # 2 KV heads repeated to 4
-    assert "cp_impl=a2a" in cp_plan.refusal(a2a, Layout(1, 1, 1, "1f1b", 1, 1, tp=2, cp=16))  # 8 heads a TP rank
-    assert "seq_len" in cp_plan.refusal(_cfg(48), Layout(1, 1, 1, "1f1b", 1, 1, cp=16))
+    assert refusal(a2a, Layout(1, 1, 1, "1f1b", 1, 1, tp=2, cp=4)) is None  # 2 KV heads repeated to 4
+    assert "cp_impl=a2a" in refusal(a2a, Layout(1, 1, 1, "1f1b", 1, 1, tp=2, cp=16))  # 8 heads a TP rank
+    assert "seq_len" in refusal(_cfg(48), Layout(1, 1, 1, "1f1b", 1, 1, cp=16))
 
 
 DEEPSEEK_V3_128K = ["--model.vocab_size", "129280", "--data.vocab_size", "129280", "--model.d_model", "7168",

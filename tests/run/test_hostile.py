@@ -443,7 +443,7 @@ UNITS = [
 def test_forged_snapshot_unit_is_refused(case, forge, pattern, good, tmp_path):
     """check_unit (the gate of a push and a fetch) names the mismatch in one line; assemble_newest passes over the
     forged step, says so, and assembles the older good one, which verifies."""
-    from nanotitan.elastic.coordinator import assemble_newest
+    from nanotitan.elastic.replicas import assemble_newest
     from nanotitan.elastic.snapshot import check_unit
 
     root = tmp_path / "snap"

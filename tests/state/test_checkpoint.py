@@ -78,7 +78,7 @@ def _crash_rank(rank, world, run_dir):
     torch.manual_seed(1000 + rank)  # the per-rank CPU RNG state that step 1 records
     ckpt.save_checkpoint(run_dir, 1, model, opt, dims, cfg, {"samples_consumed": 32}, keep_last=2)
     if rank == 0:
-        ckpt._fsync_dir = lambda p: os._exit(9)  # first call is just before the rename
+        ckpt.fsync_dir = lambda p: os._exit(9)  # first call is just before the rename
     ckpt.save_checkpoint(run_dir, 2, model, opt, dims, cfg, {"samples_consumed": 64}, keep_last=2)
 
 

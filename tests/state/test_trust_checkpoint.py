@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
 from nanotitan.state import checkpoint as ckpt
@@ -138,3 +139,34 @@ def test_a_snapshot_unit_with_a_symlink_or_fifo_is_refused(saved, tmp_path):
     (unit / "config.toml").unlink()
     os.mkfifo(unit / "config.toml")
     assert _run(_UNIT, unit) == "config.toml is a symlink or not a regular file"
+
+
+def test_the_load_hands_dcp_the_metadata_it_checked(saved, tmp_path, monkeypatch):
+    """`.metadata` swapped between its check and DCP's read, for one naming a file outside the checkpoint that holds
+    other numbers (was: checked once, read twice: DCP read the outside file into the weights). The load acts on
+    the Metadata it checked: the weights are the checkpoint's own."""
+    step = _copy(saved, tmp_path)
+    outside = tmp_path / "outside.distcp"
+    planted = tmp_path / "planted.metadata"
+    other, other_opt = _fresh(saved[1])
+    perturb(other, other_opt, (5, 6))  # other numbers, the same shapes
+    elsewhere = ckpt.save_checkpoint(tmp_path / "other", 1, other, other_opt, None, saved[1], {})
+    shutil.copy(elsewhere / "__0_0.distcp", outside)
+    md = safe_load_metadata((elsewhere / ".metadata").read_bytes(), "m")
+    for info in md.storage_data.values():
+        info.relative_path = str(outside)
+    planted.write_bytes(pickle.dumps(md))
+    checked = ckpt.storage_outside
+
+    def check_then_swap(path, storage_data):
+        why = checked(path, storage_data)
+        shutil.copy(planted, step / ".metadata")  # the swap, right after the check
+        return why
+
+    monkeypatch.setattr(ckpt, "storage_outside", check_then_swap)
+    model, opt = _fresh(saved[1])
+    ckpt.load_checkpoint(step, model, opt, None, verify=False)
+    want, want_opt = _fresh(saved[1])
+    assert ckpt.load_checkpoint(saved[0], want, want_opt, None)["step"] == 1
+    for (name, a), b, c in zip(model.named_parameters(), want.parameters(), other.parameters()):
+        assert torch.equal(a, b) and not torch.equal(a, c), name

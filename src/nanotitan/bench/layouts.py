@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..config.config import Config, ConfigError, load_config, validate
+from ..config.hardware import cached_calibration, machine_kind
 from ..observe.runs import TENSOR_KEYS, layout_argv, run_results, summarise
 from ..parallel.comm import emulate
 from ..parallel.pp import facts as pp_facts
@@ -63,6 +64,16 @@ def schedule_layouts(cfg: Config, world: int, micro_batch: int, schedule: str) -
 
 
 
+def calibrate_machine(config: str, overrides: list[str]) -> None:
+    """This machine kind has no planner calibration: make one (`nanotitan plan --calibrate-machine`, its fit
+    without the held-out check) under the network this bench emulates, before the layouts it predicts."""
+    print(f"[bench layouts] no planner calibration for this machine kind ({machine_kind()}): measuring one first, "
+          f"once (--no-calibrate skips it)", flush=True)
+    cmd = [sys.executable, "-m", "nanotitan.cli", "plan", "--calibrate-machine", "--holdout-ranks", "0",
+           "--config", config, *overrides]
+    subprocess.run(cmd, check=True)
+
+
 def run_layout(dp, pp, ep, schedule, M, m, steps, run_dir: Path, base_args: list[str], timeout: float,
                virtual_stages: int = 1) -> dict:
     args = [sys.executable, "-m", "nanotitan.cli", "train",
@@ -92,7 +103,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="docs/experiments")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--hardware", default="auto", help="with --parallel.emulate: the CPU profile the planner "
-                    "predicts compute with (auto: this host's)")
+                    "predicts compute with (auto: this host's, calibrated for this machine kind: the first emulated "
+                    "run of a machine kind calibrates it, `nanotitan plan --calibrate-machine`)")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="with --parallel.emulate and --hardware auto: predict with this host's profile as it is, "
+                         "without calibrating an uncalibrated machine kind first")
     args, overrides = ap.parse_known_args(argv)
     cfg = resolve_model(load_config(args.config, overrides))  # the model the layouts run (init.from_hf's)
     fixed = cfg.parallel.emulate_dilation  # 0: measured below, then passed to every layout
@@ -100,6 +115,8 @@ def main(argv: list[str]) -> int:
     if links is not None and not fixed:  # one dilation for every layout, and on record
         overrides = overrides + ["--parallel.emulate_dilation", repr(links.dilation)]
         print(f"[bench layouts] {links.describe()}", flush=True)
+    if links is not None and args.hardware == "auto" and not args.no_calibrate and cached_calibration() is None:
+        calibrate_machine(args.config, overrides)  # once per machine kind: its predictions below use it
     schedules = args.schedules or [args.schedule]
     if "interleaved" in schedules:
         cfg.parallel.virtual_stages = args.virtual_stages  # what schedule_layouts validates against

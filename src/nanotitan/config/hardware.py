@@ -290,18 +290,83 @@ def cache_root() -> Path:
     return Path(os.environ.get("NANOTITAN_CACHE") or "~/.cache/nanotitan").expanduser()
 
 
+def _cpu_model() -> str:
+    import platform
+
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                 if line.startswith("model name")), platform.processor() or platform.machine())
+
+
 def _machine_key(dtype: str, threads: int) -> str:
     """What a GEMM rate depends on: this host and its CPU model, the dtype, the threads, the torch build."""
     import platform
 
     import torch
 
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
-                  if line.startswith("model name")), platform.processor() or platform.machine())
     limit = isa_limit()
     # "best of sizes": figures cached before the peak was the best over every size (the last size's rate) re-measure
-    return (f"{platform.node()}|{model}{'|' + limit if limit else ''}|{dtype}|{threads} threads|"
+    return (f"{platform.node()}|{_cpu_model()}{'|' + limit if limit else ''}|{dtype}|{threads} threads|"
             f"torch {torch.__version__}|best of sizes")
+
+
+def machine_kind() -> str:
+    """What a planner calibration holds for: the CPU model, the cores this process may use, the kernel ISA caps and
+    the torch build; not the host name, so every machine of one kind (a cloud instance type) shares it."""
+    import torch
+
+    limit = isa_limit()
+    return f"{_cpu_model()}|{host_cores()} cores{'|' + limit if limit else ''}|torch {torch.__version__}"
+
+
+CALIBRATION_CACHE = "hardware/calibration.json"  # under the cache root: one planner calibration per machine kind
+# The profile fields a machine calibration sets (plan/fit/machine.py fits them on this machine's measured steps)
+CALIBRATED_FIELDS = ("compute_efficiency", "a2a_call_s", "p2p_call_s", "step_overhead_s", "layer_overhead_s",
+                     "mem_bw", "mem_reserved_bytes")
+
+
+def calibration_path(cache_dir: str | Path | None = None) -> Path:
+    return Path(cache_dir or cache_root()) / CALIBRATION_CACHE
+
+
+def cached_calibration(kind: str | None = None, cache_dir: str | Path | None = None) -> dict | None:
+    """This machine kind's planner calibration (`plan --calibrate-machine`), or None: none was made, or the cache
+    cannot be read (a calibration that cannot be read is one to make again, never a failure)."""
+    try:
+        entry = json.loads(calibration_path(cache_dir).read_text()).get(kind or machine_kind())
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) and isinstance(entry.get("profile"), dict) else None
+
+
+def save_calibration(entry: dict, kind: str | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Store `entry` as this machine kind's calibration (write-then-rename, other kinds' entries kept)."""
+    path = calibration_path(cache_dir)
+    try:
+        table = json.loads(path.read_text())
+        table = table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        table = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**table, kind or machine_kind(): entry}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def with_calibration(hw: Hardware, entry: dict) -> Hardware:
+    """`hw` with a machine calibration's fitted fields and its measured per-core GEMM rates."""
+    prof = entry["profile"]
+    fields = {k: float(prof[k]) for k in CALIBRATED_FIELDS if k in prof}
+    rates = {}
+    for key in ("gemm_flops_by_threads", "gemm_bf16_flops_by_threads"):
+        if prof.get(key):
+            rates[key] = {int(t): float(v) for t, v in prof[key].items()}
+    if "gemm_flops_by_threads" in rates:
+        rates["peak_flops_fp32"] = rates["gemm_flops_by_threads"][min(rates["gemm_flops_by_threads"])]
+    if "gemm_bf16_flops_by_threads" in rates:
+        rates["peak_flops_bf16"] = rates["gemm_bf16_flops_by_threads"][min(rates["gemm_bf16_flops_by_threads"])]
+    return dataclasses.replace(hw, **fields, **rates,
+                               source=f"{hw.source}; calibrated on this machine kind: {entry.get('source', '')}")
 
 
 ISA_LIMIT_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")  # oneDNN's and ATen's kernel ISA caps
@@ -377,25 +442,36 @@ def host_memory_bytes(meminfo: str = "/proc/meminfo") -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def cpu_profile(cores: int, mem_bytes: float, dtype: str = "fp32") -> Hardware:
-    """A CPU node nobody has measured: its own cores and memory; per-core GEMM rate, memory bandwidth,
-    gloo link figures and the host costs of our code (per call, per step, the per-rank reserve) are
-    nominal, taken from the calibrated `cpu-gloo` machine. For a bf16 plan the bf16 rate is that nominal
+def cpu_profile(cores: int, mem_bytes: float, dtype: str = "fp32", calibrated: bool = True) -> Hardware:
+    """A CPU node: its own cores and memory. Where this machine kind has a planner calibration
+    (`cached_calibration`, made by `nanotitan plan --calibrate-machine`), its measured per-core GEMM rate and
+    its fitted host costs; otherwise the per-core GEMM rate, memory bandwidth, gloo link figures and the host
+    costs of our code (per call, per step, the per-rank reserve) are nominal, taken from the calibrated `cpu-gloo`
+    machine. For a bf16 plan the bf16 rate is that nominal
     fp32 rate times this host's measured bf16/fp32 GEMM ratio (1 thread, bounded and cached:
     `cached_cpu_gemm_flops`), so a CPU without native bf16 is planned at its ~1/60 of fp32, and one with AMX
-    at its several times. `nanotitan plan --measure` (+ `--calibrate`) writes this host's own figures."""
+    at its several times. `calibrated=False`: the nominal profile, whatever the cache holds (what a calibration
+    starts from)."""
     ref = BUILTIN["cpu-gloo"]
     per_core = ref.gemm_flops_by_threads[1]
     bf16, note = {}, ""  # empty: the fp32 table stands in (Hardware.peak_flops)
     if dtype == "bf16":
         ratio = cached_cpu_gemm_flops(1, "bf16") / cached_cpu_gemm_flops(1, "fp32")
         bf16, note = {1: per_core * ratio}, f"; bf16 {ratio:.2g} x fp32 (measured here)"
-    return dataclasses.replace(ref, name=f"cpu-{cores}core", cores_per_node=cores, mem_bytes=float(mem_bytes),
-                               gemm_flops_by_threads={1: per_core}, gemm_bf16_flops_by_threads=bf16,
-                               peak_flops_bf16=bf16.get(1, ref.peak_flops_bf16),
-                               devices_per_node=max(ref.devices_per_node, cores),
-                               source=f"detected: {cores} cores, {mem_bytes / GiB:.1f} GiB; GEMM {per_core / 1e9:.0f} "
-                                      f"GFLOP/s per core and gloo/host costs nominal (cpu-gloo's){note}")
+    hw = dataclasses.replace(ref, name=f"cpu-{cores}core", cores_per_node=cores, mem_bytes=float(mem_bytes),
+                             gemm_flops_by_threads={1: per_core}, gemm_bf16_flops_by_threads=bf16,
+                             peak_flops_bf16=bf16.get(1, ref.peak_flops_bf16),
+                             devices_per_node=max(ref.devices_per_node, cores),
+                             source=f"detected: {cores} cores, {mem_bytes / GiB:.1f} GiB; GEMM {per_core / 1e9:.0f} "
+                                    f"GFLOP/s per core and gloo/host costs nominal (cpu-gloo's){note}")
+    entry = cached_calibration() if calibrated and cores == host_cores() else None  # this machine kind's
+    if entry is None:
+        return hw
+    hw = dataclasses.replace(with_calibration(hw, entry), name=f"cpu-{cores}core-calibrated")
+    if dtype == "bf16" and not entry["profile"].get("gemm_bf16_flops_by_threads"):  # fp32 measured: the ratio
+        fp32 = hw.gemm_flops_by_threads[min(hw.gemm_flops_by_threads)]
+        hw = dataclasses.replace(hw, gemm_bf16_flops_by_threads={1: fp32 * ratio}, peak_flops_bf16=fp32 * ratio)
+    return hw
 
 
 def detect_hardware(profile: str | Hardware | None = None, dtype: str = "fp32") -> Hardware:

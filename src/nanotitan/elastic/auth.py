@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
@@ -29,21 +27,20 @@ from pathlib import Path
 
 from ..config.config import Config, ConfigError, ElasticConfig
 from ..config.errors import first_line
+from ..run.loopback import is_loopback, split_endpoint
 
 SECRET_ENV = "NANOTITAN_ELASTIC_SECRET"  # the secret itself (the file's alternative)
 KEY_ENV = "NANOTITAN_ELASTIC_KEY"  # the derived key, handed by an agent to its ranks
 SECRET_FILE = "elastic.secret"  # RUN_DIR/elastic.secret: a one-host job's own secret (mode 0600)
 WINDOW_S = 60.0  # a request whose timestamp is further than this from the server's clock is stale
+MIN_SECRET = 16  # bytes: a shorter secret is guessed offline from one signed entry (3 characters: in 0.4 s)
 INSECURE_KEY = hashlib.sha256(b"nanotitan-elastic-insecure").digest()  # --elastic.insecure: a key everyone knows
 
 
 def single_host(endpoint: str) -> bool:
-    """Whether an elastic job at HOST:PORT can only have members on this machine (HOST is a loopback address)."""
-    host = endpoint.rsplit(":", 1)[0]
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+    """Whether an elastic job at HOST:PORT can only have members on this machine (HOST names a loopback address:
+    any of 127.0.0.0/8, or ::1)."""
+    return is_loopback(split_endpoint(endpoint)[0])
 
 
 def default_id_warning(cfg: Config) -> str:
@@ -74,11 +71,9 @@ def job_key(cfg: Config) -> bytes:
         if why:
             raise ConfigError(f"elastic.secret_file={e.secret_file!r} {why}: chmod 600 {e.secret_file}, as its "
                               "owner (--elastic.secret_file)")
-        if not secret.strip():
-            raise ConfigError(f"elastic.secret_file={e.secret_file!r} is empty (--elastic.secret_file)")
-        return derive(secret)
+        return derive(_long_enough(secret, f"elastic.secret_file={e.secret_file!r}"))
     if os.environ.get(SECRET_ENV, "").strip():
-        return derive(os.environ[SECRET_ENV].encode())
+        return derive(_long_enough(os.environ[SECRET_ENV].encode(), f"${SECRET_ENV}"))
     if single_host(e.endpoint):
         return derive(_own_secret(Path(cfg.run.dir)))
     if e.insecure:
@@ -86,6 +81,17 @@ def job_key(cfg: Config) -> bytes:
     raise ConfigError(f"an elastic job across hosts (elastic.endpoint={e.endpoint}) needs a job secret, the same "
                       "on every node: --elastic.secret_file PATH (or $NANOTITAN_ELASTIC_SECRET); "
                       "--elastic.insecure true runs without one")
+
+
+def _long_enough(secret: bytes, where: str) -> bytes:
+    """`secret`, or ConfigError when it is shorter than MIN_SECRET bytes: anyone who reads one signed store entry
+    (any local user, on one host) can try every short secret against its MAC offline."""
+    n = len(secret.strip())
+    if n < MIN_SECRET:
+        raise ConfigError(f"{where} holds a secret of {n} bytes, fewer than {MIN_SECRET}: one signed entry of the "
+                          "job's store lets anyone guess a short one offline; use 32 random bytes "
+                          "(head -c 32 /dev/urandom | base64)")
+    return secret
 
 
 def agent_key(cfg: Config) -> bytes:
@@ -197,9 +203,14 @@ ENTRY_MAX = 64 << 10  # bytes: no entry of ours is larger (a plan is ~1 KB); a l
 REFUSED_MAX = 256  # refused entries remembered (so each is named once); the oldest is forgotten first
 ABSENT = b"\0nanotitan-absent\0"  # compare_set's answer for a missing key (no entry of ours is this)
 # Keys a joiner reads before it knows the launch nonce: join/ and assign/ are bound to a fresh random token of the
-# joiner's instead; `live` (node 0's liveness address, elastic/liveness.py) is what a joiner checks its secret
-# against first, and node 0 rewrites it every second (an earlier launch's, replayed, lasts a second at most).
-UNBOUND = ("join/", "assign/", "live")
+# joiner's instead; `job` is node 0's word that it coordinates the job (the time on its clock), which a joiner
+# checks its secret against while it waits for its id, and node 0 rewrites every second. Everything else (node 0's
+# liveness address `live` included) is bound to the launch.
+UNBOUND = ("join/", "assign/", "job")
+
+
+class StoreGone(ConnectionError):
+    """A write to the job's store failed: node 0's store no longer answers (node 0 died, or the network is down)."""
 
 
 def new_launch() -> str:
@@ -235,7 +246,10 @@ class SignedStore:
         return hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
 
     def set(self, k: str, value: str) -> None:
-        self.store.set(k, self._mac(k, value) + value)
+        try:
+            self.store.set(k, self._mac(k, value) + value)
+        except Exception as err:  # noqa: BLE001 - torch's DistNetworkError, DistStoreError, a timeout: all one thing
+            raise StoreGone(f"node 0's store does not answer ({first_line(err)})") from None
 
     def get(self, k: str) -> str | None:
         try:
@@ -277,4 +291,7 @@ class SignedStore:
             return False
 
     def add(self, k: str, n: int) -> int:
-        return self.store.add(k, n)
+        try:
+            return self.store.add(k, n)
+        except Exception as err:  # noqa: BLE001 - as in `set`
+            raise StoreGone(f"node 0's store does not answer ({first_line(err)})") from None

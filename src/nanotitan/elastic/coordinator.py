@@ -29,7 +29,7 @@ a new layout rebuilds every group, shard and optimizer state anyway, and a joine
 nothing. docs/elastic.md measures what that costs.
 
 Store keys (prefix nanotitan/elastic/JOB), written by the agents (A), the coordinator (C) and rank 0 (R). Every
-entry but the counters (joined, gen, bye) carries a MAC of the job's key (auth.SignedStore) over its full key and
+entry but the counters (joined, gen) carries a MAC of the job's key (auth.SignedStore) over its full key and
 this launch's nonce (node 0 draws it; a joiner learns it from assign/TOKEN): one without a valid MAC, or from
 another job or an earlier launch, is named in one line and read as absent.
     joined        A  counter of join tickets: a doorbell only (anyone can move it; node 0 reads a bounded window)
@@ -39,9 +39,13 @@ another job or an earlier launch, is named in one line and read as absent.
     node/I        A  {"host", "pid", "hash", "files"}: the hash of the code and config, which must match node 0's;
                      files: HOST:PORT of its transport.FileServer
     refused/I     C  why node I may not join (it prints it and exits 2)
+    job           C  the job id, signed but bound to no launch: a joiner checks its secret against it
     live          C  HOST:PORT of node 0's liveness listener (liveness.py): each agent's connection there tells
-                     node 0 at once that its processes died, and within SILENT_S that it went silent
+                     node 0 at once that its processes died, and within elastic.silent_s that it went silent
     beat/I        A  the time, every second: until a node's liveness connection is up, the beat it is judged by
+                     (timed by when node 0 reads a new one: a node's clock may be off)
+    dropped/I     C  {"n", "gen", "why"}: node I was judged lost; its agent, if it lives, asks to join again
+    held/I        A  the snapshot units node I holds, [step, gen, origin] (replicas.py: what each node keeps)
     leave/I       A  SIGTERM: node I leaves after the step in flight
     gen, gen/G    C  counter of generations; plan of G: {"members", "flags", "layout", "resume", "snapshot"}
                      (snapshot: the step of node 0's assembled snapshot that `resume` names, which each member
@@ -49,31 +53,35 @@ another job or an earlier launch, is named in one line and read as absent.
     gen/G/stop    C  stop after the step in flight        gen/G/abort  C  kill the ranks (a failure elsewhere)
     gen/G/exit/I  A  {"code", "line"} once all of node I's ranks have exited
     gen/G/step, up, saved, result  R  (rank.py)
-    done          C  {"code", "line"}: the job is over; every agent exits with that code
+    done          C  {"code", "line"}: the job is over; every agent prints the line and exits with that code
+    bye/I         A  node I read `done` and exits: node 0 keeps the store up until every node's is there
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from ..config.config import Config, ConfigError, to_toml
 from ..config.parse import elastic_nodes
-from ..config.errors import CheckpointError, first_line
-from ..state.manifest import COMPLETE, MANIFEST, hash_file, unit_mismatch
-from . import snapshot
+from ..config.errors import CheckpointError
+from ..state.manifest import COMPLETE, checkpoint_dir
+from ..state.swap import swap_in
+from ..run.loopback import host_ip, split_endpoint
 from .auth import WINDOW_S
 from .rank import layout_line, snapshot_root
-from .liveness import LIVE_KEY, LiveServer
-from .transport import Peer, get_file, list_units
+from .liveness import JOB_KEY, LIVE_KEY, LiveServer
+from .replicas import assemble_newest
+from .transport import Peer
 
 TICK_S = 0.1  # how often an agent looks at the store and its ranks
+STEP_OF = re.compile(r"step_([0-9]+)(?:\.old)?")  # fullmatch: a checkpoint dir, or the copy a re-save set aside
 # An agent writes beat/I every BEAT_S; one whose liveness connection is not up yet is lost after LOST_S of them
 # missing (once it is up, the connection decides: liveness.py).
 BEAT_S, LOST_S = 1.0, 15.0
@@ -138,7 +146,7 @@ class Coordinator:
         self.unconfirmed: dict[int, dict] = {}  # ids assigned whose node has not beaten yet: its request
         self.nodes: set[int] = {0}  # the nodes that joined (beat with this launch's nonce)
         self.refused_nodes: set[int] = set()  # ids assigned to nodes told to go (refused/I)
-        self.beats: dict[int, float] = {}  # each node's last valid beat
+        self.beats: dict[int, tuple[str, float]] = {}  # each node's last valid beat, and when node 0 first read it
         self.waiting: list[int] = [0]  # registered, not yet members
         self.members: list[int] = []
         self.leaving: set[int] = set()
@@ -151,18 +159,21 @@ class Coordinator:
         self.failed_at = 0  # the furthest step before the last failure
         self.last_step = 0  # the last step the newest generation completed
         self.snapshots = snapshot_root(cfg, 0)  # node 0's: where a resume from snapshots is assembled
-        host = cfg.elastic.endpoint.rsplit(":", 1)[0]  # node 0's address: the agents reach it
-        self.live = LiveServer(socket.gethostbyname(host), store.key, cfg.elastic.id, log=self._say)
+        host = split_endpoint(cfg.elastic.endpoint)[0]  # node 0's address: the agents reach it
+        self.live = LiveServer(host_ip(host), store.key, cfg.elastic.id, log=self._say, silent_s=cfg.elastic.silent_s)
         self.said_lost: set[int] = set()
-        self.published = -1e9  # when `live` was last checked (monotonic)
+        self.drops: dict[int, int] = {}  # how often each node was dropped (judged lost): its `dropped/I` entry's count
+        self.published = -1e9  # when `job` and `live` were last checked (monotonic)
         self._publish()
 
     def _publish(self) -> None:
-        """The listener's address, signed, rewritten when what is there does not verify (a stranger's write lasts
-        a second at most: a joiner that cannot verify it for liveness.MISMATCH_S has another secret)."""
+        """`job` (signed, bound to no launch: a joiner checks its secret against it) and the listener's address
+        `live` (bound to this launch: an earlier launch's cannot send an agent elsewhere), each rewritten once a
+        second when what is there does not verify."""
         if time.monotonic() - self.published >= 1.0:
-            if self.store.get(LIVE_KEY) != self.live.addr:
-                self.store.set(LIVE_KEY, self.live.addr)
+            for key, value in ((JOB_KEY, self.cfg.elastic.id), (LIVE_KEY, self.live.addr)):
+                if self.store.get(key) != value:
+                    self.store.set(key, value)
             self.published = time.monotonic()
 
     def close(self) -> None:
@@ -214,13 +225,23 @@ class Coordinator:
         launch's nonce; a node with other code or config is told why (refused/I)."""
         token = req["token"]
         if token not in self.tokens:
-            if abs(time.time() - req["ts"]) > WINDOW_S:
-                self._say(f"a join request from {req['host']} signed {time.time() - req['ts']:.0f} s ago (a replay "
-                          "of an earlier launch's, or a clock that is off): ignored")
+            if abs(behind := time.time() - req["ts"]) > WINDOW_S:  # a replay of an earlier launch's, or a clock off
+                self._say(f"a join request from {req['host']} signed at a time {abs(behind):.0f} s "
+                          f"{'behind' if behind > 0 else 'ahead of'} node 0's clock (a replay of an earlier launch's, "
+                          "or a clock that is off): not joined; the joiner is told node 0's time")
                 self.tokens[token] = None
+                self.store.set(f"assign/{token}", json.dumps({"clock": time.time()}))
                 return
-            self.tokens[token], node = self.next_id, self.next_id
-            self.next_id += 1
+            node = req.get("node")
+            if node in self.drops and node not in self.members + self.waiting + list(self.unconfirmed):
+                self.leaving.discard(node)  # a node dropped while it lived asks again: the same id (its snapshots')
+                self.said_lost.discard(node)
+                self.live.forget(node)
+                self._say(f"node {node} ({req['host']}), dropped at its loss, asks to join again")
+            else:
+                node = self.next_id
+                self.next_id += 1
+            self.tokens[token] = node
             if req["hash"] != self.hash:
                 why = (f"node {node} ({req['host']}) runs different code or config (hash {req['hash']} != node 0's "
                        f"{self.hash}): start it with the same nanotitan version and command")
@@ -236,13 +257,15 @@ class Coordinator:
 
     def _lost(self, node: int) -> str:
         """'' while `node` is alive, else why it is lost: its liveness connection's verdict once it had one, else
-        its store beats'."""
+        its store beats', each timed by when node 0 read it (a node's clock may be off: the beat's value only has
+        to change)."""
         why = self.live.state(node)
         if why is None:
-            beat = self.store.get(f"beat/{node}")
-            if beat is not None:  # a forged beat is no beat: the last valid one counts
-                self.beats[node] = float(beat)
-            silent = time.time() - self.beats.get(node, 0.0)
+            beat, now = self.store.get(f"beat/{node}"), time.monotonic()
+            last = self.beats.get(node)
+            if beat is not None and (last is None or last[0] != beat):  # a forged beat is no beat
+                self.beats[node] = last = (beat, now)
+            silent = now - (last[1] if last else self.since)
             why = f"node {node}'s agent stopped answering (no beat for {silent:.0f} s)" if silent > LOST_S else ""
         return why
 
@@ -257,6 +280,9 @@ class Coordinator:
                 if node not in self.said_lost:
                     self.said_lost.add(node)
                     self._say(f"node {node} lost: {why}")
+                    # its agent may live (a pause, a cut connection): it reads why, and asks to join again
+                    self.drops[node] = self.drops.get(node, 0) + 1
+                    self.store.set(f"dropped/{node}", json.dumps({"n": self.drops[node], "gen": g, "why": why}))
         return out
 
     # --- the state machine ----------------------------------------------------------------------------
@@ -290,8 +316,10 @@ class Coordinator:
             if len(exits) == len(self.members):  # every rank ended without being asked: the run is complete
                 return self._finish(0, f"finished at step {self.cfg.train.steps}")
             joiners = [n for n in self.waiting if n not in self.leaving]
-            if (self.leaving & set(self.members)) or (joiners and len(self.members) < self.max_nodes):
-                why = "notice" if self.leaving & set(self.members) else "join"
+            leaving = self.leaving & set(self.members)
+            # a generation takes its first step (the last change's record) before the next change stops it
+            if self.change is None and (leaving or (joiners and len(self.members) < self.max_nodes)):
+                why = "notice" if leaving else "join"
                 self.change = {"event": why, "t": time.time(), "old": self.layout, "nodes_before": len(self.members)}
                 self.store.set(f"gen/{self.gen}/stop", "1")
                 self.phase = "stopping"
@@ -330,7 +358,7 @@ class Coordinator:
         budget = restart_budget(self.cfg)
         if self.failures > budget:
             return self._finish(1, f"generation {self.gen} failed and train.max_restarts={budget} restarts are used "
-                                   "up; resume with --train.resume auto (--train.max_restarts)")
+                                   f"up (--train.max_restarts); {self._resume_hint()}")
         self.failed_at = self._step_reached()
         self._next_generation()
 
@@ -366,8 +394,8 @@ class Coordinator:
                                                        "layout": self.layout, "resume": resume, "snapshot": snap}))
         self.store.add("gen", 1)
         if self.change is not None:
-            self.change.update(published=time.time(), nodes_after=len(self.members), step_reached=step,
-                               saved=self._saved(self.gen - 1))
+            self.change.update(published=time.time(), nodes_after=len(self.members), members=self.members,
+                               step_reached=step, saved=self._saved(self.gen - 1))
         else:
             self._say(f"generation 1: nodes {self.members}, world {world}: {self.layout}")
         self.phase = "running"
@@ -393,8 +421,8 @@ class Coordinator:
         self.changes += 1
         rec = {"change": self.changes, "event": ch["event"], "step": up["start_step"],
                "step_reached": ch["step_reached"], "steps_lost": ch["step_reached"] - up["start_step"],
-               "nodes": [ch["nodes_before"], ch["nodes_after"]], "old": ch["old"], "new": up["layout"],
-               "pause_s": up["up"] - ch["t"], "parts_s": parts}
+               "nodes": [ch["nodes_before"], ch["nodes_after"]], "members": ch["members"], "old": ch["old"],
+               "new": up["layout"], "pause_s": up["up"] - ch["t"], "parts_s": parts}
         self._say(f"change {self.changes} ({rec['event']}) at step {rec['step']}: nodes {ch['nodes_before']} -> "
                   f"{ch['nodes_after']}, {rec['old']} -> {rec['new']}, steps lost {rec['steps_lost']}, pause "
                   f"{rec['pause_s']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ")")
@@ -419,7 +447,8 @@ class Coordinator:
     def _newest_checkpoint(self) -> Path | None:
         """The newest checkpoint that verifies, of the run dir's and the snapshots (a damaged one is named and
         skipped): where the next generation resumes. A snapshot newer than the run dir's newest is assembled on
-        this node from the units of every node that answers (assemble_newest)."""
+        this node from the units of every node that answers (assemble_newest): a node judged lost is asked too,
+        since its file server may answer (a paused agent, a cut liveness connection)."""
         from ..state.manifest import resolve_resume
 
         best = None
@@ -434,14 +463,31 @@ class Coordinator:
         peers = {}
         for node in sorted(self.nodes - {0}):
             info = self.store.get(f"node/{node}")
-            if info is not None and self.store.get(f"refused/{node}") is None and not self._lost(node):
+            if info is not None and self.store.get(f"refused/{node}") is None:
                 peers[node] = Peer(json.loads(info)["files"], self.cfg.elastic.id, node)
         snap = assemble_newest(self.snapshots, peers, self.store.key, _step_of(best) if best else -1, self._say)
         return snap or best
 
     def _resume_hint(self) -> str:
+        """Where the job resumes after it ends: the newest checkpoint, an assembled snapshot copied into the run dir
+        first (every node frees its snapshot dir when the job ends)."""
         ck = self._newest_checkpoint()
+        if ck is not None and ck.is_relative_to(self.snapshots):
+            ck = keep_in(self.run_dir, ck)
         return f"newest checkpoint {ck}; start the job again with --train.resume auto" if ck else "no checkpoint yet"
+
+    def interrupt(self) -> None:
+        """Ctrl-C on node 0: every rank stopped at once (nothing saved), the job over with 130 and where it resumes."""
+        if self.phase == "done":
+            return
+        if self.gen:
+            self.store.set(f"gen/{self.gen}/abort", "1")
+        self._finish(130, f"interrupted (SIGINT) on node 0 at step {self._step_reached()}; {self._resume_hint()}")
+
+    def departed(self) -> set[int]:
+        """The nodes node 0 waits for at the end (their `bye/I`): every one that joined or was refused (it reads
+        why from the store) and was not lost."""
+        return {n for n in (self.nodes | self.refused_nodes) - {0} if n not in self.said_lost}
 
     def _finish(self, code: int, line: str) -> None:
         if self.live.summary():
@@ -454,76 +500,15 @@ class Coordinator:
 
 
 def _step_of(path: Path) -> int:
-    return int(path.name.split("_")[1])
+    return int(STEP_OF.fullmatch(path.name).group(1))
 
 
-# --- coordinator side: the newest step whose files are all somewhere, assembled on node 0 -------------------
-
-def assemble_newest(root: Path, peers: dict[int, Peer], key: bytes, newer_than: int, log) -> Path | None:
-    """The newest snapshot step > newer_than whose every file is held by this node (ROOT) or a peer's FileServer
-    (`peers`: node -> its transport.Peer, asked with the job's `key`; one that does not answer is skipped) and verifies:
-    assembled into ROOT/checkpoints/step_N and returned. Each step passed over is named through `log`, with why."""
-    holders: dict[tuple[int, int], dict[str, list]] = {}  # (step, gen) -> file -> [(addr or None, rel path)]
-
-    def add(addr, inventory):
-        for rel, files in inventory.items():
-            m = snapshot.UNIT.fullmatch(rel)
-            key = (int(m.group(1)), int(m.group(2)))
-            for name in files:
-                holders.setdefault(key, {}).setdefault(name, []).append((addr, f"{rel}/{name}"))
-
-    add(None, snapshot.units(root))
-    for node, addr in peers.items():
-        try:
-            add(addr, list_units(addr, key))
-        except OSError as e:
-            log(f"resume: node {node}'s snapshots are out of reach ({first_line(e)})")
-    for step, gen in sorted(holders, reverse=True):
-        if step <= newer_than:
-            break
-        files = holders[(step, gen)]
-        where = f"snapshot step_{step} (generation {gen})"
-        tmp = root / "checkpoints" / f"step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        why = _fetch(root, files, key, MANIFEST, tmp, None) or unit_mismatch(tmp)  # a garbled manifest is named
-        if not why:
-            manifest = json.loads((tmp / MANIFEST).read_bytes())["files"]
-            missing = sorted(set(manifest) - set(files))
-            if missing:
-                why = f"{missing[0]} is on no node that answers"
-            for name in sorted(manifest):
-                why = why or _fetch(root, files, key, name, tmp, manifest[name])
-        if why:
-            log(f"resume: skipped {where}: {why}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            continue
-        (tmp / COMPLETE).write_text(f"step {step}\n")
-        final = tmp.with_name(f"step_{step}")
-        snapshot.commit(tmp, final)
-        for d in final.parent.iterdir():  # the older assembled ones have served
-            if d != final:
-                shutil.rmtree(d, ignore_errors=True)
-        return final
-    return None
-
-
-def _fetch(root: Path, files: dict[str, list], key: bytes, name: str, dest_dir: Path, want: dict | None) -> str:
-    """Copy `name` from the first holder (this node's ROOT, or a peer's) whose copy matches `want` (size and
-    xxh3); '' or why none did."""
-    why = f"{name} is on no node that answers"
-    for addr, rel in files.get(name, []):
-        dest = dest_dir / name
-        try:
-            if addr is None:
-                shutil.copyfile(root / rel, dest)
-            else:
-                get_file(addr, key, rel, dest)
-        except OSError as e:
-            why = f"{name} could not be read ({first_line(e)})"
-            continue
-        if want is None or hash_file(dest) == (want["bytes"], want["xxh3_64"]):
-            return ""
-        why = (f"{'shard' if name.endswith(('.distcp', '.raw')) else 'file'} {name} fails its checksum (xxh3_64) on "
-               f"every node that holds it")
-    return why
+def keep_in(run_dir: Path, snap: Path) -> Path:
+    """A copy of the assembled snapshot `snap` (checkpoints/step_N in memory) as RUN_DIR/checkpoints/step_N, the
+    old copy of that step (if any) set aside until the new one is complete (state/swap.py)."""
+    final = checkpoint_dir(run_dir) / snap.name
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(snap, tmp, ignore=shutil.ignore_patterns(COMPLETE))
+    swap_in(tmp, final, f"step {_step_of(snap)}\n")
+    return final

@@ -4,9 +4,12 @@
 - A node whose processes die (kill -9, an OOM kill) is noticed at once: the kernel closes a dead process's
   sockets, and the listener reads the end of the connection.
 - A node that goes silent (frozen: SIGSTOP; its cable pulled), whose connection stays open, is lost after
-  SILENT_S without a byte from it: 16 missed beats, so a loaded machine's scheduling and GIL pauses (hundreds of
-  ms) are no loss. Silence is measured at the listener's own select passes, after it has read every byte that had
-  arrived, so a pause of node 0's process is no silence of the others.
+  elastic.silent_s (default SILENT_S) without a byte from it: 16 missed beats, so a loaded machine's scheduling and
+  GIL pauses (hundreds of ms) are no loss. Silence is measured at the listener's own select passes, after it has
+  read every byte that had arrived, so a pause of node 0's process is no silence of the others.
+- A connection that ends while the agent lives (a pause longer than silent_s, a reset) is made again by the agent's
+  Beater, every RETRY_S. Node 0 has dropped the node by then; the agent reads why (`dropped/I`) and asks to join
+  again (agent.py), so a node wrongly judged lost comes back at the next generation.
 
 Both ends prove the job's key (auth.py; the lines carry MACs of a key derived from it for them alone). The listener
 opens each connection with a random challenge and its MAC, so an agent whose secret differs knows it at once. The
@@ -31,14 +34,17 @@ import threading
 import time
 
 from ..config.config import ConfigError
+from ..run.loopback import family, join_endpoint, split_endpoint
 
 BEAT_S = 0.25  # an agent beats this often on its connection
-SILENT_S = 4.0  # an open connection silent this long is a lost node (a frozen one: detected in <= 5 s)
+SILENT_S = 4.0  # elastic.silent_s's default: an open connection silent this long is a lost node
+RETRY_S = 0.5  # a Beater whose connection ended (or never opened) tries again this often
 HELLO_S = 2.0  # a connection without a valid hello by then is closed
 MAX_PENDING = 32  # connections allowed to wait for their hello at once
 LINE_MAX = 256  # bytes of one line (a beat is about 110)
-MISMATCH_S = 3.0  # a joiner that can verify none of node 0's `live` entry for this long has another secret
-LIVE_KEY = "live"  # the store entry (signed, by node 0's coordinator) naming the listener's HOST:PORT
+MISMATCH_S = 3.0  # a joiner that can verify none of node 0's `job` entries for this long has another secret
+LIVE_KEY = "live"  # the store entry (signed, bound to the launch, by node 0's coordinator): the listener's HOST:PORT
+JOB_KEY = "job"  # node 0's word that it coordinates the job: its clock, signed but bound to no launch (auth.UNBOUND)
 
 
 def live_key(job_key: bytes) -> bytes:
@@ -73,11 +79,11 @@ class _Conn:
 class LiveServer:
     """Node 0's listener: which nodes hold an authenticated connection, and why one that ended is lost."""
 
-    def __init__(self, host: str, key: bytes, job: str, log=print):
-        self.key, self.job, self.log = live_key(key), job, log
-        self.sock = socket.create_server((host, 0))
+    def __init__(self, host: str, key: bytes, job: str, log=print, silent_s: float = SILENT_S):
+        self.key, self.job, self.log, self.silent_s = live_key(key), job, log, silent_s
+        self.sock = socket.create_server((host, 0), family=family(host))
         self.sock.setblocking(False)
-        self.addr = f"{host}:{self.sock.getsockname()[1]}"
+        self.addr = join_endpoint(host, self.sock.getsockname()[1])
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.sock, selectors.EVENT_READ)
         self.conns: dict[socket.socket, _Conn] = {}
@@ -101,8 +107,13 @@ class LiveServer:
     def summary(self) -> str:
         """The longest silence seen (how far a job's beats were from a false loss), '' before any beat."""
         gap, node = self.longest
-        return f"liveness: the longest silence of a node was {gap:.2f} s (node {node}; a loss at {SILENT_S:g} s)" \
+        return f"liveness: the longest silence of a node was {gap:.2f} s (node {node}; a loss at {self.silent_s:g} s)" \
             if node >= 0 else ""
+
+    def forget(self, node: int) -> None:
+        """A dropped node that joins again: judged anew (by its next connection, or its store beats until then)."""
+        with self.lock:
+            self.ended.pop(node, None)
 
     def close(self) -> None:
         self.closing = True
@@ -122,7 +133,7 @@ class LiveServer:
                     for c in list(self.conns.values()):
                         if c.node is None and t0 - c.opened > HELLO_S:
                             self._drop(c, f"no valid hello within {HELLO_S:g} s")
-                        elif c.node is not None and t0 - self.seen[c.node] > SILENT_S:
+                        elif c.node is not None and t0 - self.seen[c.node] > self.silent_s:
                             self._drop(c, f"node {c.node} sent no beat for {t0 - self.seen[c.node]:.1f} s "
                                           "(frozen, or its network is down)")
         finally:
@@ -220,76 +231,79 @@ class LiveServer:
 
 class Beater:
     """An agent's side: its connection to node 0's listener, with a beat every BEAT_S from a thread of its own
-    (the agent's own ticks, and the store's calls, may take longer than a beat)."""
+    (the agent's own ticks, and the store's calls, may take longer than a beat). A connection that cannot be made,
+    or that ends, is made again every RETRY_S until `close`: each change named in one line."""
 
     def __init__(self, addr: str, key: bytes, job: str, node: int, log=print):
-        self.key, self.job, self.node, self.log = live_key(key), job, node, log
-        host, port = addr.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=HELLO_S)
-        try:
-            hello = _parse(self._readline())
-            if not hello or not isinstance(hello.get("challenge"), str) or not isinstance(hello.get("mac"), str) \
-                    or not hmac.compare_digest(hello["mac"], _mac(self.key, job, hello["challenge"])):
-                raise ValueError(f"node 0's liveness listener at {addr} does not sign with this node's key: "
-                                 "your secret does not match the job's")
-            self.challenge, self.seq = hello["challenge"], 0
-            self._send()
-        except BaseException:
-            self.sock.close()
-            raise
+        self.addr, self.key, self.job, self.node, self.log = addr, live_key(key), job, node, log
+        self.up = threading.Event()  # a connection is open and beating
         self.stop = threading.Event()
+        self.sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name="liveness-beat")
         self.thread.start()
 
-    def _readline(self) -> bytes:
-        buf = b""
-        while b"\n" not in buf and len(buf) <= LINE_MAX:
-            chunk = self.sock.recv(LINE_MAX)
-            if not chunk:
-                raise ConnectionError("node 0's liveness listener closed the connection")
-            buf += chunk
-        return buf.split(b"\n", 1)[0]
+    def _open(self) -> socket.socket:
+        """A connection whose hello is done: node 0's challenge verified, this node's hello (seq 0) sent."""
+        host, port = split_endpoint(self.addr)
+        sock = socket.create_connection((host, port), timeout=HELLO_S)
+        try:
+            hello = _parse(_readline(sock))
+            if not hello or not isinstance(hello.get("challenge"), str) or not isinstance(hello.get("mac"), str) \
+                    or not hmac.compare_digest(hello["mac"], _mac(self.key, self.job, hello["challenge"])):
+                raise ValueError(f"node 0's liveness listener at {self.addr} does not sign with this node's key")
+            self.challenge, self.seq = hello["challenge"], 0
+            self._send(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
-    def _send(self) -> None:
+    def _send(self, sock: socket.socket) -> None:
         msg = {"node": self.node, "seq": self.seq, "mac": _mac(self.key, self.job, self.challenge, self.node, self.seq)}
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        sock.sendall(json.dumps(msg).encode() + b"\n")
 
     def _run(self) -> None:
-        while not self.stop.wait(BEAT_S):
-            self.seq += 1
+        said, was_up = "", False
+        while not self.stop.is_set():
             try:
-                self._send()
-            except OSError as err:
-                if not self.stop.is_set():
-                    self.log(f"nanotitan elastic: node {self.node}: the liveness connection to node 0 ended "
-                             f"({err.strerror or err})")
-                return
+                self.sock = self._open()
+            except (OSError, ValueError) as err:
+                why = str(err) if isinstance(err, ValueError) else (err.strerror or str(err))
+                if why != said:
+                    self.log(f"nanotitan elastic: node {self.node}: no liveness connection to node 0 ({why}); trying "
+                             f"again every {RETRY_S:g} s (until then node 0 judges this node by its store beats)")
+                    said = why
+                self.stop.wait(RETRY_S)
+                continue
+            if said or was_up:
+                self.log(f"nanotitan elastic: node {self.node}: liveness connection to node 0 open again")
+            said, was_up = "", True
+            self.up.set()
+            while not self.stop.wait(BEAT_S):
+                self.seq += 1
+                try:
+                    self._send(self.sock)
+                except OSError as err:
+                    if not self.stop.is_set():
+                        self.log(f"nanotitan elastic: node {self.node}: the liveness connection to node 0 ended "
+                                 f"({err.strerror or err}); connecting again")
+                        said = "ended"
+                    break
+            self.up.clear()
+            self.sock.close()
 
     def close(self) -> None:
         self.stop.set()
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         self.thread.join(timeout=5)
 
 
-def await_job(store, endpoint: str, timeout_s: float, tick_s: float = 0.1) -> str:
-    """A joiner, before it registers: node 0's liveness address, once its signed `live` entry verifies with this
-    node's key. When for MISMATCH_S the entry is there but does not verify, the secret is not the job's: one line
-    (ConfigError), instead of waiting like a spare for plans it can never verify."""
-    end, bad_since = time.monotonic() + timeout_s, None
-    while True:
-        addr = store.get(LIVE_KEY)
-        if addr is not None:
-            return addr
-        now = time.monotonic()
-        if store.has(LIVE_KEY):  # node 0 rewrites its entry every second: a stranger's write does not last
-            bad_since = bad_since or now
-            if now - bad_since > MISMATCH_S:
-                raise ConfigError(f"node 0's entries in the job's store at {endpoint} do not verify with this node's "
-                                  "key: your secret does not match the job's (--elastic.secret_file or "
-                                  "$NANOTITAN_ELASTIC_SECRET: the same on every node)")
-        else:
-            bad_since = None
-        if now > end:
-            raise ConfigError(f"no elastic coordinator published its address at {endpoint} in {timeout_s:g} s; "
-                              "start node 0 there (--elastic.join_timeout_s)")
-        time.sleep(tick_s)
+def _readline(sock: socket.socket) -> bytes:
+    buf = b""
+    while b"\n" not in buf and len(buf) <= LINE_MAX:
+        chunk = sock.recv(LINE_MAX)
+        if not chunk:
+            raise ConnectionError("node 0's liveness listener closed the connection")
+        buf += chunk
+    return buf.split(b"\n", 1)[0]

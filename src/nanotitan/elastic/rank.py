@@ -27,6 +27,7 @@ from pathlib import Path
 from ..state import checkpoint as ckpt
 from ..config.config import Config
 from ..parallel.step import StepResult
+from ..run.loopback import split_endpoint
 from .auth import SignedStore, rank_key
 from .snapshot import SnapshotWriter, private_root
 from ..train import Trainer, run
@@ -50,8 +51,8 @@ def job_store(endpoint: str, job: str, launch: str, timeout_s: float = 60.0) -> 
 
     import torch.distributed as dist
 
-    host, port = endpoint.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+    host, port = split_endpoint(endpoint)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     return SignedStore(store, rank_key(), job, launch)
 

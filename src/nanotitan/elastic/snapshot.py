@@ -20,8 +20,8 @@ commits the unit.
 Agent side (transport.py): each agent serves its ROOT over TCP to the job's members (list, get, put; every request
 signed with the job's key). It pushes its node's new units to the next member node, and fetches a whole snapshot
 from node 0 before a resume. No file system is shared between nodes.
-Coordinator side (coordinator.assemble_newest): for the newest step whose files are all on surviving nodes and
-verify, it builds checkpoints/step_N on node 0.
+Coordinator side (replicas.assemble_newest): for the newest step whose files are all on nodes that answer and
+verify, it builds checkpoints/step_N on node 0. What each node keeps: replicas.prune, run by its agent.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from ..parallel.comm import collectives as comm
 from ..state import checkpoint as ckpt
 from ..state.manifest import DCP_METADATA, is_plain_file, unit_mismatch
 from ..state.packing import SnapshotPacking, gather_json
+from ..state.swap import swap_in
 
 UNIT = re.compile(r"step_([0-9]+)/g([0-9]+)-node([0-9]+)")  # fullmatch: a committed unit, relative to ROOT
-KEEP_STEPS = 2  # a node keeps the units of its two newest steps: the newest may be incomplete when a node dies
 
 
 # --- rank side: stage at the step boundary, write on a thread ---------------------------------------------
@@ -137,8 +137,7 @@ class SnapshotWriter:
             if self.leader:  # every rank's shard is written (the gather): commit this node's unit
                 manifest = {name: meta for p in parts for name, meta in p["files"].items()}
                 ckpt.write_small_files(tmp, _bytes(parts[0]["small"]), manifest)
-                commit(tmp, unit)
-                prune(self.root)
+                commit(tmp, unit)  # the node's agent decides what is kept (replicas.prune)
         except BaseException as e:  # noqa: BLE001 - a failed snapshot must not stop training: the next one retries
             self.error = f"snapshot of step {step} failed: {first_line(e)}"
         finally:
@@ -157,23 +156,14 @@ def _bytes(small: dict) -> dict:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """Make a written unit (or checkpoint) visible: an older copy of it is removed, then the .tmp dir renamed into
-    place. A crash before the rename leaves the .tmp dir (and, between the two, no copy of that unit: the peer's
-    or the next snapshot's serves)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
-def prune(root: Path) -> None:
-    """Keep the units of the KEEP_STEPS newest steps (and leftovers of a write in flight among them)."""
-    steps = sorted(int(d.name[5:]) for d in root.glob("step_*") if d.name[5:].isdigit())
-    for s in steps[:-KEEP_STEPS]:
-        shutil.rmtree(root / f"step_{s}", ignore_errors=True)
+    """Make a written unit (or an assembled checkpoint, COMPLETE already in it) visible: an older copy of it is set
+    aside, the .tmp dir renamed into place, then the old copy deleted (state/swap.py): a kill at any point leaves a
+    whole copy."""
+    swap_in(tmp, final)
 
 
 def units(root: Path) -> dict[str, list[str]]:
-    """{unit path relative to ROOT: its files} of the committed units on this node. The snapshot thread's `prune`
+    """{unit path relative to ROOT: its files} of the committed units on this node. The agent's `replicas.prune`
     may remove a step while this lists it (a glob across the two levels then raised FileNotFoundError and took the
     agent down): a step or unit gone meanwhile is simply not listed. Only real dirs and regular files are (lstat):
     a symlink to /dev/zero would be copied forever, one to a dir would serve what is not a snapshot."""
@@ -197,7 +187,8 @@ def _real_dir(p: Path) -> bool:
 
 def own_dir(path: Path) -> Path:
     """`path`, made with mode 0700 if absent; an existing one must be a real dir (not a symlink) owned by this
-    user that neither group nor others can write, else ConfigError in one line. /dev/shm is writable by every
+    user that neither group nor others can read, enter or write (a 0755 one would show every local user the
+    weights), else ConfigError in one line. /dev/shm is writable by every
     local user: a dir planted there under a predictable name, or a symlink, would read the weights or redirect
     the writes (and assemble_newest's cleanup would then delete the target's siblings)."""
     try:
@@ -209,7 +200,7 @@ def own_dir(path: Path) -> Path:
     st = os.lstat(path)
     why = ("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a dir" if not stat.S_ISDIR(st.st_mode)
            else f"is owned by uid {st.st_uid}, not this user ({os.getuid()})" if st.st_uid != os.getuid()
-           else f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o022
+           else f"is open to group or others (mode {stat.S_IMODE(st.st_mode):04o})" if st.st_mode & 0o077
            else "")
     if why:
         raise ConfigError(f"snapshot dir {path} {why}: not this user's own; remove it or choose another "

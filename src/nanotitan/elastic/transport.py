@@ -31,8 +31,9 @@ from pathlib import Path
 
 from ..config.errors import first_line
 from ..state.manifest import COMPLETE, MANIFEST
+from ..run.loopback import family, split_endpoint
 from .auth import ReplayGuard, seal, valid
-from .snapshot import UNIT, check_unit, commit, prune, units
+from .snapshot import UNIT, check_unit, commit, units
 
 SOCKET_TIMEOUT_S = 60.0  # a member's transfer, per socket operation, once its request is admitted
 REQUEST_S = 5.0  # connect to the request line's newline: a client that trickles it (slow loris) is cut
@@ -71,6 +72,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 
     def __init__(self, addr, files: "FileServer"):
         self.files, self.pending = files, threading.BoundedSemaphore(MAX_PENDING)
+        self.address_family = family(addr[0])
         super().__init__(addr, _Handler)
 
     def process_request(self, request, client_address):
@@ -217,7 +219,8 @@ class FileServer:
         unit = root / req["unit"]  # _malformed: step_N/gG-nodeI, plain names
         tmp = unit.with_name(unit.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.parent.mkdir(exist_ok=True)  # the step's dir, in ROOT (never ROOT itself: made 0700 by its agent)
+        tmp.mkdir()
         h = hashlib.sha256()
         try:
             for name, size in req["files"]:
@@ -230,8 +233,7 @@ class FileServer:
         if why:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ValueError(f"replica {req['unit']} refused: {why}")
-        commit(tmp, unit)
-        prune(root)
+        commit(tmp, unit)  # the agent decides what is kept (replicas.prune)
 
 
 # --- what a request and an answer must look like ------------------------------------------------------------
@@ -409,8 +411,8 @@ def _request(peer: Peer, key: bytes, req: dict, body=None, body_sha256: str = ""
     raises OSError, in one line, on a refusal, an answer without a valid MAC for this request, or any garbage."""
     req = seal(key, dict(req, job=peer.job, to=peer.node), body_sha256)
     try:
-        host, port = peer.addr.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        host, port = split_endpoint(peer.addr)
+        sock = socket.create_connection((host, port), timeout=timeout_s)
     except (OSError, ValueError) as e:
         raise OSError(f"{peer.addr}: {first_line(e)}") from None
     try:

@@ -15,7 +15,10 @@ The method, every formula and its assumptions are written up in docs/planner.md.
     skew.py       routing skew and group-limited routing in the time model: the busiest EP rank's share
     tp.py         tensor parallel's terms: what a TP group saves, what it sends, which TP degrees a search tries
     cost.py       predict(): the two models over one Context (and the names other modules import)
-    search.py     enumerate_layouts, plan, recommend, reason, format_table
+    search.py     layout_candidates, enumerate_layouts, search_layouts, plan, recommend: the ranked predictions
+    table.py      what `nanotitan plan` prints: one row per layout, sorted as its header says, the recommendation,
+                  why, and each change it makes to the config's batch
+    advice.py     `--what-if`'s advice: config changes that act on the dominant causes, each predicted
     dryrun.py     `--dry-run`: every distinct rank of a layout built by the real code on fake tensors, against the model
     whatif.py     `--what-if`: fit, best layouts with their intervals, what dominates the step and what to change
     fit/          the fitting tools, apart from the model they fit:
@@ -28,10 +31,11 @@ The method, every formula and its assumptions are written up in docs/planner.md.
 
 from .fit.calibrate import FIT_TIME_FIELDS, calibrate, calibration_rows, fit_profile, format_calibration, spearman
 from .cost import PlanOptions, Prediction, predict
-from .search import enumerate_layouts, format_table, plan, reason, recommend
+from .search import enumerate_layouts, plan, recommend
+from .table import format_table, layout_rows, reason
 from .shape import PRECISIONS, Layout, ModelShape, Precision, StageSummary, layout_config, stage_summaries
 
 __all__ = ["FIT_TIME_FIELDS", "PRECISIONS", "Layout", "ModelShape", "PlanOptions", "Precision", "Prediction",
            "StageSummary", "calibrate", "calibration_rows", "enumerate_layouts", "fit_profile", "format_calibration",
-           "format_table", "layout_config", "plan", "predict", "reason", "recommend", "spearman",
+           "format_table", "layout_config", "layout_rows", "plan", "predict", "reason", "recommend", "spearman",
            "stage_summaries"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ..config.config import ConfigError, load_config
 from ..config.hardware import detect_hardware, save_hardware
@@ -12,7 +13,8 @@ from ..config.hf_config import resolve_model
 from .fit.calibrate import (calibrate, calibration_rows, fit_expert_skew, fit_profile, format_calibration,
                         format_peak_check, peak_tensor_check)
 from .cost import PlanOptions
-from .search import format_table, plan, reason
+from .search import plan
+from .table import batch_changes, format_table, layout_rows, no_layout, reason
 from .shape import PRECISIONS, ModelShape
 
 
@@ -47,6 +49,25 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", default="", metavar="LAYOUTS_JSON",
                     help="fit --hardware's time constants and memory reserve to `nanotitan bench layouts` output "
                          "(with its --config) and write the calibrated profile to --out")
+    ap.add_argument("--calibrate-machine", action="store_true",
+                    help="calibrate the planner on this machine and cache it for this machine kind: `bench layouts` "
+                         "at --fit-ranks under an emulated network (default 4 nodes of 2 over 100 Gb/s), the time "
+                         "constants and interval composition fitted to those steps, and checked on layouts the fit "
+                         "never saw (the coverage of the 80%% intervals, the median error). Needs a quiet machine; "
+                         "~15 min with the defaults")
+    ap.add_argument("--fit-ranks", type=int, nargs="+", default=[2, 4, 8], metavar="N",
+                    help="with --calibrate-machine: the world sizes the fit measures (every layout of each)")
+    ap.add_argument("--holdout-ranks", type=int, nargs="+", default=[8], metavar="N",
+                    help="with --calibrate-machine: the world sizes of the check: each of their layouts predicted by "
+                         "a fit to all the other layouts (or, with --holdout, those files' layouts); 0: no check")
+    ap.add_argument("--steps", type=int, default=14, help="with --calibrate-machine: steps per measured layout")
+    ap.add_argument("--from", dest="fit_from", nargs="+", default=[], metavar="LAYOUTS_JSON",
+                    help="with --calibrate-machine: fit these `bench layouts` files (their rows of --fit-ranks) "
+                         "instead of measuring")
+    ap.add_argument("--holdout", nargs="+", default=[], metavar="LAYOUTS_JSON",
+                    help="with --calibrate-machine: score these `bench layouts` files (their rows of "
+                         "--holdout-ranks) instead of measuring")
+    ap.add_argument("--no-save", action="store_true", help="with --calibrate-machine: fit and score, cache nothing")
     ap.add_argument("--peaks", default="", metavar="LAYOUTS_JSON",
                     help="the planner's per-rank peak of live tensor bytes (save transient included) against each "
                          "layout's measured step high-water mark in `nanotitan bench layouts` output (its --config)")
@@ -54,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --measure/--calibrate: profile JSON path; else: also write the table there")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's dp*ep*M*m)")
-    ap.add_argument("--micro-batch", type=int, default=0, help="keep m fixed (default: free)")
+    ap.add_argument("--micro-batch", default="", metavar="M|any",
+                    help="sequences per microbatch m to plan (default: the config's train.micro_batch, so every "
+                         "layout trains the config's model; 'any': every m that divides the batch, each change of m "
+                         "named as the different model it trains)")
     ap.add_argument("--precision", default="", choices=["", *PRECISIONS],
                     help="state/activation bytes (default: train.dtype's; --what-if's dry run builds only that one)")
     ap.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
@@ -96,6 +120,8 @@ def main(argv: list[str]) -> int:
             res = calibrate(rows, cfg, hw)
             print(f"wrote {args.out}: {hw.source}\n\n{format_calibration(res)}")
             return 0
+        if args.calibrate_machine:
+            return _calibrate_machine(args, overrides)
         if args.peaks:
             cfg = resolve_model(load_config(args.config, overrides))  # the config `bench layouts` ran
             rows, opts = calibration_rows(args.peaks), PlanOptions(expert_skew=args.expert_skew)
@@ -116,30 +142,66 @@ def main(argv: list[str]) -> int:
                              dtype="bf16" if (args.precision or cfg.train.dtype).startswith("bf16") else "fp32")
         opts = _options(args, cfg)
         extra = opts.shape_extra
+        _note_uncalibrated(hw)
         preds = plan(cfg, args.ranks, hw, opts)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not preds:
-        print(f"error: no valid layout of {args.ranks} ranks for this config at global batch "
-              f"{opts.global_batch or cfg.layout_batch} sequences; set --global-batch to one that dp*ep*M*m can hold",
+        print(f"error: {no_layout(args.ranks, opts.global_batch or cfg.layout_batch, opts.micro_batch)}",
               file=sys.stderr)
         return 2
     shape = ModelShape.from_config(cfg, **extra)
     B = opts.global_batch or cfg.layout_batch
+    rows = layout_rows(preds)
     head = (f"{shape.total_params() / 1e9:.3g}B params, {B} x {shape.seq_len} tokens/step on {args.ranks} x {hw.name} "
-            f"({len(preds)} layouts, {sum(p.fits for p in preds)} fit)")
-    best = preds[0].layout
-    rec = (f"Recommended: {best.short()} — {reason(preds)}\n  --parallel.dp {best.dp} --parallel.pp {best.pp} "
-           f"--parallel.ep {best.ep} --parallel.schedule {best.schedule} --parallel.microbatches {best.microbatches} "
-           f"--train.micro_batch {best.micro_batch} --parallel.zero {best.zero} --parallel.tp {best.tp} "
-           f"--parallel.cp {best.cp}")
-    text = f"{head}\n\n{format_table(preds, args.top)}\n\n{rec}\n"
+            f"({len(preds)} (layout, schedule, zero) variants planned, {sum(p.fits for p in preds)} fit; "
+            f"{_m_scope(opts)})")
+    text = f"{head}\n\n{format_table(rows, args.top, cfg)}\n\n{_recommendation(cfg, rows, opts)}\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+def _note_uncalibrated(hw) -> None:
+    """One line on stderr where this host's CPU profile is priced with another machine's host costs."""
+    if hw.cores_per_node and hw.name.startswith("cpu-") and not hw.name.endswith("-calibrated") and \
+            hw.name != "cpu-gloo":
+        print(f"note: {hw.name}'s host costs are cpu-gloo's, not this machine's: `nanotitan plan --calibrate-machine` "
+              f"(on a quiet machine, ~15 min, once per machine kind) fits them and caches the result",
+              file=sys.stderr)
+
+
+def _m_scope(opts: PlanOptions) -> str:
+    return f"m = {opts.micro_batch} as configured" if opts.micro_batch else "every m (--micro-batch any)"
+
+
+def _recommendation(cfg, rows, opts: PlanOptions) -> str:
+    """The recommended layout, why, the flags that run it, and each change to the config's batch it makes."""
+    rec = next((r for r in rows if r.recommended), None)
+    if rec is None:
+        return f"No recommendation: {reason(rows)}"
+    best = rec.layout
+    lines = [f"Recommended (row {rec.rank}): {best.short()} — {reason(rows)}",
+             f"  --parallel.dp {best.dp} --parallel.pp {best.pp} --parallel.ep {best.ep} --parallel.schedule "
+             f"{best.schedule} --parallel.microbatches {best.microbatches} --train.micro_batch {best.micro_batch} "
+             f"--parallel.zero {best.zero} --parallel.tp {best.tp} --parallel.cp {best.cp}"]
+    changes = batch_changes(cfg, best, opts)
+    lines += ["Changes to the config's batch:"] + [f"  - {c}" for c in changes] if changes else []
+    return "\n".join(lines)
+
+
+def _micro_batch(value: str, cfg) -> int:
+    """--micro-batch: '' = the config's m, 'any' = free (0), else that m."""
+    if value == "":
+        return cfg.train.micro_batch
+    if value == "any":
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--micro-batch {value}: give a positive number of sequences, or 'any' for every m")
+    return int(value)
 
 
 def _options(args, cfg) -> PlanOptions:
@@ -155,7 +217,8 @@ def _options(args, cfg) -> PlanOptions:
         print(f"routing skew from {args.skew_from}: sigma {skew:.3f}", file=sys.stderr)
     return PlanOptions(precision=args.precision, zero=args.zero, zero1=args.zero1, tp=args.tp, cp=args.cp,
                        activation_checkpointing=ac,
-                       global_batch=args.global_batch, micro_batch=args.micro_batch, nodes=args.nodes,
+                       global_batch=args.global_batch, micro_batch=_micro_batch(args.micro_batch, cfg),
+                       nodes=args.nodes,
                        ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew)
 
 
@@ -164,6 +227,7 @@ def _what_if(args, overrides: list[str]) -> int:
     import json
 
     from .fit.interval import load_sigmas
+    from .fit.machine import sigmas_for
     from .whatif import format_what_if, what_if
 
     cfg = resolve_model(load_config(args.config, overrides))
@@ -171,8 +235,9 @@ def _what_if(args, overrides: list[str]) -> int:
                          dtype="bf16" if (args.precision or cfg.train.dtype).startswith("bf16") else "fp32")
     world = args.ranks or (args.nodes or 1) * hw.devices_per_node
     log = None if args.json == "-" else (lambda line: print(line, file=sys.stderr, flush=True))
-    report = what_if(cfg, world, hw, _options(args, cfg), load_sigmas(args.sigmas or None), top=args.top,
-                     dry_run=not args.no_dry_run, log=log)
+    _note_uncalibrated(hw)
+    report = what_if(cfg, world, hw, _options(args, cfg), load_sigmas(args.sigmas) if args.sigmas else sigmas_for(hw),
+                     top=args.top, dry_run=not args.no_dry_run, log=log)
     if args.json:
         text = json.dumps(report, indent=1)
         if args.json == "-":
@@ -183,6 +248,42 @@ def _what_if(args, overrides: list[str]) -> int:
     if args.json != "-":
         print(format_what_if(report))
     return 0 if report["layouts"] else 2
+
+
+def _calibrate_machine(args, overrides: list[str]) -> int:
+    """`--calibrate-machine`: measure (or read), fit, check on layouts the fit never saw, cache for this machine kind
+    (plan/fit/machine.py). Exits 1 when the check misses its targets."""
+    from ..config.hardware import machine_kind, save_calibration
+    from .fit import machine
+
+    config = args.config or "configs/bench.toml"
+    cfg = resolve_model(load_config(config, overrides))
+    fit_files = args.fit_from or [machine.measure(config, tuple(args.fit_ranks), machine.runs_dir(), "fit", overrides,
+                                                  args.steps)]
+    steps = [s for s in machine.read_steps(fit_files) if s.row.get("world") in args.fit_ranks]
+    hw, sig = machine.fit(steps, cfg)
+    print(f"machine kind: {machine_kind()}\nfitted on {len(steps)} layouts: "
+          + ", ".join(f"{k} {getattr(hw, k):.3g}" for k in machine.FIT_FIELDS)
+          + f", reserve {hw.mem_reserved_bytes / 2**20:.0f} MiB, GEMM {hw.peak_flops_fp32 / 1e9:.0f} GFLOP/s per core; "
+            f"step bias {sig.step_bias:+.3f}, step sigma {sig.step_sigma:.3f}\n")
+    print(machine.format_score(machine.score(steps, cfg, hw, sig), "The fit's own layouts (in sample)"))
+    worlds = tuple(w for w in args.holdout_ranks if w)
+    if args.holdout:  # other measurements: every layout of --holdout-ranks the fit did not see, by the full fit
+        seen = {s.grid + (s.row.get("world"),) for s in steps}
+        scored = machine.score([s for s in machine.read_steps(args.holdout) if s.row.get("world") in worlds
+                                and s.grid + (s.row.get("world"),) not in seen], cfg, hw, sig)
+        title = "Held out: layouts of other measurements the fit never saw"
+    else:  # each layout of --holdout-ranks predicted by a fit to all the others
+        scored = machine.leave_one_out(steps, cfg, worlds)
+        title = f"Held out: each layout of {', '.join(map(str, worlds))} ranks by a fit to all the others"
+    ok = True
+    if scored:
+        print("\n" + machine.format_score(scored, title))
+        ok = machine.summary(scored)["meets"]
+    if not args.no_save:
+        print(f"\ncached for this machine kind: {save_calibration(machine.entry(hw, sig, steps, config))} "
+              f"(measurements: {', '.join(map(str, fit_files))})")
+    return 0 if ok else 1
 
 
 def _dry_run(args, overrides: list[str]) -> int:

@@ -98,6 +98,9 @@ class Context:
     # train.optimizer = muon: optim/cost.py's muon_costs at this layout (Newton-Schulz FLOPs, owner traffic, the
     # Muon matrices' elements); None under AdamW
     muon: dict | None = None
+    # what the time model computes once and the same layout at other zero levels reuses (cost.predict_zero_levels
+    # copies the Context, this dict with it): the stages' per-microbatch times, which no zero level changes
+    shared: dict = field(default_factory=dict)
 
     @property
     def ne_group(self) -> int:

@@ -20,9 +20,8 @@ from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from ..optim.cost import muon_costs
 from .shape import PRECISIONS, Layout, ModelShape, layout_config, stage_summaries
-from .skew import time_imbalance
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
-                       gemm_eff, step_time)
+                       gemm_eff, imbalance, step_time)
 
 __all__ = ["EXPERT_SKEW", "LANES_SHARED_SKEW", "ZB1_SPLIT_COST", "PlanOptions", "Prediction",
            "balanced_layer_counts", "build_context", "ep_lanes_time", "ep_overlap_exposed", "expected_max_normal",
@@ -88,9 +87,6 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         counts = balanced_layer_counts(cfg, pp * n_virt, hw, ac)
     # parallel.ep_overlap runs the experts in groups (_ExpertTrip), with their own weight-gradient landing
     trips = bool(cfg.parallel.ep_overlap) and ep > 1 and min(cfg.parallel.ep_chunks, e_local) > 1
-    zero = zero_level(layout, opts)
-    z_accumulate, z_reshard = zero_memory_choices(zero, pp, layout.schedule, cfg.parallel.zero_accumulate,
-                                                  cfg.parallel.zero3_reshard)
     # what one rank of a CP x TP group holds and does: the experts folded over EP x CP (x TP in shard_stages)
     folded = dataclasses.replace(layout, ep=ep * layout.cp)
     stages = tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, ac, n_virt, prec, trips),
@@ -106,9 +102,17 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         # zb1 under AC: what a microbatch between its B and its W keeps (memory.py)
         unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, False, n_virt, prec),
                                      cfg.parallel.sp, False) if ac and layout.schedule == "zb1" else None),
-        zero=zero, z_shard=z_accumulate == "shard", z_reshard=z_reshard == "always",
         skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew,
-        muon=_muon(cfg, layout, zero, shape) if cfg.train.optimizer == "muon" else None)
+        **_zero_fields(cfg, layout, opts, shape))
+
+
+def _zero_fields(cfg: Config, layout: Layout, opts: PlanOptions, shape: ModelShape) -> dict:
+    """The Context's fields that depend on the layout's zero level (the rest does not)."""
+    zero = zero_level(layout, opts)
+    z_accumulate, z_reshard = zero_memory_choices(zero, layout.pp, layout.schedule, cfg.parallel.zero_accumulate,
+                                                  cfg.parallel.zero3_reshard)
+    return dict(zero=zero, z_shard=z_accumulate == "shard", z_reshard=z_reshard == "always",
+                muon=_muon(cfg, layout, zero, shape) if cfg.train.optimizer == "muon" else None)
 
 
 def _muon(cfg: Config, layout: Layout, zero: int, shape: ModelShape) -> dict:
@@ -123,7 +127,23 @@ def _muon(cfg: Config, layout: Layout, zero: int, shape: ModelShape) -> dict:
 def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None = None,
             shape: ModelShape | None = None) -> Prediction:
     """Predict per-rank peak memory of every stage and the step time of `layout` (docs/planner.md)."""
-    c = build_context(cfg, layout, hw, opts, shape)
+    return _predict(build_context(cfg, layout, hw, opts, shape))
+
+
+def predict_zero_levels(cfg: Config, layouts: list[Layout], hw: Hardware, opts: PlanOptions | None = None,
+                        shape: ModelShape | None = None) -> list[Prediction]:
+    """`predict` of each of `layouts`, which differ only in their zero level: their Context is built once and the
+    stages' per-microbatch times computed once (neither depends on the level; a search's zero levels are a third of
+    its predictions' time)."""
+    opts = opts or PlanOptions()
+    shape = shape or ModelShape.from_config(cfg, **opts.shape_extra)
+    c = build_context(cfg, layouts[0], hw, opts, shape)
+    return [_predict(c if i == 0 else dataclasses.replace(c, layout=lay, **_zero_fields(cfg, lay, opts, shape)))
+            for i, lay in enumerate(layouts)]
+
+
+def _predict(c: Context) -> Prediction:
+    layout, hw = c.layout, c.hw
     mem = [stage_memory(c, s, st) for s, st in enumerate(c.stages)]
     step, costs = step_time(c, [m.block for m in mem])
     mem_by_stage = [m.peak for m in mem]
@@ -132,5 +152,4 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions | None 
     links = {k: "inter" if link is hw.inter and hw.inter is not hw.intra else "intra"
              for k, (link, _) in c.links.items()}
     return Prediction(layout, step, tokens / step, mem_by_stage, limit, max(mem_by_stage) <= limit, costs,
-                      [m.parts for m in mem], [m.ckpt for m in mem], links,
-                      time_imbalance(cfg, layout, c.shape, c.skew))
+                      [m.parts for m in mem], [m.ckpt for m in mem], links, imbalance(c))

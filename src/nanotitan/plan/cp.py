@@ -34,14 +34,12 @@ GQA sends its KV heads (split over TP where they divide), never repeated copies;
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
-from ..config.config import Config, ConfigError, validate
 from ..config.counts import attention_matmuls
 from ..parallel.dims import ParallelDims
 from .context import worst_crossing
-from .shape import Layout, ModelShape, layout_config
+from .shape import Layout, ModelShape
 
 
 def degrees(world: int, seq_len: int) -> list[int]:
@@ -167,28 +165,3 @@ def placement(layout: Layout, kind: str, per_node: int) -> tuple[bool, float]:
     runtime's own CP identity: `ParallelDims`)."""
     return worst_crossing(lambda r: ParallelDims(layout.dp, layout.pp, layout.ep, r, tp=layout.tp, cp=layout.cp),
                           layout.dp * layout.pp * layout.ep * layout.cp * layout.tp, kind, per_node)
-
-
-def enumerate_cp(cfg: Config, world: int, enumerate_base, only: int = 0) -> list[Layout]:
-    """Layouts of `world` ranks over DP x PP x EP x TP x CP: for each CP degree (`only`: that one) the layouts of
-    world / cp ranks at cp 1 (`enumerate_base(cfg_cp1, ranks)`, TP's search among them) that the runtime's rules
-    accept with that CP (config.validate: 2*cp divides the sequence, the experts fold over ep*cp*tp, a2a's heads)."""
-    base_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=1))
-    out = []
-    for cp in [only] if only else degrees(world, cfg.train.seq_len):
-        if world % cp:
-            continue
-        for lay in enumerate_base(base_cfg, world // cp):
-            lay = dataclasses.replace(lay, cp=cp)
-            if cp == 1 or refusal(cfg, lay) is None:
-                out.append(lay)
-    return out
-
-
-def refusal(cfg: Config, layout: Layout) -> str | None:
-    """Why `layout` cannot run this model (None: it can): config.validate at the layout's world."""
-    try:
-        validate(layout_config(cfg, layout), world_size=layout.dp * layout.pp * layout.ep * layout.cp * layout.tp)
-    except ConfigError as e:
-        return str(e)
-    return None

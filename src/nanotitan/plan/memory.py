@@ -95,7 +95,9 @@ def stage_memory(c: Context, s: int, st: StageSummary) -> StageMemory:
     n_shard = st.n_ne / c.ne_group + st.n_ex / c.ex_group
     n_fsdp = st.n_ne + (st.n_ex if fsdp.shards_experts(c.layout.dp) else 0)  # zero 3: what FSDP shards
     opt_params = n_shard if zero >= 1 else n_local
-    act_bytes, recv_extra, imb = _activations(c, s, st)
+    # no zero level changes what a microbatch keeps: the layout's other levels reuse it (Context.shared)
+    act_bytes, recv_extra, imb = c.shared.get(("activations", s)) or c.shared.setdefault(
+        ("activations", s), _activations(c, s, st))
     # Between steps a rank keeps params/grads/optimizer. During a step (docs/dp.md "Peak memory"): zero 2
     # "full" holds every full gradient bucket from the first backward to finish(), "shard" at most the buckets
     # in flight plus the one backward fills; zero 3 "never" the gathered params from the first forward to the

@@ -1,8 +1,8 @@
-"""Search: every valid layout of a world size, predicted and ranked; the recommendation and why.
+"""Search: every valid layout of a world size, predicted and ranked, the recommendation first (table.py prints them).
 
 A layout (dp, pp, ep, schedule, M, m, zero; tp and cp: plan/tp.py, plan/cp.py) of world N keeps the global batch
-B = dp*ep*M*m and passes
-`config.validate` (docs/planner.md §1). Fitting layouts rank first, then by tokens/s, then by memory; the
+B = dp*ep*M*m and passes `config.validate` (docs/planner.md §1), asked once per candidate. Fitting layouts rank
+first, then by tokens/s, then by memory; the
 recommendation is the lowest CP degree, then zero level, within ZERO_SLACK of the fastest fitting layout, so a
 split sequence and sharded DP are chosen only when memory binds (or they are clearly faster).
 """
@@ -13,9 +13,9 @@ import dataclasses
 import itertools
 
 from ..config.config import Config, ConfigError, validate
-from ..config.hardware import GiB, Hardware, detect_hardware, fmt_bytes
+from ..config.hardware import Hardware, detect_hardware, fmt_bytes
 from . import cp as cp_plan, tp as tp_plan
-from .cost import PlanOptions, Prediction, predict
+from .cost import PlanOptions, Prediction, predict_zero_levels
 from .shape import Layout, ModelShape, layout_config
 
 
@@ -26,11 +26,11 @@ def divisors(n: int) -> list[int]:
 ZERO_SLACK = 0.03  # a CP or sharded-DP layout must beat the best with less of it by more than this to be recommended
 
 
-def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
+def layout_candidates(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
                       schedules: tuple[str, ...] | None = None) -> list[Layout]:
-    """Every layout of `world` ranks with dp*ep*M*m = B that config.validate accepts; when pp > 1 each of
-    `schedules` (default gpipe, 1f1b, zb1, and interleaved when cfg.parallel.virtual_stages > 1: V is the config's);
-    each of the `zeros` levels that it accepts there (zero > 0 needs dp*ep > 1; zero 3 not with interleaved/zb1)."""
+    """Every (dp, pp, ep, schedule, M, m, zero) of `world` ranks with dp*ep*M*m = B, before the runtime's rules; when
+    pp > 1 each of `schedules` (default gpipe, 1f1b, zb1, and interleaved when cfg.parallel.virtual_stages > 1: V is
+    the config's), each of the `zeros` levels."""
     B = global_batch or cfg.layout_batch
     if schedules is None:
         schedules = ("gpipe", "1f1b", "zb1") + (("interleaved",) if cfg.parallel.virtual_stages > 1 else ())
@@ -43,34 +43,62 @@ def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tup
             b = B // (dp * ep)
             for M in divisors(b):
                 for schedule, zero in itertools.product(schedules if pp > 1 else (cfg.parallel.schedule,), zeros):
-                    layout = Layout(dp, pp, ep, schedule, M, b // M, zero)
-                    try:
-                        validate(layout_config(cfg, layout), world_size=world)
-                    except ConfigError:
-                        # ep does not divide the experts, pp > layers, torch_ddp with pp/ep, zero at dp*ep=1...
-                        continue
-                    out.append(layout)
+                    out.append(Layout(dp, pp, ep, schedule, M, b // M, zero))
+    return out
+
+
+def refusal(cfg: Config, layout: Layout) -> str | None:
+    """Why `layout` cannot run this model (None: it can): config.validate at the layout's world (ep does not divide
+    the experts, pp > layers, torch_ddp with pp/ep, zero at dp*ep=1, heads over tp, 2*cp over the sequence ...)."""
+    try:
+        validate(layout_config(cfg, layout), world_size=layout.world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def enumerate_layouts(cfg: Config, world: int, global_batch: int = 0, zeros: tuple[int, ...] = (0,),
+                      schedules: tuple[str, ...] | None = None) -> list[Layout]:
+    """Every layout of `world` ranks (tp = cp = 1) with dp*ep*M*m = B that config.validate accepts
+    (`layout_candidates`; zero > 0 needs dp*ep > 1, zero 3 not with interleaved/zb1, ...)."""
+    return [lay for lay in layout_candidates(cfg, world, global_batch, zeros, schedules) if refusal(cfg, lay) is None]
+
+
+def search_layouts(cfg: Config, world: int, node: int, opts: PlanOptions, zeros: tuple[int, ...]) -> list[Layout]:
+    """The layouts `plan` predicts: for each CP degree that splits the sequence (plan/cp.py) and each TP degree
+    that divides a node of `node` ranks (plan/tp.py; `opts.cp`, `opts.tp`: that one), the candidates of the
+    remaining world at `opts.micro_batch` (0: every m), each validated once, at its own tp and cp."""
+    out = []
+    for cp in [opts.cp] if opts.cp else cp_plan.degrees(world, cfg.train.seq_len):
+        if world % cp:
+            continue
+        n = world // cp
+        for tp in [opts.tp] if opts.tp else tp_plan.degrees(n, node):
+            if n % tp or node % tp:  # a TP group stays inside one node
+                continue
+            for lay in layout_candidates(cfg, n // tp, opts.global_batch, zeros):
+                lay = dataclasses.replace(lay, tp=tp, cp=cp)
+                if (not opts.micro_batch or lay.micro_batch == opts.micro_batch) and refusal(cfg, lay) is None:
+                    out.append(lay)
     return out
 
 
 def plan(cfg: Config, world: int, hardware: str | Hardware | None = None,
          opts: PlanOptions | None = None) -> list[Prediction]:
-    """Every valid layout of `world`, best first: fitting ones by tokens/s, then less memory."""
+    """Every valid layout of `world`, the recommendation first (`ZERO_SLACK`), then the fitting ones by tokens/s,
+    then the rest; table.layout_rows makes the table of them."""
     opts = opts or PlanOptions()
-    # an unmeasured CPU host is planned at its own bf16/fp32 GEMM ratio when the plan is for bf16 (issue 27)
+    # an unmeasured CPU host is planned at its own bf16/fp32 GEMM ratio when the plan is for bf16
     hw = detect_hardware(hardware, dtype="bf16" if (opts.precision or cfg.train.dtype).startswith("bf16") else "fp32")
     if opts.nodes and world % opts.nodes:
         raise ConfigError(f"--ranks {world} must be a multiple of --nodes {opts.nodes}")
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     zeros = (0, 1, 2, 3) if opts.zero is None and not opts.zero1 else (1 if opts.zero is None else opts.zero,)
     node = opts.link_node_size or (world // opts.nodes if opts.nodes else min(world, hw.devices_per_node))
-    def dp_pp_ep_tp(c: Config, n: int) -> list[Layout]:  # the layouts of n ranks at cp 1 (TP's search among them)
-        return tp_plan.enumerate_tp(c, n, node, lambda c1, n1: enumerate_layouts(c1, n1, opts.global_batch, zeros),
-                                    opts.tp)
-
-    layouts = [lay for lay in cp_plan.enumerate_cp(cfg, world, dp_pp_ep_tp, opts.cp)
-               if not opts.micro_batch or lay.micro_batch == opts.micro_batch]
-    preds = [predict(cfg, lay, hw, opts, shape) for lay in layouts]
+    # consecutive layouts that differ only in their zero level share their context (cost.predict_zero_levels)
+    preds = [p for _, same in itertools.groupby(search_layouts(cfg, world, node, opts, zeros),
+                                                key=lambda lay: dataclasses.replace(lay, zero=0))
+             for p in predict_zero_levels(cfg, list(same), hw, opts, shape)]
     preds.sort(key=lambda p: (not p.fits, -p.tokens_per_sec, p.peak_mem))
     if preds and preds[0].fits:  # the lowest zero level close to the fastest goes first (sharding costs traffic)
         near = [p for p in preds if p.fits and p.tokens_per_sec >= (1 - ZERO_SLACK) * preds[0].tokens_per_sec]
@@ -106,46 +134,3 @@ def best_layout(cfg: Config, world: int, hardware: str | Hardware | None = None,
                           f"per rank > {fmt_bytes(p.mem_limit)} ({p.layout.short()}); use more ranks, "
                           f"--train.activation_checkpointing true or a smaller --train.micro_batch")
     return preds[0].layout
-
-
-def reason(preds: list[Prediction]) -> str:
-    """One line: why the first prediction is the recommendation."""
-    best = preds[0]
-    if not best.fits:
-        return "nothing fits memory; the table is ranked by speed anyway"
-    line = (f"fastest layout that fits: {best.tokens_per_sec:,.0f} tok/s, {best.peak_mem / GiB:.2f} of "
-            f"{best.mem_limit / GiB:.1f} GiB per rank, dominant cost {best.dominant}")
-    faster_oom = [p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec]
-    same = lambda a, b: dataclasses.replace(a, schedule="", zero=0) == dataclasses.replace(b, schedule="", zero=0)
-    # not its other schedule or zero level
-    nxt = next((p for p in preds[1:] if p.fits and not same(p.layout, best.layout)), None)
-    if nxt:
-        d = 100 * (1 - nxt.tokens_per_sec / best.tokens_per_sec)
-        line += (f"; next {nxt.layout.short()} is {d:.0f}% slower ({nxt.dominant})" if d >= 0 else
-                 f"; {nxt.layout.short()} is {-d:.0f}% faster, within the {100 * ZERO_SLACK:.0f}% a lower CP degree "
-                 f"or zero level is preferred by")
-    if faster_oom:
-        line += f"; {faster_oom[0].layout.short()} would be faster but needs {faster_oom[0].peak_mem / GiB:.1f} GiB"
-    if best.layout.zero:
-        lower = [p for p in preds if p.layout.zero < best.layout.zero]
-        fit = [p for p in lower if p.fits]
-        if not fit and lower:
-            p = min(lower, key=lambda q: q.peak_mem)
-            line += (f"; zero {best.layout.zero} needed to fit: the smallest below it ({p.layout.short()}) needs "
-                     f"{p.peak_mem / GiB:.1f} GiB")
-        elif fit:
-            line += (f"; {100 * (best.tokens_per_sec / fit[0].tokens_per_sec - 1):.0f}% faster than zero "
-                     f"{fit[0].layout.zero} ({fit[0].layout.short()})")
-    return line
-
-
-def format_table(preds: list[Prediction], top: int) -> str:
-    lines = ["| # | dp | pp | ep | tp | cp | schedule | M | m | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | "
-             "dominant cost |", "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for i, p in enumerate(preds[:top], 1):
-        L = p.layout
-        lines.append(f"| {i} | {L.dp} | {L.pp} | {L.ep} | {L.tp} | {L.cp} | {L.schedule if L.pp > 1 else '-'} | "
-                     f"{L.microbatches} | {L.micro_batch} | {L.zero} | {p.tokens_per_sec:,.0f} | "
-                     f"{1e3 * p.step_time_s:,.1f} | "
-                     f"{p.peak_mem / GiB:.2f} | {'yes' if p.fits else 'NO'} | {p.dominant} |")
-    return "\n".join(lines)

@@ -140,8 +140,9 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
     # Time of one microbatch (forward + backward) on each stage, on a rank that has its cores to itself.
     # the busiest EP rank's received assignments over the mean (routing skew, capped by capacity): its expert GEMMs
     # and all-to-all bytes set each MoE layer's pace (plan/skew.py)
-    f = time_imbalance(c.cfg, lay, c.shape, c.skew)
-    per_stage = [_stage_time(c, s, st, f) for s, st in enumerate(c.stages)]
+    f = imbalance(c)
+    per_stage = c.shared.get("stage_times") or c.shared.setdefault(
+        "stage_times", [_stage_time(c, s, st, f) for s, st in enumerate(c.stages)])
     t_stage, t_fwd, t_bwd, t_links = (list(x) for x in zip(*per_stage))
     totals = [sum(x.values()) for x in t_stage]
     slow = max(range(pp), key=totals.__getitem__)
@@ -172,6 +173,13 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
         work["optimizer"] += ranks * t_opt_by_stage[s]
         work["grad_norm"] += 0.0 if opts.links_idle else ranks * t_norm
     return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node)
+
+
+def imbalance(c: Context) -> float:
+    """`skew.time_imbalance` of the Context's layout, once per layout (its zero levels share it)."""
+    f = c.shared.get("time_imbalance")
+    return f if f is not None else c.shared.setdefault("time_imbalance",
+                                                        time_imbalance(c.cfg, c.layout, c.shape, c.skew))
 
 
 def muon_time(c: Context) -> float:

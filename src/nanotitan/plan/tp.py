@@ -32,31 +32,18 @@ split as the others; its norms and eh_proj stay whole; the embedding and the hea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
-from ..config.config import Config, ConfigError, validate
 from ..config.counts import mtp_params
 from ..config.hardware import ring_allreduce_s, ring_half_s
-from .shape import Layout, ModelShape, StageSummary, layout_config
+from .shape import Layout, ModelShape, StageSummary
 
 # The host's cost of a TP block beyond its GEMMs and calls (the regions' autograd functions, slicing and stacking the
 # shards for the collectives), per block per microbatch, forward + backward, on CPU profiles only (on a GPU it
 # overlaps the kernels). An estimate, not fitted: the load on the machine it was written on (docs/tp.md "Measured")
 # buried it; `nanotitan bench tp --part layouts` on a quiet machine is the measurement to fit it to.
 TP_BLOCK_OVERHEAD_S = 1.5e-3
-
-
-def refusal(cfg: Config, layout: Layout, node_size: int) -> str | None:
-    """Why `layout` cannot run this model (None: it can): the runtime's rules (config.validate asks
-    config/tp_rules.py: heads, widths, vocabulary and sequence divide by tp, the experts by ep*tp, zero < 3), and a
-    TP group inside one node."""
-    if node_size % layout.tp:
-        return f"tp={layout.tp} does not divide a node of {node_size} ranks (a TP group stays inside one node)"
-    try:
-        validate(layout_config(cfg, layout), world_size=layout.dp * layout.pp * layout.ep * layout.tp)
-    except ConfigError as e:
-        return str(e)
-    return None
 
 
 def degrees(world: int, node_size: int) -> list[int]:
@@ -130,6 +117,10 @@ def tp_comm_s(shape: ModelShape, layers: list[int], first: bool, last: bool, sp:
     return t, calls
 
 
+_tp_comm = functools.lru_cache(maxsize=4096)(tp_comm_s)  # the same stages recur across a search's variants
+
+
+@functools.lru_cache(maxsize=256)
 def _act_ratio(shape: ModelShape, tp: int, sp: bool, ac: bool) -> tuple[float, float]:
     """(kept activations, a block's backward working set) per rank at TP `tp` over TP 1, averaged over the
     layers, by the element counts of ModelShape.layer_act_elems (module docstring). Under activation
@@ -156,9 +147,12 @@ def _act_ratio(shape: ModelShape, tp: int, sp: bool, ac: bool) -> tuple[float, f
 def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], sp: bool,
                  ac: bool) -> list[StageSummary]:
     """What one rank of a TP group holds and does, from the stages of the same layout without TP."""
-    tp = layout.tp
-    if tp == 1:
-        return stages
+    return stages if layout.tp == 1 else list(_shard(shape, layout.tp, tuple(stages), sp, ac))
+
+
+@functools.lru_cache(maxsize=4096)  # a layout's schedules and zero levels share its stages
+def _shard(shape: ModelShape, tp: int, stages: tuple[StageSummary, ...], sp: bool,
+           ac: bool) -> tuple[StageSummary, ...]:
     act, layer_max = _act_ratio(shape, tp, sp, ac)
     D, E = shape.d_model, shape.num_experts
     out = []
@@ -179,7 +173,7 @@ def shard_stages(shape: ModelShape, layout: Layout, stages: list[StageSummary], 
             cast_cache_bytes=st.cast_cache_bytes / tp, land_bytes=st.land_bytes / tp,
             land_fixed_bytes=st.land_fixed_bytes / tp, head_cast_bytes=st.head_cast_bytes / tp,
             received_bytes=st.received_bytes / tp, received_block_bytes=st.received_block_bytes / tp))
-    return out
+    return tuple(out)
 
 
 def replicated_kv_params(shape: ModelShape, tp: int) -> int:
@@ -197,14 +191,18 @@ def sharded_shape(shape: ModelShape, tp: int) -> ModelShape:
     return shape if tp == 1 else dataclasses.replace(shape, vocab=math.ceil(shape.vocab / tp))
 
 
-def stage_layers(shape: ModelShape, st: StageSummary) -> list[int]:
+def stage_layers(shape: ModelShape, st: StageSummary) -> tuple[int, ...]:
     """Layers standing for a stage's in TP's per-layer collectives: its n_moe MoE layers and as many dense ones
     as it holds besides (which layers does not matter, only how many of each kind)."""
-    n = math.ceil(st.n_layers)
+    return _layers(shape, math.ceil(st.n_layers), st.n_moe)
+
+
+@functools.lru_cache(maxsize=1024)  # a search asks for a handful of (layers, MoE layers) counts, per stage per layout
+def _layers(shape: ModelShape, n: int, n_moe: int) -> tuple[int, ...]:
     every = range(shape.n_layers + shape.mtp_layers)  # MTP depth k's block is layer n_layers + k - 1
-    moe = [i for i in every if shape.is_moe(i)][:st.n_moe]
+    moe = [i for i in every if shape.is_moe(i)][:n_moe]
     dense = [i for i in every if not shape.is_moe(i)][:max(0, n - len(moe))]
-    return moe + dense
+    return tuple(moe + dense)
 
 
 def stage_tp_time(c, st: StageSummary) -> tuple[float, float]:
@@ -214,20 +212,7 @@ def stage_tp_time(c, st: StageSummary) -> tuple[float, float]:
     if lay.tp == 1:
         return 0.0, 0.0
     link = hw.intra  # a TP group stays inside one node (refusal)
-    link_s, calls = tp_comm_s(c.shape, stage_layers(c.shape, st), st.first, st.last,
-                              c.cfg.parallel.sp, lay.tp, c.T, c.prec.act, link.allreduce_bw, link.latency_s)
+    link_s, calls = _tp_comm(c.shape, stage_layers(c.shape, st), st.first, st.last,
+                             c.cfg.parallel.sp, lay.tp, c.T, c.prec.act, link.allreduce_bw, link.latency_s)
     over = calls * hw.p2p_call_s + (TP_BLOCK_OVERHEAD_S * st.n_layers if hw.cores_per_node else 0.0)
     return link_s + over, link_s
-
-
-def enumerate_tp(cfg: Config, world: int, node: int, enumerate_base, only: int = 0) -> list[Layout]:
-    """Layouts of `world` ranks over DP x PP x EP x TP: for each TP degree the search allows (`only`: that one),
-    the DP x PP x EP layouts of world / tp ranks (`enumerate_base(cfg_tp1, ranks)`) that the model splits over it."""
-    base_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1))
-    out = []
-    for tp in [only] if only else degrees(world, node):
-        for lay in enumerate_base(base_cfg, world // tp):
-            lay = dataclasses.replace(lay, tp=tp)
-            if tp == 1 or refusal(cfg, lay, node) is None:
-                out.append(lay)
-    return out

@@ -14,30 +14,15 @@ from ..config.hardware import GiB, Hardware
 from ..parallel.dims import ParallelDims
 from .cost import PlanOptions, Prediction, predict
 from .fit.interval import Sigmas, mem_interval, step_interval
+from .advice import advise, format_advice
 from .search import plan
+from .table import SORTED_BY, Row, batch_changes, layout_rows, no_layout
 from .shape import ModelShape, layout_config, trainer_precision
 from .skew import rebalance_bytes, replica_sync_bytes
 
-# What to change when a cause dominates the step, by cost name (docs/planner.md §3's causes).
-ADVICE = {
-    "compute": "compute-bound: the GEMMs set the step; bf16 (--train.dtype bf16) or checkpointing off "
-               "(--train.activation_checkpointing false) where memory allows",
-    "bubble": "pipeline bubble: more microbatches (--parallel.microbatches), fewer stages, or the zb1 / interleaved "
-              "schedule",
-    "ep_a2a": "expert all-to-all: keep EP within a node (--parallel.ep <= GPUs per node), overlap it "
-              "(--parallel.ep_overlap true), group-limited routing (--model.n_group/--model.topk_group), or a "
-              "more balanced router",
-    "pp_p2p": "pipeline sends: fewer stages or larger microbatches",
-    "dp_allreduce": "DP gradient sync: bf16 reduction (--parallel.reduce_dtype bf16), a larger batch per step, "
-                    "or a lower zero level",
-    "optimizer": "optimizer step: shard it (--parallel.zero 1)",
-    "overhead": "per-layer overhead: larger microbatches (--train.micro_batch)",
-    "cp": "context-parallel exchange: keep CP x TP within a node (a smaller --parallel.cp, more --parallel.tp), or "
-          "the ring (--parallel.cp_impl ring), whose hops hide behind the attention of long sequences",
-}
-
-
-def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
+def _row(p: Prediction, sig: Sigmas, network: bool, row: Row | None = None) -> dict:
+    """One layout of the report; with its table row: its place (`rank`), whether it is recommended, and how many
+    (schedule, zero) variants it folds (`others`)."""
     lo, hi = step_interval(p, sig, network)
     mlo, mhi = mem_interval(p, sig)
     L = p.layout
@@ -47,7 +32,8 @@ def _row(p: Prediction, sig: Sigmas, network: bool) -> dict:
                 tokens_per_sec_interval=[p.tokens_per_sec * p.step_time_s / hi, p.tokens_per_sec * p.step_time_s / lo],
                 step_time_s=p.step_time_s, step_time_interval_s=[lo, hi], peak_mem_bytes=p.peak_mem,
                 peak_mem_interval_bytes=[mlo, mhi], mem_limit_bytes=p.mem_limit, dominant=p.dominant,
-                costs_s=dict(p.costs), expert_time_factor=p.expert_time_factor)
+                costs_s=dict(p.costs), expert_time_factor=p.expert_time_factor,
+                **(dict(rank=row.rank, recommended=row.recommended, others=len(row.others)) if row else {}))
 
 
 def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigmas, top: int = 5,
@@ -61,17 +47,21 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
     preds = plan(cfg, world, hw, opts)
     if not preds:
         return dict(world=world, hardware=hw.name, fits=False, layouts=[], worst_rank=None, dominant=[], advice=[],
-                    error=f"no valid layout of {world} ranks for this config at global batch "
-                          f"{opts.global_batch or cfg.layout_batch} sequences; set --global-batch to one that "
-                          f"dp*ep*M*m can hold")
+                    error=no_layout(world, opts.global_batch or cfg.layout_batch, opts.micro_batch))
     best = preds[0]
     network = not hw.cores_per_node or opts.links_idle  # collectives on a network (else gloo: host work)
-    out = dict(world=world, hardware=hw.name, nodes=opts.nodes, layouts_considered=len(preds),
-               layouts_fitting=sum(p.fits for p in preds), fits=best.fits, best=_row(best, sig, network),
-               layouts=[_row(p, sig, network) for p in preds[:top]], interval_source=sig.source)
+    rows = layout_rows(preds)
+    shown = rows[:top] + [r for r in rows[top:] if r.recommended]
+    out = dict(world=world, hardware=hw.name, nodes=opts.nodes, layouts_considered=len(rows),
+               variants_considered=len(preds), layouts_fitting=sum(r.pred.fits for r in rows), fits=best.fits,
+               best=_row(best, sig, network, next(r for r in rows if r.pred is best) if best.fits else None),
+               layouts=[_row(r.pred, sig, network, r) for r in shown], sorted_by=SORTED_BY,
+               interval_source=sig.source, micro_batch=opts.micro_batch or None,
+               batch_changes=batch_changes(cfg, best.layout, opts))
     shares = sorted(((k, v / best.step_time_s) for k, v in best.costs.items() if v > 0), key=lambda kv: -kv[1])
     out["dominant"] = [dict(cause=k, share=s) for k, s in shares]
-    out["advice"] = [f"{k} {100 * s:.0f}%: {ADVICE[k]}" for k, s in shares[:2] if k in ADVICE and s >= 0.05]
+    out["advice_detail"] = advise(cfg, opts, best, hw, shares)
+    out["advice"] = [format_advice(a) for a in out["advice_detail"]]
     if best.layout.ep > 1 and best.expert_time_factor != 1.0:  # the same layout under a balanced router
         flat = predict(layout_config(cfg, best.layout), best.layout, hw, dataclasses.replace(opts, expert_skew=0.0))
         out["skew"] = dict(expert_time_factor=best.expert_time_factor,
@@ -174,8 +164,10 @@ def format_what_if(r: dict) -> str:
     if not r["layouts"]:
         return f"error: {r['error']}"
     b = r["best"]
-    lines = [f"What if: {r['world']} x {r['hardware']} ({r['layouts_considered']} layouts, {r['layouts_fitting']} fit "
-             f"by the planner)"]
+    m = f"m = {r['micro_batch']} as configured" if r.get("micro_batch") else "every m"
+    lines = [f"What if: {r['world']} x {r['hardware']} ({r['layouts_considered']} layouts of "
+             f"{r['variants_considered']} (layout, schedule, zero) variants, {r['layouts_fitting']} fit by the "
+             f"planner; {m})"]
     w = r.get("worst_rank")
     if w:
         verdict = "FITS" if w["fits"] else "DOES NOT FIT"
@@ -187,16 +179,21 @@ def format_what_if(r: dict) -> str:
     else:
         lines.append(("FITS" if r["fits"] else "DOES NOT FIT") + f" (planner): {b['peak_mem_bytes'] / GiB:.2f} GiB "
                      f"per rank of {b['mem_limit_bytes'] / GiB:.1f} GiB")
-    lines += ["", "| # | layout | tokens/s (80% interval) | step s (80% interval) | peak GiB (80%) | fits | dominant |",
-              "|---:|---|---|---|---|---|---|"]
-    for i, x in enumerate(r["layouts"], 1):
+    lines += ["", f"Sorted: {r['sorted_by']}; * = recommended; one row per layout, at its best schedule and zero "
+              f"level ('others': the variants folded into it).", "",
+              "| # | layout | tokens/s (80% interval) | step s (80% interval) | peak GiB (80%) | fits | dominant | "
+              "others |", "|---:|---|---|---|---|---|---|---:|"]
+    for x in r["layouts"]:
         t, s, m = x["tokens_per_sec_interval"], x["step_time_interval_s"], x["peak_mem_interval_bytes"]
-        lines.append(f"| {i} | {x['layout']} | {x['tokens_per_sec']:,.0f} ({t[0]:,.0f}-{t[1]:,.0f}) | "
+        lines.append(f"| {x['rank']}{'*' if x['recommended'] else ''} | {x['layout']} | {x['tokens_per_sec']:,.0f} "
+                     f"({t[0]:,.0f}-{t[1]:,.0f}) | "
                      f"{x['step_time_s']:.3g} ({s[0]:.3g}-{s[1]:.3g}) | {x['peak_mem_bytes'] / GiB:.1f} "
-                     f"({m[0] / GiB:.1f}-{m[1] / GiB:.1f}) | {'yes' if x['fits'] else 'NO'} | {x['dominant']} |")
+                     f"({m[0] / GiB:.1f}-{m[1] / GiB:.1f}) | {'yes' if x['fits'] else 'NO'} | {x['dominant']} | "
+                     f"{x['others']} |")
     lines += ["", "Step of the best layout by cause: " + ", ".join(f"{d['cause']} {100 * d['share']:.0f}%"
                                                                   for d in r["dominant"])]
     lines += [f"  change: {a}" for a in r["advice"]]
+    lines += [f"  the recommendation changes the config's batch: {c}" for c in r.get("batch_changes", [])]
     if "skew" in r:
         k = r["skew"]
         lines.append(f"  routing skew: the busiest EP rank receives {k['expert_time_factor']:.2f}x the mean; "

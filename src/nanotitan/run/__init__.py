@@ -4,5 +4,7 @@
     spawn.py      run a function on N local processes joined by one gloo group (tests, benchmarks, plan --measure)
     setup.py      one rank before its first step: identity, threads, device, emulated network, data, process groups
     rundir.py     one job owns a run dir: its lock, and no fresh run over an old run's checkpoints
+    loopback.py   a one-host job listens on its loopback endpoint only (any of 127.0.0.0/8, or ::1)
+    netns.py      a one-host job in a network namespace of its own: no other local user reaches its ports
     allocator.py  host allocator settings: keep a step's freed memory for the next step
 """

@@ -233,7 +233,8 @@ def _loopback_worker_store() -> None:
             local = ipaddress.ip_address(master_addr).is_loopback
         except ValueError:  # a host name: torch's own store
             local = False
-        return loopback_store(master_port, multi_tenant=True) if local else create(self, master_addr, master_port)
+        return loopback_store(master_port, multi_tenant=True, host=master_addr) if local \
+            else create(self, master_addr, master_port)
     create_here.loopback = True
     DynamicRendezvousHandler._create_tcp_store_server = create_here
 

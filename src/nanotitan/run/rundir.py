@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..config.config import ConfigError
 from ..config.errors import os_reason
+from ..state.swap import settle
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "NANOTITAN_RUN_DIR_LOCK"  # set by the holder for the ranks it starts: "the launcher holds it"
@@ -215,17 +216,21 @@ def writable_dir(path: str | Path, flag: str) -> Path:
 
 
 def clean_stale_saves(run_dir: str | Path) -> str:
-    """Remove RUN_DIR/checkpoints/step_N.tmp dirs: saves that a crashed or killed job never finished. Call it
-    holding the run dir's lock (no other job can be writing them). Returns "" or the line saying what went."""
+    """Remove RUN_DIR/checkpoints/step_N.tmp dirs: saves that a crashed or killed job never finished; and finish
+    the re-saves one cut short (state/swap.py: the copy set aside goes back in place, or away once its replacement
+    is complete). Call it holding the run dir's lock (no other job can be writing them). Returns "" or the line
+    saying what went."""
     root = Path(run_dir) / "checkpoints"
+    restored = settle(root)
     stale = sorted(d for d in root.iterdir() if d.name.endswith(".tmp") and _CKPT_ENTRY.fullmatch(d.name)) \
         if root.is_dir() else []
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
-    if not stale:
-        return ""
-    return (f"removed {', '.join(d.name for d in stale)} from {root}: unfinished save"
-            f"{'s' if len(stale) > 1 else ''} of an earlier job that stopped mid-save")
+    lines = [f"{root}: {line}" for line in restored]
+    if stale:
+        lines.append(f"removed {', '.join(d.name for d in stale)} from {root}: unfinished save"
+                     f"{'s' if len(stale) > 1 else ''} of an earlier job that stopped mid-save")
+    return "; ".join(lines)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -5,4 +5,5 @@
     manifest.py    what is under RUN_DIR/checkpoints, its checksums, verification, and what to resume from
     metadata.py    reading a checkpoint's `.metadata` without running its bytes (no pickle)
     packing.py     the snapshot format: this rank's pieces packed into one host buffer, one raw file
+    swap.py        a dir put in place of an older copy of itself (a re-save) without a moment with no whole copy
 """

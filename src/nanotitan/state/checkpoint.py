@@ -17,7 +17,8 @@ a checkpoint written by any other, including those written whole before the piec
 On disk (RUN_DIR/checkpoints/step_N/): DCP's `.metadata` + `__<rank>_*.distcp` shards, `config.toml`
 (the resolved config), `state.json` (step, trainer extras such as the data position, saved layout),
 `manifest.json` (every other file's size and xxh3-64 checksum) and `COMPLETE`. Atomicity: ranks write
-`step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`. Trust: nothing is loaded before every file
+`step_N.tmp/`, then rank 0 renames it and writes `COMPLETE`; a re-save of a step first sets the old copy aside and
+deletes it only once the new one is complete (swap.py). Trust: nothing is loaded before every file
 matches the manifest (manifest.py: checksums, verification, what to resume from), `.metadata` is unpickled
 only through an allow-list (metadata.py: a checkpoint's bytes never run as code), and nothing non-finite is
 ever saved. See docs/checkpoint.md and docs/security.md.
@@ -60,6 +61,7 @@ from ..parallel.shard import token_axes
 from .keys import Chunks, keyed_state, rng_key
 from .metadata import UnsafeMetadataError, metadata_name, safe_load_metadata
 from .packing import CheckpointReader
+from .swap import ASIDE, fsync_dir, settle, swap_in
 
 
 class NonFiniteStateError(CheckpointError):
@@ -156,14 +158,6 @@ def write_small_files(tmp: Path, small: dict[str, str | bytes], manifest: dict) 
     _write_text(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "files": manifest}, indent=1))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- save -----------------------------------------------------------------------------------------
 
 def _first_nonfinite(state: dict[str, torch.Tensor]) -> str:
@@ -219,6 +213,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     if rank == 0:
         err = _no_room(run_dir, step)
         try:
+            settle(root)  # a re-save a kill cut short: its old copy back in place (swap.py)
             if not err and tmp.exists():
                 shutil.rmtree(tmp)
             if not err:
@@ -251,13 +246,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
             small = small_files(cfg, step, json.loads(extra_json), layout_dict(dims),
                                 save_s=round(time.perf_counter() - t0, 3))
             write_small_files(tmp, small, manifest)
-            _fsync_dir(tmp)
-            if final.exists():  # re-save of the same step (e.g. after a resume): the new one wins
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic on POSIX
-            _write_text(final / COMPLETE, f"step {step}\n")
-            _fsync_dir(final)
-            _fsync_dir(root)
+            fsync_dir(tmp)
+            swap_in(tmp, final, f"step {step}\n")  # a re-save sets the old step_N aside until the new one is COMPLETE
             _prune(run_dir, keep_last, step)
         except OSError as e:
             err = f"writing {Path(e.filename or tmp)} failed: {os_reason(e)}"
@@ -317,6 +307,8 @@ def _failed_save(run_dir: str | Path, step: int, what: str, tmp: Path) -> Storag
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if comm.world_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            settle(final.parent)  # an old copy set aside by this re-save goes back in place
         if final.is_dir() and not (final / COMPLETE).exists():
             shutil.rmtree(final, ignore_errors=True)
     comm.barrier()
@@ -335,7 +327,7 @@ def _prune(run_dir: str | Path, keep_last: int, step: int) -> None:
     older = [d for s, d in complete if s <= step]
     doomed = newer + (older[:-keep_last] if keep_last > 0 else [])
     for d in root.iterdir():
-        if d.name.endswith(".tmp") or (STEP_DIR.fullmatch(d.name) and not (d / COMPLETE).exists()):
+        if d.name.endswith((".tmp", ASIDE)) or (STEP_DIR.fullmatch(d.name) and not (d / COMPLETE).exists()):
             doomed.append(d)  # one job owns a run dir (rundir.py) and its save has finished: these are stale
     if newer:
         print(f"removed {', '.join(d.name for d in newer)}: newer than step {step}, from a timeline this run "
@@ -389,8 +381,9 @@ def _check_counts(path: Path, model: torch.nn.Module, meta: dict) -> str:
     return ""
 
 
-def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
-    """(state.json, DCP metadata, error) of a checkpoint: one line naming the file, never a traceback."""
+def _read_small(path: Path) -> tuple[dict | None, object, str]:
+    """(state.json, DCP's Metadata, error) of a checkpoint: one line naming the file, never a traceback. The load
+    hands DCP this Metadata, the one checked here (storage_outside), and never reads the file again."""
     try:
         info = json.loads(read_plain(path / STATE_FILE))
         int(info["step"]), info["extra"], info["layout"]
@@ -404,7 +397,7 @@ def _read_small(path: Path) -> tuple[dict | None, dict | None, str]:
         return None, None, f"checkpoint {path / DCP_METADATA} is unreadable ({first_line(e)})"
     if err := storage_outside(path, md.storage_data):  # its tensors' bytes come from its own listed files only
         return None, None, err
-    return info, md.state_dict_metadata, ""
+    return info, md, ""
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -424,7 +417,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
     # Shape/key checks before any read: a mismatch seen by one rank (say, the stage owning the
     # head) must stop every rank, or the others would wait in dcp.load until the timeout.
-    info, meta, err = _read_small(path)
+    info, checked, err = _read_small(path)
+    meta = checked.state_dict_metadata if checked is not None else None
     err = (err or _check_optimizer(path, optimizer, info) or _check_fits(path, live, meta)
            or _check_counts(path, model, meta))
     bad = comm.any_rank(bool(err))
@@ -438,7 +432,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         live[rng_key(rank)] = rng = torch.empty_like(torch.get_rng_state())
     try:
         with _quiet_single_process():
-            dcp.load(live, storage_reader=CheckpointReader(path), planner=_LoadChunks(),
+            dcp.load(live, storage_reader=CheckpointReader(path, metadata=checked), planner=_LoadChunks(),
                      no_dist=not comm.distributed())
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP agrees failures itself: every rank raises
         raise CheckpointError(f"reading checkpoint {path} failed: {first_line(_cause(e))}") from None

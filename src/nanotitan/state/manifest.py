@@ -29,6 +29,7 @@ import xxhash
 from ..config.errors import CheckpointError, ConfigError, first_line, os_reason
 from ..config.hardware import fmt_bytes
 from ..parallel.comm import collectives as comm
+from .swap import aside_of
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "state.json"
@@ -36,7 +37,7 @@ MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 FORMAT_VERSION = 2  # 2: manifest.json with a checksum per file
 STEP_DIR = re.compile(r"step_([0-9]+)")  # fullmatch, as the two below
-_ENTRY = re.compile(r"step_([0-9]+)(\.tmp)?")  # a checkpoint dir, or a save that never finished
+_ENTRY = re.compile(r"step_([0-9]+)(\.tmp|\.old)?")  # a checkpoint dir, a save that never finished, a copy set aside
 _SHARD = re.compile(r"__([0-9]+)_[0-9]+\.(distcp|raw)")  # rank r's shards: DCP's __r_<k>.distcp, a snapshot's __r_0.raw
 _CHUNK = 8 << 20
 
@@ -57,8 +58,13 @@ def _entries(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def complete_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, dir) of the step_N dirs that have a COMPLETE marker, oldest first."""
-    return sorted((s, d) for s, d in _entries(run_dir) if STEP_DIR.fullmatch(d.name) and (d / COMPLETE).is_file())
+    """(step, dir) of each step whose step_N dir has a COMPLETE marker, else whose copy a re-save set aside
+    (step_N.old, swap.py) has one; oldest first."""
+    best: dict[int, Path] = {}
+    for s, d in _entries(run_dir):
+        if not d.name.endswith(".tmp") and (d / COMPLETE).is_file() and (s not in best or STEP_DIR.fullmatch(d.name)):
+            best[s] = d
+    return sorted(best.items())
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -327,7 +333,7 @@ def _newest_verified(run_dir: Path, verify: bool) -> tuple[Path | None, list[str
     whether any of those is a complete checkpoint that failed verification). Rank 0's listing is
     broadcast so that every rank verifies the same candidates in the same order."""
     entries = _entries(run_dir) if comm.world_rank() == 0 else []
-    steps = [s for s, d in entries if STEP_DIR.fullmatch(d.name)]
+    steps = sorted({s for s, d in entries if not d.name.endswith(".tmp")}, reverse=True)  # step_N, or its aside copy
     if comm.distributed():
         n = torch.tensor([len(steps)], dtype=torch.int64, device=comm.collective_device())
         comm.broadcast(n, src=0)
@@ -339,10 +345,18 @@ def _newest_verified(run_dir: Path, verify: bool) -> tuple[Path | None, list[str
     unfinished = [(s, f"{d.name}: unfinished save") for s, d in entries if d.name.endswith(".tmp")]
     skipped, damaged = [], False
     for s in steps:
-        reason = verify_checkpoint(root / f"step_{s}", checksums=verify)
+        path = root / f"step_{s}"
+        reason = verify_checkpoint(path, checksums=verify)
+        if reason:  # a re-save killed before its new copy was complete: the old copy it set aside (swap.py)
+            aside = verify_checkpoint(aside_of(path), checksums=verify)
+            if not aside:
+                skipped.append((s, f"step_{s}: {reason} (a re-save cut short; the old copy was set aside)"))
+                path, reason = aside_of(path), ""
+            elif reason == _PHASE1[1] and aside != _PHASE1[1]:  # only the aside copy is there, and it fails
+                reason = aside
         if not reason:
             lines = sorted(skipped + [u for u in unfinished if u[0] > s], reverse=True)
-            return root / f"step_{s}", [line for _, line in lines], damaged
+            return path, [line for _, line in lines], damaged
         skipped.append((s, f"step_{s}: {reason}"))
         damaged |= not reason.startswith(_NOT_A_CHECKPOINT)
     return None, [line for _, line in sorted(skipped + unfinished, reverse=True)], damaged
@@ -363,6 +377,10 @@ def resolve_resume(resume: str, run_dir: str | Path, verify: bool = True,
     p = Path(resume)
     if resume != "auto" and (STEP_DIR.fullmatch(p.name) or (p / COMPLETE).exists() or (p / DCP_METADATA).exists()):
         reason = verify_checkpoint(p, checksums=verify)
+        if reason and not verify_checkpoint(aside_of(p), checksums=verify):  # a re-save cut short (swap.py)
+            log(f"resume: {p.name}: {reason} (a re-save cut short); using {aside_of(p).name}, the old copy it set "
+                "aside")
+            return aside_of(p)
         if reason:
             raise CheckpointError(f"cannot resume from {p}: {reason} (choose another with --train.resume PATH, "
                                   "or --train.resume auto)")

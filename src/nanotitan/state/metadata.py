@@ -152,14 +152,19 @@ class SafeReader(FileSystemReader):
     """DCP's FileSystemReader whose `.metadata` goes through the allow-list (dcp.load calls this on every rank) and
     whose files are opened as plain files only (O_NOFOLLOW, regular)."""
 
-    def __init__(self, path, *args, **kwargs):
+    def __init__(self, path, *args, metadata: Metadata | None = None, **kwargs):
+        """`metadata`: the `.metadata` its caller already read and checked, handed to DCP as it is: read again, a
+        file swapped in between would be what DCP acts on (where each tensor's bytes are)."""
         super().__init__(path, *args, **kwargs)
         self.fs = _PlainFiles()
+        self.checked = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            md = safe_load_metadata(f.read(), metadata_name(Path(self.path)))
+        if self.checked is not None:
+            md = self.checked
+        else:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                md = safe_load_metadata(f.read(), metadata_name(Path(self.path)))
         if getattr(md, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id

@@ -81,15 +81,17 @@ def layout_of(r: dict, cfg: Config) -> Layout:
                   int(r.get("M", r.get("microbatches", 1))), int(r.get("m", r.get("micro_batch", 1))))
 
 
-def _nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> list[float]:
-    """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants)."""
+def nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400, xtol: float = 1e-6) -> list[float]:
+    """Minimise f over R^n (deterministic Nelder-Mead; n is small: the profile's free time constants). Stops when
+    the values agree to 1e-12 or the simplex is within `xtol` of its best point in every coordinate (the fits run
+    on the constants' logs: 1e-6 is a relative 1e-6 on each)."""
     n = len(x0)
     pts = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
     vals = [f(x) for x in pts]
     for _ in range(iters):
         order = sorted(range(n + 1), key=vals.__getitem__)
         pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if vals[-1] - vals[0] < 1e-12:
+        if vals[-1] - vals[0] < 1e-12 or max(abs(a - b) for p in pts[1:] for a, b in zip(p, pts[0])) < xtol:
             break
         c = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
         towards = lambda a: [cj + a * (w - cj) for cj, w in zip(c, pts[-1])]
@@ -116,6 +118,22 @@ def _nelder_mead(f, x0: list[float], step: float = 0.5, iters: int = 400) -> lis
 FIT_TIME_FIELDS = {"compute_efficiency": 0.5, "a2a_call_s": 1e-4, "p2p_call_s": 1e-4, "step_overhead_s": 1e-3}
 
 
+def fit_constants(hw: Hardware, fields: dict[str, float], measured_s: list[float], step_of) -> Hardware:
+    """`hw` with the constants `fields` names (all positive; a 0 in `hw` starts from the field's value) fitted to
+    `measured_s`: Nelder-Mead on their logs minimising the sum over rows i of log(step_of(h, i) / measured_s[i])^2,
+    so every row weighs by its relative error."""
+    x0 = [math.log(getattr(hw, k) or v) for k, v in fields.items()]
+
+    def with_x(x):
+        return dataclasses.replace(hw, **{k: math.exp(v) for k, v in zip(fields, x)})
+
+    def loss(x):
+        h = with_x(x)
+        return sum(math.log(step_of(h, i) / y) ** 2 for i, y in enumerate(measured_s))
+
+    return with_x(nelder_mead(loss, x0)) if fields else hw
+
+
 def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware,
                 opts: PlanOptions | None = None, fields: dict[str, float] | None = None) -> Hardware:
     """The profile with its free time constants fitted to measured step times, and its per-rank memory
@@ -132,17 +150,7 @@ def fit_profile(measured_rows: list[dict], cfg: Config, hardware: str | Hardware
     cfgs = [layout_config(cfg, lay) for lay in lays]
     shape = ModelShape.from_config(cfg, **opts.shape_extra)
     meas = [float(r["step_time_s"]) for r in measured_rows]
-    x0 = [math.log(getattr(hw, k) or v) for k, v in fields.items()]
-
-    def with_x(x):
-        return dataclasses.replace(hw, **{k: math.exp(v) for k, v in zip(fields, x)})
-
-    def loss(x):
-        h = with_x(x)
-        return sum(math.log(predict(c, lay, h, opts, shape).step_time_s / y) ** 2
-                   for c, lay, y in zip(cfgs, lays, meas))
-
-    hw = with_x(_nelder_mead(loss, x0)) if fields else hw
+    hw = fit_constants(hw, fields, meas, lambda h, i: predict(cfgs[i], lays[i], h, opts, shape).step_time_s)
     extra = []
     for r, c, lay in zip(measured_rows, cfgs, lays):
         pred = predict(c, lay, hw, opts, shape)
