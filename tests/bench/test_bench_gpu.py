@@ -4,6 +4,9 @@ runs, its figures are finite and positive, and the grouped experts agree with th
 import json
 import math
 
+import pytest
+import torch
+
 from nanotitan.cli import main as cli_main
 
 
@@ -22,3 +25,26 @@ def test_bench_gpu_tiny(tmp_path, capsys):
         assert set(r["split_s"]) == {"attention", "router", "dispatch", "experts", "combine", "optimizer", "other"}
         assert all(v >= 0 for v in r["split_s"].values())
         assert r["config"] in text
+
+
+def test_bench_gpu_fp8_tiny(tmp_path, capsys):
+    """--fp8 adds the loop+fp8 row; at tiny shapes on CPU it runs the same code a GPU runs."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "rows.json"
+    assert cli_main(["bench", "gpu", "--shape", "tiny", "--layers", "1", "--steps", "1", "--configs", "loop",
+                     "--fp8", "rowwise", "--peak-tflops", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["loop", "loop+fp8"]
+    assert all(r["step_s"] > 0 and math.isfinite(r["mfu"]) for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FP8 MFU at real shapes needs a GPU")
+def test_bench_gpu_fp8_cuda(tmp_path):
+    """On a GPU (sm89+): the Mixtral-shaped layer in bf16 and FP8 rowwise, both rows measured."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm89 or newer")
+    out = tmp_path / "rows.json"
+    assert cli_main(["bench", "gpu", "--layers", "1", "--steps", "2", "--configs", "loop", "--fp8", "rowwise",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["loop", "loop+fp8"] and all(r["mfu"] > 0 for r in rows)

@@ -1,7 +1,7 @@
 """`nanotitan bench gpu`: the MoE step at real shapes on one GPU (`make gpu-check` runs it).
 
     nanotitan bench gpu [--shape mixtral|tiny] [--layers 2] [--seq 4096] [--steps 8] [--configs ...]
-                        [--compile-backend inductor] [--peak-tflops X] [--json PATH]
+                        [--compile-backend inductor] [--peak-tflops X] [--json PATH] [--fp8 rowwise|tensorwise]
 
 A Mixtral-8x7B-shaped model cut to fit one GPU (d 4096, 32 heads / 8 kv heads, expert hidden 14336, 8 experts top-2,
 vocab 32000, seq 4096, micro batch 1; fp32 weights and AdamW, the forward under bf16 autocast as train.dtype=bf16)
@@ -15,6 +15,9 @@ experts, combine) times the layers, and the optimizer step; `other` is what the 
 (embedding, head and loss, norms, Python). Before timing, the grouped experts are checked against the loop on
 the device (max relative difference of one layer's output and expert weight gradients): a GPU kernel that
 disagreed would show here first.
+
+--fp8 adds `loop+fp8` (train.fp8 at that recipe, docs/fp8.md: torchao's float8 linears, our FP8 expert GEMM per
+expert; the default fp8_skip): its MFU is against the same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
 
 Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/bench/test_bench_gpu.py runs it in the
 suite, so it cannot rot. CPU figures mean nothing for a GPU.
@@ -33,6 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.config import ModelConfig
+from ..config.fp8_rules import FP8_SKIP
+from ..model import fp8 as float8
 from ..model.moe import combine, pack_expert_major
 from ..model.transformer import Transformer, flops_per_token, num_moe_layers
 from ..observe.metrics import device_peak_flops
@@ -42,6 +47,7 @@ SHAPES = {
     "tiny": dict(d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=48, num_experts=4, top_k=2, vocab_size=256),
 }
 CONFIGS = ("reference", "loop", "grouped", "loop+compile", "grouped+compile")
+FP8_CONFIGS = ("loop+fp8",)  # with --fp8 RECIPE (FP8 experts run the per-expert loop: docs/fp8.md)
 
 
 class LinearExperts(nn.Module):
@@ -69,11 +75,14 @@ class LinearExperts(nn.Module):
         return torch.cat(ys)
 
 
-def build(shape: str, layers: int, seq: int, config: str, device: torch.device, backend: str) -> Transformer:
+def build(shape: str, layers: int, seq: int, config: str, device: torch.device, backend: str,
+          fp8: str = "off") -> Transformer:
     impl = config.split("+")[0]
     cfg = ModelConfig(**SHAPES[shape], n_layers=layers, max_seq_len=seq,
                       experts_impl="loop" if impl == "reference" else impl)
     model = Transformer(cfg).to(device)
+    if config.endswith("+fp8"):
+        float8.convert(model, float8.recipe(fp8), FP8_SKIP)
     if impl == "reference":
         for moe in model.moe_layers():
             moe.experts = LinearExperts(moe.experts).to(device)
@@ -203,7 +212,7 @@ def grouped_vs_loop(shape: str, seq: int, device: torch.device, dtype: torch.dty
 
 def run_config(args, config: str, device: torch.device, dtype: torch.dtype, peak: float) -> dict:
     torch.manual_seed(0)
-    model = build(args.shape, args.layers, args.seq, config, device, args.compile_backend)
+    model = build(args.shape, args.layers, args.seq, config, device, args.compile_backend, args.fp8)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
     V = model.cfg.vocab_size
@@ -290,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", default="", metavar="D,F,L,T,K", help="only ExpertFFN, loop vs grouped, at this "
                     "shape (MID: 256,512,8,1024,2)")
     ap.add_argument("--repeats", type=int, default=20, help="rounds of --experts")
+    ap.add_argument("--fp8", choices=("off", *float8.RECIPES), default="off", help=f"also {', '.join(FP8_CONFIGS)} "
+                    "at this recipe (docs/fp8.md)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.experts:
@@ -305,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     diff = grouped_vs_loop(args.shape, args.seq, device, dtype)
     print(f"grouped vs loop, one MoE layer (output, weight gradients): max rel diff {diff:.2e}", flush=True)
     rows = []
-    for config in args.configs.split(","):
-        assert config in CONFIGS, f"--configs: {config!r} is not one of {CONFIGS}"
+    configs = args.configs.split(",") + (list(FP8_CONFIGS) if args.fp8 != "off" else [])
+    for config in configs:
+        assert config in CONFIGS + FP8_CONFIGS, f"--configs: {config!r} is not one of {CONFIGS} (+fp8: --fp8)"
         rows.append(run_config(args, config, device, dtype, peak))  # its model and optimizer freed on return
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -25,6 +25,7 @@ from .elastic_rules import check_elastic
 from .run_rules import check_run
 from .cp_rules import check_cp
 from .dispatch_rules import check_dispatch
+from .fp8_rules import FP8_SKIP, check_fp8
 from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
@@ -170,6 +171,9 @@ class TrainConfig:
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
     compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
+    # FP8 GEMMs with dynamic scaling: off, tensorwise (one scale a tensor) or rowwise (one a row; docs/fp8.md)
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    fp8_skip: list[str] = field(default_factory=lambda: list(FP8_SKIP))  # modules kept out of FP8 (docs/fp8.md)
 
 
 @dataclass(kw_only=True)
@@ -282,11 +286,10 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
-        # Where the values stand, not values: plain attributes of each instance, not dataclass fields, so asdict,
-        # to_toml and == ignore them (dataclasses.replace, a new instance, starts them afresh). `explicit`: the
-        # keys the user set in the file or on the command line, as "section.key" (None: a Config built in code,
-        # not by load_config), which tells resolve.py which model keys init.from_hf may fill and which it must
-        # refuse to change. `resolved`: whether resolve.py has made every value concrete (the copy it returns).
+        # Where the values stand: plain attributes, not dataclass fields, so asdict, to_toml and == ignore them
+        # (dataclasses.replace starts them afresh). `explicit`: the keys set in the file or on the command line, as
+        # "section.key" (None: a Config built in code), which tell resolve.py which model keys init.from_hf may
+        # fill and which it must refuse to change. `resolved`: resolve.py made every value concrete (its copy).
         self.explicit: frozenset[str] | None = None
         self.resolved = False
 
@@ -309,7 +312,6 @@ SECTIONS = {f.name: f.type for f in fields(Config)}
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- TOML file <- CLI overrides, then validate(). An error about a value from the file names the file.
-
     The config as written: "auto" values, model.vocab_size 0 and init.from_hf are left for resolve.py, which
     turns them into the concrete config a job runs (and validates that one)."""
     cfg = Config()
@@ -357,7 +359,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
     for check in (_check_finite, _check_ranges, check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
                   check_cp, check_expert_fold, check_placement, check_elastic, check_controls,
-                  check_dispatch):
+                  check_dispatch, check_fp8):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -562,15 +564,15 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section, body in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        for k, v in body.items():
-            if isinstance(v, bool):
-                s = "true" if v else "false"
-            elif isinstance(v, str):
-                s = '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            elif isinstance(v, list):
-                s = "[" + ", ".join(str(x) for x in v) + "]"
-            else:
-                s = repr(v)
-            lines.append(f"{k} = {s}")
-        lines.append("")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()] + [""]
     return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):  # pp_layers' numbers, train.fp8_skip's patterns
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)

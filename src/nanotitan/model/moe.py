@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import wgrad
+from . import fp8 as float8, wgrad
 from .experts import ExpertShard, LocalExperts
 from .tokens import LOCAL, TokenShard
 from .wgrad import Linear
@@ -55,6 +55,7 @@ class ExpertFFN(nn.Module):
     "grouped" one `torch._grouped_mm` per projection over all L experts, its group offsets a device tensor, so
     the experts need no host count; "auto" picks per device and dtype (`grouped_wins`, docs/moe.md)."""
     wgrad_store: wgrad.WeightGradStore | None = None  # set: weight gradients deferrable (model/wgrad.py)
+    fp8: "float8.Fp8 | None" = None  # set: each GEMM in FP8, the loop under plain autograd (model/fp8.py)
 
     def __init__(self, num_local: int, d_model: int, ffn_dim: int, impl: str = "loop"):
         super().__init__()
@@ -66,7 +67,7 @@ class ExpertFFN(nn.Module):
 
     def grouped(self, x: torch.Tensor) -> bool:
         """Does a call on x run the grouped GEMMs? (Dispatchers ask first: the grouped path needs no host counts.)"""
-        return self.impl == "grouped" or (self.impl == "auto" and grouped_wins(x))
+        return self.fp8 is None and (self.impl == "grouped" or (self.impl == "auto" and grouped_wins(x)))
 
     def forward(self, x_ND: torch.Tensor, counts_L: "list[int] | torch.Tensor", trip=None) -> torch.Tensor:
         """x_ND holds counts_L[l] rows for local expert l, contiguous and in order (a device tensor of counts: no
@@ -75,6 +76,9 @@ class ExpertFFN(nn.Module):
         wraps the module (FSDP2's unshard of the weights) happens around it as around the plain path."""
         if trip is not None:
             return trip(self.W_gate, self.W_val, self.W_out, self.wgrad_store)
+        if self.fp8 is not None:
+            counts_L = counts_L.tolist() if isinstance(counts_L, torch.Tensor) else counts_L
+            return float8.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.fp8)
         if self.grouped(x_ND):
             if not isinstance(counts_L, torch.Tensor):
                 counts_L = torch.tensor(counts_L, device=x_ND.device)

@@ -42,6 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fp8 as float8
+
 _SINK = "_nanotitan_grad_sink"  # attribute on the param: its gradient sync's sink
 
 
@@ -382,10 +384,14 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight gradient a `WeightGradStore` can defer (`attach`); plain nn.Linear without one."""
+    """nn.Linear whose weight gradient a `WeightGradStore` can defer (`attach`); plain nn.Linear without one.
+    With `.fp8` set (model/fp8.py `convert`), torchao's float8 linear under plain autograd: no deferral."""
     wgrad_store: WeightGradStore | None = None
+    fp8: "float8.Fp8 | None" = None
 
     def forward(self, x):
+        if self.fp8 is not None:
+            return float8.linear(x, self.weight, self.bias, self.fp8)
         if self.wgrad_store is None:  # nn.Linear's own path, with no extra Python call (every step makes dozens)
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.wgrad_store)

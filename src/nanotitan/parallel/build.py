@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..config.config import Config
+from ..model import fp8 as float8
 from ..model.spec import ModelShardSpec
 from ..model.transformer import Transformer
 from .dims import ParallelDims
@@ -45,6 +46,7 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
                   for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     apply_tp(model, tp)  # shapes only: each TP-sharded parameter becomes its rank's slice
+    float8.convert(model, float8.recipe(cfg.train.fp8), cfg.train.fp8_skip)  # train.fp8: which GEMMs run in FP8
     for chunk in chunks:
         for module in chunk.modules():  # (StageChunks holds these same modules: it sees the new parameters)
             for name, p in module.named_parameters(recurse=False):

@@ -61,6 +61,7 @@ MODEL_DRAWS = [
     ("optimizer", [("--train.optimizer", "muon"), ("--train.optimizer", "muon", "--train.qk_clip", "0.03"),
                    ("--train.qk_clip", "0.03")]),
     ("dtype", [("--train.dtype", "bf16")]),
+    ("fp8", [("--train.fp8", "rowwise"), ("--train.fp8", "tensorwise")]),
 ]
 LAYOUT_DRAWS = [
     ("zero", [("--parallel.zero", "1"), ("--parallel.zero", "2"), ("--parallel.zero", "3")]),
@@ -143,6 +144,12 @@ REFUSALS = [
     ("replicas-over-ranks", r"expert_replicas=\d exceeds the \d EP ranks",
      "an expert cannot have more copies than the ranks its layer's experts fold over", "by design"),
     ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
+    ("fp8-width", r"gives an FP8 GEMM dimension \d+, not a multiple of 16",
+     "the GPU's FP8 GEMMs take dimensions in multiples of 16 (the deepseek model's q latent is 12)", "by design"),
+    ("fp8-split-scales", r"train\.fp8=\w+ with parallel\.(tp|cp) > 1",
+     "a TP- or CP-split GEMM's scales need an amax reduced over the group, not written yet", "open"),
+    ("fp8-ep-overlap", r"train\.fp8=\w+ with parallel\.ep_overlap",
+     "the overlapped experts' chunks run their own GEMMs, in high precision", "open"),
     ("kv-heads-tp", r"parallel\.tp=\d and model\.n_kv_heads", "KV heads are split, or replicated when fewer than the "
      "TP ranks: one must divide the other", "by design"),
     ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence", "by design"),

@@ -1,0 +1,183 @@
+"""FP8 training (train.fp8, docs/fp8.md): dynamic scaling, e4m3 forward, the recipe's dtype for gradients.
+
+Two kinds of GEMM, two sources:
+- the dense projections (attention, MLA, dense FFNs, shared experts, MTP's eh_proj): torchao's float8 linear,
+  the autograd function Float8Linear itself calls (`matmul_with_hp_or_float8_args`) with torchao's recipe
+  (Float8LinearConfig.from_recipe_name): its casts, its scales, its `torch._scaled_mm` (which runs on CPU too).
+  Each scale is one microbatch's: every layout that runs a microbatch's tokens whole on a rank (DP, ZeRO, EP's
+  dense part, PP) computes the scales one process computes.
+- the routed experts (`ExpertMM`): written here. torchao's grouped float8 op is CUDA only, and its weight
+  gradient scales each expert's columns over that expert's tokens of the call, which under EP are tokens of
+  several ranks' microbatches: a per-layout quantity. So the experts scale what is the same in every layout:
+  each assignment's row (its own amax), each expert's weight per output column (rowwise) or whole (tensorwise),
+  and keep the weight gradient in high precision (torchao's rowwise_with_gw_hp choice). The GEMM is
+  `torch._scaled_mm` per expert group, fp32 accumulate: bitwise the dequantized fp32 matmul. On a GPU the same
+  per-row and per-column scales are what `torch._scaled_grouped_mm` takes for one launch; not wired yet, the
+  experts loop there too.
+
+`convert` marks the modules: a Linear gets `.fp8`, an ExpertFFN its `.fp8`; train.fp8_skip's patterns keep some in
+high precision (fnmatch on the qualified name or its last component; the defaults and why: config/fp8_rules.py).
+Parameters stay fp32 masters: checkpoints, optimizers and gradient syncs see no difference.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """One recipe, as torchao defines it: the linears' config, and what the experts take from it."""
+    recipe: str
+    config: object  # torchao.float8.Float8LinearConfig
+    mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return self.config.cast_config_input.target_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.config.cast_config_grad_output.target_dtype
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+    @property
+    def pow2(self) -> bool:
+        return self.config.round_scales_to_power_of_2
+
+
+def _import_torchao() -> None:
+    """torchao's first import, quiet where its warnings say nothing to a user: its CUDA-only extensions' load
+    failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how torchao 0.18 registers
+    an enum with torch.compile."""
+    import logging
+
+    logs = [logging.getLogger("torch.utils._pytree")]
+    logs += [] if torch.cuda.is_available() else [logging.getLogger("torchao")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def recipe(name: str) -> Fp8 | None:
+    """The Fp8 of train.fp8 `name` (None for "off"). torchao is imported only here: fp8 off never needs it."""
+    if name == "off":
+        return None
+    _import_torchao()
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    assert name in RECIPES, name
+    c = Float8LinearConfig.from_recipe_name(name)
+    # Float8Linear.__init__'s three GEMM configs (output, grad_input, grad_weight), emulate off: torch._scaled_mm
+    mm = LinearMMConfig(*(ScaledMMConfig(False, g.use_fast_accum, False, c.pad_inner_dim)
+                          for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+    return Fp8(name, c, mm)
+
+
+def skipped(qualname: str, patterns) -> bool:
+    leaf = qualname.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(qualname, p) or fnmatch.fnmatchcase(leaf, p) for p in patterns)
+
+
+def convert(model: nn.Module, fp8: Fp8 | None, skip) -> list[str]:
+    """Mark every Linear and ExpertFFN of `model` whose name no `skip` pattern matches to run in `fp8` (None: all
+    back to high precision). Returns the names converted."""
+    done = []
+    for name, m in model.named_modules():
+        if hasattr(m, "fp8"):
+            m.fp8 = None if fp8 is None or skipped(name, skip) else fp8
+            if m.fp8 is not None:
+                done.append(name)
+    return done
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8) -> torch.Tensor:
+    """F.linear in FP8: torchao's Float8Linear.forward (its autograd function, its recipe), autocast honoured as
+    there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+        with torch.autocast(dev, enabled=False):
+            y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+    else:
+        y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool):
+    """(bits, scale) of t in `dtype`, torchao's dynamic cast: scale = max(dtype) / amax over `dim` (None: the whole
+    tensor; keepdim), in float64 then float32, rounded down to a power of 2 when the recipe says; saturated."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = amax_to_scale(amax.float(), dtype, pow2)
+    return to_fp8_saturated(t.float() * scale, dtype), scale
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,
+              pow2: bool) -> torch.Tensor:
+    """a @ b with a [n, K] scaled per row and b [K, N] per column (b_whole: one scale for all of b, broadcast to
+    its columns, the same numbers), fp32 accumulate, out in a's dtype. b is handed column-major, as the GPU
+    kernel wants it; on CPU `torch._scaled_mm` is bitwise the dequantized fp32 matmul."""
+    if a.shape[0] == 0:
+        return a.new_zeros(0, b.shape[1])
+    qa, sa = quantize(a, a_dtype, -1, pow2)
+    qb, sb = quantize(b, b_dtype, None if b_whole else 0, pow2)
+    sb = sb.expand(1, b.shape[1]) if b_whole else sb
+    qb = qb.t().contiguous().t()
+    return torch._scaled_mm(qa, qb, scale_a=sa.reciprocal(), scale_b=sb.reciprocal().contiguous(),
+                            out_dtype=a.dtype)
+
+
+class ExpertMM(torch.autograd.Function):
+    """y = x @ w for one expert's rows x [n, K] and its weight w [K, N] in FP8 (the module docstring says why these
+    scales): forward e4m3 x per row, w per column (or whole); grad_x = dy @ w^T with dy per row in the recipe's
+    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision."""
+
+    @staticmethod
+    def forward(ctx, x, w, fp8: Fp8):
+        ctx.save_for_backward(x, w)
+        ctx.fp8 = fp8
+        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        f = ctx.fp8
+        dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2) if ctx.needs_input_grad[0] \
+            else None
+        dw = x.t().mm(dy.to(x.dtype)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
+            counts_L: list[int], fp8: Fp8) -> torch.Tensor:
+    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd."""
+    dev = x_ND.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x_ND, W_gate, W_val, W_out = (t.to(dt) for t in (x_ND, W_gate, W_val, W_out))
+    ys = []
+    for x, wg, wv, wo in zip(x_ND.split(counts_L), W_gate.unbind(0), W_val.unbind(0), W_out.unbind(0)):
+        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8)) * ExpertMM.apply(x, wv, fp8)
+        ys.append(ExpertMM.apply(h, wo, fp8))
+    return torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])

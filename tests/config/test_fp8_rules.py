@@ -1,0 +1,41 @@
+"""train.fp8's config rules (config/fp8_rules.py): one line naming the field and the fix, before anything runs."""
+
+import pytest
+
+from nanotitan.config.config import ConfigError, load_config
+
+BASE = ["--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--train.fp8", "rowwise"]
+
+
+def err(*args) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*BASE, *args])
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_fp8_accepts_the_default_model_and_its_skips():
+    assert load_config(None, BASE).train.fp8_skip == ["tok_emb", "head", "router", "shared_expert_gate", "q_a_proj",
+                                                      "kv_a_proj_with_mqa"]
+    load_config(None, [*BASE, "--train.fp8", "tensorwise", "--parallel.dp", "2", "--parallel.zero", "3"])
+
+
+def test_a_dimension_not_a_multiple_of_16_names_the_field_and_the_fixes():
+    msg = err("--model.ffn_dim", "40")
+    assert msg.startswith("model.ffn_dim gives an FP8 GEMM dimension 40, not a multiple of 16 (experts)")
+    assert "--train.fp8_skip" in msg and "--train.fp8 off" in msg
+    assert "model.dense_ffn_dim" in err("--model.dense_ffn_dim", "24", "--model.first_k_dense", "1")
+    # skipped modules may take any width: the experts kept in high precision
+    load_config(None, [*BASE, "--model.ffn_dim", "40", "--train.fp8_skip", "head,router,experts"])
+    # MLA: a q latent of 12 feeds q_b_proj, which the default skips do not keep whole
+    assert "model.q_lora_rank" in err("--model.kv_lora_rank", "16", "--model.q_lora_rank", "12",
+                                      "--model.qk_nope_head_dim", "8", "--model.qk_rope_head_dim", "8",
+                                      "--model.v_head_dim", "8")
+
+
+def test_unwritten_layouts_and_recipes_are_refused():
+    assert err("--parallel.tp", "2").startswith("train.fp8=rowwise with parallel.tp > 1")
+    assert err("--parallel.cp", "2").startswith("train.fp8=rowwise with parallel.cp > 1")
+    assert "parallel.ep_overlap" in err("--parallel.ep", "2", "--parallel.ep_overlap", "true")
+    assert "not one of ['off', 'tensorwise', 'rowwise']" in err("--train.fp8", "mxfp8")

@@ -1,0 +1,88 @@
+"""FP8 GEMMs (model/fp8.py, docs/fp8.md) against their truths: the dense projections are torchao's Float8Linear bit
+for bit (forward, input and weight gradients, both recipes); the experts' GEMM is the dequantized fp32 matmul bit
+for bit, with the scales the recipe says; `convert` keeps the default skips in high precision; train.fp8 trains."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+
+from nanotitan.config.config import Config  # noqa: E402
+from nanotitan.config.fp8_rules import FP8_SKIP  # noqa: E402
+from nanotitan.model import fp8 as float8  # noqa: E402
+from nanotitan.model.spec import ModelShardSpec  # noqa: E402
+from nanotitan.model.transformer import Transformer  # noqa: E402
+from nanotitan.model.wgrad import Linear  # noqa: E402
+
+RECIPES = ["tensorwise", "rowwise"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_linear_is_torchaos_float8_linear(name):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    ours = Linear(64, 32, bias=True)
+    theirs = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=True))
+    theirs[0].load_state_dict(ours.state_dict())
+    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name(name))
+    ours.fp8 = float8.recipe(name)
+    x = torch.randn(2, 8, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), theirs(xb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(ours.weight.grad, theirs[0].weight.grad) and torch.equal(ours.bias.grad, theirs[0].bias.grad)
+    assert not torch.equal(ya, torch.nn.functional.linear(x, ours.weight, ours.bias)), "no FP8 rounding happened"
+
+
+def _dequantized(t, dtype, dim, pow2):
+    """The GEMM's operand as the kernel reads it: the bits times the inverse scale (torchao hands it 1/scale)."""
+    bits, scale = float8.quantize(t, dtype, dim, pow2)
+    return bits.float() * scale.reciprocal()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_expert_gemm_is_the_dequantized_fp32_matmul(name):
+    """ExpertMM: x per row and w per column (rowwise) or whole (tensorwise) in e4m3; dy per row in the recipe's
+    gradient dtype; dw in fp32. The references are written from those words, not from the code's calls."""
+    f = float8.recipe(name)
+    torch.manual_seed(1)
+    x, w = torch.randn(24, 32, requires_grad=True), torch.randn(32, 48, requires_grad=True)
+    w_dim = 0 if name == "rowwise" else None
+    y = float8.ExpertMM.apply(x, w, f)
+    want = _dequantized(x, torch.float8_e4m3fn, -1, f.pow2) @ _dequantized(w, torch.float8_e4m3fn, w_dim, f.pow2)
+    assert torch.equal(y, want)
+    dy = torch.randn_like(y) * 1e-3
+    y.backward(dy)
+    grad_dtype = torch.float8_e5m2 if name == "tensorwise" else torch.float8_e4m3fn
+    wt_dim = 0 if name == "rowwise" else None
+    dx = _dequantized(dy, grad_dtype, -1, f.pow2) @ _dequantized(w.detach().t(), torch.float8_e4m3fn, wt_dim, f.pow2)
+    assert torch.equal(x.grad, dx)
+    assert torch.equal(w.grad, x.detach().t().mm(dy))
+    assert float8.ExpertMM.apply(x[:0], w, f).shape == (0, 48)  # an expert with no tokens
+
+
+def test_scales_follow_torchao():
+    """A tensorwise scale is torchao's (fp8 max / amax); rowwise rounds down to a power of 2 (the recipe's)."""
+    t = torch.tensor([[0.3, -1.7], [2.5, 0.1]])
+    _, s = float8.quantize(t, torch.float8_e4m3fn, None, False)
+    assert torch.equal(s, torch.tensor(448.0 / 2.5))
+    _, s = float8.quantize(t, torch.float8_e4m3fn, -1, True)
+    assert torch.equal(s, torch.tensor([[256.0], [128.0]]))  # 448 / 1.7 = 263.5, 448 / 2.5 = 179.2
+
+
+def test_convert_keeps_the_skips_in_high_precision():
+    cfg = Config().model
+    cfg.vocab_size, cfg.d_model, cfg.ffn_dim, cfg.n_layers, cfg.shared_experts, cfg.shared_expert_gate = (
+        300, 32, 48, 2, 1, True)
+    model = Transformer(cfg, ModelShardSpec.full(cfg), seed=0)
+    done = float8.convert(model, float8.recipe("rowwise"), list(FP8_SKIP))
+    leaves = {n.rsplit(".", 1)[-1] for n in done}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"}, leaves
+    assert model.head.fp8 is None and model.layers["0"].moe.router.fp8 is None
+    float8.convert(model, None, [])
+    assert all(getattr(m, "fp8", None) is None for m in model.modules())
