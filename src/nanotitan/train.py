@@ -173,10 +173,10 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
-        xs, ys = self.data.batch(step)
+        xs, ys, ds = self.data.batch(step)  # ds: each microbatch's document starts (model.attn_mask=doc) or None
         with self.meters.activations(metered):
             stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
-                                     device=self.device, dtype=cfg.train.dtype)
+                                     device=self.device, dtype=cfg.train.dtype, docs=ds)
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
         grad_norm = clip_grads(self.shard, cfg.train.grad_clip)

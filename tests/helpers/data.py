@@ -19,3 +19,10 @@ def write_txt(d: Path, docs: list[str]) -> Path:
     for i, text in enumerate(docs):
         (d / f"doc_{i:03d}.txt").write_text(text)
     return d
+
+
+def short_docs(d: Path, n_docs: int = 400, seed: int = 0) -> Path:
+    """A corpus of many short documents (1 to 12 words, one .txt each): 16-token windows then pack several, and
+    their boundaries fall anywhere, across CP chunks and microbatches too."""
+    rng = random.Random(seed)
+    return write_txt(d, [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) for _ in range(n_docs)])

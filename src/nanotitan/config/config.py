@@ -21,9 +21,10 @@ from typing import Literal
 
 from .errors import ConfigError, check as _check
 from .fits import vocab_too_large
-from .parse import elastic_nodes, parse_overrides, parse_steps, set_value, tidy_counts
+from .parse import parse_overrides, parse_steps, set_value, tidy_counts
 from .controls_rules import check_controls
 from .cp_rules import check_cp
+from .elastic_rules import check_elastic
 from .layout import check_expert_fold, expert_ranks
 from .placement_rules import check_placement
 from .tp_rules import check_tp
@@ -61,6 +62,8 @@ class ModelConfig:
     capacity_factor: float = 0.0  # tokens an expert takes per microbatch (docs/config.md)
     # --- positions, norms and init ---
     pos_emb: Literal["rope", "learned"] = "rope"  # rotary embeddings, or a learned position table
+    attn_mask: Literal["causal", "doc"] = "causal"  # doc: attend within each EOT-ended document only (docs/packed.md)
+    doc_positions: Literal["doc", "global"] = "doc"  # attn_mask=doc: positions restart per document, or the window's
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -333,7 +336,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, check_expert_fold,
-                  _check_dp_ep, check_tp, check_cp, check_placement, _check_elastic, check_controls):
+                  _check_dp_ep, check_tp, check_cp, check_placement, check_elastic, check_controls):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -556,25 +559,6 @@ def _check_dp_ep(cfg: Config) -> None:
     _check(not t.global_batch or p.auto or t.global_batch == cfg.layout_batch,
            f"train.global_batch={t.global_batch} != dp*ep*microbatches*micro_batch = {cfg.layout_batch} "
            "(fix the layout, set --train.global_batch 0, or let --parallel.auto true choose M and m)")
-
-
-def _check_elastic(cfg: Config) -> None:
-    e = cfg.elastic
-    _check(e.nproc_per_node >= 1, f"elastic.nproc_per_node={e.nproc_per_node} must be >= 1 (--elastic.nproc_per_node)")
-    _check(e.join_timeout_s > 0, f"elastic.join_timeout_s={e.join_timeout_s} must be > 0 (--elastic.join_timeout_s)")
-    _check(e.snapshot_every >= 0,
-           f"elastic.snapshot_every={e.snapshot_every} must be >= 0 (--elastic.snapshot_every, 0 = off)")
-    if not (e.endpoint or e.nodes):
-        return
-    _check(bool(e.endpoint) and bool(e.nodes), "an elastic job needs both --elastic.nodes MIN:MAX and "
-           "--elastic.endpoint HOST:PORT (node 0's address)")
-    elastic_nodes(e.nodes)
-    host, _, port = e.endpoint.rpartition(":")
-    _check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
-           f"elastic.endpoint={e.endpoint!r} must be HOST:PORT (--elastic.endpoint node0:29500)")
-    _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", e.id)),
-           f"elastic.id={e.id!r} must be letters, digits, . _ - (--elastic.id)")
-    _check(cfg.data.loader == "indexed", "an elastic job resumes by step: --data.loader indexed")
 
 
 def to_dict(cfg: Config) -> dict:

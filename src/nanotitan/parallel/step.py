@@ -68,14 +68,18 @@ def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device,
     return shard.comms[key]
 
 
-def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int, device: torch.device):
-    """This data rank's b rows -> M microbatches of m sequences, on the device."""
+def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int, device: torch.device,
+                       docs: torch.Tensor | None = None):
+    """This data rank's b rows -> M microbatches of m sequences, on the device; with `docs` (the rows' document
+    starts, model/docs.py) also theirs: (xs, ys, ds), ds None per microbatch without."""
     x, y = x.to(device), y.to(device)
-    return list(x.split(m)), list(y.split(m))
+    xs, ys = list(x.split(m)), list(y.split(m))
+    return xs, ys, list(docs.to(device).split(m)) if docs is not None else [None] * len(xs)
 
 
 def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.Tensor], *, schedule: str,
-                     aux_weight: float, device: torch.device, dtype: str = "fp32") -> StepStats:
+                     aux_weight: float, device: torch.device, dtype: str = "fp32", docs: list | None = None
+                     ) -> StepStats:
     """Forwards and backwards of this rank's M microbatches, gradients accumulated into .grad and their
     sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches."""
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
@@ -84,8 +88,8 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
         return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
                                          schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / len(xs),
                                          before_backward=shard.sync.prepare, autocast=forward_ctx,
-                                         ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
-    stats = shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx)
+                                         ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None, docs=docs)
+    stats = shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx, docs)
     stats.routing = take_routing(shard.model)  # the training forwards' records, read once (never a recompute's)
     stats.routing.received = take_received(shard.model, stats.routing.keys)
     return stats
@@ -321,15 +325,16 @@ def _reduce(parts: list[torch.Tensor], op, dims) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: str = "fp32") -> float:
-    """Mean CE over this data rank's `batches` ((x, y) of b rows each) and over every data rank: a forward-only
-    pass through the pipeline (no balance loss). Eval forwards leave no routing record (model/transformer.py)."""
+    """Mean CE over this data rank's `batches` ((x, y) or (x, y, document starts) of b rows each) and over every
+    data rank: a forward-only pass through the pipeline (no balance loss). Eval forwards leave no routing record
+    (model/transformer.py)."""
     model, dims = shard.model, shard.dims
     model.eval()
     total, n = torch.zeros((), device=device), 0
     with autocast(device, dtype):
-        for xb, yb in batches:
-            xs, ys = split_microbatches(xb, yb, m, device)
-            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype))
+        for xb, yb, *db in batches:
+            xs, ys, ds = split_microbatches(xb, yb, m, device, *db)
+            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype), docs=ds)
             if ce_sum is not None:  # last stage
                 total += ce_sum
             n += len(xs)
