@@ -176,7 +176,8 @@ class Trainer:
         xs, ys, ds = self.data.batch(step)  # ds: each microbatch's document starts (model.attn_mask=doc) or None
         with self.meters.activations(metered):
             stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
-                                     device=self.device, dtype=cfg.train.dtype, docs=ds)
+                                     device=self.device, dtype=cfg.train.dtype, docs=ds,
+                                     masked=cfg.data.format == "sft")  # SFT: normalised over the response tokens
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
         grad_norm = clip_grads(self.shard, cfg.train.grad_clip)

@@ -99,6 +99,7 @@ class DataConfig:
     tokenizer: str = ""  # path to an existing tokenizer.json (empty = train a byte-level BPE)
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
     loader: Literal["indexed", "streaming"] = "indexed"  # indexed: by global index, resumable; streaming: HF
+    format: Literal["text", "sft"] = "text"  # sft: .jsonl prompt/response records, loss on responses (docs/packed.md)
     val_fraction: float = 0.05  # share of the corpus held out for val_loss
     max_docs: int = 0  # cap on documents read from a streaming/hub source when preparing (0 = all)
     cache_dir: str = ""  # where prepared corpora live (default: ~/.cache/nanotitan)
@@ -551,6 +552,8 @@ def _check_dp_ep(cfg: Config) -> None:
            "(--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
+    _check(d.format == "text" or (d.loader == "indexed" and not d.mix),
+           "data.format=sft reads prepared examples by index from one source: --data.loader indexed, no --data.mix")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
            "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "
            "(--parallel.emulate h100-sxm, or leave them 0)")

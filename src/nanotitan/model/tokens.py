@@ -137,8 +137,11 @@ def latent_attention(q, latent, expand, scale: float, docs: torch.Tensor | None 
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out (0 when every target is: a
+    microbatch of masked prompts adds nothing, rather than 0/0)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp_min(1)
 
 
 class WholeSequence:

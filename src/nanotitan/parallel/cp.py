@@ -133,7 +133,7 @@ class CPShard:
         rows = (targets != IGNORE).sum().to(mean.dtype)
         total = rows.clone()
         comm.all_reduce(total, group=self.ring.group, axis="cp")
-        return mean * (rows / total)
+        return mean * (rows / total.clamp_min(1))
 
 
 class _SumOverCP(torch.autograd.Function):

@@ -38,9 +38,10 @@ class StageRunner:
     def __init__(self, chunks, first: list[bool], last: list[bool], comms: StageComms, xs, ys, aux_weight: float,
                  loss_scale: float, before_backward: Callable[[bool], None] | None,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext, timeline: list | None = None,
-                 docs: list | None = None):
+                 docs: list | None = None, weights: list[float] | None = None):
         self.chunks, self.comms, self.autocast = chunks, comms, autocast
         self.docs = docs  # per microbatch its windows' document starts (model/docs.py) or None; None: all causal
+        self.ce_weights = weights  # per microbatch the factor on its mean CE (parallel/step.py `target_weights`)
         # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
         self.first, self.last = first, last
         self.xs, self.ys, self.device = xs, ys, comms.device
@@ -96,6 +97,7 @@ class StageRunner:
             self._event("F", v, i, t0)
             return None if last else out
         if last:
+            out = out if self.ce_weights is None else out * self.ce_weights[i]  # masked targets: the global count's share
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             if mtp:  # multi-token prediction (model/mtp.py): a term of the last chunk's objective, summed like ce
                 self.mtp_sum = mtp[0].detach() if self.mtp_sum is None else self.mtp_sum + mtp[0].detach()

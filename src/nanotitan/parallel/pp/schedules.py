@@ -288,6 +288,7 @@ def pipeline_forward_backward(
     ep_lanes: Lanes | None = None,
     options: RunOptions | None = None,
     docs: list | None = None,
+    weights: list[float] | None = None,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -307,6 +308,7 @@ def pipeline_forward_backward(
     (dims.build_backward_ep_groups). None: one lane.
     options: the benches' knobs (RunOptions: a timeline, the lanes' fill and window).
     docs: per microbatch the document starts of its windows (model/docs.py: model.attn_mask=doc), or None.
+    weights: per microbatch the factor on its mean CE (masked targets: parallel/step.py `target_weights`), or None.
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     options = options or RunOptions()
@@ -319,7 +321,7 @@ def pipeline_forward_backward(
     # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _runner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, autocast, split, ep_lanes,
-                  options, docs)
+                  options, docs, weights)
     try:
         # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does
         # not: its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
@@ -343,11 +345,11 @@ def pipeline_forward_backward(
 
 def _runner(chunks, dims: ParallelDims, comms: StageComms, xs, ys, aux_weight: float, loss_scale: float,
             before_backward, autocast, split: bool, ep_lanes: Lanes | None, options: RunOptions,
-            docs: list | None = None) -> StageRunner:
+            docs: list | None = None, weights: list[float] | None = None) -> StageRunner:
     """The runner type of this step: zb1's split stages defer W (with the lanes' fill: during B's all-to-alls),
     the lanes' fill defers each backward's weight GEMMs into its own all-to-alls, else plain autograd."""
     args = (chunks, *_ends(dims, len(chunks)), comms, xs, ys, aux_weight, loss_scale, before_backward, autocast,
-            options.timeline, docs)
+            options.timeline, docs, weights)
     filler = ep_lanes if ep_lanes is not None and options.lanes_fill and len(xs) > 1 else None
     if split:
         return SplitRunner(*args, filler=filler)
