@@ -13,21 +13,7 @@ from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
 from nanotitan.data.sft import IGNORE
 from nanotitan.data.sources import DataError
 from nanotitan.model.tokens import IGNORE as MODEL_IGNORE
-
-
-def write_sft(path, n: int = 60, seed: int = 0, long_every: int = 0):
-    """n records "Q: a b?" -> " b a." (every `long_every`-th with a response of 40 words)."""
-    import random
-
-    rng = random.Random(seed)
-    words = "apple banana cherry dog egg fish grape house ice jam kite lemon moon nut orange pear".split()
-    with open(path, "w") as f:
-        for i in range(n):
-            a, b = rng.choice(words), rng.choice(words)
-            response = " ".join(rng.choice(words) for _ in range(40)) if long_every and i % long_every == 0 \
-                else f"{b} then {a}."
-            f.write(json.dumps({"prompt": f"Q: {a} and {b}? {i}\nA:", "response": " " + response}) + "\n")
-    return path
+from tests.helpers.data import write_sft
 
 
 def _cfg(tmp_path, source) -> DataConfig:

@@ -26,6 +26,7 @@ from .controls_rules import check_controls
 from .cp_rules import check_cp
 from .elastic_rules import check_elastic
 from .layout import check_expert_fold, expert_ranks
+from .packed_rules import check_packed
 from .placement_rules import check_placement
 from .tp_rules import check_tp
 
@@ -337,7 +338,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every impossible value fails here, with one line naming the field and the fix, section by section. Reads,
     never writes: what is derived (model.vocab_size 0, pp_layers auto, ...) is resolve.py's."""
     for check in (_check_finite, _check_ranges, _check_run, _check_model, _check_pipeline, check_expert_fold,
-                  _check_dp_ep, check_tp, check_cp, check_placement, check_elastic, check_controls):
+                  _check_dp_ep, check_tp, check_cp, check_placement, check_elastic, check_controls, check_packed):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel
@@ -552,8 +553,6 @@ def _check_dp_ep(cfg: Config) -> None:
            "(--parallel.zero 0, or dp/ep > 1)")
     _check(d.loader == "indexed" or t.resume == "",
            "data.loader=streaming cannot resume by step; use --data.loader indexed to resume")
-    _check(d.format == "text" or (d.loader == "indexed" and not d.mix),
-           "data.format=sft reads prepared examples by index from one source: --data.loader indexed, no --data.mix")
     _check(bool(p.emulate) or not (p.emulate_node_size or p.emulate_dilation),
            "parallel.emulate_node_size/emulate_dilation shape a network emulation, which is off "
            "(--parallel.emulate h100-sxm, or leave them 0)")

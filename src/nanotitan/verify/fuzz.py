@@ -61,6 +61,7 @@ MODEL_DRAWS = [
     ("optimizer", [("--train.optimizer", "muon"), ("--train.optimizer", "muon", "--train.qk_clip", "0.03"),
                    ("--train.qk_clip", "0.03")]),
     ("dtype", [("--train.dtype", "bf16")]),
+    ("documents", [("--model.attn_mask", "doc"), ("--model.attn_mask", "doc", "--model.doc_positions", "global")]),
 ]
 LAYOUT_DRAWS = [
     ("zero", [("--parallel.zero", "1"), ("--parallel.zero", "2"), ("--parallel.zero", "3")]),
