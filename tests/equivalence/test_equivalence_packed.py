@@ -19,7 +19,8 @@ def models(corpus) -> dict:
     """The rows' models by name: plain causal training, documents, DeepSeek-V3's shapes with documents, and SFT
     (prompt/response records, whose uneven response counts weigh each microbatch: parallel/step.py)."""
     sft = ("--data.source", f"{corpus}/{SFT_FILE}", "--data.format", "sft", *DOC)
-    return {"causal": (), "doc": DOC, "deepseek-doc": (*DEEPSEEK, *DOC), "sft": sft, "deepseek-sft": (*DEEPSEEK, *sft, "--model.mtp_layers", "0")}
+    return {"causal": (), "doc": DOC, "deepseek-doc": (*DEEPSEEK, *DOC), "sft": sft,
+            "deepseek-sft": (*DEEPSEEK, *sft, "--model.mtp_layers", "0")}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,6 @@ def write_sft(path, n: int = 60, seed: int = 0, long_every: int = 0):
         for i in range(n):
             a, b = rng.choice(words), rng.choice(words)
             response = " ".join(rng.choice(words) for _ in range(40)) if long_every and i % long_every == 0 \
-                else " ".join([b, "then", a][:rng.randint(1, 3)] + [rng.choice(words) for _ in range(rng.randint(0, 3))])
+                else " ".join([b, "then", a][:rng.randint(1, 3)] + rng.choices(words, k=rng.randint(0, 3)))
             f.write(json.dumps({"prompt": f"Q: {a} and {b}? {i}\nA:", "response": " " + response}) + "\n")
     return path

@@ -266,8 +266,8 @@ class TorchDDPSync(GradSync):
         for i, (x, y, d) in enumerate(zip(xs, ys, docs or [None] * M)):
             with contextlib.nullcontext() if i == M - 1 else self.ddp.no_sync():
                 with forward_ctx():
-                    ce, aux, *mtp = self.ddp(x, y, d)
-                ce = ce if weights is None else ce * weights[i]  # masked targets: the global count's share  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                    ce, aux, *mtp = self.ddp(x, y, d)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                ce = ce if weights is None else ce * weights[i]  # masked targets: the global count's share
                 objective = ce + mtp[0] if mtp else ce
                 ((objective + aux_weight * aux) / M).backward()
             ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()

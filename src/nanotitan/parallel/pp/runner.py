@@ -97,7 +97,7 @@ class StageRunner:
             self._event("F", v, i, t0)
             return None if last else out
         if last:
-            out = out if self.ce_weights is None else out * self.ce_weights[i]  # masked targets: the global count's share
+            out = out if self.ce_weights is None else out * self.ce_weights[i]  # masked targets: the global count's
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             if mtp:  # multi-token prediction (model/mtp.py): a term of the last chunk's objective, summed like ce
                 self.mtp_sum = mtp[0].detach() if self.mtp_sum is None else self.mtp_sum + mtp[0].detach()
