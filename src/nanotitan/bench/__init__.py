@@ -14,6 +14,7 @@
     tp.py             tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2
     cp.py             context parallel attention: causal balance, ring overlap under the emulator, ours vs an
                       all-gather-KV baseline, one process and torch's context_parallel
+    packed.py         document-masked attention (SDPA per document) against causal SDPA, side by side
 
 One-off experiments that are not commands (the planner's fits, call profiles, side-by-side runs of two trees) live
 outside the package, in scripts/experiments/.
