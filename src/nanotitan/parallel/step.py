@@ -111,7 +111,7 @@ def target_weights(dims, ys: list[torch.Tensor]) -> list[float]:
     M = len(ys)
     local = torch.stack([(y != IGNORE).sum() for y in ys]).double()  # (M,) this rank's targets of each microbatch
     whole = local.clone()
-    if dims.cp > 1 and dims.group("cp") is not None:
+    if dims.group("cp") is not None:  # None: this rank alone holds its sequences
         comm.all_reduce(whole, group=dims.group("cp"), axis="cp")
     total = local.sum().reshape(1)
     if dims.group("non_expert_dp") is not None:  # the data ranks (dp x ep) and their CP ranks
