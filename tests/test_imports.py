@@ -113,7 +113,8 @@ def test_config_is_a_leaf():
             f"{PKG}.config.fits", f"{PKG}.config.hardware", f"{PKG}.config.counts", f"{PKG}.config.tp_rules",
             f"{PKG}.config.cp_rules", f"{PKG}.config.placement_rules", f"{PKG}.config.controls_rules",
             f"{PKG}.config.dispatch_rules", f"{PKG}.config.run_rules", f"{PKG}.config.elastic_rules",
-            f"{PKG}.config.layout", f"{PKG}.config.fp8_rules"}
+            f"{PKG}.config.layout", f"{PKG}.config.fp8_rules",
+            f"{PKG}.config.packed_rules"}
     assert not graph[f"{PKG}.config.counts"] and graph[f"{PKG}.config.layout"] <= {f"{PKG}.config.errors"}
     assert graph[f"{PKG}.config.fits"] <= leaf and graph[f"{PKG}.config.hardware"] <= leaf
     assert graph[f"{PKG}.config.config"] <= leaf

@@ -3,7 +3,7 @@
     nanotitan train [--config FILE] [--section.key VALUE ...]
     nanotitan data prepare [--config FILE] [--data.source ...]
     nanotitan generate (--run.dir DIR | --init.from_hf HF_DIR) [--prompt TEXT] [--max-new-tokens N] [--greedy]
-                       [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--format text|sft]
     nanotitan export --run.dir DIR [--step N] --out HF_DIR [--dtype fp32|bf16] [--force]
     nanotitan eval --run.dir DIR [--step N] [--data.source SRC] [--parallel.dp N ...]
     nanotitan bench NAME [...]
@@ -259,6 +259,8 @@ def cmd_generate(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="draw among the likeliest tokens whose probabilities "
                     "reach p, in (0, 1]; 1 keeps all (default: 1)")
     ap.add_argument("--seed", type=int, default=None, help="seeds the draws (default: the run's train.seed)")
+    ap.add_argument("--format", choices=("text", "sft"), default="text", help="text: print the prompt and its "
+                    "continuation; sft: the answer alone, up to its end of text, as data.format=sft trained it")
     args = ap.parse_args(argv)
     if args.tokens < 0:
         raise ConfigError(f"--max-new-tokens {args.tokens} must be >= 0")
@@ -274,9 +276,9 @@ def cmd_generate(argv: list[str]) -> int:
             raise ConfigError(f"init.from_hf={args.from_hf!r} has no tokenizer.json to encode the prompt with (save "
                               "the model's fast tokenizer there: tokenizer.save_pretrained(DIR))")
         print(sample(model, load_tokenizer_file(cfg.data.tokenizer), args.prompt, args.tokens,
-                     sampling.seeded(cfg.train.seed)))
+                     sampling.seeded(cfg.train.seed), args.format))
         return 0
-    print(generate_from_run(args.run_dir, args.prompt, args.tokens, sampling=sampling))
+    print(generate_from_run(args.run_dir, args.prompt, args.tokens, sampling=sampling, fmt=args.format))
     return 0
 
 
@@ -372,6 +374,7 @@ BENCHES = {
     "tp": "tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2",
     "cp": "context parallel attention: causal balance, ring overlap (emulated), ours vs all-gather KV and torch",
     "placement": "experts placed by load vs static vs capacity-capped, under the emulated network",
+    "packed": "document-masked attention (SDPA per document) vs causal SDPA, forward + backward",
 }
 
 

@@ -20,7 +20,7 @@ from .state import checkpoint as ckpt
 from .state import manifest
 from .config.config import Config, ConfigError, load_config
 from .data.prepare import load_tokenizer, prepare_data
-from .data.tokenizer import load_tokenizer_file
+from .data.tokenizer import eot_id, load_tokenizer_file
 from .interop.hf import run_tokenizer
 from .model.transformer import Transformer
 from .parallel.dims import ParallelDims
@@ -86,14 +86,21 @@ def load_full_model(run_dir: str | Path, overrides: list[str] | None = None) -> 
     return cfg, model.eval()
 
 
-def sample(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling()) -> str:
+def sample(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling(),
+           fmt: str = "text") -> str:
+    """The prompt and its continuation (fmt "text"); fmt "sft": the answer alone, as SFT trained it (data/sft.py:
+    the prompt's tokens open a document, the response follows them and ends at EOT, where the answer stops)."""
     ids = tokenizer.encode(prompt).ids or [0]
-    out = model.generate(torch.tensor([ids]), max_new_tokens, picker(sampling))
-    return tokenizer.decode(out[0].tolist())
+    out = model.generate(torch.tensor([ids]), max_new_tokens, picker(sampling))[0].tolist()
+    if fmt == "text":
+        return tokenizer.decode(out)
+    answer = out[len(ids):]
+    eot = eot_id(tokenizer)
+    return tokenizer.decode(answer[:answer.index(eot)] if eot in answer else answer)
 
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, overrides: list[str] | None = None,
-                      sampling: Sampling | None = None) -> str:
+                      sampling: Sampling | None = None, fmt: str = "text") -> str:
     """`nanotitan generate --run.dir`: the run's newest checkpoint continues `prompt`, drawn as `sampling` says
     (default: Sampling's defaults); without a seed, with the run's train.seed."""
     (sampling or Sampling()).check()  # before the checkpoint is read
@@ -101,4 +108,4 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, overrides:
     cfg, model = load_full_model(run_dir, overrides)
     path = run_tokenizer(cfg)  # the prepared data's or data.tokenizer: nothing to encode
     tokenizer = load_tokenizer_file(path) if path else load_tokenizer(prepare_data(cfg.data))
-    return sample(model, tokenizer, prompt, max_new_tokens, (sampling or Sampling()).seeded(cfg.train.seed))
+    return sample(model, tokenizer, prompt, max_new_tokens, (sampling or Sampling()).seeded(cfg.train.seed), fmt)

@@ -161,8 +161,8 @@ class Trainer:
         logged = self.logs(step)
         with self.meters.step(logged) as metered:
             with self.meters.host_syncs(metered):  # the step proper's host reads (observe/host_syncs.py)
-                xs, ys = self.data.batch(step)  # once: a replay (static EP dispatch) trains the same batch
-                result = replay_on_overflow(lambda: self._step(step, metered, xs, ys), self.shard,
+                batch = self.data.batch(step)  # once: a replay (static EP dispatch) trains the same batch
+                result = replay_on_overflow(lambda: self._step(step, metered, *batch), self.shard,
                                             self.cfg.parallel.ep_dispatch == "static", self.step_end.qk)
             # After the update, from the step's routing counts: router biases, the experts' placement, QK-clip; a step
             # that writes a record (a non-finite one too) gets its losses (means over all DP*EP*M microbatches),
@@ -170,7 +170,8 @@ class Trainer:
             return self.step_end(step, result, self.optimizer, logged or result.nonfinite,
                                  self.meters.take_interval_peak, self.meters.take_interval_syncs)
 
-    def _step(self, step: int, metered: bool, xs, ys) -> StepResult:
+    def _step(self, step: int, metered: bool, xs, ys, ds) -> StepResult:
+        """One step on this rank's microbatches; ds: each one's document starts (model.attn_mask=doc) or None."""
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
@@ -179,7 +180,8 @@ class Trainer:
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.
         with self.meters.activations(metered):
             stats = forward_backward(self.shard, xs, ys, schedule=cfg.parallel.schedule, aux_weight=self.aux_weight,
-                                     device=self.device, dtype=cfg.train.dtype)
+                                     device=self.device, dtype=cfg.train.dtype, docs=ds,
+                                     masked=cfg.data.format == "sft")  # SFT: normalised over the response tokens
         # Averaged gradients in .grad, clipped with the norm of the whole model (each element counted once).
         finish_grads(self.shard)
         grad_norm = clip_grads(self.shard, cfg.train.grad_clip)

@@ -96,3 +96,22 @@ def test_bad_flags_and_a_full_export_folder_are_refused_in_one_line(tokenizer, t
     assert capsys.readouterr().err == (f"nanotitan: config error: --out {str(out)!r} is not empty: export into a new "
                                        "or empty directory, or add --force to write over it\n")
     assert cli.main(["export", "--run.dir", str(run), "--out", str(out), "--force"]) == 0
+
+
+def test_sft_format_prints_the_answer_alone_up_to_its_eot():
+    """--format sft: the continuation after the prompt's tokens, cut at the first EOT (data/sft.py's examples end
+    there); text keeps the prompt and everything generated."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from nanotitan.generate import sample
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "q": 1, "a": 2, "b": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+    class Scripted:  # generates a, b, EOT, a after any prompt
+        def generate(self, idx, n, pick):
+            return torch.cat([idx, torch.tensor([[2, 3, 0, 2]])], 1)[:, :idx.shape[1] + n]
+
+    assert sample(Scripted(), tok, "q", 4, Sampling(greedy=True), "sft") == "a b"
+    assert sample(Scripted(), tok, "q", 2, Sampling(greedy=True), "sft") == "a b"  # no EOT yet: all of it
+    assert sample(Scripted(), tok, "q", 4, Sampling(greedy=True)).split() == ["q", "a", "b", "<|endoftext|>", "a"]

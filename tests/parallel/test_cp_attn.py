@@ -101,6 +101,35 @@ def _case_latent(cp, idx, seed):
     return errs, sent
 
 
+def _case_docs(fn, cp, idx, hq, hkv, seed):
+    """fn (ring or Ulysses) with packed documents against one process's per-document SDPA over the whole sequence,
+    and how many of the ring's blocks this rank computed (the others: no query of the block sees a key of it)."""
+    from nanotitan.model.docs import doc_starts
+    from nanotitan.model.tokens import doc_attention
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, d = 2, idx.numel() * cp.size, 8
+    x = torch.zeros(b, s, dtype=torch.long)
+    for row, eots in enumerate(((3, 12, 14, 26), (3, 5, 20))):  # each row's first document ends with chunk 0
+        x[row, [e for e in eots if e < s]] = 1
+    starts = doc_starts(x, 1)
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(b, hq, s, d, generator=g)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = doc_attention(*whole, starts, SCALE)
+    ref.backward(dout)
+    local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+    computed, block = [], cp_attn.block_attention
+    cp_attn.block_attention = lambda *a, **kw: computed.append(1) or block(*a, **kw)
+    try:
+        out = fn(*local, cp, SCALE, starts)
+    finally:
+        cp_attn.block_attention = block
+    out.backward(dout[:, :, idx])
+    errs = [_rel(out, ref[:, :, idx])] + [_rel(t.grad, w.grad[:, :, idx]) for t, w in zip(local, whole)]
+    return errs, len(computed)
+
+
 def _rank(rank: int, world: int) -> dict:
     rings = {4: cp_attn.cp_ring(dist.group.WORLD)}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
@@ -114,6 +143,8 @@ def _rank(rank: int, world: int) -> dict:
                                   ("a2a kv-rep", cp_attn.ulysses_attention, 8, 2)):
             out[n, name] = _case_qkv(fn, cp, idx, hq, hkv, seed=n)
         out[n, "mla"] = _case_latent(cp, idx, seed=n)
+        out[n, "ring docs"] = _case_docs(cp_attn.ring_attention, cp, idx, 4, 2, seed=n)
+        out[n, "a2a docs"] = _case_docs(cp_attn.ulysses_attention, cp, idx, 4, 4, seed=n)
         out[n, "bf16"] = _case_bf16(cp, idx, seed=n)
     return out
 
@@ -130,6 +161,19 @@ def test_equals_whole_sequence_sdpa(results, n, name):
     for rank, res in enumerate(results):
         errs, _ = res[n, name]
         assert max(errs) <= TOL, (rank, n, name, errs)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_packed_documents_equal_one_process_and_the_ring_skips_blocks_no_query_sees(results, n):
+    """Documents that cross the chunks: ring and Ulysses equal one process's per-document attention (forward and
+    every input gradient); at CP4 a rank whose queries share no document with an earlier rank's chunk skips that
+    block (the first document of each row ends with chunk 0)."""
+    for rank, res in enumerate(results):
+        for name in ("ring docs", "a2a docs"):
+            errs, _ = res[n, name]
+            assert max(errs) <= TOL, (rank, n, name, errs)
+    if n == 4:
+        assert min(res[n, "ring docs"][1] for res in results) < n  # n blocks when none is skipped
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -81,7 +81,7 @@ def _ddp_and_init(rank, world):
     # product's own step (parallel/step.py: DDP's no_sync loop, the Reducer's hooks in the final backward).
     dims = ParallelDims(world, 1, 1, rank).build_groups()
     tok = torch.randint(0, TINY.vocab_size, (4, 9), generator=torch.Generator().manual_seed(1000 * rank))
-    xs, ys = split_microbatches(tok[:, :-1], tok[:, 1:], 2, torch.device("cpu"))
+    xs, ys, _ = split_microbatches(tok[:, :-1], tok[:, 1:], 2, torch.device("cpu"))
     grads = {}
     for impl in ("bucketed", "torch_ddp"):
         shard = parallelize(Config(model=TINY, parallel=ParallelConfig(dp=world, dp_impl=impl, bucket_mb=0.01)),

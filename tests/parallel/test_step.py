@@ -79,3 +79,43 @@ def test_a_record_step_reduces_its_figures_in_at_most_four_small_collectives(cor
         # a record's step: the stop flag, the losses' SUM, the packed SUM (biases, window, figures) and the packed
         # MAX (QK-clip's table, the biases after their update, the peak); step 2 writes no record: no losses' SUM
         assert per_step == [4, 3, 4, 4], (rank, per_step, calls)
+
+
+def test_sft_loss_is_the_global_batchs_target_sum_over_their_count(tmp_path):
+    """data.format=sft: the first step's loss is the sum of CE over every unmasked target of the global batch over
+    their count (not a mean of microbatch means), read off the model the step starts from; microbatches of 1 make the
+    counts uneven. A global batch without a target is refused in one line (parallel/step.py `target_weights`)."""
+    import pytest
+    import torch
+
+    from nanotitan.config.config import ConfigError, load_config
+    from nanotitan.model.docs import doc_starts
+    from nanotitan.model.tokens import IGNORE, cross_entropy
+    from nanotitan.model.transformer import Transformer
+    from nanotitan.parallel.dims import ParallelDims
+    from nanotitan.parallel.step import target_weights
+    from nanotitan.train import Trainer
+    from tests.helpers.data import write_sft
+
+    src = write_sft(tmp_path / "sft.jsonl", n=80)
+    args = base_args(tmp_path, tmp_path / "run") + layout_args(1, 1, 1) + [
+        "--data.source", str(src), "--data.format", "sft", "--model.attn_mask", "doc", "--train.steps", "1",
+        "--train.micro_batch", "1", "--parallel.microbatches", "16", "--train.grad_clip", "0"]
+    trainer = Trainer(load_config(None, args))
+    try:
+        x, y = trainer.data.train.global_batch(0, 16)
+        cfg = trainer.cfg
+        model = Transformer(cfg.model, seed=cfg.train.seed).eval()
+        with torch.no_grad():
+            logits, _ = model(x, docs=doc_starts(x, trainer.data.eot))
+        counts = (y != IGNORE).sum(1)
+        assert counts.min() < counts.max()  # uneven: a mean of the 16 means would differ
+        want = (cross_entropy(logits, y) * counts.sum()).item() / counts.sum().item()
+        mean_of_means = torch.stack([cross_entropy(logits[i], y[i]) for i in range(16)]).mean().item()
+        got = trainer.train()["history"][0]["ce_loss"]
+    finally:
+        trainer.shard.close()
+    assert abs(got - want) <= 1e-5 * want and abs(mean_of_means - want) > 1e-4 * want
+    with pytest.raises(ConfigError, match="no target token") as err:
+        target_weights(ParallelDims(1, 1, 1), [torch.full((1, 4), IGNORE)] * 2)
+    assert "\n" not in str(err.value)

@@ -26,7 +26,9 @@ from .run_rules import check_run
 from .cp_rules import check_cp
 from .dispatch_rules import check_dispatch
 from .fp8_rules import FP8_SKIP, check_fp8
+from .packed_rules import check_packed
 from .layout import check_expert_fold, expert_ranks
+from .packed_rules import check_packed
 from .placement_rules import check_placement
 from .tp_rules import check_tp
 
@@ -70,6 +72,10 @@ class ModelConfig:
     # --- positions, norms and init ---
     # positions: rotary embeddings (rope), or a learned position table (learned)
     pos_emb: Literal["rope", "learned"] = "rope"
+    # attention: causal over the whole window, or doc: within each EOT-ended document only (docs/packed.md)
+    attn_mask: Literal["causal", "doc"] = "causal"
+    # with attn_mask=doc: positions restart at each document (doc), or count from the window's start (global)
+    doc_positions: Literal["doc", "global"] = "doc"
     rope_theta: float = 10000.0  # RoPE base frequency
     max_seq_len: int = 1024  # size of the learned position table
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -109,6 +115,8 @@ class DataConfig:
     text_field: str = "text"  # column of jsonl/parquet/HF records that holds the text
     # indexed reads the prepared token files by global index (resumable); streaming reads an HF dataset as it goes
     loader: Literal["indexed", "streaming"] = "indexed"
+    # text: documents split at EOT; sft: .jsonl prompt/response records, loss on the responses (docs/packed.md)
+    format: Literal["text", "sft"] = "text"
     val_fraction: float = 0.05  # share of the corpus held out for val_loss
     max_docs: int = 0  # cap on documents read from a streaming/hub source when preparing (0 = all)
     cache_dir: str = ""  # where prepared corpora live (default: ~/.cache/nanotitan)
@@ -359,7 +367,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
     for check in (_check_finite, _check_ranges, check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
                   check_cp, check_expert_fold, check_placement, check_elastic, check_controls,
-                  check_dispatch, check_fp8):
+                  check_dispatch, check_fp8, check_packed):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel

@@ -27,6 +27,7 @@ from ..config.config import DataConfig
 from ..config.parse import mix_counts
 from .indexed import IndexedBatches, Runs
 from .prepare import load_meta, mix_sources
+from .sft import SFTBatches
 
 
 class MixSchedule:
@@ -103,11 +104,19 @@ class MixedBatches:
         return x, y
 
 
+def open_file(d: Path, split: str, seq_len: int, seed: int) -> IndexedBatches:
+    """One prepared dir's split: a text corpus' windows, or an SFT split's windows of whole examples (data/sft.py)."""
+    meta = load_meta(d)
+    if meta.get("data_format") == "sft":
+        return SFTBatches(d / f"{split}.bin", meta["dtype"], seq_len, seed, meta["eot_id"])
+    return IndexedBatches(d / f"{split}.bin", meta["dtype"], seq_len, seed)
+
+
 def open_split(cfg: DataConfig, dirs: list[Path], split: str, seq_len: int, seed: int
                ) -> IndexedBatches | MixedBatches:
     """The batches of `split` ("train" or "val") of the prepared `dirs`: data.source's IndexedBatches, or, with
     data.mix, its sources' (dirs in the mix's order, `mix_dirs`) blended by MixedBatches."""
-    parts = [IndexedBatches(d / f"{split}.bin", load_meta(d)["dtype"], seq_len, seed) for d in dirs]
+    parts = [open_file(d, split, seq_len, seed) for d in dirs]
     if not cfg.mix:
         return parts[0]
     return MixedBatches(parts, [w for _, w in mix_sources(cfg)])

@@ -2,6 +2,7 @@
 
     CACHE/prepared/<name>-<key>/
         train.bin  val.bin   token ids, np.uint16 (vocab <= 65535) or np.uint32; every document followed by EOT
+        train.mask val.mask  data.format=sft only: the loss mask, one uint8 per token (data/sft.py)
         tokenizer.json       the BPE trained on the corpus (or a copy of data.tokenizer)
         meta.json            source, tokenizer, vocab_size, dtype, token/document counts, eot_id, val_sha1,
                              files: per token file its bytes, max_token_id and an xxh3-64 per 4 MiB block
@@ -41,6 +42,7 @@ from tokenizers import Tokenizer
 
 from nanotitan.config.config import DataConfig
 from nanotitan.config.parse import parse_mix
+from nanotitan.data.sft import encode_examples, iter_records
 from nanotitan.data.sources import DataError, cache_root, iter_documents, source_fingerprint
 from nanotitan.data.tokenizer import eot_id, load_tokenizer_file, train_bpe
 from nanotitan.config.errors import StorageError, first_line, os_reason
@@ -87,6 +89,8 @@ def prepared_dir(cfg: DataConfig) -> Path:
     if cfg.mix:
         cfg = mix_sources(cfg)[0][0]
     key = {"format": FORMAT_VERSION, "source": source_fingerprint(cfg), "val_fraction": cfg.val_fraction}
+    if cfg.format != "text":  # a text corpus keeps the key it always had
+        key["data_format"] = cfg.format
     if cfg.tokenizer:
         tok_path = Path(cfg.tokenizer).expanduser().resolve()
         if not tok_path.is_file():
@@ -248,7 +252,8 @@ def token_file_facts(path: Path, dtype: np.dtype) -> dict:
 
 def _verified_mark(prepared: Path) -> str:
     """Identifies the token files as they are now: a write since (damage, a re-prepare) changes it."""
-    stats = [(prepared / f"{split}.bin").stat() for split in SPLITS]
+    stats = [p.stat() for split in SPLITS for p in (prepared / f"{split}.bin", prepared / f"{split}.mask")
+             if p.name == f"{split}.bin" or p.exists()]
     return f"{prepared}|" + "|".join(f"{st.st_size}:{st.st_mtime_ns}" for st in stats)
 
 
@@ -273,34 +278,41 @@ def verify_prepared(prepared: str | Path) -> None:
         pass  # a file is missing: the checks below name it
     dtype, vocab = np.dtype(meta["dtype"]), int(meta["vocab_size"])
     for split in SPLITS:
-        path = prepared / f"{split}.bin"
-        facts = meta.get("files", {}).get(path.name, {})
-        try:
-            size = path.stat().st_size
-        except OSError as e:
-            raise DataError(f"prepared data {path} cannot be read ({os_reason(e)}); {redo}") from None
-        want = facts.get("bytes", meta.get(f"{split}_tokens", 0) * dtype.itemsize)
-        if size != want:
-            raise DataError(f"prepared data {path} is {size} bytes, meta.json says {want} (truncated or replaced: "
-                            f"first bad offset {min(size, want) // dtype.itemsize} tokens); {redo}")
-        if facts.get("max_token_id", -1) >= vocab:
-            raise DataError(f"prepared data {path} holds token id {facts['max_token_id']} but its tokenizer has "
-                            f"{vocab} tokens (meta.json disagrees with itself); {redo}")
-        block_bytes = int(facts.get("block_bytes", BLOCK_BYTES))
-        hashes = facts.get("xxh3_64", [])
-        for i, (offset, chunk) in enumerate(_blocks(path, block_bytes)):
-            ids = np.frombuffer(chunk, dtype)
-            if ids.size and int(ids.max()) >= vocab:
-                j = int(np.argmax(ids >= vocab))
-                raise DataError(f"prepared data {path} is damaged: token id {int(ids[j])} at offset "
-                                f"{offset // dtype.itemsize + j} (tokens) is >= the tokenizer's vocab_size {vocab}; "
-                                f"{redo}")
-            if i < len(hashes) and xxhash.xxh3_64_hexdigest(chunk) != hashes[i]:
-                raise DataError(f"prepared data {path} is damaged: tokens from offset {offset // dtype.itemsize} "
-                                f"to {(offset + len(chunk)) // dtype.itemsize} fail their checksum (xxh3_64 of "
-                                f"meta.json); {redo}")
+        _verify_file(prepared / f"{split}.bin", meta, dtype, vocab, meta.get(f"{split}_tokens", 0), redo)
+        if meta.get("data_format") == "sft":  # the loss mask: 0 or 1 per token, as many as the tokens
+            _verify_file(prepared / f"{split}.mask", meta, np.dtype(np.uint8), 2, meta[f"{split}_tokens"], redo)
     others = [m for m in os.environ.get(VERIFIED_ENV, "").split("\n") if m and not m.startswith(f"{prepared}|")]
     os.environ[VERIFIED_ENV] = "\n".join([_verified_mark(prepared), *others])  # a mix's sources: one mark each
+
+
+def _verify_file(path: Path, meta: dict, dtype: np.dtype, vocab: int, n_tokens: int, redo: str) -> None:
+    """One prepared file against meta.json: its size, every value below `vocab` (token ids; a mask's 0/1), each
+    block's checksum."""
+    facts = meta.get("files", {}).get(path.name, {})
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"prepared data {path} cannot be read ({os_reason(e)}); {redo}") from None
+    want = facts.get("bytes", n_tokens * dtype.itemsize)
+    if size != want:
+        raise DataError(f"prepared data {path} is {size} bytes, meta.json says {want} (truncated or replaced: "
+                        f"first bad offset {min(size, want) // dtype.itemsize} tokens); {redo}")
+    if facts.get("max_token_id", -1) >= vocab:
+        raise DataError(f"prepared data {path} holds value {facts['max_token_id']} but must stay below {vocab} "
+                        f"(meta.json disagrees with itself); {redo}")
+    block_bytes = int(facts.get("block_bytes", BLOCK_BYTES))
+    hashes = facts.get("xxh3_64", [])
+    for i, (offset, chunk) in enumerate(_blocks(path, block_bytes)):
+        ids = np.frombuffer(chunk, dtype)
+        if ids.size and int(ids.max()) >= vocab:
+            j = int(np.argmax(ids >= vocab))
+            raise DataError(f"prepared data {path} is damaged: value {int(ids[j])} at offset "
+                            f"{offset // dtype.itemsize + j} (tokens) is >= {vocab} (the tokenizer's vocab_size; a "
+                            f"mask's 2); {redo}")
+        if i < len(hashes) and xxhash.xxh3_64_hexdigest(chunk) != hashes[i]:
+            raise DataError(f"prepared data {path} is damaged: tokens from offset {offset // dtype.itemsize} "
+                            f"to {(offset + len(chunk)) // dtype.itemsize} fail their checksum (xxh3_64 of "
+                            f"meta.json); {redo}")
 
 
 def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -314,7 +326,8 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         tok = load_tokenizer_file(cfg.tokenizer)
         tok_desc = str(Path(cfg.tokenizer).expanduser().resolve())
     else:
-        tok = train_bpe(iter_documents(cfg), cfg.vocab_size)
+        tok = train_bpe(iter_documents(cfg) if cfg.format == "text" else
+                        (text for _, p, r in iter_records(cfg) for text in (p, r)), cfg.vocab_size)
         tok_desc = f"byte-level BPE trained on the source (data.vocab_size {cfg.vocab_size})"
         log(f"data: trained a {tok.get_vocab_size()}-token byte-level BPE on {cfg.source} "
             f"in {time.perf_counter() - t0:.1f}s")
@@ -324,16 +337,25 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
     eot, vocab = eot_id(tok), tok.get_vocab_size()
     dtype = token_dtype(vocab)
 
-    # Encode every document once, batched; each document is followed by EOT.
+    # Encode every document once, batched; each document is followed by EOT. SFT: each record, with its loss mask.
     t1 = time.perf_counter()
     docs: list[np.ndarray] = []
     shas: list[str] = []
-    for batch in _batches(iter_documents(cfg), ENCODE_BATCH):
+    masks: list[np.ndarray] = []
+    if cfg.format == "sft":
+        for text, ids, mask in encode_examples(tok, iter_records(cfg), eot, dtype):
+            docs.append(ids)
+            masks.append(mask)
+            shas.append(doc_sha1(text))
+    for batch in _batches(iter_documents(cfg), ENCODE_BATCH) if cfg.format == "text" else ():
         for text, enc in zip(batch, tok.encode_batch(batch)):
             docs.append(np.append(np.array(enc.ids, dtype=np.int64), eot).astype(dtype))
             shas.append(doc_sha1(text))
     if not docs:
         raise DataError(f"data.source={cfg.source!r} holds no non-empty documents (--data.source)")
+    if masks and len(set(shas)) < 2:
+        raise DataError(f"data.source={cfg.source!r} holds {len(set(shas))} distinct SFT record; train and val need "
+                        "one each at least (add records)")
 
     if len(set(shas)) == 1:
         # One distinct document (e.g. a single input.txt): split its tokens, the last val_fraction to val.
@@ -351,6 +373,10 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         tokens.tofile(tmp / f"{split}.bin")
         counts[split] = int(tokens.size)
         files[f"{split}.bin"] = token_file_facts(tmp / f"{split}.bin", dtype)  # read back: what was written
+        if masks:  # in the same order as the tokens
+            kept = [m for m, h in zip(masks, shas) if (h in val_sha1) == (split == "val")]
+            np.concatenate(kept).tofile(tmp / f"{split}.mask")
+            files[f"{split}.mask"] = token_file_facts(tmp / f"{split}.mask", np.dtype(np.uint8))
     meta = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
@@ -368,6 +394,7 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         "val_fraction": cfg.val_fraction,
         "val_sha1": sorted(val_sha1),  # the streaming loader skips these documents
         "files": files,  # verify_prepared checks every open against these
+        **({"data_format": "sft", "response_tokens": int(sum(m.sum() for m in masks))} if masks else {}),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"data: {len(docs)} documents -> {counts['train']:,} train + {counts['val']:,} val tokens ({dtype.name}) "

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..config.config import ModelConfig
 from . import qk_max
+from .docs import doc_rope
 from .kv_cache import KVCache, cached_attention
 from .norm import RMSNorm
 from .rope import apply_rope, softmax_scale
@@ -65,16 +66,19 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(H * self.v_dim, D, bias=bias)
         self.scale = softmax_scale(cfg, qk)
+        self.doc_positions = cfg.doc_positions == "doc"  # with a document layout: rope restarts per document
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, docs=None):
+        """docs: the windows' document starts (B, S_whole) (model/docs.py), None: one causal sequence."""
         B, S, _ = x.shape
-        q, latent = self.project(x, rope, self.tokens.seq_runs)  # global positions (context parallel: its chunks)
+        q, latent = self.project(x, rope, self.tokens.seq_runs,  # global positions (context parallel: its chunks)
+                                 docs if self.doc_positions else None)
         expand = LatentExpand(self.kv_b_proj, self.kv_lora_rank, self.nope, self.rope, self.v_dim)
         if getattr(self, "qk_track", False) and torch.is_grad_enabled():  # train.qk_clip only: the keys once more
             with torch.no_grad():
                 k = expand(latent)[0]
             qk_max.observe(self, q, k, self.scale)  # (model/qk_max.py; refused under CP)
-        y = self.tokens.attend_latent(q, latent, expand, self.scale)  # (B, H, S, Dv)
+        y = self.tokens.attend_latent(q, latent, expand, self.scale, docs=docs)  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.v_dim))
 
     def decode(self, x, rope, cache: KVCache, key: str):
@@ -86,9 +90,10 @@ class MLA(nn.Module):
         y = cached_attention(q, *expand(latent), self.scale)  # (B, H, S, Dv)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.v_dim))
 
-    def project(self, x, rope, positions):
+    def project(self, x, rope, positions, starts=None):
         """q (B, H, S, Dn + Dr) and the per-token latent (B, S, R + Dr) of x's S tokens, roped at `positions(S)`,
-        their global positions as (start, length) runs."""
+        their global positions as (start, length) runs (with document starts (B, S_whole), at their places in their
+        documents)."""
         B, S, _ = x.shape
         Dn, Dr = self.nope, self.rope
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
@@ -96,7 +101,8 @@ class MLA(nn.Module):
         q_nope, q_rot = q.view(B, S, H, Dn + Dr).transpose(1, 2).split([Dn, Dr], dim=-1)  # (B, H, S, Dn), (.., Dr)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, Dr], dim=-1)  # (B, S, R), (B, S, Dr)
         runs = positions(S)
-        cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
+        cos, sin = doc_rope(rope, runs, starts) if starts is not None else \
+            (at_runs(rope[0], runs), at_runs(rope[1], runs))
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot.unsqueeze(1), cos, sin)  # k_rot (B, 1, S, Dr)
         q = torch.cat([q_nope, q_rot], dim=-1)  # (B, H, S, Dn + Dr)
         return q, torch.cat([self.kv_a_layernorm(latent), k_rot.squeeze(1)], dim=-1)  # (B, S, R + Dr)

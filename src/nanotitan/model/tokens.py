@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import wgrad
+from .docs import segments
 
 IGNORE = -100  # a target no loss reads (MTP's shifted tail, model/mtp.py): F.cross_entropy's ignore_index
 
@@ -47,12 +48,13 @@ class TokenShard(Protocol):
         """The sequence ranks' t (their `seq_runs` along `dim`) as the whole sequence, in global order (no gradient)."""
         ...
 
-    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
-        """`causal_attention` of this rank's queries (B, H, S, Dk) over the whole sequence's keys and values."""
+    def attend(self, q, k, v, scale: float | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`causal_attention` of this rank's queries (B, H, S, Dk) over the whole sequence's keys and values; with
+        `docs` (the whole windows' document starts (B, S_whole), model/docs.py) within each document only."""
         ...
 
-    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
-        """`latent_attention` (MLA) of this rank's queries over the whole sequence's latents."""
+    def attend_latent(self, q, latent, expand, scale: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """`latent_attention` (MLA) of this rank's queries over the whole sequence's latents (`docs` as `attend`)."""
         ...
 
     def runs(self, S: int) -> list[tuple[int, int]]:
@@ -114,14 +116,32 @@ def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
     return y[..., :v.shape[-1]] if pad > 0 else y
 
 
-def latent_attention(q, latent, expand, scale: float) -> torch.Tensor:
-    """MLA's attention from its per-token latent (B, S, R + Dr): expand(latent) -> (k, v), then `causal_attention`."""
+def doc_attention(q, k, v, starts_BS: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q (B, H, S, Dk) over k (B, Hkv, S, Dk), v (B, Hkv, S, Dv) within each document of the
+    whole windows (starts_BS (B, S)) -> (B, H, S, Dv): causal SDPA per document, so the work that the mask empties
+    (the other documents' blocks) is never done. GQA and a narrower v as `causal_attention`."""
+    rows = []
+    for b in range(q.shape[0]):  # a loop over windows and their documents, never over tokens
+        parts = [causal_attention(q[b:b + 1, :, s:s + n], k[b:b + 1, :, s:s + n], v[b:b + 1, :, s:s + n], scale)
+                 for s, n in segments(starts_BS[b])]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def latent_attention(q, latent, expand, scale: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's attention from its per-token latent (B, S, R + Dr): expand(latent) -> (k, v), then `causal_attention`
+    (`doc_attention` with the windows' document starts `docs`)."""
+    if docs is not None:
+        return doc_attention(q, *expand(latent), docs, scale)
     return causal_attention(q, *expand(latent), scale)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
+    """Mean CE of (.., V) logits (in fp32) against (..) targets, IGNORE left out (0 when every target is: a
+    microbatch of masked prompts adds nothing, rather than 0/0)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp_min(1)
 
 
 class WholeSequence:
@@ -134,11 +154,11 @@ class WholeSequence:
     def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t
 
-    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
-        return causal_attention(q, k, v, scale)
+    def attend(self, q, k, v, scale: float | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, scale) if docs is None else doc_attention(q, k, v, docs, scale)
 
-    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
-        return latent_attention(q, latent, expand, scale)
+    def attend_latent(self, q, latent, expand, scale: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+        return latent_attention(q, latent, expand, scale, docs)
 
 
 class LocalTokenShard(WholeSequence):

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.config import ModelConfig
 from . import qk_max, wgrad
+from .docs import doc_positions, doc_rope, positions_of
 from .experts import ExpertShard
 from .kv_cache import KVCache, cached_attention
 from .mla import MLA
@@ -63,6 +64,7 @@ class Attention(nn.Module):
         self.tokens = tokens
         D, H, Hkv, Dh = cfg.d_model, cfg.n_heads, kv_heads(cfg), head_dim(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim, self.qk_norm = H, Hkv, Dh, cfg.qk_norm
+        self.doc_positions = cfg.doc_positions == "doc"  # with a document layout: rope restarts per document
         self.q_proj = Linear(D, H * Dh, bias=cfg.attn_bias)
         self.k_proj = Linear(D, Hkv * Dh, bias=cfg.attn_bias)
         self.v_proj = Linear(D, Hkv * Dh, bias=cfg.attn_bias)
@@ -73,11 +75,13 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = full_norm(H * Dh, cfg.norm_eps, tokens, H), \
                 full_norm(Hkv * Dh, cfg.norm_eps, tokens, Hkv)
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, docs=None):
+        """docs: the windows' document starts (B, S_whole) (model/docs.py), None: one causal sequence."""
         B, S, _ = x.shape
-        q, k, v = self.project(x, rope, self.tokens.seq_runs)  # each token's global position (model/tokens.py)
+        q, k, v = self.project(x, rope, self.tokens.seq_runs,  # each token's global position (model/tokens.py)
+                               docs if self.doc_positions else None)
         qk_max.observe(self, q, k, self.head_dim ** -0.5)  # train.qk_clip only (model/qk_max.py; refused under CP)
-        y = self.tokens.attend(q, k, v)
+        y = self.tokens.attend(q, k, v, docs=docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.head_dim))
 
     def decode(self, x, rope, cache: KVCache, key: str):
@@ -87,9 +91,10 @@ class Attention(nn.Module):
         y = cached_attention(q, *cache.extend(key, 2, k, v))  # (B, H, S, Dh)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, q.shape[1] * self.head_dim))
 
-    def project(self, x, rope, positions):
+    def project(self, x, rope, positions, starts=None):
         """q (B, H, S, Dh), k, v (B, Hkv, S, Dh) of x's S tokens: projected, normed, and roped at `positions(S)`,
-        their global positions as (start, length) runs."""
+        their global positions as (start, length) runs (with document starts (B, S_whole), at their places in
+        their documents)."""
         B, S, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, S, H*Dh), (B, S, Hkv*Dh) x2
         if self.qk_norm == "full":
@@ -102,7 +107,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, S, Dh)
         if rope is not None:
             runs = positions(S)
-            cos, sin = at_runs(rope[0], runs), at_runs(rope[1], runs)
+            cos, sin = doc_rope(rope, runs, starts) if starts is not None else \
+                (at_runs(rope[0], runs), at_runs(rope[1], runs))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
@@ -132,9 +138,9 @@ class Block(nn.Module):
         elif self.has_ffn:
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, docs=None):
         if self.has_attn:
-            x = x + self.attn(self.attn_norm(x), rope)
+            x = x + self.attn(self.attn_norm(x), rope, docs)
         return self.feed_forward(x)
 
     def decode(self, x, rope, cache: KVCache, key: str):
@@ -246,17 +252,18 @@ class Transformer(nn.Module):
             return table(idx)
         return F.embedding(idx, wgrad.tap(table.weight, self.wgrad_store))  # nn.Embedding's defaults
 
-    def _run_block(self, key: str, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_block(self, key: str, x: torch.Tensor, rope, docs=None) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.layers[key]
         if self.activation_checkpointing and self.training:
-            x, aux = checkpoint(block, x, rope, use_reentrant=False)
+            x, aux = checkpoint(block, x, rope, docs, use_reentrant=False)
         else:
-            x, aux = block(x, rope)
+            x, aux = block(x, rope, docs)
         if block.is_moe and self.training:  # read here, not in the MoE: a checkpoint recompute must not count twice
             self.routing.setdefault(key, []).append((block.moe.last_counts_E, block.moe.last_router_stats))
         return x, aux
 
-    def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None, docs: torch.Tensor | None = None):
+        """docs: the windows' document starts (B, S_whole) (model/docs.py; model.attn_mask=doc), None: causal."""
         spec = self.spec
         # MTP (training forwards with targets, model/mtp.py) also reads the embeddings of its future tokens, stacked
         # along the batch. Each of the embedding and the head runs once per microbatch, over every position that
@@ -271,7 +278,7 @@ class Transformer(nn.Module):
             x = self._embed(self.tok_emb, torch.cat([inp, future_ids(whole, runs, spec.mtp_layers)]) if mtp else inp)
             x, future = (x[:B], x[B:]) if mtp else (x, None)
             if spec.has_pos_embed:
-                x = x + self._embed(self.pos_emb, torch.arange(S, device=inp.device))
+                x = x + self._embed(self.pos_emb, self._learned_positions(S, docs, inp.device))
         else:
             x = inp
             if mtp:  # the last stage's replica of the embedding (parallel/tied.py)
@@ -279,7 +286,7 @@ class Transformer(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
         for key in list(self.layers)[:self.n_trunk]:
-            x, aux = self._run_block(key, x, rope)
+            x, aux = self._run_block(key, x, rope, docs)
             aux_sum = aux_sum + aux
         if not spec.has_head:
             return x, aux_sum
@@ -289,12 +296,18 @@ class Transformer(nn.Module):
                 return logits, aux_sum
             # the token shard's: plain on one device, TP's logits stay vocab shards, CP's loss is its part
             return self.tokens.cross_entropy(logits, targets), aux_sum
-        hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope))
+        hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope, docs))
         logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
         ce_of = self.tokens.cross_entropy
         ce = ce_of(logits[:B], targets)
         # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
         return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], whole, runs, ce_of)
+
+    def _learned_positions(self, S: int, docs: torch.Tensor | None, device) -> torch.Tensor:
+        """The learned table's rows for S positions: the window's, or each token's place in its document."""
+        if docs is None or self.cfg.doc_positions == "global":
+            return torch.arange(S, device=device)
+        return doc_positions(docs, positions_of(self.tokens.seq_runs(S), device))
 
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.is_moe]

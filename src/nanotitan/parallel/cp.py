@@ -98,18 +98,19 @@ class CPShard:
         return torch.cat([halves[g][0] if g < n else halves[2 * n - 1 - g][1] for g in range(2 * n)], dim=dim)
 
     # --- attention ------------------------------------------------------------------------------------------
-    def attend(self, q, k, v, scale: float | None = None) -> torch.Tensor:
-        """Causal attention of the CP rank's queries over the whole sequence (B, H, S_loc, D) -> (B, H, S_loc, Dv)."""
+    def attend(self, q, k, v, scale: float | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the CP rank's queries over the whole sequence (B, H, S_loc, D) -> (B, H, S_loc, Dv);
+        with `docs` (the whole windows' document starts (B, S)) within each document."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.impl == "a2a":
-            return ulysses_attention(q, k, v, self.ring, scale)
-        return ring_attention(q, k, v, self.ring, scale)
+            return ulysses_attention(q, k, v, self.ring, scale, docs)
+        return ring_attention(q, k, v, self.ring, scale, docs)
 
-    def attend_latent(self, q, latent, expand, scale: float) -> torch.Tensor:
+    def attend_latent(self, q, latent, expand, scale: float, docs: torch.Tensor | None = None) -> torch.Tensor:
         """MLA: the ring carries the latent (B, S_loc, R + Dr) and each rank expands it; a2a expands it here."""
         if self.impl == "a2a":
-            return self.attend(q, *expand(latent), scale)
-        return ring_latent_attention(q, latent, expand, self.ring, scale)
+            return self.attend(q, *expand(latent), scale, docs)
+        return ring_latent_attention(q, latent, expand, self.ring, scale, docs)
 
     # --- the split ranks: TP's ------------------------------------------------------------------------------
     def splits(self, heads: int) -> bool:
@@ -132,7 +133,7 @@ class CPShard:
         rows = (targets != IGNORE).sum().to(mean.dtype)
         total = rows.clone()
         comm.all_reduce(total, group=self.ring.group, axis="cp")
-        return mean * (rows / total)
+        return mean * (rows / total.clamp_min(1))
 
 
 class _SumOverCP(torch.autograd.Function):

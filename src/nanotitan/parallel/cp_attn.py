@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from ..model.tokens import doc_attention
 from .comm import collectives as comm
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
@@ -71,10 +72,13 @@ def balanced_order(seq_len: int, n: int) -> torch.Tensor:
 
 
 # --- one block: out and log-sum-exp, and its backward against the merged out/lse ---------------------------------
-def block_attention(q, k, v, causal: bool, scale: float):
+def block_attention(q, k, v, causal: bool, scale: float, mask=None):
     """(out, lse) of softmax(q k^T * scale) v: out (B, Hq, Sq, Dv), lse (B, Hq, Sq), both at least fp32 (the merge
-    runs there). GQA by Hq % Hkv.
+    runs there). GQA by Hq % Hkv. mask (B, Sq, Sk) bool: the pairs of one document (packed documents); a query that
+    sees no key of the block gets out 0, lse -inf (the merge then leaves it as it was).
     On CPU torch's flash kernel (which takes GQA but one head size: a narrower V is zero-padded, exactly)."""
+    if mask is not None:
+        return _math_forward(q, k, v, causal, scale, mask)
     if q.is_cpu:
         dk, dv = q.shape[-1], v.shape[-1]
         vp = v if dv == dk else torch.nn.functional.pad(v, (0, dk - dv)) if dv < dk else None
@@ -85,9 +89,11 @@ def block_attention(q, k, v, causal: bool, scale: float):
     return _math_forward(q, k, v, causal, scale)
 
 
-def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def block_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """(dq, dk, dv) of one block, given the MERGED out and lse of its queries (their softmax spans every block):
-    p = exp(s - lse), dS = p * (dP - rowsum(dout * out))."""
+    p = exp(s - lse), dS = p * (dP - rowsum(dout * out)). mask as `block_attention`."""
+    if mask is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, mask)
     if q.is_cpu:
         dk_, dv_ = q.shape[-1], v.shape[-1]
         if dv_ <= dk_:
@@ -104,26 +110,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q, k, causal: bool, scale: float):
+def _scores(q, k, causal: bool, scale: float, mask=None):
     g, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
     qg = q.to(acc).unflatten(1, (k.shape[1], g))  # (B, Hkv, g, Sq, D): GQA without repeating K
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
     if causal:
         sq, sk = s.shape[-2:]
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1), float("-inf"))
+    if mask is not None:  # (B, Sq, Sk): other documents' keys are never seen
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return s
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
-    s, acc = _scores(q, k, causal, scale), acc_dtype(q.dtype)
+def _math_forward(q, k, v, causal: bool, scale: float, mask=None):
+    s, acc = _scores(q, k, causal, scale, mask), acc_dtype(q.dtype)
     lse = s.logsumexp(-1)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", (s - lse.unsqueeze(-1)).exp(), v.to(acc))
+    finite = lse.masked_fill(lse.isinf(), 0.0)  # a query that sees no key here: weights exp(-inf) = 0, out 0
+    out = torch.einsum("bhgqk,bhkd->bhgqd", (s - finite.unsqueeze(-1)).exp(), v.to(acc))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     hkv, acc = k.shape[1], acc_dtype(q.dtype)
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, mask)
     p = (s - lse.to(acc).unflatten(1, (hkv, -1)).unsqueeze(-1)).exp()
     do = dout.to(acc).unflatten(1, (hkv, -1))
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
@@ -144,6 +153,25 @@ def _merge(out, lse, part_out, part_lse, rows: slice):
 
 
 # --- the ring ------------------------------------------------------------------------------------------------
+@dataclass
+class DocBlocks:
+    """Packed documents on the ring: the document starts of this rank's queries and of every rank's keys, from which
+    each block's mask (the pairs of one document) is read."""
+    starts_q: torch.Tensor  # (B, S_loc): this rank's positions' document starts, in local order
+    starts_of: list[torch.Tensor]  # per CP rank, its positions' starts (B, S_loc)
+
+    @staticmethod
+    def of(docs: torch.Tensor | None, cp: CPGroup) -> "DocBlocks | None":
+        if docs is None:
+            return None
+        starts = [docs[:, local_positions(docs.shape[1], cp.size, r).to(docs.device)] for r in range(cp.size)]
+        return DocBlocks(starts[cp.rank], starts)
+
+    def mask(self, src: int, rows: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
+        """(B, Sq, Sk) bool: this rank's query rows `rows` and rank src's key rows `keys` in one document."""
+        return self.starts_q[:, rows].unsqueeze(2) == self.starts_of[src][:, keys].unsqueeze(1)
+
+
 def _step_blocks(src: int, rank: int, c: int):
     """(query rows, key rows) of the visible half of the block against rank src's chunks (src != rank)."""
     if src < rank:
@@ -173,23 +201,25 @@ class _Exchange:
 TAGS = {"kv": 0, "grad": 1}  # a payload (K|V or MLA's latent); a payload's gradient on its way home
 
 
-def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
+def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable, docs: "DocBlocks | None" = None):
     """(out, lse, first): q's causal attention over every rank's `payload` (to_kv(payload) -> (k, v)), out and lse
     at least fp32, and the first payload received (the previous rank's; None at cp 1), which backward keeps so
-    that its ring starts one hop ahead."""
+    that its ring starts one hop ahead. docs: within each document only (a block no query can see is skipped)."""
     c = q.shape[2] // 2
     cur, first = payload, None
     out = lse = None
     for step in range(ring.size):
         nxt = _Exchange(ring, {"kv": cur}) if step < ring.size - 1 else None  # posted before this block's compute
-        k, v = to_kv(cur)
         src = (ring.rank - step) % ring.size
         if step == 0:
-            out, lse = block_attention(q, k, v, True, scale)
+            out, lse = block_attention(q, *to_kv(cur), True, scale, docs.mask(src) if docs else None)
         else:
             rows, keys = _step_blocks(src, ring.rank, c)
-            part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
-            _merge(out, lse, part_out, part_lse, rows)
+            mask = docs.mask(src, rows, keys) if docs else None
+            if mask is None or bool(mask.any()):
+                k, v = to_kv(cur)
+                part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale, mask)
+                _merge(out, lse, part_out, part_lse, rows)
         if nxt is not None:
             cur = nxt.wait()["kv"]
             first = cur if first is None else first
@@ -197,7 +227,7 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable):
 
 
 def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: float, to_kv: Callable,
-                   kv_grad: Callable):
+                   kv_grad: Callable, docs: "DocBlocks | None" = None):
     """(dq, d payload): the payload ring runs again, and each payload's gradient travels with it back to its owner
     (d payload = kv_grad(payload, dk, dv), summed over the ranks that used it).
 
@@ -209,21 +239,27 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
     c = q.shape[2] // 2
     if ring.size == 1:
         k, v = to_kv(payload)
-        dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+        dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale,
+                                              docs.mask(ring.rank) if docs else None)
         return dq.to(acc), kv_grad(payload, dk, dv).to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     pending = _Exchange(ring, {"kv": first}) if ring.size > 2 else None  # step 2's payload, behind step 1's block
     cur = first
     for step in range(1, ring.size):
-        k, v = to_kv(cur)
-        rows, keys = _step_blocks((ring.rank - step) % ring.size, ring.rank, c)
-        dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
-                                                    v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                                    False, scale)
-        dq[:, :, rows] += dq_b
-        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
-        dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
-        dpay = kv_grad(cur, dk, dv).to(acc)
+        src = (ring.rank - step) % ring.size
+        rows, keys = _step_blocks(src, ring.rank, c)
+        mask = docs.mask(src, rows, keys) if docs else None
+        if mask is None or bool(mask.any()):
+            k, v = to_kv(cur)
+            dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                                        v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                                        False, scale, mask)
+            dq[:, :, rows] += dq_b
+            dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+            dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
+            dpay = kv_grad(cur, dk, dv).to(acc)
+        else:  # no query here sees this payload: its gradient from this rank is zero
+            dpay = torch.zeros(cur.shape, dtype=acc, device=cur.device)
         got = pending.wait() if pending is not None else {}
         if "grad" in got:  # the previous ranks' share of this payload's gradient
             dpay += got["grad"]
@@ -231,7 +267,8 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
         # on to the next rank that holds this payload (the owner, at the end), beside the next payload hop
         pending = _Exchange(ring, {"grad": dpay, "kv": cur} if step + 2 < ring.size else {"grad": dpay})
     k, v = to_kv(payload)
-    dq_b, dk_own, dv_own = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+    dq_b, dk_own, dv_own = block_attention_backward(dout, q, k, v, out, lse, True, scale,
+                                                    docs.mask(ring.rank) if docs else None)
     dq += dq_b
     own = kv_grad(payload, dk_own, dv_own).to(acc)
     return dq, own + pending.wait()["grad"]
@@ -243,12 +280,12 @@ def _split_kv(dk: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp, scale):
+    def forward(ctx, q, k, v, cp, scale, docs):
         kv = torch.cat([k, v], dim=-1).contiguous()  # one message per step: Hkv heads of K and V
-        out, lse, first = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]))
+        out, lse, first = _ring_forward(q, kv, cp, scale, _split_kv(k.shape[-1]), docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, first)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.docs = cp, scale, docs
         return out
 
     @staticmethod
@@ -258,8 +295,8 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         kv = torch.cat([k, v], dim=-1).contiguous()
         dq, dkv = _ring_backward(dout, q, kv, first, out, lse, cp, scale, _split_kv(dk_),
-                                 lambda _kv, dk, dv: torch.cat([dk, dv], dim=-1))
-        return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype), None, None
+                                 lambda _kv, dk, dv: torch.cat([dk, dv], dim=-1), ctx.docs)
+        return dq.to(q.dtype), dkv[..., :dk_].to(k.dtype), dkv[..., dk_:].to(v.dtype), None, None, None
 
 
 def _check_local(q, k, v, cp: CPGroup) -> None:
@@ -271,11 +308,12 @@ def _check_local(q, k, v, cp: CPGroup) -> None:
                          f"--model.n_kv_heads ({k.shape[1]})")
 
 
-def ring_attention(q, k, v, cp: CPGroup, scale: float):
+def ring_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
     """Exact causal attention of this CP rank's queries over the whole sequence (module docstring). q: (B, Hq, S_loc,
-    Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv)."""
+    Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv).
+    docs: the whole windows' document starts (B, S) (model/docs.py): within each document only."""
     _check_local(q, k, v, cp)
-    return _RingAttention.apply(q, k, v, cp, scale)
+    return _RingAttention.apply(q, k, v, cp, scale, DocBlocks.of(docs, cp))
 
 
 # --- MLA: the ring carries the latent --------------------------------------------------------------------------
@@ -316,12 +354,12 @@ class _Expander:
 
 class _RingLatentAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, latent, cp, scale, expand, *params):
+    def forward(ctx, q, latent, cp, scale, docs, expand, *params):
         latent = latent.contiguous()
-        out, lse, first = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv)
+        out, lse, first = _ring_forward(q, latent, cp, scale, _Expander(expand, params, False).to_kv, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, latent, out, lse, first)
-        ctx.cp, ctx.scale, ctx.expand, ctx.n_params = cp, scale, expand, len(params)
+        ctx.cp, ctx.scale, ctx.expand, ctx.n_params, ctx.docs = cp, scale, expand, len(params), docs
         ctx.params = params  # leaves (the module's own parameters): nothing is freed by saving them
         return out
 
@@ -330,21 +368,22 @@ class _RingLatentAttention(torch.autograd.Function):
         q, latent, out, lse, first = ctx.saved_tensors
         ex = _Expander(ctx.expand, ctx.params, True)
         dq, dlat = _ring_backward(dout.contiguous(), q, latent, first, out, lse, ctx.cp, ctx.scale, ex.to_kv,
-                                  ex.kv_grad)
-        return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, *ex.param_grads)
+                                  ex.kv_grad, ctx.docs)
+        return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, None, *ex.param_grads)
 
 
-def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float):
+def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
     """MLA's exact causal attention under CP with the compressed latent on the ring. q: (B, H, S_loc, Dqk);
     latent: (B, S_loc, kv_lora_rank + rope_dim), the post-norm c_kv and the already roped k_rope; expand: an
     nn.Module (or a callable with no weights of its own) mapping a latent (B, S, R + Dr) to (k (B, H, S, Dqk),
-    v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv)."""
+    v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv).
+    docs: as `ring_attention`."""
     if q.shape[2] % 2 or latent.shape[1] != q.shape[2]:
         raise ValueError(f"context parallel: the local sequence ({q.shape[2]} queries, {latent.shape[1]} latents) "
                          f"must be two equal chunks; set --train.seq_len to a multiple of 2 * --parallel.cp "
                          f"({2 * cp.size})")
     params = [p for p in expand.parameters() if p.requires_grad] if isinstance(expand, torch.nn.Module) else []
-    return _RingLatentAttention.apply(q, latent, cp, scale, expand, *params)
+    return _RingLatentAttention.apply(q, latent, cp, scale, DocBlocks.of(docs, cp), expand, *params)
 
 
 def latent_bytes_per_token(kv_lora_rank: int = 512, rope_dim: int = 64, n_heads: int = 128, nope_dim: int = 128,
@@ -392,7 +431,7 @@ class _SeqToHeads(torch.autograd.Function):
         return (_seq_to_heads(g, ctx.cp) if ctx.inverse else _heads_to_seq(g, ctx.cp)), None, None
 
 
-def ulysses_attention(q, k, v, cp: CPGroup, scale: float):
+def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
     """Exact causal attention by all-to-all (DeepSpeed-Ulysses): each rank attends the whole sequence for Hq/N
     query heads. KV heads: Hkv % N == 0 shards them too; Hkv dividing N replicates each KV head N/Hkv times
     before the exchange, so that every rank receives the one KV head its query heads share."""
@@ -404,6 +443,9 @@ def ulysses_attention(q, k, v, cp: CPGroup, scale: float):
     if hkv % n:
         k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
     qh, kh, vh = (_SeqToHeads.apply(t, cp, False) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                           enable_gqa=True)
+    if docs is not None:  # the whole sequence in global order: per document, as on one device
+        out = doc_attention(qh, kh, vh, docs, scale)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
     return _SeqToHeads.apply(out, cp, True)

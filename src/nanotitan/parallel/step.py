@@ -31,6 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..config.config import ConfigError
+from ..model.tokens import IGNORE
 from ..model.transformer import is_moe_layer, take_routing
 from .comm import collectives as comm
 from .ep import lanes_of, take_received, worst_case_capacity
@@ -68,27 +70,57 @@ def stage_comms(shard: ModelShard, xs: list[torch.Tensor], device: torch.device,
     return shard.comms[key]
 
 
-def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int, device: torch.device):
-    """This data rank's b rows -> M microbatches of m sequences, on the device."""
+def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int, device: torch.device,
+                       docs: torch.Tensor | None = None):
+    """This data rank's b rows -> M microbatches of m sequences, on the device; with `docs` (the rows' document
+    starts, model/docs.py) also theirs: (xs, ys, ds), ds None per microbatch without."""
     x, y = x.to(device), y.to(device)
-    return list(x.split(m)), list(y.split(m))
+    xs, ys = list(x.split(m)), list(y.split(m))
+    return xs, ys, list(docs.to(device).split(m)) if docs is not None else [None] * len(xs)
 
 
 def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.Tensor], *, schedule: str,
-                     aux_weight: float, device: torch.device, dtype: str = "fp32") -> StepStats:
+                     aux_weight: float, device: torch.device, dtype: str = "fp32", docs: list | None = None,
+                     masked: bool = False) -> StepStats:
     """Forwards and backwards of this rank's M microbatches, gradients accumulated into .grad and their
-    sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches."""
+    sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches.
+    docs: each microbatch's document starts (model.attn_mask=doc) or None; masked: the targets may be masked
+    (IGNORE: SFT's prompts), so each microbatch's CE is weighted by its share of the global batch's targets."""
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
+    weights = target_weights(shard.dims, ys) if masked else None
 
     def pipeline() -> StepStats:
         return pipeline_forward_backward(shard.model, shard.dims, xs, ys, comms=stage_comms(shard, xs, device, dtype),
                                          schedule=schedule, aux_weight=aux_weight, loss_scale=1.0 / len(xs),
                                          before_backward=shard.sync.prepare, autocast=forward_ctx,
-                                         ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None)
-    stats = shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx)
+                                         ep_lanes=lanes_of(shard.model) if shard.ep_lanes else None, docs=docs,
+                                         weights=weights)
+    stats = shard.sync.forward_backward(pipeline, xs, ys, aux_weight, forward_ctx, docs, weights)
     stats.routing = take_routing(shard.model)  # the training forwards' records, read once (never a recompute's)
     stats.routing.received = take_received(shard.model, stats.routing.keys)
     return stats
+
+
+def target_weights(dims, ys: list[torch.Tensor]) -> list[float]:
+    """Per microbatch i, the factor on its mean CE that makes the step's loss the sum of CE over the unmasked targets
+    of the whole global batch over their count N: n_i * M * DW / N, n_i its targets (its CP ranks' together), DW the
+    data ranks. Every rank backwards its microbatch's term / M and the sync averages over DW, so the step trains
+    sum CE / N whatever the layout; the record's loss (`reduce_losses`) is that figure. Without masked targets every
+    factor is exactly 1. The counts come from the global batch: one all-reduce over CP, one over the data ranks x
+    CP (every pipeline stage and TP rank holds the same targets and counts alike)."""
+    M = len(ys)
+    local = torch.stack([(y != IGNORE).sum() for y in ys]).double()  # (M,) this rank's targets of each microbatch
+    whole = local.clone()
+    if dims.group("cp") is not None:  # None: this rank alone holds its sequences
+        comm.all_reduce(whole, group=dims.group("cp"), axis="cp")
+    total = local.sum().reshape(1)
+    if dims.group("non_expert_dp") is not None:  # the data ranks (dp x ep) and their CP ranks
+        comm.all_reduce(total, group=dims.group("non_expert_dp"), axis="dp")
+    n = total.item()  # the same on every rank: all raise alike
+    if n == 0:
+        raise ConfigError("a global batch has no target token: every position's loss is masked (SFT responses "
+                          "empty or truncated away?); lengthen --train.seq_len or check the data's responses")
+    return (whole * (M * dims.data_world / n)).tolist()
 
 
 def finish_grads(shard: ModelShard) -> None:
@@ -351,16 +383,17 @@ def _reduce(parts: list[torch.Tensor], op, dims) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(shard: ModelShard, batches, m: int, device: torch.device, dtype: str = "fp32") -> float:
-    """Mean CE over this data rank's `batches` ((x, y) of b rows each) and over every data rank: a forward-only
-    pass through the pipeline (no balance loss). Eval forwards leave no routing record (model/transformer.py)."""
+    """Mean CE over this data rank's `batches` ((x, y) or (x, y, document starts) of b rows each) and over every
+    data rank: a forward-only pass through the pipeline (no balance loss). Eval forwards leave no routing record
+    (model/transformer.py)."""
     model, dims = shard.model, shard.dims
     model.eval()
     total, n = torch.zeros((), device=device), 0
     # static EP dispatch: buffers no routing overflows (an eval has no replay; it reads the host anyway)
     with autocast(device, dtype), worst_case_capacity(model):
-        for xb, yb in batches:
-            xs, ys = split_microbatches(xb, yb, m, device)
-            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype))
+        for xb, yb, *db in batches:
+            xs, ys, ds = split_microbatches(xb, yb, m, device, *db)
+            ce_sum, _ = pipeline_forward(model, dims, xs, ys, comms=stage_comms(shard, xs, device, dtype), docs=ds)
             if ce_sum is not None:  # last stage
                 total += ce_sum
             n += len(xs)

@@ -214,7 +214,7 @@ class _VocabCE(torch.autograd.Function):
         sums = torch.stack([picked, e.sum(dim=-1)])  # one all-reduce for both
         comm.all_reduce(sums, group=g.group, axis="tp")
         kept = (targets != IGNORE).to(logits.dtype)
-        rows = kept.sum()
+        rows = kept.sum().clamp_min(1)  # no target (masked prompts): 0, not 0/0
         loss = ((sums[1].log() - sums[0]) * kept).sum() / rows
         ctx.save_for_backward(e.div_(sums[1].unsqueeze(-1)), local, outside, kept / rows)
         return loss

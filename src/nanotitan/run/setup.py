@@ -18,10 +18,11 @@ import torch.distributed as dist
 from .allocator import keep_freed_memory
 from .resume import resume_changes
 from ..config.config import Config, ConfigError, validate
-from ..data.indexed import IndexedBatches
+from ..data.indexed import IndexedBatches, columns
 from ..data.mix import MixedBatches, open_split
 from ..data.prepare import fingerprints, load_meta, load_tokenizer, mix_dirs, prepare_data
 from ..data.streaming import make_streaming_loader
+from ..model.docs import doc_starts
 from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
 from ..parallel.comm.emulate import LinkModel
@@ -44,6 +45,7 @@ class RankData:
     m: int  # sequences per microbatch
     device: torch.device
     fingerprints: dict[str, str]  # the data's and tokenizer's (data/prepare.py), recorded by every checkpoint
+    eot: int | None = None  # model.attn_mask=doc: the separator its documents end at (None: causal windows)
 
     @property
     def b(self) -> int:
@@ -51,14 +53,33 @@ class RankData:
 
     def batch(self, step: int):
         """This data rank's M microbatches of global step `step`: rows [r*b, (r+1)*b) of the global batch,
-        a pure function of (seed, step) (or the next ones of the streaming loader)."""
+        a pure function of (seed, step) (or the next ones of the streaming loader): (xs, ys, ds), ds each
+        microbatch's document starts (model.attn_mask=doc), else None each."""
+        if self.eot is None:
+            x, y = next(self.stream) if self.stream is not None else \
+                self.train.rank_batch(step, self.B, self.dims.data_rank, self.b, self.runs)
+            return split_microbatches(x, y, self.m, self.device)
+        # documents: the whole windows are read (the streaming loader yields them whole too), their starts found,
+        # and then only this rank's positions kept
         x, y = next(self.stream) if self.stream is not None else \
-            self.train.rank_batch(step, self.B, self.dims.data_rank, self.b, self.runs)
-        return split_microbatches(x, y, self.m, self.device)
+            self.train.rank_batch(step, self.B, self.dims.data_rank, self.b)
+        x, y, starts = self._positions(x, y)
+        return split_microbatches(x, y, self.m, self.device, starts)
 
     def val_batches(self, n: int):
-        """This data rank's rows of `n` fixed global batches of the val split (the same at every eval)."""
-        return self.val.eval_batches(n, self.B, self.dims.data_rank, self.b, self.runs)
+        """This data rank's rows of `n` fixed global batches of the val split (the same at every eval), with their
+        document starts under model.attn_mask=doc."""
+        if self.eot is None:
+            return self.val.eval_batches(n, self.B, self.dims.data_rank, self.b, self.runs)
+        return [self._positions(x, y) for x, y in self.val.eval_batches(n, self.B, self.dims.data_rank, self.b)]
+
+    def _positions(self, x_BS, y_BS):
+        """Whole windows -> (x, y) at this rank's positions, and the windows' document starts (B, S)."""
+        starts_BS = doc_starts(x_BS, self.eot)
+        if self.runs == [(0, x_BS.shape[1])]:
+            return x_BS, y_BS, starts_BS
+        cols = torch.from_numpy(columns(self.runs))
+        return x_BS[:, cols], y_BS[:, cols], starts_BS
 
 
 @dataclass
@@ -84,21 +105,22 @@ def setup_rank(cfg: Config) -> RankSetup:
     links = emulate.install(emulate.link_model(cfg, rank))
     dims = ParallelDims(p.dp, p.pp, p.ep, rank=rank, tp=p.tp, cp=p.cp)
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    train, val, stream, prints = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
+    train, val, stream, prints, eot = open_data(cfg, dims, p.microbatches * t.micro_batch, log)
     if world > 1:  # every group built once, in the same order on every rank
         if not dist.is_initialized():
             init_distributed("nccl" if device.type == "cuda" else "gloo", rank, world, timedelta(seconds=p.timeout_s),
                              device)
         dims.build_groups(timeout_s=p.timeout_s)
     return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, seq_runs_of(dims, t.seq_len),
-                                                                 cfg.layout_batch, t.micro_batch, device, prints))
+                                                                 cfg.layout_batch, t.micro_batch, device, prints, eot))
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):
-    """(train, val, stream, fingerprints): the prepared token files read by global index (docs/design.md §4; with data.mix,
-    its sources' blended, data/mix.py), the seed's streaming loader when data.loader=streaming (HF streaming, split
-    by data rank; else None), and the data's and tokenizer's fingerprints (what a checkpoint records). Prepared
-    once: a file lock makes the other ranks wait (a mix's sources are prepared ahead)."""
+    """(train, val, stream, fingerprints, eot): the prepared token files read by global index (docs/design.md §4; with
+    data.mix, its sources' blended, data/mix.py), the seed's streaming loader when data.loader=streaming (HF
+    streaming, split by data rank; else None), the data's and tokenizer's fingerprints (what a checkpoint records),
+    and under model.attn_mask=doc the EOT its documents end at (else None). Prepared once: a file lock makes the
+    other ranks wait (a mix's sources are prepared ahead)."""
     t = cfg.train
     dirs = mix_dirs(cfg.data) if cfg.data.mix else [prepare_data(cfg.data, log=log)]  # a mix: its sources, prepared
     data_dir = dirs[0]  # the tokenizer's
@@ -108,11 +130,11 @@ def open_data(cfg: Config, dims: ParallelDims, b: int, log):
                           f"(--model.vocab_size {meta['vocab_size']})")
     train = open_split(cfg.data, dirs, "train", t.seq_len, t.seed)
     val = open_split(cfg.data, dirs, "val", t.seq_len, t.seed + 1)
-    stream = None
-    if cfg.data.loader == "streaming":
+    stream, doc = None, cfg.model.attn_mask == "doc"
+    if cfg.data.loader == "streaming":  # documents: whole windows, whose starts RankData finds
         stream = iter(make_streaming_loader(cfg, load_tokenizer(data_dir), dims.data_rank, dims.data_world, b,
-                                            prepared=data_dir, runs=seq_runs_of(dims, t.seq_len)))
-    return train, val, stream, fingerprints(dirs, cfg.data.mix)
+                                            prepared=data_dir, runs=None if doc else seq_runs_of(dims, t.seq_len)))
+    return train, val, stream, fingerprints(dirs, cfg.data.mix), meta["eot_id"] if doc else None
 
 
 def resume_step(where: str, cfg: Config, shard: ModelShard, optimizer, data: RankData, lr_at, log) -> int:

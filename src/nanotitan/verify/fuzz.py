@@ -62,6 +62,7 @@ MODEL_DRAWS = [
                    ("--train.qk_clip", "0.03")]),
     ("dtype", [("--train.dtype", "bf16")]),
     ("fp8", [("--train.fp8", "rowwise"), ("--train.fp8", "tensorwise")]),
+    ("documents", [("--model.attn_mask", "doc"), ("--model.attn_mask", "doc", "--model.doc_positions", "global")]),
 ]
 LAYOUT_DRAWS = [
     ("zero", [("--parallel.zero", "1"), ("--parallel.zero", "2"), ("--parallel.zero", "3")]),

@@ -129,7 +129,8 @@ class GradSync:
         self.copies = CopyFold(model, dims)
 
     def forward_backward(self, pipeline: Callable[[], StepStats], xs: list[torch.Tensor], ys: list[torch.Tensor],
-                         aux_weight: float, forward_ctx: Callable) -> StepStats:
+                         aux_weight: float, forward_ctx: Callable, docs: list | None = None,
+                         weights: list[float] | None = None) -> StepStats:
         """This rank's forwards and backwards of the step's microbatches xs, ys (parallel/step.py): `pipeline()`
         runs them through the stage's schedule, which calls `prepare` before each backward."""
         return pipeline()
@@ -257,14 +258,16 @@ class TorchDDPSync(GradSync):
         super().__init__(model, dims, expert_params, replicated_params)
         self.ddp = wrap_ddp(model, dims.group("non_expert_dp"), bucket_mb)
 
-    def forward_backward(self, pipeline, xs, ys, aux_weight: float, forward_ctx) -> StepStats:
+    def forward_backward(self, pipeline, xs, ys, aux_weight: float, forward_ctx, docs: list | None = None,
+                         weights: list[float] | None = None) -> StepStats:
         """No pipeline (pure DP): each microbatch through the DDP wrapper, no_sync on all but the last."""
         t0, M = time.perf_counter(), len(xs)
         ce_sum = aux_sum = mtp_sum = None
-        for i, (x, y) in enumerate(zip(xs, ys)):
+        for i, (x, y, d) in enumerate(zip(xs, ys, docs or [None] * M)):
             with contextlib.nullcontext() if i == M - 1 else self.ddp.no_sync():
                 with forward_ctx():
-                    ce, aux, *mtp = self.ddp(x, y)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                    ce, aux, *mtp = self.ddp(x, y, d)  # mtp: [its weighted loss] with the MTP modules (model/mtp.py)
+                ce = ce if weights is None else ce * weights[i]  # masked targets: the global count's share
                 objective = ce + mtp[0] if mtp else ce
                 ((objective + aux_weight * aux) / M).backward()
             ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()

@@ -37,8 +37,11 @@ class StageRunner:
 
     def __init__(self, chunks, first: list[bool], last: list[bool], comms: StageComms, xs, ys, aux_weight: float,
                  loss_scale: float, before_backward: Callable[[bool], None] | None,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext, timeline: list | None = None):
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext, timeline: list | None = None,
+                 docs: list | None = None, weights: list[float] | None = None):
         self.chunks, self.comms, self.autocast = chunks, comms, autocast
+        self.docs = docs  # per microbatch its windows' document starts (model/docs.py) or None; None: all causal
+        self.ce_weights = weights  # per microbatch the factor on its mean CE (parallel/step.py `target_weights`)
         # Global first / last chunk: chunk 0 of the first rank reads tokens, chunk V-1 of the last the targets.
         self.first, self.last = first, last
         self.xs, self.ys, self.device = xs, ys, comms.device
@@ -81,8 +84,9 @@ class StageRunner:
             # residual stream stays fp32 as in one process; the gradient is narrowed again when sent back.
             inp = recv_buf.detach().float().requires_grad_(self.training)
         targets = self.ys[i].to(self.device, non_blocking=True) if last else None
+        docs = self.docs[i].to(self.device, non_blocking=True) if self.docs and self.docs[i] is not None else None
         with self.autocast():  # mixed precision for the forward only; backward runs outside it
-            out, aux, *mtp = self.chunks[v](inp, targets)  # mtp: [its weighted loss] where the MTP modules run
+            out, aux, *mtp = self.chunks[v](inp, targets, docs)  # mtp: [its weighted loss] where the MTP modules run
         self.aux_sum = aux.detach() if self.aux_sum is None else self.aux_sum + aux.detach()
         # aux is a constant zero when the chunk has no MoE layer: nothing to backpropagate.
         aux_term = self.loss_scale * self.aux_weight * aux if aux.requires_grad and self.aux_weight else None
@@ -93,6 +97,7 @@ class StageRunner:
             self._event("F", v, i, t0)
             return None if last else out
         if last:
+            out = out if self.ce_weights is None else out * self.ce_weights[i]  # masked targets: the global count's
             self.ce_sum = out.detach() if self.ce_sum is None else self.ce_sum + out.detach()
             if mtp:  # multi-token prediction (model/mtp.py): a term of the last chunk's objective, summed like ce
                 self.mtp_sum = mtp[0].detach() if self.mtp_sum is None else self.mtp_sum + mtp[0].detach()

@@ -287,6 +287,8 @@ def pipeline_forward_backward(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     ep_lanes: Lanes | None = None,
     options: RunOptions | None = None,
+    docs: list | None = None,
+    weights: list[float] | None = None,
 ) -> StepStats:
     """Run this stage's forwards and backwards of one step, accumulating into the stage's .grad.
 
@@ -305,6 +307,8 @@ def pipeline_forward_backward(
     given their backward EP groups (apply_ep(lanes=True)), and with pp > 1 `dims` its backward PP group
     (dims.build_backward_ep_groups). None: one lane.
     options: the benches' knobs (RunOptions: a timeline, the lanes' fill and window).
+    docs: per microbatch the document starts of its windows (model/docs.py: model.attn_mask=doc), or None.
+    weights: per microbatch the factor on its mean CE (masked targets: parallel/step.py `target_weights`), or None.
     Timings are host wall-clock (on CUDA, kernels still queued at a P2P are charged to the wait).
     """
     options = options or RunOptions()
@@ -317,7 +321,7 @@ def pipeline_forward_backward(
     # would follow its B at once. B + W back to back are one plain backward, so it runs 1F1B, without the split.
     split = schedule == "zb1" and dims.pp > 1 and not dims.is_pp_first_stage
     run = _runner(chunks, dims, comms, xs, ys, aux_weight, loss_scale, before_backward, autocast, split, ep_lanes,
-                  options)
+                  options, docs, weights)
     try:
         # The lanes' figures (exposed EP wait, F/B overlap) need every EP call's blocked interval; one lane does
         # not: its exposed wait is comm.py's comm_ep_wait_s, and recording would cost every EP call a timer.
@@ -340,11 +344,12 @@ def pipeline_forward_backward(
 
 
 def _runner(chunks, dims: ParallelDims, comms: StageComms, xs, ys, aux_weight: float, loss_scale: float,
-            before_backward, autocast, split: bool, ep_lanes: Lanes | None, options: RunOptions) -> StageRunner:
+            before_backward, autocast, split: bool, ep_lanes: Lanes | None, options: RunOptions,
+            docs: list | None = None, weights: list[float] | None = None) -> StageRunner:
     """The runner type of this step: zb1's split stages defer W (with the lanes' fill: during B's all-to-alls),
     the lanes' fill defers each backward's weight GEMMs into its own all-to-alls, else plain autograd."""
     args = (chunks, *_ends(dims, len(chunks)), comms, xs, ys, aux_weight, loss_scale, before_backward, autocast,
-            options.timeline)
+            options.timeline, docs, weights)
     filler = ep_lanes if ep_lanes is not None and options.lanes_fill and len(xs) > 1 else None
     if split:
         return SplitRunner(*args, filler=filler)
@@ -397,6 +402,7 @@ def pipeline_forward(
     ys: list[torch.Tensor],
     *,
     comms: StageComms,
+    docs: list | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Forward-only pass of M microbatches through the pipeline (evaluation): returns (ce_sum, aux_sum),
     ce_sum the sum of the microbatches' mean CE on the last stage (None elsewhere), aux_sum this stage's
@@ -404,7 +410,7 @@ def pipeline_forward(
     device = comms.device
     chunks = stage_chunks(model)
     if len(chunks) > 1:  # the interleaved schedule's order, forwards only
-        run = StageRunner(chunks, *_ends(dims, len(chunks)), comms, xs, ys, 0.0, 1.0, None)
+        run = StageRunner(chunks, *_ends(dims, len(chunks)), comms, xs, ys, 0.0, 1.0, None, docs=docs)
         run.training = False
         _interleaved(run, comms, len(xs), dims.pp, dims.pp_rank, len(chunks), forward_only=True)
         comms.reset_wait()
@@ -415,7 +421,7 @@ def pipeline_forward(
         buf = comms.recv_forward()
         inp = xs[i].to(device, non_blocking=True) if dims.is_pp_first_stage else buf.float()  # fp32 residual
         targets = ys[i].to(device, non_blocking=True) if dims.is_pp_last_stage else None
-        out, aux = model(inp, targets)
+        out, aux = model(inp, targets, docs[i].to(device) if docs and docs[i] is not None else None)
         aux_sum = aux_sum + aux
         if dims.is_pp_last_stage:
             ce_sum = out if ce_sum is None else ce_sum + out

@@ -1,0 +1,118 @@
+"""Supervised fine-tuning data (data.format=sft, docs/packed.md): `.jsonl` records of a prompt and its response.
+
+    prepare   each record -> prompt tokens, response tokens, EOT; a loss mask beside the tokens, 1 on the response
+              and its EOT (the tokens the model learns to produce), 0 on the prompt. `{split}.bin` holds the tokens as
+              for text, `{split}.mask` the mask (uint8, one per token), verified on open like the tokens
+              (data/prepare.py `verify_prepared`).
+    batches   `SFTBatches`: a window of S+1 tokens starts at an example's first token, drawn by (seed, step) as the
+              text loader draws offsets, and packs whole examples until the next one does not fit; the rest is EOT
+              padding with mask 0. An example longer than the window is cut at its end (counted: `truncated`).
+              The targets of masked tokens are IGNORE, so the loss reads responses only, normalised over the
+              global batch's response tokens (parallel/step.py `target_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config.config import DataConfig
+from .indexed import IndexedBatches, Runs, columns, step_generator
+from .sources import DataError, local_files
+
+FIELDS = ("prompt", "response")
+IGNORE = -100  # a target no loss reads: F.cross_entropy's ignore_index, as model/tokens.py's (data/ reads no model/)
+
+
+def iter_records(cfg: DataConfig) -> Iterator[tuple[str, str, str]]:
+    """(where, prompt, response) of every record of data.source's `.jsonl` files, in order; a record without both
+    strings is refused in one line naming its file and line."""
+    files = local_files(cfg.source)
+    if not files or any(f.suffix != ".jsonl" for f in files):
+        raise DataError(f"data.format=sft reads .jsonl records with {FIELDS[0]!r} and {FIELDS[1]!r}; "
+                        f"data.source={cfg.source!r} is not a .jsonl file or a directory of them (--data.source)")
+    for f in files:
+        with f.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{f}:{n}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); a .jsonl file holds one "
+                                    "JSON object per line") from None
+                if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in FIELDS):
+                    got = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{where}: an SFT record needs string fields {FIELDS[0]!r} and {FIELDS[1]!r} "
+                                    f"(got {got}); fix the record or use --data.format text")
+                yield where, record["prompt"], record["response"]
+
+
+def encode_examples(tok, records, eot: int, dtype) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """(text, tokens, mask) per record: prompt + response + EOT, the mask 1 on the response and the EOT. A response
+    empty after tokenization is refused in one line (it would teach only to stop)."""
+    for where, prompt, response in records:
+        p, r = tok.encode(prompt).ids, tok.encode(response).ids
+        if not r:
+            raise DataError(f"{where}: the response is empty after tokenization; give it text or drop the record")
+        ids = np.array([*p, *r, eot], dtype=np.int64).astype(dtype)
+        mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(r) + 1, np.uint8)])
+        yield prompt + "\0" + response, ids, mask
+
+
+def example_starts(tokens: np.ndarray, eot: int) -> np.ndarray:
+    """The token offset where each example starts (int64): 0 and every position after an EOT but the file's end."""
+    ends = np.flatnonzero(tokens == eot) + 1
+    return np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64)
+
+
+class SFTBatches(IndexedBatches):
+    """IndexedBatches over a prepared SFT split: windows of whole examples from an example's start (module
+    docstring); y is IGNORE where the mask is 0. Its interface is IndexedBatches' (rank_batch, global_batch,
+    eval_batches), so every layout reads the same rows."""
+
+    def __init__(self, path: str | Path, dtype, seq_len: int, seed: int, eot: int):
+        self.path, self.dtype, self.seq_len, self.seed, self.eot = Path(path), np.dtype(dtype), seq_len, seed, eot
+        self.mask_path = self.path.with_suffix(".mask")
+        tokens = np.memmap(str(self.path), dtype=self.dtype, mode="r")
+        self.n_tokens = len(tokens)
+        self.starts = example_starts(tokens, eot)
+        lengths = np.diff(np.append(self.starts, self.n_tokens))
+        self.truncated = int((lengths > seq_len + 1).sum())  # examples a window cuts at its end
+        if self.n_tokens == 0:
+            raise DataError(f"{self.path} holds no SFT example; add records to --data.source")
+
+    def offsets(self, step: int, B: int) -> torch.Tensor:
+        pick = torch.randint(0, len(self.starts), (B,), generator=step_generator(self.seed, step))
+        return torch.from_numpy(self.starts)[pick]
+
+    def eval_offsets(self, n: int, B: int) -> torch.Tensor:
+        pick = torch.linspace(0, len(self.starts) - 1, n * B, dtype=torch.float64).round().long()
+        return torch.from_numpy(self.starts)[pick].view(n, B)
+
+    def read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows at offsets_B (example starts): whole examples up to S+1 tokens, EOT padding after; y IGNORE
+        where the mask is 0 (prompts, padding). Of each only the positions `runs`."""
+        W = self.seq_len + 1
+        off_B = offsets_B.numpy()
+        # where each window's whole examples end: the last example start within W tokens (a longer example: cut)
+        nxt_B = np.searchsorted(self.starts, off_B + W, side="right") - 1
+        end_B = np.where(self.starts[nxt_B] > off_B, self.starts[nxt_B], off_B + W)
+        end_B = np.where(off_B + W >= self.n_tokens, np.minimum(off_B + W, self.n_tokens), end_B)
+        idx_BW = off_B[:, None] + np.arange(W)
+        inside_BW = idx_BW < end_B[:, None]
+        idx_BW = np.minimum(idx_BW, self.n_tokens - 1)
+        tokens = np.memmap(str(self.path), dtype=self.dtype, mode="r")
+        mask = np.memmap(str(self.mask_path), dtype=np.uint8, mode="r")
+        window_BW = torch.from_numpy(np.where(inside_BW, tokens[idx_BW].astype(np.int64), self.eot))
+        learn_BW = torch.from_numpy(inside_BW & (mask[idx_BW] == 1))
+        x, y = window_BW[:, :-1], window_BW[:, 1:].masked_fill(~learn_BW[:, 1:], IGNORE)
+        if runs is None or runs == [(0, self.seq_len)]:
+            return x, y
+        cols = torch.from_numpy(columns(runs))
+        return x[:, cols], y[:, cols]
