@@ -58,8 +58,8 @@ def test_no_tracker_numbers_or_outside_files():
 def test_not_supported_list_names_no_landed_page():
     text = (ROOT / "README.md").read_text()
     section = text.split("## Not supported yet", 1)[1].split("\n## ", 1)[0]
+    assert section.strip(), "README has no 'Not supported yet' list"
     planned = re.findall(r"planned\s+page:\s+(docs/[\w.-]+\.md)", section)
-    assert planned, "README's 'Not supported yet' names no planned page"
     landed = [p for p in planned if (ROOT / p).exists()]
     assert not landed, f"README says not supported yet, but {landed} exist: move those items out of the list"
 

@@ -31,11 +31,11 @@ def test_document_starts_come_from_whole_windows_under_cp():
     cols = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11])
     for stream in (None, iter([(x, y)])):
         loader = Windows(x, y)
-        data = RankData(loader, None, stream, dims, runs, 4, 2, torch.device("cpu"), eot=1)
+        data = RankData(loader, None, stream, dims, runs, 4, 2, torch.device("cpu"), {}, eot=1)
         xs, ys, ds = data.batch(0)
         assert loader.asked == ([None] if stream is None else [])  # documents: the whole windows are read
         assert torch.equal(torch.cat(xs), x[:, cols]) and torch.equal(torch.cat(ys), y[:, cols])
         assert torch.equal(torch.cat(ds), doc_starts(x, 1))  # the whole windows' starts (B, S)
-    causal = RankData(Windows(x, y), None, None, dims, runs, 4, 2, torch.device("cpu"))
+    causal = RankData(Windows(x, y), None, None, dims, runs, 4, 2, torch.device("cpu"), {})
     xs, _, ds = causal.batch(0)
     assert torch.equal(torch.cat(xs), x[:, cols]) and ds == [None, None]

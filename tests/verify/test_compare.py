@@ -128,6 +128,8 @@ REFUSED = {
     "kv-heads-tp": ["--model.n_heads", "6", "--model.n_kv_heads", "3", "--model.d_model", "48", "--parallel.tp", "2"],
     "tp-divides": ["--parallel.tp", "8"],
     "experts-fold": ["--parallel.ep", "4", "--parallel.tp", "4"],
+    "static-nothing": ["--parallel.ep_dispatch", "static"],
+    "static-host-sizes": ["--parallel.ep_dispatch", "static", "--parallel.ep", "2", "--model.experts_impl", "loop"],
     "bf16-reduce": ["--parallel.reduce_dtype", "bf16", "--parallel.zero", "3", "--parallel.dp", "2"],
 }
 

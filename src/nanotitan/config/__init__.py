@@ -11,6 +11,7 @@
     run_rules.py  the rules of the keys that stand alone: training, data, the run dir
     elastic_rules.py  an elastic job's rules: its bounds, node 0's endpoint, the job id, the indexed loader
     changes.py    what differs between two configs (`key: old -> new`), for a resume to say
+    packed_rules.py  document masks' and SFT's rules: what they compose with
     fp8_rules.py  FP8's rules: the recipe, the modules kept out of it, the dimensions its GEMMs take
     dispatch_rules.py  the EP dispatch's rules (parallel.ep_dispatch static, ep_capacity)
     fits.py       whether a job's model can fit at all, checked before anything is allocated

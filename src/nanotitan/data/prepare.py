@@ -306,9 +306,10 @@ def _verify_file(path: Path, meta: dict, dtype: np.dtype, vocab: int, n_tokens: 
         ids = np.frombuffer(chunk, dtype)
         if ids.size and int(ids.max()) >= vocab:
             j = int(np.argmax(ids >= vocab))
-            raise DataError(f"prepared data {path} is damaged: value {int(ids[j])} at offset "
-                            f"{offset // dtype.itemsize + j} (tokens) is >= {vocab} (the tokenizer's vocab_size; a "
-                            f"mask's 2); {redo}")
+            bad = (f"loss mask value {int(ids[j])} at offset {offset // dtype.itemsize + j} (tokens) is not 0 or 1"
+                   if path.suffix == ".mask" else f"token id {int(ids[j])} at offset {offset // dtype.itemsize + j} "
+                   f"(tokens) is >= the tokenizer's vocab_size {vocab}")
+            raise DataError(f"prepared data {path} is damaged: {bad}; {redo}")
         if i < len(hashes) and xxhash.xxh3_64_hexdigest(chunk) != hashes[i]:
             raise DataError(f"prepared data {path} is damaged: tokens from offset {offset // dtype.itemsize} "
                             f"to {(offset + len(chunk)) // dtype.itemsize} fail their checksum (xxh3_64 of "

@@ -12,6 +12,7 @@
     families.py     which parameters Muon takes: each parameter's family tag
     qk_max.py       QK-clip's observation: each head's largest attention logit over a step
     kv_cache.py     the inference-only KV cache (`Transformer.decode`)
+    docs.py         packed documents: each token's document start, its position in it, attention kept inside it
     fp8.py          FP8 GEMMs (train.fp8): torchao's float8 linear for dense projections, our scaled expert GEMM
     wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
 """

@@ -140,8 +140,8 @@ REFUSALS = [
     ("qk-clip-cp", r"train\.qk_clip, whose per-head max logit needs every key",
      "QK-clip's per-head max logit needs every key, and CP's ring sees blocks", "open"),
     ("placement-one-rank", r"expert_placement=balanced places experts over the EP ranks",
-     "balanced placement moves experts between EP ranks; the rule reads ep*tp, so ep=1 cp=2 is refused although "
-     "the runtime folds experts over CP too", "planned"),
+     "placement moves experts between the ranks a layer's experts fold over (EP x CP x TP): one rank has nowhere "
+     "to move them", "by design"),
     ("replicas-over-ranks", r"expert_replicas=\d exceeds the \d EP ranks",
      "an expert cannot have more copies than the ranks its layer's experts fold over", "by design"),
     ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
