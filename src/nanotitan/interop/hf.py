@@ -310,7 +310,8 @@ def load_pretrained(hf_dir: str | Path) -> tuple[Config, Transformer]:
 
 
 def read_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint dir's safetensors files, whole (a check's, not a load's: `nanotitan verify --hf`)."""
+    """Every tensor of a checkpoint dir's safetensors files, whole (a check's, not a load's: `nanotitan verify
+    --hf`)."""
     out = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(f, framework="pt") as s:

@@ -63,7 +63,8 @@ def summarise(res: dict, window: tuple[int, int]) -> dict:
         **{f"{a}_wait_s": statistics.median(r[f"comm_{a}_wait_s"] for r in recs) for a in ("dp", "ep", "pp")},
         "bubble": med("bubble_measured") if "bubble_measured" in recs[0] else None,
         "final_loss": res["records"][-1]["loss"],
-        # the routing skew the run measured (parallel/step.py StepEnd, observe/report.py router_record): the planner's --expert-skew
+        # the routing skew the run measured (parallel/step.py StepEnd, observe/report.py router_record): the planner's
+        # --expert-skew
         **{k: statistics.median(r[k] for r in recs) for k in ("expert_cv", "ep_recv_max_mean", "ep_placed_max_mean")
            if k in recs[0]},
     }

@@ -1,6 +1,7 @@
 """Parallelism: how one rank's shard is built, synchronised and stepped, for any DP x PP x EP x TP x CP layout.
 
-    dims.py         ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours and process groups (docs/design.md §3)
+    dims.py         ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours and process groups
+                    (docs/design.md §3)
     parallelize.py  this rank's trainable shard: shard spec -> Transformer -> EP -> broadcasts -> gradient sync
     build.py        a rank's stage chunks, built without ever holding the whole stage
     init.py         start-of-training agreement between replicas: broadcast parameters, check they agree

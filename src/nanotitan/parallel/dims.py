@@ -1,4 +1,4 @@
-"""ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours, and the process groups of docs/design.md §3.
+"""ParallelDims: a rank's (dp, pp, ep, cp, tp) coordinates, its neighbours and its process groups (docs/design.md §3).
 
 rank = (((dp_rank * PP + pp_rank) * EP + ep_rank) * CP + cp_rank) * TP + tp_rank  — tp fastest (its ranks share a
 node: TP talks every layer), then cp (the ring's P2P or Ulysses' all-to-all every attention layer: CP x TP ranks

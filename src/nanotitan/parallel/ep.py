@@ -282,7 +282,8 @@ class EPDispatcher:
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P, C = self.shard.P, experts.W_gate.shape[0]  # C slots per rank: E/P, and spares for a placement's copies
         assert C == self.shard.C and num_experts % P == 0, (
-            f"experts hold {C} slots; the expert shard places {num_experts} experts in {self.shard.C} slots on {P} ranks")
+            f"experts hold {C} slots; the expert shard places {num_experts} experts in {self.shard.C} slots "
+            f"on {P} ranks")
         T, D = x_TD.shape
         if self.capacity is not None:
             return self._static(x_TD, expert_ids_TK, weights_TK, experts, num_experts)
@@ -338,7 +339,8 @@ class EPDispatcher:
         (`_gather_counts`) and tell each receiver where each slot's rows sit in its buffer, the grouped experts take
         their offsets from them. A peer owed more than S rows overflows: its rows past S are not sent, and the
         layer's output turns NaN on that rank, which the step's finiteness verdict carries to every rank (the
-        step is then replayed with buffers no source can overflow: parallel/step.py `replay_on_overflow`). The rows an expert reads, and
+        step is then replayed with buffers no source can overflow: parallel/step.py `replay_on_overflow`). The rows an
+        expert reads, and
         their order (source, then token), are the dynamic path's, so the maths is the same."""
         P, C, me = self.shard.P, self.shard.C, self.shard.rank
         (T, _), K = x_TD.shape, expert_ids_TK.shape[1]

@@ -100,7 +100,8 @@ class _ThreadState:
     """torch's thread-local settings that the forward lane's thread must take over from the caller: grad mode,
     intra-op threads (a different count could change a GEMM's split, and so its bits), the saved-tensor hooks
     (the trainer's SavedActivations meter on logged steps), the dispatch modes (its step-peak meter, which
-    counts every op's output) and the function modes (its host-sync meter). Autocast is entered by the runner's forward itself
+    counts every op's output) and the function modes (its host-sync meter). Autocast is entered by the runner's forward
+    itself
     (pp/runner.py `StageRunner.forward`)."""
 
     def __init__(self):

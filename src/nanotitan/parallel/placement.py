@@ -3,7 +3,8 @@ static, expert e in slot e % L of rank e // L), the routes by it, and experts pl
 (parallel.expert_placement=balanced, docs/ep.md "Experts placed by load"): the rule.
 
 The rule is pure functions of a window's routing counts, so every rank computes the same placement from the same
-all-reduced counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L + spare
+all-reduced counts. Shape legend as in ep.py: E experts, P EP ranks (dims.moe_ep), L = E/P home slots per rank, C = L +
+spare
 slots per rank (spare = parallel.expert_replicas - 1), R replicas at most.
 
 A placement is a table slots[p][s] = the global expert whose weights EP rank p's slot s holds (-1: empty). Every

@@ -244,7 +244,8 @@ class StepEnd:
     losses and the router's figures since the previous record over the world, and the interval's step peak.
 
     Every small collective of a step's figures, at most three (agree_on_step's stop flag aside), over the world: the
-    losses' SUM (fp32, `reduce_losses`: a record's), one packed SUM in float64 (exact for counts: this step's counts for the biases, the window's at its
+    losses' SUM (fp32, `reduce_losses`: a record's), one packed SUM in float64 (exact for counts: this step's counts
+    for the biases, the window's at its
     end, a record's loads, router statistics and routing-skew sums) and one packed MAX (the QK-clip table, a record's
     biases after their update and its step peak). Each MoE layer's row is its global index, filled by the stage that
     holds it; counts are whole on every token rank (TP, CP: dims.stat_copies), which the sums divide out. Collective:

@@ -2,7 +2,8 @@
 
 The MTP modules sit on the last stage, with the head, and read the token embedding there. Under PP the last stage
 holds a replica of stage 0's table, as Megatron ties its input and output embeddings across stages: the same global
-name (`tok_emb.weight`), hence the same initial values (init by global identity, docs/design.md §4); every step each copy's
+name (`tok_emb.weight`), hence the same initial values (init by global identity, docs/design.md §4); every step each
+copy's
 gradient is first averaged over its own stage's data ranks by the usual gradient sync, then the two are summed over
 the pair (stage 0, last stage) of the same (dp, ep, tp) coordinates. After clipping both copies hold the single
 process's gradient, bitwise the same, and the same optimizer steps keep the weights and AdamW states bitwise

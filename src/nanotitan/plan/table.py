@@ -90,7 +90,8 @@ def format_table(rows: list[Row], top: int, cfg: Config | None = None) -> str:
              f"level within {100 * ZERO_SLACK:.0f}% of the fastest that fits); 'others': how many more variants were "
              f"planned, their tokens/s against the row's. An m marked '(config N)' trains a different model.", "",
              "| # | dp | pp | ep | tp | cp | M | m | schedule | zero | tokens/s | step (ms) | mem/rank (GiB) | fits | "
-             "dominant cost | others |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
+             "dominant cost | others |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows[:top] + beyond:
         if beyond and r is beyond[0] and r.rank > top + 1:
             lines.append("| … |" + " |" * 15)

@@ -1,5 +1,6 @@
 """One rank's process before its first step: who it is, its threads and device, the emulated network, its data and
-its process groups, in the order that makes bad input fail before any process group exists (docs/design.md §5); then, once
+its process groups, in the order that makes bad input fail before any process group exists (docs/design.md §5); then,
+once
 the shard is built, the checkpoint it resumes from. The Trainer's setup; every value it reads is concrete
 (resolve.py), so nothing here chooses or measures.
 """

@@ -116,10 +116,12 @@ def _pick(rng: random.Random, rows: list, layout: dict | None = None) -> list[st
 REFUSALS = [
     ("ddp-not-pure-dp", r"torch_ddp supports pure DP only|dp_impl=torch_ddp.*not with parallel\.(tp|cp)|"
      r"dp_impl=torch_ddp \(use bucketed\): not with parallel\.tp",
-     "torch DDP averages over its own group, which is docs/design.md's average only for pure DP: it is a baseline", "by design"),
+     "torch DDP averages over its own group, which is docs/design.md's average only for pure DP: it is a baseline",
+     "by design"),
     ("zero-with-ddp", r"parallel\.zero=\d shards our own DP; torch DDP replicates",
      "ZeRO shards our own reducer's buckets; DDP is the replicated baseline", "by design"),
-    ("zero-nothing-to-shard", r"shards over dp\*ep ranks, here 1", "ZeRO needs dp*ep > 1 ranks to shard over", "by design"),
+    ("zero-nothing-to-shard", r"shards over dp\*ep ranks, here 1", "ZeRO needs dp*ep > 1 ranks to shard over",
+     "by design"),
     ("zero3-schedule", r"zero=3 \(FSDP2\) runs with the gpipe and 1f1b",
      "FSDP2 reduce-scatters a block when its input gradient is done (before zb1's deferred W) and gathers on the root "
      "forward, which interleaved chunks never call", "open"),
@@ -153,8 +155,10 @@ REFUSALS = [
      "the overlapped experts' chunks run their own GEMMs, in high precision", "open"),
     ("kv-heads-tp", r"parallel\.tp=\d and model\.n_kv_heads", "KV heads are split, or replicated when fewer than the "
      "TP ranks: one must divide the other", "by design"),
-    ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence", "by design"),
-    ("experts-fold", r"must be divisible by parallel\.ep\*(cp\*)?tp", "the experts fold over EP x CP x TP", "by design"),
+    ("tp-divides", r"parallel\.tp=\d must divide", "TP splits heads, hidden units, vocabulary and sequence",
+     "by design"),
+    ("experts-fold", r"must be divisible by parallel\.ep\*(cp\*)?tp", "the experts fold over EP x CP x TP",
+     "by design"),
     ("static-nothing", r"ep_dispatch=static keeps every split size on the device, and parallel\.ep\*cp\*tp=1",
      "static dispatch shapes the EP all-to-alls: there are none", "by design"),
     ("static-host-sizes", r"ep_dispatch=static keeps every split size on the device, and (model\.experts_impl|"

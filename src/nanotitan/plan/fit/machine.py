@@ -183,7 +183,8 @@ def entry(hw: Hardware, sig: Sigmas, steps: list[Step], config: str) -> dict:
                          "gemm_flops_by_threads": {str(t): v for t, v in hw.gemm_flops_by_threads.items()}},
                 sigmas=dataclasses.asdict(sig), layouts=len(steps), config=config, date=date,
                 source=f"{date}, {len(steps)} layouts of {config} ({fitted}, reserve "
-                       f"{hw.mem_reserved_bytes / 2**20:.0f} MiB, GEMM {hw.peak_flops_fp32 / 1e9:.0f} GFLOP/s per core)")
+                       f"{hw.mem_reserved_bytes / 2**20:.0f} MiB, "
+                       f"GEMM {hw.peak_flops_fp32 / 1e9:.0f} GFLOP/s per core)")
 
 
 def sigmas_for(hw: Hardware) -> Sigmas:
