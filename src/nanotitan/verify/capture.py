@@ -83,13 +83,16 @@ class Capture:
             h.remove()
         self.handles = []
 
-    def finish(self, skipped: bool) -> None:
+    def finish(self, skipped: bool, replayed: bool = False) -> None:
         """After the first step: hooks off, the forward's outputs as global boxes, the state after the update.
-        `skipped`: the step made no update (non-finite), so no gradient was recorded."""
+        `skipped`: the step made no update (non-finite), so no gradient was recorded. `replayed`: a static EP
+        dispatch overflowed and the step ran again (parallel/step.py `replay_on_overflow`): the replay's outputs,
+        each module's last M calls, are the step's; the first try updated nothing."""
         self.close()
         assert skipped or any(k.startswith("grad.") for k in self.tensors), "the optimizer's step pre-hook never ran"
         t0 = time.perf_counter()
         for name, outs in self.calls.items():
+            outs = outs[len(outs) // 2:] if replayed else outs
             assert len(outs) == self.M, f"{name}: {len(outs)} forward calls in a step of {self.M} microbatches"
             size, boxes = None, []
             for j, y in enumerate(outs):

@@ -57,7 +57,7 @@ def _train(trainer, cfg: Config, steps: int, fault: str | None) -> dict:
             t0 = time.perf_counter()
             result = trainer.train_step(step)
             if step == 0:
-                capture.finish(skipped=result.nonfinite)
+                capture.finish(skipped=result.nonfinite, replayed=result.replayed)
             out.append({**figures(result), "seconds": time.perf_counter() - t0})
             if result.nonfinite and cfg.train.on_nonfinite == "stop":
                 break
