@@ -26,7 +26,8 @@ from .indexed import IndexedBatches, Runs, columns, step_generator
 from .sources import DataError, local_files
 
 FIELDS = ("prompt", "response")
-# A masked target is its token + MASKED: no loss reads it, MTP reads its token (model/tokens.py's; data/ reads no model/)
+# A masked target is its token + MASKED: no loss reads it, MTP reads its token (model/tokens.py's: data/ reads no
+# model/)
 MASKED = 1 << 30
 
 
@@ -98,8 +99,8 @@ class SFTBatches(IndexedBatches):
         return torch.from_numpy(self.starts)[pick].view(n, B)
 
     def read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows at offsets_B (example starts): whole examples up to S+1 tokens, EOT padding after; y token + MASKED
-        where the mask is 0 (prompts, padding). Of each only the positions `runs`."""
+        """The windows at offsets_B (example starts): whole examples up to S+1 tokens, EOT padding after; y is
+        token + MASKED where the mask is 0 (prompts, padding). Of each only the positions `runs`."""
         W = self.seq_len + 1
         off_B = offsets_B.numpy()
         # where each window's whole examples end: the last example start within W tokens (a longer example: cut)
