@@ -229,6 +229,7 @@ class Agent:
         self.pushed.add(rel)
         info = self.store.get(f"node/{peer}")  # here: the store's client is not for threads
         if info is None:
+            snapshot.mark_pushed(self.files.root, rel, f"node {peer} has no file server entry")
             return
         to = Peer(json.loads(info)["files"], self.cfg.elastic.id, peer)
         src, hold = self.files.root / rel, float(os.environ.get(PUSH_HOLD_ENV) or 0)
@@ -241,9 +242,11 @@ class Agent:
                     shutil.copytree(src, unit)
                     time.sleep(hold)
                 push_unit(to, self.key, unit, rel)
+                snapshot.mark_pushed(self.files.root, rel)  # the ranks wait for it (SnapshotWriter.settle)
             except (OSError, ValueError, RuntimeError) as err:
                 print(f"nanotitan elastic: node {self.node}: snapshot step_{step} not copied to node {peer}: "
                       f"{first_line(err)}", flush=True)
+                snapshot.mark_pushed(self.files.root, rel, f"its copy to node {peer} failed ({first_line(err)})")
             finally:
                 if unit != src:
                     shutil.rmtree(unit, ignore_errors=True)

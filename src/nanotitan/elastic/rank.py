@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..state import checkpoint as ckpt
 from ..config.config import Config
+from ..parallel.comm import collectives as comm
 from ..parallel.step import StepResult
 from ..run.loopback import split_endpoint
 from .auth import SignedStore, rank_key
@@ -64,9 +65,10 @@ class ElasticTrainer(Trainer):
         self.store, self.gen, self.started, self.entered = store, gen, started, time.time()
         self.load_s = self.save_s = 0.0
         super().__init__(cfg)
+        nodes = comm.world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.snapshots = SnapshotWriter(self.cfg, snapshot_root(cfg, node), node, gen,
                                         leader=int(os.environ.get("LOCAL_RANK", 0)) == 0,
-                                        timeout_s=self.cfg.parallel.timeout_s)
+                                        timeout_s=self.cfg.parallel.timeout_s, peers=nodes > 1)
         self.built = time.time()
 
     def resume(self, where: str):
@@ -86,6 +88,7 @@ class ElasticTrainer(Trainer):
         if self.is_main and self.store.get(f"gen/{self.gen}/stop") is not None:
             self.request_stop("elastic coordinator: a node joins or leaves")  # agree_on_step all-reduces it
         out = super().train_step(step)
+        self.snapshots.settle()  # the last snapshot on a second node before this step counts: at most K lost
         stop = out.stop  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
         k = self.cfg.elastic.snapshot_every
         if k and (step + 1) % k == 0 and not stop and step + 1 < self.cfg.train.steps:
