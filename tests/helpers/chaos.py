@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanotitan.elastic.tempdirs import OWNER, start_ticks  # a pid seen with another start: another process
 from tests.conftest import make_corpus
 from tests.helpers.elastic import _agent, _changes, _records, elastic_args
 from tests.helpers.sockets import tree
@@ -117,7 +118,7 @@ class Chaos:
         """Every process of the job seen so far (its leftovers are counted at the end); an exit nobody expected."""
         for n in self.nodes:
             if n.proc.poll() is None:
-                self.seen.update({pid: _start(pid) for pid in tree(n.proc.pid) if pid not in self.seen})
+                self.seen.update({pid: start_ticks(pid) for pid in tree(n.proc.pid) if pid not in self.seen})
             elif n.expect is None:
                 n.expect, n.why = 143 if n.proc.returncode == 143 else -1, "exited on its own"
 
@@ -255,7 +256,7 @@ class Chaos:
 
     def report(self) -> dict:
         time.sleep(2.0)  # a rank's death with its parent (PR_SET_PDEATHSIG) is asynchronous
-        alive = sorted(p for p, start in self.seen.items() if start is not None and _start(p) == start)
+        alive = sorted(p for p, start in self.seen.items() if start is not None and start_ticks(p) == start)
         shm = self.out / "shm" / f"nanotitan-{os.getuid()}"
         in_ram = sorted(str(p) for p in shm.iterdir()) if shm.is_dir() else []
         temp = {}  # agent (by the pid in the dir's owner file; "?" without one) -> its temp dirs left
@@ -295,15 +296,7 @@ def _fsize(pid: int, soft: int) -> None:
 def _owner(d: Path) -> int | None:
     """The pid an agent's temp dir names as its owner (elastic/tempdirs.py), or None."""
     try:
-        return int((d / "owner").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _start(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot): a pid seen again with another is another process."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return int((d / OWNER).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
