@@ -62,9 +62,8 @@ def test_a_lagging_node_lost_costs_no_more_than_k_steps(corpus_dir, tmp_path):
     finally:
         out = reap(agents, files, logs)
     assert [agents[0].returncode, agents[2].returncode] == [0, 0], out
-    assert lags and max(lags) <= K, lags  # the job waited for node 1's copies
-
     changes = _changes(run)
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("failure", [3, 2])], (changes, out)
-    assert 0 <= changes[1]["steps_lost"] <= K, changes[1]
+    assert 0 <= changes[1]["steps_lost"] <= K, changes[1]  # was 7: back to the join's checkpoint
+    assert lags and max(lags) <= K, lags  # the job waited for node 1's copies
     losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
