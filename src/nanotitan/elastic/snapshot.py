@@ -169,7 +169,11 @@ class SnapshotWriter:
                     "small": _text(small)}
             # JSON in tensors (packing.gather_json), not all_gather_object: nothing a peer sends is unpickled
             parts = gather_json(part, self.group) if self.group is not None else [part]
-            if not any(p["bad"] for p in parts) and any(p["stranded"] for p in parts):
+            full = {p["node"] for p in parts if p["stranded"]}  # a node's ranks share its disk: all of them move
+            for p in parts:
+                if p["node"] in full and not p["stranded"]:
+                    p["stranded"] = f"node {p['node']}'s disk refused another rank's shard"
+            if not any(p["bad"] for p in parts) and full and self.group is not None:
                 self._rescue(parts, tmp, step)
             if any(p["bad"] or p["stranded"] for p in parts):
                 p = next(p for p in parts if p["bad"] or p["stranded"])
@@ -219,14 +223,18 @@ class SnapshotWriter:
                         why = why or f"rank {p['rank']}'s shard arrived with another checksum"
                 except OSError as e:
                     why = why or f"writing rank {p['rank']}'s shard failed too ({first_line(e)})"
-        outcome = gather_json(why, self.group)
-        if any(outcome):
+        failed = [w for w in gather_json(why, self.group) if w]
+        if failed or len(jobs) < sum(1 for p in parts if p["stranded"]):
+            for p in parts:  # not kept: the line says why the rescue failed too
+                if p["stranded"]:
+                    p["stranded"] += f"; {failed[0]}" if failed else "; no rank on another node could write it"
             return
         for p, w in jobs:
             p["stranded"], p["rescued_by"] = "", w["node"]
             if p["node"] == self.node or w["rank"] == rank:
                 self.note = (f"snapshot of step {step}: rank {p['rank']} could not write its shard on node "
                              f"{p['node']}, so node {w['node']}'s rank {w['rank']} wrote it there")
+
 
 def _text(small: dict | None) -> dict | None:
     """The small files as JSON can carry them: bytes (the .metadata) in base64."""
