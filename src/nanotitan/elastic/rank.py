@@ -13,7 +13,8 @@ Trainer, all through the job's store on node 0:
   and how the generation ended (`gen/G/result`: finished or stopped).
 - every elastic.snapshot_every steps, every rank snapshots its state (`ElasticTrainer.snapshot`): a copy to host
   memory at the step boundary, written to its node's snapshot dir on a thread while training goes on
-  (snapshot.py). The stop's checkpoint and the end of the generation wait for the snapshot in flight.
+  (snapshot.py). The stop's checkpoint and the end of the generation wait for the snapshot in flight, and the
+  step after a snapshot counts (`gen/G/step`) only once that snapshot is on two nodes (SnapshotWriter.settle).
 """
 
 from __future__ import annotations

@@ -16,7 +16,10 @@ this user's own, mode 0700, so no other local user reads the weights or plants a
 Rank side (SnapshotWriter): at the step boundary it waits for the previous snapshot, copies the state to one
 host buffer (packing.SnapshotPacking: the pieces this rank writes) and returns. A thread then writes that
 buffer as the rank's one raw shard, checksums it, agrees with the other ranks (a process group of its own) and
-commits the unit.
+commits the unit. A shard its node cannot write (a full disk) is sent to a rank on another node, which writes it
+into its own node's unit (_rescue). At the end of the step after a snapshot, every rank waits until each node's
+unit is on the peer node too (`settle`: the agent's word in ROOT/pushed.json, then a barrier), so losing any one
+node costs at most K steps.
 Agent side (transport.py): each agent serves its ROOT over TCP to the job's members (list, get, put; every request
 signed with the job's key). It pushes its node's new units to the next member node, and fetches a whole snapshot
 from node 0 before a resume. No file system is shared between nodes.
