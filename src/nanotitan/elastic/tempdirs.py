@@ -5,8 +5,9 @@ the dir is garbage.
 `make` creates TMPDIR/nanotitan-elastic-XXXX (mode 0700, tempfile's) with an OWNER file naming the agent: its
 pid, that process's start time (/proc/PID/stat, clock ticks since boot) and the boot's id. `sweep`, at every
 agent's start and end, removes each such dir of this user whose owner is provably gone: no process with that pid,
-a process with that pid but another start time (the pid reused), or another boot. A live agent's dir is never
-removed, nor one without a readable OWNER (being made, or made where /proc is absent), nor another user's.
+a zombie (killed, not yet reaped), a process with that pid but another start time (the pid reused), or another
+boot. A live agent's dir is never removed, nor one without a readable OWNER (being made, or made where /proc is
+absent), nor another user's.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ def _boot_id() -> str | None:
         return None
 
 
-def start_ticks(pid: int) -> int | None:
-    """Process `pid`'s start time in clock ticks since boot (/proc/PID/stat, field 22), None if there is none."""
+def start_ticks(pid: int, running: bool = False) -> int | None:
+    """Process `pid`'s start time in clock ticks since boot (/proc/PID/stat, field 22), None if there is none (or,
+    with `running`, if it is a zombie: dead, only not reaped yet by its parent)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if running and fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -54,7 +57,7 @@ def _owner_gone(d: Path, boot: str) -> bool:
         pid, ticks = int(pid), int(ticks)
     except (OSError, ValueError):
         return False
-    return owner_boot != boot or start_ticks(pid) != ticks
+    return owner_boot != boot or start_ticks(pid, running=True) != ticks
 
 
 def sweep(parent: str | Path | None = None) -> list[Path]:
