@@ -103,8 +103,8 @@ def cmd_train(argv: list[str]) -> int:
         else:
             from .train import run
         _die_with_parent()
-        start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
         try:
+            start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; logs/rank_N.log
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
                 run(cfg)
         except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
