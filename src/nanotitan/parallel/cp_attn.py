@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..model.tokens import doc_attention
 from .comm import collectives as comm
+from .cp_split import CPLayout, zigzag
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
            "block_attention", "block_attention_backward", "balanced_order", "local_positions",
@@ -155,21 +156,81 @@ def _merge(out, lse, part_out, part_lse, rows: slice):
 # --- the ring ------------------------------------------------------------------------------------------------
 @dataclass
 class DocBlocks:
-    """Packed documents on the ring: the document starts of this rank's queries and of every rank's keys, from which
-    each block's mask (the pairs of one document) is read."""
+    """Packed documents on the ring: the layout (parallel/cp_split.py: which chunks each rank holds), the document
+    starts of this rank's queries and of every rank's keys, and which chunk pairs any query sees (`seen`: global
+    (query chunk, key chunk) -> True when every pair of the two chunks is in one document, so no mask is needed).
+    A pair absent from `seen` is skipped: no query of it sees a key (a later chunk, or only other documents)."""
+    layout: CPLayout
     starts_q: torch.Tensor  # (B, S_loc): this rank's positions' document starts, in local order
     starts_of: list[torch.Tensor]  # per CP rank, its positions' starts (B, S_loc)
+    seen: dict
 
     @staticmethod
-    def of(docs: torch.Tensor | None, cp: CPGroup) -> "DocBlocks | None":
+    def of(docs: torch.Tensor | None, cp: CPGroup, layout: CPLayout | None = None) -> "DocBlocks | None":
         if docs is None:
             return None
-        starts = [docs[:, local_positions(docs.shape[1], cp.size, r).to(docs.device)] for r in range(cp.size)]
-        return DocBlocks(starts[cp.rank], starts)
+        layout = layout or zigzag(docs.shape[1], cp.size)
+        starts = [docs[:, layout.positions(r, docs.device)] for r in range(cp.size)]
+        c, K = layout.chunk, len(layout.owner)
+        first, last = docs[:, ::c], docs[:, c - 1::c]  # (B, K): the starts of each chunk's first and last query
+        key_first = torch.arange(K, device=docs.device) * c
+        below = torch.ones(K, K, dtype=torch.bool, device=docs.device).tril()  # key chunk <= query chunk
+        sees = below & (first.unsqueeze(2) <= (key_first + c - 1).view(1, 1, K)).any(0)
+        whole = (last.unsqueeze(2) <= key_first.view(1, 1, K)).all(0)
+        pairs = torch.nonzero(sees).tolist()  # the one host sync of a microbatch's blocks
+        flat = whole.flatten().tolist()
+        return DocBlocks(layout, starts[cp.rank], starts, {(a, b): flat[a * K + b] for a, b in pairs})
 
     def mask(self, src: int, rows: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
         """(B, Sq, Sk) bool: this rank's query rows `rows` and rank src's key rows `keys` in one document."""
         return self.starts_q[:, rows].unsqueeze(2) == self.starts_of[src][:, keys].unsqueeze(1)
+
+    def pairs(self, me: int, src: int) -> list:
+        """(query rows, key rows, causal, mask or None) of each chunk pair between this rank's queries and rank
+        src's keys that some query sees; at src == me the diagonal pairs first (every query sees itself there, so
+        they start each row's log-sum-exp)."""
+        c, mine, theirs = self.layout.chunk, self.layout.chunks(me), self.layout.chunks(src)
+        out = []
+        for ia, a in enumerate(mine):
+            for ib, b in enumerate(theirs):
+                if (a, b) in self.seen:
+                    rows, keys = slice(ia * c, (ia + 1) * c), slice(ib * c, (ib + 1) * c)
+                    mask = None if self.seen[a, b] else self.mask(src, rows, keys)
+                    out.append((rows, keys, a == b, mask))
+        return sorted(out, key=lambda p: not p[2])  # stable: diagonals first
+
+    def sees(self, me: int, src: int) -> bool:
+        mine = set(self.layout.chunks(me))
+        return any(a in mine and self.layout.owner[b] == src for a, b in self.seen)
+
+
+def _doc_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out, lse):
+    """Fold q's attention over rank src's keys, chunk pair by chunk pair, into (out, lse) (made at the own step,
+    whose diagonal pairs come first and fill every row)."""
+    for rows, keys, causal, mask in docs.pairs(me, src):
+        part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale, mask)
+        if out is None:
+            acc = part_out.dtype
+            out = q.new_empty((*q.shape[:3], v.shape[-1]), dtype=acc)
+            lse = q.new_empty(q.shape[:3], dtype=acc)
+        if causal:  # a diagonal pair: the first block of its rows
+            out[:, :, rows], lse[:, :, rows] = part_out, part_lse
+        else:
+            _merge(out, lse, part_out, part_lse, rows)
+    return out, lse
+
+
+def _doc_backward(dout, q, k, v, out, lse, src: int, me: int, scale: float, docs: DocBlocks, dq):
+    """(dk, dv) of rank src's keys from this rank's queries, chunk pair by chunk pair; dq accumulated in place."""
+    acc = acc_dtype(q.dtype)
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+    for rows, keys, causal, mask in docs.pairs(me, src):
+        dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                                    out[:, :, rows], lse[:, :, rows], causal, scale, mask)
+        dq[:, :, rows] += dq_b
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+    return dk, dv
 
 
 def _step_blocks(src: int, rank: int, c: int):
@@ -211,15 +272,16 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable, docs
     for step in range(ring.size):
         nxt = _Exchange(ring, {"kv": cur}) if step < ring.size - 1 else None  # posted before this block's compute
         src = (ring.rank - step) % ring.size
-        if step == 0:
-            out, lse = block_attention(q, *to_kv(cur), True, scale, docs.mask(src) if docs else None)
+        if docs is not None:  # chunk pair by chunk pair; a rank none of whose keys are seen is skipped
+            if docs.sees(ring.rank, src):
+                out, lse = _doc_forward(q, *to_kv(cur), src, ring.rank, scale, docs, out, lse)
+        elif step == 0:
+            out, lse = block_attention(q, *to_kv(cur), True, scale)
         else:
             rows, keys = _step_blocks(src, ring.rank, c)
-            mask = docs.mask(src, rows, keys) if docs else None
-            if mask is None or bool(mask.any()):
-                k, v = to_kv(cur)
-                part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale, mask)
-                _merge(out, lse, part_out, part_lse, rows)
+            k, v = to_kv(cur)
+            part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
+            _merge(out, lse, part_out, part_lse, rows)
         if nxt is not None:
             cur = nxt.wait()["kv"]
             first = cur if first is None else first
@@ -237,23 +299,22 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
     the other ranks' summed gradient of this rank's payload makes its final hop home; its own share joins there."""
     acc = acc_dtype(q.dtype)
     c = q.shape[2] // 2
-    if ring.size == 1:
-        k, v = to_kv(payload)
-        dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale,
-                                              docs.mask(ring.rank) if docs else None)
-        return dq.to(acc), kv_grad(payload, dk, dv).to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    if ring.size == 1:
+        return dq, _own_backward(dout, q, payload, out, lse, ring, scale, to_kv, kv_grad, docs, dq)
     pending = _Exchange(ring, {"kv": first}) if ring.size > 2 else None  # step 2's payload, behind step 1's block
     cur = first
     for step in range(1, ring.size):
         src = (ring.rank - step) % ring.size
-        rows, keys = _step_blocks(src, ring.rank, c)
-        mask = docs.mask(src, rows, keys) if docs else None
-        if mask is None or bool(mask.any()):
+        if docs is not None and docs.sees(ring.rank, src):
+            dk, dv = _doc_backward(dout, q, *to_kv(cur), out, lse, src, ring.rank, scale, docs, dq)
+            dpay = kv_grad(cur, dk, dv).to(acc)
+        elif docs is None:
+            rows, keys = _step_blocks(src, ring.rank, c)
             k, v = to_kv(cur)
             dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
                                                         v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                                        False, scale, mask)
+                                                        False, scale)
             dq[:, :, rows] += dq_b
             dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
             dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
@@ -266,12 +327,20 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
         cur = got.get("kv")
         # on to the next rank that holds this payload (the owner, at the end), beside the next payload hop
         pending = _Exchange(ring, {"grad": dpay, "kv": cur} if step + 2 < ring.size else {"grad": dpay})
-    k, v = to_kv(payload)
-    dq_b, dk_own, dv_own = block_attention_backward(dout, q, k, v, out, lse, True, scale,
-                                                    docs.mask(ring.rank) if docs else None)
-    dq += dq_b
-    own = kv_grad(payload, dk_own, dv_own).to(acc)
+    own = _own_backward(dout, q, payload, out, lse, ring, scale, to_kv, kv_grad, docs, dq)
     return dq, own + pending.wait()["grad"]
+
+
+def _own_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable,
+                  docs: "DocBlocks | None", dq):
+    """The own (causal) block's d payload; its dq added to dq in place."""
+    k, v = to_kv(payload)
+    if docs is not None:
+        dk, dv = _doc_backward(dout, q, k, v, out, lse, ring.rank, ring.rank, scale, docs, dq)
+    else:
+        dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+        dq += dq_b
+    return kv_grad(payload, dk, dv).to(acc_dtype(q.dtype))
 
 
 def _split_kv(dk: int):
@@ -308,12 +377,14 @@ def _check_local(q, k, v, cp: CPGroup) -> None:
                          f"--model.n_kv_heads ({k.shape[1]})")
 
 
-def ring_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ring_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                   layout: CPLayout | None = None):
     """Exact causal attention of this CP rank's queries over the whole sequence (module docstring). q: (B, Hq, S_loc,
     Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv).
-    docs: the whole windows' document starts (B, S) (model/docs.py): within each document only."""
+    docs: the whole windows' document starts (B, S) (model/docs.py): within each document only; layout: which
+    chunks each rank holds (parallel/cp_split.py; None: zigzag's two), read only with docs."""
     _check_local(q, k, v, cp)
-    return _RingAttention.apply(q, k, v, cp, scale, DocBlocks.of(docs, cp))
+    return _RingAttention.apply(q, k, v, cp, scale, DocBlocks.of(docs, cp, layout))
 
 
 # --- MLA: the ring carries the latent --------------------------------------------------------------------------
@@ -372,18 +443,19 @@ class _RingLatentAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, None, *ex.param_grads)
 
 
-def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                          layout: CPLayout | None = None):
     """MLA's exact causal attention under CP with the compressed latent on the ring. q: (B, H, S_loc, Dqk);
     latent: (B, S_loc, kv_lora_rank + rope_dim), the post-norm c_kv and the already roped k_rope; expand: an
     nn.Module (or a callable with no weights of its own) mapping a latent (B, S, R + Dr) to (k (B, H, S, Dqk),
     v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv).
-    docs: as `ring_attention`."""
+    docs, layout: as `ring_attention`."""
     if q.shape[2] % 2 or latent.shape[1] != q.shape[2]:
         raise ValueError(f"context parallel: the local sequence ({q.shape[2]} queries, {latent.shape[1]} latents) "
                          f"must be two equal chunks; set --train.seq_len to a multiple of 2 * --parallel.cp "
                          f"({2 * cp.size})")
     params = [p for p in expand.parameters() if p.requires_grad] if isinstance(expand, torch.nn.Module) else []
-    return _RingLatentAttention.apply(q, latent, cp, scale, DocBlocks.of(docs, cp), expand, *params)
+    return _RingLatentAttention.apply(q, latent, cp, scale, DocBlocks.of(docs, cp, layout), expand, *params)
 
 
 def latent_bytes_per_token(kv_lora_rank: int = 512, rope_dim: int = 64, n_heads: int = 128, nope_dim: int = 128,
@@ -405,36 +477,40 @@ def _a2a(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return out
 
 
-def _seq_to_heads(x, cp: CPGroup):
-    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order."""
-    n, s_loc = cp.size, x.shape[2]
+def _seq_to_heads(x, cp: CPGroup, order: torch.Tensor):
+    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order (`order`: the global
+    position of each token in rank order, parallel/cp_split.py)."""
+    n = cp.size
     y = _a2a(x.unflatten(1, (n, -1)).movedim(1, 0), cp)  # (N src, B, H/N, S_loc, D)
-    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's two chunks, rank 1's, ...
-    return y.index_select(2, torch.argsort(balanced_order(n * s_loc, n)).to(y.device))
+    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's chunks, rank 1's, ...
+    return y.index_select(2, torch.argsort(order).to(y.device))
 
 
-def _heads_to_seq(y, cp: CPGroup):
+def _heads_to_seq(y, cp: CPGroup, order: torch.Tensor):
     """The inverse of _seq_to_heads."""
     n = cp.size
-    y = y.index_select(2, balanced_order(y.shape[2], n).to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
+    y = y.index_select(2, order.to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
     return _a2a(y, cp).movedim(0, 1).flatten(1, 2)  # (B, N head groups, H/N, S_loc, D) -> (B, H, S_loc, D)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cp, inverse):
-        ctx.cp, ctx.inverse = cp, inverse
-        return _heads_to_seq(x, cp) if inverse else _seq_to_heads(x, cp)
+    def forward(ctx, x, cp, inverse, order):
+        ctx.cp, ctx.inverse, ctx.order = cp, inverse, order
+        return _heads_to_seq(x, cp, order) if inverse else _seq_to_heads(x, cp, order)
 
     @staticmethod
     def backward(ctx, g):
-        return (_seq_to_heads(g, ctx.cp) if ctx.inverse else _heads_to_seq(g, ctx.cp)), None, None
+        back = _seq_to_heads(g, ctx.cp, ctx.order) if ctx.inverse else _heads_to_seq(g, ctx.cp, ctx.order)
+        return back, None, None, None
 
 
-def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                      layout: CPLayout | None = None):
     """Exact causal attention by all-to-all (DeepSpeed-Ulysses): each rank attends the whole sequence for Hq/N
     query heads. KV heads: Hkv % N == 0 shards them too; Hkv dividing N replicates each KV head N/Hkv times
-    before the exchange, so that every rank receives the one KV head its query heads share."""
+    before the exchange, so that every rank receives the one KV head its query heads share. layout: which chunks
+    each rank holds (parallel/cp_split.py; None: zigzag's two)."""
     hq, hkv, n = q.shape[1], k.shape[1], cp.size
     if hq % n or hq % hkv or (hkv % n and n % hkv):
         raise ValueError(f"parallel.cp_impl a2a: --model.n_heads ({hq}) must be a multiple of --parallel.cp ({n}) "
@@ -442,10 +518,11 @@ def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | N
                          f"ring or another --parallel.cp")
     if hkv % n:
         k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
-    qh, kh, vh = (_SeqToHeads.apply(t, cp, False) for t in (q, k, v))
+    order = (layout or zigzag(q.shape[2] * n, n)).order()
+    qh, kh, vh = (_SeqToHeads.apply(t, cp, False, order) for t in (q, k, v))
     if docs is not None:  # the whole sequence in global order: per document, as on one device
         out = doc_attention(qh, kh, vh, docs, scale)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                                                enable_gqa=True)
-    return _SeqToHeads.apply(out, cp, True)
+    return _SeqToHeads.apply(out, cp, True, order)
