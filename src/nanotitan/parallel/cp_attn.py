@@ -495,14 +495,13 @@ def _heads_to_seq(y, cp: CPGroup, order: torch.Tensor):
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cp, inverse, order):
-        ctx.cp, ctx.inverse, ctx.order = cp, inverse, order
-        return _heads_to_seq(x, cp, order) if inverse else _seq_to_heads(x, cp, order)
+    def forward(ctx, x, route, inverse):  # route: (the CP group, the layout's order)
+        ctx.route, ctx.inverse = route, inverse
+        return _heads_to_seq(x, *route) if inverse else _seq_to_heads(x, *route)
 
     @staticmethod
     def backward(ctx, g):
-        back = _seq_to_heads(g, ctx.cp, ctx.order) if ctx.inverse else _heads_to_seq(g, ctx.cp, ctx.order)
-        return back, None, None, None
+        return (_seq_to_heads(g, *ctx.route) if ctx.inverse else _heads_to_seq(g, *ctx.route)), None, None
 
 
 def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
@@ -519,10 +518,10 @@ def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | N
     if hkv % n:
         k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
     order = (layout or zigzag(q.shape[2] * n, n)).order()
-    qh, kh, vh = (_SeqToHeads.apply(t, cp, False, order) for t in (q, k, v))
+    qh, kh, vh = (_SeqToHeads.apply(t, (cp, order), False) for t in (q, k, v))
     if docs is not None:  # the whole sequence in global order: per document, as on one device
         out = doc_attention(qh, kh, vh, docs, scale)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                                                enable_gqa=True)
-    return _SeqToHeads.apply(out, cp, True, order)
+    return _SeqToHeads.apply(out, (cp, order), True)
