@@ -28,7 +28,7 @@ from .cp_split import CPLayout, zigzag
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
            "block_attention", "block_attention_backward", "balanced_order", "local_positions",
-           "latent_bytes_per_token"]
+           "latent_bytes_per_token", "DocBlocks", "doc_blocks_forward", "doc_blocks_backward"]
 
 AXIS = "cp"  # the axis name CP's P2P and all-to-all are accounted (and emulated) under
 
@@ -204,7 +204,7 @@ class DocBlocks:
         return any(a in mine and self.layout.owner[b] == src for a, b in self.seen)
 
 
-def _doc_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out, lse):
+def doc_blocks_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out, lse):
     """Fold q's attention over rank src's keys, chunk pair by chunk pair, into (out, lse) (made at the own step,
     whose diagonal pairs come first and fill every row)."""
     for rows, keys, causal, mask in docs.pairs(me, src):
@@ -220,7 +220,7 @@ def _doc_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out,
     return out, lse
 
 
-def _doc_backward(dout, q, k, v, out, lse, src: int, me: int, scale: float, docs: DocBlocks, dq):
+def doc_blocks_backward(dout, q, k, v, out, lse, src: int, me: int, scale: float, docs: DocBlocks, dq):
     """(dk, dv) of rank src's keys from this rank's queries, chunk pair by chunk pair; dq accumulated in place."""
     acc = acc_dtype(q.dtype)
     dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -274,7 +274,7 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable, docs
         src = (ring.rank - step) % ring.size
         if docs is not None:  # chunk pair by chunk pair; a rank none of whose keys are seen is skipped
             if docs.sees(ring.rank, src):
-                out, lse = _doc_forward(q, *to_kv(cur), src, ring.rank, scale, docs, out, lse)
+                out, lse = doc_blocks_forward(q, *to_kv(cur), src, ring.rank, scale, docs, out, lse)
         elif step == 0:
             out, lse = block_attention(q, *to_kv(cur), True, scale)
         else:
@@ -307,7 +307,7 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
     for step in range(1, ring.size):
         src = (ring.rank - step) % ring.size
         if docs is not None and docs.sees(ring.rank, src):
-            dk, dv = _doc_backward(dout, q, *to_kv(cur), out, lse, src, ring.rank, scale, docs, dq)
+            dk, dv = doc_blocks_backward(dout, q, *to_kv(cur), out, lse, src, ring.rank, scale, docs, dq)
             dpay = kv_grad(cur, dk, dv).to(acc)
         elif docs is None:
             rows, keys = _step_blocks(src, ring.rank, c)
@@ -336,7 +336,7 @@ def _own_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv
     """The own (causal) block's d payload; its dq added to dq in place."""
     k, v = to_kv(payload)
     if docs is not None:
-        dk, dv = _doc_backward(dout, q, k, v, out, lse, ring.rank, ring.rank, scale, docs, dq)
+        dk, dv = doc_blocks_backward(dout, q, k, v, out, lse, ring.rank, ring.rank, scale, docs, dq)
     else:
         dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
         dq += dq_b
