@@ -16,6 +16,7 @@ same work at every step.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -156,80 +157,79 @@ def _merge(out, lse, part_out, part_lse, rows: slice):
 # --- the ring ------------------------------------------------------------------------------------------------
 @dataclass
 class DocBlocks:
-    """Packed documents on the ring: the layout (parallel/cp_split.py: which chunks each rank holds), the document
-    starts of this rank's queries and of every rank's keys, and which chunk pairs any query sees (`seen`: global
-    (query chunk, key chunk) -> True when every pair of the two chunks is in one document, so no mask is needed).
-    A pair absent from `seen` is skipped: no query of it sees a key (a later chunk, or only other documents)."""
+    """Packed documents on the ring: the layout (parallel/cp_split.py: which chunks each rank holds) and, per window,
+    its documents, from which each chunk pair's visible rectangles are read (`rects`). Every rectangle is unmasked:
+    within a chunk, each document's causal square; between an earlier key chunk and a query chunk, at most one
+    rectangle (the query chunk's first document, which alone can reach back, against its keys in the key chunk).
+    So the work done is the documents' causal area, not the chunks' area, and a pair no query sees is never
+    computed."""
     layout: CPLayout
-    starts_q: torch.Tensor  # (B, S_loc): this rank's positions' document starts, in local order
-    starts_of: list[torch.Tensor]  # per CP rank, its positions' starts (B, S_loc)
-    seen: dict
+    first: list[list[int]]  # per window, the document start of each chunk's first position
+    opens: list[list[int]]  # per window, the positions where a document starts, ascending
 
     @staticmethod
     def of(docs: torch.Tensor | None, cp: CPGroup, layout: CPLayout | None = None) -> "DocBlocks | None":
         if docs is None:
             return None
         layout = layout or zigzag(docs.shape[1], cp.size)
-        starts = [docs[:, layout.positions(r, docs.device)] for r in range(cp.size)]
-        c, K = layout.chunk, len(layout.owner)
-        first, last = docs[:, ::c], docs[:, c - 1::c]  # (B, K): the starts of each chunk's first and last query
-        key_first = torch.arange(K, device=docs.device) * c
-        below = torch.ones(K, K, dtype=torch.bool, device=docs.device).tril()  # key chunk <= query chunk
-        sees = below & (first.unsqueeze(2) <= (key_first + c - 1).view(1, 1, K)).any(0)
-        whole = (last.unsqueeze(2) <= key_first.view(1, 1, K)).all(0)
-        pairs = torch.nonzero(sees).tolist()  # the one host sync of a microbatch's blocks
-        flat = whole.flatten().tolist()
-        return DocBlocks(layout, starts[cp.rank], starts, {(a, b): flat[a * K + b] for a, b in pairs})
+        at = torch.arange(docs.shape[1], device=docs.device)
+        first = docs[:, ::layout.chunk].tolist()  # the host syncs of a microbatch's blocks: two small lists
+        opens = [torch.nonzero(row == at).flatten().tolist() for row in docs]  # a loop over windows
+        return DocBlocks(layout, first, opens)
 
-    def mask(self, src: int, rows: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
-        """(B, Sq, Sk) bool: this rank's query rows `rows` and rank src's key rows `keys` in one document."""
-        return self.starts_q[:, rows].unsqueeze(2) == self.starts_of[src][:, keys].unsqueeze(1)
-
-    def pairs(self, me: int, src: int) -> list:
-        """(query rows, key rows, causal, mask or None) of each chunk pair between this rank's queries and rank
-        src's keys that some query sees; at src == me the diagonal pairs first (every query sees itself there, so
-        they start each row's log-sum-exp)."""
+    def rects(self, me: int, src: int) -> list:
+        """(window, query rows, key rows, causal) of every rectangle in which this rank's queries see rank src's
+        keys (local rows); at src == me the causal squares first: they cover every query once (each sees itself),
+        so they start each row's log-sum-exp."""
         c, mine, theirs = self.layout.chunk, self.layout.chunks(me), self.layout.chunks(src)
-        out = []
-        for ia, a in enumerate(mine):
-            for ib, b in enumerate(theirs):
-                if (a, b) in self.seen:
-                    rows, keys = slice(ia * c, (ia + 1) * c), slice(ib * c, (ib + 1) * c)
-                    mask = None if self.seen[a, b] else self.mask(src, rows, keys)
-                    out.append((rows, keys, a == b, mask))
-        return sorted(out, key=lambda p: not p[2])  # stable: diagonals first
+        squares, others = [], []
+        for w, (first, opens) in enumerate(zip(self.first, self.opens)):
+            for ia, a in enumerate(mine):
+                a0 = a * c
+                cuts = [a0, *opens[bisect.bisect_right(opens, a0):bisect.bisect_left(opens, a0 + c)], a0 + c]
+                if src == me:  # each document's causal square within the chunk
+                    squares += [(w, slice(s - a0 + ia * c, e - a0 + ia * c), slice(s - a0 + ia * c, e - a0 + ia * c),
+                                 True) for s, e in zip(cuts, cuts[1:])]
+                rows = slice(ia * c, cuts[1] - a0 + ia * c)  # the first document's queries in this chunk
+                for ib, b in enumerate(theirs):
+                    if b < a and first[a] < (b + 1) * c:  # the first document began before key chunk b ends
+                        lo = max(first[a], b * c) - b * c
+                        others.append((w, rows, slice(ib * c + lo, (ib + 1) * c), False))
+        return squares + others
 
     def sees(self, me: int, src: int) -> bool:
-        mine = set(self.layout.chunks(me))
-        return any(a in mine and self.layout.owner[b] == src for a, b in self.seen)
+        return src == me or bool(self.rects(me, src))
 
 
 def doc_blocks_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out, lse):
-    """Fold q's attention over rank src's keys, chunk pair by chunk pair, into (out, lse) (made at the own step,
-    whose diagonal pairs come first and fill every row)."""
-    for rows, keys, causal, mask in docs.pairs(me, src):
-        part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale, mask)
+    """Fold q's attention over rank src's keys, rectangle by rectangle, into (out, lse) (made at the own step,
+    whose causal squares come first and fill every row)."""
+    for w, rows, keys, causal in docs.rects(me, src):
+        win = slice(w, w + 1)
+        part_out, part_lse = block_attention(q[win, :, rows], k[win, :, keys], v[win, :, keys], causal, scale)
         if out is None:
             acc = part_out.dtype
             out = q.new_empty((*q.shape[:3], v.shape[-1]), dtype=acc)
             lse = q.new_empty(q.shape[:3], dtype=acc)
-        if causal:  # a diagonal pair: the first block of its rows
-            out[:, :, rows], lse[:, :, rows] = part_out, part_lse
+        if causal:  # a document's square: the first block of its rows
+            out[win, :, rows], lse[win, :, rows] = part_out, part_lse
         else:
-            _merge(out, lse, part_out, part_lse, rows)
+            _merge(out[win], lse[win], part_out, part_lse, rows)
     return out, lse
 
 
 def doc_blocks_backward(dout, q, k, v, out, lse, src: int, me: int, scale: float, docs: DocBlocks, dq):
-    """(dk, dv) of rank src's keys from this rank's queries, chunk pair by chunk pair; dq accumulated in place."""
+    """(dk, dv) of rank src's keys from this rank's queries, rectangle by rectangle; dq accumulated in place."""
     acc = acc_dtype(q.dtype)
     dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
-    for rows, keys, causal, mask in docs.pairs(me, src):
-        dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                                    out[:, :, rows], lse[:, :, rows], causal, scale, mask)
-        dq[:, :, rows] += dq_b
-        dk[:, :, keys] += dk_b
-        dv[:, :, keys] += dv_b
+    for w, rows, keys, causal in docs.rects(me, src):
+        win = slice(w, w + 1)
+        dq_b, dk_b, dv_b = block_attention_backward(dout[win, :, rows], q[win, :, rows], k[win, :, keys],
+                                                    v[win, :, keys], out[win, :, rows], lse[win, :, rows], causal,
+                                                    scale)
+        dq[win, :, rows] += dq_b
+        dk[win, :, keys] += dk_b
+        dv[win, :, keys] += dv_b
     return dk, dv
 
 
