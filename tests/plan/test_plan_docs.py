@@ -77,3 +77,21 @@ def test_a_prepared_directory_gives_its_documents(tmp_path):
     assert starts.shape == (docs_plan.WINDOWS, 4096)
     assert 448 <= docs_plan.span(starts) <= 512
     assert docs_plan.attention_span(4096, 1, "zigzag", data_dir=str(tmp_path)) < 4096 / 4
+
+
+def test_what_if_reports_the_documents_and_both_splits():
+    """--what-if with --doc-len-mean: the work the mask leaves, and at the best layout's CP the slowest rank's share
+    and the step under zigzag and under the balanced split (one window a microbatch: more windows even zigzag out,
+    as the runtime lays a microbatch out as a whole)."""
+    from nanotitan.plan.fit.interval import FITTED
+    from nanotitan.plan.whatif import format_what_if, what_if
+
+    r = what_if(_cfg(32768), 4, H100, PlanOptions(cp=4, doc_len_mean=8192, micro_batch=1), FITTED, top=1, dry_run=False)
+    d = r["documents"]
+    assert d["cp"] == 4 and d["mean_length"] == 8192 and d["micro_batch"] == 1 and 0 < d["work_vs_causal"] < 1
+    assert d["zigzag"]["skew"] > 1.3 > 1.05 > d["docs"]["skew"]
+    assert d["docs"]["step_time_s"] < d["zigzag"]["step_time_s"]
+    many = docs_plan.cp_skew(docs_plan.synthetic_starts(32768, 8192, 32), 4, "zigzag", 8)
+    assert 1.0 < many < d["zigzag"]["skew"]
+    text = format_what_if(r)
+    assert "CP4 over documents" in text and "--parallel.cp_split docs" in text

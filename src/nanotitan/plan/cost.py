@@ -65,7 +65,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     shape = shape or ModelShape.from_config(cfg, **opts.shape_extra)
     if opts.doc_len_mean or opts.doc_data:  # document-masked attention, on the slowest CP rank (plan/docs.py)
         shape = dataclasses.replace(shape, attn_span=docs_plan.attention_span(
-            shape.seq_len, layout.cp, cfg.parallel.cp_split, opts.doc_len_mean, opts.doc_data))
+            shape.seq_len, layout.cp, cfg.parallel.cp_split, opts.doc_len_mean, opts.doc_data, layout.micro_batch))
     prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     pp, ep, M = layout.pp, layout.ep, layout.microbatches

@@ -10,7 +10,8 @@ priced work keeps the ratio of the two areas.
 Under context parallel the step waits for the slowest CP rank's attention: `cp_skew`, its work over the mean, for
 the runtime's own layouts (parallel/cp_split.py) on windows of the given documents: zigzag (which balances tokens,
 so documents of a chunk's size and more load its ranks unevenly) or the document-balanced split
-(parallel.cp_split=docs, about 1). One window a microbatch (m = 1: a larger m only evens it out).
+(parallel.cp_split=docs, about 1), each microbatch of m windows laid out as a whole as the runtime does (a larger m
+evens zigzag out).
 
 The documents come from `--doc-len-mean L` (lengths drawn geometric with mean L, fixed seed) or from a prepared
 data directory (`--doc-data DIR`: windows of its train.bin at evenly spaced offsets, cut at its EOTs).
@@ -28,7 +29,7 @@ import torch
 from ..model.docs import doc_starts
 from ..parallel import cp_split
 
-WINDOWS = 8  # windows a distribution is priced on
+WINDOWS = 8  # windows a distribution is priced on (at least: 4 microbatches of m windows)
 EOT = 1  # the synthetic windows' separator
 
 
@@ -63,26 +64,29 @@ def span(starts: torch.Tensor) -> float:
     return float(((2 * work - S) / S).mean())
 
 
-def cp_skew(starts: torch.Tensor, cp: int, split: str) -> float:
-    """The slowest CP rank's attention work over the mean under `split`, averaged over the windows."""
+def cp_skew(starts: torch.Tensor, cp: int, split: str, m: int = 1) -> float:
+    """The slowest CP rank's attention work over the mean under `split`, averaged over microbatches of m windows
+    (each laid out as a whole, as the runtime does)."""
     if cp == 1:
         return 1.0
     S, out = starts.shape[1], []
-    for w in range(starts.shape[0]):
-        window = starts[w:w + 1]
-        work = cp_split.rank_work(cp_split.layout_of(split, window, S, cp), window)
+    for mb in starts.split(m):
+        if mb.shape[0] < m:
+            break
+        work = cp_split.rank_work(cp_split.layout_of(split, mb, S, cp), mb)
         out.append(max(work) * cp / sum(work))
     return sum(out) / len(out)
 
 
 @functools.lru_cache(maxsize=256)
-def attention_span(S: int, cp: int, split: str, mean: float = 0.0, data_dir: str = "") -> float:
-    """The span (`span`) the slowest CP rank's attention works on: the documents' span x `cp_skew`; S (causal
-    windows) with neither a mean nor a data directory."""
+def attention_span(S: int, cp: int, split: str, mean: float = 0.0, data_dir: str = "", m: int = 1) -> float:
+    """The span (`span`) the slowest CP rank's attention works on: the documents' span x `cp_skew` over
+    microbatches of m windows; S (causal windows) with neither a mean nor a data directory."""
     if not mean and not data_dir:
         return float(S)
-    starts = data_starts(data_dir, S) if data_dir else synthetic_starts(S, mean)
-    return span(starts) * cp_skew(starts, cp, split)
+    windows = max(WINDOWS, 4 * m)
+    starts = data_starts(data_dir, S, windows) if data_dir else synthetic_starts(S, mean, windows)
+    return span(starts) * cp_skew(starts, cp, split, m)
 
 
 def mean_length(data_dir: str) -> float:

@@ -112,15 +112,15 @@ def documents_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOpti
     """Packed documents (plan/docs.py): their mean length, the attention work left by the document mask (its span
     over the window's), and at CP > 1 the slowest CP rank's share over the mean and the best layout's step under
     each split (parallel.cp_split zigzag and docs)."""
-    S, cp = cfg.train.seq_len, best.layout.cp
+    S, cp, m = cfg.train.seq_len, best.layout.cp, best.layout.micro_batch
     mean = opts.doc_len_mean or docs_plan.mean_length(opts.doc_data)
-    out = dict(mean_length=mean, work_vs_causal=docs_plan.attention_span(S, 1, "zigzag", opts.doc_len_mean,
-                                                                         opts.doc_data) / S, cp=cp)
+    work = docs_plan.attention_span(S, 1, "zigzag", opts.doc_len_mean, opts.doc_data) / S
+    out = dict(mean_length=mean, micro_batch=m, work_vs_causal=work, cp=cp)
     if cp > 1:
         for split in ("zigzag", "docs"):
             c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_split=split))
-            out[split] = dict(skew=docs_plan.attention_span(S, cp, split, opts.doc_len_mean, opts.doc_data)
-                              / docs_plan.attention_span(S, 1, split, opts.doc_len_mean, opts.doc_data),
+            out[split] = dict(skew=docs_plan.attention_span(S, cp, split, opts.doc_len_mean, opts.doc_data, m)
+                              / docs_plan.attention_span(S, 1, split, opts.doc_len_mean, opts.doc_data, m),
                               step_time_s=predict(layout_config(c, best.layout), best.layout, hw, opts).step_time_s)
     return out
 
@@ -237,7 +237,8 @@ def format_what_if(r: dict) -> str:
                      f"{100 * d['work_vs_causal']:.0f}% of the window's causal attention work")
         if d["cp"] > 1:
             z, b = d["zigzag"], d["docs"]
-            lines.append(f"  CP{d['cp']} over documents: the slowest rank's attention is {z['skew']:.2f}x the mean "
+            lines.append(f"  CP{d['cp']} over documents (microbatches of {d['micro_batch']} windows): the slowest "
+                         f"rank's attention is {z['skew']:.2f}x the mean "
                          f"with zigzag (step {z['step_time_s']:.3g} s), {b['skew']:.2f}x with --parallel.cp_split "
                          f"docs (step {b['step_time_s']:.3g} s)")
     if "faster_if_memory" in r:
