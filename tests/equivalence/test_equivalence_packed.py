@@ -54,17 +54,21 @@ def packed_matrix(world: int, cases: list, docs_dir, tmp_path, refs, timeout: fl
 
 
 CP = ("--parallel.cp", "2")
+BALANCED = (*CP, "--parallel.cp_split", "docs")  # each microbatch's chunks given out by its documents' work
 
 
 @pytest.mark.timeout(1200)
 def test_world2_packed(docs_dir, tmp_path, refs):
     """DP2 at zero 1 and 3, PP2 with 1F1B and zb1, EP2, TP2 with SP, CP2 ring and a2a (documents across the chunks:
-    the ring's masked blocks, the skipped ones, Ulysses' whole sequence), and the DeepSeek-V3-shaped model (MLA's
-    latent on the ring, YaRN-free rope restarting per document, MTP) at CP2."""
+    the ring's rectangles per document, the skipped peers, Ulysses' whole sequence), and the DeepSeek-V3-shaped model
+    (MLA's latent on the ring, YaRN-free rope restarting per document, MTP) at CP2; the ring, Ulysses and the
+    DeepSeek-V3 shape also on the document-balanced split (parallel.cp_split=docs: each microbatch's own chunks per
+    rank, not zigzag's; Ulysses' zigzag with documents runs in the SFT rows)."""
     cases = [("doc", 2, 1, 1, 1, ("--parallel.zero", "1")), ("doc", 2, 1, 1, 1, ("--parallel.zero", "3")),
              ("doc", 1, 2, 1, 1, ("--parallel.schedule", "1f1b")), ("doc", 1, 2, 1, 1, ("--parallel.schedule", "zb1")),
              ("doc", 1, 1, 2, 1, ()), ("doc", 1, 1, 1, 2, ()), ("doc", 1, 1, 1, 1, CP),
-             ("doc", 1, 1, 1, 1, (*CP, "--parallel.cp_impl", "a2a")), ("deepseek-doc", 1, 1, 1, 1, CP)]
+             ("doc", 1, 1, 1, 1, BALANCED), ("doc", 1, 1, 1, 1, (*BALANCED, "--parallel.cp_impl", "a2a")),
+             ("deepseek-doc", 1, 1, 1, 1, CP), ("deepseek-doc", 1, 1, 1, 1, BALANCED)]
     packed_matrix(2, cases, docs_dir, tmp_path, refs, timeout=1200)
 
 

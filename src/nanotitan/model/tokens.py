@@ -53,6 +53,11 @@ class TokenShard(Protocol):
     split_rank: int  # this rank's place among the ranks that split the weights on the same tokens
     split_size: int
 
+    def place(self, docs: torch.Tensor | None) -> None:
+        """The microbatch about to run, by its document starts (B, S_whole) or None: under context parallel they
+        may choose which positions each rank holds (parallel/cp_split.py); `seq_runs` and `runs` answer for it."""
+        ...
+
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
         """The S positions of a sequence this rank's attention and loss see, as (global start, length) runs."""
         ...
@@ -160,6 +165,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class WholeSequence:
     """The sequence ranks' part of a token shard whose rank holds every sequence whole (one device; tensor parallel
     alone, whose regions gather SP's shards): attention and the loss see positions [0, S), attention is local."""
+
+    def place(self, docs: torch.Tensor | None) -> None:
+        pass  # the sequence is whole here: nothing to choose
 
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
         return [(0, S)]

@@ -121,6 +121,7 @@ class Block(nn.Module):
                  expert_shard: ExpertShard | None = None):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
+        self.tokens = tokens
         if self.has_attn:
             self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.attn = MLA(cfg, tokens) if cfg.kv_lora_rank else Attention(cfg, tokens)
@@ -139,6 +140,7 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
     def forward(self, x, rope, docs=None):
+        self.tokens.place(docs)  # here, so that activation checkpointing's recompute places its own microbatch
         if self.has_attn:
             x = x + self.attn(self.attn_norm(x), rope, docs)
         return self.feed_forward(x)
@@ -271,6 +273,7 @@ class Transformer(nn.Module):
         # parameter, as the sync expects.
         mtp = spec.mtp_layers > 0 and self.training and targets is not None
         B, S = inp.shape[0], inp.shape[1]
+        self.tokens.place(docs)  # which positions this rank holds may depend on the documents (context parallel)
         future = None
         # MTP's targets are the whole sequence's, read at this rank's positions (context parallel: its chunks); its
         # depths' input tokens are the targets' tokens, a masked target's (SFT's prompts) included

@@ -41,6 +41,10 @@ class PlanOptions:
     # a measured load instead of the skew model: the busiest EP (or CP-folded) rank's received assignments over
     # the mean at the peak (a run whose router collapsed, far beyond the fitted skew: docs/cp.md "Long context")
     expert_load: float | None = None
+    # packed documents (plan/docs.py): their mean length, or a prepared data directory to read them from; either
+    # prices document-masked attention (model.attn_mask=doc alone, without them: the window's causal attention)
+    doc_len_mean: float = 0.0
+    doc_data: str = ""
 
 
 def zero_level(layout: Layout, opts: PlanOptions) -> int:

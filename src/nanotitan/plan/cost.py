@@ -15,7 +15,7 @@ from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
 from ..parallel.dp.sync import zero_memory_choices
-from . import cp as cp_plan, tp as tp_plan
+from . import cp as cp_plan, docs as docs_plan, tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from ..optim.cost import muon_costs
@@ -64,6 +64,9 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     """The facts of `layout` on `hw` that both models read: precision, tokens, links, stages, the zero choices."""
     opts = opts or PlanOptions()
     shape = shape or ModelShape.from_config(cfg, **opts.shape_extra)
+    if opts.doc_len_mean or opts.doc_data:  # document-masked attention, on the slowest CP rank (plan/docs.py)
+        shape = dataclasses.replace(shape, attn_span=docs_plan.attention_span(
+            shape.seq_len, layout.cp, cfg.parallel.cp_split, opts.doc_len_mean, opts.doc_data, layout.micro_batch))
     prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     pp, ep, M = layout.pp, layout.ep, layout.microbatches
