@@ -96,8 +96,9 @@ def test_world4_deepseek_tp2_cp2(docs_dir, tmp_path, refs):
 @pytest.mark.parametrize("layout", ["cp=2", "tp=2,cp=2"])
 def test_deepseek_sft(docs_dir, tmp_path, layout, capsys):
     """SFT on the DeepSeek-V3-shaped model, its MTP depth reading the prompts' tokens as inputs and learning only the
-    responses (model/tokens.py MASKED), at CP2 and TP2*CP2, checked by `nanotitan verify` at its bars: forward
-    outputs, gradients and losses per tensor within 1e-5, parameters and optimizer state within 1e-4. (The matrix's
+    responses (model/tokens.py MASKED), at CP2 and TP2*CP2, checked by `nanotitan verify` at its bars: step 1's
+    forward outputs and gradients per tensor and every step's losses within 1e-5, step 1's parameters and optimizer
+    state within 1e-4. (The matrix's
     element-wise parameter bar trips here on single weights whose gradient is ~0, where AdamW turns a last-bit
     difference of the gradient into a visible move; verify's gradients agree to ~4e-7.)"""
     from nanotitan import cli
@@ -105,6 +106,26 @@ def test_deepseek_sft(docs_dir, tmp_path, layout, capsys):
     args = base_args(docs_dir, tmp_path / "run") + short_layout(1, 1, 1, 1, models(f"{docs_dir}_sft")["deepseek-sft"])
     assert cli.main(["verify", "--layout", layout, "--steps", "4", *args]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verify: equal")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ("--parallel.dp", "2", "--parallel.zero", "1", "--train.optimizer", "muon"),
+    ("--parallel.ep", "2", "--parallel.expert_placement", "balanced", "--parallel.rebalance_every", "1",
+     "--parallel.expert_replicas", "2", "--model.num_experts", "8"),
+    ("--parallel.dp", "2", "--train.dtype", "bf16"),
+], ids=["muon", "balanced-placement", "bf16"])
+def test_sft_with_the_optimizers_placements_and_precisions(docs_dir, tmp_path, layout, capsys):
+    """SFT with document masks under Muon (DP2 at zero 1), experts placed by load with copies (EP2), and bf16 (DP2,
+    at verify's bf16 bars), each checked by `nanotitan verify` (the config's layout against one process)."""
+    from nanotitan import cli
+
+    sft = models(f"{docs_dir}_sft")["sft"]
+    args = base_args(docs_dir, tmp_path / "run") + short_layout(1, 1, 1, 1, sft) + list(layout)
+    assert cli.main(["verify", "--steps", "4", *args]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "one process vs " in out and out.strip().splitlines()[-1].startswith("verify: equal")
 
 
 @pytest.mark.slow
