@@ -128,6 +128,29 @@ def test_sft_with_the_optimizers_placements_and_precisions(docs_dir, tmp_path, l
     assert "one process vs " in out and out.strip().splitlines()[-1].startswith("verify: equal")
 
 
+def _resumed(rank, world, args):
+    return train_tp(args)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sft_resumes_across_layouts(docs_dir, tmp_path):
+    """One process's SFT checkpoint of step 2 resumed at DP2*EP2 and at TP2*CP2 (its document masks and loss masks
+    read by the new layout's ranks) trains steps 3-4 as the one process goes on: losses to 1e-5, parameters at the
+    matrix's bar."""
+    from tests.helpers.mp import train_once
+
+    sft = models(f"{docs_dir}_sft")["sft"]
+    ref = train_once(base_args(docs_dir, tmp_path / "one")
+                     + short_layout(1, 1, 1, 1, (*sft, "--train.ckpt_every", "2")))
+    start = ("--train.resume", str(tmp_path / "one" / "checkpoints" / "step_2"))
+    for world, (dp, ep, tp, extra) in ((4, (2, 2, 1, ())), (4, (1, 1, 2, CP))):
+        args = base_args(docs_dir, tmp_path / f"w{dp}{ep}{tp}") + short_layout(dp, 1, ep, tp, (*sft, *extra, *start))
+        ranks = run_ranks(_resumed, world, args=(args,), timeout=600, pg_timeout=120)
+        check_tp_case(f"resumed at dp{dp} ep{ep} tp{tp} {extra}", ranks, {**ref, "losses": ref["losses"][2:]},
+                      steps=2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_world8_packed(docs_dir, tmp_path, refs):
