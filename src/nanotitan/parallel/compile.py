@@ -12,7 +12,12 @@ eagerly, one graph break per MoE block, on purpose:
 - the EP dispatcher runs gloo all-to-alls inside custom autograd Functions, and the EP lanes pick a group by
   `in_backward()`; the router leaves per-lane records for Transformer.forward (side effects on dicts);
 - FSDP2 shards the experts as their own unit under zero 3 (its hooks run eagerly anyway).
-So an MoE block is two graphs (before and after the MoE call); activation checkpointing wraps the compiled block
+So an MoE block is two graphs (before and after the MoE call), except where every EP size is static
+(parallel.ep_dispatch static, `whole_blocks`): there the block compiles whole, `fullgraph=True`, router, dispatch,
+grouped experts and combine included: the two all-to-alls have equal splits known before the step, so they are
+torch's functional collectives in the graph (forward and backward), the counts stay on the device, and the grouped
+GEMM is an op the trace can hold in any dtype (model/grouped_mm.py). The compiled trips are not in the comm meters
+(the graph runs them; `bench compile` times the step). Otherwise an MoE block is two graphs; activation checkpointing wraps the compiled block
 from outside (torch.utils.checkpoint recomputes by calling it again: the same graph), and zb1's deferred weight
 gradients (model/wgrad.py, custom autograd Functions with side effects in backward) run with their Linear calls
 dynamo-disabled while a store is attached, so a deferred GEMM lands exactly as eagerly.
@@ -35,20 +40,35 @@ def _eager(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile every transformer block of `model` (a Transformer or StageChunks) in place; returns how many."""
+def whole_blocks(cfg) -> bool:
+    """Does train.compile compile each block whole (`fullgraph`, its MoE inside)? Where every EP size is static
+    (parallel.ep_dispatch static) and nothing around the MoE needs the host or a side effect in a backward: no
+    recompute (activation checkpointing: a recompute must not record the routing twice, and only in_backward(), which
+    dynamo cannot read, tells it), no deferred weight gradients (zb1's store), no second EP lane (its group is picked
+    by in_backward()), no FSDP2 unit inside the block (zero 3), no token shard (tp, cp: the router's collectives
+    are autograd Functions of their own). Elsewhere the MoE runs eagerly between two graphs, as before."""
+    p, t = cfg.parallel, cfg.train
+    return (t.compile and p.ep_dispatch == "static" and not t.activation_checkpointing and p.schedule != "zb1"
+            and not p.ep_overlap_microbatches and p.zero < 3 and p.tp == 1 and p.cp == 1)
+
+
+def compile_blocks(model: nn.Module, whole: bool = False, backend: str = "inductor") -> int:
+    """Compile every transformer block of `model` (a Transformer or StageChunks) in place; returns how many.
+    whole (`whole_blocks`): each block one graph, `fullgraph=True` (a break is an error), the MoE's dispatch through
+    functional collectives (parallel/ep.py); else the MoE layer runs eagerly. backend: torch.compile's (tests trace
+    with aot_eager: the same graphs, forward and backward, without inductor's code generation)."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
     dynamo_config.accumulated_cache_size_limit = max(dynamo_config.accumulated_cache_size_limit, 4 * _RECOMPILE_LIMIT)
     blocks = list(model.layers.values())
     for block in blocks:
-        if getattr(block, "is_moe", False):
+        if getattr(block, "is_moe", False) and not whole:
             block.moe.forward = _eager(block.moe.forward)  # an instance attribute: the class stays untouched
         for m in block.modules():  # zb1's deferred weight gradients: their autograd Functions run eagerly
             if hasattr(m, "wgrad_store") and m is not block and not getattr(m, "_nt_wgrad_eager", False):
                 m.forward, m._nt_wgrad_eager = _wgrad_eager(m), True
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, fullgraph=whole, backend=backend)
     return len(blocks)
 
 

@@ -41,6 +41,7 @@ import math
 import time
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from ..model import wgrad
@@ -348,7 +349,8 @@ class EPDispatcher:
         assert experts.grouped(x_TD), "static dispatch runs the grouped experts (config: model.experts_impl grouped)"
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
-        if torch.is_grad_enabled() and not in_backward():
+        # a compiled block holds its MoE whole only where nothing recomputes it (parallel/compile.py whole_blocks)
+        if torch.is_grad_enabled() and (torch.compiler.is_compiling() or not in_backward()):
             self.received.append(counts_PE.sum(0))
         slots_PG, order_N = self.shard.route_on_device(counts_PE, expert_ids_TK, order_N, counts_E)  # [P, P*C]
         n_P = slots_PG[me].view(P, C).sum(1)  # mine per destination
@@ -381,6 +383,8 @@ class EPDispatcher:
         mine = counts_E.expand(self.shard.P, counts_E.numel()).contiguous()  # row p goes to rank p
         if self.shard.P == 1:
             return mine
+        if torch.compiler.is_compiling():  # a block compiled whole: a functional collective, in its graph
+            return funcol.all_to_all_single(mine, None, None, self.lanes.group())
         counts_PE = torch.empty_like(mine)
         _all_to_all(counts_PE, mine, None, None, self.lanes, _phase(True) + ":counts")
         return counts_PE
@@ -394,7 +398,11 @@ class EPDispatcher:
         return experts(x_ND, plan.counts_L, trip=trip)
 
     def _a2a(self, x_ND, out_splits, in_splits, call: str):
-        return x_ND if self.shard.P == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
+        if self.shard.P == 1:
+            return x_ND
+        if torch.compiler.is_compiling():  # static splits in a block compiled whole: the differentiable functional one
+            return funcol.all_to_all_single_autograd(x_ND, out_splits, in_splits, self.lanes.group())
+        return _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
 
 
 def static_slots(assignments: int, P: int, capacity: float) -> int:

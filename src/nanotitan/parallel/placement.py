@@ -180,6 +180,7 @@ class EPShard:
         self.placement, self.rank = placement, rank
         self.moves = 0  # tables swapped in so far: who reads the copies' rows re-reads them after a change
         self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._static_host = self._host_tables(placement)
 
     @property
     def P(self) -> int:
@@ -209,6 +210,16 @@ class EPShard:
         self.placement = placement
         self.moves += 1
         self._device_tables = {}
+        self._static_host = self._host_tables(placement)
+
+    @staticmethod
+    def _host_tables(placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route_on_device`'s tables on the host, made with the placement: a block compiled whole traces the dispatch,
+        and dynamo cannot run a placement's cached properties' first call (their lock); read once here, they are plain
+        attributes when traced."""
+        copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
+        placement.in_order  # noqa: B018 (made now, read by the dispatch)
+        return placement.tables("cpu"), copies
 
     def route(self, counts_PE: torch.Tensor) -> Route:
         """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
@@ -249,8 +260,7 @@ class EPShard:
         """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table."""
         key = "static:" + str(device)
         if key not in self._device_tables:
-            copies = torch.tensor([len(c) for c in self.placement.copies()], dtype=torch.long)
-            self._device_tables[key] = (self.placement.tables(device), copies.to(device))
+            self._device_tables[key] = tuple(t.to(device) for t in self._static_host)
         return self._device_tables[key]
 
     def slot_major(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,
