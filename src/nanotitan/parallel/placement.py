@@ -209,8 +209,11 @@ class EPShard:
         """A move's new table (parallel/rebalance.py moved the weights and their optimizer state first)."""
         self.placement = placement
         self.moves += 1
+        static = [k.removeprefix("static:") for k in self._device_tables if k.startswith("static:")]
         self._device_tables = {}
         self._static_host = self._host_tables(placement)
+        for device in static:  # made again at once: a compiled dispatch reads them, never makes them
+            self.static_tables(torch.device(device))
 
     @staticmethod
     def _host_tables(placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,7 +244,7 @@ class EPShard:
         [c*n/r, (c+1)*n/r) of its n): not `Placement.route`'s water-fill, which reads the loads to the host. Every
         assignment is still computed once by its expert's weights: the maths is the same."""
         P, C, E = self.P, self.C, self.placement.num_experts
-        slot_of, copies_E = self._static_tables(counts_PE.device)  # [E + 1, R] (unused: P*C), [E]
+        slot_of, copies_E = self.static_tables(counts_PE.device)  # [E + 1, R] (unused: P*C), [E]
         R = slot_of.shape[1]
         c_1 = torch.arange(R + 1, device=counts_PE.device)
         upto_ER1 = torch.minimum(c_1[None, :], copies_E[:, None])  # copies before c, at most r
@@ -256,8 +259,9 @@ class EPShard:
         slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, slot_of, start_of)
         return slots_PG, order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
 
-    def _static_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table."""
+    def static_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table; apply_ep makes them
+        before any call (a block compiled whole would recompile once, its first trace having seen them missing)."""
         key = "static:" + str(device)
         if key not in self._device_tables:
             self._device_tables[key] = tuple(t.to(device) for t in self._static_host)
