@@ -127,3 +127,17 @@ def test_static_ep_block_compiles_whole_and_matches_eager():
         assert r["nan"] == [[False, False]] * 2 + [[True, True], [False, False]], r  # eager and compiled alike
         assert r["received"] == [4] * 4, r  # 2 layers x (eager, compiled): one record per forward, as eagerly
         assert r["frames"] == 3, r  # a graph per buffer size (both blocks share it), never a break's second frame
+
+
+@pytest.mark.slow  # inductor compiles the whole blocks of every rank
+def test_whole_blocks_dp2_ep2_and_pp2_ep2_static(corpus_dir, tmp_path, reference_2):
+    """The trainer with train.compile and static dispatch (each block compiled whole: parallel/compile.py whole_blocks)
+    trains what one uncompiled process trains, DP2·EP2 at zero 1 and PP2·EP2 under 1F1B, a capacity of 1 forcing
+    overflows (each replayed at the worst case: a second graph per block)."""
+    static = ("--parallel.ep_dispatch", "static", "--parallel.ep_capacity", "1", "--model.experts_impl", "grouped")
+    cases = [(2, 1, 2, "1f1b", (*COMPILE, *static, "--parallel.zero", "1")), (1, 2, 2, "1f1b", (*COMPILE, *static))]
+    results = run_ranks(_run, 4, args=(cases, str(corpus_dir), str(tmp_path)), timeout=900, pg_timeout=600)
+    for i, case in enumerate(cases):
+        ranks = [results[r][i] for r in range(4)]
+        check_case(f"whole blocks {case}", ranks, reference_2)
+        assert ranks[0]["records"][0]["compile_s"] > 0, f"{case}: nothing was compiled"

@@ -52,11 +52,13 @@ def whole_blocks(cfg) -> bool:
             and not p.ep_overlap_microbatches and p.zero < 3 and p.tp == 1 and p.cp == 1)
 
 
-def compile_blocks(model: nn.Module, whole: bool = False, backend: str = "inductor") -> int:
+def compile_blocks(model: nn.Module, whole: bool = False, backend: str = "inductor", graphs: bool = False) -> int:
     """Compile every transformer block of `model` (a Transformer or StageChunks) in place; returns how many.
     whole (`whole_blocks`): each block one graph, `fullgraph=True` (a break is an error), the MoE's dispatch through
     functional collectives (parallel/ep.py); else the MoE layer runs eagerly. backend: torch.compile's (tests trace
-    with aot_eager: the same graphs, forward and backward, without inductor's code generation)."""
+    with aot_eager: the same graphs, forward and backward, without inductor's code generation). graphs
+    (train.cuda_graphs): inductor's mode "reduce-overhead", each graph's forward and backward recorded once as a CUDA
+    graph and replayed (`graphs_step_begins` marks each step)."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, _RECOMPILE_LIMIT)
@@ -68,8 +70,16 @@ def compile_blocks(model: nn.Module, whole: bool = False, backend: str = "induct
         for m in block.modules():  # zb1's deferred weight gradients: their autograd Functions run eagerly
             if hasattr(m, "wgrad_store") and m is not block and not getattr(m, "_nt_wgrad_eager", False):
                 m.forward, m._nt_wgrad_eager = _wgrad_eager(m), True
-        block.compile(dynamic=False, fullgraph=whole, backend=backend)
+        block.compile(dynamic=False, fullgraph=whole, backend=backend, mode="reduce-overhead" if graphs else None)
     return len(blocks)
+
+
+def graphs_step_begins(cfg) -> None:
+    """train.cuda_graphs: a new training step begins (before its first forward). Inductor's CUDA graph trees keep each
+    graph's outputs in the graph's own memory; from here the previous step's are dead, so its replays may reuse it.
+    Microbatches of one step whose outputs are still alive get graphs of their own (the trees check liveness)."""
+    if cfg.train.cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def _wgrad_eager(m: nn.Module):

@@ -220,9 +220,10 @@ class EPShard:
         """`route_on_device`'s tables on the host, made with the placement: a block compiled whole traces the dispatch,
         and dynamo cannot run a placement's cached properties' first call (their lock); read once here, they are plain
         attributes when traced."""
-        copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
-        placement.in_order  # noqa: B018 (made now, read by the dispatch)
-        return placement.tables("cpu"), copies
+        with torch.device("cpu"):  # on the host even where the model is built on the meta device
+            copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
+            placement.in_order  # noqa: B018 (made now, read by the dispatch)
+            return placement.tables("cpu"), copies
 
     def route(self, counts_PE: torch.Tensor) -> Route:
         """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
