@@ -11,6 +11,7 @@ cache serves the ranks and cases after the first. Rank 0's first record carries 
 import contextlib
 
 import pytest
+import torch
 
 from tests.helpers.mp import run_ranks, train_once
 from tests.helpers.equivalence import base_args, check_case, layout_args, one_process
@@ -141,3 +142,18 @@ def test_whole_blocks_dp2_ep2_and_pp2_ep2_static(corpus_dir, tmp_path, reference
         ranks = [results[r][i] for r in range(4)]
         check_case(f"whole blocks {case}", ranks, reference_2)
         assert ranks[0]["records"][0]["compile_s"] > 0, f"{case}: nothing was compiled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="train.cuda_graphs records CUDA graphs: a GPU check")
+def test_cuda_graphs_train_what_eager_trains(corpus_dir, tmp_path_factory):
+    """One process on CUDA, 8 microbatches a step: every compiled block's forward and backward replayed as CUDA graphs
+    (no graph skipped by inductor) trains what the eager run on the same GPU trains, to the house's bar."""
+    from torch._dynamo.utils import counters
+
+    cuda = (*TWO, "--train.device", "cuda", "--train.ckpt_at_end", "false")
+    eager = one_process(corpus_dir, tmp_path_factory, "cuda_eager", extra=cuda)
+    counters.clear()
+    graphs = one_process(corpus_dir, tmp_path_factory, "cuda_graphs",
+                         extra=(*cuda, "--train.compile", "true", "--train.cuda_graphs", "true"))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    check_case("cuda graphs (1, 1, 1)", [graphs], eager)

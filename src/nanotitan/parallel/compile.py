@@ -70,7 +70,11 @@ def compile_blocks(model: nn.Module, whole: bool = False, backend: str = "induct
         for m in block.modules():  # zb1's deferred weight gradients: their autograd Functions run eagerly
             if hasattr(m, "wgrad_store") and m is not block and not getattr(m, "_nt_wgrad_eager", False):
                 m.forward, m._nt_wgrad_eager = _wgrad_eager(m), True
-        block.compile(dynamic=False, fullgraph=whole, backend=backend, mode="reduce-overhead" if graphs else None)
+        mode = "reduce-overhead" if graphs else None
+        if whole:  # the forward alone: the block's hooks (ZeRO's wait for its gathered parameters) stay eager, outside
+            block.forward = torch.compile(block.forward, dynamic=False, fullgraph=True, backend=backend, mode=mode)
+        else:
+            block.compile(dynamic=False, backend=backend, mode=mode)
     return len(blocks)
 
 
