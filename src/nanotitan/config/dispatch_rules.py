@@ -35,5 +35,5 @@ def check_graphs(cfg) -> None:
         return
     _check(t.device != "cpu", "train.cuda_graphs=true records CUDA graphs, and train.device=cpu has no CUDA stream "
                               "(--train.cuda_graphs false, or --train.device cuda)")
-    _check(t.compile, "train.cuda_graphs=true replays the compiled blocks' graphs (torch.compile mode reduce-overhead), "
-                      "and train.compile=false compiles none (--train.compile true)")
+    _check(t.compile, "train.cuda_graphs=true replays the compiled blocks' graphs (torch.compile mode "
+                      "reduce-overhead), and train.compile=false compiles none (--train.compile true)")

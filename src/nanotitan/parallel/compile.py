@@ -12,15 +12,18 @@ eagerly, one graph break per MoE block, on purpose:
 - the EP dispatcher runs gloo all-to-alls inside custom autograd Functions, and the EP lanes pick a group by
   `in_backward()`; the router leaves per-lane records for Transformer.forward (side effects on dicts);
 - FSDP2 shards the experts as their own unit under zero 3 (its hooks run eagerly anyway).
-So an MoE block is two graphs (before and after the MoE call), except where every EP size is static
-(parallel.ep_dispatch static, `whole_blocks`): there the block compiles whole, `fullgraph=True`, router, dispatch,
-grouped experts and combine included: the two all-to-alls have equal splits known before the step, so they are
-torch's functional collectives in the graph (forward and backward), the counts stay on the device, and the grouped
-GEMM is an op the trace can hold in any dtype (model/grouped_mm.py). The compiled trips are not in the comm meters
-(the graph runs them; `bench compile` times the step). Otherwise an MoE block is two graphs; activation checkpointing wraps the compiled block
+So an MoE block is two graphs (before and after the MoE call); activation checkpointing wraps the compiled block
 from outside (torch.utils.checkpoint recomputes by calling it again: the same graph), and zb1's deferred weight
 gradients (model/wgrad.py, custom autograd Functions with side effects in backward) run with their Linear calls
 dynamo-disabled while a store is attached, so a deferred GEMM lands exactly as eagerly.
+
+Whole blocks (`whole_blocks`: parallel.ep_dispatch static, and none of the options that read `in_backward()` or act in
+a backward): each block's forward compiles `fullgraph=True`, router, dispatch, grouped experts and combine included.
+The two all-to-alls have equal splits known before the step, so they are torch's functional collectives in the graph
+(forward and backward); the counts stay on the device; the grouped GEMM is an op the trace holds in any dtype
+(model/grouped_mm.py). The block's hooks (ZeRO's wait for its gathered parameters) stay eager, outside the graph. The
+compiled trips are not in the comm meters (the graph runs them; `bench compile --static-ep` times the step).
+train.cuda_graphs: the graphs in inductor's mode "reduce-overhead" (CUDA graph trees; `graphs_step_begins`).
 
 Shapes are static (`dynamic=False`): a block sees one shape in training and one in eval, so each compiles once or
 twice; identical blocks and ranks reuse inductor's on-disk FX graph cache. `compile_seconds` reads what dynamo
