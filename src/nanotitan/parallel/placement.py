@@ -222,7 +222,7 @@ class EPShard:
         attributes when traced."""
         with torch.device("cpu"):  # on the host even where the model is built on the meta device
             copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
-            placement.in_order  # noqa: B018 (made now, read by the dispatch)
+            _ = placement.in_order  # made now: the dispatch reads it
             return placement.tables("cpu"), copies
 
     def route(self, counts_PE: torch.Tensor) -> Route:
