@@ -127,6 +127,7 @@ def test_static_ep_block_compiles_whole_and_matches_eager():
 
 
 @pytest.mark.slow  # inductor compiles the whole blocks of every rank
+@pytest.mark.timeout(900)
 def test_whole_blocks_dp2_ep2_and_pp2_ep2_static(corpus_dir, tmp_path, reference_2):
     """The trainer with train.compile and static dispatch (each block compiled whole: parallel/compile.py whole_blocks)
     trains what one uncompiled process trains, DP2·EP2 at zero 1 and PP2·EP2 under 1F1B, a capacity of 1 forcing
