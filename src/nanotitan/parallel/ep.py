@@ -357,8 +357,8 @@ class EPDispatcher:
         assert experts.grouped(x_TD), "static dispatch runs the grouped experts (config: model.experts_impl grouped)"
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
-        if torch.compiler.is_compiling():  # a block compiled whole: `forward_done` records it, outside the graph
-            self.last_received = counts_PE.sum(0)  # (a list's append in the graph would recompile for each length)
+        if torch.is_grad_enabled() and torch.compiler.is_compiling():  # a block compiled whole: `forward_done`
+            self.last_received = counts_PE.sum(0)  # records it outside the graph (an append would guard on the length)
         elif torch.is_grad_enabled() and not in_backward():
             self.received.append(counts_PE.sum(0))
         slots_PG, order_N = self.shard.route_on_device(counts_PE, expert_ids_TK, order_N, counts_E)  # [P, P*C]
