@@ -22,9 +22,9 @@ expert; the default fp8_skip): its MFU is against the same bf16 peak, so FP8's g
 
 --cuda-graphs (CUDA only) adds `grouped+graphs` and `loop+graphs`: the +compile rows with every block compiled in
 inductor's mode "reduce-overhead" (train.cuda_graphs: each graph's forward and backward recorded once as a CUDA graph,
-replayed every step, a step mark before each). The grouped row is one graph per block, `fullgraph` (its MoE has no host
-read on one GPU: the grouped kernel's offsets stay on the device); the loop row's MoE reads its split sizes, so it
-runs between two captured graphs. Their `syncs` column says what is left on the host.
+replayed every step, a step mark before each). The grouped row's MoE has no host read on one GPU (the grouped kernel's
+offsets stay on the device), so its blocks can be whole graphs; the loop row's MoE reads its split sizes (a graph
+break), so it runs between two captured graphs. Their `syncs` column says what is left on the host.
 
 Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/bench/test_bench_gpu.py runs it in the
 suite, so it cannot rot. CPU figures mean nothing for a GPU.
@@ -99,7 +99,7 @@ def build(shape: str, layers: int, seq: int, config: str, device: torch.device, 
             block.compile(backend=backend)  # in place: names and attributes as before (train.compile's unit)
     if config.endswith("+graphs"):  # train.cuda_graphs' unit: a block's graphs recorded as CUDA graphs
         for block in model.layers.values():
-            block.compile(mode="reduce-overhead", fullgraph=impl == "grouped")
+            block.compile(mode="reduce-overhead")
     return model.train()
 
 
