@@ -7,8 +7,9 @@
     batches   `SFTBatches`: a window of S+1 tokens starts at an example's first token, drawn by (seed, step) as the
               text loader draws offsets, and packs whole examples until the next one does not fit; the rest is EOT
               padding with mask 0. An example longer than the window is cut at its end (counted: `truncated`).
-              The targets of masked tokens are IGNORE, so the loss reads responses only, normalised over the
-              global batch's response tokens (parallel/step.py `target_weights`).
+              The targets of masked tokens are their token + MASKED, so the loss reads responses only,
+              normalised over the global batch's response tokens (parallel/step.py `target_weights`), and MTP's
+              depths still read every next token as their input (model/mtp.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from .indexed import IndexedBatches, Runs, columns, step_generator
 from .sources import DataError, local_files
 
 FIELDS = ("prompt", "response")
-IGNORE = -100  # a target no loss reads: F.cross_entropy's ignore_index, as model/tokens.py's (data/ reads no model/)
+# A masked target is its token + MASKED: no loss reads it, MTP reads its token (model/tokens.py's: data/ reads no
+# model/)
+MASKED = 1 << 30
 
 
 def iter_records(cfg: DataConfig) -> Iterator[tuple[str, str, str]]:
@@ -73,7 +76,7 @@ def example_starts(tokens: np.ndarray, eot: int) -> np.ndarray:
 
 class SFTBatches(IndexedBatches):
     """IndexedBatches over a prepared SFT split: windows of whole examples from an example's start (module
-    docstring); y is IGNORE where the mask is 0. Its interface is IndexedBatches' (rank_batch, global_batch,
+    docstring); y is token + MASKED where the mask is 0. Its interface is IndexedBatches' (rank_batch, global_batch,
     eval_batches), so every layout reads the same rows."""
 
     def __init__(self, path: str | Path, dtype, seq_len: int, seed: int, eot: int):
@@ -96,8 +99,8 @@ class SFTBatches(IndexedBatches):
         return torch.from_numpy(self.starts)[pick].view(n, B)
 
     def read(self, offsets_B: torch.Tensor, runs: Runs = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The windows at offsets_B (example starts): whole examples up to S+1 tokens, EOT padding after; y IGNORE
-        where the mask is 0 (prompts, padding). Of each only the positions `runs`."""
+        """The windows at offsets_B (example starts): whole examples up to S+1 tokens, EOT padding after; y is
+        token + MASKED where the mask is 0 (prompts, padding). Of each only the positions `runs`."""
         W = self.seq_len + 1
         off_B = offsets_B.numpy()
         # where each window's whole examples end: the last example start within W tokens (a longer example: cut)
@@ -111,7 +114,8 @@ class SFTBatches(IndexedBatches):
         mask = np.memmap(str(self.mask_path), dtype=np.uint8, mode="r")
         window_BW = torch.from_numpy(np.where(inside_BW, tokens[idx_BW].astype(np.int64), self.eot))
         learn_BW = torch.from_numpy(inside_BW & (mask[idx_BW] == 1))
-        x, y = window_BW[:, :-1], window_BW[:, 1:].masked_fill(~learn_BW[:, 1:], IGNORE)
+        y = window_BW[:, 1:]
+        x, y = window_BW[:, :-1], torch.where(learn_BW[:, 1:], y, y + MASKED)
         if runs is None or runs == [(0, self.seq_len)]:
             return x, y
         cols = torch.from_numpy(columns(runs))

@@ -30,6 +30,19 @@ from . import wgrad
 from .docs import segments
 
 IGNORE = -100  # a target no loss reads (MTP's shifted tail, model/mtp.py): F.cross_entropy's ignore_index
+# A masked target (data.format=sft's prompts and padding): token + MASKED. No loss reads it, but MTP's depths read its
+# token as an input (model/mtp.py), so the mask keeps the token; `loss_targets` and `target_tokens` read it apart.
+MASKED = 1 << 30
+
+
+def loss_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The targets a loss reads: masked ones IGNORE (the rest as they are: without a mask, the same values)."""
+    return targets.masked_fill(targets >= MASKED, IGNORE)
+
+
+def target_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """The tokens of the targets, masked or not (MTP's future inputs)."""
+    return torch.where(targets >= MASKED, targets - MASKED, targets)
 
 
 class TokenShard(Protocol):

@@ -84,6 +84,9 @@ class Context:
     ranks_on_node: int
     T: int  # tokens of one microbatch on one rank (m * S / cp)
     peak: float  # the hardware's peak FLOP/s at this precision for a rank sharing a node with ranks_on_node
+    # the rates of the dense and the routed-expert GEMMs: `peak`, or under train.fp8 plan/fp8.py's mixes
+    peak_dense: float
+    peak_expert: float
     eff_dense: float  # GEMM efficiency of the dense and the expert GEMMs (expert rows grow with EP)
     eff_expert: float
     links: dict[str, tuple[Link, float]]  # group kind: (the link its worst group crosses, fraction of peers off-node)

@@ -73,6 +73,11 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
         out["without_cp"] = None if whole is None else dict(
             layout=whole.layout.short(), fits=whole.fits, tokens_per_sec=whole.tokens_per_sec,
             peak_mem_bytes=whole.peak_mem, smallest_peak_bytes=min(p.peak_mem for p in preds if p.layout.cp == 1))
+    if cfg.train.fp8 != "off":  # the same layout without FP8: what the recipe buys
+        plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8="off"))
+        bf16 = predict(layout_config(plain, best.layout), best.layout, hw, opts)
+        out["fp8"] = dict(recipe=cfg.train.fp8, step_time_s=best.step_time_s, step_time_off_s=bf16.step_time_s,
+                          speedup=bf16.step_time_s / best.step_time_s)
     faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
@@ -159,6 +164,12 @@ def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts
                 built_ranks=[b["rank"] for b in built], built=built, seconds=time.perf_counter() - t0)
 
 
+def _fp8_line(k: dict) -> str:
+    return (f"  FP8 ({k['recipe']}): the step takes {k['step_time_s']:.3g} s against {k['step_time_off_s']:.3g} s "
+            f"with --train.fp8 off on the same layout ({k['speedup']:.2f}x; GEMMs at the FP8 rate with their casts, "
+            "the scores, router and head in bf16)")
+
+
 def format_what_if(r: dict) -> str:
     """The report as text."""
     if not r["layouts"]:
@@ -211,6 +222,7 @@ def format_what_if(r: dict) -> str:
         fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
         lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences "
                      f"{fastest}; the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
+    lines += [_fp8_line(r["fp8"])] if "fp8" in r else []
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "
