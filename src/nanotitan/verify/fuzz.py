@@ -82,7 +82,7 @@ LAYOUT_DRAWS = [
                      ("--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped",
                       "--parallel.ep_capacity", "1")]),
     # CUDA graphs (with the compiled blocks they replay): the fuzzer's CPU ranks can only see the refusal
-    ("cuda graphs", [("--train.cuda_graphs", "true", "--train.compile", "true")]),
+    ("cuda graphs", [("--train.cuda_graphs", "true", "--train.compile", "true", "--train.device", "cpu")]),
 ]
 DEFAULT_P = 0.5  # how often each row keeps its default
 # Where an option means something, by its first flag: off the layouts it fits, it is drawn only MISFIT_P of the
