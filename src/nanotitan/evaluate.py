@@ -39,7 +39,7 @@ def eval_config(run_dir: str | Path, step: int | None, overrides: list[str]) -> 
     given = {f"{s}.{k}" for s, k, _ in parse_overrides(overrides)}
     cfg.parallel = ParallelConfig()  # one process, unless the flags name a layout
     cfg.init.from_hf, cfg.train.resume, cfg.train.export_hf = "", "", ""  # the model keys are concrete; nothing trains
-    cfg.train.compile = False  # a forward or two: compiling would cost more than it saves (--train.compile true)
+    cfg.train.compile = cfg.train.cuda_graphs = False  # a forward or two: compiling costs more than it saves
     for section, key, value in parse_overrides(overrides):
         set_value(cfg, section, key, value)
     if given & {"data.source", "data.mix"}:

@@ -32,6 +32,7 @@ from .parallel.comm import stall
 from .interop.hf import export_checkpoint, shard_loader
 from .optim.build import build_optimizer
 from .parallel.parallelize import parallelize
+from .parallel.compile import graphs_step_begins
 from .parallel.step import (StepEnd, StepResult, after_update, agree_on_step, clip_grads, evaluate, finish_grads,
                             replay_on_overflow,
                             forward_backward)
@@ -175,6 +176,7 @@ class Trainer:
         cfg = self.cfg
         # The learning rate is a pure function of the step: resume needs nothing else.
         lr = lr_at(step, cfg)
+        graphs_step_begins(cfg)  # train.cuda_graphs: the previous step's graph outputs are dead
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_ratio"]  # each group's own lr on the same schedule (the optimizer declares it)
         # Forwards and backwards of this rank's microbatches; the gradient sync starts in the final backward.

@@ -48,3 +48,23 @@ def test_bench_gpu_fp8_cuda(tmp_path):
                      "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["config"] for r in rows] == ["loop", "loop+fp8"] and all(r["mfu"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="--cuda-graphs records CUDA graphs: a GPU check")
+def test_bench_gpu_cuda_graphs_rows(tmp_path):
+    """--cuda-graphs adds the rows whose blocks replay as CUDA graphs; the grouped one leaves no more host syncs than
+    the eager grouped step."""
+    out = tmp_path / "rows.json"
+    assert cli_main(["bench", "gpu", "--shape", "tiny", "--layers", "1", "--steps", "2", "--configs", "grouped",
+                     "--cuda-graphs", "--peak-tflops", "1", "--json", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["grouped", "grouped+graphs", "loop+graphs"]
+    assert all(r["step_s"] > 0 and math.isfinite(r["mfu"]) for r in rows.values())
+    assert rows["grouped+graphs"]["syncs"] <= rows["grouped"]["syncs"]
+
+
+def test_bench_gpu_cuda_graphs_refused_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(SystemExit, match="CUDA graphs are recorded on a CUDA stream"):
+        cli_main(["bench", "gpu", "--cuda-graphs"])

@@ -284,6 +284,18 @@ def test_static_dispatch_refuses_what_needs_host_sizes(args, msg):
     assert str(e.value) == msg
 
 
+@pytest.mark.parametrize("args,msg", [
+    (["--train.cuda_graphs", "true", "--train.compile", "true", "--train.device", "cpu"], "train.cuda_graphs=true "
+     "records CUDA graphs, and train.device=cpu has no CUDA stream (--train.cuda_graphs false, or --train.device cuda)"),
+    (["--train.cuda_graphs", "true"], "train.cuda_graphs=true replays the compiled blocks' graphs (torch.compile mode "
+     "reduce-overhead), and train.compile=false compiles none (--train.compile true)"),
+])
+def test_cuda_graphs_refused_on_cpu_and_without_compile(args, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert str(e.value) == msg
+
+
 def test_static_dispatch_is_off_by_default_and_accepted_with_grouped_experts():
     assert (Config().parallel.ep_dispatch, Config().parallel.ep_capacity) == ("dynamic", 1.25)
     cfg = load_config(None, STATIC + ["--parallel.expert_placement", "balanced", "--parallel.expert_replicas", "2",

@@ -2,6 +2,7 @@
 
     nanotitan bench gpu [--shape mixtral|tiny] [--layers 2] [--seq 4096] [--steps 8] [--configs ...]
                         [--compile-backend inductor] [--peak-tflops X] [--json PATH] [--fp8 rowwise|tensorwise]
+                        [--cuda-graphs]
 
 A Mixtral-8x7B-shaped model cut to fit one GPU (d 4096, 32 heads / 8 kv heads, expert hidden 14336, 8 experts top-2,
 vocab 32000, seq 4096, micro batch 1; fp32 weights and AdamW, the forward under bf16 autocast as train.dtype=bf16)
@@ -18,6 +19,12 @@ disagreed would show here first.
 
 --fp8 adds `loop+fp8` (train.fp8 at that recipe, docs/fp8.md: torchao's float8 linears, our FP8 expert GEMM per
 expert; the default fp8_skip): its MFU is against the same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
+
+--cuda-graphs (CUDA only) adds `grouped+graphs` and `loop+graphs`: the +compile rows with every block compiled in
+inductor's mode "reduce-overhead" (train.cuda_graphs: each graph's forward and backward recorded once as a CUDA graph,
+replayed every step, a step mark before each). The grouped row's MoE has no host read on one GPU (the grouped kernel's
+offsets stay on the device), so its blocks can be whole graphs; the loop row's MoE reads its split sizes (a graph
+break), so it runs between two captured graphs. Their `syncs` column says what is left on the host.
 
 Without CUDA (or with --shape tiny) the same code runs at tiny shapes: tests/bench/test_bench_gpu.py runs it in the
 suite, so it cannot rot. CPU figures mean nothing for a GPU.
@@ -48,6 +55,7 @@ SHAPES = {
 }
 CONFIGS = ("reference", "loop", "grouped", "loop+compile", "grouped+compile")
 FP8_CONFIGS = ("loop+fp8",)  # with --fp8 RECIPE (FP8 experts run the per-expert loop: docs/fp8.md)
+GRAPH_CONFIGS = ("grouped+graphs", "loop+graphs")  # with --cuda-graphs, CUDA only
 
 
 class LinearExperts(nn.Module):
@@ -89,6 +97,9 @@ def build(shape: str, layers: int, seq: int, config: str, device: torch.device, 
     if config.endswith("+compile"):
         for block in model.layers.values():
             block.compile(backend=backend)  # in place: names and attributes as before (train.compile's unit)
+    if config.endswith("+graphs"):  # train.cuda_graphs' unit: a block's graphs recorded as CUDA graphs
+        for block in model.layers.values():
+            block.compile(mode="reduce-overhead")
     return model.train()
 
 
@@ -115,6 +126,8 @@ def _autocast(device: torch.device, dtype: torch.dtype):
 
 
 def train_step(model: Transformer, opt, x, y, device, dtype):
+    if device.type == "cuda":  # CUDA graph trees (the +graphs rows): the previous step's graph outputs are dead
+        torch.compiler.cudagraph_mark_step_begin()
     with _autocast(device, dtype):
         ce, aux = model(x, y)
     (ce + 0.01 * aux).backward()
@@ -301,8 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20, help="rounds of --experts")
     ap.add_argument("--fp8", choices=("off", *float8.RECIPES), default="off", help=f"also {', '.join(FP8_CONFIGS)} "
                     "at this recipe (docs/fp8.md)")
+    ap.add_argument("--cuda-graphs", action="store_true", help=f"also {', '.join(GRAPH_CONFIGS)} (CUDA only)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cuda_graphs and device.type != "cuda":
+        raise SystemExit("bench gpu --cuda-graphs: CUDA graphs are recorded on a CUDA stream, and no CUDA device is "
+                         "visible (drop --cuda-graphs)")
     if args.experts:
         print(experts_micro(args.experts, device, args.repeats))
         return 0
@@ -316,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     diff = grouped_vs_loop(args.shape, args.seq, device, dtype)
     print(f"grouped vs loop, one MoE layer (output, weight gradients): max rel diff {diff:.2e}", flush=True)
     rows = []
-    configs = args.configs.split(",") + (list(FP8_CONFIGS) if args.fp8 != "off" else [])
+    configs = args.configs.split(",") + (list(FP8_CONFIGS) if args.fp8 != "off" else []) + \
+        (list(GRAPH_CONFIGS) if args.cuda_graphs else [])
     for config in configs:
-        assert config in CONFIGS + FP8_CONFIGS, f"--configs: {config!r} is not one of {CONFIGS} (+fp8: --fp8)"
+        assert config in CONFIGS + FP8_CONFIGS + GRAPH_CONFIGS, \
+            f"--configs: {config!r} is not one of {CONFIGS} (+fp8: --fp8, +graphs: --cuda-graphs)"
         rows.append(run_config(args, config, device, dtype, peak))  # its model and optimizer freed on return
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -80,6 +80,9 @@ class SeedEPDispatcher:
     def __init__(self, group, ep_size: int, ep_rank: int):
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
 
+    def forward_done(self) -> None:
+        """After a training forward (Transformer): the seed records nothing."""
+
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         P, L, T = self.ep_size, num_experts // self.ep_size, x_TD.shape[0]
         x_ND, token_idx_N, order_N, counts_E = seed_pack(x_TD, expert_ids_TK, num_experts)

@@ -24,7 +24,7 @@ from .controls_rules import check_controls
 from .elastic_rules import check_elastic
 from .run_rules import check_run
 from .cp_rules import check_cp
-from .dispatch_rules import check_dispatch
+from .dispatch_rules import check_dispatch, check_graphs
 from .fp8_rules import FP8_SKIP, check_fp8
 from .packed_rules import check_packed
 from .layout import check_expert_fold, expert_ranks
@@ -179,6 +179,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # FLOP/s per rank for MFU (0 = measured GEMM on CPU, datasheet on GPU)
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
     compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
+    cuda_graphs: bool = False  # with compile on CUDA: compiled blocks' graphs replayed as CUDA graphs (docs/compile.md)
     # FP8 GEMMs with dynamic scaling: off, tensorwise (one scale a tensor) or rowwise (one a row; docs/fp8.md)
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"
     fp8_skip: list[str] = field(default_factory=lambda: list(FP8_SKIP))  # modules kept out of FP8 (docs/fp8.md)
@@ -370,7 +371,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     # each axis's own rules before the experts' fold over three of them: a TP degree the heads refuse names the heads
     for check in (_check_finite, _check_ranges, check_run, _check_model, _check_pipeline, _check_dp_ep, check_tp,
                   check_cp, check_expert_fold, check_placement, check_elastic, check_controls,
-                  check_dispatch, check_fp8, check_packed):
+                  check_dispatch, check_graphs, check_fp8, check_packed):
         check(cfg)
     if world_size is not None:
         p = cfg.parallel

@@ -1,5 +1,6 @@
-"""The config rules of the EP dispatch's shapes (parallel.ep_dispatch, parallel.ep_capacity: parallel/ep.py, docs/ep.md
-"A step that never waits on the host"). A leaf like config.py, which calls it from `validate`."""
+"""The config rules of a step that never waits on the host: the EP dispatch's shapes (parallel.ep_dispatch,
+parallel.ep_capacity: parallel/ep.py, docs/ep.md "A step that never waits on the host") and CUDA graphs
+(train.cuda_graphs: parallel/compile.py, docs/compile.md). A leaf like config.py, which calls them from `validate`."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def check_dispatch(cfg) -> None:
            f"host (--model.experts_impl grouped, or --parallel.ep_dispatch dynamic)")
     _check(not p.ep_overlap, f"{why}, and parallel.ep_overlap cuts each trip into groups by host counts "
                              f"(--parallel.ep_overlap false, or --parallel.ep_dispatch dynamic)")
+
+
+def check_graphs(cfg) -> None:
+    """CUDA graphs are recorded on a CUDA stream, from compiled blocks."""
+    t = cfg.train
+    if not t.cuda_graphs:
+        return
+    _check(t.device != "cpu", "train.cuda_graphs=true records CUDA graphs, and train.device=cpu has no CUDA stream "
+                              "(--train.cuda_graphs false, or --train.device cuda)")
+    _check(t.compile, "train.cuda_graphs=true replays the compiled blocks' graphs (torch.compile mode "
+                      "reduce-overhead), and train.compile=false compiles none (--train.compile true)")

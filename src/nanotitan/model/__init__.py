@@ -15,4 +15,5 @@
     docs.py         packed documents: each token's document start, its position in it, attention kept inside it
     fp8.py          FP8 GEMMs (train.fp8): torchao's float8 linear for dense projections, our scaled expert GEMM
     wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
+    grouped_mm.py   the grouped experts' GEMM as a traced graph holds it in any dtype (compiled whole blocks)
 """

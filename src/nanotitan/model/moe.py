@@ -164,6 +164,9 @@ class LocalDispatcher:
     def __init__(self, may_drop: bool = False):
         self.may_drop = may_drop
 
+    def forward_done(self) -> None:
+        """After a training forward (Transformer): nothing to record on one device."""
+
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
         order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         if experts.grouped(x_TD):  # no host sync: counts and offsets stay on the device
@@ -238,7 +241,8 @@ class MoE(nn.Module):
         self.register_buffer("router_bias", torch.zeros(num_experts) if bias_update_rate > 0 else None)
         # What the last route() left (`last_counts_E`, `last_router_stats`): [0] a forward's, [1] a backward's (a
         # checkpointed block's recompute), apart only with lane_local_router_state; else [0] holds every call's.
-        self.router_records: tuple[dict, dict] = ({}, {})
+        # (their keys there from the start: a compiled block's trace guards on them)
+        self.router_records: tuple[dict, dict] = tuple({"counts_E": None, "stats": None} for _ in range(2))
         self._stats_tail: dict[tuple, torch.Tensor] = {}  # (T*K, dtype, device) -> [0 dropped, T*K, 1]
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.expert_start, self.expert_end = expert_start, expert_end
@@ -318,7 +322,9 @@ class MoE(nn.Module):
         record = self._router_record()
         record["counts_E"] = counts_E  # what the router asked for (drops included); bincount's: no graph
         # [balance, z, dropped, T*K, 1]: the constant tail cached per shape (two ops a call, no H2D copy per call)
-        tail = self._stats_tail.get((T * K, balance.dtype, balance.device))
+        # (traced by a compiled block: a constant of the graph; a cache's missing key would be a guard, a recompile)
+        tail = balance.new_tensor([0.0, T * K, 1.0]) if torch.compiler.is_compiling() else \
+            self._stats_tail.get((T * K, balance.dtype, balance.device))
         if tail is None:
             tail = self._stats_tail[(T * K, balance.dtype, balance.device)] = balance.new_tensor([0.0, T * K, 1.0])
         record["stats"] = torch.cat([torch.stack(stats), tail[len(stats) - 2:]])

@@ -262,6 +262,7 @@ class Transformer(nn.Module):
             x, aux = block(x, rope, docs)
         if block.is_moe and self.training:  # read here, not in the MoE: a checkpoint recompute must not count twice
             self.routing.setdefault(key, []).append((block.moe.last_counts_E, block.moe.last_router_stats))
+            block.moe.dispatcher.forward_done()  # what the dispatcher records per forward, if anything
         return x, aux
 
     def forward(self, inp: torch.Tensor, targets: torch.Tensor | None = None, docs: torch.Tensor | None = None):

@@ -43,6 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import fp8 as float8
+from .grouped_mm import grouped_mm
 
 _SINK = "_nanotitan_grad_sink"  # attribute on the param: its gradient sync's sink
 
@@ -262,11 +263,12 @@ def group_offsets(counts_L: torch.Tensor) -> torch.Tensor:
 
 def grouped_swiglu(x_ND, W_gate, W_val, W_out, offs):
     """ExpertFFN's grouped path under plain autograd: one torch._grouped_mm per projection over all experts.
-    _grouped_mm has no autocast rule: cast to the autocast dtype here, as the loop's matmuls are cast."""
+    _grouped_mm has no autocast rule: cast to the autocast dtype here, as the loop's matmuls are cast. Traceable
+    by a compiled block in any dtype (model/grouped_mm.py)."""
     dt = _autocast_dtype(x_ND)
     x, wg, wv, wo = (_cast(t, dt) for t in (x_ND, W_gate, W_val, W_out))
-    h = F.silu(torch._grouped_mm(x, wg, offs=offs)) * torch._grouped_mm(x, wv, offs=offs)
-    return torch._grouped_mm(h, wo, offs=offs)
+    h = F.silu(grouped_mm(x, wg, offs)) * grouped_mm(x, wv, offs)
+    return grouped_mm(h, wo, offs)
 
 
 def experts_forward(x, wg, wv, wo, counts_L: "list[int] | torch.Tensor"):

@@ -41,6 +41,7 @@ import math
 import time
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from ..model import wgrad
@@ -273,6 +274,14 @@ class EPDispatcher:
         self.overlap_chunks = overlap_chunks  # > 1: parallel.ep_overlap, that many expert groups per trip
         self.capacity = capacity  # parallel.ep_dispatch static: each peer's buffer in expected shares; None: dynamic
         self.received: list[torch.Tensor] = []  # per training forward: the EP group's assignments per expert (E,)
+        self.last_received: torch.Tensor | None = None  # a compiled static call's, until `forward_done`
+
+    def forward_done(self) -> None:
+        """After a training forward of the block (model/transformer.py, eagerly, never in a recompute): a block
+        compiled whole left its record in `last_received`; it joins `received` here."""
+        if self.last_received is not None:
+            self.received.append(self.last_received)
+            self.last_received = None
 
     @property
     def group(self):
@@ -348,7 +357,9 @@ class EPDispatcher:
         assert experts.grouped(x_TD), "static dispatch runs the grouped experts (config: model.experts_impl grouped)"
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
-        if torch.is_grad_enabled() and not in_backward():
+        if torch.is_grad_enabled() and torch.compiler.is_compiling():  # a block compiled whole: `forward_done`
+            self.last_received = counts_PE.sum(0)  # records it outside the graph (an append would guard on the length)
+        elif torch.is_grad_enabled() and not in_backward():
             self.received.append(counts_PE.sum(0))
         slots_PG, order_N = self.shard.route_on_device(counts_PE, expert_ids_TK, order_N, counts_E)  # [P, P*C]
         n_P = slots_PG[me].view(P, C).sum(1)  # mine per destination
@@ -381,6 +392,8 @@ class EPDispatcher:
         mine = counts_E.expand(self.shard.P, counts_E.numel()).contiguous()  # row p goes to rank p
         if self.shard.P == 1:
             return mine
+        if torch.compiler.is_compiling():  # a block compiled whole: a functional collective, in its graph
+            return funcol.all_to_all_single(mine, None, None, self.lanes.group())
         counts_PE = torch.empty_like(mine)
         _all_to_all(counts_PE, mine, None, None, self.lanes, _phase(True) + ":counts")
         return counts_PE
@@ -394,7 +407,11 @@ class EPDispatcher:
         return experts(x_ND, plan.counts_L, trip=trip)
 
     def _a2a(self, x_ND, out_splits, in_splits, call: str):
-        return x_ND if self.shard.P == 1 else _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
+        if self.shard.P == 1:
+            return x_ND
+        if torch.compiler.is_compiling():  # static splits in a block compiled whole: the differentiable functional one
+            return funcol.all_to_all_single_autograd(x_ND, out_splits, in_splits, self.lanes.group())
+        return _AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, call)
 
 
 def static_slots(assignments: int, P: int, capacity: float) -> int:
@@ -452,6 +469,8 @@ def apply_ep(model: nn.Module, dims, overlap_chunks: int = 1, lanes: bool = Fals
             raise ValueError(f"MoE layer's expert shard is {shard!r}, not EP rank {r} of {n}: build the model with "
                              f"experts=placement.expert_shards(cfg, dims)")
         moe.dispatcher = EPDispatcher(shard, group, overlap_chunks, lanes=shared, capacity=capacity)
+        if capacity is not None:  # the static dispatch's tables, on the experts' device before any (traced) call
+            shard.static_tables(moe.experts.W_gate.device)
         moe.lane_local_router_state = lanes
     return model
 

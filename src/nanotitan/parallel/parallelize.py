@@ -38,7 +38,7 @@ from ..model import qk_max
 from ..model.families import tag_params
 from ..model.mla import MLA
 from .build import build_stage
-from .compile import compile_blocks
+from .compile import compile_blocks, whole_blocks
 from .dims import ParallelDims
 from .ep import apply_ep
 from .dp.fsdp import FSDPSync
@@ -119,7 +119,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     apply_ep(model, dims, cfg.parallel.ep_chunks if cfg.parallel.ep_overlap else 1, lanes=lanes,
              capacity=cfg.parallel.ep_capacity if cfg.parallel.ep_dispatch == "static" else None)
     if cfg.train.compile:  # per block, in place, before the gradient sync (FSDP2 wraps compiled blocks)
-        compile_blocks(model)
+        compile_blocks(model, whole_blocks(cfg), graphs=cfg.train.cuda_graphs)
     tag_params(model, cfg.train.optimizer)  # each param's family, before the sync: its buckets and groups read it
     if cfg.train.qk_clip:  # each attention module keeps its heads' max logit of the step (model/qk_max.py)
         qk_max.track(model, (Attention, MLA))

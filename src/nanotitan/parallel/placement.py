@@ -180,6 +180,7 @@ class EPShard:
         self.placement, self.rank = placement, rank
         self.moves = 0  # tables swapped in so far: who reads the copies' rows re-reads them after a change
         self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._static_host = self._host_tables(placement)
 
     @property
     def P(self) -> int:
@@ -208,7 +209,21 @@ class EPShard:
         """A move's new table (parallel/rebalance.py moved the weights and their optimizer state first)."""
         self.placement = placement
         self.moves += 1
+        static = [k.removeprefix("static:") for k in self._device_tables if k.startswith("static:")]
         self._device_tables = {}
+        self._static_host = self._host_tables(placement)
+        for device in static:  # made again at once: a compiled dispatch reads them, never makes them
+            self.static_tables(torch.device(device))
+
+    @staticmethod
+    def _host_tables(placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route_on_device`'s tables on the host, made with the placement: a block compiled whole traces the dispatch,
+        and dynamo cannot run a placement's cached properties' first call (their lock); read once here, they are plain
+        attributes when traced."""
+        with torch.device("cpu"):  # on the host even where the model is built on the meta device
+            copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
+            _ = placement.in_order  # made now: the dispatch reads it
+            return placement.tables("cpu"), copies
 
     def route(self, counts_PE: torch.Tensor) -> Route:
         """One microbatch's routes from every source's counts (counts_PE [P, E], int64 on the host: what source q
@@ -230,7 +245,7 @@ class EPShard:
         [c*n/r, (c+1)*n/r) of its n): not `Placement.route`'s water-fill, which reads the loads to the host. Every
         assignment is still computed once by its expert's weights: the maths is the same."""
         P, C, E = self.P, self.C, self.placement.num_experts
-        slot_of, copies_E = self._static_tables(counts_PE.device)  # [E + 1, R] (unused: P*C), [E]
+        slot_of, copies_E = self.static_tables(counts_PE.device)  # [E + 1, R] (unused: P*C), [E]
         R = slot_of.shape[1]
         c_1 = torch.arange(R + 1, device=counts_PE.device)
         upto_ER1 = torch.minimum(c_1[None, :], copies_E[:, None])  # copies before c, at most r
@@ -245,12 +260,12 @@ class EPShard:
         slot_N = slot_ids(expert_ids_TK.reshape(-1), order_N, counts_E, slot_of, start_of)
         return slots_PG, order_N.index_select(0, torch.argsort(slot_N, stable=True))  # stable: token order per slot
 
-    def _static_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table."""
+    def static_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`Placement.tables` [E + 1, R], copies per expert [E]) on `device`, made once a table; apply_ep makes them
+        before any call (a block compiled whole would recompile once, its first trace having seen them missing)."""
         key = "static:" + str(device)
         if key not in self._device_tables:
-            copies = torch.tensor([len(c) for c in self.placement.copies()], dtype=torch.long)
-            self._device_tables[key] = (self.placement.tables(device), copies.to(device))
+            self._device_tables[key] = tuple(t.to(device) for t in self._static_host)
         return self._device_tables[key]
 
     def slot_major(self, expert_ids_TK: torch.Tensor, order_N: torch.Tensor, counts_E: torch.Tensor,

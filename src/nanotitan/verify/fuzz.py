@@ -83,6 +83,8 @@ LAYOUT_DRAWS = [
     ("ep dispatch", [("--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped"),
                      ("--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped",
                       "--parallel.ep_capacity", "1")]),
+    # CUDA graphs (with the compiled blocks they replay): the fuzzer's CPU ranks can only see the refusal
+    ("cuda graphs", [("--train.cuda_graphs", "true", "--train.compile", "true", "--train.device", "cpu")]),
 ]
 DEFAULT_P = 0.5  # how often each row keeps its default
 # Where an option means something, by its first flag: off the layouts it fits, it is drawn only MISFIT_P of the
@@ -96,7 +98,8 @@ FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
         "--parallel.ep_overlap": lambda l: l["ep"] > 1,
         "--parallel.ep_dispatch": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
         "--parallel.ep_overlap_microbatches": lambda l: l["ep"] > 1 and l["tp"] * l["cp"] == 1,
-        "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"]}
+        "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"],
+        "--train.cuda_graphs": lambda l: False}  # a CPU rank has no CUDA stream: drawn MISFIT_P of the time
 MISFIT_P = 0.1
 
 
@@ -168,6 +171,8 @@ REFUSALS = [
      "static dispatch shapes the EP all-to-alls: there are none", "by design"),
     ("static-host-sizes", r"ep_dispatch=static keeps every split size on the device, and (model\.experts_impl|"
      r"parallel\.ep_overlap)", "the loop experts and EP overlap's groups read sizes to the host", "open"),
+    ("cuda-graphs-cpu", r"train\.cuda_graphs=true records CUDA graphs, and train\.device=cpu",
+     "a CUDA graph is a CUDA stream's recording: the fuzzer's ranks are CPU ones", "by design"),
     ("bf16-reduce", r"reduce_dtype=bf16 is implemented by the bucketed Reducer", "only our Reducer reduces in bf16",
      "open"),
 ]
