@@ -83,7 +83,8 @@ class SeedEPDispatcher:
     def forward_done(self) -> None:
         """After a training forward (Transformer): the seed records nothing."""
 
-    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int,
+                 positions: int | None = None):
         P, L, T = self.ep_size, num_experts // self.ep_size, x_TD.shape[0]
         x_ND, token_idx_N, order_N, counts_E = seed_pack(x_TD, expert_ids_TK, num_experts)
         send_PL = counts_E.view(P, L)

@@ -167,7 +167,8 @@ class LocalDispatcher:
     def forward_done(self) -> None:
         """After a training forward (Transformer): nothing to record on one device."""
 
-    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int,
+                 positions: int | None = None):
         order_N, token_idx_N, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         if experts.grouped(x_TD):  # no host sync: counts and offsets stay on the device
             x_ND = x_TD.index_select(0, token_idx_N)
@@ -387,7 +388,8 @@ class MoE(nn.Module):
         own = sum(min(n, max(0, whole - s)) for s, n in runs)  # routed: a prefix of this shard (seq_tail: the rest)
         r_TD = x_TD if own == S else x_BSD[:, :own].reshape(B * own, D)
         expert_ids_TK, weights_TK, aux = self.route(r_TD, B, own, whole)
-        y_TD = self.dispatcher(r_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts)
+        # positions: the rank's B*S, routed or not (an MTP tail routes fewer on one CP rank): static buffers' size
+        y_TD = self.dispatcher(r_TD, expert_ids_TK, weights_TK.to(x_TD.dtype), self.experts, self.num_experts, B * S)
         if own < S:  # the tail's positions get no routed output (nothing reads them)
             y_TD = F.pad(y_TD.view(B, own, D), (0, 0, 0, S - own)).view(B * S, D)
         if self.shared_expert is not None:  # every token, on this rank: no dispatch

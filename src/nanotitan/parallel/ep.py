@@ -288,14 +288,16 @@ class EPDispatcher:
         """The group of the calling lane (`EPLanes.group`)."""
         return self.lanes.group()
 
-    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int):
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int,
+                 positions: int | None = None):
+        """positions: the tokens every EP rank sizes static buffers by (default T): its positions, routed or not."""
         P, C = self.shard.P, experts.W_gate.shape[0]  # C slots per rank: E/P, and spares for a placement's copies
         assert C == self.shard.C and num_experts % P == 0, (
             f"experts hold {C} slots; the expert shard places {num_experts} experts in {self.shard.C} slots "
             f"on {P} ranks")
         T, D = x_TD.shape
         if self.capacity is not None:
-            return self._static(x_TD, expert_ids_TK, weights_TK, experts, num_experts)
+            return self._static(x_TD, expert_ids_TK, weights_TK, experts, num_experts, positions or T)
 
         # 1. pack expert-major; 2. every source's counts per expert (one small all-to-all), read to the host once: the
         # shard's routes (send_PC[p][s]: mine to rank p's slot s; recv_PC[q][s]: rank q's to my slot s), the same on
@@ -341,7 +343,8 @@ class EPDispatcher:
         w_N = weights_TK.reshape(-1).index_select(0, order_N)
         return combine(y_ND, w_N, token_idx_N, T)
 
-    def _static(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int) -> torch.Tensor:
+    def _static(self, x_TD, expert_ids_TK, weights_TK, experts: ExpertFFN, num_experts: int,
+                positions: int) -> torch.Tensor:
         """parallel.ep_dispatch static: the same trip with every size known before the step. Each rank sends each peer
         S = `static_slots` rows (its assignments to that peer's slots, slot-major, then zeros), so both all-to-alls
         have equal splits; every count stays on the device: the senders' counts travel as in the dynamic path
@@ -352,8 +355,9 @@ class EPDispatcher:
         expert reads, and
         their order (source, then token), are the dynamic path's, so the maths is the same."""
         P, C, me = self.shard.P, self.shard.C, self.shard.rank
-        (T, _), K = x_TD.shape, expert_ids_TK.shape[1]
-        S = static_slots(T * K, P, self.capacity)
+        T, K = x_TD.shape[0], expert_ids_TK.shape[1]
+        # sized by the rank's positions, the same on every EP rank (an MTP tail leaves one CP rank fewer routed)
+        S = static_slots(positions * K, P, self.capacity)
         assert experts.grouped(x_TD), "static dispatch runs the grouped experts (config: model.experts_impl grouped)"
         order_N, _, counts_E = pack_expert_major(expert_ids_TK, num_experts)
         counts_PE = self._gather_counts(counts_E)  # never read: the receivers' slot counts
