@@ -132,6 +132,7 @@ REFUSED = {
     "static-nothing": ["--parallel.ep_dispatch", "static"],
     "static-host-sizes": ["--parallel.ep_dispatch", "static", "--parallel.ep", "2", "--model.experts_impl", "loop"],
     "bf16-reduce": ["--parallel.reduce_dtype", "bf16", "--parallel.zero", "3", "--parallel.dp", "2"],
+    "cuda-graphs-cpu": ["--train.cuda_graphs", "true", "--train.compile", "true", "--train.device", "cpu"],
 }
 
 

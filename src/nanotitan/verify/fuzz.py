@@ -73,7 +73,7 @@ LAYOUT_DRAWS = [
                    ("--parallel.expert_placement", "balanced", "--parallel.rebalance_every", "1",
                     "--parallel.expert_replicas", "2")]),
     ("sequence parallel", [("--parallel.sp", "false")]),
-    # the document-balanced split needs the model's documents: drawn beside a causal model it is a refusal
+    # the document-balanced split needs the model's documents: beside a causal model (a refusal) only MISFIT_P
     ("cp attention", [("--parallel.cp_impl", "a2a"), ("--parallel.cp_split", "docs"),
                       ("--parallel.cp_split", "docs", "--parallel.cp_impl", "a2a")]),
     ("ep overlap", [("--parallel.ep_overlap", "true"), ("--parallel.ep_overlap_microbatches", "true")]),
@@ -94,7 +94,7 @@ FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
         "--parallel.expert_placement": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
         "--parallel.sp": lambda l: l["tp"] > 1,
         "--parallel.cp_impl": lambda l: l["cp"] > 1,
-        "--parallel.cp_split": lambda l: l["cp"] > 1,
+        "--parallel.cp_split": lambda l: l["cp"] > 1 and l["docs"],  # the documents' split: the model's documents
         "--parallel.ep_overlap": lambda l: l["ep"] > 1,
         "--parallel.ep_dispatch": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
         "--parallel.ep_overlap_microbatches": lambda l: l["ep"] > 1 and l["tp"] * l["cp"] == 1,
@@ -214,7 +214,7 @@ def draw(n: int, seed: int) -> list[Case]:
             cases.append(Case(len(cases), group, family, model))
             continue
         for _ in range(GROUP):
-            lay = rng.choice(every)
+            lay = {**rng.choice(every), "docs": "--model.attn_mask" in model}  # a draw's flag: the doc mask
             flags = [f for a in AXES for f in (f"--parallel.{a}", str(lay[a]))]
             flags += ["--parallel.microbatches", str(B // (lay["dp"] * lay["ep"] * m))]
             flags += _pick(rng, LAYOUT_DRAWS, lay)
