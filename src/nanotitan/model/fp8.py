@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -106,20 +107,85 @@ def convert(model: nn.Module, fp8: Fp8 | None, skip) -> list[str]:
     return done
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8) -> torch.Tensor:
-    """F.linear in FP8: torchao's Float8Linear.forward (its autograd function, its recipe), autocast honoured as
-    there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # an amax -> its MAX over the ranks that hold one dim's slices
 
+
+@dataclass(frozen=True)
+class Split:
+    """Where a linear's GEMM dimensions are cut over ranks, set by the layout (parallel/tp.py, parallel/cp.py): the
+    tokens T (CP's chunks; the tokens a TP rank routes or SP leaves it), the input features K (a row-parallel
+    weight), the output features N (a column-parallel one). Each holds the MAX all-reduces over the ranks that hold
+    that dim's slices (none: whole on this rank). A cast's amax is reduced over the dims its scale spans: every dim
+    of the tensor at tensorwise, the scaled axis at rowwise, so each scale is the one process's (docs/fp8.md)."""
+    tokens: tuple[Reduce, ...] = ()
+    inner: tuple[Reduce, ...] = ()
+    outer: tuple[Reduce, ...] = ()
+
+
+WHOLE = Split()
+
+
+def _cast(t: torch.Tensor, dims: tuple[tuple[Reduce, ...], tuple[Reduce, ...]], axis: int, cast, fp8: Fp8, role):
+    """torchao's `hp_tensor_to_float8_dynamic` for the 2D `t` under `cast` (a CastConfig of the recipe), its amax
+    reduced over the ranks holding slices of t's `dims` (per dim of t) that the scale spans: both (tensorwise) or
+    `axis`'s (axiswise). Bitwise torchao's where nothing is split (a max is exact in any order and dtype)."""
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+    axis = get_maybe_axiswise_dim(axis, cast.scaling_granularity)
+    amax = tensor_to_amax(t, False, None, cast.scaling_granularity, axis)
+    for reduce in (r for d in (dims if axis is None else (dims[axis],)) for r in d):
+        amax = reduce(amax.float())
+    scale = amax_to_scale(amax, cast.target_dtype, round_scales_to_power_of_2=fp8.pow2)
+    return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, fp8.mm_config, role, axis)
+
+
+class Float8Matmul(torch.autograd.Function):
+    """x [T, K] @ w_t [K, N] in FP8: torchao's `matmul_with_hp_or_float8_args` (the function its Float8Linear calls:
+    the same six casts, roles and GEMMs, every input in high precision), each cast's amax reduced over `split`
+    (`_cast`): input (T, K), weight (K, N), grad output (T, N)."""
+
+    @staticmethod
+    def forward(ctx, x, w_t, fp8: Fp8, split: Split):
+        from torchao.float8.float8_training_tensor import GemmInputRole as R
+
+        ctx.save_for_backward(x, w_t)
+        ctx.fp8, ctx.split = fp8, split
+        c, s = fp8.config, split
+        qx = _cast(x, (s.tokens, s.inner), -1, c.cast_config_input, fp8, R.INPUT)
+        qw = _cast(w_t, (s.inner, s.outer), 0, c.cast_config_weight, fp8, R.WEIGHT)
+        return torch.mm(qx, qw)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from torchao.float8.float8_training_tensor import GemmInputRole as R
+
+        x, w_t = ctx.saved_tensors
+        c, s, f = ctx.fp8.config, ctx.split, ctx.fp8
+        dy0 = _cast(dy, (s.tokens, s.outer), -1, c.cast_config_grad_output, f, R.GRAD_OUTPUT)
+        w1 = _cast(w_t, (s.inner, s.outer), -1, c.cast_config_weight_for_grad_input, f, R.WEIGHT)
+        dx = torch.mm(dy0, w1.t())
+        dy1 = _cast(dy, (s.tokens, s.outer), 0, c.cast_config_grad_output_for_grad_weight, f, R.GRAD_OUTPUT)
+        x1 = _cast(x, (s.tokens, s.inner), 0, c.cast_config_input_for_grad_weight, f, R.INPUT)
+        dw = torch.mm(dy1.t(), x1)
+        return dx, dw.t(), None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8,
+           split: Split = WHOLE) -> torch.Tensor:
+    """F.linear in FP8: torchao's Float8Linear.forward (its GEMMs and recipe: `Float8Matmul`), autocast honoured
+    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
     dev = x.device.type
+    lead = x.shape[:-1]
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, weight = x.to(dt), weight.to(dt)
         bias = None if bias is None else bias.to(dt)
         with torch.autocast(dev, enabled=False):
-            y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+            y = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), fp8, split)
     else:
-        y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+        y = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), fp8, split)
+    y = y.reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias.to(y.dtype)
 
 
