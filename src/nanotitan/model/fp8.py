@@ -140,6 +140,23 @@ def _cast(t: torch.Tensor, dims: tuple[tuple[Reduce, ...], tuple[Reduce, ...]], 
     return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, fp8.mm_config, role, axis)
 
 
+def _mm(a, b) -> torch.Tensor:
+    """torch.mm of two torchao float8 tensors (its `float8_mm`), save one thing: a rowwise GEMM in fp32 keeps its
+    fp32 accumulate. torchao rounds that GEMM's output through bf16 (CUDA's rowwise kernel has no fp32 output), so
+    a GEMM whose inner dim is split over ranks (a row-parallel weight under TP; a weight gradient over CP's tokens)
+    would add bf16-rounded partials where one process rounds their sum once. Done as torchao's own unfused path
+    does it: the GEMM at unit scales, fp32 out (which every kernel has), times the row and column inverse scales
+    (powers of 2 at rowwise: exact), so it is bitwise the dequantized fp32 matmul."""
+    from torchao.float8.float8_ops import preprocess_addmm
+
+    if a._orig_dtype != torch.float32 or a._axiswise_dim is None or b._axiswise_dim is None:
+        return torch.mm(a, b)
+    a_data, a_scale, b_data, b_scale = preprocess_addmm(a, b)
+    one = a_scale.new_ones(())
+    y = torch._scaled_mm(a_data, b_data, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return y * (a_scale.reciprocal() * b_scale.reciprocal())
+
+
 class Float8Matmul(torch.autograd.Function):
     """x [T, K] @ w_t [K, N] in FP8: torchao's `matmul_with_hp_or_float8_args` (the function its Float8Linear calls:
     the same six casts, roles and GEMMs, every input in high precision), each cast's amax reduced over `split`
@@ -154,7 +171,7 @@ class Float8Matmul(torch.autograd.Function):
         c, s = fp8.config, split
         qx = _cast(x, (s.tokens, s.inner), -1, c.cast_config_input, fp8, R.INPUT)
         qw = _cast(w_t, (s.inner, s.outer), 0, c.cast_config_weight, fp8, R.WEIGHT)
-        return torch.mm(qx, qw)
+        return _mm(qx, qw)
 
     @staticmethod
     def backward(ctx, dy):
@@ -164,10 +181,10 @@ class Float8Matmul(torch.autograd.Function):
         c, s, f = ctx.fp8.config, ctx.split, ctx.fp8
         dy0 = _cast(dy, (s.tokens, s.outer), -1, c.cast_config_grad_output, f, R.GRAD_OUTPUT)
         w1 = _cast(w_t, (s.inner, s.outer), -1, c.cast_config_weight_for_grad_input, f, R.WEIGHT)
-        dx = torch.mm(dy0, w1.t())
+        dx = _mm(dy0, w1.t())
         dy1 = _cast(dy, (s.tokens, s.outer), 0, c.cast_config_grad_output_for_grad_weight, f, R.GRAD_OUTPUT)
         x1 = _cast(x, (s.tokens, s.inner), 0, c.cast_config_input_for_grad_weight, f, R.INPUT)
-        dw = torch.mm(dy1.t(), x1)
+        dw = _mm(dy1.t(), x1)
         return dx, dw.t(), None, None
 
 
