@@ -15,6 +15,8 @@ model (MLA with a q latent, a dense first layer, a shared expert, sigmoid routin
 The bar, and why it is not 1e-5 at every step: EXACT_STEPS and FLIP_BOUND below.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -34,6 +36,9 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shar
             "--model.kv_lora_rank", "16", "--model.q_lora_rank", "16", "--model.qk_nope_head_dim", "8",
             "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "8", "--model.router_score", "sigmoid",
             "--model.bias_update_rate", "1e-3", "--model.mtp_layers", "1", "--model.mtp_coef", "0.3")
+TP2, CP2 = ("--parallel.tp", "2"), ("--parallel.cp", "2", "--parallel.cp_impl", "ring")  # TP with SP (its default)
+E8 = ("--model.num_experts", "8")  # TP2·EP2·CP2 folds the experts over 8 ranks
+PLANTED = ("--train.steps", "2")  # a planted row: 2 steps, the warmup's lr the 10-step reference's
 CKPT = 5
 RESUME_FROM = "ref_off_ckpt"  # one process, fp8 off, checkpoint at step CKPT: the resumed row's start
 
@@ -57,10 +62,16 @@ WORLD2_SLOW = [("dp2_zero3", "row", 2, 1, 1, "1f1b", (Z, "3", *ROW)),
                ("muon_dp2_zero1", "muon", 2, 1, 1, "1f1b", (Z, "1", *ROW, *MUON)),
                ("balanced_ep2", "row", 1, 1, 2, "1f1b", (*ROW, *BALANCED)),
                ("tensorwise_dp2_zero1", "tensor", 2, 1, 1, "1f1b", (Z, "1", *TENSOR)),
-               ("ep2_from_off", "row_from_off", 1, 1, 2, "1f1b", ROW)]
+               ("ep2_from_off", "row_from_off", 1, 1, 2, "1f1b", ROW),
+               ("tp2", "row", 1, 1, 1, "1f1b", (*ROW, *TP2)), ("tensorwise_tp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2)),
+               ("cp2", "row", 1, 1, 1, "1f1b", (*ROW, *CP2)), ("tensorwise_cp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *CP2)),
+               ("tensorwise_tp2_planted", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2, *PLANTED))]
 WORLD8 = [("dp2pp2ep2", "row", 2, 2, 2, "1f1b", (Z, "1", *ROW)),
-          ("deepseek_dp2pp2ep2_zb1", "deepseek", 2, 2, 2, "zb1", (*ROW, *DEEPSEEK))]
-REFS = {"row": ROW, "tensor": TENSOR, "muon": (*ROW, *MUON), "deepseek": (*ROW, *DEEPSEEK)}
+          ("deepseek_dp2pp2ep2_zb1", "deepseek", 2, 2, 2, "zb1", (*ROW, *DEEPSEEK)),
+          ("tp2ep2cp2", "row8", 1, 1, 2, "1f1b", (*ROW, *E8, *TP2, *CP2)),
+          ("tensorwise_tp2ep2cp2", "tensor8", 1, 1, 2, "1f1b", (*TENSOR, *E8, *TP2, *CP2))]
+REFS = {"row": ROW, "tensor": TENSOR, "muon": (*ROW, *MUON), "deepseek": (*ROW, *DEEPSEEK), "row8": (*ROW, *E8),
+        "tensor8": (*TENSOR, *E8)}
 
 
 def _resume(run_root: str, name: str) -> list[str]:
@@ -68,9 +79,28 @@ def _resume(run_root: str, name: str) -> list[str]:
 
 
 def _cases(rank, world, cases, corpus_dir, run_root):
-    return [train_once(base_args(corpus_dir, f"{run_root}/{world}_{name}") + layout_args(dp, pp, ep, sched, extra)
-                       + list(NO_CKPT) + _resume(run_root, name))
-            for name, _, dp, pp, ep, sched, extra in cases]
+    out = []
+    for name, _, dp, pp, ep, sched, extra in cases:
+        args = (base_args(corpus_dir, f"{run_root}/{world}_{name}") + layout_args(dp, pp, ep, sched, extra)
+                + list(NO_CKPT) + _resume(run_root, name))
+        with _planted(name.endswith("_planted")):
+            out.append(train_once(args))
+    return out
+
+
+@contextlib.contextmanager
+def _planted(on: bool):
+    """The planted bug of a `_planted` row: TP's and CP's amax reductions left out (each rank scales its slices
+    over what it holds), as a layout that forgot them would."""
+    from nanotitan.parallel import cp, tp
+
+    saved = tp.max_over, cp.max_over
+    if on:
+        tp.max_over = cp.max_over = lambda group, axis: (lambda amax: amax)
+    try:
+        yield
+    finally:
+        tp.max_over, cp.max_over = saved
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +142,8 @@ def row_errors(ranks: list[dict], ref: dict, params: bool = True) -> tuple[list[
         for pname, (t, start) in r["params"].items():
             want = ref["params"][pname][0]
             want = want if start is None else want[start:start + t.shape[0]]
+            part = r["parts"][pname]  # a TP slice: (dim, rank, n)
+            want = want if part is None else want.chunk(part[2], dim=part[0])[part[1]]
             worst = max(worst, (t - want).abs().max().item())
     return per_step, worst / (ref["lr"] * STEPS)
 
@@ -119,9 +151,9 @@ def row_errors(ranks: list[dict], ref: dict, params: bool = True) -> tuple[list[
 def replicas_equal(name: str, ranks: list[dict]) -> None:
     replicas = {}
     for r in ranks:
-        _, p, e = r["coords"]
+        _, p, _ = r["coords"]
         for pname, (t, start) in r["params"].items():
-            key = (pname, p, e if start is not None else None)
+            key = (pname, p, start, r["parts"][pname])  # (experts fold over EP x CP x TP: their first index)
             assert key not in replicas or torch.equal(replicas[key], t), f"{name}: replicas of {pname} differ"
             replicas.setdefault(key, t)
 
@@ -133,6 +165,11 @@ def _matrix(world, cases, corpus_dir, run_root, refs, timeout):
     rows = {}
     assert len({tuple(r["losses"]) for r in want.values()}) == len(want), "two recipes or models trained the same"
     for (name, ref, *_), ranks in zip(cases, zip(*per_rank)):
+        if name.endswith("_planted"):  # the bar must catch it: its early steps miss EXACT by 10x
+            per_step = row_errors(list(ranks), {**want[ref], "losses": want[ref]["losses"][:2]}, params=False)[0]
+            print(f"fp8 planted row {name}: loss error per step {' '.join(f'{e:.1e}' for e in per_step)}")
+            assert max(per_step) > 10 * EXACT, (name, per_step)
+            continue
         replicas_equal(name, list(ranks))
         rows[name] = row_errors(list(ranks), want[ref], params="balanced" not in name)  # (slots: placement's test)
         per_step, params = rows[name]

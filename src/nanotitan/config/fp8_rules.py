@@ -45,8 +45,9 @@ def check_fp8(cfg) -> None:
     _check(importlib.util.find_spec("torchao") is not None,
            f"train.fp8={t.fp8} needs torchao: pip install 'nanotitan[fp8]' (or --train.fp8 off)")
     m = cfg.model
-    by_tp = {"model.head_dim", "model.n_kv_heads", "model.dense_ffn_dim", "model.shared_ffn_dim", "model.v_head_dim",
+    by_tp = {"model.head_dim", "model.dense_ffn_dim", "model.shared_ffn_dim", "model.v_head_dim",
              "model.qk_nope_head_dim"} | (set() if m.num_experts else {"model.ffn_dim"})  # TP's split widths
+    by_tp |= {"model.n_kv_heads"} if (m.n_kv_heads or m.n_heads) % p.tp == 0 else set()  # (else replicated)
     for name, v, modules in _widths(m):
         kept = [mod for mod in modules if not any(fnmatch.fnmatchcase(mod, s) for s in t.fp8_skip)]
         v, per = (v // p.tp, f" per TP rank (of {v})") if name in by_tp and p.tp > 1 else (v, "")
