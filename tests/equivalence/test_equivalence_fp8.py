@@ -37,7 +37,8 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shar
             "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "8", "--model.router_score", "sigmoid",
             "--model.bias_update_rate", "1e-3", "--model.mtp_layers", "1", "--model.mtp_coef", "0.3")
 TP2, CP2 = ("--parallel.tp", "2"), ("--parallel.cp", "2", "--parallel.cp_impl", "ring")  # TP with SP (its default)
-E8 = ("--model.num_experts", "8")  # TP2·EP2·CP2 folds the experts over 8 ranks
+E8 = ("--model.num_experts", "8")
+WIRE = ("--parallel.fp8_comm", "true")  # the EP dispatch in FP8; the reference's experts make the same operand  # TP2·EP2·CP2 folds the experts over 8 ranks
 PLANTED = ("--train.steps", "2")  # a planted row: 2 steps, the warmup's lr the 10-step reference's
 CKPT = 5
 RESUME_FROM = "ref_off_ckpt"  # one process, fp8 off, checkpoint at step CKPT: the resumed row's start
@@ -65,13 +66,15 @@ WORLD2_SLOW = [("dp2_zero3", "row", 2, 1, 1, "1f1b", (Z, "3", *ROW)),
                ("ep2_from_off", "row_from_off", 1, 1, 2, "1f1b", ROW),
                ("tp2", "row", 1, 1, 1, "1f1b", (*ROW, *TP2)), ("tensorwise_tp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2)),
                ("cp2", "row", 1, 1, 1, "1f1b", (*ROW, *CP2)), ("tensorwise_cp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *CP2)),
-               ("tensorwise_tp2_planted", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2, *PLANTED))]
+               ("tensorwise_tp2_planted", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2, *PLANTED)),
+               ("ep2_fp8_comm", "row_wire", 1, 1, 2, "1f1b", (*ROW, *WIRE)),
+               ("tensorwise_ep2_fp8_comm", "tensor_wire", 1, 1, 2, "1f1b", (*TENSOR, *WIRE))]
 WORLD8 = [("dp2pp2ep2", "row", 2, 2, 2, "1f1b", (Z, "1", *ROW)),
           ("deepseek_dp2pp2ep2_zb1", "deepseek", 2, 2, 2, "zb1", (*ROW, *DEEPSEEK)),
           ("tp2ep2cp2", "row8", 1, 1, 2, "1f1b", (*ROW, *E8, *TP2, *CP2)),
           ("tensorwise_tp2ep2cp2", "tensor8", 1, 1, 2, "1f1b", (*TENSOR, *E8, *TP2, *CP2))]
 REFS = {"row": ROW, "tensor": TENSOR, "muon": (*ROW, *MUON), "deepseek": (*ROW, *DEEPSEEK), "row8": (*ROW, *E8),
-        "tensor8": (*TENSOR, *E8)}
+        "tensor8": (*TENSOR, *E8), "row_wire": (*ROW, *WIRE), "tensor_wire": (*TENSOR, *WIRE)}
 
 
 def _resume(run_root: str, name: str) -> list[str]:

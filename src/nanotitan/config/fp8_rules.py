@@ -40,6 +40,8 @@ def check_fp8(cfg) -> None:
     so a run that passes here runs there), and only layouts whose scales are one process's (TP and CP reduce each
     amax over the ranks that hold the tensor: parallel/tp.py `cut_fp8`; the refusals are the GEMMs they cannot)."""
     t, p = cfg.train, cfg.parallel
+    _check(not p.fp8_comm or t.fp8 != "off", "parallel.fp8_comm=true sends FP8 operands, and train.fp8=off makes "
+           "none: --train.fp8 rowwise (or tensorwise), or --parallel.fp8_comm false")
     if t.fp8 == "off":
         return
     _check(importlib.util.find_spec("torchao") is not None,

@@ -38,6 +38,7 @@ class Fp8:
     recipe: str
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
+    wire: bool = False  # parallel.fp8_comm: the experts' input is its FP8 operand (bits, scales), as on the wire
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -74,8 +75,9 @@ def _import_torchao() -> None:
             log.setLevel(level)
 
 
-def recipe(name: str) -> Fp8 | None:
-    """The Fp8 of train.fp8 `name` (None for "off"). torchao is imported only here: fp8 off never needs it."""
+def recipe(name: str, wire: bool = False) -> Fp8 | None:
+    """The Fp8 of train.fp8 `name` (None for "off"), `wire` parallel.fp8_comm's. torchao is imported only here: fp8
+    off never needs it."""
     if name == "off":
         return None
     _import_torchao()
@@ -87,7 +89,7 @@ def recipe(name: str) -> Fp8 | None:
     # Float8Linear.__init__'s three GEMM configs (output, grad_input, grad_weight), emulate off: torch._scaled_mm
     mm = LinearMMConfig(*(ScaledMMConfig(False, g.use_fast_accum, False, c.pad_inner_dim)
                           for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
-    return Fp8(name, c, mm)
+    return Fp8(name, c, mm, wire)
 
 
 def skipped(qualname: str, patterns) -> bool:
@@ -216,14 +218,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool):
     return to_fp8_saturated(t.float() * scale, dtype), scale
 
 
+def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values FP8 `bits` at `scale` stand for, in `dtype` (torchao's emulated GEMM reads them so)."""
+    return (bits.float() / scale).to(dtype)
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,
-              pow2: bool) -> torch.Tensor:
+              pow2: bool, a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """a @ b with a [n, K] scaled per row and b [K, N] per column (b_whole: one scale for all of b, broadcast to
-    its columns, the same numbers), fp32 accumulate, out in a's dtype. b is handed column-major, as the GPU
-    kernel wants it; on CPU `torch._scaled_mm` is bitwise the dequantized fp32 matmul."""
+    its columns, the same numbers), fp32 accumulate, out in a's dtype; `a_fp8`: a already quantized (bits,
+    scale). b is handed column-major, as the GPU kernel wants it; on CPU `torch._scaled_mm` is bitwise the
+    dequantized fp32 matmul."""
     if a.shape[0] == 0:
         return a.new_zeros(0, b.shape[1])
-    qa, sa = quantize(a, a_dtype, -1, pow2)
+    qa, sa = a_fp8 if a_fp8 is not None else quantize(a, a_dtype, -1, pow2)
     qb, sb = quantize(b, b_dtype, None if b_whole else 0, pow2)
     sb = sb.expand(1, b.shape[1]) if b_whole else sb
     qb = qb.t().contiguous().t()
@@ -234,13 +242,16 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
 class ExpertMM(torch.autograd.Function):
     """y = x @ w for one expert's rows x [n, K] and its weight w [K, N] in FP8 (the module docstring says why these
     scales): forward e4m3 x per row, w per column (or whole); grad_x = dy @ w^T with dy per row in the recipe's
-    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision."""
+    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision. With x's FP8 operand handed in (bits,
+    scales: parallel.fp8_comm, `experts`) the forward reads those bits and grad_w their dequantized values, so it
+    is the same wherever the operand was made: on this rank, or on the rank that sent it."""
 
     @staticmethod
-    def forward(ctx, x, w, fp8: Fp8):
-        ctx.save_for_backward(x, w)
+    def forward(ctx, x, w, fp8: Fp8, bits=None, scale=None):
+        ctx.save_for_backward(x if bits is None else dequantize(bits, scale, x.dtype), w)
         ctx.fp8 = fp8
-        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2)
+        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2,
+                         None if bits is None else (bits, scale))
 
     @staticmethod
     def backward(ctx, dy):
@@ -249,18 +260,26 @@ class ExpertMM(torch.autograd.Function):
         dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2) if ctx.needs_input_grad[0] \
             else None
         dw = x.t().mm(dy.to(x.dtype)) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return dx, dw, None, None, None
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
-            counts_L: list[int], fp8: Fp8) -> torch.Tensor:
-    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd."""
+            counts_L: list[int], fp8: Fp8, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd. With
+    fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
+    as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
+    group of rows)."""
     dev = x_ND.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x_ND, W_gate, W_val, W_out = (t.to(dt) for t in (x_ND, W_gate, W_val, W_out))
+    if fp8.wire and x_fp8 is None:
+        x_fp8 = quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
+    none = (None,) * len(counts_L)
+    bits, scales = (x_fp8[0].split(counts_L), x_fp8[1].split(counts_L)) if fp8.wire else (none, none)
     ys = []
-    for x, wg, wv, wo in zip(x_ND.split(counts_L), W_gate.unbind(0), W_val.unbind(0), W_out.unbind(0)):
-        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8)) * ExpertMM.apply(x, wv, fp8)
+    for x, b, s, wg, wv, wo in zip(x_ND.split(counts_L), bits, scales, W_gate.unbind(0), W_val.unbind(0),
+                                   W_out.unbind(0)):
+        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8, b, s)) * ExpertMM.apply(x, wv, fp8, b, s)
         ys.append(ExpertMM.apply(h, wo, fp8))
     return torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])

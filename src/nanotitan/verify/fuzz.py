@@ -73,6 +73,8 @@ LAYOUT_DRAWS = [
                    ("--parallel.expert_placement", "balanced", "--parallel.rebalance_every", "1",
                     "--parallel.expert_replicas", "2")]),
     ("sequence parallel", [("--parallel.sp", "false")]),
+    ("fp8 on the wire", [("--parallel.fp8_comm", "true", "--train.fp8", "rowwise"),
+                         ("--parallel.fp8_comm", "true", "--train.fp8", "tensorwise")]),
     ("cp attention", [("--parallel.cp_impl", "a2a")]),
     ("ep overlap", [("--parallel.ep_overlap", "true"), ("--parallel.ep_overlap_microbatches", "true")]),
     ("dp flavour", [("--parallel.dp_impl", "torch_ddp"), ("--parallel.bucket_mb", "1e-4")]),
@@ -92,6 +94,7 @@ FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
         "--parallel.cp_impl": lambda l: l["cp"] > 1,
         "--parallel.ep_overlap": lambda l: l["ep"] > 1,
         "--parallel.ep_dispatch": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
+        "--parallel.fp8_comm": lambda l: l["ep"] * l["cp"] * l["tp"] > 1,
         "--parallel.ep_overlap_microbatches": lambda l: l["ep"] > 1 and l["tp"] * l["cp"] == 1,
         "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"]}
 MISFIT_P = 0.1
@@ -154,6 +157,8 @@ REFUSALS = [
      "by design"),
     ("fp8-mla-ring", r"train\.fp8=\w+ with MLA under parallel\.cp_impl=ring",
      "the ring expands each step's latent with its own kv_b_proj call: a scale per step, not per sequence", "open"),
+    ("fp8-comm-off", r"parallel\.fp8_comm=true sends FP8 operands",
+     "FP8 payloads need FP8 operands: train.fp8 off makes none", "by design"),
     ("fp8-ep-overlap", r"train\.fp8=\w+ with parallel\.ep_overlap",
      "the overlapped experts' chunks run their own GEMMs, in high precision", "open"),
     ("kv-heads-tp", r"parallel\.tp=\d and model\.n_kv_heads", "KV heads are split, or replicated when fewer than the "
