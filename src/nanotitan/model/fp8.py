@@ -2,10 +2,12 @@
 
 Two kinds of GEMM, two sources:
 - the dense projections (attention, MLA, dense FFNs, shared experts, MTP's eh_proj): torchao's float8 linear,
-  the autograd function Float8Linear itself calls (`matmul_with_hp_or_float8_args`) with torchao's recipe
-  (Float8LinearConfig.from_recipe_name): its casts, its scales, its `torch._scaled_mm` (which runs on CPU too).
-  Each scale is one microbatch's: every layout that runs a microbatch's tokens whole on a rank (DP, ZeRO, EP's
-  dense part, PP) computes the scales one process computes.
+  the GEMMs of the autograd function Float8Linear itself calls (`matmul_with_hp_or_float8_args`, as
+  `Float8Matmul`) with torchao's recipe (Float8LinearConfig.from_recipe_name): its casts, its scales, its
+  `torch._scaled_mm` (which runs on CPU too). Each scale is one microbatch's: a layout that runs a microbatch's
+  tokens whole on a rank (DP, ZeRO, EP's dense part, PP) computes one process's scales as it is; TP and CP cut a
+  linear's dims over ranks, and each cast reduces its amax over the ranks holding the dims its scale spans
+  (`Split`, set by parallel/tp.py and parallel/cp.py), so the bits are one process's there too.
 - the routed experts (`ExpertMM`): written here. torchao's grouped float8 op is CUDA only, and its weight
   gradient scales each expert's columns over that expert's tokens of the call, which under EP are tokens of
   several ranks' microbatches: a per-layout quantity. So the experts scale what is the same in every layout:
