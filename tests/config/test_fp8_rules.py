@@ -42,7 +42,8 @@ def test_tp_and_cp_are_accepted_and_their_unscalable_gemms_refused():
                        "--parallel.ep", "2"])
     assert err("--parallel.tp", "4").startswith("model.head_dim gives an FP8 GEMM dimension 8 per TP rank (of 32)")
     msg = err("--parallel.tp", "2", "--model.n_kv_heads", "1", "--model.head_dim", "16")
-    assert msg.startswith("train.fp8=rowwise with parallel.tp=2 not dividing model.n_kv_heads=1") and "k_proj/v_proj" in msg
+    assert msg.startswith("train.fp8=rowwise with parallel.tp=2 not dividing model.n_kv_heads=1")
+    assert "k_proj/v_proj" in msg
     load_config(None, [*BASE, "--parallel.tp", "2", "--model.n_kv_heads", "1", "--model.head_dim", "16",
                        "--train.fp8_skip", "head,k_proj,v_proj"])
     mla = ("--model.kv_lora_rank", "16", "--model.qk_nope_head_dim", "8", "--model.qk_rope_head_dim", "8",

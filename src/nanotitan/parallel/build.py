@@ -47,7 +47,8 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     apply_tp(model, tp)  # shapes only: each TP-sharded parameter becomes its rank's slice
     apply_cp(model, tokens)  # FP8's scales over the CP group's tokens
-    float8.convert(model, float8.recipe(cfg.train.fp8, cfg.parallel.fp8_comm), cfg.train.fp8_skip)  # train.fp8: which GEMMs run in FP8
+    # train.fp8: which GEMMs run in FP8 (parallel.fp8_comm: the experts' input as the EP dispatch carries it)
+    float8.convert(model, float8.recipe(cfg.train.fp8, cfg.parallel.fp8_comm), cfg.train.fp8_skip)
     for chunk in chunks:
         for module in chunk.modules():  # (StageChunks holds these same modules: it sees the new parameters)
             for name, p in module.named_parameters(recurse=False):

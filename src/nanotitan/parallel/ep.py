@@ -359,7 +359,8 @@ class EPDispatcher:
             if fp8 is not None:  # parallel.fp8_comm: the rows' FP8 operand on the wire, read by the GEMMs as it is
                 x_RD, bits_RD, scale_R1 = _Fp8AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, fp8)
                 bits_RD = bits_RD.view(torch.uint8).index_select(0, perm_R).view(bits_RD.dtype)  # (bytes: any kernel)
-                y_RD = experts(x_RD.index_select(0, perm_R), counts_L, x_fp8=(bits_RD, scale_R1.index_select(0, perm_R)))
+                scale_R1 = scale_R1.index_select(0, perm_R)
+                y_RD = experts(x_RD.index_select(0, perm_R), counts_L, x_fp8=(bits_RD, scale_R1))
             else:
                 x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
                 y_RD = experts(x_RD.index_select(0, perm_R), recv_PL.sum(0) if grouped else counts_L)
