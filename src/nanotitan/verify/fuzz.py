@@ -150,7 +150,7 @@ REFUSALS = [
     ("replicas-over-ranks", r"expert_replicas=\d exceeds the \d EP ranks",
      "an expert cannot have more copies than the ranks its layer's experts fold over", "by design"),
     ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
-    ("fp8-width", r"gives an FP8 GEMM dimension \d+, not a multiple of 16",
+    ("fp8-width", r"gives an FP8 GEMM dimension \d+( per TP rank \(of \d+\))?, not a multiple of 16",
      "the GPU's FP8 GEMMs take dimensions in multiples of 16 (the deepseek model's q latent is 12)", "by design"),
     ("fp8-replicated-kv", r"train\.fp8=\w+ with parallel\.tp=\d not dividing model\.n_kv_heads",
      "KV projections replicated over TP take partial output gradients, which FP8 would round before their sum",
