@@ -220,11 +220,11 @@ LAUNCHES = [pytest.param(2, WORLD2, id="world2"),
             pytest.param(8, WORLD8, id="world8", marks=pytest.mark.slow)]
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("world, cases", LAUNCHES)
 def test_fp8_rows(world, cases, corpus_dir, run_root, refs):
     """world2: DP2 zero 1, EP2, PP2 zb1 at rowwise, EP2 at tensorwise. world2_more: DP2 zero 3, Muon, balanced
     placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed; TP2+SP, CP2 and EP2 fp8_comm at
     both recipes; the planted TP2 row. world8: DP2·PP2·EP2 and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under
     zb1, rowwise; TP2·EP2·CP2 at both recipes."""
-    _matrix(world, cases, corpus_dir, run_root, refs, timeout=1000)
+    _matrix(world, cases, corpus_dir, run_root, refs, timeout=1500)  # the slow launches: ~800 s on a busy 2-core machine
