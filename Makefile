@@ -30,17 +30,27 @@ train: $(STAMP)
 	$(VENV)/bin/nanotitan data prepare
 	$(VENV)/bin/nanotitan train --config configs/default.toml $(ARGS)
 
+# Two pytest workers (pytest-xdist), a test file per worker at a time: most tests use one core, so two share the
+# machine's cores; a file's module fixtures (a world running many cases) run once. Tests marked `serial` bound a wall
+# time, so they run after, alone. Exit 5 (nothing selected, e.g. ARGS naming one file) is not a failure.
+WORKERS ?= 2
+PYTEST  := $(PY) -m pytest -q -rs
+define two_passes
+	$(PYTEST) --durations=15 -n $(WORKERS) --dist loadfile -m "($(1)) and not serial" $(ARGS) || [ $$? -eq 5 ]
+	$(PYTEST) --durations=5 -m "($(1)) and serial" $(ARGS) || [ $$? -eq 5 ]
+endef
+
 # The test suite without its slow tier (the README's test command; <= 25 min on a 2-core machine).
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -rs --durations=15 -m "not slow" $(ARGS)
+	$(call two_passes,not slow)
 
 # The slow tier: the longest multi-process launches (world 8, elastic re-layouts, emulated topologies).
-# CI runs it after `make test` (.ci/run); `make test-all` runs both in one session.
+# CI runs it after `make test` (.ci/run); `make test-all` runs both.
 test-slow: $(TEST_STAMP)
-	$(PY) -m pytest -q -rs --durations=15 -m slow $(ARGS)
+	$(call two_passes,slow)
 
 test-all: $(TEST_STAMP)
-	$(PY) -m pytest -q -rs --durations=15 $(ARGS)
+	$(call two_passes,slow or not slow)
 
 bench: $(STAMP)
 	$(VENV)/bin/nanotitan bench dp

@@ -30,7 +30,7 @@ def main() -> int:
     r = Chaos(a.out, a.minutes, a.seed, a.k).go()
     print(table(r))
     ok = all(f["within_k"] for f in r["faults"]) and all(e["truthful"] for e in r["exits"]) \
-        and not (r["processes_left"] or r["snapshot_dirs_left"])
+        and not (r["processes_left"] or r["snapshot_dirs_left"] or r["temp_dirs_left"])
     return 0 if ok else 1
 
 

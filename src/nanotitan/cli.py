@@ -103,8 +103,8 @@ def cmd_train(argv: list[str]) -> int:
         else:
             from .train import run
         _die_with_parent()
-        start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; RUN_DIR/logs/rank_N.log
         try:
+            start_rank(cfg.run.dir, cfg.parallel.timeout_s)  # the comm record that names stalls; logs/rank_N.log
             with owned_run_dir(cfg.run.dir, cfg.train.resume, cfg.run.overwrite):  # rank 0, unless a launcher holds it
                 run(cfg)
         except BaseException as e:  # noqa: BLE001 - fail_rank re-raises SystemExit; the rest ends the rank
@@ -375,6 +375,7 @@ BENCHES = {
     "cp": "context parallel attention: causal balance, ring overlap (emulated), ours vs all-gather KV and torch",
     "placement": "experts placed by load vs static vs capacity-capped, under the emulated network",
     "packed": "document-masked attention (SDPA per document) vs causal SDPA, forward + backward",
+    "cp_docs": "CP over packed documents: the balanced split vs zigzag, attention work and time per rank",
 }
 
 

@@ -19,7 +19,8 @@ from .state import checkpoint as ckpt
 
 from .state import manifest
 from .config.config import Config, ConfigError, load_config
-from .data.prepare import load_tokenizer, prepare_data
+from .data import chat
+from .data.prepare import prepare_data
 from .data.tokenizer import eot_id, load_tokenizer_file
 from .interop.hf import run_tokenizer
 from .model.transformer import Transformer
@@ -87,10 +88,15 @@ def load_full_model(run_dir: str | Path, overrides: list[str] | None = None) -> 
 
 
 def sample(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, sampling: Sampling = Sampling(),
-           fmt: str = "text") -> str:
+           fmt: str = "text", template=None) -> str:
     """The prompt and its continuation (fmt "text"); fmt "sft": the answer alone, as SFT trained it (data/sft.py:
-    the prompt's tokens open a document, the response follows them and ends at EOT, where the answer stops)."""
-    ids = tokenizer.encode(prompt).ids or [0]
+    the prompt's tokens open a document, the response follows them and ends at EOT, where the answer stops). With the
+    data's chat template (data/chat.py), the prompt is a user turn followed by the template's generation prompt."""
+    if fmt == "sft" and template is not None:
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    else:
+        ids = tokenizer.encode(prompt).ids or [0]
     out = model.generate(torch.tensor([ids]), max_new_tokens, picker(sampling))[0].tolist()
     if fmt == "text":
         return tokenizer.decode(out)
@@ -107,5 +113,6 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, overrides:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg, model = load_full_model(run_dir, overrides)
     path = run_tokenizer(cfg)  # the prepared data's or data.tokenizer: nothing to encode
-    tokenizer = load_tokenizer_file(path) if path else load_tokenizer(prepare_data(cfg.data))
-    return sample(model, tokenizer, prompt, max_new_tokens, (sampling or Sampling()).seeded(cfg.train.seed), fmt)
+    path = path or str(prepare_data(cfg.data) / "tokenizer.json")
+    return sample(model, load_tokenizer_file(path), prompt, max_new_tokens,
+                  (sampling or Sampling()).seeded(cfg.train.seed), fmt, chat.load(str(path)))

@@ -8,7 +8,6 @@ from nanotitan.config.config import ConfigError, load_config, validate
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--model.mtp_layers", "1"], "model.mtp_layers=1"),
     (["--data.loader", "streaming"], "--data.loader indexed"),
     (["--data.mix", "a:0.5,b:0.5"], "no --data.mix"),
 ])

@@ -10,9 +10,9 @@ import torch
 from nanotitan.config.config import DataConfig
 from nanotitan.data.mix import open_file
 from nanotitan.data.prepare import load_meta, load_tokenizer, prepare_data
-from nanotitan.data.sft import IGNORE
+from nanotitan.data.sft import MASKED
 from nanotitan.data.sources import DataError
-from nanotitan.model.tokens import IGNORE as MODEL_IGNORE
+from nanotitan.model.tokens import MASKED as MODEL_MASKED
 from tests.helpers.data import write_sft
 
 
@@ -24,7 +24,7 @@ def test_prepare_stores_a_loss_mask_on_the_responses(tmp_path):
     src = write_sft(tmp_path / "sft.jsonl")
     out = prepare_data(_cfg(tmp_path, src), log=lambda s: None)
     meta, tok = load_meta(out), load_tokenizer(out)
-    assert meta["data_format"] == "sft" and IGNORE == MODEL_IGNORE
+    assert meta["data_format"] == "sft" and MASKED == MODEL_MASKED
     tokens = np.fromfile(out / "train.bin", dtype=meta["dtype"]).astype(np.int64)
     mask = np.fromfile(out / "train.mask", dtype=np.uint8)
     assert tokens.shape == mask.shape and set(np.unique(mask)) == {0, 1}
@@ -64,8 +64,9 @@ def test_windows_pack_whole_examples_and_target_responses_only(tmp_path):
         want = np.concatenate([whole[:end], np.full(W - end, eot)])
         assert x[row].tolist() == want[:-1].tolist()
         learn = mask[off + 1:off + W].astype(bool) & (np.arange(1, W) < end)
-        assert ((y[row] != IGNORE).numpy() == learn).all() and learn.any()
-        assert (y[row].numpy()[learn] == want[1:][learn]).all()
+        assert ((y[row] < MASKED).numpy() == learn).all() and learn.any()
+        # every target keeps its token (MTP reads them as inputs); the masked ones marked by + MASKED
+        assert (y[row].numpy() % MASKED == want[1:]).all()
 
 
 @pytest.mark.parametrize("record, words", [({"prompt": "a"}, "'prompt' and 'response'"),

@@ -2,7 +2,7 @@
 one-host elastic job under random faults (SIGTERM, kill -9, an agent paused 2-8 s, a full disk during a save, joins,
 some over a slow link; collectives paced by the network emulator). Every fault costs at most K steps (planned
 changes none), every node's exit code is the truthful one, and nothing is left behind: no process of the job,
-no snapshot dir in RAM, no temp dir but those of agents killed -9 (nothing runs to remove them)."""
+no snapshot dir in RAM, no temp dir (those of agents killed -9 included: the agents on the host sweep them)."""
 
 import pytest
 
@@ -17,6 +17,4 @@ def test_three_minutes_of_chaos(tmp_path):
     assert len(r["faults"]) >= 3, report
     assert all(f["within_k"] for f in r["faults"]), report
     assert all(e["truthful"] for e in r["exits"]), report
-    killed = {e["agent"] for e in r["exits"] if e["truth"] == -9}
-    assert r["processes_left"] == [] and r["snapshot_dirs_left"] == [], report
-    assert set(r["temp_dirs_left"]) <= killed, report
+    assert r["processes_left"] == [] and r["snapshot_dirs_left"] == [] and r["temp_dirs_left"] == {}, report

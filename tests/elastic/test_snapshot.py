@@ -171,3 +171,58 @@ def test_a_nonfinite_state_is_never_committed(corpus_dir, tmp_path):
     assert writer.error == f"snapshot of step 2 not kept: rank 0: model.{name} holds NaN/inf"
     assert snapshot.units(tmp_path / "shm") == {"step_1/g1-node0": [
         ".metadata", "__0_0.raw", "config.toml", "manifest.json", "state.json"]}
+
+
+def _snapshot_on_a_full_disk(rank, world, args, shm):
+    """A rank of pp=2, each rank its own node (its own snapshot dir): rank 1's writes fail as on a full disk
+    (RLIMIT_FSIZE 1 KiB: EFBIG) while it snapshots step 3; then, its disk back, both save a DCP checkpoint of the
+    same state. Returns what the snapshot's thread said."""
+    import resource
+
+    from nanotitan.state import checkpoint as ckpt
+    from nanotitan.elastic import snapshot
+    from nanotitan.config.config import load_config
+    from nanotitan.train import Trainer
+
+    tr = Trainer(load_config(None, args))
+    for step in range(3):
+        tr.train_step(step)
+    writer = snapshot.SnapshotWriter(tr.cfg, shm / f"node{rank}", node=rank, gen=1, leader=True, timeout_s=60)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+    writer.start(3, tr.model, tr.optimizer, tr.shard, ckpt.layout_dict(tr.dims), 3 * tr.B)
+    writer.thread.join()
+    said = [writer.error, writer.note]
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    tr.save(3)
+    return said
+
+
+def test_a_full_disk_on_one_node_during_a_snapshot_keeps_the_snapshot(corpus_dir, tmp_path):
+    """Rank 1's shard cannot be written on its node (a full disk): it is sent to rank 0 on the other node, which
+    writes it into its node's unit, checked against the checksum of the buffer it came from. The snapshot is whole
+    (was: `snapshot of step 3 not kept`, so a failure soon after fell back a snapshot more: up to 2K steps), and it
+    loads bit for bit as the checkpoint of the same state. Rank 1's node commits no unit of its own."""
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic import snapshot
+    from nanotitan.train import Trainer
+    from tests.helpers.mp import run_ranks
+
+    args = base_args(corpus_dir, tmp_path / "run") + layout_args(1, 2, 1) + ["--train.steps", "4"]
+    said = run_ranks(_snapshot_on_a_full_disk, 2, args=(args, tmp_path / "shm"), timeout=300)
+    line = "snapshot of step 3: rank 1 could not write its shard on node 1, so node 0's rank 0 wrote it there"
+    assert said == [["", line], ["", line]], said
+    assert sorted(snapshot.units(tmp_path / "shm" / "node0")["step_3/g1-node0"]) == [
+        ".metadata", "__0_0.raw", "__1_0.raw", "config.toml", "manifest.json", "state.json"]
+    assert snapshot.units(tmp_path / "shm" / "node1") == {}
+    path = assemble_newest(tmp_path / "shm" / "node0", {}, KEY, -1, print)
+    assert path == tmp_path / "shm" / "node0" / "checkpoints" / "step_3"
+
+    torch.set_num_threads(1)
+    single = base_args(corpus_dir, tmp_path / "load") + layout_args(1, 1, 1) + ["--train.steps", "4"]
+    from_snapshot = Trainer(load_config(None, single + ["--train.resume", str(path)]))
+    from_ckpt = Trainer(load_config(None, single + ["--train.resume", str(tmp_path / "run" / "checkpoints" / "step_3")]))
+    want = dict(from_ckpt.model.named_parameters())
+    for name, t in from_snapshot.model.named_parameters():
+        torch.testing.assert_close(t, want[name], rtol=0, atol=0, msg=lambda s: f"{name}: {s}")

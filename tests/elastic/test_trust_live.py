@@ -21,6 +21,8 @@ import pytest
 
 from tests.helpers.elastic import _coordinator, _register
 
+pytestmark = pytest.mark.serial  # its liveness verdicts are timed: it runs alone (Makefile)
+
 KEY = b"k" * 32
 AGENT = ("import sys, time; from nanotitan.elastic.liveness import Beater; "
          "Beater(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3], 1); print('up', flush=True); time.sleep(120)")

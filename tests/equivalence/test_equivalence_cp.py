@@ -140,7 +140,10 @@ def test_cp_layout_is_refused_in_one_line(tmp_path):
                            "--model.d_model", "48"], "parallel.cp_impl=a2a"),
                          (["--parallel.cp", "2", "--model.pos_emb", "learned"], "model.pos_emb=learned"),
                          (["--parallel.cp", "2", "--parallel.dp_impl", "torch_ddp"], "torch_ddp"),
-                         (["--parallel.cp", "4", "--model.mtp_layers", "2"], "model.mtp_layers=2")]:
+                         (["--parallel.cp", "4", "--model.mtp_layers", "2"], "model.mtp_layers=2"),
+                         (["--parallel.cp", "2", "--parallel.cp_split", "docs"], "parallel.cp_split=docs"),
+                         (["--parallel.cp", "2", "--parallel.cp_split", "docs", "--model.attn_mask", "doc",
+                           "--train.seq_len", "512", "--model.mtp_layers", "64"], "chunk of 64 tokens")]:
         with pytest.raises(ConfigError) as err:
             validate(load_config(None, base + extra))
         line = str(err.value)

@@ -18,7 +18,8 @@ one at a time on a random member node other than node 0, each once the job train
 
 A node that left or was lost is replaced by a join. At the end node 0 gets SIGTERM: every node still in the job must
 exit 143. Reported: each fault with the change it caused (event, steps lost against K, pause), each agent's exit
-code against the truthful one, and what was left behind (processes, snapshot dirs in RAM, temp dirs).
+code against the truthful one, and what was left behind (processes, snapshot dirs in RAM, temp dirs: the agents
+share one TMPDIR, as one host's do, and each dir is put down to the agent its owner file names).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanotitan.elastic.tempdirs import OWNER, start_ticks  # a pid seen with another start: another process
 from tests.conftest import make_corpus
 from tests.helpers.elastic import _agent, _changes, _records, elastic_args
 from tests.helpers.sockets import tree
@@ -46,10 +48,9 @@ SETTLE_S = 240.0  # a fault's effect (a change record, a node's exit) is awaited
 
 @dataclass
 class Node:
-    i: int  # the driver's count (its log and temp dir)
+    i: int  # the driver's count (its log)
     proc: subprocess.Popen
     log: Path
-    tmp: Path
     slow: bool = False
     node: int | None = None  # the job's node id, once its agent said it
     expect: int | None = None  # the exit code that would be the truth; None: still in the job
@@ -83,12 +84,12 @@ class Chaos:
     # --- the nodes -------------------------------------------------------------------------------------------
     def start(self, slow: bool = False) -> Node:
         i = len(self.nodes)
-        log, tmp = self.out / f"agent{i}.log", self.out / "tmp" / f"agent{i}"
-        tmp.mkdir(parents=True)
+        log, tmp = self.out / f"agent{i}.log", self.out / "tmp"  # one host: the agents share its temp dir
+        tmp.mkdir(parents=True, exist_ok=True)
         f = open(log, "w")  # noqa: SIM115 - closed in finish()
         self.files.append(f)
         env = {"TMPDIR": str(tmp), **({"NANOTITAN_PUSH_HOLD_S": str(HOLD_S)} if slow else {})}
-        n = Node(i, _agent(self.args, f, env), log, tmp, slow)
+        n = Node(i, _agent(self.args, f, env), log, slow)
         self.nodes.append(n)
         return n
 
@@ -117,7 +118,7 @@ class Chaos:
         """Every process of the job seen so far (its leftovers are counted at the end); an exit nobody expected."""
         for n in self.nodes:
             if n.proc.poll() is None:
-                self.seen.update({pid: _start(pid) for pid in tree(n.proc.pid) if pid not in self.seen})
+                self.seen.update({pid: start_ticks(pid) for pid in tree(n.proc.pid) if pid not in self.seen})
             elif n.expect is None:
                 n.expect, n.why = 143 if n.proc.returncode == 143 else -1, "exited on its own"
 
@@ -255,11 +256,14 @@ class Chaos:
 
     def report(self) -> dict:
         time.sleep(2.0)  # a rank's death with its parent (PR_SET_PDEATHSIG) is asynchronous
-        alive = sorted(p for p, start in self.seen.items() if start is not None and _start(p) == start)
+        alive = sorted(p for p, start in self.seen.items() if start is not None and start_ticks(p) == start)
         shm = self.out / "shm" / f"nanotitan-{os.getuid()}"
         in_ram = sorted(str(p) for p in shm.iterdir()) if shm.is_dir() else []
-        temp = {n.i: sorted(str(p) for p in n.tmp.iterdir() if not p.name.startswith("torchinductor_"))
-                for n in self.nodes}
+        temp = {}  # agent (by the pid in the dir's owner file; "?" without one) -> its temp dirs left
+        by_pid = {n.proc.pid: n.i for n in self.nodes}
+        for p in sorted((self.out / "tmp").iterdir()):
+            if not p.name.startswith("torchinductor_"):  # torch's compile cache, shared on purpose
+                temp.setdefault(by_pid.get(_owner(p), "?"), []).append(str(p))
         faults = []
         for f in self.faults:
             lost = [c["steps_lost"] for c in f.changes if "failure" in c["event"]]
@@ -289,10 +293,10 @@ def _fsize(pid: int, soft: int) -> None:
         pass
 
 
-def _start(pid: int) -> int | None:
-    """A process's start time (clock ticks since boot): a pid seen again with another is another process."""
+def _owner(d: Path) -> int | None:
+    """The pid an agent's temp dir names as its owner (elastic/tempdirs.py), or None."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return int((d / OWNER).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
 

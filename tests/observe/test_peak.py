@@ -42,6 +42,7 @@ def _slow_randn(rate: float, sizes: list[int]):
     return randn
 
 
+@pytest.mark.serial  # bounds its wall time
 def test_measurement_is_bounded_on_a_cpu_without_native_bf16(monkeypatch):
     """A fixed 2048^2 bf16 GEMM at 1.2 GFLOP/s is 14 s per call (6 minutes per launch with repeats); the
     grown measurement stops at a size whose calls fit the budget and still reports the rate."""

@@ -101,11 +101,14 @@ def _case_latent(cp, idx, seed):
     return errs, sent
 
 
-def _case_docs(fn, cp, idx, hq, hkv, seed):
+def _case_docs(fn, cp, idx, hq, hkv, seed, split=None):
     """fn (ring or Ulysses) with packed documents against one process's per-document SDPA over the whole sequence,
-    and how many of the ring's blocks this rank computed (the others: no query of the block sees a key of it)."""
+    and how many of the ring's block pairs this rank computed (the others: no query of the pair sees a key of it).
+    split: None (zigzag), "docs" (the balanced layout of these documents) or "contiguous" (rank r holds chunks 2r
+    and 2r+1: a layout neither zigzag nor balanced, held in global order all the same)."""
     from nanotitan.model.docs import doc_starts
     from nanotitan.model.tokens import doc_attention
+    from nanotitan.parallel import cp_split
 
     g = torch.Generator().manual_seed(seed)
     b, s, d = 2, idx.numel() * cp.size, 8
@@ -113,6 +116,9 @@ def _case_docs(fn, cp, idx, hq, hkv, seed):
     for row, eots in enumerate(((3, 12, 14, 26), (3, 5, 20))):  # each row's first document ends with chunk 0
         x[row, [e for e in eots if e < s]] = 1
     starts = doc_starts(x, 1)
+    layout = {None: None, "docs": cp_split.balanced(starts, cp.size),
+              "contiguous": cp_split.CPLayout(4, tuple(j // 2 for j in range(2 * cp.size)), cp.size)}[split]
+    idx = idx if layout is None else layout.positions(cp.rank)
     q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
     dout = torch.randn(b, hq, s, d, generator=g)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -122,7 +128,7 @@ def _case_docs(fn, cp, idx, hq, hkv, seed):
     computed, block = [], cp_attn.block_attention
     cp_attn.block_attention = lambda *a, **kw: computed.append(1) or block(*a, **kw)
     try:
-        out = fn(*local, cp, SCALE, starts)
+        out = fn(*local, cp, SCALE, starts, layout)
     finally:
         cp_attn.block_attention = block
     out.backward(dout[:, :, idx])
@@ -145,6 +151,9 @@ def _rank(rank: int, world: int) -> dict:
         out[n, "mla"] = _case_latent(cp, idx, seed=n)
         out[n, "ring docs"] = _case_docs(cp_attn.ring_attention, cp, idx, 4, 2, seed=n)
         out[n, "a2a docs"] = _case_docs(cp_attn.ulysses_attention, cp, idx, 4, 4, seed=n)
+        for split in ("docs", "contiguous"):
+            out[n, f"ring docs {split}"] = _case_docs(cp_attn.ring_attention, cp, idx, 4, 2, n, split)
+            out[n, f"a2a docs {split}"] = _case_docs(cp_attn.ulysses_attention, cp, idx, 4, 4, n, split)
         out[n, "bf16"] = _case_bf16(cp, idx, seed=n)
     return out
 
@@ -166,14 +175,44 @@ def test_equals_whole_sequence_sdpa(results, n, name):
 @pytest.mark.parametrize("n", [2, 4])
 def test_packed_documents_equal_one_process_and_the_ring_skips_blocks_no_query_sees(results, n):
     """Documents that cross the chunks: ring and Ulysses equal one process's per-document attention (forward and
-    every input gradient); at CP4 a rank whose queries share no document with an earlier rank's chunk skips that
-    block (the first document of each row ends with chunk 0)."""
+    every input gradient), on zigzag's layout, the documents' balanced one and a contiguous one; at CP4 a rank
+    whose queries share no document with an earlier chunk skips that pair (the first document of each row ends
+    with chunk 0)."""
     for rank, res in enumerate(results):
-        for name in ("ring docs", "a2a docs"):
+        for name in ("ring docs", "a2a docs", "ring docs docs", "a2a docs docs", "ring docs contiguous",
+                     "a2a docs contiguous"):
             errs, _ = res[n, name]
             assert max(errs) <= TOL, (rank, n, name, errs)
-    if n == 4:
-        assert min(res[n, "ring docs"][1] for res in results) < n  # n blocks when none is skipped
+    if n == 4:  # the first document of each row ends with chunk 0: rank 0's ring skips a peer's keys entirely
+        assert min(res[n, "ring docs"][1] for res in results) < max(res[n, "ring docs"][1] for res in results)
+
+
+def test_doc_rectangles_cover_exactly_the_pairs_of_one_document():
+    """The ring's rectangles for every (rank, peer) cover each visible (query, key) pair once (same document, key
+    not after the query) and nothing else, on zigzag's, the balanced and a contiguous layout: the work done is the
+    documents' causal area."""
+    from nanotitan.model.docs import doc_starts
+    from nanotitan.parallel import cp_split
+
+    g = torch.Generator().manual_seed(0)
+    for n, S in ((2, 32), (4, 64)):
+        x = (torch.rand(3, S, generator=g) < 0.15).long()
+        x[1, :] = 0  # one window a single document
+        starts = doc_starts(x, 1)
+        for layout in (cp_split.zigzag(S, n), cp_split.balanced(starts, n),
+                       cp_split.CPLayout(S // (2 * n), tuple(j // 2 for j in range(2 * n)), n)):
+            docs = cp_attn.DocBlocks.of(starts, cp_attn.CPRing(None, 0, n, 0, 0), layout)
+            for me in range(n):
+                for src in range(n):
+                    pq, pk = layout.positions(me), layout.positions(src)
+                    same = starts[:, pq].unsqueeze(2) == starts[:, pk].unsqueeze(1)
+                    want = same & (pk[None, None] <= pq[None, :, None])
+                    got = torch.zeros_like(want, dtype=torch.int64)
+                    for w, rows, keys, causal in docs.rects(me, src):
+                        block = torch.ones(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.int64)
+                        got[w, rows, keys] += block.tril() if causal else block
+                    assert torch.equal(got, want.long()), (n, layout, me, src)
+                    assert docs.sees(me, src) == bool(want.any()) or src == me
 
 
 @pytest.mark.parametrize("n", [2, 4])

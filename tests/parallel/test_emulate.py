@@ -16,6 +16,8 @@ from tests.helpers.mp import run_ranks
 from tests.helpers.equivalence import base_args, check_case, layout_args
 from tests.helpers.mp import train_once
 
+pytestmark = pytest.mark.serial  # emulated links are timed against their model: it runs alone (Makefile)
+
 H800 = BUILTIN["h800"]  # NVLink 160 GB/s, 10 us; IB 50 GB/s, 20 us (every link figure the same for each op)
 
 

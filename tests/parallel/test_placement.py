@@ -191,6 +191,7 @@ def test_fold_sums_every_copy_once_world4():
     assert all((grads[0][2] == g[2]).all() for g in grads), "the copies' gradients differ"
 
 
+@pytest.mark.serial  # bounds its wall time
 def test_sticky_relabels_many_ranks_node_for_node_quickly():
     """Above 7 ranks the relabelling is greedy, node for node: 64 EP ranks in nodes of 8 (a replicated expert's
     copies on one node), in well under a second; a placement relabelled against itself stays as it is (no move)."""

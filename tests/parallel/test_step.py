@@ -90,7 +90,7 @@ def test_sft_loss_is_the_global_batchs_target_sum_over_their_count(tmp_path):
 
     from nanotitan.config.config import ConfigError, load_config
     from nanotitan.model.docs import doc_starts
-    from nanotitan.model.tokens import IGNORE, cross_entropy
+    from nanotitan.model.tokens import IGNORE, MASKED, cross_entropy, loss_targets
     from nanotitan.model.transformer import Transformer
     from nanotitan.parallel.dims import ParallelDims
     from nanotitan.parallel.step import target_weights
@@ -108,6 +108,7 @@ def test_sft_loss_is_the_global_batchs_target_sum_over_their_count(tmp_path):
         model = Transformer(cfg.model, seed=cfg.train.seed).eval()
         with torch.no_grad():
             logits, _ = model(x, docs=doc_starts(x, trainer.data.eot))
+        y = loss_targets(y)  # the prompts' targets: token + MASKED, read by no loss
         counts = (y != IGNORE).sum(1)
         assert counts.min() < counts.max()  # uneven: a mean of the 16 means would differ
         want = (cross_entropy(logits, y) * counts.sum()).item() / counts.sum().item()
@@ -117,5 +118,5 @@ def test_sft_loss_is_the_global_batchs_target_sum_over_their_count(tmp_path):
         trainer.shard.close()
     assert abs(got - want) <= 1e-5 * want and abs(mean_of_means - want) > 1e-4 * want
     with pytest.raises(ConfigError, match="no target token") as err:
-        target_weights(ParallelDims(1, 1, 1), [torch.full((1, 4), IGNORE)] * 2)
+        target_weights(ParallelDims(1, 1, 1), [torch.full((1, 4), 7 + MASKED)] * 2)
     assert "\n" not in str(err.value)

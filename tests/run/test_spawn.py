@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from nanotitan.run.spawn import run_ranks
 
+pytestmark = pytest.mark.serial  # it bounds how fast ranks are killed: it runs alone (Makefile)
+
 
 def _sum_ranks(rank, world, tag):
     t = torch.tensor([rank + 1.0])

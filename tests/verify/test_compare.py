@@ -122,6 +122,7 @@ REFUSED = {
     "replicas-over-ranks": ["--parallel.expert_placement", "balanced", "--parallel.ep", "2",
                             "--parallel.expert_replicas", "3"],
     "a2a-heads": ["--parallel.cp", "4", "--parallel.cp_impl", "a2a", "--parallel.tp", "2"],
+    "cp-split-docs": ["--parallel.cp", "2", "--parallel.cp_split", "docs"],
     "fp8-width": ["--train.fp8", "rowwise", "--model.ffn_dim", "40"],
     "fp8-replicated-kv": ["--train.fp8", "rowwise", "--parallel.tp", "2", "--model.n_kv_heads", "1",
                           "--model.head_dim", "16"],

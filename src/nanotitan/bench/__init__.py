@@ -17,6 +17,7 @@
     placement.py      experts placed by load (parallel.expert_placement) against the static placement and the
                       capacity-capped router, side by side, under the network emulator
     packed.py         document-masked attention (SDPA per document) against causal SDPA, side by side
+    cp_docs.py        CP over packed documents: the balanced split against zigzag, attention work and time per rank
 
 One-off experiments that are not commands (the planner's fits, call profiles, side-by-side runs of two trees) live
 outside the package, in scripts/experiments/.

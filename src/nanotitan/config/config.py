@@ -195,6 +195,9 @@ class ParallelConfig:
     cp: int = 1  # context-parallel ranks splitting every sequence, chunks i and 2cp-1-i each (docs/cp.md)
     # attention under CP: ring passes K/V around the CP ring, a2a is Ulysses' all-to-all over heads (docs/cp.md)
     cp_impl: Literal["ring", "a2a"] = "ring"
+    # which positions each CP rank holds: zigzag's chunks i and 2cp-1-i, or (model.attn_mask=doc) per microbatch,
+    # balanced over its documents' attention work (docs/cp.md)
+    cp_split: Literal["zigzag", "docs"] = "zigzag"
     # --- pipeline ---
     microbatches: int = 1  # M per data rank per step
     # pipeline schedule when pp > 1: gpipe, 1f1b, interleaved (with virtual_stages) or zb1 (zero bubble; docs/pp.md)

@@ -81,6 +81,9 @@ class Hardware:
     p2p_call_s: float = 0.0
     step_overhead_s: float = 0.0
     source: str = ""  # where the figures come from
+    # Dense FP8 tensor-core FLOP/s (e4m3, fp32 accumulate); Blackwell runs MXFP8 at the same rate. 0: no FP8 units
+    # (A100, RTX 30xx, CPUs): the FP8 GEMMs are emulated at the fp32 rate (plan/fp8.py).
+    peak_flops_fp8: float = 0.0
 
     def peak_flops(self, dtype: str, ranks_on_node: int = 1) -> float:
         """FLOP/s of one rank while it runs. A CPU node's cores are split among its ranks (at least one
@@ -139,24 +142,36 @@ def _network(per_gpu_bw: float) -> Link:
 
 
 BUILTIN: dict[str, Hardware] = {
-    # NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS BF16 dense (1,979 with sparsity), 66.9 TFLOPS FP32,
+    # NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS BF16 dense (1,979 with sparsity), 1,978.9 FP8 dense, 66.9 TFLOPS FP32,
     # 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s per direction). Network: one
     # ConnectX-7 400 Gb/s NIC per GPU (DGX H100) = 50 GB/s.
     "h100-sxm": Hardware("h100-sxm", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12,
                          devices_per_node=8, intra=_nvlink(450 * GB), inter=_network(50 * GB),
-                         source="NVIDIA H100 datasheet (SXM5)", **_GPU_COMMON),
-    # NVIDIA H800 SXM: the H100 SXM compute and memory with NVLink cut to 400 GB/s total
+                         peak_flops_fp8=1978.9 * TFLOPS, source="NVIDIA H100 datasheet (SXM5)", **_GPU_COMMON),
+    # NVIDIA H800 SXM: the H100 SXM compute (FP8 included) and memory with NVLink cut to 400 GB/s total
     # (200 GB/s per direction). DeepSeek-V3 report (sec. 3.2.2) measures ~160 GB/s NVLink and 50 GB/s IB
     # per GPU (8 x 400 Gb/s per node), which is what we use directly.
     "h800": Hardware("h800", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=80 * GB, mem_bw=3.35e12,
                      devices_per_node=8, intra=Link(160 * GB, 160 * GB, 160 * GB, 10e-6),
-                     inter=Link(50 * GB, 50 * GB, 50 * GB, 20e-6),
+                     inter=Link(50 * GB, 50 * GB, 50 * GB, 20e-6), peak_flops_fp8=1978.9 * TFLOPS,
                      source="NVIDIA H800 SXM spec; DeepSeek-V3 technical report sec. 3.2.2", **_GPU_COMMON),
-    # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 67 TFLOPS FP32, 141 GB HBM3e at 4.8 TB/s,
+    # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 1,979 FP8 dense, 67 TFLOPS FP32, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s total; one 400 Gb/s NIC per GPU (HGX H200).
     "h200": Hardware("h200", 989.4 * TFLOPS, 66.9 * TFLOPS, mem_bytes=141 * GB, mem_bw=4.8e12,
                      devices_per_node=8, intra=_nvlink(450 * GB), inter=_network(50 * GB),
-                     source="NVIDIA H200 datasheet (SXM)", **_GPU_COMMON),
+                     peak_flops_fp8=1978.9 * TFLOPS, source="NVIDIA H200 datasheet (SXM)", **_GPU_COMMON),
+    # NVIDIA HGX B200 datasheet, per GPU: 2.25 PFLOPS BF16 dense (4.5 with sparsity), 4.5 PFLOPS FP8/MXFP8 dense,
+    # 75 TFLOPS FP32, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s total (900 GB/s per direction); one 400 Gb/s
+    # NIC per GPU (DGX B200).
+    "b200": Hardware("b200", 2250 * TFLOPS, 75 * TFLOPS, mem_bytes=180 * GB, mem_bw=7.7e12, devices_per_node=8,
+                     intra=_nvlink(900 * GB), inter=_network(50 * GB), peak_flops_fp8=4500 * TFLOPS,
+                     source="NVIDIA HGX B200 datasheet", **_GPU_COMMON),
+    # NVIDIA GB300 NVL72 datasheet, per GPU (the rack's figures / 72, dense = half the sparse figure): 2.5 PFLOPS
+    # BF16 dense, 5 PFLOPS FP8/MXFP8 dense, 288 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s total in a 72-GPU domain; one
+    # 800 Gb/s ConnectX-8 NIC per GPU. FP32 taken as B200's 75 TFLOPS.
+    "gb300": Hardware("gb300", 2500 * TFLOPS, 75 * TFLOPS, mem_bytes=288 * GB, mem_bw=8e12, devices_per_node=72,
+                      intra=_nvlink(900 * GB), inter=_network(100 * GB), peak_flops_fp8=5000 * TFLOPS,
+                      source="NVIDIA GB300 NVL72 datasheet", **_GPU_COMMON),
     # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16 dense, 19.5 TFLOPS FP32, 80 GB HBM2e at
     # 2,039 GB/s, NVLink 3 600 GB/s total (300 per direction); DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s.
     "a100-80gb": Hardware("a100-80gb", 312 * TFLOPS, 19.5 * TFLOPS, mem_bytes=80 * GB, mem_bw=2.039e12,
@@ -194,10 +209,11 @@ BUILTIN: dict[str, Hardware] = {
                                 "(docs/calibration.md), torch 2.13, gloo"),
 }
 ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "3090": "rtx3090", "3060": "rtx3060", "cpu": "cpu-gloo",
-           "h800-sxm": "h800", "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-3060": "rtx3060"}
+           "h800-sxm": "h800", "h200-sxm": "h200", "rtx-3090": "rtx3090", "rtx-3060": "rtx3060", "b200-sxm": "b200",
+           "gb300-nvl72": "gb300"}
 # torch.cuda.get_device_name() substring -> built-in profile (first match wins).
-GPU_NAMES = {"H800": "h800", "H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb", "3090": "rtx3090",
-             "3060": "rtx3060"}
+GPU_NAMES = {"GB300": "gb300", "B200": "b200", "H800": "h800", "H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb",
+             "3090": "rtx3090", "3060": "rtx3060"}
 # Dense datasheet peaks (FLOP/s) by device-name substring: what MFU divides by (metrics.device_peak_flops).
 GPU_PEAKS = {key: {"bf16": BUILTIN[p].peak_flops_bf16, "fp32": BUILTIN[p].peak_flops_fp32}
              for key, p in GPU_NAMES.items()}

@@ -7,11 +7,9 @@ from .errors import check as _check
 
 
 def check_packed(cfg) -> None:
-    """data.format=sft reads prepared examples by index, and masks targets the MTP modules would read as tokens."""
-    d, m = cfg.data, cfg.model
+    """data.format=sft reads prepared examples by index from one source."""
+    d = cfg.data
     if d.format == "text":
         return
     _check(d.loader == "indexed" and not d.mix,
            "data.format=sft reads prepared examples by index from one source: --data.loader indexed, no --data.mix")
-    _check(m.mtp_layers == 0, f"model.mtp_layers={m.mtp_layers} reads future tokens from the targets, which "
-           "data.format=sft masks on the prompts (--model.mtp_layers 0, or --data.format text)")

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 
 from nanotitan.config.config import DataConfig
 from nanotitan.config.parse import parse_mix
+from nanotitan.data import chat
 from nanotitan.data.sft import encode_examples, iter_records
 from nanotitan.data.sources import DataError, cache_root, iter_documents, source_fingerprint
 from nanotitan.data.tokenizer import eot_id, load_tokenizer_file, train_bpe
@@ -91,6 +92,8 @@ def prepared_dir(cfg: DataConfig) -> Path:
     key = {"format": FORMAT_VERSION, "source": source_fingerprint(cfg), "val_fraction": cfg.val_fraction}
     if cfg.format != "text":  # a text corpus keeps the key it always had
         key["data_format"] = cfg.format
+        if template := chat.load(cfg.tokenizer):  # the `messages` records' rendering
+            key["chat_template"] = template.digest
     if cfg.tokenizer:
         tok_path = Path(cfg.tokenizer).expanduser().resolve()
         if not tok_path.is_file():
@@ -328,13 +331,14 @@ def _prepare_into(cfg: DataConfig, tmp: Path, log: Callable[[str], None]) -> Non
         tok_desc = str(Path(cfg.tokenizer).expanduser().resolve())
     else:
         tok = train_bpe(iter_documents(cfg) if cfg.format == "text" else
-                        (text for _, p, r in iter_records(cfg) for text in (p, r)), cfg.vocab_size)
+                        (text for _, spans, _ in iter_records(cfg) for text, _ in spans), cfg.vocab_size)
         tok_desc = f"byte-level BPE trained on the source (data.vocab_size {cfg.vocab_size})"
         log(f"data: trained a {tok.get_vocab_size()}-token byte-level BPE on {cfg.source} "
             f"in {time.perf_counter() - t0:.1f}s")
         if line := bpe_shortfall(tok.get_vocab_size(), cfg.vocab_size):
             log(line)
     tok.save(str(tmp / "tokenizer.json"))
+    chat.save_beside(chat.load(cfg.tokenizer) if cfg.format == "sft" else None, tmp / "tokenizer.json")
     eot, vocab = eot_id(tok), tok.get_vocab_size()
     dtype = token_dtype(vocab)
 

@@ -5,6 +5,7 @@
     rank.py         one rank of a generation: the Trainer, plus what the agents need to know
     snapshot.py     every K steps each rank's state in memory on its node, copied to a peer node
     replicas.py     which snapshot units each node keeps (per origin node), and a whole step assembled on node 0
+    tempdirs.py     each agent's temp dir, marked with its owner; the dirs of agents provably gone, swept
     transport.py    the file transport between nodes (TCP, the job's members only)
     liveness.py     each agent's signed connection to node 0: a dead node noticed at once, a silent one in 4 s
     auth.py         the job secret and the MACs the members put on what they tell each other (docs/security.md)

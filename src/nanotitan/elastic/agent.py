@@ -6,8 +6,9 @@ other members, pushes its own to the next (transport.py) and keeps its snapshot 
 How a node ends (docs/reliability.md): with the job's `done` entry, every node exits with its code and prints its
 line (the resume hint included); a node leaving on its own notice (SIGTERM) while the job goes on exits 143, node
 0 never before its coordinator's `done`; Ctrl-C ends in one line (130); a node whose store is gone (node 0 died)
-in one line, exit 1. Every ending frees the node's snapshot dir and its temp dir. A node dropped while it lives (a
-pause longer than elastic.silent_s) says so in one line and asks to join again.
+in one line, exit 1. Every ending frees the node's snapshot dir and its temp dir; an agent killed -9 frees
+nothing, so each agent's start and end sweep the temp dirs of this user's dead agents (tempdirs.py). A node
+dropped while it lives (a pause longer than elastic.silent_s) says so in one line and asks to join again.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import nullcontext
@@ -32,7 +32,7 @@ from ..config.parse import elastic_nodes
 from ..config.errors import first_line
 from ..run.launch import LOG_ENV
 from ..run.loopback import family, host_ip, join_endpoint, loopback_env, loopback_store, split_endpoint
-from . import replicas, snapshot
+from . import replicas, snapshot, tempdirs
 from .auth import KEY_ENV, WINDOW_S, SignedStore, StoreGone, agent_key, default_id_warning, new_launch, single_host
 from .coordinator import BEAT_S, REJOIN_S, TICK_S, Coordinator, job_hash, plan_world
 from .liveness import JOB_KEY, LIVE_KEY, MISMATCH_S, Beater
@@ -56,7 +56,8 @@ class Agent:
         self.plans: dict[int, dict] = {}  # the plans it read: which nodes each generation's snapshot units come from
         self.procs: list[subprocess.Popen] = []  # this generation's ranks
         self.warm: list[subprocess.Popen] = []  # the next generation's, started ahead (cli.warm_rank)
-        self.err_dir = Path(tempfile.mkdtemp(prefix="nanotitan-elastic-"))
+        tempdirs.sweep()  # those of this host's agents that died without removing theirs (kill -9)
+        self.err_dir = tempdirs.make()
         self.notice = False  # SIGTERM: leave after the step in flight
         self.interrupted = False  # SIGINT: stop now
         self.left = False  # whether this node's leave/I is written
@@ -228,6 +229,7 @@ class Agent:
         self.pushed.add(rel)
         info = self.store.get(f"node/{peer}")  # here: the store's client is not for threads
         if info is None:
+            snapshot.mark_pushed(self.files.root, rel, f"node {peer} has no file server entry")
             return
         to = Peer(json.loads(info)["files"], self.cfg.elastic.id, peer)
         src, hold = self.files.root / rel, float(os.environ.get(PUSH_HOLD_ENV) or 0)
@@ -240,9 +242,11 @@ class Agent:
                     shutil.copytree(src, unit)
                     time.sleep(hold)
                 push_unit(to, self.key, unit, rel)
+                snapshot.mark_pushed(self.files.root, rel)  # the ranks wait for it (SnapshotWriter.settle)
             except (OSError, ValueError, RuntimeError) as err:
                 print(f"nanotitan elastic: node {self.node}: snapshot step_{step} not copied to node {peer}: "
                       f"{first_line(err)}", flush=True)
+                snapshot.mark_pushed(self.files.root, rel, f"its copy to node {peer} failed ({first_line(err)})")
             finally:
                 if unit != src:
                     shutil.rmtree(unit, ignore_errors=True)
@@ -347,6 +351,7 @@ class Agent:
         if self.files.root is not None:
             shutil.rmtree(self.files.root, ignore_errors=True)
         shutil.rmtree(self.err_dir, ignore_errors=True)
+        tempdirs.sweep()  # an agent killed meanwhile: the last one to end on this host leaves none behind
 
 
 def run_agent(cfg: Config, argv: list[str]) -> int:

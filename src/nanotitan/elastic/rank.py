@@ -13,7 +13,8 @@ Trainer, all through the job's store on node 0:
   and how the generation ended (`gen/G/result`: finished or stopped).
 - every elastic.snapshot_every steps, every rank snapshots its state (`ElasticTrainer.snapshot`): a copy to host
   memory at the step boundary, written to its node's snapshot dir on a thread while training goes on
-  (snapshot.py). The stop's checkpoint and the end of the generation wait for the snapshot in flight.
+  (snapshot.py). The stop's checkpoint and the end of the generation wait for the snapshot in flight, and the
+  step after a snapshot counts (`gen/G/step`) only once that snapshot is on two nodes (SnapshotWriter.settle).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from ..state import checkpoint as ckpt
 from ..config.config import Config
+from ..parallel.comm import collectives as comm
 from ..parallel.step import StepResult
 from ..run.loopback import split_endpoint
 from .auth import SignedStore, rank_key
@@ -64,9 +66,10 @@ class ElasticTrainer(Trainer):
         self.store, self.gen, self.started, self.entered = store, gen, started, time.time()
         self.load_s = self.save_s = 0.0
         super().__init__(cfg)
+        nodes = comm.world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         self.snapshots = SnapshotWriter(self.cfg, snapshot_root(cfg, node), node, gen,
                                         leader=int(os.environ.get("LOCAL_RANK", 0)) == 0,
-                                        timeout_s=self.cfg.parallel.timeout_s)
+                                        timeout_s=self.cfg.parallel.timeout_s, peers=nodes > 1)
         self.built = time.time()
 
     def resume(self, where: str):
@@ -86,6 +89,7 @@ class ElasticTrainer(Trainer):
         if self.is_main and self.store.get(f"gen/{self.gen}/stop") is not None:
             self.request_stop("elastic coordinator: a node joins or leaves")  # agree_on_step all-reduces it
         out = super().train_step(step)
+        self.snapshots.settle()  # the last snapshot on a second node before this step counts: at most K lost
         stop = out.stop  # the agreed flag: rank 0's own stop_requested may be ahead of the others'
         k = self.cfg.elastic.snapshot_every
         if k and (step + 1) % k == 0 and not stop and step + 1 < self.cfg.train.steps:

@@ -13,19 +13,21 @@ updates and stall labels see it as one more layer) and enorm, hnorm, eh_proj and
 `model.layers.{n_layers + k - 1}.*`). The order of the concatenation,
 embedding first, is DeepSeek's checkpoint's (its eh_proj columns).
 
-Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k]
-at positions t < S - k. Both are read from the whole sequence's targets at this rank's positions (`whole_targets`:
-under context parallel a rank holds two chunks, and position t's target t+k may lie in another rank's), the
-untargeted tail marked IGNORE, which the cross-entropy leaves out. Each depth runs on all S positions, its last k padded
-(`future_ids`), so that every depth's tensors keep the trunk's shape: under tensor parallel with SP each rank holds an
-even shard of the S positions, and the embedding, the head and the loss each run once over the main rows and every
-depth's, stacked along the batch. What the padding cannot reach is left out as if the depth ran on S - k positions:
-attention is causal and the rest works per token, so no kept position reads the tail; the MoE of depth k's block routes
-none of its last k positions and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss reads positions
-t < S - k. Loss: each depth's mean CE over its positions, averaged over the depths, times mtp_coef: a loss term of its
-own, which the shard's forward returns beside the router losses and the pipeline runner adds to the objective and sums
-over the microbatches as it sums those (parallel/pp/schedules.py); the trainer logs it apart as `mtp_loss`. A block's
-MoE router losses join the shard's aux sum like any layer's.
+Targets give the future tokens: target[t] = token t+1, so depth k reads emb(target[t+k-1]) and predicts target[t+k] at
+positions t < S - k. Both are read from the whole sequence's targets at this rank's positions (`whole_targets`: under
+context parallel a rank holds two chunks, and position t's target t+k may lie in another rank's), the untargeted tail
+marked IGNORE, which the cross-entropy leaves out. A masked target (data.format=sft's prompts: model/tokens.py MASKED)
+gives its token to the depths' inputs and nothing to their losses. Each depth runs on all S positions, its last k
+padded (`future_ids`), so that every depth's tensors keep the trunk's shape: under tensor parallel with SP each rank
+holds an even shard of the S positions, and the embedding, the head and the loss each run once over the main rows and
+every depth's, stacked along the batch. What the padding cannot reach is left out as if the depth ran on S - k
+positions: attention is causal and the rest works per token, so no kept position reads the tail; the MoE of depth k's
+block routes none of its last k positions and counts none in its statistics (`MoE.seq_tail`, `mark_tails`); the loss
+reads positions t < S - k. Loss: each depth's mean CE over its positions (its unmasked targets: per microbatch, unlike
+the main CE's global normalisation), averaged over the depths, times mtp_coef: a loss term of its own, which the
+shard's forward returns beside the router losses and the pipeline runner adds to the objective and sums over the
+microbatches as it sums those (parallel/pp/schedules.py); the trainer logs it apart as `mtp_loss`. A block's MoE
+router losses join the shard's aux sum like any layer's.
 """
 
 from __future__ import annotations

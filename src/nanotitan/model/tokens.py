@@ -30,6 +30,19 @@ from . import wgrad
 from .docs import segments
 
 IGNORE = -100  # a target no loss reads (MTP's shifted tail, model/mtp.py): F.cross_entropy's ignore_index
+# A masked target (data.format=sft's prompts and padding): token + MASKED. No loss reads it, but MTP's depths read its
+# token as an input (model/mtp.py), so the mask keeps the token; `loss_targets` and `target_tokens` read it apart.
+MASKED = 1 << 30
+
+
+def loss_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The targets a loss reads: masked ones IGNORE (the rest as they are: without a mask, the same values)."""
+    return targets.masked_fill(targets >= MASKED, IGNORE)
+
+
+def target_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """The tokens of the targets, masked or not (MTP's future inputs)."""
+    return torch.where(targets >= MASKED, targets - MASKED, targets)
 
 
 class TokenShard(Protocol):
@@ -39,6 +52,11 @@ class TokenShard(Protocol):
     size: int  # token ranks: each holds S_whole / size positions of every sequence
     split_rank: int  # this rank's place among the ranks that split the weights on the same tokens
     split_size: int
+
+    def place(self, docs: torch.Tensor | None) -> None:
+        """The microbatch about to run, by its document starts (B, S_whole) or None: under context parallel they
+        may choose which positions each rank holds (parallel/cp_split.py); `seq_runs` and `runs` answer for it."""
+        ...
 
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
         """The S positions of a sequence this rank's attention and loss see, as (global start, length) runs."""
@@ -147,6 +165,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class WholeSequence:
     """The sequence ranks' part of a token shard whose rank holds every sequence whole (one device; tensor parallel
     alone, whose regions gather SP's shards): attention and the loss see positions [0, S), attention is local."""
+
+    def place(self, docs: torch.Tensor | None) -> None:
+        pass  # the sequence is whole here: nothing to choose
 
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
         return [(0, S)]

@@ -39,7 +39,7 @@ from .norm import RMSNorm, full_norm
 from .rope import apply_rope, rope_cache
 from .wgrad import Linear
 from .spec import ModelShardSpec
-from .tokens import LOCAL, TokenShard, at_runs
+from .tokens import LOCAL, TokenShard, at_runs, loss_targets, target_tokens
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -121,6 +121,7 @@ class Block(nn.Module):
                  expert_shard: ExpertShard | None = None):
         super().__init__()
         self.has_attn, self.has_ffn = spec.block_parts(layer_idx)
+        self.tokens = tokens
         if self.has_attn:
             self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.attn = MLA(cfg, tokens) if cfg.kv_lora_rank else Attention(cfg, tokens)
@@ -139,6 +140,7 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.dense_ffn_dim or cfg.ffn_dim)
 
     def forward(self, x, rope, docs=None):
+        self.tokens.place(docs)  # here, so that activation checkpointing's recompute places its own microbatch
         if self.has_attn:
             x = x + self.attn(self.attn_norm(x), rope, docs)
         return self.feed_forward(x)
@@ -271,18 +273,21 @@ class Transformer(nn.Module):
         # parameter, as the sync expects.
         mtp = spec.mtp_layers > 0 and self.training and targets is not None
         B, S = inp.shape[0], inp.shape[1]
+        self.tokens.place(docs)  # which positions this rank holds may depend on the documents (context parallel)
         future = None
-        # MTP's targets are the whole sequence's, read at this rank's positions (context parallel: its chunks)
+        # MTP's targets are the whole sequence's, read at this rank's positions (context parallel: its chunks); its
+        # depths' input tokens are the targets' tokens, a masked target's (SFT's prompts) included
         whole, runs = whole_targets(targets, self.tokens) if mtp else (None, None)
+        ahead = future_ids(target_tokens(whole), runs, spec.mtp_layers) if mtp else None
         if spec.has_token_embed:
-            x = self._embed(self.tok_emb, torch.cat([inp, future_ids(whole, runs, spec.mtp_layers)]) if mtp else inp)
+            x = self._embed(self.tok_emb, torch.cat([inp, ahead]) if mtp else inp)
             x, future = (x[:B], x[B:]) if mtp else (x, None)
             if spec.has_pos_embed:
                 x = x + self._embed(self.pos_emb, self._learned_positions(S, docs, inp.device))
         else:
             x = inp
             if mtp:  # the last stage's replica of the embedding (parallel/tied.py)
-                future = self._embed(self.tok_emb, future_ids(whole, runs, spec.mtp_layers))
+                future = self._embed(self.tok_emb, ahead)
         rope = (self.rope_cos, self.rope_sin) if self.cfg.pos_emb == "rope" else None
         aux_sum = x.new_zeros((), dtype=torch.float32)
         for key in list(self.layers)[:self.n_trunk]:
@@ -295,13 +300,13 @@ class Transformer(nn.Module):
             if targets is None:
                 return logits, aux_sum
             # the token shard's: plain on one device, TP's logits stay vocab shards, CP's loss is its part
-            return self.tokens.cross_entropy(logits, targets), aux_sum
+            return self.tokens.cross_entropy(logits, loss_targets(targets)), aux_sum
         hs, aux = self.mtp(x, future, lambda key, h: self._run_block(key, h, rope, docs))
         logits = self.head(torch.cat([self.norm(x), *hs]))  # (B + D*B, S, V), V/N under TP
         ce_of = self.tokens.cross_entropy
-        ce = ce_of(logits[:B], targets)
+        ce = ce_of(logits[:B], loss_targets(targets))
         # A term of its own: ce stays the main head's CE (logged as ce_loss, comparable with runs without MTP).
-        return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], whole, runs, ce_of)
+        return ce, aux_sum + aux, self.cfg.mtp_coef * self.mtp.loss(logits[B:], loss_targets(whole), runs, ce_of)
 
     def _learned_positions(self, S: int, docs: torch.Tensor | None, device) -> torch.Tensor:
         """The learned table's rows for S positions: the window's, or each token's place in its document."""

@@ -15,6 +15,7 @@
     tp.py           tensor parallel with sequence parallel: Megatron's split of a stage's dense part
     cp.py           context parallel: each sequence cut into 2N chunks, CP rank i holding i and 2N-1-i (CPShard)
     cp_attn.py      attention under CP: the ring, all-to-all (Ulysses) and MLA-latent ring
+    cp_split.py     which chunks each CP rank holds: zigzag, or balanced over a microbatch's documents (CPLayout)
     shard.py        each parameter's gradient layout over the ranks (grad_layout: ALONE, WHOLE, SHARDED, PARTIAL)
     tied.py         the token embedding shared by the first and the last pipeline stage (MTP)
     where.py        where each element of a global tensor lives on any rank (DP shard, TP slice, expert slots)

@@ -39,7 +39,7 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
     init.from_hf when `load_weights` is given (it fills every parameter: a checkpoint that lacks one is refused),
     else by global identity."""
     # what the model needs from the ranks sharing its tokens (CP's composed with TP's), and its TP part
-    tokens, tp = token_shard(dims, cfg.parallel.sp, cfg.parallel.cp_impl)
+    tokens, tp = token_shard(dims, cfg.parallel.sp, cfg.parallel.cp_impl, cfg.parallel.cp_split)
     experts = expert_shards(cfg, dims)  # which global expert each slot of a layer holds: the identity placement
     with torch.device("meta"):
         chunks = [Transformer(cfg.model, s, seed=cfg.train.seed, init=False, tokens=tokens, experts=experts)

@@ -2,7 +2,9 @@
 
     split         a sequence of S tokens is cut into 2N chunks of c = S/(2N) (N = cp); CP rank i holds chunks i and
                   2N-1-i, in that order (`chunk_runs`): causal attention then costs every rank the same. Its data
-                  loader reads only those positions (run/setup.py); RoPE/YaRN read the rope table at them.
+                  loader reads only those positions (run/setup.py); RoPE/YaRN read the rope table at them. Under
+                  documents with parallel.cp_split=docs each microbatch has a layout of its own, balanced over its
+                  documents' attention work (parallel/cp_split.py), which `place` sets before the model reads it.
     attention     `CPShard.attend`: the ring (parallel/cp_attn.py, parallel.cp_impl=ring) or Ulysses' all-to-all
                   (a2a); MLA's `attend_latent` sends the compressed latent around the ring instead of whole K/V
     MoE           each CP rank routes its own tokens (`runs`); the balance loss, z-loss and expert counts are summed
@@ -29,6 +31,7 @@ import torch.nn as nn
 from ..model.tokens import IGNORE, LocalTokenShard, gather_pairs
 from .comm import collectives as comm
 from .cp_attn import CPRing, ring_attention, ring_latent_attention, ulysses_attention
+from .cp_split import CPLayout, layout_of, zigzag
 from .dims import ParallelDims
 from .tp import TPShard, cut_fp8, max_over, tp_shard
 
@@ -57,15 +60,31 @@ class CPShard:
     model's token shard (model/tokens.py: `TokenShard`). Token ranks: CP x TP, cp-major (rank = cp_rank * tp +
     tp_rank); split ranks: TP's."""
 
-    def __init__(self, ring, tp: TPShard | LocalTokenShard, impl: str):
-        self.ring, self.tp, self.impl = ring, tp, impl
+    def __init__(self, ring, tp: TPShard | LocalTokenShard, impl: str, split: str = "zigzag"):
+        self.ring, self.tp, self.impl, self.split = ring, tp, impl, split
         self.size, self.rank = ring.size * tp.size, ring.rank * tp.size + tp.rank
         self.split_rank, self.split_size = tp.split_rank, tp.split_size
+        self._docs, self._layout = None, None  # the placed microbatch's document starts and its layout
 
     # --- the token ranks ------------------------------------------------------------------------------------
+    def place(self, docs: torch.Tensor | None) -> None:
+        """The microbatch about to run: its document starts (B, S) (None: causal windows) fix its layout (the
+        same on every rank, a pure function of the starts; kept while the same starts come back, as activation
+        checkpointing's recompute hands them)."""
+        if docs is self._docs:
+            return
+        self._docs = docs
+        self._layout = None if docs is None else layout_of(self.split, docs, docs.shape[1], self.ring.size)
+
+    def layout(self, S_whole: int) -> CPLayout:
+        """The layout of an S_whole-token sequence: the placed microbatch's, or zigzag's two chunks."""
+        if self._layout is not None and self._layout.seq_len == S_whole:
+            return self._layout
+        return zigzag(S_whole, self.ring.size)
+
     def seq_runs(self, S: int) -> list[tuple[int, int]]:
         """The CP rank's S positions (what attention and the loss see: TP regions gather the rest of its stream)."""
-        return chunk_runs(self.ring.rank, self.ring.size, S * self.ring.size)
+        return self.layout(S * self.ring.size).runs(self.ring.rank)
 
     def runs(self, S: int) -> list[tuple[int, int]]:
         """This token rank's S positions: TP rank j holds local positions [j*S, (j+1)*S) of its CP rank's stream."""
@@ -89,28 +108,33 @@ class CPShard:
         return gather_pairs(self, weights_BSK, ids_BSK, length, none_id)
 
     def seq_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """The CP ranks' t (each its two chunks along `dim`) as the whole sequence, in global order (no gradient)."""
+        """The CP ranks' t (each its positions along `dim`) as the whole sequence, in global order (no gradient)."""
         n = self.ring.size
         t = t.contiguous()
         out = t.new_empty((n, *t.shape))
         comm.all_gather(out.view(-1), t.view(-1), self.ring.group, axis="cp").wait()
-        halves = [part.chunk(2, dim=dim) for part in out.unbind(0)]  # rank r: (chunk r, chunk 2n-1-r)
-        return torch.cat([halves[g][0] if g < n else halves[2 * n - 1 - g][1] for g in range(2 * n)], dim=dim)
+        ranked = torch.cat(out.unbind(0), dim=dim)  # rank 0's positions, rank 1's, ...
+        order = self.layout(t.shape[dim] * n).order(t.device)
+        return ranked.index_select(dim, torch.argsort(order))
 
     # --- attention ------------------------------------------------------------------------------------------
     def attend(self, q, k, v, scale: float | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the CP rank's queries over the whole sequence (B, H, S_loc, D) -> (B, H, S_loc, Dv);
         with `docs` (the whole windows' document starts (B, S)) within each document."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.place(docs)
+        layout = self.layout(q.shape[2] * self.ring.size)
         if self.impl == "a2a":
-            return ulysses_attention(q, k, v, self.ring, scale, docs)
-        return ring_attention(q, k, v, self.ring, scale, docs)
+            return ulysses_attention(q, k, v, self.ring, scale, docs, layout)
+        return ring_attention(q, k, v, self.ring, scale, docs, layout)
 
     def attend_latent(self, q, latent, expand, scale: float, docs: torch.Tensor | None = None) -> torch.Tensor:
         """MLA: the ring carries the latent (B, S_loc, R + Dr) and each rank expands it; a2a expands it here."""
         if self.impl == "a2a":
             return self.attend(q, *expand(latent), scale, docs)
-        return ring_latent_attention(q, latent, expand, self.ring, scale, docs)
+        self.place(docs)
+        layout = self.layout(q.shape[2] * self.ring.size)
+        return ring_latent_attention(q, latent, expand, self.ring, scale, docs, layout)
 
     # --- the split ranks: TP's ------------------------------------------------------------------------------
     def splits(self, heads: int) -> bool:
@@ -151,7 +175,7 @@ class _SumOverCP(torch.autograd.Function):
         return dy, None
 
 
-def token_shard(dims: ParallelDims, sp: bool, cp_impl: str
+def token_shard(dims: ParallelDims, sp: bool, cp_impl: str, cp_split: str = "zigzag"
                 ) -> tuple[CPShard | TPShard | LocalTokenShard, TPShard | LocalTokenShard]:
     """(the token shard a model of this rank is built with, its TP part for apply_tp): CP's composed with TP's at
     cp > 1, else TP's (parallel/tp.py: `tp_shard`), the local token shard on one device."""
@@ -160,7 +184,7 @@ def token_shard(dims: ParallelDims, sp: bool, cp_impl: str
         return tp, tp
     ranks, me, n = dims.group_ranks("cp"), dims.cp_rank, dims.cp  # from the coordinates (a dry run has no groups)
     ring = CPRing(dims.group("cp"), me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
-    return CPShard(ring, tp, cp_impl), tp
+    return CPShard(ring, tp, cp_impl, cp_split), tp
 
 
 def apply_cp(model: nn.Module, tokens) -> None:
@@ -176,3 +200,12 @@ def apply_cp(model: nn.Module, tokens) -> None:
 def seq_runs_of(dims: ParallelDims, S: int) -> list[tuple[int, int]]:
     """The positions of each S-token sequence this rank's data loader reads (its CP rank's chunks)."""
     return chunk_runs(dims.cp_rank, dims.cp, S)
+
+
+def doc_columns(dims: ParallelDims, split: str, starts_BS: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, S/cp) int64: the positions this rank's loader keeps of each window with document starts starts_BS (B, S),
+    each microbatch of m windows by its own layout (what `CPShard.place` gives the model for the same starts)."""
+    S = starts_BS.shape[1]
+    rows = [layout_of(split, part, S, dims.cp).positions(dims.cp_rank, starts_BS.device).expand(part.shape[0], -1)
+            for part in starts_BS.split(m)]
+    return torch.cat(rows)

@@ -16,6 +16,7 @@ same work at every step.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -24,10 +25,11 @@ import torch.distributed as dist
 
 from ..model.tokens import doc_attention
 from .comm import collectives as comm
+from .cp_split import CPLayout, zigzag
 
 __all__ = ["CPGroup", "CPRing", "cp_ring", "ring_attention", "ring_latent_attention", "ulysses_attention",
            "block_attention", "block_attention_backward", "balanced_order", "local_positions",
-           "latent_bytes_per_token"]
+           "latent_bytes_per_token", "DocBlocks", "doc_blocks_forward", "doc_blocks_backward"]
 
 AXIS = "cp"  # the axis name CP's P2P and all-to-all are accounted (and emulated) under
 
@@ -155,21 +157,80 @@ def _merge(out, lse, part_out, part_lse, rows: slice):
 # --- the ring ------------------------------------------------------------------------------------------------
 @dataclass
 class DocBlocks:
-    """Packed documents on the ring: the document starts of this rank's queries and of every rank's keys, from which
-    each block's mask (the pairs of one document) is read."""
-    starts_q: torch.Tensor  # (B, S_loc): this rank's positions' document starts, in local order
-    starts_of: list[torch.Tensor]  # per CP rank, its positions' starts (B, S_loc)
+    """Packed documents on the ring: the layout (parallel/cp_split.py: which chunks each rank holds) and, per window,
+    its documents, from which each chunk pair's visible rectangles are read (`rects`). Every rectangle is unmasked:
+    within a chunk, each document's causal square; between an earlier key chunk and a query chunk, at most one
+    rectangle (the query chunk's first document, which alone can reach back, against its keys in the key chunk).
+    So the work done is the documents' causal area, not the chunks' area, and a pair no query sees is never
+    computed."""
+    layout: CPLayout
+    first: list[list[int]]  # per window, the document start of each chunk's first position
+    opens: list[list[int]]  # per window, the positions where a document starts, ascending
 
     @staticmethod
-    def of(docs: torch.Tensor | None, cp: CPGroup) -> "DocBlocks | None":
+    def of(docs: torch.Tensor | None, cp: CPGroup, layout: CPLayout | None = None) -> "DocBlocks | None":
         if docs is None:
             return None
-        starts = [docs[:, local_positions(docs.shape[1], cp.size, r).to(docs.device)] for r in range(cp.size)]
-        return DocBlocks(starts[cp.rank], starts)
+        layout = layout or zigzag(docs.shape[1], cp.size)
+        at = torch.arange(docs.shape[1], device=docs.device)
+        first = docs[:, ::layout.chunk].tolist()  # the host syncs of a microbatch's blocks: two small lists
+        opens = [torch.nonzero(row == at).flatten().tolist() for row in docs]  # a loop over windows
+        return DocBlocks(layout, first, opens)
 
-    def mask(self, src: int, rows: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
-        """(B, Sq, Sk) bool: this rank's query rows `rows` and rank src's key rows `keys` in one document."""
-        return self.starts_q[:, rows].unsqueeze(2) == self.starts_of[src][:, keys].unsqueeze(1)
+    def rects(self, me: int, src: int) -> list:
+        """(window, query rows, key rows, causal) of every rectangle in which this rank's queries see rank src's
+        keys (local rows); at src == me the causal squares first: they cover every query once (each sees itself),
+        so they start each row's log-sum-exp."""
+        c, mine, theirs = self.layout.chunk, self.layout.chunks(me), self.layout.chunks(src)
+        squares, others = [], []
+        for w, (first, opens) in enumerate(zip(self.first, self.opens)):
+            for ia, a in enumerate(mine):
+                a0 = a * c
+                cuts = [a0, *opens[bisect.bisect_right(opens, a0):bisect.bisect_left(opens, a0 + c)], a0 + c]
+                if src == me:  # each document's causal square within the chunk
+                    squares += [(w, slice(s - a0 + ia * c, e - a0 + ia * c), slice(s - a0 + ia * c, e - a0 + ia * c),
+                                 True) for s, e in zip(cuts, cuts[1:])]
+                rows = slice(ia * c, cuts[1] - a0 + ia * c)  # the first document's queries in this chunk
+                for ib, b in enumerate(theirs):
+                    if b < a and first[a] < (b + 1) * c:  # the first document began before key chunk b ends
+                        lo = max(first[a], b * c) - b * c
+                        others.append((w, rows, slice(ib * c + lo, (ib + 1) * c), False))
+        return squares + others
+
+    def sees(self, me: int, src: int) -> bool:
+        return src == me or bool(self.rects(me, src))
+
+
+def doc_blocks_forward(q, k, v, src: int, me: int, scale: float, docs: DocBlocks, out, lse):
+    """Fold q's attention over rank src's keys, rectangle by rectangle, into (out, lse) (made at the own step,
+    whose causal squares come first and fill every row)."""
+    for w, rows, keys, causal in docs.rects(me, src):
+        win = slice(w, w + 1)
+        part_out, part_lse = block_attention(q[win, :, rows], k[win, :, keys], v[win, :, keys], causal, scale)
+        if out is None:
+            acc = part_out.dtype
+            out = q.new_empty((*q.shape[:3], v.shape[-1]), dtype=acc)
+            lse = q.new_empty(q.shape[:3], dtype=acc)
+        if causal:  # a document's square: the first block of its rows
+            out[win, :, rows], lse[win, :, rows] = part_out, part_lse
+        else:
+            _merge(out[win], lse[win], part_out, part_lse, rows)
+    return out, lse
+
+
+def doc_blocks_backward(dout, q, k, v, out, lse, src: int, me: int, scale: float, docs: DocBlocks, dq):
+    """(dk, dv) of rank src's keys from this rank's queries, rectangle by rectangle; dq accumulated in place."""
+    acc = acc_dtype(q.dtype)
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+    for w, rows, keys, causal in docs.rects(me, src):
+        win = slice(w, w + 1)
+        dq_b, dk_b, dv_b = block_attention_backward(dout[win, :, rows], q[win, :, rows], k[win, :, keys],
+                                                    v[win, :, keys], out[win, :, rows], lse[win, :, rows], causal,
+                                                    scale)
+        dq[win, :, rows] += dq_b
+        dk[win, :, keys] += dk_b
+        dv[win, :, keys] += dv_b
+    return dk, dv
 
 
 def _step_blocks(src: int, rank: int, c: int):
@@ -211,15 +272,16 @@ def _ring_forward(q, payload, ring: CPGroup, scale: float, to_kv: Callable, docs
     for step in range(ring.size):
         nxt = _Exchange(ring, {"kv": cur}) if step < ring.size - 1 else None  # posted before this block's compute
         src = (ring.rank - step) % ring.size
-        if step == 0:
-            out, lse = block_attention(q, *to_kv(cur), True, scale, docs.mask(src) if docs else None)
+        if docs is not None:  # chunk pair by chunk pair; a rank none of whose keys are seen is skipped
+            if docs.sees(ring.rank, src):
+                out, lse = doc_blocks_forward(q, *to_kv(cur), src, ring.rank, scale, docs, out, lse)
+        elif step == 0:
+            out, lse = block_attention(q, *to_kv(cur), True, scale)
         else:
             rows, keys = _step_blocks(src, ring.rank, c)
-            mask = docs.mask(src, rows, keys) if docs else None
-            if mask is None or bool(mask.any()):
-                k, v = to_kv(cur)
-                part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale, mask)
-                _merge(out, lse, part_out, part_lse, rows)
+            k, v = to_kv(cur)
+            part_out, part_lse = block_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys], False, scale)
+            _merge(out, lse, part_out, part_lse, rows)
         if nxt is not None:
             cur = nxt.wait()["kv"]
             first = cur if first is None else first
@@ -237,23 +299,22 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
     the other ranks' summed gradient of this rank's payload makes its final hop home; its own share joins there."""
     acc = acc_dtype(q.dtype)
     c = q.shape[2] // 2
-    if ring.size == 1:
-        k, v = to_kv(payload)
-        dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale,
-                                              docs.mask(ring.rank) if docs else None)
-        return dq.to(acc), kv_grad(payload, dk, dv).to(acc)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    if ring.size == 1:
+        return dq, _own_backward(dout, q, payload, out, lse, ring, scale, to_kv, kv_grad, docs, dq)
     pending = _Exchange(ring, {"kv": first}) if ring.size > 2 else None  # step 2's payload, behind step 1's block
     cur = first
     for step in range(1, ring.size):
         src = (ring.rank - step) % ring.size
-        rows, keys = _step_blocks(src, ring.rank, c)
-        mask = docs.mask(src, rows, keys) if docs else None
-        if mask is None or bool(mask.any()):
+        if docs is not None and docs.sees(ring.rank, src):
+            dk, dv = doc_blocks_backward(dout, q, *to_kv(cur), out, lse, src, ring.rank, scale, docs, dq)
+            dpay = kv_grad(cur, dk, dv).to(acc)
+        elif docs is None:
+            rows, keys = _step_blocks(src, ring.rank, c)
             k, v = to_kv(cur)
             dq_b, dk_b, dv_b = block_attention_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys],
                                                         v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                                        False, scale, mask)
+                                                        False, scale)
             dq[:, :, rows] += dq_b
             dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
             dk[:, :, keys], dv[:, :, keys] = dk_b, dv_b
@@ -266,12 +327,20 @@ def _ring_backward(dout, q, payload, first, out, lse, ring: CPGroup, scale: floa
         cur = got.get("kv")
         # on to the next rank that holds this payload (the owner, at the end), beside the next payload hop
         pending = _Exchange(ring, {"grad": dpay, "kv": cur} if step + 2 < ring.size else {"grad": dpay})
-    k, v = to_kv(payload)
-    dq_b, dk_own, dv_own = block_attention_backward(dout, q, k, v, out, lse, True, scale,
-                                                    docs.mask(ring.rank) if docs else None)
-    dq += dq_b
-    own = kv_grad(payload, dk_own, dv_own).to(acc)
+    own = _own_backward(dout, q, payload, out, lse, ring, scale, to_kv, kv_grad, docs, dq)
     return dq, own + pending.wait()["grad"]
+
+
+def _own_backward(dout, q, payload, out, lse, ring: CPGroup, scale: float, to_kv: Callable, kv_grad: Callable,
+                  docs: "DocBlocks | None", dq):
+    """The own (causal) block's d payload; its dq added to dq in place."""
+    k, v = to_kv(payload)
+    if docs is not None:
+        dk, dv = doc_blocks_backward(dout, q, k, v, out, lse, ring.rank, ring.rank, scale, docs, dq)
+    else:
+        dq_b, dk, dv = block_attention_backward(dout, q, k, v, out, lse, True, scale)
+        dq += dq_b
+    return kv_grad(payload, dk, dv).to(acc_dtype(q.dtype))
 
 
 def _split_kv(dk: int):
@@ -308,12 +377,14 @@ def _check_local(q, k, v, cp: CPGroup) -> None:
                          f"--model.n_kv_heads ({k.shape[1]})")
 
 
-def ring_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ring_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                   layout: CPLayout | None = None):
     """Exact causal attention of this CP rank's queries over the whole sequence (module docstring). q: (B, Hq, S_loc,
     Dk), k: (B, Hkv, S_loc, Dk), v: (B, Hkv, S_loc, Dv) in the balanced local order; returns (B, Hq, S_loc, Dv).
-    docs: the whole windows' document starts (B, S) (model/docs.py): within each document only."""
+    docs: the whole windows' document starts (B, S) (model/docs.py): within each document only; layout: which
+    chunks each rank holds (parallel/cp_split.py; None: zigzag's two), read only with docs."""
     _check_local(q, k, v, cp)
-    return _RingAttention.apply(q, k, v, cp, scale, DocBlocks.of(docs, cp))
+    return _RingAttention.apply(q, k, v, cp, scale, DocBlocks.of(docs, cp, layout))
 
 
 # --- MLA: the ring carries the latent --------------------------------------------------------------------------
@@ -372,18 +443,19 @@ class _RingLatentAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dlat.to(latent.dtype), None, None, None, None, *ex.param_grads)
 
 
-def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ring_latent_attention(q, latent, expand, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                          layout: CPLayout | None = None):
     """MLA's exact causal attention under CP with the compressed latent on the ring. q: (B, H, S_loc, Dqk);
     latent: (B, S_loc, kv_lora_rank + rope_dim), the post-norm c_kv and the already roped k_rope; expand: an
     nn.Module (or a callable with no weights of its own) mapping a latent (B, S, R + Dr) to (k (B, H, S, Dqk),
     v (B, H, S, Dv)). Gradients reach q, the latent and expand's parameters, exactly. Returns (B, H, S_loc, Dv).
-    docs: as `ring_attention`."""
+    docs, layout: as `ring_attention`."""
     if q.shape[2] % 2 or latent.shape[1] != q.shape[2]:
         raise ValueError(f"context parallel: the local sequence ({q.shape[2]} queries, {latent.shape[1]} latents) "
                          f"must be two equal chunks; set --train.seq_len to a multiple of 2 * --parallel.cp "
                          f"({2 * cp.size})")
     params = [p for p in expand.parameters() if p.requires_grad] if isinstance(expand, torch.nn.Module) else []
-    return _RingLatentAttention.apply(q, latent, cp, scale, DocBlocks.of(docs, cp), expand, *params)
+    return _RingLatentAttention.apply(q, latent, cp, scale, DocBlocks.of(docs, cp, layout), expand, *params)
 
 
 def latent_bytes_per_token(kv_lora_rank: int = 512, rope_dim: int = 64, n_heads: int = 128, nope_dim: int = 128,
@@ -405,36 +477,39 @@ def _a2a(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     return out
 
 
-def _seq_to_heads(x, cp: CPGroup):
-    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order."""
-    n, s_loc = cp.size, x.shape[2]
+def _seq_to_heads(x, cp: CPGroup, order: torch.Tensor):
+    """(B, H, S_loc, D) sequence shard -> (B, H/N, S, D) head shard in GLOBAL token order (`order`: the global
+    position of each token in rank order, parallel/cp_split.py)."""
+    n = cp.size
     y = _a2a(x.unflatten(1, (n, -1)).movedim(1, 0), cp)  # (N src, B, H/N, S_loc, D)
-    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's two chunks, rank 1's, ...
-    return y.index_select(2, torch.argsort(balanced_order(n * s_loc, n)).to(y.device))
+    y = y.movedim(0, 2).flatten(2, 3)  # tokens in rank order: rank 0's chunks, rank 1's, ...
+    return y.index_select(2, torch.argsort(order).to(y.device))
 
 
-def _heads_to_seq(y, cp: CPGroup):
+def _heads_to_seq(y, cp: CPGroup, order: torch.Tensor):
     """The inverse of _seq_to_heads."""
     n = cp.size
-    y = y.index_select(2, balanced_order(y.shape[2], n).to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
+    y = y.index_select(2, order.to(y.device)).unflatten(2, (n, -1)).movedim(2, 0)
     return _a2a(y, cp).movedim(0, 1).flatten(1, 2)  # (B, N head groups, H/N, S_loc, D) -> (B, H, S_loc, D)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cp, inverse):
-        ctx.cp, ctx.inverse = cp, inverse
-        return _heads_to_seq(x, cp) if inverse else _seq_to_heads(x, cp)
+    def forward(ctx, x, route, inverse):  # route: (the CP group, the layout's order)
+        ctx.route, ctx.inverse = route, inverse
+        return _heads_to_seq(x, *route) if inverse else _seq_to_heads(x, *route)
 
     @staticmethod
     def backward(ctx, g):
-        return (_seq_to_heads(g, ctx.cp) if ctx.inverse else _heads_to_seq(g, ctx.cp)), None, None
+        return (_seq_to_heads(g, *ctx.route) if ctx.inverse else _heads_to_seq(g, *ctx.route)), None, None
 
 
-def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None):
+def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | None = None,
+                      layout: CPLayout | None = None):
     """Exact causal attention by all-to-all (DeepSpeed-Ulysses): each rank attends the whole sequence for Hq/N
     query heads. KV heads: Hkv % N == 0 shards them too; Hkv dividing N replicates each KV head N/Hkv times
-    before the exchange, so that every rank receives the one KV head its query heads share."""
+    before the exchange, so that every rank receives the one KV head its query heads share. layout: which chunks
+    each rank holds (parallel/cp_split.py; None: zigzag's two)."""
     hq, hkv, n = q.shape[1], k.shape[1], cp.size
     if hq % n or hq % hkv or (hkv % n and n % hkv):
         raise ValueError(f"parallel.cp_impl a2a: --model.n_heads ({hq}) must be a multiple of --parallel.cp ({n}) "
@@ -442,10 +517,11 @@ def ulysses_attention(q, k, v, cp: CPGroup, scale: float, docs: torch.Tensor | N
                          f"ring or another --parallel.cp")
     if hkv % n:
         k, v = k.repeat_interleave(n // hkv, dim=1), v.repeat_interleave(n // hkv, dim=1)
-    qh, kh, vh = (_SeqToHeads.apply(t, cp, False) for t in (q, k, v))
+    order = (layout or zigzag(q.shape[2] * n, n)).order()
+    qh, kh, vh = (_SeqToHeads.apply(t, (cp, order), False) for t in (q, k, v))
     if docs is not None:  # the whole sequence in global order: per document, as on one device
         out = doc_attention(qh, kh, vh, docs, scale)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                                                enable_gqa=True)
-    return _SeqToHeads.apply(out, cp, True)
+    return _SeqToHeads.apply(out, (cp, order), True)

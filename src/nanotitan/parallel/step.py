@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.config import ConfigError
-from ..model.tokens import IGNORE
+from ..model.tokens import IGNORE, loss_targets
 from ..model.transformer import is_moe_layer, take_routing
 from .comm import collectives as comm
 from .ep import lanes_of, take_received, worst_case_capacity
@@ -85,7 +85,8 @@ def forward_backward(shard: ModelShard, xs: list[torch.Tensor], ys: list[torch.T
     """Forwards and backwards of this rank's M microbatches, gradients accumulated into .grad and their
     sync launched during the final backward. ce_sum (last stage) and aux_sum are sums over microbatches.
     docs: each microbatch's document starts (model.attn_mask=doc) or None; masked: the targets may be masked
-    (IGNORE: SFT's prompts), so each microbatch's CE is weighted by its share of the global batch's targets."""
+    (SFT's prompts: model/tokens.py MASKED), so each microbatch's CE is weighted by its share of the global batch's
+    targets."""
     forward_ctx = functools.partial(autocast, device, dtype)  # around each microbatch's forward only
     weights = target_weights(shard.dims, ys) if masked else None
 
@@ -109,7 +110,8 @@ def target_weights(dims, ys: list[torch.Tensor]) -> list[float]:
     factor is exactly 1. The counts come from the global batch: one all-reduce over CP, one over the data ranks x
     CP (every pipeline stage and TP rank holds the same targets and counts alike)."""
     M = len(ys)
-    local = torch.stack([(y != IGNORE).sum() for y in ys]).double()  # (M,) this rank's targets of each microbatch
+    # (M,) this rank's targets of each microbatch
+    local = torch.stack([(loss_targets(y) != IGNORE).sum() for y in ys]).double()
     whole = local.clone()
     if dims.group("cp") is not None:  # None: this rank alone holds its sequences
         comm.all_reduce(whole, group=dims.group("cp"), axis="cp")

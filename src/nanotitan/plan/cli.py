@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cp", type=int, default=0, help="plan only this parallel.cp degree (default: every one that "
                     "splits train.seq_len into 2*cp chunks; parallel.cp_impl from the config)")
     ap.add_argument("--activation-checkpointing", choices=["config", "true", "false"], default="config")
+    ap.add_argument("--doc-len-mean", type=float, default=0.0, metavar="L",
+                    help="price document-masked attention (model.attn_mask doc) for documents of mean length L "
+                         "(geometric), and the CP split's balance over them (plan/docs.py)")
+    ap.add_argument("--doc-data", default="", metavar="DIR",
+                    help="as --doc-len-mean, with the documents of a prepared data directory's train.bin")
     ap.add_argument("--ep-overlap", type=float, default=0.0, help="fraction of all-to-all hidden by compute (0: ours)")
     ap.add_argument("--expert-skew", type=float, default=None,
                     help="routing skew behind the busiest EP rank's peak: the CV of an expert's share of a "
@@ -219,7 +224,8 @@ def _options(args, cfg) -> PlanOptions:
                        activation_checkpointing=ac,
                        global_batch=args.global_batch, micro_batch=_micro_batch(args.micro_batch, cfg),
                        nodes=args.nodes,
-                       ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew)
+                       ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew,
+                       doc_len_mean=args.doc_len_mean, doc_data=args.doc_data)
 
 
 def _what_if(args, overrides: list[str]) -> int:

@@ -41,6 +41,10 @@ class PlanOptions:
     # a measured load instead of the skew model: the busiest EP (or CP-folded) rank's received assignments over
     # the mean at the peak (a run whose router collapsed, far beyond the fitted skew: docs/cp.md "Long context")
     expert_load: float | None = None
+    # packed documents (plan/docs.py): their mean length, or a prepared data directory to read them from; either
+    # prices document-masked attention (model.attn_mask=doc alone, without them: the window's causal attention)
+    doc_len_mean: float = 0.0
+    doc_data: str = ""
 
 
 def zero_level(layout: Layout, opts: PlanOptions) -> int:
@@ -84,6 +88,9 @@ class Context:
     ranks_on_node: int
     T: int  # tokens of one microbatch on one rank (m * S / cp)
     peak: float  # the hardware's peak FLOP/s at this precision for a rank sharing a node with ranks_on_node
+    # the rates of the dense and the routed-expert GEMMs: `peak`, or under train.fp8 plan/fp8.py's mixes
+    peak_dense: float
+    peak_expert: float
     eff_dense: float  # GEMM efficiency of the dense and the expert GEMMs (expert rows grow with EP)
     eff_expert: float
     links: dict[str, tuple[Link, float]]  # group kind: (the link its worst group crosses, fraction of peers off-node)

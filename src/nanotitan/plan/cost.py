@@ -15,10 +15,11 @@ from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
 from ..parallel.dp.sync import zero_memory_choices
-from . import cp as cp_plan, tp as tp_plan
+from . import cp as cp_plan, docs as docs_plan, tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from ..optim.cost import muon_costs
+from .fp8 import gemm_rates
 from .shape import PRECISIONS, Layout, ModelShape, layout_config, stage_summaries
 from .steptime import (LANES_SHARED_SKEW, ZB1_SPLIT_COST, balanced_layer_counts, ep_lanes_time, ep_overlap_exposed,
                        gemm_eff, imbalance, step_time)
@@ -63,6 +64,9 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     """The facts of `layout` on `hw` that both models read: precision, tokens, links, stages, the zero choices."""
     opts = opts or PlanOptions()
     shape = shape or ModelShape.from_config(cfg, **opts.shape_extra)
+    if opts.doc_len_mean or opts.doc_data:  # document-masked attention, on the slowest CP rank (plan/docs.py)
+        shape = dataclasses.replace(shape, attn_span=docs_plan.attention_span(
+            shape.seq_len, layout.cp, cfg.parallel.cp_split, opts.doc_len_mean, opts.doc_data, layout.micro_batch))
     prec = PRECISIONS[opts.precision or ("bf16-autocast" if cfg.train.dtype == "bf16" else "fp32")]
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     pp, ep, M = layout.pp, layout.ep, layout.microbatches
@@ -91,11 +95,14 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
     folded = dataclasses.replace(layout, ep=ep * layout.cp)
     stages = tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, ac, n_virt, prec, trips),
                                   cfg.parallel.sp, ac)
+    peak = hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node)
+    t_expert = T * shape.top_k / max(e_local, 1)  # an expert's rows a microbatch
+    eff_dense, eff_expert = gemm_eff(hw, T), gemm_eff(hw, t_expert)
+    peak_dense, peak_expert = gemm_rates(cfg, shape, hw, peak, T, t_expert, ranks_on_node, eff_dense, eff_expert)
     return Context(
         cfg=cfg, layout=layout, hw=hw, opts=opts, shape=tp_plan.sharded_shape(shape, layout.tp), prec=prec, ac=ac,
-        nodes=nodes,
-        ranks_on_node=ranks_on_node, T=T, peak=hw.peak_flops("bf16" if prec.act == 2 else "fp32", ranks_on_node),
-        eff_dense=gemm_eff(hw, T), eff_expert=gemm_eff(hw, T * shape.top_k / max(e_local, 1)), links=links,
+        nodes=nodes, ranks_on_node=ranks_on_node, T=T, peak=peak, peak_dense=peak_dense, peak_expert=peak_expert,
+        eff_dense=eff_dense, eff_expert=eff_expert, links=links,
         n_virt=n_virt,
         lanes=bool(cfg.parallel.ep_overlap_microbatches and ep > 1 and M > 1),  # two lanes (parallel/lanes.py)
         stages=stages,

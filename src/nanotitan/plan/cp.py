@@ -120,7 +120,7 @@ def buffer_bytes(shape: ModelShape, tokens: float, cp: int, tp: int, elem: int, 
 
 def core_flops(shape: ModelShape, tp: int) -> float:
     """Forward FLOPs per token of one layer's scores and mix (what the ring's hops overlap), on a TP rank."""
-    return 2 * shape.seq_len * shape.n_heads * attention_matmuls(shape)[1] / tp
+    return 2 * (shape.attn_span or shape.seq_len) * shape.n_heads * attention_matmuls(shape)[1] / tp
 
 
 def ring_exposed(kv_s: float, grad_s: float, lat_s: float, cp: int, block_s: float) -> tuple[float, float]:

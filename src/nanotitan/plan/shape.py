@@ -51,6 +51,9 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0  # multi-token-prediction depths, on the last stage with a replica of the embedding
+    # what a query's attention spans, x 2 (plan/docs.py): 0 = the window (causal), else under packed documents the
+    # documents' span (sum d^2 / S), times the slowest CP rank's share of the work over the mean
+    attn_span: float = 0.0
 
     @staticmethod
     def from_config(cfg: Config, **extra) -> "ModelShape":
@@ -92,7 +95,8 @@ class ModelShape:
         forward FLOPs per token, activation and backward elements per token; the FFN half is the rest."""
         D, H = self.d_model, self.n_heads
         matmuls, width = attention_matmuls(self)
-        return dict(params=attention_params(self), f_dense=2 * matmuls + 2 * self.seq_len * H * width,
+        span = self.attn_span or self.seq_len  # keys per query x 2 (causal: the window; documents: plan/docs.py)
+        return dict(params=attention_params(self), f_dense=2 * matmuls + 2 * span * H * width,
                     act=3 * D + 1 + self._attn_saved(), bwd=2 * D)
 
     def _attn_saved(self) -> float:

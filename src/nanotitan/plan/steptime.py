@@ -223,8 +223,8 @@ def _stage_time(c: Context, s: int, st: StageSummary,
     lay, hw, opts, prec = c.layout, c.hw, c.opts, c.prec
     pp, ep, n_virt = lay.pp, lay.moe_ep, c.n_virt  # experts folded onto EP: the EP group widened by CP and TP
     T, D = c.T, c.shape.d_model
-    t_x = T * st.f_expert / (c.peak * c.eff_expert)  # the experts' forward at the mean load
-    t_f = T * st.f_dense / (c.peak * c.eff_dense) + f * t_x
+    t_x = T * st.f_expert / (c.peak_expert * c.eff_expert)  # the experts' forward at the mean load
+    t_f = T * st.f_dense / (c.peak_dense * c.eff_dense) + f * t_x
     t_b = 2 * t_f + (t_f if c.ac else 0.0)  # backward = 2x forward, plus the recompute
     passes = 4 if c.ac else 3
     if lay.schedule == "zb1" and pp > 1 and s > 0:  # zb1's first stage runs 1F1B (parallel/pp/schedules.py)
@@ -278,7 +278,7 @@ def _ep_link_at(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f:
     e_local = c.shape.num_experts // ep
     n_ch = min(cfg.parallel.ep_chunks, e_local) if cfg.parallel.ep_overlap and ep > 1 else 1
     if n_ch > 1 and st.n_moe:  # parallel.ep_overlap: only the exposed part of the chunked trips
-        t_x = f * c.T * st.f_expert / (c.peak * c.eff_expert) / st.n_moe  # one layer's expert forward
+        t_x = f * c.T * st.f_expert / (c.peak_expert * c.eff_expert) / st.n_moe  # one layer's expert forward
         deferred = lay.schedule == "zb1" and pp > 1 and s > 0  # zb1's B: weight GEMMs wait for W
         a2a_link = st.n_moe * (lat + ep_overlap_exposed(a2a_one, lat, n_ch, t_x)
                                + ep_overlap_exposed(a2a_one, lat, n_ch, (1 if deferred else 2) * t_x,

@@ -12,6 +12,7 @@ import math
 from ..config.config import Config, ConfigError
 from ..config.hardware import GiB, Hardware
 from ..parallel.dims import ParallelDims
+from . import docs as docs_plan
 from .cost import PlanOptions, Prediction, predict
 from .fit.interval import Sigmas, mem_interval, step_interval
 from .advice import advise, format_advice
@@ -73,6 +74,13 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
         out["without_cp"] = None if whole is None else dict(
             layout=whole.layout.short(), fits=whole.fits, tokens_per_sec=whole.tokens_per_sec,
             peak_mem_bytes=whole.peak_mem, smallest_peak_bytes=min(p.peak_mem for p in preds if p.layout.cp == 1))
+    if opts.doc_len_mean or opts.doc_data:
+        out["documents"] = documents_report(cfg, best, hw, opts)
+    if cfg.train.fp8 != "off":  # the same layout without FP8: what the recipe buys
+        plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8="off"))
+        bf16 = predict(layout_config(plain, best.layout), best.layout, hw, opts)
+        out["fp8"] = dict(recipe=cfg.train.fp8, step_time_s=best.step_time_s, step_time_off_s=bf16.step_time_s,
+                          speedup=bf16.step_time_s / best.step_time_s)
     faster = next((p for p in preds if not p.fits and p.tokens_per_sec > best.tokens_per_sec), None)
     if faster is not None:
         out["faster_if_memory"] = dict(layout=faster.layout.short(), tokens_per_sec=faster.tokens_per_sec,
@@ -103,6 +111,23 @@ def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOpti
     return dict(expert_time_factor=placed.expert_time_factor, step_time_s=step, move_s=move_s, sync_s=sync_s,
                 every=cfg.parallel.rebalance_every, saving=1 - step / best.step_time_s,
                 saving_unmoved=gain / best.step_time_s, break_even_every=move_s / gain if gain > 0 else None)
+
+
+def documents_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptions) -> dict:
+    """Packed documents (plan/docs.py): their mean length, the attention work left by the document mask (its span
+    over the window's), and at CP > 1 the slowest CP rank's share over the mean and the best layout's step under
+    each split (parallel.cp_split zigzag and docs)."""
+    S, cp, m = cfg.train.seq_len, best.layout.cp, best.layout.micro_batch
+    mean = opts.doc_len_mean or docs_plan.mean_length(opts.doc_data)
+    work = docs_plan.attention_span(S, 1, "zigzag", opts.doc_len_mean, opts.doc_data) / S
+    out = dict(mean_length=mean, micro_batch=m, work_vs_causal=work, cp=cp)
+    if cp > 1:
+        for split in ("zigzag", "docs"):
+            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp_split=split))
+            out[split] = dict(skew=docs_plan.attention_span(S, cp, split, opts.doc_len_mean, opts.doc_data, m)
+                              / docs_plan.attention_span(S, 1, split, opts.doc_len_mean, opts.doc_data, m),
+                              step_time_s=predict(layout_config(c, best.layout), best.layout, hw, opts).step_time_s)
+    return out
 
 
 def buildable(cfg: Config, opts: PlanOptions) -> None:
@@ -159,6 +184,12 @@ def _dry_run_worst(cfg: Config, best: Prediction, world: int, hw: Hardware, opts
                 built_ranks=[b["rank"] for b in built], built=built, seconds=time.perf_counter() - t0)
 
 
+def _fp8_line(k: dict) -> str:
+    return (f"  FP8 ({k['recipe']}): the step takes {k['step_time_s']:.3g} s against {k['step_time_off_s']:.3g} s "
+            f"with --train.fp8 off on the same layout ({k['speedup']:.2f}x; GEMMs at the FP8 rate with their casts, "
+            "the scores, router and head in bf16)")
+
+
 def format_what_if(r: dict) -> str:
     """The report as text."""
     if not r["layouts"]:
@@ -211,6 +242,17 @@ def format_what_if(r: dict) -> str:
         fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
         lines.append(f"  context parallel: {'the fastest' if w['fits'] else 'no'} layout with whole sequences "
                      f"{fastest}; the smallest of them needs {w['smallest_peak_bytes'] / GiB:.1f} GiB per rank")
+    if r.get("documents"):
+        d = r["documents"]
+        lines.append(f"  documents (mean {d['mean_length']:,.0f} tokens): the document mask leaves "
+                     f"{100 * d['work_vs_causal']:.0f}% of the window's causal attention work")
+        if d["cp"] > 1:
+            z, b = d["zigzag"], d["docs"]
+            lines.append(f"  CP{d['cp']} over documents (microbatches of {d['micro_batch']} windows): the slowest "
+                         f"rank's attention is {z['skew']:.2f}x the mean "
+                         f"with zigzag (step {z['step_time_s']:.3g} s), {b['skew']:.2f}x with --parallel.cp_split "
+                         f"docs (step {b['step_time_s']:.3g} s)")
+    lines += [_fp8_line(r["fp8"])] if "fp8" in r else []
     if "faster_if_memory" in r:
         f = r["faster_if_memory"]
         lines.append(f"  {f['layout']} would run {f['tokens_per_sec']:,.0f} tok/s but needs "

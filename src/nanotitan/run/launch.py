@@ -321,12 +321,17 @@ def start_rank(run_dir: str, timeout_s: float) -> None:
 
     from ..parallel.comm.stall import RECORD
 
+    from ..config.errors import StorageError, os_reason
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     log_dir = Path(os.environ.get(LOG_ENV) or Path(run_dir) / "logs")
-    RECORD.open(log_dir, rank, world, timeout_s)
-    if not os.environ.get(LOG_ENV):  # an outside torchrun owns the output
-        return
-    log = open(log_dir / f"rank_{rank}.log", "a", buffering=1)  # noqa: SIM115 - open for the rank's life
+    try:  # a full disk here is one line (fail_rank), not a traceback on the launcher's console
+        RECORD.open(log_dir, rank, world, timeout_s)
+        if not os.environ.get(LOG_ENV):  # an outside torchrun owns the output
+            return
+        log = open(log_dir / f"rank_{rank}.log", "a", buffering=1)  # noqa: SIM115 - open for the rank's life
+    except OSError as e:
+        raise StorageError(f"cannot write the rank's logs in {log_dir}: {os_reason(e)}") from None
     log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}/{world} pid {os.getpid()} attempt "
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: {shlex.join(sys.argv)}\n")
     sys.stderr.flush()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .allocator import keep_freed_memory
 from .resume import resume_changes
 from ..config.config import Config, ConfigError, validate
-from ..data.indexed import IndexedBatches, columns
+from ..data.indexed import IndexedBatches
 from ..data.mix import MixedBatches, open_split
 from ..data.prepare import fingerprints, load_meta, load_tokenizer, mix_dirs, prepare_data
 from ..data.streaming import make_streaming_loader
@@ -27,7 +27,7 @@ from ..model.docs import doc_starts
 from ..parallel.comm import emulate
 from ..parallel.dims import ParallelDims, init_distributed
 from ..parallel.comm.emulate import LinkModel
-from ..parallel.cp import seq_runs_of
+from ..parallel.cp import doc_columns, seq_runs_of
 from ..parallel.parallelize import ModelShard, pick_device
 from ..parallel.step import split_microbatches
 from ..state import checkpoint as ckpt
@@ -47,6 +47,7 @@ class RankData:
     device: torch.device
     fingerprints: dict[str, str]  # the data's and tokenizer's (data/prepare.py), recorded by every checkpoint
     eot: int | None = None  # model.attn_mask=doc: the separator its documents end at (None: causal windows)
+    cp_split: str = "zigzag"  # parallel.cp_split: how CP cuts a window of documents (parallel/cp_split.py)
 
     @property
     def b(self) -> int:
@@ -79,8 +80,8 @@ class RankData:
         starts_BS = doc_starts(x_BS, self.eot)
         if self.runs == [(0, x_BS.shape[1])]:
             return x_BS, y_BS, starts_BS
-        cols = torch.from_numpy(columns(self.runs))
-        return x_BS[:, cols], y_BS[:, cols], starts_BS
+        cols_BS = doc_columns(self.dims, self.cp_split, starts_BS, self.m)  # each microbatch's own layout
+        return x_BS.gather(1, cols_BS), y_BS.gather(1, cols_BS), starts_BS
 
 
 @dataclass
@@ -113,7 +114,8 @@ def setup_rank(cfg: Config) -> RankSetup:
                              device)
         dims.build_groups(timeout_s=p.timeout_s)
     return RankSetup(rank, world, device, links, dims, RankData(train, val, stream, dims, seq_runs_of(dims, t.seq_len),
-                                                                 cfg.layout_batch, t.micro_batch, device, prints, eot))
+                                                                 cfg.layout_batch, t.micro_batch, device, prints, eot,
+                                                                 p.cp_split))
 
 
 def open_data(cfg: Config, dims: ParallelDims, b: int, log):

@@ -1,0 +1,72 @@
+"""What `--train.fp8` does to a step's compute, as the planner prices it (docs/planner.md "FP8").
+
+The FP8 GEMMs (model/fp8.py, the default `train.fp8_skip`) are the attention and MLA projections but q_a and kv_a,
+the dense FFNs, the shared experts and the routed experts; the attention scores, the router, the embedding and the
+head stay in bf16. A layer's dense FLOPs are therefore a mix, priced as a harmonic mean of the two rates:
+
+    s/FLOP (dense)  = a * (1/P8 + cast) + (1 - a) / P16        a: the FP8 share of the layers' dense FLOPs
+    s/FLOP (expert) = (2/P8 + 1/P16) / 3 + cast                  our experts keep the weight gradient in bf16
+
+P8 is the profile's dense FP8 (Blackwell: MXFP8) rate, `Hardware.peak_flops_fp8`; a CPU emulates it (torch's
+`_scaled_mm` dequantizes and multiplies in fp32: 1.5-2x the fp32 time, EMULATED_SLOWDOWN). `cast` is the casts'
+memory traffic per FLOP: each cast reads its bf16 operand twice (amax, then scale and round) and writes one byte,
+5 bytes an element; rowwise casts an operand again along the other axis for the backward (2 casts of each of a
+GEMM's 3 operands over its 3 GEMMs), tensorwise once. For a (T x K) @ (K x N) GEMM that is
+casts * 5 * (TK + KN + TN) / (3 * 2TKN) bytes per FLOP of a pass, over the profile's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from ..config.config import Config, ConfigError
+from ..config.counts import attention_matmuls, mla
+from ..config.hardware import BUILTIN, Hardware
+
+CAST_BYTES = 5  # per element: the amax pass reads 2, the cast reads 2 and writes 1
+CASTS = {"rowwise": 2, "tensorwise": 1}  # casts of each operand over a GEMM's forward and two backward GEMMs
+EMULATED_SLOWDOWN = 1.75  # CPU: torch._scaled_mm is dequantize + an fp32 matmul, 1.5-2x the fp32 GEMM
+
+
+def fp8_peak(hw: Hardware, ranks_on_node: int) -> float:
+    """The FP8 GEMM rate of one rank: the tensor cores', or on a CPU the emulation's; a GPU without FP8 units is
+    refused in one line."""
+    if hw.peak_flops_fp8:
+        return hw.peak_flops_fp8
+    if hw.cores_per_node:
+        return hw.peak_flops("fp32", ranks_on_node) / EMULATED_SLOWDOWN
+    fp8_gpus = ", ".join(n for n, h in BUILTIN.items() if h.peak_flops_fp8)
+    raise ConfigError(f"train.fp8: {hw.name} has no FP8 tensor cores (peak_flops_fp8 0); plan it with --train.fp8 "
+                      f"off, or on a GPU with them ({fp8_gpus})")
+
+
+def dense_fp8_share(shape) -> float:
+    """The FP8 GEMMs' share of the layers' dense forward FLOPs (plan/shape.py `layer_fwd_flops`)."""
+    D, E = shape.d_model, shape.num_experts
+    matmuls, _ = attention_matmuls(shape)
+    small = D * shape.q_lora_rank + D * (shape.kv_lora_rank + shape.qk_rope_head_dim) if mla(shape) else 0
+    fp8 = total = 0.0
+    for i in range(shape.n_layers):
+        dense, _ = shape.layer_fwd_flops(i)
+        router = 2 * D * E if shape.is_moe(i) else 0
+        fp8 += dense - (shape.attn_part(i)["f_dense"] - 2 * matmuls) - router - 2 * small
+        total += dense
+    return fp8 / total if total else 0.0
+
+
+def cast_s_per_flop(hw: Hardware, recipe: str, T: float, K: float, N: float) -> float:
+    """Seconds of cast traffic per FLOP of one pass of a (T x K) @ (K x N) GEMM (module docstring)."""
+    return CASTS[recipe] * CAST_BYTES * (1 / N + 1 / K + 1 / max(T, 1.0)) / 6 / hw.mem_bw
+
+
+def gemm_rates(cfg: Config, shape, hw: Hardware, peak: float, T: float, t_expert: float, ranks_on_node: int,
+               eff_dense: float, eff_expert: float) -> tuple[float, float]:
+    """(dense, expert) FLOP/s that `c.T * flops / (rate * eff)` turns into seconds: `peak` both without FP8; with
+    it, the module docstring's mixes, the casts' seconds folded in (they do not scale with GEMM efficiency). T: the
+    rank's tokens a microbatch, t_expert: an expert's."""
+    recipe = cfg.train.fp8
+    if recipe == "off":
+        return peak, peak
+    p8, D, F = fp8_peak(hw, ranks_on_node), shape.d_model, shape.ffn_dim
+    a = dense_fp8_share(shape)
+    s_dense = a * (1 / p8 + cast_s_per_flop(hw, recipe, T, D, D) * eff_dense) + (1 - a) / peak
+    s_expert = (2 / p8 + 1 / peak) / 3 + cast_s_per_flop(hw, recipe, t_expert, D, F) * eff_expert
+    return 1 / s_dense, 1 / s_expert
