@@ -34,8 +34,21 @@ def test_a_dimension_not_a_multiple_of_16_names_the_field_and_the_fixes():
                                       "--model.v_head_dim", "8")
 
 
-def test_unwritten_layouts_and_recipes_are_refused():
-    assert err("--parallel.tp", "2").startswith("train.fp8=rowwise with parallel.tp > 1")
-    assert err("--parallel.cp", "2").startswith("train.fp8=rowwise with parallel.cp > 1")
+def test_tp_and_cp_are_accepted_and_their_unscalable_gemms_refused():
+    """TP and CP reduce each scale's amax over the ranks holding the tensor (parallel/tp.py `cut_fp8`); refused: a
+    TP-split width that is no multiple of 16 per rank, KV projections replicated over TP (their output gradients
+    are partial sums), MLA's kv_b_proj expanding each ring step's latent, and ep_overlap."""
+    load_config(None, [*BASE, "--parallel.tp", "2", "--parallel.cp", "2", "--model.num_experts", "8",
+                       "--parallel.ep", "2"])
+    assert err("--parallel.tp", "4").startswith("model.head_dim gives an FP8 GEMM dimension 8 per TP rank (of 32)")
+    msg = err("--parallel.tp", "2", "--model.n_kv_heads", "1", "--model.head_dim", "16")
+    assert msg.startswith("train.fp8=rowwise with parallel.tp=2 not dividing model.n_kv_heads=1")
+    assert "k_proj/v_proj" in msg
+    load_config(None, [*BASE, "--parallel.tp", "2", "--model.n_kv_heads", "1", "--model.head_dim", "16",
+                       "--train.fp8_skip", "head,k_proj,v_proj"])
+    mla = ("--model.kv_lora_rank", "16", "--model.qk_nope_head_dim", "8", "--model.qk_rope_head_dim", "8",
+           "--model.v_head_dim", "8")
+    assert "kv_b_proj" in err("--parallel.cp", "2", *mla)
+    load_config(None, [*BASE, "--parallel.cp", "2", "--parallel.cp_impl", "a2a", *mla])
     assert "parallel.ep_overlap" in err("--parallel.ep", "2", "--parallel.ep_overlap", "true")
     assert "not one of ['off', 'tensorwise', 'rowwise']" in err("--train.fp8", "mxfp8")

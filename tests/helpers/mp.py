@@ -45,10 +45,11 @@ def train_once(args: list[str]) -> dict:
     """Train with `nanotitan train`'s Trainer on CLI-style args. Returns "records" (the logged step records:
     rank 0's, empty elsewhere) and their "losses", this rank's full "params" as {name: (tensor, first expert
     index for an expert shard, else None)} at any zero level (put together from every rank's checkpoint pieces,
-    helpers/whole_state.py), its MoE layers' router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep)
-    "coords"."""
+    helpers/whole_state.py), each one's TP "parts" ((dim, rank, n) of a TP slice, else None), its MoE layers'
+    router "biases" (with model.bias_update_rate > 0) and its (dp, pp, ep) "coords"."""
     from nanotitan.config.config import load_config
     from nanotitan.model.transformer import is_expert_param
+    from nanotitan.parallel.tp import tp_part
     from nanotitan.train import Trainer
     from tests.helpers.whole_state import whole_state
 
@@ -58,9 +59,11 @@ def train_once(args: list[str]) -> dict:
         full, _ = whole_state(trainer.shard.sync)  # collective: every rank calls it
         start = trainer.shard.spec.expert_start
         params = {n: (t.detach().clone(), start if is_expert_param(n) else None) for n, t in full.items()}
+        live = dict(trainer.shard.model.named_parameters())
+        parts = {n: tp_part(live[n]) for n in full}
         biases = {k: b.moe.router_bias.clone() for k, b in trainer.model.layers.items()
                   if b.is_moe and b.moe.router_bias is not None}  # model.bias_update_rate > 0 only
     finally:
         trainer.shard.close()  # drop a DDP wrapper before the process group goes
     return {"records": records, "losses": [r["loss"] for r in records], "params": params, "biases": biases,
-            "coords": trainer.dims.coords()}
+            "coords": trainer.dims.coords(), "parts": parts}

@@ -17,17 +17,25 @@ from nanotitan.model.wgrad import Linear  # noqa: E402
 RECIPES = ["tensorwise", "rowwise"]
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_linear_is_torchaos_float8_linear(name):
+@pytest.mark.parametrize("name, dtype", [("tensorwise", torch.float32), ("rowwise", torch.float32),
+                                         ("tensorwise", torch.bfloat16), ("rowwise", torch.bfloat16)])
+def test_linear_is_torchaos_float8_linear(name, dtype):
+    """Bit for bit torchao's Float8Linear, save rowwise in fp32: torchao rounds that GEMM's output through bf16
+    (CUDA's rowwise kernel has no fp32 output), we keep its fp32 accumulate (model/fp8.py `_mm`), which is torchao's
+    emulated GEMM (the dequantized fp32 matmul) on its casts."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
-    ours = Linear(64, 32, bias=True)
-    theirs = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=True))
+    ours = Linear(64, 32, bias=True).to(dtype)
+    theirs = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=True)).to(dtype)
     theirs[0].load_state_dict(ours.state_dict())
-    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name(name))
+    config = Float8LinearConfig.from_recipe_name(name)
+    emulated = name == "rowwise" and dtype == torch.float32
+    convert_to_float8_training(theirs, config=dataclasses.replace(config, emulate=emulated))
     ours.fp8 = float8.recipe(name)
-    x = torch.randn(2, 8, 64)
+    x = torch.randn(2, 8, 64, dtype=dtype)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = ours(xa), theirs(xb)
     dy = torch.randn_like(ya)

@@ -37,17 +37,34 @@ def _widths(m) -> list[tuple[str, int, tuple[str, ...]]]:
 
 def check_fp8(cfg) -> None:
     """train.fp8: torchao present, every FP8 GEMM dimension a multiple of 16 (the GPU kernel's rule, kept on CPU
-    so a run that passes here runs there), and only layouts whose scales are one process's."""
+    so a run that passes here runs there), and only layouts whose scales are one process's (TP and CP reduce each
+    amax over the ranks that hold the tensor: parallel/tp.py `cut_fp8`; the refusals are the GEMMs they cannot)."""
     t, p = cfg.train, cfg.parallel
+    _check(not p.fp8_comm or t.fp8 != "off", "parallel.fp8_comm=true sends FP8 operands, and train.fp8=off makes "
+           "none: --train.fp8 rowwise (or tensorwise), or --parallel.fp8_comm false")
     if t.fp8 == "off":
         return
     _check(importlib.util.find_spec("torchao") is not None,
            f"train.fp8={t.fp8} needs torchao: pip install 'nanotitan[fp8]' (or --train.fp8 off)")
-    for name, v, modules in _widths(cfg.model):
+    m = cfg.model
+    by_tp = {"model.head_dim", "model.dense_ffn_dim", "model.shared_ffn_dim", "model.v_head_dim",
+             "model.qk_nope_head_dim"} | (set() if m.num_experts else {"model.ffn_dim"})  # TP's split widths
+    by_tp |= {"model.n_kv_heads"} if (m.n_kv_heads or m.n_heads) % p.tp == 0 else set()  # (else replicated)
+    for name, v, modules in _widths(m):
         kept = [mod for mod in modules if not any(fnmatch.fnmatchcase(mod, s) for s in t.fp8_skip)]
-        _check(v % 16 == 0 or not kept, f"{name} gives an FP8 GEMM dimension {v}, not a multiple of 16 "
+        v, per = (v // p.tp, f" per TP rank (of {v})") if name in by_tp and p.tp > 1 else (v, "")
+        _check(v % 16 == 0 or not kept, f"{name} gives an FP8 GEMM dimension {v}{per}, not a multiple of 16 "
                f"({', '.join(kept)}): make it one, add them to --train.fp8_skip, or --train.fp8 off")
-    for bad, line in [(p.tp > 1, "parallel.tp > 1: the scales of a TP-split GEMM need an amax over the group"),
-                      (p.cp > 1, "parallel.cp > 1: the scales of a CP-split sequence need an amax over the group"),
-                      (p.ep_overlap, "parallel.ep_overlap: its expert chunks run their own GEMMs")]:
-        _check(not bad, f"train.fp8={t.fp8} with {line}, not written yet (--train.fp8 off)")
+    _check(not p.ep_overlap, f"train.fp8={t.fp8} with parallel.ep_overlap: its expert chunks run their own GEMMs, "
+           f"not written yet (--parallel.ep_overlap false, or --train.fp8 off)")
+    fp8 = [mod for mod in ("k_proj", "v_proj", "kv_b_proj")
+           if not any(fnmatch.fnmatchcase(mod, s) for s in t.fp8_skip)]
+    kv = [mod for mod in fp8 if mod != "kv_b_proj"]
+    _check(p.tp == 1 or m.kv_lora_rank or (m.n_kv_heads or m.n_heads) % p.tp == 0 or not kv,
+           f"train.fp8={t.fp8} with parallel.tp={p.tp} not dividing model.n_kv_heads={m.n_kv_heads}: the replicated "
+           f"{'/'.join(kv)} take partial output gradients, which FP8 would round before their sum: add them to "
+           f"--train.fp8_skip, or make parallel.tp divide model.n_kv_heads")
+    _check(p.cp == 1 or not m.kv_lora_rank or p.cp_impl != "ring" or "kv_b_proj" not in fp8,
+           f"train.fp8={t.fp8} with MLA under parallel.cp_impl=ring: kv_b_proj expands each ring step's latent on "
+           f"its own, so its scales would not be the whole sequence's: add kv_b_proj to --train.fp8_skip, or "
+           f"--parallel.cp_impl a2a")

@@ -2,10 +2,12 @@
 
 Two kinds of GEMM, two sources:
 - the dense projections (attention, MLA, dense FFNs, shared experts, MTP's eh_proj): torchao's float8 linear,
-  the autograd function Float8Linear itself calls (`matmul_with_hp_or_float8_args`) with torchao's recipe
-  (Float8LinearConfig.from_recipe_name): its casts, its scales, its `torch._scaled_mm` (which runs on CPU too).
-  Each scale is one microbatch's: every layout that runs a microbatch's tokens whole on a rank (DP, ZeRO, EP's
-  dense part, PP) computes the scales one process computes.
+  the GEMMs of the autograd function Float8Linear itself calls (`matmul_with_hp_or_float8_args`, as
+  `Float8Matmul`) with torchao's recipe (Float8LinearConfig.from_recipe_name): its casts, its scales, its
+  `torch._scaled_mm` (which runs on CPU too). Each scale is one microbatch's: a layout that runs a microbatch's
+  tokens whole on a rank (DP, ZeRO, EP's dense part, PP) computes one process's scales as it is; TP and CP cut a
+  linear's dims over ranks, and each cast reduces its amax over the ranks holding the dims its scale spans
+  (`Split`, set by parallel/tp.py and parallel/cp.py), so the bits are one process's there too.
 - the routed experts (`ExpertMM`): written here. torchao's grouped float8 op is CUDA only, and its weight
   gradient scales each expert's columns over that expert's tokens of the call, which under EP are tokens of
   several ranks' microbatches: a per-layout quantity. So the experts scale what is the same in every layout:
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -37,6 +40,7 @@ class Fp8:
     recipe: str
     config: object  # torchao.float8.Float8LinearConfig
     mm_config: object  # torchao.float8.float8_training_tensor.LinearMMConfig
+    wire: bool = False  # parallel.fp8_comm: the experts' input is its FP8 operand (bits, scales), as on the wire
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -73,8 +77,9 @@ def _import_torchao() -> None:
             log.setLevel(level)
 
 
-def recipe(name: str) -> Fp8 | None:
-    """The Fp8 of train.fp8 `name` (None for "off"). torchao is imported only here: fp8 off never needs it."""
+def recipe(name: str, wire: bool = False) -> Fp8 | None:
+    """The Fp8 of train.fp8 `name` (None for "off"), `wire` parallel.fp8_comm's. torchao is imported only here: fp8
+    off never needs it."""
     if name == "off":
         return None
     _import_torchao()
@@ -86,7 +91,7 @@ def recipe(name: str) -> Fp8 | None:
     # Float8Linear.__init__'s three GEMM configs (output, grad_input, grad_weight), emulate off: torch._scaled_mm
     mm = LinearMMConfig(*(ScaledMMConfig(False, g.use_fast_accum, False, c.pad_inner_dim)
                           for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
-    return Fp8(name, c, mm)
+    return Fp8(name, c, mm, wire)
 
 
 def skipped(qualname: str, patterns) -> bool:
@@ -106,20 +111,102 @@ def convert(model: nn.Module, fp8: Fp8 | None, skip) -> list[str]:
     return done
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8) -> torch.Tensor:
-    """F.linear in FP8: torchao's Float8Linear.forward (its autograd function, its recipe), autocast honoured as
-    there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # an amax -> its MAX over the ranks that hold one dim's slices
 
+
+@dataclass(frozen=True)
+class Split:
+    """Where a linear's GEMM dimensions are cut over ranks, set by the layout (parallel/tp.py, parallel/cp.py): the
+    tokens T (CP's chunks; the tokens a TP rank routes or SP leaves it), the input features K (a row-parallel
+    weight), the output features N (a column-parallel one). Each holds the MAX all-reduces over the ranks that hold
+    that dim's slices (none: whole on this rank). A cast's amax is reduced over the dims its scale spans: every dim
+    of the tensor at tensorwise, the scaled axis at rowwise, so each scale is the one process's (docs/fp8.md)."""
+    tokens: tuple[Reduce, ...] = ()
+    inner: tuple[Reduce, ...] = ()
+    outer: tuple[Reduce, ...] = ()
+
+
+WHOLE = Split()
+
+
+def _cast(t: torch.Tensor, dims: tuple[tuple[Reduce, ...], tuple[Reduce, ...]], axis: int, cast, fp8: Fp8, role):
+    """torchao's `hp_tensor_to_float8_dynamic` for the 2D `t` under `cast` (a CastConfig of the recipe), its amax
+    reduced over the ranks holding slices of t's `dims` (per dim of t) that the scale spans: both (tensorwise) or
+    `axis`'s (axiswise). Bitwise torchao's where nothing is split (a max is exact in any order and dtype)."""
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+    axis = get_maybe_axiswise_dim(axis, cast.scaling_granularity)
+    amax = tensor_to_amax(t, False, None, cast.scaling_granularity, axis)
+    for reduce in (r for d in (dims if axis is None else (dims[axis],)) for r in d):
+        amax = reduce(amax.float())
+    scale = amax_to_scale(amax, cast.target_dtype, round_scales_to_power_of_2=fp8.pow2)
+    return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, fp8.mm_config, role, axis)
+
+
+def _mm(a, b) -> torch.Tensor:
+    """torch.mm of two torchao float8 tensors (its `float8_mm`), save one thing: a rowwise GEMM in fp32 keeps its
+    fp32 accumulate. torchao rounds that GEMM's output through bf16 (CUDA's rowwise kernel has no fp32 output), so
+    a GEMM whose inner dim is split over ranks (a row-parallel weight under TP; a weight gradient over CP's tokens)
+    would add bf16-rounded partials where one process rounds their sum once. Done as torchao's own unfused path
+    does it: the GEMM at unit scales, fp32 out (which every kernel has), times the row and column inverse scales
+    (powers of 2 at rowwise: exact), so it is bitwise the dequantized fp32 matmul."""
+    from torchao.float8.float8_ops import preprocess_addmm
+
+    if a._orig_dtype != torch.float32 or a._axiswise_dim is None or b._axiswise_dim is None:
+        return torch.mm(a, b)
+    a_data, a_scale, b_data, b_scale = preprocess_addmm(a, b)
+    one = a_scale.new_ones(())
+    y = torch._scaled_mm(a_data, b_data, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return y * (a_scale.reciprocal() * b_scale.reciprocal())
+
+
+class Float8Matmul(torch.autograd.Function):
+    """x [T, K] @ w_t [K, N] in FP8: torchao's `matmul_with_hp_or_float8_args` (the function its Float8Linear calls:
+    the same six casts, roles and GEMMs, every input in high precision), each cast's amax reduced over `split`
+    (`_cast`): input (T, K), weight (K, N), grad output (T, N)."""
+
+    @staticmethod
+    def forward(ctx, x, w_t, fp8: Fp8, split: Split):
+        from torchao.float8.float8_training_tensor import GemmInputRole as R
+
+        ctx.save_for_backward(x, w_t)
+        ctx.fp8, ctx.split = fp8, split
+        c, s = fp8.config, split
+        qx = _cast(x, (s.tokens, s.inner), -1, c.cast_config_input, fp8, R.INPUT)
+        qw = _cast(w_t, (s.inner, s.outer), 0, c.cast_config_weight, fp8, R.WEIGHT)
+        return _mm(qx, qw)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from torchao.float8.float8_training_tensor import GemmInputRole as R
+
+        x, w_t = ctx.saved_tensors
+        c, s, f = ctx.fp8.config, ctx.split, ctx.fp8
+        dy0 = _cast(dy, (s.tokens, s.outer), -1, c.cast_config_grad_output, f, R.GRAD_OUTPUT)
+        w1 = _cast(w_t, (s.inner, s.outer), -1, c.cast_config_weight_for_grad_input, f, R.WEIGHT)
+        dx = _mm(dy0, w1.t())
+        dy1 = _cast(dy, (s.tokens, s.outer), 0, c.cast_config_grad_output_for_grad_weight, f, R.GRAD_OUTPUT)
+        x1 = _cast(x, (s.tokens, s.inner), 0, c.cast_config_input_for_grad_weight, f, R.INPUT)
+        dw = _mm(dy1.t(), x1)
+        return dx, dw.t(), None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8,
+           split: Split = WHOLE) -> torch.Tensor:
+    """F.linear in FP8: torchao's Float8Linear.forward (its GEMMs and recipe: `Float8Matmul`), autocast honoured
+    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
     dev = x.device.type
+    lead = x.shape[:-1]
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, weight = x.to(dt), weight.to(dt)
         bias = None if bias is None else bias.to(dt)
         with torch.autocast(dev, enabled=False):
-            y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+            y = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), fp8, split)
     else:
-        y = matmul_with_hp_or_float8_args.apply(x, weight.t(), fp8.mm_config, fp8.config)
+        y = Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), fp8, split)
+    y = y.reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -133,14 +220,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool):
     return to_fp8_saturated(t.float() * scale, dtype), scale
 
 
+def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values FP8 `bits` at `scale` stand for, in `dtype` (torchao's emulated GEMM reads them so)."""
+    return (bits.float() / scale).to(dtype)
+
+
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,
-              pow2: bool) -> torch.Tensor:
+              pow2: bool, a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """a @ b with a [n, K] scaled per row and b [K, N] per column (b_whole: one scale for all of b, broadcast to
-    its columns, the same numbers), fp32 accumulate, out in a's dtype. b is handed column-major, as the GPU
-    kernel wants it; on CPU `torch._scaled_mm` is bitwise the dequantized fp32 matmul."""
+    its columns, the same numbers), fp32 accumulate, out in a's dtype; `a_fp8`: a already quantized (bits,
+    scale). b is handed column-major, as the GPU kernel wants it; on CPU `torch._scaled_mm` is bitwise the
+    dequantized fp32 matmul."""
     if a.shape[0] == 0:
         return a.new_zeros(0, b.shape[1])
-    qa, sa = quantize(a, a_dtype, -1, pow2)
+    qa, sa = a_fp8 if a_fp8 is not None else quantize(a, a_dtype, -1, pow2)
     qb, sb = quantize(b, b_dtype, None if b_whole else 0, pow2)
     sb = sb.expand(1, b.shape[1]) if b_whole else sb
     qb = qb.t().contiguous().t()
@@ -151,13 +244,16 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
 class ExpertMM(torch.autograd.Function):
     """y = x @ w for one expert's rows x [n, K] and its weight w [K, N] in FP8 (the module docstring says why these
     scales): forward e4m3 x per row, w per column (or whole); grad_x = dy @ w^T with dy per row in the recipe's
-    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision."""
+    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision. With x's FP8 operand handed in (bits,
+    scales: parallel.fp8_comm, `experts`) the forward reads those bits and grad_w their dequantized values, so it
+    is the same wherever the operand was made: on this rank, or on the rank that sent it."""
 
     @staticmethod
-    def forward(ctx, x, w, fp8: Fp8):
-        ctx.save_for_backward(x, w)
+    def forward(ctx, x, w, fp8: Fp8, bits=None, scale=None):
+        ctx.save_for_backward(x if bits is None else dequantize(bits, scale, x.dtype), w)
         ctx.fp8 = fp8
-        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2)
+        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2,
+                         None if bits is None else (bits, scale))
 
     @staticmethod
     def backward(ctx, dy):
@@ -166,18 +262,26 @@ class ExpertMM(torch.autograd.Function):
         dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2) if ctx.needs_input_grad[0] \
             else None
         dw = x.t().mm(dy.to(x.dtype)) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return dx, dw, None, None, None
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
-            counts_L: list[int], fp8: Fp8) -> torch.Tensor:
-    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd."""
+            counts_L: list[int], fp8: Fp8, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd. With
+    fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
+    as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
+    group of rows)."""
     dev = x_ND.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x_ND, W_gate, W_val, W_out = (t.to(dt) for t in (x_ND, W_gate, W_val, W_out))
+    if fp8.wire and x_fp8 is None:
+        x_fp8 = quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
+    none = (None,) * len(counts_L)
+    bits, scales = (x_fp8[0].split(counts_L), x_fp8[1].split(counts_L)) if fp8.wire else (none, none)
     ys = []
-    for x, wg, wv, wo in zip(x_ND.split(counts_L), W_gate.unbind(0), W_val.unbind(0), W_out.unbind(0)):
-        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8)) * ExpertMM.apply(x, wv, fp8)
+    for x, b, s, wg, wv, wo in zip(x_ND.split(counts_L), bits, scales, W_gate.unbind(0), W_val.unbind(0),
+                                   W_out.unbind(0)):
+        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8, b, s)) * ExpertMM.apply(x, wv, fp8, b, s)
         ys.append(ExpertMM.apply(h, wo, fp8))
     return torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])

@@ -69,16 +69,18 @@ class ExpertFFN(nn.Module):
         """Does a call on x run the grouped GEMMs? (Dispatchers ask first: the grouped path needs no host counts.)"""
         return self.fp8 is None and (self.impl == "grouped" or (self.impl == "auto" and grouped_wins(x)))
 
-    def forward(self, x_ND: torch.Tensor, counts_L: "list[int] | torch.Tensor", trip=None) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_L: "list[int] | torch.Tensor", trip=None,
+                x_fp8: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
         """x_ND holds counts_L[l] rows for local expert l, contiguous and in order (a device tensor of counts: no
         host sync on the grouped path; the loop reads it to the host). `trip` (parallel.ep_overlap):
         trip(W_gate, W_val, W_out, wgrad_store) runs the experts itself, inside this module's call, so that what
-        wraps the module (FSDP2's unshard of the weights) happens around it as around the plain path."""
+        wraps the module (FSDP2's unshard of the weights) happens around it as around the plain path. `x_fp8`: x's
+        FP8 operand (bits, per-row scales) as the EP dispatch sent it (parallel.fp8_comm, model/fp8.py)."""
         if trip is not None:
             return trip(self.W_gate, self.W_val, self.W_out, self.wgrad_store)
         if self.fp8 is not None:
             counts_L = counts_L.tolist() if isinstance(counts_L, torch.Tensor) else counts_L
-            return float8.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.fp8)
+            return float8.experts(x_ND, self.W_gate, self.W_val, self.W_out, counts_L, self.fp8, x_fp8)
         if self.grouped(x_ND):
             if not isinstance(counts_L, torch.Tensor):
                 counts_L = torch.tensor(counts_L, device=x_ND.device)

@@ -387,13 +387,15 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
 
 class Linear(nn.Linear):
     """nn.Linear whose weight gradient a `WeightGradStore` can defer (`attach`); plain nn.Linear without one.
-    With `.fp8` set (model/fp8.py `convert`), torchao's float8 linear under plain autograd: no deferral."""
+    With `.fp8` set (model/fp8.py `convert`), torchao's float8 linear under plain autograd: no deferral; its scales'
+    amax reduced over `fp8_split` (where the layout cut its dims: parallel/tp.py, parallel/cp.py)."""
     wgrad_store: WeightGradStore | None = None
     fp8: "float8.Fp8 | None" = None
+    fp8_split: "float8.Split" = float8.WHOLE
 
     def forward(self, x):
         if self.fp8 is not None:
-            return float8.linear(x, self.weight, self.bias, self.fp8)
+            return float8.linear(x, self.weight, self.bias, self.fp8, self.fp8_split)
         if self.wgrad_store is None:  # nn.Linear's own path, with no extra Python call (every step makes dozens)
             return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.wgrad_store)

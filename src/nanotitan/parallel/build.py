@@ -27,7 +27,7 @@ from ..model.transformer import Transformer
 from .dims import ParallelDims
 from .pp.chunks import StageChunks
 from .shard import grad_layout, keep_layout
-from .cp import token_shard
+from .cp import apply_cp, token_shard
 from .placement import expert_shards
 from .tp import apply_tp
 
@@ -46,7 +46,9 @@ def build_stage(cfg: Config, specs: list[ModelShardSpec], dims: ParallelDims, de
                   for s in specs]
     model = chunks[0] if len(chunks) == 1 else StageChunks(chunks)
     apply_tp(model, tp)  # shapes only: each TP-sharded parameter becomes its rank's slice
-    float8.convert(model, float8.recipe(cfg.train.fp8), cfg.train.fp8_skip)  # train.fp8: which GEMMs run in FP8
+    apply_cp(model, tokens)  # FP8's scales over the CP group's tokens
+    # train.fp8: which GEMMs run in FP8 (parallel.fp8_comm: the experts' input as the EP dispatch carries it)
+    float8.convert(model, float8.recipe(cfg.train.fp8, cfg.parallel.fp8_comm), cfg.train.fp8_skip)
     for chunk in chunks:
         for module in chunk.modules():  # (StageChunks holds these same modules: it sees the new parameters)
             for name, p in module.named_parameters(recurse=False):

@@ -33,7 +33,7 @@ from .comm import collectives as comm
 from .cp_attn import CPRing, ring_attention, ring_latent_attention, ulysses_attention
 from .cp_split import CPLayout, layout_of, zigzag
 from .dims import ParallelDims
-from .tp import TPShard, tp_shard
+from .tp import TPShard, cut_fp8, max_over, tp_shard
 
 def chunk_runs(cp_rank: int, cp: int, S: int) -> list[tuple[int, int]]:
     """CP rank `cp_rank`'s positions of an S-token sequence as (global start, length) runs, in local order: chunks
@@ -185,6 +185,16 @@ def token_shard(dims: ParallelDims, sp: bool, cp_impl: str, cp_split: str = "zig
     ranks, me, n = dims.group_ranks("cp"), dims.cp_rank, dims.cp  # from the coordinates (a dry run has no groups)
     ring = CPRing(dims.group("cp"), me, n, ranks[(me - 1) % n], ranks[(me + 1) % n])
     return CPShard(ring, tp, cp_impl, cp_split), tp
+
+
+def apply_cp(model: nn.Module, tokens) -> None:
+    """Every linear of this rank's chunks runs on its CP rank's tokens: mark their token dim cut over the CP group, so
+    an FP8 scale that spans the tokens (model/fp8.py `Split`) is the whole sequence's. No-op without CP."""
+    if isinstance(tokens, CPShard):
+        reduce = max_over(tokens.ring.group, "cp")
+        for m in model.modules():
+            if hasattr(m, "fp8_split"):
+                cut_fp8(m, "tokens", reduce)
 
 
 def seq_runs_of(dims: ParallelDims, S: int) -> list[tuple[int, int]]:

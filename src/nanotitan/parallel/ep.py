@@ -44,7 +44,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
-from ..model import wgrad
+from ..model import fp8 as float8, wgrad
 from ..model.moe import ExpertFFN, combine, in_backward, pack_expert_major
 from .comm import collectives as comm
 from .lanes import EPLanes
@@ -99,6 +99,38 @@ class _AllToAll(torch.autograd.Function):
         grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
         # gloo needs contiguous buffers; comm.all_to_all_single makes the input contiguous.
         _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.lanes, "b:" + ctx.call)
+        return grad_ND, None, None, None, None
+
+
+class _Fp8AllToAll(torch.autograd.Function):
+    """The dispatch of parallel.fp8_comm: each row x [N, D] as the experts' gate and value GEMMs will read it, its
+    FP8 bits and per-row scale (model/fp8.py `experts`: the same quantization the receiver would make), sent as one
+    byte buffer of D + 4 bytes a row (fp32 scales), D + 1 where the recipe's scales are powers of 2 (rowwise: the
+    exponent, exactly). Returns the received rows' values (dequantized: what the weight gradient
+    reads, and the carrier of their gradient) and their bits and scales, which the GEMMs read as they are. The
+    gradient travels back as `_AllToAll`'s does, in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], lanes: EPLanes, fp8):
+        ctx.out_splits, ctx.in_splits, ctx.lanes = out_splits, in_splits, lanes
+        bits_ND, scale_N1 = float8.quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
+        D, scale_N1 = x_ND.shape[1], scale_N1.float()
+        scale_bytes = (torch.frexp(scale_N1).exponent - 1).to(torch.int8).view(torch.uint8) if fp8.pow2 \
+            else scale_N1.view(torch.uint8)
+        send = torch.cat([bits_ND.view(torch.uint8), scale_bytes], dim=1)  # [N, D + 1 or 4]
+        recv = send.new_empty(sum(out_splits), send.shape[1])
+        _all_to_all(recv, send, out_splits, in_splits, lanes, _phase(True) + ":dispatch")
+        bits_RD = recv[:, :D].contiguous().view(bits_ND.dtype)
+        scale_R1 = recv[:, D:].contiguous()
+        scale_R1 = torch.ldexp(torch.ones(scale_R1.shape, device=recv.device), scale_R1.view(torch.int8).float()) \
+            if fp8.pow2 else scale_R1.view(torch.float32)
+        ctx.mark_non_differentiable(bits_RD, scale_R1)
+        return float8.dequantize(bits_RD, scale_R1, x_ND.dtype), bits_RD, scale_R1
+
+    @staticmethod
+    def backward(ctx, grad_RD, _bits, _scale):
+        grad_ND = grad_RD.new_empty(sum(ctx.in_splits), grad_RD.shape[1])
+        _all_to_all(grad_ND, grad_RD, ctx.in_splits, ctx.out_splits, ctx.lanes, "b:dispatch")
         return grad_ND, None, None, None, None
 
 
@@ -333,9 +365,16 @@ class EPDispatcher:
             plan = _ChunkPlan(send_host, recv_host, recv_PL, counts_PC, counts_L, L, n, self.lanes, grouped)
             y_ND = self._chunked_trip(x_ND, experts, plan)
         else:
-            x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
             perm_R = source_to_expert_major(recv_PL, R)
-            y_RD = experts(x_RD.index_select(0, perm_R), recv_PL.sum(0) if grouped else counts_L)
+            fp8 = experts.fp8 if experts.fp8 is not None and experts.fp8.wire and P > 1 else None
+            if fp8 is not None:  # parallel.fp8_comm: the rows' FP8 operand on the wire, read by the GEMMs as it is
+                x_RD, bits_RD, scale_R1 = _Fp8AllToAll.apply(x_ND, out_splits, in_splits, self.lanes, fp8)
+                bits_RD = bits_RD.view(torch.uint8).index_select(0, perm_R).view(bits_RD.dtype)  # (bytes: any kernel)
+                scale_R1 = scale_R1.index_select(0, perm_R)
+                y_RD = experts(x_RD.index_select(0, perm_R), counts_L, x_fp8=(bits_RD, scale_R1))
+            else:
+                x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
+                y_RD = experts(x_RD.index_select(0, perm_R), recv_PL.sum(0) if grouped else counts_L)
             y_RD = y_RD.index_select(0, inverse_permutation(perm_R))
             y_ND = self._a2a(y_RD, in_splits, out_splits, "combine")  # return trip: splits swapped
 

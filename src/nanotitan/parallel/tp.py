@@ -36,9 +36,12 @@ ColwiseParallel / RowwiseParallel / SequenceParallel insert, written as four aut
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
+from ..model import fp8 as float8
 from ..model.norm import FullNorm
 from ..model.tokens import IGNORE, LOCAL, LocalTokenShard, VocabParallelEmbedding, WholeSequence, gather_pairs
 from ..model.transformer import is_expert_param
@@ -56,6 +59,7 @@ class TPShard(WholeSequence):
     def __init__(self, group, rank: int, size: int, sp: bool):
         self.group, self.rank, self.size, self.sp = group, rank, size, sp
         self.split_rank, self.split_size = rank, size
+        self.amax_max = max_over(group, "tp")  # an FP8 scale's amax over the group (`cut_fp8`)
 
     def runs(self, S: int) -> list[tuple[int, int]]:
         return [(self.rank * S, S)]
@@ -96,6 +100,23 @@ class TPShard(WholeSequence):
 def tp_shard(dims: ParallelDims, sp: bool) -> TPShard | LocalTokenShard:
     """The token shard a model of this rank is built with (Transformer(..., tokens=)): the local one at tp = 1."""
     return TPShard(dims.group("tp"), dims.tp_rank, dims.tp, sp) if dims.tp > 1 else LOCAL
+
+
+# --- FP8 scales of split GEMMs (model/fp8.py `Split`, docs/fp8.md "Scales under TP and CP") -------------------
+
+def max_over(group, axis: str) -> float8.Reduce:
+    """An FP8 cast's amax -> its MAX over `group`: the amax of the whole tensor whose slices the group holds."""
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(amax, group=group, axis=axis, op=torch.distributed.ReduceOp.MAX)
+        return amax
+    return reduce
+
+
+def cut_fp8(linear: nn.Module, dim: str, reduce: float8.Reduce) -> None:
+    """Mark a linear's GEMM dim ("tokens", "inner" K, "outer" N) cut over the ranks `reduce` spans: its FP8 casts
+    then reduce their amax over them where the scale spans that dim (set whether or not train.fp8 is on)."""
+    split = linear.fp8_split
+    linear.fp8_split = dataclasses.replace(split, **{dim: (*getattr(split, dim), reduce)})
 
 
 # --- the regions' collectives (autograd functions) ------------------------------------------------------------
@@ -244,6 +265,18 @@ def _partial(*params) -> None:
             set_layout(p, GradLayout(Grad.PARTIAL))
 
 
+def _columns(tp: TPShard, *linears) -> None:
+    """Column-parallel linears: their output features N are the group's slices (FP8: weight and grad output)."""
+    for linear in linears:
+        cut_fp8(linear, "outer", tp.amax_max)
+
+
+def _rows(tp: TPShard, *linears) -> None:
+    """Row-parallel linears: their input features K are the group's slices (FP8: input and weight)."""
+    for linear in linears:
+        cut_fp8(linear, "inner", tp.amax_max)
+
+
 def _region(module: nn.Module, tp: TPShard, dim: int, sp: bool) -> None:
     """Enter the TP region at the module's first input, leave it at its output."""
     module.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, dim, sp), *args[1:]))
@@ -254,6 +287,8 @@ def _swiglu(mlp: nn.Module, tp: TPShard, dim: int, sp: bool) -> None:
     _shard(mlp.gate_proj.weight, 0, tp)
     _shard(mlp.up_proj.weight, 0, tp)
     _shard(mlp.down_proj.weight, 1, tp)
+    _columns(tp, mlp.gate_proj, mlp.up_proj)
+    _rows(tp, mlp.down_proj)
     _region(mlp, tp, dim, sp)
 
 
@@ -264,6 +299,7 @@ def _attention(attn: nn.Module, tp: TPShard) -> None:
         for p in (proj.weight, proj.bias):  # whole heads: head h's rows are [h*Dh, (h+1)*Dh)
             if p is not None:
                 _shard(p, 0, tp)
+        _columns(tp, proj)
     full = attn.qk_norm == "full"
     for norm in (attn.q_norm, attn.k_norm) if full else ():
         if isinstance(norm, FullNorm):  # over a head-split projection (model/norm.py): sliced by heads as the rows
@@ -277,6 +313,7 @@ def _attention(attn: nn.Module, tp: TPShard) -> None:
         for mod in (attn.k_norm if full else attn.k_proj, attn.v_proj):
             mod.register_forward_hook(lambda _m, _args, out, kv=kv: out.narrow(-1, kv * Dh, Dh))
     _shard(attn.o_proj.weight, 1, tp)
+    _rows(tp, attn.o_proj)
     if attn.qk_norm == "head":  # one Dh-wide weight shared by every head: each rank's heads give part of its grad
         _partial(attn.q_norm.weight, attn.k_norm.weight)
     _region(attn, tp, 1, tp.sp)
@@ -286,9 +323,12 @@ def _mla(attn: nn.Module, tp: TPShard) -> None:
     """MLA (model/mla.py): the head-split up-projections column-wise (q_b, or q without a q latent; kv_b), o
     row-wise. The down-projections to the latents (and their norms, and the shared rope key) stay whole: each
     rank's heads give part of their gradients."""
-    _shard((attn.q_b_proj if hasattr(attn, "q_a_proj") else attn.q_proj).weight, 0, tp)
+    q = attn.q_b_proj if hasattr(attn, "q_a_proj") else attn.q_proj
+    _shard(q.weight, 0, tp)
     _shard(attn.kv_b_proj.weight, 0, tp)
     _shard(attn.o_proj.weight, 1, tp)
+    _columns(tp, q, attn.kv_b_proj)
+    _rows(tp, attn.o_proj)
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
         if hasattr(attn, name):
             _partial(getattr(attn, name).weight, getattr(getattr(attn, name), "bias", None))
@@ -303,10 +343,12 @@ def _moe(moe: nn.Module, tp: TPShard) -> None:
         moe.register_forward_pre_hook(lambda _m, args: (_Slice.apply(args[0], tp, 1, False), *args[1:]))
         moe.register_forward_hook(lambda _m, _args, out: (_Slice.apply(out[0], tp, 1, True), out[1]))
     _partial(moe.router.weight)
+    cut_fp8(moe.router, "tokens", tp.amax_max)  # each rank scores its own tokens
     if moe.shared_expert is not None:
         _swiglu(moe.shared_expert, tp, 0, True)
     if moe.shared_expert_gate is not None:
         _partial(moe.shared_expert_gate.weight)
+        cut_fp8(moe.shared_expert_gate, "tokens", tp.amax_max)
 
 
 def apply_tp(model: nn.Module, tp: TPShard | LocalTokenShard | None = None) -> None:
@@ -341,8 +383,10 @@ def _apply_chunk(chunk: nn.Module, tp: TPShard) -> None:
     for mod in getattr(chunk, "mtp", {}).values():  # eh_proj whole: per token, so SP splits their work anyway
         if sp:  # (model/mtp.py: its block is one of chunk.layers, split above; the embedding and head are shared)
             _partial(mod.enorm.weight, mod.hnorm.weight, mod.eh_proj.weight, mod.shared_head.norm.weight)
+            cut_fp8(mod.eh_proj, "tokens", tp.amax_max)
     if hasattr(chunk, "head"):  # vocab-parallel: its loss is the token shard's (Transformer.vocab_ce)
         _shard(chunk.head.weight, 0, tp)
+        _columns(tp, chunk.head)
         chunk.head.register_forward_pre_hook(lambda _m, args: (_Enter.apply(args[0], tp, 1, sp),))
         if sp:
             _partial(chunk.norm.weight)

@@ -61,7 +61,8 @@ MODEL_DRAWS = [
     ("optimizer", [("--train.optimizer", "muon"), ("--train.optimizer", "muon", "--train.qk_clip", "0.03"),
                    ("--train.qk_clip", "0.03")]),
     ("dtype", [("--train.dtype", "bf16")]),
-    ("fp8", [("--train.fp8", "rowwise"), ("--train.fp8", "tensorwise")]),
+    # (fp8_comm beside rowwise: a third bundle would move the fixed seed's draws)
+    ("fp8", [("--train.fp8", "rowwise", "--parallel.fp8_comm", "true"), ("--train.fp8", "tensorwise")]),
     ("documents", [("--model.attn_mask", "doc"), ("--model.attn_mask", "doc", "--model.doc_positions", "global")]),
 ]
 LAYOUT_DRAWS = [
@@ -155,10 +156,15 @@ REFUSALS = [
     ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
     ("cp-split-docs", r"parallel\.cp_split=docs balances documents",
      "the document-balanced split reads the documents' starts: a causal window has none", "by design"),
-    ("fp8-width", r"gives an FP8 GEMM dimension \d+, not a multiple of 16",
+    ("fp8-width", r"gives an FP8 GEMM dimension \d+( per TP rank \(of \d+\))?, not a multiple of 16",
      "the GPU's FP8 GEMMs take dimensions in multiples of 16 (the deepseek model's q latent is 12)", "by design"),
-    ("fp8-split-scales", r"train\.fp8=\w+ with parallel\.(tp|cp) > 1",
-     "a TP- or CP-split GEMM's scales need an amax reduced over the group, not written yet", "open"),
+    ("fp8-replicated-kv", r"train\.fp8=\w+ with parallel\.tp=\d not dividing model\.n_kv_heads",
+     "KV projections replicated over TP take partial output gradients, which FP8 would round before their sum",
+     "by design"),
+    ("fp8-mla-ring", r"train\.fp8=\w+ with MLA under parallel\.cp_impl=ring",
+     "the ring expands each step's latent with its own kv_b_proj call: a scale per step, not per sequence", "open"),
+    ("fp8-comm-off", r"parallel\.fp8_comm=true sends FP8 operands",
+     "FP8 payloads need FP8 operands: train.fp8 off makes none", "by design"),
     ("fp8-ep-overlap", r"train\.fp8=\w+ with parallel\.ep_overlap",
      "the overlapped experts' chunks run their own GEMMs, in high precision", "open"),
     ("kv-heads-tp", r"parallel\.tp=\d and model\.n_kv_heads", "KV heads are split, or replicated when fewer than the "
