@@ -70,6 +70,9 @@ def _as_another_user(ports: list[int]) -> list[str]:
     return r.stdout.splitlines()
 
 
+# It dials the job's port numbers from outside the job's network namespace: another test's listener on the same
+# number there (the suite's other worker) would answer, so it runs alone (Makefile).
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["train", "elastic"])
 def test_a_one_host_job_listens_on_loopback_only_and_no_other_user_reaches_it(how, corpus_dir, tmp_path):
     """Every socket of the job on loopback, and (as root here: setpriv) every port refused to uid 65534. A process of
