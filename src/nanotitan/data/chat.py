@@ -99,8 +99,6 @@ def save_beside(template: ChatTemplate | None, tokenizer_json: Path) -> None:
 
 def check_messages(messages, where: str) -> None:
     """A `messages` list of {"role": str, "content": str} with at least one assistant turn, or one line naming it."""
-    from .sources import DataError
-
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in messages)

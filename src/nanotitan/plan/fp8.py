@@ -17,6 +17,8 @@ casts * 5 * (TK + KN + TN) / (3 * 2TKN) bytes per FLOP of a pass, over the profi
 
 from __future__ import annotations
 
+import functools
+
 from ..config.config import Config, ConfigError
 from ..config.counts import attention_matmuls, mla
 from ..config.hardware import BUILTIN, Hardware
@@ -38,6 +40,7 @@ def fp8_peak(hw: Hardware, ranks_on_node: int) -> float:
                       f"off, or on a GPU with them ({fp8_gpus})")
 
 
+@functools.lru_cache(maxsize=64)  # per model shape, asked once per layout the search predicts
 def dense_fp8_share(shape) -> float:
     """The FP8 GEMMs' share of the layers' dense forward FLOPs (plan/shape.py `layer_fwd_flops`)."""
     D, E = shape.d_model, shape.num_experts
