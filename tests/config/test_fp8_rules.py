@@ -52,3 +52,12 @@ def test_tp_and_cp_are_accepted_and_their_unscalable_gemms_refused():
     load_config(None, [*BASE, "--parallel.cp", "2", "--parallel.cp_impl", "a2a", *mla])
     assert "parallel.ep_overlap" in err("--parallel.ep", "2", "--parallel.ep_overlap", "true")
     assert "not one of ['off', 'tensorwise', 'rowwise']" in err("--train.fp8", "mxfp8")
+
+
+def test_fp8_comm_at_zero3_is_accepted_and_refused_with_compile():
+    """zero 3 all-gathers the FP8 weights as a tensor subclass (parallel/dp/fp8_gather.py), which the compiled
+    blocks are not tested with."""
+    zero3 = ("--parallel.dp", "2", "--parallel.zero", "3", "--parallel.fp8_comm", "true")
+    load_config(None, [*BASE, *zero3])
+    msg = err(*zero3, "--train.compile", "true")
+    assert msg.startswith("parallel.fp8_comm=true at parallel.zero=3") and "--train.compile false" in msg

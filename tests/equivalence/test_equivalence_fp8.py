@@ -12,8 +12,9 @@ amax is reduced over the ranks holding its tensor (docs/fp8.md "Scales under TP 
 
 The default tier's launch: 2 ranks run DP2 zero 1, EP2 and PP2 under zb1 at rowwise, EP2 at tensorwise. The slow
 tier: 2 ranks run DP2 zero 3, Muon at DP2 zero 1 and balanced placement at EP2 at rowwise, DP2 zero 1 at tensorwise,
-EP2 at rowwise resumed from one process's fp8-off checkpoint, and at both recipes TP2 with SP, CP2 ring and EP2 with
-parallel.fp8_comm (against one process with it), plus the planted row; 8 ranks run DP2·PP2·EP2, a DeepSeek-V3-shaped
+EP2 at rowwise resumed from one process's fp8-off checkpoint, and at both recipes TP2 with SP, CP2 ring, and EP2 and
+DP2 zero 3 with parallel.fp8_comm (against one process with it: the EP dispatch and zero 3's weight all-gathers in
+FP8), plus the planted row; 8 ranks run DP2·PP2·EP2, a DeepSeek-V3-shaped
 model (MLA with a q latent, a dense first layer, a shared expert, sigmoid routing, MTP) at DP2·PP2·EP2 under zb1,
 and TP2·EP2·CP2 (8 experts) at both recipes.
 The bar, and why it is not 1e-5 at every step: EXACT_STEPS and FLIP_BOUND below.
@@ -42,7 +43,7 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shar
             "--model.bias_update_rate", "1e-3", "--model.mtp_layers", "1", "--model.mtp_coef", "0.3")
 TP2, CP2 = ("--parallel.tp", "2"), ("--parallel.cp", "2", "--parallel.cp_impl", "ring")  # TP with SP (its default)
 E8 = ("--model.num_experts", "8")  # TP2·EP2·CP2 folds the experts over 8 ranks
-WIRE = ("--parallel.fp8_comm", "true")  # the EP dispatch in FP8; the reference's experts make the same operand
+WIRE = ("--parallel.fp8_comm", "true")  # EP dispatch, zero 3 gathers in FP8; the reference makes the same operands
 PLANTED = ("--train.steps", "2")  # a planted row: 2 steps, the warmup's lr the 10-step reference's
 CKPT = 5
 RESUME_FROM = "ref_off_ckpt"  # one process, fp8 off, checkpoint at step CKPT: the resumed row's start
@@ -77,7 +78,9 @@ WORLD2_SLOW = [("dp2_zero3", "row", 2, 1, 1, "1f1b", (Z, "3", *ROW)),
                ("tensorwise_cp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *CP2)),
                ("tensorwise_tp2_planted", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2, *PLANTED)),
                ("ep2_fp8_comm", "row_wire", 1, 1, 2, "1f1b", (*ROW, *WIRE)),
-               ("tensorwise_ep2_fp8_comm", "tensor_wire", 1, 1, 2, "1f1b", (*TENSOR, *WIRE))]
+               ("tensorwise_ep2_fp8_comm", "tensor_wire", 1, 1, 2, "1f1b", (*TENSOR, *WIRE)),
+               ("dp2_zero3_fp8_comm", "row_wire", 2, 1, 1, "1f1b", (Z, "3", *ROW, *WIRE)),
+               ("tensorwise_dp2_zero3_fp8_comm", "tensor_wire", 2, 1, 1, "1f1b", (Z, "3", *TENSOR, *WIRE))]
 WORLD8 = [("dp2pp2ep2", "row", 2, 2, 2, "1f1b", (Z, "1", *ROW)),
           ("deepseek_dp2pp2ep2_zb1", "deepseek", 2, 2, 2, "zb1", (*ROW, *DEEPSEEK)),
           ("tp2ep2cp2", "row8", 1, 1, 2, "1f1b", (*ROW, *E8, *TP2, *CP2)),
@@ -224,7 +227,7 @@ LAUNCHES = [pytest.param(2, WORLD2, id="world2"),
 @pytest.mark.parametrize("world, cases", LAUNCHES)
 def test_fp8_rows(world, cases, corpus_dir, run_root, refs):
     """world2: DP2 zero 1, EP2, PP2 zb1 at rowwise, EP2 at tensorwise. world2_more: DP2 zero 3, Muon, balanced
-    placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed; TP2+SP, CP2 and EP2 fp8_comm at
-    both recipes; the planted TP2 row. world8: DP2·PP2·EP2 and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under
+    placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed; TP2+SP, CP2, EP2 fp8_comm and DP2
+    zero 3 fp8_comm at both recipes; the planted TP2 row. world8: DP2·PP2·EP2 and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under
     zb1, rowwise; TP2·EP2·CP2 at both recipes."""
     _matrix(world, cases, corpus_dir, run_root, refs, timeout=1500)  # world2_more: ~800 s on a busy machine

@@ -1,7 +1,9 @@
-"""parallel.fp8_comm's EP dispatch (parallel/ep.py `_Fp8AllToAll`, docs/fp8.md): each row crosses as the FP8 bits and
-scale the receiver's expert GEMMs would make of it, so an EP2 MoE layer computes what one process computes at the
-same flags (outputs, input, router and expert gradients), and the comm meter counts the bytes: D + 1 a row at
-rowwise (the scale's exponent), D + 4 at tensorwise (an fp32 scale), against 2D for the bf16 payload."""
+"""parallel.fp8_comm's EP trips (parallel/ep.py `_Fp8AllToAll`, `_Fp8Combine`, docs/fp8.md): each dispatched row crosses
+as the FP8 bits and scale the receiver's expert GEMMs would make of it, and each row of the combine's gradient
+comes back in the recipe's gradient dtype, as one process with the flag rounds it, so an EP2 MoE layer computes
+what one process computes at the same flags (outputs, input, router and expert gradients), and the comm meter
+counts the bytes of both trips: D + 1 a row at rowwise (the scale's exponent), D + 4 at tensorwise (an fp32
+scale), against 2D for the bf16 payload."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 from nanotitan.model.moe import MoE
 from nanotitan.parallel.comm import collectives as comm
-from nanotitan.parallel.ep import EPDispatcher, _AllToAll, _Fp8AllToAll
+from nanotitan.parallel.ep import EPDispatcher, _AllToAll, _Fp8AllToAll, _Fp8Combine
 from nanotitan.parallel.lanes import EPLanes
 from nanotitan.parallel.placement import EPShard, identity
 from tests.helpers.mp import run_ranks
@@ -78,7 +80,17 @@ def _case(rank: int, P: int, group, recipe: str) -> dict:
     fp8_bytes = comm.COMM.bytes["ep"]
     comm.COMM.reset()
     _AllToAll.apply(x.detach().bfloat16(), out, splits, lanes)
-    return {"errs": errs, "ratio": fp8_bytes / comm.COMM.bytes["ep"]}
+    ratio = fp8_bytes / comm.COMM.bytes["ep"]
+    # the combine's gradient on its way back to the experts, against the same rows in bf16
+    y_RD = torch.randn(sum(out), D, generator=g).requires_grad_(True)
+    y_ND = _Fp8Combine.apply(y_RD, splits, out, lanes, fp8)
+    grad_ND = torch.randn(y_ND.shape, generator=g)
+    comm.COMM.reset()
+    y_ND.backward(grad_ND)
+    fp8_bytes = comm.COMM.bytes["ep"]
+    comm.COMM.reset()
+    _AllToAll.apply(grad_ND.bfloat16(), out, splits, lanes)
+    return {"errs": errs, "ratio": ratio, "combine_grad_ratio": fp8_bytes / comm.COMM.bytes["ep"]}
 
 
 def _main(rank: int, world: int) -> dict:
@@ -87,13 +99,14 @@ def _main(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_fp8_dispatch_is_one_process_and_sends_half_the_bytes():
+def test_fp8_trips_are_one_process_and_send_half_the_bytes():
     results = run_ranks(_main, world=2, timeout=100)
     for rank, res in enumerate(results):
         for recipe in RECIPES:
             for what, err in res[recipe]["errs"].items():
                 assert err <= 1e-6, f"{recipe} rank {rank}: {what} differs by {err:.2e}"
-    assert results[0]["rowwise"]["ratio"] == (D + 1) / (2 * D) <= 0.55
-    assert results[0]["tensorwise"]["ratio"] == (D + 4) / (2 * D)  # 0.5625 at D 32; <= 0.55 from D 40
+    for trip in ("ratio", "combine_grad_ratio"):
+        assert results[0]["rowwise"][trip] == (D + 1) / (2 * D) <= 0.55, trip
+        assert results[0]["tensorwise"][trip] == (D + 4) / (2 * D), trip  # 0.5625 at D 32; <= 0.55 from D 40
     print(f"EP dispatch bytes vs bf16: rowwise {results[0]['rowwise']['ratio']:.4f}, "
-          f"tensorwise {results[0]['tensorwise']['ratio']:.4f} (D {D})")
+          f"tensorwise {results[0]['tensorwise']['ratio']:.4f} (D {D}); the combine's gradient the same")

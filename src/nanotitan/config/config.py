@@ -227,7 +227,8 @@ class ParallelConfig:
     # replaying a step whose buffers overflow (docs/ep.md)
     ep_dispatch: Literal["dynamic", "static"] = "dynamic"
     ep_capacity: float = 1.25  # with static: each peer's buffer, in multiples of its expected share (docs/ep.md)
-    # with train.fp8: the EP dispatch sends each row's FP8 bits and scale, the experts' forward operand (docs/fp8.md)
+    # with train.fp8: the EP dispatch sends each row's FP8 bits and scale, the experts' forward operand, and zero 3
+    # all-gathers the FP8 weights as their forward operands (docs/fp8.md)
     fp8_comm: bool = False
     # dtype of the DP gradient reduction: fp32, or bf16 (half the bytes, each sum rounded; docs/precision.md)
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"

@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .fp8_weight import operand
+
 RECIPES = ("tensorwise", "rowwise")
 
 
@@ -174,8 +176,7 @@ class Float8Matmul(torch.autograd.Function):
         ctx.fp8, ctx.split = fp8, split
         c, s = fp8.config, split
         qx = _cast(x, (s.tokens, s.inner), -1, c.cast_config_input, fp8, R.INPUT)
-        qw = _cast(w_t, (s.inner, s.outer), 0, c.cast_config_weight, fp8, R.WEIGHT)
-        return _mm(qx, qw)
+        return _mm(qx, _weight(w_t, fp8, s))
 
     @staticmethod
     def backward(ctx, dy):
@@ -184,12 +185,43 @@ class Float8Matmul(torch.autograd.Function):
         x, w_t = ctx.saved_tensors
         c, s, f = ctx.fp8.config, ctx.split, ctx.fp8
         dy0 = _cast(dy, (s.tokens, s.outer), -1, c.cast_config_grad_output, f, R.GRAD_OUTPUT)
-        w1 = _cast(w_t, (s.inner, s.outer), -1, c.cast_config_weight_for_grad_input, f, R.WEIGHT)
+        w1 = _weight_for_grad_input(w_t, f, s) if f.wire else \
+            _cast(w_t, (s.inner, s.outer), -1, c.cast_config_weight_for_grad_input, f, R.WEIGHT)
         dx = _mm(dy0, w1.t())
         dy1 = _cast(dy, (s.tokens, s.outer), 0, c.cast_config_grad_output_for_grad_weight, f, R.GRAD_OUTPUT)
         x1 = _cast(x, (s.tokens, s.inner), 0, c.cast_config_input_for_grad_weight, f, R.INPUT)
         dw = _mm(dy1.t(), x1)
         return dx, dw.t(), None, None
+
+
+def _weight(w_t: torch.Tensor, fp8: Fp8, split: Split):
+    """The forward GEMM's weight operand: the bits and scales an FP8 all-gather delivered (an `Fp8Weight`:
+    parallel.fp8_comm under ZeRO-3, parallel/dp/fp8_gather.py, cast on the shards with these very scales), read as
+    they are; else cast here."""
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole as R
+
+    cast = fp8.config.cast_config_weight
+    got = operand(w_t)
+    if got is None:
+        return _cast(w_t, (split.inner, split.outer), 0, cast, fp8, R.WEIGHT)
+    axis = get_maybe_axiswise_dim(0, cast.scaling_granularity)
+    return Float8TrainingTensor(got[0], got[1], w_t.dtype, fp8.mm_config, R.WEIGHT, axis)
+
+
+def _weight_for_grad_input(w_t: torch.Tensor, fp8: Fp8, split: Split):
+    """parallel.fp8_comm: the grad-input GEMM's weight operand made from the forward's, as a rank holds it that
+    all-gathered the weight in FP8, in every layout (so one process computes what ZeRO-3 does). Tensorwise casts
+    both the same way: the forward's bits. Rowwise scales the forward's per output feature and this one per input
+    feature: the forward operand's values cast again, a second e4m3 rounding (docs/fp8.md "FP8 weights on the
+    wire")."""
+    from torchao.float8.float8_training_tensor import GemmInputRole as R
+
+    c, qw = fp8.config, _weight(w_t, fp8, split)
+    if c.cast_config_weight_for_grad_input == c.cast_config_weight and qw._axiswise_dim is None:
+        return qw
+    values = (qw._data.float() / qw._scale).to(w_t.dtype)  # e4m3 times a power of 2: exact in bf16 and fp32
+    return _cast(values, (split.inner, split.outer), -1, c.cast_config_weight_for_grad_input, fp8, R.WEIGHT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8,
@@ -226,15 +258,16 @@ def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,
-              pow2: bool, a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              pow2: bool, a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+              b_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """a @ b with a [n, K] scaled per row and b [K, N] per column (b_whole: one scale for all of b, broadcast to
-    its columns, the same numbers), fp32 accumulate, out in a's dtype; `a_fp8`: a already quantized (bits,
-    scale). b is handed column-major, as the GPU kernel wants it; on CPU `torch._scaled_mm` is bitwise the
-    dequantized fp32 matmul."""
+    its columns, the same numbers), fp32 accumulate, out in a's dtype; `a_fp8`, `b_fp8`: that operand already
+    quantized (bits, scale). b is handed column-major, as the GPU kernel wants it; on CPU `torch._scaled_mm` is
+    bitwise the dequantized fp32 matmul."""
     if a.shape[0] == 0:
         return a.new_zeros(0, b.shape[1])
     qa, sa = a_fp8 if a_fp8 is not None else quantize(a, a_dtype, -1, pow2)
-    qb, sb = quantize(b, b_dtype, None if b_whole else 0, pow2)
+    qb, sb = b_fp8 if b_fp8 is not None else quantize(b, b_dtype, None if b_whole else 0, pow2)
     sb = sb.expand(1, b.shape[1]) if b_whole else sb
     qb = qb.t().contiguous().t()
     return torch._scaled_mm(qa, qb, scale_a=sa.reciprocal(), scale_b=sb.reciprocal().contiguous(),
@@ -246,23 +279,46 @@ class ExpertMM(torch.autograd.Function):
     scales): forward e4m3 x per row, w per column (or whole); grad_x = dy @ w^T with dy per row in the recipe's
     gradient dtype, w^T per column; grad_w = x^T @ dy in high precision. With x's FP8 operand handed in (bits,
     scales: parallel.fp8_comm, `experts`) the forward reads those bits and grad_w their dequantized values, so it
-    is the same wherever the operand was made: on this rank, or on the rank that sent it."""
+    is the same wherever the operand was made: on this rank, or on the rank that sent it. With fp8.wire w's
+    operand too is the same wherever it was made (here, or cast on the shards and all-gathered in FP8 under
+    ZeRO-3: `_expert_weight`), and grad_x's w^T is made from it (`_expert_weight_t`)."""
 
     @staticmethod
     def forward(ctx, x, w, fp8: Fp8, bits=None, scale=None):
         ctx.save_for_backward(x if bits is None else dequantize(bits, scale, x.dtype), w)
         ctx.fp8 = fp8
         return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2,
-                         None if bits is None else (bits, scale))
+                         None if bits is None else (bits, scale), _expert_weight(w, fp8) if fp8.wire else None)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         f = ctx.fp8
-        dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2) if ctx.needs_input_grad[0] \
-            else None
+        dx = None
+        if ctx.needs_input_grad[0] and f.wire:
+            w_t, w_t_fp8 = _expert_weight_t(w, f)
+            dx = scaled_mm(dy, w_t, f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2, b_fp8=w_t_fp8)
+        elif ctx.needs_input_grad[0]:
+            dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2)
         dw = x.t().mm(dy.to(x.dtype)) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None
+
+
+def _expert_weight(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's weight [K, N] as its forward operand (bits, scale per column or whole): as an FP8 all-gather
+    delivered it (`Fp8Weight`), else cast here."""
+    got = operand(w)
+    return got if got is not None else quantize(w, fp8.forward_dtype, None if not fp8.rowwise else 0, fp8.pow2)
+
+
+def _expert_weight_t(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(w^T, its operand or None) for grad_x, made from the forward's operand: tensorwise, the same bits
+    transposed under the same scale; rowwise (per column of w^T, not of w), the forward operand's values, which
+    scaled_mm casts again: a second e4m3 rounding (docs/fp8.md "FP8 weights on the wire")."""
+    bits, scale = _expert_weight(w, fp8)
+    if fp8.rowwise:
+        return dequantize(bits, scale, w.dtype).t(), None
+    return w.t(), (bits.t(), scale)
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
@@ -270,11 +326,13 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
     """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd. With
     fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
     as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
-    group of rows)."""
+    group of rows); and the output's gradient reaches the experts rounded per row to the recipe's gradient dtype,
+    by the EP combine trip that carries it in FP8 or else here (`_GradAsOnTheWire`)."""
     dev = x_ND.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x_ND, W_gate, W_val, W_out = (t.to(dt) for t in (x_ND, W_gate, W_val, W_out))
+    sent = x_fp8 is not None  # by the EP dispatch, whose combine trip carries the output's gradient in FP8
     if fp8.wire and x_fp8 is None:
         x_fp8 = quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
     none = (None,) * len(counts_L)
@@ -284,4 +342,21 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
                                    W_out.unbind(0)):
         h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8, b, s)) * ExpertMM.apply(x, wv, fp8, b, s)
         ys.append(ExpertMM.apply(h, wo, fp8))
-    return torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])
+    y = torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])
+    return _GradAsOnTheWire.apply(y, fp8) if fp8.wire and not sent else y
+
+
+class _GradAsOnTheWire(torch.autograd.Function):
+    """parallel.fp8_comm where no EP trip carries the experts' output: its gradient rounded as the FP8 combine trip
+    (parallel/ep.py `_Fp8Combine`) carries it, each row to the recipe's gradient dtype with its own scale, so every
+    layout's experts read the same gradient values."""
+
+    @staticmethod
+    def forward(ctx, y, fp8: Fp8):
+        ctx.fp8 = fp8
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        bits, scale = quantize(dy, ctx.fp8.grad_dtype, -1, ctx.fp8.pow2)
+        return dequantize(bits, scale, dy.dtype), None

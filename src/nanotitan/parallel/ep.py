@@ -102,6 +102,46 @@ class _AllToAll(torch.autograd.Function):
         return grad_ND, None, None, None, None
 
 
+def _fp8_rows_trip(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], lanes: EPLanes,
+                   dtype: torch.dtype, pow2: bool, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bits_RD, scale_R1) received: each row of x cast to `dtype` with its own scale (model/fp8.py `quantize`),
+    sent as one byte buffer of D + 4 bytes a row (fp32 scales), D + 1 where the scales are powers of 2 (`pow2`: the
+    exponent, exactly)."""
+    bits_ND, scale_N1 = float8.quantize(x_ND, dtype, -1, pow2)
+    D, scale_N1 = x_ND.shape[1], scale_N1.float()
+    scale_bytes = (torch.frexp(scale_N1).exponent - 1).to(torch.int8).view(torch.uint8) if pow2 \
+        else scale_N1.view(torch.uint8)
+    send = torch.cat([bits_ND.view(torch.uint8), scale_bytes], dim=1)  # [N, D + 1 or 4]
+    recv = send.new_empty(sum(out_splits), send.shape[1])
+    _all_to_all(recv, send, out_splits, in_splits, lanes, kind)
+    bits_RD = recv[:, :D].contiguous().view(bits_ND.dtype)
+    scale_R1 = recv[:, D:].contiguous()
+    scale_R1 = torch.ldexp(torch.ones(scale_R1.shape, device=recv.device), scale_R1.view(torch.int8).float()) \
+        if pow2 else scale_R1.view(torch.float32)
+    return bits_RD, scale_R1
+
+
+class _Fp8Combine(torch.autograd.Function):
+    """The combine trip of parallel.fp8_comm: the expert outputs go home as `_AllToAll` sends them, in their dtype,
+    and their gradient comes back in FP8 as the recipe casts it for the experts' last GEMM (grad_x of W_out): each
+    row in the gradient dtype (e5m2 tensorwise, e4m3 rowwise) with its own scale, `_fp8_rows_trip`'s bytes. The
+    experts read its values (dequantized), which model/fp8.py `experts` makes the same where no trip carries them."""
+
+    @staticmethod
+    def forward(ctx, y_RD, out_splits: list[int], in_splits: list[int], lanes: EPLanes, fp8):
+        ctx.out_splits, ctx.in_splits, ctx.lanes, ctx.fp8 = out_splits, in_splits, lanes, fp8
+        y_ND = y_RD.new_empty(sum(out_splits), y_RD.shape[1])
+        _all_to_all(y_ND, y_RD, out_splits, in_splits, lanes, _phase(True) + ":combine")
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        f = ctx.fp8
+        bits_RD, scale_R1 = _fp8_rows_trip(grad_ND, ctx.in_splits, ctx.out_splits, ctx.lanes, f.grad_dtype, f.pow2,
+                                           "b:combine")
+        return float8.dequantize(bits_RD, scale_R1, grad_ND.dtype), None, None, None, None
+
+
 class _Fp8AllToAll(torch.autograd.Function):
     """The dispatch of parallel.fp8_comm: each row x [N, D] as the experts' gate and value GEMMs will read it, its
     FP8 bits and per-row scale (model/fp8.py `experts`: the same quantization the receiver would make), sent as one
@@ -113,17 +153,8 @@ class _Fp8AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits: list[int], in_splits: list[int], lanes: EPLanes, fp8):
         ctx.out_splits, ctx.in_splits, ctx.lanes = out_splits, in_splits, lanes
-        bits_ND, scale_N1 = float8.quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
-        D, scale_N1 = x_ND.shape[1], scale_N1.float()
-        scale_bytes = (torch.frexp(scale_N1).exponent - 1).to(torch.int8).view(torch.uint8) if fp8.pow2 \
-            else scale_N1.view(torch.uint8)
-        send = torch.cat([bits_ND.view(torch.uint8), scale_bytes], dim=1)  # [N, D + 1 or 4]
-        recv = send.new_empty(sum(out_splits), send.shape[1])
-        _all_to_all(recv, send, out_splits, in_splits, lanes, _phase(True) + ":dispatch")
-        bits_RD = recv[:, :D].contiguous().view(bits_ND.dtype)
-        scale_R1 = recv[:, D:].contiguous()
-        scale_R1 = torch.ldexp(torch.ones(scale_R1.shape, device=recv.device), scale_R1.view(torch.int8).float()) \
-            if fp8.pow2 else scale_R1.view(torch.float32)
+        bits_RD, scale_R1 = _fp8_rows_trip(x_ND, out_splits, in_splits, lanes, fp8.forward_dtype, fp8.pow2,
+                                           _phase(True) + ":dispatch")
         ctx.mark_non_differentiable(bits_RD, scale_R1)
         return float8.dequantize(bits_RD, scale_R1, x_ND.dtype), bits_RD, scale_R1
 
@@ -376,7 +407,10 @@ class EPDispatcher:
                 x_RD = self._a2a(x_ND, out_splits, in_splits, "dispatch")
                 y_RD = experts(x_RD.index_select(0, perm_R), recv_PL.sum(0) if grouped else counts_L)
             y_RD = y_RD.index_select(0, inverse_permutation(perm_R))
-            y_ND = self._a2a(y_RD, in_splits, out_splits, "combine")  # return trip: splits swapped
+            if fp8 is not None:  # its gradient in FP8 on the way back
+                y_ND = _Fp8Combine.apply(y_RD, in_splits, out_splits, self.lanes, fp8)
+            else:
+                y_ND = self._a2a(y_RD, in_splits, out_splits, "combine")  # return trip: splits swapped
 
         # 5. combine in this rank's packed order
         w_N = weights_TK.reshape(-1).index_select(0, order_N)

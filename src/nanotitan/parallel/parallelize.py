@@ -147,7 +147,9 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device,
     if p.dp_impl == "torch_ddp" and distributed:
         shard.sync = TorchDDPSync(*args, p.bucket_mb)
     elif p.zero == 3:  # FSDP2 on the non-expert-DP and expert-DP meshes
-        shard.sync = FSDPSync(*args, p.bucket_mb, scale, accumulate, reshard)
+        # parallel.fp8_comm: the FP8 weights all-gathered as their forward operands, cast from the compute dtype
+        fp8_from = (torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32) if p.fp8_comm else None
+        shard.sync = FSDPSync(*args, p.bucket_mb, scale, accumulate, reshard, fp8_from)
     elif p.zero in (1, 2):
         shard.sync = ZeroSync(*args, p.bucket_mb, scale, p.zero, reduce_dtype, accumulate)
     else:

@@ -26,6 +26,9 @@ What a rank holds during a step is two choices (`sync.zero_memory_choices`, docs
 `FSDPSync.prepare(sync)` (the Reducer's protocol, called before each microbatch's backward) sets FSDP's flags
 accordingly. Between steps a rank holds 1/N of params, grads and state either way.
 
+With parallel.fp8_comm the FP8 modules' weights are all-gathered as their FP8 forward operands (bits and scales,
+dp/fp8_gather.py); everything else, and every gradient, as before.
+
 `shards_experts`, `experts_in_block_unit` and `kept_gathered` are the rules `apply_fsdp` follows; the planner's
 memory and time models (plan/memory.py, plan/steptime.py) call the same functions.
 """
@@ -53,6 +56,7 @@ from ..dims import ParallelDims
 from .reducer import Reducer
 from .sync import GradSync, Pieces
 from ..shard import Grad, grad_layout, keep_layout, token_ranks
+from . import fp8_gather
 
 
 def shards_experts(dp: int) -> bool:
@@ -76,10 +80,12 @@ def kept_gathered(n_blocks: int, pp: int) -> list[int]:
     return [n_blocks - 1] if pp == 1 and n_blocks > 0 else []
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False) -> list[nn.Parameter]:
+def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = False,
+               fp8_from: torch.dtype | None = None) -> list[nn.Parameter]:
     """Shard this stage's Transformer in place (experts, then blocks, then the root); `reshard_after_forward`
     frees each module's gathered params after its forward (parallel.zero3_reshard=always), except the blocks
-    `kept_gathered` names (module docstring).
+    `kept_gathered` names (module docstring). `fp8_from` (parallel.fp8_comm: the forward's compute dtype): the FP8
+    modules' weights are all-gathered as their FP8 operands, cast from that dtype (dp/fp8_gather.py).
 
     Returns the params FSDP leaves alone (the experts when dp == 1), for a Reducer to sync."""
     group = dims.group("non_expert_dp")
@@ -126,6 +132,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool
             if hasattr(module, "set_custom_all_gather"):  # every fully_shard'ed module
                 module.set_custom_all_gather(_AllGatherByComm())
                 module.set_custom_reduce_scatter(_ReduceScatterByComm())
+    if fp8_from is not None:
+        fp8_gather.install(model, fp8_from)
     return [q for q in unsharded if grad_layout(q).kind is not Grad.PARTIAL]
 
 
@@ -138,6 +146,8 @@ if AllGather is not None:
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.element_size() == 1:  # FP8 weights (fp8_gather.py): gloo's P2P takes them as bytes
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
             work = comm.all_gather(output_tensor, input_tensor, group)  # FSDP2 copies in: in place
             if not async_op:
                 work.wait()
@@ -190,14 +200,14 @@ class FSDPSync(GradSync):
     """
 
     def __init__(self, model, dims, expert_params, replicated_params, bucket_mb: float, scale: float,
-                 accumulate: str = "full", reshard: str = "never"):
+                 accumulate: str = "full", reshard: str = "never", fp8_from: torch.dtype | None = None):
         super().__init__(model, dims, expert_params, replicated_params)
         if accumulate not in ("shard", "full") or reshard not in ("always", "never"):
             raise ValueError(f"FSDPSync takes accumulate shard|full and reshard always|never, got {accumulate!r}, "
                              f"{reshard!r} (sync.zero_memory_choices resolves auto)")
         self.every_backward, self.reshard = accumulate == "shard", reshard == "always"
         before = dict(model.named_parameters())
-        left = {id(q) for q in apply_fsdp(model, dims, reshard_after_forward=self.reshard)}
+        left = {id(q) for q in apply_fsdp(model, dims, reshard_after_forward=self.reshard, fp8_from=fp8_from)}
         # fully_shard replaced the model's params by DTensor shards; the caller's lists (ModelShard's too) must
         # name those, in place: a reference to an original would keep a full copy of it alive all run.
         current = dict(model.named_parameters())
