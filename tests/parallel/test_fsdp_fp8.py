@@ -5,7 +5,8 @@ process makes; the gradients' sums of two are exact): losses and parameters equa
 recipes, with the experts sharded whole (Shard(0), their scales all-gathered) and cut along K (Shard(1), their
 amax reduced over the group), and with the weights gathered again for the backward (zero3_reshard always).
 The comm meter counts each forward's all-gathers: against the bf16 payload of the same weights, K + 1 bytes a row
-at rowwise (the scale's exponent) and K a row plus a 4-byte amax all-reduce per weight at tensorwise."""
+(a column of an expert) at rowwise (the scale's exponent) and K a row plus a 4-byte scale or amax per weight (per
+expert) at tensorwise."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def _main(rank: int, world: int) -> list[dict]:
 
 def _expected_bytes(recipe: str, res: dict) -> tuple[int, int]:
     """(the bytes fp8_gather.py sends for the FP8 weights in one forward, their bf16 payload): the bits, and the
-    scales all-gathered (rowwise: a byte, the exponent; tensorwise: fp32) where the shard keeps a scale's dims
-    whole, else their amax all-reduced (fp32)."""
+    scales all-gathered where the shard keeps a scale's dims whole, else reduced: rowwise a byte each (the
+    power-of-2 exponent, all-gathered or its MIN all-reduced), tensorwise 4 (the fp32 scale, or the amax)."""
     sent = bf16 = 0
     for n in res["gathered"]:
         shape = res["shapes"][n]
@@ -109,10 +110,8 @@ def _expected_bytes(recipe: str, res: dict) -> tuple[int, int]:
         for k in shape:
             numel *= k
         bf16 += 2 * numel
-        spans = (1,) if recipe == "rowwise" else tuple(range(len(shape)))[-2:]  # a linear [N, K]; experts [L, K, N]
         n_scales = numel // (shape[1] if recipe == "rowwise" else shape[-1] * shape[-2])
-        gathered = res["shard_dims"][n] not in spans
-        sent += numel + n_scales * (1 if gathered and recipe == "rowwise" else 4)
+        sent += numel + n_scales * (1 if recipe == "rowwise" else 4)
     return sent, bf16
 
 
@@ -125,6 +124,8 @@ def test_zero3_fp8_all_gather_is_zero0_and_halves_the_bytes():
             assert set(res["gathered"]) == {f"{m}.{q}" for m in res["fp8"] for q in ("weight", "W_gate", "W_val",
                                                                                      "W_out")
                                             if f"{m}.{q}" in res["shapes"]}, (name, res["gathered"])
+            cut = {res["shard_dims"][n] for n in res["gathered"] if ".experts." in n}
+            assert cut == {0 if experts == 4 else 1}, (name, cut)  # whole experts, or cut along K
             assert res["losses"]["b"] == res["losses"]["a"], (name, r, res["losses"])
             assert res["equal"] == res["params"], (name, r, sorted(set(res["params"]) - set(res["equal"])))
         res = per_rank[0]

@@ -9,9 +9,10 @@ after init"), so `install` sets them on the local tensors of a sharded model bef
 checkpoints, the optimizer and the gradients see the fp32 shards as before: only the gathered copy is FP8.
 
 Each cast is the one one process makes of the whole weight (model/fp8.py `_weight`, `_expert_weight`), computed on
-the shards: the amax over the dims its scale spans, reduced (MAX, exact) over the shard group where the shard cuts
-those dims and over the TP ranks where TP does (the linear's `fp8_split`); the bits elementwise. So the GEMMs read
-one process's bits:
+the shards: the amax over the dims its scale spans, reduced (MAX, exact) over the TP ranks where TP cuts those dims
+(the linear's `fp8_split`) and over the shard group where the shard does (a power-of-2 scale, rowwise's, as the MIN
+of the ranks' exponents: the largest amax gives the smallest scale; one byte each); the bits elementwise. So the
+GEMMs read one process's bits:
 - a linear's weight [N, K], sharded on N: tensorwise, one scale, reduced over the group and sent as metadata (the
   same on every rank); rowwise, one per output feature (a row: whole on its rank), all-gathered beside the bits as
   its exponent, one byte (the recipe's scales are powers of 2).
@@ -20,9 +21,10 @@ one process's bits:
 A weight whose rows do not divide evenly over the group, with scales to all-gather, stays high precision (FSDP2
 pads its rows, and the scales cannot take the padding's shape).
 
-Bytes: K + 1 per row of a rowwise linear (K + 4 where scales are not powers of 2), K per row at tensorwise plus one
-4-byte amax all-reduce per weight and gather, against 2K for the bf16 payload (4K for the fp32 masters FSDP2 gathers
-by default); tests/parallel/test_fsdp_fp8.py measures them in the comm meter.
+Bytes: K + 1 per row of a rowwise linear, K per row at tensorwise plus one 4-byte amax all-reduce per weight and
+gather, against 2K for the bf16 payload (4K for the fp32 masters FSDP2 gathers by default); an expert weight
+[L, K, N] at rowwise K + 1 per column, whether its scales are all-gathered or their exponents all-reduced;
+tests/parallel/test_fsdp_fp8.py measures them in the comm meter.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ class _Cast:
         fp8, hp = self.fp8, shard.to(self.hp_dtype)
         keep = tuple(1 if d in self.amax_dims else n for d, n in enumerate(hp.shape))
         amax = (hp.abs().amax(dim=self.amax_dims, keepdim=True) if hp.numel() else hp.new_zeros(keep)).float()
-        if not self.gathered_scale:
-            comm.all_reduce(amax, group=mesh.get_group(), axis="dp", op=dist.ReduceOp.MAX)
         for reduce in self.reduces:
             amax = reduce(amax)
+        if not self.gathered_scale and not fp8.pow2:
+            comm.all_reduce(amax, group=mesh.get_group(), axis="dp", op=dist.ReduceOp.MAX)
         scale = amax_to_scale(amax, fp8.forward_dtype, round_scales_to_power_of_2=fp8.pow2)
+        if not self.gathered_scale and fp8.pow2:  # the largest amax's scale is the smallest: its exponent's MIN
+            exponent = _exponent(scale)
+            comm.all_reduce(exponent, group=mesh.get_group(), axis="dp", op=dist.ReduceOp.MIN)
+            scale = _power_of_2(exponent)
         bits = to_fp8_saturated(hp.to(torch.float32) * scale, fp8.forward_dtype)
         rows = -(-self.shape[self.shard_dim] // mesh.size())  # FSDP2's padded shard
         if bits.shape[self.shard_dim] < rows:  # (only where the scales are metadata: `install`)
@@ -74,8 +80,7 @@ class _Cast:
             bits = full
         if not self.gathered_scale:
             return (bits,), scale
-        wire = (torch.frexp(scale).exponent - 1).to(torch.int8) if fp8.pow2 else scale  # 2^e: the exponent
-        return (bits, wire), None
+        return (bits, _exponent(scale) if fp8.pow2 else scale), None
 
     def post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata, dtype: torch.dtype,
                         out: Fp8Weight | None = None):
@@ -84,9 +89,7 @@ class _Cast:
             numel *= n
         bits = outputs[0].reshape(-1)[:numel].view(self.shape)  # a view: FSDP2 refills the storage
         if self.gathered_scale:
-            wire = outputs[1]
-            scale = torch.ldexp(torch.ones(wire.shape, device=wire.device), wire.float()) if self.fp8.pow2 \
-                else wire.float()
+            scale = _power_of_2(outputs[1]) if self.fp8.pow2 else outputs[1]
             scale = scale.view(tuple(1 if d in self.amax_dims else n for d, n in enumerate(self.shape)))
         else:
             scale = metadata
@@ -96,6 +99,15 @@ class _Cast:
             out.scale.copy_(scale)
             return None
         return Fp8Weight(bits, scale, dtype), ()
+
+
+def _exponent(scale: torch.Tensor) -> torch.Tensor:
+    """A power-of-2 scale 2^e as e, one byte (int8 holds every e an fp32 amax gives)."""
+    return (torch.frexp(scale).exponent - 1).to(torch.int8)
+
+
+def _power_of_2(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones(exponent.shape, device=exponent.device), exponent.float())
 
 
 def _casts(module: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[Reduce, ...]]]:
