@@ -213,8 +213,8 @@ def _weight_for_grad_input(w_t: torch.Tensor, fp8: Fp8, split: Split):
     """parallel.fp8_comm: the grad-input GEMM's weight operand made from the forward's, as a rank holds it that
     all-gathered the weight in FP8, in every layout (so one process computes what ZeRO-3 does). Tensorwise casts
     both the same way: the forward's bits. Rowwise scales the forward's per output feature and this one per input
-    feature: the forward operand's values cast again, a second e4m3 rounding (docs/fp8.md "FP8 weights on the
-    wire")."""
+    feature: the forward operand's values cast again, a second rounding, exact but for elements subnormal under
+    one of the two power-of-2 scales (docs/fp8.md "FP8 weights on the wire")."""
     from torchao.float8.float8_training_tensor import GemmInputRole as R
 
     c, qw = fp8.config, _weight(w_t, fp8, split)
@@ -314,7 +314,8 @@ def _expert_weight(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, torch.Tenso
 def _expert_weight_t(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(w^T, its operand or None) for grad_x, made from the forward's operand: tensorwise, the same bits
     transposed under the same scale; rowwise (per column of w^T, not of w), the forward operand's values, which
-    scaled_mm casts again: a second e4m3 rounding (docs/fp8.md "FP8 weights on the wire")."""
+    scaled_mm casts again: a second rounding, exact but for elements subnormal under one of the two power-of-2
+    scales (docs/fp8.md "FP8 weights on the wire")."""
     bits, scale = _expert_weight(w, fp8)
     if fp8.rowwise:
         return dequantize(bits, scale, w.dtype).t(), None
