@@ -51,6 +51,9 @@ def test_tp_and_cp_are_accepted_and_their_unscalable_gemms_refused():
     assert "kv_b_proj" in err("--parallel.cp", "2", *mla)
     load_config(None, [*BASE, "--parallel.cp", "2", "--parallel.cp_impl", "a2a", *mla])
     assert "parallel.ep_overlap" in err("--parallel.ep", "2", "--parallel.ep_overlap", "true")
+    static = ("--parallel.ep", "2", "--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped")
+    assert err(*static).startswith("train.fp8=rowwise with parallel.ep_dispatch=static")
+    load_config(None, [*BASE, *static, "--train.fp8_skip", "head,router,experts"])
     assert "not one of ['off', 'tensorwise', 'rowwise']" in err("--train.fp8", "mxfp8")
 
 

@@ -129,6 +129,8 @@ REFUSED = {
     "fp8-mla-ring": ["--train.fp8", "rowwise", "--parallel.cp", "2", "--model.kv_lora_rank", "16",
                      "--model.qk_nope_head_dim", "8", "--model.qk_rope_head_dim", "8", "--model.v_head_dim", "8"],
     "fp8-comm-off": ["--parallel.fp8_comm", "true"],
+    "fp8-static-dispatch": ["--train.fp8", "rowwise", "--parallel.ep", "2", "--parallel.ep_dispatch", "static",
+                            "--model.experts_impl", "grouped"],
     "fp8-comm-zero3-compile": ["--train.fp8", "rowwise", "--parallel.fp8_comm", "true", "--parallel.dp", "2",
                                "--parallel.zero", "3", "--train.compile", "true"],
     "fp8-ep-overlap": ["--train.fp8", "rowwise", "--parallel.ep", "2", "--parallel.ep_overlap", "true"],

@@ -55,6 +55,10 @@ def check_fp8(cfg) -> None:
         v, per = (v // p.tp, f" per TP rank (of {v})") if name in by_tp and p.tp > 1 else (v, "")
         _check(v % 16 == 0 or not kept, f"{name} gives an FP8 GEMM dimension {v}{per}, not a multiple of 16 "
                f"({', '.join(kept)}): make it one, add them to --train.fp8_skip, or --train.fp8 off")
+    experts_fp8 = m.num_experts and not any(fnmatch.fnmatchcase("experts", s) for s in t.fp8_skip)
+    _check(p.ep_dispatch != "static" or not experts_fp8, f"train.fp8={t.fp8} with parallel.ep_dispatch=static: the "
+           f"FP8 experts run one GEMM per expert, sized by counts read to the host, which static dispatch keeps on "
+           f"the device (--parallel.ep_dispatch dynamic, add experts to --train.fp8_skip, or --train.fp8 off)")
     _check(not (p.fp8_comm and p.zero == 3 and t.compile), "parallel.fp8_comm=true at parallel.zero=3 gathers "
            "the FP8 weights as a tensor subclass the compiled blocks are not traced with: --train.compile false, or "
            "--parallel.fp8_comm false")

@@ -165,6 +165,8 @@ REFUSALS = [
      "the ring expands each step's latent with its own kv_b_proj call: a scale per step, not per sequence", "open"),
     ("fp8-comm-off", r"parallel\.fp8_comm=true sends FP8 operands",
      "FP8 payloads need FP8 operands: train.fp8 off makes none", "by design"),
+    ("fp8-static-dispatch", r"train\.fp8=\w+ with parallel\.ep_dispatch=static",
+     "the FP8 experts run the per-expert loop, sized by host counts", "open"),
     ("fp8-comm-zero3-compile", r"parallel\.fp8_comm=true at parallel\.zero=3 gathers",
      "zero 3's FP8 all-gather hands the blocks a weight subclass (model/fp8_weight.py) that compile is not tested "
      "with", "open"),
