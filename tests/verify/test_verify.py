@@ -74,3 +74,13 @@ def test_a_config_error_exits_2_before_any_rank_starts(corpus_dir, capsys):
     assert cli.main(["verify", "--layout", "dp=3", *_args(corpus_dir)]) == 2  # B = 16 over dp 3
     assert "not a multiple of dp*ep*train.micro_batch" in capsys.readouterr().err
     assert cli.main(["verify", "--layout", "dp=1", *_args(corpus_dir)]) == 2
+
+
+def test_one_process_keeps_the_fp8_recipe_of_the_wire(corpus_dir, tmp_path):
+    """parallel.fp8_comm is part of the FP8 recipe (it rounds the experts' operands and gradients as the wire
+    carries them, in every layout): one process runs with it, else an fp8_comm layout diverges by that rounding."""
+    args = _args(corpus_dir, "--train.fp8", "rowwise", "--parallel.fp8_comm", "true")
+    ref, lay = configs(load_config(None, args), dict(ep=2), str(tmp_path / "fp8"))
+    assert ref.parallel.fp8_comm and lay.parallel.fp8_comm and ref.world_size == 1
+    ref, _ = configs(load_config(None, args[:-1] + ["false"]), dict(ep=2), str(tmp_path / "off"))
+    assert not ref.parallel.fp8_comm

@@ -2,7 +2,8 @@
 
     configs(cfg, layout)   the two configs: the layout's (parallel.dp/pp/ep/tp/cp from --layout, the config's other
                            parallel keys, microbatches for the config's global batch B) and one process's (every
-                           parallel key at its default but microbatches = B / micro_batch); both with no eval, no
+                           parallel key at its default but microbatches = B / micro_batch, and fp8_comm, part of
+                           the FP8 recipe); both with no eval, no
                            checkpoint, a record every step, in a scratch run dir
     verify(cfg, layout)    both run (world.py), compared (compare.py): an `Outcome` with every row, the verdict line
                            and the exit code (0 equal, 1 diverged or the layout failed; config errors raise)
@@ -79,7 +80,9 @@ def configs(cfg: Config, layout: dict[str, int] | None, run_dir: str) -> tuple[C
         raise ConfigError(f"data.loader={cfg.data.loader} reads another batch on every layout: verify compares the "
                           "same global batch (--data.loader indexed)")
     ref = _for_verify(cfg, f"{run_dir}/reference")
-    ref.parallel = ParallelConfig(microbatches=B // m, timeout_s=p.timeout_s)
+    # one process at the layout's numbers: parallel.fp8_comm is part of the FP8 recipe (it rounds the experts'
+    # operands as the wire carries them, in every layout: docs/fp8.md), so the reference keeps it
+    ref.parallel = ParallelConfig(microbatches=B // m, timeout_s=p.timeout_s, fp8_comm=p.fp8_comm)
     ref, lay = resolve(ref), resolve(lay)
     if lay.train.device == "cuda" and lay.world_size > torch.cuda.device_count():
         raise ConfigError(f"the layout's {lay.world_size} ranks need as many GPUs, {torch.cuda.device_count()} are "
