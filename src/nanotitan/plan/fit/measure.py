@@ -80,11 +80,7 @@ class TensorBytesMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            if hasattr(t, "to_local"):  # a DTensor (zero 3): its own storage is a wrapper's, the whole tensor's size
-                t = t.to_local()
+        for t in _storage_holders(tree_flatten(out)[0]):
             s = t.untyped_storage()
             key = storage_key(s)
             if key in self.live or key in self.skip or s.nbytes() == 0:
@@ -94,6 +90,23 @@ class TensorBytesMeter(TorchDispatchMode):
             self.peak = max(self.peak, self.current)
             weakref.finalize(s, self._free, key)  # storages keep their Python object: fires when freed
         return out
+
+
+def _storage_holders(tensors) -> list[torch.Tensor]:
+    """The tensors whose storages hold the bytes: a wrapper subclass's own storage is the whole tensor's size in its
+    reported dtype, so its inner tensors instead (a DTensor's local shard at zero 3; an FP8 weight's bits and scales,
+    model/fp8_weight.py)."""
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if hasattr(t, "to_local"):
+            out.append(t.to_local())
+        elif type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            out += _storage_holders([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        else:
+            out.append(t)
+    return out
 
 
 # --- compute --------------------------------------------------------------------------------------
