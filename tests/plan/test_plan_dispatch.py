@@ -68,6 +68,11 @@ def test_the_replay_chance_falls_with_capacity_and_its_cost_grows_with_skew():
     placed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, expert_placement="balanced"))
     assert overflow_probability(placed, LAY, shape, 0.53) < by_skew[2]
     assert overflow_probability(_cfg("dynamic"), LAY, shape, 2.0) == 0.0
+    # 4 experts on 4 ranks, top-2: a source sends a peer at most one of each token's 2 assignments, 2x the mean, so
+    # capacity 2 never overflows whatever the skew (measured: docs/experiments/static_dispatch_emulated.json)
+    four = _cfg(experts=4)
+    shape4 = ModelShape.from_config(four)
+    assert overflow_probability(four, LAY, shape4, 2.0, 2.0) == 0.0 < overflow_probability(four, LAY, shape4, 2.0, 1.9)
 
 
 def test_host_reads_a_step():

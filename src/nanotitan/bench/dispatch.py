@@ -13,10 +13,12 @@ In each repeat the variants run one after another (dynamic, then static at each 
 the same time window, which is what a busy machine can give.
 
 Per run, over the steps (W, steps]: step time (median and min), the EP wait (comm_ep_wait_s) and the EP bytes this
-rank sent (comm_ep_bytes, rank 0; the steps that did not replay: the padded payload of one try), the steps replayed
-after an overflow (ep_replays) and the busiest EP rank's received assignments over the mean (ep_recv_max_mean: the
-routing skew the padding must absorb). The table gives, per layout and topology, each variant's figures (the min and
-the median over repeats of each run's median) and static over dynamic, per repeat, as min / median.
+rank sent (comm_ep_bytes, rank 0: on the steps that did not replay, one try, the padded payload; on those that did,
+both tries, the replay's buffers at capacity EP), the steps replayed after an overflow (ep_replays) and the busiest EP
+rank's received assignments over the mean (ep_recv_max_mean: the routing skew the padding must absorb). The table
+gives, per layout and topology, each variant's figures (its fastest step; the median over repeats of each run's
+median), static over dynamic, per repeat, as min / median, and the planner's static over dynamic for the same run at the skew
+the dynamic runs measured (`planned`). --table-only re-reads the runs under OUT's runs/ and runs nothing.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import re
 import statistics
 from pathlib import Path
 
 from ..config.config import Config, load_config
 from ..config.hardware import detect_hardware
+from ..observe.runs import run_results
 from ..parallel.comm import emulate
 from ..plan import Layout, ModelShape, PlanOptions, layout_config, predict
 from ..plan.dispatch import overflow_probability
@@ -40,7 +44,6 @@ from .layouts import run_layout
 
 # the dilation of the published emulated tables (docs/emulate.md §4: this CPU's fp32 GEMM peak over the H100's)
 DILATION = 0.0006872649146099278
-KEYS = ("step_s", "step_min_s", "ep_wait_s", "ep_bytes", "replays", "skew")
 
 
 def parse_layout(name: str, batch: int, m: int) -> tuple[int, int, int]:
@@ -91,43 +94,51 @@ def run_row(res: dict, warmup: int, steps: int) -> dict:
     recs = [r for r in res["records"] if warmup < r["step"] <= steps] or res["records"][-1:]
     done = {r["step"]: r.get("ep_replays", 0) for r in res["records"]}  # steps replayed so far (static only)
     replays = [done[r["step"]] - done.get(r["step"] - 1, 0) for r in recs]
-    clean = [r["comm_ep_bytes"] for r, n in zip(recs, replays) if not n] or [r["comm_ep_bytes"] for r in recs]
+    clean = [r["comm_ep_bytes"] for r, n in zip(recs, replays) if not n]  # one try: the padded payload
+    again = [r["comm_ep_bytes"] for r, n in zip(recs, replays) if n]  # both tries, the replay's at capacity EP
     skew = [r["ep_recv_max_mean"] for r in recs if "ep_recv_max_mean" in r]
     return {"step_s": statistics.median(r["step_time_s"] for r in recs),
             "step_min_s": min(r["step_time_s"] for r in recs),
             "ep_wait_s": statistics.median(r["comm_ep_wait_s"] for r in recs),
-            "ep_bytes": statistics.median(clean), "replays": sum(replays), "steps": len(recs),
+            "ep_bytes": statistics.median(clean) if clean else None,
+            "ep_bytes_replayed": statistics.median(again) if again else None,
+            "replays": sum(replays), "steps": len(recs),
             "skew": statistics.median(skew) if skew else None, "final_loss": res["records"][-1]["loss"]}
 
 
 def ratios(runs: dict[str, list[dict]], key: str, name: str) -> tuple[float, float]:
     """(min, median) over repeats of variant `name`'s figure over dynamic's of the same repeat."""
-    r = [s[key] / d[key] for s, d in zip(runs[name], runs["dynamic"]) if d[key]]
+    r = [s[key] / d[key] for s, d in zip(runs[name], runs["dynamic"]) if d[key] and s[key] is not None]
     return (min(r), statistics.median(r)) if r else (float("nan"), float("nan"))
 
 
+def _mib(rows: list[dict], key: str) -> str:
+    got = [r[key] for r in rows if r[key] is not None]
+    return f"{statistics.median(got) / 2**20:.2f}" if got else "-"
+
+
 def table(title: str, runs: dict[str, list[dict]], plans: dict[str, dict]) -> str:
-    """One layout under one topology: each variant's figures, static over dynamic (min / median of repeats) and
-    the planner's static over dynamic with its overflow chance (`planned`)."""
-    lines = [f"### {title}", "", "| variant | step ms, min / median | EP wait ms, min / median | EP MiB a step (one try) "
-             "| replayed steps | busiest/mean | step ÷ dynamic | EP wait ÷ dynamic | EP bytes ÷ dynamic | repeats | "
-             "planned step ÷ dynamic, overflow |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One layout under one topology: each variant's figures (its fastest step, the median of its runs' median
+    steps), static over dynamic (min / median over repeats of the same repeat's ratio) and the planner's static
+    over dynamic with its overflow chance (`planned`)."""
+    lines = [f"### {title}", "", "| variant | step ms: fastest / median | EP wait ms: min / median | EP MiB a step: "
+             "one try / replayed | replayed steps | busiest/mean | median step ÷ dynamic | fastest step ÷ dynamic | "
+             "EP wait ÷ dynamic | EP bytes ÷ dynamic (one try) | planned step ÷ dynamic, overflow |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
-        step = [r["step_s"] for r in rs]
-        wait = [r["ep_wait_s"] for r in rs]
+        step, wait = [r["step_s"] for r in rs], [r["ep_wait_s"] for r in rs]
         skews = [r["skew"] for r in rs if r["skew"] is not None]
-        line = (f"| {name} | {1e3 * min(step):.0f} / {1e3 * statistics.median(step):.0f} | {1e3 * min(wait):.0f} / "
-                f"{1e3 * statistics.median(wait):.0f} | {statistics.median(r['ep_bytes'] for r in rs) / 2**20:.2f} | "
-                f"{sum(r['replays'] for r in rs)} of {sum(r['steps'] for r in rs)} | "
+        line = (f"| {name} | {1e3 * min(r['step_min_s'] for r in rs):.0f} / {1e3 * statistics.median(step):.0f} | "
+                f"{1e3 * min(wait):.0f} / {1e3 * statistics.median(wait):.0f} | {_mib(rs, 'ep_bytes')} / "
+                f"{_mib(rs, 'ep_bytes_replayed')} | {sum(r['replays'] for r in rs)} of {sum(r['steps'] for r in rs)} | "
                 f"{statistics.median(skews) if skews else float('nan'):.2f} | ")
         if name == "dynamic" or "dynamic" not in runs:
-            line += "- | - | - |"
+            line += "- | - | - | - |"
         else:
-            line += " | ".join("{:.3f} / {:.3f}".format(*ratios(runs, k, name))
-                               for k in ("step_s", "ep_wait_s", "ep_bytes")) + " |"
+            pairs = [ratios(runs, k, name) for k in ("step_s", "step_min_s", "ep_wait_s", "ep_bytes")]
+            line += " | ".join("-" if math.isnan(lo) else f"{lo:.3f} / {mid:.3f}" for lo, mid in pairs) + " |"
         plan = plans.get(name)
-        lines.append(line + f" {len(rs)} | " + (f"{plan['ratio']:.3f}, {100 * plan['overflow']:.0f}% |" if plan
-                                                  else "- |"))
+        lines.append(line + (f" {plan['ratio']:.3f}, {100 * plan['overflow']:.0f}% |" if plan else " - |"))
     return "\n".join(lines)
 
 
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/bench.toml")
     ap.add_argument("--out", default="docs/experiments/static_dispatch_emulated.json")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--table-only", action="store_true", help="re-read the runs under OUT's runs/, run nothing")
     args, overrides = ap.parse_known_args(argv)
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be in [0, --steps {args.steps})")
@@ -168,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 for var, extra in variants(args.ep_dispatch, args.capacity).items():
                     run_dir = out.parent / "runs" / f"dispatch_{name}_{Path(profile).stem}_{size}_" \
                         f"{var.replace(' ', '')}_{rep}"
-                    res = run_layout(dp, 1, ep, "1f1b", M, args.micro_batch, args.steps, run_dir,
-                                     [f"--config={args.config}", *net, *extra, *overrides], args.timeout)
+                    res = run_results(run_dir) if args.table_only else run_layout(
+                        dp, 1, ep, "1f1b", M, args.micro_batch, args.steps, run_dir,
+                        [f"--config={args.config}", *net, *extra, *overrides], args.timeout)
                     runs.setdefault(var, []).append(run_row(res, args.warmup, args.steps))
                     print(f"[bench dispatch] {key} {var} repeat {rep}: {runs[var][-1]}", flush=True)
             busiest = [r["skew"] for r in runs.get("dynamic", []) if r["skew"] is not None]
@@ -179,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             results[key] = {"dp": dp, "ep": ep, "M": M, "m": args.micro_batch, "profile": profile, "node_size": size,
                             "dilation": dilation, "runs": runs, "planned": plans}
             text.append(table(f"dp{dp}·ep{ep} (M {M} × m {args.micro_batch}), {profile}, nodes of {size}, "
-                              f"dilation {dilation:.3g}", runs, plans))
+                              f"dilation {dilation:.3g}; {args.repeats} repeats of steps ({args.warmup}, {args.steps}]", runs, plans))
             print(text[-1] + "\n", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"argv": argv, "config": args.config, "overrides": overrides,
+            out.write_text(json.dumps({"argv": [a for a in argv or [] if a != "--table-only"], "config": args.config, "overrides": overrides,
                                        "steps": args.steps, "warmup": args.warmup, "results": results}, indent=1))
-    out.with_suffix(".md").write_text(f"Command: `nanotitan bench dispatch {' '.join(argv or [])}`\n\n"
+    ran = [a for a in argv or [] if a != "--table-only"]  # the command that ran them
+    out.with_suffix(".md").write_text(f"Command: `nanotitan bench dispatch {' '.join(ran)}`\n\n"
                                       + "\n\n".join(text) + "\n")
     return 0

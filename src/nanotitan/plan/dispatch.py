@@ -18,7 +18,7 @@ from statistics import NormalDist
 from ..config.config import Config
 from ..parallel.ep import static_slots
 from .shape import Layout, ModelShape
-from .skew import PLACED_RESIDUAL
+from .skew import PLACED_RESIDUAL, capacity_bound
 
 # What one host read of a device value costs a step on an accelerator, when the host has run ahead of the GPU: the
 # stream drains to the read, then the GPU idles until the host has issued the next kernels (eager PyTorch's launch
@@ -62,11 +62,13 @@ def overflow_probability(cfg: Config, layout: Layout, shape: ModelShape, skew: f
     """The chance that a step overflows a static buffer, so is replayed: per MoE layer, the busiest of EP
     destinations (normal loads of sd `load_sd`) passing the padded payload; the model's MoE layers independent, and
     a layer's microbatches and DP replicas one draw (one router, whose hot experts persist through the step: the
-    measured rates of docs/experiments/static_dispatch.md sit between the two counts, nearer this one). 0 under
-    dynamic, without EP, or for a balanced router (skew 0)."""
+    measured rates of docs/experiments/static_dispatch.md sit between the two counts, nearer this one). 0 where no
+    routing can overflow: a buffer at `skew.capacity_bound` (a source sends a peer at most min(K, L) of each token's
+    K assignments, and under model.capacity_factor at most its cap) or more; and under dynamic, without EP, or for a
+    balanced router (skew 0)."""
     payload = static_payload(cfg, layout, shape, capacity)
     sd = load_sd(cfg, layout, shape, skew) if payload else 0.0
-    if sd <= 0:
+    if sd <= 0 or payload >= capacity_bound(cfg, layout, shape) - 1e-9:
         return 0.0
     fits = NormalDist().cdf((payload - 1) / sd) ** layout.moe_ep  # every destination of one call within its buffer
     layers = sum(shape.is_moe(i) for i in range(shape.n_layers))

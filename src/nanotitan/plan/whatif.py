@@ -228,18 +228,18 @@ def _fp8_line(k: dict) -> str:
 
 def dispatch_line(k: dict) -> str:
     """`dispatch_report`'s verdict as one line of the report."""
-    verdict = "static pays" if k["pays"] else "dynamic is faster"
+    ms = lambda s: f"{1e3 * s:.4g} ms"  # noqa: E731
     even = k["break_even_host_sync_s"]
-    where = ("" if even is None else f"; static pays where a host read costs more than {1e6 * even:.0f} us"
-             if even > 0 else "; static is faster even where host reads cost nothing")
+    where = ("" if even is None else f" (break-even: {1e6 * even:.3g} us a read)" if even > 0
+             else " (faster even where a read costs nothing)")
     return (f"  EP dispatch: static (--parallel.ep_dispatch static, capacity {k['capacity']:g}) pads every rank's "
-            f"payload to {k['payload']:.2f}x the mean (dynamic: the busiest rank {k['dynamic_load']:.2f}x), overflows "
-            f"{100 * k['overflow']:.0f}% of steps (replays: {1e3 * k['replay_s']:.1f} ms a step on average); step "
-            f"{k['step_static_s']:.3g} s against dynamic's {k['step_dynamic_s']:.3g} s, which reads the host "
-            f"{k['reads']['dynamic']:.0f} times a step to static's {k['reads']['static']:.0f} "
-            f"(at {1e6 * k['host_sync_s']:.0f} us a read: {k['total_s']['static']:.3g} s against "
-            f"{k['total_s']['dynamic']:.3g} s): {verdict}{where}; static's best capacity here "
-            f"{k['best_capacity']:g} (step {k['best_capacity_step_s']:.3g} s)")
+            f"payload to {k['payload']:.2f}x the mean (dynamic: the busiest rank {k['dynamic_load']:.2f}x) and "
+            f"replays {100 * k['overflow']:.0f}% of steps (+{ms(k['replay_s'])} a step on average): step "
+            f"{ms(k['step_static_s'])} against dynamic's {ms(k['step_dynamic_s'])}; dynamic reads the host "
+            f"{k['reads']['dynamic']:.0f} times a step, static {k['reads']['static']:.0f}: at "
+            f"{1e6 * k['host_sync_s']:.3g} us a read {ms(k['total_s']['static'])} against "
+            f"{ms(k['total_s']['dynamic'])}, {'static pays' if k['pays'] else 'dynamic is faster'}{where}; static's "
+            f"best capacity here {k['best_capacity']:g} (step {ms(k['best_capacity_step_s'])})")
 
 
 def format_what_if(r: dict) -> str:
