@@ -17,8 +17,8 @@ rank sent (comm_ep_bytes, rank 0: on the steps that did not replay, one try, the
 both tries, the replay's buffers at capacity EP), the steps replayed after an overflow (ep_replays) and the busiest EP
 rank's received assignments over the mean (ep_recv_max_mean: the routing skew the padding must absorb). The table
 gives, per layout and topology, each variant's figures (its fastest step; the median over repeats of each run's
-median), static over dynamic, per repeat, as min / median, and the planner's static over dynamic for the same run at the skew
-the dynamic runs measured (`planned`). --table-only re-reads the runs under OUT's runs/ and runs nothing.
+median), static over dynamic, per repeat, as min / median, and the planner's static over dynamic for the same run at
+the skew the dynamic runs measured (`planned`). --table-only re-reads the runs under OUT's runs/ and runs nothing.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--warmup {args.warmup} must be in [0, --steps {args.steps})")
     cfg = load_config(args.config, overrides)
     out = Path(args.out)
+    ran = [a for a in argv or [] if a != "--table-only"]  # the command that ran the runs
     results, text = {}, []
     for topo in args.topology:
         profile, size = parse_topology(topo)
@@ -192,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
             results[key] = {"dp": dp, "ep": ep, "M": M, "m": args.micro_batch, "profile": profile, "node_size": size,
                             "dilation": dilation, "runs": runs, "planned": plans}
             text.append(table(f"dp{dp}·ep{ep} (M {M} × m {args.micro_batch}), {profile}, nodes of {size}, "
-                              f"dilation {dilation:.3g}; {args.repeats} repeats of steps ({args.warmup}, {args.steps}]", runs, plans))
+                              f"dilation {dilation:.3g}; {args.repeats} repeats of steps ({args.warmup}, {args.steps}]",
+                              runs, plans))
             print(text[-1] + "\n", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"argv": [a for a in argv or [] if a != "--table-only"], "config": args.config, "overrides": overrides,
-                                       "steps": args.steps, "warmup": args.warmup, "results": results}, indent=1))
-    ran = [a for a in argv or [] if a != "--table-only"]  # the command that ran them
+            out.write_text(json.dumps({"argv": ran, "config": args.config, "overrides": overrides, "steps": args.steps,
+                                       "warmup": args.warmup, "results": results}, indent=1))
     out.with_suffix(".md").write_text(f"Command: `nanotitan bench dispatch {' '.join(ran)}`\n\n"
                                       + "\n\n".join(text) + "\n")
     return 0

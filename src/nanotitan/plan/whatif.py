@@ -136,12 +136,13 @@ def dispatch_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptio
     reads = {d: dispatch_plan.host_reads(lay, moe_layers, ac, d) for d in ("dynamic", "static")}
     price = opts.host_sync_s if opts.host_sync_s is not None else (0.0 if hw.cores_per_node
                                                                    else dispatch_plan.HOST_SYNC_S)
-    totals = {"dynamic": dyn.step_time_s + reads["dynamic"] * price, "static": stat.step_time_s + reads["static"] * price}
+    totals = {d: p.step_time_s + reads[d] * price for d, p in (("dynamic", dyn), ("static", stat))}
     saved = reads["dynamic"] - reads["static"]
-    return dict(capacity=cfg.parallel.ep_capacity, payload=dispatch_plan.static_payload(cfg, lay, shape,
-                                                                                         cfg.parallel.ep_capacity),
+    skew = EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew
+    cap = cfg.parallel.ep_capacity
+    return dict(capacity=cap, payload=dispatch_plan.static_payload(cfg, lay, shape, cap),
                 dynamic_load=dyn.expert_time_factor,
-                overflow=dispatch_plan.overflow_probability(cfg, lay, shape, EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew, cfg.parallel.ep_capacity),
+                overflow=dispatch_plan.overflow_probability(cfg, lay, shape, skew, cap),
                 replay_s=stat.costs.get("ep_replay", 0.0), step_static_s=stat.step_time_s,
                 step_dynamic_s=dyn.step_time_s, reads=reads, host_sync_s=price, total_s=totals,
                 pays=totals["static"] < totals["dynamic"],
