@@ -374,6 +374,7 @@ BENCHES = {
     "tp": "tensor parallel: ours vs torch's parallelize_module, SP's activation bytes, TP2 vs DP2",
     "cp": "context parallel attention: causal balance, ring overlap (emulated), ours vs all-gather KV and torch",
     "placement": "experts placed by load vs static vs capacity-capped, under the emulated network",
+    "dispatch": "parallel.ep_dispatch static vs dynamic side by side, under the emulated network",
     "packed": "document-masked attention (SDPA per document) vs causal SDPA, forward + backward",
     "cp_docs": "CP over packed documents: the balanced split vs zigzag, attention work and time per rank",
 }

@@ -16,6 +16,8 @@
                       all-gather-KV baseline, one process and torch's context_parallel
     placement.py      experts placed by load (parallel.expert_placement) against the static placement and the
                       capacity-capped router, side by side, under the network emulator
+    dispatch.py       parallel.ep_dispatch static against dynamic, side by side, under the network emulator: padded
+                      bytes, step time, EP wait, replays
     packed.py         document-masked attention (SDPA per document) against causal SDPA, side by side
     cp_docs.py        CP over packed documents: the balanced split against zigzag, attention work and time per rank
 

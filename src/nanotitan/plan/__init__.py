@@ -17,6 +17,8 @@ The method, every formula and its assumptions are written up in docs/planner.md.
     cp.py         context parallel's terms: what a CP group saves, what it sends on which link, which CP degrees
     fp8.py        train.fp8's terms: the FP8 GEMMs at the profile's FP8 rate with their casts, the rest in bf16
     docs.py       packed documents: the document mask's attention work, and the CP split's balance over them
+    dispatch.py   parallel.ep_dispatch static's terms: the padded payload, the chance of a replay from the skew,
+                  the host reads each dispatch makes
     cost.py       predict(): the two models over one Context (and the names other modules import)
     search.py     layout_candidates, enumerate_layouts, search_layouts, plan, recommend: the ranked predictions
     table.py      what `nanotitan plan` prints: one row per layout, sorted as its header says, the recommendation,

@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="routing skew behind the busiest EP rank's peak: the CV of an expert's share of a "
                          "microbatch's assignments (default: plan.cost.EXPERT_SKEW, from the calibration; 0: a "
                          "balanced router; unused where model.capacity_factor bounds it)")
+    ap.add_argument("--host-sync-us", type=float, default=None, metavar="US",
+                    help="with --what-if: what one host read of a device value costs a step, in microseconds, "
+                         "where the what-if sets static EP dispatch against dynamic (default: 0 on a CPU profile, "
+                         "plan.dispatch.HOST_SYNC_S on an accelerator, not measured)")
     ap.add_argument("--first-dense", type=int, default=0, help="first k layers dense (models beyond our Transformer)")
     ap.add_argument("--dense-ffn", type=int, default=0, help="hidden size of dense FFN layers (default model.ffn_dim)")
     ap.add_argument("--shared-experts", type=int, default=0, help="always-on experts per MoE layer")
@@ -225,7 +229,8 @@ def _options(args, cfg) -> PlanOptions:
                        global_batch=args.global_batch, micro_batch=_micro_batch(args.micro_batch, cfg),
                        nodes=args.nodes,
                        ep_overlap=args.ep_overlap, shape_extra=extra, expert_skew=skew,
-                       doc_len_mean=args.doc_len_mean, doc_data=args.doc_data)
+                       doc_len_mean=args.doc_len_mean, doc_data=args.doc_data,
+                       host_sync_s=None if args.host_sync_us is None else 1e-6 * args.host_sync_us)
 
 
 def _what_if(args, overrides: list[str]) -> int:

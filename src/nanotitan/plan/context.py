@@ -45,6 +45,9 @@ class PlanOptions:
     # prices document-masked attention (model.attn_mask=doc alone, without them: the window's causal attention)
     doc_len_mean: float = 0.0
     doc_data: str = ""
+    # what one host read costs a step, where the what-if sets static EP dispatch against dynamic (plan/dispatch.py);
+    # None = HOST_SYNC_S on an accelerator profile, 0 on a CPU one
+    host_sync_s: float | None = None
 
 
 def zero_level(layout: Layout, opts: PlanOptions) -> int:
@@ -105,6 +108,9 @@ class Context:
     # train.optimizer = muon: optim/cost.py's muon_costs at this layout (Newton-Schulz FLOPs, owner traffic, the
     # Muon matrices' elements); None under AdamW
     muon: dict | None = None
+    # parallel.ep_dispatch static: every rank's all-to-all payload over the mean, its padded buffers
+    # (dispatch.static_payload); 0 = dynamic, the busiest rank's skewed load
+    static_payload: float = 0.0
     # what the time model computes once and the same layout at other zero levels reuses (cost.predict_zero_levels
     # copies the Context, this dict with it): the stages' per-microbatch times, which no zero level changes
     shared: dict = field(default_factory=dict)

@@ -15,7 +15,7 @@ from ..config.config import Config
 from ..config.hardware import Hardware
 from ..parallel.pp import facts as pp_facts
 from ..parallel.dp.sync import zero_memory_choices
-from . import cp as cp_plan, docs as docs_plan, tp as tp_plan
+from . import cp as cp_plan, dispatch as dispatch_plan, docs as docs_plan, tp as tp_plan
 from .context import Context, PlanOptions, placement, zero_level
 from .memory import EXPERT_SKEW, expected_max_normal, expert_imbalance, stage_memory
 from ..optim.cost import muon_costs
@@ -110,6 +110,7 @@ def build_context(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions |
         unckpt=(tp_plan.shard_stages(shape, layout, stage_summaries(shape, folded, counts, False, n_virt, prec),
                                      cfg.parallel.sp, False) if ac and layout.schedule == "zb1" else None),
         skew=EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew,
+        static_payload=dispatch_plan.static_payload(cfg, layout, shape),
         **_zero_fields(cfg, layout, opts, shape))
 
 
@@ -153,6 +154,11 @@ def _predict(c: Context) -> Prediction:
     layout, hw = c.layout, c.hw
     mem = [stage_memory(c, s, st) for s, st in enumerate(c.stages)]
     step, costs = step_time(c, [m.block for m in mem])
+    if c.static_payload:  # static EP dispatch: an overflowing step runs again with buffers that cannot overflow
+        p = dispatch_plan.overflow_probability(c.cfg, layout, c.shape, c.skew)
+        replay = dataclasses.replace(c, static_payload=float(layout.moe_ep), shared={})
+        costs["ep_replay"] = p * step_time(replay, [m.block for m in mem])[0] if p else 0.0
+        step += costs["ep_replay"]
     mem_by_stage = [m.peak for m in mem]
     limit = hw.mem_per_rank(c.ranks_on_node)
     tokens = layout.dp * layout.ep * layout.microbatches * layout.micro_batch * c.shape.seq_len

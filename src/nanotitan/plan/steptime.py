@@ -269,9 +269,12 @@ def _ep_link_at(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f:
     # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
     # Group-limited routing sends a token's copies to at most topk_group nodes (plan/skew.py): fewer cross nodes.
     # (a trip's mean under parallel.fp8_comm: two of the four carry FP8 rows and their scales, plan/fp8.py)
-    a2a_bytes = (f * c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
+    # Static dispatch (c.static_payload): every rank sends and receives its padded buffers, whatever the routing.
+    a2a_bytes = ((c.static_payload or f) * c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
                  * fp8_plan.ep_wire_ratio(cfg, c.shape.d_model, c.prec.act))
-    cross = group_node_crossings(cfg, lay, c.shape, c.opts.link_node_size or math.ceil(lay.dp * pp * ep / c.nodes))
+    # (Static buffers go to every peer whatever the groups: no fewer crossings.)
+    cross = 1.0 if c.static_payload else group_node_crossings(
+        cfg, lay, c.shape, c.opts.link_node_size or math.ceil(lay.dp * pp * ep / c.nodes))
     a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, cross * a2a_bytes * ep_off / hw.inter.a2a_bw)
     # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
     lat = (ep - 1) * ep_link.latency_s

@@ -13,13 +13,14 @@ from ..config.config import Config, ConfigError
 from ..config.hardware import GiB, Hardware
 from ..parallel.dims import ParallelDims
 from . import docs as docs_plan
-from .cost import PlanOptions, Prediction, predict
+from .cost import EXPERT_SKEW, PlanOptions, Prediction, predict
 from .fit.interval import Sigmas, mem_interval, step_interval
 from .advice import advise, format_advice
 from .search import plan
 from .table import SORTED_BY, Row, batch_changes, layout_rows, no_layout
 from .shape import ModelShape, layout_config, trainer_precision
 from .skew import rebalance_bytes, replica_sync_bytes
+from . import dispatch as dispatch_plan
 
 def _row(p: Prediction, sig: Sigmas, network: bool, row: Row | None = None) -> dict:
     """One layout of the report; with its table row: its place (`rank`), whether it is recommended, and how many
@@ -69,6 +70,8 @@ def what_if(cfg: Config, world: int, hw: Hardware, opts: PlanOptions, sig: Sigma
                            step_time_balanced_s=flat.step_time_s, cost=best.step_time_s / flat.step_time_s - 1)
     if best.layout.moe_ep > 1 and cfg.parallel.expert_placement == "static":
         out["placement"] = placement_saving(cfg, best, hw, opts)
+    if best.layout.moe_ep > 1:
+        out["dispatch"] = dispatch_report(cfg, best, hw, opts)
     if best.layout.cp > 1:  # why the sequence is split: the best layout that keeps it whole
         whole = next((p for p in preds if p.layout.cp == 1), None)
         out["without_cp"] = None if whole is None else dict(
@@ -111,6 +114,40 @@ def placement_saving(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOpti
     return dict(expert_time_factor=placed.expert_time_factor, step_time_s=step, move_s=move_s, sync_s=sync_s,
                 every=cfg.parallel.rebalance_every, saving=1 - step / best.step_time_s,
                 saving_unmoved=gain / best.step_time_s, break_even_every=move_s / gain if gain > 0 else None)
+
+
+def dispatch_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptions) -> dict:
+    """The best layout under parallel.ep_dispatch static (at the config's ep_capacity, and at the capacity, of a
+    few, whose expected step is least) against dynamic (plan/dispatch.py): the padded payload against dynamic's
+    busiest rank's load, the chance a step overflows and its replay's expected seconds, the host reads each makes a
+    step at `host_sync_s` each, whether static pays, and the price of a read above which it does."""
+    lay, shape = best.layout, ModelShape.from_config(cfg)
+
+    def at(dispatch: str, capacity: float | None = None) -> Prediction:
+        par = dataclasses.replace(cfg.parallel, ep_dispatch=dispatch, ep_capacity=capacity or cfg.parallel.ep_capacity)
+        return predict(layout_config(dataclasses.replace(cfg, parallel=par), lay), lay, hw, opts)
+
+    dyn, stat = at("dynamic"), at("static")
+    tried = {c: at("static", c) for c in sorted({1.0, 1.25, 1.5, 2.0, float(lay.moe_ep), cfg.parallel.ep_capacity})
+             if c <= lay.moe_ep}
+    best_cap = min(tried, key=lambda c: tried[c].step_time_s)
+    ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
+    moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers)) / lay.pp
+    reads = {d: dispatch_plan.host_reads(lay, moe_layers, ac, d) for d in ("dynamic", "static")}
+    price = opts.host_sync_s if opts.host_sync_s is not None else (0.0 if hw.cores_per_node
+                                                                   else dispatch_plan.HOST_SYNC_S)
+    totals = {d: p.step_time_s + reads[d] * price for d, p in (("dynamic", dyn), ("static", stat))}
+    saved = reads["dynamic"] - reads["static"]
+    skew = EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew
+    cap = cfg.parallel.ep_capacity
+    return dict(capacity=cap, payload=dispatch_plan.static_payload(cfg, lay, shape, cap),
+                dynamic_load=dyn.expert_time_factor,
+                overflow=dispatch_plan.overflow_probability(cfg, lay, shape, skew, cap),
+                replay_s=stat.costs.get("ep_replay", 0.0), step_static_s=stat.step_time_s,
+                step_dynamic_s=dyn.step_time_s, reads=reads, host_sync_s=price, total_s=totals,
+                pays=totals["static"] < totals["dynamic"],
+                break_even_host_sync_s=(stat.step_time_s - dyn.step_time_s) / saved if saved else None,
+                best_capacity=best_cap, best_capacity_step_s=tried[best_cap].step_time_s)
 
 
 def documents_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptions) -> dict:
@@ -190,6 +227,22 @@ def _fp8_line(k: dict) -> str:
             "the scores, router and head in bf16)")
 
 
+def dispatch_line(k: dict) -> str:
+    """`dispatch_report`'s verdict as one line of the report."""
+    ms = lambda s: f"{1e3 * s:.4g} ms"  # noqa: E731
+    even = k["break_even_host_sync_s"]
+    where = ("" if even is None else f" (break-even: {1e6 * even:.3g} us a read)" if even > 0
+             else " (faster even where a read costs nothing)")
+    return (f"  EP dispatch: static (--parallel.ep_dispatch static, capacity {k['capacity']:g}) pads every rank's "
+            f"payload to {k['payload']:.2f}x the mean (dynamic: the busiest rank {k['dynamic_load']:.2f}x) and "
+            f"replays {100 * k['overflow']:.0f}% of steps (+{ms(k['replay_s'])} a step on average): step "
+            f"{ms(k['step_static_s'])} against dynamic's {ms(k['step_dynamic_s'])}; dynamic reads the host "
+            f"{k['reads']['dynamic']:.0f} times a step, static {k['reads']['static']:.0f}: at "
+            f"{1e6 * k['host_sync_s']:.3g} us a read {ms(k['total_s']['static'])} against "
+            f"{ms(k['total_s']['dynamic'])}, {'static pays' if k['pays'] else 'dynamic is faster'}{where}; static's "
+            f"best capacity here {k['best_capacity']:g} (step {ms(k['best_capacity_step_s'])})")
+
+
 def format_what_if(r: dict) -> str:
     """The report as text."""
     if not r["layouts"]:
@@ -237,6 +290,7 @@ def format_what_if(r: dict) -> str:
                      f"moves at most {1e3 * k['move_s']:.0f} ms every {k['every']} steps: {100 * k['saving']:.1f}% "
                      + (f"(pays from --parallel.rebalance_every {math.ceil(k['break_even_every'])})"
                         if k["break_even_every"] else ""))
+    lines += [dispatch_line(r["dispatch"])] if "dispatch" in r else []
     if r.get("without_cp"):
         w = r["without_cp"]
         fastest = f"is {w['layout']} at {w['tokens_per_sec']:,.0f} tok/s" if w["fits"] else "fits"
