@@ -14,6 +14,7 @@
     kv_cache.py     the inference-only KV cache (`Transformer.decode`)
     docs.py         packed documents: each token's document start, its position in it, attention kept inside it
     fp8.py          FP8 GEMMs (train.fp8): torchao's float8 linear for dense projections, our scaled expert GEMM
+    fp8_weight.py   an FP8 weight gathered as its GEMM's operand (bits and scales; parallel/dp/fp8_gather.py)
     wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
     grouped_mm.py   the grouped experts' GEMM as a traced graph holds it in any dtype (compiled whole blocks)
 """
