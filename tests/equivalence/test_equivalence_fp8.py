@@ -10,12 +10,17 @@ model/fp8.py), so DP, ZeRO 1/3, EP, PP and balanced placement compute the same o
 amax is reduced over the ranks holding its tensor (docs/fp8.md "Scales under TP and CP"), which a planted row
 (TP2 with the reductions left out) must miss by 10x.
 
-The default tier's launch: 2 ranks run DP2 zero 1, EP2 and PP2 under zb1 at rowwise, EP2 at tensorwise. The slow
-tier: 2 ranks run DP2 zero 3, Muon at DP2 zero 1 and balanced placement at EP2 at rowwise, DP2 zero 1 at tensorwise,
-EP2 at rowwise resumed from one process's fp8-off checkpoint, and at both recipes TP2 with SP, CP2 ring and EP2 with
-parallel.fp8_comm (against one process with it), plus the planted row; 8 ranks run DP2·PP2·EP2, a DeepSeek-V3-shaped
-model (MLA with a q latent, a dense first layer, a shared expert, sigmoid routing, MTP) at DP2·PP2·EP2 under zb1,
-and TP2·EP2·CP2 (8 experts) at both recipes.
+mxfp8's scales are per 32-element block (torchao's MXFP8: model/mxfp8.py), local to a rank wherever it holds whole
+blocks (config/fp8_rules.py refuses the rest), so no amax is reduced anywhere; its rows run a model whose widths and
+token runs are whole blocks (MX, MX_TP, MX_CP).
+
+The default tier's launch: 2 ranks run DP2 zero 1, EP2 and PP2 under zb1 at rowwise, EP2 at tensorwise and mxfp8.
+The slow tier: 2 ranks run DP2 zero 3, Muon at DP2 zero 1 and balanced placement at EP2 at rowwise, DP2 zero 1 at
+tensorwise, EP2 at rowwise resumed from one process's fp8-off checkpoint, and at both recipes TP2 with SP, CP2 ring
+and EP2 with parallel.fp8_comm (against one process with it), plus the planted row, and DP2 zero 1, TP2 with SP and
+CP2 at mxfp8; 8 ranks run DP2·PP2·EP2 (rowwise and mxfp8), a DeepSeek-V3-shaped model (MLA with a q latent, a dense
+first layer, a shared expert, sigmoid routing, MTP) at DP2·PP2·EP2 under zb1, and TP2·EP2·CP2 (8 experts) at both
+recipes.
 The bar, and why it is not 1e-5 at every step: EXACT_STEPS and FLIP_BOUND below.
 """
 
@@ -43,6 +48,11 @@ DEEPSEEK = ("--model.n_layers", "3", "--model.first_k_dense", "1", "--model.shar
 TP2, CP2 = ("--parallel.tp", "2"), ("--parallel.cp", "2", "--parallel.cp_impl", "ring")  # TP with SP (its default)
 E8 = ("--model.num_experts", "8")  # TP2·EP2·CP2 folds the experts over 8 ranks
 WIRE = ("--parallel.fp8_comm", "true")  # the EP dispatch in FP8; the reference's experts make the same operand
+# mxfp8: the experts' width a multiple of its 32-element blocks; TP2 at d_model 64 (heads of 32 a rank); CP2 at
+# sequences of 128 (chunks of 32 tokens: whole blocks of the weight gradients), 4 of them a step
+MX = ("--train.fp8", "mxfp8", "--model.ffn_dim", "64")
+MX_TP = (*MX, "--model.d_model", "64")
+MX_CP = (*MX, "--train.seq_len", "128", "--train.micro_batch", "1", "--parallel.microbatches", "4")
 PLANTED = ("--train.steps", "2")  # a planted row: 2 steps, the warmup's lr the 10-step reference's
 CKPT = 5
 RESUME_FROM = "ref_off_ckpt"  # one process, fp8 off, checkpoint at step CKPT: the resumed row's start
@@ -65,7 +75,8 @@ PARAM_BOUND = 0.2
 
 # (name, reference, dp, pp, ep, schedule, extra)
 WORLD2 = [("dp2_zero1", "row", 2, 1, 1, "1f1b", (Z, "1", *ROW)), ("ep2", "row", 1, 1, 2, "1f1b", ROW),
-          ("pp2_zb1", "row", 1, 2, 1, "zb1", ROW), ("tensorwise_ep2", "tensor", 1, 1, 2, "1f1b", TENSOR)]
+          ("pp2_zb1", "row", 1, 2, 1, "zb1", ROW), ("tensorwise_ep2", "tensor", 1, 1, 2, "1f1b", TENSOR),
+          ("mxfp8_ep2", "mx", 1, 1, 2, "1f1b", MX)]
 WORLD2_SLOW = [("dp2_zero3", "row", 2, 1, 1, "1f1b", (Z, "3", *ROW)),
                ("muon_dp2_zero1", "muon", 2, 1, 1, "1f1b", (Z, "1", *ROW, *MUON)),
                ("balanced_ep2", "row", 1, 1, 2, "1f1b", (*ROW, *BALANCED)),
@@ -77,13 +88,18 @@ WORLD2_SLOW = [("dp2_zero3", "row", 2, 1, 1, "1f1b", (Z, "3", *ROW)),
                ("tensorwise_cp2", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *CP2)),
                ("tensorwise_tp2_planted", "tensor", 1, 1, 1, "1f1b", (*TENSOR, *TP2, *PLANTED)),
                ("ep2_fp8_comm", "row_wire", 1, 1, 2, "1f1b", (*ROW, *WIRE)),
-               ("tensorwise_ep2_fp8_comm", "tensor_wire", 1, 1, 2, "1f1b", (*TENSOR, *WIRE))]
+               ("tensorwise_ep2_fp8_comm", "tensor_wire", 1, 1, 2, "1f1b", (*TENSOR, *WIRE)),
+               ("mxfp8_dp2_zero1", "mx", 2, 1, 1, "1f1b", (Z, "1", *MX)),
+               ("mxfp8_tp2", "mx_tp", 1, 1, 1, "1f1b", (*MX_TP, *TP2)),
+               ("mxfp8_cp2", "mx_cp", 1, 1, 1, "1f1b", (*MX_CP, *CP2))]
 WORLD8 = [("dp2pp2ep2", "row", 2, 2, 2, "1f1b", (Z, "1", *ROW)),
           ("deepseek_dp2pp2ep2_zb1", "deepseek", 2, 2, 2, "zb1", (*ROW, *DEEPSEEK)),
           ("tp2ep2cp2", "row8", 1, 1, 2, "1f1b", (*ROW, *E8, *TP2, *CP2)),
-          ("tensorwise_tp2ep2cp2", "tensor8", 1, 1, 2, "1f1b", (*TENSOR, *E8, *TP2, *CP2))]
+          ("tensorwise_tp2ep2cp2", "tensor8", 1, 1, 2, "1f1b", (*TENSOR, *E8, *TP2, *CP2)),
+          ("mxfp8_dp2pp2ep2", "mx", 2, 2, 2, "1f1b", (Z, "1", *MX))]
 REFS = {"row": ROW, "tensor": TENSOR, "muon": (*ROW, *MUON), "deepseek": (*ROW, *DEEPSEEK), "row8": (*ROW, *E8),
-        "tensor8": (*TENSOR, *E8), "row_wire": (*ROW, *WIRE), "tensor_wire": (*TENSOR, *WIRE)}
+        "tensor8": (*TENSOR, *E8), "row_wire": (*ROW, *WIRE), "tensor_wire": (*TENSOR, *WIRE),
+        "mx": MX, "mx_tp": MX_TP, "mx_cp": MX_CP}
 
 
 def _resume(run_root: str, name: str) -> list[str]:
@@ -223,8 +239,8 @@ LAUNCHES = [pytest.param(2, WORLD2, id="world2"),
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("world, cases", LAUNCHES)
 def test_fp8_rows(world, cases, corpus_dir, run_root, refs):
-    """world2: DP2 zero 1, EP2, PP2 zb1 at rowwise, EP2 at tensorwise. world2_more: DP2 zero 3, Muon, balanced
-    placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed; TP2+SP, CP2 and EP2 fp8_comm at
-    both recipes; the planted TP2 row. world8: DP2·PP2·EP2 and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under
-    zb1, rowwise; TP2·EP2·CP2 at both recipes."""
+    """world2: DP2 zero 1, EP2, PP2 zb1 at rowwise, EP2 at tensorwise and mxfp8. world2_more: DP2 zero 3, Muon,
+    balanced placement at rowwise, DP2 zero 1 at tensorwise, fp8 off -> rowwise resumed; TP2+SP, CP2 and EP2 fp8_comm
+    at both recipes; the planted TP2 row; DP2 zero 1, TP2+SP and CP2 at mxfp8. world8: DP2·PP2·EP2 (rowwise and
+    mxfp8) and the DeepSeek-V3-shaped model at DP2·PP2·EP2 under zb1, rowwise; TP2·EP2·CP2 at both recipes."""
     _matrix(world, cases, corpus_dir, run_root, refs, timeout=1500)  # world2_more: ~800 s on a busy machine

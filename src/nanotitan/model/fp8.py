@@ -31,7 +31,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-RECIPES = ("tensorwise", "rowwise")
+from . import mxfp8
+
+RECIPES = ("tensorwise", "rowwise", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,14 @@ def _import_torchao() -> None:
             log.setLevel(level)
 
 
-def recipe(name: str, wire: bool = False) -> Fp8 | None:
-    """The Fp8 of train.fp8 `name` (None for "off"), `wire` parallel.fp8_comm's. torchao is imported only here: fp8
-    off never needs it."""
+def recipe(name: str, wire: bool = False) -> "Fp8 | mxfp8.Mxfp8 | None":
+    """The Fp8 of train.fp8 `name` (None for "off"; mxfp8's recipe: model/mxfp8.py), `wire` parallel.fp8_comm's.
+    torchao is imported only here: fp8 off never needs it."""
     if name == "off":
         return None
     _import_torchao()
+    if name == "mxfp8":
+        return mxfp8.recipe()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
@@ -195,7 +199,10 @@ class Float8Matmul(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8,
            split: Split = WHOLE) -> torch.Tensor:
     """F.linear in FP8: torchao's Float8Linear.forward (its GEMMs and recipe: `Float8Matmul`), autocast honoured
-    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
+    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype).
+    mxfp8: torchao's MXFP8 linear (model/mxfp8.py), whose blocks need no amax over `split`'s ranks."""
+    if isinstance(fp8, mxfp8.Mxfp8):
+        return mxfp8.linear(x, weight, bias, fp8)
     dev = x.device.type
     lead = x.shape[:-1]
     if torch.is_autocast_enabled(dev):
@@ -270,7 +277,9 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
     """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd. With
     fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
     as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
-    group of rows)."""
+    group of rows). mxfp8: torchao's MXFP8 grouped GEMMs (model/mxfp8.py)."""
+    if isinstance(fp8, mxfp8.Mxfp8):
+        return mxfp8.experts(x_ND, W_gate, W_val, W_out, counts_L, fp8)
     dev = x_ND.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
