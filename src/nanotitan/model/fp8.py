@@ -61,10 +61,12 @@ class Fp8:
         return self.config.round_scales_to_power_of_2
 
 
-def _import_torchao() -> None:
-    """torchao's first import, quiet where its warnings say nothing to a user: its CUDA-only extensions' load
-    failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how torchao 0.18 registers
-    an enum with torch.compile."""
+def _import_torchao(*modules: str) -> None:
+    """torchao's first import (and `modules` of it), quiet where its warnings say nothing to a user: its CUDA-only
+    extensions' load failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how
+    torchao 0.18 registers an enum with torch.compile (its MX formats register another)."""
+    import importlib
+
     import logging
 
     logs = [logging.getLogger("torch.utils._pytree")]
@@ -74,6 +76,8 @@ def _import_torchao() -> None:
         log.setLevel(logging.ERROR)
     try:
         import torchao  # noqa: F401
+        for module in modules:
+            importlib.import_module(module)
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
@@ -84,9 +88,10 @@ def recipe(name: str, wire: bool = False) -> "Fp8 | mxfp8.Mxfp8 | None":
     torchao is imported only here: fp8 off never needs it."""
     if name == "off":
         return None
-    _import_torchao()
     if name == "mxfp8":
+        _import_torchao(*mxfp8.TORCHAO_MODULES)
         return mxfp8.recipe()
+    _import_torchao()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 

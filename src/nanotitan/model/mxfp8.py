@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # elements per e8m0 scale, along the contraction dim (MXFP8's, torchao's only block size)
+TORCHAO_MODULES = ("torchao.prototype.mx_formats.config", "torchao.prototype.moe_training.mxfp8_grouped_mm",
+                   "torchao.prototype.moe_training.mxfp8_linear")  # imported quietly (model/fp8.py)
 
 
 @dataclass(frozen=True)
