@@ -17,6 +17,9 @@ Two kinds of GEMM, two sources:
   per-row and per-column scales are what `torch._scaled_grouped_mm` takes for one launch; not wired yet, the
   experts loop there too.
 
+train.fp8 mxfp8 (blocks of 32 with e8m0 scales, torchao's MXFP8 ops) is model/mxfp8.py's; `linear` and `experts`
+hand it over.
+
 `convert` marks the modules: a Linear gets `.fp8`, an ExpertFFN its `.fp8`; train.fp8_skip's patterns keep some in
 high precision (fnmatch on the qualified name or its last component; the defaults and why: config/fp8_rules.py).
 Parameters stay fp32 masters: checkpoints, optimizers and gradient syncs see no difference.

@@ -1,5 +1,6 @@
 """MXFP8 training (train.fp8 mxfp8, docs/fp8.md): e4m3 elements, one e8m0 (power-of-2) scale per 32 consecutive
-elements along each GEMM's contraction dim, torchao's recipe and ops throughout.
+elements along each GEMM's contraction dim, torchao's recipe, casts and GEMMs (its emulated grouped GEMM's steps
+redone in the compute dtype: `GroupedMM`).
 
 - the dense projections: torchao's `mx_mm` (the autograd function its MXFP8Linear calls): forward
   `x @ W^T` with x and W blocked along K; grad input `dy @ W` with dy and W blocked along N; grad weight
@@ -13,8 +14,7 @@ elements along each GEMM's contraction dim, torchao's recipe and ops throughout.
   come from several ranks' microbatches, a set one process never forms (model/fp8.py says the same of rowwise).
 
 The kernels are torchao's: its SM100 kernels where they load (a Blackwell GPU), else its EMULATED mode, which
-quantizes with `to_mx` and multiplies the dequantized operands (the dense GEMM in the operands' dtype, the grouped
-one with bf16 operands, exact for e4m3 times a power of 2, into an fp32 or bf16 output).
+quantizes with `to_mx` and multiplies the dequantized operands (exact: e4m3 times a power of 2) in their dtype.
 """
 
 from __future__ import annotations
