@@ -11,13 +11,15 @@ B, m, STEPS, LR = 16, 2, 10, 3e-3
 
 
 def base_args(corpus_dir, run_dir) -> list[str]:
+    """A tiny model, 10 steps, a record each. No memory meters (run.peak_every 0): a metered step costs ~10x a plain
+    one here, and these runs compare numbers; a test of the meters' figures passes `--run.peak_every 1` after these."""
     return ["--data.source", str(corpus_dir), "--data.vocab_size", "300",
             "--model.d_model", "32", "--model.n_heads", "4", "--model.ffn_dim", "48", "--model.n_layers", "4",
             "--model.num_experts", "4", "--model.top_k", "2", "--model.aux_coef", "0.05",
             "--train.steps", str(STEPS), "--train.lr", str(LR), "--train.warmup_steps", "2", "--train.seq_len", "16",
             "--train.micro_batch", str(m), "--train.grad_clip", "0.5", "--train.eval_every", "0",
             "--train.sample_tokens", "0", "--train.threads", "1",
-            "--run.dir", str(run_dir), "--run.log_every", "1", "--run.progress", "false",
+            "--run.dir", str(run_dir), "--run.log_every", "1", "--run.peak_every", "0", "--run.progress", "false",
             "--run.tensorboard", "false"]
 
 

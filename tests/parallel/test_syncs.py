@@ -48,7 +48,7 @@ def _cases(rank, world, cases, corpus_dir, run_root):
 def _args(corpus_dir, run_dir, case):
     dp, pp, ep, impl, *extra = case
     return (base_args(corpus_dir, run_dir) + layout_args(dp, pp, ep)
-            + ["--train.steps", "4", "--run.log_every", "100", "--train.ckpt_at_end", "false",
+            + ["--train.steps", "4", "--run.log_every", "100", "--run.peak_every", "10", "--train.ckpt_at_end", "false",
                "--model.experts_impl", impl, *extra])
 
 

@@ -9,7 +9,7 @@ import pytest
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import BUILTIN, get_hardware
 from nanotitan.plan import Layout, PlanOptions, layout_config, predict
-from nanotitan.plan.fp8 import cast_s_per_flop, dense_fp8_share, gemm_rates
+from nanotitan.plan.fp8 import cast_s_per_flop, dense_fp8_share, ep_wire_ratio, fp8_param_share, gather_ratios, gemm_rates
 from nanotitan.plan.shape import ModelShape
 
 # Mixtral-8x7B's shape cut to 4 layers (dimensions multiples of 16, as the FP8 GEMM needs)
@@ -41,6 +41,37 @@ def test_fp8_prices_its_gemms_at_the_fp8_rate_with_their_casts_and_the_rest_in_b
     # fp8 off prices exactly as before: both rates are the precision's peak
     plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8="off"))
     assert gemm_rates(plain, shape, hw, 7.0, 4096, 2048, 1, 0.45, 0.45) == (7.0, 7.0)
+
+
+def test_fp8_comm_prices_the_fp8_trips_and_gathers_at_their_bytes():
+    """parallel.fp8_comm: the dispatch's forward trip and the combine's gradient trip carry a byte an element and the
+    row's scale (exponent byte rowwise, fp32 tensorwise), the other two trips bf16; at zero 3 the FP8 GEMMs' weights
+    are gathered as their FP8 operand. The EP and DP terms shrink by those ratios, nothing else moves."""
+    def cfg_of(*extra):
+        return layout_config(load_config(None, MIXTRAL + ["--train.fp8", "rowwise", *extra]), LAY)
+
+    wire = cfg_of("--parallel.fp8_comm", "true")
+    assert ep_wire_ratio(wire, 4096, 2) == pytest.approx((2 + 2 * 4097 / 8192) / 4)
+    assert ep_wire_ratio(cfg_of(), 4096, 2) == 1.0
+    tensorwise = layout_config(load_config(None, MIXTRAL + ["--train.fp8", "tensorwise", "--parallel.fp8_comm",
+                                                            "true"]), LAY)
+    assert ep_wire_ratio(tensorwise, 4096, 2) == pytest.approx((2 + 2 * 4100 / 8192) / 4)
+    hw, opts = get_hardware("h100-sxm"), PlanOptions(nodes=1)
+    plain, fast = predict(cfg_of(), LAY, hw, opts), predict(wire, LAY, hw, opts)
+    assert fast.costs["ep_a2a"] < plain.costs["ep_a2a"] and fast.costs["compute"] == plain.costs["compute"]
+
+    z3 = Layout(2, 1, 4, "1f1b", 4, 1, zero=3)
+    lay3 = ("--parallel.dp", "2", "--parallel.ep", "4", "--parallel.microbatches", "4", "--parallel.zero", "3")
+    share = fp8_param_share(ModelShape.from_config(cfg_of()))
+    assert 0.5 < share < 1.0  # the projections; not the norms, the router, the embedding, the head
+    z3_wire = layout_config(load_config(None, MIXTRAL + ["--train.fp8", "rowwise", "--parallel.fp8_comm", "true",
+                                                         *lay3]), z3)
+    assert gather_ratios(z3_wire, ModelShape.from_config(z3_wire), 2) == pytest.approx((share / 2 + 1 - share, 0.5))
+    assert gather_ratios(wire, ModelShape.from_config(wire), 2) == (1.0, 1.0)  # zero < 3: no all-gather of weights
+    z3_plain = layout_config(load_config(None, MIXTRAL + ["--train.fp8", "rowwise", *lay3]), z3)
+    exposed = dataclasses.replace(hw, dp_overlap=0.0)  # nothing hides the gathers: their seconds show
+    a, b = predict(z3_plain, z3, exposed, opts), predict(z3_wire, z3, exposed, opts)
+    assert b.costs["dp_allreduce"] < a.costs["dp_allreduce"] and b.costs["compute"] == a.costs["compute"]
 
 
 def test_a_cpu_emulates_fp8_slower_than_its_fp32_and_a_gpu_without_fp8_units_is_refused_in_one_line():

@@ -261,7 +261,7 @@ class RunConfig:
     dir: str = "runs/default"  # run directory: metrics.jsonl, config.toml, summary.json, checkpoints, tb/
     overwrite: bool = False  # a run that does not resume run.dir's own checkpoints deletes them (docs/config.md)
     log_every: int = 10  # steps between records in metrics.jsonl
-    peak_every: int = 10  # how often the memory meters run, in logged steps (docs/config.md)
+    peak_every: int = 10  # how often the memory meters run, in logged steps; 0: never (docs/config.md)
     tensorboard: bool = True  # also write TensorBoard events to run.dir/tb
     progress: bool = True  # rich progress bar on rank 0
     profile_steps: str = ""  # "A-B": torch.profiler traces of steps A..B to run.dir/profile (empty = off)
@@ -404,10 +404,11 @@ def _check_ranges(cfg: Config) -> None:
                     ("data.shuffle_buffer", d.shuffle_buffer), ("train.micro_batch", t.micro_batch),
                     ("train.seq_len", t.seq_len), ("parallel.dp", p.dp), ("parallel.pp", p.pp), ("parallel.ep", p.ep),
                     ("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.microbatches", p.microbatches),
-                    ("run.log_every", cfg.run.log_every), ("run.peak_every", cfg.run.peak_every),
+                    ("run.log_every", cfg.run.log_every),
                     ("train.max_skips", t.max_skips), ("train.muon_ns_steps", t.muon_ns_steps)]:
         _check(v >= 1, f"{name}={v} must be >= 1 (--{name})")
     for name, v in [("train.steps", t.steps), ("train.seed", t.seed), ("train.warmup_steps", t.warmup_steps),
+                    ("run.peak_every", cfg.run.peak_every),
                     ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip),
                     ("train.qk_clip", t.qk_clip), ("train.global_batch", t.global_batch),
                     ("train.eval_every", t.eval_every), ("train.eval_batches", t.eval_batches),

@@ -63,6 +63,18 @@ def _site() -> str:
     return "?" if f is None else f.f_code.co_filename.split("/nanotitan/")[-1] + ":" + f.f_code.co_name
 
 
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, lists and tuples of them included: pytree's general flatten cost more
+    than the ops it metered (5 s of a metered run's 16), and torch functions take tensors at most a list deep."""
+    out = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _tensors(a, None)
+    return out
+
+
 def _target(args, kwargs) -> str | None:
     """The device type a `Tensor.to` call names (None: a dtype only)."""
     for a in (*args[1:], kwargs.get("device")):
@@ -89,7 +101,7 @@ class HostSyncs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         host_in = all(is_host(t) for t in tensors)
         if tensors and not host_in and (func in READS or _sized_by_data(func, args, kwargs)):
             self.reads.append(getattr(func, "__name__", str(func)))
@@ -101,7 +113,7 @@ class HostSyncs(TorchFunctionMode):
         if func in TO_HOST or (tensors and host_in) or (not tensors and kwargs.get("device") is None):
             if func in TO_HOST and out is args[0]:  # `.cpu()` of a CPU tensor is the tensor itself: tag a view
                 out = out.view(out.shape)
-            for t in tree_flatten(out)[0]:
+            for t in [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     setattr(t, _HOST, True)
         return out

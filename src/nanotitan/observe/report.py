@@ -151,8 +151,9 @@ def run_summary(logger: "StepLogger", profiler, writer, meters, model, optimizer
     if profile:
         print(profile, flush=True)
     shard = logger.shard
-    mem = {**live_tensor_bytes(model, optimizer), "act_peak_bytes": meters.act_peak_bytes,
-           "peak_tensor_bytes": meters.peak_tensor_bytes, "cpu_step_s": logger.last.get("cpu_step_s")}
+    metered = {"act_peak_bytes": meters.act_peak_bytes, "peak_tensor_bytes": meters.peak_tensor_bytes}
+    mem = {**live_tensor_bytes(model, optimizer), **(metered if meters.peak_every else {}),  # (0: none metered)
+           "cpu_step_s": logger.last.get("cpu_step_s")}
     summary = gather_summary(logger.last, shard.dims.rank, shard.dims, logger.device, logger.wait_totals, run_dir, mem)
     writer.close()
     return summary

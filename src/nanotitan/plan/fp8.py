@@ -61,6 +61,50 @@ def dense_fp8_share(shape) -> float:
     return fp8 / total if total else 0.0
 
 
+def wire_bytes(recipe: str, width: int) -> float:
+    """Bytes an FP8 row of `width` elements costs on the wire with its scale (parallel/ep.py, parallel/dp/
+    fp8_gather.py): one byte an element, and the scale: rowwise a power of 2 sent as its exponent byte, tensorwise an
+    fp32, MXFP8 one e8m0 byte per 32 elements."""
+    return width + {"rowwise": 1.0, "tensorwise": 4.0}.get(recipe, width / 32)
+
+
+def ep_wire_ratio(cfg: Config, d_model: int, act_bytes: float) -> float:
+    """The EP all-to-all's mean payload per trip under parallel.fp8_comm, against `act_bytes` an element: the
+    dispatch's forward trip and the combine's gradient trip carry FP8 rows with their scales, the combine's forward
+    trip and the dispatch's gradient trip stay in high precision (4 trips a MoE layer). 1 without it."""
+    if not cfg.parallel.fp8_comm or cfg.train.fp8 == "off":
+        return 1.0
+    return (2 + 2 * wire_bytes(cfg.train.fp8, d_model) / (d_model * act_bytes)) / 4
+
+
+def gather_ratios(cfg: Config, shape, param_bytes: float) -> tuple[float, float]:
+    """(non-expert, expert) ZeRO-3 all-gather bytes per parameter under parallel.fp8_comm, against `param_bytes`:
+    the weights of FP8 GEMMs travel as their forward operand (one byte an element, the scales negligible beside
+    them), the rest (norms, router, embedding, head, the skipped projections) as parameters. (1, 1) without it."""
+    if not cfg.parallel.fp8_comm or cfg.train.fp8 == "off" or cfg.parallel.zero != 3:
+        return 1.0, 1.0
+    share = fp8_param_share(shape)
+    return share / param_bytes + (1 - share), 1 / param_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_param_share(shape) -> float:
+    """The FP8 GEMMs' share of the non-expert parameters (the layers' attention and dense or shared FFN weights; not
+    the norms, the router, MLA's q_a and kv_a, the embedding and the head)."""
+    D, V = shape.d_model, shape.vocab
+    matmuls, _ = attention_matmuls(shape)
+    small = D * shape.q_lora_rank + D * (shape.kv_lora_rank + shape.qk_rope_head_dim) if mla(shape) else 0
+    fp8 = total = 0.0
+    for i in range(shape.n_layers):
+        ne, _ = shape.layer_params(i)
+        ffn = ne - shape.attn_part(i)["params"]  # its norm, the dense FFN or the router and shared experts
+        router = D * shape.num_experts if shape.is_moe(i) else 0
+        fp8 += matmuls - small + ffn - D - router  # (a shared-expert gate's D weights counted as FP8: negligible)
+        total += ne
+    total += 2 * V * D
+    return max(fp8, 0.0) / total if total else 0.0
+
+
 def cast_s_per_flop(hw: Hardware, recipe: str, T: float, K: float, N: float) -> float:
     """Seconds of cast traffic per FLOP of one pass of a (T x K) @ (K x N) GEMM (module docstring)."""
     return CASTS[recipe] * CAST_BYTES * (1 / N + 1 / K + 1 / max(T, 1.0)) / 6 / hw.mem_bw

@@ -13,7 +13,7 @@ from ..config.config import Config
 from ..config.parse import tidy_counts
 from ..config.hardware import Hardware, ring_allreduce_s, ring_half_s
 from ..parallel.pp import facts as pp_facts
-from . import cp as cp_plan, tp as tp_plan
+from . import cp as cp_plan, fp8 as fp8_plan, tp as tp_plan
 from .context import Context
 from .shape import ModelShape, StageSummary, mtp_seconds
 from .skew import group_node_crossings, time_imbalance
@@ -268,7 +268,9 @@ def _ep_link_at(c: Context, s: int, st: StageSummary, t_f: float, t_b: float, f:
     # What one rank sends per all-to-all: its T*K assignments minus those staying local, split
     # between peers on its node and peers elsewhere; the slower of the two paths bounds it.
     # Group-limited routing sends a token's copies to at most topk_group nodes (plan/skew.py): fewer cross nodes.
-    a2a_bytes = f * c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
+    # (a trip's mean under parallel.fp8_comm: two of the four carry FP8 rows and their scales, plan/fp8.py)
+    a2a_bytes = (f * c.T / lay.tp * c.shape.top_k * c.shape.d_model * c.prec.act * (ep - 1) / ep
+                 * fp8_plan.ep_wire_ratio(cfg, c.shape.d_model, c.prec.act))
     cross = group_node_crossings(cfg, lay, c.shape, c.opts.link_node_size or math.ceil(lay.dp * pp * ep / c.nodes))
     a2a_one = max(a2a_bytes * (1 - ep_off) / hw.intra.a2a_bw, cross * a2a_bytes * ep_off / hw.inter.a2a_bw)
     # 4 payload all-to-alls per MoE layer (dispatch/combine, fwd/bwd) + 1 count exchange, each a call.
@@ -323,11 +325,13 @@ def _dp_sync(c: Context, t_fwd: list[float], t_bwd: list[float],
     # send/recv exchanges (comm.reduce_scatter / all_gather on comm.SHARDED_BY_EXCHANGE), which move a ring's bytes.
     half = ring_half_s
     sync = half if zero else ring_allreduce_s
+    gathered = tuple(r * prec.param for r in fp8_plan.gather_ratios(c.cfg, c.shape, prec.param))
     for s, st in enumerate(c.stages):
         t_ar = (sync(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
                 + sync(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
-        t_ag = 0.0 if not zero else (half(st.n_ne * prec.param, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
-                                     + half(st.n_ex * prec.param, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
+        g_ne, g_ex = gathered  # bytes per param each all-gather moves (FP8 weights under fp8_comm at zero 3)
+        t_ag = 0.0 if not zero else (half(st.n_ne * g_ne, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
+                                     + half(st.n_ex * g_ex, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
         # "shard" (zero 2/3) reduce-scatters every microbatch, each behind its own backward; zero 3 "always"
         # all-gathers each module around every microbatch's forward and backward (2M), prefetched behind them,
         # but a block kept gathered after its forward (fsdp.kept_gathered: without PP the last) only before its

@@ -44,14 +44,15 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def _for_verify(cfg: Config, run_dir: str) -> Config:
-    """A copy that trains and records only: no eval, checkpoint, sample or resume; a record every step."""
+    """A copy that trains and records only: no eval, checkpoint, sample or resume, no memory meters (they cost a
+    Python call per op on their steps, and verify compares numbers); a record every step."""
     c = copy.deepcopy(cfg)
     c.resolved = False  # resolved again below, with the layout's keys
     t, r = c.train, c.run
     t.eval_every, t.ckpt_every, t.ckpt_at_end, t.sample_tokens, t.resume = 0, 0, False, 0, ""
     t.ckpt_on_signal, t.max_restarts = False, 0
-    r.dir, r.overwrite, r.log_every, r.progress, r.tensorboard, r.wandb, r.profile_steps = \
-        run_dir, True, 1, False, False, False, ""
+    r.dir, r.overwrite, r.log_every, r.peak_every, r.progress, r.tensorboard, r.wandb, r.profile_steps = \
+        run_dir, True, 1, 0, False, False, False, ""
     c.parallel.check_replicas, c.parallel.auto = False, False
     return c
 
