@@ -46,18 +46,21 @@ def fp8_peak(hw: Hardware, ranks_on_node: int, recipe: str = "rowwise") -> float
                       f"with --train.fp8 {fix}, or on a GPU with them ({gpus})")
 
 
-@functools.lru_cache(maxsize=64)  # per model shape, asked once per layout the search predicts
-def dense_fp8_share(shape) -> float:
-    """The FP8 GEMMs' share of the layers' dense forward FLOPs (plan/shape.py `layer_fwd_flops`)."""
-    D, E = shape.d_model, shape.num_experts
+def _fp8_weights(shape, i: int) -> float:
+    """Layer i's weights that FP8 GEMMs multiply: its attention projections but MLA's q_a and kv_a, its dense FFN or
+    shared experts; not its norms or router (a shared-expert gate's D weights count: negligible)."""
+    D = shape.d_model
     matmuls, _ = attention_matmuls(shape)
     small = D * shape.q_lora_rank + D * (shape.kv_lora_rank + shape.qk_rope_head_dim) if mla(shape) else 0
-    fp8 = total = 0.0
-    for i in range(shape.n_layers):
-        dense, _ = shape.layer_fwd_flops(i)
-        router = 2 * D * E if shape.is_moe(i) else 0
-        fp8 += dense - (shape.attn_part(i)["f_dense"] - 2 * matmuls) - router - 2 * small
-        total += dense
+    ffn = shape.layer_params(i)[0] - shape.attn_part(i)["params"]  # its norm, the dense FFN or router and shared
+    return matmuls - small + ffn - D - (D * shape.num_experts if shape.is_moe(i) else 0)
+
+
+@functools.lru_cache(maxsize=64)  # per model shape, asked once per layout the search predicts
+def dense_fp8_share(shape) -> float:
+    """The FP8 GEMMs' share of the layers' dense forward FLOPs (plan/shape.py `layer_fwd_flops`): 2 a weight."""
+    fp8 = sum(2 * _fp8_weights(shape, i) for i in range(shape.n_layers))
+    total = sum(shape.layer_fwd_flops(i)[0] for i in range(shape.n_layers))
     return fp8 / total if total else 0.0
 
 
@@ -89,20 +92,9 @@ def gather_ratios(cfg: Config, shape, param_bytes: float) -> tuple[float, float]
 
 @functools.lru_cache(maxsize=64)
 def fp8_param_share(shape) -> float:
-    """The FP8 GEMMs' share of the non-expert parameters (the layers' attention and dense or shared FFN weights; not
-    the norms, the router, MLA's q_a and kv_a, the embedding and the head)."""
-    D, V = shape.d_model, shape.vocab
-    matmuls, _ = attention_matmuls(shape)
-    small = D * shape.q_lora_rank + D * (shape.kv_lora_rank + shape.qk_rope_head_dim) if mla(shape) else 0
-    fp8 = total = 0.0
-    for i in range(shape.n_layers):
-        ne, _ = shape.layer_params(i)
-        ffn = ne - shape.attn_part(i)["params"]  # its norm, the dense FFN or the router and shared experts
-        router = D * shape.num_experts if shape.is_moe(i) else 0
-        fp8 += matmuls - small + ffn - D - router  # (a shared-expert gate's D weights counted as FP8: negligible)
-        total += ne
-    total += 2 * V * D
-    return max(fp8, 0.0) / total if total else 0.0
+    """The FP8 GEMMs' share of the non-expert parameters (`_fp8_weights`; the embedding and head count as the rest)."""
+    total = sum(shape.layer_params(i)[0] for i in range(shape.n_layers)) + 2 * shape.vocab * shape.d_model
+    return sum(_fp8_weights(shape, i) for i in range(shape.n_layers)) / total if total else 0.0
 
 
 def cast_s_per_flop(hw: Hardware, recipe: str, T: float, K: float, N: float) -> float:
