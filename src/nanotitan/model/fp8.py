@@ -69,7 +69,6 @@ def _import_torchao(*modules: str) -> None:
     extensions' load failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how
     torchao 0.18 registers an enum with torch.compile (its MX formats register another)."""
     import importlib
-
     import logging
 
     logs = [logging.getLogger("torch.utils._pytree")]
