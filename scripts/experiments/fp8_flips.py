@@ -2,16 +2,19 @@
 layout's float reassociation leaves in the weights after a step), and what that does to one step's loss.
 
     PYTHONPATH=src python scripts/experiments/fp8_flips.py 1 16 256
+    PYTHONPATH=src python scripts/experiments/fp8_flips.py mxfp8 1 16 256
 
-One forward and backward of the tests' tiny model (d_model 32, 4 layers, 4 experts) at rowwise on one batch of 2
-sequences, before and after the move; every FP8 operand torchao's linears and our expert GEMM cast is recorded and
-compared bit for bit (docs/experiments/fp8_flips.md)."""
+One forward and backward of the tests' tiny model (d_model 32, 4 layers, 4 experts; at mxfp8 the experts' width 64,
+its rows' model) at rowwise (or the recipe named first) on one batch of 2 sequences, before and after the move;
+every FP8 operand torchao's linears and our expert GEMM cast (at mxfp8: every `to_mx` cast) is recorded and compared
+bit for bit (docs/experiments/fp8_flips.md, mxfp8-log-2026-12-06.md)."""
 
 import sys
 
 import torch
 import torch.nn.functional as F
 import torchao.float8.float8_linear as torchao_linear
+import torchao.prototype.mx_formats.mx_tensor as mx_tensor
 
 from nanotitan.config.config import Config
 from nanotitan.config.fp8_rules import FP8_SKIP
@@ -21,7 +24,7 @@ from nanotitan.model.transformer import Transformer
 
 V = 300
 cast: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-ours, theirs = float8.quantize, torchao_linear.hp_tensor_to_float8_dynamic
+ours, theirs, to_mx = float8.quantize, torchao_linear.hp_tensor_to_float8_dynamic, mx_tensor.to_mx
 
 
 def ours_recorded(t, dtype, dim, pow2):
@@ -37,6 +40,12 @@ def theirs_recorded(t, *args, **kw):
     return out
 
 
+def to_mx_recorded(*args, **kw):
+    scale, bits = to_mx(*args, **kw)
+    cast.append(("mxfp8", bits.view(torch.uint8).clone(), scale.view(torch.uint8).clone()))
+    return scale, bits
+
+
 def step(model, idx) -> tuple[float, list]:
     cast.clear()
     model.zero_grad()
@@ -47,15 +56,17 @@ def step(model, idx) -> tuple[float, list]:
     return loss.item(), list(cast)
 
 
-def main(moves: list[float]) -> None:
+def main(recipe: str, moves: list[float]) -> None:
     float8.quantize, torchao_linear.hp_tensor_to_float8_dynamic = ours_recorded, theirs_recorded
+    mx_tensor.to_mx = to_mx_recorded
     torch.manual_seed(0)
     cfg = Config().model
-    cfg.vocab_size, cfg.d_model, cfg.ffn_dim, cfg.n_layers, cfg.num_experts = V, 32, 48, 4, 4
+    ffn = 64 if recipe == "mxfp8" else 48
+    cfg.vocab_size, cfg.d_model, cfg.ffn_dim, cfg.n_layers, cfg.num_experts = V, 32, ffn, 4, 4
     idx = torch.randint(0, V, (2, 17))
     for k in moves:
         model = Transformer(cfg, ModelShardSpec.full(cfg), seed=0)
-        float8.convert(model, float8.recipe("rowwise"), list(FP8_SKIP))
+        float8.convert(model, float8.recipe(recipe), list(FP8_SKIP))
         loss0, before = step(model, idx)
         with torch.no_grad():
             for p in model.parameters():
@@ -75,4 +86,6 @@ def main(moves: list[float]) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main([float(a) for a in sys.argv[1:]] or [1.0, 16.0, 256.0])
+    args = sys.argv[1:]
+    recipe = args.pop(0) if args and args[0] in float8.RECIPES else "rowwise"
+    main(recipe, [float(a) for a in args] or [1.0, 16.0, 256.0])

@@ -54,7 +54,6 @@ def test_tp_and_cp_are_accepted_and_their_unscalable_gemms_refused():
     static = ("--parallel.ep", "2", "--parallel.ep_dispatch", "static", "--model.experts_impl", "grouped")
     assert err(*static).startswith("train.fp8=rowwise with parallel.ep_dispatch=static")
     load_config(None, [*BASE, *static, "--train.fp8_skip", "head,router,experts"])
-    assert "not one of ['off', 'tensorwise', 'rowwise']" in err("--train.fp8", "mxfp8")
 
 
 def test_fp8_comm_at_zero3_is_accepted_and_refused_with_compile():
@@ -64,3 +63,26 @@ def test_fp8_comm_at_zero3_is_accepted_and_refused_with_compile():
     load_config(None, [*BASE, *zero3])
     msg = err(*zero3, "--train.compile", "true")
     assert msg.startswith("parallel.fp8_comm=true at parallel.zero=3") and "--train.compile false" in msg
+
+
+def test_mxfp8_takes_widths_and_token_runs_in_whole_blocks_of_32():
+    """mxfp8's scales are per 32-element block along each GEMM's contraction dim, the weight gradient's along the
+    tokens: every width (per TP rank) a multiple of 32, and each rank's tokens whole blocks of one process's."""
+    mx = ("--train.fp8", "mxfp8", "--model.ffn_dim", "64", "--train.seq_len", "16")
+    load_config(None, [*BASE, *mx, "--parallel.ep", "2", "--parallel.dp", "2", "--parallel.pp", "2"])
+    assert err(*mx, "--model.ffn_dim", "48").startswith(
+        "model.ffn_dim gives an FP8 GEMM dimension 48, not a multiple of 32 (MXFP8's block) (experts)")
+    assert err(*mx, "--parallel.tp", "2").startswith("model.head_dim gives an FP8 GEMM dimension 16 per TP rank")
+    wide = (*mx, "--model.d_model", "64")
+    load_config(None, [*BASE, *wide, "--parallel.tp", "2"])  # no token split in FP8: heads of 32 a rank
+    msg = err(*wide, "--parallel.tp", "2", "--model.shared_experts", "1")
+    assert msg.startswith("train.fp8=mxfp8 with parallel.tp=2: shared experts run on each TP rank's 8 tokens")
+    load_config(None, [*BASE, *wide, "--parallel.tp", "2", "--model.shared_experts", "1", "--train.seq_len", "64"])
+    assert err(*mx, "--train.micro_batch", "1").startswith(
+        "train.fp8=mxfp8 takes the weight gradients' blocks along a microbatch's 16 tokens a rank")
+    assert err(*mx, "--parallel.cp", "2", "--train.seq_len", "64").startswith(
+        "train.fp8=mxfp8 with parallel.cp=2: each CP chunk of train.seq_len=64 holds 16 tokens")
+    load_config(None, [*BASE, *mx, "--parallel.cp", "2", "--train.seq_len", "128"])
+    assert "--parallel.cp_split zigzag" in err(*mx, "--parallel.cp", "2", "--train.seq_len", "128",
+                                               "--parallel.cp_split", "docs", "--model.attn_mask", "doc")
+    assert "--parallel.fp8_comm false" in err(*mx, "--parallel.ep", "2", "--parallel.fp8_comm", "true")

@@ -98,3 +98,17 @@ def test_what_if_prices_fp8_against_fp8_off_on_its_best_layout(capsys):
     assert "FP8" not in capsys.readouterr().out  # no recipe, no line
     assert main([*args, "--train.fp8", "tensorwise"]) == 0
     assert "FP8 (tensorwise): the step takes" in capsys.readouterr().out
+
+
+def test_mxfp8_is_priced_at_the_mxfp8_rate_where_a_profile_has_one_and_refused_in_one_line_where_not():
+    """B200 and GB300 run MXFP8 at their FP8 rate; Hopper has no MXFP8 units (its FP8 is per-tensor/row scaled); a
+    CPU emulates it as torchao's EMULATED mode does (dequantize, then the fp32 GEMM)."""
+    assert BUILTIN["b200"].peak_flops_mxfp8 == BUILTIN["b200"].peak_flops_fp8
+    assert BUILTIN["gb300"].peak_flops_mxfp8 == BUILTIN["gb300"].peak_flops_fp8
+    assert _step("mxfp8", "b200") == pytest.approx(_step("rowwise", "b200"))  # same rate, casts along both axes
+    assert _step("mxfp8", "b200") < _step("off", "b200")
+    assert _step("mxfp8", "cpu-gloo") > _step("off", "cpu-gloo")
+    with pytest.raises(ConfigError, match=r"train.fp8: h100-sxm has no MXFP8 tensor cores .*--train.fp8 rowwise "
+                                          r"\(Hopper's FP8\) or off.*b200") as e:
+        _step("mxfp8", "h100-sxm")
+    assert "\n" not in str(e.value)

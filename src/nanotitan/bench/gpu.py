@@ -1,7 +1,7 @@
 """`nanotitan bench gpu`: the MoE step at real shapes on one GPU (`make gpu-check` runs it).
 
     nanotitan bench gpu [--shape mixtral|tiny] [--layers 2] [--seq 4096] [--steps 8] [--configs ...]
-                        [--compile-backend inductor] [--peak-tflops X] [--json PATH] [--fp8 rowwise|tensorwise]
+                        [--compile-backend inductor] [--peak-tflops X] [--json PATH] [--fp8 rowwise|tensorwise|mxfp8]
                         [--cuda-graphs]
 
 A Mixtral-8x7B-shaped model cut to fit one GPU (d 4096, 32 heads / 8 kv heads, expert hidden 14336, 8 experts top-2,
@@ -18,7 +18,8 @@ the device (max relative difference of one layer's output and expert weight grad
 disagreed would show here first.
 
 --fp8 adds `loop+fp8` (train.fp8 at that recipe, docs/fp8.md: torchao's float8 linears, our FP8 expert GEMM per
-expert; the default fp8_skip): its MFU is against the same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
+expert; at mxfp8 torchao's MXFP8 linears and grouped expert GEMM; the default fp8_skip): its MFU is against the
+same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
 
 --cuda-graphs (CUDA only) adds `grouped+graphs` and `loop+graphs`: the +compile rows with every block compiled in
 inductor's mode "reduce-overhead" (train.cuda_graphs: each graph's forward and backward recorded once as a CUDA graph,

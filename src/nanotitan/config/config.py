@@ -180,8 +180,9 @@ class TrainConfig:
     sample_tokens: int = 100  # tokens generated at the end (0 disables)
     compile: bool = False  # torch.compile each transformer block (torchtitan's per-block compile) (docs/config.md)
     cuda_graphs: bool = False  # with compile on CUDA: compiled blocks' graphs replayed as CUDA graphs (docs/compile.md)
-    # FP8 GEMMs with dynamic scaling: off, tensorwise (one scale a tensor) or rowwise (one a row; docs/fp8.md)
-    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    # FP8 GEMMs with dynamic scaling: off, tensorwise (one scale a tensor), rowwise (one a row) or mxfp8 (one per
+    # 32 elements; docs/fp8.md)
+    fp8: Literal["off", "tensorwise", "rowwise", "mxfp8"] = "off"
     fp8_skip: list[str] = field(default_factory=lambda: list(FP8_SKIP))  # modules kept out of FP8 (docs/fp8.md)
 
 

@@ -84,6 +84,9 @@ class Hardware:
     # Dense FP8 tensor-core FLOP/s (e4m3, fp32 accumulate); Blackwell runs MXFP8 at the same rate. 0: no FP8 units
     # (A100, RTX 30xx, CPUs): the FP8 GEMMs are emulated at the fp32 rate (plan/fp8.py).
     peak_flops_fp8: float = 0.0
+    # Dense MXFP8 (e4m3 with e8m0 block scales) tensor-core FLOP/s: Blackwell's block-scaled GEMM. 0: no MXFP8
+    # units (Hopper, Ampere): train.fp8 mxfp8 is refused there by the planner; a CPU emulates it (plan/fp8.py).
+    peak_flops_mxfp8: float = 0.0
 
     def peak_flops(self, dtype: str, ranks_on_node: int = 1) -> float:
         """FLOP/s of one rank while it runs. A CPU node's cores are split among its ranks (at least one
@@ -165,13 +168,13 @@ BUILTIN: dict[str, Hardware] = {
     # NIC per GPU (DGX B200).
     "b200": Hardware("b200", 2250 * TFLOPS, 75 * TFLOPS, mem_bytes=180 * GB, mem_bw=7.7e12, devices_per_node=8,
                      intra=_nvlink(900 * GB), inter=_network(50 * GB), peak_flops_fp8=4500 * TFLOPS,
-                     source="NVIDIA HGX B200 datasheet", **_GPU_COMMON),
+                     peak_flops_mxfp8=4500 * TFLOPS, source="NVIDIA HGX B200 datasheet", **_GPU_COMMON),
     # NVIDIA GB300 NVL72 datasheet, per GPU (the rack's figures / 72, dense = half the sparse figure): 2.5 PFLOPS
     # BF16 dense, 5 PFLOPS FP8/MXFP8 dense, 288 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s total in a 72-GPU domain; one
     # 800 Gb/s ConnectX-8 NIC per GPU. FP32 taken as B200's 75 TFLOPS.
     "gb300": Hardware("gb300", 2500 * TFLOPS, 75 * TFLOPS, mem_bytes=288 * GB, mem_bw=8e12, devices_per_node=72,
                       intra=_nvlink(900 * GB), inter=_network(100 * GB), peak_flops_fp8=5000 * TFLOPS,
-                      source="NVIDIA GB300 NVL72 datasheet", **_GPU_COMMON),
+                      peak_flops_mxfp8=5000 * TFLOPS, source="NVIDIA GB300 NVL72 datasheet", **_GPU_COMMON),
     # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS BF16 dense, 19.5 TFLOPS FP32, 80 GB HBM2e at
     # 2,039 GB/s, NVLink 3 600 GB/s total (300 per direction); DGX A100: one 200 Gb/s HDR NIC per GPU = 25 GB/s.
     "a100-80gb": Hardware("a100-80gb", 312 * TFLOPS, 19.5 * TFLOPS, mem_bytes=80 * GB, mem_bw=2.039e12,

@@ -15,6 +15,7 @@
     docs.py         packed documents: each token's document start, its position in it, attention kept inside it
     fp8.py          FP8 GEMMs (train.fp8): torchao's float8 linear for dense projections, our scaled expert GEMM
     fp8_weight.py   an FP8 weight gathered as its GEMM's operand (bits and scales; parallel/dp/fp8_gather.py)
+    mxfp8.py        train.fp8 mxfp8: torchao's MXFP8 linear and grouped expert GEMMs (blocks of 32, e8m0 scales)
     wgrad.py        deferred weight gradients: the input gradient now, the weight GEMMs later (zb1's B / W split)
     grouped_mm.py   the grouped experts' GEMM as a traced graph holds it in any dtype (compiled whole blocks)
 """

@@ -17,6 +17,9 @@ Two kinds of GEMM, two sources:
   per-row and per-column scales are what `torch._scaled_grouped_mm` takes for one launch; not wired yet, the
   experts loop there too.
 
+train.fp8 mxfp8 (blocks of 32 with e8m0 scales, torchao's MXFP8 ops) is model/mxfp8.py's; `linear` and `experts`
+hand it over.
+
 `convert` marks the modules: a Linear gets `.fp8`, an ExpertFFN its `.fp8`; train.fp8_skip's patterns keep some in
 high precision (fnmatch on the qualified name or its last component; the defaults and why: config/fp8_rules.py).
 Parameters stay fp32 masters: checkpoints, optimizers and gradient syncs see no difference.
@@ -31,9 +34,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from . import mxfp8
 from .fp8_weight import operand
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,11 @@ class Fp8:
         return self.config.round_scales_to_power_of_2
 
 
-def _import_torchao() -> None:
-    """torchao's first import, quiet where its warnings say nothing to a user: its CUDA-only extensions' load
-    failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how torchao 0.18 registers
-    an enum with torch.compile."""
+def _import_torchao(*modules: str) -> None:
+    """torchao's first import (and `modules` of it), quiet where its warnings say nothing to a user: its CUDA-only
+    extensions' load failures on a CPU build (shown on a CUDA machine), and torch 2.13's deprecation of how
+    torchao 0.18 registers an enum with torch.compile (its MX formats register another)."""
+    import importlib
     import logging
 
     logs = [logging.getLogger("torch.utils._pytree")]
@@ -74,16 +79,21 @@ def _import_torchao() -> None:
         log.setLevel(logging.ERROR)
     try:
         import torchao  # noqa: F401
+        for module in modules:
+            importlib.import_module(module)
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
 
 
-def recipe(name: str, wire: bool = False) -> Fp8 | None:
-    """The Fp8 of train.fp8 `name` (None for "off"), `wire` parallel.fp8_comm's. torchao is imported only here: fp8
-    off never needs it."""
+def recipe(name: str, wire: bool = False) -> "Fp8 | mxfp8.Mxfp8 | None":
+    """The Fp8 of train.fp8 `name` (None for "off"; mxfp8's recipe: model/mxfp8.py), `wire` parallel.fp8_comm's.
+    torchao is imported only here: fp8 off never needs it."""
     if name == "off":
         return None
+    if name == "mxfp8":
+        _import_torchao(*mxfp8.TORCHAO_MODULES)
+        return mxfp8.recipe()
     _import_torchao()
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
@@ -227,7 +237,10 @@ def _weight_for_grad_input(w_t: torch.Tensor, fp8: Fp8, split: Split):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8,
            split: Split = WHOLE) -> torch.Tensor:
     """F.linear in FP8: torchao's Float8Linear.forward (its GEMMs and recipe: `Float8Matmul`), autocast honoured
-    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype)."""
+    as there (the input cast to the autocast dtype; the weight too, so both GEMM operands share one dtype).
+    mxfp8: torchao's MXFP8 linear (model/mxfp8.py), whose blocks need no amax over `split`'s ranks."""
+    if isinstance(fp8, mxfp8.Mxfp8):
+        return mxfp8.linear(x, weight, bias, fp8)
     dev = x.device.type
     lead = x.shape[:-1]
     if torch.is_autocast_enabled(dev):
@@ -328,7 +341,10 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
     fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
     as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
     group of rows); and the output's gradient reaches the experts rounded per row to the recipe's gradient dtype,
-    by the EP combine trip that carries it in FP8 or else here (`_GradAsOnTheWire`)."""
+    by the EP combine trip that carries it in FP8 or else here (`_GradAsOnTheWire`). mxfp8: torchao's MXFP8
+    grouped GEMMs (model/mxfp8.py)."""
+    if isinstance(fp8, mxfp8.Mxfp8):
+        return mxfp8.experts(x_ND, W_gate, W_val, W_out, counts_L, fp8)
     dev = x_ND.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)

@@ -7,8 +7,9 @@ head stay in bf16. A layer's dense FLOPs are therefore a mix, priced as a harmon
     s/FLOP (dense)  = a * (1/P8 + cast) + (1 - a) / P16        a: the FP8 share of the layers' dense FLOPs
     s/FLOP (expert) = (2/P8 + 1/P16) / 3 + cast                  our experts keep the weight gradient in bf16
 
-P8 is the profile's dense FP8 (Blackwell: MXFP8) rate, `Hardware.peak_flops_fp8`; a CPU emulates it (torch's
-`_scaled_mm` dequantizes and multiplies in fp32: 1.5-2x the fp32 time, EMULATED_SLOWDOWN). `cast` is the casts'
+P8 is the profile's dense FP8 rate, `Hardware.peak_flops_fp8`, or at mxfp8 its MXFP8 rate, `peak_flops_mxfp8`
+(Blackwell; none on Hopper: refused); a CPU emulates both (torch's `_scaled_mm`, torchao's EMULATED MXFP8:
+dequantize, then an fp32 matmul, 1.5-2x the fp32 time, EMULATED_SLOWDOWN). `cast` is the casts'
 memory traffic per FLOP: each cast reads its bf16 operand twice (amax, then scale and round) and writes one byte,
 5 bytes an element; rowwise casts an operand again along the other axis for the backward (2 casts of each of a
 GEMM's 3 operands over its 3 GEMMs), tensorwise once. For a (T x K) @ (K x N) GEMM that is
@@ -24,20 +25,25 @@ from ..config.counts import attention_matmuls, mla
 from ..config.hardware import BUILTIN, Hardware
 
 CAST_BYTES = 5  # per element: the amax pass reads 2, the cast reads 2 and writes 1
-CASTS = {"rowwise": 2, "tensorwise": 1}  # casts of each operand over a GEMM's forward and two backward GEMMs
+# casts of each operand over a GEMM's forward and two backward GEMMs (mxfp8: along each of its two axes, as rowwise)
+CASTS = {"rowwise": 2, "tensorwise": 1, "mxfp8": 2}
 EMULATED_SLOWDOWN = 1.75  # CPU: torch._scaled_mm is dequantize + an fp32 matmul, 1.5-2x the fp32 GEMM
 
 
-def fp8_peak(hw: Hardware, ranks_on_node: int) -> float:
-    """The FP8 GEMM rate of one rank: the tensor cores', or on a CPU the emulation's; a GPU without FP8 units is
-    refused in one line."""
-    if hw.peak_flops_fp8:
-        return hw.peak_flops_fp8
+def fp8_peak(hw: Hardware, ranks_on_node: int, recipe: str = "rowwise") -> float:
+    """The FP8 GEMM rate of one rank at `recipe`: the tensor cores' (mxfp8: the block-scaled MXFP8 ones), or on a
+    CPU the emulation's; a GPU without those units is refused in one line."""
+    mx = recipe == "mxfp8"
+    peak = hw.peak_flops_mxfp8 if mx else hw.peak_flops_fp8
+    if peak:
+        return peak
     if hw.cores_per_node:
         return hw.peak_flops("fp32", ranks_on_node) / EMULATED_SLOWDOWN
-    fp8_gpus = ", ".join(n for n, h in BUILTIN.items() if h.peak_flops_fp8)
-    raise ConfigError(f"train.fp8: {hw.name} has no FP8 tensor cores (peak_flops_fp8 0); plan it with --train.fp8 "
-                      f"off, or on a GPU with them ({fp8_gpus})")
+    units = "MXFP8" if mx else "FP8"
+    gpus = ", ".join(n for n, h in BUILTIN.items() if (h.peak_flops_mxfp8 if mx else h.peak_flops_fp8))
+    fix = "rowwise (Hopper's FP8) or off" if mx and hw.peak_flops_fp8 else "off"
+    raise ConfigError(f"train.fp8: {hw.name} has no {units} tensor cores (peak_flops_{units.lower()} 0); plan it "
+                      f"with --train.fp8 {fix}, or on a GPU with them ({gpus})")
 
 
 def _fp8_weights(shape, i: int) -> float:
@@ -104,7 +110,7 @@ def gemm_rates(cfg: Config, shape, hw: Hardware, peak: float, T: float, t_expert
     recipe = cfg.train.fp8
     if recipe == "off":
         return peak, peak
-    p8, D, F = fp8_peak(hw, ranks_on_node), shape.d_model, shape.ffn_dim
+    p8, D, F = fp8_peak(hw, ranks_on_node, recipe), shape.d_model, shape.ffn_dim
     a = dense_fp8_share(shape)
     s_dense = a * (1 / p8 + cast_s_per_flop(hw, recipe, T, D, D) * eff_dense) + (1 - a) / peak
     s_expert = (2 / p8 + 1 / peak) / 3 + cast_s_per_flop(hw, recipe, t_expert, D, F) * eff_expert

@@ -5,9 +5,9 @@ The space: a layout of dp/pp/ep/tp/cp over 2-8 ranks; the model family (the defa
 MTP, group routing and a dense first layer, Qwen3-shaped with QK-norm and GQA); the MoE's options (dropless or
 capacity, the aux-free bias, group routing, shared experts, balanced placement with replicas, grouped GEMMs, EP's
 overlaps); zero 0-3, the DP flavour, the schedule, SP, CP's attention, activation checkpointing, fp32 or bf16;
-AdamW or Muon with QK-clip. Every case is small (the tests' tiny model, B = 16 sequences of 16 tokens, 2 steps).
-Draws come in groups of GROUP layouts of one model draw, so the one-process reference runs once a group. The same
-seed draws the same cases, whatever `--chunk` runs of them a log already holds.
+AdamW or Muon with QK-clip; FP8 (rowwise, tensorwise, mxfp8). Every case is small (the tests' tiny model, B = 16
+sequences of 16 tokens, 2 steps). Draws come in groups of GROUP layouts of one model draw, so the one-process
+reference runs once a group. The same seed draws the same cases, whatever `--chunk` runs of them a log already holds.
 
 A draw the config refuses is a refusal: its ConfigError's line, matched to the refusal table (REFUSALS: one row
 per forbidden combination, why, and whether it is planned; docs/verify.md prints it).
@@ -102,6 +102,17 @@ FITS = {"--parallel.zero": lambda l: l["dp"] * l["ep"] > 1,
         "--parallel.dp_impl": lambda l: l["dp"] == l["dp"] * l["pp"] * l["ep"] * l["tp"] * l["cp"],
         "--train.cuda_graphs": lambda l: False}  # a CPU rank has no CUDA stream: drawn MISFIT_P of the time
 MISFIT_P = 0.1
+# train.fp8 mxfp8, drawn per case from its own stream (the seed's other draws stay where they were): its blocks of 32
+# need the experts' width a multiple of 32 (ffn_dim 64) and, at S = 16, no TP or CP (heads of 16 a TP rank, CP
+# chunks of 4 tokens: refused); the default family's widths only (deepseek's latents, qwen3's 2 KV heads are 16).
+MX_FLAGS = ("--train.fp8", "mxfp8", "--parallel.fp8_comm", "false", "--model.ffn_dim", "64")
+MX_P = 0.25
+
+
+def _mx(seed: int, index: int, family: str, layout: dict) -> list[str]:
+    rng = random.Random(f"mxfp8:{seed}:{index}")
+    fits = family == "default" and layout["tp"] * layout["cp"] == 1
+    return list(MX_FLAGS) if rng.random() < (MX_P if fits else MX_P * MISFIT_P) else []
 
 
 def _pick(rng: random.Random, rows: list, layout: dict | None = None) -> list[str]:
@@ -156,8 +167,14 @@ REFUSALS = [
     ("a2a-heads", r"cp_impl=a2a splits heads", "Ulysses splits each TP rank's heads over CP", "by design"),
     ("cp-split-docs", r"parallel\.cp_split=docs balances documents",
      "the document-balanced split reads the documents' starts: a causal window has none", "by design"),
-    ("fp8-width", r"gives an FP8 GEMM dimension \d+( per TP rank \(of \d+\))?, not a multiple of 16",
-     "the GPU's FP8 GEMMs take dimensions in multiples of 16 (the deepseek model's q latent is 12)", "by design"),
+    ("fp8-width", r"gives an FP8 GEMM dimension \d+( per TP rank \(of \d+\))?, not a multiple of (16|32)",
+     "the GPU's FP8 GEMMs take dimensions in multiples of 16 (the deepseek model's q latent is 12), MXFP8's of its "
+     "32-element blocks", "by design"),
+    ("mxfp8-token-blocks", r"train\.fp8=mxfp8 (takes the weight gradients' blocks|with parallel\.(cp|tp|cp_split))",
+     "the weight gradients' 32-token blocks must be whole on a rank: each CP chunk or TP run of a sequence (and a "
+     "microbatch's tokens) a multiple of 32", "by design"),
+    ("mxfp8-comm", r"parallel\.fp8_comm sends per-row FP8 operands, not MXFP8's blocks",
+     "the EP dispatch's FP8 payload is per-row e4m3, not MXFP8's blocks", "open"),
     ("fp8-replicated-kv", r"train\.fp8=\w+ with parallel\.tp=\d not dividing model\.n_kv_heads",
      "KV projections replicated over TP take partial output gradients, which FP8 would round before their sum",
      "by design"),
@@ -229,6 +246,7 @@ def draw(n: int, seed: int) -> list[Case]:
             flags = [f for a in AXES for f in (f"--parallel.{a}", str(lay[a]))]
             flags += ["--parallel.microbatches", str(B // (lay["dp"] * lay["ep"] * m))]
             flags += _pick(rng, LAYOUT_DRAWS, lay)
+            flags += _mx(seed, len(cases), family, lay)
             cases.append(Case(len(cases), group, family, model + flags))
     return cases[:n]
 
