@@ -482,9 +482,10 @@ class StepMeters:
                                                              # inside a step, its peak so far counts with this record
 
     Metered: the process's first two steps (under train.compile the 2nd and 3rd), and the 1st and every `peak_every`-th
-    logged step (run.peak_every; 0: none, for runs that only need the numbers, such as `nanotitan verify`'s): a step's peaks vary little from step to step, and a metered step costs much more than
-    a plain one (the default 8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with
-    its scan of the garbage collector's objects). The second step is the first steady one: the first makes AdamW's
+    logged step (run.peak_every; 0: none, for runs that only need the numbers, such as `nanotitan verify`'s): a
+    step's peaks vary little from step to step, and a metered step costs much more than a plain one (the default
+    8-rank job: saved activations alone +10 ms of CPU per rank, ~17%; the step peak more, with its scan of the garbage
+    collector's objects). The second step is the first steady one: the first makes AdamW's
     moments only in its update, after the activations are freed (on MID at DP4, zero 0: 300 MiB against 420 MiB every
     later step), and FSDP2 initialises itself in it.
     """
