@@ -9,7 +9,8 @@ import pytest
 from nanotitan.config.config import ConfigError, load_config
 from nanotitan.config.hardware import BUILTIN, get_hardware
 from nanotitan.plan import Layout, PlanOptions, layout_config, predict
-from nanotitan.plan.fp8 import cast_s_per_flop, dense_fp8_share, ep_wire_ratio, fp8_param_share, gather_ratios, gemm_rates
+from nanotitan.plan.fp8 import (cast_s_per_flop, dense_fp8_share, ep_wire_ratio, fp8_param_share, gather_ratios,
+                                gemm_rates)
 from nanotitan.plan.shape import ModelShape
 
 # Mixtral-8x7B's shape cut to 4 layers (dimensions multiples of 16, as the FP8 GEMM needs)
@@ -66,8 +67,8 @@ def test_fp8_comm_prices_the_fp8_trips_and_gathers_at_their_bytes():
     assert 0.5 < share < 1.0  # the projections; not the norms, the router, the embedding, the head
     z3_wire = layout_config(load_config(None, MIXTRAL + ["--train.fp8", "rowwise", "--parallel.fp8_comm", "true",
                                                          *lay3]), z3)
-    assert gather_ratios(z3_wire, ModelShape.from_config(z3_wire), 2) == pytest.approx((share / 2 + 1 - share, 0.5))
-    assert gather_ratios(wire, ModelShape.from_config(wire), 2) == (1.0, 1.0)  # zero < 3: no all-gather of weights
+    assert gather_ratios(z3_wire, ModelShape.from_config(z3_wire), 2, 3) == pytest.approx((share / 2 + 1 - share, 0.5))
+    assert gather_ratios(wire, ModelShape.from_config(wire), 2, 1) == (1.0, 1.0)  # zero < 3: no all-gather of weights
     z3_plain = layout_config(load_config(None, MIXTRAL + ["--train.fp8", "rowwise", *lay3]), z3)
     exposed = dataclasses.replace(hw, dp_overlap=0.0)  # nothing hides the gathers: their seconds show
     a, b = predict(z3_plain, z3, exposed, opts), predict(z3_wire, z3, exposed, opts)

@@ -80,11 +80,12 @@ def ep_wire_ratio(cfg: Config, d_model: int, act_bytes: float) -> float:
     return (2 + 2 * wire_bytes(cfg.train.fp8, d_model) / (d_model * act_bytes)) / 4
 
 
-def gather_ratios(cfg: Config, shape, param_bytes: float) -> tuple[float, float]:
+def gather_ratios(cfg: Config, shape, param_bytes: float, zero: int) -> tuple[float, float]:
     """(non-expert, expert) ZeRO-3 all-gather bytes per parameter under parallel.fp8_comm, against `param_bytes`:
     the weights of FP8 GEMMs travel as their forward operand (one byte an element, the scales negligible beside
-    them), the rest (norms, router, embedding, head, the skipped projections) as parameters. (1, 1) without it."""
-    if not cfg.parallel.fp8_comm or cfg.train.fp8 == "off" or cfg.parallel.zero != 3:
+    them), the rest (norms, router, embedding, head, the skipped projections) as parameters. (1, 1) without it or
+    below zero 3 (`zero`: the layout's level, which a search varies)."""
+    if not cfg.parallel.fp8_comm or cfg.train.fp8 == "off" or zero != 3:
         return 1.0, 1.0
     share = fp8_param_share(shape)
     return share / param_bytes + (1 - share), 1 / param_bytes

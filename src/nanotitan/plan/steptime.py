@@ -328,7 +328,7 @@ def _dp_sync(c: Context, t_fwd: list[float], t_bwd: list[float],
     # send/recv exchanges (comm.reduce_scatter / all_gather on comm.SHARDED_BY_EXCHANGE), which move a ring's bytes.
     half = ring_half_s
     sync = half if zero else ring_allreduce_s
-    gathered = tuple(r * prec.param for r in fp8_plan.gather_ratios(c.cfg, c.shape, prec.param))
+    gathered = tuple(r * prec.param for r in fp8_plan.gather_ratios(c.cfg, c.shape, prec.param, zero))
     for s, st in enumerate(c.stages):
         t_ar = (sync(st.n_ne * red, ne_group, ne_link.allreduce_bw, ne_link.latency_s)
                 + sync(st.n_ex * red, ex_group, ex_link.allreduce_bw, ex_link.latency_s))
