@@ -230,7 +230,7 @@ def _weight_for_grad_input(w_t: torch.Tensor, fp8: Fp8, split: Split):
     c, qw = fp8.config, _weight(w_t, fp8, split)
     if c.cast_config_weight_for_grad_input == c.cast_config_weight and qw._axiswise_dim is None:
         return qw
-    values = (qw._data.float() / qw._scale).to(w_t.dtype)  # e4m3 times a power of 2: exact in bf16 and fp32
+    values = dequantize(qw._data, qw._scale, w_t.dtype)  # e4m3 times a power of 2: exact in bf16 and fp32
     return _cast(values, (split.inner, split.outer), -1, c.cast_config_weight_for_grad_input, fp8, R.WEIGHT)
 
 
@@ -268,6 +268,17 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool):
 def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values FP8 `bits` at `scale` stand for, in `dtype` (torchao's emulated GEMM reads them so)."""
     return (bits.float() / scale).to(dtype)
+
+
+def scale_exponent(scale: torch.Tensor) -> torch.Tensor:
+    """A power-of-2 scale 2^e as e in one byte (int8 holds every e an fp32 amax gives): how the rowwise recipe's
+    scales travel (parallel/ep.py's FP8 trips, parallel/dp/fp8_gather.py's gathers)."""
+    return (torch.frexp(scale).exponent - 1).to(torch.int8)
+
+
+def exponent_scale(exponent: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale 2^e of `scale_exponent`'s byte e."""
+    return torch.ldexp(torch.ones(exponent.shape, device=exponent.device), exponent.float())
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,

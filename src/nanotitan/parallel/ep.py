@@ -109,19 +109,17 @@ def _fp8_rows_trip(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[in
     exponent, exactly)."""
     bits_ND, scale_N1 = float8.quantize(x_ND, dtype, -1, pow2)
     D, scale_N1 = x_ND.shape[1], scale_N1.float()
-    scale_bytes = (torch.frexp(scale_N1).exponent - 1).to(torch.int8).view(torch.uint8) if pow2 \
-        else scale_N1.view(torch.uint8)
+    scale_bytes = float8.scale_exponent(scale_N1).view(torch.uint8) if pow2 else scale_N1.view(torch.uint8)
     send = torch.cat([bits_ND.view(torch.uint8), scale_bytes], dim=1)  # [N, D + 1 or 4]
     recv = send.new_empty(sum(out_splits), send.shape[1])
     _all_to_all(recv, send, out_splits, in_splits, lanes, kind)
     bits_RD = recv[:, :D].contiguous().view(bits_ND.dtype)
     scale_R1 = recv[:, D:].contiguous()
-    scale_R1 = torch.ldexp(torch.ones(scale_R1.shape, device=recv.device), scale_R1.view(torch.int8).float()) \
-        if pow2 else scale_R1.view(torch.float32)
+    scale_R1 = float8.exponent_scale(scale_R1.view(torch.int8)) if pow2 else scale_R1.view(torch.float32)
     return bits_RD, scale_R1
 
 
-class _Fp8Combine(torch.autograd.Function):
+class _Fp8Combine(_AllToAll):
     """The combine trip of parallel.fp8_comm: the expert outputs go home as `_AllToAll` sends them, in their dtype,
     and their gradient comes back in FP8 as the recipe casts it for the experts' last GEMM (grad_x of W_out): each
     row in the gradient dtype (e5m2 tensorwise, e4m3 rowwise) with its own scale, `_fp8_rows_trip`'s bytes. The
@@ -129,10 +127,8 @@ class _Fp8Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_RD, out_splits: list[int], in_splits: list[int], lanes: EPLanes, fp8):
-        ctx.out_splits, ctx.in_splits, ctx.lanes, ctx.fp8 = out_splits, in_splits, lanes, fp8
-        y_ND = y_RD.new_empty(sum(out_splits), y_RD.shape[1])
-        _all_to_all(y_ND, y_RD, out_splits, in_splits, lanes, _phase(True) + ":combine")
-        return y_ND
+        ctx.fp8 = fp8
+        return _AllToAll.forward(ctx, y_RD, out_splits, in_splits, lanes, "combine")
 
     @staticmethod
     def backward(ctx, grad_ND):

@@ -29,6 +29,7 @@ tests/parallel/test_fsdp_fp8.py measures them in the comm meter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ...model.fp8 import Fp8, Reduce
+from ...model.fp8 import Fp8, Reduce, exponent_scale, scale_exponent
 from ...model.fp8_weight import Fp8Weight
 from ..comm import collectives as comm
 
@@ -67,9 +68,9 @@ class _Cast:
             comm.all_reduce(amax, group=mesh.get_group(), axis="dp", op=dist.ReduceOp.MAX)
         scale = amax_to_scale(amax, fp8.forward_dtype, round_scales_to_power_of_2=fp8.pow2)
         if not self.gathered_scale and fp8.pow2:  # the largest amax's scale is the smallest: its exponent's MIN
-            exponent = _exponent(scale)
+            exponent = scale_exponent(scale)
             comm.all_reduce(exponent, group=mesh.get_group(), axis="dp", op=dist.ReduceOp.MIN)
-            scale = _power_of_2(exponent)
+            scale = exponent_scale(exponent)
         bits = to_fp8_saturated(hp.to(torch.float32) * scale, fp8.forward_dtype)
         rows = -(-self.shape[self.shard_dim] // mesh.size())  # FSDP2's padded shard
         if bits.shape[self.shard_dim] < rows:  # (only where the scales are metadata: `install`)
@@ -80,16 +81,13 @@ class _Cast:
             bits = full
         if not self.gathered_scale:
             return (bits,), scale
-        return (bits, _exponent(scale) if fp8.pow2 else scale), None
+        return (bits, scale_exponent(scale) if fp8.pow2 else scale), None
 
     def post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata, dtype: torch.dtype,
                         out: Fp8Weight | None = None):
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        bits = outputs[0].reshape(-1)[:numel].view(self.shape)  # a view: FSDP2 refills the storage
+        bits = outputs[0].reshape(-1)[:math.prod(self.shape)].view(self.shape)  # a view: FSDP2 refills the storage
         if self.gathered_scale:
-            scale = _power_of_2(outputs[1]) if self.fp8.pow2 else outputs[1]
+            scale = exponent_scale(outputs[1]) if self.fp8.pow2 else outputs[1]
             scale = scale.view(tuple(1 if d in self.amax_dims else n for d, n in enumerate(self.shape)))
         else:
             scale = metadata
@@ -99,15 +97,6 @@ class _Cast:
             out.scale.copy_(scale)
             return None
         return Fp8Weight(bits, scale, dtype), ()
-
-
-def _exponent(scale: torch.Tensor) -> torch.Tensor:
-    """A power-of-2 scale 2^e as e, one byte (int8 holds every e an fp32 amax gives)."""
-    return (torch.frexp(scale).exponent - 1).to(torch.int8)
-
-
-def _power_of_2(exponent: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones(exponent.shape, device=exponent.device), exponent.float())
 
 
 def _casts(module: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[Reduce, ...]]]:
