@@ -127,9 +127,9 @@ def dispatch_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptio
         par = dataclasses.replace(cfg.parallel, ep_dispatch=dispatch, ep_capacity=capacity or cfg.parallel.ep_capacity)
         return predict(layout_config(dataclasses.replace(cfg, parallel=par), lay), lay, hw, opts)
 
-    dyn, stat = at("dynamic"), at("static")
-    tried = {c: at("static", c) for c in sorted({1.0, 1.25, 1.5, 2.0, float(lay.moe_ep), cfg.parallel.ep_capacity})
-             if c <= lay.moe_ep}
+    cap = cfg.parallel.ep_capacity
+    tried = {c: at("static", c) for c in sorted({1.0, 1.25, 1.5, 2.0, float(lay.moe_ep), cap}) if c <= lay.moe_ep}
+    dyn, stat = at("dynamic"), tried.get(cap) or at("static")  # (the config's capacity predicted once)
     best_cap = min(tried, key=lambda c: tried[c].step_time_s)
     ac = cfg.train.activation_checkpointing if opts.activation_checkpointing is None else opts.activation_checkpointing
     moe_layers = sum(shape.is_moe(i) for i in range(shape.n_layers)) / lay.pp
@@ -139,7 +139,6 @@ def dispatch_report(cfg: Config, best: Prediction, hw: Hardware, opts: PlanOptio
     totals = {d: p.step_time_s + reads[d] * price for d, p in (("dynamic", dyn), ("static", stat))}
     saved = reads["dynamic"] - reads["static"]
     skew = EXPERT_SKEW if opts.expert_skew is None else opts.expert_skew
-    cap = cfg.parallel.ep_capacity
     return dict(capacity=cap, payload=dispatch_plan.static_payload(cfg, lay, shape, cap),
                 dynamic_load=dyn.expert_time_factor,
                 overflow=dispatch_plan.overflow_probability(cfg, lay, shape, skew, cap),
