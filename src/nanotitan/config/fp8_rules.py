@@ -71,7 +71,7 @@ def check_fp8(cfg) -> None:
                f"{why} ({', '.join(kept)}): make it one, add them to --train.fp8_skip, or --train.fp8 off")
     if t.fp8 == "mxfp8":
         _check_mx_tokens(cfg)
-    experts_fp8 = m.num_experts and not any(fnmatch.fnmatchcase("experts", s) for s in t.fp8_skip)
+    experts_fp8 = m.num_experts and not _skipped("experts", t.fp8_skip)
     _check(p.ep_dispatch != "static" or not experts_fp8, f"train.fp8={t.fp8} with parallel.ep_dispatch=static: the "
            f"FP8 experts run one GEMM per expert, sized by counts read to the host, which static dispatch keeps on "
            f"the device (--parallel.ep_dispatch dynamic, add experts to --train.fp8_skip, or --train.fp8 off)")
