@@ -220,8 +220,8 @@ class _LiveBytes(TorchDispatchMode):
 def build_peak(cfg, dims, whole: bool) -> tuple[int, int, int, int]:
     """(peak live bytes of building this rank's stage, the bytes the build leaves alive, its shard's bytes (params
     + buffers), the largest whole parameter's bytes), building it whole then slicing (whole=True: the old path) or
-    through build_stage. What it leaves alive is the shard and the small tables beside it (the expert shard's
-    placement tables, made at build so that no trace builds them)."""
+    through build_stage. What it leaves alive is the shard and any small tables beside it (under static dispatch
+    the expert shard's placement tables, made before any trace; none here)."""
     specs = build_chunk_specs(cfg, dims.pp_rank, dims.moe_ep_rank)
     with _LiveBytes() as meter:
         model = _whole_then_sliced(cfg, dims) if whole else build_stage(cfg, specs, dims, CPU)

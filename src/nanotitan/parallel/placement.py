@@ -180,7 +180,7 @@ class EPShard:
         self.placement, self.rank = placement, rank
         self.moves = 0  # tables swapped in so far: who reads the copies' rows re-reads them after a change
         self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._static_host = self._host_tables(placement)
+        self._static_host: tuple[torch.Tensor, torch.Tensor] | None = None  # static dispatch's, made on first ask
 
     @property
     def P(self) -> int:
@@ -210,16 +210,15 @@ class EPShard:
         self.placement = placement
         self.moves += 1
         static = [k.removeprefix("static:") for k in self._device_tables if k.startswith("static:")]
-        self._device_tables = {}
-        self._static_host = self._host_tables(placement)
+        self._device_tables, self._static_host = {}, None
         for device in static:  # made again at once: a compiled dispatch reads them, never makes them
             self.static_tables(torch.device(device))
 
     @staticmethod
     def _host_tables(placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route_on_device`'s tables on the host, made with the placement: a block compiled whole traces the dispatch,
-        and dynamo cannot run a placement's cached properties' first call (their lock); read once here, they are plain
-        attributes when traced."""
+        """`route_on_device`'s tables on the host, made before any traced call (apply_ep and `swap` ask for the static
+        tables eagerly): a block compiled whole traces the dispatch, and dynamo cannot run a placement's cached
+        properties' first call (their lock); read once here, they are plain attributes when traced."""
         with torch.device("cpu"):  # on the host even where the model is built on the meta device
             copies = torch.tensor([len(c) for c in placement.copies()], dtype=torch.long)
             _ = placement.in_order  # made now: the dispatch reads it
@@ -265,6 +264,8 @@ class EPShard:
         before any call (a block compiled whole would recompile once, its first trace having seen them missing)."""
         key = "static:" + str(device)
         if key not in self._device_tables:
+            if self._static_host is None:  # static dispatch only: a dynamic one never builds them
+                self._static_host = self._host_tables(self.placement)
             self._device_tables[key] = tuple(t.to(device) for t in self._static_host)
         return self._device_tables[key]
 
