@@ -3,7 +3,8 @@ host's memory, which the planner's CPU profile divides among the ranks on it. Th
 tokens, on a host whose memory holds one process's step but, split between two ranks, only a layout that splits the
 sequence: node 0 starts alone (world 1: cp=1), node 1 joins (world 2: the planner's choice has cp=2, the step-N
 checkpoint of the one-process layout resharded onto it), then node 1 gets a notice (world 1 again: cp=1, from the
-CP2 layout's checkpoint). Both changes are planned, so no step is lost, and every logged loss and the final
+CP2 layout's checkpoint), and a notice to node 0 ends the job once that layout trains: the test's events, not a step
+count, set the job's length (a joiner's imports take longer on a loaded machine). Both changes are planned, so no step is lost, and every logged loss and the final
 parameters equal an uninterrupted single-process run at the same global batch (DESIGN §4)."""
 
 import dataclasses
@@ -18,8 +19,10 @@ from tests.helpers.equivalence import B, m
 from tests.helpers.elastic import AGENT_TIMEOUT_S, _agent, _await, _changes, _records, elastic_args, final_params_match
 from tests.helpers.elastic import agent_logs, losses_match_one_process, reap, start_host
 
-STEPS, S = 40, 128
-LONG = ("--train.seq_len", str(S))  # 2 sequences of 128 tokens a microbatch: activations outweigh the weights
+STEPS, S = 1000, 128  # STEPS is never reached: node 0's notice ends the job once both changes have trained
+# 2 sequences of 128 tokens a microbatch: activations outweigh the weights. A constant LR after warmup: the
+# single-process run's schedule is the job's whatever step the test's events end it at.
+LONG = ("--train.seq_len", str(S), "--train.lr_schedule", "constant")
 
 
 def capped_host(cfg, path) -> float:
@@ -62,24 +65,30 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
         at = _changes(run)[0]["step"] + 6
         _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
         agents[1].send_signal(signal.SIGTERM)
+        _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1], logs)
+        at = _changes(run)[1]["step"] + 3
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1], logs)
+        agents[0].send_signal(signal.SIGTERM)  # node 0 hosts the store: its notice ends the job
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
         out = reap(agents, files, logs)
-    assert [a.returncode for a in agents] == [0, 143], out  # node 1 left on its notice (SIGTERM): 143
+    assert [a.returncode for a in agents] == [143, 143], out  # each left on its notice (SIGTERM): 143
+    end = max(r["step"] for r in _records(run))  # node 0's stop: the step in flight, then its checkpoint
+    assert f"stopped by SIGTERM on node 0 at step {end}" in out, out
 
     # The join re-lays the job out with CP (the sequence split over both ranks), the notice without it; nothing lost.
     changes = _changes(run)
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [1, 2]), ("notice", [2, 1])], out
     assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=1 ep=1 tp=1 cp=2",
                                                            "dp=1 pp=1 ep=1 tp=1 cp=1"], changes
-    assert [c["steps_lost"] for c in changes] == [0, 0] and changes[0]["step"] < changes[1]["step"] < STEPS, changes
+    assert [c["steps_lost"] for c in changes] == [0, 0] and changes[0]["step"] < changes[1]["step"] < end, changes
     by_step = {r["step"]: r["cp"] for r in _records(run)}
     assert {by_step[s] for s in range(changes[0]["step"] + 1, changes[1]["step"] + 1)} == {2}, by_step
 
     # Every step logged once, each loss the single process's.
-    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS, LONG)
-    assert len(steps) == STEPS, steps
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, end, LONG)
+    assert len(steps) == end, steps
 
-    # The final checkpoint, loaded into one process, holds the single process's parameters.
-    final_params_match(corpus_dir, tmp_path, run, ref, STEPS, LONG)
+    # The stop's checkpoint, loaded into one process, holds the single process's parameters.
+    final_params_match(corpus_dir, tmp_path, run, ref, end, LONG)

@@ -1,12 +1,14 @@
 """Re-layout on the fly (issue 24) with loopback "nodes": each node is one `nanotitan train --elastic.*` command.
 
-Two nodes start (world 2: dp=2), a third joins at about step 10 (world 3: pp=3), the second gets a SIGTERM notice
-at about step 30 (world 2 again), the third's processes are killed (-9) at about step 52 (its agent stays), and the
-job finishes at 70; once under AdamW, once under Muon (issue 51 item 4: its momentum, one buffer per matrix, moves
-with the re-layouts and the snapshot replay as AdamW's moments do).
+Two nodes start (world 2: dp=2), a third joins (world 3: pp=3), the second gets a SIGTERM notice (world 2 again),
+the third's processes are killed (-9) (its agent stays), and once that failure's generation trains, a notice to
+node 0 ends the job after its stop's checkpoint; once under AdamW, once under Muon (issue 51 item 4: its momentum,
+one buffer per matrix, moves with the re-layouts and the snapshot replay as AdamW's moments do). The test's events,
+not a step count, set the job's length: a joiner's imports take from 10 to 60 steps here, with the machine's load.
 Planned changes lose nothing; the kill loses at most K = elastic.snapshot_every steps, replayed from the newest
 snapshot. Every logged loss (replays included) and the final parameters equal an uninterrupted single-process run
-at the same global batch (the equivalence rule, DESIGN §4)."""
+at the same global batch (the equivalence rule, DESIGN §4): a constant LR after warmup, so that run's schedule is
+the job's whatever step the job ends at."""
 
 import json
 import signal
@@ -16,8 +18,10 @@ import pytest
 import torch
 
 from tests.helpers.equivalence import base_args, layout_args
-from tests.helpers.elastic import AGENT_TIMEOUT_S, K, STEPS, _agent, _await, _changes, _coordinator, _kill_ranks, _records, _register, elastic_args, losses_match_one_process
+from tests.helpers.elastic import AGENT_TIMEOUT_S, K, _agent, _await, _changes, _coordinator, _kill_ranks, _records, _register, elastic_args, losses_match_one_process
 from tests.helpers.elastic import agent_logs, final_params_match, reap, start_host
+
+LONG = 1000  # the job's train.steps: more than the test's events take
 
 
 def _snapshot_steps(args, nodes) -> set[int]:
@@ -35,53 +39,58 @@ def _snapshot_steps(args, nodes) -> set[int]:
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
     run = tmp_path / "elastic"
-    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms, so the
-    # tiny model's 70 steps outlast the joiner's imports however fast this machine trains it.
-    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "relayout") + [
+    flags = ("--train.optimizer", optimizer, "--train.lr_schedule", "constant")
+    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms. LONG is
+    # never reached: node 0's notice ends the job.
+    args = elastic_args(corpus_dir, run, tmp_path, LONG, "2:3", "relayout") + [
         "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002",
-        "--train.optimizer", optimizer]
+        *flags]
     logs, files = agent_logs(tmp_path, 3)
     agents: list[subprocess.Popen] = []
     try:
         start_host(args, agents, files, logs)
         agents.append(_agent(args, files[1]))
         _await("step 3", lambda: len(_records(run)) >= 3, agents, logs)
-        agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported (10-30 steps later here)
+        agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported
         _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs)
         # Each later event waits a few steps past the previous change: the agents' warm ranks are ready again.
-        at = max(30, min(_changes(run)[0]["step"] + 8, 45))
+        at = _changes(run)[0]["step"] + 8
         _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
         agents[1].send_signal(signal.SIGTERM)  # a preemption notice to node 1's agent
         _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
-        at = max(52, min(_changes(run)[1]["step"] + 8, 60))
-        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
-        # A snapshot is written on a thread after its step: wait until both nodes hold one newer than the notice.
         since = _changes(run)[1]["step"]
+        # A snapshot is written on a thread after its step: wait until both nodes hold one newer than the notice.
         _await(f"a snapshot after step {since}", lambda: _snapshot_steps(args, (0, 2)) and
                max(_snapshot_steps(args, (0, 2))) > since, agents[:1] + agents[2:], logs)
         _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
+        _await("the failure's re-layout", lambda: len(_changes(run)) >= 3, agents[:1] + agents[2:], logs)
+        at = _changes(run)[2]["step"] + 3
+        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
+        agents[0].send_signal(signal.SIGTERM)  # node 0 hosts the store: its notice ends the job
         for a in agents:
             a.wait(timeout=AGENT_TIMEOUT_S)
     finally:
         out = reap(agents, files, logs)
-    assert [a.returncode for a in agents] == [0, 143, 0], out  # node 1 left on its notice (SIGTERM): 143
+    assert [a.returncode for a in agents] == [143, 143, 143], out  # each node's: the job ended on notices
 
-    # Two changes, each to the planner's layout for its world, nothing lost.
+    # Three changes, each to the planner's layout for its world, nothing lost but the kill's.
     changes = _changes(run)
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("notice", [3, 2]), ("failure", [2, 2])], out
     assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1 tp=1 cp=1", "dp=2 pp=1 ep=1 tp=1 cp=1",
                                                                "dp=2 pp=1 ep=1 tp=1 cp=1"], changes
-    assert 3 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < STEPS, changes
+    end = max(r["step"] for r in _records(run))  # node 0's stop: the step in flight, then its checkpoint
+    assert 3 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < end, changes
     lost = changes[2]["steps_lost"]
     assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes
     assert changes[2]["step"] % K == 0, changes  # resumed from a snapshot
+    assert f"stopped by SIGTERM on node 0 at step {end}" in out, out
 
     # Every step logged, each loss the single process's; only the lost steps were run twice.
-    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, STEPS, ("--train.optimizer", optimizer))
-    assert len(steps) - STEPS <= lost, steps
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, end, flags)
+    assert len(steps) - end <= lost, steps
 
-    # The final checkpoint, loaded into one process, holds the single process's parameters.
-    final_params_match(corpus_dir, tmp_path, run, ref, STEPS, ("--train.optimizer", optimizer))
+    # The stop's checkpoint, loaded into one process, holds the single process's parameters.
+    final_params_match(corpus_dir, tmp_path, run, ref, end, flags)
 
 
 # --- bad cases, decided by node 0's coordinator (one process, a real store, no ranks) ---------------------------
