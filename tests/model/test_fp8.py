@@ -55,23 +55,71 @@ def _dequantized(t, dtype, dim, pow2):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_expert_gemm_is_the_dequantized_fp32_matmul(name):
-    """ExpertMM: x per row and w per column (rowwise) or whole (tensorwise) in e4m3; dy per row in the recipe's
-    gradient dtype; dw in fp32. The references are written from those words, not from the code's calls."""
+    """ExpertsMM over 4 experts' row groups (one empty): x per row and each w per column (rowwise) or whole
+    (tensorwise) in e4m3; dy per row in the recipe's gradient dtype; dw in fp32. The references are written per
+    expert from those words, not from the code's calls."""
     f = float8.recipe(name)
     torch.manual_seed(1)
-    x, w = torch.randn(24, 32, requires_grad=True), torch.randn(32, 48, requires_grad=True)
+    counts = [5, 0, 12, 7]
+    x, w = torch.randn(24, 32, requires_grad=True), torch.randn(4, 32, 48, requires_grad=True)
     w_dim = 0 if name == "rowwise" else None
-    y = float8.ExpertMM.apply(x, w, f)
-    want = _dequantized(x, torch.float8_e4m3fn, -1, f.pow2) @ _dequantized(w, torch.float8_e4m3fn, w_dim, f.pow2)
+    y = float8.ExpertsMM.apply(x, w, counts, f)
+    want = torch.cat([_dequantized(xg, torch.float8_e4m3fn, -1, f.pow2) @ _dequantized(wg, torch.float8_e4m3fn,
+                                                                                     w_dim, f.pow2)
+                      for xg, wg in zip(x.detach().split(counts), w.detach())])
     assert torch.equal(y, want)
     dy = torch.randn_like(y) * 1e-3
     y.backward(dy)
     grad_dtype = torch.float8_e5m2 if name == "tensorwise" else torch.float8_e4m3fn
-    wt_dim = 0 if name == "rowwise" else None
-    dx = _dequantized(dy, grad_dtype, -1, f.pow2) @ _dequantized(w.detach().t(), torch.float8_e4m3fn, wt_dim, f.pow2)
+    # (operands contiguous, as the kernel reads them: a GEMM's fp32 sums can differ in their last bit by layout)
+    dx = torch.cat([_dequantized(g, grad_dtype, -1, f.pow2) @ _dequantized(wg.t().contiguous(), torch.float8_e4m3fn,
+                                                                          w_dim, f.pow2)
+                    for g, wg in zip(dy.split(counts), w.detach())])
     assert torch.equal(x.grad, dx)
-    assert torch.equal(w.grad, x.detach().t().mm(dy))
-    assert float8.ExpertMM.apply(x[:0], w, f).shape == (0, 48)  # an expert with no tokens
+    assert torch.equal(w.grad, torch.stack([a.t().mm(g) for a, g in zip(x.detach().split(counts), dy.split(counts))]))
+    assert float8.ExpertsMM.apply(x[:0], w, [0] * 4, f).shape == (0, 48)  # no expert has tokens
+
+
+def _grouped_reference(a, b, scale_a, scale_b, offs, out_dtype):
+    """torch._scaled_grouped_mm's 2-D x 3-D case as its docs define it, from its own arguments: rows
+    offs[g-1]:offs[g] of a times b[g], each operand times its inverse scale (per row, per column), fp32 accumulate."""
+    ends = offs.tolist()
+    out = [torch._scaled_mm(a[lo:hi], b[g], scale_a=scale_a[lo:hi, None], scale_b=scale_b[g][None],
+                            out_dtype=out_dtype) for g, (lo, hi) in enumerate(zip([0] + ends[:-1], ends))]
+    return torch.cat(out)
+
+
+def test_the_gpu_launch_places_each_group_at_an_aligned_start():
+    """The GPU path's one launch (`grouped_launch`): each expert's rows at a multiple of ALIGN_M, the scales as the
+    kernel takes them, the padding dropped: run here with the kernel's definition in its place, it gives the CPU
+    path's numbers bit for bit, empty and unaligned groups included."""
+    torch.manual_seed(2)
+    counts = [3, 0, 17, 16, 1]
+    qa, sa = float8.quantize(torch.randn(37, 32), torch.float8_e4m3fn, -1, True)
+    qb, sb = float8.quantize(torch.randn(5, 32, 48), torch.float8_e4m3fn, 1, True)
+    launched = []
+
+    def kernel(a, b, scale_a, scale_b, offs, out_dtype):
+        launched.append(offs.tolist())
+        assert b.stride()[-2:] == (1, 32) and scale_a.shape == (a.shape[0],) and scale_b.shape == (5, 48)
+        return _grouped_reference(a, b, scale_a, scale_b, offs, out_dtype)
+
+    got = float8.grouped_launch(qa, sa, qb, sb, counts, torch.float32, kernel)
+    assert launched == [[16, 16, 48, 64, 80]]
+    assert torch.equal(got, float8.grouped_mm((qa, sa), (qb, sb), counts, torch.float32))
+
+
+def test_the_gpu_launch_is_one_the_kernel_takes():
+    """torch._scaled_grouped_mm has no CPU kernel, but its meta function holds the CUDA kernel's checks (dtypes,
+    row- and column-major operands, 16-byte strides, the scales' shapes, the offsets): the launch's arguments, on
+    meta tensors, pass them and give [n, N]."""
+    counts = [3, 0, 17, 16]
+    qa = torch.empty(36, 64, dtype=torch.float8_e4m3fn, device="meta")
+    sa = torch.empty(36, 1, device="meta")
+    qb = torch.empty(4, 64, 32, dtype=torch.float8_e4m3fn, device="meta")
+    sb = torch.empty(4, 1, 32, device="meta")
+    y = float8.grouped_launch(qa, sa, qb, sb, counts, torch.bfloat16, torch._scaled_grouped_mm)
+    assert y.shape == (36, 32) and y.dtype == torch.bfloat16
 
 
 def test_scales_follow_torchao():

@@ -17,9 +17,9 @@ experts, combine) times the layers, and the optimizer step; `other` is what the 
 the device (max relative difference of one layer's output and expert weight gradients): a GPU kernel that
 disagreed would show here first.
 
---fp8 adds `loop+fp8` (train.fp8 at that recipe, docs/fp8.md: torchao's float8 linears, our FP8 expert GEMM per
-expert; at mxfp8 torchao's MXFP8 linears and grouped expert GEMM; the default fp8_skip): its MFU is against the
-same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
+--fp8 adds `loop+fp8` (train.fp8 at that recipe, docs/fp8.md: torchao's float8 linears, our FP8 expert GEMMs,
+one `torch._scaled_grouped_mm` launch each on a GPU; at mxfp8 torchao's MXFP8 linears and grouped expert GEMM; the
+default fp8_skip): its MFU is against the same bf16 peak, so FP8's gain shows as MFU above `loop`'s.
 
 --cuda-graphs (CUDA only) adds `grouped+graphs` and `loop+graphs`: the +compile rows with every block compiled in
 inductor's mode "reduce-overhead" (train.cuda_graphs: each graph's forward and backward recorded once as a CUDA graph,

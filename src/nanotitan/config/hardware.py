@@ -104,20 +104,24 @@ class Hardware:
         return bool(self.cores_per_node) and ranks_on_node > self.cores_per_node
 
     def time_shared(self, step_s: float, costs: dict[str, float], work: dict[str, float], nodes: int,
-                    ranks_on_node: int) -> tuple[float, dict[str, float]]:
+                    ranks_on_node: int, held: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
         """(step seconds, seconds by cause) once ranks that outnumber a CPU node's cores time-share them.
 
         `step_s`/`costs` are the critical path of ranks that own their device; `work` is the CPU seconds
         of every rank together, by cause. A rank idling in a pipeline bubble or waiting on a peer lends its
         core to another rank, so the step is also bounded below by the nodes' work / their cores; gloo's
-        communication is CPU work too (copies, the host sync). Devices that are not shared (GPUs, a core per
-        rank) keep the critical path."""
+        communication is CPU work too (copies, the host sync). `held`: the waits every rank takes at once (an
+        emulated link's hold at the step's end: the DP sync's exposed part, the grad norm's all-reduce), which no
+        rank's work fills, on top of that bound. Devices that are not shared (GPUs, a core per rank) keep the
+        critical path."""
         if not self.shares_cores(ranks_on_node):
             return step_s, costs
-        cpus = nodes * self.cores_per_node
-        if sum(work.values()) / cpus <= step_s:
+        cpus, held = nodes * self.cores_per_node, held or {}
+        if sum(work.values()) / cpus + sum(held.values()) <= step_s:
             return step_s, costs
         shared = {k: v / cpus for k, v in work.items()} | {"bubble": 0.0}
+        for k, v in held.items():
+            shared[k] = shared.get(k, 0.0) + v
         return sum(shared.values()), shared
 
     def mem_per_rank(self, ranks_on_node: int) -> float:

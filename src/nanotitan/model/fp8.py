@@ -8,14 +8,14 @@ Two kinds of GEMM, two sources:
   tokens whole on a rank (DP, ZeRO, EP's dense part, PP) computes one process's scales as it is; TP and CP cut a
   linear's dims over ranks, and each cast reduces its amax over the ranks holding the dims its scale spans
   (`Split`, set by parallel/tp.py and parallel/cp.py), so the bits are one process's there too.
-- the routed experts (`ExpertMM`): written here. torchao's grouped float8 op is CUDA only, and its weight
+- the routed experts (`ExpertsMM`): written here. torchao's grouped float8 op is CUDA only, and its weight
   gradient scales each expert's columns over that expert's tokens of the call, which under EP are tokens of
   several ranks' microbatches: a per-layout quantity. So the experts scale what is the same in every layout:
   each assignment's row (its own amax), each expert's weight per output column (rowwise) or whole (tensorwise),
   and keep the weight gradient in high precision (torchao's rowwise_with_gw_hp choice). The GEMM is
-  `torch._scaled_mm` per expert group, fp32 accumulate: bitwise the dequantized fp32 matmul. On a GPU the same
-  per-row and per-column scales are what `torch._scaled_grouped_mm` takes for one launch; not wired yet, the
-  experts loop there too.
+  one `torch._scaled_grouped_mm` launch for all of a rank's experts on a GPU (`grouped_mm`), and on CPU, which
+  has no kernel for it, `torch._scaled_mm` per expert group, fp32 accumulate: bitwise the dequantized fp32
+  matmul.
 
 train.fp8 mxfp8 (blocks of 32 with e8m0 scales, torchao's MXFP8 ops) is model/mxfp8.py's; `linear` and `experts`
 hand it over.
@@ -281,74 +281,110 @@ def exponent_scale(exponent: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(exponent.shape, device=exponent.device), exponent.float())
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, b_whole: bool,
-              pow2: bool, a_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-              b_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """a @ b with a [n, K] scaled per row and b [K, N] per column (b_whole: one scale for all of b, broadcast to
-    its columns, the same numbers), fp32 accumulate, out in a's dtype; `a_fp8`, `b_fp8`: that operand already
-    quantized (bits, scale). b is handed column-major, as the GPU kernel wants it; on CPU `torch._scaled_mm` is
-    bitwise the dequantized fp32 matmul."""
-    if a.shape[0] == 0:
-        return a.new_zeros(0, b.shape[1])
-    qa, sa = a_fp8 if a_fp8 is not None else quantize(a, a_dtype, -1, pow2)
-    qb, sb = b_fp8 if b_fp8 is not None else quantize(b, b_dtype, None if b_whole else 0, pow2)
-    sb = sb.expand(1, b.shape[1]) if b_whole else sb
-    qb = qb.t().contiguous().t()
-    return torch._scaled_mm(qa, qb, scale_a=sa.reciprocal(), scale_b=sb.reciprocal().contiguous(),
-                            out_dtype=a.dtype)
+E4M3 = torch.float8_e4m3fn
+ALIGN_M = 16  # rows per group the GPU's grouped FP8 kernel is launched with (its TMA loads take 16-row tiles)
 
 
-class ExpertMM(torch.autograd.Function):
-    """y = x @ w for one expert's rows x [n, K] and its weight w [K, N] in FP8 (the module docstring says why these
-    scales): forward e4m3 x per row, w per column (or whole); grad_x = dy @ w^T with dy per row in the recipe's
-    gradient dtype, w^T per column; grad_w = x^T @ dy in high precision. With x's FP8 operand handed in (bits,
-    scales: parallel.fp8_comm, `experts`) the forward reads those bits and grad_w their dequantized values, so it
-    is the same wherever the operand was made: on this rank, or on the rank that sent it. With fp8.wire w's
-    operand too is the same wherever it was made (here, or cast on the shards and all-gathered in FP8 under
-    ZeRO-3: `_expert_weight`), and grad_x's w^T is made from it (`_expert_weight_t`)."""
+def grouped_mm(a_fp8: tuple[torch.Tensor, torch.Tensor], b_fp8: tuple[torch.Tensor, torch.Tensor],
+               counts_L: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """y = a @ b[g] on each of L contiguous row groups of a (`counts_L` rows each), from FP8 operands: a's
+    (bits [n, K], per-row scales [n, 1]) and b's (bits [L, K, N], scales [L, 1, N] per column or [L, 1, 1] whole),
+    fp32 accumulate, out in `out_dtype`. On a GPU with both operands e4m3: one `torch._scaled_grouped_mm` launch
+    (`grouped_launch`); elsewhere (a CPU, or e5m2 gradients, which that kernel does not take) `torch._scaled_mm`
+    per group, on CPU bitwise the dequantized fp32 matmul. The scales are multipliers (torchao's: bits = t *
+    scale); the kernels take their inverses."""
+    (qa, sa), (qb, sb) = a_fp8, b_fp8
+    sb = sb.expand(qb.shape[0], 1, qb.shape[2])
+    if qa.is_cuda and qa.dtype == qb.dtype == E4M3:
+        return grouped_launch(qa, sa, qb, sb, counts_L, out_dtype, torch._scaled_grouped_mm)
+    ys = [torch._scaled_mm(a, b.t().contiguous().t(), scale_a=s.reciprocal(), scale_b=t.reciprocal().contiguous(),
+                           out_dtype=out_dtype)
+          for a, s, b, t, n in zip(qa.split(counts_L), sa.split(counts_L), qb.unbind(0), sb.unbind(0), counts_L) if n]
+    return torch.cat(ys) if ys else qa.new_zeros(0, qb.shape[2], dtype=out_dtype)
+
+
+def grouped_launch(qa, sa, qb, sb, counts_L: list[int], out_dtype: torch.dtype, kernel) -> torch.Tensor:
+    """One grouped launch of `kernel` (torch._scaled_grouped_mm's signature): each group's rows placed at a start
+    that is a multiple of ALIGN_M (padding rows zero, with scale 1), b column-major per group, 1-D row scales,
+    [L, N] column scales and int32 end offsets, as the kernel takes them; the padding rows dropped again."""
+    L = len(counts_L)
+    padded = [-(-n // ALIGN_M) * ALIGN_M for n in counts_L]
+    starts = torch.tensor([sum(padded[:g]) for g in range(L)], device=qa.device)
+    # each row's place in the padded buffer: its group's padded start plus its rank within the group
+    group = torch.repeat_interleave(torch.arange(L, device=qa.device),
+                                    torch.tensor(counts_L, device=qa.device), output_size=qa.shape[0])
+    first = torch.tensor([sum(counts_L[:g]) for g in range(L)], device=qa.device)
+    rows = starts[group] + torch.arange(qa.shape[0], device=qa.device) - first[group]
+    total = sum(padded)
+    # (as bytes: index_copy_ takes no FP8 dtype; zero bytes are e4m3's 0.0)
+    a = qa.new_zeros(total, qa.shape[1]).view(torch.uint8).index_copy_(0, rows, qa.view(torch.uint8)).view(qa.dtype)
+    s = sa.new_ones(total).index_copy_(0, rows, sa.reshape(-1).reciprocal())
+    offs = torch.tensor(padded, device=qa.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    y = kernel(a, qb.transpose(1, 2).contiguous().transpose(1, 2), s, sb.reshape(sb.shape[0], -1).reciprocal(),
+               offs=offs, out_dtype=out_dtype)
+    return y.index_select(0, rows)
+
+
+class ExpertsMM(torch.autograd.Function):
+    """y = x @ w[g] for L experts' contiguous row groups of x [n, K] (`counts_L` rows each) and their weights
+    w [L, K, N] in FP8 (the module docstring says why these scales): forward e4m3 x per row, each w per column (or
+    whole); grad_x = dy @ w[g]^T with dy per row in the recipe's gradient dtype, w^T per column; grad_w = x^T @ dy
+    per group in high precision. The FP8 GEMMs are `grouped_mm`'s. With x's FP8 operand handed in (bits, scales:
+    parallel.fp8_comm, `experts`) the forward reads those bits and grad_w their dequantized values, so it is the
+    same wherever the operand was made: on this rank, or on the rank that sent it. With fp8.wire w's operand too
+    is the same wherever it was made (here, or cast on the shards and all-gathered in FP8 under ZeRO-3:
+    `_expert_weight`), and grad_x's w^T is made from it (`_expert_weight_t`)."""
 
     @staticmethod
-    def forward(ctx, x, w, fp8: Fp8, bits=None, scale=None):
+    def forward(ctx, x, w, counts_L: list[int], fp8: Fp8, bits=None, scale=None):
         ctx.save_for_backward(x if bits is None else dequantize(bits, scale, x.dtype), w)
-        ctx.fp8 = fp8
-        return scaled_mm(x, w, fp8.forward_dtype, fp8.forward_dtype, not fp8.rowwise, fp8.pow2,
-                         None if bits is None else (bits, scale), _expert_weight(w, fp8) if fp8.wire else None)
+        ctx.fp8, ctx.counts = fp8, counts_L
+        a = (bits, scale) if bits is not None else quantize(x, fp8.forward_dtype, -1, fp8.pow2)
+        b = _expert_weight(w, fp8) if fp8.wire else quantize(w, fp8.forward_dtype, _w_dims(fp8), fp8.pow2)
+        return grouped_mm(a, b, counts_L, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        f = ctx.fp8
-        dx = None
-        if ctx.needs_input_grad[0] and f.wire:
-            w_t, w_t_fp8 = _expert_weight_t(w, f)
-            dx = scaled_mm(dy, w_t, f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2, b_fp8=w_t_fp8)
-        elif ctx.needs_input_grad[0]:
-            dx = scaled_mm(dy, w.t(), f.grad_dtype, f.forward_dtype, not f.rowwise, f.pow2)
-        dw = x.t().mm(dy.to(x.dtype)) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        f, counts = ctx.fp8, ctx.counts
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            w_t, w_t_fp8 = _expert_weight_t(w, f) if f.wire else (w.transpose(1, 2), None)
+            b = w_t_fp8 if w_t_fp8 is not None else quantize(w_t, f.forward_dtype, _w_dims(f), f.pow2)
+            dx = grouped_mm(quantize(dy, f.grad_dtype, -1, f.pow2), b, counts, dy.dtype)
+        if ctx.needs_input_grad[1]:
+            dy = dy.to(x.dtype)
+            dw = torch.stack([a.t().mm(g) for a, g in zip(x.split(counts), dy.split(counts))]) if counts else \
+                w.new_zeros(w.shape)
+        return dx, dw, None, None, None, None
+
+
+def _w_dims(fp8: Fp8) -> int | tuple[int, int]:
+    """The dims of a stack of expert weights [L, K, N] each scale spans: per column (rowwise) or each whole."""
+    return 1 if fp8.rowwise else (1, 2)
 
 
 def _expert_weight(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, torch.Tensor]:
-    """An expert's weight [K, N] as its forward operand (bits, scale per column or whole): as an FP8 all-gather
-    delivered it (`Fp8Weight`), else cast here."""
+    """The experts' weights [L, K, N] as their forward operand (bits, scale per column or each whole): as an FP8
+    all-gather delivered them (`Fp8Weight`), else cast here."""
     got = operand(w)
-    return got if got is not None else quantize(w, fp8.forward_dtype, None if not fp8.rowwise else 0, fp8.pow2)
+    return got if got is not None else quantize(w, fp8.forward_dtype, _w_dims(fp8), fp8.pow2)
 
 
 def _expert_weight_t(w: torch.Tensor, fp8: Fp8) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(w^T, its operand or None) for grad_x, made from the forward's operand: tensorwise, the same bits
+    """(w^T per expert, its operand or None) for grad_x, made from the forward's operand: tensorwise, the same bits
     transposed under the same scale; rowwise (per column of w^T, not of w), the forward operand's values, which
-    scaled_mm casts again: a second rounding, exact but for elements subnormal under one of the two power-of-2
+    grad_x casts again: a second rounding, exact but for elements subnormal under one of the two power-of-2
     scales (docs/fp8.md "FP8 weights on the wire")."""
     bits, scale = _expert_weight(w, fp8)
     if fp8.rowwise:
-        return dequantize(bits, scale, w.dtype).t(), None
-    return w.t(), (bits.t(), scale)
+        return dequantize(bits, scale, w.dtype).transpose(1, 2), None
+    return w.transpose(1, 2), (bits.transpose(1, 2), scale)
 
 
 def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out: torch.Tensor,
             counts_L: list[int], fp8: Fp8, x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """L SwiGLU experts on contiguous row groups, each GEMM in FP8 (`ExpertMM`), under plain autograd. With
+    """L SwiGLU experts on contiguous row groups, each GEMM one `ExpertsMM` over all L, under plain autograd. With
     fp8.wire (parallel.fp8_comm) the gate and value GEMMs take x's FP8 operand: `x_fp8` (bits, per-row scales)
     as the EP dispatch delivered it, else made here, the same bits (per row: a row's scale is the same in any
     group of rows); and the output's gradient reaches the experts rounded per row to the recipe's gradient dtype,
@@ -363,14 +399,11 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
     sent = x_fp8 is not None  # by the EP dispatch, whose combine trip carries the output's gradient in FP8
     if fp8.wire and x_fp8 is None:
         x_fp8 = quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
-    none = (None,) * len(counts_L)
-    bits, scales = (x_fp8[0].split(counts_L), x_fp8[1].split(counts_L)) if fp8.wire else (none, none)
-    ys = []
-    for x, b, s, wg, wv, wo in zip(x_ND.split(counts_L), bits, scales, W_gate.unbind(0), W_val.unbind(0),
-                                   W_out.unbind(0)):
-        h = torch.nn.functional.silu(ExpertMM.apply(x, wg, fp8, b, s)) * ExpertMM.apply(x, wv, fp8, b, s)
-        ys.append(ExpertMM.apply(h, wo, fp8))
-    y = torch.cat(ys) if ys else x_ND.new_zeros(0, x_ND.shape[1])
+    bits, scale = x_fp8 if fp8.wire else (None, None)
+    counts_L = list(counts_L)
+    h = (torch.nn.functional.silu(ExpertsMM.apply(x_ND, W_gate, counts_L, fp8, bits, scale))
+         * ExpertsMM.apply(x_ND, W_val, counts_L, fp8, bits, scale))
+    y = ExpertsMM.apply(h, W_out, counts_L, fp8)
     return _GradAsOnTheWire.apply(y, fp8) if fp8.wire and not sent else y
 
 

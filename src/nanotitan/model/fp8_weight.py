@@ -3,7 +3,7 @@
 parallel.fp8_comm under ZeRO-3 (parallel/dp/fp8_gather.py) all-gathers an FP8 weight as the bits and scales its
 forward GEMM reads, and FSDP2 makes the gathered result the module's parameter for the forward and backward. That
 parameter is an `Fp8Weight`: it reports the weight's shape and dtype, so the module's code runs unchanged, and the
-FP8 GEMMs (model/fp8.py `Float8Matmul`, `ExpertMM`) read `bits` and `scale` as they are, without re-quantizing.
+FP8 GEMMs (model/fp8.py `Float8Matmul`, `ExpertsMM`) read `bits` and `scale` as they are, without re-quantizing.
 
 `scale` has the bits' rank with size 1 on each dim it spans (0-dim: the whole tensor); `bits / scale` are the values.
 The views the modules take of a weight (transpose, unbind or select of an expert) and autocast's dtype change keep

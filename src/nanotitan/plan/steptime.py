@@ -172,7 +172,9 @@ def step_time(c: Context, block_by_stage: list[float]) -> tuple[float, dict[str,
         work["dp_allreduce"] += 0.0 if opts.links_idle else ranks * t_ar_by_stage[s]
         work["optimizer"] += ranks * t_opt_by_stage[s]
         work["grad_norm"] += 0.0 if opts.links_idle else ranks * t_norm
-    return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node)
+    # An emulated hold at the step's end (links_idle) is every rank waiting at once: no rank's work fills it.
+    held = dict(dp_allreduce=exposed_dp, grad_norm=t_norm) if opts.links_idle else None
+    return hw.time_shared(step, costs, work, c.nodes, c.ranks_on_node, held)
 
 
 def imbalance(c: Context) -> float:
