@@ -366,6 +366,26 @@ def test_cpu_ranks_beyond_the_cores_time_share_them():
     assert predict(cfg, Layout(1, 4, 1, "1f1b", 4, 2), gpu).costs["bubble"] > 0
 
 
+def test_emulated_holds_at_the_steps_end_add_to_the_time_shared_bound():
+    """Under an emulated network (links_idle) a link's hold is waiting, not work, so the time-shared bound leaves
+    it out, but the DP sync's exposed hold and the grad norm's all-reduce come at the step's end, where every rank
+    waits at once: they add to work / cores. A slower DP link raises the DP4 step by its exposed sync there, and
+    the costs still add up to the step."""
+    cfg = tiny(n_layers=4, m=8)
+    hw = _no_overheads(CPU)
+    lay = Layout(4, 1, 1, "1f1b", 1, 2)
+    opts = PlanOptions(links_idle=True)
+    fast = predict(cfg, lay, hw, opts)
+    slow_link = Link.uniform(2e8, 1e-3)
+    slow = predict(cfg, lay, dataclasses.replace(hw, intra=slow_link, inter=slow_link), opts)
+    shared = predict(cfg, lay, dataclasses.replace(hw, intra=slow_link, inter=slow_link))  # gloo's own: CPU work
+    assert CPU.shares_cores(4) and slow.costs["dp_allreduce"] > 0.01 and slow.costs["bubble"] == 0.0
+    assert slow.step_time_s == pytest.approx(fast.step_time_s + slow.costs["dp_allreduce"] + slow.costs["grad_norm"]
+                                             - fast.costs["dp_allreduce"] - fast.costs["grad_norm"], rel=1e-6)
+    assert sum(slow.costs.values()) == pytest.approx(slow.step_time_s)
+    assert shared.costs["dp_allreduce"] != slow.costs["dp_allreduce"]  # without an emulator: work / cores
+
+
 def test_fit_recovers_known_constants(tmp_path):
     """Rows generated from known constants (step time and RSS per rank) are fitted back from a wrong start,
     by fit_profile and by `nanotitan plan --calibrate`; calibrate then reports ~0 error and rho 1."""
