@@ -12,7 +12,7 @@ from nanotitan.parallel.comm.fault import Fault, bump
 from nanotitan.verify import fuzz
 from nanotitan.verify.check import parse_layout
 from nanotitan.verify.command import split_flags
-from nanotitan.verify.compare import FP32, Layout, Row, compare, first_loss_step, rel_error, verdict
+from nanotitan.verify.compare import FP32, Layout, Row, compare, first_loss_step, fp8, rel_error, verdict
 
 
 def test_rel_error_over_boxes_and_their_coverage():
@@ -59,6 +59,21 @@ def test_rows_come_in_execution_order_and_name_the_first_divergence():
     assert rows[names.index("layers.0")].axes == ["dp"]
     same = compare(ref, [ref], FP32, layout)
     assert all(r.ok for r in same) and verdict(same) == f"verify: equal ({len(same)} tensors, worst 0)"
+
+
+def test_fp8_holds_step_one_to_fp32_and_later_figures_to_bf16():
+    """Under FP8 a grad norm 5e-5 off at step 2 (a cast's rounding flip once the weights differ in their last bits)
+    is within its bar; the same at step 1, where every cast reads the same bits, is a divergence."""
+    ref = _result({"grad.w": ((2,), [((0,), torch.ones(2))])}, [], _steps(2))
+    layout = Layout({"dp": 2, "pp": 1, "ep": 1, "tp": 1, "cp": 1}, set())
+    later = [dict(s) for s in _steps(2)]
+    later[1]["grad_norm"] = 1.0 + 5e-5
+    assert verdict(compare(ref, [_result(ref["tensors"], [], later)], fp8(256), layout)).startswith("verify: equal")
+    assert not all(r.ok for r in compare(ref, [_result(ref["tensors"], [], later)], FP32, layout))
+    first = [dict(s) for s in _steps(2)]
+    first[0]["grad_norm"] = 1.0 + 5e-5
+    assert verdict(compare(ref, [_result(ref["tensors"], [], first)], fp8(256), layout)).startswith(
+        "verify: first divergence: step 1 grad_norm")
 
 
 def test_a_tensor_no_rank_holds_or_the_reference_lacks_is_a_divergence():

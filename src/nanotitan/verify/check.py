@@ -25,7 +25,7 @@ import torch
 
 from ..config.config import Config, ConfigError, ParallelConfig, to_toml
 from ..resolve import resolve
-from .compare import FP32, Layout, Row, as_json, bf16, compare, first_loss_step, verdict
+from .compare import FP32, Layout, Row, as_json, bf16, compare, fp8, first_loss_step, verdict
 from .world import WorldFailed, run_world, start
 
 AXES = ("dp", "pp", "ep", "tp", "cp")
@@ -148,7 +148,8 @@ def verify(cfg: Config, layout: dict[str, int] | None = None, steps: int = 3, st
     sliced = {n for r in ranks for n in r["sliced"]}
     seconds["capture"] = max(r["capture_s"] for r in ranks)  # the slowest rank's recording, inside "layout"
     seconds["steps"] = [max(r["steps"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
-    tol = bf16(ref_cfg.layout_batch * ref_cfg.train.seq_len) if dtype == "bf16" else FP32
+    tokens = ref_cfg.layout_batch * ref_cfg.train.seq_len
+    tol = bf16(tokens) if dtype == "bf16" else fp8(tokens) if ref_cfg.train.fp8 != "off" else FP32
     t0 = time.perf_counter()
     rows = compare(ref, ranks, tol, Layout(sizes, sliced))
     seconds["compare"] = time.perf_counter() - t0
