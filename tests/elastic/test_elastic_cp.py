@@ -3,9 +3,10 @@ host's memory, which the planner's CPU profile divides among the ranks on it. Th
 tokens, on a host whose memory holds one process's step but, split between two ranks, only a layout that splits the
 sequence: node 0 starts alone (world 1: cp=1), node 1 joins (world 2: the planner's choice has cp=2, the step-N
 checkpoint of the one-process layout resharded onto it), then node 1 gets a notice (world 1 again: cp=1, from the
-CP2 layout's checkpoint), and a notice to node 0 ends the job once that layout trains: the test's events, not a step
-count, set the job's length (a joiner's imports take longer on a loaded machine). Both changes are planned, so no step is lost, and every logged loss and the final
-parameters equal an uninterrupted single-process run at the same global batch (DESIGN §4)."""
+CP2 layout's checkpoint), and a notice to node 0 ends the job once that layout trains: the test's events, not a
+step count, set the job's length (a joiner's imports take longer on a loaded machine). Both changes are planned,
+so no step is lost, and every logged loss and the final parameters equal an uninterrupted single-process run at the
+same global batch (DESIGN §4)."""
 
 import dataclasses
 import json

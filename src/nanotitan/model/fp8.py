@@ -307,19 +307,18 @@ def grouped_launch(qa, sa, qb, sb, counts_L: list[int], out_dtype: torch.dtype, 
     """One grouped launch of `kernel` (torch._scaled_grouped_mm's signature): each group's rows placed at a start
     that is a multiple of ALIGN_M (padding rows zero, with scale 1), b column-major per group, 1-D row scales,
     [L, N] column scales and int32 end offsets, as the kernel takes them; the padding rows dropped again."""
-    L = len(counts_L)
-    padded = [-(-n // ALIGN_M) * ALIGN_M for n in counts_L]
-    starts = torch.tensor([sum(padded[:g]) for g in range(L)], device=qa.device)
-    # each row's place in the padded buffer: its group's padded start plus its rank within the group
-    group = torch.repeat_interleave(torch.arange(L, device=qa.device),
-                                    torch.tensor(counts_L, device=qa.device), output_size=qa.shape[0])
-    first = torch.tensor([sum(counts_L[:g]) for g in range(L)], device=qa.device)
-    rows = starts[group] + torch.arange(qa.shape[0], device=qa.device) - first[group]
-    total = sum(padded)
+    dev, n = qa.device, qa.shape[0]
+    counts = torch.tensor(counts_L)
+    padded = (counts + ALIGN_M - 1) // ALIGN_M * ALIGN_M
+    # each row's place in the padded buffer: its own index plus its group's shift (padded start - start), made
+    # on the device from L numbers (sizes known here: no host read)
+    shift = (padded.cumsum(0) - padded - counts.cumsum(0) + counts).to(dev, non_blocking=True)
+    rows = torch.arange(n, device=dev) + shift.repeat_interleave(counts.to(dev, non_blocking=True), output_size=n)
+    total = int(padded.sum())
     # (as bytes: index_copy_ takes no FP8 dtype; zero bytes are e4m3's 0.0)
     a = qa.new_zeros(total, qa.shape[1]).view(torch.uint8).index_copy_(0, rows, qa.view(torch.uint8)).view(qa.dtype)
     s = sa.new_ones(total).index_copy_(0, rows, sa.reshape(-1).reciprocal())
-    offs = torch.tensor(padded, device=qa.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    offs = padded.cumsum(0).to(torch.int32).to(dev, non_blocking=True)
     y = kernel(a, qb.transpose(1, 2).contiguous().transpose(1, 2), s, sb.reshape(sb.shape[0], -1).reciprocal(),
                offs=offs, out_dtype=out_dtype)
     return y.index_select(0, rows)
