@@ -17,13 +17,12 @@ import subprocess
 import pytest
 
 from tests.helpers.equivalence import B, m
-from tests.helpers.elastic import AGENT_TIMEOUT_S, _agent, _await, _changes, _records, elastic_args, final_params_match
-from tests.helpers.elastic import agent_logs, losses_match_one_process, reap, start_host
+from tests.helpers.elastic import CONSTANT, LONG, _agent, _await, _changes, _records, elastic_args, end_by_notice
+from tests.helpers.elastic import agent_logs, final_params_match, losses_match_one_process, reap, start_host
 
-STEPS, S = 1000, 128  # STEPS is never reached: node 0's notice ends the job once both changes have trained
-# 2 sequences of 128 tokens a microbatch: activations outweigh the weights. A constant LR after warmup: the
-# single-process run's schedule is the job's whatever step the test's events end it at.
-LONG = ("--train.seq_len", str(S), "--train.lr_schedule", "constant")
+S = 128
+# 2 sequences of 128 tokens a microbatch: activations outweigh the weights
+LONG_SEQ = ("--train.seq_len", str(S), *CONSTANT)
 
 
 def capped_host(cfg, path) -> float:
@@ -53,7 +52,7 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
     from nanotitan.config.config import load_config
 
     run = tmp_path / "elastic"
-    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "cp") + list(LONG)
+    args = elastic_args(corpus_dir, run, tmp_path, LONG, "1:2", "cp") + list(LONG_SEQ)
     capped_host(load_config(None, args), tmp_path / "host.json")
     monkeypatch.setenv("NANOTITAN_HARDWARE", str(tmp_path / "host.json"))  # the agents' planner reads it
     logs, files = agent_logs(tmp_path, 2)
@@ -67,15 +66,10 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
         _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
         agents[1].send_signal(signal.SIGTERM)
         _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1], logs)
-        at = _changes(run)[1]["step"] + 3
-        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1], logs)
-        agents[0].send_signal(signal.SIGTERM)  # node 0 hosts the store: its notice ends the job
-        for a in agents:
-            a.wait(timeout=AGENT_TIMEOUT_S)
+        end = end_by_notice(agents, run, logs, _changes(run)[1]["step"] + 3)
     finally:
         out = reap(agents, files, logs)
     assert [a.returncode for a in agents] == [143, 143], out  # each left on its notice (SIGTERM): 143
-    end = max(r["step"] for r in _records(run))  # node 0's stop: the step in flight, then its checkpoint
     assert f"stopped by SIGTERM on node 0 at step {end}" in out, out
 
     # The join re-lays the job out with CP (the sequence split over both ranks), the notice without it; nothing lost.
@@ -88,8 +82,8 @@ def test_join_chooses_cp_and_notice_leaves_it(corpus_dir, tmp_path, monkeypatch)
     assert {by_step[s] for s in range(changes[0]["step"] + 1, changes[1]["step"] + 1)} == {2}, by_step
 
     # Every step logged once, each loss the single process's.
-    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, end, LONG)
+    ref, steps = losses_match_one_process(corpus_dir, tmp_path, run, end, LONG_SEQ)
     assert len(steps) == end, steps
 
     # The stop's checkpoint, loaded into one process, holds the single process's parameters.
-    final_params_match(corpus_dir, tmp_path, run, ref, end, LONG)
+    final_params_match(corpus_dir, tmp_path, run, ref, end, LONG_SEQ)

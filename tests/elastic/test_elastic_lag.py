@@ -5,17 +5,17 @@ the snapshot counts: the steps reached never run more than K past node 1's newes
 is lost (its agent and ranks killed -9, its snapshot dir deleted) while its newest unit is on no other node: the job
 goes on with nodes 0 and 2 from node 1's snapshot before, losing at most K steps (was: training ran on while the
 copies lagged, and the loss went back to the newest copy that had arrived: more than K), and every logged loss
-(replays included) is the single process's."""
+(replays included) is the single process's. A notice to node 0 ends the job once nodes 0 and 2 train: the test's
+events, not a step count, set its length."""
 
 import shutil
 import signal
 
 import pytest
 
-from tests.helpers.elastic import (AGENT_TIMEOUT_S, K, _agent, _await, _changes, _kill_ranks, _records, agent_logs,
-                                   elastic_args, losses_match_one_process, reap, start_host)
+from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, _kill_ranks, _records, agent_logs,
+                                   elastic_args, end_by_notice, losses_match_one_process, reap, start_host)
 
-STEPS = 100
 HOLD_S = 4.0  # each of node 1's pushes held this long: many steps at this test's step times
 
 
@@ -32,7 +32,7 @@ def test_a_lagging_node_lost_costs_no_more_than_k_steps(corpus_dir, tmp_path):
     from nanotitan.elastic.rank import snapshot_root
 
     run = tmp_path / "elastic"
-    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "2:3", "lag")
+    args = elastic_args(corpus_dir, run, tmp_path, LONG, "2:3", "lag") + list(CONSTANT)
     cfg = load_config(None, args)
     root1, root2 = snapshot_root(cfg, 1), snapshot_root(cfg, 2)
     logs, files = agent_logs(tmp_path, 3)
@@ -57,13 +57,13 @@ def test_a_lagging_node_lost_costs_no_more_than_k_steps(corpus_dir, tmp_path):
         agents[1].send_signal(signal.SIGKILL)
         agents[1].wait()
         shutil.rmtree(root1)
-        for a in (agents[0], agents[2]):
-            a.wait(timeout=AGENT_TIMEOUT_S)
+        _await("nodes 0 and 2 alone", lambda: len(_changes(run)) >= 2, [agents[0], agents[2]], logs)
+        end = end_by_notice(agents, run, logs, _changes(run)[1]["step"] + 3)
     finally:
         out = reap(agents, files, logs)
-    assert [agents[0].returncode, agents[2].returncode] == [0, 0], out
+    assert [agents[0].returncode, agents[2].returncode] == [143, 143], out  # the job ended on node 0's notice
     changes = _changes(run)
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("failure", [3, 2])], (changes, out)
     assert 0 <= changes[1]["steps_lost"] <= K, changes[1]  # was 7: back to the join's checkpoint
     assert lags and max(lags) <= K, lags  # the job waited for node 1's copies
-    losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
+    losses_match_one_process(corpus_dir, tmp_path, run, end, CONSTANT)

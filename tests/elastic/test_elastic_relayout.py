@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from tests.helpers.equivalence import base_args, layout_args
-from tests.helpers.elastic import AGENT_TIMEOUT_S, K, _agent, _await, _changes, _coordinator, _kill_ranks, _records, _register, elastic_args, losses_match_one_process
-from tests.helpers.elastic import agent_logs, final_params_match, reap, start_host
-
-LONG = 1000  # the job's train.steps: more than the test's events take
+from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, _coordinator, _kill_ranks, _records,
+                                   _register, agent_logs, elastic_args, end_by_notice, final_params_match,
+                                   losses_match_one_process, reap, start_host)
 
 
 def _snapshot_steps(args, nodes) -> set[int]:
@@ -39,9 +38,8 @@ def _snapshot_steps(args, nodes) -> set[int]:
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
     run = tmp_path / "elastic"
-    flags = ("--train.optimizer", optimizer, "--train.lr_schedule", "constant")
-    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms. LONG is
-    # never reached: node 0's notice ends the job.
+    flags = ("--train.optimizer", optimizer, *CONSTANT)
+    # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms.
     args = elastic_args(corpus_dir, run, tmp_path, LONG, "2:3", "relayout") + [
         "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002",
         *flags]
@@ -64,11 +62,7 @@ def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
                max(_snapshot_steps(args, (0, 2))) > since, agents[:1] + agents[2:], logs)
         _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
         _await("the failure's re-layout", lambda: len(_changes(run)) >= 3, agents[:1] + agents[2:], logs)
-        at = _changes(run)[2]["step"] + 3
-        _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents[:1] + agents[2:], logs)
-        agents[0].send_signal(signal.SIGTERM)  # node 0 hosts the store: its notice ends the job
-        for a in agents:
-            a.wait(timeout=AGENT_TIMEOUT_S)
+        end = end_by_notice(agents, run, logs, _changes(run)[2]["step"] + 3)
     finally:
         out = reap(agents, files, logs)
     assert [a.returncode for a in agents] == [143, 143, 143], out  # each node's: the job ended on notices
@@ -78,7 +72,6 @@ def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
     assert [(c["event"], c["nodes"]) for c in changes] == [("join", [2, 3]), ("notice", [3, 2]), ("failure", [2, 2])], out
     assert [c["new"].split(" M=")[0] for c in changes] == ["dp=1 pp=3 ep=1 tp=1 cp=1", "dp=2 pp=1 ep=1 tp=1 cp=1",
                                                                "dp=2 pp=1 ep=1 tp=1 cp=1"], changes
-    end = max(r["step"] for r in _records(run))  # node 0's stop: the step in flight, then its checkpoint
     assert 3 <= changes[0]["step"] < changes[1]["step"] < changes[2]["step"] < end, changes
     lost = changes[2]["steps_lost"]
     assert [c["steps_lost"] for c in changes[:2]] == [0, 0] and 0 <= lost <= K, changes

@@ -3,7 +3,8 @@ train with a snapshot every K steps; each node's snapshot files are copied to th
 ranks are killed (-9) and its snapshot dir deleted. Node 0 notices at once (node 1's liveness connection closes,
 issue 49) and the job goes on alone on node 0 from the newest snapshot,
 assembled from node 0's own unit and its replica of node 1's, losing at most K steps, and every logged loss
-(replays included) equals an uninterrupted single-process run at the same global batch (DESIGN §4)."""
+(replays included) equals an uninterrupted single-process run at the same global batch (DESIGN §4). A notice to node
+0 ends the job once it trains alone: the test's events, not a step count, set the job's length."""
 
 import shutil
 import signal
@@ -12,9 +13,8 @@ import time
 
 import pytest
 
-from tests.helpers.elastic import AGENT_TIMEOUT_S, K, _agent, _await, _changes, _kill_ranks, _records, elastic_args, losses_match_one_process
-
-STEPS = 60
+from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, _kill_ranks, _records, elastic_args,
+                                   end_by_notice, losses_match_one_process)
 
 
 @pytest.mark.slow
@@ -23,7 +23,7 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     from nanotitan.elastic.rank import snapshot_root
 
     run = tmp_path / "elastic"
-    args = elastic_args(corpus_dir, run, tmp_path, STEPS, "1:2", "replica")
+    args = elastic_args(corpus_dir, run, tmp_path, LONG, "1:2", "replica") + list(CONSTANT)
     cfg = load_config(None, args)
     root0, root1 = snapshot_root(cfg, 0), snapshot_root(cfg, 1)
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
@@ -45,7 +45,8 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
         # Noticed when node 1's liveness connection closes (issue 49): was 15 s of missing beats (LOST_S)
         _await("node 1's loss", lambda: "node 1 lost" in logs[0].read_text(), agents[:1], logs)
         noticed = time.monotonic() - killed
-        agents[0].wait(timeout=AGENT_TIMEOUT_S)
+        _await("node 0 alone", lambda: len(_changes(run)) >= 2, agents[:1], logs)
+        end = end_by_notice(agents, run, logs, _changes(run)[1]["step"] + 3)
     finally:
         for a in agents:
             if a.poll() is None:
@@ -54,7 +55,7 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
         for f in files:
             f.close()
     out = "\n".join(f"--- agent {i} ---\n{p.read_text()}" for i, p in enumerate(logs))
-    assert agents[0].returncode == 0, out
+    assert agents[0].returncode == 143, out  # on its notice
 
     # The join, then node 1 lost: node 0 alone from a snapshot assembled on node 0, at most K steps lost.
     changes = _changes(run)
@@ -66,4 +67,4 @@ def test_lost_node_recovers_from_its_replica(corpus_dir, tmp_path):
     assert not root1.exists()  # its shards came from node 0's replica
 
     # Every step logged, each loss the single process's.
-    losses_match_one_process(corpus_dir, tmp_path, run, STEPS)
+    losses_match_one_process(corpus_dir, tmp_path, run, end, CONSTANT)

@@ -15,7 +15,12 @@ import torch
 from tests.helpers.equivalence import B, LR, base_args, layout_args
 from tests.helpers.mp import free_port
 
-STEPS, K = 70, 5
+K = 5  # elastic.snapshot_every: a failure loses at most K steps
+# A job the test's events end (`end_by_notice`), not a step count a slow joiner's imports could outlast: its
+# train.steps, never reached, and a constant LR after warmup, so the single-process reference's schedule is the job's
+# whatever step it ends at.
+LONG = 1000
+CONSTANT = ("--train.lr_schedule", "constant")
 
 AGENT_TIMEOUT_S = 400
 
@@ -68,6 +73,17 @@ def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) ->
         "--elastic.endpoint", f"127.0.0.1:{free_port()}", "--elastic.id", job,
         "--elastic.join_timeout_s", "120", "--elastic.snapshot_every", str(K),
         "--elastic.snapshot_dir", str(tmp_path / "shm"), "--train.max_restarts", "1"]
+
+
+def end_by_notice(agents: list[subprocess.Popen], run, logs, after: int) -> int:
+    """Once the job has logged step `after`, a notice (SIGTERM) to node 0's agent, agents[0]: it hosts the store,
+    so the job ends after the stop's checkpoint. Waits for every agent still running; returns the last step."""
+    live = [a for a in agents if a.poll() is None]
+    _await(f"step {after}", lambda: _records(run)[-1]["step"] >= after, live, logs)
+    agents[0].send_signal(signal.SIGTERM)
+    for a in live:
+        a.wait(timeout=AGENT_TIMEOUT_S)
+    return max(r["step"] for r in _records(run))
 
 
 def losses_match_one_process(corpus_dir, tmp_path, run, steps: int, extra=()):
