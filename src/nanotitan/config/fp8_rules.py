@@ -73,8 +73,9 @@ def check_fp8(cfg) -> None:
         _check_mx_tokens(cfg)
     experts_fp8 = m.num_experts and not _skipped("experts", t.fp8_skip)
     _check(p.ep_dispatch != "static" or not experts_fp8, f"train.fp8={t.fp8} with parallel.ep_dispatch=static: the "
-           f"FP8 experts run one GEMM per expert, sized by counts read to the host, which static dispatch keeps on "
-           f"the device (--parallel.ep_dispatch dynamic, add experts to --train.fp8_skip, or --train.fp8 off)")
+           f"FP8 experts size their GEMMs (one per expert on CPU, the grouped launch's aligned rows on a GPU) by "
+           f"counts read to the host, which static dispatch keeps on the device (--parallel.ep_dispatch dynamic, "
+           f"add experts to --train.fp8_skip, or --train.fp8 off)")
     _check(not (p.fp8_comm and p.zero == 3 and t.compile), "parallel.fp8_comm=true at parallel.zero=3 gathers "
            "the FP8 weights as a tensor subclass the compiled blocks are not traced with: --train.compile false, or "
            "--parallel.fp8_comm false")
