@@ -120,6 +120,8 @@ def test_the_gpu_launch_is_one_the_kernel_takes():
     sb = torch.empty(4, 1, 32, device="meta")
     y = float8.grouped_launch(qa, sa, qb, sb, counts, torch.bfloat16, torch._scaled_grouped_mm)
     assert y.shape == (36, 32) and y.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="bfloat16"):  # its only output dtype: fp32 runs take the per-expert GEMMs
+        float8.grouped_launch(qa, sa, qb, sb, counts, torch.float32, torch._scaled_grouped_mm)
 
 
 def test_scales_follow_torchao():

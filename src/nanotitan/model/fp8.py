@@ -289,13 +289,13 @@ def grouped_mm(a_fp8: tuple[torch.Tensor, torch.Tensor], b_fp8: tuple[torch.Tens
                counts_L: list[int], out_dtype: torch.dtype) -> torch.Tensor:
     """y = a @ b[g] on each of L contiguous row groups of a (`counts_L` rows each), from FP8 operands: a's
     (bits [n, K], per-row scales [n, 1]) and b's (bits [L, K, N], scales [L, 1, N] per column or [L, 1, 1] whole),
-    fp32 accumulate, out in `out_dtype`. On a GPU with both operands e4m3: one `torch._scaled_grouped_mm` launch
-    (`grouped_launch`); elsewhere (a CPU, or e5m2 gradients, which that kernel does not take) `torch._scaled_mm`
-    per group, on CPU bitwise the dequantized fp32 matmul. The scales are multipliers (torchao's: bits = t *
-    scale); the kernels take their inverses."""
+    fp32 accumulate, out in `out_dtype`. On a GPU with both operands e4m3 and a bf16 output: one
+    `torch._scaled_grouped_mm` launch (`grouped_launch`); elsewhere (a CPU, e5m2 gradients or an fp32 output, which
+    that kernel does not take) `torch._scaled_mm` per group, on CPU bitwise the dequantized fp32 matmul. The scales
+    are multipliers (torchao's: bits = t * scale); the kernels take their inverses."""
     (qa, sa), (qb, sb) = a_fp8, b_fp8
     sb = sb.expand(qb.shape[0], 1, qb.shape[2])
-    if qa.is_cuda and qa.dtype == qb.dtype == E4M3:
+    if qa.is_cuda and qa.dtype == qb.dtype == E4M3 and out_dtype == torch.bfloat16:
         return grouped_launch(qa, sa, qb, sb, counts_L, out_dtype, torch._scaled_grouped_mm)
     ys = [torch._scaled_mm(a, b.t().contiguous().t(), scale_a=s.reciprocal(), scale_b=t.reciprocal().contiguous(),
                            out_dtype=out_dtype)
