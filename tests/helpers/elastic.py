@@ -77,11 +77,12 @@ def elastic_args(corpus_dir, run, tmp_path, steps: int, nodes: str, job: str) ->
 
 def end_by_notice(agents: list[subprocess.Popen], run, logs, after: int) -> int:
     """Once the job has logged step `after`, a notice (SIGTERM) to node 0's agent, agents[0]: it hosts the store,
-    so the job ends after the stop's checkpoint. Waits for every agent still running; returns the last step."""
-    live = [a for a in agents if a.poll() is None]
-    _await(f"step {after}", lambda: _records(run)[-1]["step"] >= after, live, logs)
+    so the job ends after the stop's checkpoint. Waits for every agent; returns the last step. (Only node 0 is
+    watched while it waits: a node that got a notice before may still be on its way out; how each agent ended is
+    the caller's to assert.)"""
+    _await(f"step {after}", lambda: _records(run)[-1]["step"] >= after, agents[:1], logs)
     agents[0].send_signal(signal.SIGTERM)
-    for a in live:
+    for a in agents:
         a.wait(timeout=AGENT_TIMEOUT_S)
     return max(r["step"] for r in _records(run))
 
