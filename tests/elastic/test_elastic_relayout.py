@@ -4,18 +4,22 @@ Two nodes start (world 2: dp=2), a third joins (world 3: pp=3), the second gets 
 the third's processes are killed (-9) (its agent stays), and once that failure's generation trains, a notice to
 node 0 ends the job after its stop's checkpoint; once under AdamW, once under Muon (issue 51 item 4: its momentum,
 one buffer per matrix, moves with the re-layouts and the snapshot replay as AdamW's moments do). The test's events,
-not a step count, set the job's length: a joiner's imports take from 10 to 60 steps here, with the machine's load.
+not a step count, set the job's length, and the third node, started early, joins when the test opens its gate
+(a joiner's imports take from 10 to 60 steps here, with the machine's load).
 Planned changes lose nothing; the kill loses at most K = elastic.snapshot_every steps, replayed from the newest
 snapshot. Every logged loss (replays included) and the final parameters equal an uninterrupted single-process run
 at the same global batch (the equivalence rule, DESIGN §4): a constant LR after warmup, so that run's schedule is
 the job's whatever step the job ends at."""
 
 import json
+import re
 import signal
 import subprocess
 
 import pytest
 import torch
+
+from nanotitan.elastic.agent import JOIN_GATE_ENV
 
 from tests.helpers.equivalence import base_args, layout_args
 from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, _coordinator, _kill_ranks, _records,
@@ -23,15 +27,18 @@ from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, 
                                    losses_match_one_process, reap, start_host)
 
 
-def _snapshot_steps(args, nodes) -> set[int]:
-    """The steps of which every node in `nodes` holds its committed unit (snapshot.py)."""
+def _held_on_node0(args, origins) -> set[int]:
+    """The steps at which node 0's snapshot dir holds the committed unit of every node in `origins` (its own, and
+    the others' copies its peers pushed: snapshot.py, agent._replicate): what node 0 alone can resume from."""
     from nanotitan.elastic import snapshot
     from nanotitan.config.config import load_config
     from nanotitan.elastic.rank import snapshot_root
 
-    cfg = load_config(None, args)
-    held = [{int(snapshot.UNIT.fullmatch(u).group(1)) for u in snapshot.units(snapshot_root(cfg, n))} for n in nodes]
-    return set.intersection(*held)
+    held: dict[int, set[int]] = {}
+    for u in snapshot.units(snapshot_root(load_config(None, args), 0)):
+        m = snapshot.UNIT.fullmatch(u)
+        held.setdefault(int(m.group(1)), set()).add(int(m.group(3)))
+    return {step for step, nodes in held.items() if set(origins) <= nodes}
 
 
 @pytest.mark.slow
@@ -48,18 +55,28 @@ def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
     try:
         start_host(args, agents, files, logs)
         agents.append(_agent(args, files[1]))
+        # the joiner starts now and imports beside generation 1 (nodes 0 and the other): it joins when the test
+        # opens its gate at step 3, not some tens of steps later when a loaded machine has imported it. Which of the
+        # two asked for an id first is a race: its id is read from its own log.
+        gate = tmp_path / "join_gate"
+        agents.append(_agent(args, files[2], {JOIN_GATE_ENV: str(gate)}))
         _await("step 3", lambda: len(_records(run)) >= 3, agents, logs)
-        agents.append(_agent(args, files[2]))  # joins once its warm ranks have imported
+        gate.touch()
         _await("the join's re-layout", lambda: len(_changes(run)) >= 1, agents, logs)
+        joiner = int(re.search(r"node (\d+) \(joined", logs[2].read_text()).group(1))
         # Each later event waits a few steps past the previous change: the agents' warm ranks are ready again.
         at = _changes(run)[0]["step"] + 8
         _await(f"step {at}", lambda: _records(run)[-1]["step"] >= at, agents, logs)
-        agents[1].send_signal(signal.SIGTERM)  # a preemption notice to node 1's agent
+        agents[1].send_signal(signal.SIGTERM)  # a preemption notice to generation 1's other node
         _await("the notice's re-layout", lambda: len(_changes(run)) >= 2, agents[:1] + agents[2:], logs)
         since = _changes(run)[1]["step"]
-        # A snapshot is written on a thread after its step: wait until both nodes hold one newer than the notice.
-        _await(f"a snapshot after step {since}", lambda: _snapshot_steps(args, (0, 2)) and
-               max(_snapshot_steps(args, (0, 2))) > since, agents[:1] + agents[2:], logs)
+        # A snapshot is written on a thread after its step, then each node's unit is copied to the other: wait
+        # until node 0 holds both units of one newer than the notice, so that the failure can resume from it
+        # whatever the joiner's agent serves (was: each node holding its own unit; a kill right then resumed from
+        # the notice's checkpoint, a file of the joiner's unit found on no node that answered: within K, but no
+        # snapshot).
+        _await(f"a snapshot after step {since} on node 0", lambda: any(s > since for s in _held_on_node0(args, (0, joiner))),
+               agents[:1] + agents[2:], logs)
         _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
         _await("the failure's re-layout", lambda: len(_changes(run)) >= 3, agents[:1] + agents[2:], logs)
         end = end_by_notice(agents, run, logs, _changes(run)[2]["step"] + 3)

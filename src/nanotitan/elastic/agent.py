@@ -42,6 +42,9 @@ from .transport import SOCKET_TIMEOUT_S, FileServer, Peer, fetch_checkpoint, pus
 # Fault injection (tests, scripts/chaos.py): each snapshot push of this node held this many seconds on the way, as
 # a slow link would hold it (its unit copied first: the node's own retention may move on meanwhile).
 PUSH_HOLD_ENV = "NANOTITAN_PUSH_HOLD_S"
+# Test hook (tests/elastic): a joiner, warm, registers only once this file exists, so a test decides at which step it
+# joins whatever its imports cost on a loaded machine.
+JOIN_GATE_ENV = "NANOTITAN_JOIN_GATE"
 KEEP_S = 1.0  # how often an agent publishes what it holds (`held/I`) and prunes its snapshot dir (replicas.prune)
 
 
@@ -426,6 +429,8 @@ def _agent(cfg: Config, argv: list[str]) -> int:
         cpu_peak_for_ranks(first)  # resolve.py's: the MFU peak measured once here, for every generation's ranks
         agent.wait_warm(0 if is_host else e.join_timeout_s)  # a joiner beats once its ranks have imported
         if not is_host:
+            while (gate := os.environ.get(JOIN_GATE_ENV)) and not Path(gate).exists():
+                time.sleep(TICK_S)
             _register(store, node, agent.info, e, is_host)
     except BaseException:  # ConfigError, KeyboardInterrupt, StoreGone: the warm ranks and the file server go first
         agent._close()
