@@ -27,15 +27,13 @@ from tests.helpers.elastic import (CONSTANT, LONG, K, _agent, _await, _changes, 
                                    losses_match_one_process, reap, start_host)
 
 
-def _held_on_node0(args, origins) -> set[int]:
-    """The steps at which node 0's snapshot dir holds the committed unit of every node in `origins` (its own, and
-    the others' copies its peers pushed: snapshot.py, agent._replicate): what node 0 alone can resume from."""
+def _held(root, origins) -> set[int]:
+    """The steps at which snapshot dir `root` holds the committed unit of every node in `origins` (its own, and
+    the others' copies its peers pushed: snapshot.py, agent._replicate): what that node alone can resume from."""
     from nanotitan.elastic import snapshot
-    from nanotitan.config.config import load_config
-    from nanotitan.elastic.rank import snapshot_root
 
     held: dict[int, set[int]] = {}
-    for u in snapshot.units(snapshot_root(load_config(None, args), 0)):
+    for u in snapshot.units(root):
         m = snapshot.UNIT.fullmatch(u)
         held.setdefault(int(m.group(1)), set()).add(int(m.group(3)))
     return {step for step, nodes in held.items() if set(origins) <= nodes}
@@ -44,12 +42,16 @@ def _held_on_node0(args, origins) -> set[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
+    from nanotitan.config.config import load_config
+    from nanotitan.elastic.rank import snapshot_root
+
     run = tmp_path / "elastic"
     flags = ("--train.optimizer", optimizer, *CONSTANT)
     # Paced by an emulated network (values unchanged): each rank a node, every collective held ~10 ms.
     args = elastic_args(corpus_dir, run, tmp_path, LONG, "2:3", "relayout") + [
         "--parallel.emulate", "h800", "--parallel.emulate_node_size", "1", "--parallel.emulate_dilation", "0.002",
         *flags]
+    root0 = snapshot_root(load_config(None, args), 0)  # node 0's snapshot dir
     logs, files = agent_logs(tmp_path, 3)
     agents: list[subprocess.Popen] = []
     try:
@@ -75,7 +77,7 @@ def test_join_notice_and_kill(corpus_dir, tmp_path, optimizer):
         # whatever the joiner's agent serves (was: each node holding its own unit; a kill right then resumed from
         # the notice's checkpoint, a file of the joiner's unit found on no node that answered: within K, but no
         # snapshot).
-        _await(f"a snapshot after step {since} on node 0", lambda: any(s > since for s in _held_on_node0(args, (0, joiner))),
+        _await(f"a snapshot after step {since} on node 0", lambda: any(s > since for s in _held(root0, (0, joiner))),
                agents[:1] + agents[2:], logs)
         _kill_ranks(agents[2])  # node 2 loses its ranks (and warm ranks); its agent stays
         _await("the failure's re-layout", lambda: len(_changes(run)) >= 3, agents[:1] + agents[2:], logs)

@@ -353,8 +353,7 @@ class ExpertsMM(torch.autograd.Function):
             dx = grouped_mm(quantize(dy, f.grad_dtype, -1, f.pow2), b, counts, dy.dtype)
         if ctx.needs_input_grad[1]:
             dy = dy.to(x.dtype)
-            dw = torch.stack([a.t().mm(g) for a, g in zip(x.split(counts), dy.split(counts))]) if counts else \
-                w.new_zeros(w.shape)
+            dw = torch.stack([a.t().mm(g) for a, g in zip(x.split(counts), dy.split(counts))])
         return dx, dw, None, None, None, None
 
 
@@ -399,7 +398,6 @@ def experts(x_ND: torch.Tensor, W_gate: torch.Tensor, W_val: torch.Tensor, W_out
     if fp8.wire and x_fp8 is None:
         x_fp8 = quantize(x_ND, fp8.forward_dtype, -1, fp8.pow2)
     bits, scale = x_fp8 if fp8.wire else (None, None)
-    counts_L = list(counts_L)
     h = (torch.nn.functional.silu(ExpertsMM.apply(x_ND, W_gate, counts_L, fp8, bits, scale))
          * ExpertsMM.apply(x_ND, W_val, counts_L, fp8, bits, scale))
     y = ExpertsMM.apply(h, W_out, counts_L, fp8)
